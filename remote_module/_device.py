@@ -1,0 +1,139 @@
+"""Parsing ``remote_device`` strings and moving tensors between devices.
+
+Everything here is a pure function (no RPC), so CPU-only tests can reach all of it,
+including the logic that runs on an accelerator host.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+_PARSE_ERROR = "Could not parse remote_device: {}. The valid format is '<workername>/<device>'"
+_RANK = re.compile(r"rank:(\d+)")
+
+
+@dataclass(frozen=True)
+class RemoteDevice:
+    """A parsed ``remote_device``: a worker (by name or by rank) and a device on it."""
+
+    worker_name: str | None
+    rank: int | None
+    device: torch.device
+
+    @property
+    def worker(self) -> str | int:
+        """What ``torch.distributed.rpc`` accepts as a destination: the name, else the rank."""
+        return self.worker_name if self.worker_name is not None else self.rank  # type: ignore[return-value]
+
+
+def parse_remote_device(remote_device: str) -> RemoteDevice:
+    """Parse ``"<worker>/<device>"``, ``"rank:<n>/<device>"`` or ``"<worker>"`` (device: cpu).
+
+    Example::
+
+        >>> parse_remote_device("worker1/cuda:0")
+        RemoteDevice(worker_name='worker1', rank=None, device=device(type='cuda', index=0))
+        >>> parse_remote_device("rank:2").rank
+        2
+
+    A string that does not have that shape raises ``ValueError``; a well-shaped string whose
+    device part is not a device raises torch's own device error.
+    """
+    if not isinstance(remote_device, str):
+        raise TypeError(
+            f"remote_device must be a str such as 'worker1/cpu', got {type(remote_device).__name__}: "
+            f"{remote_device!r}"
+        )
+    fields = remote_device.split("/")
+    if len(fields) == 1:
+        worker, device_str = fields[0], "cpu"
+        if _looks_like_device(worker):
+            # "cpu" or "cuda:0" alone names no worker: a RemoteModule needs one.
+            raise ValueError(_PARSE_ERROR.format(remote_device))
+    elif len(fields) == 2:
+        worker, device_str = fields
+    else:
+        raise ValueError(_PARSE_ERROR.format(remote_device))
+    if not worker or not device_str or worker != worker.strip() or any(c.isspace() for c in worker):
+        raise ValueError(_PARSE_ERROR.format(remote_device))
+
+    rank = None
+    worker_name: str | None = worker
+    if ":" in worker:
+        match = _RANK.fullmatch(worker)
+        if match is None:
+            raise ValueError(_PARSE_ERROR.format(remote_device))
+        rank, worker_name = int(match.group(1)), None
+    device = torch.device(device_str)  # torch's own error for a bad device string
+    return RemoteDevice(worker_name, rank, device)
+
+
+def _looks_like_device(s: str) -> bool:
+    try:
+        torch.device(s)
+    except RuntimeError:
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------------------
+# Moving tensors inside arbitrary (nested) arguments and outputs.
+
+
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
+    """Apply ``fn`` to every tensor in ``obj``, keeping its structure.
+
+    Lists, tuples (named tuples too) and dicts are walked recursively; anything else is
+    returned as it is. A tensor itself is mapped as a whole (never iterated into rows).
+
+    Example::
+
+        >>> map_tensors(lambda t: t * 2, {"a": [torch.ones(1)], "b": 3})
+        {'a': [tensor([2.])], 'b': 3}
+    """
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        mapped = {k: map_tensors(fn, v) for k, v in obj.items()}
+        if type(obj) is dict:
+            return mapped
+        try:  # OrderedDict and friends keep their type
+            return type(obj)(mapped)
+        except TypeError:
+            return mapped
+    if isinstance(obj, tuple):
+        items = [map_tensors(fn, v) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, list):
+        return [map_tensors(fn, v) for v in obj]
+    return obj
+
+
+def move_cpu_tensors(obj: Any, device: torch.device) -> Any:
+    """Move every CPU tensor in ``obj`` to ``device``; tensors already elsewhere stay put."""
+    if device.type == "cpu":
+        return obj
+    return map_tensors(lambda t: t.to(device) if t.device.type == "cpu" else t, obj)
+
+
+def tensors_to_cpu(obj: Any) -> Any:
+    """Bring every tensor in ``obj`` to the CPU, whatever the structure (single tensor included)."""
+    return map_tensors(lambda t: t.cpu() if t.device.type != "cpu" else t, obj)
+
+
+def prepare_inputs(args: tuple, kwargs: dict, device: torch.device) -> tuple[tuple, dict]:
+    """Host side, before ``forward``: CPU tensors in the arguments go to the module's device."""
+    if device.type == "cpu":
+        return args, kwargs
+    return move_cpu_tensors(args, device), move_cpu_tensors(kwargs, device)
+
+
+def prepare_output(out: Any, device: torch.device, is_device_map_set: bool) -> Any:
+    """Host side, after ``forward``: without a device map only CPU tensors may travel back."""
+    if device.type == "cpu" or is_device_map_set:
+        return out
+    return tensors_to_cpu(out)

@@ -1,0 +1,81 @@
+"""Carrying exceptions from the host back to the caller faithfully.
+
+Host-side handlers catch what the user's code raises and return a :class:`RemoteFailure`
+record (plain strings: it always unpickles on the caller). The caller re-raises it with the
+original type when that type is importable there, else as a :class:`RemoteModuleError`
+subclass named after the original. The message starts with the original message, then names
+the worker and the module class, then shows the remote traceback.
+"""
+
+from __future__ import annotations
+
+import builtins
+import importlib
+import traceback
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+
+class RemoteModuleError(RuntimeError):
+    """An exception raised on a remote worker whose type is not importable on the caller."""
+
+    remote_type: str = ""
+
+
+@dataclass(frozen=True)
+class RemoteFailure:
+    """What a host-side handler returns instead of raising (see :func:`capture`)."""
+
+    type_module: str
+    type_qualname: str
+    message: str
+    traceback: str
+
+
+def capture(exc: BaseException) -> RemoteFailure:
+    """Host side: describe ``exc`` with its traceback, in strings only."""
+    cls = type(exc)
+    tb = "".join(traceback.format_exception(cls, exc, exc.__traceback__))
+    return RemoteFailure(cls.__module__, cls.__qualname__, str(exc), tb)
+
+
+def _resolve_type(module: str, qualname: str) -> type | None:
+    try:
+        obj: Any = builtins if module == "builtins" else importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except Exception:
+        return None
+    return obj if isinstance(obj, type) and issubclass(obj, BaseException) else None
+
+
+_fallback_types: dict[str, type] = {}
+
+
+def _fallback_type(full_name: str) -> type:
+    cls = _fallback_types.get(full_name)
+    if cls is None:
+        short = full_name.rsplit(".", 1)[-1]
+        cls = type(short, (RemoteModuleError,), {"remote_type": full_name, "__module__": __name__})
+        _fallback_types[full_name] = cls
+    return cls
+
+
+def to_exception(failure: RemoteFailure, where: str) -> BaseException:
+    """Caller side: the exception to raise for ``failure``; ``where`` names worker and module."""
+    full_name = f"{failure.type_module}.{failure.type_qualname}"
+    text = f"{failure.message}\n\n[raised {where}]\nRemote traceback:\n{failure.traceback}"
+    cls = _resolve_type(failure.type_module, failure.type_qualname)
+    if cls is not None:
+        try:
+            exc = cls(text)
+            if isinstance(exc, cls):
+                return exc
+        except Exception:
+            pass  # a constructor that does not take one message: fall back below
+    return _fallback_type(full_name)(f"{full_name}: {text}")
+
+
+def reraise(failure: RemoteFailure, where: str) -> NoReturn:
+    """Raise :func:`to_exception` of ``failure`` (from None: the local frames say nothing)."""
+    raise to_exception(failure, where) from None

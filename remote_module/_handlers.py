@@ -1,0 +1,125 @@
+"""Host-side RPC handlers of RemoteModule.
+
+Every function here runs on the worker that hosts the module. They are module-level so RPC
+pickles them by reference: the host imports this installed module on first use and needs
+nothing else imported beforehand (no generated code lives on the host for plain proxies).
+"""
+
+from __future__ import annotations
+
+import inspect
+import pickle
+from functools import lru_cache
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+from torch import nn
+
+from remote_module._device import prepare_inputs, prepare_output
+from remote_module._errors import RemoteFailure, capture
+
+_NOT_A_MODULE = (
+    "Expect `module_cls(*args, **kwargs)` returns an instance of <class nn.Module>, "
+    "but it returns an instance of {}."
+)
+
+
+@lru_cache(maxsize=64)
+def _device(device: str) -> torch.device:
+    return torch.device(device)
+
+
+def _build(module_cls: Any, args: tuple, kwargs: dict, device: str) -> nn.Module:
+    module = module_cls(*args, **kwargs)
+    if not isinstance(module, nn.Module):
+        raise ValueError(_NOT_A_MODULE.format(type(module)))
+    return module.to(_device(device))
+
+
+def portable_signature(sig: inspect.Signature | None) -> inspect.Signature | None:
+    """``sig`` if it pickles; else without annotations; else None (``(*args, **kwargs)``)."""
+    if sig is None:
+        return None
+    for candidate in (
+        sig,
+        sig.replace(
+            parameters=[p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()],
+            return_annotation=inspect.Signature.empty,
+        ),
+    ):
+        try:
+            pickle.dumps(candidate)
+        except Exception:
+            continue
+        return candidate
+    return None
+
+
+# ---- handlers ---------------------------------------------------------------------------
+
+
+def _create_module(module_cls: Any, args: tuple, kwargs: dict, device: str) -> nn.Module | RemoteFailure:
+    """Create ``module_cls(*args, **kwargs)`` on ``device``; the caller holds it by RRef.
+
+    A failure becomes the RRef's value, which :func:`_describe` hands back to the caller.
+    """
+    try:
+        return _build(module_cls, args, kwargs, device)
+    except Exception as exc:
+        return capture(exc)
+
+
+def _create_scripted_module(
+    module_cls: Any, args: tuple, kwargs: dict, device: str, interface_cls: type
+) -> rpc.RRef | RemoteFailure:
+    """Create, script and wrap the module in an RRef typed with its TorchScript interface."""
+    from remote_module._codegen import render_scriptable_module
+
+    try:
+        render_scriptable_module(interface_cls)  # compiles _remote_forward here, before any call
+        module = torch.jit.script(_build(module_cls, args, kwargs, device))
+    except Exception as exc:
+        return capture(exc)
+    return rpc.RRef(module, interface_cls)
+
+
+def _prepare_scriptable(interface_cls: type) -> None:
+    """Compile the scriptable template on this host (for init_from_module_rref)."""
+    from remote_module._codegen import render_scriptable_module
+
+    render_scriptable_module(interface_cls)
+
+
+def _describe(module_rref: rpc.RRef) -> dict:
+    """Wait for the module to exist and describe it (or return its construction failure)."""
+    module = module_rref.local_value()
+    if isinstance(module, RemoteFailure):
+        return {"failure": module}
+    from remote_module._codegen import forward_signature
+
+    sig = None if isinstance(module, torch.jit.ScriptModule) else forward_signature(module)
+    return {
+        "failure": None,
+        "type": f"{type(module).__module__}.{type(module).__qualname__}",
+        "signature": portable_signature(sig),
+        "training": module.training,
+    }
+
+
+def _forward(module_rref: rpc.RRef, device: str, is_device_map_set: bool, args: tuple, kwargs: dict) -> Any:
+    try:
+        module = module_rref.local_value()
+        dev = _device(device)
+        args, kwargs = prepare_inputs(args, kwargs, dev)
+        return prepare_output(module(*args, **kwargs), dev, is_device_map_set)
+    except Exception as exc:
+        return capture(exc)
+
+
+def _param_rrefs(module_rref: rpc.RRef, recurse: bool) -> list[rpc.RRef]:
+    return [rpc.RRef(p) for p in module_rref.local_value().parameters(recurse)]
+
+
+def _train(module_rref: rpc.RRef, mode: bool) -> None:
+    module_rref.local_value().train(mode)

@@ -1,0 +1,307 @@
+"""``RemoteModule``: a local ``nn.Module`` proxy for a module that lives on another worker."""
+
+from __future__ import annotations
+
+import inspect
+import types
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+from torch import nn
+from torch.futures import Future
+
+from remote_module import _handlers
+from remote_module._codegen import forward_signature, render_forward_methods, render_scriptable_module
+from remote_module._device import parse_remote_device
+from remote_module._errors import RemoteFailure, reraise, to_exception
+from remote_module._pickling import (
+    NOT_PICKLABLE,
+    NOT_UNPICKLABLE,
+    check_attributes,
+    reduce_proxy,
+    reduce_script_module,
+)
+from remote_module._unsupported import UNSUPPORTED_METHODS, make_unsupported
+from rpc_backend._torch_private import (
+    device_map_to,
+    is_jit_interface,
+    is_rpc_initialized,
+    register_rpc_reducer,
+)
+
+
+def _require_rpc(what: str) -> None:
+    if not is_rpc_initialized():
+        raise RuntimeError(
+            f"{what} needs torch.distributed.rpc: call rpc.init_rpc(name, rank=..., world_size=...) "
+            "(or rpc_backend.init_from_env() in a torchrun job) first, and use it before rpc.shutdown()."
+        )
+
+
+class RemoteModule(nn.Module):
+    """A module created on a remote worker, called through RPC as if it were local.
+
+    ``RemoteModule(remote_device, module_cls, args, kwargs)`` creates
+    ``module_cls(*args, **kwargs)`` on the worker and device named by ``remote_device``
+    (``"worker1/cuda:0"``, ``"rank:1/cpu"`` or ``"worker1"``, device cpu by default) and
+    returns a proxy whose ``forward`` and ``forward_async`` have the module's real
+    ``forward`` signature. ``forward`` blocks; ``forward_async`` returns a
+    ``torch.futures.Future``. Both record distributed autograd when called inside a
+    ``torch.distributed.autograd`` context. Arguments are bound on the caller, so a call
+    with wrong arguments raises ``TypeError`` before anything is sent.
+
+    When the remote device is not the CPU, CPU tensors in the arguments (at any depth of
+    lists, tuples and dicts) are moved to it on the host. Outputs come back as they are when
+    the caller has a device map towards the host, otherwise every tensor in them comes back
+    on the CPU.
+
+    Example (two processes)::
+
+        # worker0 (caller)
+        import torch, torch.distributed.rpc as rpc
+        from remote_module import RemoteModule
+        rpc.init_rpc("worker0", rank=0, world_size=2)
+        linear = RemoteModule("worker1/cpu", torch.nn.Linear, args=(20, 30))
+        out = linear(torch.randn(128, 20))         # runs on worker1
+        fut = linear.forward_async(torch.randn(4, 20))
+        print(out.shape, fut.wait().shape)
+        rpc.shutdown()
+
+        # worker1 (host): only needs this package installed
+        import torch.distributed.rpc as rpc
+        rpc.init_rpc("worker1", rank=1, world_size=2)
+        rpc.shutdown()
+
+    Args:
+        remote_device: where to create the module.
+        module_cls: a class (or any callable) returning an ``nn.Module``.
+        args, kwargs: constructor arguments for ``module_cls``.
+        _module_interface_cls: a ``@torch.jit.interface`` class; when given, the module is
+            scripted on the host and the proxy can be scripted with ``torch.jit.script``.
+    """
+
+    # Instance attributes (see remote_module.PICKLED_ATTRIBUTES).
+    on: str
+    device: str
+    is_device_map_set: bool
+    is_scriptable: bool
+    module_rref: rpc.RRef
+    module_interface_cls: type | None
+    forward_signature: inspect.Signature | None
+    remote_type: str
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        register_rpc_reducer(cls, reduce_proxy)  # the RPC pickler matches exact classes
+
+    def __init__(
+        self,
+        remote_device: str,
+        module_cls: Any,
+        args: tuple | None = None,
+        kwargs: dict[str, Any] | None = None,
+        *,
+        _module_interface_cls: Any = None,
+    ) -> None:
+        super().__init__()
+        _require_rpc("RemoteModule(...)")
+        args = _check_args(args)
+        kwargs = _check_kwargs(kwargs)
+        if not callable(module_cls):
+            raise TypeError(f"module_cls must be an nn.Module class or a callable returning one, got {module_cls!r}")
+        self._prepare(remote_device, _module_interface_cls)
+        where = f"on {self.on} while creating {getattr(module_cls, '__qualname__', module_cls)!r}"
+        if _module_interface_cls is not None:
+            render_scriptable_module(_module_interface_cls)  # caller side: validates the interface
+            rref = rpc.rpc_sync(
+                self.on,
+                _handlers._create_scripted_module,
+                (module_cls, args, kwargs, self.device, _module_interface_cls),
+            )
+            if isinstance(rref, RemoteFailure):
+                reraise(rref, where)
+            self.module_rref = rref
+        else:
+            self.module_rref = rpc.remote(self.on, _handlers._create_module, (module_cls, args, kwargs, self.device))
+        # Waits until the module exists on the host, so construction errors surface here and
+        # the first forward can never race the creation.
+        info = rpc.rpc_sync(self.on, _handlers._describe, (self.module_rref,))
+        if info["failure"] is not None:
+            reraise(info["failure"], where)
+        local_sig = forward_signature(module_cls) if isinstance(module_cls, type) else None
+        self._finish(info, local_sig)
+
+    @staticmethod
+    def init_from_module_rref(
+        remote_device: str,
+        module_rref: rpc.RRef,
+        _module_interface_cls: Any = None,
+    ) -> RemoteModule:
+        """A second proxy for the module behind ``module_rref`` (shared, not copied).
+
+        Also the way to hand a scriptable proxy to another worker: send
+        ``proxy.get_module_rref()`` and call this on the receiver.
+
+        Example::
+
+            # on worker0
+            a = RemoteModule("worker1/cpu", torch.nn.Linear, (4, 4))
+            b = RemoteModule.init_from_module_rref("worker1/cpu", a.get_module_rref())
+            assert torch.equal(a(x), b(x))   # same weights: one module on worker1
+        """
+        _require_rpc("RemoteModule.init_from_module_rref(...)")
+        if not isinstance(module_rref, rpc.PyRRef):
+            raise TypeError(f"module_rref must be an RRef of an nn.Module, got {type(module_rref).__name__}")
+        proxy = RemoteModule.__new__(RemoteModule)
+        nn.Module.__init__(proxy)
+        proxy._prepare(remote_device, _module_interface_cls)
+        owner = module_rref.owner_name()
+        if proxy.on != owner:
+            raise ValueError(
+                f"remote_device {remote_device!r} names worker {proxy.on!r}, but module_rref is owned "
+                f"by {owner!r}: pass '{owner}/<device>'"
+            )
+        if _module_interface_cls is not None:
+            render_scriptable_module(_module_interface_cls)
+            rpc.rpc_sync(proxy.on, _handlers._prepare_scriptable, (_module_interface_cls,))
+        proxy.module_rref = module_rref
+        info = rpc.rpc_sync(proxy.on, _handlers._describe, (module_rref,))
+        if info["failure"] is not None:
+            reraise(info["failure"], f"on {proxy.on} while creating the module behind module_rref")
+        proxy._finish(info, None)
+        return proxy
+
+    # ---- construction helpers ------------------------------------------------------------
+
+    def _prepare(self, remote_device: str, interface_cls: Any) -> None:
+        parsed = parse_remote_device(remote_device)
+        if interface_cls is not None and not is_jit_interface(interface_cls):
+            raise ValueError(
+                "_module_interface_cls must be a class decorated with @torch.jit.interface, "
+                f"got {interface_cls!r}"
+            )
+        self.on = rpc.get_worker_info(parsed.worker).name
+        self.device = str(parsed.device)
+        # A device map only matters for a module off the CPU (torch checks it the same way).
+        self.is_device_map_set = parsed.device.type != "cpu" and bool(device_map_to(self.on))
+        self.is_scriptable = interface_cls is not None
+        self.module_interface_cls = interface_cls
+
+    def _finish(self, info: dict, local_sig: inspect.Signature | None) -> None:
+        self.remote_type = info["type"]
+        if local_sig is not None:
+            # This proxy keeps the exact local objects; a picklable copy travels with it.
+            self.forward_signature = _handlers.portable_signature(local_sig)
+        else:
+            self.forward_signature = info["signature"]
+        self._install_generated_methods(local_sig)
+        self.training = info["training"]
+        check_attributes(self)
+
+    def _install_generated_methods(self, sig: inspect.Signature | None = None) -> None:
+        if self.is_scriptable:
+            generated = render_scriptable_module(self.module_interface_cls)
+            fwd, fwd_async = generated.forward, generated.forward_async
+            fwd_async = torch.jit.export(fwd_async)
+        else:
+            origin = f"{self.remote_type}.forward"
+            fwd, fwd_async = render_forward_methods(sig if sig is not None else self.forward_signature, origin)
+        self.forward = types.MethodType(fwd, self)
+        self.forward_async = types.MethodType(fwd_async, self)
+
+    # ---- calls (used by the generated methods) -------------------------------------------
+
+    def _where(self) -> str:
+        return f"on {self.on} in {self.remote_type}.forward"
+
+    def _remote_call_sync(self, args: tuple, kwargs: dict) -> Any:
+        out = rpc.rpc_sync(
+            self.on, _handlers._forward, (self.module_rref, self.device, self.is_device_map_set, args, kwargs)
+        )
+        if type(out) is RemoteFailure:
+            reraise(out, self._where())
+        return out
+
+    def _remote_call_async(self, args: tuple, kwargs: dict) -> Future:
+        fut = rpc.rpc_async(
+            self.on, _handlers._forward, (self.module_rref, self.device, self.is_device_map_set, args, kwargs)
+        )
+        # A torch.futures.Future (rpc_async's is its C base class); on a device-mapped proxy it
+        # carries the local devices, so CUDA stream ordering is kept across the hand-over.
+        result: Future = Future(devices=self._future_devices()) if self.is_device_map_set else Future()
+        where = self._where
+
+        def settle(done: Any) -> None:
+            try:
+                out = done.wait()
+            except BaseException as exc:
+                result.set_exception(exc)
+                return
+            if type(out) is RemoteFailure:
+                result.set_exception(to_exception(out, where()))
+            else:
+                result.set_result(out)
+
+        fut.add_done_callback(settle)
+        return result
+
+    def _future_devices(self) -> list[torch.device]:
+        return sorted({torch.device(d) for d in device_map_to(self.on).values()}, key=str)
+
+    # ---- public API ----------------------------------------------------------------------
+
+    def remote_parameters(self, recurse: bool = True) -> list[rpc.RRef]:
+        """RRefs of the remote module's parameters, e.g. for ``DistributedOptimizer``.
+
+        Example::
+
+            opt = DistributedOptimizer(torch.optim.SGD, proxy.remote_parameters(), lr=0.1)
+        """
+        return rpc.rpc_sync(self.on, _handlers._param_rrefs, (self.module_rref, recurse))
+
+    def get_module_rref(self) -> rpc.RRef:
+        """The ``RRef`` of the remote module (``RRef[nn.Module]``)."""
+        return self.module_rref
+
+    def train(self, mode: bool = True) -> RemoteModule:
+        """Set the remote module's training mode (on the host) and return this proxy."""
+        if not isinstance(mode, bool):
+            raise ValueError(f"training mode is expected to be boolean, got {mode!r}")
+        rpc.rpc_sync(self.on, _handlers._train, (self.module_rref, mode))
+        self.training = mode
+        return self
+
+    def eval(self) -> RemoteModule:
+        """Put the remote module in evaluation mode and return this proxy."""
+        return self.train(False)
+
+    def __getstate__(self) -> Any:
+        raise RuntimeError(NOT_PICKLABLE)
+
+    def __setstate__(self, state: Any) -> None:
+        raise RuntimeError(NOT_UNPICKLABLE)
+
+
+for _name in UNSUPPORTED_METHODS:
+    setattr(RemoteModule, _name, make_unsupported(_name))
+del _name
+
+register_rpc_reducer(RemoteModule, reduce_proxy)
+register_rpc_reducer(torch.jit.RecursiveScriptModule, reduce_script_module)
+
+
+def _check_args(args: Any) -> tuple:
+    if args is None:
+        return ()
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"args must be a tuple of constructor arguments, got {type(args).__name__}: {args!r}")
+    return tuple(args)
+
+
+def _check_kwargs(kwargs: Any) -> dict:
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise TypeError(f"kwargs must be a dict of str to constructor arguments, got {kwargs!r}")
+    return dict(kwargs)

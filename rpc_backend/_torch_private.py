@@ -1,0 +1,53 @@
+"""The only place that touches private ``torch.distributed.rpc`` / TorchScript APIs.
+
+A torch upgrade that moves one of these breaks this file and nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed.rpc as rpc
+
+
+def is_rpc_initialized() -> bool:
+    """True between ``rpc.init_rpc`` and ``rpc.shutdown`` in this process."""
+    return rpc.is_available() and rpc.api._is_current_rpc_agent_set()
+
+
+def register_rpc_reducer(cls: type, reducer: Callable[[Any], tuple]) -> None:
+    """Make the RPC pickler serialize instances of exactly ``cls`` with ``reducer``.
+
+    ``reducer(obj)`` returns a ``(callable, args)`` pair as ``__reduce__`` does. It applies only
+    inside RPC messages; plain ``pickle`` keeps using the class's own ``__reduce_ex__``.
+    Registering the same class twice keeps the first reducer (as torch does).
+    """
+    from torch.distributed.rpc.internal import _internal_rpc_pickler
+
+    _internal_rpc_pickler._register_reducer(cls, reducer)
+
+
+def registered_rpc_reducer(cls: type) -> Callable[[Any], tuple] | None:
+    """The reducer the RPC pickler holds for ``cls``, if any (for tests and diagnostics)."""
+    from torch.distributed.rpc.internal import _internal_rpc_pickler
+
+    return _internal_rpc_pickler._class_reducer_dict.get(cls)
+
+
+def device_map_to(worker: str | int) -> dict:
+    """This worker's device map towards ``worker`` (empty when none is set)."""
+    agent = rpc.api._get_current_rpc_agent()
+    return dict(agent._get_device_map(agent.get_worker_info(worker)))
+
+
+def interface_forward_schema(interface_cls: type) -> Any:
+    """The TorchScript schema of ``forward`` on a ``@torch.jit.interface`` class."""
+    qualified_name = torch._jit_internal._qualified_name(interface_cls)
+    interface = torch.jit._state._python_cu.get_interface(qualified_name)
+    return interface.getMethod("forward")
+
+
+def is_jit_interface(cls: Any) -> bool:
+    """True for classes decorated with ``@torch.jit.interface``."""
+    return isinstance(cls, type) and bool(getattr(cls, "__torch_script_interface__", False))

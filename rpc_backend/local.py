@@ -1,0 +1,165 @@
+"""``run_local``: run a function on N local processes that form one RPC world.
+
+The embedded default used by ``make demo``, the tutorials and tests: spawned processes on
+loopback, each with RPC initialized and RANK / WORLD_SIZE / LOCAL_RANK set as torchrun would
+set them. A failing rank stops the world within seconds instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+import torch.distributed.rpc as rpc
+
+from rpc_backend.loopback import fresh_file_rendezvous, loopback_env
+
+
+class LocalWorldError(RuntimeError):
+    """A rank of a local world failed; ``rank`` names it and the message carries its traceback."""
+
+    def __init__(self, rank: int, name: str, text: str) -> None:
+        super().__init__(f"rank {rank} ({name}) failed:\n{text}")
+        self.rank = rank
+        self.name = name
+        self.text = text
+
+
+def _rank_entry(
+    fn: Callable[..., Any],
+    args: tuple,
+    rank: int,
+    names: list[str],
+    init_method: str,
+    rpc_timeout: float,
+    num_worker_threads: int,
+    results: Any,
+) -> None:
+    world_size = len(names)
+    os.environ.update(loopback_env())
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        ROLE_NAME=names[rank],
+    )
+    options = rpc.TensorPipeRpcBackendOptions(
+        init_method=init_method, rpc_timeout=rpc_timeout, num_worker_threads=num_worker_threads
+    )
+    try:
+        rpc.init_rpc(names[rank], rank=rank, world_size=world_size, rpc_backend_options=options)
+        value = fn(*args)
+    except BaseException:
+        _send(results, ("error", rank, traceback.format_exc()))
+        # Skip the graceful barrier: the others may be waiting on this rank forever.
+        os._exit(1)
+    _send(results, ("ok", rank, value))
+    rpc.shutdown(graceful=True)
+
+
+def _send(results: Any, item: tuple) -> None:
+    """Put ``item`` and wait until it is flushed: the process may ``os._exit`` right after."""
+    results.put(item)
+    results.close()
+    results.join_thread()
+
+
+def run_local(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    names: Sequence[str] | None = None,
+    args: tuple = (),
+    rpc_timeout: float = 60.0,
+    num_worker_threads: int = 16,
+    timeout: float | None = None,
+    stop_grace: float = 3.0,
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` spawned local processes forming one RPC world.
+
+    Worker names are ``names`` (default ``worker0 .. worker{N-1}``). Returns the ranks' return
+    values ordered by rank. If a rank raises, its traceback is printed, the other ranks are
+    stopped and :class:`LocalWorldError` is raised within ``stop_grace`` seconds. ``timeout``
+    bounds the whole run (None: no bound). ``fn`` must be importable (module level).
+
+    Example::
+
+        def main():                      # runs on every rank
+            if rpc.get_worker_info().id == 0:
+                return rpc.rpc_sync("worker1", torch.add, (1, 2))
+
+        if __name__ == "__main__":
+            print(run_local(main, 2))    # [3, None]
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    names = [f"worker{r}" for r in range(world_size)] if names is None else list(names)
+    if len(names) != world_size or len(set(names)) != world_size:
+        raise ValueError(f"names must be {world_size} distinct worker names, got {names!r}")
+    init_method, path = fresh_file_rendezvous()
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_rank_entry,
+            args=(fn, args, rank, names, init_method, rpc_timeout, num_worker_threads, results),
+            name=f"rpc-{names[rank]}",
+            daemon=False,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    values: dict[int, Any] = {}
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while len(values) < world_size or any(p.is_alive() for p in procs):
+            try:
+                status, rank, payload = results.get(timeout=0.2)
+            except queue.Empty:
+                for rank, p in enumerate(procs):
+                    if p.exitcode not in (None, 0) and rank not in values:
+                        _drain_error(results, names)
+                        raise LocalWorldError(rank, names[rank], f"exited with code {p.exitcode} without a result")
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"local world {names} did not finish within {timeout} s")
+                continue
+            if status == "error":
+                print(f"[run_local] rank {rank} ({names[rank]}) failed:\n{payload}", flush=True)
+                raise LocalWorldError(rank, names[rank], payload)
+            values[rank] = payload
+    finally:
+        _stop(procs, stop_grace)
+        results.close()
+        if os.path.exists(path):
+            os.unlink(path)
+    return [values[r] for r in range(world_size)]
+
+
+def _drain_error(results: Any, names: list[str]) -> None:
+    """Prefer a rank's own traceback over a bare exit code when one is queued."""
+    try:
+        status, rank, payload = results.get(timeout=0.5)
+    except queue.Empty:
+        return
+    if status == "error":
+        raise LocalWorldError(rank, names[rank], payload)
+
+
+def _stop(procs: list[Any], grace: float) -> None:
+    deadline = time.monotonic() + grace
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=2.0)
+        if p.is_alive():
+            p.kill()
+            p.join()

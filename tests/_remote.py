@@ -1,0 +1,83 @@
+"""Modules and functions the tests create or run on other ranks (module level: RPC pickles
+them by reference)."""
+
+from __future__ import annotations
+
+import sys
+from collections import namedtuple
+from typing import Any
+
+import torch
+from torch import nn
+
+Pair = namedtuple("Pair", ["first", "second"])
+
+
+class Affine(nn.Module):
+    """``x @ W.T + b`` times ``scale`` with a few kinds of parameters to bind."""
+
+    def __init__(self, n: int = 4, seed: int = 0) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.weight = nn.Parameter(torch.randn(n, n, generator=g))
+        self.bias = nn.Parameter(torch.randn(n, generator=g))
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0, *, shift: torch.Tensor | None = None) -> torch.Tensor:
+        self.calls += 1
+        out = (x @ self.weight.T + self.bias) * scale
+        return out if shift is None else out + shift
+
+
+class VarArgs(nn.Module):
+    def forward(self, a, /, b, *rest, c=3, **extra):
+        return {"a": a, "b": b, "rest": list(rest), "c": c, "extra": dict(extra)}
+
+
+class Nested(nn.Module):
+    """Returns a nested structure of tensors, built from nested inputs."""
+
+    def forward(self, batch: dict) -> Any:
+        t = batch["x"]
+        return Pair(t + 1, [t * 2, {"y": batch["ys"][0]}])
+
+
+class ModeReporter(nn.Module):
+    def forward(self) -> bool:
+        return self.training
+
+
+class Boom(nn.Module):
+    def forward(self, x):
+        raise KeyError(f"no such key {x}")
+
+
+class FailsInInit(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        raise ZeroDivisionError("constructor failed on purpose")
+
+
+def not_a_module_factory(n: int = 1) -> list:
+    return [n]
+
+
+def call_counter(module_rref) -> int:
+    return module_rref.local_value().calls
+
+
+def loaded_modules(prefix: str) -> list[str]:
+    return sorted(m for m in sys.modules if m == prefix or m.startswith(prefix + "."))
+
+
+def use_proxy(proxy, x: torch.Tensor) -> tuple:
+    """Runs on a third worker: the proxy arrived in an RPC message."""
+    return proxy(x), proxy.forward_async(x).wait(), type(proxy).__name__
+
+
+def echo(obj: Any) -> Any:
+    return obj
+
+
+def has_attribute(obj: Any, name: str) -> bool:
+    return hasattr(obj, name)

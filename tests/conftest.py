@@ -1,0 +1,65 @@
+"""One RPC world for the whole test session.
+
+The pytest process is rank 0 (``worker0``); helper ranks are spawned once, as plain
+subprocesses that only serve (tests/_helper_worker.py). The rendezvous is a fresh
+``file://`` path chosen here, everything listens on loopback, and the helpers are reaped at
+the end (they also exit by themselves if this process dies). Tests that must kill or restart
+workers build their own small world instead.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RPC_TIMEOUT = 20.0
+#: rank -> name. ``bare`` is reserved for the test that checks a host nothing was run on.
+WORLD = ("worker0", "worker1", "worker2", "bare")
+
+
+class World:
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = names
+        self.me = names[0]
+
+
+@pytest.fixture(scope="session")
+def rpc_world():
+    import torch.distributed.rpc as rpc
+
+    from rpc_backend.loopback import fresh_file_rendezvous, loopback_env
+
+    os.environ.update(loopback_env())
+    init_method, path = fresh_file_rendezvous()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    helpers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests._helper_worker", name, str(rank), str(len(WORLD)), init_method,
+             str(RPC_TIMEOUT), str(os.getpid())],
+            cwd=ROOT,
+            env=env,
+        )
+        for rank, name in enumerate(WORLD)
+        if rank > 0
+    ]
+    try:
+        options = rpc.TensorPipeRpcBackendOptions(
+            init_method=init_method, rpc_timeout=RPC_TIMEOUT, num_worker_threads=16
+        )
+        rpc.init_rpc(WORLD[0], rank=0, world_size=len(WORLD), rpc_backend_options=options)
+        yield World(WORLD)
+        rpc.shutdown(graceful=True, timeout=30)
+    finally:
+        for p in helpers:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if os.path.exists(path):
+            os.unlink(path)
