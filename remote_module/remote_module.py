@@ -73,6 +73,11 @@ class RemoteModule(nn.Module):
         rpc.init_rpc("worker1", rank=1, world_size=2)
         rpc.shutdown()
 
+    Attributes (sent with the proxy over RPC, see ``remote_module.PICKLED_ATTRIBUTES``):
+    ``on`` (host worker name), ``device`` (device string on the host), ``is_device_map_set``,
+    ``is_scriptable``, ``module_rref``, ``module_interface_cls``, ``forward_signature``,
+    ``remote_type`` (qualified class name of the remote module).
+
     Args:
         remote_device: where to create the module.
         module_cls: a class (or any callable) returning an ``nn.Module``.
@@ -80,16 +85,6 @@ class RemoteModule(nn.Module):
         _module_interface_cls: a ``@torch.jit.interface`` class; when given, the module is
             scripted on the host and the proxy can be scripted with ``torch.jit.script``.
     """
-
-    # Instance attributes (see remote_module.PICKLED_ATTRIBUTES).
-    on: str
-    device: str
-    is_device_map_set: bool
-    is_scriptable: bool
-    module_rref: rpc.RRef
-    module_interface_cls: type | None
-    forward_signature: inspect.Signature | None
-    remote_type: str
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -12,6 +12,7 @@ import os
 import queue
 import time
 import traceback
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch.distributed.rpc as rpc
@@ -37,9 +38,11 @@ def _rank_entry(
     init_method: str,
     rpc_timeout: float,
     num_worker_threads: int,
+    device_maps: dict | None,
     results: Any,
 ) -> None:
     world_size = len(names)
+    warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
     os.environ.update(loopback_env())
     os.environ.update(
         RANK=str(rank),
@@ -49,7 +52,10 @@ def _rank_entry(
         ROLE_NAME=names[rank],
     )
     options = rpc.TensorPipeRpcBackendOptions(
-        init_method=init_method, rpc_timeout=rpc_timeout, num_worker_threads=num_worker_threads
+        init_method=init_method,
+        rpc_timeout=rpc_timeout,
+        num_worker_threads=num_worker_threads,
+        device_maps=(device_maps or {}).get(names[rank]),
     )
     try:
         rpc.init_rpc(names[rank], rank=rank, world_size=world_size, rpc_backend_options=options)
@@ -79,6 +85,7 @@ def run_local(
     num_worker_threads: int = 16,
     timeout: float | None = None,
     stop_grace: float = 3.0,
+    device_maps: dict[str, dict[str, dict]] | None = None,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` spawned local processes forming one RPC world.
 
@@ -86,6 +93,8 @@ def run_local(
     values ordered by rank. If a rank raises, its traceback is printed, the other ranks are
     stopped and :class:`LocalWorldError` is raised within ``stop_grace`` seconds. ``timeout``
     bounds the whole run (None: no bound). ``fn`` must be importable (module level).
+    ``device_maps`` maps a worker name to its own device maps, e.g.
+    ``{"worker0": {"worker1": {"cuda:0": "cuda:0"}}}``.
 
     Example::
 
@@ -107,7 +116,7 @@ def run_local(
     procs = [
         ctx.Process(
             target=_rank_entry,
-            args=(fn, args, rank, names, init_method, rpc_timeout, num_worker_threads, results),
+            args=(fn, args, rank, names, init_method, rpc_timeout, num_worker_threads, device_maps, results),
             name=f"rpc-{names[rank]}",
             daemon=False,
         )

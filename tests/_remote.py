@@ -1,5 +1,9 @@
 """Modules and functions the tests create or run on other ranks (module level: RPC pickles
-them by reference)."""
+them by reference).
+
+This file must not import remote_module: the bare-host test creates these modules on a
+worker that never imported it and checks that it did not have to.
+"""
 
 from __future__ import annotations
 
@@ -81,3 +85,4 @@ def echo(obj: Any) -> Any:
 
 def has_attribute(obj: Any, name: str) -> bool:
     return hasattr(obj, name)
+

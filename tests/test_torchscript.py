@@ -1,0 +1,69 @@
+"""Scriptable proxies: `_module_interface_cls`, torch.jit.script(proxy), calls from script."""
+
+import inspect
+import warnings
+
+import pytest
+import torch
+import torch.distributed.rpc as rpc
+
+from remote_module import RemoteModule
+from tests import _remote
+from tests._script_defs import (
+    MyModule,
+    MyModuleInterface,
+    NestedInterface,
+    NestedModule,
+    run_forward,
+    run_forward_async,
+)
+
+pytestmark = [pytest.mark.usefixtures("rpc_world"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+
+@pytest.fixture(scope="module")
+def scriptable(rpc_world):
+    return RemoteModule("worker1/cpu", MyModule, (1,), {"first_kwarg": 2}, _module_interface_cls=MyModuleInterface)
+
+
+def test_scriptable_proxy_runs_eagerly(scriptable):
+    assert scriptable.is_scriptable
+    word, number, t = scriptable(torch.ones(2), 2)
+    assert (word, number) == ("default", 2) and torch.equal(t, torch.full((2,), 2.0))
+    word, number, t = scriptable.forward_async(torch.zeros(1), 5, "w").wait()
+    assert (word, number) == ("w", 5) and torch.equal(t, torch.ones(1))
+    assert list(inspect.signature(scriptable.forward).parameters) == ["tensor", "number", "word"]
+
+
+def test_script_the_proxy_and_call_from_script(scriptable):
+    scripted = torch.jit.script(scriptable)
+    assert run_forward(scripted, torch.ones(1)) == ("3", 2, torch.full((1,), 2.0))
+    word, number, t = run_forward_async(scripted, torch.ones(1))
+    assert (word, number) == ("3", 2) and torch.equal(t, torch.full((1,), 2.0))
+
+
+def test_nested_types_in_script():
+    proxy = RemoteModule("worker2", NestedModule, _module_interface_cls=NestedInterface)
+    scripted = torch.jit.script(proxy)
+    xs, d = scripted.forward([torch.ones(1), torch.ones(2)], {"a": torch.zeros(1)})
+    assert [x.tolist() for x in xs] == [[2.0], [2.0, 2.0]] and d["a"].tolist() == [1.0]
+
+
+def test_scripted_proxy_cannot_travel_and_says_what_to_do(scriptable):
+    scripted = torch.jit.script(scriptable)
+    with pytest.raises(RuntimeError, match="init_from_module_rref"):
+        rpc.rpc_sync("worker2", _remote.echo, (scripted,))
+
+
+def test_module_rref_travels_and_is_rewrapped(scriptable):
+    twin = RemoteModule.init_from_module_rref(
+        "worker1/cpu", scriptable.get_module_rref(), _module_interface_cls=MyModuleInterface
+    )
+    assert twin.is_scriptable
+    scripted = torch.jit.script(twin)
+    assert run_forward(scripted, torch.zeros(1)) == ("3", 2, torch.ones(1))
+
+
+def test_bad_interface_is_rejected():
+    with pytest.raises(ValueError, match="@torch.jit.interface"):
+        RemoteModule("worker1", MyModule, (1,), _module_interface_cls=MyModule)
