@@ -79,3 +79,24 @@ def to_exception(failure: RemoteFailure, where: str) -> BaseException:
 def reraise(failure: RemoteFailure, where: str) -> NoReturn:
     """Raise :func:`to_exception` of ``failure`` (from None: the local frames say nothing)."""
     raise to_exception(failure, where) from None
+
+
+def unsendable_argument(
+    args: tuple, kwargs: dict, param_names: list[str], serialize: Any
+) -> tuple[str, BaseException] | None:
+    """The first argument that ``serialize`` rejects, by parameter name, with its error.
+
+    ``param_names`` names the positional parameters in order (extra positional arguments are
+    called ``args[i]``). Returns None when every argument serializes on its own.
+    """
+    for i, value in enumerate(args):
+        try:
+            serialize(value)
+        except Exception as exc:
+            return (param_names[i] if i < len(param_names) else f"args[{i}]"), exc
+    for name, value in kwargs.items():
+        try:
+            serialize(value)
+        except Exception as exc:
+            return name, exc
+    return None

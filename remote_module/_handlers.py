@@ -104,6 +104,7 @@ def _describe(module_rref: rpc.RRef) -> dict:
         "type": f"{type(module).__module__}.{type(module).__qualname__}",
         "signature": portable_signature(sig),
         "training": module.training,
+        "repr": repr(module),
     }
 
 
@@ -123,3 +124,24 @@ def _param_rrefs(module_rref: rpc.RRef, recurse: bool) -> list[rpc.RRef]:
 
 def _train(module_rref: rpc.RRef, mode: bool) -> None:
     module_rref.local_value().train(mode)
+
+
+def _state_dict(module_rref: rpc.RRef) -> tuple[dict, dict]:
+    """CPU copies of the module's state and its per-submodule metadata."""
+    sd = module_rref.local_value().state_dict(keep_vars=False)
+    metadata = dict(getattr(sd, "_metadata", {}) or {})
+    return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}, metadata
+
+
+def _load_state_dict(module_rref: rpc.RRef, state: dict, metadata: dict) -> tuple[list, list, list]:
+    """Load ``state`` non-strictly; return (missing, unexpected, error messages)."""
+    from collections import OrderedDict
+
+    module = module_rref.local_value()
+    sd = OrderedDict(state)
+    sd._metadata = OrderedDict(metadata)  # type: ignore[attr-defined]
+    try:
+        result = module.load_state_dict(sd, strict=False)
+    except RuntimeError as exc:  # size mismatches and the like
+        return [], [], [str(exc)]
+    return list(result.missing_keys), list(result.unexpected_keys), []

@@ -25,6 +25,8 @@ PICKLED_ATTRIBUTES: tuple[str, ...] = (
     "module_interface_cls",
     "forward_signature",
     "remote_type",
+    "remote_repr",
+    "timeout",
 )
 
 #: Attributes deliberately not sent: ``nn.Module``'s own bookkeeping (read from this torch,
