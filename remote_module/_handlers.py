@@ -108,7 +108,10 @@ def _describe(module_rref: rpc.RRef) -> dict:
     }
 
 
-def _forward(module_rref: rpc.RRef, device: str, is_device_map_set: bool, args: tuple, kwargs: dict) -> Any:
+def _forward(args: tuple, kwargs: dict, module_rref: rpc.RRef, device: str, is_device_map_set: bool) -> Any:
+    # The user's arguments come first in the message: if one of them cannot be pickled, the
+    # caller fails before the RRef is serialized (serializing it registers a fork that would
+    # otherwise wait for a confirmation that never comes, and hang rpc.shutdown).
     try:
         module = module_rref.local_value()
         dev = _device(device)
@@ -133,7 +136,7 @@ def _state_dict(module_rref: rpc.RRef) -> tuple[dict, dict]:
     return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}, metadata
 
 
-def _load_state_dict(module_rref: rpc.RRef, state: dict, metadata: dict) -> tuple[list, list, list]:
+def _load_state_dict(state: dict, metadata: dict, module_rref: rpc.RRef) -> tuple[list, list, list]:
     """Load ``state`` non-strictly; return (missing, unexpected, error messages)."""
     from collections import OrderedDict
 

@@ -271,7 +271,7 @@ class RemoteModule(nn.Module):
         )
 
     def _forward_args(self, args: tuple, kwargs: dict) -> tuple:
-        return (self.module_rref, self.device, self.is_device_map_set, args, kwargs)
+        return (args, kwargs, self.module_rref, self.device, self.is_device_map_set)  # RRef after user data
 
     def _remote_call_sync(self, args: tuple, kwargs: dict) -> Any:
         """Used by the generated ``forward``."""
@@ -371,7 +371,7 @@ class RemoteModule(nn.Module):
     ) -> None:
         # Called by nn.Module.load_state_dict for this proxy (directly or inside a model).
         state, metadata = select_prefixed(state_dict, prefix)
-        missing, unexpected, errors = self._rpc(_handlers._load_state_dict, self.module_rref, dict(state), metadata)
+        missing, unexpected, errors = self._rpc(_handlers._load_state_dict, dict(state), metadata, self.module_rref)
         missing_keys.extend(prefix + k for k in missing)
         unexpected_keys.extend(prefix + k for k in unexpected)
         error_msgs.extend(errors)

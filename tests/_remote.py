@@ -86,3 +86,43 @@ def echo(obj: Any) -> Any:
 def has_attribute(obj: Any, name: str) -> bool:
     return hasattr(obj, name)
 
+
+
+class UserError(Exception):
+    """A user's own exception type, importable on both sides."""
+
+
+class Raiser(nn.Module):
+    """Raises the exception named by ``kind`` inside forward."""
+
+    def forward(self, kind: str) -> None:
+        if kind == "builtin":
+            raise ValueError("bad value inside forward")
+        if kind == "torch":
+            torch.ones(2) @ torch.ones(3)  # RuntimeError from torch
+        if kind == "user":
+            raise UserError("the user's own error")
+        if kind == "local":
+            raise type("LocalOnlyError", (Exception,), {"__module__": __name__})("defined inside forward")
+        return None
+
+
+class Sleeper(nn.Module):
+    def forward(self, seconds: float) -> float:
+        import time
+
+        time.sleep(seconds)
+        return seconds
+
+
+class Hybrid(nn.Module):
+    """A remote embedding bag (given) feeding a local MLP."""
+
+    def __init__(self, embedding: nn.Module, dim: int = 4, classes: int = 3) -> None:
+        super().__init__()
+        self.embedding = embedding
+        self.mlp = nn.Sequential(nn.Linear(dim, 8), nn.ReLU(), nn.Linear(8, classes))
+        self.register_buffer("scale", torch.ones(1))
+
+    def forward(self, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.embedding(ids, offsets)) * self.scale

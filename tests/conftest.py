@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,23 @@ ROOT = Path(__file__).resolve().parent.parent
 RPC_TIMEOUT = 20.0
 #: rank -> name. ``bare`` is reserved for the test that checks a host nothing was run on.
 WORLD = ("worker0", "worker1", "worker2", "bare")
+
+
+def _bounded_shutdown(rpc, seconds: float) -> None:
+    """Graceful shutdown, but never a hung session: give up (and fail loudly) after ``seconds``."""
+    errors = []
+
+    def run():
+        try:
+            rpc.shutdown(graceful=True, timeout=seconds)
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds + 5)
+    if thread.is_alive() or errors:
+        raise RuntimeError(f"the test RPC world did not shut down cleanly within {seconds} s: {errors}")
 
 
 class World:
@@ -53,7 +71,7 @@ def rpc_world():
         )
         rpc.init_rpc(WORLD[0], rank=0, world_size=len(WORLD), rpc_backend_options=options)
         yield World(WORLD)
-        rpc.shutdown(graceful=True, timeout=30)
+        _bounded_shutdown(rpc, seconds=30)
     finally:
         for p in helpers:
             try:
