@@ -15,3 +15,16 @@ def test_quickstart():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[(128, 30), (4, 30), 2]"
+
+
+def test_hybrid_ddp_loss_goes_down():
+    out = subprocess.run(
+        [sys.executable, "tutorials/hybrid_ddp.py", "--steps", "100"], cwd=ROOT, capture_output=True, text=True,
+        timeout=170, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("trainer")]
+    assert len(lines) == 2
+    for line in lines:
+        first, last = (float(v) for v in line.split("loss ")[1].split(" -> "))
+        assert last < 0.8 * first, line

@@ -1,0 +1,69 @@
+"""A small world whose host is killed mid-run (run by tests/test_dead_host.py).
+
+    python -m tests._dead_host ROLE INIT_METHOD
+
+ROLE is caller (rank 0), doomed (rank 1, killed) or survivor (rank 2). The caller prints one
+JSON line with what it saw and leaves without a graceful shutdown (a peer is dead).
+"""
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+ROLES = ("caller", "doomed", "survivor")
+TIMEOUT = 5.0
+
+
+def die_soon() -> None:
+    threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+
+
+def attempt(fn) -> dict:
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:
+        return {"ok": False, "type": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - start}
+    return {"ok": True, "seconds": time.monotonic() - start}
+
+
+def caller() -> None:
+    import torch
+    import torch.distributed.rpc as rpc
+
+    from remote_module import RemoteModule
+
+    doomed = RemoteModule("doomed/cpu", torch.nn.Linear, (4, 4), timeout=TIMEOUT)
+    survivor = RemoteModule("survivor/cpu", torch.nn.Linear, (4, 4), timeout=TIMEOUT)
+    x = torch.ones(1, 4)
+    before = attempt(lambda: doomed(x))
+    rpc.rpc_sync("doomed", die_soon)
+    time.sleep(1.0)
+    report = {
+        "before": before,
+        "sync": attempt(lambda: doomed(x)),
+        "async": attempt(lambda: doomed.forward_async(x).wait()),
+        "survivor": attempt(lambda: survivor(x)),
+        "survivor_async": attempt(lambda: survivor.forward_async(x).wait()),
+        "timeout": TIMEOUT,
+    }
+    print("REPORT " + json.dumps(report), flush=True)
+    os._exit(0)
+
+
+def main(role: str, init_method: str) -> None:
+    import torch.distributed.rpc as rpc
+
+    rank = ROLES.index(role)
+    options = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=20, num_worker_threads=8)
+    rpc.init_rpc(role, rank=rank, world_size=len(ROLES), rpc_backend_options=options)
+    if role == "caller":
+        caller()
+    rpc.shutdown()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
