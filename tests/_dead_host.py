@@ -50,6 +50,8 @@ def caller() -> None:
         "survivor_async": attempt(lambda: survivor.forward_async(x).wait()),
         "timeout": TIMEOUT,
     }
+    rpc.shutdown(graceful=False)  # a peer is dead: no barrier
+    report["after_shutdown"] = attempt(lambda: survivor(x))
     print("REPORT " + json.dumps(report), flush=True)
     os._exit(0)
 

@@ -42,3 +42,6 @@ def test_dead_host_fails_fast_and_others_keep_working():
         assert failure["seconds"] < limit, failure
         assert "doomed" in failure["message"], failure
     assert report["survivor"]["ok"] and report["survivor_async"]["ok"]
+    after = report["after_shutdown"]
+    assert not after["ok"] and after["type"] == "RuntimeError"
+    assert "call rpc.init_rpc" in after["message"], after
