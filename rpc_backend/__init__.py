@@ -1,9 +1,33 @@
 """rpc_backend: start, configure and stop ``torch.distributed.rpc`` worlds.
 
+* :func:`init_from_env` joins a torchrun job (names from a role spec) and returns a
+  :class:`Worker`, a context manager that owns shutdown;
+* :func:`init_role_process_group` makes a process group among one role's ranks (DDP among
+  trainers) on the job's own store;
+* :func:`run_local` runs a function on N local processes on loopback (the embedded default);
+* :func:`make_options` validates RPC options (timeout, threads, device maps, devices).
+
 Knows nothing of ``remote_module``; everything above builds on it.
 """
 
 from rpc_backend.local import LocalWorldError, run_local
 from rpc_backend.loopback import fresh_file_rendezvous, loopback_env, loopback_interface
+from rpc_backend.options import make_options
+from rpc_backend.roles import Placement, placements
+from rpc_backend.world import Worker, init_from_env, init_role_process_group, read_env, shutdown_rpc
 
-__all__ = ["run_local", "LocalWorldError", "loopback_env", "loopback_interface", "fresh_file_rendezvous"]
+__all__ = [
+    "init_from_env",
+    "init_role_process_group",
+    "read_env",
+    "Worker",
+    "shutdown_rpc",
+    "run_local",
+    "LocalWorldError",
+    "make_options",
+    "placements",
+    "Placement",
+    "loopback_env",
+    "loopback_interface",
+    "fresh_file_rendezvous",
+]

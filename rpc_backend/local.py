@@ -13,11 +13,14 @@ import queue
 import time
 import traceback
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch.distributed.rpc as rpc
 
 from rpc_backend.loopback import fresh_file_rendezvous, loopback_env
+from rpc_backend.options import make_options
+from rpc_backend.roles import Placement, placements
+from rpc_backend.world import Worker
 
 
 class LocalWorldError(RuntimeError):
@@ -34,38 +37,35 @@ def _rank_entry(
     fn: Callable[..., Any],
     args: tuple,
     rank: int,
-    names: list[str],
+    layout: list[Placement],
     init_method: str,
-    rpc_timeout: float,
-    num_worker_threads: int,
-    device_maps: dict | None,
+    option_kwargs: dict,
     results: Any,
 ) -> None:
-    world_size = len(names)
     warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
+    world_size = len(layout)
+    me = layout[rank]
     os.environ.update(loopback_env())
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size),
-        ROLE_NAME=names[rank],
-    )
-    options = rpc.TensorPipeRpcBackendOptions(
-        init_method=init_method,
-        rpc_timeout=rpc_timeout,
-        num_worker_threads=num_worker_threads,
-        device_maps=(device_maps or {}).get(names[rank]),
+        ROLE_NAME=me.role,
+        ROLE_RANK=str(me.role_rank),
+        ROLE_WORLD_SIZE=str(me.role_size),
     )
     try:
-        rpc.init_rpc(names[rank], rank=rank, world_size=world_size, rpc_backend_options=options)
+        options = make_options(init_method=init_method, worker_names=[p.name for p in layout], **option_kwargs)
+        rpc.init_rpc(me.name, rank=rank, world_size=world_size, rpc_backend_options=options)
+        worker = Worker(me.name, rank, world_size, rank, me.role, me.role_rank, me.role_size, [p.name for p in layout])
         value = fn(*args)
     except BaseException:
         _send(results, ("error", rank, traceback.format_exc()))
         # Skip the graceful barrier: the others may be waiting on this rank forever.
         os._exit(1)
     _send(results, ("ok", rank, value))
-    rpc.shutdown(graceful=True)
+    worker.shutdown(graceful=True)
 
 
 def _send(results: Any, item: tuple) -> None:
@@ -79,6 +79,7 @@ def run_local(
     fn: Callable[..., Any],
     world_size: int,
     *,
+    roles: Mapping[str, int] | None = None,
     names: Sequence[str] | None = None,
     args: tuple = (),
     rpc_timeout: float = 60.0,
@@ -89,7 +90,10 @@ def run_local(
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` spawned local processes forming one RPC world.
 
-    Worker names are ``names`` (default ``worker0 .. worker{N-1}``). Returns the ranks' return
+    Worker names come from ``roles`` (``{"ps": 1, "trainer": 2}`` -> ps0, trainer0, trainer1)
+    or are given as ``names``; default ``worker0 .. worker{N-1}``. Each rank sees RANK,
+    WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE as under torchrun (plus ROLE_NAME, ROLE_RANK,
+    ROLE_WORLD_SIZE), and listens on loopback only. Returns the ranks' return
     values ordered by rank. If a rank raises, its traceback is printed, the other ranks are
     stopped and :class:`LocalWorldError` is raised within ``stop_grace`` seconds. ``timeout``
     bounds the whole run (None: no bound). ``fn`` must be importable (module level).
@@ -105,18 +109,31 @@ def run_local(
         if __name__ == "__main__":
             print(run_local(main, 2))    # [3, None]
     """
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    names = [f"worker{r}" for r in range(world_size)] if names is None else list(names)
-    if len(names) != world_size or len(set(names)) != world_size:
-        raise ValueError(f"names must be {world_size} distinct worker names, got {names!r}")
+    if roles is not None and names is not None:
+        raise ValueError("pass roles or names, not both")
+    layout = placements(world_size, roles)
+    if names is not None:
+        names = list(names)
+        if len(names) != world_size or len(set(names)) != world_size:
+            raise ValueError(f"names must be {world_size} distinct worker names, got {names!r}")
+        layout = [Placement(n, "worker", r, world_size) for r, n in enumerate(names)]
+    names = [p.name for p in layout]
+    option_kwargs = dict(rpc_timeout=rpc_timeout, num_worker_threads=num_worker_threads, device_maps=None)
+    # validate here, in the caller, before any process starts
+    make_options(worker_names=names, **option_kwargs)
+    maps_by_worker = dict(device_maps or {})
+    for worker, maps in maps_by_worker.items():
+        if worker not in names:
+            raise ValueError(f"device_maps names worker {worker!r}, which is not in the world {names}")
+        make_options(worker_names=names, **{**option_kwargs, "device_maps": maps})
     init_method, path = fresh_file_rendezvous()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [
         ctx.Process(
             target=_rank_entry,
-            args=(fn, args, rank, names, init_method, rpc_timeout, num_worker_threads, device_maps, results),
+            args=(fn, args, rank, layout, init_method,
+                  {**option_kwargs, "device_maps": maps_by_worker.get(names[rank])}, results),
             name=f"rpc-{names[rank]}",
             daemon=False,
         )

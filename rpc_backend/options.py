@@ -1,0 +1,67 @@
+"""Validated ``TensorPipeRpcBackendOptions``: bad values fail before ``init_rpc``, by name."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+import torch
+import torch.distributed.rpc as rpc
+
+DEFAULT_RPC_TIMEOUT = 60.0
+DEFAULT_WORKER_THREADS = 16
+
+
+def _device(value: Any, where: str) -> torch.device:
+    if isinstance(value, bool) or not isinstance(value, (str, int, torch.device)):
+        raise TypeError(f"{where}: expected a device such as 'cuda:0', 0 or torch.device, got {value!r}")
+    try:
+        return torch.device(value)
+    except RuntimeError as exc:
+        raise ValueError(f"{where}: {value!r} is not a device ({exc})") from None
+
+
+def make_options(
+    *,
+    init_method: str | None = None,
+    rpc_timeout: float = DEFAULT_RPC_TIMEOUT,
+    num_worker_threads: int = DEFAULT_WORKER_THREADS,
+    device_maps: Mapping[str, Mapping[Any, Any]] | None = None,
+    devices: Iterable[Any] | None = None,
+    worker_names: Iterable[str] | None = None,
+) -> rpc.TensorPipeRpcBackendOptions:
+    """Check every option and build TensorPipe options.
+
+    ``device_maps`` maps a *peer* worker name to ``{local device: peer device}``, e.g.
+    ``{"worker1": {"cuda:0": "cuda:1"}}``. With ``worker_names``, peers must be among them.
+
+    Example::
+
+        opts = make_options(rpc_timeout=20, device_maps={"ps0": {"cuda:0": "cuda:0"}})
+    """
+    if isinstance(rpc_timeout, bool) or not isinstance(rpc_timeout, (int, float)) or not rpc_timeout > 0:
+        raise ValueError(f"rpc_timeout must be a positive number of seconds, got {rpc_timeout!r}")
+    if isinstance(num_worker_threads, bool) or not isinstance(num_worker_threads, int) or num_worker_threads < 1:
+        raise ValueError(f"num_worker_threads must be a positive int, got {num_worker_threads!r}")
+    known = None if worker_names is None else set(worker_names)
+    maps: dict[str, dict[torch.device, torch.device]] = {}
+    for peer, mapping in (device_maps or {}).items():
+        if not isinstance(peer, str):
+            raise TypeError(f"device_maps keys are peer worker names, got {peer!r}")
+        if known is not None and peer not in known:
+            raise ValueError(f"device_maps names worker {peer!r}, which is not in the world ({sorted(known)})")
+        if not isinstance(mapping, Mapping) or not mapping:
+            raise TypeError(f"device_maps[{peer!r}] must be a non-empty dict of local -> remote device, got {mapping!r}")
+        where = f"device_maps[{peer!r}]"
+        pairs = {_device(k, where): _device(v, where) for k, v in mapping.items()}
+        if len(set(pairs.values())) != len(pairs):
+            raise ValueError(f"{where} maps two local devices to the same remote device: {mapping!r}")
+        maps[peer] = pairs
+    device_list = None if devices is None else [_device(d, "devices") for d in devices]
+    kwargs: dict[str, Any] = dict(rpc_timeout=float(rpc_timeout), num_worker_threads=num_worker_threads)
+    if init_method is not None:
+        kwargs["init_method"] = init_method
+    if maps:
+        kwargs["device_maps"] = maps
+    if device_list is not None:
+        kwargs["devices"] = device_list
+    return rpc.TensorPipeRpcBackendOptions(**kwargs)

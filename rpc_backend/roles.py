@@ -1,0 +1,48 @@
+"""Worker names from a role spec: ``{"ps": 2, "trainer": 2}`` -> ps0, ps1, trainer0, trainer1."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a rank sits: its worker name, role and index within the role."""
+
+    name: str
+    role: str
+    role_rank: int
+    role_size: int
+
+
+def placements(world_size: int, roles: Mapping[str, int] | None = None) -> list[Placement]:
+    """One :class:`Placement` per rank, in rank order (roles fill ranks in the spec's order).
+
+    Without ``roles`` every rank is ``worker<rank>`` with role ``worker``.
+
+    Example::
+
+        >>> [p.name for p in placements(3, {"ps": 1, "trainer": 2})]
+        ['ps0', 'trainer0', 'trainer1']
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if roles is None:
+        return [Placement(f"worker{r}", "worker", r, world_size) for r in range(world_size)]
+    if not isinstance(roles, Mapping) or not roles:
+        raise TypeError(f"roles must be a non-empty mapping of role name to count, got {roles!r}")
+    out: list[Placement] = []
+    for role, count in roles.items():
+        if not isinstance(role, str) or not role.isidentifier():
+            raise ValueError(f"role names must be identifiers such as 'ps' or 'trainer', got {role!r}")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"role {role!r} needs a positive int count, got {count!r}")
+        out.extend(Placement(f"{role}{i}", role, i, count) for i in range(count))
+    if len(out) != world_size:
+        spec = ", ".join(f"{r}={c}" for r, c in roles.items())
+        raise ValueError(f"roles ({spec}) add up to {len(out)} workers but the world has {world_size}")
+    names = [p.name for p in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"roles give duplicate worker names: {names}")
+    return out

@@ -1,0 +1,206 @@
+"""Joining and leaving an RPC world: ``init_from_env`` (torchrun), ``Worker`` (owns shutdown)
+and ``init_role_process_group`` (a process group among the ranks of one role, e.g. DDP among
+trainers, on the job's own store: no second port)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Iterable, Mapping
+
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+
+from rpc_backend._torch_private import is_rpc_initialized
+from rpc_backend.options import DEFAULT_RPC_TIMEOUT, DEFAULT_WORKER_THREADS, make_options
+from rpc_backend.roles import Placement, placements
+
+TORCHRUN_HINT = "torchrun --standalone --nproc-per-node=3 your_script.py"
+_REQUIRED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass
+class Worker:
+    """This process's place in an initialized RPC world; a context manager that shuts it down.
+
+    On a clean exit from the ``with`` block the shutdown is graceful (waits for every worker,
+    bounded by ``shutdown_timeout``); when the block raised it is immediate, so a failing
+    worker never waits on the others.
+
+    Example::
+
+        with rpc_backend.init_from_env(roles={"ps": 1, "trainer": 2}) as me:
+            if me.role == "trainer":
+                train(me.role_rank)
+    """
+
+    name: str
+    rank: int
+    world_size: int
+    local_rank: int
+    role: str
+    role_rank: int
+    role_size: int
+    names: list[str] = field(default_factory=list)
+    shutdown_timeout: float = 60.0
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.shutdown(graceful=exc_type is None)
+
+    def workers(self, role: str) -> list[str]:
+        """The worker names of ``role``, in rank order (e.g. ``["ps0", "ps1"]``)."""
+        prefix_len = len(role)
+        return [n for n in self.names if n.startswith(role) and n[prefix_len:].isdigit()]
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Leave the world: graceful (bounded), else immediate. Never hangs."""
+        shutdown_rpc(graceful=graceful, timeout=self.shutdown_timeout)
+
+
+def shutdown_rpc(graceful: bool = True, timeout: float = 60.0) -> None:
+    """``rpc.shutdown`` that never hangs: a graceful one that does not finish within
+    ``timeout`` seconds is abandoned for an immediate one (and reported with a RuntimeError)."""
+    if not is_rpc_initialized():
+        return
+    if not graceful:
+        rpc.shutdown(graceful=False)
+        return
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            rpc.shutdown(graceful=True, timeout=timeout)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name="rpc-graceful-shutdown", daemon=True)
+    thread.start()
+    thread.join(timeout + 5.0)
+    if thread.is_alive() or errors:
+        if is_rpc_initialized():
+            try:
+                rpc.shutdown(graceful=False)
+            except Exception:
+                pass
+        raise RuntimeError(
+            f"graceful RPC shutdown did not complete within {timeout} s "
+            f"({errors[0] if errors else 'still waiting for other workers'}); shut down immediately instead"
+        )
+
+
+def _env_int(name: str, env: Mapping[str, str]) -> int:
+    value = env[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not an integer; start the job with torchrun, e.g. {TORCHRUN_HINT}") from None
+
+
+def read_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The torchrun variables this process needs, checked: names what is missing or wrong."""
+    env = os.environ if env is None else env
+    missing = [name for name in _REQUIRED if not env.get(name)]
+    if missing:
+        raise RuntimeError(
+            f"init_from_env needs the variables torchrun sets; missing: {', '.join(missing)}. "
+            f"Start the job with torchrun, e.g.: {TORCHRUN_HINT}"
+        )
+    rank, world_size, local_rank, port = (_env_int(n, env) for n in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"))
+    problems = []
+    if world_size < 1:
+        problems.append(f"WORLD_SIZE={world_size} must be at least 1")
+    if not 0 <= rank < max(world_size, 1):
+        problems.append(f"RANK={rank} must be in [0, WORLD_SIZE={world_size})")
+    if not 0 <= local_rank <= rank:
+        problems.append(f"LOCAL_RANK={local_rank} must be in [0, RANK={rank}]")
+    if not 0 < port < 65536:
+        problems.append(f"MASTER_PORT={port} is not a TCP port")
+    if problems:
+        raise ValueError("inconsistent torchrun variables: " + "; ".join(problems) + f". Expected a launch like: {TORCHRUN_HINT}")
+    return {
+        "rank": rank,
+        "world_size": world_size,
+        "local_rank": local_rank,
+        "master_addr": env["MASTER_ADDR"],
+        "master_port": port,
+        "agent_store": env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+    }
+
+
+def init_from_env(
+    roles: Mapping[str, int] | None = None,
+    *,
+    rpc_timeout: float = DEFAULT_RPC_TIMEOUT,
+    num_worker_threads: int = DEFAULT_WORKER_THREADS,
+    device_maps: Mapping[str, Mapping[Any, Any]] | None = None,
+    devices: Iterable[Any] | None = None,
+    shutdown_timeout: float = 60.0,
+) -> Worker:
+    """Initialize RPC inside a torchrun job; return this process's :class:`Worker`.
+
+    Worker names come from ``roles`` (``{"ps": 2, "trainer": 2}`` -> ps0, ps1, trainer0,
+    trainer1 by rank), default ``worker<rank>``. The rendezvous is torchrun's own store
+    (MASTER_ADDR:MASTER_PORT; the agent's store when torchrun provides one), so a process group
+    for DDP among some ranks (:func:`init_role_process_group`) needs no second port.
+
+    Example (every rank runs the same script)::
+
+        # torchrun --standalone --nproc-per-node=3 job.py
+        me = rpc_backend.init_from_env(roles={"ps": 1, "trainer": 2})
+        with me:
+            if me.role == "trainer":
+                emb = RemoteModule("ps0/cpu", torch.nn.EmbeddingBag, (1000, 16))
+                ...
+    """
+    info = read_env()
+    layout = placements(info["world_size"], roles)
+    names = [p.name for p in layout]
+    options = make_options(
+        init_method=f"tcp://{info['master_addr']}:{info['master_port']}",
+        rpc_timeout=rpc_timeout,
+        num_worker_threads=num_worker_threads,
+        device_maps=device_maps,
+        devices=devices,
+        worker_names=names,
+    )
+    me: Placement = layout[info["rank"]]
+    rpc.init_rpc(me.name, rank=info["rank"], world_size=info["world_size"], rpc_backend_options=options)
+    return Worker(
+        name=me.name,
+        rank=info["rank"],
+        world_size=info["world_size"],
+        local_rank=info["local_rank"],
+        role=me.role,
+        role_rank=me.role_rank,
+        role_size=me.role_size,
+        names=names,
+        shutdown_timeout=shutdown_timeout,
+    )
+
+
+def init_role_process_group(worker: Worker, backend: str = "gloo", timeout: float = 60.0) -> None:
+    """``init_process_group`` among the ranks of ``worker.role`` only (rank = role rank).
+
+    Uses the job's existing store (torchrun's, or the one the RPC rendezvous started on rank
+    0) under a role-specific prefix: no new port, no clash with other roles' groups.
+
+    Example::
+
+        me = init_from_env(roles={"ps": 1, "trainer": 2})
+        if me.role == "trainer":
+            init_role_process_group(me)          # DDP among trainer0 and trainer1
+            model = DistributedDataParallel(local_part)
+    """
+    info = read_env()
+    store = dist.TCPStore(
+        info["master_addr"], info["master_port"], is_master=False, timeout=timedelta(seconds=timeout)
+    )
+    prefixed = dist.PrefixStore(f"rpc_backend/role_group/{worker.role}", store)
+    dist.init_process_group(
+        backend, store=prefixed, rank=worker.role_rank, world_size=worker.role_size, timeout=timedelta(seconds=timeout)
+    )
