@@ -18,6 +18,7 @@ from torch import nn
 
 from remote_module._device import prepare_inputs, prepare_output
 from remote_module._errors import RemoteFailure, capture
+from remote_module._shipping import unpack_constructor
 
 _NOT_A_MODULE = (
     "Expect `module_cls(*args, **kwargs)` returns an instance of <class nn.Module>, "
@@ -31,6 +32,7 @@ def _device(device: str) -> torch.device:
 
 
 def _build(module_cls: Any, args: tuple, kwargs: dict, device: str) -> nn.Module:
+    module_cls, args, kwargs = unpack_constructor(module_cls, args, kwargs)
     module = module_cls(*args, **kwargs)
     if not isinstance(module, nn.Module):
         raise ValueError(_NOT_A_MODULE.format(type(module)))

@@ -23,6 +23,7 @@ from remote_module._pickling import (
     reduce_proxy,
     reduce_script_module,
 )
+from remote_module._shipping import pack_constructor
 from remote_module._state_dict import merge_remote_state, select_prefixed
 from remote_module._unsupported import UNSUPPORTED_METHODS, make_unsupported
 from rpc_backend._torch_private import (
@@ -123,6 +124,9 @@ class RemoteModule(nn.Module):
             )
         self._prepare(remote_device, _module_interface_cls, timeout)
         where = f"on {self.on} while creating {getattr(module_cls, '__qualname__', module_cls)!r}"
+        local_sig = forward_signature(module_cls) if isinstance(module_cls, type) else None
+        # Classes the host cannot import (defined in __main__ or a function) go by value.
+        module_cls, args, kwargs = pack_constructor(module_cls, args, kwargs)
         if _module_interface_cls is not None:
             render_scriptable_module(_module_interface_cls)  # caller side: validates the interface
             rref = self._rpc(
@@ -140,7 +144,6 @@ class RemoteModule(nn.Module):
         info = self._rpc(_handlers._describe, self.module_rref)
         if info["failure"] is not None:
             reraise(info["failure"], where)
-        local_sig = forward_signature(module_cls) if isinstance(module_cls, type) else None
         self._finish(info, local_sig)
 
     @staticmethod
