@@ -14,13 +14,14 @@ from rpc_backend.local import LocalWorldError, run_local
 from rpc_backend.loopback import fresh_file_rendezvous, loopback_env, loopback_interface
 from rpc_backend.options import make_options
 from rpc_backend.roles import Placement, placements
-from rpc_backend.world import Worker, init_from_env, init_role_process_group, read_env, shutdown_rpc
+from rpc_backend.world import Worker, current_worker, init_from_env, init_role_process_group, read_env, shutdown_rpc
 
 __all__ = [
     "init_from_env",
     "init_role_process_group",
     "read_env",
     "Worker",
+    "current_worker",
     "shutdown_rpc",
     "run_local",
     "LocalWorldError",

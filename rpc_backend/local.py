@@ -20,7 +20,7 @@ import torch.distributed.rpc as rpc
 from rpc_backend.loopback import fresh_file_rendezvous, loopback_env
 from rpc_backend.options import make_options
 from rpc_backend.roles import Placement, placements
-from rpc_backend.world import Worker
+from rpc_backend.world import Worker, _set_current
 
 
 class LocalWorldError(RuntimeError):
@@ -58,7 +58,9 @@ def _rank_entry(
     try:
         options = make_options(init_method=init_method, worker_names=[p.name for p in layout], **option_kwargs)
         rpc.init_rpc(me.name, rank=rank, world_size=world_size, rpc_backend_options=options)
-        worker = Worker(me.name, rank, world_size, rank, me.role, me.role_rank, me.role_size, [p.name for p in layout])
+        worker = _set_current(
+            Worker(me.name, rank, world_size, rank, me.role, me.role_rank, me.role_size, [p.name for p in layout])
+        )
         value = fn(*args)
     except BaseException:
         _send(results, ("error", rank, traceback.format_exc()))
@@ -149,7 +151,7 @@ def run_local(
                 status, rank, payload = results.get(timeout=0.2)
             except queue.Empty:
                 for rank, p in enumerate(procs):
-                    if p.exitcode not in (None, 0) and rank not in values:
+                    if p.exitcode is not None and rank not in values:
                         _drain_error(results, names)
                         raise LocalWorldError(rank, names[rank], f"exited with code {p.exitcode} without a result")
                 if deadline is not None and time.monotonic() > deadline:

@@ -62,6 +62,24 @@ class Worker:
         shutdown_rpc(graceful=graceful, timeout=self.shutdown_timeout)
 
 
+_current: list[Worker] = []
+
+
+def current_worker() -> Worker:
+    """The :class:`Worker` of this process (set by :func:`init_from_env` and ``run_local``)."""
+    if not _current or not is_rpc_initialized():
+        raise RuntimeError(
+            "this process has not joined an RPC world through rpc_backend: call "
+            "rpc_backend.init_from_env() (torchrun) or run it under rpc_backend.run_local()"
+        )
+    return _current[-1]
+
+
+def _set_current(worker: Worker) -> Worker:
+    _current[:] = [worker]
+    return worker
+
+
 def shutdown_rpc(graceful: bool = True, timeout: float = 60.0) -> None:
     """``rpc.shutdown`` that never hangs: a graceful one that does not finish within
     ``timeout`` seconds is abandoned for an immediate one (and reported with a RuntimeError)."""
@@ -170,7 +188,7 @@ def init_from_env(
     )
     me: Placement = layout[info["rank"]]
     rpc.init_rpc(me.name, rank=info["rank"], world_size=info["world_size"], rpc_backend_options=options)
-    return Worker(
+    return _set_current(Worker(
         name=me.name,
         rank=info["rank"],
         world_size=info["world_size"],
@@ -180,7 +198,7 @@ def init_from_env(
         role_size=me.role_size,
         names=names,
         shutdown_timeout=shutdown_timeout,
-    )
+    ))
 
 
 def init_role_process_group(worker: Worker, backend: str = "gloo", timeout: float = 60.0) -> None:

@@ -1,0 +1,144 @@
+"""rpc_backend without RemoteModule: role specs, option validation, torchrun variables,
+the Worker context manager and bounded shutdown."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rpc_backend import (
+    LocalWorldError,
+    fresh_file_rendezvous,
+    loopback_env,
+    make_options,
+    placements,
+    read_env,
+    run_local,
+)
+from tests import _world_fns
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_role_spec_names_ranks_in_order():
+    layout = placements(4, {"ps": 2, "trainer": 2})
+    assert [p.name for p in layout] == ["ps0", "ps1", "trainer0", "trainer1"]
+    assert [(p.role, p.role_rank, p.role_size) for p in layout] == [
+        ("ps", 0, 2), ("ps", 1, 2), ("trainer", 0, 2), ("trainer", 1, 2)
+    ]
+    assert [p.name for p in placements(2)] == ["worker0", "worker1"]
+
+
+@pytest.mark.parametrize(
+    "world_size,roles,exc,text",
+    [
+        (3, {"ps": 1, "trainer": 1}, ValueError, "add up to 2 workers but the world has 3"),
+        (2, {"ps": 0, "trainer": 2}, ValueError, "role 'ps' needs a positive int count"),
+        (2, {"p s": 2}, ValueError, "role names must be identifiers"),
+        (2, {}, TypeError, "non-empty mapping"),
+        (2, {"ps": 1, "ps1": 1}, ValueError, None),  # ps0/ps10 fine; but check no crash
+        (0, None, ValueError, "world_size must be a positive int"),
+    ],
+)
+def test_bad_role_specs(world_size, roles, exc, text):
+    if text is None:
+        assert [p.name for p in placements(world_size, roles)] == ["ps0", "ps10"]
+        return
+    with pytest.raises(exc, match=text):
+        placements(world_size, roles)
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,text",
+    [
+        (dict(rpc_timeout=0), ValueError, "rpc_timeout must be a positive number"),
+        (dict(rpc_timeout="60"), ValueError, "rpc_timeout"),
+        (dict(num_worker_threads=0), ValueError, "num_worker_threads must be a positive int"),
+        (dict(device_maps={"nobody": {"cuda:0": "cuda:0"}}, worker_names=["w0"]), ValueError, "'nobody', which is not in the world"),
+        (dict(device_maps={"w1": {"cuda:0": "gpu9"}}), ValueError, "'gpu9' is not a device"),
+        (dict(device_maps={"w1": {}}), TypeError, "non-empty dict"),
+        (dict(device_maps={"w1": {"cuda:0": "cuda:1", "cuda:1": "cuda:1"}}), ValueError, "same remote device"),
+        (dict(device_maps={1: {"cuda:0": "cuda:0"}}), TypeError, "peer worker names"),
+        (dict(devices=["cuda:0", "tpu?"]), ValueError, "is not a device"),
+    ],
+)
+def test_options_are_validated_before_init(kwargs, exc, text):
+    with pytest.raises(exc, match=text):
+        make_options(**kwargs)
+
+
+def test_valid_options():
+    opts = make_options(rpc_timeout=5, num_worker_threads=4, device_maps={"w1": {"cuda:0": "cuda:1"}}, devices=["cuda:0"])
+    assert opts.rpc_timeout == 5 and opts.num_worker_threads == 4
+    assert opts.device_maps == {"w1": {torch.device("cuda:0"): torch.device("cuda:1")}}
+    assert opts.devices == [torch.device("cuda:0")]
+
+
+TORCHRUN = {"RANK": "1", "WORLD_SIZE": "3", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+def test_read_env():
+    info = read_env(TORCHRUN)
+    assert (info["rank"], info["world_size"], info["local_rank"], info["master_port"]) == (1, 3, 1, 29500)
+    assert info["agent_store"] is False
+
+
+@pytest.mark.parametrize(
+    "changes,text",
+    [
+        ({"RANK": None, "MASTER_PORT": None}, "missing: RANK, MASTER_PORT"),
+        ({"WORLD_SIZE": "three"}, "WORLD_SIZE='three' is not an integer"),
+        ({"RANK": "3"}, "RANK=3 must be in [0, WORLD_SIZE=3)"),
+        ({"LOCAL_RANK": "2"}, "LOCAL_RANK=2 must be in [0, RANK=1]"),
+        ({"MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not a TCP port"),
+    ],
+)
+def test_bad_torchrun_variables_name_them_and_show_the_command(changes, text):
+    env = {k: v for k, v in {**TORCHRUN, **changes}.items() if v is not None}
+    with pytest.raises((RuntimeError, ValueError)) as info:
+        read_env(env)
+    assert text in str(info.value)
+    assert "torchrun --standalone --nproc-per-node=3" in str(info.value)
+
+
+def test_run_local_with_roles_sets_torchrun_variables():
+    out = run_local(_world_fns.describe, 3, roles={"ps": 1, "trainer": 2}, timeout=60)
+    assert [o["name"] for o in out] == ["ps0", "trainer0", "trainer1"]
+    assert [o["rpc_name"] for o in out] == ["ps0", "trainer0", "trainer1"]
+    assert out[2]["env"] == ["2", "3", "2", "trainer"]
+    assert (out[2]["role"], out[2]["role_rank"], out[2]["role_size"]) == ("trainer", 1, 2)
+    assert out[0]["peers"] == ["trainer0", "trainer1"]
+
+
+def test_body_that_raises_shuts_down_at_once():
+    start = time.monotonic()
+    with pytest.raises(LocalWorldError, match="failed inside the with block"):
+        run_local(_world_fns.raise_inside_worker_context, 2, timeout=60, rpc_timeout=120)
+    assert time.monotonic() - start < 30
+
+
+def test_graceful_shutdown_is_bounded():
+    init_method, path = fresh_file_rendezvous()
+    env = {**os.environ, **loopback_env(), "PYTHONPATH": str(ROOT)}
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "tests._shutdown_world", str(r), init_method], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        for r in (0, 1)
+    ]
+    try:
+        out, _ = procs[0].communicate(timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        if os.path.exists(path):
+            os.unlink(path)
+    report = json.loads(next(l for l in out.splitlines() if l.startswith("REPORT "))[len("REPORT "):])
+    assert report["seconds"] < 2.0 + 5.0 + 3.0
+    assert "did not complete within 2.0 s" in report["outcome"]
