@@ -8,7 +8,10 @@ nothing else imported beforehand (no generated code lives on the host for plain 
 from __future__ import annotations
 
 import inspect
+import itertools
 import pickle
+import threading
+import weakref
 from functools import lru_cache
 from typing import Any
 
@@ -18,6 +21,7 @@ from torch import nn
 
 from remote_module._device import prepare_inputs, prepare_output
 from remote_module._errors import RemoteFailure, capture
+from remote_module._inline import pack
 from remote_module._shipping import unpack_constructor
 
 _NOT_A_MODULE = (
@@ -37,6 +41,43 @@ def _build(module_cls: Any, args: tuple, kwargs: dict, device: str) -> nn.Module
     if not isinstance(module, nn.Module):
         raise ValueError(_NOT_A_MODULE.format(type(module)))
     return module.to(_device(device))
+
+
+# ---- the host's module registry ----------------------------------------------------------
+# Calls name the module by a small integer key instead of sending its RRef each time (an RRef
+# argument costs a fork/confirm exchange, ~100 µs). The registry holds weak references only:
+# the proxies' RRefs keep a module alive, and its entry disappears with it.
+
+_registry_lock = threading.Lock()
+_keys = itertools.count(1)
+_module_by_key: dict[int, weakref.ref] = {}
+_key_by_module: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _register(module: nn.Module) -> int:
+    with _registry_lock:
+        key = _key_by_module.get(module)
+        if key is None:
+            key = next(_keys)
+            _key_by_module[module] = key
+            _module_by_key[key] = weakref.ref(module, lambda _, k=key: _module_by_key.pop(k, None))
+        return key
+
+
+def _lookup(key: int) -> nn.Module:
+    ref = _module_by_key.get(key)
+    module = ref() if ref is not None else None
+    if module is None:
+        raise RuntimeError(
+            f"the module behind this RemoteModule (key {key}) no longer exists on this worker: "
+            "every RRef to it was deleted"
+        )
+    return module
+
+
+def registered_modules() -> int:
+    """How many modules this worker hosts for RemoteModules (for leak checks)."""
+    return len(_module_by_key)
 
 
 def portable_signature(sig: inspect.Signature | None) -> inspect.Signature | None:
@@ -103,6 +144,7 @@ def _describe(module_rref: rpc.RRef) -> dict:
     sig = None if isinstance(module, torch.jit.ScriptModule) else forward_signature(module)
     return {
         "failure": None,
+        "key": _register(module),
         "type": f"{type(module).__module__}.{type(module).__qualname__}",
         "signature": portable_signature(sig),
         "training": module.training,
@@ -110,15 +152,19 @@ def _describe(module_rref: rpc.RRef) -> dict:
     }
 
 
-def _forward(args: tuple, kwargs: dict, module_rref: rpc.RRef, device: str, is_device_map_set: bool) -> Any:
-    # The user's arguments come first in the message: if one of them cannot be pickled, the
-    # caller fails before the RRef is serialized (serializing it registers a fork that would
-    # otherwise wait for a confirmation that never comes, and hang rpc.shutdown).
+def _call(
+    args: tuple, kwargs: dict, key: int, device: str, grad_enabled: bool, inline: bool, is_device_map_set: bool
+) -> Any:
+    """One ``forward`` call. ``inline``: the caller inlined small tensors and accepts inlined
+    ones back (it has no distributed autograd context and no device map)."""
     try:
-        module = module_rref.local_value()
+        module = _lookup(key)
         dev = _device(device)
         args, kwargs = prepare_inputs(args, kwargs, dev)
-        return prepare_output(module(*args, **kwargs), dev, is_device_map_set)
+        with torch.set_grad_enabled(grad_enabled):
+            out = module(*args, **kwargs)
+        out = prepare_output(out, dev, is_device_map_set)
+        return pack(out) if inline else out
     except Exception as exc:
         return capture(exc)
 

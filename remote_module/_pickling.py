@@ -22,6 +22,7 @@ PICKLED_ATTRIBUTES: tuple[str, ...] = (
     "is_device_map_set",
     "is_scriptable",
     "module_rref",
+    "module_key",
     "module_interface_cls",
     "forward_signature",
     "remote_type",

@@ -16,6 +16,7 @@ from remote_module import _handlers
 from remote_module._codegen import forward_signature, render_forward_methods, render_scriptable_module
 from remote_module._device import parse_remote_device
 from remote_module._errors import RemoteFailure, reraise, to_exception, unsendable_argument
+from remote_module._inline import pack
 from remote_module._pickling import (
     NOT_PICKLABLE,
     NOT_UNPICKLABLE,
@@ -30,6 +31,7 @@ from rpc_backend._torch_private import (
     device_map_to,
     is_jit_interface,
     is_rpc_initialized,
+    dist_autograd_contexts_exist,
     register_rpc_reducer,
     rpc_serialize,
     worker_names,
@@ -211,6 +213,7 @@ class RemoteModule(nn.Module):
 
     def _finish(self, info: dict, local_sig: inspect.Signature | None) -> None:
         self.remote_type = info["type"]
+        self.module_key = info["key"]
         if local_sig is not None:
             # This proxy keeps the exact local objects; a picklable copy travels with it.
             self.forward_signature = _handlers.portable_signature(local_sig)
@@ -273,13 +276,19 @@ class RemoteModule(nn.Module):
             "Pass tensors, plain Python values or picklable objects instead."
         )
 
-    def _forward_args(self, args: tuple, kwargs: dict) -> tuple:
-        return (args, kwargs, self.module_rref, self.device, self.is_device_map_set)  # RRef after user data
+    def _call_message(self, args: tuple, kwargs: dict) -> tuple:
+        # Fast path (inlined small tensors) only where it is safe: no device map, and no
+        # distributed autograd context that would need tensors on the wire to record.
+        inline = not self.is_device_map_set and not dist_autograd_contexts_exist()
+        if inline:
+            args, kwargs = pack(args), pack(kwargs)
+        # The user's arguments come first: if one cannot be pickled, nothing else was.
+        return (args, kwargs, self.module_key, self.device, torch.is_grad_enabled(), inline, self.is_device_map_set)
 
     def _remote_call_sync(self, args: tuple, kwargs: dict) -> Any:
         """Used by the generated ``forward``."""
         try:
-            out = rpc.rpc_sync(self.on, _handlers._forward, self._forward_args(args, kwargs), timeout=self.timeout)
+            out = rpc.rpc_sync(self.on, _handlers._call, self._call_message(args, kwargs), timeout=self.timeout)
         except (TypeError, AttributeError, pickle.PicklingError) as exc:
             raise (self._explain_unsendable(args, kwargs, exc) or exc) from exc
         except RuntimeError as exc:
@@ -291,7 +300,7 @@ class RemoteModule(nn.Module):
     def _remote_call_async(self, args: tuple, kwargs: dict) -> Future:
         """Used by the generated ``forward_async``."""
         try:
-            fut = rpc.rpc_async(self.on, _handlers._forward, self._forward_args(args, kwargs), timeout=self.timeout)
+            fut = rpc.rpc_async(self.on, _handlers._call, self._call_message(args, kwargs), timeout=self.timeout)
         except (TypeError, AttributeError, pickle.PicklingError) as exc:
             raise (self._explain_unsendable(args, kwargs, exc) or exc) from exc
         except RuntimeError as exc:

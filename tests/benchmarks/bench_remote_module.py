@@ -1,0 +1,260 @@
+"""Side-by-side benchmark: raw RPC, torch's RemoteModule and remote_module.RemoteModule.
+
+    make bench                      # full size (about two minutes on 2 cores)
+    python -m tests.benchmarks.bench_remote_module --quick
+
+Two local processes on loopback ("caller" and "host"). Every figure is a median over blocks
+of calls, with the variants interleaved block by block so drift hits them all alike, and
+every ratio compares medians from this one run. Prints a table and writes JSON
+(bench-results.json by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+from torch import nn
+
+from rpc_backend import run_local
+
+SMALL_IN = 16
+
+
+# ---- host-side functions (module level: RPC pickles them by reference) -------------------
+
+
+def noop() -> None:
+    return None
+
+
+def rref_forward(rref: rpc.RRef, x: torch.Tensor) -> torch.Tensor:
+    return rref.local_value()(x)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def gc_collect() -> None:
+    import gc
+
+    gc.collect()
+
+
+# ---- measuring ---------------------------------------------------------------------------
+
+
+def interleaved(variants: dict[str, Callable[[], Any]], blocks: int, per_block: int) -> dict[str, float]:
+    """Median seconds per call of each variant; blocks alternate between variants."""
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for fn in variants.values():  # warm up every path first
+        for _ in range(max(3, per_block // 4)):
+            fn()
+    for _ in range(blocks):
+        for name, fn in variants.items():
+            start = time.perf_counter()
+            for _ in range(per_block):
+                fn()
+            samples[name].append((time.perf_counter() - start) / per_block)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def in_flight(variants: dict[str, Callable[[], Any]], blocks: int, depth: int) -> dict[str, float]:
+    """Median calls per second with ``depth`` async calls in flight."""
+    rates: dict[str, list[float]] = {name: [] for name in variants}
+    for fn in variants.values():
+        torch.futures.wait_all([fn() for _ in range(depth)])
+    for _ in range(blocks):
+        for name, fn in variants.items():
+            start = time.perf_counter()
+            torch.futures.wait_all([fn() for _ in range(depth)])
+            rates[name].append(depth / (time.perf_counter() - start))
+    return {name: statistics.median(r) for name, r in rates.items()}
+
+
+def caller_main(cfg: dict) -> dict:
+    from torch.distributed.nn import RemoteModule as TorchRemoteModule
+
+    from remote_module import RemoteModule
+
+    host = "host"
+    results: dict[str, Any] = {"config": cfg, "torch": torch.__version__}
+
+    # small forward ------------------------------------------------------------------------
+    torch.manual_seed(0)
+    ours = RemoteModule(f"{host}/cpu", nn.Linear, (SMALL_IN, SMALL_IN))
+    theirs = TorchRemoteModule(f"{host}/cpu", nn.Linear, (SMALL_IN, SMALL_IN))
+    raw_rref = rpc.remote(host, nn.Linear, (SMALL_IN, SMALL_IN))
+    x = torch.randn(1, SMALL_IN)
+    with torch.no_grad():
+        small = interleaved(
+            {
+                "raw rpc_sync no-op": lambda: rpc.rpc_sync(host, noop),
+                "raw RRef call": lambda: rpc.rpc_sync(host, rref_forward, (raw_rref, x)),
+                "torch RemoteModule": lambda: theirs.forward(x),
+                "remote_module": lambda: ours.forward(x),
+            },
+            cfg["blocks"],
+            cfg["per_block"],
+        )
+    results["small_forward_no_grad_s"] = small
+
+    # small forward under distributed autograd --------------------------------------------
+    xg = torch.randn(1, SMALL_IN, requires_grad=True)
+
+    def under_context(fn: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            with dist_autograd.context():
+                return fn()
+
+        return run
+
+    autograd = interleaved(
+        {
+            "torch RemoteModule": under_context(lambda: theirs.forward(xg)),
+            "remote_module": under_context(lambda: ours.forward(xg)),
+        },
+        cfg["blocks"],
+        cfg["per_block"],
+    )
+    results["small_forward_dist_autograd_s"] = autograd
+
+    # forward_async, 64 in flight ----------------------------------------------------------
+    with torch.no_grad():
+        rates = in_flight(
+            {
+                "raw rpc_async RRef call": lambda: rpc.rpc_async(host, rref_forward, (raw_rref, x)),
+                "torch RemoteModule": lambda: theirs.forward_async(x),
+                "remote_module": lambda: ours.forward_async(x),
+            },
+            cfg["blocks"],
+            64,
+        )
+    results["forward_async_64_calls_per_s"] = rates
+
+    # large round trips --------------------------------------------------------------------
+    ours_id = RemoteModule(f"{host}/cpu", nn.Identity)
+    theirs_id = TorchRemoteModule(f"{host}/cpu", nn.Identity)
+    large: dict[str, dict[str, float]] = {}
+    for label, nbytes in (("1MB", 1 << 20), ("64MB", 64 << 20)):
+        t = torch.randn(nbytes // 4)
+        blocks = cfg["blocks"] if nbytes <= (1 << 20) else cfg["large_blocks"]
+        per_block = cfg["per_block"] // 4 if nbytes <= (1 << 20) else 1
+        with torch.no_grad():
+            secs = interleaved(
+                {
+                    "in-process copy": lambda: t.clone(),
+                    "torch RemoteModule": lambda: theirs_id.forward(t),
+                    "remote_module": lambda: ours_id.forward(t),
+                },
+                blocks,
+                per_block,
+            )
+        large[label] = {name: nbytes / s / 1e9 for name, s in secs.items()}  # GB/s of payload
+    results["round_trip_GB_per_s"] = large
+
+    # memory over many calls ---------------------------------------------------------------
+    calls = cfg["memory_calls"]
+    with torch.no_grad():
+        for _ in range(1000):
+            ours.forward(x)
+        import gc
+
+        gc.collect()
+        rpc.rpc_sync(host, gc_collect)
+        caller_before, host_before = rss_bytes(), rpc.rpc_sync(host, rss_bytes)
+        for _ in range(calls):
+            ours.forward(x)
+        gc.collect()
+        rpc.rpc_sync(host, gc_collect)
+        caller_after, host_after = rss_bytes(), rpc.rpc_sync(host, rss_bytes)
+    results["memory"] = {
+        "calls": calls,
+        "caller_growth_MB": (caller_after - caller_before) / 2**20,
+        "host_growth_MB": (host_after - host_before) / 2**20,
+    }
+    return results
+
+
+def rank_main(cfg: dict) -> dict | None:
+    if rpc.get_worker_info().name == "caller":
+        return caller_main(cfg)
+    # torch's RemoteModule generates its host-side module lazily; import it up front so its
+    # first call cannot race the import (a torch issue this benchmark is not about).
+    import torch.distributed.nn.api.remote_module  # noqa: F401
+
+    return None
+
+
+def ratios(r: dict) -> dict[str, float]:
+    small, ag, rates, large = (
+        r["small_forward_no_grad_s"],
+        r["small_forward_dist_autograd_s"],
+        r["forward_async_64_calls_per_s"],
+        r["round_trip_GB_per_s"],
+    )
+    return {
+        "small no_grad: project / torch (target <= 0.70)": small["remote_module"] / small["torch RemoteModule"],
+        "small no_grad: project / raw no-op (target <= 1.5)": small["remote_module"] / small["raw rpc_sync no-op"],
+        "async 64 in flight: project / torch calls/s (target >= 1.5)": rates["remote_module"] / rates["torch RemoteModule"],
+        "dist autograd: project / torch (target <= 1.05)": ag["remote_module"] / ag["torch RemoteModule"],
+        "64MB bandwidth: project / torch (target >= 1.0)": large["64MB"]["remote_module"] / large["64MB"]["torch RemoteModule"],
+        "64MB bandwidth: project / in-process copy": large["64MB"]["remote_module"] / large["64MB"]["in-process copy"],
+        "1MB bandwidth: project / torch": large["1MB"]["remote_module"] / large["1MB"]["torch RemoteModule"],
+    }
+
+
+def report(r: dict) -> str:
+    lines = ["", "median time per call (µs)", "-" * 60]
+    for section, key in (("small forward, no_grad", "small_forward_no_grad_s"),
+                         ("small forward, dist autograd", "small_forward_dist_autograd_s")):
+        lines.append(section)
+        for name, s in r[key].items():
+            lines.append(f"  {name:<28}{s * 1e6:>10.1f}")
+    lines.append("forward_async, 64 in flight (calls/s)")
+    for name, v in r["forward_async_64_calls_per_s"].items():
+        lines.append(f"  {name:<28}{v:>10.0f}")
+    for size, row in r["round_trip_GB_per_s"].items():
+        lines.append(f"{size} round trip through nn.Identity (GB/s of payload)")
+        for name, v in row.items():
+            lines.append(f"  {name:<28}{v:>10.2f}")
+    m = r["memory"]
+    lines.append(f"memory after {m['calls']} calls: caller +{m['caller_growth_MB']:.1f} MB, host +{m['host_growth_MB']:.1f} MB")
+    lines.append("")
+    lines.append("ratios of medians (same run)")
+    lines.append("-" * 60)
+    for name, v in r["ratios"].items():
+        lines.append(f"  {name:<62}{v:>7.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description="remote_module benchmark")
+    parser.add_argument("--quick", action="store_true", help="small sizes (for a smoke run)")
+    parser.add_argument("--json", default="bench-results.json")
+    args = parser.parse_args(argv)
+    cfg = (
+        {"blocks": 9, "per_block": 40, "large_blocks": 3, "memory_calls": 2000}
+        if args.quick
+        else {"blocks": 31, "per_block": 100, "large_blocks": 9, "memory_calls": 100_000}
+    )
+    results = run_local(rank_main, 2, names=["caller", "host"], args=(cfg,), timeout=1800)[0]
+    results["ratios"] = ratios(results)
+    print(report(results))
+    with open(args.json, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"\nwritten to {args.json}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
