@@ -84,21 +84,16 @@ def _looks_like_device(s: str) -> bool:
 # Moving tensors inside arbitrary (nested) arguments and outputs.
 
 
-def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
-    """Apply ``fn`` to every tensor in ``obj``, keeping its structure.
+def map_leaves(fn: Callable[[Any], Any], obj: Any, leaf_type: type) -> Any:
+    """Apply ``fn`` to every ``leaf_type`` instance in ``obj``, keeping its structure.
 
     Lists, tuples (named tuples too) and dicts are walked recursively; anything else is
-    returned as it is. A tensor itself is mapped as a whole (never iterated into rows).
-
-    Example::
-
-        >>> map_tensors(lambda t: t * 2, {"a": [torch.ones(1)], "b": 3})
-        {'a': [tensor([2.])], 'b': 3}
+    returned as it is. A leaf is mapped as a whole (a tensor is never iterated into rows).
     """
-    if isinstance(obj, torch.Tensor):
+    if isinstance(obj, leaf_type):
         return fn(obj)
     if isinstance(obj, dict):
-        mapped = {k: map_tensors(fn, v) for k, v in obj.items()}
+        mapped = {k: map_leaves(fn, v, leaf_type) for k, v in obj.items()}
         if type(obj) is dict:
             return mapped
         try:  # OrderedDict and friends keep their type
@@ -106,11 +101,22 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
         except TypeError:
             return mapped
     if isinstance(obj, tuple):
-        items = [map_tensors(fn, v) for v in obj]
+        items = [map_leaves(fn, v, leaf_type) for v in obj]
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     if isinstance(obj, list):
-        return [map_tensors(fn, v) for v in obj]
+        return [map_leaves(fn, v, leaf_type) for v in obj]
     return obj
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
+    """Apply ``fn`` to every tensor in ``obj``, keeping its structure (see :func:`map_leaves`).
+
+    Example::
+
+        >>> map_tensors(lambda t: t * 2, {"a": [torch.ones(1)], "b": 3})
+        {'a': [tensor([2.])], 'b': 3}
+    """
+    return map_leaves(fn, obj, torch.Tensor)
 
 
 def move_cpu_tensors(obj: Any, device: torch.device) -> Any:

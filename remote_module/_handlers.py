@@ -21,7 +21,7 @@ from torch import nn
 
 from remote_module._device import prepare_inputs, prepare_output
 from remote_module._errors import RemoteFailure, capture
-from remote_module._inline import pack
+from remote_module._inline import pack, unpack
 from remote_module._shipping import unpack_constructor
 
 _NOT_A_MODULE = (
@@ -160,9 +160,14 @@ def _call(
     try:
         module = _lookup(key)
         dev = _device(device)
+        if inline:
+            args, kwargs = unpack(args), unpack(kwargs)
         args, kwargs = prepare_inputs(args, kwargs, dev)
-        with torch.set_grad_enabled(grad_enabled):
+        if grad_enabled == torch.is_grad_enabled():
             out = module(*args, **kwargs)
+        else:
+            with torch.set_grad_enabled(grad_enabled):
+                out = module(*args, **kwargs)
         out = prepare_output(out, dev, is_device_map_set)
         return pack(out) if inline else out
     except Exception as exc:

@@ -16,7 +16,7 @@ from remote_module import _handlers
 from remote_module._codegen import forward_signature, render_forward_methods, render_scriptable_module
 from remote_module._device import parse_remote_device
 from remote_module._errors import RemoteFailure, reraise, to_exception, unsendable_argument
-from remote_module._inline import pack
+from remote_module._inline import pack, unpack
 from remote_module._pickling import (
     NOT_PICKLABLE,
     NOT_UNPICKLABLE,
@@ -287,20 +287,23 @@ class RemoteModule(nn.Module):
 
     def _remote_call_sync(self, args: tuple, kwargs: dict) -> Any:
         """Used by the generated ``forward``."""
+        message = self._call_message(args, kwargs)
         try:
-            out = rpc.rpc_sync(self.on, _handlers._call, self._call_message(args, kwargs), timeout=self.timeout)
+            out = rpc.rpc_sync(self.on, _handlers._call, message, timeout=self.timeout)
         except (TypeError, AttributeError, pickle.PicklingError) as exc:
             raise (self._explain_unsendable(args, kwargs, exc) or exc) from exc
         except RuntimeError as exc:
             raise self._failed(exc, "forward") from exc
         if type(out) is RemoteFailure:
             reraise(out, self._where())
-        return out
+        return unpack(out) if message[5] else out
 
     def _remote_call_async(self, args: tuple, kwargs: dict) -> Future:
         """Used by the generated ``forward_async``."""
+        message = self._call_message(args, kwargs)
+        inline = message[5]
         try:
-            fut = rpc.rpc_async(self.on, _handlers._call, self._call_message(args, kwargs), timeout=self.timeout)
+            fut = rpc.rpc_async(self.on, _handlers._call, message, timeout=self.timeout)
         except (TypeError, AttributeError, pickle.PicklingError) as exc:
             raise (self._explain_unsendable(args, kwargs, exc) or exc) from exc
         except RuntimeError as exc:
@@ -321,7 +324,7 @@ class RemoteModule(nn.Module):
             if type(out) is RemoteFailure:
                 result.set_exception(to_exception(out, self._where()))
             else:
-                result.set_result(out)
+                result.set_result(unpack(out) if inline else out)
 
         fut.add_done_callback(settle)
         return result
