@@ -75,9 +75,10 @@ def _lookup(key: int) -> nn.Module:
     return module
 
 
-def registered_modules() -> int:
-    """How many modules this worker hosts for RemoteModules (for leak checks)."""
-    return len(_module_by_key)
+def registered_keys() -> set[int]:
+    """The keys of the modules this worker hosts for RemoteModules (for leak checks)."""
+    with _registry_lock:
+        return set(_module_by_key)
 
 
 def portable_signature(sig: inspect.Signature | None) -> inspect.Signature | None:

@@ -1,0 +1,170 @@
+"""The small-call fast path (module keys, inlined small tensors) is transparent, and is not
+used where it must not be: under distributed autograd, with device maps, for big or
+non-CPU tensors."""
+
+import gc
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+from torch import nn
+from torch.distributed.optim import DistributedOptimizer
+
+from remote_module import RemoteModule
+from remote_module._inline import INLINE_MAX_BYTES, Packed, pack, unpack
+from tests import _remote
+from tests._remote import Affine, Raiser
+
+
+def roundtrip(obj):
+    import pickle
+
+    return unpack(pickle.loads(pickle.dumps(pack(obj))))
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.randn(3, 4),
+        torch.randn(3, 4, requires_grad=True),
+        torch.tensor(7),
+        torch.empty(0, 5),
+        torch.arange(20)[::3],
+        torch.randn(4, 4).t(),
+        torch.tensor([1 + 2j, 3 - 1j]).conj(),
+        torch.ones(3, dtype=torch.bfloat16),
+        torch.tensor([True, False]),
+        torch.randint(0, 255, (5,), dtype=torch.uint8),
+    ],
+    ids=lambda t: f"{t.dtype}-{tuple(t.shape)}",
+)
+def test_inlined_tensor_round_trip(tensor):
+    back = roundtrip(tensor)
+    assert type(back) is torch.Tensor
+    assert back.dtype == tensor.dtype and back.shape == tensor.shape
+    assert torch.equal(back, tensor.detach().resolve_conj())
+    assert back.requires_grad == tensor.requires_grad
+
+
+def test_only_small_dense_cpu_plain_tensors_are_inlined():
+    big = torch.zeros(INLINE_MAX_BYTES // 4 + 1)
+    meta = torch.empty(3, device="meta")
+    param = nn.Parameter(torch.ones(2))
+    sparse = torch.eye(3).to_sparse()
+    packed = pack([torch.ones(2), big, meta, param, sparse])
+    assert isinstance(packed[0], Packed)
+    assert packed[1] is big and packed[2] is meta and packed[3] is param and packed[4] is sparse
+
+
+def test_aliasing_and_structure_survive():
+    t = torch.ones(2)
+    back = roundtrip({"a": (t, [t]), "b": _remote.Pair(t, 3)})
+    assert back["a"][0] is back["a"][1][0] is back["b"].first
+    assert type(back["b"]) is _remote.Pair and back["b"].second == 3
+
+
+@pytest.mark.usefixtures("rpc_world")
+class TestOverRPC:
+    def test_fast_path_only_without_context_and_device_map(self):
+        proxy = RemoteModule("worker1", Affine)
+        x = torch.ones(4)
+        assert proxy._call_message((x,), {})[5] is True
+        with dist_autograd.context():
+            assert proxy._call_message((x,), {})[5] is False
+        proxy.is_device_map_set = True  # as on a CUDA proxy with a device map
+        assert proxy._call_message((x,), {})[5] is False
+
+    def test_same_results_on_both_paths(self):
+        proxy = RemoteModule("worker1", Affine, (4,), {"seed": 9})
+        twin = Affine(4, seed=9)
+        x = torch.randn(3, 4)
+        fast = proxy(x, 2.0, shift=torch.ones(4))
+        with dist_autograd.context():
+            slow = proxy(x, 2.0, shift=torch.ones(4))
+        expected = twin(x, 2.0, shift=torch.ones(4))
+        assert torch.allclose(fast, expected) and torch.allclose(slow, expected)
+        # requires_grad as through torch's tensor channel, and as local calls under no_grad
+        assert fast.requires_grad is True
+        with torch.no_grad():
+            assert proxy(x).requires_grad is False
+
+    def test_same_exceptions_on_both_paths(self):
+        proxy = RemoteModule("worker1", Raiser)
+        with pytest.raises(_remote.UserError, match="the user's own error"):
+            proxy("user")
+        with dist_autograd.context():
+            with pytest.raises(_remote.UserError, match="the user's own error"):
+                proxy("user")
+
+    def test_integer_inputs_still_train_the_remote_table(self):
+        # Under distributed autograd the fast path is off, so gradients reach the remote
+        # parameters even though the inputs (ids) do not require grad.
+        torch.manual_seed(4)
+        proxy = RemoteModule("worker2", nn.EmbeddingBag, (10, 3), {"mode": "sum"})
+        twin = proxy.get_module_rref().to_here()
+        ids, offsets = torch.tensor([1, 2, 2, 7]), torch.tensor([0, 2])
+        opt = DistributedOptimizer(torch.optim.SGD, proxy.remote_parameters(), lr=0.5)
+        with dist_autograd.context() as ctx:
+            dist_autograd.backward(ctx, [proxy(ids, offsets).pow(2).sum()])
+            opt.step(ctx)
+        twin(ids, offsets).pow(2).sum().backward()
+        with torch.no_grad():
+            twin.weight -= 0.5 * twin.weight.grad
+        assert torch.allclose(proxy.state_dict()["weight"], twin.weight, atol=1e-6)
+
+    def test_big_and_small_arguments_together(self):
+        proxy = RemoteModule("worker1", _remote.Nested)
+        big = torch.randn(300_000)  # 1.2 MB: tensor channel
+        out = proxy({"x": big, "ys": [torch.ones(2)]})
+        assert torch.equal(out.first, big + 1) and torch.equal(out.second[1]["y"], torch.ones(2))
+
+    def test_eight_threads_calling_one_proxy(self):
+        proxy = RemoteModule("worker2", Affine, (4,), {"seed": 11})
+        twin = Affine(4, seed=11)
+        calls, errors = 150, []
+
+        def worker(tid):
+            gen = torch.Generator().manual_seed(tid)
+            for i in range(calls):
+                x = torch.randn(2, 4, generator=gen)
+                fut = proxy.forward_async(x, float(i % 3)) if i % 2 else None
+                out = fut.wait() if fut is not None else proxy(x, float(i % 3))
+                if not torch.allclose(out, twin(x, float(i % 3)), atol=1e-5):
+                    errors.append((tid, i))
+
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=90)
+        assert not any(t.is_alive() for t in threads)
+        assert errors == []
+
+    def test_no_leak_over_many_calls(self):
+        proxy = RemoteModule("worker1", Affine)
+        x = torch.ones(1, 4)
+        with torch.no_grad():
+            for _ in range(300):
+                proxy(x)
+            gc.collect()
+            caller0, host0 = _remote.rss_mb(), rpc.rpc_sync("worker1", _remote.rss_mb)
+            for _ in range(3000):
+                proxy(x)
+                proxy.forward_async(x).wait()
+            gc.collect()
+            caller1, host1 = _remote.rss_mb(), rpc.rpc_sync("worker1", _remote.rss_mb)
+        assert caller1 - caller0 < 20 and host1 - host0 < 20, (caller0, caller1, host0, host1)
+
+    def test_host_registry_forgets_dead_modules(self):
+        proxies = [RemoteModule("worker2", Affine) for _ in range(3)]
+        keys = {p.module_key for p in proxies}
+        assert len(keys) == 3 and keys <= rpc.rpc_sync("worker2", _remote.registered_keys)
+        del proxies
+        gc.collect()
+        deadline = time.monotonic() + 10
+        while keys & rpc.rpc_sync("worker2", _remote.registered_keys) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not keys & rpc.rpc_sync("worker2", _remote.registered_keys)
