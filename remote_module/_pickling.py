@@ -36,6 +36,7 @@ PICKLED_ATTRIBUTES: tuple[str, ...] = (
 IGNORED_ATTRIBUTES: tuple[str, ...] = tuple(vars(nn.Module()).keys()) + (
     "forward",
     "forward_async",
+    "_host_info",  # a per-process cache of the host's WorkerInfo
 )
 
 NOT_PICKLABLE = "Cannot pickle RemoteModule in python pickler. RemoteModule can only be pickled when using RPC"

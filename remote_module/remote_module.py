@@ -276,6 +276,13 @@ class RemoteModule(nn.Module):
             "Pass tensors, plain Python values or picklable objects instead."
         )
 
+    def _dest(self) -> Any:
+        """The host's WorkerInfo, looked up once per process (a name costs a lookup per call)."""
+        info = self.__dict__.get("_host_info")
+        if info is None:
+            info = self.__dict__["_host_info"] = rpc.get_worker_info(self.on)
+        return info
+
     def _call_message(self, args: tuple, kwargs: dict) -> tuple:
         # Fast path (inlined small tensors) only where it is safe: no device map, and no
         # distributed autograd context that would need tensors on the wire to record.
@@ -289,7 +296,7 @@ class RemoteModule(nn.Module):
         """Used by the generated ``forward``."""
         message = self._call_message(args, kwargs)
         try:
-            out = rpc.rpc_sync(self.on, _handlers._call, message, timeout=self.timeout)
+            out = rpc.rpc_sync(self._dest(), _handlers._call, message, timeout=self.timeout)
         except (TypeError, AttributeError, pickle.PicklingError) as exc:
             raise (self._explain_unsendable(args, kwargs, exc) or exc) from exc
         except RuntimeError as exc:
@@ -303,7 +310,7 @@ class RemoteModule(nn.Module):
         message = self._call_message(args, kwargs)
         inline = message[5]
         try:
-            fut = rpc.rpc_async(self.on, _handlers._call, message, timeout=self.timeout)
+            fut = rpc.rpc_async(self._dest(), _handlers._call, message, timeout=self.timeout)
         except (TypeError, AttributeError, pickle.PicklingError) as exc:
             raise (self._explain_unsendable(args, kwargs, exc) or exc) from exc
         except RuntimeError as exc:
