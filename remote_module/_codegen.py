@@ -25,7 +25,6 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 from torch.futures import Future
 
 from rpc_backend._torch_private import interface_forward_schema, is_jit_interface

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import warnings
-from typing import Any
 
 import torch
 from torch import nn

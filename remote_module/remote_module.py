@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import inspect
-import pickle
 import types
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed.rpc as rpc
 from torch import nn
-from torch.futures import Future
 
 from remote_module import _handlers
+from remote_module._calls import RemoteCalls, _rpc_missing_message
 from remote_module._codegen import forward_signature, render_forward_methods, render_scriptable_module
 from remote_module._device import parse_remote_device
-from remote_module._errors import RemoteFailure, reraise, to_exception, unsendable_argument
-from remote_module._inline import pack, unpack
+from remote_module._errors import RemoteFailure, reraise
 from remote_module._pickling import (
     NOT_PICKLABLE,
     NOT_UNPICKLABLE,
@@ -31,9 +29,7 @@ from rpc_backend._torch_private import (
     device_map_to,
     is_jit_interface,
     is_rpc_initialized,
-    dist_autograd_contexts_exist,
     register_rpc_reducer,
-    rpc_serialize,
     worker_names,
 )
 
@@ -46,7 +42,7 @@ def _require_rpc(what: str) -> None:
         raise RuntimeError(_rpc_missing_message(what))
 
 
-class RemoteModule(nn.Module):
+class RemoteModule(RemoteCalls, nn.Module):
     """A module created on a remote worker, called through RPC as if it were local.
 
     ``RemoteModule(remote_device, module_cls, args, kwargs)`` creates
@@ -235,110 +231,6 @@ class RemoteModule(nn.Module):
         self.forward = types.MethodType(fwd, self)
         self.forward_async = types.MethodType(fwd_async, self)
 
-    # ---- calls ---------------------------------------------------------------------------
-
-    def _rpc(self, handler: Callable[..., Any], *args: Any) -> Any:
-        """A blocking call of a host-side handler, with this proxy's timeout."""
-        return self._call_or_explain(rpc.rpc_sync, handler, args, handler.__name__.lstrip("_"))
-
-    def _call_or_explain(self, api: Callable[..., Any], handler: Callable[..., Any], args: tuple, what: str) -> Any:
-        try:
-            return api(self.on, handler, args, timeout=self.timeout)
-        except RuntimeError as exc:
-            raise self._failed(exc, what) from exc
-
-    def _failed(self, exc: BaseException, what: str) -> BaseException:
-        """An RPC-level failure (timeout, dead host, RPC shut down), naming worker and module."""
-        if not is_rpc_initialized():
-            return RuntimeError(_rpc_missing_message(f"RemoteModule on {self.on!r}: {what}"))
-        remote_type = getattr(self, "remote_type", "the module")
-        message = f"RemoteModule call to worker {self.on!r} ({remote_type}, {what}) failed: {exc}"
-        try:
-            return type(exc)(message)
-        except Exception:
-            return RuntimeError(message)
-
-    def _where(self) -> str:
-        return f"on {self.on} in {self.remote_type}.forward"
-
-    def _explain_unsendable(self, args: tuple, kwargs: dict, exc: BaseException) -> BaseException | None:
-        sig = self.forward_signature
-        names = [] if sig is None else [
-            p.name for p in sig.parameters.values()
-            if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        ]
-        found = unsendable_argument(args, kwargs, names, rpc_serialize)
-        if found is None:
-            return None
-        name, why = found
-        return TypeError(
-            f"argument {name!r} of {self.remote_type}.forward cannot be sent over RPC to {self.on!r}: {why}. "
-            "Pass tensors, plain Python values or picklable objects instead."
-        )
-
-    def _dest(self) -> Any:
-        """The host's WorkerInfo, looked up once per process (a name costs a lookup per call)."""
-        info = self.__dict__.get("_host_info")
-        if info is None:
-            info = self.__dict__["_host_info"] = rpc.get_worker_info(self.on)
-        return info
-
-    def _call_message(self, args: tuple, kwargs: dict) -> tuple:
-        # Fast path (inlined small tensors) only where it is safe: no device map, and no
-        # distributed autograd context that would need tensors on the wire to record.
-        inline = not self.is_device_map_set and not dist_autograd_contexts_exist()
-        if inline:
-            args, kwargs = pack(args), pack(kwargs)
-        # The user's arguments come first: if one cannot be pickled, nothing else was.
-        return (args, kwargs, self.module_key, self.device, torch.is_grad_enabled(), inline, self.is_device_map_set)
-
-    def _remote_call_sync(self, args: tuple, kwargs: dict) -> Any:
-        """Used by the generated ``forward``."""
-        message = self._call_message(args, kwargs)
-        try:
-            out = rpc.rpc_sync(self._dest(), _handlers._call, message, timeout=self.timeout)
-        except (TypeError, AttributeError, pickle.PicklingError) as exc:
-            raise (self._explain_unsendable(args, kwargs, exc) or exc) from exc
-        except RuntimeError as exc:
-            raise self._failed(exc, "forward") from exc
-        if type(out) is RemoteFailure:
-            reraise(out, self._where())
-        return unpack(out) if message[5] else out
-
-    def _remote_call_async(self, args: tuple, kwargs: dict) -> Future:
-        """Used by the generated ``forward_async``."""
-        message = self._call_message(args, kwargs)
-        inline = message[5]
-        try:
-            fut = rpc.rpc_async(self._dest(), _handlers._call, message, timeout=self.timeout)
-        except (TypeError, AttributeError, pickle.PicklingError) as exc:
-            raise (self._explain_unsendable(args, kwargs, exc) or exc) from exc
-        except RuntimeError as exc:
-            raise self._failed(exc, "forward_async") from exc
-        # A torch.futures.Future (rpc_async's is its C base class); on a device-mapped proxy it
-        # carries the local devices, so CUDA stream ordering is kept across the hand-over.
-        result: Future = Future(devices=self._future_devices()) if self.is_device_map_set else Future()
-
-        def settle(done: Any) -> None:
-            try:
-                out = done.wait()
-            except RuntimeError as exc:
-                result.set_exception(self._failed(exc, "forward_async"))
-                return
-            except BaseException as exc:
-                result.set_exception(exc)
-                return
-            if type(out) is RemoteFailure:
-                result.set_exception(to_exception(out, self._where()))
-            else:
-                result.set_result(unpack(out) if inline else out)
-
-        fut.add_done_callback(settle)
-        return result
-
-    def _future_devices(self) -> list[torch.device]:
-        return sorted({torch.device(d) for d in device_map_to(self.on).values()}, key=str)
-
     # ---- public API ----------------------------------------------------------------------
 
     def remote_parameters(self, recurse: bool = True) -> list[rpc.RRef]:
@@ -415,13 +307,6 @@ del _name
 
 register_rpc_reducer(RemoteModule, reduce_proxy)
 register_rpc_reducer(torch.jit.RecursiveScriptModule, reduce_script_module)
-
-
-def _rpc_missing_message(what: str) -> str:
-    return (
-        f"{what} needs torch.distributed.rpc: call rpc.init_rpc(name, rank=..., world_size=...) "
-        "(or rpc_backend.init_from_env() in a torchrun job) first, and use it before rpc.shutdown()."
-    )
 
 
 def _worker_name(worker: str | int, remote_device: str) -> str:

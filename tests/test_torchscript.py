@@ -1,7 +1,6 @@
 """Scriptable proxies: `_module_interface_cls`, torch.jit.script(proxy), calls from script."""
 
 import inspect
-import warnings
 
 import pytest
 import torch
