@@ -19,6 +19,7 @@ from torch.futures import Future
 from remote_module import _handlers
 from remote_module._errors import RemoteFailure, reraise, to_exception, unsendable_argument
 from remote_module._inline import pack, unpack
+from remote_module._pipeline import pipeline_of
 from rpc_backend._torch_private import device_map_to, dist_autograd_contexts_exist, is_rpc_initialized, rpc_serialize
 
 
@@ -103,6 +104,10 @@ class RemoteCalls:
 
     def _remote_call_async(self, args: tuple, kwargs: dict) -> Future:
         """Used by the generated ``forward_async``."""
+        if not self.is_device_map_set and not dist_autograd_contexts_exist():
+            pipelined = pipeline_of(self).try_submit(args, kwargs)
+            if pipelined is not None:
+                return pipelined
         message = self._call_message(args, kwargs)
         inline = message[5]
         try:

@@ -202,3 +202,20 @@ def _load_state_dict(state: dict, metadata: dict, module_rref: rpc.RRef) -> tupl
     except RuntimeError as exc:  # size mismatches and the like
         return [], [], [str(exc)]
     return list(result.missing_keys), list(result.unexpected_keys), []
+
+
+def _call_many(calls: list, key: int, device: str, is_device_map_set: bool) -> list:
+    """Several pipelined ``forward`` calls (see remote_module._pipeline), run in order.
+
+    Each entry is (pickled (args, kwargs) with inlined tensors, grad mode); each result is the
+    packed output or the call's own RemoteFailure.
+    """
+    out = []
+    for payload, grad_enabled in calls:
+        try:
+            args, kwargs = pickle.loads(payload)
+        except Exception as exc:
+            out.append(capture(exc))
+            continue
+        out.append(_call(args, kwargs, key, device, grad_enabled, True, is_device_map_set))
+    return out

@@ -36,6 +36,7 @@ IGNORED_ATTRIBUTES: tuple[str, ...] = tuple(vars(nn.Module()).keys()) + (
     "forward",
     "forward_async",
     "_host_info",  # a per-process cache of the host's WorkerInfo
+    "_pipeline",  # per-process forward_async coalescing (remote_module._pipeline)
 )
 
 NOT_PICKLABLE = "Cannot pickle RemoteModule in python pickler. RemoteModule can only be pickled when using RPC"

@@ -168,3 +168,64 @@ class TestOverRPC:
         while keys & rpc.rpc_sync("worker2", _remote.registered_keys) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not keys & rpc.rpc_sync("worker2", _remote.registered_keys)
+
+
+@pytest.mark.usefixtures("rpc_world")
+class TestPipeline:
+    def test_a_burst_of_async_calls_each_gets_its_own_result(self):
+        proxy = RemoteModule("worker1", Affine, (4,), {"seed": 12})
+        twin = Affine(4, seed=12)
+        xs = [torch.randn(2, 4) for _ in range(64)]
+        futs = [proxy.forward_async(x, float(i)) for i, x in enumerate(xs)]
+        assert proxy._pipeline.in_flight >= 1  # calls were coalesced behind the first ones
+        for i, (x, fut) in enumerate(zip(xs, futs)):
+            assert isinstance(fut, torch.futures.Future)
+            assert torch.allclose(fut.wait(), twin(x, float(i)), atol=1e-5)
+        assert proxy._pipeline.in_flight == 0 and proxy._pipeline.queue == []
+
+    def test_one_failing_call_in_a_burst_fails_alone(self):
+        proxy = RemoteModule("worker1", Raiser)
+        kinds = ["ok", "user", "ok", "builtin", "ok"] * 6
+        futs = [proxy.forward_async(k) for k in kinds]
+        for kind, fut in zip(kinds, futs):
+            if kind == "ok":
+                assert fut.wait() is None
+            elif kind == "user":
+                with pytest.raises(_remote.UserError, match="the user's own error"):
+                    fut.wait()
+            else:
+                with pytest.raises(ValueError, match="bad value inside forward"):
+                    fut.wait()
+
+    def test_arguments_are_captured_when_the_call_is_made(self):
+        proxy = RemoteModule("worker1", nn.Identity)
+        x = torch.zeros(3)
+        futs = []
+        for i in range(20):
+            x.fill_(i)
+            futs.append(proxy.forward_async(x))
+        assert [f.wait()[0].item() for f in futs] == list(range(20))
+
+    def test_unpicklable_argument_fails_alone_and_at_once(self):
+        proxy = RemoteModule("worker1", Affine)
+        good = [proxy.forward_async(torch.ones(4)) for _ in range(10)]
+        with pytest.raises(TypeError, match="argument 'x'"):
+            proxy.forward_async(threading.Lock())
+        assert all(f.wait().shape == (4,) for f in good)
+
+    def test_not_used_under_dist_autograd_nor_for_big_tensors(self):
+        proxy = RemoteModule("worker1", nn.Identity)
+        with dist_autograd.context():
+            assert torch.equal(proxy.forward_async(torch.ones(2)).wait(), torch.ones(2))
+        assert "_pipeline" not in vars(proxy)
+        big = torch.ones(INLINE_MAX_BYTES // 4 + 1)
+        assert torch.equal(proxy.forward_async(big).wait(), big)
+        assert proxy._pipeline.calls_sent == 0
+        assert torch.equal(proxy.forward_async(torch.ones(2)).wait(), torch.ones(2))
+        assert proxy._pipeline.calls_sent == 1
+
+    def test_a_burst_shares_messages(self):
+        proxy = RemoteModule("worker2", nn.Identity)
+        torch.futures.wait_all([proxy.forward_async(torch.ones(1)) for _ in range(64)])
+        pipe = proxy._pipeline
+        assert pipe.calls_sent == 64 and pipe.messages_sent < 64
