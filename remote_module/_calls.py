@@ -80,42 +80,42 @@ class RemoteCalls:
             info = self.__dict__["_host_info"] = rpc.get_worker_info(self.on)
         return info
 
-    def _call_message(self, args: tuple, kwargs: dict) -> tuple:
-        # Fast path (inlined small tensors) only where it is safe: no device map, and no
+    def _fast_path_allowed(self) -> bool:
+        # Inlined tensors and pipelining only where it is safe: no device map, and no
         # distributed autograd context that would need tensors on the wire to record.
-        inline = not self.is_device_map_set and not dist_autograd_contexts_exist()
+        return not self.is_device_map_set and not dist_autograd_contexts_exist()
+
+    def _call_message(self, args: tuple, kwargs: dict) -> tuple:
+        inline = self._fast_path_allowed()
         if inline:
             args, kwargs = pack(args), pack(kwargs)
         # The user's arguments come first: if one cannot be pickled, nothing else was.
         return (args, kwargs, self.module_key, self.device, torch.is_grad_enabled(), inline, self.is_device_map_set)
 
-    def _remote_call_sync(self, args: tuple, kwargs: dict) -> Any:
-        """Used by the generated ``forward``."""
+    def _send_call(self, api: Callable[..., Any], args: tuple, kwargs: dict, what: str) -> tuple[Any, bool]:
+        """Send one ``forward`` call with ``api`` (rpc_sync or rpc_async); (answer, inlined)."""
         message = self._call_message(args, kwargs)
         try:
-            out = rpc.rpc_sync(self._dest(), _handlers._call, message, timeout=self.timeout)
+            return api(self._dest(), _handlers._call, message, timeout=self.timeout), message[5]
         except (TypeError, AttributeError, pickle.PicklingError) as exc:
             raise (self._explain_unsendable(args, kwargs, exc) or exc) from exc
         except RuntimeError as exc:
-            raise self._failed(exc, "forward") from exc
+            raise self._failed(exc, what) from exc
+
+    def _remote_call_sync(self, args: tuple, kwargs: dict) -> Any:
+        """Used by the generated ``forward``."""
+        out, inline = self._send_call(rpc.rpc_sync, args, kwargs, "forward")
         if type(out) is RemoteFailure:
             reraise(out, self._where())
-        return unpack(out) if message[5] else out
+        return unpack(out) if inline else out
 
     def _remote_call_async(self, args: tuple, kwargs: dict) -> Future:
         """Used by the generated ``forward_async``."""
-        if not self.is_device_map_set and not dist_autograd_contexts_exist():
+        if self._fast_path_allowed():
             pipelined = pipeline_of(self).try_submit(args, kwargs)
             if pipelined is not None:
                 return pipelined
-        message = self._call_message(args, kwargs)
-        inline = message[5]
-        try:
-            fut = rpc.rpc_async(self._dest(), _handlers._call, message, timeout=self.timeout)
-        except (TypeError, AttributeError, pickle.PicklingError) as exc:
-            raise (self._explain_unsendable(args, kwargs, exc) or exc) from exc
-        except RuntimeError as exc:
-            raise self._failed(exc, "forward_async") from exc
+        fut, inline = self._send_call(rpc.rpc_async, args, kwargs, "forward_async")
         # A torch.futures.Future (rpc_async's is its C base class); on a device-mapped proxy it
         # carries the local devices, so CUDA stream ordering is kept across the hand-over.
         result: Future = Future(devices=self._future_devices()) if self.is_device_map_set else Future()
