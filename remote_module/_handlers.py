@@ -51,16 +51,27 @@ def _build(module_cls: Any, args: tuple, kwargs: dict, device: str) -> nn.Module
 _registry_lock = threading.Lock()
 _keys = itertools.count(1)
 _module_by_key: dict[int, weakref.ref] = {}
-_key_by_module: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_key_by_id: dict[int, int] = {}  # by id(): a module need not be hashable
 
 
 def _register(module: nn.Module) -> int:
     with _registry_lock:
-        key = _key_by_module.get(module)
-        if key is None:
-            key = next(_keys)
-            _key_by_module[module] = key
-            _module_by_key[key] = weakref.ref(module, lambda _, k=key: _module_by_key.pop(k, None))
+        key = _key_by_id.get(id(module))
+        ref = _module_by_key.get(key) if key is not None else None
+        if ref is not None and ref() is module:
+            return key
+
+        key, obj_id = next(_keys), id(module)
+
+        def forget(_: Any) -> None:
+            # runs when the module is collected: plain dict operations, no lock (the
+            # collector may run while this thread holds it)
+            _module_by_key.pop(key, None)
+            if _key_by_id.get(obj_id) == key:
+                _key_by_id.pop(obj_id, None)
+
+        _module_by_key[key] = weakref.ref(module, forget)
+        _key_by_id[id(module)] = key
         return key
 
 

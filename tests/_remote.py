@@ -141,3 +141,15 @@ def rss_mb() -> float:
     gc.collect()
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+class Unhashable(nn.Module):
+    """Defines __eq__ without __hash__: instances cannot be dict keys."""
+
+    def __eq__(self, other):
+        return isinstance(other, Unhashable)
+
+    __hash__ = None
+
+    def forward(self, x):
+        return x + 1

@@ -169,3 +169,10 @@ def test_api_before_rpc_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(rm_impl, "is_rpc_initialized", lambda: False)
     with pytest.raises(RuntimeError, match=r"rpc\.init_rpc"):
         RemoteModule("worker1", Affine)
+
+
+def test_unhashable_module():
+    proxy = RemoteModule("worker1", _remote.Unhashable)
+    assert torch.equal(proxy(torch.zeros(2)), torch.ones(2))
+    twin = RemoteModule.init_from_module_rref("worker1", proxy.get_module_rref())
+    assert twin.module_key == proxy.module_key
