@@ -4,7 +4,8 @@
     python -m tests.benchmarks.bench_remote_module --quick
 
 Two local processes on loopback ("caller" and "host"). Every figure is a median over blocks
-of calls, with the variants interleaved block by block so drift hits them all alike, and
+of calls, with the variants interleaved block by block (in an order that rotates from block
+to block) so drift and ordering effects hit them all alike, and
 every ratio compares medians from this one run. The distributed-autograd section runs last
 (see the note there). Prints a table and writes JSON
 (bench-results.json by default).
@@ -60,8 +61,10 @@ def interleaved(variants: dict[str, Callable[[], Any]], blocks: int, per_block: 
     for fn in variants.values():  # warm up every path first
         for _ in range(max(3, per_block // 4)):
             fn()
-    for _ in range(blocks):
-        for name, fn in variants.items():
+    items = list(variants.items())
+    for block in range(blocks):
+        # rotate the order each block, so no variant always runs right after the same other
+        for name, fn in items[block % len(items):] + items[: block % len(items)]:
             start = time.perf_counter()
             for _ in range(per_block):
                 fn()
@@ -74,8 +77,9 @@ def in_flight(variants: dict[str, Callable[[], Any]], blocks: int, depth: int) -
     rates: dict[str, list[float]] = {name: [] for name in variants}
     for fn in variants.values():
         torch.futures.wait_all([fn() for _ in range(depth)])
-    for _ in range(blocks):
-        for name, fn in variants.items():
+    items = list(variants.items())
+    for block in range(blocks):
+        for name, fn in items[block % len(items):] + items[: block % len(items)]:
             start = time.perf_counter()
             torch.futures.wait_all([fn() for _ in range(depth)])
             rates[name].append(depth / (time.perf_counter() - start))
