@@ -7,6 +7,7 @@ set them. A failing rank stops the world within seconds instead of hanging it.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import queue
@@ -21,6 +22,9 @@ from rpc_backend.loopback import fresh_file_rendezvous, loopback_env
 from rpc_backend.options import make_options
 from rpc_backend.roles import Placement, placements
 from rpc_backend.world import Worker, _set_current
+
+
+_log = logging.getLogger("rpc_backend.run_local")
 
 
 class LocalWorldError(RuntimeError):
@@ -158,7 +162,7 @@ def run_local(
                     raise TimeoutError(f"local world {names} did not finish within {timeout} s")
                 continue
             if status == "error":
-                print(f"[run_local] rank {rank} ({names[rank]}) failed:\n{payload}", flush=True)
+                _log.error("rank %d (%s) failed:\n%s", rank, names[rank], payload)
                 raise LocalWorldError(rank, names[rank], payload)
             values[rank] = payload
     finally:
