@@ -11,6 +11,7 @@ import inspect
 import itertools
 import pickle
 import threading
+import time
 import weakref
 from functools import lru_cache
 from typing import Any
@@ -215,12 +216,13 @@ def _load_state_dict(state: dict, metadata: dict, module_rref: rpc.RRef) -> tupl
     return list(result.missing_keys), list(result.unexpected_keys), []
 
 
-def _call_many(calls: list, key: int, device: str, is_device_map_set: bool) -> list:
+def _call_many(calls: list, key: int, device: str, is_device_map_set: bool) -> tuple[list, float]:
     """Several pipelined ``forward`` calls (see remote_module._pipeline), run in order.
 
     Each entry is (pickled (args, kwargs) with inlined tensors, grad mode); each result is the
-    packed output or the call's own RemoteFailure.
+    packed output or the call's own RemoteFailure. Also returns the seconds spent in all.
     """
+    start = time.perf_counter()
     out = []
     for payload, grad_enabled in calls:
         try:
@@ -229,4 +231,4 @@ def _call_many(calls: list, key: int, device: str, is_device_map_set: bool) -> l
             out.append(capture(exc))
             continue
         out.append(_call(args, kwargs, key, device, grad_enabled, True, is_device_map_set))
-    return out
+    return out, time.perf_counter() - start

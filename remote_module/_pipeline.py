@@ -6,7 +6,8 @@ once while fewer than ``MAX_IN_FLIGHT`` messages are in flight, and otherwise qu
 when a message returns, everything queued leaves as one message. A lone call is never
 delayed; a burst of calls costs a few messages instead of one each.
 
-Used only on the fast path (no distributed autograd context, no device map) and only for
+Calls that take long on the host (over ``HEAVY_CALL_S`` on average) are not coalesced, so a
+many-core host can still run them in parallel. Used only on the fast path (no distributed autograd context, no device map) and only for
 calls whose arguments pickle on their own with every tensor inlined: each call is pickled
 when it is made, so later changes to its arguments cannot leak in, and a call that cannot be
 pickled fails alone, at once. Calls in one message run one after another on the host, in
@@ -29,6 +30,13 @@ from remote_module._errors import RemoteFailure, to_exception
 from remote_module._inline import pack, unpack
 
 MAX_IN_FLIGHT = 2
+#: At most this many calls share one message.
+MAX_BATCH = 32
+#: Calls slower than this on the host are not coalesced: one message each lets a many-core
+#: host run them in parallel (torch releases the GIL in heavy ops). Every PROBE_EVERY-th call
+#: still takes the pipeline, to notice when calls become cheap again.
+HEAVY_CALL_S = 0.001
+PROBE_EVERY = 64
 
 
 class Pipeline:
@@ -41,9 +49,15 @@ class Pipeline:
         self.in_flight = 0
         self.calls_sent = 0  # statistics: calls and messages that left through the pipeline
         self.messages_sent = 0
+        self.call_seconds = 0.0  # running average of the host's time per call
+        self.skipped = 0
 
     def try_submit(self, args: tuple, kwargs: dict) -> Future | None:
         """Queue or send the call; None when it is not eligible (use the direct path)."""
+        if self.call_seconds > HEAVY_CALL_S:
+            self.skipped += 1
+            if self.skipped % PROBE_EVERY:
+                return None
         args, kwargs = pack(args), pack(kwargs)
         if _holds_tensors(args) or _holds_tensors(kwargs):
             return None  # a big tensor: it should travel through the tensor channel
@@ -77,17 +91,24 @@ class Pipeline:
 
     def _done(self, done: Any, batch: list[tuple[bytes, bool, Future]]) -> None:
         try:
-            outs = done.wait()
-        except BaseException as exc:
-            self._settle_all(batch, exc)
-        else:
+            try:
+                outs, seconds = done.wait()
+            except BaseException as exc:
+                self._settle_all(batch, exc)
+                return
+            self.call_seconds = 0.8 * self.call_seconds + 0.2 * (seconds / len(batch))
             where = self.proxy._where()
             for (_, _, result), out in zip(batch, outs):
-                if type(out) is RemoteFailure:
-                    result.set_exception(to_exception(out, where))
-                else:
-                    result.set_result(unpack(out))
-        self._next()
+                try:
+                    if type(out) is RemoteFailure:
+                        result.set_exception(to_exception(out, where))
+                    else:
+                        result.set_result(unpack(out))
+                except BaseException as exc:  # never leave a caller waiting
+                    if not result.done():
+                        result.set_exception(exc)
+        finally:
+            self._next()  # whatever happened, the next batch goes
 
     def _settle_all(self, batch: list[tuple[bytes, bool, Future]], exc: BaseException) -> None:
         failure = self.proxy._failed(exc, "forward_async") if isinstance(exc, RuntimeError) else exc
@@ -96,7 +117,7 @@ class Pipeline:
 
     def _next(self) -> None:
         with self.lock:
-            batch, self.queue = self.queue, []
+            batch, self.queue = self.queue[:MAX_BATCH], self.queue[MAX_BATCH:]
             if not batch:
                 self.in_flight -= 1
                 return

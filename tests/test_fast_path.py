@@ -16,7 +16,7 @@ from torch.distributed.optim import DistributedOptimizer
 from remote_module import RemoteModule
 from remote_module._inline import INLINE_MAX_BYTES, Packed, pack, unpack
 from tests import _remote
-from tests._remote import Affine, Raiser
+from tests._remote import Affine, Raiser, Sleeper
 
 
 def roundtrip(obj):
@@ -229,3 +229,15 @@ class TestPipeline:
         torch.futures.wait_all([proxy.forward_async(torch.ones(1)) for _ in range(64)])
         pipe = proxy._pipeline
         assert pipe.calls_sent == 64 and pipe.messages_sent < 64
+
+    def test_slow_calls_are_not_coalesced(self):
+        from remote_module import _pipeline
+
+        proxy = RemoteModule("worker2", Sleeper)
+        torch.futures.wait_all([proxy.forward_async(0.005) for _ in range(8)])
+        pipe = proxy._pipeline
+        assert pipe.call_seconds > _pipeline.HEAVY_CALL_S
+        sent = pipe.calls_sent
+        futs = [proxy.forward_async(0.002) for _ in range(10)]
+        assert [f.wait() for f in futs] == [0.002] * 10
+        assert pipe.calls_sent == sent  # these went one message each
