@@ -241,8 +241,19 @@ def report(r: dict) -> str:
     lines.append("ratios of medians (same run)")
     lines.append("-" * 60)
     for name, v in r["ratios"].items():
-        lines.append(f"  {name:<62}{v:>7.2f}")
+        lines.append(f"  {name:<62}{v:>7.2f}{_verdict(name, v)}")
+    grown = max(m["caller_growth_MB"], m["host_growth_MB"])
+    lines.append(f"  {'memory growth, worst side (MB, target < 20)':<62}{grown:>7.1f}{'  met' if grown < 20 else '  NOT MET'}")
     return "\n".join(lines)
+
+
+def _verdict(name: str, value: float) -> str:
+    """'  met' / '  NOT MET' for a ratio whose name carries its target, else nothing."""
+    if "(target <= " in name:
+        return "  met" if value <= float(name.split("(target <= ")[1].rstrip(")")) else "  NOT MET"
+    if "(target >= " in name:
+        return "  met" if value >= float(name.split("(target >= ")[1].rstrip(")")) else "  NOT MET"
+    return ""
 
 
 def main(argv: list[str] | None = None) -> dict:
