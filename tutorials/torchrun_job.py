@@ -4,6 +4,8 @@ See tutorials/torchrun.md for the single-machine and two-machine commands. Every
 this same script; roles come from the world size: ps0, trainer0 .. trainer{N-2}.
 """
 
+import sys
+
 import torch
 import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
@@ -16,6 +18,12 @@ from remote_module import RemoteModule
 from rpc_backend import init_from_env, init_role_process_group, read_env
 
 STEPS = 60
+
+
+def say(line: str) -> None:
+    """One write per line: torchrun merges the ranks' output, and print() writes twice."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def train(me) -> None:
@@ -38,7 +46,7 @@ def train(me) -> None:
         losses.append(loss.item())
     dist.barrier()
     dist.destroy_process_group()
-    print(f"{me.name}: loss {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
+    say(f"{me.name}: loss {losses[0]:.3f} -> {losses[-1]:.4f}")
 
 
 def main() -> None:
@@ -47,7 +55,7 @@ def main() -> None:
         if me.role == "trainer":
             train(me)
         else:
-            print(f"{me.name}: serving {world_size - 1} trainers", flush=True)
+            say(f"{me.name}: serving {world_size - 1} trainers")
 
 
 if __name__ == "__main__":
