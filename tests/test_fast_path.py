@@ -177,7 +177,6 @@ class TestPipeline:
         twin = Affine(4, seed=12)
         xs = [torch.randn(2, 4) for _ in range(64)]
         futs = [proxy.forward_async(x, float(i)) for i, x in enumerate(xs)]
-        assert proxy._pipeline.in_flight >= 1  # calls were coalesced behind the first ones
         for i, (x, fut) in enumerate(zip(xs, futs)):
             assert isinstance(fut, torch.futures.Future)
             assert torch.allclose(fut.wait(), twin(x, float(i)), atol=1e-5)
