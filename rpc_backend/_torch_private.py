@@ -29,13 +29,6 @@ def register_rpc_reducer(cls: type, reducer: Callable[[Any], tuple]) -> None:
     _internal_rpc_pickler._register_reducer(cls, reducer)
 
 
-def registered_rpc_reducer(cls: type) -> Callable[[Any], tuple] | None:
-    """The reducer the RPC pickler holds for ``cls``, if any (for tests and diagnostics)."""
-    from torch.distributed.rpc.internal import _internal_rpc_pickler
-
-    return _internal_rpc_pickler._class_reducer_dict.get(cls)
-
-
 def device_map_to(worker: str | int) -> dict:
     """This worker's device map towards ``worker`` (empty when none is set)."""
     agent = rpc.api._get_current_rpc_agent()

@@ -1,39 +1,12 @@
 """A host that dies: the next calls fail within the proxy's timeout, naming the dead worker,
 and proxies on live workers keep working. Its own world (it kills a worker)."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-from rpc_backend.loopback import fresh_file_rendezvous, loopback_env
 from tests import _dead_host
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests._subworld import run_report
 
 
 def test_dead_host_fails_fast_and_others_keep_working():
-    init_method, path = fresh_file_rendezvous()
-    env = {**os.environ, **loopback_env(), "PYTHONPATH": str(ROOT)}
-    procs = {
-        role: subprocess.Popen(
-            [sys.executable, "-m", "tests._dead_host", role, init_method],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        )
-        for role in _dead_host.ROLES
-    }
-    try:
-        out, _ = procs["caller"].communicate(timeout=90)
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        if os.path.exists(path):
-            os.unlink(path)
-    line = next(line for line in out.splitlines() if line.startswith("REPORT "))
-    report = json.loads(line[len("REPORT "):])
+    report = run_report("tests._dead_host", list(_dead_host.ROLES), timeout=90)
     limit = report["timeout"] + 3.0
     assert report["before"]["ok"]
     for key in ("sync", "async"):

@@ -1,28 +1,21 @@
 """rpc_backend without RemoteModule: role specs, option validation, torchrun variables,
 the Worker context manager and bounded shutdown."""
 
-import json
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from rpc_backend import (
     LocalWorldError,
-    fresh_file_rendezvous,
-    loopback_env,
     make_options,
     placements,
     read_env,
     run_local,
 )
 from tests import _world_fns
+from tests._subworld import run_report
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_role_spec_names_ranks_in_order():
@@ -123,22 +116,6 @@ def test_body_that_raises_shuts_down_at_once():
 
 
 def test_graceful_shutdown_is_bounded():
-    init_method, path = fresh_file_rendezvous()
-    env = {**os.environ, **loopback_env(), "PYTHONPATH": str(ROOT)}
-    procs = [
-        subprocess.Popen([sys.executable, "-m", "tests._shutdown_world", str(r), init_method], cwd=ROOT, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        for r in (0, 1)
-    ]
-    try:
-        out, _ = procs[0].communicate(timeout=60)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        if os.path.exists(path):
-            os.unlink(path)
-    report = json.loads(next(l for l in out.splitlines() if l.startswith("REPORT "))[len("REPORT "):])
+    report = run_report("tests._shutdown_world", ["0", "1"], timeout=60)
     assert report["seconds"] < 2.0 + 5.0 + 3.0
     assert "did not complete within 2.0 s" in report["outcome"]

@@ -1,0 +1,38 @@
+"""Small dedicated worlds of plain subprocesses, for tests that kill workers or leave them
+hanging: each rank runs ``python -m MODULE ROLE INIT_METHOD``, rank 0 prints one
+``REPORT <json>`` line, and every process is reaped afterwards."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from rpc_backend.loopback import fresh_file_rendezvous, loopback_env
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_report(module: str, roles: list[str], timeout: float) -> dict:
+    """Start one process per role; return rank 0's report. Kills the rest when it is done."""
+    init_method, path = fresh_file_rendezvous()
+    env = {**os.environ, **loopback_env(), "PYTHONPATH": str(ROOT)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", module, role, init_method],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )
+        for role in roles
+    ]
+    try:
+        out, _ = procs[0].communicate(timeout=timeout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        if os.path.exists(path):
+            os.unlink(path)
+    line = next((line for line in out.splitlines() if line.startswith("REPORT ")), None)
+    assert line is not None, f"{module} printed no report:\n{out[-3000:]}"
+    return json.loads(line[len("REPORT "):])
