@@ -32,6 +32,7 @@ from rpc_backend._torch_private import (
     register_rpc_reducer,
     worker_names,
 )
+from rpc_backend.options import positive_seconds
 
 #: torch.distributed.rpc's "use the agent's default timeout".
 _AGENT_DEFAULT_TIMEOUT = -1.0
@@ -195,11 +196,7 @@ class RemoteModule(RemoteCalls, nn.Module):
                 "_module_interface_cls must be a class decorated with @torch.jit.interface, "
                 f"got {interface_cls!r}"
             )
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
-        ):
-            raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
-        self.timeout = _AGENT_DEFAULT_TIMEOUT if timeout is None else float(timeout)
+        self.timeout = _AGENT_DEFAULT_TIMEOUT if timeout is None else positive_seconds(timeout, "timeout")
         self.on = _worker_name(parsed.worker, remote_device)
         self.device = str(parsed.device)
         # A device map only matters for a module off the CPU (torch checks it the same way).

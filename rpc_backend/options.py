@@ -11,6 +11,13 @@ DEFAULT_RPC_TIMEOUT = 60.0
 DEFAULT_WORKER_THREADS = 16
 
 
+def positive_seconds(value: Any, what: str) -> float:
+    """``value`` as float seconds; ``ValueError`` naming ``what`` unless it is a number > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{what} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
 def _device(value: Any, where: str) -> torch.device:
     if isinstance(value, bool) or not isinstance(value, (str, int, torch.device)):
         raise TypeError(f"{where}: expected a device such as 'cuda:0', 0 or torch.device, got {value!r}")
@@ -38,8 +45,7 @@ def make_options(
 
         opts = make_options(rpc_timeout=20, device_maps={"ps0": {"cuda:0": "cuda:0"}})
     """
-    if isinstance(rpc_timeout, bool) or not isinstance(rpc_timeout, (int, float)) or not rpc_timeout > 0:
-        raise ValueError(f"rpc_timeout must be a positive number of seconds, got {rpc_timeout!r}")
+    rpc_timeout = positive_seconds(rpc_timeout, "rpc_timeout")
     if isinstance(num_worker_threads, bool) or not isinstance(num_worker_threads, int) or num_worker_threads < 1:
         raise ValueError(f"num_worker_threads must be a positive int, got {num_worker_threads!r}")
     known = None if worker_names is None else set(worker_names)
@@ -57,7 +63,7 @@ def make_options(
             raise ValueError(f"{where} maps two local devices to the same remote device: {mapping!r}")
         maps[peer] = pairs
     device_list = None if devices is None else [_device(d, "devices") for d in devices]
-    kwargs: dict[str, Any] = dict(rpc_timeout=float(rpc_timeout), num_worker_threads=num_worker_threads)
+    kwargs: dict[str, Any] = dict(rpc_timeout=rpc_timeout, num_worker_threads=num_worker_threads)
     if init_method is not None:
         kwargs["init_method"] = init_method
     if maps:
