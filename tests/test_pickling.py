@@ -95,3 +95,15 @@ def test_ordinary_script_modules_still_travel():
         back = rpc.rpc_sync("worker2", _remote.echo, (scripted,))
     x = torch.randn(1, 2)
     assert torch.equal(back(x), scripted(x))
+
+
+def test_per_process_caches_do_not_travel():
+    proxy = RemoteModule("worker1/cpu", Affine)
+    x = torch.randn(2, 4)
+    proxy(x)
+    proxy.forward_async(x).wait()  # creates the host-info cache and the async pipeline
+    assert "_host_info" in vars(proxy) and "_pipeline" in vars(proxy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an unlisted attribute would warn
+        sync_out, async_out, _ = rpc.rpc_sync("worker2", _remote.use_proxy, (proxy, x))
+    assert torch.equal(sync_out, proxy(x)) and torch.equal(async_out, proxy(x))
