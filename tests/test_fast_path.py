@@ -240,3 +240,19 @@ class TestPipeline:
         futs = [proxy.forward_async(0.002) for _ in range(10)]
         assert [f.wait() for f in futs] == [0.002] * 10
         assert pipe.calls_sent == sent  # these went one message each
+
+
+@pytest.mark.usefixtures("rpc_world")
+def test_forward_async_records_distributed_autograd():
+    proxy = RemoteModule("worker1", Affine, (4,), {"seed": 21})
+    twin = Affine(4, seed=21)
+    x = torch.randn(3, 4)
+    opt = DistributedOptimizer(torch.optim.SGD, proxy.remote_parameters(), lr=0.1)
+    with dist_autograd.context() as ctx:
+        out = proxy.forward_async(x).wait()
+        dist_autograd.backward(ctx, [out.sum()])
+        opt.step(ctx)
+    twin(x).sum().backward()
+    with torch.no_grad():
+        twin.weight -= 0.1 * twin.weight.grad
+    assert torch.allclose(proxy.state_dict()["weight"], twin.weight, atol=1e-6)
