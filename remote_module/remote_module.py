@@ -240,11 +240,23 @@ class RemoteModule(RemoteCalls, nn.Module):
         return self._rpc(_handlers._param_rrefs, self.module_rref, recurse)
 
     def get_module_rref(self) -> rpc.RRef:
-        """The ``RRef`` of the remote module (``RRef[nn.Module]``)."""
+        """The ``RRef`` of the remote module (``RRef[nn.Module]``).
+
+        Example::
+
+            rref = proxy.get_module_rref()
+            rref.rpc_sync().extra_repr()      # call any method on the host
+        """
         return self.module_rref
 
     def train(self, mode: bool = True) -> RemoteModule:
-        """Set the remote module's training mode (on the host) and return this proxy."""
+        """Set the remote module's training mode (on the host) and return this proxy.
+
+        Example::
+
+            model.train()          # reaches every RemoteModule inside the model, too
+            proxy.train(False)     # same as proxy.eval()
+        """
         if not isinstance(mode, bool):
             raise ValueError(f"training mode is expected to be boolean, got {mode!r}")
         self._rpc(_handlers._train, self.module_rref, mode)

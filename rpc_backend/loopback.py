@@ -22,7 +22,12 @@ def loopback_interface() -> str:
 
 
 def loopback_env() -> dict[str, str]:
-    """Environment variables that make TensorPipe and Gloo listen on loopback only."""
+    """Environment variables that make TensorPipe and Gloo listen on loopback only.
+
+    Example (before ``rpc.init_rpc`` in each local process)::
+
+        os.environ.update(loopback_env())
+    """
     lo = loopback_interface()
     return {"TP_SOCKET_IFNAME": lo, "GLOO_SOCKET_IFNAME": lo, "MASTER_ADDR": "127.0.0.1"}
 
@@ -31,6 +36,11 @@ def fresh_file_rendezvous() -> tuple[str, str]:
     """A new ``file://`` init method and the path behind it (remove it when done).
 
     Each world needs a file no earlier world has used.
+
+    Example (choose once, pass to every rank)::
+
+        init_method, path = fresh_file_rendezvous()
+        options = rpc.TensorPipeRpcBackendOptions(init_method=init_method)
     """
     fd, path = tempfile.mkstemp(prefix="rpc_rendezvous_")
     os.close(fd)

@@ -66,7 +66,14 @@ _current: list[Worker] = []
 
 
 def current_worker() -> Worker:
-    """The :class:`Worker` of this process (set by :func:`init_from_env` and ``run_local``)."""
+    """The :class:`Worker` of this process (set by :func:`init_from_env` and ``run_local``).
+
+    Example (inside a function run by ``run_local(fn, 3, roles={"ps": 1, "trainer": 2})``)::
+
+        me = current_worker()
+        if me.role == "trainer":
+            peers = me.workers("trainer")     # ["trainer0", "trainer1"]
+    """
     if not _current or not is_rpc_initialized():
         raise RuntimeError(
             "this process has not joined an RPC world through rpc_backend: call "
@@ -82,7 +89,15 @@ def _set_current(worker: Worker) -> Worker:
 
 def shutdown_rpc(graceful: bool = True, timeout: float = 60.0) -> None:
     """``rpc.shutdown`` that never hangs: a graceful one that does not finish within
-    ``timeout`` seconds is abandoned for an immediate one (and reported with a RuntimeError)."""
+    ``timeout`` seconds is abandoned for an immediate one (and reported with a RuntimeError).
+
+    Example (on every worker)::
+
+        try:
+            train()
+        finally:
+            shutdown_rpc(graceful=True, timeout=30)
+    """
     if not is_rpc_initialized():
         return
     if not graceful:
@@ -120,7 +135,13 @@ def _env_int(name: str, env: Mapping[str, str]) -> int:
 
 
 def read_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The torchrun variables this process needs, checked: names what is missing or wrong."""
+    """The torchrun variables this process needs, checked: names what is missing or wrong.
+
+    Example::
+
+        info = read_env()          # under torchrun
+        info["rank"], info["world_size"], info["master_addr"]
+    """
     env = os.environ if env is None else env
     missing = [name for name in _REQUIRED if not env.get(name)]
     if missing:
