@@ -14,6 +14,8 @@ import warnings
 import torch
 from torch import nn
 
+from rpc_backend._torch_private import script_module_has_attribute
+
 #: Attributes sent when a proxy is an argument or result of an RPC.
 PICKLED_ATTRIBUTES: tuple[str, ...] = (
     "on",
@@ -88,7 +90,7 @@ def rebuild_proxy(cls: type, state: dict) -> nn.Module:
 
 def reduce_script_module(module: torch.jit.RecursiveScriptModule) -> tuple:
     """RPC reducer for script modules: a scripted RemoteModule cannot travel; others can."""
-    if hasattr(module._c, "module_rref"):
+    if script_module_has_attribute(module, "module_rref"):
         raise RuntimeError(SCRIPTED_OVER_RPC)
     buf = io.BytesIO()
     torch.jit.save(module, buf)

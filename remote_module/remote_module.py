@@ -300,7 +300,7 @@ class RemoteModule(RemoteCalls, nn.Module):
         error_msgs.extend(errors)
 
     def __repr__(self) -> str:
-        module = nn.modules.module._addindent(self.remote_repr, 2)
+        module = self.remote_repr.replace("\n", "\n  ")  # indent a multi-line module repr
         return f"{type(self).__name__}(on={self.on}, device={self.device}, module={module})"
 
     def __getstate__(self) -> Any:

@@ -66,3 +66,8 @@ def dist_autograd_contexts_exist() -> bool:
     created here by an incoming message, also counts.
     """
     return int(_dist_autograd._get_debug_info()["num_autograd_contexts"]) != 0
+
+
+def script_module_has_attribute(module: Any, name: str) -> bool:
+    """True when the C++ object behind a ScriptModule has attribute ``name``."""
+    return hasattr(module._c, name)
