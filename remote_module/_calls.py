@@ -123,19 +123,24 @@ class RemoteCalls:
         def settle(done: Any) -> None:
             try:
                 out = done.wait()
-            except RuntimeError as exc:
-                result.set_exception(self._failed(exc, "forward_async"))
-                return
             except BaseException as exc:
-                result.set_exception(exc)
+                result.set_exception(self._async_failure(exc))
                 return
-            if type(out) is RemoteFailure:
-                result.set_exception(to_exception(out, self._where()))
-            else:
-                result.set_result(unpack(out) if inline else out)
+            self._settle(result, out, inline)
 
         fut.add_done_callback(settle)
         return result
+
+    def _settle(self, result: Future, out: Any, inline: bool) -> None:
+        """Complete ``result`` with one host answer: its output, or its exception."""
+        if type(out) is RemoteFailure:
+            result.set_exception(to_exception(out, self._where()))
+        else:
+            result.set_result(unpack(out) if inline else out)
+
+    def _async_failure(self, exc: BaseException) -> BaseException:
+        """What an async call's future carries when the RPC itself failed."""
+        return self._failed(exc, "forward_async") if isinstance(exc, RuntimeError) else exc
 
     def _future_devices(self) -> list[torch.device]:
         return sorted({torch.device(d) for d in device_map_to(self.on).values()}, key=str)

@@ -26,8 +26,7 @@ from torch.futures import Future
 
 from remote_module import _handlers
 from remote_module._device import map_tensors
-from remote_module._errors import RemoteFailure, to_exception
-from remote_module._inline import pack, unpack
+from remote_module._inline import pack
 
 MAX_IN_FLIGHT = 2
 #: At most this many calls share one message.
@@ -72,13 +71,12 @@ class Pipeline:
                 self.queue.append(call)
                 return result
             self.in_flight += 1
+            self._count([call])
         self._send([call])
         return result
 
     def _send(self, batch: list[tuple[bytes, bool, Future]]) -> None:
         proxy = self.proxy
-        self.calls_sent += len(batch)
-        self.messages_sent += 1
         message = ([(payload, grad) for payload, grad, _ in batch], proxy.module_key, proxy.device,
                    proxy.is_device_map_set)
         try:
@@ -97,13 +95,9 @@ class Pipeline:
                 self._settle_all(batch, exc)
                 return
             self.call_seconds = 0.8 * self.call_seconds + 0.2 * (seconds / len(batch))
-            where = self.proxy._where()
             for (_, _, result), out in zip(batch, outs):
                 try:
-                    if type(out) is RemoteFailure:
-                        result.set_exception(to_exception(out, where))
-                    else:
-                        result.set_result(unpack(out))
+                    self.proxy._settle(result, out, True)
                 except BaseException as exc:  # never leave a caller waiting
                     if not result.done():
                         result.set_exception(exc)
@@ -111,7 +105,7 @@ class Pipeline:
             self._next()  # whatever happened, the next batch goes
 
     def _settle_all(self, batch: list[tuple[bytes, bool, Future]], exc: BaseException) -> None:
-        failure = self.proxy._failed(exc, "forward_async") if isinstance(exc, RuntimeError) else exc
+        failure = self.proxy._async_failure(exc)
         for _, _, result in batch:
             result.set_exception(failure)
 
@@ -121,7 +115,12 @@ class Pipeline:
             if not batch:
                 self.in_flight -= 1
                 return
+            self._count(batch)
         self._send(batch)
+
+    def _count(self, batch: list) -> None:  # called with the lock held
+        self.calls_sent += len(batch)
+        self.messages_sent += 1
 
 
 def _holds_tensors(obj: Any) -> bool:
