@@ -36,14 +36,8 @@ def importable_by_reference(obj: Any) -> bool:
 
 
 def _needs_value(module_cls: Any, args: tuple, kwargs: dict) -> bool:
-    if not importable_by_reference(module_cls):
-        return True
     # Instances of __main__ / local classes among the arguments cannot go by reference either.
-    for value in (*args, *kwargs.values()):
-        cls = type(value)
-        if cls.__module__ in _MAIN_MODULES or "<locals>" in cls.__qualname__:
-            return True
-    return False
+    return not all(importable_by_reference(x) for x in (module_cls, *map(type, (*args, *kwargs.values()))))
 
 
 class ByValue:
