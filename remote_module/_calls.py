@@ -16,11 +16,11 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from remote_module import _handlers
+from remote_module import _call_handlers
 from remote_module._errors import RemoteFailure, reraise, to_exception, unsendable_argument
 from remote_module._inline import pack, unpack
 from remote_module._pipeline import pipeline_of
-from rpc_backend._torch_private import device_map_to, dist_autograd_contexts_exist, is_rpc_initialized, rpc_serialize
+from remote_module._torch_private import device_map_to, dist_autograd_contexts_exist, is_rpc_initialized, rpc_serialize
 
 
 def _rpc_missing_message(what: str) -> str:
@@ -96,7 +96,7 @@ class RemoteCalls:
         """Send one ``forward`` call with ``api`` (rpc_sync or rpc_async); (answer, inlined)."""
         message = self._call_message(args, kwargs)
         try:
-            return api(self._dest(), _handlers._call, message, timeout=self.timeout), message[5]
+            return api(self._dest(), _call_handlers._call, message, timeout=self.timeout), message[5]
         except (TypeError, AttributeError, pickle.PicklingError) as exc:
             raise (self._explain_unsendable(args, kwargs, exc) or exc) from exc
         except RuntimeError as exc:

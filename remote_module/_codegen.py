@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from torch.futures import Future
 
-from rpc_backend._torch_private import interface_forward_schema, is_jit_interface
+from remote_module._torch_private import interface_forward_schema, is_jit_interface
 
 _GENERATED_PACKAGE = "remote_module._generated"
 

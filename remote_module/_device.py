@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
+
+from remote_module._walk import map_tensors
 
 _PARSE_ERROR = "Could not parse remote_device: {}. The valid format is '<workername>/<device>'"
 _RANK = re.compile(r"rank:(\d+)")
@@ -82,41 +84,6 @@ def _looks_like_device(s: str) -> bool:
 
 # ----------------------------------------------------------------------------------------
 # Moving tensors inside arbitrary (nested) arguments and outputs.
-
-
-def map_leaves(fn: Callable[[Any], Any], obj: Any, leaf_type: type) -> Any:
-    """Apply ``fn`` to every ``leaf_type`` instance in ``obj``, keeping its structure.
-
-    Lists, tuples (named tuples too) and dicts are walked recursively; anything else is
-    returned as it is. A leaf is mapped as a whole (a tensor is never iterated into rows).
-    """
-    if isinstance(obj, leaf_type):
-        return fn(obj)
-    if isinstance(obj, dict):
-        mapped = {k: map_leaves(fn, v, leaf_type) for k, v in obj.items()}
-        if type(obj) is dict:
-            return mapped
-        try:  # OrderedDict and friends keep their type
-            return type(obj)(mapped)
-        except TypeError:
-            return mapped
-    if isinstance(obj, tuple):
-        items = [map_leaves(fn, v, leaf_type) for v in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    if isinstance(obj, list):
-        return [map_leaves(fn, v, leaf_type) for v in obj]
-    return obj
-
-
-def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
-    """Apply ``fn`` to every tensor in ``obj``, keeping its structure (see :func:`map_leaves`).
-
-    Example::
-
-        >>> map_tensors(lambda t: t * 2, {"a": [torch.ones(1)], "b": 3})
-        {'a': [tensor([2.])], 'b': 3}
-    """
-    return map_leaves(fn, obj, torch.Tensor)
 
 
 def move_cpu_tensors(obj: Any, device: torch.device) -> Any:

@@ -8,11 +8,7 @@ nothing else imported beforehand (no generated code lives on the host for plain 
 from __future__ import annotations
 
 import inspect
-import itertools
 import pickle
-import threading
-import time
-import weakref
 from functools import lru_cache
 from typing import Any
 
@@ -20,9 +16,8 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import nn
 
-from remote_module._device import prepare_inputs, prepare_output
 from remote_module._errors import RemoteFailure, capture
-from remote_module._inline import pack, unpack
+from remote_module._registry import objects
 from remote_module._shipping import unpack_constructor
 
 _NOT_A_MODULE = (
@@ -44,53 +39,20 @@ def _build(module_cls: Any, args: tuple, kwargs: dict, device: str) -> nn.Module
     return module.to(_device(device))
 
 
-# ---- the host's module registry ----------------------------------------------------------
-# Calls name the module by a small integer key instead of sending its RRef each time (an RRef
-# argument costs a fork/confirm exchange, ~100 µs). The registry holds weak references only:
-# the proxies' RRefs keep a module alive, and its entry disappears with it.
-
-_registry_lock = threading.Lock()
-_keys = itertools.count(1)
-_module_by_key: dict[int, weakref.ref] = {}
-_key_by_id: dict[int, int] = {}  # by id(): a module need not be hashable
-
-
-def _register(module: nn.Module) -> int:
-    with _registry_lock:
-        key = _key_by_id.get(id(module))
-        ref = _module_by_key.get(key) if key is not None else None
-        if ref is not None and ref() is module:
-            return key
-
-        key, obj_id = next(_keys), id(module)
-
-        def forget(_: Any) -> None:
-            # runs when the module is collected: plain dict operations, no lock (the
-            # collector may run while this thread holds it)
-            _module_by_key.pop(key, None)
-            if _key_by_id.get(obj_id) == key:
-                _key_by_id.pop(obj_id, None)
-
-        _module_by_key[key] = weakref.ref(module, forget)
-        _key_by_id[id(module)] = key
-        return key
-
-
 def _lookup(key: int) -> nn.Module:
-    ref = _module_by_key.get(key)
-    module = ref() if ref is not None else None
-    if module is None:
+    """The module a proxy names by ``key`` (see :mod:`remote_module._registry`)."""
+    try:
+        return objects.get(key, "module")
+    except LookupError:
         raise RuntimeError(
             f"the module behind this RemoteModule (key {key}) no longer exists on this worker: "
             "every RRef to it was deleted"
-        )
-    return module
+        ) from None
 
 
 def registered_keys() -> set[int]:
-    """The keys of the modules this worker hosts for RemoteModules (for leak checks)."""
-    with _registry_lock:
-        return set(_module_by_key)
+    """The keys of the objects this worker holds for proxies (for leak checks)."""
+    return objects.keys()
 
 
 def portable_signature(sig: inspect.Signature | None) -> inspect.Signature | None:
@@ -157,34 +119,12 @@ def _describe(module_rref: rpc.RRef) -> dict:
     sig = None if isinstance(module, torch.jit.ScriptModule) else forward_signature(module)
     return {
         "failure": None,
-        "key": _register(module),
+        "key": objects.hold_weakly(module),
         "type": f"{type(module).__module__}.{type(module).__qualname__}",
         "signature": portable_signature(sig),
         "training": module.training,
         "repr": repr(module),
     }
-
-
-def _call(
-    args: tuple, kwargs: dict, key: int, device: str, grad_enabled: bool, inline: bool, is_device_map_set: bool
-) -> Any:
-    """One ``forward`` call. ``inline``: the caller inlined small tensors and accepts inlined
-    ones back (it has no distributed autograd context and no device map)."""
-    try:
-        module = _lookup(key)
-        dev = _device(device)
-        if inline:
-            args, kwargs = unpack(args), unpack(kwargs)
-        args, kwargs = prepare_inputs(args, kwargs, dev)
-        if grad_enabled == torch.is_grad_enabled():
-            out = module(*args, **kwargs)
-        else:
-            with torch.set_grad_enabled(grad_enabled):
-                out = module(*args, **kwargs)
-        out = prepare_output(out, dev, is_device_map_set)
-        return pack(out) if inline else out
-    except Exception as exc:
-        return capture(exc)
 
 
 def _param_rrefs(module_rref: rpc.RRef, recurse: bool) -> list[rpc.RRef]:
@@ -214,21 +154,3 @@ def _load_state_dict(state: dict, metadata: dict, module_rref: rpc.RRef) -> tupl
     except RuntimeError as exc:  # size mismatches and the like
         return [], [], [str(exc)]
     return list(result.missing_keys), list(result.unexpected_keys), []
-
-
-def _call_many(calls: list, key: int, device: str, is_device_map_set: bool) -> tuple[list, float]:
-    """Several pipelined ``forward`` calls (see remote_module._pipeline), run in order.
-
-    Each entry is (pickled (args, kwargs) with inlined tensors, grad mode); each result is the
-    packed output or the call's own RemoteFailure. Also returns the seconds spent in all.
-    """
-    start = time.perf_counter()
-    out = []
-    for payload, grad_enabled in calls:
-        try:
-            args, kwargs = pickle.loads(payload)
-        except Exception as exc:
-            out.append(capture(exc))
-            continue
-        out.append(_call(args, kwargs, key, device, grad_enabled, True, is_device_map_set))
-    return out, time.perf_counter() - start

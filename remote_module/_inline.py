@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from remote_module._device import map_leaves, map_tensors
+from remote_module._walk import map_leaves, map_tensors
 
 #: Tensors up to this many bytes are inlined; larger ones use the tensor channel, which
 #: streams big buffers without extra copies.

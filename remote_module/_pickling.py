@@ -14,7 +14,7 @@ import warnings
 import torch
 from torch import nn
 
-from rpc_backend._torch_private import script_module_has_attribute
+from remote_module._torch_private import script_module_has_attribute
 
 #: Attributes sent when a proxy is an argument or result of an RPC.
 PICKLED_ATTRIBUTES: tuple[str, ...] = (

@@ -24,8 +24,8 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from remote_module import _handlers
-from remote_module._device import map_tensors
+from remote_module import _call_handlers
+from remote_module._walk import map_tensors
 from remote_module._inline import pack
 
 MAX_IN_FLIGHT = 2
@@ -80,7 +80,7 @@ class Pipeline:
         message = ([(payload, grad) for payload, grad, _ in batch], proxy.module_key, proxy.device,
                    proxy.is_device_map_set)
         try:
-            fut = rpc.rpc_async(proxy._dest(), _handlers._call_many, message, timeout=proxy.timeout)
+            fut = rpc.rpc_async(proxy._dest(), _call_handlers._call_many, message, timeout=proxy.timeout)
         except Exception as exc:
             self._settle_all(batch, exc)
             self._next()

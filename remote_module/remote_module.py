@@ -25,7 +25,7 @@ from remote_module._pickling import (
 from remote_module._shipping import pack_constructor
 from remote_module._state_dict import merge_remote_state, select_prefixed
 from remote_module._unsupported import UNSUPPORTED_METHODS, make_unsupported
-from rpc_backend._torch_private import (
+from remote_module._torch_private import (
     device_map_to,
     is_jit_interface,
     is_rpc_initialized,
