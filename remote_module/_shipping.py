@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import pickle
+import types
 from typing import Any
 
 import cloudpickle
@@ -69,3 +70,23 @@ def unpack_constructor(module_cls: Any, args: tuple, kwargs: dict) -> tuple[Any,
     if isinstance(module_cls, ByValue):
         return module_cls.load()
     return module_cls, args, kwargs
+
+
+def _load_by_value(payload: bytes) -> Any:
+    return pickle.loads(payload)
+
+
+def by_value_reduce(obj: Any) -> tuple | None:
+    """For a pickler's ``reducer_override``: a reduce tuple that ships ``obj`` by value when it is
+    a class or function another process cannot import by name; None for anything else.
+
+    Example::
+
+        class _Pickler(pickle.Pickler):
+            def reducer_override(self, obj):
+                reduced = by_value_reduce(obj)
+                return NotImplemented if reduced is None else reduced
+    """
+    if not isinstance(obj, (type, types.FunctionType)) or importable_by_reference(obj):
+        return None
+    return _load_by_value, (cloudpickle.dumps(obj),)
