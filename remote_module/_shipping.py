@@ -16,7 +16,10 @@ the same script, whatever its hash seed. An object with neither a file nor sourc
 -c``, ``exec``), or one its module does not expose under its qualified name (a local class,
 a redefined name), has no fingerprint and always travels as a copy.
 
-Importable classes still travel by reference (smaller messages, the installed code).
+The copy of a fingerprinted object is built once per process, a snapshot (same-code
+receivers never read it; this keeps a ``__main__`` namedtuple output cheap on every call); an
+object without a fingerprint is copied afresh each time it is sent. Importable classes still
+travel by reference (smaller messages, the installed code).
 """
 
 from __future__ import annotations
