@@ -2,7 +2,9 @@
 the Worker context manager and bounded shutdown."""
 
 import time
+from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from rpc_backend import (
     read_env,
     run_local,
 )
+from rpc_backend.options import positive_seconds
 from tests import _world_fns
 from tests._subworld import run_report
 
@@ -63,6 +66,31 @@ def test_bad_role_specs(world_size, roles, exc, text):
 def test_options_are_validated_before_init(kwargs, exc, text):
     with pytest.raises(exc, match=text):
         make_options(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "value", [True, False, "60", None, float("nan"), float("inf"), -float("inf"), 0, 0.0, -1, 0.0004, 2**31 / 1000, 1e12]
+)
+def test_timeouts_outside_what_torch_can_express_are_refused(value):
+    # under 1 ms torch waits forever; 2**31 ms or more (inf too) wraps into a negative figure
+    with pytest.raises(ValueError) as info:
+        positive_seconds(value, "timeout")
+    text = str(info.value)
+    assert text.startswith("timeout must be a positive number of seconds in [0.001, 2147483.648)")
+    assert f"got {value!r}" in text
+    with pytest.raises(ValueError, match=r"rpc_timeout must be a positive number of seconds in \[0\.001, "):
+        make_options(rpc_timeout=value)
+
+
+@pytest.mark.parametrize(
+    "value,seconds",
+    [(0.001, 0.001), (1, 1.0), (2.5, 2.5), (2**31 / 1000 - 0.001, 2147483.647), (Fraction(1, 4), 0.25),
+     (np.float32(0.5), 0.5), (np.int64(3), 3.0)],
+)
+def test_timeouts_within_range_are_float_seconds(value, seconds):
+    out = positive_seconds(value, "timeout")
+    assert type(out) is float and out == seconds
+    assert make_options(rpc_timeout=value).rpc_timeout == pytest.approx(seconds, rel=1e-6)
 
 
 def test_valid_options():
