@@ -63,7 +63,7 @@ def _rank_entry(
         options = make_options(init_method=init_method, worker_names=[p.name for p in layout], **option_kwargs)
         rpc.init_rpc(me.name, rank=rank, world_size=world_size, rpc_backend_options=options)
         worker = _set_current(
-            Worker(me.name, rank, world_size, rank, me.role, me.role_rank, me.role_size, [p.name for p in layout])
+            Worker(me.name, rank, world_size, rank, me.role, me.role_rank, me.role_size, layout=list(layout))
         )
         value = fn(*args)
     except BaseException:

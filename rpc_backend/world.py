@@ -45,6 +45,17 @@ class Worker:
     role_size: int
     names: list[str] = field(default_factory=list)
     shutdown_timeout: float = 60.0
+    #: one :class:`Placement` per rank, in rank order: the roles :meth:`workers` looks up
+    layout: list[Placement] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.layout and not self.names:
+            self.names = [p.name for p in self.layout]
+        if self.layout and [p.name for p in self.layout] != list(self.names):
+            raise ValueError(
+                f"Worker names {self.names!r} do not match its layout {[p.name for p in self.layout]!r}; "
+                "pass the layout only (names are taken from it)"
+            )
 
     def __enter__(self) -> Worker:
         return self
@@ -53,9 +64,22 @@ class Worker:
         self.shutdown(graceful=exc_type is None)
 
     def workers(self, role: str) -> list[str]:
-        """The worker names of ``role``, in rank order (e.g. ``["ps0", "ps1"]``)."""
-        prefix_len = len(role)
-        return [n for n in self.names if n.startswith(role) and n[prefix_len:].isdigit()]
+        """The worker names of ``role`` exactly, in rank order; ``[]`` for a role not in the world.
+
+        Roles are looked up in the layout, not guessed from names: with roles
+        ``{"ps": 1, "ps1": 1}`` (workers ps0 and ps10), ``workers("ps") == ["ps0"]``.
+
+        Example::
+
+            me = current_worker()                 # roles={"ps": 2, "trainer": 2}
+            me.workers("ps")                      # ["ps0", "ps1"]
+        """
+        if not self.layout:
+            raise RuntimeError(
+                f"Worker {self.name!r} was built without its layout, so its peers' roles are unknown; "
+                "build it with layout=placements(world_size, roles) (init_from_env and run_local do)"
+            )
+        return [p.name for p in self.layout if p.role == role]
 
     def shutdown(self, graceful: bool = True) -> None:
         """Leave the world: graceful (bounded), else immediate. Never hangs."""
@@ -219,6 +243,7 @@ def init_from_env(
         role_size=me.role_size,
         names=names,
         shutdown_timeout=shutdown_timeout,
+        layout=layout,
     ))
 
 

@@ -10,6 +10,7 @@ import torch
 
 from rpc_backend import (
     LocalWorldError,
+    Worker,
     make_options,
     placements,
     read_env,
@@ -134,6 +135,36 @@ def test_run_local_with_roles_sets_torchrun_variables():
     assert out[2]["env"] == ["2", "3", "2", "trainer"]
     assert (out[2]["role"], out[2]["role_rank"], out[2]["role_size"]) == ("trainer", 1, 2)
     assert out[0]["peers"] == ["trainer0", "trainer1"]
+
+
+def _worker_of(rank: int, layout: list) -> Worker:
+    me = layout[rank]
+    return Worker(me.name, rank, len(layout), rank, me.role, me.role_rank, me.role_size, layout=layout)
+
+
+def test_workers_of_a_role_match_the_role_exactly():
+    # ps0, ps1 .. ps10 with role "ps" and ps10 with role "ps1": names alone would mix them up
+    layout = placements(4, {"ps": 2, "ps1": 1, "trainer": 1})
+    me = _worker_of(0, layout)
+    assert [p.name for p in layout] == ["ps0", "ps1", "ps10", "trainer0"]
+    assert me.workers("ps") == ["ps0", "ps1"]
+    assert me.workers("ps1") == ["ps10"]
+    assert me.workers("trainer") == ["trainer0"]
+    assert me.workers("p") == [] and me.workers("trainer0") == []
+    assert me.names == ["ps0", "ps1", "ps10", "trainer0"]
+
+
+def test_worker_without_layout_says_how_to_build_one():
+    with pytest.raises(RuntimeError, match="layout=placements"):
+        Worker("w0", 0, 1, 0, "worker", 0, 1, ["w0"]).workers("worker")
+    with pytest.raises(ValueError, match="do not match its layout"):
+        Worker("w0", 0, 1, 0, "worker", 0, 1, ["x"], layout=placements(1))
+
+
+def test_run_local_workers_use_the_roles():
+    out = run_local(_world_fns.role_peers, 3, roles={"ps": 1, "ps1": 1, "trainer": 1}, timeout=60)
+    assert out[0] == {"ps": ["ps0"], "ps1": ["ps10"], "trainer": ["trainer0"]}
+    assert out[2] == out[0]
 
 
 def test_body_that_raises_shuts_down_at_once():
