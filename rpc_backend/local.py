@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch.distributed.rpc as rpc
 
 from rpc_backend.loopback import fresh_file_rendezvous, loopback_env
-from rpc_backend.options import make_options
+from rpc_backend.options import make_options, positive_seconds
 from rpc_backend.roles import Placement, placements
 from rpc_backend.world import Worker, _set_current
 
@@ -44,6 +44,7 @@ def _rank_entry(
     layout: list[Placement],
     init_method: str,
     option_kwargs: dict,
+    shutdown_timeout: float | None,
     results: Any,
 ) -> None:
     warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
@@ -63,15 +64,22 @@ def _rank_entry(
         options = make_options(init_method=init_method, worker_names=[p.name for p in layout], **option_kwargs)
         rpc.init_rpc(me.name, rank=rank, world_size=world_size, rpc_backend_options=options)
         worker = _set_current(
-            Worker(me.name, rank, world_size, rank, me.role, me.role_rank, me.role_size, layout=list(layout))
+            Worker(me.name, rank, world_size, rank, me.role, me.role_rank, me.role_size,
+                   shutdown_timeout=shutdown_timeout, layout=list(layout))
         )
         value = fn(*args)
     except BaseException:
         _send(results, ("error", rank, traceback.format_exc()))
         # Skip the graceful barrier: the others may be waiting on this rank forever.
         os._exit(1)
+    try:
+        # Serve the other ranks until every one is done; the result goes out afterwards, so a
+        # rank that could not finish its shutdown is reported as failed.
+        worker.shutdown(graceful=True)
+    except BaseException:
+        _send(results, ("error", rank, traceback.format_exc()))
+        os._exit(1)
     _send(results, ("ok", rank, value))
-    worker.shutdown(graceful=True)
 
 
 def _send(results: Any, item: tuple) -> None:
@@ -93,6 +101,7 @@ def run_local(
     timeout: float | None = None,
     stop_grace: float = 3.0,
     device_maps: dict[str, dict[str, dict]] | None = None,
+    shutdown_timeout: float | None = None,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` spawned local processes forming one RPC world.
 
@@ -103,6 +112,9 @@ def run_local(
     values ordered by rank. If a rank raises, its traceback is printed, the other ranks are
     stopped and :class:`LocalWorldError` is raised within ``stop_grace`` seconds. ``timeout``
     bounds the whole run (None: no bound). ``fn`` must be importable (module level).
+    A rank whose ``fn`` returned keeps serving the others until every rank is done, however
+    long that takes; ``shutdown_timeout`` seconds bound that wait (a rank that hits the bound
+    shuts down immediately and fails the world).
     ``device_maps`` maps a worker name to its own device maps, e.g.
     ``{"worker0": {"worker1": {"cuda:0": "cuda:0"}}}``.
 
@@ -124,6 +136,8 @@ def run_local(
             raise ValueError(f"names must be {world_size} distinct worker names, got {names!r}")
         layout = [Placement(n, "worker", r, world_size) for r, n in enumerate(names)]
     names = [p.name for p in layout]
+    if shutdown_timeout is not None:
+        shutdown_timeout = positive_seconds(shutdown_timeout, "shutdown_timeout")
     option_kwargs = dict(rpc_timeout=rpc_timeout, num_worker_threads=num_worker_threads, device_maps=None)
     # validate here, in the caller, before any process starts
     make_options(worker_names=names, **option_kwargs)
@@ -139,7 +153,7 @@ def run_local(
         ctx.Process(
             target=_rank_entry,
             args=(fn, args, rank, layout, init_method,
-                  {**option_kwargs, "device_maps": maps_by_worker.get(names[rank])}, results),
+                  {**option_kwargs, "device_maps": maps_by_worker.get(names[rank])}, shutdown_timeout, results),
             name=f"rpc-{names[rank]}",
             daemon=False,
         )
@@ -154,13 +168,16 @@ def run_local(
             try:
                 status, rank, payload = results.get(timeout=0.2)
             except queue.Empty:
-                for rank, p in enumerate(procs):
-                    if p.exitcode is not None and rank not in values:
-                        _drain_error(results, names)
-                        raise LocalWorldError(rank, names[rank], f"exited with code {p.exitcode} without a result")
-                if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(f"local world {names} did not finish within {timeout} s")
-                continue
+                gone = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in values]
+                if not gone:
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise TimeoutError(f"local world {names} did not finish within {timeout} s")
+                    continue
+                try:  # a rank sends its result just before it exits: it may still be in the pipe
+                    status, rank, payload = results.get(timeout=0.5)
+                except queue.Empty:
+                    r = gone[0]
+                    raise LocalWorldError(r, names[r], f"exited with code {procs[r].exitcode} without a result") from None
             if status == "error":
                 _log.error("rank %d (%s) failed:\n%s", rank, names[rank], payload)
                 raise LocalWorldError(rank, names[rank], payload)
@@ -171,16 +188,6 @@ def run_local(
         if os.path.exists(path):
             os.unlink(path)
     return [values[r] for r in range(world_size)]
-
-
-def _drain_error(results: Any, names: list[str]) -> None:
-    """Prefer a rank's own traceback over a bare exit code when one is queued."""
-    try:
-        status, rank, payload = results.get(timeout=0.5)
-    except queue.Empty:
-        return
-    if status == "error":
-        raise LocalWorldError(rank, names[rank], payload)
 
 
 def _stop(procs: list[Any], grace: float) -> None:
