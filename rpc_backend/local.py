@@ -2,7 +2,10 @@
 
 The embedded default used by ``make demo``, the tutorials and tests: spawned processes on
 loopback, each with RPC initialized and RANK / WORLD_SIZE / LOCAL_RANK set as torchrun would
-set them. A failing rank stops the world within seconds instead of hanging it.
+set them. Like torchrun's agent, the launcher hosts the job's store (on 127.0.0.1 only) and
+gives every rank MASTER_ADDR / MASTER_PORT / TORCHELASTIC_USE_AGENT_STORE, so code written
+for torchrun (``init_role_process_group``, ``init_process_group("gloo")``) runs unchanged.
+A failing rank stops the world within seconds instead of hanging it.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch.distributed.rpc as rpc
 
-from rpc_backend.loopback import fresh_file_rendezvous, loopback_env
+from rpc_backend.loopback import loopback_env, loopback_store
 from rpc_backend.options import make_options, positive_seconds
 from rpc_backend.roles import Placement, placements
 from rpc_backend.world import Worker, _set_current
@@ -42,7 +45,7 @@ def _rank_entry(
     args: tuple,
     rank: int,
     layout: list[Placement],
-    init_method: str,
+    store_port: int,
     option_kwargs: dict,
     shutdown_timeout: float | None,
     results: Any,
@@ -52,6 +55,9 @@ def _rank_entry(
     me = layout[rank]
     os.environ.update(loopback_env())
     os.environ.update(
+        # the launcher's store, as torchrun's agent provides one (MASTER_ADDR is 127.0.0.1)
+        MASTER_PORT=str(store_port),
+        TORCHELASTIC_USE_AGENT_STORE="True",
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
@@ -61,6 +67,7 @@ def _rank_entry(
         ROLE_WORLD_SIZE=str(me.role_size),
     )
     try:
+        init_method = f"tcp://{os.environ['MASTER_ADDR']}:{store_port}"
         options = make_options(init_method=init_method, worker_names=[p.name for p in layout], **option_kwargs)
         rpc.init_rpc(me.name, rank=rank, world_size=world_size, rpc_backend_options=options)
         worker = _set_current(
@@ -108,7 +115,9 @@ def run_local(
     Worker names come from ``roles`` (``{"ps": 1, "trainer": 2}`` -> ps0, trainer0, trainer1)
     or are given as ``names``; default ``worker0 .. worker{N-1}``. Each rank sees RANK,
     WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE as under torchrun (plus ROLE_NAME, ROLE_RANK,
-    ROLE_WORLD_SIZE), and listens on loopback only. Returns the ranks' return
+    ROLE_WORLD_SIZE), and listens on loopback only. MASTER_ADDR / MASTER_PORT name a store
+    the launcher hosts on 127.0.0.1 (as torchrun's agent does), so
+    :func:`~rpc_backend.init_role_process_group` and ``init_process_group`` work in ``fn``. Returns the ranks' return
     values ordered by rank. If a rank raises, its traceback is printed, the other ranks are
     stopped and :class:`LocalWorldError` is raised within ``stop_grace`` seconds. ``timeout``
     bounds the whole run (None: no bound). ``fn`` must be importable (module level).
@@ -146,13 +155,13 @@ def run_local(
         if worker not in names:
             raise ValueError(f"device_maps names worker {worker!r}, which is not in the world {names}")
         make_options(worker_names=names, **{**option_kwargs, "device_maps": maps})
-    init_method, path = fresh_file_rendezvous()
+    store = loopback_store()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [
         ctx.Process(
             target=_rank_entry,
-            args=(fn, args, rank, layout, init_method,
+            args=(fn, args, rank, layout, store.port,
                   {**option_kwargs, "device_maps": maps_by_worker.get(names[rank])}, shutdown_timeout, results),
             name=f"rpc-{names[rank]}",
             daemon=False,
@@ -185,8 +194,7 @@ def run_local(
     finally:
         _stop(procs, stop_grace)
         results.close()
-        if os.path.exists(path):
-            os.unlink(path)
+        del store
     return [values[r] for r in range(world_size)]
 
 

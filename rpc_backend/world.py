@@ -288,16 +288,20 @@ def init_from_env(
 def init_role_process_group(worker: Worker, backend: str = "gloo", timeout: float = 60.0) -> None:
     """``init_process_group`` among the ranks of ``worker.role`` only (rank = role rank).
 
-    Uses the job's existing store (torchrun's, or the one the RPC rendezvous started on rank
-    0) under a role-specific prefix: no new port, no clash with other roles' groups.
+    Uses the job's existing store (torchrun's agent store, the one the RPC rendezvous started
+    on rank 0, or the one ``run_local``'s launcher hosts on 127.0.0.1) under a role-specific
+    prefix: no new port, no clash with other roles' groups. The same code therefore runs
+    under torchrun and under :func:`~rpc_backend.run_local`.
 
-    Example::
+    Example (torchrun, or ``run_local(main, 3, roles={"ps": 1, "trainer": 2})``)::
 
-        me = init_from_env(roles={"ps": 1, "trainer": 2})
-        if me.role == "trainer":
-            init_role_process_group(me)          # DDP among trainer0 and trainer1
-            model = DistributedDataParallel(local_part)
+        def main():
+            me = current_worker()                     # or init_from_env(roles=...) under torchrun
+            if me.role == "trainer":
+                init_role_process_group(me)          # DDP among trainer0 and trainer1
+                model = DistributedDataParallel(local_part)
     """
+    timeout = positive_seconds(timeout, "timeout")
     info = read_env()
     store = dist.TCPStore(
         info["master_addr"], info["master_port"], is_master=False, timeout=timedelta(seconds=timeout)
