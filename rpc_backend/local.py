@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch.distributed.rpc as rpc
 
+from rpc_backend._lifetime import StopSignals, exit_with_parent
 from rpc_backend.loopback import loopback_env, loopback_store
 from rpc_backend.options import make_options, positive_seconds
 from rpc_backend.roles import Placement, placements
@@ -45,11 +46,13 @@ def _rank_entry(
     args: tuple,
     rank: int,
     layout: list[Placement],
+    launcher_pid: int,
     store_port: int,
     option_kwargs: dict,
     shutdown_timeout: float | None,
     results: Any,
 ) -> None:
+    exit_with_parent(launcher_pid)  # a launcher killed outright (SIGKILL) cannot stop its ranks
     warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
     world_size = len(layout)
     me = layout[rank]
@@ -115,7 +118,10 @@ def run_local(
     Worker names come from ``roles`` (``{"ps": 1, "trainer": 2}`` -> ps0, trainer0, trainer1)
     or are given as ``names``; default ``worker0 .. worker{N-1}``. Each rank sees RANK,
     WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE as under torchrun (plus ROLE_NAME, ROLE_RANK,
-    ROLE_WORLD_SIZE), and listens on loopback only. MASTER_ADDR / MASTER_PORT name a store
+    ROLE_WORLD_SIZE), and listens on loopback only. When the calling process gets SIGINT or
+    SIGTERM (while ``run_local`` runs in the main thread), the ranks are stopped first
+    (terminate, then kill) and then the signal has its usual effect (``KeyboardInterrupt``;
+    the process ends); the ranks also exit by themselves if the caller dies outright. MASTER_ADDR / MASTER_PORT name a store
     the launcher hosts on 127.0.0.1 (as torchrun's agent does), so
     :func:`~rpc_backend.init_role_process_group` and ``init_process_group`` work in ``fn``. Returns the ranks' return
     values ordered by rank. If a rank raises, its traceback is printed, the other ranks are
@@ -155,58 +161,72 @@ def run_local(
         if worker not in names:
             raise ValueError(f"device_maps names worker {worker!r}, which is not in the world {names}")
         make_options(worker_names=names, **{**option_kwargs, "device_maps": maps})
-    store = loopback_store()
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [
-        ctx.Process(
-            target=_rank_entry,
-            args=(fn, args, rank, layout, store.port,
-                  {**option_kwargs, "device_maps": maps_by_worker.get(names[rank])}, shutdown_timeout, results),
-            name=f"rpc-{names[rank]}",
-            daemon=False,
-        )
-        for rank in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    values: dict[int, Any] = {}
-    deadline = None if timeout is None else time.monotonic() + timeout
-    try:
-        while len(values) < world_size or any(p.is_alive() for p in procs):
-            try:
-                status, rank, payload = results.get(timeout=0.2)
-            except queue.Empty:
-                gone = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in values]
-                if not gone:
-                    if deadline is not None and time.monotonic() > deadline:
-                        raise TimeoutError(f"local world {names} did not finish within {timeout} s")
-                    continue
-                try:  # a rank sends its result just before it exits: it may still be in the pipe
-                    status, rank, payload = results.get(timeout=0.5)
-                except queue.Empty:
-                    r = gone[0]
-                    raise LocalWorldError(r, names[r], f"exited with code {procs[r].exitcode} without a result") from None
-            if status == "error":
-                _log.error("rank %d (%s) failed:\n%s", rank, names[rank], payload)
-                raise LocalWorldError(rank, names[rank], payload)
-            values[rank] = payload
-    finally:
-        _stop(procs, stop_grace)
-        results.close()
-        del store
+    stop = StopSignals()
+    with stop:  # main thread only: SIGINT/SIGTERM stop the ranks first, then take effect
+        store = loopback_store()
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        procs: list[Any] = []
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            for rank in range(world_size):
+                stop.raise_if_received()
+                rank_maps = maps_by_worker.get(names[rank])
+                procs.append(ctx.Process(
+                    target=_rank_entry,
+                    args=(fn, args, rank, layout, os.getpid(), store.port,
+                          {**option_kwargs, "device_maps": rank_maps}, shutdown_timeout, results),
+                    name=f"rpc-{names[rank]}",
+                    daemon=False,
+                ))
+                procs[-1].start()
+            values = _collect(procs, results, names, deadline, timeout, stop)
+        finally:
+            _stop(procs, stop_grace, hurry=lambda: stop.received is not None)
+            results.close()
+            del store
     return [values[r] for r in range(world_size)]
 
 
-def _stop(procs: list[Any], grace: float) -> None:
+def _collect(
+    procs: list[Any], results: Any, names: list[str], deadline: float | None, timeout: float | None,
+    stop: StopSignals,
+) -> dict[int, Any]:
+    """Every rank's value by rank; raises for the first rank that fails or exits without one."""
+    values: dict[int, Any] = {}
+    while len(values) < len(procs) or any(p.is_alive() for p in procs):
+        stop.raise_if_received()
+        try:
+            status, rank, payload = results.get(timeout=0.2)
+        except queue.Empty:
+            gone = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in values]
+            if not gone:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"local world {names} did not finish within {timeout} s") from None
+                continue
+            try:  # a rank sends its result just before it exits: it may still be in the pipe
+                status, rank, payload = results.get(timeout=0.5)
+            except queue.Empty:
+                r = gone[0]
+                raise LocalWorldError(r, names[r], f"exited with code {procs[r].exitcode} without a result") from None
+        if status == "error":
+            _log.error("rank %d (%s) failed:\n%s", rank, names[rank], payload)
+            raise LocalWorldError(rank, names[rank], payload)
+        values[rank] = payload
+    return values
+
+
+def _stop(procs: list[Any], grace: float, hurry: Callable[[], bool]) -> None:
+    """Give the ranks ``grace`` seconds to exit (none once ``hurry()``), then terminate, then kill."""
     deadline = time.monotonic() + grace
-    for p in procs:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline and not hurry():
+        time.sleep(0.05)
     for p in procs:
         if p.is_alive():
             p.terminate()
+    deadline = time.monotonic() + 2.0
     for p in procs:
-        p.join(timeout=2.0)
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
         if p.is_alive():
             p.kill()
             p.join()

@@ -63,3 +63,16 @@ def trainers_in_a_role_group() -> dict | None:
     dist.barrier()
     dist.destroy_process_group()
     return report
+
+
+def write_pid_and_wait(pid_dir: str) -> None:
+    """Every rank writes ``rank<N>.pid`` into ``pid_dir`` (atomically) and then waits forever."""
+    import os
+
+    rank = rpc.get_worker_info().id
+    tmp = os.path.join(pid_dir, f".rank{rank}.tmp")
+    with open(tmp, "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(tmp, os.path.join(pid_dir, f"rank{rank}.pid"))
+    while True:
+        time.sleep(1.0)
