@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-import types
+from pathlib import Path
 
 import pytest
 
@@ -90,3 +90,12 @@ def test_by_default_a_returned_rank_serves_until_the_others_are_done():
     assert out[0]["failure"] is None, out[0]
     assert out[0]["seconds"] >= SERVE_FOR  # well past BOUND + slack: the bounded case failed by then
     assert out[0]["calls"] > 10
+
+
+def test_the_shared_test_world_shuts_down_through_rpc_backend():
+    # one bounded-shutdown helper (rpc_backend.shutdown_rpc), not a private copy in conftest
+    from tests import conftest
+
+    source = Path(conftest.__file__).read_text()
+    assert "shutdown_rpc(graceful=True, timeout=30)" in source
+    assert "rpc.shutdown(" not in source and not hasattr(conftest, "_bounded_shutdown")
