@@ -4,14 +4,15 @@
   :class:`Worker`, a context manager that owns shutdown;
 * :func:`init_role_process_group` makes a process group among one role's ranks (DDP among
   trainers) on the job's own store;
-* :func:`run_local` runs a function on N local processes on loopback (the embedded default);
+* :func:`run_local` runs a function on N local processes on loopback (the embedded default),
+  with a torchrun-like store, so role process groups work there too;
 * :func:`make_options` validates RPC options (timeout, threads, device maps, devices).
 
 Knows nothing of ``remote_module``; everything above builds on it.
 """
 
 from rpc_backend.local import LocalWorldError, run_local
-from rpc_backend.loopback import fresh_file_rendezvous, loopback_env, loopback_interface
+from rpc_backend.loopback import fresh_file_rendezvous, loopback_env, loopback_interface, loopback_store
 from rpc_backend.options import make_options
 from rpc_backend.roles import Placement, placements
 from rpc_backend.world import Worker, current_worker, init_from_env, init_role_process_group, read_env, shutdown_rpc
@@ -31,4 +32,5 @@ __all__ = [
     "loopback_env",
     "loopback_interface",
     "fresh_file_rendezvous",
+    "loopback_store",
 ]

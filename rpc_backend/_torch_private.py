@@ -8,6 +8,12 @@ from __future__ import annotations
 import torch.distributed.rpc as rpc
 
 
+#: The ``timeout`` that makes ``rpc.shutdown(graceful=True)`` wait without a deadline. In torch
+#: 2.13 (rpc/api.py, ``_all_gather``) this value (0) means "no timeout" for both the gather's
+#: RPCs and its proceed signal; any other number bounds each of them.
+UNBOUNDED_SHUTDOWN_TIMEOUT: float = rpc.constants.DEFAULT_SHUTDOWN_TIMEOUT
+
+
 def is_rpc_initialized() -> bool:
     """True between ``rpc.init_rpc`` and ``rpc.shutdown`` in this process."""
     return rpc.is_available() and rpc.api._is_current_rpc_agent_set()

@@ -2,7 +2,10 @@
 
 The embedded default used by ``make demo``, the tutorials and tests: spawned processes on
 loopback, each with RPC initialized and RANK / WORLD_SIZE / LOCAL_RANK set as torchrun would
-set them. A failing rank stops the world within seconds instead of hanging it.
+set them. Like torchrun's agent, the launcher hosts the job's store (on 127.0.0.1 only) and
+gives every rank MASTER_ADDR / MASTER_PORT / TORCHELASTIC_USE_AGENT_STORE, so code written
+for torchrun (``init_role_process_group``, ``init_process_group("gloo")``) runs unchanged.
+A failing rank stops the world within seconds instead of hanging it.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch.distributed.rpc as rpc
 
-from rpc_backend.loopback import fresh_file_rendezvous, loopback_env
-from rpc_backend.options import make_options
+from rpc_backend._lifetime import StopSignals, exit_with_parent
+from rpc_backend.loopback import loopback_env, loopback_store
+from rpc_backend.options import make_options, positive_seconds
 from rpc_backend.roles import Placement, placements
 from rpc_backend.world import Worker, _set_current
 
@@ -42,15 +46,21 @@ def _rank_entry(
     args: tuple,
     rank: int,
     layout: list[Placement],
-    init_method: str,
+    launcher_pid: int,
+    store_port: int,
     option_kwargs: dict,
+    shutdown_timeout: float | None,
     results: Any,
 ) -> None:
+    exit_with_parent(launcher_pid)  # a launcher killed outright (SIGKILL) cannot stop its ranks
     warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
     world_size = len(layout)
     me = layout[rank]
     os.environ.update(loopback_env())
     os.environ.update(
+        # the launcher's store, as torchrun's agent provides one (MASTER_ADDR is 127.0.0.1)
+        MASTER_PORT=str(store_port),
+        TORCHELASTIC_USE_AGENT_STORE="True",
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
@@ -60,18 +70,26 @@ def _rank_entry(
         ROLE_WORLD_SIZE=str(me.role_size),
     )
     try:
+        init_method = f"tcp://{os.environ['MASTER_ADDR']}:{store_port}"
         options = make_options(init_method=init_method, worker_names=[p.name for p in layout], **option_kwargs)
         rpc.init_rpc(me.name, rank=rank, world_size=world_size, rpc_backend_options=options)
         worker = _set_current(
-            Worker(me.name, rank, world_size, rank, me.role, me.role_rank, me.role_size, [p.name for p in layout])
+            Worker(me.name, rank, world_size, rank, me.role, me.role_rank, me.role_size,
+                   shutdown_timeout=shutdown_timeout, layout=list(layout))
         )
         value = fn(*args)
     except BaseException:
         _send(results, ("error", rank, traceback.format_exc()))
         # Skip the graceful barrier: the others may be waiting on this rank forever.
         os._exit(1)
+    try:
+        # Serve the other ranks until every one is done; the result goes out afterwards, so a
+        # rank that could not finish its shutdown is reported as failed.
+        worker.shutdown(graceful=True)
+    except BaseException:
+        _send(results, ("error", rank, traceback.format_exc()))
+        os._exit(1)
     _send(results, ("ok", rank, value))
-    worker.shutdown(graceful=True)
 
 
 def _send(results: Any, item: tuple) -> None:
@@ -93,16 +111,25 @@ def run_local(
     timeout: float | None = None,
     stop_grace: float = 3.0,
     device_maps: dict[str, dict[str, dict]] | None = None,
+    shutdown_timeout: float | None = None,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` spawned local processes forming one RPC world.
 
     Worker names come from ``roles`` (``{"ps": 1, "trainer": 2}`` -> ps0, trainer0, trainer1)
     or are given as ``names``; default ``worker0 .. worker{N-1}``. Each rank sees RANK,
     WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE as under torchrun (plus ROLE_NAME, ROLE_RANK,
-    ROLE_WORLD_SIZE), and listens on loopback only. Returns the ranks' return
+    ROLE_WORLD_SIZE), and listens on loopback only. When the calling process gets SIGINT or
+    SIGTERM (while ``run_local`` runs in the main thread), the ranks are stopped first
+    (terminate, then kill) and then the signal has its usual effect (``KeyboardInterrupt``;
+    the process ends); the ranks also exit by themselves if the caller dies outright. MASTER_ADDR / MASTER_PORT name a store
+    the launcher hosts on 127.0.0.1 (as torchrun's agent does), so
+    :func:`~rpc_backend.init_role_process_group` and ``init_process_group`` work in ``fn``. Returns the ranks' return
     values ordered by rank. If a rank raises, its traceback is printed, the other ranks are
     stopped and :class:`LocalWorldError` is raised within ``stop_grace`` seconds. ``timeout``
     bounds the whole run (None: no bound). ``fn`` must be importable (module level).
+    A rank whose ``fn`` returned keeps serving the others until every rank is done, however
+    long that takes; ``shutdown_timeout`` seconds bound that wait (a rank that hits the bound
+    shuts down immediately and fails the world).
     ``device_maps`` maps a worker name to its own device maps, e.g.
     ``{"worker0": {"worker1": {"cuda:0": "cuda:0"}}}``.
 
@@ -124,6 +151,8 @@ def run_local(
             raise ValueError(f"names must be {world_size} distinct worker names, got {names!r}")
         layout = [Placement(n, "worker", r, world_size) for r, n in enumerate(names)]
     names = [p.name for p in layout]
+    if shutdown_timeout is not None:
+        shutdown_timeout = positive_seconds(shutdown_timeout, "shutdown_timeout")
     option_kwargs = dict(rpc_timeout=rpc_timeout, num_worker_threads=num_worker_threads, device_maps=None)
     # validate here, in the caller, before any process starts
     make_options(worker_names=names, **option_kwargs)
@@ -132,66 +161,72 @@ def run_local(
         if worker not in names:
             raise ValueError(f"device_maps names worker {worker!r}, which is not in the world {names}")
         make_options(worker_names=names, **{**option_kwargs, "device_maps": maps})
-    init_method, path = fresh_file_rendezvous()
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [
-        ctx.Process(
-            target=_rank_entry,
-            args=(fn, args, rank, layout, init_method,
-                  {**option_kwargs, "device_maps": maps_by_worker.get(names[rank])}, results),
-            name=f"rpc-{names[rank]}",
-            daemon=False,
-        )
-        for rank in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    values: dict[int, Any] = {}
-    deadline = None if timeout is None else time.monotonic() + timeout
-    try:
-        while len(values) < world_size or any(p.is_alive() for p in procs):
-            try:
-                status, rank, payload = results.get(timeout=0.2)
-            except queue.Empty:
-                for rank, p in enumerate(procs):
-                    if p.exitcode is not None and rank not in values:
-                        _drain_error(results, names)
-                        raise LocalWorldError(rank, names[rank], f"exited with code {p.exitcode} without a result")
-                if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(f"local world {names} did not finish within {timeout} s")
-                continue
-            if status == "error":
-                _log.error("rank %d (%s) failed:\n%s", rank, names[rank], payload)
-                raise LocalWorldError(rank, names[rank], payload)
-            values[rank] = payload
-    finally:
-        _stop(procs, stop_grace)
-        results.close()
-        if os.path.exists(path):
-            os.unlink(path)
+    stop = StopSignals()
+    with stop:  # main thread only: SIGINT/SIGTERM stop the ranks first, then take effect
+        store = loopback_store()
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        procs: list[Any] = []
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            for rank in range(world_size):
+                stop.raise_if_received()
+                rank_maps = maps_by_worker.get(names[rank])
+                procs.append(ctx.Process(
+                    target=_rank_entry,
+                    args=(fn, args, rank, layout, os.getpid(), store.port,
+                          {**option_kwargs, "device_maps": rank_maps}, shutdown_timeout, results),
+                    name=f"rpc-{names[rank]}",
+                    daemon=False,
+                ))
+                procs[-1].start()
+            values = _collect(procs, results, names, deadline, timeout, stop)
+        finally:
+            _stop(procs, stop_grace, hurry=lambda: stop.received is not None)
+            results.close()
+            del store
     return [values[r] for r in range(world_size)]
 
 
-def _drain_error(results: Any, names: list[str]) -> None:
-    """Prefer a rank's own traceback over a bare exit code when one is queued."""
-    try:
-        status, rank, payload = results.get(timeout=0.5)
-    except queue.Empty:
-        return
-    if status == "error":
-        raise LocalWorldError(rank, names[rank], payload)
+def _collect(
+    procs: list[Any], results: Any, names: list[str], deadline: float | None, timeout: float | None,
+    stop: StopSignals,
+) -> dict[int, Any]:
+    """Every rank's value by rank; raises for the first rank that fails or exits without one."""
+    values: dict[int, Any] = {}
+    while len(values) < len(procs) or any(p.is_alive() for p in procs):
+        stop.raise_if_received()
+        try:
+            status, rank, payload = results.get(timeout=0.2)
+        except queue.Empty:
+            gone = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in values]
+            if not gone:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"local world {names} did not finish within {timeout} s") from None
+                continue
+            try:  # a rank sends its result just before it exits: it may still be in the pipe
+                status, rank, payload = results.get(timeout=0.5)
+            except queue.Empty:
+                r = gone[0]
+                raise LocalWorldError(r, names[r], f"exited with code {procs[r].exitcode} without a result") from None
+        if status == "error":
+            _log.error("rank %d (%s) failed:\n%s", rank, names[rank], payload)
+            raise LocalWorldError(rank, names[rank], payload)
+        values[rank] = payload
+    return values
 
 
-def _stop(procs: list[Any], grace: float) -> None:
+def _stop(procs: list[Any], grace: float, hurry: Callable[[], bool]) -> None:
+    """Give the ranks ``grace`` seconds to exit (none once ``hurry()``), then terminate, then kill."""
     deadline = time.monotonic() + grace
-    for p in procs:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline and not hurry():
+        time.sleep(0.05)
     for p in procs:
         if p.is_alive():
             p.terminate()
+    deadline = time.monotonic() + 2.0
     for p in procs:
-        p.join(timeout=2.0)
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
         if p.is_alive():
             p.kill()
             p.join()

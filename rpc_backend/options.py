@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -11,11 +13,38 @@ DEFAULT_RPC_TIMEOUT = 60.0
 DEFAULT_WORKER_THREADS = 16
 
 
+#: The shortest timeout torch honours: it counts in whole milliseconds, and 0 ms means "no timeout".
+MIN_SECONDS = 0.001
+#: Timeouts must stay below this: torch holds milliseconds in a signed 32-bit int, so 2**31 ms
+#: and more (infinity included) wrap into a negative figure.
+MAX_SECONDS_EXCLUSIVE = 2**31 / 1000
+
+
 def positive_seconds(value: Any, what: str) -> float:
-    """``value`` as float seconds; ``ValueError`` naming ``what`` unless it is a number > 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{what} must be a positive number of seconds, got {value!r}")
-    return float(value)
+    """``value`` as float seconds, checked to be a real number in ``[0.001, 2**31 / 1000)``.
+
+    Torch rounds timeouts to milliseconds: under 1 ms becomes 0 ("wait forever") and 2**31 ms
+    or more overflows. Raises ``ValueError`` naming ``what`` and ``value`` for anything else
+    (bool, str, None, nan, inf, 0, negatives, 0.0004, 2**31 / 1000); callers that accept
+    ``None`` for "the agent's default" handle it before calling.
+
+    Example::
+
+        >>> positive_seconds(30, "rpc_timeout")
+        30.0
+        >>> positive_seconds(0.0004, "timeout")
+        Traceback (most recent call last):
+        ...
+        ValueError: timeout must be a positive number of seconds in [0.001, 2147483.648), got 0.0004; ...
+    """
+    seconds = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else None
+    if seconds is None or not math.isfinite(seconds) or not MIN_SECONDS <= seconds < MAX_SECONDS_EXCLUSIVE:
+        raise ValueError(
+            f"{what} must be a positive number of seconds in [{MIN_SECONDS}, {MAX_SECONDS_EXCLUSIVE}), "
+            f"got {value!r}; pass e.g. {what}=30 for 30 s (torch cannot express shorter, longer or "
+            "infinite timeouts)"
+        )
+    return seconds
 
 
 def _device(value: Any, where: str) -> torch.device:

@@ -13,8 +13,8 @@ from typing import Any, Iterable, Mapping
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from rpc_backend._torch_private import is_rpc_initialized
-from rpc_backend.options import DEFAULT_RPC_TIMEOUT, DEFAULT_WORKER_THREADS, make_options
+from rpc_backend._torch_private import UNBOUNDED_SHUTDOWN_TIMEOUT, is_rpc_initialized
+from rpc_backend.options import DEFAULT_RPC_TIMEOUT, DEFAULT_WORKER_THREADS, make_options, positive_seconds
 from rpc_backend.roles import Placement, placements
 
 TORCHRUN_HINT = "torchrun --standalone --nproc-per-node=3 your_script.py"
@@ -25,9 +25,12 @@ _REQUIRED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 class Worker:
     """This process's place in an initialized RPC world; a context manager that shuts it down.
 
-    On a clean exit from the ``with`` block the shutdown is graceful (waits for every worker,
-    bounded by ``shutdown_timeout``); when the block raised it is immediate, so a failing
-    worker never waits on the others.
+    On a clean exit from the ``with`` block the shutdown is graceful: this worker keeps serving
+    until every other worker has finished and called shutdown too, however long that takes
+    (``shutdown_timeout=None``, the default; a number of seconds bounds the wait, after which
+    it shuts down immediately and raises). When the block raised, the shutdown is immediate,
+    so a failing worker never waits on the others. A worker that dies is the launcher's to
+    handle: ``run_local`` and torchrun's agent stop the whole world when a rank fails.
 
     Example::
 
@@ -44,7 +47,20 @@ class Worker:
     role_rank: int
     role_size: int
     names: list[str] = field(default_factory=list)
-    shutdown_timeout: float = 60.0
+    shutdown_timeout: float | None = None
+    #: one :class:`Placement` per rank, in rank order: the roles :meth:`workers` looks up
+    layout: list[Placement] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.shutdown_timeout is not None:
+            self.shutdown_timeout = positive_seconds(self.shutdown_timeout, "shutdown_timeout")
+        if self.layout and not self.names:
+            self.names = [p.name for p in self.layout]
+        if self.layout and [p.name for p in self.layout] != list(self.names):
+            raise ValueError(
+                f"Worker names {self.names!r} do not match its layout {[p.name for p in self.layout]!r}; "
+                "pass the layout only (names are taken from it)"
+            )
 
     def __enter__(self) -> Worker:
         return self
@@ -53,12 +69,35 @@ class Worker:
         self.shutdown(graceful=exc_type is None)
 
     def workers(self, role: str) -> list[str]:
-        """The worker names of ``role``, in rank order (e.g. ``["ps0", "ps1"]``)."""
-        prefix_len = len(role)
-        return [n for n in self.names if n.startswith(role) and n[prefix_len:].isdigit()]
+        """The worker names of ``role`` exactly, in rank order; ``[]`` for a role not in the world.
+
+        Roles are looked up in the layout, not guessed from names: with roles
+        ``{"ps": 1, "ps1": 1}`` (workers ps0 and ps10), ``workers("ps") == ["ps0"]``.
+
+        Example::
+
+            me = current_worker()                 # roles={"ps": 2, "trainer": 2}
+            me.workers("ps")                      # ["ps0", "ps1"]
+        """
+        if not self.layout:
+            raise RuntimeError(
+                f"Worker {self.name!r} was built without its layout, so its peers' roles are unknown; "
+                "build it with layout=placements(world_size, roles) (init_from_env and run_local do)"
+            )
+        return [p.name for p in self.layout if p.role == role]
 
     def shutdown(self, graceful: bool = True) -> None:
-        """Leave the world: graceful (bounded), else immediate. Never hangs."""
+        """Leave the world: graceful (serve until every worker is done, within
+        ``shutdown_timeout`` when one is set), else immediate.
+
+        Example::
+
+            me = init_from_env(roles={"ps": 1, "trainer": 2})
+            try:
+                work(me)
+            finally:
+                me.shutdown()        # the ps keeps serving until both trainers are done
+        """
         shutdown_rpc(graceful=graceful, timeout=self.shutdown_timeout)
 
 
@@ -87,17 +126,29 @@ def _set_current(worker: Worker) -> Worker:
     return worker
 
 
-def shutdown_rpc(graceful: bool = True, timeout: float = 60.0) -> None:
-    """``rpc.shutdown`` that never hangs: a graceful one that does not finish within
-    ``timeout`` seconds is abandoned for an immediate one (and reported with a RuntimeError).
+#: Seconds a bounded graceful shutdown may overrun its ``timeout`` before it is abandoned
+#: (torch's own deadline should fire first; this only catches a shutdown stuck past it).
+SHUTDOWN_SLACK = 2.0
+
+
+def shutdown_rpc(graceful: bool = True, timeout: float | None = None) -> None:
+    """``rpc.shutdown``: graceful waits for every worker; ``timeout`` seconds bound the wait.
+
+    With ``timeout=None`` (the default) a graceful shutdown serves other workers' calls until
+    every worker has called shutdown, however long that takes. With a number, a graceful
+    shutdown that has not finished ``timeout`` seconds (plus :data:`SHUTDOWN_SLACK`) later is
+    abandoned for an immediate one, and a ``RuntimeError`` says so. ``graceful=False`` leaves
+    at once. Does nothing when RPC is not initialized.
 
     Example (on every worker)::
 
         try:
             train()
         finally:
-            shutdown_rpc(graceful=True, timeout=30)
+            shutdown_rpc(graceful=True)              # or timeout=30 to bound the wait
     """
+    if timeout is not None:
+        timeout = positive_seconds(timeout, "timeout")
     if not is_rpc_initialized():
         return
     if not graceful:
@@ -107,13 +158,22 @@ def shutdown_rpc(graceful: bool = True, timeout: float = 60.0) -> None:
 
     def run() -> None:
         try:
-            rpc.shutdown(graceful=True, timeout=timeout)
+            # torch applies a number to each step of its shutdown gather (a missed step is
+            # skipped, not reported, and the agent's join then waits forever), so only its
+            # "no timeout" value really waits: UNBOUNDED_SHUTDOWN_TIMEOUT.
+            rpc.shutdown(graceful=True, timeout=UNBOUNDED_SHUTDOWN_TIMEOUT if timeout is None else timeout)
         except BaseException as exc:
             errors.append(exc)
 
     thread = threading.Thread(target=run, name="rpc-graceful-shutdown", daemon=True)
     thread.start()
-    thread.join(timeout + 5.0)
+    if timeout is None:
+        while thread.is_alive():
+            thread.join(1.0)  # in steps, so Ctrl-C still reaches this thread
+        if errors:
+            raise RuntimeError(f"graceful RPC shutdown failed: {errors[0]}") from errors[0]
+        return
+    thread.join(timeout + SHUTDOWN_SLACK)
     if thread.is_alive() or errors:
         if is_rpc_initialized():
             try:
@@ -122,7 +182,8 @@ def shutdown_rpc(graceful: bool = True, timeout: float = 60.0) -> None:
                 pass
         raise RuntimeError(
             f"graceful RPC shutdown did not complete within {timeout} s "
-            f"({errors[0] if errors else 'still waiting for other workers'}); shut down immediately instead"
+            f"({errors[0] if errors else 'still waiting for other workers'}); shut down immediately instead. "
+            "Pass timeout=None to wait for every worker however long it takes"
         )
 
 
@@ -178,12 +239,13 @@ def init_from_env(
     num_worker_threads: int = DEFAULT_WORKER_THREADS,
     device_maps: Mapping[str, Mapping[Any, Any]] | None = None,
     devices: Iterable[Any] | None = None,
-    shutdown_timeout: float = 60.0,
+    shutdown_timeout: float | None = None,
 ) -> Worker:
     """Initialize RPC inside a torchrun job; return this process's :class:`Worker`.
 
     Worker names come from ``roles`` (``{"ps": 2, "trainer": 2}`` -> ps0, ps1, trainer0,
-    trainer1 by rank), default ``worker<rank>``. The rendezvous is torchrun's own store
+    trainer1 by rank), default ``worker<rank>``. The worker's graceful shutdown waits for
+    every other worker however long it takes; ``shutdown_timeout`` seconds bound it. The rendezvous is torchrun's own store
     (MASTER_ADDR:MASTER_PORT; the agent's store when torchrun provides one), so a process group
     for DDP among some ranks (:func:`init_role_process_group`) needs no second port.
 
@@ -219,22 +281,27 @@ def init_from_env(
         role_size=me.role_size,
         names=names,
         shutdown_timeout=shutdown_timeout,
+        layout=layout,
     ))
 
 
 def init_role_process_group(worker: Worker, backend: str = "gloo", timeout: float = 60.0) -> None:
     """``init_process_group`` among the ranks of ``worker.role`` only (rank = role rank).
 
-    Uses the job's existing store (torchrun's, or the one the RPC rendezvous started on rank
-    0) under a role-specific prefix: no new port, no clash with other roles' groups.
+    Uses the job's existing store (torchrun's agent store, the one the RPC rendezvous started
+    on rank 0, or the one ``run_local``'s launcher hosts on 127.0.0.1) under a role-specific
+    prefix: no new port, no clash with other roles' groups. The same code therefore runs
+    under torchrun and under :func:`~rpc_backend.run_local`.
 
-    Example::
+    Example (torchrun, or ``run_local(main, 3, roles={"ps": 1, "trainer": 2})``)::
 
-        me = init_from_env(roles={"ps": 1, "trainer": 2})
-        if me.role == "trainer":
-            init_role_process_group(me)          # DDP among trainer0 and trainer1
-            model = DistributedDataParallel(local_part)
+        def main():
+            me = current_worker()                     # or init_from_env(roles=...) under torchrun
+            if me.role == "trainer":
+                init_role_process_group(me)          # DDP among trainer0 and trainer1
+                model = DistributedDataParallel(local_part)
     """
+    timeout = positive_seconds(timeout, "timeout")
     info = read_env()
     store = dist.TCPStore(
         info["master_addr"], info["master_port"], is_master=False, timeout=timedelta(seconds=timeout)

@@ -22,3 +22,8 @@ def raise_inside_worker_context() -> None:
     if me.rank == 1:
         with me:
             raise KeyError("failed inside the with block")
+
+
+def role_peers() -> dict:
+    me = current_worker()
+    return {role: me.workers(role) for role in ("ps", "ps1", "trainer")}

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -21,23 +20,6 @@ ROOT = Path(__file__).resolve().parent.parent
 RPC_TIMEOUT = 20.0
 #: rank -> name. ``bare`` is reserved for the test that checks a host nothing was run on.
 WORLD = ("worker0", "worker1", "worker2", "bare")
-
-
-def _bounded_shutdown(rpc, seconds: float) -> None:
-    """Graceful shutdown, but never a hung session: give up (and fail loudly) after ``seconds``."""
-    errors = []
-
-    def run():
-        try:
-            rpc.shutdown(graceful=True, timeout=seconds)
-        except Exception as exc:  # reported below
-            errors.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds + 5)
-    if thread.is_alive() or errors:
-        raise RuntimeError(f"the test RPC world did not shut down cleanly within {seconds} s: {errors}")
 
 
 class World:
@@ -50,6 +32,7 @@ class World:
 def rpc_world():
     import torch.distributed.rpc as rpc
 
+    from rpc_backend import shutdown_rpc
     from rpc_backend.loopback import fresh_file_rendezvous, loopback_env
 
     os.environ.update(loopback_env())
@@ -71,7 +54,8 @@ def rpc_world():
         )
         rpc.init_rpc(WORLD[0], rank=0, world_size=len(WORLD), rpc_backend_options=options)
         yield World(WORLD)
-        _bounded_shutdown(rpc, seconds=30)
+        # graceful, but never a hung session: raises (fails loudly) if not done within 30 s
+        shutdown_rpc(graceful=True, timeout=30)
     finally:
         for p in helpers:
             try:

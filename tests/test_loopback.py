@@ -1,6 +1,10 @@
 """Local worlds listen on loopback only."""
 
-from rpc_backend import loopback_env, run_local
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from rpc_backend import loopback_env, loopback_store, run_local
 from tests import _sockets
 
 
@@ -24,3 +28,12 @@ def test_loopback_env_names_the_loopback_interface():
     env = loopback_env()
     assert env["TP_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] in ("lo", "lo0")
     assert env["MASTER_ADDR"] == "127.0.0.1"
+
+
+def test_loopback_store_listens_on_loopback_only():
+    store = loopback_store(timeout=10)
+    mine = [a for a in _sockets.listening_addresses() if a.endswith(f":{store.port}")]
+    assert mine == [f"127.0.0.1:{store.port}"]  # a plain TCPStore(is_master=True) binds every interface
+    client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=10))
+    client.set("k", "v")
+    assert store.get("k") == b"v"

@@ -2,17 +2,21 @@
 the Worker context manager and bounded shutdown."""
 
 import time
+from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 
 from rpc_backend import (
     LocalWorldError,
+    Worker,
     make_options,
     placements,
     read_env,
     run_local,
 )
+from rpc_backend.options import positive_seconds
 from tests import _world_fns
 from tests._subworld import run_report
 
@@ -65,6 +69,31 @@ def test_options_are_validated_before_init(kwargs, exc, text):
         make_options(**kwargs)
 
 
+@pytest.mark.parametrize(
+    "value", [True, False, "60", None, float("nan"), float("inf"), -float("inf"), 0, 0.0, -1, 0.0004, 2**31 / 1000, 1e12]
+)
+def test_timeouts_outside_what_torch_can_express_are_refused(value):
+    # under 1 ms torch waits forever; 2**31 ms or more (inf too) wraps into a negative figure
+    with pytest.raises(ValueError) as info:
+        positive_seconds(value, "timeout")
+    text = str(info.value)
+    assert text.startswith("timeout must be a positive number of seconds in [0.001, 2147483.648)")
+    assert f"got {value!r}" in text
+    with pytest.raises(ValueError, match=r"rpc_timeout must be a positive number of seconds in \[0\.001, "):
+        make_options(rpc_timeout=value)
+
+
+@pytest.mark.parametrize(
+    "value,seconds",
+    [(0.001, 0.001), (1, 1.0), (2.5, 2.5), (2**31 / 1000 - 0.001, 2147483.647), (Fraction(1, 4), 0.25),
+     (np.float32(0.5), 0.5), (np.int64(3), 3.0)],
+)
+def test_timeouts_within_range_are_float_seconds(value, seconds):
+    out = positive_seconds(value, "timeout")
+    assert type(out) is float and out == seconds
+    assert make_options(rpc_timeout=value).rpc_timeout == pytest.approx(seconds, rel=1e-6)
+
+
 def test_valid_options():
     opts = make_options(rpc_timeout=5, num_worker_threads=4, device_maps={"w1": {"cuda:0": "cuda:1"}}, devices=["cuda:0"])
     assert opts.rpc_timeout == 5 and opts.num_worker_threads == 4
@@ -106,6 +135,36 @@ def test_run_local_with_roles_sets_torchrun_variables():
     assert out[2]["env"] == ["2", "3", "2", "trainer"]
     assert (out[2]["role"], out[2]["role_rank"], out[2]["role_size"]) == ("trainer", 1, 2)
     assert out[0]["peers"] == ["trainer0", "trainer1"]
+
+
+def _worker_of(rank: int, layout: list) -> Worker:
+    me = layout[rank]
+    return Worker(me.name, rank, len(layout), rank, me.role, me.role_rank, me.role_size, layout=layout)
+
+
+def test_workers_of_a_role_match_the_role_exactly():
+    # ps0, ps1 .. ps10 with role "ps" and ps10 with role "ps1": names alone would mix them up
+    layout = placements(4, {"ps": 2, "ps1": 1, "trainer": 1})
+    me = _worker_of(0, layout)
+    assert [p.name for p in layout] == ["ps0", "ps1", "ps10", "trainer0"]
+    assert me.workers("ps") == ["ps0", "ps1"]
+    assert me.workers("ps1") == ["ps10"]
+    assert me.workers("trainer") == ["trainer0"]
+    assert me.workers("p") == [] and me.workers("trainer0") == []
+    assert me.names == ["ps0", "ps1", "ps10", "trainer0"]
+
+
+def test_worker_without_layout_says_how_to_build_one():
+    with pytest.raises(RuntimeError, match="layout=placements"):
+        Worker("w0", 0, 1, 0, "worker", 0, 1, ["w0"]).workers("worker")
+    with pytest.raises(ValueError, match="do not match its layout"):
+        Worker("w0", 0, 1, 0, "worker", 0, 1, ["x"], layout=placements(1))
+
+
+def test_run_local_workers_use_the_roles():
+    out = run_local(_world_fns.role_peers, 3, roles={"ps": 1, "ps1": 1, "trainer": 1}, timeout=60)
+    assert out[0] == {"ps": ["ps0"], "ps1": ["ps10"], "trainer": ["trainer0"]}
+    assert out[2] == out[0]
 
 
 def test_body_that_raises_shuts_down_at_once():
