@@ -1,58 +1,61 @@
 """Host-side RPC handlers of ``forward`` calls: one call, or several that share a message.
 
 Module-level so RPC pickles them by reference; the host imports this installed module on
-first use and needs nothing else imported beforehand.
+first use and needs nothing else imported beforehand. Each call succeeds or fails alone: its
+arguments are unpickled, the module runs and its output is pickled (``remote_module._wire``)
+inside one ``try``, and anything raised, ``BaseException``s such as ``SystemExit``
+included, becomes that call's own :class:`remote_module._errors.RemoteFailure`.
 """
 
 from __future__ import annotations
 
-import pickle
 import time
 from typing import Any
 
 import torch
 
+from remote_module._callspec import Answer, Call, Target
 from remote_module._device import prepare_inputs, prepare_output
 from remote_module._errors import capture
 from remote_module._handlers import _device, _lookup
-from remote_module._inline import pack, unpack
+from remote_module._wire import dumps, loads
+
+_clock = time.perf_counter
 
 
-def _call(
-    args: tuple, kwargs: dict, key: int, device: str, grad_enabled: bool, inline: bool, is_device_map_set: bool
-) -> Any:
-    """One ``forward`` call. ``inline``: the caller inlined small tensors and accepts inlined
-    ones back (it has no distributed autograd context and no device map)."""
+def _run(target: Target, call: Call) -> Any:
+    """One call's result: its output as a Payload, or its RemoteFailure."""
     try:
-        module = _lookup(key)
-        dev = _device(device)
-        if inline:
-            args, kwargs = unpack(args), unpack(kwargs)
+        module = _lookup(target.key)
+        dev = _device(target.device)
+        args, kwargs = loads(call.payload)
         args, kwargs = prepare_inputs(args, kwargs, dev)
-        if grad_enabled == torch.is_grad_enabled():
+        if call.grad_enabled == torch.is_grad_enabled():
             out = module(*args, **kwargs)
         else:
-            with torch.set_grad_enabled(grad_enabled):
+            with torch.set_grad_enabled(call.grad_enabled):
                 out = module(*args, **kwargs)
-        out = prepare_output(out, dev, is_device_map_set)
-        return pack(out) if inline else out
-    except Exception as exc:
+        out = prepare_output(out, dev, target.is_device_map_set)
+        return dumps(out, inline=call.inline)
+    except BaseException as exc:  # the call's own failure, whatever it is
         return capture(exc)
 
 
-def _call_many(calls: list, key: int, device: str, is_device_map_set: bool) -> tuple[list, float]:
-    """Several pipelined ``forward`` calls (see remote_module._pipeline), run in order.
+# ---- handlers ---------------------------------------------------------------------------
 
-    Each entry is (pickled (args, kwargs) with inlined tensors, grad mode); each result is the
-    packed output or the call's own RemoteFailure. Also returns the seconds spent in all.
-    """
-    start = time.perf_counter()
-    out = []
-    for payload, grad_enabled in calls:
-        try:
-            args, kwargs = pickle.loads(payload)
-        except Exception as exc:
-            out.append(capture(exc))
-            continue
-        out.append(_call(args, kwargs, key, device, grad_enabled, True, is_device_map_set))
-    return out, time.perf_counter() - start
+
+def _call_one(target: Target, call: Call) -> Answer:
+    """One ``forward`` call."""
+    start = _clock()
+    result = _run(target, call)
+    return Answer(result, _clock() - start)
+
+
+def _call_many(target: Target, calls: list[Call]) -> list[Answer]:
+    """Calls that share a message (see remote_module._channel), run in the order made."""
+    answers = []
+    for call in calls:
+        start = _clock()
+        result = _run(target, call)
+        answers.append(Answer(result, _clock() - start))
+    return answers

@@ -1,5 +1,16 @@
-"""How a RemoteModule proxy calls its host: the ``forward`` path (fast or recording) and
-the blocking calls of other handlers, with timeouts and errors that name worker and module.
+"""How a RemoteModule proxy calls its host: ``forward``/``forward_async`` and the blocking
+calls of other handlers, all keeping one contract (README, "Calls"):
+
+1. program order at synchronisation points: a blocking call (``forward``, ``train``/``eval``,
+   ``state_dict``, ``load_state_dict``, ``remote_parameters``) runs on the host only after
+   every earlier call this thread made on the proxy was answered;
+2. a timeout per call, counted from when it was made, saying whether the call was sent;
+3. each call succeeds or fails alone; 4. no callback can stall the proxy;
+5. a graceful shutdown answers every call made before it;
+7. arguments arrive as sent (``remote_module._wire``).
+
+``forward_async`` calls go through the proxy's :class:`remote_module._channel.Channel` (one
+per proxy and process), which may let cheap calls share messages.
 
 A mixin of :class:`remote_module.RemoteModule`; it reads the proxy's attributes ``on``,
 ``device``, ``is_device_map_set``, ``module_key``, ``module_rref``, ``remote_type``,
@@ -9,7 +20,8 @@ A mixin of :class:`remote_module.RemoteModule`; it reads the proxy's attributes 
 from __future__ import annotations
 
 import inspect
-import pickle
+import math
+import time
 from typing import Any, Callable
 
 import torch
@@ -17,10 +29,13 @@ import torch.distributed.rpc as rpc
 from torch.futures import Future
 
 from remote_module import _call_handlers
-from remote_module._errors import RemoteFailure, reraise, to_exception, unsendable_argument
-from remote_module._inline import pack, unpack
-from remote_module._pipeline import pipeline_of
-from remote_module._torch_private import device_map_to, dist_autograd_contexts_exist, is_rpc_initialized, rpc_serialize
+from remote_module._callspec import Call, Target
+from remote_module._channel import Channel
+from remote_module._errors import CallTimeout, RemoteFailure, timeout_message, to_exception, unsendable_argument
+from remote_module._torch_private import device_map_to, dist_autograd_contexts_exist, is_rpc_initialized
+from remote_module._wire import dumps, loads
+
+_clock = time.monotonic
 
 
 def _rpc_missing_message(what: str) -> str:
@@ -30,13 +45,48 @@ def _rpc_missing_message(what: str) -> str:
     )
 
 
+def _label(on: str, remote_type: str, what: str) -> str:
+    return f"RemoteModule call to worker {on!r} ({remote_type}, {what})"
+
+
+def _failure(on: str, remote_type: str, exc: BaseException, what: str) -> BaseException:
+    """An RPC-level failure (dead host, RPC shut down), naming worker and module."""
+    if not is_rpc_initialized():
+        return RuntimeError(_rpc_missing_message(f"RemoteModule on {on!r}: {what}"))
+    message = f"{_label(on, remote_type, what)} failed: {exc}"
+    try:
+        return type(exc)(message)
+    except Exception:
+        return RuntimeError(message)
+
+
+def _rpc_seconds(remaining: float) -> float:
+    """torch RPC's timeout argument for ``remaining`` seconds (0 means none)."""
+    return 0 if remaining == math.inf else max(remaining, 0.001)
+
 
 class RemoteCalls:
     """The calling half of RemoteModule (see the module docstring)."""
 
+    # ---- blocking calls --------------------------------------------------------------------
+
     def _rpc(self, handler: Callable[..., Any], *args: Any) -> Any:
-        """A blocking call of a host-side handler, with this proxy's timeout."""
-        return self._call_or_explain(rpc.rpc_sync, handler, args, handler.__name__.lstrip("_"))
+        """A blocking call of a host-side handler, in program order, within this proxy's timeout."""
+        return self._blocking(handler, args, handler.__name__.lstrip("_"), _clock())
+
+    def _blocking(self, handler: Callable[..., Any], args: tuple, what: str, made: float) -> Any:
+        timeout = self._timeout_s()
+        deadline = made + timeout
+        channel = self.__dict__.get("_channel")
+        if channel is not None and not channel.wait_for_thread(deadline):
+            raise CallTimeout(f"{_label(self.on, self._remote_type(), what)} failed: {timeout_message(timeout, None)}")
+        try:
+            return rpc.rpc_sync(self._dest(), handler, args, timeout=_rpc_seconds(deadline - _clock()))
+        except RuntimeError as exc:
+            if _clock() >= deadline - 0.05 and is_rpc_initialized():
+                message = timeout_message(timeout, self.on)
+                raise CallTimeout(f"{_label(self.on, self._remote_type(), what)} failed: {message}") from exc
+            raise self._failed(exc, what) from exc
 
     def _call_or_explain(self, api: Callable[..., Any], handler: Callable[..., Any], args: tuple, what: str) -> Any:
         try:
@@ -45,33 +95,20 @@ class RemoteCalls:
             raise self._failed(exc, what) from exc
 
     def _failed(self, exc: BaseException, what: str) -> BaseException:
-        """An RPC-level failure (timeout, dead host, RPC shut down), naming worker and module."""
-        if not is_rpc_initialized():
-            return RuntimeError(_rpc_missing_message(f"RemoteModule on {self.on!r}: {what}"))
-        remote_type = getattr(self, "remote_type", "the module")
-        message = f"RemoteModule call to worker {self.on!r} ({remote_type}, {what}) failed: {exc}"
-        try:
-            return type(exc)(message)
-        except Exception:
-            return RuntimeError(message)
+        return _failure(self.on, self._remote_type(), exc, what)
+
+    def _remote_type(self) -> str:
+        return getattr(self, "remote_type", "the module")
+
+    def _timeout_s(self) -> float:
+        """This proxy's timeout in seconds (``math.inf``: none)."""
+        timeout = self.timeout
+        if timeout < 0:  # the agent's default
+            timeout = rpc.get_rpc_timeout()
+        return timeout if timeout > 0 else math.inf
 
     def _where(self) -> str:
         return f"on {self.on} in {self.remote_type}.forward"
-
-    def _explain_unsendable(self, args: tuple, kwargs: dict, exc: BaseException) -> BaseException | None:
-        sig = self.forward_signature
-        names = [] if sig is None else [
-            p.name for p in sig.parameters.values()
-            if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        ]
-        found = unsendable_argument(args, kwargs, names, rpc_serialize)
-        if found is None:
-            return None
-        name, why = found
-        return TypeError(
-            f"argument {name!r} of {self.remote_type}.forward cannot be sent over RPC to {self.on!r}: {why}. "
-            "Pass tensors, plain Python values or picklable objects instead."
-        )
 
     def _dest(self) -> Any:
         """The host's WorkerInfo, looked up once per process (a name costs a lookup per call)."""
@@ -80,67 +117,88 @@ class RemoteCalls:
             info = self.__dict__["_host_info"] = rpc.get_worker_info(self.on)
         return info
 
+    # ---- forward ---------------------------------------------------------------------------
+
     def _fast_path_allowed(self) -> bool:
-        # Inlined tensors and pipelining only where it is safe: no device map, and no
+        # Inlined tensors and shared messages only where it is safe: no device map, and no
         # distributed autograd context that would need tensors on the wire to record.
         return not self.is_device_map_set and not dist_autograd_contexts_exist()
 
-    def _call_message(self, args: tuple, kwargs: dict) -> tuple:
-        inline = self._fast_path_allowed()
-        if inline:
-            args, kwargs = pack(args), pack(kwargs)
-        # The user's arguments come first: if one cannot be pickled, nothing else was.
-        return (args, kwargs, self.module_key, self.device, torch.is_grad_enabled(), inline, self.is_device_map_set)
+    def _target(self) -> Target:
+        return Target(self.module_key, self.device, self.is_device_map_set)
 
-    def _send_call(self, api: Callable[..., Any], args: tuple, kwargs: dict, what: str) -> tuple[Any, bool]:
-        """Send one ``forward`` call with ``api`` (rpc_sync or rpc_async); (answer, inlined)."""
-        message = self._call_message(args, kwargs)
+    def _make_call(self, args: tuple, kwargs: dict) -> Call:
+        inline = self._fast_path_allowed()
         try:
-            return api(self._dest(), _call_handlers._call, message, timeout=self.timeout), message[5]
-        except (TypeError, AttributeError, pickle.PicklingError) as exc:
-            raise (self._explain_unsendable(args, kwargs, exc) or exc) from exc
-        except RuntimeError as exc:
-            raise self._failed(exc, what) from exc
+            payload = dumps((args, kwargs), inline=inline)
+        except Exception as exc:  # pickling happens here: nothing was sent
+            raise self._explain_unsendable(args, kwargs, exc, inline) from exc
+        return Call(payload, torch.is_grad_enabled(), inline)
+
+    def _explain_unsendable(self, args: tuple, kwargs: dict, exc: BaseException, inline: bool) -> TypeError:
+        sig = self.forward_signature
+        names = [] if sig is None else [
+            p.name for p in sig.parameters.values()
+            if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        ]
+        found = unsendable_argument(args, kwargs, names, lambda value: dumps(value, inline=inline))
+        if found is None:
+            return TypeError(
+                f"the arguments of {self.remote_type}.forward cannot be sent over RPC to {self.on!r}: "
+                f"{type(exc).__name__}: {exc}. Pass tensors, plain Python values or picklable objects instead."
+            )
+        name, why = found
+        return TypeError(
+            f"argument {name!r} of {self.remote_type}.forward cannot be sent over RPC to {self.on!r}: "
+            f"{type(why).__name__}: {why}. Pass tensors, plain Python values or picklable objects instead."
+        )
 
     def _remote_call_sync(self, args: tuple, kwargs: dict) -> Any:
         """Used by the generated ``forward``."""
-        out, inline = self._send_call(rpc.rpc_sync, args, kwargs, "forward")
-        if type(out) is RemoteFailure:
-            reraise(out, self._where())
-        return unpack(out) if inline else out
+        made = _clock()
+        call = self._make_call(args, kwargs)
+        answer = self._blocking(_call_handlers._call_one, (self._target(), call), "forward", made)
+        channel = self.__dict__.get("_channel")
+        if channel is not None:
+            channel.observe(answer.seconds)
+        return self._forward_result(answer.result)
 
     def _remote_call_async(self, args: tuple, kwargs: dict) -> Future:
         """Used by the generated ``forward_async``."""
-        if self._fast_path_allowed():
-            pipelined = pipeline_of(self).try_submit(args, kwargs)
-            if pipelined is not None:
-                return pipelined
-        fut, inline = self._send_call(rpc.rpc_async, args, kwargs, "forward_async")
-        # A torch.futures.Future (rpc_async's is its C base class); on a device-mapped proxy it
-        # carries the local devices, so CUDA stream ordering is kept across the hand-over.
-        result: Future = Future(devices=self._future_devices()) if self.is_device_map_set else Future()
+        made = _clock()
+        call = self._make_call(args, kwargs)
+        batchable = call.inline and not call.payload.side
+        return self._call_channel().submit(call, timeout=self._timeout_s(), batchable=batchable, made=made)
 
-        def settle(done: Any) -> None:
-            try:
-                out = done.wait()
-            except BaseException as exc:
-                result.set_exception(self._async_failure(exc))
-                return
-            self._settle(result, out, inline)
+    def _forward_result(self, result: Any) -> Any:
+        if type(result) is RemoteFailure:
+            raise to_exception(result, self._where()) from None
+        return loads(result)
 
-        fut.add_done_callback(settle)
-        return result
+    def _call_channel(self) -> Channel:
+        """This proxy's channel, made on first use in this process (never pickled)."""
+        channel = self.__dict__.get("_channel")
+        if channel is None:
+            on, remote_type, where = self.on, self.remote_type, self._where()
 
-    def _settle(self, result: Future, out: Any, inline: bool) -> None:
-        """Complete ``result`` with one host answer: its output, or its exception."""
-        if type(out) is RemoteFailure:
-            result.set_exception(to_exception(out, self._where()))
-        else:
-            result.set_result(unpack(out) if inline else out)
+            def finish(result: Any) -> Any:  # holds no reference to the proxy
+                if type(result) is RemoteFailure:
+                    raise to_exception(result, where)
+                return loads(result)
 
-    def _async_failure(self, exc: BaseException) -> BaseException:
-        """What an async call's future carries when the RPC itself failed."""
-        return self._failed(exc, "forward_async") if isinstance(exc, RuntimeError) else exc
+            def fail(exc: BaseException) -> BaseException:
+                return _failure(on, remote_type, exc, "forward_async") if isinstance(exc, RuntimeError) else exc
+
+            channel = Channel(
+                self._dest(), _call_handlers._call_one, _call_handlers._call_many, self._target(),
+                finish=finish, fail=fail, label=_label(on, remote_type, "forward_async"),
+                devices=self._future_devices() if self.is_device_map_set else None,
+                keepalive=self.__dict__.get("module_rref"),
+            )
+            channel = self.__dict__.setdefault("_channel", channel)
+        return channel
 
     def _future_devices(self) -> list[torch.device]:
         return sorted({torch.device(d) for d in device_map_to(self.on).values()}, key=str)
+
+

@@ -33,7 +33,8 @@ class RemoteFailure:
 
 
 def capture(exc: BaseException) -> RemoteFailure:
-    """Host side: describe ``exc`` with its traceback, in strings only."""
+    """Host side: describe ``exc`` (any ``BaseException``, e.g. ``SystemExit`` raised by one
+    call) with its traceback, in strings only."""
     cls = type(exc)
     tb = "".join(traceback.format_exception(cls, exc, exc.__traceback__))
     return RemoteFailure(cls.__module__, cls.__qualname__, str(exc), tb)
@@ -66,7 +67,9 @@ def to_exception(failure: RemoteFailure, where: str) -> BaseException:
     full_name = f"{failure.type_module}.{failure.type_qualname}"
     text = f"{failure.message}\n\n[raised {where}]\nRemote traceback:\n{failure.traceback}"
     cls = _resolve_type(failure.type_module, failure.type_qualname)
-    if cls is not None:
+    # SystemExit, KeyboardInterrupt and the like raised on the host must not stop the caller:
+    # they arrive as RemoteModuleError subclasses named after them.
+    if cls is not None and issubclass(cls, Exception):
         try:
             exc = cls(text)
             if isinstance(exc, cls):
@@ -74,6 +77,20 @@ def to_exception(failure: RemoteFailure, where: str) -> BaseException:
         except Exception:
             pass  # a constructor that does not take one message: fall back below
     return _fallback_type(full_name)(f"{full_name}: {text}")
+
+
+class CallTimeout(RuntimeError):
+    """A call that got no answer within its timeout (its message says whether it was sent)."""
+
+
+def timeout_message(seconds: float, sent_to: str | None) -> str:
+    """Why a call timed out: still queued on the caller, or sent and unanswered."""
+    if sent_to is None:
+        return (
+            f"timed out after {seconds:g} s before it was sent (timeout={seconds:g} s): earlier calls on "
+            "this proxy were still queued or running"
+        )
+    return f"sent to worker {sent_to!r}, no answer within {seconds:g} s (timeout={seconds:g} s)"
 
 
 def reraise(failure: RemoteFailure, where: str) -> NoReturn:

@@ -38,7 +38,7 @@ IGNORED_ATTRIBUTES: tuple[str, ...] = tuple(vars(nn.Module()).keys()) + (
     "forward",
     "forward_async",
     "_host_info",  # a per-process cache of the host's WorkerInfo
-    "_pipeline",  # per-process forward_async coalescing (remote_module._pipeline)
+    "_channel",  # per-process call channel: coalescing, deadlines, order (remote_module._channel)
 )
 
 NOT_PICKLABLE = "Cannot pickle RemoteModule in python pickler. RemoteModule can only be pickled when using RPC"

@@ -71,3 +71,54 @@ def dist_autograd_contexts_exist() -> bool:
 def script_module_has_attribute(module: Any, name: str) -> bool:
     """True when the C++ object behind a ScriptModule has attribute ``name``."""
     return hasattr(module._c, name)
+
+
+def rpc_class_reducers() -> dict:
+    """The RPC pickler's table of per-class reducers (the live dict: later registrations show).
+
+    ``register_rpc_reducer`` adds to it; remote_module._wire applies the same reducers in its
+    own pickler so an object travels exactly as RPC would send it.
+    """
+    from torch.distributed.rpc.internal import _internal_rpc_pickler
+
+    return _internal_rpc_pickler._class_reducer_dict
+
+
+def rref_types() -> tuple[type, ...]:
+    """The classes the RPC pickler sends with the RRef fork protocol."""
+    return (rpc.PyRRef, rpc.RRef) if rpc.is_available() else ()
+
+
+_shutdown_hooks: list[Callable[[], None]] = []
+
+
+def before_rref_deletion_at_shutdown(hook: Callable[[], None]) -> None:
+    """Run ``hook()`` in a graceful ``rpc.shutdown``, after every worker has reached shutdown
+    and before this process deletes its user RRefs (the agent still serves then).
+
+    torch 2.13's graceful shutdown runs ``_wait_all_workers``, then
+    ``_delete_all_user_and_unforked_owner_rrefs()`` (looked up as a global of
+    ``torch.distributed.rpc.api`` at call time), then ``agent.join``; the RRef-deletion step
+    is wrapped once per process. Each hook is registered once; a failing hook is logged and
+    the deletion still runs.
+    """
+    if hook in _shutdown_hooks:
+        return
+    _shutdown_hooks.append(hook)
+    api = rpc.api
+    original = api._delete_all_user_and_unforked_owner_rrefs
+    if getattr(original, "_remote_module_wrapped", False):
+        return
+
+    def delete_all_user_and_unforked_owner_rrefs(*args: Any, **kwargs: Any) -> Any:
+        import logging
+
+        for run in list(_shutdown_hooks):
+            try:
+                run()
+            except Exception:
+                logging.getLogger("remote_module").exception("a shutdown hook failed")
+        return original(*args, **kwargs)
+
+    delete_all_user_and_unforked_owner_rrefs._remote_module_wrapped = True  # type: ignore[attr-defined]
+    api._delete_all_user_and_unforked_owner_rrefs = delete_all_user_and_unforked_owner_rrefs

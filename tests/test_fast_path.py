@@ -14,15 +14,14 @@ from torch import nn
 from torch.distributed.optim import DistributedOptimizer
 
 from remote_module import RemoteModule
-from remote_module._inline import INLINE_MAX_BYTES, Packed, pack, unpack
+from remote_module import _channel
+from remote_module._wire import INLINE_MAX_BYTES, dumps, loads
 from tests import _remote
 from tests._remote import Affine, Raiser, Sleeper
 
 
 def roundtrip(obj):
-    import pickle
-
-    return unpack(pickle.loads(pickle.dumps(pack(obj))))
+    return loads(dumps(obj, inline=True))
 
 
 @pytest.mark.parametrize(
@@ -34,7 +33,6 @@ def roundtrip(obj):
         torch.empty(0, 5),
         torch.arange(20)[::3],
         torch.randn(4, 4).t(),
-        torch.tensor([1 + 2j, 3 - 1j]).conj(),
         torch.ones(3, dtype=torch.bfloat16),
         torch.tensor([True, False]),
         torch.randint(0, 255, (5,), dtype=torch.uint8),
@@ -42,10 +40,12 @@ def roundtrip(obj):
     ids=lambda t: f"{t.dtype}-{tuple(t.shape)}",
 )
 def test_inlined_tensor_round_trip(tensor):
-    back = roundtrip(tensor)
+    payload = dumps(tensor, inline=True)
+    assert payload.side == []  # inline: nothing for the tensor channel
+    back = loads(payload)
     assert type(back) is torch.Tensor
-    assert back.dtype == tensor.dtype and back.shape == tensor.shape
-    assert torch.equal(back, tensor.detach().resolve_conj())
+    assert back.dtype == tensor.dtype and back.shape == tensor.shape and back.stride() == tensor.stride()
+    assert torch.equal(back, tensor.detach())
     assert back.requires_grad == tensor.requires_grad
 
 
@@ -54,9 +54,10 @@ def test_only_small_dense_cpu_plain_tensors_are_inlined():
     meta = torch.empty(3, device="meta")
     param = nn.Parameter(torch.ones(2))
     sparse = torch.eye(3).to_sparse()
-    packed = pack([torch.ones(2), big, meta, param, sparse])
-    assert isinstance(packed[0], Packed)
-    assert packed[1] is big and packed[2] is meta and packed[3] is param and packed[4] is sparse
+    conj = torch.tensor([1 + 2j]).conj()
+    payload = dumps([torch.ones(2), big, meta, param, sparse, conj], inline=True)
+    assert [t is u for t, u in zip(payload.side, [big, meta, param, sparse, conj])] == [True] * 5
+    assert dumps([torch.ones(2)], inline=False).side[0].shape == (2,)  # not inlining: all go aside
 
 
 def test_aliasing_and_structure_survive():
@@ -71,11 +72,12 @@ class TestOverRPC:
     def test_fast_path_only_without_context_and_device_map(self):
         proxy = RemoteModule("worker1", Affine)
         x = torch.ones(4)
-        assert proxy._call_message((x,), {})[5] is True
+        assert proxy._make_call((x,), {}).inline is True
         with dist_autograd.context():
-            assert proxy._call_message((x,), {})[5] is False
+            call = proxy._make_call((x,), {})
+            assert call.inline is False and call.payload.side == [x]
         proxy.is_device_map_set = True  # as on a CUDA proxy with a device map
-        assert proxy._call_message((x,), {})[5] is False
+        assert proxy._make_call((x,), {}).inline is False
 
     def test_same_results_on_both_paths(self):
         proxy = RemoteModule("worker1", Affine, (4,), {"seed": 9})
@@ -170,8 +172,14 @@ class TestOverRPC:
         assert not keys & rpc.rpc_sync("worker2", _remote.registered_keys)
 
 
+def warm(proxy, *args):
+    """One answered call: the channel then knows what a call costs on the host."""
+    proxy.forward_async(*args).wait()
+    return proxy._channel
+
+
 @pytest.mark.usefixtures("rpc_world")
-class TestPipeline:
+class TestChannel:
     def test_a_burst_of_async_calls_each_gets_its_own_result(self):
         proxy = RemoteModule("worker1", Affine, (4,), {"seed": 12})
         twin = Affine(4, seed=12)
@@ -180,7 +188,8 @@ class TestPipeline:
         for i, (x, fut) in enumerate(zip(xs, futs)):
             assert isinstance(fut, torch.futures.Future)
             assert torch.allclose(fut.wait(), twin(x, float(i)), atol=1e-5)
-        assert proxy._pipeline.in_flight == 0 and proxy._pipeline.queue == []
+        channel = proxy._channel
+        assert channel.outstanding() == 0 and channel._in_flight == 0 and not channel._queue
 
     def test_one_failing_call_in_a_burst_fails_alone(self):
         proxy = RemoteModule("worker1", Raiser)
@@ -216,30 +225,31 @@ class TestPipeline:
         proxy = RemoteModule("worker1", nn.Identity)
         with dist_autograd.context():
             assert torch.equal(proxy.forward_async(torch.ones(2)).wait(), torch.ones(2))
-        assert "_pipeline" not in vars(proxy)
+        channel = warm(proxy, torch.ones(2))
         big = torch.ones(INLINE_MAX_BYTES // 4 + 1)
-        assert torch.equal(proxy.forward_async(big).wait(), big)
-        assert proxy._pipeline.calls_sent == 0
-        assert torch.equal(proxy.forward_async(torch.ones(2)).wait(), torch.ones(2))
-        assert proxy._pipeline.calls_sent == 1
+        with dist_autograd.context():
+            futs = [proxy.forward_async(torch.ones(2)) for _ in range(16)]
+            assert all(torch.equal(f.wait(), torch.ones(2)) for f in futs)
+        futs = [proxy.forward_async(big) for _ in range(16)]
+        assert all(torch.equal(f.wait(), big) for f in futs)
+        assert channel.shared_messages == 0  # one message each
 
     def test_a_burst_shares_messages(self):
         proxy = RemoteModule("worker2", nn.Identity)
+        channel = warm(proxy, torch.ones(1))
+        sent, messages = channel.calls_sent, channel.messages_sent
         torch.futures.wait_all([proxy.forward_async(torch.ones(1)) for _ in range(64)])
-        pipe = proxy._pipeline
-        assert pipe.calls_sent == 64 and pipe.messages_sent < 64
+        assert channel.calls_sent - sent == 64 and channel.messages_sent - messages < 64
+        assert channel.shared_messages > 0
 
     def test_slow_calls_are_not_coalesced(self):
-        from remote_module import _pipeline
-
         proxy = RemoteModule("worker2", Sleeper)
         torch.futures.wait_all([proxy.forward_async(0.005) for _ in range(8)])
-        pipe = proxy._pipeline
-        assert pipe.call_seconds > _pipeline.HEAVY_CALL_S
-        sent = pipe.calls_sent
+        channel = proxy._channel
+        assert channel.cost > _channel.HEAVY_CALL_S
         futs = [proxy.forward_async(0.002) for _ in range(10)]
         assert [f.wait() for f in futs] == [0.002] * 10
-        assert pipe.calls_sent == sent  # these went one message each
+        assert channel.shared_messages == 0  # these went one message each
 
 
 @pytest.mark.usefixtures("rpc_world")

@@ -101,8 +101,8 @@ def test_per_process_caches_do_not_travel():
     proxy = RemoteModule("worker1/cpu", Affine)
     x = torch.randn(2, 4)
     proxy(x)
-    proxy.forward_async(x).wait()  # creates the host-info cache and the async pipeline
-    assert "_host_info" in vars(proxy) and "_pipeline" in vars(proxy)
+    proxy.forward_async(x).wait()  # creates the host-info cache and the call channel
+    assert "_host_info" in vars(proxy) and "_channel" in vars(proxy)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # an unlisted attribute would warn
         sync_out, async_out, _ = rpc.rpc_sync("worker2", _remote.use_proxy, (proxy, x))

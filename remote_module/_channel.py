@@ -1,0 +1,526 @@
+"""A channel: calls to one host handler on one worker, many small ones sharing few messages,
+each call keeping the contract of one call per message.
+
+Each RPC message costs far more than a small call it carries (on a 2-core loopback machine a
+no-op round trip is ~200 µs, a small ``Linear`` ~10 µs on the host), so a channel lets calls
+made while messages are in flight share the next message. What a call keeps, whatever path
+it takes:
+
+- **its own result**: the host answers each call of a message separately (an ``Answer``),
+  so one call's failure is that call's only;
+- **its own deadline**, counted from when it was made: a process-wide watcher thread fails a
+  call at its deadline (within ~50 ms), queued ("timed out after X s before it was sent") or
+  sent ("sent to worker W, no answer within X s"); the RPC carrying a message keeps its own
+  timeout (the longest remaining deadline in it);
+- **no coalescing that could cost it its deadline**: a call is queued for a shared message
+  only once the host has reported what such calls cost (seconds measured per call, kept as
+  a running average), only when that is under ``HEAVY_CALL_S`` (slower calls get a message
+  each, so a many-core host runs them in parallel), and a message never carries more
+  estimated host time than ``DEADLINE_FRACTION`` of the shortest remaining deadline in it;
+- **progress no callback can block**: when a message is answered, the next one leaves
+  before any future is settled, and futures are settled outside every lock; futures failed
+  by the watcher are settled on helper threads, a new one started whenever the last is
+  stuck in a callback;
+- **order**: calls that share a message run in the order they were made;
+  :meth:`Channel.wait_for_thread` lets a blocking call wait until every earlier call of the
+  same thread was answered (program order at synchronisation points);
+- **a graceful shutdown answers it**: ``rpc.shutdown()`` waits (bounded by the calls' own
+  deadlines) until every channel of the process is idle before RPC deletes this process's
+  RRefs, and a channel holds ``keepalive`` (e.g. the module's RRef) while it lives.
+
+A channel is one per (caller object, process) and is never pickled. Host handlers are
+module-level functions ``one(context, item) -> Answer`` and ``many(context, items) ->
+list[Answer]`` (see :mod:`remote_module._callspec`).
+
+Example (an upper layer sending many small lookups to one server in few messages)::
+
+    # host side, module level
+    def _lookup_one(table_key, ids):
+        start = time.perf_counter()
+        rows = objects.get(table_key)[ids]
+        return Answer(dumps(rows, inline=True), time.perf_counter() - start)
+
+    def _lookup_many(table_key, many_ids):
+        return [_lookup_one(table_key, ids) for ids in many_ids]
+
+    # caller side
+    channel = Channel("ps0", _lookup_one, _lookup_many, table_key, finish=loads,
+                      fail=lambda exc: exc, label="lookup on ps0")
+    futures = [channel.submit(ids, timeout=5.0, batchable=True) for ids in batches]
+    rows = [f.wait() for f in futures]
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import math
+import threading
+import time
+import weakref
+from collections import deque
+from typing import Any, Callable
+
+import torch.distributed.rpc as rpc
+from torch.futures import Future
+
+from remote_module._errors import CallTimeout, timeout_message
+from remote_module._torch_private import before_rref_deletion_at_shutdown
+
+#: At most this many shared messages of one channel are in flight; later calls queue.
+MAX_IN_FLIGHT = 2
+#: At most this many calls share one message.
+MAX_BATCH = 32
+#: Calls that take longer than this on the host (running average) get a message each.
+HEAVY_CALL_S = 0.001
+#: A message carries at most this fraction of the shortest remaining deadline in it, in
+#: estimated host time.
+DEADLINE_FRACTION = 0.25
+#: The watcher wakes at most this often (timeouts fire within this of their deadline).
+WATCH_TICK_S = 0.05
+
+_clock = time.monotonic
+_log = logging.getLogger("remote_module")
+_QUEUED, _SENT, _SETTLED = 0, 1, 2
+
+
+class _Pending:
+    """One call, from when it was made until its future is settled."""
+
+    __slots__ = ("item", "future", "deadline", "timeout", "thread", "seq", "state")
+
+    def __init__(self, item: Any, future: Future, deadline: float, timeout: float, thread: int) -> None:
+        self.item = item
+        self.future = future
+        self.deadline = deadline
+        self.timeout = timeout
+        self.thread = thread
+        self.seq = 0
+        self.state = _QUEUED
+
+
+class Channel:
+    """Calls to ``one``/``many`` on worker ``dest`` (see the module docstring).
+
+    Args:
+        dest: the worker (name or ``WorkerInfo``).
+        one, many: host handlers for one call and for calls sharing a message.
+        context: the handlers' first argument (what every call names on the host).
+        finish: caller side, turns a call's ``Answer.result`` into its future's value (or
+            raises the call's own error); runs outside every lock.
+        fail: the exception a call's future carries when its RPC failed.
+        label: names the calls in timeout errors ("<label> failed: timed out ...").
+        devices: devices of the returned futures (CUDA stream ordering); None for CPU.
+        keepalive: anything the host needs alive while calls are outstanding (an RRef).
+    """
+
+    def __init__(
+        self,
+        dest: Any,
+        one: Callable[..., Any],
+        many: Callable[..., Any],
+        context: Any,
+        *,
+        finish: Callable[[Any], Any],
+        fail: Callable[[BaseException], BaseException],
+        label: str,
+        devices: list | None = None,
+        keepalive: Any = None,
+    ) -> None:
+        self.dest = dest
+        self.dest_name = getattr(dest, "name", dest)
+        self.one, self.many, self.context = one, many, context
+        self._finish, self._fail, self.label = finish, fail, label
+        self._devices = devices
+        self.keepalive = keepalive
+        self.lock = threading.Lock()
+        self._changed = threading.Condition(self.lock)
+        self._queue: deque[_Pending] = deque()
+        self._pending: dict[int, _Pending] = {}
+        self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, seq), lazily cleaned
+        self._by_thread: dict[int, int] = {}  # thread ident -> calls not yet settled
+        self._waiters = 0
+        self._in_flight = 0
+        self._seq = 0
+        self._check_at = math.inf  # when the watcher next visits this channel
+        #: running average of the host's seconds per call (None until the first answer)
+        self.cost: float | None = None
+        self.calls_sent = 0  # statistics
+        self.messages_sent = 0
+        self.shared_messages = 0  # messages that carried more than one call
+        _channels.add(self)
+        before_rref_deletion_at_shutdown(wait_until_all_idle)
+
+    # ---- making calls --------------------------------------------------------------------
+
+    def submit(self, item: Any, *, timeout: float, batchable: bool, made: float | None = None) -> Future:
+        """Send ``item`` (now, or with the next message); its future settles with
+        ``finish(result)``. ``timeout`` in seconds (``math.inf``: none), counted from
+        ``made`` (a ``time.monotonic()`` reading; now by default). ``batchable``: the call
+        may share a message (its item pickles without anything RPC must carry itself)."""
+        now = _clock() if made is None else made
+        deadline = now + timeout
+        future = Future(devices=self._devices) if self._devices else Future()
+        p = _Pending(item, future, deadline, timeout, threading.get_ident())
+        shared = None
+        with self.lock:
+            self._seq += 1
+            p.seq = seq = self._seq
+            self._pending[seq] = p
+            self._by_thread[p.thread] = self._by_thread.get(p.thread, 0) + 1
+            watch = self._watch_locked(p)
+            cost = self.cost
+            if batchable and cost is not None and cost <= HEAVY_CALL_S:
+                if self._in_flight >= MAX_IN_FLIGHT:
+                    self._queue.append(p)
+                    p = None
+                else:
+                    self._in_flight += 1
+                    shared = True
+            if p is not None:
+                p.state = _SENT
+        if watch:
+            _watcher.schedule(deadline, self)
+        if p is not None:
+            self._send([p], bool(shared), raise_now=True)
+        return future
+
+    def observe(self, seconds: float) -> None:
+        """Count a call's host seconds measured elsewhere (e.g. a blocking call's answer)."""
+        with self.lock:
+            self._observe_locked(seconds)
+
+    def wait_for_thread(self, deadline: float) -> bool:
+        """Wait until every call this thread made on the channel is settled; False when
+        ``deadline`` (a ``time.monotonic()`` reading) passed first."""
+        tid = threading.get_ident()
+        if not self._by_thread.get(tid):
+            return True
+        with self.lock:
+            while self._by_thread.get(tid):
+                remaining = deadline - _clock()
+                if remaining <= 0:
+                    return False
+                self._waiters += 1
+                try:
+                    self._changed.wait(remaining if remaining != math.inf else None)
+                finally:
+                    self._waiters -= 1
+        return True
+
+    def wait_until_idle(self) -> None:
+        """Wait until no call is outstanding, at most until the latest deadline among them."""
+        with self.lock:
+            while self._pending:
+                latest = max(p.deadline for p in self._pending.values())
+                remaining = latest + 1.0 - _clock()
+                if remaining <= 0:
+                    return
+                self._waiters += 1
+                try:
+                    self._changed.wait(min(remaining, 1.0))
+                finally:
+                    self._waiters -= 1
+
+    def outstanding(self) -> int:
+        """Calls made and not yet settled."""
+        return len(self._pending)
+
+    # ---- sending and answers -------------------------------------------------------------
+
+    def _send(self, batch: list[_Pending], shared: bool, raise_now: bool = False) -> None:
+        latest = max(p.deadline for p in batch)
+        rpc_timeout = 0 if latest == math.inf else max(latest - _clock(), 0.001)  # 0: no timeout
+        try:
+            if len(batch) == 1:
+                fut = rpc.rpc_async(self.dest, self.one, (self.context, batch[0].item), timeout=rpc_timeout)
+            else:
+                fut = rpc.rpc_async(self.dest, self.many, (self.context, [p.item for p in batch]), timeout=rpc_timeout)
+        except BaseException as exc:
+            if raise_now:  # the call being made: its caller gets the error at once
+                with self.lock:
+                    if shared:
+                        self._in_flight -= 1
+                    self._forget_locked(batch[0])
+                raise self._fail(exc) from exc
+            self._answered(batch, shared, None, exc)
+            return
+        with self.lock:
+            self.calls_sent += len(batch)
+            self.messages_sent += 1
+            self.shared_messages += len(batch) > 1
+        fut.add_done_callback(lambda done: self._on_answer(done, batch, shared))
+
+    def _on_answer(self, done: Any, batch: list[_Pending], shared: bool) -> None:
+        try:
+            value = done.wait()
+        except BaseException as exc:
+            self._answered(batch, shared, None, exc)
+            return
+        self._answered(batch, shared, [value] if len(batch) == 1 else value, None)
+
+    def _answered(self, batch: list[_Pending], shared: bool, answers: list | None, exc: BaseException | None) -> None:
+        settle = []
+        with self.lock:
+            if shared:
+                self._in_flight -= 1
+            if answers is not None:
+                for answer in answers:
+                    self._observe_locked(answer.seconds)
+            to_send = self._take_locked()
+            for i, p in enumerate(batch):
+                if p.state != _SETTLED:
+                    settle.append((p, answers[i] if answers is not None else None))
+                    self._forget_locked(p)
+        for next_batch, next_shared in to_send:  # the next messages leave first
+            self._send(next_batch, next_shared)
+        for p, answer in settle:
+            if answer is None:
+                self._settle_error(p, exc)  # type: ignore[arg-type]
+            else:
+                self._settle_result(p, answer.result)
+
+    def _take_locked(self) -> list[tuple[list[_Pending], bool]]:
+        """Queued calls that may leave now: shared messages while fewer than MAX_IN_FLIGHT
+        are in flight, or one message each for calls that became heavy."""
+        out: list[tuple[list[_Pending], bool]] = []
+        queue = self._queue
+        while queue:
+            if queue[0].state == _SETTLED:  # failed at its deadline while queued
+                queue.popleft()
+                continue
+            cost = self.cost
+            if cost is None or cost > HEAVY_CALL_S:
+                p = queue.popleft()
+                p.state = _SENT
+                out.append(([p], False))
+                continue
+            if self._in_flight >= MAX_IN_FLIGHT:
+                break
+            now = _clock()
+            batch: list[_Pending] = []
+            shortest = math.inf
+            while queue and len(batch) < MAX_BATCH:
+                p = queue[0]
+                if p.state == _SETTLED:
+                    queue.popleft()
+                    continue
+                remaining = min(shortest, p.deadline - now)
+                if batch and (len(batch) + 1) * cost > DEADLINE_FRACTION * remaining:
+                    break
+                queue.popleft()
+                p.state = _SENT
+                batch.append(p)
+                shortest = remaining
+            if batch:
+                self._in_flight += 1
+                out.append((batch, True))
+        return out
+
+    def _observe_locked(self, seconds: float) -> None:
+        self.cost = seconds if self.cost is None else 0.8 * self.cost + 0.2 * seconds
+
+    # ---- settling ------------------------------------------------------------------------
+
+    def _forget_locked(self, p: _Pending) -> None:
+        p.state = _SETTLED
+        del self._pending[p.seq]
+        left = self._by_thread[p.thread] - 1
+        if left:
+            self._by_thread[p.thread] = left
+        else:
+            del self._by_thread[p.thread]
+        heap = self._deadlines
+        while heap and heap[0][1] not in self._pending:  # keep the heap small
+            heapq.heappop(heap)
+        if self._waiters:
+            self._changed.notify_all()
+
+    def _settle_result(self, p: _Pending, result: Any) -> None:
+        future, p.item, p.future = p.future, None, None
+        try:
+            value = self._finish(result)
+        except BaseException as exc:
+            _complete(future, exc, True)
+        else:
+            _complete(future, value, False)
+
+    def _settle_error(self, p: _Pending, exc: BaseException) -> None:
+        future, p.item, p.future = p.future, None, None
+        if _clock() >= p.deadline - WATCH_TICK_S:
+            error: BaseException = self._timeout(p, sent=True)
+            error.__cause__ = exc
+        else:
+            error = self._fail(exc)
+        _complete(future, error, True)
+
+    def _timeout(self, p: _Pending, sent: bool) -> CallTimeout:
+        return CallTimeout(f"{self.label} failed: {timeout_message(p.timeout, self.dest_name if sent else None)}")
+
+    # ---- deadlines -----------------------------------------------------------------------
+
+    def _watch_locked(self, p: _Pending) -> bool:
+        """Record ``p``'s deadline; True when the watcher must be told of an earlier visit."""
+        if p.deadline == math.inf:
+            return False
+        heap = self._deadlines
+        heapq.heappush(heap, (p.deadline, p.seq))
+        if len(heap) > 2 * len(self._pending) + 256:
+            self._deadlines = heap = [(q.deadline, q.seq) for q in self._pending.values() if q.deadline != math.inf]
+            heapq.heapify(heap)
+        if p.deadline < self._check_at:
+            self._check_at = p.deadline
+            return True
+        return False
+
+    def _expire(self, now: float) -> None:
+        """Watcher: fail every call whose deadline passed; schedule the next visit."""
+        expired = []
+        with self.lock:
+            heap = self._deadlines
+            while heap and heap[0][0] <= now:
+                _, seq = heapq.heappop(heap)
+                p = self._pending.get(seq)
+                if p is not None:
+                    expired.append((p, p.state == _SENT))
+                    self._forget_locked(p)
+            self._check_at = heap[0][0] if heap else math.inf
+            next_visit = self._check_at
+        if next_visit != math.inf:
+            _watcher.schedule(next_visit, self)
+        if expired:
+            _settlers.run([lambda p=p, sent=sent: self._fail_at_deadline(p, sent) for p, sent in expired])
+
+    def _fail_at_deadline(self, p: _Pending, sent: bool) -> None:
+        future, p.item, p.future = p.future, None, None
+        _complete(future, self._timeout(p, sent), True)
+
+
+def _complete(future: Future, value: Any, is_error: bool) -> None:
+    try:
+        if is_error:
+            future.set_exception(value)
+        else:
+            future.set_result(value)
+    except Exception:  # a callback that raised; the future itself is settled
+        _log.exception("a callback on a remote call's future raised")
+
+
+# ---- process-wide: the deadline watcher, settler threads, shutdown ------------------------
+
+
+class _Watcher:
+    """One daemon thread that visits channels at their next deadline."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, weakref.ref]] = []
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def schedule(self, when: float, channel: Channel) -> None:
+        with self._cond:
+            heapq.heappush(self._heap, (when, next(self._seq), weakref.ref(channel)))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="remote_module-deadlines", daemon=True)
+                self._thread.start()
+            elif self._heap[0][0] == when:
+                self._cond.notify()
+
+    def _loop(self) -> None:
+        last = -math.inf
+        while True:
+            with self._cond:
+                while True:
+                    now = _clock()
+                    wake = max(self._heap[0][0], last + WATCH_TICK_S) if self._heap else math.inf
+                    if _settlers.backlog():
+                        wake = min(wake, now + WATCH_TICK_S)
+                    if wake <= now:
+                        break
+                    self._cond.wait(None if wake == math.inf else wake - now)
+                due = []
+                while self._heap and self._heap[0][0] <= now:
+                    due.append(heapq.heappop(self._heap)[2])
+            last = now
+            _settlers.nudge(now)
+            for ref in due:
+                channel = ref()
+                if channel is not None:
+                    try:
+                        channel._expire(now)
+                    except Exception:
+                        _log.exception("failing calls at their deadline")
+
+
+class _Settlers:
+    """Threads that settle futures failed at their deadline; a callback that blocks one
+    thread makes the next job start another."""
+
+    MAX_THREADS = 64
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._jobs: deque[Callable[[], None]] = deque()
+        self._idle = 0
+        self._threads = 0
+        self._progress = _clock()
+
+    def run(self, jobs: list[Callable[[], None]]) -> None:
+        with self._cond:
+            self._jobs.extend(jobs)
+            if self._idle:
+                self._cond.notify()
+            else:
+                self._start_locked()
+
+    def backlog(self) -> bool:
+        return bool(self._jobs)
+
+    def nudge(self, now: float) -> None:
+        """Start another thread when jobs wait and none made progress lately."""
+        with self._cond:
+            if self._jobs and now - self._progress > 4 * WATCH_TICK_S and not self._idle:
+                self._start_locked()
+
+    def _start_locked(self) -> None:
+        if self._threads < self.MAX_THREADS:
+            self._threads += 1
+            self._progress = _clock()
+            threading.Thread(target=self._loop, name="remote_module-settle", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._jobs:
+                    self._idle += 1
+                    woke = self._cond.wait(5.0)
+                    self._idle -= 1
+                    if not woke and not self._jobs:
+                        self._threads -= 1
+                        return
+                job = self._jobs.popleft()
+                self._progress = _clock()
+            try:
+                job()
+            except Exception:
+                _log.exception("settling a timed-out call")
+            self._progress = _clock()
+
+
+_watcher = _Watcher()
+_settlers = _Settlers()
+_channels: weakref.WeakSet = weakref.WeakSet()
+
+
+def wait_until_all_idle() -> None:
+    """Wait until every channel of this process has no outstanding call (each bounded by its
+    calls' deadlines). Runs inside a graceful ``rpc.shutdown`` before RRefs are deleted."""
+    for channel in list(_channels):
+        channel.wait_until_idle()
+
+
+def outstanding_calls() -> int:
+    """Calls made through any channel of this process and not yet settled."""
+    return sum(channel.outstanding() for channel in list(_channels))
