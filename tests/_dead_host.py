@@ -17,8 +17,24 @@ ROLES = ("caller", "doomed", "survivor")
 TIMEOUT = 5.0
 
 
-def die_soon() -> None:
+def die_soon() -> int:
+    """Kill this process 0.2 s from now (after the answer left); returns its pid."""
     threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    return os.getpid()
+
+
+def wait_until_dead(pid: int, seconds: float = 10.0) -> None:
+    """Poll until ``pid`` is gone or a zombie (the host runs on this Linux machine)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":  # killed, not yet reaped
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"process {pid} still alive after {seconds} s")
 
 
 def attempt(fn) -> dict:
@@ -40,8 +56,7 @@ def caller() -> None:
     survivor = RemoteModule("survivor/cpu", torch.nn.Linear, (4, 4), timeout=TIMEOUT)
     x = torch.ones(1, 4)
     before = attempt(lambda: doomed(x))
-    rpc.rpc_sync("doomed", die_soon)
-    time.sleep(1.0)
+    wait_until_dead(rpc.rpc_sync("doomed", die_soon))
     report = {
         "before": before,
         "sync": attempt(lambda: doomed(x)),
