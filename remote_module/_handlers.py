@@ -80,11 +80,14 @@ def portable_signature(sig: inspect.Signature | None) -> inspect.Signature | Non
 def _create_module(module_cls: Any, args: tuple, kwargs: dict, device: str) -> nn.Module | RemoteFailure:
     """Create ``module_cls(*args, **kwargs)`` on ``device``; the caller holds it by RRef.
 
-    A failure becomes the RRef's value, which :func:`_describe` hands back to the caller.
+    A failure becomes the RRef's value, which :func:`_describe` hands back to the caller;
+    ``SystemExit`` and other ``BaseException``s included (one that escaped would leave the
+    host's RRef without a value: the caller's next call would fail inside torch and graceful
+    shutdown would hang).
     """
     try:
         return _build(module_cls, args, kwargs, device)
-    except Exception as exc:
+    except BaseException as exc:  # the constructor's own failure, whatever it is
         return capture(exc)
 
 
@@ -97,7 +100,7 @@ def _create_scripted_module(
     try:
         render_scriptable_module(interface_cls)  # compiles _remote_forward here, before any call
         module = torch.jit.script(_build(module_cls, args, kwargs, device))
-    except Exception as exc:
+    except BaseException as exc:  # as in _create_module
         return capture(exc)
     return rpc.RRef(module, interface_cls)
 
