@@ -7,6 +7,9 @@ calls of other handlers, all keeping one contract (README, "Calls"):
 2. a timeout per call, counted from when it was made, saying whether the call was sent;
 3. each call succeeds or fails alone; 4. no callback can stall the proxy;
 5. a graceful shutdown answers every call made before it;
+6. only the arguments given travel, defaults are evaluated on the host (the generated
+   methods, ``remote_module._codegen``), and an argument that cannot be pickled is a
+   ``TypeError`` naming its parameter, raised before anything is sent;
 7. arguments arrive as sent (``remote_module._wire``).
 
 ``forward_async`` calls go through the proxy's :class:`remote_module._channel.Channel` (one
@@ -33,7 +36,7 @@ from remote_module._callspec import Call, Target
 from remote_module._channel import Channel
 from remote_module._errors import CallTimeout, RemoteFailure, timeout_message, to_exception, unsendable_argument
 from remote_module._torch_private import device_map_to, dist_autograd_contexts_exist, is_rpc_initialized
-from remote_module._wire import dumps, loads
+from remote_module._wire import check_side, dumps, loads
 
 _clock = time.monotonic
 
@@ -131,17 +134,29 @@ class RemoteCalls:
         inline = self._fast_path_allowed()
         try:
             payload = dumps((args, kwargs), inline=inline)
+            if payload.side:  # what RPC's own pickler will carry must not fail once sent
+                check_side(payload.side)
         except Exception as exc:  # pickling happens here: nothing was sent
             raise self._explain_unsendable(args, kwargs, exc, inline) from exc
         return Call(payload, torch.is_grad_enabled(), inline)
 
     def _explain_unsendable(self, args: tuple, kwargs: dict, exc: BaseException, inline: bool) -> TypeError:
+        """The ``TypeError`` for arguments that cannot be pickled, naming the first such
+        parameter as the module's ``forward`` does (the generated methods send the given
+        positional arguments in parameter order, then the ``*args`` extras)."""
         sig = self.forward_signature
-        names = [] if sig is None else [
-            p.name for p in sig.parameters.values()
-            if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        ]
-        found = unsendable_argument(args, kwargs, names, lambda value: dumps(value, inline=inline))
+        names: list[str] = []
+        var_positional = "args"
+        for p in () if sig is None else sig.parameters.values():
+            if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+                names.append(p.name)
+            elif p.kind is inspect.Parameter.VAR_POSITIONAL:
+                var_positional = p.name
+
+        def serialize(value: Any) -> None:
+            check_side(dumps(value, inline=inline).side)
+
+        found = unsendable_argument(args, kwargs, names, serialize, var_positional)
         if found is None:
             return TypeError(
                 f"the arguments of {self.remote_type}.forward cannot be sent over RPC to {self.on!r}: "

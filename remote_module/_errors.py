@@ -99,18 +99,25 @@ def reraise(failure: RemoteFailure, where: str) -> NoReturn:
 
 
 def unsendable_argument(
-    args: tuple, kwargs: dict, param_names: list[str], serialize: Any
+    args: tuple, kwargs: dict, param_names: list[str], serialize: Any, var_positional: str = "args"
 ) -> tuple[str, BaseException] | None:
     """The first argument that ``serialize`` rejects, by parameter name, with its error.
 
-    ``param_names`` names the positional parameters in order (extra positional arguments are
-    called ``args[i]``). Returns None when every argument serializes on its own.
+    ``param_names`` names the positional parameters in order; extra positional arguments
+    are named ``<var_positional>[j]`` (``rest[0]`` for ``forward(self, x, *rest)``). Returns
+    None when every argument serializes on its own.
+
+    Example::
+
+        >>> unsendable_argument((1, len), {}, ["x", "fn"], lambda v: v + 0)[0]
+        'fn'
     """
     for i, value in enumerate(args):
         try:
             serialize(value)
         except Exception as exc:
-            return (param_names[i] if i < len(param_names) else f"args[{i}]"), exc
+            name = param_names[i] if i < len(param_names) else f"{var_positional}[{i - len(param_names)}]"
+            return name, exc
     for name, value in kwargs.items():
         try:
             serialize(value)

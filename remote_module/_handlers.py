@@ -55,23 +55,88 @@ def registered_keys() -> set[int]:
     return objects.keys()
 
 
+#: A default whose pickle is larger than this is shown, not sent, in a proxy's signature.
+SIGNATURE_DEFAULT_MAX_BYTES = 16 * 1024
+_REPR_MAX_CHARS = 200
+
+
+class ShownDefault:
+    """Stands in for a default in a proxy's portable signature: shows as the original.
+
+    Defaults are evaluated on the host (they never travel with a call), so a received proxy
+    only displays them; this placeholder keeps that display when the original cannot be
+    pickled (a lambda closing over a lock) or is large (a 16 MB tensor).
+
+    Example::
+
+        >>> ShownDefault("<function <lambda>>")
+        <function <lambda>>
+    """
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ShownDefault) and other.text == self.text
+
+    def __hash__(self) -> int:
+        return hash(self.text)
+
+
+def _sendable(value: Any, limit: int | None = None) -> bool:
+    """Whether ``value`` pickles (to at most ``limit`` bytes, when given)."""
+    if limit is not None and isinstance(value, torch.Tensor):
+        try:
+            if value.untyped_storage().nbytes() > limit:
+                return False  # known too big without pickling it
+        except Exception:
+            pass
+    try:
+        data = pickle.dumps(value)
+    except Exception:
+        return False
+    return limit is None or len(data) <= limit
+
+
+def _shown(value: Any) -> ShownDefault:
+    try:
+        text = repr(value)
+    except Exception:
+        text = f"<{type(value).__qualname__} object>"
+    if len(text) > _REPR_MAX_CHARS:
+        text = text[: _REPR_MAX_CHARS - 3] + "..."
+    return ShownDefault(text)
+
+
 def portable_signature(sig: inspect.Signature | None) -> inspect.Signature | None:
-    """``sig`` if it pickles; else without annotations; else None (``(*args, **kwargs)``)."""
+    """A copy of ``sig`` that pickles, for a proxy sent over RPC (which renders its methods
+    from it): an annotation that does not pickle is dropped; a default that does not pickle,
+    or pickles to more than :data:`SIGNATURE_DEFAULT_MAX_BYTES`, becomes a
+    :class:`ShownDefault` with its repr. Parameter names and kinds are kept, so the receiver
+    checks calls exactly as the sender does.
+
+    Example::
+
+        sig = portable_signature(forward_signature(MyModule))   # on the host, in _describe
+        pickle.dumps(sig)   # always works; a lambda default shows as <function <lambda> at ...>
+    """
     if sig is None:
         return None
-    for candidate in (
-        sig,
-        sig.replace(
-            parameters=[p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()],
-            return_annotation=inspect.Signature.empty,
-        ),
-    ):
-        try:
-            pickle.dumps(candidate)
-        except Exception:
-            continue
-        return candidate
-    return None
+    empty = inspect.Parameter.empty
+    params = []
+    for p in sig.parameters.values():
+        if p.annotation is not empty and not _sendable(p.annotation):
+            p = p.replace(annotation=empty)
+        if p.default is not empty and not _sendable(p.default, SIGNATURE_DEFAULT_MAX_BYTES):
+            p = p.replace(default=_shown(p.default))
+        params.append(p)
+    ret = sig.return_annotation
+    if ret is not inspect.Signature.empty and not _sendable(ret):
+        ret = inspect.Signature.empty
+    return sig.replace(parameters=params, return_annotation=ret)
 
 
 # ---- handlers ---------------------------------------------------------------------------

@@ -32,6 +32,7 @@ Example::
 
 from __future__ import annotations
 
+import copyreg
 import ctypes
 import io
 import pickle
@@ -228,6 +229,41 @@ def dumps(obj: Any, *, inline: bool) -> Payload:
     pickler = _Pickler(buf, inline)
     pickler.dump(obj)
     return Payload(buf.getvalue(), pickler.side)
+
+
+class _SideCheck(pickle.Pickler):
+    """Pickles a side object as torch RPC's pickler will, writing no tensor or storage bytes
+    (those always pickle) and no RRef (RPC's fork protocol)."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, _PROTOCOL)
+        # RPC's pickler matches its registered reducers by exact class, as a dispatch table does
+        self.dispatch_table = {**copyreg.dispatch_table, **_class_reducers}
+
+    def persistent_id(self, obj: Any) -> Any:
+        cls = type(obj)
+        if cls is torch.Tensor or issubclass(cls, _STORAGE_TYPES) or issubclass(cls, rref_types()):
+            return 0
+        return None
+
+
+_STORAGE_TYPES = (torch.UntypedStorage, torch.TypedStorage)
+
+
+def check_side(side: list) -> None:
+    """Raise, on the caller, what torch RPC's pickler would raise for ``side`` (see
+    :func:`dumps`) once the call is already under way: a tensor subclass whose
+    ``__reduce_ex__`` fails, or whose class the pickler cannot name. Exact tensors and RRefs
+    always pickle and are skipped; no tensor bytes are copied.
+
+    Example::
+
+        payload = dumps((args, kwargs), inline=False)
+        check_side(payload.side)   # raises here, before anything is sent
+    """
+    for obj in side:
+        if type(obj) is not torch.Tensor and isinstance(obj, torch.Tensor):
+            _SideCheck(io.BytesIO()).dump(obj)
 
 
 def loads(payload: Payload) -> Any:

@@ -52,8 +52,12 @@ class RemoteModule(RemoteCalls, nn.Module):
     returns a proxy whose ``forward`` and ``forward_async`` have the module's real
     ``forward`` signature. ``forward`` blocks; ``forward_async`` returns a
     ``torch.futures.Future``. Both record distributed autograd when called inside a
-    ``torch.distributed.autograd`` context. Arguments are bound on the caller, so a call
-    with wrong arguments raises ``TypeError`` before anything is sent.
+    ``torch.distributed.autograd`` context. Arguments are checked against the signature on
+    the caller, so a call with wrong arguments (or an argument that cannot be pickled, named
+    by its parameter) raises ``TypeError`` before anything is sent. Only the arguments given
+    travel: defaults are evaluated on the host by the module's own ``forward``, as in a
+    local call (a sentinel default is the host's own object, a large default tensor is
+    never sent).
 
     In a model, the proxy is a leaf without local parameters or buffers: ``model.parameters()``
     lists the local ones (remote ones come from :meth:`remote_parameters`), ``model.to()``,

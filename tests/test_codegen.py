@@ -47,15 +47,59 @@ def test_signature_is_the_modules(module_cls):
     assert ann is Future or getattr(ann, "__origin__", None) is Future
 
 
-def test_defaults_and_keywords_are_bound_on_the_caller():
+def test_only_the_given_arguments_travel():
     rec, fwd, fwd_async = bind(Affine)
     x = torch.ones(1)
     assert fwd(x) == "result"
     fwd(x, 2.0, shift=x)
     assert fwd_async(x, scale=3.0).wait() == "result"
-    assert rec.sent[0] == ("sync", (x, 1.0), {"shift": None})
+    fwd_async(x, shift=None)
+    assert rec.sent[0] == ("sync", (x,), {})
     assert rec.sent[1] == ("sync", (x, 2.0), {"shift": x})
-    assert rec.sent[2] == ("async", (x, 3.0), {"shift": None})
+    assert rec.sent[2] == ("async", (x, 3.0), {})
+    assert rec.sent[3] == ("async", (x,), {"shift": None})  # given, even if equal to the default
+
+
+def _every_kind(a, b=1, c=2, /, d=3, e=4, *rest, g, h=5, **extra):
+    pass
+
+
+EVERY_KIND_CALLS = [
+    ((0,), {"g": 1}),
+    ((0, 1), {"g": 1}),
+    ((0, 1, 2), {"g": 1, "h": 8}),
+    ((0,), {"e": 9, "g": 1}),  # b, c, d left out before e: e travels as a keyword
+    ((0, 1, 2), {"e": 9, "g": 1}),  # d left out before e
+    ((0, 1, 2, 3), {"e": 9, "g": 1}),
+    ((0, 1), {"d": 5, "g": 1, "a": 3}),  # a is positional-only: this "a" is for **extra
+    ((0, 1, 2, 3, 4, 5, 6), {"g": 7, "h": 8, "z": 9}),
+]
+
+
+@pytest.mark.parametrize("args,kwargs", EVERY_KIND_CALLS, ids=[str(i) for i in range(len(EVERY_KIND_CALLS))])
+def test_what_travels_binds_like_the_call_itself(args, kwargs):
+    sig = inspect.signature(_every_kind)
+    rec = Recorder()
+    fwd, fwd_async = render_forward_methods(sig, "every_kind")
+    types.MethodType(fwd, rec)(*args, **kwargs)
+    types.MethodType(fwd_async, rec)(*args, **kwargs)
+    given = sig.bind(*args, **kwargs).arguments  # bind() fills in no defaults
+    for _, sent_args, sent_kwargs in rec.sent:
+        assert sig.bind(*sent_args, **sent_kwargs).arguments == given
+
+
+def test_shown_signature_has_the_real_default_objects():
+    missing = object()
+
+    def f(x, mask=missing, *, table=torch.zeros(3)):
+        pass
+
+    fwd, fwd_async = render_forward_methods(inspect.signature(f), "f")
+    for fn in (fwd, fwd_async):
+        params = inspect.signature(fn).parameters
+        assert params["mask"].default is missing
+        assert params["table"].default is inspect.signature(f).parameters["table"].default
+    assert str(inspect.signature(fwd)) == "(_rm_self, x, mask=" + repr(missing) + ", *, table=tensor([0., 0., 0.]))"
 
 
 def test_var_positional_keyword_and_positional_only():
@@ -98,8 +142,11 @@ def test_unknown_signature_falls_back_to_varargs():
 def test_generated_source_is_readable():
     _, fwd, _ = bind(Affine)
     src = inspect.getsource(fwd)
-    assert "def forward(_rm_self, x: _rm_a0, scale: _rm_a1 = _rm_d1, *, shift: _rm_a2 = _rm_d2)" in src
+    assert "def forward(_rm_self, x: _rm_a0, scale: _rm_a1 = _rm_omit, *, shift: _rm_a2 = _rm_omit)" in src
     assert "templates/forward.py.tpl" in template_text("forward.py.tpl")
+    # without defaults the body stays one expression (the small-call fast path)
+    _, fwd, _ = bind(torch.nn.Linear)
+    assert "    return _rm_self._remote_call_sync((input, ), {})\n" in inspect.getsource(fwd)
 
 
 def test_parameter_names_that_would_clash_are_rejected():

@@ -1,10 +1,13 @@
 """Errors that help: faithful remote exceptions, bad input caught on the caller, timeouts."""
 
+import contextlib
 import threading
 import time
 
 import pytest
 import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
 from torch import nn
 
 import remote_module.remote_module as impl
@@ -65,6 +68,47 @@ def test_unsendable_arguments_are_named_on_the_caller(tmp_path):
         with pytest.raises(TypeError, match=r"argument 'scale' .*cannot be sent"):
             proxy.forward_async(torch.ones(4), f)
     assert torch.is_tensor(proxy(torch.ones(4)))  # the proxy still works
+
+
+class Unreducible:
+    """An argument whose ``__reduce__`` raises (not a pickling error type)."""
+
+    def __reduce__(self):
+        raise RuntimeError("Unreducible refuses to be pickled")
+
+
+class UnreducibleTensor(torch.Tensor):
+    """A tensor subclass: it travels beside the pickle, pickled by RPC's own pickler."""
+
+    def __reduce_ex__(self, protocol):
+        raise RuntimeError("UnreducibleTensor refuses to be pickled")
+
+
+@pytest.mark.parametrize("path", ["inline", "non-inline"])
+@pytest.mark.parametrize("make_bad", [Unreducible, lambda: torch.ones(4).as_subclass(UnreducibleTensor)],
+                         ids=["object", "tensor-subclass"])
+def test_an_argument_whose_reduce_raises_is_a_type_error_naming_it(path, make_bad):
+    affine = RemoteModule("worker1", Affine)
+    var_args = RemoteModule("worker1", _remote.VarArgs)
+    x, bad = torch.ones(4), make_bad()
+    calls = [
+        ("scale", lambda: affine(x, bad)),
+        ("scale", lambda: affine.forward_async(x, bad)),
+        ("shift", lambda: affine(x, shift=bad)),
+        ("x", lambda: affine.forward_async(bad)),
+        ("rest[1]", lambda: var_args(1, 2, 3, bad)),  # forward(self, a, /, b, *rest, c=3, **extra)
+        ("c", lambda: var_args.forward_async(1, 2, c=bad)),
+        ("z", lambda: var_args(1, 2, z=bad)),
+    ]
+    with dist_autograd.context() if path == "non-inline" else contextlib.nullcontext():
+        assert affine._fast_path_allowed() is (path == "inline")
+        for name, call in calls:
+            with pytest.raises(TypeError) as info:
+                call()
+            message = str(info.value)
+            assert message.startswith(f"argument {name!r} of ") and "refuses to be pickled" in message, message
+    assert rpc.rpc_sync("worker1", _remote.call_counter, (affine.get_module_rref(),)) == 0  # nothing sent
+    assert torch.equal(affine(x, 0.0), torch.zeros(4))  # the proxy still works
 
 
 # malformed remote_device strings and bad module_cls / args: (kwargs to RemoteModule, type, message part)
