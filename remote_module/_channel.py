@@ -64,7 +64,16 @@ import torch.distributed.rpc as rpc
 from torch.futures import Future
 
 from remote_module._errors import CallTimeout, timeout_message
-from remote_module._settling import WATCH_TICK_S, complete, schedule, settle_elsewhere, settle_here
+from remote_module._settling import (
+    WATCH_TICK_S,
+    add_to_run,
+    complete,
+    finish_run,
+    schedule,
+    settle_elsewhere,
+    settle_here,
+    watched_run,
+)
 from remote_module._torch_private import before_rref_deletion_at_shutdown
 
 #: At most this many shared messages of one channel are in flight; later calls queue.
@@ -263,6 +272,7 @@ class Channel:
         """A message was answered (``answers``) or failed (``exc``): send what may leave now,
         then settle its calls' futures (and those of messages RPC refused to send)."""
         jobs: list[Callable[[], None]] = []
+        run = None  # jobs, watched while this thread sends (a send may run a callback inline)
         done = [(batch, shared, answers, exc)]
         while done:
             batch, shared, answers, exc = done.pop()
@@ -277,16 +287,28 @@ class Channel:
                 settle = [(i, p) for i, p in enumerate(batch) if p.state != _SETTLED]  # else failed at its deadline
                 for _, p in settle:
                     self._forget_locked(p)
+            new_jobs: list[Callable[[], None]] = []
             for i, p in settle:
                 if answers is not None:
-                    jobs.append(lambda p=p, result=answers[i].result: self._settle_result(p, result))
+                    new_jobs.append(lambda p=p, result=answers[i].result: self._settle_result(p, result))
                 else:
-                    jobs.append(lambda p=p, error=self._error(p, exc, now): self._settle(p, error))
+                    new_jobs.append(lambda p=p, error=self._error(p, exc, now): self._settle(p, error))
+            if run is not None:
+                add_to_run(run, new_jobs)
+            else:
+                jobs.extend(new_jobs)
+            if to_send and run is None:
+                # torch runs a callback inline when a message's future is already done as it is
+                # sent (e.g. one that timed out at once): that may block this thread
+                run = watched_run(jobs)
             for next_batch, next_shared in to_send:  # the next messages leave first
                 refused = self._send(next_batch, next_shared)
                 if refused is not None:
                     done.append((next_batch, next_shared, None, refused))
-        settle_here(jobs)
+        if run is None:
+            settle_here(jobs)
+        else:
+            finish_run(run)
 
     def _take_locked(self) -> list[tuple[list[_Pending], bool]]:
         """Queued calls that may leave now: shared messages while fewer than MAX_IN_FLIGHT

@@ -18,6 +18,10 @@ Example (settle the futures of a message's calls, here or on a settler thread)::
 
     settle_here([lambda: fut.set_result(v) for fut, v in zip(futures, values)])
     settle_elsewhere([lambda: fut.set_exception(TimeoutError()) for fut in expired])
+
+    run = watched_run(jobs)     # settled here after the next message left, or elsewhere
+    send_next_message()         # when sending is held up (RPC may run a callback inline)
+    finish_run(run)
 """
 
 from __future__ import annotations
@@ -46,14 +50,16 @@ _log = logging.getLogger("remote_module")
 
 
 def complete(future: Future, value: Any, is_error: bool) -> None:
-    """Set ``future``'s result (or exception); a callback that raises is logged, not raised."""
+    """Set ``future``'s result (or exception). torch reports a callback that raises itself;
+    what fails here (a future settled twice: a bug) is logged, never raised into the thread
+    that settles."""
     try:
         if is_error:
             future.set_exception(value)
         else:
             future.set_result(value)
-    except Exception:  # a callback that raised; the future itself is settled
-        _log.exception("a callback on a remote call's future raised")
+    except Exception:
+        _log.exception("settling a remote call's future failed")
 
 
 def _run_job(job: Callable[[], None]) -> None:
@@ -92,11 +98,28 @@ class _Settlers:
             for job in jobs:
                 _run_job(job)
             return
+        self.finish(self.watched(jobs))
+
+    def watched(self, jobs: list[Callable[[], None]]) -> _Run:
+        """A run of ``jobs`` this thread will settle with :meth:`finish`, watched from now on:
+        if the thread is held up first (e.g. sending a message, when RPC runs a callback
+        inline), the watcher hands the jobs to another thread after STUCK_S."""
         run = _Run(jobs)
         run.busy[threading.get_ident()] = _clock()
         with self._cond:
             self._runs.add(run)
         _watcher.tick_soon()
+        return run
+
+    def add(self, run: _Run, jobs: list[Callable[[], None]]) -> None:
+        """More jobs for a watched run (settled after its others)."""
+        with self._cond:
+            run.jobs.extend(jobs)
+            self._runs.add(run)  # again, if the watcher saw it empty and let it go
+
+    def finish(self, run: _Run) -> None:
+        """Settle what is left of a watched run on this thread."""
+        run.busy[threading.get_ident()] = _clock()
         self._drain(run)
 
     def settle_elsewhere(self, jobs: list[Callable[[], None]]) -> None:
@@ -229,4 +252,7 @@ _watcher = Watcher()
 
 settle_here = _settlers.settle_here
 settle_elsewhere = _settlers.settle_elsewhere
+watched_run = _settlers.watched
+add_to_run = _settlers.add
+finish_run = _settlers.finish
 schedule = _watcher.schedule
