@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -36,6 +37,21 @@ KILLED_TIMEOUT = 10.0
 BURST = 1000
 
 _clock = time.monotonic
+
+
+class _Stderr:
+    """This process's file descriptor 2, kept in a file: torch reports a future's callback
+    that raised there (in C++), so what it says can be counted."""
+
+    CALLBACK_RAISED = "error when running the callback"
+
+    def __init__(self) -> None:
+        self.file = tempfile.TemporaryFile()
+        os.dup2(self.file.fileno(), 2)
+
+    def callbacks_that_raised(self) -> int:
+        self.file.seek(0)
+        return self.file.read().decode(errors="replace").count(self.CALLBACK_RAISED)
 
 
 class _ErrorLog(logging.Handler):
@@ -130,15 +146,29 @@ class Tracker:
             "example_failures": sorted({o["message"].split("\n")[0] for o in failures})[:4],
             "earliest": min(after, default=None),
             "latest": max(after, default=None),
+            "slowest": sorted(range(len(after)), key=lambda i: -after[i])[:5],  # call indices
             "callback_counts": sorted(set(self.callbacks)),
         }
 
 
-def frozen_burst(proxy, x, pid: int, log: _ErrorLog, blockers: dict | None) -> dict:
+def warm(proxy, x) -> None:
+    """Answered calls until the channel counts them cheap: it then coalesces (the first
+    calls cost more, and one slow answer on a loaded machine raises the running average)."""
+    from remote_module._channel import HEAVY_CALL_S
+
+    for _ in range(200):
+        proxy.forward_async(x).wait()
+        if proxy._channel.cost < HEAVY_CALL_S / 2:
+            return
+    raise AssertionError(f"calls still cost {proxy._channel.cost * 1e3:.2f} ms on the host")
+
+
+def frozen_burst(proxy, x, pid: int, log: _ErrorLog, stderr: _Stderr, blockers: dict | None) -> dict:
     """Freeze the host, make BURST calls (with ``blockers``: index -> callback), a blocking
     call behind them; thaw it and check that the proxy works again."""
     import torch
 
+    warm(proxy, x)
     module = proxy.get_module_rref()
     ran_before = module.rpc_sync().ran()
     sent_before = proxy._channel.calls_sent
@@ -171,6 +201,7 @@ def frozen_burst(proxy, x, pid: int, log: _ErrorLog, blockers: dict | None) -> d
     )
     report["callback_counts_after_thaw"] = burst.summary()["callback_counts"]
     report["errors_logged"] = list(log.messages)
+    report["callbacks_that_raised"] = stderr.callbacks_that_raised()
     return report
 
 
@@ -225,18 +256,17 @@ def caller() -> None:
     from remote_module import RemoteModule
     from tests import _contract_remote as cr
 
+    stderr = _Stderr()
     log = _ErrorLog()
     logging.getLogger("remote_module").addHandler(log)
     x = torch.randn(2, 4)
     proxy = RemoteModule("victim/cpu", cr.CountingLinear, (4, 4), timeout=10)
-    proxy.forward_async(x).wait()  # warm: the channel knows the cost and coalesces
-    assert proxy._channel.cost is not None
     slow = RemoteModule("victim/cpu", cr.Slow, timeout=10)
     survivor = RemoteModule("survivor/cpu", torch.nn.Linear, (4, 4), timeout=10)
     pid = rpc.rpc_sync("victim", cr.pid)
     report = {"frozen_timeout": FROZEN_TIMEOUT, "blocking_timeout": BLOCKING_TIMEOUT,
               "killed_timeout": KILLED_TIMEOUT, "burst": BURST}
-    report["frozen"] = phase(frozen_burst, proxy, x, pid, log, None)
+    report["frozen"] = phase(frozen_burst, proxy, x, pid, log, stderr, None)
 
     release = threading.Event()
     inner: list[dict] = []
@@ -252,7 +282,7 @@ def caller() -> None:
 
     blockers = {0: block_forever, 1: call_same_proxy, 2: call_same_proxy_blocking, 3: block_forever,
                 500: block_forever, 501: call_same_proxy}
-    report["blocking_callbacks"] = phase(frozen_burst, proxy, x, pid, log, blockers)
+    report["blocking_callbacks"] = phase(frozen_burst, proxy, x, pid, log, stderr, blockers)
     release.set()
     os.kill(pid, signal.SIGCONT)  # in case the phase failed while the host was stopped
     deadline = _clock() + 30
