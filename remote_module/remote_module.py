@@ -16,8 +16,6 @@ from remote_module._codegen import forward_signature, render_forward_methods, re
 from remote_module._device import parse_remote_device
 from remote_module._errors import RemoteFailure, reraise
 from remote_module._pickling import (
-    NOT_PICKLABLE,
-    NOT_UNPICKLABLE,
     check_attributes,
     reduce_proxy,
     reduce_script_module,
@@ -307,11 +305,21 @@ class RemoteModule(RemoteCalls, nn.Module):
         module = self.remote_repr.replace("\n", "\n  ")  # indent a multi-line module repr
         return f"{type(self).__name__}(on={self.on}, device={self.device}, module={module})"
 
-    def __getstate__(self) -> Any:
-        raise RuntimeError(NOT_PICKLABLE)
+    # Exported, so that a scripted proxy refuses torch.save / torch.jit.save with the same
+    # message (TorchScript's pickler calls a script object's __getstate__). TorchScript compiles
+    # them, so the messages are literals (TorchScript cannot read a global string): they equal
+    # remote_module._pickling.NOT_PICKLABLE / NOT_UNPICKLABLE (tests/test_pickling.py checks).
+    @torch.jit.export
+    def __getstate__(self):  # noqa: ANN204
+        raise RuntimeError(
+            "Cannot pickle RemoteModule in python pickler. RemoteModule can only be pickled when using RPC"
+        )
 
-    def __setstate__(self, state: Any) -> None:
-        raise RuntimeError(NOT_UNPICKLABLE)
+    @torch.jit.export
+    def __setstate__(self, state):  # noqa: ANN001, ANN204
+        raise RuntimeError(
+            "Cannot unpickle RemoteModule in python pickler. RemoteModule can only be unpickled when using RPC"
+        )
 
 
 for _name in UNSUPPORTED_METHODS:

@@ -1,6 +1,7 @@
 """Scriptable proxies: `_module_interface_cls`, torch.jit.script(proxy), calls from script."""
 
 import inspect
+import io
 
 import pytest
 import torch
@@ -66,3 +67,12 @@ def test_module_rref_travels_and_is_rewrapped(scriptable):
 def test_bad_interface_is_rejected():
     with pytest.raises(ValueError, match="@torch.jit.interface"):
         RemoteModule("worker1", MyModule, (1,), _module_interface_cls=MyModule)
+
+
+def test_saving_a_scripted_proxy_says_it_only_travels_over_rpc(scriptable):
+    # torch's message, from the script object's own __getstate__ (before: a generic error
+    # saying the object has no __getstate__)
+    scripted = torch.jit.script(scriptable)
+    for save in (torch.save, torch.jit.save):
+        with pytest.raises(torch.jit.Error, match="RemoteModule can only be pickled when using RPC"):
+            save(scripted, io.BytesIO())
