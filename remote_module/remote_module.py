@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import types
+import warnings
 from typing import Any
 
 import torch
@@ -158,7 +159,9 @@ class RemoteModule(RemoteCalls, nn.Module):
         """A second proxy for the module behind ``module_rref`` (shared, not copied).
 
         Also the way to hand a scriptable proxy to another worker: send
-        ``proxy.get_module_rref()`` and call this on the receiver.
+        ``proxy.get_module_rref()`` and call this on the receiver. The proxy always calls the
+        RRef's owner: a ``remote_device`` naming another worker is accepted, as torch does,
+        with a ``UserWarning`` (``proxy.on`` names the owner).
 
         Example::
 
@@ -175,10 +178,16 @@ class RemoteModule(RemoteCalls, nn.Module):
         proxy._prepare(remote_device, _module_interface_cls, timeout)
         owner = module_rref.owner_name()
         if proxy.on != owner:
-            raise ValueError(
-                f"remote_device {remote_device!r} names worker {proxy.on!r}, but module_rref is owned "
-                f"by {owner!r}: pass '{owner}/<device>'"
+            # torch accepts this (its calls reach the module through the RRef's owner) and existing
+            # code relies on it: the proxy names, and calls, the owner.
+            warnings.warn(
+                f"remote_device {remote_device!r} names worker {proxy.on!r}, but module_rref is owned by "
+                f"{owner!r}: this RemoteModule calls {owner!r} (proxy.on == {owner!r}). Pass "
+                f"'{owner}/{proxy.device}' to say so.",
+                UserWarning,
+                stacklevel=2,
             )
+            proxy._prepare(f"{owner}/{proxy.device}", _module_interface_cls, timeout)
         if _module_interface_cls is not None:
             render_scriptable_module(_module_interface_cls)
             proxy._rpc(_handlers._prepare_scriptable, _module_interface_cls)

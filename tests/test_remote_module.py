@@ -128,8 +128,19 @@ def test_init_from_module_rref_shares_the_module():
     # one module: both proxies' calls count on it
     b(x)
     assert rpc.rpc_sync("worker1", _remote.call_counter, (a.get_module_rref(),)) == 3
-    with pytest.raises(ValueError, match="owned by 'worker1'"):
-        RemoteModule.init_from_module_rref("worker2/cpu", a.get_module_rref())
+
+
+def test_init_from_module_rref_naming_another_worker_calls_the_owner():
+    a = RemoteModule("worker1/cpu", Affine)
+    x = torch.randn(2, 4)
+    with pytest.warns(UserWarning, match=r"names worker 'worker2', but module_rref is owned by 'worker1'"):
+        b = RemoteModule.init_from_module_rref("worker2/cpu", a.get_module_rref())
+    assert b.on == "worker1" and b.device == "cpu"
+    assert torch.equal(b(x), a(x)) and torch.equal(b.forward_async(x).wait(), a(x))
+    # torch's own test: worker2 wraps worker1's module naming itself; the proxy comes back here
+    c = rpc.rpc_sync("worker2", RemoteModule.init_from_module_rref, ("worker2", a.get_module_rref()))
+    assert c.on == "worker1" and torch.equal(c(x), a(x))
+    assert rpc.rpc_sync("worker1", _remote.call_counter, (a.get_module_rref(),)) == 6
 
 
 def test_remote_parameters_train_with_distributed_optimizer():
