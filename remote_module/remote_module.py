@@ -22,7 +22,7 @@ from remote_module._pickling import (
     reduce_script_module,
 )
 from remote_module._shipping import pack_constructor
-from remote_module._state_dict import merge_remote_state, select_prefixed
+from remote_module._state_dict import entries_under, merge_remote_state
 from remote_module._unsupported import UNSUPPORTED_METHODS, make_unsupported
 from remote_module._torch_private import (
     device_map_to,
@@ -303,11 +303,15 @@ class RemoteModule(RemoteCalls, nn.Module):
         unexpected_keys: list,
         error_msgs: list,
     ) -> None:
-        # Called by nn.Module.load_state_dict for this proxy (directly or inside a model).
-        state, metadata = select_prefixed(state_dict, prefix)
-        missing, unexpected, errors = self._rpc(_handlers._load_state_dict, dict(state), metadata, self.module_rref)
-        missing_keys.extend(prefix + k for k in missing)
-        unexpected_keys.extend(prefix + k for k in unexpected)
+        # Called by nn.Module.load_state_dict for this proxy (directly or inside a model). The host
+        # loads with the module placed at ``prefix``, so keys and messages name full keys.
+        state, metadata = entries_under(state_dict, prefix)
+        assign = bool(local_metadata.get("assign_to_params_buffers", False))  # load_state_dict(assign=)
+        missing, unexpected, errors = self._rpc(
+            _handlers._load_state_dict, dict(state), dict(metadata), self.module_rref, prefix, assign
+        )
+        missing_keys.extend(missing)
+        unexpected_keys.extend(unexpected)
         error_msgs.extend(errors)
 
     def __repr__(self) -> str:

@@ -128,6 +128,13 @@ class Hybrid(nn.Module):
         return self.mlp(self.embedding(ids, offsets)) * self.scale
 
 
+def tensor_views(module_rref) -> dict:
+    """(class name, dtype, requires_grad) of every parameter and buffer of the module on the host."""
+    module = module_rref.local_value()
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    return {name: (type(t).__name__, str(t.dtype), t.requires_grad) for name, t in tensors}
+
+
 def registered_keys() -> set:
     from remote_module import _handlers  # the host has it imported once it hosts a module
 
