@@ -201,6 +201,14 @@ def _train(module_rref: rpc.RRef, mode: bool) -> None:
     module_rref.local_value().train(mode)
 
 
+def _training(module_rref: rpc.RRef) -> bool:
+    return module_rref.local_value().training
+
+
+def _set_training(module_rref: rpc.RRef, mode: bool) -> None:
+    module_rref.local_value().training = mode
+
+
 def _state_dict(module_rref: rpc.RRef) -> tuple[dict, dict]:
     """CPU copies of the module's state and its per-submodule metadata."""
     sd = module_rref.local_value().state_dict(keep_vars=False)

@@ -61,8 +61,10 @@ class RemoteModule(RemoteCalls, nn.Module):
     In a model, the proxy is a leaf without local parameters or buffers: ``model.parameters()``
     lists the local ones (remote ones come from :meth:`remote_parameters`), ``model.to()``,
     ``cuda()``, ``half()`` and friends leave the remote module where ``remote_device`` put it,
-    ``model.train()``/``eval()`` reach the host, and ``model.state_dict()`` /
-    ``load_state_dict()`` include the remote entries (copied through the CPU).
+    ``model.train()``/``eval()`` reach the host (``proxy.training`` asks it, so every proxy
+    of one module agrees), ``model.state_dict()`` / ``load_state_dict()`` include the remote
+    entries (copied through the CPU; ``assign=True`` applies on the host), and
+    ``DistributedDataParallel(model)`` syncs the local parameters (the proxy lists none).
 
     When the remote device is not the CPU, CPU tensors in the arguments (at any depth of
     lists, tuples and dicts) are moved to it on the host. Outputs come back as they are when
@@ -101,6 +103,10 @@ class RemoteModule(RemoteCalls, nn.Module):
         timeout: seconds allowed for every RPC this proxy makes (None: the RPC agent's
             default). A call to a host that hangs or died fails within it.
     """
+
+    #: ``training`` is a property that asks the host: TorchScript must not compile it (it reads
+    #: the last value seen, kept in ``__dict__``, as the scripted proxy's own flag).
+    __jit_unused_properties__ = ["training"]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -224,7 +230,6 @@ class RemoteModule(RemoteCalls, nn.Module):
         else:
             self.forward_signature = info["signature"]
         self._install_generated_methods(local_sig)
-        self.training = info["training"]
         self.remote_repr = info["repr"]
         check_attributes(self)
 
@@ -271,12 +276,42 @@ class RemoteModule(RemoteCalls, nn.Module):
         if not isinstance(mode, bool):
             raise ValueError(f"training mode is expected to be boolean, got {mode!r}")
         self._rpc(_handlers._train, self.module_rref, mode)
-        self.training = mode
+        self.__dict__["training"] = mode  # the last value seen (see the training property)
         return self
 
     def eval(self) -> RemoteModule:
         """Put the remote module in evaluation mode and return this proxy."""
         return self.train(False)
+
+    # ``training`` is the host module's flag, read and written on the host in program order, so
+    # every proxy of one module (init_from_module_rref, proxies sent to other workers) tells the
+    # truth. nn.Module.__init__ writes it before the proxy is connected: that write stays local.
+    # The last value seen is kept in __dict__ (the property hides it) for TorchScript only, which
+    # reads a module's __dict__ when scripting it.
+    @property
+    def training(self) -> bool:  # type: ignore[override]
+        """The remote module's training flag, asked of the host (a blocking call, in program order).
+
+        Example::
+
+            b = RemoteModule.init_from_module_rref("worker1", a.get_module_rref())
+            a.eval()
+            assert b.training is False       # one module on worker1
+        """
+        if "module_rref" not in self.__dict__:
+            return self.__dict__.get("training", True)  # not connected yet (being built or received)
+        mode = self.__dict__["training"] = self._rpc(_handlers._training, self.module_rref)
+        return mode
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        # Like ``module.training = mode`` on a local module: the host module's own flag only (its
+        # submodules keep theirs; train()/eval() set them all).
+        if not isinstance(mode, bool):
+            raise ValueError(f"training mode is expected to be boolean, got {mode!r}")
+        if "module_rref" in self.__dict__:
+            self._rpc(_handlers._set_training, self.module_rref, mode)
+        self.__dict__["training"] = mode
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
         """CPU copies of the remote module's state, under ``prefix`` (as ``nn.Module.state_dict``).

@@ -74,6 +74,11 @@ def loaded_modules(prefix: str) -> list[str]:
     return sorted(m for m in sys.modules if m == prefix or m.startswith(prefix + "."))
 
 
+def training_of(proxy) -> bool:
+    """Runs on a third worker: the training flag a received proxy reports."""
+    return proxy.training
+
+
 def use_proxy(proxy, x: torch.Tensor) -> tuple:
     """Runs on a third worker: the proxy arrived in an RPC message."""
     return proxy(x), proxy.forward_async(x).wait(), type(proxy).__name__

@@ -118,6 +118,38 @@ def test_train_and_eval_run_on_the_host_and_return_the_proxy():
         proxy.train("yes")
 
 
+def test_every_proxy_of_one_module_reports_the_hosts_training_flag():
+    a = RemoteModule("worker1", ModeReporter)
+    b = RemoteModule.init_from_module_rref("worker1", a.get_module_rref())
+    a.eval()
+    assert b.training is False and a.training is False
+    assert rpc.rpc_sync("worker2", _remote.training_of, (a,)) is False  # a proxy received elsewhere
+    b.train()
+    assert a.training is True and rpc.rpc_sync("worker2", _remote.training_of, (a,)) is True
+    # `module.training = mode` sets the host module's flag, as it sets a local module's
+    local = ModeReporter()
+    local.training = False
+    a.training = False
+    assert b() is local() is False and b.training is False
+    with pytest.raises(ValueError, match="boolean"):
+        a.training = 1
+
+
+def test_calls_never_read_training(monkeypatch):
+    # reading proxy.training is a round trip: forward / forward_async must not do it
+    proxy = RemoteModule("worker1", Affine)
+    x = torch.randn(2, 4)
+    original = RemoteModule.training
+
+    def read(self):
+        raise AssertionError("proxy.training was read")
+
+    monkeypatch.setattr(RemoteModule, "training", property(read, original.fset))
+    assert torch.equal(proxy(x), proxy.forward_async(x).wait())
+    monkeypatch.undo()
+    assert proxy.training is True
+
+
 def test_init_from_module_rref_shares_the_module():
     a = RemoteModule("worker1/cpu", Affine)
     b = RemoteModule.init_from_module_rref("worker1/cpu", a.get_module_rref())

@@ -37,6 +37,7 @@ def test_scriptable_proxy_runs_eagerly(scriptable):
 
 def test_script_the_proxy_and_call_from_script(scriptable):
     scripted = torch.jit.script(scriptable)
+    assert scripted.training is True  # the scripted proxy's own flag, as torch's has
     assert run_forward(scripted, torch.ones(1)) == ("3", 2, torch.full((1,), 2.0))
     word, number, t = run_forward_async(scripted, torch.ones(1))
     assert (word, number) == ("3", 2) and torch.equal(t, torch.full((1,), 2.0))
