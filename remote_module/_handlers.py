@@ -19,6 +19,7 @@ from torch import nn
 from remote_module._errors import RemoteFailure, capture
 from remote_module._registry import objects
 from remote_module._shipping import unpack_constructor
+from remote_module._state_dict import load_at
 
 _NOT_A_MODULE = (
     "Expect `module_cls(*args, **kwargs)` returns an instance of <class nn.Module>, "
@@ -200,6 +201,14 @@ def _train(module_rref: rpc.RRef, mode: bool) -> None:
     module_rref.local_value().train(mode)
 
 
+def _training(module_rref: rpc.RRef) -> bool:
+    return module_rref.local_value().training
+
+
+def _set_training(module_rref: rpc.RRef, mode: bool) -> None:
+    module_rref.local_value().training = mode
+
+
 def _state_dict(module_rref: rpc.RRef) -> tuple[dict, dict]:
     """CPU copies of the module's state and its per-submodule metadata."""
     sd = module_rref.local_value().state_dict(keep_vars=False)
@@ -207,15 +216,9 @@ def _state_dict(module_rref: rpc.RRef) -> tuple[dict, dict]:
     return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}, metadata
 
 
-def _load_state_dict(state: dict, metadata: dict, module_rref: rpc.RRef) -> tuple[list, list, list]:
-    """Load ``state`` non-strictly; return (missing, unexpected, error messages)."""
-    from collections import OrderedDict
-
-    module = module_rref.local_value()
-    sd = OrderedDict(state)
-    sd._metadata = OrderedDict(metadata)  # type: ignore[attr-defined]
-    try:
-        result = module.load_state_dict(sd, strict=False)
-    except RuntimeError as exc:  # size mismatches and the like
-        return [], [], [str(exc)]
-    return list(result.missing_keys), list(result.unexpected_keys), []
+def _load_state_dict(
+    state: dict, metadata: dict, module_rref: rpc.RRef, prefix: str = "", assign: bool = False
+) -> tuple[list, list, list]:
+    """Load ``state`` (keys under ``prefix``) non-strictly, the module placed at ``prefix``;
+    return (missing, unexpected, error messages), naming full keys (see ``load_at``)."""
+    return load_at(module_rref.local_value(), state, metadata, prefix, assign)

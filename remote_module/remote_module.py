@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import types
+import warnings
 from typing import Any
 
 import torch
@@ -16,14 +17,12 @@ from remote_module._codegen import forward_signature, render_forward_methods, re
 from remote_module._device import parse_remote_device
 from remote_module._errors import RemoteFailure, reraise
 from remote_module._pickling import (
-    NOT_PICKLABLE,
-    NOT_UNPICKLABLE,
     check_attributes,
     reduce_proxy,
     reduce_script_module,
 )
 from remote_module._shipping import pack_constructor
-from remote_module._state_dict import merge_remote_state, select_prefixed
+from remote_module._state_dict import entries_under, merge_remote_state
 from remote_module._unsupported import UNSUPPORTED_METHODS, make_unsupported
 from remote_module._torch_private import (
     device_map_to,
@@ -62,8 +61,10 @@ class RemoteModule(RemoteCalls, nn.Module):
     In a model, the proxy is a leaf without local parameters or buffers: ``model.parameters()``
     lists the local ones (remote ones come from :meth:`remote_parameters`), ``model.to()``,
     ``cuda()``, ``half()`` and friends leave the remote module where ``remote_device`` put it,
-    ``model.train()``/``eval()`` reach the host, and ``model.state_dict()`` /
-    ``load_state_dict()`` include the remote entries (copied through the CPU).
+    ``model.train()``/``eval()`` reach the host (``proxy.training`` asks it, so every proxy
+    of one module agrees), ``model.state_dict()`` / ``load_state_dict()`` include the remote
+    entries (copied through the CPU; ``assign=True`` applies on the host), and
+    ``DistributedDataParallel(model)`` syncs the local parameters (the proxy lists none).
 
     When the remote device is not the CPU, CPU tensors in the arguments (at any depth of
     lists, tuples and dicts) are moved to it on the host. Outputs come back as they are when
@@ -102,6 +103,10 @@ class RemoteModule(RemoteCalls, nn.Module):
         timeout: seconds allowed for every RPC this proxy makes (None: the RPC agent's
             default). A call to a host that hangs or died fails within it.
     """
+
+    #: ``training`` is a property that asks the host: TorchScript must not compile it (it reads
+    #: the last value seen, kept in ``__dict__``, as the scripted proxy's own flag).
+    __jit_unused_properties__ = ["training"]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -160,7 +165,9 @@ class RemoteModule(RemoteCalls, nn.Module):
         """A second proxy for the module behind ``module_rref`` (shared, not copied).
 
         Also the way to hand a scriptable proxy to another worker: send
-        ``proxy.get_module_rref()`` and call this on the receiver.
+        ``proxy.get_module_rref()`` and call this on the receiver. The proxy always calls the
+        RRef's owner: a ``remote_device`` naming another worker is accepted, as torch does,
+        with a ``UserWarning`` (``proxy.on`` names the owner).
 
         Example::
 
@@ -177,10 +184,16 @@ class RemoteModule(RemoteCalls, nn.Module):
         proxy._prepare(remote_device, _module_interface_cls, timeout)
         owner = module_rref.owner_name()
         if proxy.on != owner:
-            raise ValueError(
-                f"remote_device {remote_device!r} names worker {proxy.on!r}, but module_rref is owned "
-                f"by {owner!r}: pass '{owner}/<device>'"
+            # torch accepts this (its calls reach the module through the RRef's owner) and existing
+            # code relies on it: the proxy names, and calls, the owner.
+            warnings.warn(
+                f"remote_device {remote_device!r} names worker {proxy.on!r}, but module_rref is owned by "
+                f"{owner!r}: this RemoteModule calls {owner!r} (proxy.on == {owner!r}). Pass "
+                f"'{owner}/{proxy.device}' to say so.",
+                UserWarning,
+                stacklevel=2,
             )
+            proxy._prepare(f"{owner}/{proxy.device}", _module_interface_cls, timeout)
         if _module_interface_cls is not None:
             render_scriptable_module(_module_interface_cls)
             proxy._rpc(_handlers._prepare_scriptable, _module_interface_cls)
@@ -217,7 +230,6 @@ class RemoteModule(RemoteCalls, nn.Module):
         else:
             self.forward_signature = info["signature"]
         self._install_generated_methods(local_sig)
-        self.training = info["training"]
         self.remote_repr = info["repr"]
         check_attributes(self)
 
@@ -264,12 +276,42 @@ class RemoteModule(RemoteCalls, nn.Module):
         if not isinstance(mode, bool):
             raise ValueError(f"training mode is expected to be boolean, got {mode!r}")
         self._rpc(_handlers._train, self.module_rref, mode)
-        self.training = mode
+        self.__dict__["training"] = mode  # the last value seen (see the training property)
         return self
 
     def eval(self) -> RemoteModule:
         """Put the remote module in evaluation mode and return this proxy."""
         return self.train(False)
+
+    # ``training`` is the host module's flag, read and written on the host in program order, so
+    # every proxy of one module (init_from_module_rref, proxies sent to other workers) tells the
+    # truth. nn.Module.__init__ writes it before the proxy is connected: that write stays local.
+    # The last value seen is kept in __dict__ (the property hides it) for TorchScript only, which
+    # reads a module's __dict__ when scripting it.
+    @property
+    def training(self) -> bool:  # type: ignore[override]
+        """The remote module's training flag, asked of the host (a blocking call, in program order).
+
+        Example::
+
+            b = RemoteModule.init_from_module_rref("worker1", a.get_module_rref())
+            a.eval()
+            assert b.training is False       # one module on worker1
+        """
+        if "module_rref" not in self.__dict__:
+            return self.__dict__.get("training", True)  # not connected yet (being built or received)
+        mode = self.__dict__["training"] = self._rpc(_handlers._training, self.module_rref)
+        return mode
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        # Like ``module.training = mode`` on a local module: the host module's own flag only (its
+        # submodules keep theirs; train()/eval() set them all).
+        if not isinstance(mode, bool):
+            raise ValueError(f"training mode is expected to be boolean, got {mode!r}")
+        if "module_rref" in self.__dict__:
+            self._rpc(_handlers._set_training, self.module_rref, mode)
+        self.__dict__["training"] = mode
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
         """CPU copies of the remote module's state, under ``prefix`` (as ``nn.Module.state_dict``).
@@ -296,22 +338,36 @@ class RemoteModule(RemoteCalls, nn.Module):
         unexpected_keys: list,
         error_msgs: list,
     ) -> None:
-        # Called by nn.Module.load_state_dict for this proxy (directly or inside a model).
-        state, metadata = select_prefixed(state_dict, prefix)
-        missing, unexpected, errors = self._rpc(_handlers._load_state_dict, dict(state), metadata, self.module_rref)
-        missing_keys.extend(prefix + k for k in missing)
-        unexpected_keys.extend(prefix + k for k in unexpected)
+        # Called by nn.Module.load_state_dict for this proxy (directly or inside a model). The host
+        # loads with the module placed at ``prefix``, so keys and messages name full keys.
+        state, metadata = entries_under(state_dict, prefix)
+        assign = bool(local_metadata.get("assign_to_params_buffers", False))  # load_state_dict(assign=)
+        missing, unexpected, errors = self._rpc(
+            _handlers._load_state_dict, dict(state), dict(metadata), self.module_rref, prefix, assign
+        )
+        missing_keys.extend(missing)
+        unexpected_keys.extend(unexpected)
         error_msgs.extend(errors)
 
     def __repr__(self) -> str:
         module = self.remote_repr.replace("\n", "\n  ")  # indent a multi-line module repr
         return f"{type(self).__name__}(on={self.on}, device={self.device}, module={module})"
 
-    def __getstate__(self) -> Any:
-        raise RuntimeError(NOT_PICKLABLE)
+    # Exported, so that a scripted proxy refuses torch.save / torch.jit.save with the same
+    # message (TorchScript's pickler calls a script object's __getstate__). TorchScript compiles
+    # them, so the messages are literals (TorchScript cannot read a global string): they equal
+    # remote_module._pickling.NOT_PICKLABLE / NOT_UNPICKLABLE (tests/test_pickling.py checks).
+    @torch.jit.export
+    def __getstate__(self):  # noqa: ANN204
+        raise RuntimeError(
+            "Cannot pickle RemoteModule in python pickler. RemoteModule can only be pickled when using RPC"
+        )
 
-    def __setstate__(self, state: Any) -> None:
-        raise RuntimeError(NOT_UNPICKLABLE)
+    @torch.jit.export
+    def __setstate__(self, state):  # noqa: ANN001, ANN204
+        raise RuntimeError(
+            "Cannot unpickle RemoteModule in python pickler. RemoteModule can only be unpickled when using RPC"
+        )
 
 
 for _name in UNSUPPORTED_METHODS:

@@ -1,6 +1,7 @@
 """Scriptable proxies: `_module_interface_cls`, torch.jit.script(proxy), calls from script."""
 
 import inspect
+import io
 
 import pytest
 import torch
@@ -36,6 +37,7 @@ def test_scriptable_proxy_runs_eagerly(scriptable):
 
 def test_script_the_proxy_and_call_from_script(scriptable):
     scripted = torch.jit.script(scriptable)
+    assert scripted.training is True  # the scripted proxy's own flag, as torch's has
     assert run_forward(scripted, torch.ones(1)) == ("3", 2, torch.full((1,), 2.0))
     word, number, t = run_forward_async(scripted, torch.ones(1))
     assert (word, number) == ("3", 2) and torch.equal(t, torch.full((1,), 2.0))
@@ -66,3 +68,12 @@ def test_module_rref_travels_and_is_rewrapped(scriptable):
 def test_bad_interface_is_rejected():
     with pytest.raises(ValueError, match="@torch.jit.interface"):
         RemoteModule("worker1", MyModule, (1,), _module_interface_cls=MyModule)
+
+
+def test_saving_a_scripted_proxy_says_it_only_travels_over_rpc(scriptable):
+    # torch's message, from the script object's own __getstate__ (before: a generic error
+    # saying the object has no __getstate__)
+    scripted = torch.jit.script(scriptable)
+    for save in (torch.save, torch.jit.save):
+        with pytest.raises(torch.jit.Error, match="RemoteModule can only be pickled when using RPC"):
+            save(scripted, io.BytesIO())
