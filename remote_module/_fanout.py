@@ -1,0 +1,299 @@
+"""Running N host calls at once and collecting their results: :func:`call_all` and
+:func:`call_all_async` (and :func:`call_async` for one call).
+
+Creating N shards, N pipeline stages or N parameter-server tables is N host calls; every call
+is sent before any is awaited, so N calls cost about one round trip, not N. What each call
+keeps:
+
+- **its result, in order**: the results come back as a list in the order of ``calls``,
+  whatever order the hosts answer in;
+- **its own exception type**: a handler's exception is caught on the host (``BaseException``
+  included, so a ``SystemExit`` cannot take the host's RPC thread down) and raised on the
+  caller with its original type when that type is importable there (else a
+  :class:`remote_module._errors.RemoteModuleError` named after it), naming the worker and the
+  call's index (``calls[2] (make_shard)``), with the remote traceback;
+- **a timeout**: each call fails within ``timeout`` seconds of being sent (``None``: the RPC
+  agent's default), with a :class:`remote_module._errors.CallTimeout` naming the worker.
+
+The first call to fail (in time) fails the whole: the collected future carries its error at
+once, without waiting for the others, which keep running on their hosts (bounded by their own
+timeouts) and whose results are dropped. A call that cannot be sent (an argument that does not
+pickle) raises at once from :func:`call_all_async`; calls are checked (shape, worker, handler)
+before any is sent.
+
+Handlers are module-level functions, as for ``rpc.rpc_async`` (pickled by reference); a handler
+decorated with ``@rpc.functions.async_execution`` may return a ``Future`` and is answered when
+it completes. Results travel as RPC sends them (tensors, RRefs created on the host, ...).
+
+Example (a caller and two hosts that only serve)::
+
+    # every worker: rpc.init_rpc(name, rank=..., world_size=3); workers 1 and 2 then only
+    # call rpc.shutdown(). In an importable module, e.g. mylib/tables.py:
+    def make_table(rows: int) -> int:
+        return objects.hold(torch.zeros(rows, 8))     # remote_module._registry
+
+    # worker0
+    from remote_module._fanout import call_all
+    keys = call_all([("worker1", make_table, (100,)), ("worker2", make_table, (50,))], timeout=10)
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import Any, Callable, Iterable, NamedTuple
+
+import torch.distributed.rpc as rpc
+from torch.futures import Future
+
+from remote_module._errors import CallTimeout, capture, timeout_message, to_exception
+from remote_module._torch_private import is_async_execution, is_rpc_initialized, worker_names
+from rpc_backend.options import positive_seconds
+
+#: torch.distributed.rpc's "use the agent's default timeout".
+_AGENT_DEFAULT_TIMEOUT = -1.0
+#: A failed call counts as timed out when it failed this close to its deadline or later.
+_TIMEOUT_SLACK_S = 0.05
+
+_clock = time.monotonic
+
+
+class HostCall(NamedTuple):
+    """One call of ``handler(*args, **kwargs)`` on ``worker`` (a name, a rank or a ``WorkerInfo``).
+
+    Plain tuples ``(worker, handler)``, ``(worker, handler, args)`` and
+    ``(worker, handler, args, kwargs)`` are accepted wherever a HostCall is.
+    """
+
+    worker: Any
+    handler: Callable[..., Any]
+    args: tuple = ()
+    kwargs: dict | None = None
+
+
+# ---- host-side handlers ---------------------------------------------------------------------
+
+
+def _run(handler: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[bool, Any]:
+    """``(True, result)``, or ``(False, RemoteFailure)`` for whatever the handler raised."""
+    try:
+        return True, handler(*args, **kwargs)
+    except BaseException as exc:  # the call's own failure, whatever it is
+        return False, capture(exc)
+
+
+@rpc.functions.async_execution
+def _run_async(handler: Callable[..., Any], args: tuple, kwargs: dict) -> Future:
+    """:func:`_run` for an ``async_execution`` handler: answered when its Future completes."""
+    answer: Future = Future()
+    try:
+        pending = handler(*args, **kwargs)
+    except BaseException as exc:
+        answer.set_result((False, capture(exc)))
+        return answer
+
+    def settle(fut: Future) -> None:
+        try:
+            value: tuple[bool, Any] = (True, fut.value())
+        except BaseException as exc:
+            value = (False, capture(exc))
+        answer.set_result(value)
+
+    pending.add_done_callback(settle)
+    return answer
+
+
+# ---- caller side ----------------------------------------------------------------------------
+
+
+def _timeout_seconds(timeout: float | None) -> float:
+    """``timeout`` checked, in seconds (``None``: the agent's default; ``math.inf``: none)."""
+    if timeout is None:
+        seconds = rpc.get_rpc_timeout()
+        return seconds if seconds > 0 else math.inf
+    return positive_seconds(timeout, "timeout")
+
+
+def _handler_name(handler: Any) -> str:
+    module = getattr(handler, "__module__", None)
+    name = getattr(handler, "__qualname__", None) or repr(handler)
+    return f"{module}.{name}" if module else name
+
+
+def _worker_name(worker: Any, label: str) -> str:
+    if isinstance(worker, rpc.WorkerInfo):
+        return worker.name
+    if isinstance(worker, (str, int)) and not isinstance(worker, bool):
+        try:
+            return rpc.get_worker_info(worker).name
+        except RuntimeError:
+            pass
+    raise ValueError(
+        f"{label}: worker {worker!r} is not in this RPC world (workers: {', '.join(worker_names())}); "
+        "pass a worker name, a rank or a WorkerInfo"
+    )
+
+
+def _retyped(exc: BaseException, message: str) -> BaseException:
+    """``exc``'s type with ``message`` (RuntimeError when that type will not take one string)."""
+    try:
+        new = type(exc)(message)
+        if isinstance(new, type(exc)):
+            return new
+    except Exception:
+        pass
+    return RuntimeError(message)
+
+
+def call_async(
+    worker: Any,
+    handler: Callable[..., Any],
+    args: tuple = (),
+    kwargs: dict | None = None,
+    *,
+    timeout: float | None = None,
+    label: str | None = None,
+) -> Future:
+    """Send one host call now; a Future of its result, or of its failure naming the worker.
+
+    ``label`` names the call in errors (default: the handler's qualified name). Raises at once
+    when the call cannot be sent (unknown worker, an argument that does not pickle).
+
+    Example::
+
+        fut = call_async("worker1", make_table, (100,), timeout=10)
+        key = fut.wait()
+    """
+    if not is_rpc_initialized():
+        raise RuntimeError(
+            "call_async needs torch.distributed.rpc: call rpc.init_rpc(name, rank=..., world_size=...) first"
+        )
+    label = label if label is not None else _handler_name(handler)
+    if not callable(handler):
+        raise TypeError(f"{label}: the handler must be a module-level function, got {handler!r}")
+    seconds = _timeout_seconds(timeout)
+    name = _worker_name(worker, label)
+    body = _run_async if is_async_execution(handler) else _run
+    rpc_timeout = _AGENT_DEFAULT_TIMEOUT if timeout is None else seconds
+    made = _clock()
+    try:
+        sent = rpc.rpc_async(name, body, (handler, tuple(args), dict(kwargs or {})), timeout=rpc_timeout)
+    except Exception as exc:  # nothing was sent
+        raise _retyped(
+            exc,
+            f"{label} could not be sent to worker {name!r}: {type(exc).__name__}: {exc}. Pass tensors, "
+            "plain Python values or picklable objects, and module-level handlers.",
+        ) from exc
+    result: Future = Future()
+
+    def settle(fut: Future) -> None:
+        try:
+            ok, value = fut.value()
+        except BaseException as exc:  # the RPC itself failed: timeout, dead host, shutdown
+            result.set_exception(_rpc_failure(exc, label, name, made, seconds))
+            return
+        if ok:
+            result.set_result(value)
+        else:
+            result.set_exception(to_exception(value, f"on worker {name!r} in {label}"))
+
+    sent.add_done_callback(settle)
+    return result
+
+
+def _rpc_failure(exc: BaseException, label: str, name: str, made: float, seconds: float) -> BaseException:
+    if not is_rpc_initialized():
+        return RuntimeError(f"{label} on worker {name!r} failed: RPC was shut down ({exc})")
+    if _clock() >= made + seconds - _TIMEOUT_SLACK_S:
+        failure = CallTimeout(f"{label} on worker {name!r} failed: {timeout_message(seconds, name)}")
+        failure.__cause__ = exc
+        return failure
+    failure = _retyped(exc, f"{label} on worker {name!r} failed: {exc}")
+    failure.__cause__ = exc
+    return failure
+
+
+def _as_call(index: int, call: Any) -> HostCall:
+    if isinstance(call, HostCall):
+        found = call
+    elif isinstance(call, tuple) and 2 <= len(call) <= 4:
+        found = HostCall(*call)
+    else:
+        raise TypeError(
+            f"calls[{index}] must be a HostCall or a tuple (worker, handler[, args[, kwargs]]), got {call!r}"
+        )
+    if not isinstance(found.args, (tuple, list)):
+        raise TypeError(f"calls[{index}]: args must be a tuple, got {type(found.args).__name__}: {found.args!r}")
+    if found.kwargs is not None and not (
+        isinstance(found.kwargs, dict) and all(isinstance(k, str) for k in found.kwargs)
+    ):
+        raise TypeError(f"calls[{index}]: kwargs must be a dict of str to values or None, got {found.kwargs!r}")
+    if not callable(found.handler):
+        raise TypeError(f"calls[{index}]: the handler must be a module-level function, got {found.handler!r}")
+    return found
+
+
+def call_all_async(calls: Iterable[HostCall | tuple], timeout: float | None = None) -> Future:
+    """Send every call now; a Future of their results in order, or of the first failure.
+
+    See the module docstring for what each call keeps. Raises at once (nothing sent) for a
+    malformed call, an unknown worker or a bad ``timeout``.
+
+    Example::
+
+        fut = call_all_async([(f"worker{r}", make_table, (100,)) for r in (1, 2, 3)], timeout=10)
+        keys = fut.wait()          # [key on worker1, key on worker2, key on worker3]
+    """
+    checked = [_as_call(i, call) for i, call in enumerate(calls)]
+    _timeout_seconds(timeout)
+    n = len(checked)
+    labels = [f"calls[{i}] of {n} ({_handler_name(c.handler)})" for i, c in enumerate(checked)]
+    for call, label in zip(checked, labels):
+        _worker_name(call.worker, label)
+    combined: Future = Future()
+    if n == 0:
+        combined.set_result([])
+        return combined
+    results: list[Any] = [None] * n
+    lock = threading.Lock()
+    state = {"left": n, "failed": False}
+
+    def collector(index: int) -> Callable[[Future], None]:
+        def collect(fut: Future) -> None:
+            try:
+                value = fut.value()
+            except BaseException as exc:
+                with lock:
+                    first, state["failed"] = not state["failed"], True
+                if first:
+                    combined.set_exception(exc)  # outside the lock: callbacks may run here
+                return
+            with lock:
+                results[index] = value
+                state["left"] -= 1
+                done = state["left"] == 0 and not state["failed"]
+            if done:
+                combined.set_result(results)
+
+        return collect
+
+    sent = [
+        call_async(c.worker, c.handler, tuple(c.args), c.kwargs, timeout=timeout, label=label)
+        for c, label in zip(checked, labels)
+    ]
+    for index, fut in enumerate(sent):
+        fut.add_done_callback(collector(index))
+    return combined
+
+
+def call_all(calls: Iterable[HostCall | tuple], timeout: float | None = None) -> list[Any]:
+    """Run every call concurrently and return their results in order (see :func:`call_all_async`).
+
+    Raises the first failure, with its original type, naming the worker and the call's index.
+
+    Example::
+
+        outs = call_all([("worker1", handler, (x,)), ("worker2", handler, (y,), {"scale": 2})], timeout=5)
+    """
+    return call_all_async(calls, timeout).wait()
