@@ -13,7 +13,11 @@ keeps:
   :class:`remote_module._errors.RemoteModuleError` named after it), naming the worker and the
   call's index (``calls[2] (make_shard)``), with the remote traceback;
 - **a timeout**: each call fails within ``timeout`` seconds of being sent (``None``: the RPC
-  agent's default), with a :class:`remote_module._errors.CallTimeout` naming the worker.
+  agent's default), with a :class:`remote_module._errors.CallTimeout` naming the worker. The
+  deadline is kept here, not by RPC: the message itself waits for its answer, so an answer that
+  comes after the deadline is still received and dropped. (An RPC timed out by torch drops its
+  late answer unread, and an RRef inside it, e.g. a module created on the host, is never
+  confirmed to its owner, which then waits for it at graceful shutdown forever.)
 
 The first call to fail (in time) fails the whole: the collected future carries its error at
 once, without waiting for the others, which keep running on their hosts (bounded by their own
@@ -39,6 +43,8 @@ Example (a caller and two hosts that only serve)::
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 import threading
 import time
@@ -51,10 +57,8 @@ from remote_module._errors import CallTimeout, capture, timeout_message, to_exce
 from remote_module._torch_private import is_async_execution, is_rpc_initialized, worker_names
 from rpc_backend.options import positive_seconds
 
-#: torch.distributed.rpc's "use the agent's default timeout".
-_AGENT_DEFAULT_TIMEOUT = -1.0
-#: A failed call counts as timed out when it failed this close to its deadline or later.
-_TIMEOUT_SLACK_S = 0.05
+#: torch.distributed.rpc's "no timeout": the deadline is :data:`_deadlines`' to keep.
+_NO_RPC_TIMEOUT = 0
 
 _clock = time.monotonic
 
@@ -146,6 +150,82 @@ def _retyped(exc: BaseException, message: str) -> BaseException:
     return RuntimeError(message)
 
 
+class _Outstanding:
+    """One sent call until its result future is settled, by its answer or by its deadline,
+    whichever comes first; the future is dropped once settled (the deadline queue keeps this
+    object until the deadline, not the result)."""
+
+    __slots__ = ("future", "lock", "label", "name", "seconds")
+
+    def __init__(self, future: Future, label: str, name: str, seconds: float) -> None:
+        self.future: Future | None = future
+        self.lock = threading.Lock()
+        self.label, self.name, self.seconds = label, name, seconds
+
+    def _take(self) -> Future | None:
+        with self.lock:
+            future, self.future = self.future, None
+            return future
+
+    def answered(self, sent: Future) -> None:
+        future = self._take()
+        try:
+            ok, value = sent.value()  # read even when late: RRefs in it are confirmed, then dropped
+        except BaseException as exc:  # the RPC itself failed: dead host, shutdown
+            if future is not None:
+                future.set_exception(_rpc_failure(exc, self.label, self.name))
+            return
+        if future is None:
+            return  # timed out before
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(to_exception(value, f"on worker {self.name!r} in {self.label}"))
+
+    def expired(self) -> None:
+        future = self._take()
+        if future is not None:
+            message = f"{self.label} on worker {self.name!r} failed: {timeout_message(self.seconds, self.name)}"
+            future.set_exception(CallTimeout(message))
+
+
+class _Deadlines:
+    """One daemon thread that fails calls at their deadlines; expiries run on a short-lived
+    thread of their own, so a callback that blocks on a failed future delays no other deadline."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, _Outstanding]] = []
+        self._order = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def add(self, when: float, call: _Outstanding) -> None:
+        with self._cond:
+            heapq.heappush(self._heap, (when, next(self._order), call))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="remote_module-fanout-deadlines", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                now = _clock()
+                while not self._heap or self._heap[0][0] > now:
+                    self._cond.wait(self._heap[0][0] - now if self._heap else None)
+                    now = _clock()
+                due = []
+                while self._heap and self._heap[0][0] <= now:
+                    call = heapq.heappop(self._heap)[2]
+                    if call.future is not None:  # unsettled (checked again under its lock)
+                        due.append(call)
+            if due:
+                threading.Thread(target=lambda calls=due: [c.expired() for c in calls], daemon=True).start()
+
+
+_deadlines = _Deadlines()
+
+
 def call_async(
     worker: Any,
     handler: Callable[..., Any],
@@ -175,10 +255,9 @@ def call_async(
     seconds = _timeout_seconds(timeout)
     name = _worker_name(worker, label)
     body = _run_async if is_async_execution(handler) else _run
-    rpc_timeout = _AGENT_DEFAULT_TIMEOUT if timeout is None else seconds
     made = _clock()
     try:
-        sent = rpc.rpc_async(name, body, (handler, tuple(args), dict(kwargs or {})), timeout=rpc_timeout)
+        sent = rpc.rpc_async(name, body, (handler, tuple(args), dict(kwargs or {})), timeout=_NO_RPC_TIMEOUT)
     except Exception as exc:  # nothing was sent
         raise _retyped(
             exc,
@@ -186,30 +265,18 @@ def call_async(
             "plain Python values or picklable objects, and module-level handlers.",
         ) from exc
     result: Future = Future()
-
-    def settle(fut: Future) -> None:
-        try:
-            ok, value = fut.value()
-        except BaseException as exc:  # the RPC itself failed: timeout, dead host, shutdown
-            result.set_exception(_rpc_failure(exc, label, name, made, seconds))
-            return
-        if ok:
-            result.set_result(value)
-        else:
-            result.set_exception(to_exception(value, f"on worker {name!r} in {label}"))
-
-    sent.add_done_callback(settle)
+    call = _Outstanding(result, label, name, seconds)
+    if seconds != math.inf:
+        _deadlines.add(made + seconds, call)
+    sent.add_done_callback(call.answered)
     return result
 
 
-def _rpc_failure(exc: BaseException, label: str, name: str, made: float, seconds: float) -> BaseException:
+def _rpc_failure(exc: BaseException, label: str, name: str) -> BaseException:
     if not is_rpc_initialized():
-        return RuntimeError(f"{label} on worker {name!r} failed: RPC was shut down ({exc})")
-    if _clock() >= made + seconds - _TIMEOUT_SLACK_S:
-        failure = CallTimeout(f"{label} on worker {name!r} failed: {timeout_message(seconds, name)}")
-        failure.__cause__ = exc
-        return failure
-    failure = _retyped(exc, f"{label} on worker {name!r} failed: {exc}")
+        failure: BaseException = RuntimeError(f"{label} on worker {name!r} failed: RPC was shut down ({exc})")
+    else:
+        failure = _retyped(exc, f"{label} on worker {name!r} failed: {exc}")
     failure.__cause__ = exc
     return failure
 
