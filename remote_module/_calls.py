@@ -88,12 +88,6 @@ class RemoteCalls:
                 raise CallTimeout(f"{_label(self.on, self._remote_type(), what)} failed: {message}") from exc
             raise self._failed(exc, what) from exc
 
-    def _call_or_explain(self, api: Callable[..., Any], handler: Callable[..., Any], args: tuple, what: str) -> Any:
-        try:
-            return api(self.on, handler, args, timeout=self.timeout)
-        except RuntimeError as exc:
-            raise self._failed(exc, what) from exc
-
     def _failed(self, exc: BaseException, what: str) -> BaseException:
         return _failure(self.on, self._remote_type(), exc, what)
 

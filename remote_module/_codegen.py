@@ -34,12 +34,18 @@ _GENERATED_PACKAGE = "remote_module._generated"
 
 @lru_cache(maxsize=None)
 def template_text(name: str) -> str:
-    """The text of ``templates/<name>``, from the installed package or a source checkout."""
-    try:
-        return resources.files("remote_module._templates").joinpath(name).read_text()
-    except ModuleNotFoundError:
-        # A source checkout: templates/ sits beside the package, not inside it.
-        return (Path(__file__).resolve().parent.parent / "templates" / name).read_text()
+    """The text of ``templates/<name>``: from the source checkout this package was imported
+    from, when it was (``templates/`` beside the package, ``setup.cfg`` above), else from the
+    installed ``remote_module._templates``.
+
+    The checkout comes first so code and templates always come from the same tree: an
+    editable install maps ``remote_module._templates`` to the checkout it was made from, which
+    need not be the one (a second worktree, ``PYTHONPATH``) the package was imported from.
+    """
+    root = Path(__file__).resolve().parent.parent
+    if (root / "setup.cfg").is_file() and (root / "templates" / name).is_file():
+        return (root / "templates" / name).read_text()
+    return resources.files("remote_module._templates").joinpath(name).read_text()
 
 
 def _compile(source: str, filename: str, namespace: dict) -> dict:

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 
-from torch.futures import Future
+import torch
 import torch.distributed.rpc as rpc
+from torch.futures import Future
 
 from tests._remote import UserError
 
@@ -64,8 +66,6 @@ def exit_now() -> None:
 
 def tensor_rref(n: int) -> rpc.RRef:
     """An RRef owned by this host."""
-    import torch
-
     return rpc.RRef(torch.full((n,), float(n)))
 
 
@@ -90,3 +90,48 @@ def attribute(obj: object, name: str) -> object:
 def attribute_and_output(proxy, name: str, x):
     """On a third worker: a proxy's attribute as it arrived, and a call through it."""
     return getattr(proxy, name), proxy(x)
+
+
+class SlowInit(torch.nn.Module):
+    """Takes ``seconds`` to construct and reports, from forward, when its constructor ran."""
+
+    def __init__(self, seconds: float, tag: int = 0) -> None:
+        super().__init__()
+        self.started = time.time()
+        time.sleep(seconds)
+        self.ended = time.time()
+        self.tag = tag
+
+    def forward(self, x: torch.Tensor) -> tuple[int, float, float, torch.Tensor]:
+        return self.tag, self.started, self.ended, x * self.tag
+
+
+_held_instances: "weakref.WeakValueDictionary[str, HeldInit]" = weakref.WeakValueDictionary()
+_held_built: set[str] = set()
+
+
+class HeldInit(torch.nn.Module):
+    """Construction blocks until ``release(key)``; :func:`held_instance` reports on it."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__()
+        hold(key)
+        _held_instances[key] = self
+        _held_built.add(key)
+
+
+def held_instance(key: str) -> str:
+    """``"pending"`` (not built yet), ``"alive"`` or ``"gone"`` (built, then freed)."""
+    if key not in _held_built:
+        return "pending"
+    return "alive" if _held_instances.get(key) is not None else "gone"
+
+
+class ExitsInInit(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        raise SystemExit(4)
+
+
+def attribute_names(obj: object) -> list[str]:
+    return sorted(vars(obj))
