@@ -119,7 +119,10 @@ class RemoteCalls:
         return not self.is_device_map_set and not dist_autograd_contexts_exist()
 
     def _target(self) -> Target:
-        return Target(self.module_key, self.device, self.is_device_map_set)
+        # A scripted module has no Python object that lives as long as it does (its RRef holds
+        # the TorchScript object), so a scriptable proxy names it by its RRef, as torch's does.
+        key = self.module_rref if self.is_scriptable else self.module_key
+        return Target(key, self.device, self.is_device_map_set)
 
     def _make_call(self, args: tuple, kwargs: dict) -> Call:
         inline = self._fast_path_allowed()

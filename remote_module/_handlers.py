@@ -40,8 +40,11 @@ def _build(module_cls: Any, args: tuple, kwargs: dict, device: str) -> nn.Module
     return module.to(_device(device))
 
 
-def _lookup(key: int) -> nn.Module:
-    """The module a proxy names by ``key`` (see :mod:`remote_module._registry`)."""
+def _lookup(key: int | rpc.RRef) -> nn.Module:
+    """The module a proxy names by ``key`` (see :mod:`remote_module._registry`), or by its RRef
+    (a scripted module, which the registry cannot hold weakly)."""
+    if isinstance(key, rpc.PyRRef):
+        return as_python_module(key.local_value())
     try:
         return objects.get(key, "module")
     except LookupError:
