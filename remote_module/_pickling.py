@@ -70,7 +70,13 @@ def pickled_attributes(cls: type) -> tuple[str, ...]:
 
 def check_declared_attributes(cls: type) -> None:
     """Check a proxy class's ``PICKLED_ATTRIBUTES``: a tuple of str that extends the base tuple
-    and names no ignored attribute. Raises ``TypeError``/``ValueError`` saying how to declare it."""
+    and names no ignored attribute. Raises ``TypeError``/``ValueError`` saying how to declare it.
+
+    Example (run by ``RemoteModule.__init_subclass__`` when a subclass is made)::
+
+        class Bad(RemoteModule):
+            PICKLED_ATTRIBUTES = ("label",)   # ValueError: lacks ['on', 'device', ...]
+    """
     declared = pickled_attributes(cls)
     how = f"declare e.g. PICKLED_ATTRIBUTES = RemoteModule.PICKLED_ATTRIBUTES + ('my_attribute',) in {cls.__name__}"
     if not isinstance(declared, tuple) or not all(isinstance(name, str) for name in declared):
@@ -121,7 +127,13 @@ def reduce_proxy(proxy: nn.Module) -> tuple:
 
 def device_map_is_set(on: str, device: str) -> bool:
     """``is_device_map_set`` as this process sees it: a module off the CPU on worker ``on``, and a
-    device map from this process towards ``on`` (see :func:`remote_module._device.uses_device_map`)."""
+    device map from this process towards ``on`` (see :func:`remote_module._device.uses_device_map`).
+
+    Example (a process whose TensorPipe options map its cuda:0 to worker1's cuda:1)::
+
+        device_map_is_set("worker1", "cuda:1")   # True here; False where no map is set
+        device_map_is_set("worker1", "cpu")      # always False
+    """
     if torch.device(device).type == "cpu":
         return False  # no lookup: the map does not matter for a CPU module
     return uses_device_map(device, device_map_to(on))

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed.rpc as rpc
 
+import remote_module.remote_module as rm_impl
 from remote_module import RemoteModule
 from remote_module._errors import CallTimeout, RemoteModuleError
 from tests import _gates, _remote, _subclass
@@ -95,7 +96,7 @@ def test_system_exit_in_a_constructor_fails_at_once():
     assert RemoteModule("worker2", Affine)(torch.zeros(1, 4)).shape == (1, 4)  # the host still serves
 
 
-def test_bad_arguments_raise_from_create_async_itself():
+def test_bad_arguments_raise_from_create_async_itself(monkeypatch):
     with pytest.raises(ValueError, match="names worker 'nobody'"):
         RemoteModule.create_async("nobody/cpu", Affine)
     with pytest.raises(TypeError, match="args must be a tuple"):
@@ -104,6 +105,9 @@ def test_bad_arguments_raise_from_create_async_itself():
         RemoteModule.create_async("worker1", Affine, timout=5)
     with pytest.raises(ValueError, match="timeout must be a positive number"):
         RemoteModule.create_async("worker1", Affine, timeout=0)
+    monkeypatch.setattr(rm_impl, "is_rpc_initialized", lambda: False)
+    with pytest.raises(RuntimeError, match=r"create_async\(\.\.\.\) needs torch\.distributed\.rpc: call rpc\.init_rpc"):
+        RemoteModule.create_async("worker1", Affine)
 
 
 def test_a_hung_creation_times_out_naming_the_worker():
