@@ -10,31 +10,32 @@ from typing import Any
 import torch
 import torch.distributed.rpc as rpc
 from torch import nn
+from torch.futures import Future
 
 from remote_module import _handlers
 from remote_module._calls import RemoteCalls, _rpc_missing_message
-from remote_module._codegen import forward_signature, render_forward_methods, render_scriptable_module
+from remote_module._codegen import render_forward_methods, render_scriptable_module
+from remote_module._creation import AGENT_DEFAULT_TIMEOUT as _AGENT_DEFAULT_TIMEOUT
+from remote_module._creation import check_constructor_arguments, create_on_host
 from remote_module._device import parse_remote_device
-from remote_module._errors import RemoteFailure, reraise
+from remote_module._errors import reraise
 from remote_module._pickling import (
+    PICKLED_ATTRIBUTES,
     check_attributes,
+    check_declared_attributes,
+    device_map_is_set,
     reduce_proxy,
     reduce_script_module,
 )
-from remote_module._shipping import pack_constructor
 from remote_module._state_dict import entries_under, merge_remote_state
 from remote_module._unsupported import UNSUPPORTED_METHODS, make_unsupported
 from remote_module._torch_private import (
-    device_map_to,
     is_jit_interface,
     is_rpc_initialized,
     register_rpc_reducer,
     worker_names,
 )
 from rpc_backend.options import positive_seconds
-
-#: torch.distributed.rpc's "use the agent's default timeout".
-_AGENT_DEFAULT_TIMEOUT = -1.0
 
 
 def _require_rpc(what: str) -> None:
@@ -88,11 +89,17 @@ class RemoteModule(RemoteCalls, nn.Module):
         rpc.init_rpc("worker1", rank=1, world_size=2)
         rpc.shutdown()
 
-    Attributes (sent with the proxy over RPC, see ``remote_module.PICKLED_ATTRIBUTES``):
-    ``on`` (host worker name), ``device`` (device string on the host), ``is_device_map_set``,
-    ``is_scriptable``, ``module_rref``, ``module_interface_cls``, ``forward_signature``,
-    ``remote_type`` (qualified class name of the remote module), ``remote_repr`` (its
-    ``repr`` when the proxy was made), ``timeout``.
+    Creating a proxy is one message to the host; :meth:`create_async` returns a Future of the
+    proxy instead of waiting, so many proxies (shards, pipeline stages) are created at once.
+
+    Attributes (sent with the proxy over RPC: ``RemoteModule.PICKLED_ATTRIBUTES``, which is
+    ``remote_module.PICKLED_ATTRIBUTES``; a subclass whose extra per-proxy state must travel
+    declares ``PICKLED_ATTRIBUTES = RemoteModule.PICKLED_ATTRIBUTES + ("extra",)``):
+    ``on`` (host worker name), ``device`` (device string on the host), ``is_device_map_set``
+    (whether this process has a device map towards the host, for a module off the CPU; worked
+    out again wherever the proxy arrives), ``is_scriptable``, ``module_rref``,
+    ``module_interface_cls``, ``forward_signature``, ``remote_type`` (qualified class name of
+    the remote module), ``remote_repr`` (its ``repr`` when the proxy was made), ``timeout``.
 
     Args:
         remote_device: where to create the module.
@@ -100,6 +107,11 @@ class RemoteModule(RemoteCalls, nn.Module):
         args, kwargs: constructor arguments for ``module_cls``.
         _module_interface_cls: a ``@torch.jit.interface`` class; when given, the module is
             scripted on the host and the proxy can be scripted with ``torch.jit.script``.
+            Called from Python, such a proxy keeps the same call contract as any other.
+            Inside TorchScript only what TorchScript can express holds: each call is one
+            ``rpc_async`` bounded by ``timeout``, but a failure (an exception in ``forward``,
+            a timeout) is TorchScript's ``RuntimeError`` carrying the host's message, and
+            script calls are not ordered with the Python proxy's own calls.
         timeout: seconds allowed for every RPC this proxy makes (None: the RPC agent's
             default). A call to a host that hangs or died fails within it.
     """
@@ -108,8 +120,14 @@ class RemoteModule(RemoteCalls, nn.Module):
     #: the last value seen, kept in ``__dict__``, as the scripted proxy's own flag).
     __jit_unused_properties__ = ["training"]
 
+    #: The attributes sent when a proxy travels over RPC (``remote_module.PICKLED_ATTRIBUTES``).
+    #: A subclass with more per-proxy state that must travel extends it:
+    #: ``PICKLED_ATTRIBUTES = RemoteModule.PICKLED_ATTRIBUTES + ("extra",)``.
+    PICKLED_ATTRIBUTES: tuple[str, ...] = PICKLED_ATTRIBUTES
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        check_declared_attributes(cls)
         register_rpc_reducer(cls, reduce_proxy)  # the RPC pickler matches exact classes
 
     def __init__(
@@ -124,35 +142,46 @@ class RemoteModule(RemoteCalls, nn.Module):
     ) -> None:
         super().__init__()
         _require_rpc("RemoteModule(...)")
-        args = _check_args(args)
-        kwargs = _check_kwargs(kwargs)
-        if not callable(module_cls):
+        # The same single message as create_async; waiting here means construction errors
+        # surface here and the first forward can never race the creation.
+        self._create(remote_device, module_cls, args, kwargs, _module_interface_cls, timeout).wait()
+
+    @classmethod
+    def create_async(
+        cls,
+        remote_device: str,
+        module_cls: Any,
+        args: tuple | None = None,
+        kwargs: dict[str, Any] | None = None,
+        **options: Any,
+    ) -> Future:
+        """Start creating a proxy; a ``torch.futures.Future`` of it, ready to call.
+
+        Takes what the constructor takes (``options``: ``timeout=``, ``_module_interface_cls=``)
+        and sends the same single message, without waiting: N proxies (shards, pipeline
+        stages) made one after another cost about one round trip in all. Bad arguments raise
+        here; what the host raises (the module's constructor, a timeout) fails the future, with
+        its original type, naming the worker. The proxy is an instance of ``cls`` set up as
+        ``RemoteModule.__init__`` does; a subclass's own ``__init__`` does not run.
+
+        Example (worker0; worker1 and worker2 only serve)::
+
+            futures = [RemoteModule.create_async(f"worker{r}/cpu", torch.nn.Linear, (8, 8)) for r in (1, 2)]
+            stages = [f.wait() for f in futures]        # both created concurrently
+            out = stages[1](stages[0](torch.randn(4, 8)))
+        """
+        _require_rpc("RemoteModule.create_async(...)")
+        unknown = sorted(set(options) - {"timeout", "_module_interface_cls"})
+        if unknown:
             raise TypeError(
-                f"module_cls must be an nn.Module class or a callable returning one, got {module_cls!r}"
+                f"create_async got unknown options {unknown}: it takes the constructor's keyword "
+                "options, timeout= and _module_interface_cls="
             )
-        self._prepare(remote_device, _module_interface_cls, timeout)
-        where = f"on {self.on} while creating {getattr(module_cls, '__qualname__', module_cls)!r}"
-        local_sig = forward_signature(module_cls) if isinstance(module_cls, type) else None
-        # Classes the host cannot import (defined in __main__ or a function) go by value.
-        module_cls, args, kwargs = pack_constructor(module_cls, args, kwargs)
-        if _module_interface_cls is not None:
-            render_scriptable_module(_module_interface_cls)  # caller side: validates the interface
-            rref = self._rpc(
-                _handlers._create_scripted_module, module_cls, args, kwargs, self.device, _module_interface_cls
-            )
-            if isinstance(rref, RemoteFailure):
-                reraise(rref, where)
-            self.module_rref = rref
-        else:
-            self.module_rref = self._call_or_explain(
-                rpc.remote, _handlers._create_module, (module_cls, args, kwargs, self.device), "creating the module"
-            )
-        # Waits until the module exists on the host, so construction errors surface here and
-        # the first forward can never race the creation.
-        info = self._rpc(_handlers._describe, self.module_rref)
-        if info["failure"] is not None:
-            reraise(info["failure"], where)
-        self._finish(info, local_sig)
+        proxy = cls.__new__(cls)
+        nn.Module.__init__(proxy)
+        return proxy._create(
+            remote_device, module_cls, args, kwargs, options.get("_module_interface_cls"), options.get("timeout")
+        )
 
     @staticmethod
     def init_from_module_rref(
@@ -206,6 +235,20 @@ class RemoteModule(RemoteCalls, nn.Module):
 
     # ---- construction helpers ------------------------------------------------------------
 
+    def _create(
+        self,
+        remote_device: str,
+        module_cls: Any,
+        args: Any,
+        kwargs: Any,
+        interface_cls: Any,
+        timeout: float | None,
+    ) -> Future:
+        """Check the arguments and send the one creation message; a Future of ``self``, ready."""
+        args, kwargs = check_constructor_arguments(module_cls, args, kwargs)
+        self._prepare(remote_device, interface_cls, timeout)
+        return create_on_host(self, module_cls, args, kwargs)
+
     def _prepare(self, remote_device: str, interface_cls: Any, timeout: float | None) -> None:
         parsed = parse_remote_device(remote_device)
         if interface_cls is not None and not is_jit_interface(interface_cls):
@@ -217,7 +260,7 @@ class RemoteModule(RemoteCalls, nn.Module):
         self.on = _worker_name(parsed.worker, remote_device)
         self.device = str(parsed.device)
         # A device map only matters for a module off the CPU (torch checks it the same way).
-        self.is_device_map_set = parsed.device.type != "cpu" and bool(device_map_to(self.on))
+        self.is_device_map_set = device_map_is_set(self.on, self.device)
         self.is_scriptable = interface_cls is not None
         self.module_interface_cls = interface_cls
 
@@ -389,18 +432,3 @@ def _worker_name(worker: str | int, remote_device: str) -> str:
             f"(workers: {', '.join(known)})"
         ) from None
 
-
-def _check_args(args: Any) -> tuple:
-    if args is None:
-        return ()
-    if not isinstance(args, (tuple, list)):
-        raise TypeError(f"args must be a tuple of constructor arguments, got {type(args).__name__}: {args!r}")
-    return tuple(args)
-
-
-def _check_kwargs(kwargs: Any) -> dict:
-    if kwargs is None:
-        return {}
-    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-        raise TypeError(f"kwargs must be a dict of str to constructor arguments, got {kwargs!r}")
-    return dict(kwargs)
