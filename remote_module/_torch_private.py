@@ -17,16 +17,22 @@ def is_rpc_initialized() -> bool:
     return rpc.is_available() and rpc.api._is_current_rpc_agent_set()
 
 
-def register_rpc_reducer(cls: type, reducer: Callable[[Any], tuple]) -> None:
+def register_rpc_reducer(cls: type, reducer: Callable[[Any], tuple], *, replace: bool = False) -> None:
     """Make the RPC pickler serialize instances of exactly ``cls`` with ``reducer``.
 
     ``reducer(obj)`` returns a ``(callable, args)`` pair as ``__reduce__`` does. It applies only
     inside RPC messages; plain ``pickle`` keeps using the class's own ``__reduce_ex__``.
-    Registering the same class twice keeps the first reducer (as torch does).
+    Registering the same class twice keeps the first reducer (as torch does), unless
+    ``replace``: then ``reducer`` wins over one registered before (e.g. torch's own reducer for
+    script modules, registered when ``torch.distributed.nn`` was imported first); a later
+    registration by torch keeps it, since torch keeps the first.
     """
     from torch.distributed.rpc.internal import _internal_rpc_pickler
 
-    _internal_rpc_pickler._register_reducer(cls, reducer)
+    if replace:
+        _internal_rpc_pickler._class_reducer_dict[cls] = reducer
+    else:
+        _internal_rpc_pickler._register_reducer(cls, reducer)
 
 
 def device_map_to(worker: str | int) -> dict:

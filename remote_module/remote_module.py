@@ -418,7 +418,9 @@ for _name in UNSUPPORTED_METHODS:
 del _name
 
 register_rpc_reducer(RemoteModule, reduce_proxy)
-register_rpc_reducer(torch.jit.RecursiveScriptModule, reduce_script_module)
+# Replaces torch's own reducer when torch.distributed.nn was imported first: same behaviour,
+# but our message also says what to do instead.
+register_rpc_reducer(torch.jit.RecursiveScriptModule, reduce_script_module, replace=True)
 
 
 def _worker_name(worker: str | int, remote_device: str) -> str:

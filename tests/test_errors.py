@@ -55,6 +55,9 @@ def test_remote_module_error_is_public():
 
     assert "RemoteModuleError" in remote_module.__all__
     assert RemoteModuleError is _errors.RemoteModuleError and issubclass(RemoteModuleError, RuntimeError)
+    # timeouts have their own public type, a RuntimeError as torch's RPC timeouts are
+    assert "CallTimeout" in remote_module.__all__
+    assert remote_module.CallTimeout is _errors.CallTimeout and issubclass(remote_module.CallTimeout, RuntimeError)
 
 
 def test_api_before_rpc_says_what_to_call(monkeypatch):

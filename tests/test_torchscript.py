@@ -77,3 +77,20 @@ def test_saving_a_scripted_proxy_says_it_only_travels_over_rpc(scriptable):
     for save in (torch.save, torch.jit.save):
         with pytest.raises(torch.jit.Error, match="RemoteModule can only be pickled when using RPC"):
             save(scripted, io.BytesIO())
+
+
+def test_our_script_module_reducer_wins_whatever_the_import_order():
+    # torch.distributed.nn registers its own reducer for script modules (without our advice) and
+    # torch keeps the first registration: importing it before remote_module must not win.
+    import subprocess
+    import sys
+
+    code = (
+        "import torch.distributed.nn, torch.distributed.optim\n"
+        "import remote_module\n"
+        "from torch.distributed.rpc.internal import _internal_rpc_pickler as p\n"
+        "from remote_module._pickling import reduce_script_module\n"
+        "print(p._class_reducer_dict[torch.jit.RecursiveScriptModule] is reduce_script_module)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "True", out.stderr[-2000:]
