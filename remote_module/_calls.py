@@ -91,12 +91,6 @@ class RemoteCalls:
                 raise CallTimeout(f"{_label(self.on, self._remote_type(), what)} failed: {message}") from exc
             raise self._failed(exc, what) from exc
 
-    def _call_or_explain(self, api: Callable[..., Any], handler: Callable[..., Any], args: tuple, what: str) -> Any:
-        try:
-            return api(self.on, handler, args, timeout=self.timeout)
-        except RuntimeError as exc:
-            raise self._failed(exc, what) from exc
-
     def _failed(self, exc: BaseException, what: str) -> BaseException:
         return _failure(self.on, self._remote_type(), exc, what)
 
@@ -128,7 +122,10 @@ class RemoteCalls:
         return not self.is_device_map_set and not dist_autograd_contexts_exist()
 
     def _target(self) -> Target:
-        return Target(self.module_key, self.device, self.is_device_map_set)
+        # A scripted module has no Python object that lives as long as it does (its RRef holds
+        # the TorchScript object), so a scriptable proxy names it by its RRef, as torch's does.
+        key = self.module_rref if self.is_scriptable else self.module_key
+        return Target(key, self.device, self.is_device_map_set)
 
     def _make_call(self, args: tuple, kwargs: dict) -> Call:
         inline = self._fast_path_allowed()

@@ -20,9 +20,10 @@ from remote_module._wire import Payload
 
 
 class Target(NamedTuple):
-    """The host-side module every call of one proxy names (by registry key)."""
+    """The host-side module every call of one proxy names: by registry key, or by its RRef for
+    a scripted module (whose Python wrapper the registry cannot hold weakly)."""
 
-    key: int
+    key: Any
     device: str
     is_device_map_set: bool
 

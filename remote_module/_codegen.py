@@ -7,7 +7,9 @@ Two renderings:
   parameters and a wrong call raises ``TypeError`` on the caller before anything is sent.
 * :func:`render_scriptable_module` fills ``scriptable_forward.py.tpl`` from a
   ``@torch.jit.interface`` class, giving TorchScript-compilable methods and the host-side
-  script function ``_remote_forward``.
+  script function ``_remote_forward``. Called from Python, those methods take the proxy's
+  ordinary call path; TorchScript compiles only their ``torch.jit.is_scripting()`` branch
+  (an ``rpc_async`` of ``_remote_forward`` with the proxy's timeout).
 
 Generated source is registered with :mod:`linecache` so ``inspect.getsource`` (and hence
 TorchScript and ``help``) can read it.
@@ -338,6 +340,7 @@ def render_scriptable_module(interface_cls: type) -> types.ModuleType:
         interface_name=interface_cls.__qualname__,
         typed_params="".join(", " + t for t in typed),
         arg_names="".join(", " + n for n in names),
+        positional="".join(n + ", " for n in names),
         call_args=", ".join(names),
         return_annotation=f" -> {ret}",
         future_annotation=f" -> Future[{ret}]",

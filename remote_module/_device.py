@@ -74,6 +74,21 @@ def parse_remote_device(remote_device: str) -> RemoteDevice:
     return RemoteDevice(worker_name, rank, device)
 
 
+def uses_device_map(device: str | torch.device, device_map: dict) -> bool:
+    """Whether a proxy's outputs come back on the host's device: only for a module off the CPU
+    and with a device map towards its host (torch's RemoteModule decides the same way);
+    otherwise the host moves every output tensor to the CPU.
+
+    Example::
+
+        >>> uses_device_map("cuda:0", {"cuda:0": "cuda:1"}), uses_device_map("cuda:0", {})
+        (True, False)
+        >>> uses_device_map("cpu", {"cpu": "cuda:0"})
+        False
+    """
+    return torch.device(device).type != "cpu" and bool(device_map)
+
+
 def _looks_like_device(s: str) -> bool:
     try:
         torch.device(s)

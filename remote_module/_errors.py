@@ -15,6 +15,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from remote_module._torch_private import jit_exception_origin
+
 
 class RemoteModuleError(RuntimeError):
     """An exception raised on a remote worker whose type is not importable on the caller."""
@@ -34,9 +36,19 @@ class RemoteFailure:
 
 def capture(exc: BaseException) -> RemoteFailure:
     """Host side: describe ``exc`` (any ``BaseException``, e.g. ``SystemExit`` raised by one
-    call) with its traceback, in strings only."""
+    call) with its traceback, in strings only.
+
+    An exception raised inside TorchScript code (a scripted module) reaches Python as
+    ``torch.jit.Error``; it is described by the type and message the script raised (e.g.
+    ``ValueError``), with TorchScript's own traceback kept in ``traceback``.
+    """
     cls = type(exc)
     tb = "".join(traceback.format_exception(cls, exc, exc.__traceback__))
+    origin = jit_exception_origin(exc)
+    if origin is not None:
+        class_name, message = origin
+        module, _, qualname = class_name.rpartition(".")
+        return RemoteFailure(module or "builtins", qualname, message, tb)
     return RemoteFailure(cls.__module__, cls.__qualname__, str(exc), tb)
 
 

@@ -16,9 +16,11 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import nn
 
-from remote_module._errors import RemoteFailure, capture
+from remote_module._errors import RemoteFailure
 from remote_module._registry import objects
 from remote_module._shipping import unpack_constructor
+from remote_module._state_dict import load_at
+from remote_module._torch_private import as_python_module, script_class_name
 
 _NOT_A_MODULE = (
     "Expect `module_cls(*args, **kwargs)` returns an instance of <class nn.Module>, "
@@ -39,8 +41,11 @@ def _build(module_cls: Any, args: tuple, kwargs: dict, device: str) -> nn.Module
     return module.to(_device(device))
 
 
-def _lookup(key: int) -> nn.Module:
-    """The module a proxy names by ``key`` (see :mod:`remote_module._registry`)."""
+def _lookup(key: int | rpc.RRef) -> nn.Module:
+    """The module a proxy names by ``key`` (see :mod:`remote_module._registry`), or by its RRef
+    (a scripted module, which the registry cannot hold weakly)."""
+    if isinstance(key, rpc.PyRRef):
+        return as_python_module(key.local_value())
     try:
         return objects.get(key, "module")
     except LookupError:
@@ -142,32 +147,26 @@ def portable_signature(sig: inspect.Signature | None) -> inspect.Signature | Non
 # ---- handlers ---------------------------------------------------------------------------
 
 
-def _create_module(module_cls: Any, args: tuple, kwargs: dict, device: str) -> nn.Module | RemoteFailure:
-    """Create ``module_cls(*args, **kwargs)`` on ``device``; the caller holds it by RRef.
+def _create(
+    module_cls: Any, args: tuple, kwargs: dict, device: str, interface_cls: type | None
+) -> tuple[dict, rpc.RRef]:
+    """Create ``module_cls(*args, **kwargs)`` on ``device`` and return its description with an
+    RRef owned here: a proxy's whole construction in one message (run through
+    :mod:`remote_module._fanout`, which carries an exception back with its type).
 
-    A failure becomes the RRef's value, which :func:`_describe` hands back to the caller;
-    ``SystemExit`` and other ``BaseException``s included (one that escaped would leave the
-    host's RRef without a value: the caller's next call would fail inside torch and graceful
-    shutdown would hang).
+    With ``interface_cls`` the module is scripted and the RRef is typed with that TorchScript
+    interface (what a scriptable proxy's script code calls).
     """
-    try:
-        return _build(module_cls, args, kwargs, device)
-    except BaseException as exc:  # the constructor's own failure, whatever it is
-        return capture(exc)
+    if interface_cls is None:
+        module = _build(module_cls, args, kwargs, device)
+        rref = rpc.RRef(module)
+    else:
+        from remote_module._codegen import render_scriptable_module
 
-
-def _create_scripted_module(
-    module_cls: Any, args: tuple, kwargs: dict, device: str, interface_cls: type
-) -> rpc.RRef | RemoteFailure:
-    """Create, script and wrap the module in an RRef typed with its TorchScript interface."""
-    from remote_module._codegen import render_scriptable_module
-
-    try:
         render_scriptable_module(interface_cls)  # compiles _remote_forward here, before any call
         module = torch.jit.script(_build(module_cls, args, kwargs, device))
-    except BaseException as exc:  # as in _create_module
-        return capture(exc)
-    return rpc.RRef(module, interface_cls)
+        rref = rpc.RRef(module, interface_cls)
+    return _description(module), rref
 
 
 def _prepare_scriptable(interface_cls: type) -> None:
@@ -177,22 +176,30 @@ def _prepare_scriptable(interface_cls: type) -> None:
     render_scriptable_module(interface_cls)
 
 
-def _describe(module_rref: rpc.RRef) -> dict:
-    """Wait for the module to exist and describe it (or return its construction failure)."""
-    module = module_rref.local_value()
-    if isinstance(module, RemoteFailure):
-        return {"failure": module}
+def _description(module: nn.Module) -> dict:
+    """What a proxy learns about its module when it is made; holds the module by key (weakly)."""
     from remote_module._codegen import forward_signature
 
-    sig = None if isinstance(module, torch.jit.ScriptModule) else forward_signature(module)
+    scripted = script_class_name(module)
+    sig = None if scripted is not None else forward_signature(module)
     return {
         "failure": None,
-        "key": objects.hold_weakly(module),
-        "type": f"{type(module).__module__}.{type(module).__qualname__}",
+        # A ScriptModule's Python wrapper dies with this call (the RRef holds the TorchScript
+        # object): scriptable proxies name their module by RRef instead of by key.
+        "key": None if scripted is not None else objects.hold_weakly(module),
+        "type": scripted or f"{type(module).__module__}.{type(module).__qualname__}",
         "signature": portable_signature(sig),
         "training": module.training,
         "repr": repr(module),
     }
+
+
+def _describe(module_rref: rpc.RRef) -> dict:
+    """Wait for the module to exist and describe it (or return its construction failure)."""
+    module = as_python_module(module_rref.local_value())
+    if isinstance(module, RemoteFailure):
+        return {"failure": module}
+    return _description(module)
 
 
 def _param_rrefs(module_rref: rpc.RRef, recurse: bool) -> list[rpc.RRef]:
@@ -203,6 +210,14 @@ def _train(module_rref: rpc.RRef, mode: bool) -> None:
     module_rref.local_value().train(mode)
 
 
+def _training(module_rref: rpc.RRef) -> bool:
+    return module_rref.local_value().training
+
+
+def _set_training(module_rref: rpc.RRef, mode: bool) -> None:
+    module_rref.local_value().training = mode
+
+
 def _state_dict(module_rref: rpc.RRef) -> tuple[dict, dict]:
     """CPU copies of the module's state and its per-submodule metadata."""
     sd = module_rref.local_value().state_dict(keep_vars=False)
@@ -210,15 +225,9 @@ def _state_dict(module_rref: rpc.RRef) -> tuple[dict, dict]:
     return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}, metadata
 
 
-def _load_state_dict(state: dict, metadata: dict, module_rref: rpc.RRef) -> tuple[list, list, list]:
-    """Load ``state`` non-strictly; return (missing, unexpected, error messages)."""
-    from collections import OrderedDict
-
-    module = module_rref.local_value()
-    sd = OrderedDict(state)
-    sd._metadata = OrderedDict(metadata)  # type: ignore[attr-defined]
-    try:
-        result = module.load_state_dict(sd, strict=False)
-    except RuntimeError as exc:  # size mismatches and the like
-        return [], [], [str(exc)]
-    return list(result.missing_keys), list(result.unexpected_keys), []
+def _load_state_dict(
+    state: dict, metadata: dict, module_rref: rpc.RRef, prefix: str = "", assign: bool = False
+) -> tuple[list, list, list]:
+    """Load ``state`` (keys under ``prefix``) non-strictly, the module placed at ``prefix``;
+    return (missing, unexpected, error messages), naming full keys (see ``load_at``)."""
+    return load_at(module_rref.local_value(), state, metadata, prefix, assign)

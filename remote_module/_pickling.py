@@ -1,9 +1,12 @@
 """How a RemoteModule proxy travels inside RPC messages, and only there.
 
-Only the attributes named in :data:`PICKLED_ATTRIBUTES` are sent; the receiver rebuilds the
-generated ``forward``/``forward_async`` itself. Every other instance attribute must be listed
-in :data:`IGNORED_ATTRIBUTES`: the proxy's constructor checks this, and an attribute added
-to an instance later is dropped with a warning when the proxy is sent.
+Only the attributes named in the proxy's class's ``PICKLED_ATTRIBUTES`` are sent
+(:data:`PICKLED_ATTRIBUTES` for ``RemoteModule``; a subclass extends it, see
+:func:`pickled_attributes`); the receiver rebuilds the generated ``forward``/``forward_async``
+itself and works out ``is_device_map_set`` for itself (it describes the receiver's device map
+towards the host, not the sender's). Every other instance attribute must be listed in
+:data:`IGNORED_ATTRIBUTES`: the proxy's constructor checks this, and an attribute added to an
+instance later is dropped with a warning when the proxy is sent.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import warnings
 import torch
 from torch import nn
 
-from remote_module._torch_private import script_module_has_attribute
+from remote_module._device import uses_device_map
+from remote_module._torch_private import device_map_to, script_module_has_attribute
 
 #: Attributes sent when a proxy is an argument or result of an RPC.
 PICKLED_ATTRIBUTES: tuple[str, ...] = (
@@ -51,39 +55,98 @@ SCRIPTED_OVER_RPC = (
 )
 
 
+def pickled_attributes(cls: type) -> tuple[str, ...]:
+    """The attributes sent with a proxy of class ``cls``: its ``PICKLED_ATTRIBUTES``.
+
+    Example (a subclass with one more attribute that travels)::
+
+        class Tagged(RemoteModule):
+            PICKLED_ATTRIBUTES = RemoteModule.PICKLED_ATTRIBUTES + ("tag",)
+
+        assert pickled_attributes(Tagged)[-1] == "tag"
+    """
+    return getattr(cls, "PICKLED_ATTRIBUTES", PICKLED_ATTRIBUTES)
+
+
+def check_declared_attributes(cls: type) -> None:
+    """Check a proxy class's ``PICKLED_ATTRIBUTES``: a tuple of str that extends the base tuple
+    and names no ignored attribute. Raises ``TypeError``/``ValueError`` saying how to declare it.
+
+    Example (run by ``RemoteModule.__init_subclass__`` when a subclass is made)::
+
+        class Bad(RemoteModule):
+            PICKLED_ATTRIBUTES = ("label",)   # ValueError: lacks ['on', 'device', ...]
+    """
+    declared = pickled_attributes(cls)
+    how = f"declare e.g. PICKLED_ATTRIBUTES = RemoteModule.PICKLED_ATTRIBUTES + ('my_attribute',) in {cls.__name__}"
+    if not isinstance(declared, tuple) or not all(isinstance(name, str) for name in declared):
+        raise TypeError(f"{cls.__qualname__}.PICKLED_ATTRIBUTES must be a tuple of str, got {declared!r}: {how}")
+    missing = [name for name in PICKLED_ATTRIBUTES if name not in declared]
+    if missing:
+        raise ValueError(
+            f"{cls.__qualname__}.PICKLED_ATTRIBUTES lacks {missing} that every proxy needs on arrival: {how}"
+        )
+    ignored = [name for name in declared if name in IGNORED_ATTRIBUTES]
+    if ignored:
+        raise ValueError(
+            f"{cls.__qualname__}.PICKLED_ATTRIBUTES names {ignored}, which are per-process and never "
+            f"sent (nn.Module bookkeeping, generated methods, caches): {how}"
+        )
+
+
 def check_attributes(proxy: nn.Module) -> None:
     """Raise ``AttributeError`` naming any attribute that is neither sent nor ignored."""
+    sent = pickled_attributes(type(proxy))
     for name in vars(proxy):
-        if name not in PICKLED_ATTRIBUTES and name not in IGNORED_ATTRIBUTES:
+        if name not in sent and name not in IGNORED_ATTRIBUTES:
             raise AttributeError(
                 f"Attribute {name} must be either in ``remote_module.PICKLED_ATTRIBUTES`` or "
-                "``remote_module._pickling.IGNORED_ATTRIBUTES``."
+                "``remote_module._pickling.IGNORED_ATTRIBUTES``. A subclass of RemoteModule declares "
+                f"its own: PICKLED_ATTRIBUTES = RemoteModule.PICKLED_ATTRIBUTES + ({name!r},)."
             )
 
 
 def reduce_proxy(proxy: nn.Module) -> tuple:
     """RPC reducer: ``(rebuild, (cls, state))`` with the pickled attributes only."""
+    sent = pickled_attributes(type(proxy))
     state = {}
     for name, value in vars(proxy).items():
-        if name in PICKLED_ATTRIBUTES:
+        if name in sent:
             state[name] = value
         elif name not in IGNORED_ATTRIBUTES:
             warnings.warn(
                 f"Attribute {name!r} of {type(proxy).__name__} is not sent over RPC: it is in neither "
-                "remote_module.PICKLED_ATTRIBUTES nor the ignored attributes. Keep per-proxy state in "
-                "the remote module instead.",
+                f"{type(proxy).__name__}.PICKLED_ATTRIBUTES nor the ignored attributes. Keep per-proxy state "
+                "in the remote module, or declare it in a subclass: "
+                f"PICKLED_ATTRIBUTES = RemoteModule.PICKLED_ATTRIBUTES + ({name!r},).",
                 RuntimeWarning,
                 stacklevel=2,
             )
     return rebuild_proxy, (type(proxy), state)
 
 
+def device_map_is_set(on: str, device: str) -> bool:
+    """``is_device_map_set`` as this process sees it: a module off the CPU on worker ``on``, and a
+    device map from this process towards ``on`` (see :func:`remote_module._device.uses_device_map`).
+
+    Example (a process whose TensorPipe options map its cuda:0 to worker1's cuda:1)::
+
+        device_map_is_set("worker1", "cuda:1")   # True here; False where no map is set
+        device_map_is_set("worker1", "cpu")      # always False
+    """
+    if torch.device(device).type == "cpu":
+        return False  # no lookup: the map does not matter for a CPU module
+    return uses_device_map(device, device_map_to(on))
+
+
 def rebuild_proxy(cls: type, state: dict) -> nn.Module:
-    """RPC receiver side of :func:`reduce_proxy`."""
+    """RPC receiver side of :func:`reduce_proxy`: ``is_device_map_set`` is recomputed here."""
     proxy = cls.__new__(cls)
     nn.Module.__init__(proxy)
     for name, value in state.items():
         object.__setattr__(proxy, name, value)
+    if "on" in state and "device" in state:
+        object.__setattr__(proxy, "is_device_map_set", device_map_is_set(state["on"], state["device"]))
     proxy._install_generated_methods()
     return proxy
 

@@ -17,16 +17,22 @@ def is_rpc_initialized() -> bool:
     return rpc.is_available() and rpc.api._is_current_rpc_agent_set()
 
 
-def register_rpc_reducer(cls: type, reducer: Callable[[Any], tuple]) -> None:
+def register_rpc_reducer(cls: type, reducer: Callable[[Any], tuple], *, replace: bool = False) -> None:
     """Make the RPC pickler serialize instances of exactly ``cls`` with ``reducer``.
 
     ``reducer(obj)`` returns a ``(callable, args)`` pair as ``__reduce__`` does. It applies only
     inside RPC messages; plain ``pickle`` keeps using the class's own ``__reduce_ex__``.
-    Registering the same class twice keeps the first reducer (as torch does).
+    Registering the same class twice keeps the first reducer (as torch does), unless
+    ``replace``: then ``reducer`` wins over one registered before (e.g. torch's own reducer for
+    script modules, registered when ``torch.distributed.nn`` was imported first); a later
+    registration by torch keeps it, since torch keeps the first.
     """
     from torch.distributed.rpc.internal import _internal_rpc_pickler
 
-    _internal_rpc_pickler._register_reducer(cls, reducer)
+    if replace:
+        _internal_rpc_pickler._class_reducer_dict[cls] = reducer
+    else:
+        _internal_rpc_pickler._register_reducer(cls, reducer)
 
 
 def device_map_to(worker: str | int) -> dict:
@@ -122,3 +128,45 @@ def before_rref_deletion_at_shutdown(hook: Callable[[], None]) -> None:
 
     delete_all_user_and_unforked_owner_rrefs._remote_module_wrapped = True  # type: ignore[attr-defined]
     api._delete_all_user_and_unforked_owner_rrefs = delete_all_user_and_unforked_owner_rrefs
+
+
+def is_async_execution(fn: Any) -> bool:
+    """True for functions decorated with ``@rpc.functions.async_execution`` (they return a
+    ``Future`` that RPC waits for on the host before answering)."""
+    return hasattr(fn, "_wrapped_async_rpc_function")
+
+
+def jit_exception_origin(exc: BaseException) -> tuple[str, str] | None:
+    """``(python class name, original message)`` of the exception TorchScript code raised, for
+    the ``torch.jit.Error`` this thread caught last (e.g. ``("builtins.ValueError", "bad")``);
+    None for other exceptions or when torch did not record one.
+
+    torch keeps both per thread when it turns a TorchScript exception into ``torch.jit.Error``,
+    so call this in the ``except`` block that caught ``exc``; the error's own text, which ends
+    with ``"<class name>: <message>"``, must agree (else the record is another error's).
+    """
+    if not isinstance(exc, torch.jit.Error):
+        return None
+    name = torch._C._get_caught_jit_exception_class_name()
+    message = torch._C._get_caught_jit_exception_original_msg()
+    if not name or not str(exc).rstrip().endswith(f"{name}: {message}".rstrip()):
+        return None
+    return name, message
+
+
+def script_class_name(module: Any) -> str | None:
+    """The qualified Python class name a ScriptModule was scripted from (None for others)."""
+    if not isinstance(module, torch.jit.ScriptModule):
+        return None
+    name = module._c._type().qualified_name()
+    parts = [p for p in name.split(".") if p != "__torch__" and not p.startswith("___torch_mangle_")]
+    return ".".join(parts)
+
+
+def as_python_module(value: Any) -> Any:
+    """``value`` as a callable ``nn.Module``: the TorchScript object an RRef typed with an
+    interface holds (``torch._C.ScriptModule``) wrapped as a ``RecursiveScriptModule`` (~30 µs);
+    anything else as it is."""
+    if isinstance(value, torch._C.ScriptModule):
+        return torch.jit._recursive.wrap_cpp_module(value)
+    return value

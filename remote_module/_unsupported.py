@@ -1,11 +1,17 @@
 """The ``nn.Module`` methods a RemoteModule proxy does not support, as one table.
 
-The proxy's methods and the tests are both generated from :data:`UNSUPPORTED_METHODS`.
+The proxy's methods and the tests are both generated from :data:`UNSUPPORTED_METHODS`. The
+parameter and buffer listings (:data:`EMPTY_WITHOUT_RECURSION`) answer ``recurse=False`` with
+nothing, so wrappers that walk every submodule (``DistributedDataParallel``) accept a model
+holding a proxy.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
+
+from torch import nn
 
 _MOVE = (
     "The remote module stays where remote_device put it: create the RemoteModule with the "
@@ -61,17 +67,53 @@ UNSUPPORTED_METHODS: dict[str, str] = {
 }
 
 
+#: Methods that answer "nothing" when asked about the proxy alone (``recurse=False``): the proxy
+#: holds no local parameters or buffers, and DDP, FSDP and optimizers-by-module ask every
+#: submodule of a model exactly this. The default ``recurse=True`` still raises, as torch's does.
+EMPTY_WITHOUT_RECURSION: tuple[str, ...] = ("parameters", "named_parameters", "buffers", "named_buffers")
+
+
 def not_supported_message(name: str) -> str:
     """The torch-compatible error text for an unsupported method ``name``."""
     return f"Method ``{name}`` not supported for RemoteModule. {UNSUPPORTED_METHODS[name]}"
 
 
 def make_unsupported(name: str) -> Callable[..., Any]:
-    """A method that raises the torch-compatible ``ValueError`` for ``name``."""
+    """A method that raises the torch-compatible ``ValueError`` for ``name``.
 
-    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        raise ValueError(not_supported_message(name))
+    For the names in :data:`EMPTY_WITHOUT_RECURSION` the method takes ``nn.Module``'s
+    arguments and returns an empty iterator when called with ``recurse=False``.
 
+    Example::
+
+        >>> class Leaf(nn.Module):
+        ...     parameters = make_unsupported("parameters")
+        >>> list(Leaf().parameters(recurse=False))
+        []
+        >>> Leaf().parameters()
+        Traceback (most recent call last):
+        ValueError: Method ``parameters`` not supported for RemoteModule. Please use ``remote_parameters`` instead.
+    """
+    if name in EMPTY_WITHOUT_RECURSION:
+        signature = inspect.signature(getattr(nn.Module, name))
+
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(self, *args, **kwargs)  # a wrong call is a TypeError, as on nn.Module
+            bound.apply_defaults()
+            if not bound.arguments["recurse"]:
+                return iter(())
+            raise ValueError(not_supported_message(name))
+
+        doc = (
+            f"Not supported on a RemoteModule (raises ``ValueError``) except with ``recurse=False``, which "
+            f"yields nothing: the proxy holds no local tensors. {UNSUPPORTED_METHODS[name]}"
+        )
+    else:
+
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            raise ValueError(not_supported_message(name))
+
+        doc = f"Not supported on a RemoteModule: raises ``ValueError``. {UNSUPPORTED_METHODS[name]}"
     method.__name__ = method.__qualname__ = name
-    method.__doc__ = f"Not supported on a RemoteModule: raises ``ValueError``. {UNSUPPORTED_METHODS[name]}"
+    method.__doc__ = doc
     return method

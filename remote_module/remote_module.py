@@ -4,38 +4,38 @@ from __future__ import annotations
 
 import inspect
 import types
+import warnings
 from typing import Any
 
 import torch
 import torch.distributed.rpc as rpc
 from torch import nn
+from torch.futures import Future
 
 from remote_module import _handlers
 from remote_module._calls import RemoteCalls, _rpc_missing_message
-from remote_module._codegen import forward_signature, render_forward_methods, render_scriptable_module
+from remote_module._codegen import render_forward_methods, render_scriptable_module
+from remote_module._creation import AGENT_DEFAULT_TIMEOUT as _AGENT_DEFAULT_TIMEOUT
+from remote_module._creation import check_constructor_arguments, create_on_host
 from remote_module._device import parse_remote_device
-from remote_module._errors import RemoteFailure, reraise
+from remote_module._errors import reraise
 from remote_module._pickling import (
-    NOT_PICKLABLE,
-    NOT_UNPICKLABLE,
+    PICKLED_ATTRIBUTES,
     check_attributes,
+    check_declared_attributes,
+    device_map_is_set,
     reduce_proxy,
     reduce_script_module,
 )
-from remote_module._shipping import pack_constructor
-from remote_module._state_dict import merge_remote_state, select_prefixed
+from remote_module._state_dict import entries_under, merge_remote_state
 from remote_module._unsupported import UNSUPPORTED_METHODS, make_unsupported
 from remote_module._torch_private import (
-    device_map_to,
     is_jit_interface,
     is_rpc_initialized,
     register_rpc_reducer,
     worker_names,
 )
 from rpc_backend.options import positive_seconds
-
-#: torch.distributed.rpc's "use the agent's default timeout".
-_AGENT_DEFAULT_TIMEOUT = -1.0
 
 
 def _require_rpc(what: str) -> None:
@@ -62,8 +62,10 @@ class RemoteModule(RemoteCalls, nn.Module):
     In a model, the proxy is a leaf without local parameters or buffers: ``model.parameters()``
     lists the local ones (remote ones come from :meth:`remote_parameters`), ``model.to()``,
     ``cuda()``, ``half()`` and friends leave the remote module where ``remote_device`` put it,
-    ``model.train()``/``eval()`` reach the host, and ``model.state_dict()`` /
-    ``load_state_dict()`` include the remote entries (copied through the CPU).
+    ``model.train()``/``eval()`` reach the host (``proxy.training`` asks it, so every proxy
+    of one module agrees), ``model.state_dict()`` / ``load_state_dict()`` include the remote
+    entries (copied through the CPU; ``assign=True`` applies on the host), and
+    ``DistributedDataParallel(model)`` syncs the local parameters (the proxy lists none).
 
     When the remote device is not the CPU, CPU tensors in the arguments (at any depth of
     lists, tuples and dicts) are moved to it on the host. Outputs come back as they are when
@@ -87,11 +89,17 @@ class RemoteModule(RemoteCalls, nn.Module):
         rpc.init_rpc("worker1", rank=1, world_size=2)
         rpc.shutdown()
 
-    Attributes (sent with the proxy over RPC, see ``remote_module.PICKLED_ATTRIBUTES``):
-    ``on`` (host worker name), ``device`` (device string on the host), ``is_device_map_set``,
-    ``is_scriptable``, ``module_rref``, ``module_interface_cls``, ``forward_signature``,
-    ``remote_type`` (qualified class name of the remote module), ``remote_repr`` (its
-    ``repr`` when the proxy was made), ``timeout``.
+    Creating a proxy is one message to the host; :meth:`create_async` returns a Future of the
+    proxy instead of waiting, so many proxies (shards, pipeline stages) are created at once.
+
+    Attributes (sent with the proxy over RPC: ``RemoteModule.PICKLED_ATTRIBUTES``, which is
+    ``remote_module.PICKLED_ATTRIBUTES``; a subclass whose extra per-proxy state must travel
+    declares ``PICKLED_ATTRIBUTES = RemoteModule.PICKLED_ATTRIBUTES + ("extra",)``):
+    ``on`` (host worker name), ``device`` (device string on the host), ``is_device_map_set``
+    (whether this process has a device map towards the host, for a module off the CPU; worked
+    out again wherever the proxy arrives), ``is_scriptable``, ``module_rref``,
+    ``module_interface_cls``, ``forward_signature``, ``remote_type`` (qualified class name of
+    the remote module), ``remote_repr`` (its ``repr`` when the proxy was made), ``timeout``.
 
     Args:
         remote_device: where to create the module.
@@ -99,12 +107,27 @@ class RemoteModule(RemoteCalls, nn.Module):
         args, kwargs: constructor arguments for ``module_cls``.
         _module_interface_cls: a ``@torch.jit.interface`` class; when given, the module is
             scripted on the host and the proxy can be scripted with ``torch.jit.script``.
+            Called from Python, such a proxy keeps the same call contract as any other.
+            Inside TorchScript only what TorchScript can express holds: each call is one
+            ``rpc_async`` bounded by ``timeout``, but a failure (an exception in ``forward``,
+            a timeout) is TorchScript's ``RuntimeError`` carrying the host's message, and
+            script calls are not ordered with the Python proxy's own calls.
         timeout: seconds allowed for every RPC this proxy makes (None: the RPC agent's
             default). A call to a host that hangs or died fails within it.
     """
 
+    #: ``training`` is a property that asks the host: TorchScript must not compile it (it reads
+    #: the last value seen, kept in ``__dict__``, as the scripted proxy's own flag).
+    __jit_unused_properties__ = ["training"]
+
+    #: The attributes sent when a proxy travels over RPC (``remote_module.PICKLED_ATTRIBUTES``).
+    #: A subclass with more per-proxy state that must travel extends it:
+    #: ``PICKLED_ATTRIBUTES = RemoteModule.PICKLED_ATTRIBUTES + ("extra",)``.
+    PICKLED_ATTRIBUTES: tuple[str, ...] = PICKLED_ATTRIBUTES
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        check_declared_attributes(cls)
         register_rpc_reducer(cls, reduce_proxy)  # the RPC pickler matches exact classes
 
     def __init__(
@@ -119,35 +142,46 @@ class RemoteModule(RemoteCalls, nn.Module):
     ) -> None:
         super().__init__()
         _require_rpc("RemoteModule(...)")
-        args = _check_args(args)
-        kwargs = _check_kwargs(kwargs)
-        if not callable(module_cls):
+        # The same single message as create_async; waiting here means construction errors
+        # surface here and the first forward can never race the creation.
+        self._create(remote_device, module_cls, args, kwargs, _module_interface_cls, timeout).wait()
+
+    @classmethod
+    def create_async(
+        cls,
+        remote_device: str,
+        module_cls: Any,
+        args: tuple | None = None,
+        kwargs: dict[str, Any] | None = None,
+        **options: Any,
+    ) -> Future:
+        """Start creating a proxy; a ``torch.futures.Future`` of it, ready to call.
+
+        Takes what the constructor takes (``options``: ``timeout=``, ``_module_interface_cls=``)
+        and sends the same single message, without waiting: N proxies (shards, pipeline
+        stages) made one after another cost about one round trip in all. Bad arguments raise
+        here; what the host raises (the module's constructor, a timeout) fails the future, with
+        its original type, naming the worker. The proxy is an instance of ``cls`` set up as
+        ``RemoteModule.__init__`` does; a subclass's own ``__init__`` does not run.
+
+        Example (worker0; worker1 and worker2 only serve)::
+
+            futures = [RemoteModule.create_async(f"worker{r}/cpu", torch.nn.Linear, (8, 8)) for r in (1, 2)]
+            stages = [f.wait() for f in futures]        # both created concurrently
+            out = stages[1](stages[0](torch.randn(4, 8)))
+        """
+        _require_rpc("RemoteModule.create_async(...)")
+        unknown = sorted(set(options) - {"timeout", "_module_interface_cls"})
+        if unknown:
             raise TypeError(
-                f"module_cls must be an nn.Module class or a callable returning one, got {module_cls!r}"
+                f"create_async got unknown options {unknown}: it takes the constructor's keyword "
+                "options, timeout= and _module_interface_cls="
             )
-        self._prepare(remote_device, _module_interface_cls, timeout)
-        where = f"on {self.on} while creating {getattr(module_cls, '__qualname__', module_cls)!r}"
-        local_sig = forward_signature(module_cls) if isinstance(module_cls, type) else None
-        # Classes the host cannot import (defined in __main__ or a function) go by value.
-        module_cls, args, kwargs = pack_constructor(module_cls, args, kwargs)
-        if _module_interface_cls is not None:
-            render_scriptable_module(_module_interface_cls)  # caller side: validates the interface
-            rref = self._rpc(
-                _handlers._create_scripted_module, module_cls, args, kwargs, self.device, _module_interface_cls
-            )
-            if isinstance(rref, RemoteFailure):
-                reraise(rref, where)
-            self.module_rref = rref
-        else:
-            self.module_rref = self._call_or_explain(
-                rpc.remote, _handlers._create_module, (module_cls, args, kwargs, self.device), "creating the module"
-            )
-        # Waits until the module exists on the host, so construction errors surface here and
-        # the first forward can never race the creation.
-        info = self._rpc(_handlers._describe, self.module_rref)
-        if info["failure"] is not None:
-            reraise(info["failure"], where)
-        self._finish(info, local_sig)
+        proxy = cls.__new__(cls)
+        nn.Module.__init__(proxy)
+        return proxy._create(
+            remote_device, module_cls, args, kwargs, options.get("_module_interface_cls"), options.get("timeout")
+        )
 
     @staticmethod
     def init_from_module_rref(
@@ -160,7 +194,9 @@ class RemoteModule(RemoteCalls, nn.Module):
         """A second proxy for the module behind ``module_rref`` (shared, not copied).
 
         Also the way to hand a scriptable proxy to another worker: send
-        ``proxy.get_module_rref()`` and call this on the receiver.
+        ``proxy.get_module_rref()`` and call this on the receiver. The proxy always calls the
+        RRef's owner: a ``remote_device`` naming another worker is accepted, as torch does,
+        with a ``UserWarning`` (``proxy.on`` names the owner).
 
         Example::
 
@@ -177,10 +213,16 @@ class RemoteModule(RemoteCalls, nn.Module):
         proxy._prepare(remote_device, _module_interface_cls, timeout)
         owner = module_rref.owner_name()
         if proxy.on != owner:
-            raise ValueError(
-                f"remote_device {remote_device!r} names worker {proxy.on!r}, but module_rref is owned "
-                f"by {owner!r}: pass '{owner}/<device>'"
+            # torch accepts this (its calls reach the module through the RRef's owner) and existing
+            # code relies on it: the proxy names, and calls, the owner.
+            warnings.warn(
+                f"remote_device {remote_device!r} names worker {proxy.on!r}, but module_rref is owned by "
+                f"{owner!r}: this RemoteModule calls {owner!r} (proxy.on == {owner!r}). Pass "
+                f"'{owner}/{proxy.device}' to say so.",
+                UserWarning,
+                stacklevel=2,
             )
+            proxy._prepare(f"{owner}/{proxy.device}", _module_interface_cls, timeout)
         if _module_interface_cls is not None:
             render_scriptable_module(_module_interface_cls)
             proxy._rpc(_handlers._prepare_scriptable, _module_interface_cls)
@@ -193,6 +235,20 @@ class RemoteModule(RemoteCalls, nn.Module):
 
     # ---- construction helpers ------------------------------------------------------------
 
+    def _create(
+        self,
+        remote_device: str,
+        module_cls: Any,
+        args: Any,
+        kwargs: Any,
+        interface_cls: Any,
+        timeout: float | None,
+    ) -> Future:
+        """Check the arguments and send the one creation message; a Future of ``self``, ready."""
+        args, kwargs = check_constructor_arguments(module_cls, args, kwargs)
+        self._prepare(remote_device, interface_cls, timeout)
+        return create_on_host(self, module_cls, args, kwargs)
+
     def _prepare(self, remote_device: str, interface_cls: Any, timeout: float | None) -> None:
         parsed = parse_remote_device(remote_device)
         if interface_cls is not None and not is_jit_interface(interface_cls):
@@ -204,7 +260,7 @@ class RemoteModule(RemoteCalls, nn.Module):
         self.on = _worker_name(parsed.worker, remote_device)
         self.device = str(parsed.device)
         # A device map only matters for a module off the CPU (torch checks it the same way).
-        self.is_device_map_set = parsed.device.type != "cpu" and bool(device_map_to(self.on))
+        self.is_device_map_set = device_map_is_set(self.on, self.device)
         self.is_scriptable = interface_cls is not None
         self.module_interface_cls = interface_cls
 
@@ -217,7 +273,6 @@ class RemoteModule(RemoteCalls, nn.Module):
         else:
             self.forward_signature = info["signature"]
         self._install_generated_methods(local_sig)
-        self.training = info["training"]
         self.remote_repr = info["repr"]
         check_attributes(self)
 
@@ -264,12 +319,42 @@ class RemoteModule(RemoteCalls, nn.Module):
         if not isinstance(mode, bool):
             raise ValueError(f"training mode is expected to be boolean, got {mode!r}")
         self._rpc(_handlers._train, self.module_rref, mode)
-        self.training = mode
+        self.__dict__["training"] = mode  # the last value seen (see the training property)
         return self
 
     def eval(self) -> RemoteModule:
         """Put the remote module in evaluation mode and return this proxy."""
         return self.train(False)
+
+    # ``training`` is the host module's flag, read and written on the host in program order, so
+    # every proxy of one module (init_from_module_rref, proxies sent to other workers) tells the
+    # truth. nn.Module.__init__ writes it before the proxy is connected: that write stays local.
+    # The last value seen is kept in __dict__ (the property hides it) for TorchScript only, which
+    # reads a module's __dict__ when scripting it.
+    @property
+    def training(self) -> bool:  # type: ignore[override]
+        """The remote module's training flag, asked of the host (a blocking call, in program order).
+
+        Example::
+
+            b = RemoteModule.init_from_module_rref("worker1", a.get_module_rref())
+            a.eval()
+            assert b.training is False       # one module on worker1
+        """
+        if "module_rref" not in self.__dict__:
+            return self.__dict__.get("training", True)  # not connected yet (being built or received)
+        mode = self.__dict__["training"] = self._rpc(_handlers._training, self.module_rref)
+        return mode
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        # Like ``module.training = mode`` on a local module: the host module's own flag only (its
+        # submodules keep theirs; train()/eval() set them all).
+        if not isinstance(mode, bool):
+            raise ValueError(f"training mode is expected to be boolean, got {mode!r}")
+        if "module_rref" in self.__dict__:
+            self._rpc(_handlers._set_training, self.module_rref, mode)
+        self.__dict__["training"] = mode
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
         """CPU copies of the remote module's state, under ``prefix`` (as ``nn.Module.state_dict``).
@@ -296,22 +381,36 @@ class RemoteModule(RemoteCalls, nn.Module):
         unexpected_keys: list,
         error_msgs: list,
     ) -> None:
-        # Called by nn.Module.load_state_dict for this proxy (directly or inside a model).
-        state, metadata = select_prefixed(state_dict, prefix)
-        missing, unexpected, errors = self._rpc(_handlers._load_state_dict, dict(state), metadata, self.module_rref)
-        missing_keys.extend(prefix + k for k in missing)
-        unexpected_keys.extend(prefix + k for k in unexpected)
+        # Called by nn.Module.load_state_dict for this proxy (directly or inside a model). The host
+        # loads with the module placed at ``prefix``, so keys and messages name full keys.
+        state, metadata = entries_under(state_dict, prefix)
+        assign = bool(local_metadata.get("assign_to_params_buffers", False))  # load_state_dict(assign=)
+        missing, unexpected, errors = self._rpc(
+            _handlers._load_state_dict, dict(state), dict(metadata), self.module_rref, prefix, assign
+        )
+        missing_keys.extend(missing)
+        unexpected_keys.extend(unexpected)
         error_msgs.extend(errors)
 
     def __repr__(self) -> str:
         module = self.remote_repr.replace("\n", "\n  ")  # indent a multi-line module repr
         return f"{type(self).__name__}(on={self.on}, device={self.device}, module={module})"
 
-    def __getstate__(self) -> Any:
-        raise RuntimeError(NOT_PICKLABLE)
+    # Exported, so that a scripted proxy refuses torch.save / torch.jit.save with the same
+    # message (TorchScript's pickler calls a script object's __getstate__). TorchScript compiles
+    # them, so the messages are literals (TorchScript cannot read a global string): they equal
+    # remote_module._pickling.NOT_PICKLABLE / NOT_UNPICKLABLE (tests/test_pickling.py checks).
+    @torch.jit.export
+    def __getstate__(self):  # noqa: ANN204
+        raise RuntimeError(
+            "Cannot pickle RemoteModule in python pickler. RemoteModule can only be pickled when using RPC"
+        )
 
-    def __setstate__(self, state: Any) -> None:
-        raise RuntimeError(NOT_UNPICKLABLE)
+    @torch.jit.export
+    def __setstate__(self, state):  # noqa: ANN001, ANN204
+        raise RuntimeError(
+            "Cannot unpickle RemoteModule in python pickler. RemoteModule can only be unpickled when using RPC"
+        )
 
 
 for _name in UNSUPPORTED_METHODS:
@@ -319,7 +418,9 @@ for _name in UNSUPPORTED_METHODS:
 del _name
 
 register_rpc_reducer(RemoteModule, reduce_proxy)
-register_rpc_reducer(torch.jit.RecursiveScriptModule, reduce_script_module)
+# Replaces torch's own reducer when torch.distributed.nn was imported first: same behaviour,
+# but our message also says what to do instead.
+register_rpc_reducer(torch.jit.RecursiveScriptModule, reduce_script_module, replace=True)
 
 
 def _worker_name(worker: str | int, remote_device: str) -> str:
@@ -333,18 +434,3 @@ def _worker_name(worker: str | int, remote_device: str) -> str:
             f"(workers: {', '.join(known)})"
         ) from None
 
-
-def _check_args(args: Any) -> tuple:
-    if args is None:
-        return ()
-    if not isinstance(args, (tuple, list)):
-        raise TypeError(f"args must be a tuple of constructor arguments, got {type(args).__name__}: {args!r}")
-    return tuple(args)
-
-
-def _check_kwargs(kwargs: Any) -> dict:
-    if kwargs is None:
-        return {}
-    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-        raise TypeError(f"kwargs must be a dict of str to constructor arguments, got {kwargs!r}")
-    return dict(kwargs)

@@ -33,11 +33,26 @@ def _remote_forward(module_rref: RRef[_rm_interface], device: str, is_device_map
 {move_output}
 
 
+# forward/forward_async below serve two callers. From Python (an eager proxy) they take the
+# proxy's call path (remote_module._calls), which keeps the README's call contract: timeout=,
+# program order, exceptions with their own type naming worker and module. Inside TorchScript
+# (torch.jit.script(proxy)) only the is_scripting() branch is compiled, and only what TorchScript
+# can express holds: each call is one rpc_async bounded by the proxy's timeout (-1.0: the agent's
+# default), but an exception from forward or a timeout arrives as TorchScript's RuntimeError
+# carrying the host's message, and calls are not ordered with the Python proxy's own calls.
+
+
 def forward_async(self{typed_params}){future_annotation}:
-    args = (self.module_rref, self.device, self.is_device_map_set{arg_names})
-    return rpc.rpc_async(self.module_rref.owner(), _remote_forward, args)
+    if torch.jit.is_scripting():
+        args = (self.module_rref, self.device, self.is_device_map_set{arg_names})
+        return rpc.rpc_async(self.module_rref.owner(), _remote_forward, args, {{}}, self.timeout)
+    else:
+        return self._remote_call_async(({positional}), {{}})
 
 
 def forward(self{typed_params}){return_annotation}:
-    args = (self.module_rref, self.device, self.is_device_map_set{arg_names})
-    return rpc.rpc_async(self.module_rref.owner(), _remote_forward, args).wait()
+    if torch.jit.is_scripting():
+        args = (self.module_rref, self.device, self.is_device_map_set{arg_names})
+        return rpc.rpc_async(self.module_rref.owner(), _remote_forward, args, {{}}, self.timeout).wait()
+    else:
+        return self._remote_call_sync(({positional}), {{}})

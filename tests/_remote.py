@@ -74,6 +74,11 @@ def loaded_modules(prefix: str) -> list[str]:
     return sorted(m for m in sys.modules if m == prefix or m.startswith(prefix + "."))
 
 
+def training_of(proxy) -> bool:
+    """Runs on a third worker: the training flag a received proxy reports."""
+    return proxy.training
+
+
 def use_proxy(proxy, x: torch.Tensor) -> tuple:
     """Runs on a third worker: the proxy arrived in an RPC message."""
     return proxy(x), proxy.forward_async(x).wait(), type(proxy).__name__
@@ -126,6 +131,13 @@ class Hybrid(nn.Module):
 
     def forward(self, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.embedding(ids, offsets)) * self.scale
+
+
+def tensor_views(module_rref) -> dict:
+    """(class name, dtype, requires_grad) of every parameter and buffer of the module on the host."""
+    module = module_rref.local_value()
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    return {name: (type(t).__name__, str(t.dtype), t.requires_grad) for name, t in tensors}
 
 
 def registered_keys() -> set:

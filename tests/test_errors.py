@@ -11,8 +11,8 @@ import torch.distributed.rpc as rpc
 from torch import nn
 
 import remote_module.remote_module as impl
-from remote_module import RemoteModule
-from remote_module._errors import RemoteModuleError
+import remote_module
+from remote_module import RemoteModule, RemoteModuleError
 from tests import _remote
 from tests._remote import Affine, Raiser, Sleeper, UserError
 
@@ -48,6 +48,16 @@ def test_type_unknown_to_the_caller_becomes_a_remote_module_error(raiser):
         raiser("local")
     assert type(info.value).__name__ == "LocalOnlyError"
     assert "LocalOnlyError" in str(info.value) and "defined inside forward" in str(info.value)
+
+
+def test_remote_module_error_is_public():
+    from remote_module import _errors
+
+    assert "RemoteModuleError" in remote_module.__all__
+    assert RemoteModuleError is _errors.RemoteModuleError and issubclass(RemoteModuleError, RuntimeError)
+    # timeouts have their own public type, a RuntimeError as torch's RPC timeouts are
+    assert "CallTimeout" in remote_module.__all__
+    assert remote_module.CallTimeout is _errors.CallTimeout and issubclass(remote_module.CallTimeout, RuntimeError)
 
 
 def test_api_before_rpc_says_what_to_call(monkeypatch):

@@ -5,9 +5,11 @@ import io
 
 import pytest
 import torch
+import torch.distributed.rpc as rpc
 from torch import nn
 
 from remote_module import RemoteModule
+from tests import _remote
 from tests._remote import Affine, Hybrid, ModeReporter
 
 pytestmark = pytest.mark.usefixtures("rpc_world")
@@ -137,3 +139,54 @@ def test_direct_calls_on_the_proxy_still_raise_with_advice(method):
     text = str(info.value)
     assert text.startswith(f"Method ``{method}`` not supported for RemoteModule. ")
     assert len(text) > len(f"Method ``{method}`` not supported for RemoteModule. ") + 10
+
+
+def _load_error(model, sd, strict):
+    with pytest.raises(RuntimeError) as info:
+        model.load_state_dict(sd, strict=strict)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_load_state_dict_errors_name_full_keys_as_a_local_model_does(strict):
+    # the remote part's errors name "enc.embedding.weight", not "weight" inside a nested summary
+    model = nn.ModuleDict({"enc": Hybrid(remote_bag())})
+    local = nn.ModuleDict({"enc": Hybrid(nn.EmbeddingBag(10, 4, mode="sum"))})
+    sd = model.state_dict()
+    sd["enc.embedding.weight"] = torch.zeros(3, 3)
+    sd["enc.embedding.bogus"] = torch.zeros(1)
+    del sd["enc.mlp.0.bias"]
+    text = _load_error(model, sd, strict)
+    assert text == _load_error(local, sd, strict)
+    assert "size mismatch for enc.embedding.weight: copying a param with shape torch.Size([3, 3])" in text
+    assert ('Unexpected key(s) in state_dict: "enc.embedding.bogus"' in text) is strict
+
+
+def test_load_state_dict_errors_of_the_proxy_alone():
+    proxy, local = remote_bag(), nn.EmbeddingBag(10, 4, mode="sum")
+    sd = {"weight": torch.zeros(2, 4)}
+    text = _load_error(proxy, sd, True)
+    assert text.startswith("Error(s) in loading state_dict for RemoteModule:\n\tsize mismatch for weight:")
+    assert text.split("\n", 1)[1] == _load_error(local, sd, True).split("\n", 1)[1]  # one summary, torch's lines
+
+
+def test_load_state_dict_assign_as_a_local_model_does():
+    # assign=True: the host's parameters take the loaded tensors' dtype (here float64), keeping
+    # requires_grad from the old parameters, as on a local model; without it they are copied into
+    model = nn.Sequential(RemoteModule("worker1", nn.Linear, (3, 2)))
+    local = nn.Sequential(nn.Linear(3, 2))
+    sd = {"0.weight": torch.randn(2, 3, dtype=torch.float64), "0.bias": torch.randn(2, dtype=torch.float64)}
+    proxy = model[0]
+    model.load_state_dict(sd, assign=False)
+    assert rpc.rpc_sync("worker1", _remote.tensor_views, (proxy.get_module_rref(),))["weight"][1] == "torch.float32"
+    assert model.load_state_dict(sd, assign=True).missing_keys == []
+    local.load_state_dict(sd, assign=True)
+    views = rpc.rpc_sync("worker1", _remote.tensor_views, (proxy.get_module_rref(),))
+    assert views == {name: (type(t).__name__, str(t.dtype), t.requires_grad) for name, t in local[0].named_parameters()}
+    assert views["weight"] == ("Parameter", "torch.float64", True)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    assert torch.equal(model(x), local(x))
+    # the proxy alone, too
+    alone = RemoteModule("worker2", nn.Linear, (3, 2))
+    alone.load_state_dict({"weight": sd["0.weight"], "bias": sd["0.bias"]}, assign=True)
+    assert torch.equal(alone(x), local(x))

@@ -10,7 +10,7 @@ import torch.distributed.rpc as rpc
 
 import remote_module
 from remote_module import RemoteModule
-from remote_module._pickling import IGNORED_ATTRIBUTES, check_attributes
+from remote_module._pickling import IGNORED_ATTRIBUTES, NOT_PICKLABLE, NOT_UNPICKLABLE, check_attributes
 from tests import _remote, _subclass
 from tests._remote import Affine
 
@@ -80,12 +80,14 @@ def test_subclass_travels_as_itself():
 
 def test_plain_pickle_and_torch_save_refuse():
     proxy = RemoteModule("worker1", Affine)
-    with pytest.raises(RuntimeError, match="RemoteModule can only be pickled when using RPC"):
+    with pytest.raises(RuntimeError, match="RemoteModule can only be pickled when using RPC") as info:
         pickle.dumps(proxy)
+    assert str(info.value) == NOT_PICKLABLE  # torch's text (the method holds it as a literal)
     with pytest.raises(RuntimeError, match="RemoteModule can only be pickled when using RPC"):
         torch.save(proxy, io.BytesIO())
-    with pytest.raises(RuntimeError, match="only be unpickled when using RPC"):
+    with pytest.raises(RuntimeError, match="only be unpickled when using RPC") as info:
         proxy.__setstate__({})
+    assert str(info.value) == NOT_UNPICKLABLE
 
 
 def test_ordinary_script_modules_still_travel():

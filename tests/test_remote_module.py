@@ -118,6 +118,38 @@ def test_train_and_eval_run_on_the_host_and_return_the_proxy():
         proxy.train("yes")
 
 
+def test_every_proxy_of_one_module_reports_the_hosts_training_flag():
+    a = RemoteModule("worker1", ModeReporter)
+    b = RemoteModule.init_from_module_rref("worker1", a.get_module_rref())
+    a.eval()
+    assert b.training is False and a.training is False
+    assert rpc.rpc_sync("worker2", _remote.training_of, (a,)) is False  # a proxy received elsewhere
+    b.train()
+    assert a.training is True and rpc.rpc_sync("worker2", _remote.training_of, (a,)) is True
+    # `module.training = mode` sets the host module's flag, as it sets a local module's
+    local = ModeReporter()
+    local.training = False
+    a.training = False
+    assert b() is local() is False and b.training is False
+    with pytest.raises(ValueError, match="boolean"):
+        a.training = 1
+
+
+def test_calls_never_read_training(monkeypatch):
+    # reading proxy.training is a round trip: forward / forward_async must not do it
+    proxy = RemoteModule("worker1", Affine)
+    x = torch.randn(2, 4)
+    original = RemoteModule.training
+
+    def read(self):
+        raise AssertionError("proxy.training was read")
+
+    monkeypatch.setattr(RemoteModule, "training", property(read, original.fset))
+    assert torch.equal(proxy(x), proxy.forward_async(x).wait())
+    monkeypatch.undo()
+    assert proxy.training is True
+
+
 def test_init_from_module_rref_shares_the_module():
     a = RemoteModule("worker1/cpu", Affine)
     b = RemoteModule.init_from_module_rref("worker1/cpu", a.get_module_rref())
@@ -128,8 +160,19 @@ def test_init_from_module_rref_shares_the_module():
     # one module: both proxies' calls count on it
     b(x)
     assert rpc.rpc_sync("worker1", _remote.call_counter, (a.get_module_rref(),)) == 3
-    with pytest.raises(ValueError, match="owned by 'worker1'"):
-        RemoteModule.init_from_module_rref("worker2/cpu", a.get_module_rref())
+
+
+def test_init_from_module_rref_naming_another_worker_calls_the_owner():
+    a = RemoteModule("worker1/cpu", Affine)
+    x = torch.randn(2, 4)
+    with pytest.warns(UserWarning, match=r"names worker 'worker2', but module_rref is owned by 'worker1'"):
+        b = RemoteModule.init_from_module_rref("worker2/cpu", a.get_module_rref())
+    assert b.on == "worker1" and b.device == "cpu"
+    assert torch.equal(b(x), a(x)) and torch.equal(b.forward_async(x).wait(), a(x))
+    # torch's own test: worker2 wraps worker1's module naming itself; the proxy comes back here
+    c = rpc.rpc_sync("worker2", RemoteModule.init_from_module_rref, ("worker2", a.get_module_rref()))
+    assert c.on == "worker1" and torch.equal(c(x), a(x))
+    assert rpc.rpc_sync("worker1", _remote.call_counter, (a.get_module_rref(),)) == 6
 
 
 def test_remote_parameters_train_with_distributed_optimizer():

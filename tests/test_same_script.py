@@ -5,10 +5,10 @@ Each launcher runs one job that checks everything: a factory guarding a module-l
 singleton with a threading.Lock constructs, two proxies share that singleton, the host
 instance is an instance of the host's own class and the class-level state is the host's,
 nested __main__ objects in constructor arguments are the host's own, and a __main__
-namedtuple output is the caller's own class.
+namedtuple output is the caller's own class; a host running other code returns copies of the
+caller's namedtuple and dataclass that arrive as the caller's own classes.
 """
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -21,7 +21,6 @@ from rpc_backend import fresh_file_rendezvous, loopback_env
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = "tests/scripts/same_script_job.py"
-WIRE_INTEGRATED = importlib.util.find_spec("remote_module._wire") is not None
 
 
 def _env() -> dict:
@@ -113,8 +112,15 @@ def test_host_with_other_code_gets_copies(different_code):
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-@pytest.mark.xfail(not WIRE_INTEGRATED, reason="outputs use by_value_reduce once remote_module._wire does")
 def test_copied_class_returns_the_callers_own_namedtuple(different_code):
     # host -> caller: the host's copy of Net returns its copy of Point, which the caller
-    # recognises as its own Point (today: PicklingError on the host)
+    # recognises as its own Point (once: PicklingError on the host)
     assert different_code["output"] == {"callers_point": True, "out": [[3.0, 3.0], 1]}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_copied_class_returns_the_callers_own_dataclass(different_code):
+    # the host's own Config is other code; the copied Summary returns the caller's Config
+    # (its copy on the host), which arrives as the caller's own class, sync and async
+    assert different_code["dataclass_output"] == {"callers_config": [True, True], "scales": [3.0, 2.0]}

@@ -2,6 +2,7 @@
 same code, as the receiver's own object; importable ones by reference."""
 
 import collections
+import dataclasses
 import importlib.util
 import io
 import json
@@ -187,11 +188,7 @@ def test_local_class_with_an_rref_and_nested_local_objects_runs_remotely():
     assert proxy(torch.ones(2)).tolist() == [6.0, 6.0]
 
 
-WIRE_INTEGRATED = importlib.util.find_spec("remote_module._wire") is not None
-
-
 @pytest.mark.usefixtures("rpc_world")
-@pytest.mark.xfail(not WIRE_INTEGRATED, reason="outputs use by_value_reduce once remote_module._wire does")
 def test_local_class_returns_another_local_class():
     Pair = collections.namedtuple("Pair", "a b")
 
@@ -201,6 +198,24 @@ def test_local_class_returns_another_local_class():
 
     out = RemoteModule("worker2/cpu", Splits)(torch.ones(1))
     assert out.a.tolist() == [1.0] and out.b.tolist() == [-1.0]
+
+
+@pytest.mark.usefixtures("rpc_world")
+def test_local_class_returns_a_local_dataclass():
+    @dataclasses.dataclass
+    class Stats:
+        total: float
+        parts: list = dataclasses.field(default_factory=list)
+
+    class Summarises(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> "Stats":
+            return Stats(float(x.sum()), [x])
+
+    proxy = RemoteModule("worker2/cpu", Summarises)
+    for out in (proxy(torch.ones(3)), proxy.forward_async(torch.ones(3)).wait()):
+        assert dataclasses.is_dataclass(out) and type(out).__qualname__.endswith("Stats")
+        assert out.total == 3.0 and torch.equal(out.parts[0], torch.ones(3))
+        assert [f.name for f in dataclasses.fields(out)] == ["total", "parts"]
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """Scriptable proxies: `_module_interface_cls`, torch.jit.script(proxy), calls from script."""
 
 import inspect
+import io
 
 import pytest
 import torch
@@ -36,6 +37,7 @@ def test_scriptable_proxy_runs_eagerly(scriptable):
 
 def test_script_the_proxy_and_call_from_script(scriptable):
     scripted = torch.jit.script(scriptable)
+    assert scripted.training is True  # the scripted proxy's own flag, as torch's has
     assert run_forward(scripted, torch.ones(1)) == ("3", 2, torch.full((1,), 2.0))
     word, number, t = run_forward_async(scripted, torch.ones(1))
     assert (word, number) == ("3", 2) and torch.equal(t, torch.full((1,), 2.0))
@@ -66,3 +68,29 @@ def test_module_rref_travels_and_is_rewrapped(scriptable):
 def test_bad_interface_is_rejected():
     with pytest.raises(ValueError, match="@torch.jit.interface"):
         RemoteModule("worker1", MyModule, (1,), _module_interface_cls=MyModule)
+
+
+def test_saving_a_scripted_proxy_says_it_only_travels_over_rpc(scriptable):
+    # torch's message, from the script object's own __getstate__ (before: a generic error
+    # saying the object has no __getstate__)
+    scripted = torch.jit.script(scriptable)
+    for save in (torch.save, torch.jit.save):
+        with pytest.raises(torch.jit.Error, match="RemoteModule can only be pickled when using RPC"):
+            save(scripted, io.BytesIO())
+
+
+def test_our_script_module_reducer_wins_whatever_the_import_order():
+    # torch.distributed.nn registers its own reducer for script modules (without our advice) and
+    # torch keeps the first registration: importing it before remote_module must not win.
+    import subprocess
+    import sys
+
+    code = (
+        "import torch.distributed.nn, torch.distributed.optim\n"
+        "import remote_module\n"
+        "from torch.distributed.rpc.internal import _internal_rpc_pickler as p\n"
+        "from remote_module._pickling import reduce_script_module\n"
+        "print(p._class_reducer_dict[torch.jit.RecursiveScriptModule] is reduce_script_module)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "True", out.stderr[-2000:]

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from remote_module import UNSUPPORTED_METHODS, RemoteModule
+from remote_module._unsupported import EMPTY_WITHOUT_RECURSION
 from tests._remote import Affine
 
 pytestmark = pytest.mark.usefixtures("rpc_world")
@@ -50,3 +51,15 @@ def test_unsupported_method_raises(proxy, name):
     assert str(info.value).startswith(expected)
     if name == "parameters":
         assert str(info.value) == expected + ". Please use ``remote_parameters`` instead."
+
+
+@pytest.mark.parametrize("name", EMPTY_WITHOUT_RECURSION)
+def test_listing_the_proxy_alone_yields_nothing(proxy, name):
+    # DDP asks every submodule for named_parameters(recurse=False) and friends
+    assert list(getattr(proxy, name)(recurse=False)) == []
+    if name.startswith("named_"):
+        assert list(getattr(proxy, name)("prefix", False)) == []
+    with pytest.raises(ValueError, match=f"Method ``{name}`` not supported"):
+        getattr(proxy, name)(recurse=True)
+    with pytest.raises(TypeError):
+        getattr(proxy, name)(recurse=False, bogus=1)

@@ -48,6 +48,13 @@ class Net(nn.Module):
         return Point(x * self.cfg.scale, Net.instances)
 
 
+class Summary(nn.Module):
+    """Returns a __main__ dataclass."""
+
+    def forward(self, x: torch.Tensor) -> Config:
+        return Config(float(x.sum()))
+
+
 class Counter(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -122,6 +129,11 @@ def different_code_checks(host: str) -> dict:
         out = net(torch.ones(2))
         return {"callers_point": type(out) is Point, "out": [out.x.tolist(), out.y]}
 
+    def dataclass_output():
+        summary = RemoteModule(f"{host}/cpu", Summary)
+        sync, later = summary(torch.ones(3)), summary.forward_async(torch.ones(2)).wait()
+        return {"callers_config": [type(sync) is Config, type(later) is Config], "scales": [sync.scale, later.scale]}
+
     def nested():
         h = RemoteModule(f"{host}/cpu", Holder, ([Config(2.0)],), {"extra": {"cfg": Config(5.0)}})
         view = rpc.rpc_sync(host, host_view, (h.module_rref,))
@@ -134,6 +146,7 @@ def different_code_checks(host: str) -> dict:
 
     _attempt(result, "net", copied_class)
     _attempt(result, "output", output)
+    _attempt(result, "dataclass_output", dataclass_output)
     _attempt(result, "nested", nested)
     _attempt(result, "lock_factory", lock_factory)
     return result

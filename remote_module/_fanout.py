@@ -1,0 +1,366 @@
+"""Running N host calls at once and collecting their results: :func:`call_all` and
+:func:`call_all_async` (and :func:`call_async` for one call).
+
+Creating N shards, N pipeline stages or N parameter-server tables is N host calls; every call
+is sent before any is awaited, so N calls cost about one round trip, not N. What each call
+keeps:
+
+- **its result, in order**: the results come back as a list in the order of ``calls``,
+  whatever order the hosts answer in;
+- **its own exception type**: a handler's exception is caught on the host (``BaseException``
+  included, so a ``SystemExit`` cannot take the host's RPC thread down) and raised on the
+  caller with its original type when that type is importable there (else a
+  :class:`remote_module._errors.RemoteModuleError` named after it), naming the worker and the
+  call's index (``calls[2] (make_shard)``), with the remote traceback;
+- **a timeout**: each call fails within ``timeout`` seconds of being sent (``None``: the RPC
+  agent's default), with a :class:`remote_module._errors.CallTimeout` naming the worker. The
+  deadline is kept here, not by RPC: the message itself waits for its answer, so an answer that
+  comes after the deadline is still received and dropped. (An RPC timed out by torch drops its
+  late answer unread, and an RRef inside it, e.g. a module created on the host, is never
+  confirmed to its owner, which then waits for it at graceful shutdown forever.)
+
+The first call to fail (in time) fails the whole: the collected future carries its error at
+once, without waiting for the others, which keep running on their hosts (bounded by their own
+timeouts) and whose results are dropped. A call that cannot be sent (an argument that does not
+pickle) raises at once from :func:`call_all_async`; calls are checked (shape, worker, handler)
+before any is sent.
+
+Handlers are module-level functions, as for ``rpc.rpc_async`` (pickled by reference); a handler
+decorated with ``@rpc.functions.async_execution`` may return a ``Future`` and is answered when
+it completes. Results travel as RPC sends them (tensors, RRefs created on the host, ...).
+
+Example (a caller and two hosts that only serve)::
+
+    # every worker: rpc.init_rpc(name, rank=..., world_size=3); workers 1 and 2 then only
+    # call rpc.shutdown(). In an importable module, e.g. mylib/tables.py:
+    def make_table(rows: int) -> int:
+        return objects.hold(torch.zeros(rows, 8))     # remote_module._registry
+
+    # worker0
+    from remote_module._fanout import call_all
+    keys = call_all([("worker1", make_table, (100,)), ("worker2", make_table, (50,))], timeout=10)
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import threading
+import time
+from typing import Any, Callable, Iterable, NamedTuple
+
+import torch.distributed.rpc as rpc
+from torch.futures import Future
+
+from remote_module._errors import CallTimeout, capture, timeout_message, to_exception
+from remote_module._torch_private import is_async_execution, is_rpc_initialized, worker_names
+from rpc_backend.options import positive_seconds
+
+#: torch.distributed.rpc's "no timeout": the deadline is :data:`_deadlines`' to keep.
+_NO_RPC_TIMEOUT = 0
+
+_clock = time.monotonic
+
+
+class HostCall(NamedTuple):
+    """One call of ``handler(*args, **kwargs)`` on ``worker`` (a name, a rank or a ``WorkerInfo``).
+
+    Plain tuples ``(worker, handler)``, ``(worker, handler, args)`` and
+    ``(worker, handler, args, kwargs)`` are accepted wherever a HostCall is.
+    """
+
+    worker: Any
+    handler: Callable[..., Any]
+    args: tuple = ()
+    kwargs: dict | None = None
+
+
+# ---- host-side handlers ---------------------------------------------------------------------
+
+
+def _run(handler: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[bool, Any]:
+    """``(True, result)``, or ``(False, RemoteFailure)`` for whatever the handler raised."""
+    try:
+        return True, handler(*args, **kwargs)
+    except BaseException as exc:  # the call's own failure, whatever it is
+        return False, capture(exc)
+
+
+@rpc.functions.async_execution
+def _run_async(handler: Callable[..., Any], args: tuple, kwargs: dict) -> Future:
+    """:func:`_run` for an ``async_execution`` handler: answered when its Future completes."""
+    answer: Future = Future()
+    try:
+        pending = handler(*args, **kwargs)
+    except BaseException as exc:
+        answer.set_result((False, capture(exc)))
+        return answer
+
+    def settle(fut: Future) -> None:
+        try:
+            value: tuple[bool, Any] = (True, fut.value())
+        except BaseException as exc:
+            value = (False, capture(exc))
+        answer.set_result(value)
+
+    pending.add_done_callback(settle)
+    return answer
+
+
+# ---- caller side ----------------------------------------------------------------------------
+
+
+def _timeout_seconds(timeout: float | None) -> float:
+    """``timeout`` checked, in seconds (``None``: the agent's default; ``math.inf``: none)."""
+    if timeout is None:
+        seconds = rpc.get_rpc_timeout()
+        return seconds if seconds > 0 else math.inf
+    return positive_seconds(timeout, "timeout")
+
+
+def _handler_name(handler: Any) -> str:
+    module = getattr(handler, "__module__", None)
+    name = getattr(handler, "__qualname__", None) or repr(handler)
+    return f"{module}.{name}" if module else name
+
+
+def _worker_name(worker: Any, label: str) -> str:
+    if isinstance(worker, rpc.WorkerInfo):
+        return worker.name
+    if isinstance(worker, (str, int)) and not isinstance(worker, bool):
+        try:
+            return rpc.get_worker_info(worker).name
+        except RuntimeError:
+            pass
+    raise ValueError(
+        f"{label}: worker {worker!r} is not in this RPC world (workers: {', '.join(worker_names())}); "
+        "pass a worker name, a rank or a WorkerInfo"
+    )
+
+
+def _retyped(exc: BaseException, message: str) -> BaseException:
+    """``exc``'s type with ``message`` (RuntimeError when that type will not take one string)."""
+    try:
+        new = type(exc)(message)
+        if isinstance(new, type(exc)):
+            return new
+    except Exception:
+        pass
+    return RuntimeError(message)
+
+
+class _Outstanding:
+    """One sent call until its result future is settled, by its answer or by its deadline,
+    whichever comes first; the future is dropped once settled (the deadline queue keeps this
+    object until the deadline, not the result)."""
+
+    __slots__ = ("future", "lock", "label", "name", "seconds")
+
+    def __init__(self, future: Future, label: str, name: str, seconds: float) -> None:
+        self.future: Future | None = future
+        self.lock = threading.Lock()
+        self.label, self.name, self.seconds = label, name, seconds
+
+    def _take(self) -> Future | None:
+        with self.lock:
+            future, self.future = self.future, None
+            return future
+
+    def answered(self, sent: Future) -> None:
+        future = self._take()
+        try:
+            ok, value = sent.value()  # read even when late: RRefs in it are confirmed, then dropped
+        except BaseException as exc:  # the RPC itself failed: dead host, shutdown
+            if future is not None:
+                future.set_exception(_rpc_failure(exc, self.label, self.name))
+            return
+        if future is None:
+            return  # timed out before
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(to_exception(value, f"on worker {self.name!r} in {self.label}"))
+
+    def expired(self) -> None:
+        future = self._take()
+        if future is not None:
+            message = f"{self.label} on worker {self.name!r} failed: {timeout_message(self.seconds, self.name)}"
+            future.set_exception(CallTimeout(message))
+
+
+class _Deadlines:
+    """One daemon thread that fails calls at their deadlines; expiries run on a short-lived
+    thread of their own, so a callback that blocks on a failed future delays no other deadline."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, _Outstanding]] = []
+        self._order = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def add(self, when: float, call: _Outstanding) -> None:
+        with self._cond:
+            heapq.heappush(self._heap, (when, next(self._order), call))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="remote_module-fanout-deadlines", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                now = _clock()
+                while not self._heap or self._heap[0][0] > now:
+                    self._cond.wait(self._heap[0][0] - now if self._heap else None)
+                    now = _clock()
+                due = []
+                while self._heap and self._heap[0][0] <= now:
+                    call = heapq.heappop(self._heap)[2]
+                    if call.future is not None:  # unsettled (checked again under its lock)
+                        due.append(call)
+            if due:
+                threading.Thread(target=lambda calls=due: [c.expired() for c in calls], daemon=True).start()
+
+
+_deadlines = _Deadlines()
+
+
+def call_async(
+    worker: Any,
+    handler: Callable[..., Any],
+    args: tuple = (),
+    kwargs: dict | None = None,
+    *,
+    timeout: float | None = None,
+    label: str | None = None,
+) -> Future:
+    """Send one host call now; a Future of its result, or of its failure naming the worker.
+
+    ``label`` names the call in errors (default: the handler's qualified name). Raises at once
+    when the call cannot be sent (unknown worker, an argument that does not pickle).
+
+    Example::
+
+        fut = call_async("worker1", make_table, (100,), timeout=10)
+        key = fut.wait()
+    """
+    if not is_rpc_initialized():
+        raise RuntimeError(
+            "call_async needs torch.distributed.rpc: call rpc.init_rpc(name, rank=..., world_size=...) first"
+        )
+    label = label if label is not None else _handler_name(handler)
+    if not callable(handler):
+        raise TypeError(f"{label}: the handler must be a module-level function, got {handler!r}")
+    seconds = _timeout_seconds(timeout)
+    name = _worker_name(worker, label)
+    body = _run_async if is_async_execution(handler) else _run
+    made = _clock()
+    try:
+        sent = rpc.rpc_async(name, body, (handler, tuple(args), dict(kwargs or {})), timeout=_NO_RPC_TIMEOUT)
+    except Exception as exc:  # nothing was sent
+        raise _retyped(
+            exc,
+            f"{label} could not be sent to worker {name!r}: {type(exc).__name__}: {exc}. Pass tensors, "
+            "plain Python values or picklable objects, and module-level handlers.",
+        ) from exc
+    result: Future = Future()
+    call = _Outstanding(result, label, name, seconds)
+    if seconds != math.inf:
+        _deadlines.add(made + seconds, call)
+    sent.add_done_callback(call.answered)
+    return result
+
+
+def _rpc_failure(exc: BaseException, label: str, name: str) -> BaseException:
+    if not is_rpc_initialized():
+        failure: BaseException = RuntimeError(f"{label} on worker {name!r} failed: RPC was shut down ({exc})")
+    else:
+        failure = _retyped(exc, f"{label} on worker {name!r} failed: {exc}")
+    failure.__cause__ = exc
+    return failure
+
+
+def _as_call(index: int, call: Any) -> HostCall:
+    if isinstance(call, HostCall):
+        found = call
+    elif isinstance(call, tuple) and 2 <= len(call) <= 4:
+        found = HostCall(*call)
+    else:
+        raise TypeError(
+            f"calls[{index}] must be a HostCall or a tuple (worker, handler[, args[, kwargs]]), got {call!r}"
+        )
+    if not isinstance(found.args, (tuple, list)):
+        raise TypeError(f"calls[{index}]: args must be a tuple, got {type(found.args).__name__}: {found.args!r}")
+    if found.kwargs is not None and not (
+        isinstance(found.kwargs, dict) and all(isinstance(k, str) for k in found.kwargs)
+    ):
+        raise TypeError(f"calls[{index}]: kwargs must be a dict of str to values or None, got {found.kwargs!r}")
+    if not callable(found.handler):
+        raise TypeError(f"calls[{index}]: the handler must be a module-level function, got {found.handler!r}")
+    return found
+
+
+def call_all_async(calls: Iterable[HostCall | tuple], timeout: float | None = None) -> Future:
+    """Send every call now; a Future of their results in order, or of the first failure.
+
+    See the module docstring for what each call keeps. Raises at once (nothing sent) for a
+    malformed call, an unknown worker or a bad ``timeout``.
+
+    Example::
+
+        fut = call_all_async([(f"worker{r}", make_table, (100,)) for r in (1, 2, 3)], timeout=10)
+        keys = fut.wait()          # [key on worker1, key on worker2, key on worker3]
+    """
+    checked = [_as_call(i, call) for i, call in enumerate(calls)]
+    _timeout_seconds(timeout)
+    n = len(checked)
+    labels = [f"calls[{i}] of {n} ({_handler_name(c.handler)})" for i, c in enumerate(checked)]
+    for call, label in zip(checked, labels):
+        _worker_name(call.worker, label)
+    combined: Future = Future()
+    if n == 0:
+        combined.set_result([])
+        return combined
+    results: list[Any] = [None] * n
+    lock = threading.Lock()
+    state = {"left": n, "failed": False}
+
+    def collector(index: int) -> Callable[[Future], None]:
+        def collect(fut: Future) -> None:
+            try:
+                value = fut.value()
+            except BaseException as exc:
+                with lock:
+                    first, state["failed"] = not state["failed"], True
+                if first:
+                    combined.set_exception(exc)  # outside the lock: callbacks may run here
+                return
+            with lock:
+                results[index] = value
+                state["left"] -= 1
+                done = state["left"] == 0 and not state["failed"]
+            if done:
+                combined.set_result(results)
+
+        return collect
+
+    sent = [
+        call_async(c.worker, c.handler, tuple(c.args), c.kwargs, timeout=timeout, label=label)
+        for c, label in zip(checked, labels)
+    ]
+    for index, fut in enumerate(sent):
+        fut.add_done_callback(collector(index))
+    return combined
+
+
+def call_all(calls: Iterable[HostCall | tuple], timeout: float | None = None) -> list[Any]:
+    """Run every call concurrently and return their results in order (see :func:`call_all_async`).
+
+    Raises the first failure, with its original type, naming the worker and the call's index.
+
+    Example::
+
+        outs = call_all([("worker1", handler, (x,)), ("worker2", handler, (y,), {"scale": 2})], timeout=5)
+    """
+    return call_all_async(calls, timeout).wait()
