@@ -156,7 +156,8 @@ def test_system_exit_in_a_constructor_raises_at_once_and_shutdown_completes():
     report = run_report("tests._shutdown_calls", list(sc.ROLES), timeout=180, args=("exit_in_init",))
     raised = report["constructor"]
     assert raised["raised"] == "SystemExit" and raised["is_exception"], raised  # never stops the caller
-    assert "SystemExit: 4" in raised["message"] and "on host" in raised["message"], raised
+    assert "SystemExit: 4" in raised["message"], raised
+    assert "on host " in raised["message"] or "'host'" in raised["message"], f"names no worker: {raised}"
     assert raised["seconds"] < raised["timeout"] / 4, f"the constructor waited {raised['seconds']:.1f} s"
     assert report["host_still_works"]
     assert report["shutdown"]["completed"] and report["shutdown"]["error"] is None, report["shutdown"]
