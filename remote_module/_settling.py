@@ -203,8 +203,11 @@ class Watcher:
                 self._cond.notify()
 
     def tick_soon(self) -> None:
-        """Wake every STUCK_S while settlement runs are in progress."""
-        with self._cond:  # never skipped: the watcher may be just deciding to sleep
+        """Wake every STUCK_S while settlement runs are in progress (call it after adding
+        the run: a watcher about to sleep sets ``_ticking`` to False before it looks again)."""
+        if self._ticking:
+            return
+        with self._cond:
             if not self._ticking:
                 self._ticking = True
                 if not self._start_locked():
@@ -224,7 +227,12 @@ class Watcher:
                 while True:
                     now = _clock()
                     visit = max(self._heap[0][0], visited + WATCH_TICK_S) if self._heap else math.inf
-                    self._ticking = _settlers.active()
+                    if not _settlers.active():
+                        self._ticking = False
+                        # a run added just now saw _ticking still True and left it to us
+                        self._ticking = _settlers.active()
+                    else:
+                        self._ticking = True
                     rescue = self._ticking and now >= rescued + STUCK_S
                     if visit <= now or rescue:
                         break
