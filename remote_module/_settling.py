@@ -74,7 +74,7 @@ class _Run:
     started. Its fields are touched without a lock where one CPython operation suffices
     (``deque.popleft``, a dict store)."""
 
-    __slots__ = ("jobs", "busy", "helper_queued", "__weakref__")
+    __slots__ = ("jobs", "busy", "helper_queued")
 
     def __init__(self, jobs: list[Callable[[], None]]) -> None:
         self.jobs = deque(jobs)

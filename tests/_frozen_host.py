@@ -55,7 +55,7 @@ class _Stderr:
 
 
 class _ErrorLog(logging.Handler):
-    """Keeps what ``remote_module`` logs at ERROR (a callback that raised, a future settled twice)."""
+    """Keeps what ``remote_module`` logs at ERROR (e.g. a future settled twice)."""
 
     def __init__(self) -> None:
         super().__init__(logging.ERROR)
