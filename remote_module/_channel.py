@@ -18,9 +18,9 @@ it takes:
   each, so a many-core host runs them in parallel), and a message never carries more
   estimated host time than ``DEADLINE_FRACTION`` of the shortest remaining deadline in it;
 - **progress no callback can block**: when a message is answered, the next one leaves
-  before any future is settled, and futures are settled outside every lock; futures failed
-  by the watcher are settled on helper threads, a new one started whenever the last is
-  stuck in a callback;
+  before any future is settled, and futures are settled outside every lock, in runs that
+  move to another thread when a callback blocks (:mod:`remote_module._settling`), so a
+  blocked callback delays no other call's result or deadline by more than a moment;
 - **order**: calls that share a message run in the order they were made;
   :meth:`Channel.wait_for_thread` lets a blocking call wait until every earlier call of the
   same thread was answered (program order at synchronisation points);
@@ -53,8 +53,6 @@ Example (an upper layer sending many small lookups to one server in few messages
 from __future__ import annotations
 
 import heapq
-import itertools
-import logging
 import math
 import threading
 import time
@@ -66,6 +64,16 @@ import torch.distributed.rpc as rpc
 from torch.futures import Future
 
 from remote_module._errors import CallTimeout, timeout_message
+from remote_module._settling import (
+    WATCH_TICK_S,
+    add_to_run,
+    complete,
+    finish_run,
+    schedule,
+    settle_elsewhere,
+    settle_here,
+    watched_run,
+)
 from remote_module._torch_private import before_rref_deletion_at_shutdown
 
 #: At most this many shared messages of one channel are in flight; later calls queue.
@@ -77,11 +85,8 @@ HEAVY_CALL_S = 0.001
 #: A message carries at most this fraction of the shortest remaining deadline in it, in
 #: estimated host time.
 DEADLINE_FRACTION = 0.25
-#: The watcher wakes at most this often (timeouts fire within this of their deadline).
-WATCH_TICK_S = 0.05
 
 _clock = time.monotonic
-_log = logging.getLogger("remote_module")
 _QUEUED, _SENT, _SETTLED = 0, 1, 2
 
 
@@ -181,7 +186,7 @@ class Channel:
             if p is not None:
                 p.state = _SENT
         if watch:
-            _watcher.schedule(deadline, self)
+            schedule(deadline, self)
         if p is not None:
             self._send([p], bool(shared), raise_now=True)
         return future
@@ -229,7 +234,10 @@ class Channel:
 
     # ---- sending and answers -------------------------------------------------------------
 
-    def _send(self, batch: list[_Pending], shared: bool, raise_now: bool = False) -> None:
+    def _send(self, batch: list[_Pending], shared: bool, raise_now: bool = False) -> BaseException | None:
+        """Send ``batch`` as one message; the error when RPC refused it at once (then the
+        caller of ``submit`` gets it raised when ``raise_now``, else the batch is failed by
+        whoever sent it)."""
         latest = max(p.deadline for p in batch)
         rpc_timeout = 0 if latest == math.inf else max(latest - _clock(), 0.001)  # 0: no timeout
         try:
@@ -244,13 +252,13 @@ class Channel:
                         self._in_flight -= 1
                     self._forget_locked(batch[0])
                 raise self._fail(exc) from exc
-            self._answered(batch, shared, None, exc)
-            return
+            return exc
         with self.lock:
             self.calls_sent += len(batch)
             self.messages_sent += 1
             self.shared_messages += len(batch) > 1
         fut.add_done_callback(lambda done: self._on_answer(done, batch, shared))
+        return None
 
     def _on_answer(self, done: Any, batch: list[_Pending], shared: bool) -> None:
         try:
@@ -261,25 +269,46 @@ class Channel:
         self._answered(batch, shared, [value] if len(batch) == 1 else value, None)
 
     def _answered(self, batch: list[_Pending], shared: bool, answers: list | None, exc: BaseException | None) -> None:
-        settle = []
-        with self.lock:
-            if shared:
-                self._in_flight -= 1
-            if answers is not None:
-                for answer in answers:
-                    self._observe_locked(answer.seconds)
-            to_send = self._take_locked()
-            for i, p in enumerate(batch):
-                if p.state != _SETTLED:
-                    settle.append((p, answers[i] if answers is not None else None))
+        """A message was answered (``answers``) or failed (``exc``): send what may leave now,
+        then settle its calls' futures (and those of messages RPC refused to send)."""
+        jobs: list[Callable[[], None]] = []
+        run = None  # jobs, watched while this thread sends (a send may run a callback inline)
+        done = [(batch, shared, answers, exc)]
+        while done:
+            batch, shared, answers, exc = done.pop()
+            now = _clock()
+            with self.lock:
+                if shared:
+                    self._in_flight -= 1
+                if answers is not None:
+                    for answer in answers:
+                        self._observe_locked(answer.seconds)
+                to_send = self._take_locked()
+                settle = [(i, p) for i, p in enumerate(batch) if p.state != _SETTLED]  # else failed at its deadline
+                for _, p in settle:
                     self._forget_locked(p)
-        for next_batch, next_shared in to_send:  # the next messages leave first
-            self._send(next_batch, next_shared)
-        for p, answer in settle:
-            if answer is None:
-                self._settle_error(p, exc)  # type: ignore[arg-type]
+            new_jobs: list[Callable[[], None]] = []
+            for i, p in settle:
+                if answers is not None:
+                    new_jobs.append(lambda p=p, result=answers[i].result: self._settle_result(p, result))
+                else:
+                    new_jobs.append(lambda p=p, error=self._error(p, exc, now): self._settle(p, error))
+            if run is not None:
+                add_to_run(run, new_jobs)
             else:
-                self._settle_result(p, answer.result)
+                jobs.extend(new_jobs)
+            if to_send and run is None:
+                # torch runs a callback inline when a message's future is already done as it is
+                # sent (e.g. one that timed out at once): that may block this thread
+                run = watched_run(jobs)
+            for next_batch, next_shared in to_send:  # the next messages leave first
+                refused = self._send(next_batch, next_shared)
+                if refused is not None:
+                    done.append((next_batch, next_shared, None, refused))
+        if run is None:
+            settle_here(jobs)
+        else:
+            finish_run(run)
 
     def _take_locked(self) -> list[tuple[list[_Pending], bool]]:
         """Queued calls that may leave now: shared messages while fewer than MAX_IN_FLIGHT
@@ -342,18 +371,21 @@ class Channel:
         try:
             value = self._finish(result)
         except BaseException as exc:
-            _complete(future, exc, True)
+            complete(future, exc, True)
         else:
-            _complete(future, value, False)
+            complete(future, value, False)
 
-    def _settle_error(self, p: _Pending, exc: BaseException) -> None:
+    def _settle(self, p: _Pending, error: BaseException) -> None:
         future, p.item, p.future = p.future, None, None
-        if _clock() >= p.deadline - WATCH_TICK_S:
+        complete(future, error, True)
+
+    def _error(self, p: _Pending, exc: BaseException, now: float) -> BaseException:
+        """The error of sent call ``p`` whose message failed with ``exc`` at ``now``."""
+        if now >= p.deadline - WATCH_TICK_S:  # RPC's own timeout: the call's deadline
             error: BaseException = self._timeout(p, sent=True)
             error.__cause__ = exc
-        else:
-            error = self._fail(exc)
-        _complete(future, error, True)
+            return error
+        return self._fail(exc)
 
     def _timeout(self, p: _Pending, sent: bool) -> CallTimeout:
         return CallTimeout(f"{self.label} failed: {timeout_message(p.timeout, self.dest_name if sent else None)}")
@@ -374,7 +406,7 @@ class Channel:
             return True
         return False
 
-    def _expire(self, now: float) -> None:
+    def expire(self, now: float) -> None:
         """Watcher: fail every call whose deadline passed; schedule the next visit."""
         expired = []
         with self.lock:
@@ -388,129 +420,10 @@ class Channel:
             self._check_at = heap[0][0] if heap else math.inf
             next_visit = self._check_at
         if next_visit != math.inf:
-            _watcher.schedule(next_visit, self)
-        if expired:
-            _settlers.run([lambda p=p, sent=sent: self._fail_at_deadline(p, sent) for p, sent in expired])
-
-    def _fail_at_deadline(self, p: _Pending, sent: bool) -> None:
-        future, p.item, p.future = p.future, None, None
-        _complete(future, self._timeout(p, sent), True)
+            schedule(next_visit, self)
+        settle_elsewhere([lambda p=p, sent=sent: self._settle(p, self._timeout(p, sent)) for p, sent in expired])
 
 
-def _complete(future: Future, value: Any, is_error: bool) -> None:
-    try:
-        if is_error:
-            future.set_exception(value)
-        else:
-            future.set_result(value)
-    except Exception:  # a callback that raised; the future itself is settled
-        _log.exception("a callback on a remote call's future raised")
-
-
-# ---- process-wide: the deadline watcher, settler threads, shutdown ------------------------
-
-
-class _Watcher:
-    """One daemon thread that visits channels at their next deadline."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._heap: list[tuple[float, int, weakref.ref]] = []
-        self._seq = itertools.count()
-        self._thread: threading.Thread | None = None
-
-    def schedule(self, when: float, channel: Channel) -> None:
-        with self._cond:
-            heapq.heappush(self._heap, (when, next(self._seq), weakref.ref(channel)))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="remote_module-deadlines", daemon=True)
-                self._thread.start()
-            elif self._heap[0][0] == when:
-                self._cond.notify()
-
-    def _loop(self) -> None:
-        last = -math.inf
-        while True:
-            with self._cond:
-                while True:
-                    now = _clock()
-                    wake = max(self._heap[0][0], last + WATCH_TICK_S) if self._heap else math.inf
-                    if _settlers.backlog():
-                        wake = min(wake, now + WATCH_TICK_S)
-                    if wake <= now:
-                        break
-                    self._cond.wait(None if wake == math.inf else wake - now)
-                due = []
-                while self._heap and self._heap[0][0] <= now:
-                    due.append(heapq.heappop(self._heap)[2])
-            last = now
-            _settlers.nudge(now)
-            for ref in due:
-                channel = ref()
-                if channel is not None:
-                    try:
-                        channel._expire(now)
-                    except Exception:
-                        _log.exception("failing calls at their deadline")
-
-
-class _Settlers:
-    """Threads that settle futures failed at their deadline; a callback that blocks one
-    thread makes the next job start another."""
-
-    MAX_THREADS = 64
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._jobs: deque[Callable[[], None]] = deque()
-        self._idle = 0
-        self._threads = 0
-        self._progress = _clock()
-
-    def run(self, jobs: list[Callable[[], None]]) -> None:
-        with self._cond:
-            self._jobs.extend(jobs)
-            if self._idle:
-                self._cond.notify()
-            else:
-                self._start_locked()
-
-    def backlog(self) -> bool:
-        return bool(self._jobs)
-
-    def nudge(self, now: float) -> None:
-        """Start another thread when jobs wait and none made progress lately."""
-        with self._cond:
-            if self._jobs and now - self._progress > 4 * WATCH_TICK_S and not self._idle:
-                self._start_locked()
-
-    def _start_locked(self) -> None:
-        if self._threads < self.MAX_THREADS:
-            self._threads += 1
-            self._progress = _clock()
-            threading.Thread(target=self._loop, name="remote_module-settle", daemon=True).start()
-
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._jobs:
-                    self._idle += 1
-                    woke = self._cond.wait(5.0)
-                    self._idle -= 1
-                    if not woke and not self._jobs:
-                        self._threads -= 1
-                        return
-                job = self._jobs.popleft()
-                self._progress = _clock()
-            try:
-                job()
-            except Exception:
-                _log.exception("settling a timed-out call")
-            self._progress = _clock()
-
-
-_watcher = _Watcher()
-_settlers = _Settlers()
 _channels: weakref.WeakSet = weakref.WeakSet()
 
 

@@ -118,3 +118,34 @@ def pid() -> int:
     import os
 
     return os.getpid()
+
+
+class CountingLinear(nn.Linear):
+    """``nn.Linear`` that counts the calls it ran (``ran()``, through the module's RRef) and
+    spends at least ``pause`` seconds of CPU on each (a busy wait: cheap calls still share
+    messages, but a burst of them takes the host a while)."""
+
+    def __init__(self, *args: Any, pause: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.pause = pause
+        self.calls = 0
+        self.calls_lock = threading.Lock()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        until = time.perf_counter() + self.pause
+        with self.calls_lock:
+            self.calls += 1
+        while time.perf_counter() < until:
+            pass
+        return super().forward(x)
+
+    def ran(self) -> int:
+        return self.calls
+
+
+class ExitInInit(nn.Module):
+    """A module whose constructor raises ``SystemExit`` (as a script's ``sys.exit()`` would)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        raise SystemExit(4)

@@ -1,5 +1,5 @@
 """Small dedicated worlds of plain subprocesses, for tests that kill workers or leave them
-hanging: each rank runs ``python -m MODULE ROLE INIT_METHOD``, rank 0 prints one
+hanging: each rank runs ``python -m MODULE ROLE INIT_METHOD [ARGS...]``, rank 0 prints one
 ``REPORT <json>`` line, and every process is reaped afterwards."""
 
 import json
@@ -13,13 +13,14 @@ from rpc_backend.loopback import fresh_file_rendezvous, loopback_env
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_report(module: str, roles: list[str], timeout: float) -> dict:
-    """Start one process per role; return rank 0's report. Kills the rest when it is done."""
+def run_report(module: str, roles: list[str], timeout: float, args: tuple[str, ...] = ()) -> dict:
+    """Start one process per role (``args`` go to every one); return rank 0's report. Kills
+    the rest when it is done."""
     init_method, path = fresh_file_rendezvous()
     env = {**os.environ, **loopback_env(), "PYTHONPATH": str(ROOT)}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", module, role, init_method],
+            [sys.executable, "-m", module, role, init_method, *args],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         )
         for role in roles
