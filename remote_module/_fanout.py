@@ -43,8 +43,6 @@ Example (a caller and two hosts that only serve)::
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import math
 import threading
 import time
@@ -54,10 +52,11 @@ import torch.distributed.rpc as rpc
 from torch.futures import Future
 
 from remote_module._errors import CallTimeout, capture, timeout_message, to_exception
+from remote_module._settling import complete, schedule, settle_elsewhere
 from remote_module._torch_private import is_async_execution, is_rpc_initialized, worker_names
 from rpc_backend.options import positive_seconds
 
-#: torch.distributed.rpc's "no timeout": the deadline is :data:`_deadlines`' to keep.
+#: torch.distributed.rpc's "no timeout": the deadline is kept by remote_module._settling's watcher.
 _NO_RPC_TIMEOUT = 0
 
 _clock = time.monotonic
@@ -155,7 +154,7 @@ class _Outstanding:
     whichever comes first; the future is dropped once settled (the deadline queue keeps this
     object until the deadline, not the result)."""
 
-    __slots__ = ("future", "lock", "label", "name", "seconds")
+    __slots__ = ("future", "lock", "label", "name", "seconds", "__weakref__")
 
     def __init__(self, future: Future, label: str, name: str, seconds: float) -> None:
         self.future: Future | None = future
@@ -182,48 +181,16 @@ class _Outstanding:
         else:
             future.set_exception(to_exception(value, f"on worker {self.name!r} in {self.label}"))
 
-    def expired(self) -> None:
+    def expire(self, now: float) -> None:
+        """Called by the process's deadline watcher (remote_module._settling) at the deadline;
+        the future is failed on a settler thread, so a callback that blocks on it delays no
+        other deadline."""
         future = self._take()
         if future is not None:
             message = f"{self.label} on worker {self.name!r} failed: {timeout_message(self.seconds, self.name)}"
-            future.set_exception(CallTimeout(message))
+            settle_elsewhere([lambda: complete(future, CallTimeout(message), True)])
 
 
-class _Deadlines:
-    """One daemon thread that fails calls at their deadlines; expiries run on a short-lived
-    thread of their own, so a callback that blocks on a failed future delays no other deadline."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._heap: list[tuple[float, int, _Outstanding]] = []
-        self._order = itertools.count()
-        self._thread: threading.Thread | None = None
-
-    def add(self, when: float, call: _Outstanding) -> None:
-        with self._cond:
-            heapq.heappush(self._heap, (when, next(self._order), call))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="remote_module-fanout-deadlines", daemon=True)
-                self._thread.start()
-            self._cond.notify()
-
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                now = _clock()
-                while not self._heap or self._heap[0][0] > now:
-                    self._cond.wait(self._heap[0][0] - now if self._heap else None)
-                    now = _clock()
-                due = []
-                while self._heap and self._heap[0][0] <= now:
-                    call = heapq.heappop(self._heap)[2]
-                    if call.future is not None:  # unsettled (checked again under its lock)
-                        due.append(call)
-            if due:
-                threading.Thread(target=lambda calls=due: [c.expired() for c in calls], daemon=True).start()
-
-
-_deadlines = _Deadlines()
 
 
 def call_async(
@@ -266,9 +233,9 @@ def call_async(
         ) from exc
     result: Future = Future()
     call = _Outstanding(result, label, name, seconds)
+    sent.add_done_callback(call.answered)  # holds ``call`` (the watcher only weakly) until answered
     if seconds != math.inf:
-        _deadlines.add(made + seconds, call)
-    sent.add_done_callback(call.answered)
+        schedule(made + seconds, call)
     return result
 
 
