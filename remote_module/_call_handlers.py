@@ -44,18 +44,22 @@ def _run(target: Target, call: Call) -> Any:
 # ---- handlers ---------------------------------------------------------------------------
 
 
-def _call_one(target: Target, call: Call) -> Answer:
-    """One ``forward`` call."""
+# Records arrive and leave in their wire form (remote_module._callspec: plain tuples).
+
+
+def _call_one(target: tuple, call: tuple) -> tuple:
+    """One ``forward`` call: ``Answer.wire()`` of ``Call.wire()``."""
     start = _clock()
-    result = _run(target, call)
-    return Answer(result, _clock() - start)
+    result = _run(Target._make(target), Call.from_wire(call))
+    return Answer(result, _clock() - start).wire()
 
 
-def _call_many(target: Target, calls: list[Call]) -> list[Answer]:
+def _call_many(target: tuple, calls: list[tuple]) -> list[tuple]:
     """Calls that share a message (see remote_module._channel), run in the order made."""
+    where = Target._make(target)
     answers = []
     for call in calls:
         start = _clock()
-        result = _run(target, call)
-        answers.append(Answer(result, _clock() - start))
+        result = _run(where, Call.from_wire(call))
+        answers.append(Answer(result, _clock() - start).wire())
     return answers

@@ -32,7 +32,7 @@ import torch.distributed.rpc as rpc
 from torch.futures import Future
 
 from remote_module import _call_handlers
-from remote_module._callspec import Call, Target
+from remote_module._callspec import Answer, Call, Target
 from remote_module._channel import Channel
 from remote_module._errors import CallTimeout, RemoteFailure, timeout_message, to_exception, unsendable_argument
 from remote_module._torch_private import device_map_to, dist_autograd_contexts_exist, is_rpc_initialized
@@ -169,7 +169,8 @@ class RemoteCalls:
         """Used by the generated ``forward``."""
         made = _clock()
         call = self._make_call(args, kwargs)
-        answer = self._blocking(_call_handlers._call_one, (self._target(), call), "forward", made)
+        sent = (self._target().wire(), call.wire())
+        answer = Answer.from_wire(self._blocking(_call_handlers._call_one, sent, "forward", made))
         channel = self.__dict__.get("_channel")
         if channel is not None:
             channel.observe(answer.seconds)
@@ -180,7 +181,7 @@ class RemoteCalls:
         made = _clock()
         call = self._make_call(args, kwargs)
         batchable = call.inline and not call.payload.side
-        return self._call_channel().submit(call, timeout=self._timeout_s(), batchable=batchable, made=made)
+        return self._call_channel().submit(call.wire(), timeout=self._timeout_s(), batchable=batchable, made=made)
 
     def _forward_result(self, result: Any) -> Any:
         if type(result) is RemoteFailure:
@@ -202,7 +203,7 @@ class RemoteCalls:
                 return _failure(on, remote_type, exc, "forward_async") if isinstance(exc, RuntimeError) else exc
 
             channel = Channel(
-                self._dest(), _call_handlers._call_one, _call_handlers._call_many, self._target(),
+                self._dest(), _call_handlers._call_one, _call_handlers._call_many, self._target().wire(),
                 finish=finish, fail=fail, label=_label(on, remote_type, "forward_async"),
                 devices=self._future_devices() if self.is_device_map_set else None,
                 keepalive=self.__dict__.get("module_rref"),

@@ -6,6 +6,12 @@ list of them; the host answers each call with an :class:`Answer`: the call's own
 :class:`remote_module._errors.RemoteFailure`) and the seconds the host spent on it, from
 which the caller's channel estimates what a message of such calls costs.
 
+On the wire each record travels as a plain tuple (``record.wire()``) and is rebuilt with
+``from_wire`` on arrival: a NamedTuple inside an RPC message makes the RPC pickler look its
+class up by module and name on every message, which cost ~5 µs of CPU per record and side,
+and on a 2-core host several times that in latency (measured on torch 2.13, loopback: a small
+call went from 0.68x to 0.80x of torch's RemoteModule with records as NamedTuples).
+
 Example (what a proxy sends for ``proxy(x)``)::
 
     Target(key=proxy.module_key, device="cpu", is_device_map_set=False)
@@ -27,6 +33,10 @@ class Target(NamedTuple):
     device: str
     is_device_map_set: bool
 
+    def wire(self) -> tuple:
+        """This record as a plain tuple (what travels); ``Target._make`` rebuilds it."""
+        return tuple(self)
+
 
 class Call(NamedTuple):
     """One ``forward`` call: its pickled ``(args, kwargs)``, the caller's grad mode, and
@@ -36,6 +46,16 @@ class Call(NamedTuple):
     grad_enabled: bool
     inline: bool
 
+    def wire(self) -> tuple:
+        """This record as nested plain tuples (what travels)."""
+        return (tuple(self.payload), self.grad_enabled, self.inline)
+
+    @staticmethod
+    def from_wire(sent: tuple) -> Call:
+        """The record :meth:`wire` sent."""
+        (data, side), grad_enabled, inline = sent
+        return Call(Payload(data, side), grad_enabled, inline)
+
 
 class Answer(NamedTuple):
     """The host's answer to one call: ``result`` (output payload or failure record) and the
@@ -43,3 +63,14 @@ class Answer(NamedTuple):
 
     result: Any
     seconds: float
+
+    def wire(self) -> tuple:
+        """This record as plain tuples (what travels); a failure record travels as itself."""
+        result = self.result
+        return (tuple(result) if type(result) is Payload else result, self.seconds)
+
+    @staticmethod
+    def from_wire(sent: tuple) -> Answer:
+        """The record :meth:`wire` sent."""
+        result, seconds = sent
+        return Answer(Payload(*result) if type(result) is tuple else result, seconds)

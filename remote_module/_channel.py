@@ -29,8 +29,9 @@ it takes:
   RRefs, and a channel holds ``keepalive`` (e.g. the module's RRef) while it lives.
 
 A channel is one per (caller object, process) and is never pickled. Host handlers are
-module-level functions ``one(context, item) -> Answer`` and ``many(context, items) ->
-list[Answer]`` (see :mod:`remote_module._callspec`).
+module-level functions ``one(context, item)`` and ``many(context, items)`` that return an
+:class:`remote_module._callspec.Answer` in its wire form (``Answer(...).wire()``), one per item
+for ``many``.
 
 Example (an upper layer sending many small lookups to one server in few messages)::
 
@@ -38,7 +39,7 @@ Example (an upper layer sending many small lookups to one server in few messages
     def _lookup_one(table_key, ids):
         start = time.perf_counter()
         rows = objects.get(table_key)[ids]
-        return Answer(dumps(rows, inline=True), time.perf_counter() - start)
+        return Answer(dumps(rows, inline=True), time.perf_counter() - start).wire()
 
     def _lookup_many(table_key, many_ids):
         return [_lookup_one(table_key, ids) for ids in many_ids]
@@ -63,6 +64,7 @@ from typing import Any, Callable
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
+from remote_module._callspec import Answer
 from remote_module._errors import CallTimeout, timeout_message
 from remote_module._settling import (
     WATCH_TICK_S,
@@ -266,7 +268,9 @@ class Channel:
         except BaseException as exc:
             self._answered(batch, shared, None, exc)
             return
-        self._answered(batch, shared, [value] if len(batch) == 1 else value, None)
+        # answers arrive in their wire form (remote_module._callspec)
+        answers = [Answer.from_wire(value)] if len(batch) == 1 else [Answer.from_wire(a) for a in value]
+        self._answered(batch, shared, answers, None)
 
     def _answered(self, batch: list[_Pending], shared: bool, answers: list | None, exc: BaseException | None) -> None:
         """A message was answered (``answers``) or failed (``exc``): send what may leave now,

@@ -61,7 +61,15 @@ _class_reducers = rpc_class_reducers()  # live dict: later registrations are see
 
 
 class Payload(NamedTuple):
-    """A pickled value: ``data`` (bytes) and the objects RPC itself must carry (``side``)."""
+    """A pickled value: ``data`` and the objects RPC itself must carry (``side``).
+
+    ``data`` is a pickle (bytes starting with pickle's PROTO opcode), or one of two short forms
+    for the commonest small calls, which skip the pickler but hold exactly what the pickle
+    would (the same tensor records, so identity, views and storage sharing are kept): a lone
+    tensor record (bytes starting with a record tag, never PROTO) for an output that is one
+    inlined tensor, and a tuple of tensor records for ``(args, {})`` whose args are all inlined
+    tensors.
+    """
 
     data: bytes
     side: list
@@ -117,35 +125,20 @@ def _sent_tensor(t: torch.Tensor) -> torch.Tensor | None:
     return t
 
 
-class _Pickler(pickle.Pickler):
-    def __init__(self, file: io.BytesIO, inline: bool) -> None:
-        super().__init__(file, _PROTOCOL)
-        self.inline = inline
-        self.side: list = []
-        self._side_index: dict[int, int] = {}
+class _Tensors:
+    """Encodes inlined tensors as records, remembering tensors and storages already written
+    within one value (so identity survives and views share their storage on arrival)."""
+
+    __slots__ = ("_tensors", "_storages", "_new_storages", "_keep")
+
+    def __init__(self) -> None:
         self._tensors: dict[int, int] = {}  # id(tensor) -> index, so identity survives
         self._storages: dict[int, int] = {}  # data_ptr -> index, so views share storage
         self._new_storages = 0
         self._keep: list = []  # compact copies stay alive: their addresses must stay unique
 
-    def persistent_id(self, obj: Any) -> Any:
-        cls = type(obj)
-        kind = _kinds.get(cls)
-        if kind is None:
-            kind = _kind(cls)
-        if kind == _PLAIN:
-            return None
-        if kind == _TENSOR and self.inline:
-            pid = self._tensor_id(obj)
-            if pid is not None:
-                return pid
-        index = self._side_index.get(id(obj))
-        if index is None:
-            index = self._side_index[id(obj)] = len(self.side)
-            self.side.append(obj)
-        return index  # an int: a side object
-
-    def _tensor_id(self, t: torch.Tensor) -> bytes | None:
+    def record(self, t: torch.Tensor) -> bytes | None:
+        """The record of ``t``, or None when it must travel through the tensor channel."""
         index = self._tensors.get(id(t))
         if index is not None:
             return _SEEN.pack(_SEEN_TENSOR, index)
@@ -171,6 +164,32 @@ class _Pickler(pickle.Pickler):
         header = _HEADER.pack(_NEW_STORAGE, code, t.requires_grad, ndim, index, sent.storage_offset())
         return header + sizes + (ctypes.string_at(ptr, nbytes) if nbytes else b"")
 
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, file: io.BytesIO, inline: bool, tensors: _Tensors | None = None) -> None:
+        super().__init__(file, _PROTOCOL)
+        self.inline = inline
+        self.side: list = []
+        self._side_index: dict[int, int] = {}
+        self._records = tensors if tensors is not None else _Tensors()
+
+    def persistent_id(self, obj: Any) -> Any:
+        cls = type(obj)
+        kind = _kinds.get(cls)
+        if kind is None:
+            kind = _kind(cls)
+        if kind == _PLAIN:
+            return None
+        if kind == _TENSOR and self.inline:
+            pid = self._records.record(obj)
+            if pid is not None:
+                return pid
+        index = self._side_index.get(id(obj))
+        if index is None:
+            index = self._side_index[id(obj)] = len(self.side)
+            self.side.append(obj)
+        return index  # an int: a side object
+
     def reducer_override(self, obj: Any) -> Any:
         reducer = _class_reducers.get(type(obj))
         if reducer is not None:
@@ -189,18 +208,17 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
 
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, side: list) -> None:
-        super().__init__(file)
-        self.side = side
+class _Records:
+    """Decodes tensor records (the receiver's side of :class:`_Tensors`)."""
+
+    __slots__ = ("tensors", "storages")
+
+    def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
         self.storages: list[torch.UntypedStorage] = []
 
-    def persistent_load(self, pid: Any) -> Any:
-        if type(pid) is int:
-            return self.side[pid]
-        tag = pid[0]
-        if tag == _SEEN_TENSOR:
+    def tensor(self, pid: bytes) -> torch.Tensor:
+        if pid[0] == _SEEN_TENSOR:
             return self.tensors[_SEEN.unpack(pid)[1]]
         tag, code, requires_grad, ndim, index, offset = _HEADER.unpack_from(pid)
         end = _HEADER.size + 16 * ndim
@@ -222,9 +240,43 @@ class _Unpickler(pickle.Unpickler):
         return t
 
 
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, side: list) -> None:
+        super().__init__(file)
+        self.side = side
+        self.records = _Records()
+
+    def persistent_load(self, pid: Any) -> Any:
+        if type(pid) is int:
+            return self.side[pid]
+        return self.records.tensor(pid)
+
+
+_PROTO_OPCODE = pickle.PROTO[0]  # every pickle of protocol >= 2 starts with it; records never
+
+
+def _short_form(obj: Any) -> bytes | tuple | None:
+    """The short ``data`` of :class:`Payload` for ``obj``, when it has one (see there)."""
+    cls = type(obj)
+    if cls is torch.Tensor:
+        return _Tensors().record(obj)
+    if cls is tuple and len(obj) == 2 and type(obj[1]) is dict and not obj[1] and type(obj[0]) is tuple:
+        args = obj[0]
+        if not args or any(type(a) is not torch.Tensor for a in args):
+            return None
+        tensors = _Tensors()
+        records = tuple(tensors.record(a) for a in args)
+        return None if None in records else records
+    return None
+
+
 def dumps(obj: Any, *, inline: bool) -> Payload:
     """Pickle ``obj`` for an RPC message (see the module docstring). Raises what pickling
     raises; nothing is sent."""
+    if inline:
+        short = _short_form(obj)
+        if short is not None:
+            return Payload(short, [])
     buf = io.BytesIO()
     pickler = _Pickler(buf, inline)
     pickler.dump(obj)
@@ -268,4 +320,10 @@ def check_side(side: list) -> None:
 
 def loads(payload: Payload) -> Any:
     """The value :func:`dumps` pickled."""
-    return _Unpickler(io.BytesIO(payload.data), payload.side).load()
+    data = payload.data
+    if type(data) is tuple:  # (args, {}) with args all inlined tensors
+        records = _Records()
+        return tuple([records.tensor(pid) for pid in data]), {}
+    if data[0] != _PROTO_OPCODE:  # one inlined tensor
+        return _Records().tensor(data)
+    return _Unpickler(io.BytesIO(data), payload.side).load()

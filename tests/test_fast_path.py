@@ -67,6 +67,70 @@ def test_aliasing_and_structure_survive():
     assert type(back["b"]) is _remote.Pair and back["b"].second == 3
 
 
+def _pickled(obj):
+    """``obj`` through the general path (the pickler), never a short form."""
+    import io
+
+    from remote_module._wire import Payload, _Pickler
+
+    buf = io.BytesIO()
+    pickler = _Pickler(buf, True)
+    pickler.dump(obj)
+    return Payload(buf.getvalue(), pickler.side)
+
+
+def _short_form_cases():
+    base = torch.arange(12.0).reshape(3, 4)
+    big = torch.arange(4096.0)  # a 16 KB storage: a small view of it travels as a compact copy
+    same = torch.ones(2)
+    return {
+        "lone tensor": torch.randn(3, 4),
+        "lone view": base[1:, ::2],
+        "lone channels_last": torch.randn(1, 3, 4, 4).to(memory_format=torch.channels_last),
+        "lone requires_grad": torch.randn(2, requires_grad=True),
+        "lone small view of a big storage": big[:10],
+        "args": ((torch.randn(2), torch.randn(3)), {}),
+        "args: one tensor twice": ((same, same), {}),
+        "args: a tensor and its view": ((base, base[0]), {}),
+        "args: views sharing a big storage": ((big[:2048], big[2048:]), {}),
+        "args: empty tensors": ((torch.empty(0), torch.empty(0, 3)), {}),
+    }
+
+
+@pytest.mark.parametrize("name", list(_short_form_cases()))
+def test_short_forms_arrive_exactly_as_the_pickled_form(name):
+    # The commonest small calls skip the pickler (remote_module._wire): what arrives must be
+    # what the general path delivers: types, values, strides, offsets, identity, storage sharing.
+    value = _short_form_cases()[name]
+    short = dumps(value, inline=True)
+    assert not isinstance(short.data, bytes) or short.data[:1] != b"\x80"  # it took a short form
+    a, b = loads(short), loads(_pickled(value))
+
+    def flat(v):
+        return [v] if isinstance(v, torch.Tensor) else list(v[0])
+
+    assert type(a) is type(b) and (isinstance(a, torch.Tensor) or (type(a[0]) is tuple and a[1] == {} == b[1]))
+    ta, tb = flat(a), flat(b)
+    for x, y in zip(ta, tb):
+        assert torch.equal(x, y) and x.dtype == y.dtype and x.stride() == y.stride()
+        assert x.storage_offset() == y.storage_offset() and x.requires_grad == y.requires_grad
+        assert x.untyped_storage().nbytes() == y.untyped_storage().nbytes()
+    ptrs = lambda ts: [t.untyped_storage().data_ptr() for t in ts]  # noqa: E731
+    same_a = [[p == q for q in ptrs(ta)] for p in ptrs(ta)]
+    same_b = [[p == q for q in ptrs(tb)] for p in ptrs(tb)]
+    assert same_a == same_b  # storage sharing among the call's tensors is the same
+    assert [[x is y for y in ta] for x in ta] == [[x is y for y in tb] for x in tb]
+
+
+def test_what_takes_no_short_form_still_pickles():
+    for value in [((torch.ones(2), 3), {}), ((torch.ones(2),), {"k": 1}), [torch.ones(2)], (torch.ones(2),),
+                  ((nn.Parameter(torch.ones(2)),), {}), ((), {})]:
+        payload = dumps(value, inline=True)
+        assert isinstance(payload.data, bytes) and payload.data[:1] == b"\x80"
+        back = loads(payload)
+        assert type(back) is type(value)
+
+
 @pytest.mark.usefixtures("rpc_world")
 class TestOverRPC:
     def test_fast_path_only_without_context_and_device_map(self):
