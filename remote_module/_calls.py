@@ -101,7 +101,11 @@ class RemoteCalls:
         """This proxy's timeout in seconds (``math.inf``: none)."""
         timeout = self.timeout
         if timeout < 0:  # the agent's default
-            timeout = rpc.get_rpc_timeout()
+            try:
+                timeout = rpc.get_rpc_timeout()
+            except RuntimeError as exc:  # no agent (before init_rpc, after shutdown): torch's
+                # own message here says nothing of what to do
+                raise RuntimeError(_rpc_missing_message(f"RemoteModule on {self.on!r}")) from exc
         return timeout if timeout > 0 else math.inf
 
     def _where(self) -> str:
@@ -111,7 +115,10 @@ class RemoteCalls:
         """The host's WorkerInfo, looked up once per process (a name costs a lookup per call)."""
         info = self.__dict__.get("_host_info")
         if info is None:
-            info = self.__dict__["_host_info"] = rpc.get_worker_info(self.on)
+            try:
+                info = self.__dict__["_host_info"] = rpc.get_worker_info(self.on)
+            except RuntimeError as exc:  # no agent (after shutdown): say what to do instead
+                raise RuntimeError(_rpc_missing_message(f"RemoteModule on {self.on!r}")) from exc
         return info
 
     # ---- forward ---------------------------------------------------------------------------

@@ -150,7 +150,7 @@ def render_forward_methods(
 
         >>> fwd, fwd_async = render_forward_methods(inspect.signature(lambda x, k=2: x), "f")
         >>> str(inspect.signature(fwd))
-        '(_rm_self, x, k=2)'
+        '(_rm_self, /, x, k=2)'
         >>> # proxy.forward(x) sends ((x,), {}); proxy.forward(x, 3) sends ((x, 3), {})
     """
     if sig is None:
@@ -170,6 +170,11 @@ def render_forward_methods(
     saw_kw_only_marker = False
     P = inspect.Parameter
     plist = list(sig.parameters.values())
+    if not any(p.kind is P.POSITIONAL_ONLY for p in plist):
+        # The proxy is positional-only, as ``self`` is to a local module's ``forward`` (called
+        # through ``Module.__call__``): a ``**kwargs`` forward then takes a keyword named
+        # ``_rm_self`` like any other, instead of failing with "multiple values".
+        params.append("/")
     for i, p in enumerate(plist):
         if not p.name.isidentifier() or p.name.startswith("_rm_"):
             raise ValueError(f"cannot generate forward for parameter name {p.name!r} in {origin}")

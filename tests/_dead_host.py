@@ -54,6 +54,7 @@ def caller() -> None:
 
     doomed = RemoteModule("doomed/cpu", torch.nn.Linear, (4, 4), timeout=TIMEOUT)
     survivor = RemoteModule("survivor/cpu", torch.nn.Linear, (4, 4), timeout=TIMEOUT)
+    agent_default = RemoteModule("survivor/cpu", torch.nn.Linear, (4, 4))  # timeout=None
     x = torch.ones(1, 4)
     before = attempt(lambda: doomed(x))
     wait_until_dead(rpc.rpc_sync("doomed", die_soon))
@@ -67,6 +68,11 @@ def caller() -> None:
     }
     rpc.shutdown(graceful=False)  # a peer is dead: no barrier
     report["after_shutdown"] = attempt(lambda: survivor(x))
+    report["after_shutdown_agent_default"] = [
+        attempt(lambda: agent_default(x)),
+        attempt(lambda: agent_default.forward_async(x).wait()),
+        attempt(lambda: agent_default.training),
+    ]
     print("REPORT " + json.dumps(report), flush=True)
     os._exit(0)
 

@@ -99,7 +99,7 @@ def test_shown_signature_has_the_real_default_objects():
         params = inspect.signature(fn).parameters
         assert params["mask"].default is missing
         assert params["table"].default is inspect.signature(f).parameters["table"].default
-    assert str(inspect.signature(fwd)) == "(_rm_self, x, mask=" + repr(missing) + ", *, table=tensor([0., 0., 0.]))"
+    assert str(inspect.signature(fwd)) == "(_rm_self, /, x, mask=" + repr(missing) + ", *, table=tensor([0., 0., 0.]))"
 
 
 def test_var_positional_keyword_and_positional_only():
@@ -142,11 +142,25 @@ def test_unknown_signature_falls_back_to_varargs():
 def test_generated_source_is_readable():
     _, fwd, _ = bind(Affine)
     src = inspect.getsource(fwd)
-    assert "def forward(_rm_self, x: _rm_a0, scale: _rm_a1 = _rm_omit, *, shift: _rm_a2 = _rm_omit)" in src
+    assert "def forward(_rm_self, /, x: _rm_a0, scale: _rm_a1 = _rm_omit, *, shift: _rm_a2 = _rm_omit)" in src
     assert "templates/forward.py.tpl" in template_text("forward.py.tpl")
     # without defaults the body stays one expression (the small-call fast path)
     _, fwd, _ = bind(torch.nn.Linear)
     assert "    return _rm_self._remote_call_sync((input, ), {})\n" in inspect.getsource(fwd)
+
+
+class AnyKeywords(torch.nn.Module):
+    def forward(self, x, **kw):
+        return x
+
+
+def test_a_keyword_named_like_the_proxy_parameter_reaches_var_keyword():
+    # A local module takes forward(x, _rm_self=2) into **kw; the generated methods must too
+    # (their proxy parameter is positional-only, like ``self`` behind Module.__call__).
+    rec, fwd, fwd_async = bind(AnyKeywords)
+    fwd(1, _rm_self=2)
+    fwd_async(1, _rm_self=3, self=4)
+    assert rec.sent == [("sync", (1,), {"_rm_self": 2}), ("async", (1,), {"_rm_self": 3, "self": 4})]
 
 
 def test_parameter_names_that_would_clash_are_rejected():

@@ -18,3 +18,7 @@ def test_dead_host_fails_fast_and_others_keep_working():
     after = report["after_shutdown"]
     assert not after["ok"] and after["type"] == "RuntimeError"
     assert "call rpc.init_rpc" in after["message"], after
+    # a proxy on the agent's default timeout says the same (not torch's "agent is not set")
+    for after in report["after_shutdown_agent_default"]:
+        assert not after["ok"] and after["type"] == "RuntimeError", after
+        assert "call rpc.init_rpc" in after["message"], after

@@ -1,0 +1,28 @@
+"""Rank function for tests/test_after_shutdown.py: a proxy on the agent's default timeout,
+used once, then used again after a graceful ``rpc.shutdown()``."""
+
+import torch
+import torch.distributed.rpc as rpc
+
+
+def use_after_shutdown() -> list | None:
+    """On rank 0: ``[(type name, message)]`` of forward, forward_async and training after shutdown."""
+    if rpc.get_worker_info().id != 0:
+        return None
+    from remote_module import RemoteModule
+
+    proxy = RemoteModule("worker1/cpu", torch.nn.Linear, (2, 2))  # timeout=None: the agent's
+    proxy(torch.ones(2))
+    rpc.shutdown()
+    found = []
+    for attempt in (
+        lambda: proxy(torch.ones(2)),
+        lambda: proxy.forward_async(torch.ones(2)).wait(),
+        lambda: proxy.training,
+    ):
+        try:
+            attempt()
+            found.append(("no error", ""))
+        except Exception as exc:
+            found.append((type(exc).__name__, str(exc)))
+    return found
