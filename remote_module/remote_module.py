@@ -19,6 +19,7 @@ from remote_module._creation import AGENT_DEFAULT_TIMEOUT as _AGENT_DEFAULT_TIME
 from remote_module._creation import check_constructor_arguments, create_on_host
 from remote_module._device import parse_remote_device
 from remote_module._errors import reraise
+from remote_module._module_state import RemoteModuleState
 from remote_module._pickling import (
     PICKLED_ATTRIBUTES,
     check_attributes,
@@ -27,7 +28,6 @@ from remote_module._pickling import (
     reduce_proxy,
     reduce_script_module,
 )
-from remote_module._state_dict import entries_under, merge_remote_state
 from remote_module._unsupported import UNSUPPORTED_METHODS, make_unsupported
 from remote_module._torch_private import (
     is_jit_interface,
@@ -43,7 +43,7 @@ def _require_rpc(what: str) -> None:
         raise RuntimeError(_rpc_missing_message(what))
 
 
-class RemoteModule(RemoteCalls, nn.Module):
+class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
     """A module created on a remote worker, called through RPC as if it were local.
 
     ``RemoteModule(remote_device, module_cls, args, kwargs)`` creates
@@ -307,90 +307,6 @@ class RemoteModule(RemoteCalls, nn.Module):
             rref.rpc_sync().extra_repr()      # call any method on the host
         """
         return self.module_rref
-
-    def train(self, mode: bool = True) -> RemoteModule:
-        """Set the remote module's training mode (on the host) and return this proxy.
-
-        Example::
-
-            model.train()          # reaches every RemoteModule inside the model, too
-            proxy.train(False)     # same as proxy.eval()
-        """
-        if not isinstance(mode, bool):
-            raise ValueError(f"training mode is expected to be boolean, got {mode!r}")
-        self._rpc(_handlers._train, self.module_rref, mode)
-        self.__dict__["training"] = mode  # the last value seen (see the training property)
-        return self
-
-    def eval(self) -> RemoteModule:
-        """Put the remote module in evaluation mode and return this proxy."""
-        return self.train(False)
-
-    # ``training`` is the host module's flag, read and written on the host in program order, so
-    # every proxy of one module (init_from_module_rref, proxies sent to other workers) tells the
-    # truth. nn.Module.__init__ writes it before the proxy is connected: that write stays local.
-    # The last value seen is kept in __dict__ (the property hides it) for TorchScript only, which
-    # reads a module's __dict__ when scripting it.
-    @property
-    def training(self) -> bool:  # type: ignore[override]
-        """The remote module's training flag, asked of the host (a blocking call, in program order).
-
-        Example::
-
-            b = RemoteModule.init_from_module_rref("worker1", a.get_module_rref())
-            a.eval()
-            assert b.training is False       # one module on worker1
-        """
-        if "module_rref" not in self.__dict__:
-            return self.__dict__.get("training", True)  # not connected yet (being built or received)
-        mode = self.__dict__["training"] = self._rpc(_handlers._training, self.module_rref)
-        return mode
-
-    @training.setter
-    def training(self, mode: bool) -> None:
-        # Like ``module.training = mode`` on a local module: the host module's own flag only (its
-        # submodules keep theirs; train()/eval() set them all).
-        if not isinstance(mode, bool):
-            raise ValueError(f"training mode is expected to be boolean, got {mode!r}")
-        if "module_rref" in self.__dict__:
-            self._rpc(_handlers._set_training, self.module_rref, mode)
-        self.__dict__["training"] = mode
-
-    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
-        """CPU copies of the remote module's state, under ``prefix`` (as ``nn.Module.state_dict``).
-
-        A model holding this proxy gets the remote entries in its own ``state_dict()``.
-        ``keep_vars`` has no effect: the values are always detached copies.
-
-        Example::
-
-            torch.save(model.state_dict(), "ckpt.pt")   # local and remote entries
-        """
-        if args:  # nn.Module's deprecated positional form: (destination, prefix, keep_vars)
-            destination, prefix, keep_vars = (list(args) + [destination, prefix, keep_vars][len(args):])[:3]
-        state, metadata = self._rpc(_handlers._state_dict, self.module_rref)
-        return merge_remote_state(destination, prefix, state, metadata)
-
-    def _load_from_state_dict(
-        self,
-        state_dict: dict,
-        prefix: str,
-        local_metadata: dict,
-        strict: bool,
-        missing_keys: list,
-        unexpected_keys: list,
-        error_msgs: list,
-    ) -> None:
-        # Called by nn.Module.load_state_dict for this proxy (directly or inside a model). The host
-        # loads with the module placed at ``prefix``, so keys and messages name full keys.
-        state, metadata = entries_under(state_dict, prefix)
-        assign = bool(local_metadata.get("assign_to_params_buffers", False))  # load_state_dict(assign=)
-        missing, unexpected, errors = self._rpc(
-            _handlers._load_state_dict, dict(state), dict(metadata), self.module_rref, prefix, assign
-        )
-        missing_keys.extend(missing)
-        unexpected_keys.extend(unexpected)
-        error_msgs.extend(errors)
 
     def __repr__(self) -> str:
         module = self.remote_repr.replace("\n", "\n  ")  # indent a multi-line module repr
