@@ -177,7 +177,10 @@ def render_forward_methods(
         params.append("/")
     for i, p in enumerate(plist):
         if not p.name.isidentifier() or p.name.startswith("_rm_"):
-            raise ValueError(f"cannot generate forward for parameter name {p.name!r} in {origin}")
+            raise ValueError(
+                f"cannot generate forward for parameter name {p.name!r} in {origin}: names starting with "
+                "'_rm_' are reserved for the generated code (and a name must be an identifier); rename it"
+            )
         text = p.name
         has_default = p.default is not P.empty
         if p.kind is P.VAR_POSITIONAL:

@@ -167,3 +167,11 @@ def test_parameter_names_that_would_clash_are_rejected():
     sig = inspect.Signature([inspect.Parameter("_rm_self", inspect.Parameter.POSITIONAL_OR_KEYWORD)])
     with pytest.raises(ValueError, match="_rm_self"):
         render_forward_methods(sig, "Clash")
+
+
+def test_a_parameter_with_the_reserved_prefix_is_refused_with_its_name():
+    def forward(x, _rm_mask=None):
+        return x
+
+    with pytest.raises(ValueError, match="_rm_mask"):
+        render_forward_methods(inspect.signature(forward), "Net.forward")
