@@ -172,14 +172,15 @@ def run_local(
             for rank in range(world_size):
                 stop.raise_if_received()
                 rank_maps = maps_by_worker.get(names[rank])
-                procs.append(ctx.Process(
+                proc = ctx.Process(
                     target=_rank_entry,
                     args=(fn, args, rank, layout, os.getpid(), store.port,
                           {**option_kwargs, "device_maps": rank_maps}, shutdown_timeout, results),
                     name=f"rpc-{names[rank]}",
                     daemon=False,
-                ))
-                procs[-1].start()
+                )
+                proc.start()  # raises for e.g. an fn that cannot be pickled for spawn
+                procs.append(proc)  # only started ranks are stopped and joined below
             values = _collect(procs, results, names, deadline, timeout, stop)
         finally:
             _stop(procs, stop_grace, hurry=lambda: stop.received is not None)

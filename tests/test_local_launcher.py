@@ -31,3 +31,12 @@ def test_bad_arguments():
         run_local(_launcher_fns.rank_and_sum, 0)
     with pytest.raises(ValueError, match="distinct"):
         run_local(_launcher_fns.rank_and_sum, 2, names=["a", "a"])
+
+
+def test_a_rank_that_cannot_start_raises_its_own_error():
+    # spawn pickles a rank's arguments when it starts it: the caller gets that error, not a
+    # failure of the cleanup that follows ("can only join a started process")
+    import threading
+
+    with pytest.raises(TypeError, match="pickle"):
+        run_local(_launcher_fns.rank_and_sum, 2, args=(threading.Lock(),), timeout=60)
