@@ -16,7 +16,6 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import nn
 
-from remote_module._errors import RemoteFailure
 from remote_module._registry import objects
 from remote_module._shipping import unpack_constructor
 from remote_module._state_dict import load_at
@@ -183,23 +182,19 @@ def _description(module: nn.Module) -> dict:
     scripted = script_class_name(module)
     sig = None if scripted is not None else forward_signature(module)
     return {
-        "failure": None,
         # A ScriptModule's Python wrapper dies with this call (the RRef holds the TorchScript
         # object): scriptable proxies name their module by RRef instead of by key.
         "key": None if scripted is not None else objects.hold_weakly(module),
         "type": scripted or f"{type(module).__module__}.{type(module).__qualname__}",
         "signature": portable_signature(sig),
-        "training": module.training,
         "repr": repr(module),
     }
 
 
 def _describe(module_rref: rpc.RRef) -> dict:
-    """Wait for the module to exist and describe it (or return its construction failure)."""
-    module = as_python_module(module_rref.local_value())
-    if isinstance(module, RemoteFailure):
-        return {"failure": module}
-    return _description(module)
+    """Wait for the module behind ``module_rref`` to exist and describe it (what it raised
+    while being created reaches the caller as this call's error)."""
+    return _description(as_python_module(module_rref.local_value()))
 
 
 def _param_rrefs(module_rref: rpc.RRef, recurse: bool) -> list[rpc.RRef]:

@@ -18,7 +18,6 @@ from remote_module._codegen import render_forward_methods, render_scriptable_mod
 from remote_module._creation import AGENT_DEFAULT_TIMEOUT as _AGENT_DEFAULT_TIMEOUT
 from remote_module._creation import check_constructor_arguments, create_on_host
 from remote_module._device import parse_remote_device
-from remote_module._errors import reraise
 from remote_module._module_state import RemoteModuleState
 from remote_module._pickling import (
     PICKLED_ATTRIBUTES,
@@ -238,10 +237,7 @@ class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
             render_scriptable_module(_module_interface_cls)
             proxy._rpc(_handlers._prepare_scriptable, _module_interface_cls)
         proxy.module_rref = module_rref
-        info = proxy._rpc(_handlers._describe, module_rref)
-        if info["failure"] is not None:
-            reraise(info["failure"], f"on {proxy.on} while creating the module behind module_rref")
-        proxy._finish(info, None)
+        proxy._finish(proxy._rpc(_handlers._describe, module_rref), None)
         return proxy
 
     # ---- construction helpers ------------------------------------------------------------
