@@ -296,14 +296,9 @@ def caller() -> None:
 
 
 def main(role: str, init_method: str) -> None:
-    import torch.distributed.rpc as rpc
+    from tests._subworld import join_and_serve
 
-    rank = ROLES.index(role)
-    options = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=20, num_worker_threads=8)
-    rpc.init_rpc(role, rank=rank, world_size=len(ROLES), rpc_backend_options=options)
-    if role == "caller":
-        caller()
-    rpc.shutdown()
+    join_and_serve(role, init_method, ROLES, caller)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,23 @@ def release(key: str) -> None:
     _event(key).set()
 
 
+def fails_while_held(call, key: str, expected: type[BaseException], within: float, worker: str = "worker1"):
+    """Caller side: run ``call(key)`` against ``worker``, whose ``hold(key)`` keeps it waiting;
+    return the ``expected`` error it raised, checking it came within ``within`` seconds. The
+    hold is released whatever happens."""
+    import pytest
+
+    start = time.monotonic()
+    try:
+        with pytest.raises(expected) as info:
+            call(key)
+        elapsed = time.monotonic() - start
+    finally:
+        rpc.rpc_sync(worker, release, (key,))
+    assert elapsed < within, elapsed
+    return info.value
+
+
 def holding(key: str) -> bool:
     with _lock:
         return key in _holding

@@ -37,3 +37,15 @@ def run_report(module: str, roles: list[str], timeout: float, args: tuple[str, .
     line = next((line for line in out.splitlines() if line.startswith("REPORT ")), None)
     assert line is not None, f"{module} printed no report:\n{out[-3000:]}"
     return json.loads(line[len("REPORT "):])
+
+
+def join_and_serve(role: str, init_method: str, roles: tuple[str, ...] | list[str], caller) -> None:
+    """A rank's body in such a world: join RPC as ``role``; the ``caller`` role runs ``caller()``
+    (which prints the report); every rank then shuts down gracefully, the others serving."""
+    import torch.distributed.rpc as rpc
+
+    options = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=20, num_worker_threads=8)
+    rpc.init_rpc(role, rank=roles.index(role), world_size=len(roles), rpc_backend_options=options)
+    if role == "caller":
+        caller()
+    rpc.shutdown()

@@ -2,11 +2,9 @@
 exceptions with their own type naming worker and module; from TorchScript, ``timeout=`` (each
 call is one rpc_async with the proxy's timeout) and the host's message in TorchScript's error."""
 
-import time
 
 import pytest
 import torch
-import torch.distributed.rpc as rpc
 
 from remote_module import RemoteModule
 from remote_module._codegen import template_text
@@ -26,15 +24,7 @@ def gate(rpc_world):
 
 def held_call_fails_in_time(call, key):
     """Run ``call(key)`` against a host that holds it; return the error, checking it came in time."""
-    start = time.monotonic()
-    try:
-        with pytest.raises(Exception) as info:
-            call(key)
-        elapsed = time.monotonic() - start
-    finally:
-        rpc.rpc_sync("worker1", _gates.release, (key,))
-    assert elapsed < TIMEOUT + SLACK, elapsed
-    return info.value
+    return _gates.fails_while_held(call, key, Exception, TIMEOUT + SLACK)
 
 
 def test_python_calls_raise_the_modules_exception_type_naming_worker_and_module(gate):
