@@ -34,7 +34,14 @@ from torch.futures import Future
 from remote_module import _call_handlers
 from remote_module._callspec import Answer, Call, Target
 from remote_module._channel import Channel
-from remote_module._errors import CallTimeout, RemoteFailure, timeout_message, to_exception, unsendable_argument
+from remote_module._errors import (
+    CallTimeout,
+    RemoteFailure,
+    retyped,
+    timeout_message,
+    to_exception,
+    unsendable_argument,
+)
 from remote_module._torch_private import device_map_to, dist_autograd_contexts_exist, is_rpc_initialized
 from remote_module._wire import check_side, dumps, loads
 
@@ -56,11 +63,7 @@ def _failure(on: str, remote_type: str, exc: BaseException, what: str) -> BaseEx
     """An RPC-level failure (dead host, RPC shut down), naming worker and module."""
     if not is_rpc_initialized():
         return RuntimeError(_rpc_missing_message(f"RemoteModule on {on!r}: {what}"))
-    message = f"{_label(on, remote_type, what)} failed: {exc}"
-    try:
-        return type(exc)(message)
-    except Exception:
-        return RuntimeError(message)
+    return retyped(exc, f"{_label(on, remote_type, what)} failed: {exc}")
 
 
 def _rpc_seconds(remaining: float) -> float:

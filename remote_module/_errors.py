@@ -105,6 +105,24 @@ def timeout_message(seconds: float, sent_to: str | None) -> str:
     return f"sent to worker {sent_to!r}, no answer within {seconds:g} s (timeout={seconds:g} s)"
 
 
+def retyped(exc: BaseException, message: str) -> BaseException:
+    """``exc``'s type with ``message`` (a ``RuntimeError`` when that type will not take one
+    string), for RPC-level failures reported with the worker and call they concern.
+
+    Example::
+
+        >>> retyped(ValueError("eof"), "call to worker1 failed: eof")
+        ValueError('call to worker1 failed: eof')
+    """
+    try:
+        new = type(exc)(message)
+        if isinstance(new, type(exc)):
+            return new
+    except Exception:
+        pass
+    return RuntimeError(message)
+
+
 def reraise(failure: RemoteFailure, where: str) -> NoReturn:
     """Raise :func:`to_exception` of ``failure`` (from None: the local frames say nothing)."""
     raise to_exception(failure, where) from None

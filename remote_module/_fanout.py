@@ -51,7 +51,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from remote_module._errors import CallTimeout, capture, timeout_message, to_exception
+from remote_module._errors import CallTimeout, capture, retyped, timeout_message, to_exception
 from remote_module._settling import complete, schedule, settle_elsewhere
 from remote_module._torch_private import is_async_execution, is_rpc_initialized, worker_names
 from rpc_backend.options import positive_seconds
@@ -138,17 +138,6 @@ def _worker_name(worker: Any, label: str) -> str:
     )
 
 
-def _retyped(exc: BaseException, message: str) -> BaseException:
-    """``exc``'s type with ``message`` (RuntimeError when that type will not take one string)."""
-    try:
-        new = type(exc)(message)
-        if isinstance(new, type(exc)):
-            return new
-    except Exception:
-        pass
-    return RuntimeError(message)
-
-
 class _Outstanding:
     """One sent call until its result future is settled, by its answer or by its deadline,
     whichever comes first; the future is dropped once settled (the deadline queue keeps this
@@ -226,7 +215,7 @@ def call_async(
     try:
         sent = rpc.rpc_async(name, body, (handler, tuple(args), dict(kwargs or {})), timeout=_NO_RPC_TIMEOUT)
     except Exception as exc:  # nothing was sent
-        raise _retyped(
+        raise retyped(
             exc,
             f"{label} could not be sent to worker {name!r}: {type(exc).__name__}: {exc}. Pass tensors, "
             "plain Python values or picklable objects, and module-level handlers.",
@@ -243,7 +232,7 @@ def _rpc_failure(exc: BaseException, label: str, name: str) -> BaseException:
     if not is_rpc_initialized():
         failure: BaseException = RuntimeError(f"{label} on worker {name!r} failed: RPC was shut down ({exc})")
     else:
-        failure = _retyped(exc, f"{label} on worker {name!r} failed: {exc}")
+        failure = retyped(exc, f"{label} on worker {name!r} failed: {exc}")
     failure.__cause__ = exc
     return failure
 
