@@ -436,8 +436,3 @@ def wait_until_all_idle() -> None:
     calls' deadlines). Runs inside a graceful ``rpc.shutdown`` before RRefs are deleted."""
     for channel in list(_channels):
         channel.wait_until_idle()
-
-
-def outstanding_calls() -> int:
-    """Calls made through any channel of this process and not yet settled."""
-    return sum(channel.outstanding() for channel in list(_channels))

@@ -13,7 +13,7 @@ import builtins
 import importlib
 import traceback
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 from remote_module._torch_private import jit_exception_origin
 
@@ -121,11 +121,6 @@ def retyped(exc: BaseException, message: str) -> BaseException:
     except Exception:
         pass
     return RuntimeError(message)
-
-
-def reraise(failure: RemoteFailure, where: str) -> NoReturn:
-    """Raise :func:`to_exception` of ``failure`` (from None: the local frames say nothing)."""
-    raise to_exception(failure, where) from None
 
 
 def unsendable_argument(

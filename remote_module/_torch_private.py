@@ -53,13 +53,6 @@ def is_jit_interface(cls: Any) -> bool:
     return isinstance(cls, type) and bool(getattr(cls, "__torch_script_interface__", False))
 
 
-def rpc_serialize(obj: Any) -> None:
-    """Serialize ``obj`` exactly as an RPC message would (raises what sending would raise)."""
-    from torch.distributed.rpc.internal import _internal_rpc_pickler
-
-    _internal_rpc_pickler.serialize(obj)
-
-
 def worker_names() -> list[str]:
     """The names of all workers in the current RPC world."""
     return sorted(w.name for w in rpc.api._get_current_rpc_agent().get_worker_infos())
