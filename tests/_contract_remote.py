@@ -107,13 +107,6 @@ class ListSubclass(list):
     """A list subclass, importable on every rank."""
 
 
-class BadReduce:
-    """An argument whose pickling raises RuntimeError."""
-
-    def __reduce__(self):
-        raise RuntimeError("this object refuses to be pickled")
-
-
 def pid() -> int:
     import os
 
