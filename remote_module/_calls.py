@@ -83,8 +83,7 @@ class RemoteCalls:
     def _blocking(self, handler: Callable[..., Any], args: tuple, what: str, made: float) -> Any:
         timeout = self._timeout_s()
         deadline = made + timeout
-        channel = self.__dict__.get("_channel")
-        if channel is not None and not channel.wait_for_thread(deadline):
+        if not self._earlier_calls_done(deadline):
             raise CallTimeout(f"{_label(self.on, self._remote_type(), what)} failed: {timeout_message(timeout, None)}")
         try:
             return rpc.rpc_sync(self._dest(), handler, args, timeout=_rpc_seconds(deadline - _clock()))
@@ -93,6 +92,13 @@ class RemoteCalls:
                 message = timeout_message(timeout, self.on)
                 raise CallTimeout(f"{_label(self.on, self._remote_type(), what)} failed: {message}") from exc
             raise self._failed(exc, what) from exc
+
+    def _earlier_calls_done(self, deadline: float) -> bool:
+        """Wait until every call this thread made earlier on the proxy was answered; False when
+        ``deadline`` (``time.monotonic()``) passed first. Layers that call the host by other
+        means (a pipeline's stages) call it first, to keep program order."""
+        channel = self.__dict__.get("_channel")
+        return channel is None or channel.wait_for_thread(deadline)
 
     def _failed(self, exc: BaseException, what: str) -> BaseException:
         return _failure(self.on, self._remote_type(), exc, what)

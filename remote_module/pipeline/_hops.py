@@ -1,0 +1,263 @@
+"""The RPC handlers of a pipeline: a stage's host runs one micro-batch and hands the output on.
+
+A micro-batch travels as a chain of calls. The caller calls stage 0's host with
+:func:`_step`; that host runs its module on the micro-batch and calls stage 1's host with the
+output (``_step`` again), and so on; the last stage's host calls the caller back with
+:func:`_deliver`, which leaves the output in the caller's inbox. An intermediate activation
+therefore goes from host to host and never through the caller. Each call is answered only when
+the rest of the chain has been (the handlers are ``async_execution``), with ``None`` or a
+:data:`Failure` naming the stage that failed, so the caller's one call per micro-batch says
+how the whole chain went.
+
+Inside a ``dist_autograd.context()`` every hop is an RPC carrying tensors, which torch
+records, so ``dist_autograd.backward`` runs back along the chain.
+
+What each stage keeps:
+
+- **one micro-batch at a time, in arrival order** (:class:`_Turns`, one per module): the
+  micro-batches of a forward queue on stage 0 while later stages run the earlier ones, which
+  is how they overlap;
+- **the deadline**: every hop carries the seconds left. A host gives the next hop what is left
+  minus a margin and waits for its answer half a margin longer than that, so a frozen or dead
+  stage is reported, by name, by the stage before it, before the caller's own timeout fires;
+- **cancellation**: after a failure the caller marks the run cancelled on every stage's host
+  (:func:`_cancel`); micro-batches still waiting for their turn fail at once instead of running.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+import time
+import weakref
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed.rpc as rpc
+from torch.futures import Future
+
+from remote_module._device import tensors_to_cpu
+from remote_module._errors import CallTimeout, RemoteFailure, capture
+from remote_module._handlers import _device, _lookup
+from remote_module._torch_private import device_map_to
+
+_clock = time.monotonic
+
+
+class Stage(NamedTuple):
+    """A stage as the hosts address it: its worker, its module's key there, its device."""
+
+    worker: str
+    key: Any  # an int (remote_module._registry), or the RRef of a scripted module
+    device: str
+
+
+class Route(NamedTuple):
+    """What every hop of one forward carries: who called, which run, the stages, the margin."""
+
+    caller: str
+    run: int
+    stages: tuple[Stage, ...]
+    margin: float  # seconds each hop keeps back for its answer to travel
+
+
+#: A failed chain: (stage index, worker, what was raised there, whether it was a cancellation).
+Failure = tuple[int, str, RemoteFailure, bool]
+
+
+class Cancelled(RuntimeError):
+    """A micro-batch not run because another one of the same forward had failed."""
+
+
+# ---- one micro-batch at a time per stage -----------------------------------------------
+
+
+class _Turns:
+    """A first-come first-served lock whose waits end at a deadline."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._queue: collections.deque[object] = collections.deque()
+        self._busy = False
+
+    def enter(self, deadline: float) -> bool:
+        """Wait for this caller's turn until ``deadline`` (monotonic); False when it passed."""
+        me = object()
+        with self._cond:
+            self._queue.append(me)
+            while self._busy or self._queue[0] is not me:
+                left = deadline - _clock()
+                if left <= 0:
+                    self._queue.remove(me)
+                    self._cond.notify_all()
+                    return False
+                self._cond.wait(min(left, 3600.0))
+            self._queue.popleft()
+            self._busy = True
+            return True
+
+    def leave(self) -> None:
+        with self._cond:
+            self._busy = False
+            self._cond.notify_all()
+
+
+_turns: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> _Turns
+_turns_lock = threading.Lock()
+
+
+def _turns_of(module: Any) -> _Turns:
+    with _turns_lock:
+        turns = _turns.get(module)
+        if turns is None:
+            turns = _turns[module] = _Turns()
+        return turns
+
+
+# ---- cancelled runs --------------------------------------------------------------------
+
+_CANCELLED_KEPT = 4096  # the most recent cancellations this host remembers
+_cancelled: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
+_cancelled_lock = threading.Lock()
+
+
+def _cancel(caller: str, run: int) -> None:
+    """Handler: micro-batches of ``run`` that have not started on this host will not."""
+    with _cancelled_lock:
+        _cancelled[(caller, run)] = None
+        while len(_cancelled) > _CANCELLED_KEPT:
+            _cancelled.popitem(last=False)
+
+
+def _is_cancelled(caller: str, run: int) -> bool:
+    with _cancelled_lock:
+        return (caller, run) in _cancelled
+
+
+# ---- running a stage -------------------------------------------------------------------
+
+
+def _portable(out: Any, device: torch.device, dest: str) -> Any:
+    """``out`` as it may travel to ``dest``: tensors off the CPU only where a device map to
+    ``dest`` is set (RPC refuses them otherwise), else on the CPU."""
+    if device.type == "cpu" or device_map_to(dest):
+        return out
+    return tensors_to_cpu(out)
+
+
+def _as_arguments(out: Any) -> tuple:
+    """A stage's output as the next stage's positional arguments."""
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _run_stage(route: Route, index: int, mb: int, deadline: float, grad: bool, args: tuple) -> Any:
+    stage = route.stages[index]
+    module = _lookup(stage.key)
+    turns = _turns_of(module)
+    if not turns.enter(deadline):
+        raise CallTimeout(
+            f"micro-batch {mb} waited for its turn on pipeline stage {index} (worker {stage.worker!r}) "
+            "until its deadline: the stage was busy with earlier micro-batches"
+        )
+    try:
+        if _is_cancelled(route.caller, route.run):
+            raise Cancelled(f"micro-batch {mb} was cancelled: another micro-batch of this forward failed")
+        device = _device(stage.device)
+        if device.type != "cpu":
+            args = tuple(a.to(device) if isinstance(a, torch.Tensor) and a.device.type == "cpu" else a for a in args)
+        with torch.set_grad_enabled(grad):
+            return module(*args)
+    finally:
+        turns.leave()
+
+
+def _failed(index: int, worker: str, exc: BaseException) -> Failure:
+    return (index, worker, capture(exc), isinstance(exc, Cancelled))
+
+
+def _rpc_seconds(seconds: float) -> float:
+    """torch RPC's timeout argument (0: none)."""
+    return 0 if seconds == math.inf else max(seconds, 0.001)
+
+
+# ---- handlers --------------------------------------------------------------------------
+
+
+@rpc.functions.async_execution
+def _step(route: Route, index: int, mb: int, budget: float, grad: bool, args: tuple) -> Future:
+    """Handler: run stage ``index`` on micro-batch ``mb``, then hand the output on.
+
+    Answered with ``None`` when the rest of the chain succeeded, else with a :data:`Failure`.
+    ``budget`` is the seconds this stage and the rest of the chain may take.
+    """
+    answer: Future = Future()
+    deadline = _clock() + budget
+    worker = route.stages[index].worker
+    try:
+        out = _run_stage(route, index, mb, deadline, grad, args)
+        last = index + 1 == len(route.stages)
+        dest = route.caller if last else route.stages[index + 1].worker
+        out = _portable(out, _device(route.stages[index].device), dest)
+    except BaseException as exc:  # the stage's own failure, whatever it is
+        answer.set_result(_failed(index, worker, exc))
+        return answer
+    if last:
+        what, blame = f"the caller {dest!r} (delivering micro-batch {mb})", index
+        handler, hop_args = _deliver, (route.run, mb, out)
+    else:
+        what, blame = f"pipeline stage {index + 1} on worker {dest!r}", index + 1
+        handler = _step
+    left = deadline - _clock() - route.margin
+    if left <= 0:
+        late = CallTimeout(f"{what} was not sent micro-batch {mb}: the pipeline's timeout ran out first")
+        answer.set_result(_failed(blame, dest, late))
+        return answer
+    if not last:
+        hop_args = (route, index + 1, mb, left, grad, _as_arguments(out))
+    wait = left + route.margin / 2
+    try:
+        sent = rpc.rpc_async(dest, handler, hop_args, timeout=_rpc_seconds(wait))
+    except BaseException as exc:  # nothing was sent (e.g. an output that does not pickle)
+        answer.set_result(_failed(index, worker, exc))
+        return answer
+    give_up = _clock() + wait
+
+    def settle(fut: Future) -> None:
+        try:
+            answer.set_result(fut.value())
+        except BaseException as exc:  # the hop itself failed: dead or frozen host, shutdown
+            if _clock() >= give_up - 0.05:
+                failure: BaseException = CallTimeout(f"{what} did not answer micro-batch {mb} within {wait:.3g} s")
+            else:
+                failure = RuntimeError(f"{what} could not be reached with micro-batch {mb}: {exc}")
+            answer.set_result(_failed(blame, dest, failure))
+
+    sent.add_done_callback(settle)
+    return answer
+
+
+# ---- the caller's inbox ----------------------------------------------------------------
+
+_inbox: dict[int, dict[int, Any]] = {}
+_inbox_lock = threading.Lock()
+
+
+def open_inbox(run: int) -> None:
+    """Caller side: accept the outputs of ``run``."""
+    with _inbox_lock:
+        _inbox[run] = {}
+
+
+def close_inbox(run: int) -> dict[int, Any]:
+    """Caller side: the outputs of ``run`` by micro-batch; later deliveries are dropped."""
+    with _inbox_lock:
+        return _inbox.pop(run, {})
+
+
+def _deliver(run: int, mb: int, out: Any) -> None:
+    """Handler on the caller: the last stage's output for micro-batch ``mb`` of ``run``."""
+    with _inbox_lock:
+        box = _inbox.get(run)
+        if box is not None:
+            box[mb] = out

@@ -1,0 +1,258 @@
+"""RemotePipeline: stages on several workers, micro-batches flowing host to host."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+from typing import Any, Sequence
+
+import torch
+import torch.distributed.rpc as rpc
+from torch import nn
+from torch.futures import Future
+
+from remote_module._errors import CallTimeout, retyped, to_exception
+from remote_module._fanout import call_async
+from remote_module.pipeline import _hops
+from remote_module.remote_module import RemoteModule
+from rpc_backend.options import positive_seconds
+
+_clock = time.monotonic
+_runs = itertools.count(1)  # run ids, unique in this process (hosts key cancellations by caller + run)
+
+
+def _margin(seconds: float) -> float:
+    """Seconds each hop keeps back so that a failure deeper in the chain is reported, by the
+    stage before it, ahead of the timeout of the hop above."""
+    return 0.0 if seconds == math.inf else min(1.0, 0.1 * seconds)
+
+
+def _checked_stage(index: int, item: Any) -> Any:
+    if isinstance(item, RemoteModule):
+        return item
+    if isinstance(item, tuple) and len(item) == 4 and isinstance(item[0], str):
+        return item
+    raise TypeError(
+        f"stages[{index}] must be a RemoteModule or a tuple (remote_device, module_cls, args, kwargs), "
+        f"got {type(item).__name__}: {item!r}"
+    )
+
+
+def _concatenated(outputs: list[Any]) -> Any:
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(outputs) if len(outputs) > 1 else first
+    if isinstance(first, tuple) and all(isinstance(t, torch.Tensor) for t in first):
+        return tuple(torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*outputs))
+    raise TypeError(
+        "the last pipeline stage must return a tensor or a tuple of tensors (they are concatenated "
+        f"over micro-batches on dim 0), got {type(first).__name__}"
+    )
+
+
+class RemotePipeline(nn.Module):
+    """A model split into stages on several workers, run as a pipeline of micro-batches.
+
+    ``forward(x)`` splits ``x`` on dim 0 into ``chunks`` micro-batches (as
+    ``torch.tensor_split`` does: the last may be smaller; fewer when the batch is smaller than
+    ``chunks``), sends each to stage 0's host and returns the last stage's outputs concatenated,
+    equal to running the stages in order locally. Each stage's host runs one micro-batch at a
+    time and sends its output straight to the next stage's host, so while stage 1 runs
+    micro-batch i, stage 0 runs i+1; the caller sends only the micro-batches and receives only
+    the last stage's output. A stage's output is passed on as the next stage's positional
+    arguments (a tuple is unpacked); the last stage returns a tensor or a tuple of tensors.
+    Extra positional tensors (``forward(x, y)``) are split alike and given to stage 0.
+
+    Stages run in the caller's grad mode. Inside ``dist_autograd.context()`` the whole chain is
+    recorded: ``dist_autograd.backward`` reaches every stage's parameters, and
+    ``DistributedOptimizer(opt, pipe.remote_parameters(), ...)`` steps them.
+
+    It is an ``nn.Module`` whose children are the stage proxies (``pipe.stages``, an
+    ``nn.ModuleList``): ``train()``/``eval()`` reach every stage and ``state_dict()`` keys are
+    ``stages.<i>.<the stage module's own key>``.
+
+    Failures: an exception raised in a stage's ``forward`` reaches the caller with its type,
+    naming the stage index and its worker; a stage whose worker died or froze is named within
+    ``timeout``. The micro-batches not yet run are then cancelled, and ``forward`` raises once
+    every micro-batch is settled. ``dist_autograd.backward`` and
+    ``DistributedOptimizer.step`` take no timeout in torch's API: the RPC agent's applies there.
+
+    Args:
+        stages: ``RemoteModule`` proxies, or tuples ``(remote_device, module_cls, args, kwargs)``
+            from which proxies are created (concurrently).
+        chunks: the number of micro-batches per forward.
+        timeout: seconds one ``forward`` may take (``None``: the RPC agent's default). It also
+            bounds the creation of stages given as tuples.
+
+    Example (worker0 drives; worker1 and worker2 only join RPC and wait)::
+
+        # worker1, worker2: rpc.init_rpc(f"worker{rank}", rank=rank, world_size=3); rpc.shutdown()
+        # worker0:
+        pipe = RemotePipeline(
+            [("worker1/cpu", nn.Linear, (16, 32), None), ("worker2/cpu", nn.Linear, (32, 4), None)],
+            chunks=4,
+        )
+        with dist_autograd.context() as ctx:
+            loss = pipe(torch.randn(64, 16)).sum()
+            dist_autograd.backward(ctx, [loss])
+    """
+
+    def __init__(self, stages: Sequence[Any], chunks: int = 1, *, timeout: float | None = None) -> None:
+        super().__init__()
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"chunks must be a positive int (micro-batches per forward), got {chunks!r}")
+        self.timeout = None if timeout is None else positive_seconds(timeout, "timeout")
+        self.chunks = chunks
+        try:
+            items = list(stages)
+        except TypeError:
+            raise TypeError(f"stages must be a list of RemoteModule or tuples, got {type(stages).__name__}") from None
+        if not items:
+            raise ValueError("a RemotePipeline needs at least one stage, got an empty list")
+        items = [_checked_stage(i, item) for i, item in enumerate(items)]
+        pending: dict[int, Future] = {}
+        for i, item in enumerate(items):
+            if isinstance(item, tuple):
+                device, cls, args, kwargs = item
+                pending[i] = RemoteModule.create_async(device, cls, args, kwargs, timeout=self.timeout)
+        for i, fut in pending.items():  # all sent first, then awaited: one round trip in all
+            try:
+                items[i] = fut.wait()
+            except Exception as exc:
+                raise retyped(exc, f"creating pipeline stage {i} ({items[i][0]!r}) failed: {exc}") from exc
+        self.stages = nn.ModuleList(items)
+
+    def extra_repr(self) -> str:
+        return f"chunks={self.chunks}"
+
+    def remote_parameters(self, recurse: bool = True) -> list[rpc.RRef]:
+        """RRefs of every stage's parameters, stage by stage, for ``DistributedOptimizer``.
+
+        Example::
+
+            opt = DistributedOptimizer(torch.optim.SGD, pipe.remote_parameters(), lr=0.05)
+        """
+        return [p for stage in self.stages for p in stage.remote_parameters(recurse)]
+
+    # ---- forward -----------------------------------------------------------------------
+
+    def _seconds(self) -> float:
+        if self.timeout is not None:
+            return self.timeout
+        seconds = rpc.get_rpc_timeout()
+        return seconds if seconds > 0 else math.inf
+
+    def forward(self, x: torch.Tensor, *more: torch.Tensor) -> Any:
+        """Run the micro-batches of ``x`` (and ``more``, split alike) through the stages."""
+        made = _clock()
+        inputs = (x, *more)
+        for i, t in enumerate(inputs):
+            if not isinstance(t, torch.Tensor) or t.dim() == 0:
+                raise TypeError(
+                    f"RemotePipeline.forward takes tensors with a batch dimension (dim 0), got "
+                    f"{'x' if i == 0 else f'more[{i - 1}]'} = {type(t).__name__}"
+                    + (" with no dimensions" if isinstance(t, torch.Tensor) else "")
+                )
+        batch = inputs[0].shape[0]
+        if any(t.shape[0] != batch for t in inputs):
+            raise ValueError(
+                f"every input must have the same size on dim 0 (the batch), got {[t.shape[0] for t in inputs]}"
+            )
+        n = max(1, min(self.chunks, batch))
+        micro = list(zip(*(torch.tensor_split(t, n) for t in inputs)))
+        seconds = self._seconds()
+        deadline = made + seconds
+        for i, stage in enumerate(self.stages):
+            if not stage._earlier_calls_done(deadline):
+                raise CallTimeout(
+                    f"pipeline stage {i} on worker {stage.on!r}: earlier calls this thread made on its "
+                    f"proxy were not answered within the pipeline's timeout ({seconds:g} s)"
+                )
+        route = _hops.Route(
+            rpc.get_worker_info().name,
+            next(_runs),
+            tuple(_hops.Stage(s.on, s._target().key, s.device) for s in self.stages),
+            _margin(seconds),
+        )
+        _hops.open_inbox(route.run)
+        try:
+            failures = self._run(route, micro, deadline)
+        finally:
+            outputs = _hops.close_inbox(route.run)
+        if failures:
+            raise failures[0]
+        missing = [i for i in range(n) if i not in outputs]
+        if missing:  # cannot happen while the chain answers only after delivering
+            raise RuntimeError(f"pipeline micro-batches {missing} were answered but never delivered")
+        return _concatenated([outputs[i] for i in range(n)])
+
+    def _run(self, route: _hops.Route, micro: list[tuple], deadline: float) -> list[BaseException]:
+        """Send every micro-batch, wait until all are settled; the failures, first one first."""
+        n = len(micro)
+        first = route.stages[0]
+        grad = torch.is_grad_enabled()
+        lock = threading.Lock()
+        failures: list[tuple[bool, BaseException]] = []  # (was it a cancellation, error), by time
+        cancelled = [False]
+
+        def cancel_all() -> None:
+            for worker in {s.worker for s in route.stages}:
+                try:
+                    fut = rpc.rpc_async(worker, _hops._cancel, (route.caller, route.run), timeout=5)
+                    fut.add_done_callback(_ignore)
+                except Exception:
+                    pass  # RPC shutting down or the host gone: nothing left to cancel there
+
+        def watcher(mb: int):
+            def settled(fut: Future) -> None:
+                try:
+                    value = fut.value()
+                    if value is None:
+                        return
+                    index, worker, failure, was_cancel = value
+                    where = f"in pipeline stage {index} on worker {worker!r} (micro-batch {mb} of {n})"
+                    error = to_exception(failure, where)
+                except BaseException as exc:  # stage 0 unreachable, or the caller's own timeout
+                    was_cancel, error = False, exc
+                with lock:
+                    failures.append((was_cancel, error))
+                    first_failure, cancelled[0] = not cancelled[0], True
+                if first_failure:
+                    cancel_all()
+
+            return settled
+
+        sent: list[Future] = []
+        for mb, args in enumerate(micro):
+            left = deadline - _clock()
+            if left < 0.001:
+                with lock:
+                    failures.append((False, CallTimeout(
+                        f"pipeline micro-batch {mb} of {n} was not sent: the pipeline's timeout "
+                        f"({self._seconds():g} s) ran out first"
+                    )))
+                break
+            fut = call_async(
+                first.worker,
+                _hops._step,
+                (route, 0, mb, left - route.margin, grad, args),
+                timeout=None if left == math.inf else left,  # None here: the agent's, which is none
+                label=f"pipeline micro-batch {mb} of {n} (stage 0 on worker {first.worker!r})",
+            )
+            fut.add_done_callback(watcher(mb))
+            sent.append(fut)
+        if sent:
+            torch.futures.collect_all(sent).wait()
+        with lock:
+            real = [e for was_cancel, e in failures if not was_cancel]
+            return real or [e for _, e in failures]
+
+
+def _ignore(fut: Future) -> None:
+    try:
+        fut.value()
+    except Exception:
+        pass
+
