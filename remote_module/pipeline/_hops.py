@@ -104,15 +104,25 @@ class _Turns:
 
 
 _turns: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> _Turns
+# A scripted module reaches Python as a new wrapper on every lookup; its turns are kept by the
+# TorchScript object's hash (equal for every wrapper of it), for the life of the process.
+_script_turns: dict[int, _Turns] = {}
 _turns_lock = threading.Lock()
 
 
-def _turns_of(module: Any) -> _Turns:
+def _module_and_turns(key: Any) -> tuple[Any, _Turns]:
+    """The stage's module (see remote_module._handlers._lookup) and its turns."""
+    module = _lookup(key)
     with _turns_lock:
-        turns = _turns.get(module)
+        if isinstance(key, rpc.PyRRef):
+            table: Any = _script_turns
+            ident: Any = hash(key.local_value())
+        else:
+            table, ident = _turns, module
+        turns = table.get(ident)
         if turns is None:
-            turns = _turns[module] = _Turns()
-        return turns
+            turns = table[ident] = _Turns()
+    return module, turns
 
 
 # ---- cancelled runs --------------------------------------------------------------------
@@ -153,8 +163,7 @@ def _as_arguments(out: Any) -> tuple:
 
 def _run_stage(route: Route, index: int, mb: int, deadline: float, grad: bool, args: tuple) -> Any:
     stage = route.stages[index]
-    module = _lookup(stage.key)
-    turns = _turns_of(module)
+    module, turns = _module_and_turns(stage.key)
     if not turns.enter(deadline):
         raise CallTimeout(
             f"micro-batch {mb} waited for its turn on pipeline stage {index} (worker {stage.worker!r}) "
