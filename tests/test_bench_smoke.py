@@ -2,8 +2,14 @@
 (No timing is asserted here; figures are read from `make bench`, see README.)"""
 
 import json
+import os
 
+import pytest
+
+from tests.benchmarks import bench_pipeline
 from tests.benchmarks import bench_remote_module as bench
+
+_OMP_BEFORE = os.environ.get("OMP_NUM_THREADS")
 
 
 def test_quick_benchmark_runs(tmp_path, capsys):
@@ -26,3 +32,38 @@ def test_verdicts():
     assert bench._verdict("x (target >= 1.5)", 6.0) == "  met"
     assert bench._verdict("x (target >= 1.5)", 1.2) == "  NOT MET"
     assert bench._verdict("no target here", 1.0) == ""
+
+
+@pytest.mark.slow
+def test_quick_pipeline_benchmark_runs(tmp_path, capsys):
+    # the run itself checks every variant's output (and fwd+bwd loss) against the local model
+    out = tmp_path / "bench-pipeline.json"
+    results = bench_pipeline.main(["--quick", "--json", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["ratios"] == results["ratios"]
+    chunks = (1, 4, 8)
+    assert set(saved["fwd_no_grad_s"]) == {
+        f"{v} chunks={c}" for v in ("RemotePipeline", "tutorial pattern") for c in chunks
+    }
+    assert set(saved["fwd_bwd_s"]) == {
+        f"{v} chunks={c}" for v in ("RemotePipeline", "pipelining GPipe") for c in chunks
+    }
+    assert all(len(s) == saved["config"]["fwd_rounds"] for s in saved["fwd_no_grad_samples_s"].values())
+    # OMP_NUM_THREADS=1 reached the stage hosts before torch: their RPC handler threads use one
+    assert saved["threads_in_rpc_handlers"] == {"stage0": 1, "stage1": 1}
+    assert os.environ.get("OMP_NUM_THREADS") == _OMP_BEFORE  # the launcher's environment is restored
+    printed = capsys.readouterr().out
+    assert "throughput ratios of medians" in printed and "(target >= 1.25)" in printed
+
+
+def test_pipeline_ratios_compare_medians():
+    names = [f"{v} chunks={c}" for v in ("RemotePipeline", "tutorial pattern") for c in (1, 4, 8)]
+    fwd = dict.fromkeys(names, 0.2)
+    fwd["RemotePipeline chunks=4"], fwd["RemotePipeline chunks=8"] = 0.16, 0.125
+    fb = {f"{v} chunks={c}": 0.6 for v in ("RemotePipeline", "pipelining GPipe") for c in (1, 4, 8)}
+    fb["pipelining GPipe chunks=4"] = 0.3
+    r = bench_pipeline.ratios({"config": {"chunks": [1, 4, 8]}, "fwd_no_grad_s": fwd, "fwd_bwd_s": fb})
+    assert r["RemotePipeline fwd no_grad: best of chunks 4/8 / chunks 1 (target >= 1.25)"] == pytest.approx(1.6)
+    assert r["fwd no_grad chunks=8: RemotePipeline / tutorial pattern (target >= 1.0)"] == pytest.approx(1.6)
+    assert r["fwd+bwd chunks=4: RemotePipeline / pipelining GPipe (target >= 0.8)"] == pytest.approx(0.5)
+    assert r["pipelining GPipe fwd+bwd: best of chunks 4/8 / chunks 1"] == pytest.approx(2.0)
