@@ -42,7 +42,7 @@ def test_quick_pipeline_benchmark_runs(tmp_path, capsys):
     saved = json.loads(out.read_text())
     assert saved["ratios"] == results["ratios"]
     chunks = (1, 4, 8)
-    assert set(saved["fwd_no_grad_s"]) == {
+    assert set(saved["fwd_no_grad_s"]) == {"stage 0 + stage 1 compute alone"} | {
         f"{v} chunks={c}" for v in ("RemotePipeline", "tutorial pattern") for c in chunks
     }
     assert set(saved["fwd_bwd_s"]) == {
@@ -58,7 +58,7 @@ def test_quick_pipeline_benchmark_runs(tmp_path, capsys):
 
 def test_pipeline_ratios_compare_medians():
     names = [f"{v} chunks={c}" for v in ("RemotePipeline", "tutorial pattern") for c in (1, 4, 8)]
-    fwd = dict.fromkeys(names, 0.2)
+    fwd = dict.fromkeys(names + ["stage 0 + stage 1 compute alone"], 0.2)
     fwd["RemotePipeline chunks=4"], fwd["RemotePipeline chunks=8"] = 0.16, 0.125
     fb = {f"{v} chunks={c}": 0.6 for v in ("RemotePipeline", "pipelining GPipe") for c in (1, 4, 8)}
     fb["pipelining GPipe chunks=4"] = 0.3
@@ -67,3 +67,4 @@ def test_pipeline_ratios_compare_medians():
     assert r["fwd no_grad chunks=8: RemotePipeline / tutorial pattern (target >= 1.0)"] == pytest.approx(1.6)
     assert r["fwd+bwd chunks=4: RemotePipeline / pipelining GPipe (target >= 0.8)"] == pytest.approx(0.5)
     assert r["pipelining GPipe fwd+bwd: best of chunks 4/8 / chunks 1"] == pytest.approx(2.0)
+    assert all(v > 0 for v in r.values())

@@ -70,6 +70,7 @@ class TutorialShard:
     def __init__(self, cfg: dict, index: int) -> None:
         self.module = stage_module(cfg, index)
         self.lock = threading.Lock()
+        self.held = batch(cfg)  # an input already on this host, for compute_alone
 
     def forward(self, x_rref: rpc.RRef) -> torch.Tensor:
         x = x_rref.to_here()  # stage 0 fetches the micro-batch from the caller, stage 1 from stage 0
@@ -79,6 +80,13 @@ class TutorialShard:
 
 def tutorial_forward(shard: rpc.RRef, x_rref: rpc.RRef) -> torch.Tensor:
     return shard.local_value().forward(x_rref)
+
+
+def compute_alone(shard: rpc.RRef) -> None:
+    """The stage's forward on a batch already on its host: compute only, nothing travels."""
+    me = shard.local_value()
+    with me.lock, torch.no_grad():
+        me.module(me.held)
 
 
 def tutorial_pipeline(shards: list[rpc.RRef], x: torch.Tensor, chunks: int) -> torch.Tensor:

@@ -15,7 +15,9 @@ core, as on a machine with one core per stage.
 Compared, at chunks 1, 4 and 8:
 
 * forward, no grad: remote_module.pipeline.RemotePipeline vs the pattern of PyTorch's RPC
-  pipeline tutorial written by hand (tests/benchmarks/_pipeline_hosts.py);
+  pipeline tutorial written by hand (tests/benchmarks/_pipeline_hosts.py), and, as the floor
+  for chunks=1, the two stages' forwards run one after the other on inputs already on their
+  hosts (compute alone, no activation moves);
 * forward + backward per step: RemotePipeline in a dist_autograd.context() (backward of
   out.sum()) vs torch.distributed.pipelining's ScheduleGPipe on the two stage hosts (gloo,
   sum loss per micro-batch, gradients not scaled), each step started over RPC on both hosts.
@@ -104,7 +106,11 @@ def caller_main(cfg: dict) -> dict:
     def tutorial_fwd(c: int) -> Callable[[], Any]:
         return lambda: hosts.tutorial_pipeline(shards, x, c)
 
-    variants: dict[str, Callable[[], Any]] = {}
+    def alone() -> None:  # the floor for chunks=1: both stages' compute, one after the other
+        for shard in shards:
+            rpc.rpc_sync(shard.owner(), hosts.compute_alone, (shard,))
+
+    variants: dict[str, Callable[[], Any]] = {"stage 0 + stage 1 compute alone": alone}
     for c in chunk_list:
         variants[f"RemotePipeline chunks={c}"] = ours_fwd(c)
         variants[f"tutorial pattern chunks={c}"] = tutorial_fwd(c)
@@ -179,6 +185,9 @@ def ratios(r: dict) -> dict[str, float]:
         out[f"fwd+bwd chunks={c}: RemotePipeline / pipelining GPipe (target >= 0.8)"] = (
             fb[f"pipelining GPipe chunks={c}"] / fb[f"RemotePipeline chunks={c}"]
         )
+    out["fwd no_grad chunks=1: compute share (stage 0 + stage 1 compute alone / RemotePipeline)"] = (
+        fwd["stage 0 + stage 1 compute alone"] / fwd["RemotePipeline chunks=1"]
+    )
     out[f"RemotePipeline fwd+bwd: {best} / chunks 1"] = speedup(fb, "RemotePipeline")
     out[f"pipelining GPipe fwd+bwd: {best} / chunks 1"] = speedup(fb, "pipelining GPipe")
     return out
