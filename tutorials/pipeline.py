@@ -39,8 +39,8 @@ def train(steps: int) -> list[float]:
     for step in range(steps):
         with dist_autograd.context() as ctx:
             loss = nn.functional.mse_loss(pipe(x), y)  # 4 micro-batches through both stages
-            dist_autograd.backward(ctx, [loss])       # gradients flow back worker0 -> 2 -> 1
-            opt.step(ctx)                               # SGD runs on each stage's host
+            dist_autograd.backward(ctx, [loss])  # back along the chain: worker0 -> worker2 -> worker1
+            opt.step(ctx)  # SGD runs on each stage's host, on the gradients of this context
         losses.append(loss.item())
         print(f"step {step}: loss {loss.item():.4f}", flush=True)
     return losses
