@@ -175,6 +175,7 @@ class RemotePipeline(nn.Module):
             next(_runs),
             tuple(_hops.Stage(s.on, s._target().key, s.device) for s in self.stages),
             _margin(seconds),
+            n,
         )
         _hops.open_inbox(route.run)
         try:
