@@ -215,39 +215,64 @@ class RemotePipeline(nn.Module):
                     where = f"in pipeline stage {index} on worker {worker!r} (micro-batch {mb} of {n})"
                     error = to_exception(failure, where)
                 except BaseException as exc:  # stage 0 unreachable, or the caller's own timeout
-                    was_cancel, error = False, exc
-                with lock:
-                    failures.append((was_cancel, error))
-                    first_failure, cancelled[0] = not cancelled[0], True
-                if first_failure:
-                    cancel_all()
+                    was_cancel, error = False, self._unanswered(first.worker, mb, n, exc)
+                record(was_cancel, error)
 
             return settled
+
+        def record(was_cancel: bool, error: BaseException) -> None:
+            with lock:
+                failures.append((was_cancel, error))
+                first_failure, cancelled[0] = not cancelled[0], True
+            if first_failure:
+                cancel_all()
 
         sent: list[Future] = []
         for mb, args in enumerate(micro):
             left = deadline - _clock()
             if left < 0.001:
-                with lock:
-                    failures.append((False, CallTimeout(
-                        f"pipeline micro-batch {mb} of {n} was not sent: the pipeline's timeout "
-                        f"({self._seconds():g} s) ran out first"
-                    )))
+                record(False, CallTimeout(
+                    f"pipeline micro-batch {mb} of {n} was not sent: the pipeline's timeout "
+                    f"({self._seconds():g} s) ran out first"
+                ))
                 break
-            fut = call_async(
-                first.worker,
-                _hops._step,
-                (route, 0, mb, left - route.margin, grad, args),
-                timeout=None if left == math.inf else left,  # None here: the agent's, which is none
-                label=f"pipeline micro-batch {mb} of {n} (stage 0 on worker {first.worker!r})",
-            )
+            try:
+                fut = call_async(
+                    first.worker,
+                    _hops._step,
+                    (route, 0, mb, left - route.margin, grad, args),
+                    timeout=None if left == math.inf else left,  # None here: the agent's, which is none
+                    label=f"pipeline micro-batch {mb} of {n} (stage 0 on worker {first.worker!r})",
+                )
+            except Exception as exc:  # not sent (RPC shut down meanwhile): the ones sent still settle
+                record(False, exc)
+                break
             fut.add_done_callback(watcher(mb))
             sent.append(fut)
         if sent:
-            torch.futures.collect_all(sent).wait()
+            try:
+                torch.futures.collect_all(sent).wait()
+            except Exception:
+                pass  # collect_all raises one of the futures' errors; every one is in ``failures``
         with lock:
             real = [e for was_cancel, e in failures if not was_cancel]
             return real or [e for _, e in failures]
+
+    def _unanswered(self, worker: str, mb: int, n: int, exc: BaseException) -> BaseException:
+        """The error for a micro-batch whose call to stage 0 itself failed: stage 0's host did
+        not answer in time (later stages' failures are reported by the stage before them,
+        earlier), or could not be reached (dead, or RPC shut down)."""
+        what = f"pipeline stage 0 on worker {worker!r}"
+        if isinstance(exc, CallTimeout):
+            error: BaseException = CallTimeout(
+                f"{what} did not answer micro-batch {mb} of {n} within the pipeline's timeout "
+                f"({self._seconds():g} s)"
+            )
+        else:
+            reason = exc.__cause__ if exc.__cause__ is not None else exc  # the RPC's own error
+            error = retyped(exc, f"{what} could not be reached with micro-batch {mb} of {n}: {reason}")
+        error.__cause__ = exc
+        return error
 
 
 def _ignore(fut: Future) -> None:
