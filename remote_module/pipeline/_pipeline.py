@@ -15,12 +15,44 @@ from torch.futures import Future
 
 from remote_module._errors import CallTimeout, retyped, to_exception
 from remote_module._fanout import call_async
+from remote_module._torch_private import before_rref_deletion_at_shutdown
 from remote_module.pipeline import _hops
 from remote_module.remote_module import RemoteModule
 from rpc_backend.options import positive_seconds
 
 _clock = time.monotonic
 _runs = itertools.count(1)  # run ids, unique in this process (hosts key cancellations by caller + run)
+
+
+class _Forwards:
+    """The forwards running in this process, so that a graceful ``rpc.shutdown()`` answers them:
+    it waits (each bounded by its deadline) before this process deletes its RRefs, which would
+    free the stage modules on their hosts while micro-batches still run there."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._deadlines: dict[int, float] = {}  # run -> deadline (monotonic; math.inf: none)
+
+    def started(self, run: int, deadline: float) -> None:
+        with self._cond:
+            self._deadlines[run] = deadline
+
+    def ended(self, run: int) -> None:
+        with self._cond:
+            self._deadlines.pop(run, None)
+            self._cond.notify_all()
+
+    def wait_until_none(self) -> None:
+        """Wait until no forward runs here, at most until the latest deadline among them."""
+        with self._cond:
+            while self._deadlines:
+                remaining = max(self._deadlines.values()) + 1.0 - _clock()
+                if remaining <= 0:
+                    return
+                self._cond.wait(min(remaining, 1.0))
+
+
+_forwards = _Forwards()
 
 
 def _margin(seconds: float) -> float:
@@ -76,8 +108,10 @@ class RemotePipeline(nn.Module):
     Failures: an exception raised in a stage's ``forward`` reaches the caller with its type,
     naming the stage index and its worker; a stage whose worker died or froze is named within
     ``timeout``. The micro-batches not yet run are then cancelled, and ``forward`` raises once
-    every micro-batch is settled. ``dist_autograd.backward`` and
-    ``DistributedOptimizer.step`` take no timeout in torch's API: the RPC agent's applies there.
+    every micro-batch is settled. A graceful ``rpc.shutdown()`` on the caller first lets the
+    forwards running in its other threads finish (each bounded by its ``timeout``).
+    ``dist_autograd.backward`` and ``DistributedOptimizer.step`` take no timeout in torch's API:
+    the RPC agent's applies there.
 
     Args:
         stages: ``RemoteModule`` proxies, or tuples ``(remote_device, module_cls, args, kwargs)``
@@ -123,6 +157,7 @@ class RemotePipeline(nn.Module):
             except Exception as exc:
                 raise retyped(exc, f"creating pipeline stage {i} ({items[i][0]!r}) failed: {exc}") from exc
         self.stages = nn.ModuleList(items)
+        before_rref_deletion_at_shutdown(_forwards.wait_until_none)  # once per process
 
     def extra_repr(self) -> str:
         return f"chunks={self.chunks}"
@@ -177,10 +212,12 @@ class RemotePipeline(nn.Module):
             _margin(seconds),
         )
         _hops.open_inbox(route.run)
+        _forwards.started(route.run, deadline)
         try:
             failures = self._run(route, micro, deadline)
         finally:
             outputs = _hops.close_inbox(route.run)
+            _forwards.ended(route.run)
         if failures:
             raise failures[0]
         missing = [i for i in range(n) if i not in outputs]
