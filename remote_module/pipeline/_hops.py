@@ -254,16 +254,19 @@ def _step(route: Route, index: int, mb: int, budget: float, grad: bool, args: tu
     except BaseException as exc:  # the stage's own failure, whatever it is
         answer.set_result(_failed(index, worker, exc))
         return answer
-    if last:
-        what, blame = f"the caller {dest!r} (delivering micro-batch {mb})", index
+    if last:  # a failed delivery is reported as this stage's: the caller is no stage
+        what, blame, blamed = f"the caller {dest!r} (delivering micro-batch {mb})", index, worker
         handler, hop_args = _deliver, (route.run, mb, out)
     else:
-        what, blame = f"pipeline stage {index + 1} on worker {dest!r}", index + 1
+        what, blame, blamed = f"pipeline stage {index + 1} on worker {dest!r}", index + 1, dest
         handler = _step
     left = deadline - _clock() - route.margin
-    if left <= 0:
-        late = CallTimeout(f"{what} was not sent micro-batch {mb}: the pipeline's timeout ran out first")
-        answer.set_result(_failed(blame, dest, late))
+    if left <= 0:  # the time ran out here, waiting for the turn or running: this stage is named
+        late = CallTimeout(
+            f"pipeline stage {index} on worker {worker!r} finished micro-batch {mb} too late to hand it "
+            f"on to {what}: the pipeline's timeout ran out"
+        )
+        answer.set_result(_failed(index, worker, late))
         return answer
     if not last:
         hop_args = (route, index + 1, mb, left, grad, _as_arguments(out))
@@ -283,7 +286,7 @@ def _step(route: Route, index: int, mb: int, budget: float, grad: bool, args: tu
                 failure: BaseException = CallTimeout(f"{what} did not answer micro-batch {mb} within {wait:.3g} s")
             else:
                 failure = RuntimeError(f"{what} could not be reached with micro-batch {mb}: {exc}")
-            answer.set_result(_failed(blame, dest, failure))
+            answer.set_result(_failed(blame, blamed, failure))
 
     sent.add_done_callback(settle)
     return answer

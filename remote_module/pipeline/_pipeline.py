@@ -15,12 +15,44 @@ from torch.futures import Future
 
 from remote_module._errors import CallTimeout, retyped, to_exception
 from remote_module._fanout import call_async
+from remote_module._torch_private import before_rref_deletion_at_shutdown
 from remote_module.pipeline import _hops
 from remote_module.remote_module import RemoteModule
 from rpc_backend.options import positive_seconds
 
 _clock = time.monotonic
 _runs = itertools.count(1)  # run ids, unique in this process (hosts key cancellations by caller + run)
+
+
+class _Forwards:
+    """The forwards running in this process, so that a graceful ``rpc.shutdown()`` answers them:
+    it waits (each bounded by its deadline) before this process deletes its RRefs, which would
+    free the stage modules on their hosts while micro-batches still run there."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._deadlines: dict[int, float] = {}  # run -> deadline (monotonic; math.inf: none)
+
+    def started(self, run: int, deadline: float) -> None:
+        with self._cond:
+            self._deadlines[run] = deadline
+
+    def ended(self, run: int) -> None:
+        with self._cond:
+            self._deadlines.pop(run, None)
+            self._cond.notify_all()
+
+    def wait_until_none(self) -> None:
+        """Wait until no forward runs here, at most until the latest deadline among them."""
+        with self._cond:
+            while self._deadlines:
+                remaining = max(self._deadlines.values()) + 1.0 - _clock()
+                if remaining <= 0:
+                    return
+                self._cond.wait(min(remaining, 1.0))
+
+
+_forwards = _Forwards()
 
 
 def _margin(seconds: float) -> float:
@@ -76,8 +108,10 @@ class RemotePipeline(nn.Module):
     Failures: an exception raised in a stage's ``forward`` reaches the caller with its type,
     naming the stage index and its worker; a stage whose worker died or froze is named within
     ``timeout``. The micro-batches not yet run are then cancelled, and ``forward`` raises once
-    every micro-batch is settled. ``dist_autograd.backward`` and
-    ``DistributedOptimizer.step`` take no timeout in torch's API: the RPC agent's applies there.
+    every micro-batch is settled. A graceful ``rpc.shutdown()`` on the caller first lets the
+    forwards running in its other threads finish (each bounded by its ``timeout``).
+    ``dist_autograd.backward`` and ``DistributedOptimizer.step`` take no timeout in torch's API:
+    the RPC agent's applies there.
 
     Args:
         stages: ``RemoteModule`` proxies, or tuples ``(remote_device, module_cls, args, kwargs)``
@@ -123,6 +157,7 @@ class RemotePipeline(nn.Module):
             except Exception as exc:
                 raise retyped(exc, f"creating pipeline stage {i} ({items[i][0]!r}) failed: {exc}") from exc
         self.stages = nn.ModuleList(items)
+        before_rref_deletion_at_shutdown(_forwards.wait_until_none)  # once per process
 
     def extra_repr(self) -> str:
         return f"chunks={self.chunks}"
@@ -178,10 +213,12 @@ class RemotePipeline(nn.Module):
             n,
         )
         _hops.open_inbox(route.run)
+        _forwards.started(route.run, deadline)
         try:
             failures = self._run(route, micro, deadline)
         finally:
             outputs = _hops.close_inbox(route.run)
+            _forwards.ended(route.run)
         if failures:
             raise failures[0]
         missing = [i for i in range(n) if i not in outputs]
@@ -216,39 +253,64 @@ class RemotePipeline(nn.Module):
                     where = f"in pipeline stage {index} on worker {worker!r} (micro-batch {mb} of {n})"
                     error = to_exception(failure, where)
                 except BaseException as exc:  # stage 0 unreachable, or the caller's own timeout
-                    was_cancel, error = False, exc
-                with lock:
-                    failures.append((was_cancel, error))
-                    first_failure, cancelled[0] = not cancelled[0], True
-                if first_failure:
-                    cancel_all()
+                    was_cancel, error = False, self._unanswered(first.worker, mb, n, exc)
+                record(was_cancel, error)
 
             return settled
+
+        def record(was_cancel: bool, error: BaseException) -> None:
+            with lock:
+                failures.append((was_cancel, error))
+                first_failure, cancelled[0] = not cancelled[0], True
+            if first_failure:
+                cancel_all()
 
         sent: list[Future] = []
         for mb, args in enumerate(micro):
             left = deadline - _clock()
             if left < 0.001:
-                with lock:
-                    failures.append((False, CallTimeout(
-                        f"pipeline micro-batch {mb} of {n} was not sent: the pipeline's timeout "
-                        f"({self._seconds():g} s) ran out first"
-                    )))
+                record(False, CallTimeout(
+                    f"pipeline micro-batch {mb} of {n} was not sent: the pipeline's timeout "
+                    f"({self._seconds():g} s) ran out first"
+                ))
                 break
-            fut = call_async(
-                first.worker,
-                _hops._step,
-                (route, 0, mb, left - route.margin, grad, args),
-                timeout=None if left == math.inf else left,  # None here: the agent's, which is none
-                label=f"pipeline micro-batch {mb} of {n} (stage 0 on worker {first.worker!r})",
-            )
+            try:
+                fut = call_async(
+                    first.worker,
+                    _hops._step,
+                    (route, 0, mb, left - route.margin, grad, args),
+                    timeout=None if left == math.inf else left,  # None here: the agent's, which is none
+                    label=f"pipeline micro-batch {mb} of {n} (stage 0 on worker {first.worker!r})",
+                )
+            except Exception as exc:  # not sent (RPC shut down meanwhile): the ones sent still settle
+                record(False, exc)
+                break
             fut.add_done_callback(watcher(mb))
             sent.append(fut)
         if sent:
-            torch.futures.collect_all(sent).wait()
+            try:
+                torch.futures.collect_all(sent).wait()
+            except Exception:
+                pass  # collect_all raises one of the futures' errors; every one is in ``failures``
         with lock:
             real = [e for was_cancel, e in failures if not was_cancel]
             return real or [e for _, e in failures]
+
+    def _unanswered(self, worker: str, mb: int, n: int, exc: BaseException) -> BaseException:
+        """The error for a micro-batch whose call to stage 0 itself failed: stage 0's host did
+        not answer in time (later stages' failures are reported by the stage before them,
+        earlier), or could not be reached (dead, or RPC shut down)."""
+        what = f"pipeline stage 0 on worker {worker!r}"
+        if isinstance(exc, CallTimeout):
+            error: BaseException = CallTimeout(
+                f"{what} did not answer micro-batch {mb} of {n} within the pipeline's timeout "
+                f"({self._seconds():g} s)"
+            )
+        else:
+            reason = exc.__cause__ if exc.__cause__ is not None else exc  # the RPC's own error
+            error = retyped(exc, f"{what} could not be reached with micro-batch {mb} of {n}: {reason}")
+        error.__cause__ = exc
+        return error
 
 
 def _ignore(fut: Future) -> None:
