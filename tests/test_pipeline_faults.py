@@ -156,6 +156,32 @@ def test_a_failing_micro_batch_cancels_the_later_ones_and_forward_returns_once_a
     three.works(batch(4))
 
 
+def test_many_micro_batches_stay_within_the_window_and_a_failure_still_cancels_the_rest(three):
+    # 40 micro-batches, more than a host's 16 RPC threads: at most _window(3) are in flight, so
+    # the failure's answer and the cancellation are not stuck behind threads waiting for turns.
+    from remote_module.pipeline._pipeline import _window
+
+    x = batch(40)
+    three.pipe.chunks = 40
+    before = [three.counts(i)["entered"] for i in range(3)]
+    three.set(0, pause=0.02)
+    three.set(1, fail_on=2.0 + three.adds[0], error="StageError")  # micro-batch 2 fails on stage 1
+    try:
+        with pytest.raises(pfr.StageError, match="pipeline stage 1 on worker 'worker2'"):
+            three.pipe(x)
+        after = [three.counts(i) for i in range(3)]
+        assert all(c["entered"] == c["left"] for c in after), after
+        ran = [c["entered"] - b for c, b in zip(after, before)]
+        # micro-batches 0..2 plus at most one window (5 for 3 stages) sent before the failure
+        # was seen; with all 40 in flight at once, about 26 ran here
+        assert _window(3) == 5 and ran[0] <= 3 + 5, f"micro-batches run per stage: {ran}"
+        stable_counts(three.where(), window=0.6)
+    finally:
+        three.pipe.chunks = 4
+        three.reset()
+    three.works(batch(4))
+
+
 # ---- a slow or held stage against the pipeline's timeout -------------------------------------
 
 

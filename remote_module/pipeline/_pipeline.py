@@ -55,6 +55,17 @@ class _Forwards:
 _forwards = _Forwards()
 
 
+#: The most micro-batches of one forward in flight at once (each waiting one holds an RPC
+#: thread of its host; torch's default is 16 per process).
+MAX_IN_FLIGHT = 12
+
+
+def _window(stages: int) -> int:
+    """Micro-batches in flight per forward: enough to keep every stage busy with one queued
+    behind it at stage 0, and never more than :data:`MAX_IN_FLIGHT`."""
+    return max(2, min(stages + 2, MAX_IN_FLIGHT))
+
+
 def _margin(seconds: float) -> float:
     """Seconds each hop keeps back so that a failure deeper in the chain is reported, by the
     stage before it, ahead of the timeout of the hop above."""
@@ -235,6 +246,14 @@ class RemotePipeline(nn.Module):
         failures: list[tuple[bool, BaseException]] = []  # (was it a cancellation, error), by time
         cancelled = [False]
 
+        # At most ``window`` micro-batches in flight: a micro-batch waiting for its turn holds
+        # one of its host's RPC threads, and a host whose threads all wait could not take the
+        # answers and cancellations that free them. Sent from this thread only: the
+        # distributed autograd context is this thread's.
+        window = _window(len(route.stages))
+        state = {"next": 0, "outstanding": 0}
+        changed = threading.Condition(lock)
+
         def cancel_all() -> None:
             for worker in {s.worker for s in route.stages}:
                 try:
@@ -246,15 +265,20 @@ class RemotePipeline(nn.Module):
         def watcher(mb: int):
             def settled(fut: Future) -> None:
                 try:
-                    value = fut.value()
-                    if value is None:
-                        return
-                    index, worker, failure, was_cancel = value
-                    where = f"in pipeline stage {index} on worker {worker!r} (micro-batch {mb} of {n})"
-                    error = to_exception(failure, where)
-                except BaseException as exc:  # stage 0 unreachable, or the caller's own timeout
-                    was_cancel, error = False, self._unanswered(first.worker, mb, n, exc)
-                record(was_cancel, error)
+                    try:
+                        value = fut.value()
+                        if value is None:
+                            return
+                        index, worker, failure, was_cancel = value
+                        where = f"in pipeline stage {index} on worker {worker!r} (micro-batch {mb} of {n})"
+                        error = to_exception(failure, where)
+                    except BaseException as exc:  # stage 0 unreachable, or the caller's own timeout
+                        was_cancel, error = False, self._unanswered(first.worker, mb, n, exc)
+                    record(was_cancel, error)
+                finally:  # a failure is recorded before the sender sees a free slot
+                    with changed:
+                        state["outstanding"] -= 1
+                        changed.notify_all()
 
             return settled
 
@@ -265,8 +289,15 @@ class RemotePipeline(nn.Module):
             if first_failure:
                 cancel_all()
 
-        sent: list[Future] = []
-        for mb, args in enumerate(micro):
+        while True:
+            with changed:
+                while not cancelled[0] and state["outstanding"] >= window:
+                    changed.wait()
+                if cancelled[0] or state["next"] >= n:
+                    break
+                mb = state["next"]
+                state["next"] += 1
+            args = micro[mb]
             left = deadline - _clock()
             if left < 0.001:
                 record(False, CallTimeout(
@@ -285,13 +316,12 @@ class RemotePipeline(nn.Module):
             except Exception as exc:  # not sent (RPC shut down meanwhile): the ones sent still settle
                 record(False, exc)
                 break
+            with changed:
+                state["outstanding"] += 1
             fut.add_done_callback(watcher(mb))
-            sent.append(fut)
-        if sent:
-            try:
-                torch.futures.collect_all(sent).wait()
-            except Exception:
-                pass  # collect_all raises one of the futures' errors; every one is in ``failures``
+        with changed:
+            while state["outstanding"] > 0:  # each sent call settles by its deadline
+                changed.wait()
         with lock:
             real = [e for was_cancel, e in failures if not was_cancel]
             return real or [e for _, e in failures]
