@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -28,3 +30,17 @@ def test_hybrid_ddp_loss_goes_down():
     for line in lines:
         first, last = (float(v) for v in line.split("loss ")[1].split(" -> "))
         assert last < 0.8 * first, line
+
+
+@pytest.mark.slow
+def test_pipeline_trains_and_loss_goes_down():
+    out = subprocess.run(
+        [sys.executable, "tutorials/pipeline.py", "--steps", "8"], cwd=ROOT, capture_output=True, text=True,
+        timeout=170, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in lines] == [f"step {i}" for i in range(8)], out.stdout
+    losses = [float(line.split("loss ")[1]) for line in lines]
+    assert losses[-1] < 0.9 * losses[0], losses
+    assert "on=worker1" in out.stdout and "on=worker2" in out.stdout, out.stdout  # two stages, two hosts

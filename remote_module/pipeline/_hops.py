@@ -14,9 +14,12 @@ records, so ``dist_autograd.backward`` runs back along the chain.
 
 What each stage keeps:
 
-- **one micro-batch at a time, in arrival order** (:class:`_Turns`, one per module): the
+- **one micro-batch at a time, in micro-batch order** (:class:`_Turns`, one per module): the
   micro-batches of a forward queue on stage 0 while later stages run the earlier ones, which
-  is how they overlap;
+  is how they overlap. They arrive on concurrent handler threads, in any order; a stage
+  admits micro-batch i of a forward only after micro-batch i-1 (so a stateful stage, e.g.
+  BatchNorm's running statistics, sees them as a local model would), different forwards
+  first come first served;
 - **the deadline**: every hop carries the seconds left. A host gives the next hop what is left
   minus a margin and waits for its answer half a margin longer than that, so a frozen or dead
   stage is reported, by name, by the stage before it, before the caller's own timeout fires;
@@ -60,6 +63,7 @@ class Route(NamedTuple):
     run: int
     stages: tuple[Stage, ...]
     margin: float  # seconds each hop keeps back for its answer to travel
+    micro_batches: int  # in this forward
 
 
 #: A failed chain: (stage index, worker, what was raised there, whether it was a cancellation).
@@ -73,33 +77,66 @@ class Cancelled(RuntimeError):
 # ---- one micro-batch at a time per stage -----------------------------------------------
 
 
+class _Waiter:
+    __slots__ = ("key", "mb")
+
+    def __init__(self, key: tuple, mb: int) -> None:
+        self.key, self.mb = key, mb
+
+
 class _Turns:
-    """A first-come first-served lock whose waits end at a deadline."""
+    """A module's lock for micro-batches: one at a time; those of one stage of one forward in
+    micro-batch order, different forwards first come first served; a wait ends at a deadline
+    or when its forward is cancelled."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._queue: collections.deque[object] = collections.deque()
+        self._queue: list[_Waiter] = []  # in arrival order
         self._busy = False
+        # (caller, run, stage index) -> the micro-batch whose turn it is (absent: 0)
+        self._next: collections.OrderedDict[tuple, int] = collections.OrderedDict()
 
-    def enter(self, deadline: float) -> bool:
-        """Wait for this caller's turn until ``deadline`` (monotonic); False when it passed."""
-        me = object()
+    def _first_ready(self) -> _Waiter | None:
+        for waiter in self._queue:
+            if self._next.get(waiter.key, 0) == waiter.mb:
+                return waiter
+        return None
+
+    def enter(self, route: Route, index: int, mb: int, deadline: float) -> bool:
+        """Wait until micro-batch ``mb`` may run stage ``index`` of ``route``'s forward: the
+        module is free and micro-batch ``mb - 1`` has had its turn. False when ``deadline``
+        (monotonic) passed or the forward was cancelled first (see :func:`_is_cancelled`)."""
+        me = _Waiter((route.caller, route.run, index), mb)
         with self._cond:
             self._queue.append(me)
-            while self._busy or self._queue[0] is not me:
+            while self._busy or self._first_ready() is not me:
                 left = deadline - _clock()
-                if left <= 0:
+                if left <= 0 or _is_cancelled(route.caller, route.run):
                     self._queue.remove(me)
                     self._cond.notify_all()
                     return False
                 self._cond.wait(min(left, 3600.0))
-            self._queue.popleft()
+            self._queue.remove(me)
             self._busy = True
+            if mb + 1 < route.micro_batches:
+                self._next[me.key] = mb + 1
+                self._next.move_to_end(me.key)
+                while len(self._next) > _CANCELLED_KEPT:  # forwards that stopped here without a cancel
+                    self._next.popitem(last=False)
+            else:
+                self._next.pop(me.key, None)
             return True
 
     def leave(self) -> None:
         with self._cond:
             self._busy = False
+            self._cond.notify_all()
+
+    def cancel(self, caller: str, run: int) -> None:
+        """Forget ``run``'s order here and wake its waiters (they see it cancelled)."""
+        with self._cond:
+            for key in [k for k in self._next if k[:2] == (caller, run)]:
+                del self._next[key]
             self._cond.notify_all()
 
 
@@ -138,6 +175,10 @@ def _cancel(caller: str, run: int) -> None:
         _cancelled[(caller, run)] = None
         while len(_cancelled) > _CANCELLED_KEPT:
             _cancelled.popitem(last=False)
+    with _turns_lock:
+        every = [*_turns.values(), *_script_turns.values()]
+    for turns in every:
+        turns.cancel(caller, run)
 
 
 def _is_cancelled(caller: str, run: int) -> bool:
@@ -164,10 +205,12 @@ def _as_arguments(out: Any) -> tuple:
 def _run_stage(route: Route, index: int, mb: int, deadline: float, grad: bool, args: tuple) -> Any:
     stage = route.stages[index]
     module, turns = _module_and_turns(stage.key)
-    if not turns.enter(deadline):
+    if not turns.enter(route, index, mb, deadline):
+        if _is_cancelled(route.caller, route.run):
+            raise Cancelled(f"micro-batch {mb} was cancelled: another micro-batch of this forward failed")
         raise CallTimeout(
             f"micro-batch {mb} waited for its turn on pipeline stage {index} (worker {stage.worker!r}) "
-            "until its deadline: the stage was busy with earlier micro-batches"
+            "until its deadline: the stage was busy with, or waiting for, earlier micro-batches"
         )
     try:
         if _is_cancelled(route.caller, route.run):
@@ -211,16 +254,19 @@ def _step(route: Route, index: int, mb: int, budget: float, grad: bool, args: tu
     except BaseException as exc:  # the stage's own failure, whatever it is
         answer.set_result(_failed(index, worker, exc))
         return answer
-    if last:
-        what, blame = f"the caller {dest!r} (delivering micro-batch {mb})", index
+    if last:  # a failed delivery is reported as this stage's: the caller is no stage
+        what, blame, blamed = f"the caller {dest!r} (delivering micro-batch {mb})", index, worker
         handler, hop_args = _deliver, (route.run, mb, out)
     else:
-        what, blame = f"pipeline stage {index + 1} on worker {dest!r}", index + 1
+        what, blame, blamed = f"pipeline stage {index + 1} on worker {dest!r}", index + 1, dest
         handler = _step
     left = deadline - _clock() - route.margin
-    if left <= 0:
-        late = CallTimeout(f"{what} was not sent micro-batch {mb}: the pipeline's timeout ran out first")
-        answer.set_result(_failed(blame, dest, late))
+    if left <= 0:  # the time ran out here, waiting for the turn or running: this stage is named
+        late = CallTimeout(
+            f"pipeline stage {index} on worker {worker!r} finished micro-batch {mb} too late to hand it "
+            f"on to {what}: the pipeline's timeout ran out"
+        )
+        answer.set_result(_failed(index, worker, late))
         return answer
     if not last:
         hop_args = (route, index + 1, mb, left, grad, _as_arguments(out))
@@ -240,7 +286,7 @@ def _step(route: Route, index: int, mb: int, budget: float, grad: bool, args: tu
                 failure: BaseException = CallTimeout(f"{what} did not answer micro-batch {mb} within {wait:.3g} s")
             else:
                 failure = RuntimeError(f"{what} could not be reached with micro-batch {mb}: {exc}")
-            answer.set_result(_failed(blame, dest, failure))
+            answer.set_result(_failed(blame, blamed, failure))
 
     sent.add_done_callback(settle)
     return answer

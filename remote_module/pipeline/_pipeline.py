@@ -15,12 +15,55 @@ from torch.futures import Future
 
 from remote_module._errors import CallTimeout, retyped, to_exception
 from remote_module._fanout import call_async
+from remote_module._torch_private import before_rref_deletion_at_shutdown
 from remote_module.pipeline import _hops
 from remote_module.remote_module import RemoteModule
 from rpc_backend.options import positive_seconds
 
 _clock = time.monotonic
 _runs = itertools.count(1)  # run ids, unique in this process (hosts key cancellations by caller + run)
+
+
+class _Forwards:
+    """The forwards running in this process, so that a graceful ``rpc.shutdown()`` answers them:
+    it waits (each bounded by its deadline) before this process deletes its RRefs, which would
+    free the stage modules on their hosts while micro-batches still run there."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._deadlines: dict[int, float] = {}  # run -> deadline (monotonic; math.inf: none)
+
+    def started(self, run: int, deadline: float) -> None:
+        with self._cond:
+            self._deadlines[run] = deadline
+
+    def ended(self, run: int) -> None:
+        with self._cond:
+            self._deadlines.pop(run, None)
+            self._cond.notify_all()
+
+    def wait_until_none(self) -> None:
+        """Wait until no forward runs here, at most until the latest deadline among them."""
+        with self._cond:
+            while self._deadlines:
+                remaining = max(self._deadlines.values()) + 1.0 - _clock()
+                if remaining <= 0:
+                    return
+                self._cond.wait(min(remaining, 1.0))
+
+
+_forwards = _Forwards()
+
+
+#: The most micro-batches of one forward in flight at once (each waiting one holds an RPC
+#: thread of its host; torch's default is 16 per process).
+MAX_IN_FLIGHT = 12
+
+
+def _window(stages: int) -> int:
+    """Micro-batches in flight per forward: enough to keep every stage busy with one queued
+    behind it at stage 0, and never more than :data:`MAX_IN_FLIGHT`."""
+    return max(2, min(stages + 2, MAX_IN_FLIGHT))
 
 
 def _margin(seconds: float) -> float:
@@ -76,8 +119,10 @@ class RemotePipeline(nn.Module):
     Failures: an exception raised in a stage's ``forward`` reaches the caller with its type,
     naming the stage index and its worker; a stage whose worker died or froze is named within
     ``timeout``. The micro-batches not yet run are then cancelled, and ``forward`` raises once
-    every micro-batch is settled. ``dist_autograd.backward`` and
-    ``DistributedOptimizer.step`` take no timeout in torch's API: the RPC agent's applies there.
+    every micro-batch is settled. A graceful ``rpc.shutdown()`` on the caller first lets the
+    forwards running in its other threads finish (each bounded by its ``timeout``).
+    ``dist_autograd.backward`` and ``DistributedOptimizer.step`` take no timeout in torch's API:
+    the RPC agent's applies there.
 
     Args:
         stages: ``RemoteModule`` proxies, or tuples ``(remote_device, module_cls, args, kwargs)``
@@ -123,6 +168,7 @@ class RemotePipeline(nn.Module):
             except Exception as exc:
                 raise retyped(exc, f"creating pipeline stage {i} ({items[i][0]!r}) failed: {exc}") from exc
         self.stages = nn.ModuleList(items)
+        before_rref_deletion_at_shutdown(_forwards.wait_until_none)  # once per process
 
     def extra_repr(self) -> str:
         return f"chunks={self.chunks}"
@@ -175,12 +221,15 @@ class RemotePipeline(nn.Module):
             next(_runs),
             tuple(_hops.Stage(s.on, s._target().key, s.device) for s in self.stages),
             _margin(seconds),
+            n,
         )
         _hops.open_inbox(route.run)
+        _forwards.started(route.run, deadline)
         try:
             failures = self._run(route, micro, deadline)
         finally:
             outputs = _hops.close_inbox(route.run)
+            _forwards.ended(route.run)
         if failures:
             raise failures[0]
         missing = [i for i in range(n) if i not in outputs]
@@ -197,6 +246,14 @@ class RemotePipeline(nn.Module):
         failures: list[tuple[bool, BaseException]] = []  # (was it a cancellation, error), by time
         cancelled = [False]
 
+        # At most ``window`` micro-batches in flight: a micro-batch waiting for its turn holds
+        # one of its host's RPC threads, and a host whose threads all wait could not take the
+        # answers and cancellations that free them. Sent from this thread only: the
+        # distributed autograd context is this thread's.
+        window = _window(len(route.stages))
+        state = {"next": 0, "outstanding": 0}
+        changed = threading.Condition(lock)
+
         def cancel_all() -> None:
             for worker in {s.worker for s in route.stages}:
                 try:
@@ -208,46 +265,82 @@ class RemotePipeline(nn.Module):
         def watcher(mb: int):
             def settled(fut: Future) -> None:
                 try:
-                    value = fut.value()
-                    if value is None:
-                        return
-                    index, worker, failure, was_cancel = value
-                    where = f"in pipeline stage {index} on worker {worker!r} (micro-batch {mb} of {n})"
-                    error = to_exception(failure, where)
-                except BaseException as exc:  # stage 0 unreachable, or the caller's own timeout
-                    was_cancel, error = False, exc
-                with lock:
-                    failures.append((was_cancel, error))
-                    first_failure, cancelled[0] = not cancelled[0], True
-                if first_failure:
-                    cancel_all()
+                    try:
+                        value = fut.value()
+                        if value is None:
+                            return
+                        index, worker, failure, was_cancel = value
+                        where = f"in pipeline stage {index} on worker {worker!r} (micro-batch {mb} of {n})"
+                        error = to_exception(failure, where)
+                    except BaseException as exc:  # stage 0 unreachable, or the caller's own timeout
+                        was_cancel, error = False, self._unanswered(first.worker, mb, n, exc)
+                    record(was_cancel, error)
+                finally:  # a failure is recorded before the sender sees a free slot
+                    with changed:
+                        state["outstanding"] -= 1
+                        changed.notify_all()
 
             return settled
 
-        sent: list[Future] = []
-        for mb, args in enumerate(micro):
+        def record(was_cancel: bool, error: BaseException) -> None:
+            with lock:
+                failures.append((was_cancel, error))
+                first_failure, cancelled[0] = not cancelled[0], True
+            if first_failure:
+                cancel_all()
+
+        while True:
+            with changed:
+                while not cancelled[0] and state["outstanding"] >= window:
+                    changed.wait()
+                if cancelled[0] or state["next"] >= n:
+                    break
+                mb = state["next"]
+                state["next"] += 1
+            args = micro[mb]
             left = deadline - _clock()
             if left < 0.001:
-                with lock:
-                    failures.append((False, CallTimeout(
-                        f"pipeline micro-batch {mb} of {n} was not sent: the pipeline's timeout "
-                        f"({self._seconds():g} s) ran out first"
-                    )))
+                record(False, CallTimeout(
+                    f"pipeline micro-batch {mb} of {n} was not sent: the pipeline's timeout "
+                    f"({self._seconds():g} s) ran out first"
+                ))
                 break
-            fut = call_async(
-                first.worker,
-                _hops._step,
-                (route, 0, mb, left - route.margin, grad, args),
-                timeout=None if left == math.inf else left,  # None here: the agent's, which is none
-                label=f"pipeline micro-batch {mb} of {n} (stage 0 on worker {first.worker!r})",
-            )
+            try:
+                fut = call_async(
+                    first.worker,
+                    _hops._step,
+                    (route, 0, mb, left - route.margin, grad, args),
+                    timeout=None if left == math.inf else left,  # None here: the agent's, which is none
+                    label=f"pipeline micro-batch {mb} of {n} (stage 0 on worker {first.worker!r})",
+                )
+            except Exception as exc:  # not sent (RPC shut down meanwhile): the ones sent still settle
+                record(False, exc)
+                break
+            with changed:
+                state["outstanding"] += 1
             fut.add_done_callback(watcher(mb))
-            sent.append(fut)
-        if sent:
-            torch.futures.collect_all(sent).wait()
+        with changed:
+            while state["outstanding"] > 0:  # each sent call settles by its deadline
+                changed.wait()
         with lock:
             real = [e for was_cancel, e in failures if not was_cancel]
             return real or [e for _, e in failures]
+
+    def _unanswered(self, worker: str, mb: int, n: int, exc: BaseException) -> BaseException:
+        """The error for a micro-batch whose call to stage 0 itself failed: stage 0's host did
+        not answer in time (later stages' failures are reported by the stage before them,
+        earlier), or could not be reached (dead, or RPC shut down)."""
+        what = f"pipeline stage 0 on worker {worker!r}"
+        if isinstance(exc, CallTimeout):
+            error: BaseException = CallTimeout(
+                f"{what} did not answer micro-batch {mb} of {n} within the pipeline's timeout "
+                f"({self._seconds():g} s)"
+            )
+        else:
+            reason = exc.__cause__ if exc.__cause__ is not None else exc  # the RPC's own error
+            error = retyped(exc, f"{what} could not be reached with micro-batch {mb} of {n}: {reason}")
+        error.__cause__ = exc
+        return error
 
 
 def _ignore(fut: Future) -> None:
