@@ -138,7 +138,7 @@ def caller_main(cfg: dict) -> dict:
             with dist_autograd.context() as ctx:
                 loss = ours[c](x).sum()
                 dist_autograd.backward(ctx, [loss])
-            return float(loss)
+            return float(loss.detach())
         return step
 
     variants = {}
