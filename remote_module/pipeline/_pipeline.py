@@ -83,16 +83,44 @@ def _checked_stage(index: int, item: Any) -> Any:
     )
 
 
-def _concatenated(outputs: list[Any]) -> Any:
+def _batched(out: Any) -> bool:
+    """Whether ``out`` is a last stage's output that concatenates on dim 0."""
+    if isinstance(out, torch.Tensor):
+        return out.dim() > 0
+    return isinstance(out, tuple) and len(out) > 0 and all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in out)
+
+
+def _kind(out: Any) -> str:
+    if isinstance(out, torch.Tensor):
+        return f"a tensor with {out.dim()} dimensions" if out.dim() == 0 else "a tensor"
+    if isinstance(out, tuple):
+        return "a tuple of " + ", ".join(type(t).__name__ if not isinstance(t, torch.Tensor) else f"tensor({t.dim()}-d)" for t in out)
+    return type(out).__name__
+
+
+def _concatenated(outputs: list[Any], where: str) -> Any:
+    """The last stage's outputs (``where``: that stage and its worker) concatenated on dim 0."""
+    only = outputs[0]
+    if len(outputs) == 1 and (
+        isinstance(only, torch.Tensor) or (isinstance(only, tuple) and all(isinstance(t, torch.Tensor) for t in only))
+    ):
+        return outputs[0]  # one micro-batch: returned as the stage returned it, as locally
     first = outputs[0]
+    for mb, out in enumerate(outputs):
+        same = isinstance(out, torch.Tensor) if isinstance(first, torch.Tensor) else (
+            isinstance(out, tuple) and isinstance(first, tuple) and len(out) == len(first)
+        )
+        if not _batched(out) or not same:
+            raise TypeError(
+                f"the last pipeline stage ({where}) must return, for every micro-batch, a tensor or a tuple "
+                f"of tensors of the same arity, each with a batch dimension (they are concatenated over "
+                f"micro-batches on dim 0); micro-batch {mb} of {len(outputs)} returned {_kind(out)}"
+                + ("" if mb == 0 else f" and micro-batch 0 {_kind(first)}")
+                + ": return a batch (e.g. per-sample values, not their sum) or use chunks=1"
+            )
     if isinstance(first, torch.Tensor):
-        return torch.cat(outputs) if len(outputs) > 1 else first
-    if isinstance(first, tuple) and all(isinstance(t, torch.Tensor) for t in first):
-        return tuple(torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*outputs))
-    raise TypeError(
-        "the last pipeline stage must return a tensor or a tuple of tensors (they are concatenated "
-        f"over micro-batches on dim 0), got {type(first).__name__}"
-    )
+        return torch.cat(outputs)
+    return tuple(torch.cat(parts) for parts in zip(*outputs))
 
 
 class RemotePipeline(nn.Module):
@@ -235,7 +263,8 @@ class RemotePipeline(nn.Module):
         missing = [i for i in range(n) if i not in outputs]
         if missing:  # cannot happen while the chain answers only after delivering
             raise RuntimeError(f"pipeline micro-batches {missing} were answered but never delivered")
-        return _concatenated([outputs[i] for i in range(n)])
+        last = f"stage {len(route.stages) - 1} on worker {route.stages[-1].worker!r}"
+        return _concatenated([outputs[i] for i in range(n)], last)
 
     def _run(self, route: _hops.Route, micro: list[tuple], deadline: float) -> list[BaseException]:
         """Send every micro-batch, wait until all are settled; the failures, first one first."""
