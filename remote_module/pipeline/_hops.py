@@ -109,13 +109,16 @@ class _Turns:
         me = _Waiter((route.caller, route.run, index), mb)
         with self._cond:
             self._queue.append(me)
-            while self._busy or self._first_ready() is not me:
-                left = deadline - _clock()
-                if left <= 0 or _is_cancelled(route.caller, route.run):
+            while True:
+                # A cancelled forward is refused even when it is its turn: admitting it would
+                # record its next micro-batch's turn, which no one would ever take or forget.
+                if _is_cancelled(route.caller, route.run) or deadline - _clock() <= 0:
                     self._queue.remove(me)
                     self._cond.notify_all()
                     return False
-                self._cond.wait(min(left, 3600.0))
+                if not self._busy and self._first_ready() is me:
+                    break
+                self._cond.wait(min(deadline - _clock(), 3600.0))
             self._queue.remove(me)
             self._busy = True
             if mb + 1 < route.micro_batches:

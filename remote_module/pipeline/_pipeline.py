@@ -196,7 +196,6 @@ class RemotePipeline(nn.Module):
             except Exception as exc:
                 raise retyped(exc, f"creating pipeline stage {i} ({items[i][0]!r}) failed: {exc}") from exc
         self.stages = nn.ModuleList(items)
-        before_rref_deletion_at_shutdown(_forwards.wait_until_none)  # once per process
 
     def extra_repr(self) -> str:
         return f"chunks={self.chunks}"
@@ -251,6 +250,9 @@ class RemotePipeline(nn.Module):
             _margin(seconds),
             n,
         )
+        # Here, not in __init__: a pipeline that arrived over RPC runs in a process where no
+        # __init__ ran (registering again is a no-op).
+        before_rref_deletion_at_shutdown(_forwards.wait_until_none)
         _hops.open_inbox(route.run)
         _forwards.started(route.run, deadline)
         try:
