@@ -30,7 +30,6 @@ What each stage keeps:
 from __future__ import annotations
 
 import collections
-import math
 import threading
 import time
 import weakref
@@ -40,7 +39,8 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from remote_module._device import tensors_to_cpu
+from remote_module._calls import _rpc_seconds
+from remote_module._device import move_cpu_tensors, tensors_to_cpu
 from remote_module._errors import CallTimeout, RemoteFailure, capture
 from remote_module._handlers import _device, _lookup
 from remote_module._torch_private import device_map_to
@@ -219,8 +219,7 @@ def _run_stage(route: Route, index: int, mb: int, deadline: float, grad: bool, a
         if _is_cancelled(route.caller, route.run):
             raise Cancelled(f"micro-batch {mb} was cancelled: another micro-batch of this forward failed")
         device = _device(stage.device)
-        if device.type != "cpu":
-            args = tuple(a.to(device) if isinstance(a, torch.Tensor) and a.device.type == "cpu" else a for a in args)
+        args = move_cpu_tensors(args, device)  # as a proxy's call does: at any depth
         with torch.set_grad_enabled(grad):
             return module(*args)
     finally:
@@ -229,11 +228,6 @@ def _run_stage(route: Route, index: int, mb: int, deadline: float, grad: bool, a
 
 def _failed(index: int, worker: str, exc: BaseException) -> Failure:
     return (index, worker, capture(exc), isinstance(exc, Cancelled))
-
-
-def _rpc_seconds(seconds: float) -> float:
-    """torch RPC's timeout argument (0: none)."""
-    return 0 if seconds == math.inf else max(seconds, 0.001)
 
 
 # ---- handlers --------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from torch import nn
 from torch.futures import Future
 
 from remote_module._errors import CallTimeout, retyped, to_exception
-from remote_module._fanout import call_async
+from remote_module._fanout import _timeout_seconds, call_async
 from remote_module._torch_private import before_rref_deletion_at_shutdown
 from remote_module.pipeline import _hops
 from remote_module.remote_module import RemoteModule
@@ -212,10 +212,8 @@ class RemotePipeline(nn.Module):
     # ---- forward -----------------------------------------------------------------------
 
     def _seconds(self) -> float:
-        if self.timeout is not None:
-            return self.timeout
-        seconds = rpc.get_rpc_timeout()
-        return seconds if seconds > 0 else math.inf
+        """This pipeline's timeout in seconds (``math.inf``: none)."""
+        return _timeout_seconds(self.timeout)
 
     def forward(self, x: torch.Tensor, *more: torch.Tensor) -> Any:
         """Run the micro-batches of ``x`` (and ``more``, split alike) through the stages."""
