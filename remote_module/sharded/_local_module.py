@@ -1,0 +1,252 @@
+"""LocalModule: one module per worker of a mesh, each run on its local shards, outputs
+combined by declared placements."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed.rpc as rpc
+from torch import nn
+from torch.futures import Future
+
+from remote_module._errors import CallTimeout, retyped
+from remote_module._fanout import _timeout_seconds, call_all
+from remote_module.remote_module import RemoteModule
+from remote_module.sharded import _placements as pl
+from remote_module.sharded import _store
+from remote_module.sharded._mesh import check_mesh
+from remote_module.sharded._tensor import RemoteTensor, distribute, new_sids, release_later
+from rpc_backend.options import positive_seconds
+
+_clock = time.monotonic
+
+
+def _placement_list(value: Any, what: str, allow_none: bool) -> tuple | None:
+    """A sequence of placements (``None`` entries where ``allow_none``); a bare placement is a
+    sequence of one."""
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)):
+        value = (value,)
+    out = []
+    for i, p in enumerate(value):
+        if p is None and allow_none:
+            out.append(None)
+        else:
+            out.append(pl.check_placement(p, f"{what}[{i}]"))
+    return tuple(out)
+
+
+def _constructor_args(args: Any, kwargs: Any, n: int) -> list[tuple[tuple, dict]]:
+    """``(args, kwargs)`` for each of ``n`` ranks: the same for all, or ``args(rank)``."""
+    if callable(args):
+        if kwargs is not None:
+            raise TypeError("LocalModule: when args is a callable rank -> (args, kwargs), pass kwargs=None")
+        per_rank = []
+        for r in range(n):
+            got = args(r)
+            if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], (tuple, list))
+                    and (got[1] is None or isinstance(got[1], dict))):
+                raise TypeError(
+                    f"LocalModule: args({r}) must return a pair (args tuple, kwargs dict or None), got {got!r:.120}"
+                )
+            per_rank.append((tuple(got[0]), dict(got[1] or {})))
+        return per_rank
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"LocalModule: args must be a tuple or a callable rank -> (args, kwargs), got {type(args).__name__}")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"LocalModule: kwargs must be a dict or None, got {type(kwargs).__name__}")
+    return [(tuple(args), dict(kwargs or {}))] * n
+
+
+class LocalModule(nn.Module):
+    """One ``module_cls`` instance on every worker of ``mesh``, each run on its local shards.
+
+    Calling it with ``RemoteTensor`` inputs runs ``forward`` on every worker concurrently, on
+    that worker's local shards (inside, :func:`mesh_rank`/:func:`mesh_size` say which), and
+    returns ``RemoteTensor`` outputs with the declared ``out_placements``; no shard data passes
+    through the caller. Outputs keep the module's structure: a tensor gives a RemoteTensor, a
+    (nested) tuple or list gives the same structure of them; ``out_placements`` has one
+    placement per output tensor, flattened in order (a bare placement for a single output).
+
+    ``in_placements`` has one entry per positional input: a placement (a caller tensor is
+    distributed by it; a RemoteTensor with another placement is redistributed, worker to
+    worker) or ``None`` (the input as it is: a RemoteTensor's local shards, any other value
+    sent to every worker as it is). Without ``in_placements`` every input is taken as it is.
+    Keyword arguments are taken as they are.
+
+    ``args``/``kwargs`` build the module on every worker; ``args`` may instead be a callable
+    ``rank -> (args, kwargs)``, evaluated here. It is an ``nn.Module``: ``shards`` is an
+    ``nn.ModuleList`` of ``RemoteModule`` proxies, so ``state_dict()`` keys are
+    ``shards.<rank>.<the shard module's own key>``, ``train()``/``eval()`` reach every shard,
+    and :meth:`remote_parameters` lists every shard's parameters (for ``DistributedOptimizer``).
+    Inside ``dist_autograd.context()`` a loss computed from an output's ``full_tensor()``
+    trains every shard.
+
+    Example (worker0 drives; worker1 and worker2 only join RPC and wait; ``Masked`` is importable
+    on every worker)::
+
+        class Masked(nn.Module):                      # mylib.py
+            def forward(self, x):
+                mask = torch.zeros(10)
+                mask[[1, 2] if mesh_rank() == 0 else [4, 5, 6]] = 1
+                return (x * mask).sum() / mask.sum()
+
+        # worker0
+        mesh = ["worker1", "worker2"]
+        x = from_local(mylib.arange_plus_rank, mesh, Shard(0))      # arange(10) + rank per worker
+        lm = LocalModule(mesh, Masked, out_placements=[Partial("sum")])
+        out = lm(x)                                                 # RemoteTensor, Partial(sum)
+        out.local_shards(), out.full_tensor()                       # [1.5, 6.0], 7.5
+    """
+
+    def __init__(
+        self,
+        mesh: Sequence[Any],
+        module_cls: Any,
+        args: tuple | Callable[[int], tuple[tuple, dict | None]] = (),
+        kwargs: dict | None = None,
+        *,
+        out_placements: Any,
+        in_placements: Any = None,
+        timeout: float | None = None,
+    ) -> None:
+        super().__init__()
+        workers, devices = check_mesh(mesh)
+        self.mesh = workers
+        self.timeout = None if timeout is None else positive_seconds(timeout, "timeout")
+        if out_placements is None:
+            raise TypeError("LocalModule: out_placements is required (one placement per output tensor)")
+        self.out_placements = _placement_list(out_placements, "out_placements", allow_none=False)
+        self.in_placements = _placement_list(in_placements, "in_placements", allow_none=True)
+        per_rank = _constructor_args(args, kwargs, len(workers))
+        pending = [
+            RemoteModule.create_async(f"{w}/{d}", module_cls, a, k, timeout=self.timeout)
+            for w, d, (a, k) in zip(workers, devices, per_rank)
+        ]
+        shards = []
+        for r, fut in enumerate(pending):  # all sent first: one round trip in all
+            try:
+                shards.append(fut.wait())
+            except Exception as exc:
+                raise retyped(exc, f"creating LocalModule shard {r} on worker {workers[r]!r} failed: {exc}") from exc
+        self.shards = nn.ModuleList(shards)
+
+    def extra_repr(self) -> str:
+        out = [pl.describe(p) for p in self.out_placements]
+        text = f"mesh={list(self.mesh)}, out_placements={out}"
+        if self.in_placements is not None:
+            text += f", in_placements={[None if p is None else pl.describe(p) for p in self.in_placements]}"
+        return text
+
+    def remote_parameters(self, recurse: bool = True) -> list[rpc.RRef]:
+        """RRefs of every shard's parameters, shard by shard, for ``DistributedOptimizer``.
+
+        Example::
+
+            opt = DistributedOptimizer(torch.optim.SGD, lm.remote_parameters(), lr=0.1)
+        """
+        return [p for shard in self.shards for p in shard.remote_parameters(recurse)]
+
+    # ---- forward -----------------------------------------------------------------------
+
+    def _input(self, i: int, value: Any, placement: Any, temps: list) -> Any:
+        """Input ``i`` as every rank receives it: a list of per-rank values, or one value for all."""
+        if placement is None:
+            if isinstance(value, RemoteTensor):
+                self._check_mesh(i, value)
+                return [_store.Ref(sid) for sid in value._sids]
+            return value
+        if isinstance(value, RemoteTensor):
+            self._check_mesh(i, value)
+            want = pl.normalized(placement, value.ndim, f"in_placements[{i}]")
+            if value.placement != want:
+                value = value.redistribute(want, timeout=self.timeout)
+                temps.append(value)
+            return [_store.Ref(sid) for sid in value._sids]
+        if isinstance(value, torch.Tensor):
+            value = distribute(value, self.mesh, placement, timeout=self.timeout)
+            temps.append(value)
+            return [_store.Ref(sid) for sid in value._sids]
+        raise TypeError(
+            f"LocalModule input {i} has in_placements[{i}] = {pl.describe(placement)}, so it must be a tensor or "
+            f"a RemoteTensor, got {type(value).__name__}: {value!r:.80}; declare None to pass it as it is"
+        )
+
+    def _check_mesh(self, i: Any, value: RemoteTensor) -> None:
+        if tuple(value.mesh) != tuple(self.mesh):
+            raise ValueError(
+                f"LocalModule input {i} lives on mesh {list(value.mesh)}, but this LocalModule's mesh is "
+                f"{list(self.mesh)}: inputs must be on the module's mesh (same workers, same order)"
+            )
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Run every shard on its local inputs; RemoteTensor outputs by ``out_placements``."""
+        made = _clock()
+        n = len(self.mesh)
+        if self.in_placements is not None and len(inputs) != len(self.in_placements):
+            raise ValueError(
+                f"LocalModule expects {len(self.in_placements)} input(s) (one per in_placements entry), "
+                f"got {len(inputs)}"
+            )
+        placements = self.in_placements or (None,) * len(inputs)
+        temps: list[RemoteTensor] = []  # kept alive until the shards have run
+        per_input = [self._input(i, v, p, temps) for i, (v, p) in enumerate(zip(inputs, placements))]
+        per_kwarg = {}
+        for k, v in kwargs.items():
+            if isinstance(v, RemoteTensor):
+                self._check_mesh(repr(k), v)
+                per_kwarg[k] = [_store.Ref(sid) for sid in v._sids]
+            else:
+                per_kwarg[k] = v
+        sharded_inputs = {i for i, v in enumerate(inputs) if isinstance(v, RemoteTensor) or
+                          (placements[i] is not None)}
+        sharded_kwargs = {k for k, v in kwargs.items() if isinstance(v, RemoteTensor)}
+        seconds = _timeout_seconds(self.timeout)
+        deadline = made + seconds
+        for r, shard in enumerate(self.shards):
+            if not shard._earlier_calls_done(deadline):
+                raise CallTimeout(
+                    f"LocalModule shard {r} on worker {shard.on!r}: earlier calls this thread made on its proxy "
+                    f"were not answered within the timeout ({seconds:g} s)"
+                )
+        count = len(self.out_placements)
+        sids = new_sids(n, count)
+        grad = torch.is_grad_enabled()
+        calls = []
+        for r, shard in enumerate(self.shards):
+            args_r = tuple(v[r] if i in sharded_inputs else v for i, v in enumerate(per_input))
+            kwargs_r = {k: (v[r] if k in sharded_kwargs else v) for k, v in per_kwarg.items()}
+            calls.append((shard.on, _store._forward, (shard._target().key, shard.device, r, n, args_r, kwargs_r, sids[r], grad)))
+        left = deadline - _clock()
+        try:
+            results = call_all(calls, timeout=None if left == float("inf") else max(left, 0.001))
+        except BaseException:
+            release_later(self.mesh, sids, unsure=True)
+            raise
+        finally:
+            del temps
+        specs = [spec for spec, _ in results]
+        for r, spec in enumerate(specs):
+            if spec != specs[0]:
+                release_later(self.mesh, sids)
+                raise ValueError(
+                    f"the shard modules returned differently structured outputs: mesh rank 0 returned {specs[0]!r} "
+                    f"and mesh rank {r} returned {spec!r} (None is a tensor; every rank must return the same structure)"
+                )
+        outs = []
+        try:
+            for j, placement in enumerate(self.out_placements):
+                metas = [results[r][1][j] for r in range(n)]
+                ids = [sids[r][j] for r in range(n)]
+                try:
+                    outs.append(RemoteTensor(_mesh=self.mesh, _placement=placement, _metas=metas, _sids=ids,
+                                             _timeout=self.timeout))
+                except ValueError as exc:
+                    raise ValueError(f"LocalModule output {j} ({pl.describe(placement)}): {exc}") from None
+        except BaseException:
+            release_later(self.mesh, [[sids[r][j] for j in range(len(outs), count)] for r in range(n)])
+            raise
+        return _store.unflatten(specs[0], outs)

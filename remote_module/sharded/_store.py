@@ -1,0 +1,249 @@
+"""Where shards live: a per-process store of local tensors by shard id, and the RPC handlers
+that fill, read, transform and empty it.
+
+A shard id is ``(caller worker name, serial, index)``, chosen by the caller, so a caller can
+release the outputs of a call that failed or timed out without having heard back. A release
+that arrives before what it releases (the call was late) leaves a tombstone, and the late
+tensor is dropped on arrival instead of being kept forever.
+
+Handlers (module-level, pickled by reference; run through ``remote_module._fanout``):
+
+- :func:`_keep`: store a tensor sent by the caller (``distribute``);
+- :func:`_run_fn`: run a user function with the shard's mesh position, store what it returns
+  (``from_local``); :func:`_adopt`: store the value of an RRef owned here;
+- :func:`_forward`: run a ``LocalModule`` shard on stored inputs, store its outputs;
+- :func:`_fetch`: a stored tensor, to the caller (``full_tensor``/``local_shards``);
+- :func:`_redistribute`: make a new local tensor from this rank's and its peers' (the peers
+  answer :func:`_piece`), worker to worker;
+- :func:`_release`: forget shards.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any, NamedTuple, Sequence
+
+import torch
+import torch.distributed.rpc as rpc
+from torch.futures import Future
+
+from remote_module._device import move_cpu_tensors, tensors_to_cpu
+from remote_module._fanout import call_all_async
+from remote_module._handlers import _device, _lookup
+from remote_module._torch_private import device_map_to
+from remote_module.sharded import _placements as pl
+from remote_module.sharded._mesh import running_as
+
+ShardId = tuple  # (caller name, serial, index)
+
+#: Tombstones kept at most (releases of shards never stored; oldest forgotten first).
+_MAX_TOMBSTONES = 100_000
+
+
+class Meta(NamedTuple):
+    """What the caller learns of a stored tensor without fetching it."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+class Ref(NamedTuple):
+    """Stands, in a call's arguments, for the stored tensor ``sid`` on the host."""
+
+    sid: ShardId
+
+
+def meta_of(t: torch.Tensor) -> Meta:
+    return Meta(t.shape, t.dtype, t.requires_grad)
+
+
+class _Store:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tensors: dict[ShardId, torch.Tensor] = {}
+        self._tombstones: collections.OrderedDict[ShardId, None] = collections.OrderedDict()
+
+    def keep(self, sid: ShardId, t: torch.Tensor) -> Meta:
+        with self._lock:
+            if self._tombstones.pop(sid, 0) is None:  # released before it arrived: drop it
+                return meta_of(t)
+            if sid in self._tensors:
+                raise RuntimeError(f"shard id {sid} is already in use on this worker")
+            self._tensors[sid] = t
+        return meta_of(t)
+
+    def get(self, sid: ShardId) -> torch.Tensor:
+        t = self._tensors.get(sid)
+        if t is None:
+            raise LookupError(
+                f"shard {sid} does not exist on worker {rpc.get_worker_info().name!r}: its RemoteTensor "
+                "was released (garbage-collected) or never stored here"
+            )
+        return t
+
+    def release(self, sids: Sequence[ShardId], unsure: bool) -> None:
+        with self._lock:
+            for sid in sids:
+                if self._tensors.pop(sid, None) is None and unsure:
+                    self._tombstones[sid] = None
+                    if len(self._tombstones) > _MAX_TOMBSTONES:
+                        self._tombstones.popitem(last=False)
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self._tensors)
+
+
+_store = _Store()
+
+
+def held_count() -> int:
+    """How many shards this process holds (for leak checks)."""
+    return _store.count()
+
+
+def _resolved(obj: Any) -> Any:
+    """``obj`` with every :class:`Ref` (at any depth of lists, tuples, dicts) replaced by its tensor."""
+    if isinstance(obj, Ref):
+        return _store.get(obj.sid)
+    if isinstance(obj, dict):
+        return {k: _resolved(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_resolved(v) for v in obj)
+    return obj
+
+
+def compact(t: torch.Tensor) -> torch.Tensor:
+    """``t``, copied when it is a view into a larger storage or not contiguous, so that
+    sending it carries its own elements only."""
+    if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def portable(t: torch.Tensor, dest: str) -> torch.Tensor:
+    """``t`` as it may travel to ``dest``: off the CPU only where a device map to ``dest`` is set."""
+    if t.device.type == "cpu" or device_map_to(dest):
+        return compact(t)
+    return compact(tensors_to_cpu(t))
+
+
+def flatten(out: Any, path: str = "output") -> tuple[list[Any], Any]:
+    """The leaves of a (nested) tuple/list output, in order, and its structure: ``None`` for a
+    leaf, ``("tuple" | "list", [children])`` for a container."""
+    if isinstance(out, (tuple, list)) and not hasattr(out, "_fields"):
+        leaves: list[Any] = []
+        children = []
+        for i, item in enumerate(out):
+            sub, spec = flatten(item, f"{path}[{i}]")
+            leaves.extend(sub)
+            children.append(spec)
+        return leaves, ("tuple" if isinstance(out, tuple) else "list", children)
+    return [out], None
+
+
+def unflatten(spec: Any, leaves: Sequence[Any]) -> Any:
+    """The inverse of :func:`flatten`."""
+    it = iter(leaves)
+
+    def build(s: Any) -> Any:
+        if s is None:
+            return next(it)
+        kind, children = s
+        items = [build(c) for c in children]
+        return tuple(items) if kind == "tuple" else items
+
+    return build(spec)
+
+
+# ---- handlers ------------------------------------------------------------------------------
+
+
+def _keep(sid: ShardId, t: torch.Tensor) -> Meta:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"a shard must be a tensor, got {type(t).__name__}")
+    return _store.keep(sid, t)
+
+
+def _run_fn(sid: ShardId, fn: Any, args: tuple, kwargs: dict, rank: int, size: int, grad: bool) -> Meta:
+    with running_as(rank, size), torch.set_grad_enabled(grad):
+        t = fn(*args, **kwargs)
+    if not isinstance(t, torch.Tensor):
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise TypeError(f"from_local: {name}(...) must return a tensor on every worker, got {type(t).__name__}: {t!r:.80}")
+    return _store.keep(sid, t)
+
+
+def _adopt(sid: ShardId, rref: rpc.RRef) -> Meta:
+    t = rref.local_value()
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"from_local: an RRef must hold a tensor, got RRef[{type(t).__name__}]")
+    return _store.keep(sid, t)
+
+
+def _fetch(sid: ShardId, dest: str) -> torch.Tensor:
+    return portable(_store.get(sid), dest)
+
+
+def _release(sids: Sequence[ShardId], unsure: bool = False) -> None:
+    _store.release(sids, unsure)
+
+
+def _forward(
+    key: Any, device: str, rank: int, size: int, args: tuple, kwargs: dict, sids: Sequence[ShardId], grad: bool
+) -> tuple[Any, list[Meta]]:
+    """Run the shard module on its local inputs; store its outputs under ``sids`` (one per
+    declared output placement). Returns the output structure and each output's meta."""
+    module = _lookup(key)
+    args, kwargs = _resolved(args), _resolved(kwargs)
+    dev = _device(device)
+    if dev.type != "cpu":
+        args, kwargs = move_cpu_tensors(args, dev), move_cpu_tensors(kwargs, dev)
+    with running_as(rank, size), torch.set_grad_enabled(grad):
+        out = module(*args, **kwargs)
+    leaves, spec = flatten(out)
+    if len(leaves) != len(sids):
+        raise ValueError(
+            f"the shard module on mesh rank {rank} returned {len(leaves)} output(s), but out_placements "
+            f"declares {len(sids)}: pass one placement per output tensor (outputs are the tensors of the "
+            "returned tuple/list, flattened in order)"
+        )
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"output {i} of the shard module on mesh rank {rank} is {type(leaf).__name__}: {leaf!r:.80}; "
+                "every output with a declared placement must be a tensor"
+            )
+    metas = [_store.keep(sid, t) for sid, t in zip(sids, leaves)]
+    return spec, metas
+
+
+def _piece(sid: ShardId, src: Any, dst: Any, rank: int, size: int, dest: str) -> torch.Tensor:
+    return portable(pl.piece_for(src, dst, rank, size, _store.get(sid)), dest)
+
+
+@rpc.functions.async_execution
+def _redistribute(
+    sid: ShardId, new_sid: ShardId, src: Any, dst: Any, rank: int, peers: Sequence[tuple[str, ShardId]], seconds: float
+) -> Future:
+    """This rank's tensor under ``dst``, from its own under ``src`` and pieces from ``peers``
+    (``(worker, shard id)`` per rank), fetched concurrently, worker to worker."""
+    own = _store.get(sid)
+    size = len(peers)
+    me = rpc.get_worker_info().name
+    if not pl.needs_peers(src, dst):
+        done: Future = Future()
+        done.set_result(_store.keep(new_sid, pl.combine(src, dst, rank, size, [], own)))
+        return done
+    calls = [(w, _piece, (psid, src, dst, rank, size, me)) for p, (w, psid) in enumerate(peers) if p != rank]
+    fetched = call_all_async(calls, timeout=seconds)
+
+    def finish(fut: Future) -> Meta:
+        others = iter(fut.value())
+        pieces = [pl.piece_for(src, dst, rank, size, own) if p == rank else next(others) for p in range(size)]
+        pieces = [t.to(own.device) for t in pieces]
+        return _store.keep(new_sid, pl.combine(src, dst, rank, size, pieces, own))
+
+    return fetched.then(finish)

@@ -1,0 +1,332 @@
+"""RemoteTensor: a tensor sharded over a mesh of workers, each shard held where it was made;
+:func:`distribute` and :func:`from_local` make one."""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import weakref
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed.rpc as rpc
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from remote_module._fanout import _timeout_seconds, call_all
+from remote_module._torch_private import is_rpc_initialized
+from remote_module.sharded import _placements as pl
+from remote_module.sharded import _store
+from remote_module.sharded._mesh import check_mesh
+from remote_module.sharded._store import Meta, ShardId
+
+_serials = itertools.count(1)
+
+
+def new_sids(n: int, count: int = 1) -> list[list[ShardId]]:
+    """``count`` fresh shard ids for each of ``n`` ranks: ``ids[rank][i]``."""
+    caller = rpc.get_worker_info().name
+    base = [next(_serials) for _ in range(count)]
+    return [[(caller, s, rank) for s in base] for rank in range(n)]
+
+
+# ---- freeing shards when their RemoteTensor goes -------------------------------------------
+
+
+class _Releaser:
+    """Sends releases from one background thread: a finalizer only queues (it may run in any
+    thread, inside a dist autograd context or while torch holds a lock), and releases queued
+    together travel as one message per worker."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def later(self, worker: str, sids: list[ShardId], unsure: bool = False) -> None:
+        self._queue.put((worker, tuple(sids), unsure))
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="remote_module-shard-release", daemon=True)
+                    self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            while True:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            grouped: dict[tuple[str, bool], list[ShardId]] = {}
+            for worker, sids, unsure in batch:
+                grouped.setdefault((worker, unsure), []).extend(sids)
+            for (worker, unsure), sids in grouped.items():
+                _send_release(worker, sids, unsure)
+
+
+def _send_release(worker: str, sids: list[ShardId], unsure: bool) -> None:
+    if not is_rpc_initialized():
+        return  # the world is gone, and the shards with it
+    try:
+        fut = rpc.rpc_async(worker, _store._release, (sids, unsure), timeout=30)
+        fut.add_done_callback(_ignore)
+    except Exception:
+        pass  # RPC shutting down or the worker gone: nothing left to free there
+
+
+def _ignore(fut: Any) -> None:
+    try:
+        fut.value()
+    except Exception:
+        pass
+
+
+_releaser = _Releaser()
+
+
+def release_later(mesh: Sequence[str], sids: Sequence[Sequence[ShardId]], unsure: bool = False) -> None:
+    """Free ``sids[rank]`` on ``mesh[rank]``, from the background thread."""
+    for worker, ids in zip(mesh, sids):
+        if ids:
+            _releaser.later(worker, list(ids), unsure)
+
+
+# ---- RemoteTensor ------------------------------------------------------------------------
+
+
+class RemoteTensor:
+    """A tensor sharded over a mesh of workers: one local tensor per worker, held there.
+
+    The caller holds only the mesh, the placement (torch's ``Shard(dim)``, ``Replicate()`` or
+    ``Partial(op)``), the global shape and dtype and each worker's local shape, all known
+    without fetching data. Shards stay on their workers until :meth:`full_tensor` or
+    :meth:`local_shards` fetches them; :meth:`redistribute` moves data worker to worker.
+    When the RemoteTensor is garbage-collected its shards are freed on their workers.
+
+    Made by :func:`distribute`, :func:`from_local` and ``LocalModule``; not constructed directly.
+
+    Example (worker0 drives; worker1 and worker2 only join RPC and wait)::
+
+        x = distribute(torch.arange(10.0), ["worker1", "worker2"], Shard(0))
+        x.shape, x.local_shapes          # torch.Size([10]), (torch.Size([5]), torch.Size([5]))
+        x.redistribute(Replicate()).full_tensor()     # tensor([0., 1., ..., 9.])
+    """
+
+    __slots__ = ("mesh", "placement", "shape", "dtype", "requires_grad", "local_shapes", "timeout", "_sids", "__weakref__")
+
+    def __init__(self, *, _mesh: tuple[str, ...], _placement: Any, _metas: Sequence[Meta], _sids: Sequence[ShardId],
+                 _timeout: float | None = None) -> None:
+        # Frees the shards even when the checks below fail.
+        weakref.finalize(self, release_later, _mesh, [[sid] for sid in _sids]).atexit = False
+        ndim = len(_metas[0].shape)
+        placement = pl.normalized(_placement, ndim, "placement")
+        dtypes = {m.dtype for m in _metas}
+        if len(dtypes) > 1:
+            raise ValueError(
+                "every worker's shard must have one dtype, got "
+                + ", ".join(f"{w}: {m.dtype}" for w, m in zip(_mesh, _metas))
+            )
+        pl.check_op_dtype(placement, _metas[0].dtype)
+        self.shape = pl.global_shape(placement, [m.shape for m in _metas], "the RemoteTensor")
+        self.mesh = _mesh
+        self.placement = placement
+        self.dtype = _metas[0].dtype
+        self.requires_grad = any(m.requires_grad for m in _metas)
+        self.local_shapes = tuple(torch.Size(m.shape) for m in _metas)
+        self.timeout = _timeout
+        self._sids = tuple(_sids)
+
+    @property
+    def placements(self) -> tuple:
+        """The placement as torch's ``placements`` tuple for a 1-D mesh."""
+        return (self.placement,)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def size(self, dim: int | None = None) -> Any:
+        return self.shape if dim is None else self.shape[dim]
+
+    def __repr__(self) -> str:
+        return (
+            f"RemoteTensor(shape={tuple(self.shape)}, dtype={self.dtype}, placement={pl.describe(self.placement)}, "
+            f"mesh={list(self.mesh)})"
+        )
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "a RemoteTensor cannot be pickled or sent over RPC (its shards belong to this caller); send "
+            "rt.full_tensor(), or pass it to a LocalModule, whose shards read their local pieces"
+        )
+
+    def _refs(self) -> list[_store.Ref]:
+        return [_store.Ref(sid) for sid in self._sids]
+
+    # ---- fetching -------------------------------------------------------------------
+
+    def local_shards(self, timeout: float | None = None) -> list[torch.Tensor]:
+        """Every worker's local tensor, in mesh order, fetched to the caller (copies).
+
+        Example::
+
+            a, b = distribute(torch.arange(5.0), ["worker1", "worker2"], Shard(0)).local_shards()
+            # a == tensor([0., 1., 2.]), b == tensor([3., 4.])
+        """
+        me = rpc.get_worker_info().name
+        calls = [(w, _store._fetch, (sid, me)) for w, sid in zip(self.mesh, self._sids)]
+        return call_all(calls, timeout=self._timeout(timeout))
+
+    def full_tensor(self, timeout: float | None = None) -> torch.Tensor:
+        """The global tensor on the caller: Shard -> the shards concatenated in mesh order,
+        Replicate -> one copy (from the first worker), Partial -> the shards reduced.
+
+        Inside ``dist_autograd.context()`` the fetch is recorded: a loss computed from it
+        sends gradients back to every worker's graph.
+
+        Example::
+
+            total = out.full_tensor()     # out: Partial(sum) -> the sum of the workers' values
+        """
+        me = rpc.get_worker_info().name
+        pairs = list(zip(self.mesh, self._sids))
+        if isinstance(self.placement, Replicate):
+            pairs = pairs[:1]
+        tensors = call_all([(w, _store._fetch, (sid, me)) for w, sid in pairs], timeout=self._timeout(timeout))
+        device = tensors[0].device
+        return pl.assemble(self.placement, [t.to(device) for t in tensors])
+
+    # ---- moving between placements ------------------------------------------------------
+
+    def redistribute(self, placement: Any, timeout: float | None = None) -> "RemoteTensor":
+        """This tensor under another placement, moving data worker to worker (never through
+        the caller): Shard/Partial -> Replicate (all-gather / all-reduce), Replicate -> Shard
+        or Partial (local slicing, no traffic), Shard(i) -> Shard(j) (all-to-all), Partial ->
+        Shard (reduce-scatter), Shard -> Partial, Partial -> Partial(other op).
+
+        Example::
+
+            y = out.redistribute(Replicate())    # Partial(sum) -> every worker holds the sum
+            z = y.redistribute(Shard(0))         # each keeps its rows; nothing travels
+        """
+        dst = pl.normalized(pl.check_placement(placement, "redistribute(placement)"), self.ndim, "redistribute")
+        pl.check_op_dtype(dst, self.dtype, "redistribute(placement)")
+        if dst == self.placement:
+            return self
+        n = len(self.mesh)
+        new = [ids[0] for ids in new_sids(n)]
+        peers = list(zip(self.mesh, self._sids))
+        seconds = _timeout_seconds(self._timeout(timeout))
+        inner = seconds if seconds == float("inf") else max(0.001, seconds - min(1.0, 0.1 * seconds))
+        calls = [
+            (w, _store._redistribute, (sid, new[r], self.placement, dst, r, peers, inner))
+            for r, (w, sid) in enumerate(peers)
+        ]
+        try:
+            metas = call_all(calls, timeout=self._timeout(timeout))
+        except BaseException:
+            release_later(self.mesh, [[sid] for sid in new], unsure=True)
+            raise
+        return RemoteTensor(_mesh=self.mesh, _placement=dst, _metas=metas, _sids=new, _timeout=self.timeout)
+
+    def _timeout(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout
+
+
+def _stored(mesh: tuple[str, ...], placement: Any, calls: list, sids: list[ShardId], timeout: float | None) -> RemoteTensor:
+    """Run ``calls`` (one per rank, each storing ``sids[rank]``) and wrap what they stored."""
+    try:
+        metas = call_all(calls, timeout=timeout)
+    except BaseException:
+        release_later(mesh, [[sid] for sid in sids], unsure=True)
+        raise
+    return RemoteTensor(_mesh=mesh, _placement=placement, _metas=metas, _sids=sids, _timeout=timeout)
+
+
+def distribute(tensor: torch.Tensor, mesh: Sequence[Any], placement: Any, *, timeout: float | None = None) -> RemoteTensor:
+    """Put a caller's tensor onto the workers of ``mesh``: ``Shard(dim)`` splits it as
+    ``torch.tensor_split`` does (uneven sizes allowed), ``Replicate()`` copies it to every
+    worker, ``Partial(op)`` gives shares that reduce back to it. ``placement`` is one placement
+    or a sequence of one. Inside ``dist_autograd.context()`` the sends are recorded.
+
+    Example (worker0 drives; worker1 and worker2 only join RPC and wait)::
+
+        x = distribute(torch.randn(6, 4), ["worker1", "worker2"], Shard(0))   # 3 rows each
+        w = distribute(torch.randn(4, 4), ["worker1", "worker2"], Replicate())
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"distribute: tensor must be a torch.Tensor, got {type(tensor).__name__}: {tensor!r:.80}")
+    workers, _ = check_mesh(mesh)
+    p = pl.normalized(pl.check_placement(placement), tensor.dim(), "distribute")
+    pl.check_op_dtype(p, tensor.dtype, "distribute")
+    _timeout_seconds(timeout)
+    parts = pl.local_parts(tensor, p, len(workers))
+    sids = [ids[0] for ids in new_sids(len(workers))]
+    calls = [(w, _store._keep, (sid, _store.compact(part))) for w, sid, part in zip(workers, sids, parts)]
+    return _stored(workers, p, calls, sids, timeout)
+
+
+def from_local(
+    fn: Callable[..., torch.Tensor] | Sequence[rpc.RRef],
+    mesh: Sequence[Any],
+    placement: Any,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    *,
+    timeout: float | None = None,
+) -> RemoteTensor:
+    """Wrap tensors made on the workers: ``fn(*args, **kwargs)`` runs on every worker of
+    ``mesh`` (concurrently; ``mesh_rank()``/``mesh_size()`` valid inside) and the tensor it
+    returns stays there as that worker's shard. Or pass one ``RRef[Tensor]`` per worker, each
+    owned by its mesh worker. ``fn`` is a module-level function (RPC sends it by reference).
+
+    Example (worker0 drives; ``mylib.rows`` is importable on every worker)::
+
+        # mylib.py
+        def rows(width):
+            return torch.full((2, width), float(mesh_rank()))
+        # worker0
+        x = from_local(mylib.rows, ["worker1", "worker2"], Shard(0), args=(3,))   # shape (4, 3)
+    """
+    workers, _ = check_mesh(mesh)
+    p = pl.check_placement(placement)
+    _timeout_seconds(timeout)
+    n = len(workers)
+    sids = [ids[0] for ids in new_sids(n)]
+    if isinstance(fn, (list, tuple)):
+        rrefs = list(fn)
+        if len(rrefs) != n:
+            raise ValueError(f"from_local: expected one RRef per mesh worker ({n}), got {len(rrefs)}")
+        for r, rref in enumerate(rrefs):
+            if not isinstance(rref, rpc.PyRRef):
+                raise TypeError(f"from_local: item {r} must be an RRef[Tensor], got {type(rref).__name__}")
+            if rref.owner_name() != workers[r]:
+                raise ValueError(
+                    f"from_local: RRef {r} is owned by {rref.owner_name()!r}, but mesh rank {r} is {workers[r]!r}; "
+                    "each worker's shard must be owned by that worker (order the RRefs as the mesh)"
+                )
+        calls = [(w, _store._adopt, (sid, rref)) for w, sid, rref in zip(workers, sids, rrefs)]
+    elif callable(fn):
+        if args is not None and not isinstance(args, (tuple, list)):
+            raise TypeError(f"from_local: args must be a tuple, got {type(args).__name__}")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise TypeError(f"from_local: kwargs must be a dict or None, got {type(kwargs).__name__}")
+        grad = torch.is_grad_enabled()
+        calls = [
+            (w, _store._run_fn, (sid, fn, tuple(args or ()), dict(kwargs or {}), r, n, grad))
+            for r, (w, sid) in enumerate(zip(workers, sids))
+        ]
+    else:
+        raise TypeError(
+            f"from_local takes a module-level function or a list of RRef[Tensor] (one per mesh worker), "
+            f"got {type(fn).__name__}: {fn!r:.80}"
+        )
+    return _stored(workers, p, calls, sids, timeout)
+
+
+__all__ = ["RemoteTensor", "distribute", "from_local", "Shard", "Replicate", "Partial"]
