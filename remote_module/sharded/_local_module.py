@@ -9,7 +9,6 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed.rpc as rpc
 from torch import nn
-from torch.futures import Future
 
 from remote_module._errors import CallTimeout, retyped
 from remote_module._fanout import _timeout_seconds, call_all
@@ -17,7 +16,7 @@ from remote_module.remote_module import RemoteModule
 from remote_module.sharded import _placements as pl
 from remote_module.sharded import _store
 from remote_module.sharded._mesh import check_mesh
-from remote_module.sharded._tensor import RemoteTensor, distribute, new_sids, release_later
+from remote_module.sharded._tensor import RemoteTensor, new_sids, release_later
 from rpc_backend.options import positive_seconds
 
 _clock = time.monotonic
@@ -167,9 +166,10 @@ class LocalModule(nn.Module):
                 temps.append(value)
             return [_store.Ref(sid) for sid in value._sids]
         if isinstance(value, torch.Tensor):
-            value = distribute(value, self.mesh, placement, timeout=self.timeout)
-            temps.append(value)
-            return [_store.Ref(sid) for sid in value._sids]
+            # What distribute() would store, sent with the call instead (nothing to store or free).
+            want = pl.normalized(placement, value.dim(), f"in_placements[{i}]")
+            pl.check_op_dtype(want, value.dtype, f"in_placements[{i}]")
+            return [_store.compact(part) for part in pl.local_parts(value, want, len(self.mesh))]
         raise TypeError(
             f"LocalModule input {i} has in_placements[{i}] = {pl.describe(placement)}, so it must be a tensor or "
             f"a RemoteTensor, got {type(value).__name__}: {value!r:.80}; declare None to pass it as it is"
