@@ -3,7 +3,6 @@ full_tensor, local_shards, redistribute worker to worker) and LocalModule (one m
 worker, outputs by placements), each checked against a local reference."""
 
 import gc
-import pickle
 import time
 
 import pytest
@@ -128,14 +127,6 @@ def test_from_local_adopts_rrefs_owned_by_the_mesh_workers():
         from_local(rrefs[::-1], MESH, Shard(0))
     with pytest.raises(ValueError, match=r"expected one RRef per mesh worker \(2\), got 1"):
         from_local(rrefs[:1], MESH, Shard(0))
-
-
-def test_a_remote_tensor_does_not_pickle():
-    rt = distribute(torch.ones(2), MESH, Replicate())
-    with pytest.raises(TypeError, match="RemoteTensor cannot be pickled"):
-        pickle.dumps(rt)
-    with pytest.raises(TypeError, match="RemoteTensor cannot be pickled"):
-        rpc.rpc_sync("worker1", sr.held_count, (rt,))
 
 
 # ---- redistribute -----------------------------------------------------------------------
