@@ -13,7 +13,7 @@ holds the data: :func:`split` / :func:`partition` (a caller tensor onto the mesh
 :func:`combine` (what rank ``r`` makes of the pieces). Tests check them without any RPC.
 
 Replicate -> Partial keeps the value exact: for ``sum`` rank 0 keeps the tensor and the other
-ranks hold zeros (torch's DTensor divides by the mesh size instead, which rounds); for
+ranks hold zeros (-0.0 for floats, so even a -0.0 comes back as it was; torch's DTensor divides by the mesh size instead, which rounds); for
 ``avg``, ``max`` and ``min`` every rank keeps the tensor.
 """
 
@@ -160,7 +160,8 @@ def partition(tensor: torch.Tensor, op: str, n: int, rank: int) -> torch.Tensor:
     the ``n`` shares gives ``tensor`` back exactly: for sum rank 0 keeps it and the others hold
     zeros; for avg, max and min every rank keeps it."""
     if op == "sum" and rank != 0:
-        return torch.zeros_like(tensor)
+        # -0.0 for floats: x + (-0.0) is x bit for bit, a -0.0 included (+0.0 would turn it to +0.0)
+        return torch.full_like(tensor, -0.0) if tensor.is_floating_point() or tensor.is_complex() else torch.zeros_like(tensor)
     if op not in REDUCE_OPS:
         raise ValueError(f"unknown reduce op {op!r}; reduce ops: {', '.join(REDUCE_OPS)}")
     return tensor
@@ -188,6 +189,7 @@ def piece_for(src: Placement, dst: Placement, rank: int, n: int, local: torch.Te
     """What a rank holding ``local`` (under ``src``) sends to rank ``rank`` for ``dst``: the
     slice of ``local`` that rank needs when the target is a Shard (an all-to-all or a
     reduce-scatter), the whole of ``local`` otherwise (an all-gather or an all-reduce)."""
+    src, dst = normalized(src, local.dim()), normalized(dst, local.dim())
     if isinstance(dst, Shard) and isinstance(src, (Shard, Partial)) and src != dst:
         return torch.tensor_split(local, n, dim=dst.dim)[rank]
     return local
@@ -198,7 +200,8 @@ def combine(
 ) -> torch.Tensor:
     """Rank ``rank``'s new local tensor under ``dst``, from ``own`` (its local tensor under
     ``src``) and ``pieces`` (:func:`piece_for` from every rank, in rank order; unused when
-    :func:`needs_peers` is False). Shard dims must be non-negative (see :func:`normalized`)."""
+    :func:`needs_peers` is False)."""
+    src, dst = normalized(src, own.dim()), normalized(dst, own.dim())
     if src == dst:
         return own
     if isinstance(src, Replicate):
