@@ -246,3 +246,10 @@ class Returns(nn.Module):
         if k == "rank-shapes":
             return torch.ones(2, r + 1)
         raise ValueError(k)
+
+
+class SumNested(nn.Module):
+    """Adds the tensors of a nested argument: ``{"a": [x, (y,)]}`` -> ``x + y``."""
+
+    def forward(self, nested: dict, *, extra: list) -> torch.Tensor:
+        return nested["a"][0] + nested["a"][1][0] + extra[0]

@@ -359,3 +359,17 @@ def test_a_failed_forward_leaves_nothing_held():
             wait_until_held_at_most(baseline, seconds=5)
         except AssertionError as e:
             raise AssertionError(f"after a forward that failed with {what}: {e}") from None
+
+
+def test_remote_tensors_nested_in_containers_stand_for_their_local_shards():
+    mesh = ["worker1", "worker2"]
+    x, y, z = (torch.arange(6.0) * k for k in (1, 10, 100))
+    rx, ry, rz = (distribute(t, mesh, Shard(0)) for t in (x, y, z))
+    lm = LocalModule(mesh, sr.SumNested, out_placements=Shard(0))
+    out = lm({"a": [rx, (ry,)]}, extra=[rz])
+    assert torch.equal(out.full_tensor(), x + y + z)
+    other = distribute(torch.arange(6.0), ["worker2", "worker1"], Shard(0))
+    with pytest.raises(ValueError, match="input 0 lives on mesh"):
+        lm({"a": [rx, (other,)]}, extra=[rz])
+    with pytest.raises(ValueError, match="keyword argument 'extra' lives on mesh"):
+        lm({"a": [rx, (ry,)]}, extra=[other])

@@ -134,7 +134,7 @@ def test_inputs_on_another_mesh(echo2, mesh):
         echo2(other, 1.0)  # declared Shard(0)
     with raises(ValueError, "LocalModule input 1", *expected):
         echo2(torch.ones(2), other)  # declared None
-    with raises(ValueError, "LocalModule input 'z'", *expected):
+    with raises(ValueError, "LocalModule keyword argument 'z'", *expected):
         echo2(torch.ones(2), 1.0, z=other)  # a keyword
 
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from remote_module._errors import CallTimeout, retyped
 from remote_module._fanout import _timeout_seconds, call_all
+from remote_module._walk import map_leaves
 from remote_module.remote_module import RemoteModule
 from remote_module.sharded import _placements as pl
 from remote_module.sharded import _store
@@ -58,6 +59,23 @@ def _constructor_args(args: Any, kwargs: Any, n: int) -> list[tuple[tuple, dict]
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"LocalModule: kwargs must be a dict or None, got {type(kwargs).__name__}")
     return [(tuple(args), dict(kwargs or {}))] * n
+
+
+class _PerRank:
+    """An input given to each rank separately (its shard, or its part of a caller tensor)."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: list) -> None:
+        self.items = items
+
+
+def _for_rank(value: Any, rank: int) -> Any:
+    """What rank ``rank`` receives for an input: its own item, or the value with every
+    RemoteTensor in it replaced by a reference to the rank's local shard."""
+    if isinstance(value, _PerRank):
+        return value.items[rank]
+    return map_leaves(lambda rt: _store.Ref(rt._sids[rank]), value, RemoteTensor)
 
 
 class LocalModule(nn.Module):
@@ -152,35 +170,36 @@ class LocalModule(nn.Module):
     # ---- forward -----------------------------------------------------------------------
 
     def _input(self, i: int, value: Any, placement: Any, temps: list) -> Any:
-        """Input ``i`` as every rank receives it: a list of per-rank values, or one value for all."""
+        """Input ``i`` as the ranks receive it: a :class:`_PerRank` (each rank its own value),
+        or a value sent to every rank, in which RemoteTensors (at any depth of lists, tuples
+        and dicts) stand for their local shards."""
         if placement is None:
-            if isinstance(value, RemoteTensor):
-                self._check_mesh(i, value)
-                return [_store.Ref(sid) for sid in value._sids]
+            map_leaves(lambda rt: self._check_mesh(f"input {i}", rt), value, RemoteTensor)
             return value
         if isinstance(value, RemoteTensor):
-            self._check_mesh(i, value)
+            self._check_mesh(f"input {i}", value)
             want = pl.normalized(placement, value.ndim, f"in_placements[{i}]")
             if value.placement != want:
                 value = value.redistribute(want, timeout=self.timeout)
                 temps.append(value)
-            return [_store.Ref(sid) for sid in value._sids]
+            return _PerRank([_store.Ref(sid) for sid in value._sids])
         if isinstance(value, torch.Tensor):
             # What distribute() would store, sent with the call instead (nothing to store or free).
             want = pl.normalized(placement, value.dim(), f"in_placements[{i}]")
             pl.check_op_dtype(want, value.dtype, f"in_placements[{i}]")
-            return [_store.compact(part) for part in pl.local_parts(value, want, len(self.mesh))]
+            return _PerRank([_store.compact(part) for part in pl.local_parts(value, want, len(self.mesh))])
         raise TypeError(
             f"LocalModule input {i} has in_placements[{i}] = {pl.describe(placement)}, so it must be a tensor or "
             f"a RemoteTensor, got {type(value).__name__}: {value!r:.80}; declare None to pass it as it is"
         )
 
-    def _check_mesh(self, i: Any, value: RemoteTensor) -> None:
+    def _check_mesh(self, what: str, value: RemoteTensor) -> RemoteTensor:
         if tuple(value.mesh) != tuple(self.mesh):
             raise ValueError(
-                f"LocalModule input {i} lives on mesh {list(value.mesh)}, but this LocalModule's mesh is "
+                f"LocalModule {what} lives on mesh {list(value.mesh)}, but this LocalModule's mesh is "
                 f"{list(self.mesh)}: inputs must be on the module's mesh (same workers, same order)"
             )
+        return value
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run every shard on its local inputs; RemoteTensor outputs by ``out_placements``."""
@@ -194,16 +213,8 @@ class LocalModule(nn.Module):
         placements = self.in_placements or (None,) * len(inputs)
         temps: list[RemoteTensor] = []  # kept alive until the shards have run
         per_input = [self._input(i, v, p, temps) for i, (v, p) in enumerate(zip(inputs, placements))]
-        per_kwarg = {}
         for k, v in kwargs.items():
-            if isinstance(v, RemoteTensor):
-                self._check_mesh(repr(k), v)
-                per_kwarg[k] = [_store.Ref(sid) for sid in v._sids]
-            else:
-                per_kwarg[k] = v
-        sharded_inputs = {i for i, v in enumerate(inputs) if isinstance(v, RemoteTensor) or
-                          (placements[i] is not None)}
-        sharded_kwargs = {k for k, v in kwargs.items() if isinstance(v, RemoteTensor)}
+            map_leaves(lambda rt: self._check_mesh(f"keyword argument {k!r}", rt), v, RemoteTensor)
         seconds = _timeout_seconds(self.timeout)
         deadline = made + seconds
         for r, shard in enumerate(self.shards):
@@ -217,8 +228,8 @@ class LocalModule(nn.Module):
         grad = torch.is_grad_enabled()
         calls = []
         for r, shard in enumerate(self.shards):
-            args_r = tuple(v[r] if i in sharded_inputs else v for i, v in enumerate(per_input))
-            kwargs_r = {k: (v[r] if k in sharded_kwargs else v) for k, v in per_kwarg.items()}
+            args_r = tuple(_for_rank(v, r) for v in per_input)
+            kwargs_r = {k: _for_rank(v, r) for k, v in kwargs.items()}
             calls.append((shard.on, _store._forward, (shard._target().key, shard.device, r, n, args_r, kwargs_r, sids[r], grad)))
         left = deadline - _clock()
         try:
