@@ -160,6 +160,9 @@ class _Outstanding:
         try:
             ok, value = sent.value()  # read even when late: RRefs in it are confirmed, then dropped
         except BaseException as exc:  # the RPC itself failed: dead host, shutdown
+            # its traceback holds this frame, hence ``future``, which will hold the failure (and
+            # so ``exc``, its cause) out of the cycle collector's sight: see ``collect`` below
+            exc.__traceback__ = None
             if future is not None:
                 future.set_exception(_rpc_failure(exc, self.label, self.name))
             return
@@ -287,6 +290,10 @@ def call_all_async(calls: Iterable[HostCall | tuple], timeout: float | None = No
             try:
                 value = fut.value()
             except BaseException as exc:
+                # its traceback holds ``fut``, which holds ``exc`` where the cycle collector cannot
+                # see (a torch Future keeps its error in C++): both, and every frame the error
+                # passes through later (a caller's arguments), would never be freed
+                exc.__traceback__ = None
                 with lock:
                     first, state["failed"] = not state["failed"], True
                 if first:
@@ -319,4 +326,9 @@ def call_all(calls: Iterable[HostCall | tuple], timeout: float | None = None) ->
 
         outs = call_all([("worker1", handler, (x,)), ("worker2", handler, (y,), {"scale": 2})], timeout=5)
     """
-    return call_all_async(calls, timeout).wait()
+    try:
+        return call_all_async(calls, timeout).wait()
+    except BaseException as exc:
+        # raised without torch's ``wait`` frame, whose future holds ``exc`` out of the cycle
+        # collector's sight (see ``collect``): the caller's frames would be kept with it for good
+        raise exc.with_traceback(None)
