@@ -23,3 +23,4 @@ test: .install-stamp
 bench: .install-stamp
 	$(PYTHON) -m tests.benchmarks.bench_remote_module
 	$(PYTHON) -m tests.benchmarks.bench_pipeline
+	$(PYTHON) -m tests.benchmarks.bench_sharded

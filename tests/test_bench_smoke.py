@@ -5,8 +5,10 @@ import json
 import os
 
 import pytest
+import torch
 
-from tests.benchmarks import bench_pipeline
+from tests.benchmarks import bench_pipeline, bench_sharded
+from tests.benchmarks._caller_bytes import sized
 from tests.benchmarks import bench_remote_module as bench
 
 _OMP_BEFORE = os.environ.get("OMP_NUM_THREADS")
@@ -68,3 +70,50 @@ def test_pipeline_ratios_compare_medians():
     assert r["fwd+bwd chunks=4: RemotePipeline / pipelining GPipe (target >= 0.8)"] == pytest.approx(0.5)
     assert r["pipelining GPipe fwd+bwd: best of chunks 4/8 / chunks 1"] == pytest.approx(2.0)
     assert all(v > 0 for v in r.values())
+
+
+@pytest.mark.slow
+def test_quick_sharded_benchmark_runs(tmp_path, capsys):
+    # the run itself checks both MLP variants against the local model (atol 1e-4)
+    out = tmp_path / "bench-sharded.json"
+    results = bench_sharded.main(["--quick", "--json", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["ratios"] == results["ratios"]
+    assert set(saved["small_s"]) == {
+        f"N={n}: {v}" for n in (1, 2, 3)
+        for v in (f"{n} concurrent rpc_async no-ops", "sharded forward", "sharded forward, releases excluded")
+    }
+    assert set(saved["mlp_s"]) == {f"N={n}: {v}" for n in (2, 3) for v in ("sharded", "by hand")}
+    for n in (2, 3):
+        sharded, by_hand = saved["mlp_bytes"][f"N={n}: sharded"], saved["mlp_bytes"][f"N={n}: by hand"]
+        assert sharded["hidden_activation_bytes"] == 0, sharded
+        # the by-hand caller receives every hidden unit and sends it back: batch x hidden floats each way
+        cfg = saved["config"]
+        assert by_hand["hidden_activation_bytes"] == 2 * cfg["batch"] * cfg["hidden"] * 4, by_hand
+        assert sharded["messages"].get("_release", 0) > 0  # the releases were counted too
+    assert all(max_diff <= 1e-4 for max_diff in saved["mlp_max_abs_diff"].values())
+    assert saved["threads_in_rpc_handlers"] == {"host0": 1, "host1": 1, "host2": 1}
+    assert os.environ.get("OMP_NUM_THREADS") == _OMP_BEFORE
+    printed = capsys.readouterr().out
+    assert "ratios of medians" in printed and "(target <= 1.5)" in printed
+
+
+def test_sharded_ratios_compare_medians():
+    small = {}
+    for n in (1, 2, 3):
+        small[f"N={n}: {n} concurrent rpc_async no-ops"] = 0.001 * n
+        small[f"N={n}: sharded forward"] = 0.002 * n
+        small[f"N={n}: sharded forward, releases excluded"] = 0.0015 * n
+    mlp = {"N=2: sharded": 0.05, "N=2: by hand": 0.06, "N=3: sharded": 0.05, "N=3: by hand": 0.04}
+    r = bench_sharded.ratios({"config": {"small_ns": [1, 2, 3], "mlp_ns": [2, 3]}, "small_s": small, "mlp_s": mlp})
+    assert r["small fwd N=3: sharded / 3 concurrent no-ops (target <= 1.5)"] == pytest.approx(2.0)
+    assert r["small fwd N=1: sharded, releases excluded / 1 concurrent no-ops"] == pytest.approx(1.5)
+    assert r["MLP N=2: by hand / sharded time (target >= 1.0)"] == pytest.approx(1.2)
+    assert r["MLP N=3: by hand / sharded time, stretch (target >= 1.2)"] == pytest.approx(0.8)
+
+
+def test_caller_bytes_sizes_tensors_apart_from_the_pickle():
+    t = torch.zeros(256)
+    nbytes, tensors = sized(((t[:10], {"k": 3}), None))
+    assert [x.shape for x in tensors] == [torch.Size([10])] and 0 < nbytes < 200
+    assert sized((t,))[0] == sized((torch.zeros(1),))[0]  # tensor bytes are not in the pickled part

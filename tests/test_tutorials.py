@@ -44,3 +44,18 @@ def test_pipeline_trains_and_loss_goes_down():
     losses = [float(line.split("loss ")[1]) for line in lines]
     assert losses[-1] < 0.9 * losses[0], losses
     assert "on=worker1" in out.stdout and "on=worker2" in out.stdout, out.stdout  # two stages, two hosts
+
+
+@pytest.mark.slow
+def test_sharded_seed_example_and_megatron_step():
+    out = subprocess.run(
+        [sys.executable, "-m", "tutorials.sharded"], cwd=ROOT, capture_output=True, text=True,
+        timeout=170, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert "local results: [1.5, 6.0]" in lines, out.stdout
+    assert "full_tensor(): 7.5" in lines, out.stdout
+    mlp = [line for line in lines if line.startswith("Megatron MLP step:")]
+    assert len(mlp) == 1, out.stdout
+    assert float(mlp[0].rsplit(": ", 1)[1]) < 1e-5, mlp[0]  # equal to the local model after the SGD step
