@@ -4,20 +4,20 @@ combined by declared placements."""
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed.rpc as rpc
 from torch import nn
 
 from remote_module._errors import CallTimeout, retyped
-from remote_module._fanout import _timeout_seconds, call_all
+from remote_module._fanout import _timeout_seconds
 from remote_module._walk import map_leaves
 from remote_module.remote_module import RemoteModule
 from remote_module.sharded import _placements as pl
 from remote_module.sharded import _store
 from remote_module.sharded._mesh import check_mesh
-from remote_module.sharded._tensor import RemoteTensor, new_sids, release_later
+from remote_module.sharded._tensor import RemoteTensor, call_carrying_releases, new_sids, release_later
 from rpc_backend.options import positive_seconds
 
 _clock = time.monotonic
@@ -59,6 +59,12 @@ def _constructor_args(args: Any, kwargs: Any, n: int) -> list[tuple[tuple, dict]
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"LocalModule: kwargs must be a dict or None, got {type(kwargs).__name__}")
     return [(tuple(args), dict(kwargs or {}))] * n
+
+
+class _Hosts(NamedTuple):
+    caller: str
+    infos: tuple
+    keys: tuple
 
 
 class _PerRank:
@@ -158,6 +164,19 @@ class LocalModule(nn.Module):
             text += f", in_placements={[None if p is None else pl.describe(p) for p in self.in_placements]}"
         return text
 
+    def _hosts(self) -> "_Hosts":
+        """The caller's name, each shard's WorkerInfo and module key, looked up once per process
+        (a WorkerInfo given to a call spares two name lookups)."""
+        hosts = self.__dict__.get("_hosts_cache")
+        if hosts is None or hosts.caller != rpc.get_worker_info().name:
+            hosts = _Hosts(
+                rpc.get_worker_info().name,
+                tuple(rpc.get_worker_info(s.on) for s in self.shards),
+                tuple(s._target().key for s in self.shards),
+            )
+            self.__dict__["_hosts_cache"] = hosts
+        return hosts
+
     def remote_parameters(self, recurse: bool = True) -> list[rpc.RRef]:
         """RRefs of every shard's parameters, shard by shard, for ``DistributedOptimizer``.
 
@@ -224,16 +243,17 @@ class LocalModule(nn.Module):
                     f"were not answered within the timeout ({seconds:g} s)"
                 )
         count = len(self.out_placements)
-        sids = new_sids(n, count)
+        hosts = self._hosts()
+        sids = new_sids(n, count, hosts.caller)
         grad = torch.is_grad_enabled()
         calls = []
         for r, shard in enumerate(self.shards):
             args_r = tuple(_for_rank(v, r) for v in per_input)
             kwargs_r = {k: _for_rank(v, r) for k, v in kwargs.items()}
-            calls.append((shard.on, _store._forward, (shard._target().key, shard.device, r, n, args_r, kwargs_r, sids[r], grad)))
+            calls.append((hosts.infos[r], _store._forward, (hosts.keys[r], shard.device, r, n, args_r, kwargs_r, sids[r], grad)))
         left = deadline - _clock()
         try:
-            results = call_all(calls, timeout=None if left == float("inf") else max(left, 0.001))
+            results = call_carrying_releases(calls, None if left == float("inf") else max(left, 0.001))
         except BaseException:
             release_later(self.mesh, sids, unsure=True)
             raise

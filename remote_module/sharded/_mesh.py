@@ -11,9 +11,10 @@ exists yet.
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
+
+import torch
 
 import torch.distributed.rpc as rpc
 
@@ -56,15 +57,20 @@ def check_mesh(mesh: Any, what: str = "mesh") -> tuple[tuple[str, ...], tuple[st
 _here = threading.local()
 
 
-@contextlib.contextmanager
-def running_as(rank: int, size: int) -> Iterator[None]:
-    """Make :func:`mesh_rank` / :func:`mesh_size` answer ``rank`` / ``size`` in this thread."""
+def run_as(rank: int, size: int, grad: bool, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` with :func:`mesh_rank` / :func:`mesh_size` answering ``rank`` /
+    ``size`` in this thread, and grad mode ``grad`` (both restored after)."""
     saved = getattr(_here, "position", None)
     _here.position = (rank, size)
+    was = torch.is_grad_enabled()
+    if was != grad:
+        torch.set_grad_enabled(grad)
     try:
-        yield
+        return fn(*args, **kwargs)
     finally:
         _here.position = saved
+        if was != grad:
+            torch.set_grad_enabled(was)
 
 
 def _position(name: str) -> tuple[int, int]:

@@ -32,8 +32,10 @@ from remote_module._device import move_cpu_tensors, tensors_to_cpu
 from remote_module._fanout import call_all_async
 from remote_module._handlers import _device, _lookup
 from remote_module._torch_private import device_map_to
+# Imported with the store on purpose (it imports torch.distributed.tensor, ~1 s): a worker pays
+# for it on its first shard call, not inside a redistribute whose nested fetches have a budget.
 from remote_module.sharded import _placements as pl
-from remote_module.sharded._mesh import running_as
+from remote_module.sharded._mesh import run_as
 
 ShardId = tuple  # (caller name, serial, index)
 
@@ -48,6 +50,11 @@ class Meta(NamedTuple):
     dtype: torch.dtype
     requires_grad: bool
 
+    @staticmethod
+    def from_wire(wire: tuple) -> "Meta":
+        """The Meta of :func:`meta_of`'s wire form."""
+        return Meta(torch.Size(wire[0]), getattr(torch, wire[1]), wire[2])
+
 
 class Ref(NamedTuple):
     """Stands, in a call's arguments, for the stored tensor ``sid`` on the host."""
@@ -55,8 +62,10 @@ class Ref(NamedTuple):
     sid: ShardId
 
 
-def meta_of(t: torch.Tensor) -> Meta:
-    return Meta(t.shape, t.dtype, t.requires_grad)
+def meta_of(t: torch.Tensor) -> tuple:
+    """A stored tensor's :class:`Meta` as it travels: plain ints, a dtype name and a bool (a
+    ``torch.Size`` and a ``torch.dtype`` cost far more to pickle)."""
+    return tuple(t.shape), str(t.dtype).rpartition(".")[2], t.requires_grad
 
 
 class _Store:
@@ -65,7 +74,7 @@ class _Store:
         self._tensors: dict[ShardId, torch.Tensor] = {}
         self._tombstones: collections.OrderedDict[ShardId, None] = collections.OrderedDict()
 
-    def keep(self, sid: ShardId, t: torch.Tensor) -> Meta:
+    def keep(self, sid: ShardId, t: torch.Tensor) -> tuple:
         with self._lock:
             if self._tombstones.pop(sid, 0) is None:  # released before it arrived: drop it
                 return meta_of(t)
@@ -162,29 +171,36 @@ def _build(spec: Any, it: Any) -> Any:
 # ---- handlers ------------------------------------------------------------------------------
 
 
-def _keep(sid: ShardId, t: torch.Tensor) -> Meta:
+def _keep(sid: ShardId, t: torch.Tensor) -> tuple:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"a shard must be a tensor, got {type(t).__name__}")
     return _store.keep(sid, t)
 
 
-def _run_fn(sid: ShardId, fn: Any, args: tuple, kwargs: dict, rank: int, size: int, grad: bool) -> Meta:
-    with running_as(rank, size), torch.set_grad_enabled(grad):
-        t = fn(*args, **kwargs)
+def _run_fn(sid: ShardId, fn: Any, args: tuple, kwargs: dict, rank: int, size: int, grad: bool) -> tuple:
+    t = run_as(rank, size, grad, fn, *args, **kwargs)
     if not isinstance(t, torch.Tensor):
         name = getattr(fn, "__qualname__", repr(fn))
         raise TypeError(f"from_local: {name}(...) must return a tensor on every worker, got {type(t).__name__}: {t!r:.80}")
     return _store.keep(sid, t)
 
 
-def _adopt(sid: ShardId, rref: rpc.RRef) -> Meta:
+def _adopt(sid: ShardId, rref: rpc.RRef) -> tuple:
     t = rref.local_value()
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"from_local: an RRef must hold a tensor, got RRef[{type(t).__name__}]")
     return _store.keep(sid, t)
 
 
-def _fetch(sid: ShardId, dest: str) -> torch.Tensor:
+def _dropping(drop: tuple | None) -> None:
+    """Release what a call carried for this worker (see ``_tensor._Releaser.take``)."""
+    if drop is not None:
+        _store.release(drop[0], False)
+        _store.release(drop[1], True)
+
+
+def _fetch(sid: ShardId, dest: str, drop: tuple | None = None) -> torch.Tensor:
+    _dropping(drop)
     return portable(_store.get(sid), dest)
 
 
@@ -193,17 +209,18 @@ def _release(sids: Sequence[ShardId], unsure: bool = False) -> None:
 
 
 def _forward(
-    key: Any, device: str, rank: int, size: int, args: tuple, kwargs: dict, sids: Sequence[ShardId], grad: bool
-) -> tuple[Any, list[Meta]]:
+    key: Any, device: str, rank: int, size: int, args: tuple, kwargs: dict, sids: Sequence[ShardId], grad: bool,
+    drop: tuple | None = None,
+) -> tuple[Any, list[tuple]]:
     """Run the shard module on its local inputs; store its outputs under ``sids`` (one per
     declared output placement). Returns the output structure and each output's meta."""
+    _dropping(drop)
     module = _lookup(key)
     args, kwargs = _resolved(args), _resolved(kwargs)
     dev = _device(device)
     if dev.type != "cpu":
         args, kwargs = move_cpu_tensors(args, dev), move_cpu_tensors(kwargs, dev)
-    with running_as(rank, size), torch.set_grad_enabled(grad):
-        out = module(*args, **kwargs)
+    out = run_as(rank, size, grad, module, *args, **kwargs)
     leaves, spec = flatten(out)
     if len(leaves) != len(sids):
         raise ValueError(
@@ -241,8 +258,20 @@ def _redistribute(
     calls = [(w, _piece, (psid, src, dst, rank, size, me)) for p, (w, psid) in enumerate(peers) if p != rank]
     fetched = call_all_async(calls, timeout=seconds)
 
-    def finish(fut: Future) -> Meta:
-        others = iter(fut.value())
+    def finish(fut: Future) -> tuple:
+        try:
+            got = fut.value()
+        except BaseException as exc:
+            # Raised without the traceback that holds ``fut``, which holds ``exc`` where the
+            # cycle collector cannot see it (this frame, and ``own`` with it, would be kept).
+            exc.__traceback__ = None
+            failure: BaseException | None = exc
+        else:
+            failure = None
+        del fut
+        if failure is not None:
+            raise failure
+        others = iter(got)
         pieces = [pl.piece_for(src, dst, rank, size, own) if p == rank else next(others) for p in range(size)]
         pieces = [t.to(own.device) for t in pieces]
         return _store.keep(new_sid, pl.combine(src, dst, rank, size, pieces, own))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import time
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -23,9 +24,9 @@ from remote_module.sharded._store import Meta, ShardId
 _serials = itertools.count(1)
 
 
-def new_sids(n: int, count: int = 1) -> list[list[ShardId]]:
+def new_sids(n: int, count: int = 1, caller: str | None = None) -> list[list[ShardId]]:
     """``count`` fresh shard ids for each of ``n`` ranks: ``ids[rank][i]``."""
-    caller = rpc.get_worker_info().name
+    caller = caller if caller is not None else rpc.get_worker_info().name
     base = [next(_serials) for _ in range(count)]
     return [[(caller, s, rank) for s in base] for rank in range(n)]
 
@@ -33,17 +34,25 @@ def new_sids(n: int, count: int = 1) -> list[list[ShardId]]:
 # ---- freeing shards when their RemoteTensor goes -------------------------------------------
 
 
+#: Seconds a release waits for a call to the same worker to carry it before it is sent alone.
+RELEASE_DELAY_S = 0.05
+
+
 class _Releaser:
-    """Sends releases from one background thread: a finalizer only queues (it may run in any
-    thread, inside a dist autograd context or while torch holds a lock), and releases queued
-    together travel as one message per worker."""
+    """Frees shards on their workers without a message of their own where possible.
+
+    A finalizer only queues (it may run in any thread, inside a dist autograd context or while
+    torch holds a lock). The next call this process makes to that worker with a shard handler
+    (a forward, a fetch) carries the queued releases (:meth:`take`); what no call has taken
+    within :data:`RELEASE_DELAY_S` is sent by a background thread, one message per worker."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # finalizers put here: no lock taken
         self._lock = threading.Lock()
+        self._pending: dict[str, tuple[list[ShardId], list[ShardId]]] = {}  # worker -> (sure, unsure)
+        self._thread: threading.Thread | None = None
 
-    def later(self, worker: str, sids: list[ShardId], unsure: bool = False) -> None:
+    def later(self, worker: str, sids: Sequence[ShardId], unsure: bool = False) -> None:
         self._queue.put((worker, tuple(sids), unsure))
         if self._thread is None:
             with self._lock:
@@ -51,19 +60,43 @@ class _Releaser:
                     self._thread = threading.Thread(target=self._run, name="remote_module-shard-release", daemon=True)
                     self._thread.start()
 
+    def _absorb_locked(self) -> None:
+        while True:
+            try:
+                worker, sids, unsure = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            sure_ids, unsure_ids = self._pending.setdefault(worker, ([], []))
+            (unsure_ids if unsure else sure_ids).extend(sids)
+
+    def take(self, worker: str) -> tuple[list[ShardId], list[ShardId]] | None:
+        """The releases queued for ``worker`` (sure, unsure), for a call to carry; None if none."""
+        if self._thread is None:
+            return None
+        with self._lock:
+            self._absorb_locked()
+            return self._pending.pop(worker, None)
+
+    def give_back(self, worker: str, taken: tuple[list[ShardId], list[ShardId]] | None) -> None:
+        """Releases a call took but may not have delivered (it failed): queue them again. A
+        release delivered twice is harmless."""
+        if taken is not None:
+            for unsure, sids in ((False, taken[0]), (True, taken[1])):
+                if sids:
+                    self.later(worker, sids, unsure)
+
     def _run(self) -> None:
         while True:
-            batch = [self._queue.get()]
-            while True:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            grouped: dict[tuple[str, bool], list[ShardId]] = {}
-            for worker, sids, unsure in batch:
-                grouped.setdefault((worker, unsure), []).extend(sids)
-            for (worker, unsure), sids in grouped.items():
-                _send_release(worker, sids, unsure)
+            first = self._queue.get()
+            self._queue.put(first)  # absorbed below, with whatever follows it
+            time.sleep(RELEASE_DELAY_S)  # a call to the worker may take them meanwhile
+            with self._lock:
+                self._absorb_locked()
+                pending, self._pending = self._pending, {}
+            for worker, (sure_ids, unsure_ids) in pending.items():
+                for unsure, sids in ((False, sure_ids), (True, unsure_ids)):
+                    if sids:
+                        _send_release(worker, sids, unsure)
 
 
 def _send_release(worker: str, sids: list[ShardId], unsure: bool) -> None:
@@ -86,8 +119,21 @@ def _ignore(fut: Any) -> None:
 _releaser = _Releaser()
 
 
+def call_carrying_releases(calls: list[tuple], timeout: float | None) -> list[Any]:
+    """``call_all(calls)`` where each call's last argument is the releases queued for its
+    worker (see :meth:`_Releaser.take`); they are queued again when the calls fail."""
+    names = [w.name if isinstance(w, rpc.WorkerInfo) else w for w, _, _ in calls]
+    taken = [_releaser.take(name) for name in names]
+    try:
+        return call_all([(w, h, (*args, t)) for (w, h, args), t in zip(calls, taken)], timeout=timeout)
+    except BaseException:
+        for name, t in zip(names, taken):
+            _releaser.give_back(name, t)
+        raise
+
+
 def release_later(mesh: Sequence[str], sids: Sequence[Sequence[ShardId]], unsure: bool = False) -> None:
-    """Free ``sids[rank]`` on ``mesh[rank]``, from the background thread."""
+    """Free ``sids[rank]`` on ``mesh[rank]``: carried by the next call there, or sent soon."""
     for worker, ids in zip(mesh, sids):
         if ids:
             _releaser.later(worker, list(ids), unsure)
@@ -120,6 +166,7 @@ class RemoteTensor:
                  _timeout: float | None = None) -> None:
         # Frees the shards even when the checks below fail.
         weakref.finalize(self, release_later, _mesh, [[sid] for sid in _sids]).atexit = False
+        _metas = [Meta.from_wire(m) if not isinstance(m, Meta) else m for m in _metas]
         ndim = len(_metas[0].shape)
         placement = pl.normalized(_placement, ndim, "placement")
         dtypes = {m.dtype for m in _metas}
@@ -180,7 +227,7 @@ class RemoteTensor:
         """
         me = rpc.get_worker_info().name
         calls = [(w, _store._fetch, (sid, me)) for w, sid in zip(self.mesh, self._sids)]
-        return call_all(calls, timeout=self._timeout(timeout))
+        return call_carrying_releases(calls, self._timeout(timeout))
 
     def full_tensor(self, timeout: float | None = None) -> torch.Tensor:
         """The global tensor on the caller: Shard -> the shards concatenated in mesh order,
@@ -197,7 +244,7 @@ class RemoteTensor:
         pairs = list(zip(self.mesh, self._sids))
         if isinstance(self.placement, Replicate):
             pairs = pairs[:1]
-        tensors = call_all([(w, _store._fetch, (sid, me)) for w, sid in pairs], timeout=self._timeout(timeout))
+        tensors = call_carrying_releases([(w, _store._fetch, (sid, me)) for w, sid in pairs], self._timeout(timeout))
         device = tensors[0].device
         return pl.assemble(self.placement, [t.to(device) for t in tensors])
 
