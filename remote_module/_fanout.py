@@ -218,6 +218,10 @@ def call_async(
     try:
         sent = rpc.rpc_async(name, body, (handler, tuple(args), dict(kwargs or {})), timeout=_NO_RPC_TIMEOUT)
     except Exception as exc:  # nothing was sent
+        if not is_rpc_initialized():
+            raise RuntimeError(
+                f"{label} could not be sent to worker {name!r}: RPC was shut down meanwhile ({exc})"
+            ) from exc
         raise retyped(
             exc,
             f"{label} could not be sent to worker {name!r}: {type(exc).__name__}: {exc}. Pass tensors, "
