@@ -1,0 +1,13 @@
+"""Parameter servers: a model's parameters sliced into blocks across server workers,
+server-side optimizers, and sync / async / half-async / geo training.
+
+:func:`slice_blocks` cuts a parameter into :class:`Block`\\ s; a dispatcher (:class:`RoundRobin`,
+:class:`HashName`, or any callable ``(block_names, servers) -> servers``) places them;
+:class:`PSModel` wraps a trainer's local model. Servers run no code of their own.
+"""
+
+from remote_module.ps._dispatch import HashName, RoundRobin
+from remote_module.ps._model import PSModel
+from remote_module.ps._slicing import Block, slice_blocks
+
+__all__ = ["slice_blocks", "Block", "RoundRobin", "HashName", "PSModel"]

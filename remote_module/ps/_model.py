@@ -1,0 +1,355 @@
+"""PSModel: a trainer's view of a model whose parameters live, sliced into blocks, on
+parameter servers."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import OrderedDict
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed.rpc as rpc
+from torch import nn
+
+from remote_module._fanout import _timeout_seconds, call_all
+from remote_module._torch_private import is_rpc_initialized, worker_names
+from remote_module.ps import _server
+from remote_module.ps._dispatch import RoundRobin
+from remote_module.ps._slicing import Block, block_name, slice_blocks
+from rpc_backend.options import positive_seconds
+
+
+def _check_servers(servers: Any) -> tuple[str, ...]:
+    if isinstance(servers, (str, bytes)) or not isinstance(servers, Sequence) or not servers:
+        raise TypeError(f"servers must be a non-empty list of worker names, got {servers!r}")
+    names = []
+    for i, s in enumerate(servers):
+        try:
+            names.append(rpc.get_worker_info(s).name)
+        except RuntimeError:
+            raise ValueError(
+                f"servers[{i}] = {s!r} is not a worker of this RPC world (workers: {', '.join(worker_names())})"
+            ) from None
+    if len(set(names)) != len(names):
+        raise ValueError(f"servers name a worker twice: {list(servers)}")
+    return tuple(names)
+
+
+def _positive(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be a positive int, got {value!r}")
+    return value
+
+
+class _Slot:
+    """One block of one parameter, as a trainer sees it."""
+
+    __slots__ = ("param", "pname", "block", "name", "server")
+
+    def __init__(self, param: str, block: Block, server: str) -> None:
+        self.pname, self.block, self.server = param, block, server
+        self.name = block_name(param, block.index)
+
+
+class PSModel(nn.Module):
+    """A local model trained on parameter servers: its parameters are sliced into blocks
+    (:func:`slice_blocks`) spread over ``servers`` (by ``split_method``), where a
+    ``torch.optim`` optimizer per block applies the trainers' gradients.
+
+    Before each ``forward`` (or on :meth:`pull`) the parameters are fetched from the servers;
+    after ``loss.backward()``, :meth:`step` pushes the gradients, block by block (blocks for
+    different servers concurrently), and clears the local ones. ``mode``: ``"sync"`` (each step
+    averages all ``num_trainers`` trainers' gradients, applied once), ``"async"`` (each push
+    applied on arrival), ``"half_async"`` (pushes summed and applied every
+    ``half_async_merge_every`` pushes or ``half_async_merge_s`` seconds), ``"geo"`` (each trainer
+    steps a local copy with its own optimizer and every ``geo_push_every`` steps pushes
+    ``local - last pulled``, added on the servers divided by ``num_trainers``).
+
+    Servers run no code of their own (they join RPC and wait). The first trainer to attach
+    initialises the blocks with its model's values; every trainer must build the same model,
+    servers, mode and slicing (checked: a mismatch is a ``ValueError``). Buffers (e.g.
+    BatchNorm's running statistics) stay local to each trainer.
+
+    ``state_dict()`` has the local model's own keys with the servers' current values;
+    :meth:`optimizer_state_dict` the servers' optimizer state per parameter. Both load onto any
+    number of servers (re-sliced).
+
+    Example (ranks ps0, ps1 only join RPC and wait; trainer0 and trainer1 run)::
+
+        model = PSModel(nn.Linear(784, 10), ["ps0", "ps1"], name="mnist", num_trainers=2, mode="sync")
+        for x, y in batches:
+            loss = F.cross_entropy(model(x), y)   # pulls the current parameters first
+            loss.backward()
+            model.step()                          # pushes the gradients
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        servers: Sequence[str],
+        *,
+        name: str,
+        num_trainers: int,
+        mode: str = "sync",
+        optimizer: tuple[type, dict] = (torch.optim.SGD, {"lr": 0.1}),
+        split_method: Callable[[Sequence[str], Sequence[str]], Sequence[str]] = RoundRobin(),
+        min_block_size: int = 8192,
+        slice_var_up: bool = True,
+        geo_push_every: int = 100,
+        half_async_merge_every: int = 4,
+        half_async_merge_s: float = 0.1,
+        timeout: float | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name must be a non-empty str naming the job, got {name!r}")
+        if mode not in _server.MODES:
+            raise ValueError(f"mode must be one of {', '.join(_server.MODES)}, got {mode!r}")
+        if not is_rpc_initialized():
+            raise RuntimeError("PSModel needs torch.distributed.rpc: call rpc.init_rpc(...) first")
+        _positive(num_trainers, "num_trainers")
+        _positive(geo_push_every, "geo_push_every")
+        _positive(half_async_merge_every, "half_async_merge_every")
+        merge_s = positive_seconds(half_async_merge_s, "half_async_merge_s")
+        if not (isinstance(optimizer, tuple) and len(optimizer) == 2 and isinstance(optimizer[0], type)
+                and issubclass(optimizer[0], torch.optim.Optimizer) and isinstance(optimizer[1], dict)):
+            raise TypeError(f"optimizer must be (a torch.optim.Optimizer class, kwargs dict), got {optimizer!r}")
+        self.module = model
+        self.servers = _check_servers(servers)
+        self.name, self.mode, self.num_trainers = name, mode, num_trainers
+        self.optimizer = optimizer
+        self.geo_push_every = geo_push_every
+        self.timeout = None if timeout is None else positive_seconds(timeout, "timeout")
+        self._trainer = rpc.get_worker_info().name
+        self._step = 0
+        self._slots = self._layout(split_method, min_block_size, slice_var_up)
+        layout = hashlib.sha256(repr([
+            (s.name, tuple(self._params()[s.pname].shape), str(self._params()[s.pname].dtype), s.block.offset,
+             s.block.size, s.server) for s in self._slots
+        ]).encode()).hexdigest()
+        self._spec = _server.JobSpec(mode, num_trainers, (optimizer[0], dict(optimizer[1])),
+                                     half_async_merge_every, merge_s, layout)
+        self._attach()
+        self._local_opt = optimizer[0](model.parameters(), **optimizer[1]) if mode == "geo" else None
+        self._pulled: dict[str, torch.Tensor] = {}
+        self.pull()
+
+    # ---- layout ---------------------------------------------------------------------
+
+    def _params(self) -> "OrderedDict[str, nn.Parameter]":
+        return OrderedDict(self.module.named_parameters())
+
+    def _layout(self, split_method: Any, min_block_size: int, slice_var_up: bool) -> list[_Slot]:
+        blocks = [(pname, b) for pname, p in self._params().items()
+                  for b in slice_blocks(p.shape, len(self.servers), min_block_size, slice_var_up)]
+        names = [block_name(pname, b.index) for pname, b in blocks]
+        chosen = list(split_method(names, self.servers))
+        if len(chosen) != len(names) or any(s not in self.servers for s in chosen):
+            raise ValueError(
+                f"split_method {split_method!r} must return one of the servers {list(self.servers)} per block "
+                f"({len(names)} blocks), got {chosen!r:.200}"
+            )
+        return [_Slot(pname, b, s) for (pname, b), s in zip(blocks, chosen)]
+
+    def _by_server(self) -> dict[str, list[_Slot]]:
+        out: dict[str, list[_Slot]] = {s: [] for s in self.servers}
+        for slot in self._slots:
+            out[slot.server].append(slot)
+        return out
+
+    def _flat(self, pname: str) -> torch.Tensor:
+        return self._params()[pname].detach().reshape(-1)
+
+    def _seconds(self) -> float:
+        return _timeout_seconds(self.timeout)
+
+    def _attach(self) -> None:
+        calls = []
+        for server, slots in self._by_server().items():
+            blocks = {s.name: self._flat(s.pname)[s.block.offset:s.block.offset + s.block.size].clone() for s in slots}
+            calls.append((server, _server._attach, (self.name, self._spec, self._trainer, blocks)))
+        call_all(calls, timeout=self.timeout)
+
+    # ---- pull / push ----------------------------------------------------------------
+
+    def _write(self, values: dict[str, torch.Tensor]) -> None:
+        params = self._params()
+        with torch.no_grad():
+            for slot in self._slots:
+                if slot.name in values:
+                    flat = params[slot.pname].data.view(-1)
+                    flat[slot.block.offset:slot.block.offset + slot.block.size].copy_(values[slot.name])
+
+    def pull(self) -> None:
+        """Fetch the parameters from the servers into the local model (in sync mode, waiting
+        until the previous step was applied on every server).
+
+        Example::
+
+            model.pull()
+            print(model.module.weight)       # the servers' current values
+        """
+        seconds = self._seconds()
+        inner = seconds if seconds == math.inf else max(0.001, seconds - min(1.0, 0.1 * seconds))
+        by_server = self._by_server()
+        calls = [(server, _server._pull, (self.name, [s.name for s in slots], self._step, inner))
+                 for server, slots in by_server.items() if slots]
+        results = call_all(calls, timeout=self.timeout)
+        values = {}
+        for (server, _, (_, names, _, _)), got in zip(calls, results):
+            values.update(zip(names, got))
+        self._write(values)
+        if self.mode == "geo":
+            self._pulled = {k: v.clone() for k, v in values.items()}
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Pull the parameters (not in geo mode, which trains its local copy), then run the model."""
+        if self.mode != "geo":
+            self.pull()
+        return self.module(*args, **kwargs)
+
+    def step(self) -> None:
+        """Push this step's gradients (geo: step the local copy; every ``geo_push_every`` steps
+        push the deltas and take the merged parameters) and clear the local gradients.
+
+        Example::
+
+            loss.backward()
+            model.step()
+        """
+        if self.mode == "geo":
+            self._local_opt.step()
+            self._local_opt.zero_grad(set_to_none=True)
+            self._step += 1
+            if self._step % self.geo_push_every == 0:
+                self._push_deltas()
+            return
+        params = self._params()
+        calls = []
+        for server, slots in self._by_server().items():
+            grads = {}
+            for s in slots:
+                g = params[s.pname].grad
+                flat = torch.zeros(s.block.size, dtype=params[s.pname].dtype) if g is None else g.reshape(-1)[
+                    s.block.offset:s.block.offset + s.block.size].clone()
+                grads[s.name] = flat
+            if grads:
+                calls.append((server, _server._push, (self.name, self._trainer, self._step, grads)))
+        call_all(calls, timeout=self.timeout)
+        for p in params.values():
+            p.grad = None
+        self._step += 1
+
+    def _push_deltas(self) -> None:
+        calls = []
+        for server, slots in self._by_server().items():
+            deltas = {s.name: self._flat(s.pname)[s.block.offset:s.block.offset + s.block.size] - self._pulled[s.name]
+                      for s in slots}
+            if deltas:
+                calls.append((server, _server._push_delta, (self.name, deltas)))
+        results = call_all(calls, timeout=self.timeout)
+        values = {}
+        for (server, _, (_, deltas)), got in zip(calls, results):
+            values.update(zip(list(deltas), got))
+        self._write(values)
+        self._pulled = {k: v.clone() for k, v in values.items()}
+
+    def flush(self) -> None:
+        """half_async: have the servers apply what they have queued now (no-op in other modes)."""
+        call_all([(s, _server._flush, (self.name,)) for s in self.servers], timeout=self.timeout)
+
+    def stats(self) -> dict[str, dict]:
+        """Per server: steps applied (sync), pushes applied, attached trainers, queued pushes."""
+        return dict(zip(self.servers, call_all([(s, _server._stats, (self.name,)) for s in self.servers],
+                                                timeout=self.timeout)))
+
+    # ---- checkpoints ------------------------------------------------------------------
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        """The local model's ``state_dict`` (its own keys) with the servers' current parameters
+        (half_async: after applying what is queued)."""
+        if self.mode == "half_async":
+            self.flush()
+        self._pull_now()
+        return self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def _pull_now(self) -> None:
+        by_server = self._by_server()
+        calls = [(server, _server._pull, (self.name, [s.name for s in slots], 0))
+                 for server, slots in by_server.items() if slots]
+        values = {}
+        for (_, _, (_, names, _)), got in zip(calls, call_all(calls, timeout=self.timeout)):
+            values.update(zip(names, got))
+        self._write(values)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load the local model's ``state_dict`` and send its parameters to the servers."""
+        result = self.module.load_state_dict(state_dict, strict=strict)
+        calls = []
+        for server, slots in self._by_server().items():
+            values = {s.name: self._flat(s.pname)[s.block.offset:s.block.offset + s.block.size].clone() for s in slots}
+            if values:
+                calls.append((server, _server._set_values, (self.name, values)))
+        call_all(calls, timeout=self.timeout)
+        if self.mode == "geo":
+            self._pulled = {}
+            self.pull()
+        return result
+
+    def optimizer_state_dict(self) -> dict:
+        """The servers' optimizer state, per parameter (per-element tensors concatenated in
+        the parameter's shape; scalars such as ``step`` as they are), loadable by
+        :meth:`load_optimizer_state_dict` onto any number of servers."""
+        calls = [(server, _server._optimizer_state, (self.name, [s.name for s in slots]))
+                 for server, slots in self._by_server().items() if slots]
+        by_block: dict[str, dict] = {}
+        for got in call_all(calls, timeout=self.timeout):
+            by_block.update(got)
+        params = self._params()
+        state: dict[str, dict] = {}
+        for pname, p in params.items():
+            slots = [s for s in self._slots if s.pname == pname]
+            parts = [by_block.get(s.name, {}) for s in slots]
+            entry: dict[str, Any] = {}
+            for key in parts[0] if parts else ():
+                values = [part[key] for part in parts]
+                if isinstance(values[0], torch.Tensor) and values[0].dim() == 1 and values[0].numel() == slots[0].block.size:
+                    entry[key] = torch.cat(values).reshape(p.shape)
+                else:
+                    entry[key] = values[0]
+            state[pname] = entry
+        return {"state": state, "optimizer": self.optimizer[0].__name__}
+
+    def load_optimizer_state_dict(self, state_dict: dict) -> None:
+        """Send optimizer state from :meth:`optimizer_state_dict` to the servers, re-sliced."""
+        if not isinstance(state_dict, dict) or "state" not in state_dict:
+            raise TypeError("load_optimizer_state_dict takes what optimizer_state_dict() returned")
+        if state_dict.get("optimizer") != self.optimizer[0].__name__:
+            raise ValueError(
+                f"the optimizer state is for {state_dict.get('optimizer')!r}, this job uses {self.optimizer[0].__name__!r}"
+            )
+        params = self._params()
+        calls = []
+        for server, slots in self._by_server().items():
+            states = {}
+            for s in slots:
+                entry = state_dict["state"].get(s.pname)
+                if entry is None:
+                    raise KeyError(f"the optimizer state has no entry for parameter {s.pname!r}")
+                block = {}
+                for key, value in entry.items():
+                    if isinstance(value, torch.Tensor) and value.shape == params[s.pname].shape and value.dim() > 0:
+                        block[key] = value.reshape(-1)[s.block.offset:s.block.offset + s.block.size].clone()
+                    else:
+                        block[key] = value.clone() if isinstance(value, torch.Tensor) else value
+                states[s.name] = block
+            if states:
+                calls.append((server, _server._load_optimizer_state, (self.name, states)))
+        call_all(calls, timeout=self.timeout)
+
+    def extra_repr(self) -> str:
+        return (f"name={self.name!r}, servers={list(self.servers)}, mode={self.mode!r}, "
+                f"num_trainers={self.num_trainers}, blocks={len(self._slots)}")

@@ -1,0 +1,72 @@
+"""Slicing a parameter into blocks for parameter servers: the transpiler's rule, as pure
+functions (no RPC).
+
+A parameter of ``numel`` elements is cut, in row-major order, into at most ``num_servers``
+blocks of at least ``min_block_size`` elements each (fewer for a small parameter; one for a
+parameter smaller than ``min_block_size``). A parameter of two or more dimensions is cut on
+whole rows, so each block is a run of rows. Every block but the last has the same size; the
+last holds the rest.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Sequence
+
+
+class Block(NamedTuple):
+    """One block of a parameter: its ``index`` among the parameter's blocks, its ``offset`` and
+    ``size`` in elements of the flattened (row-major) parameter."""
+
+    index: int
+    offset: int
+    size: int
+
+
+def _positive_int(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be a positive int, got {value!r}")
+    return value
+
+
+def slice_blocks(
+    shape: Sequence[int], num_servers: int, min_block_size: int = 8192, slice_var_up: bool = True
+) -> list[Block]:
+    """The blocks of a parameter of ``shape`` spread over ``num_servers`` servers.
+
+    ``split = min(num_servers, max(1, numel // min_block_size))`` blocks of
+    ``ceil(numel / split)`` elements, rounded up to whole rows (``prod(shape[1:])``) for two or
+    more dimensions; then ``split = ceil(numel / block)``. ``slice_var_up=False``: one block.
+
+    Example::
+
+        >>> [b.size for b in slice_blocks((10000, 8), 3)]
+        [26672, 26672, 26656]
+        >>> slice_blocks((100,), 3)
+        [Block(index=0, offset=0, size=100)]
+    """
+    try:
+        dims = [int(d) for d in shape]
+    except TypeError:
+        raise TypeError(f"shape must be a sequence of ints, got {shape!r}") from None
+    if any(d < 0 for d in dims):
+        raise ValueError(f"shape must have non-negative sizes, got {tuple(dims)}")
+    _positive_int(num_servers, "num_servers")
+    _positive_int(min_block_size, "min_block_size")
+    numel = math.prod(dims)
+    if numel == 0:
+        return [Block(0, 0, 0)]
+    if not slice_var_up:
+        return [Block(0, 0, numel)]
+    split = min(num_servers, max(1, numel // min_block_size))
+    block = math.ceil(numel / split)
+    if len(dims) >= 2:
+        row = math.prod(dims[1:])
+        block = math.ceil(block / row) * row
+    split = math.ceil(numel / block)
+    return [Block(i, i * block, min(block, numel - i * block)) for i in range(split)]
+
+
+def block_name(param_name: str, index: int) -> str:
+    """A block's name: ``"<parameter name>.block<index>"``."""
+    return f"{param_name}.block{index}"

@@ -1,0 +1,84 @@
+"""The parameter-server slicing rule and dispatchers, without RPC (hypothesis properties plus
+the transpiler's worked cases)."""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from remote_module.ps import Block, HashName, RoundRobin, slice_blocks
+from remote_module.ps._slicing import block_name
+
+_SETTINGS = settings(max_examples=60, derandomize=True, database=None, deadline=None)
+
+shapes = st.lists(st.integers(0, 300), min_size=1, max_size=4)
+
+
+@_SETTINGS
+@given(shape=shapes, servers=st.integers(1, 6), min_block=st.integers(1, 5000))
+def test_blocks_cover_every_element_once_in_order(shape, servers, min_block):
+    numel = math.prod(shape)
+    blocks = slice_blocks(shape, servers, min_block)
+    assert [b.index for b in blocks] == list(range(len(blocks)))
+    offset = 0
+    for b in blocks:
+        assert b.offset == offset
+        offset += b.size
+    assert offset == numel
+    assert 1 <= len(blocks) <= max(1, servers)
+    if numel:
+        assert all(b.size > 0 for b in blocks)
+        assert len({b.size for b in blocks[:-1]}) <= 1 and blocks[-1].size <= blocks[0].size
+
+
+@_SETTINGS
+@given(shape=st.lists(st.integers(1, 300), min_size=2, max_size=4), servers=st.integers(1, 6), min_block=st.integers(1, 5000))
+def test_blocks_of_matrices_are_whole_rows(shape, servers, min_block):
+    row = math.prod(shape[1:])
+    for b in slice_blocks(shape, servers, min_block):
+        assert b.offset % row == 0 and b.size % row == 0
+
+
+@_SETTINGS
+@given(shape=shapes, servers=st.integers(1, 6), min_block=st.integers(1, 5000))
+def test_the_rule_as_written(shape, servers, min_block):
+    numel = math.prod(shape)
+    if numel == 0:
+        return
+    split = min(servers, max(1, numel // min_block))
+    block = math.ceil(numel / split)
+    if len(shape) >= 2:
+        row = math.prod(shape[1:])
+        block = math.ceil(block / row) * row
+    split = math.ceil(numel / block)
+    sizes = [b.size for b in slice_blocks(shape, servers, min_block)]
+    assert sizes == [block] * (split - 1) + [numel - block * (split - 1)]
+
+
+def test_worked_cases():
+    assert [b.size for b in slice_blocks((10000, 8), 3, 8192)] == [26672, 26672, 26656]
+    assert slice_blocks((100,), 3) == [Block(0, 0, 100)]
+    assert slice_blocks((10000, 8), 3, slice_var_up=False) == [Block(0, 0, 80000)]
+    assert [b.size for b in slice_blocks((8192 * 2,), 5)] == [8192, 8192]  # capped by min_block_size
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_bad_arguments_name_the_value(bad):
+    with pytest.raises(ValueError, match="num_servers"):
+        slice_blocks((4, 4), bad)
+    with pytest.raises(ValueError, match="min_block_size"):
+        slice_blocks((4, 4), 2, bad)
+
+
+def test_dispatchers():
+    names = [block_name("w", 0), block_name("w", 1), block_name("b", 0)]
+    assert names == ["w.block0", "w.block1", "b.block0"]
+    assert RoundRobin()(names, ["ps0", "ps1"]) == ["ps0", "ps1", "ps0"]
+    servers = ["ps0", "ps1", "ps2"]
+    assert HashName()(names, servers) == [servers[zlib.crc32(n.encode()) % 3] for n in names]
+    with pytest.raises(ValueError, match="at least one server"):
+        RoundRobin()(names, [])
