@@ -273,17 +273,26 @@ class PSModel(nn.Module):
         (half_async: after applying what is queued)."""
         if self.mode == "half_async":
             self.flush()
-        self._pull_now()
-        return self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if self.mode != "geo":
+            self._write(self._server_values())
+            return self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        # geo: the local copy is this trainer's training state (its progress since the last push
+        # is measured against it); the servers' values go into the returned dict only
+        values = self._server_values()
+        out = self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        for pname, p in self._params().items():
+            out[prefix + pname] = torch.cat([values[s.name] for s in self._slots if s.pname == pname]).reshape(p.shape)
+        return out
 
-    def _pull_now(self) -> None:
+    def _server_values(self) -> dict[str, torch.Tensor]:
+        """Every block's current value on its server (no waiting for a step)."""
         by_server = self._by_server()
         calls = [(server, _server._pull, (self.name, [s.name for s in slots], 0))
                  for server, slots in by_server.items() if slots]
         values = {}
         for (_, _, (_, names, _)), got in zip(calls, call_all(calls, timeout=self.timeout)):
             values.update(zip(names, got))
-        self._write(values)
+        return values
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load the local model's ``state_dict`` and send its parameters to the servers."""
