@@ -206,7 +206,8 @@ def _push(name: str, trainer: str, step: int, grads: dict[str, torch.Tensor]) ->
             if job.queued_count >= job.spec.merge_every:
                 job.merge()
             elif job.timer is None:
-                job.timer = threading.Timer(job.spec.merge_s, _merge_later, (job,))
+                job.timer = threading.Timer(job.spec.merge_s, _merge_later)
+                job.timer.args = (job, job.timer)
                 job.timer.daemon = True
                 job.timer.start()
         else:  # sync
@@ -237,9 +238,10 @@ def _push(name: str, trainer: str, step: int, grads: dict[str, torch.Tensor]) ->
         fut.set_result(values)
 
 
-def _merge_later(job: _Job) -> None:
+def _merge_later(job: _Job, timer: threading.Timer) -> None:
     with job.lock:
-        job.merge()
+        if job.timer is timer:  # not cancelled (by a merge) while it waited for the lock
+            job.merge()
 
 
 def _push_delta(name: str, deltas: dict[str, torch.Tensor]) -> list[torch.Tensor]:
