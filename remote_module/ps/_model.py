@@ -270,9 +270,13 @@ class PSModel(nn.Module):
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
         """The local model's ``state_dict`` (its own keys) with the servers' current parameters
-        (half_async: after applying what is queued)."""
+        (sync: once this trainer's last step is applied; half_async: after applying what is
+        queued; geo: the local copy is left as it is)."""
         if self.mode == "half_async":
             self.flush()
+        if self.mode == "sync":
+            self.pull()  # waits until this trainer's last step is applied on every server
+            return self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
         if self.mode != "geo":
             self._write(self._server_values())
             return self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
