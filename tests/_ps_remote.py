@@ -180,3 +180,15 @@ def half_async_timed(job: str, c: list[float], seconds: float) -> dict:
     return {"before": before, "queued_before": queued_before, "merged_after": merged_after, "after": pulled(job)["p"]}
 
 
+
+
+def train_then_state(job: str, trainer: int, steps: int) -> dict:
+    """:func:`train`, then at once :func:`state` (a checkpoint right after the last push)."""
+    train(job, trainer, steps)
+    return state(job)
+
+
+def later(seconds: float, fn, *args: Any) -> Any:
+    """``fn(*args)`` after ``seconds`` (to push after another trainer, most likely)."""
+    time.sleep(seconds)
+    return fn(*args)
