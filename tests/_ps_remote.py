@@ -192,3 +192,10 @@ def later(seconds: float, fn, *args: Any) -> Any:
     """``fn(*args)`` after ``seconds`` (to push after another trainer, most likely)."""
     time.sleep(seconds)
     return fn(*args)
+
+
+def set_timeout(job: str, seconds: float | None) -> bool:
+    """The job's per-call timeout from now on (created without one: a loaded machine may take
+    more than a short timeout to attach, and that is not what the fault tests test)."""
+    _models[job].timeout = seconds
+    return True

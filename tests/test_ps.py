@@ -213,7 +213,7 @@ def test_half_async_merges_merge_s_after_the_first_queued_push(world):
     assert torch.equal(report["before"], torch.zeros(16)), report  # the pull right after did not merge
     assert report["queued_before"] == [1, 1], report
     assert report["merged_after"] is not None, f"not merged within 10 s: {report}"
-    assert merge_s - 0.05 <= report["merged_after"] <= merge_s + 1.5, report
+    assert merge_s - 0.05 <= report["merged_after"] <= merge_s + 2.0, report
     assert torch.equal(report["after"], -torch.tensor(grads(0))), report
 
 

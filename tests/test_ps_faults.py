@@ -44,7 +44,8 @@ def trainer_killed(world):
     """Sync job on both trainers; trainer1 killed; trainer0 pushes step 0, then pulls for step 1."""
     name = "sync-trainer-killed"
     world.call(_create_on, ["trainer0", "trainer1"], name, ("net", 1, SERVERS),
-               dict(num_trainers=2, min_block_size=4, timeout=TIMEOUT))
+               dict(num_trainers=2, min_block_size=4))
+    world.run({"trainer0": (r.set_timeout, name, TIMEOUT)})
     world.kill("trainer1")
     world.run({"trainer0": (r.forward_backward, name, 0)})
     step = world.run({"trainer0": (r.attempt, name, "step")})["trainer0"]
@@ -66,8 +67,9 @@ def server_killed(world):
     modes = ("sync", "async", "half_async")
     for mode in modes:
         world.call(_create_on, ["trainer0"], f"server-killed-{mode}", ("net", 1, SERVERS),
-                   dict(num_trainers=1, mode=mode, min_block_size=4, timeout=TIMEOUT))
+                   dict(num_trainers=1, mode=mode, min_block_size=4))
         world.run({"trainer0": (r.forward_backward, f"server-killed-{mode}", 0)})
+        world.run({"trainer0": (r.set_timeout, f"server-killed-{mode}", TIMEOUT)})
     world.kill("ps1")
     return {(mode, what): world.run({"trainer0": (r.attempt, f"server-killed-{mode}", what)})["trainer0"]
             for mode in modes for what in ("step", "pull")}
