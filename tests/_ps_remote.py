@@ -51,13 +51,15 @@ def batch(trainer: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(ROWS, IN, generator=g), torch.randn(ROWS, OUT, generator=g)
 
 
-def ready() -> str:
-    """Import what the jobs use before any timed call: remote_module.ps, and torch.optim's first
-    optimizer (its constructor imports torch._dynamo: ~2 s, past a short job timeout)."""
+def ready(server: bool) -> str:
+    """Import what the jobs use before any timed call: remote_module.ps, and on servers torch.optim's
+    first optimizer (its constructor imports torch._dynamo: ~2 s of CPU, past a short job timeout;
+    trainers build one only in geo mode)."""
     import remote_module.ps  # noqa: F401
     import torch.distributed.rpc as rpc
 
-    torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    if server:
+        torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
     return rpc.get_worker_info().name
 
 

@@ -141,7 +141,7 @@ def _ready(names: list[str]) -> list[str]:
 
     from tests import _ps_remote
 
-    futs = [rpc.rpc_async(n, _ps_remote.ready) for n in names]
+    futs = [rpc.rpc_async(n, _ps_remote.ready, (n.startswith("ps"),)) for n in names]
     return [f.wait() for f in futs]
 
 
