@@ -277,11 +277,16 @@ class PSModel(nn.Module):
         return self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
 
     def _pull_now(self) -> None:
+        # sync: wait until this trainer's own pushed steps are applied (as a pull does), else a
+        # checkpoint taken right after the last step() misses it while another trainer has not pushed
+        step = self._step if self.mode == "sync" else 0
+        seconds = self._seconds()
+        inner = seconds if seconds == math.inf else max(0.001, seconds - min(1.0, 0.1 * seconds))
         by_server = self._by_server()
-        calls = [(server, _server._pull, (self.name, [s.name for s in slots], 0))
+        calls = [(server, _server._pull, (self.name, [s.name for s in slots], step, inner))
                  for server, slots in by_server.items() if slots]
         values = {}
-        for (_, _, (_, names, _)), got in zip(calls, call_all(calls, timeout=self.timeout)):
+        for (_, _, (_, names, _, _)), got in zip(calls, call_all(calls, timeout=self.timeout)):
             values.update(zip(names, got))
         self._write(values)
 
