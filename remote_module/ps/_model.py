@@ -273,10 +273,24 @@ class PSModel(nn.Module):
         (half_async: after applying what is queued)."""
         if self.mode == "half_async":
             self.flush()
-        self._pull_now()
-        return self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        values = self._fetch_now()
+        if self.mode != "geo":
+            self._write(values)
+            return self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        # geo: the servers' values go into the returned dict only; the local copy (and its progress
+        # since the last push, measured against the last pulled values) stays as it is
+        out = self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        params = self._params()
+        full = {pname: p.detach().clone().reshape(-1) for pname, p in params.items()}
+        for slot in self._slots:
+            full[slot.pname][slot.block.offset:slot.block.offset + slot.block.size].copy_(values[slot.name])
+        for pname, flat in full.items():
+            if prefix + pname in out:
+                out[prefix + pname] = flat.reshape(params[pname].shape)
+        return out
 
-    def _pull_now(self) -> None:
+    def _fetch_now(self) -> dict[str, torch.Tensor]:
+        """The servers' current values by block name (nothing written into the local model)."""
         # sync: wait until this trainer's own pushed steps are applied (as a pull does), else a
         # checkpoint taken right after the last step() misses it while another trainer has not pushed
         step = self._step if self.mode == "sync" else 0
@@ -288,7 +302,7 @@ class PSModel(nn.Module):
         values = {}
         for (_, _, (_, names, _, _)), got in zip(calls, call_all(calls, timeout=self.timeout)):
             values.update(zip(names, got))
-        self._write(values)
+        return values
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load the local model's ``state_dict`` and send its parameters to the servers."""
