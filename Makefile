@@ -24,3 +24,4 @@ bench: .install-stamp
 	$(PYTHON) -m tests.benchmarks.bench_remote_module
 	$(PYTHON) -m tests.benchmarks.bench_pipeline
 	$(PYTHON) -m tests.benchmarks.bench_sharded
+	$(PYTHON) -m tests.benchmarks.bench_ps

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from tests.benchmarks import bench_pipeline, bench_sharded
+from tests.benchmarks import bench_pipeline, bench_ps, bench_sharded
 from tests.benchmarks._caller_bytes import sized
 from tests.benchmarks import bench_remote_module as bench
 
@@ -117,3 +117,33 @@ def test_caller_bytes_sizes_tensors_apart_from_the_pickle():
     nbytes, tensors = sized(((t[:10], {"k": 3}), None))
     assert [x.shape for x in tensors] == [torch.Size([10])] and 0 < nbytes < 200
     assert sized((t,))[0] == sized((torch.zeros(1),))[0]  # tensor bytes are not in the pickled part
+
+
+@pytest.mark.slow
+def test_quick_ps_benchmark_runs(tmp_path, capsys):
+    # the run itself checks every variant's server-side update counts and that its loss fell
+    out = tmp_path / "bench-ps.json"
+    results = bench_ps.main(["--quick", "--json", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["ratios"] == results["ratios"]
+    variants = {"tutorial pattern"} | {f"{m} servers={n}" for n in (1, 2) for m in ("sync", "async", "half_async", "geo")}
+    assert set(saved["steps_per_s"]) == variants
+    assert set(saved["checks"]) == variants - {"tutorial pattern"}
+    assert all(len(s) == saved["config"]["rounds"] for s in saved["round_samples_s"].values())
+    assert all(last < first for first, last in saved["losses"].values()), saved["losses"]
+    assert saved["threads_in_rpc_handlers"] == {"ps0": 1, "ps1": 1, "trainer0": 1, "trainer1": 1}
+    assert os.environ.get("OMP_NUM_THREADS") == _OMP_BEFORE
+    printed = capsys.readouterr().out
+    assert "throughput ratios of medians" in printed and "(target >= 1.5)" in printed
+
+
+def test_ps_ratios_compare_medians():
+    sps = {"tutorial pattern": 100.0}
+    for n in (1, 2):
+        for m, v in (("sync", 120.0), ("async", 160.0), ("half_async", 140.0), ("geo", 400.0)):
+            sps[f"{m} servers={n}"] = v * (1.0 if n == 1 else 0.5)
+    r = bench_ps.ratios({"config": {"server_counts": [1, 2]}, "steps_per_s": sps})
+    assert r["async servers=1 / tutorial pattern (target >= 1.5)"] == pytest.approx(1.6)
+    assert r["async servers=2 / tutorial pattern (target >= 1.5)"] == pytest.approx(0.8)
+    assert r["sync servers=1 / tutorial pattern"] == pytest.approx(1.2)
+    assert r["geo: servers=2 / servers=1"] == pytest.approx(0.5)

@@ -15,7 +15,8 @@ from rpc_backend import loopback_env
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = (ROOT / "tutorials" / "torchrun.md").read_text()
-COMMANDS = [line for line in DOC.splitlines() if line.startswith("torchrun ")]
+COMMANDS = [line for line in DOC.splitlines() if line.startswith("torchrun ") and "torchrun_job.py" in line]
+PS_COMMANDS = [line for line in DOC.splitlines() if line.startswith("torchrun ") and "parameter_server.py" in line]
 
 
 def _argv(command: str, **subs: str) -> list[str]:
@@ -47,6 +48,7 @@ def _check(output: str, trainers: int) -> None:
 
 def test_doc_has_the_commands():
     assert len(COMMANDS) == 3
+    assert PS_COMMANDS == ["torchrun --standalone --nproc-per-node=4 tutorials/parameter_server.py --mode sync"]
 
 
 @pytest.mark.timeout(150)
@@ -75,3 +77,27 @@ def test_two_machines_on_loopback():
             if p.poll() is None:
                 p.kill()
     _check("".join(outputs), trainers=3)
+
+
+def _trainer_lines(output: str) -> list[str]:
+    return sorted(line for line in output.splitlines() if re.match(r"trainer\d: mode ", line))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_parameter_server_job_under_torchrun_and_run_local():
+    # the documented command: 4 ranks, roles {"ps": 2, "trainer": 2}, sync mode
+    out = subprocess.run(_argv(PS_COMMANDS[0]), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ps0: serving 2 trainers" in out.stdout and "ps1: serving 2 trainers" in out.stdout, out.stdout
+    lines = _trainer_lines(out.stdout)
+    assert [line.split(":")[0] for line in lines] == ["trainer0", "trainer1"], out.stdout
+    for line in lines:
+        first, last = (float(v) for v in line.split("loss ")[1].split(" -> "))
+        assert last < 0.5 * first, line
+    # the same script, unchanged, started by run_local: sync mode is deterministic (pushes are
+    # summed in trainer-name order), so both launchers print the same losses
+    local = subprocess.run([sys.executable, "tutorials/parameter_server.py", "--mode", "sync"], cwd=ROOT,
+                           env=_env(), capture_output=True, text=True, timeout=90)
+    assert local.returncode == 0, local.stderr[-3000:]
+    assert _trainer_lines(local.stdout) == lines, (local.stdout, out.stdout)

@@ -274,27 +274,34 @@ class PSModel(nn.Module):
         queued; geo: the local copy is left as it is)."""
         if self.mode == "half_async":
             self.flush()
-        if self.mode == "sync":
-            self.pull()  # waits until this trainer's last step is applied on every server
-            return self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        values = self._fetch_now()
         if self.mode != "geo":
-            self._write(self._server_values())
+            self._write(values)
             return self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
-        # geo: the local copy is this trainer's training state (its progress since the last push
-        # is measured against it); the servers' values go into the returned dict only
-        values = self._server_values()
+        # geo: the servers' values go into the returned dict only; the local copy (and its progress
+        # since the last push, measured against the last pulled values) stays as it is
         out = self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
-        for pname, p in self._params().items():
-            out[prefix + pname] = torch.cat([values[s.name] for s in self._slots if s.pname == pname]).reshape(p.shape)
+        params = self._params()
+        full = {pname: p.detach().clone().reshape(-1) for pname, p in params.items()}
+        for slot in self._slots:
+            full[slot.pname][slot.block.offset:slot.block.offset + slot.block.size].copy_(values[slot.name])
+        for pname, flat in full.items():
+            if prefix + pname in out:
+                out[prefix + pname] = flat.reshape(params[pname].shape)
         return out
 
-    def _server_values(self) -> dict[str, torch.Tensor]:
-        """Every block's current value on its server (no waiting for a step)."""
+    def _fetch_now(self) -> dict[str, torch.Tensor]:
+        """The servers' current values by block name (nothing written into the local model)."""
+        # sync: wait until this trainer's own pushed steps are applied (as a pull does), else a
+        # checkpoint taken right after the last step() misses it while another trainer has not pushed
+        step = self._step if self.mode == "sync" else 0
+        seconds = self._seconds()
+        inner = seconds if seconds == math.inf else max(0.001, seconds - min(1.0, 0.1 * seconds))
         by_server = self._by_server()
-        calls = [(server, _server._pull, (self.name, [s.name for s in slots], 0))
+        calls = [(server, _server._pull, (self.name, [s.name for s in slots], step, inner))
                  for server, slots in by_server.items() if slots]
         values = {}
-        for (_, _, (_, names, _)), got in zip(calls, call_all(calls, timeout=self.timeout)):
+        for (_, _, (_, names, _, _)), got in zip(calls, call_all(calls, timeout=self.timeout)):
             values.update(zip(names, got))
         return values
 

@@ -1,0 +1,189 @@
+"""Parameter-server benchmark: PSModel in each mode vs PyTorch's RPC parameter-server tutorial pattern.
+
+    make bench                               # runs this after bench_sharded
+    python -m tests.benchmarks.bench_ps      # full size (about a minute on 2 cores)
+    python -m tests.benchmarks.bench_ps --quick
+
+The model and batch of tutorials/parameter_server.py: Linear(784, 128) + ReLU + Linear(128, 10),
+batch 64, cross-entropy, SGD (lr 0.05). Five local processes on loopback, every one started
+with OMP_NUM_THREADS=1: "driver0" drives, "ps0" and "ps1" serve, "trainer0" and "trainer1"
+train, each on its own fixed batch.
+
+Compared, as trainer steps per second (both trainers together):
+
+* PSModel in sync, async, half_async (merge every 4 pushes or 0.1 s) and geo (push every 10
+  steps) mode, with 1 server (ps0) and with 2 (ps0, ps1; fc1.weight split in two blocks);
+* the pattern of PyTorch's RPC parameter-server tutorial, written by hand
+  (tests/benchmarks/_ps_hosts.py): the whole model on ps0 behind a lock, trainers calling its
+  forward through an RRef, distributed autograd and a DistributedOptimizer (async updates).
+
+A round runs ``steps_per_round`` steps on both trainers at once for one variant; the variants
+are interleaved in an order that rotates every round. Figures are medians over rounds; every
+ratio compares medians of this one run. After the rounds, each variant's server-side counts
+are checked against the steps run (sync: every step applied once; async: every push applied;
+geo: every interval's deltas), and every variant's loss on its fixed batch must have fallen.
+Prints a table with the issue's target and writes JSON (bench-ps-results.json by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed.rpc as rpc
+
+from rpc_backend import current_worker, run_local
+from tests.benchmarks import _ps_hosts as hosts
+from tests.benchmarks.bench_remote_module import _verdict
+
+MODES = ("sync", "async", "half_async", "geo")
+SERVERS = ["ps0", "ps1"]
+TRAINERS = ["trainer0", "trainer1"]
+FULL = {"batch": 64, "lr": 0.05, "steps_per_round": 20, "rounds": 9, "warmup_rounds": 1, "geo_push_every": 10,
+        "half_async_merge_every": 4, "server_counts": [1, 2]}
+QUICK = {**FULL, "steps_per_round": 2, "rounds": 2}
+
+
+def rounds(variants: dict[str, Callable[[], Any]], n: int, warmup: int) -> dict[str, list[float]]:
+    """Seconds per round of each variant, ``n`` samples each; the order rotates every round."""
+    for fn in variants.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    items = list(variants.items())
+    for r in range(n):
+        for name, fn in items[r % len(items):] + items[: r % len(items)]:
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return samples
+
+
+def _on_trainers(fn: Callable, *args: Any) -> list[Any]:
+    return torch.futures.wait_all([rpc.rpc_async(t, fn, args, timeout=120) for t in TRAINERS])
+
+
+def _check(results: dict, cfg: dict) -> dict[str, str]:
+    """Server-side counts match the steps run; every variant's loss fell. Raises otherwise."""
+    steps = (cfg["warmup_rounds"] + cfg["rounds"]) * cfg["steps_per_round"] + 2  # + the first and last loss steps
+    checks = {}
+    for n in cfg["server_counts"]:
+        for mode in MODES:
+            name = hosts.variant_name(mode, n)
+            stats = rpc.rpc_sync(TRAINERS[0], hosts.ps_stats, (name,))
+            applied = {s: v["applied"] for s, v in stats.items()}
+            want = {"sync": steps, "async": len(TRAINERS) * steps,
+                    "geo": len(TRAINERS) * (steps // cfg["geo_push_every"])}.get(mode)
+            if mode == "sync" and any(v["version"] != steps for v in stats.values()):
+                raise AssertionError(f"{name}: servers at step {[v['version'] for v in stats.values()]}, ran {steps}")
+            if want is not None and any(a != want for a in applied.values()):
+                raise AssertionError(f"{name}: updates applied per server {applied}, expected {want} each")
+            checks[name] = f"applied per server {applied}" + ("" if want is not None else " (merged rounds)")
+    for name, (first, last) in results["losses"].items():
+        if not last < first:
+            raise AssertionError(f"{name}: loss {first:.4f} -> {last:.4f} did not fall; the variant does not train")
+    return checks
+
+
+def driver_main(cfg: dict) -> dict:
+    results: dict[str, Any] = {"config": cfg, "torch": torch.__version__}
+    results["threads_in_rpc_handlers"] = {w: rpc.rpc_sync(w, hosts.handler_threads) for w in SERVERS + TRAINERS}
+    names = [hosts.TUTORIAL] + [hosts.variant_name(m, n) for n in cfg["server_counts"] for m in MODES]
+    for name in names:  # both trainers build each variant together (a sync job needs both attached)
+        servers = SERVERS[:1] if name == hosts.TUTORIAL else SERVERS[: int(name.split("=")[1])]
+        torch.futures.wait_all([
+            rpc.rpc_async(t, hosts.setup, (cfg, i, len(TRAINERS), name, servers), timeout=120)
+            for i, t in enumerate(TRAINERS)
+        ])
+    first = {name: _on_trainers(hosts.run_steps, name, 1) for name in names}
+
+    def variant(name: str) -> Callable[[], Any]:
+        return lambda: _on_trainers(hosts.run_steps, name, cfg["steps_per_round"])
+
+    samples = rounds({name: variant(name) for name in names}, cfg["rounds"], cfg["warmup_rounds"])
+    results["round_samples_s"] = samples
+    per_round = len(TRAINERS) * cfg["steps_per_round"]
+    results["steps_per_s"] = {name: per_round / statistics.median(s) for name, s in samples.items()}
+    results["losses"] = {}
+    for name in names:
+        finals = _on_trainers(hosts.run_steps, name, 1)
+        results["losses"][name] = (statistics.mean(first[name]), statistics.mean(finals))
+    return results
+
+
+def rank_main(cfg: dict) -> dict | None:
+    if current_worker().role != "driver":
+        return None  # servers and trainers only serve; the driver calls the trainers
+    results = driver_main(cfg)
+    results["checks"] = _check(results, cfg)
+    return results
+
+
+def ratios(r: dict) -> dict[str, float]:
+    sps = r["steps_per_s"]
+    tut = sps[hosts.TUTORIAL]
+    out = {}
+    for n in r["config"]["server_counts"]:
+        out[f"async servers={n} / tutorial pattern (target >= 1.5)"] = sps[f"async servers={n}"] / tut
+    for mode in ("sync", "half_async", "geo"):
+        for n in r["config"]["server_counts"]:
+            out[f"{mode} servers={n} / tutorial pattern"] = sps[f"{mode} servers={n}"] / tut
+    if len(r["config"]["server_counts"]) > 1:
+        a, b = r["config"]["server_counts"][:2]
+        for mode in MODES:
+            out[f"{mode}: servers={b} / servers={a}"] = sps[f"{mode} servers={b}"] / sps[f"{mode} servers={a}"]
+    return out
+
+
+def report(r: dict) -> str:
+    cfg = r["config"]
+    lines = [
+        "",
+        f"Linear(784, 128) + ReLU + Linear(128, 10), batch {cfg['batch']}, 2 trainers, "
+        f"{cfg['steps_per_round']} steps per trainer per round, {cfg['rounds']} rounds; "
+        f"geo pushes every {cfg['geo_push_every']} steps, half_async merges every {cfg['half_async_merge_every']}",
+        f"threads in RPC handlers: {r['threads_in_rpc_handlers']}",
+        f"{'median, both trainers':<34}{'steps/s':>9}{'ms/step':>9}{'loss first':>12}{'last':>8}",
+        "-" * 72,
+    ]
+    for name, v in r["steps_per_s"].items():
+        first, last = r["losses"][name]
+        lines.append(f"  {name:<32}{v:>9.1f}{1e3 / v:>9.2f}{first:>12.3f}{last:>8.3f}")
+    lines += ["", "throughput ratios of medians (same run)", "-" * 72]
+    width = max(map(len, r["ratios"]))
+    for name, v in r["ratios"].items():
+        lines.append(f"  {name:<{width}}{v:>6.2f}{_verdict(name, v)}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description="remote_module parameter-server benchmark")
+    parser.add_argument("--quick", action="store_true", help="small sizes (for a smoke run)")
+    parser.add_argument("--json", default="bench-ps-results.json")
+    args = parser.parse_args(argv)
+    cfg = dict(QUICK if args.quick else FULL)
+    # Spawned ranks inherit the environment: OMP_NUM_THREADS is in place before they import torch.
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        results = run_local(rank_main, 5, roles={"driver": 1, "ps": 2, "trainer": 2}, args=(cfg,), timeout=900)[0]
+    finally:
+        if saved is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    results["ratios"] = ratios(results)
+    print(report(results))
+    with open(args.json, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"\nwritten to {args.json}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
