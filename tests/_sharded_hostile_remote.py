@@ -19,9 +19,6 @@ class Affine(nn.Module):
         return x @ self.weight.T
 
 
-def stored_bytes() -> int:
-    """Bytes of the storages behind the shards this process holds (a view counts its whole
-    storage: that is what it keeps alive)."""
-    with _store._store._lock:
-        tensors = list(_store._store._tensors.values())
-    return sum(t.untyped_storage().nbytes() for t in tensors)
+def storage_bytes(sid: tuple) -> int:
+    """Bytes of the storage behind shard ``sid`` here (a view keeps its whole storage alive)."""
+    return _store._store.get(tuple(sid)).untyped_storage().nbytes()
