@@ -253,7 +253,8 @@ def _redistribute(
     me = rpc.get_worker_info().name
     if not pl.needs_peers(src, dst):
         done: Future = Future()
-        done.set_result(_store.keep(new_sid, pl.combine(src, dst, rank, size, [], own)))
+        # compact: a slice of a replicated tensor would keep the whole of it alive on this worker
+        done.set_result(_store.keep(new_sid, compact(pl.combine(src, dst, rank, size, [], own))))
         return done
     calls = [(w, _piece, (psid, src, dst, rank, size, me)) for p, (w, psid) in enumerate(peers) if p != rank]
     fetched = call_all_async(calls, timeout=seconds)
@@ -274,6 +275,6 @@ def _redistribute(
         others = iter(got)
         pieces = [pl.piece_for(src, dst, rank, size, own) if p == rank else next(others) for p in range(size)]
         pieces = [t.to(own.device) for t in pieces]
-        return _store.keep(new_sid, pl.combine(src, dst, rank, size, pieces, own))
+        return _store.keep(new_sid, compact(pl.combine(src, dst, rank, size, pieces, own)))
 
     return fetched.then(finish)
