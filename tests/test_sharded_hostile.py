@@ -9,7 +9,7 @@ import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch.distributed.optim import DistributedOptimizer
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from remote_module.sharded import LocalModule, distribute
 from tests import _sharded_hostile_remote as hr
@@ -37,6 +37,29 @@ def test_replicate_output_trains_every_replica():
     for _ in range(2):
         with dist_autograd.context() as ctx:
             out = lm(x).full_tensor()
+            dist_autograd.backward(ctx, [(out * out).sum()])
+            opt.step(ctx)
+        local_opt.zero_grad()
+        (local(x) ** 2).sum().backward()
+        local_opt.step()
+    for r, got in enumerate(weights(lm)):
+        torch.testing.assert_close(got, local.weight.detach(), atol=1e-5, rtol=0, msg=lambda m: f"replica {r}: {m}")
+
+
+@pytest.mark.parametrize("dst", [Shard(0), Partial("sum"), Partial("avg")], ids=["Shard0", "Psum", "Pavg"])
+def test_redistribute_from_replicate_trains_every_replica(dst):
+    """Replicate -> Shard/Partial slices (or keeps) each worker's own copy, no traffic; under
+    autograd every replica must still receive its whole gradient (each got its own slice's only,
+    so the replicas of one parameter diverged from the local model and from each other)."""
+    torch.manual_seed(1)
+    w, x = torch.randn(3, 3), torch.randn(4, 3)
+    local = hr.Affine(w)
+    local_opt = torch.optim.SGD(local.parameters(), lr=0.1)
+    lm = LocalModule(MESH, hr.Affine, (w,), in_placements=[Replicate()], out_placements=Replicate())
+    opt = DistributedOptimizer(torch.optim.SGD, lm.remote_parameters(), lr=0.1)
+    for _ in range(2):
+        with dist_autograd.context() as ctx:
+            out = lm(x).redistribute(dst).full_tensor()
             dist_autograd.backward(ctx, [(out * out).sum()])
             opt.step(ctx)
         local_opt.zero_grad()
