@@ -145,27 +145,6 @@ def assemble(placement: Placement, tensors: Sequence[torch.Tensor]) -> torch.Ten
     return reduce(placement.reduce_op, tensors)
 
 
-class _OneOfReplicas(torch.autograd.Function):
-    """The first of equal replicas as the value; the whole gradient to every replica."""
-
-    @staticmethod
-    def forward(ctx: Any, *replicas: torch.Tensor) -> torch.Tensor:
-        ctx.count = len(replicas)
-        return replicas[0].clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return (grad,) * ctx.count
-
-
-def one_of_replicas(replicas: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The value of ``replicas[0]`` (bit for bit), with autograd sending the whole gradient to
-    every replica: a Replicate tensor is one value held by every rank, and each rank's copy of a
-    replicated parameter must be trained as the one local parameter would be (DTensor does the
-    same: the gradient of a Replicate tensor is Replicate)."""
-    return _OneOfReplicas.apply(*replicas)
-
-
 # ---- global -> local ---------------------------------------------------------------------
 
 

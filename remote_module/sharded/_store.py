@@ -26,7 +26,6 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 import torch.distributed.rpc as rpc
-from torch.distributed.tensor import Replicate
 from torch.futures import Future
 
 from remote_module._device import move_cpu_tensors, tensors_to_cpu
@@ -243,35 +242,21 @@ def _piece(sid: ShardId, src: Any, dst: Any, rank: int, size: int, dest: str) ->
     return portable(pl.piece_for(src, dst, rank, size, _store.get(sid)), dest)
 
 
-def _replica_piece(sid: ShardId, dst: Any, rank: int, size: int, dest: str) -> torch.Tensor:
-    """What rank ``rank`` makes of this worker's replica under ``dst`` (its gradient path)."""
-    return portable(pl.combine(Replicate(), dst, rank, size, [], _store.get(sid)), dest)
-
-
 @rpc.functions.async_execution
 def _redistribute(
-    sid: ShardId, new_sid: ShardId, src: Any, dst: Any, rank: int, peers: Sequence[tuple[str, ShardId]], seconds: float,
-    grad: bool = True,
+    sid: ShardId, new_sid: ShardId, src: Any, dst: Any, rank: int, peers: Sequence[tuple[str, ShardId]], seconds: float
 ) -> Future:
     """This rank's tensor under ``dst``, from its own under ``src`` and pieces from ``peers``
-    (``(worker, shard id)`` per rank), fetched concurrently, worker to worker. From Replicate
-    no data is needed, except while autograd records (``grad`` and a tensor that requires it):
-    then every replica's part is fetched too, so that each replica receives its gradient."""
+    (``(worker, shard id)`` per rank), fetched concurrently, worker to worker."""
     own = _store.get(sid)
     size = len(peers)
     me = rpc.get_worker_info().name
-    replicas = isinstance(src, Replicate) and grad and own.requires_grad and size > 1
-    if not pl.needs_peers(src, dst) and not replicas:
+    if not pl.needs_peers(src, dst):
         done: Future = Future()
-        with torch.set_grad_enabled(grad):
-            # compact: a slice of a replicated tensor would keep the whole of it alive here
-            new = compact(pl.combine(src, dst, rank, size, [], own))
-        done.set_result(_store.keep(new_sid, new))
+        # compact: a slice of a replicated tensor would keep the whole of it alive on this worker
+        done.set_result(_store.keep(new_sid, compact(pl.combine(src, dst, rank, size, [], own))))
         return done
-    if replicas:
-        calls = [(w, _replica_piece, (psid, dst, rank, size, me)) for p, (w, psid) in enumerate(peers) if p != rank]
-    else:
-        calls = [(w, _piece, (psid, src, dst, rank, size, me)) for p, (w, psid) in enumerate(peers) if p != rank]
+    calls = [(w, _piece, (psid, src, dst, rank, size, me)) for p, (w, psid) in enumerate(peers) if p != rank]
     fetched = call_all_async(calls, timeout=seconds)
 
     def finish(fut: Future) -> tuple:
@@ -287,15 +272,9 @@ def _redistribute(
         del fut
         if failure is not None:
             raise failure
-        with torch.set_grad_enabled(grad):
-            if replicas:  # this rank's own part is the value; the others carry gradients only
-                mine = pl.combine(src, dst, rank, size, [], own)
-                new = pl.one_of_replicas([mine] + [t.to(own.device) for t in got])
-            else:
-                others = iter(got)
-                pieces = [pl.piece_for(src, dst, rank, size, own) if p == rank else next(others) for p in range(size)]
-                pieces = [t.to(own.device) for t in pieces]
-                new = pl.combine(src, dst, rank, size, pieces, own)
-            return _store.keep(new_sid, compact(new))
+        others = iter(got)
+        pieces = [pl.piece_for(src, dst, rank, size, own) if p == rank else next(others) for p in range(size)]
+        pieces = [t.to(own.device) for t in pieces]
+        return _store.keep(new_sid, compact(pl.combine(src, dst, rank, size, pieces, own)))
 
     return fetched.then(finish)

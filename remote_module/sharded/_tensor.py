@@ -252,7 +252,7 @@ class RemoteTensor:
         device = tensors[0].device
         tensors = [t.to(device) for t in tensors]
         if graded:
-            return pl.one_of_replicas(tensors)
+            return _OneOfReplicas.apply(*tensors)
         return pl.assemble(self.placement, tensors)
 
     # ---- moving between placements ------------------------------------------------------
@@ -260,8 +260,7 @@ class RemoteTensor:
     def redistribute(self, placement: Any, timeout: float | None = None) -> "RemoteTensor":
         """This tensor under another placement, moving data worker to worker (never through
         the caller): Shard/Partial -> Replicate (all-gather / all-reduce), Replicate -> Shard
-        or Partial (local slicing, no traffic; while autograd records, each rank also receives
-        the others' replicas of its part, so that every replica gets its gradient), Shard(i) -> Shard(j) (all-to-all), Partial ->
+        or Partial (local slicing, no traffic), Shard(i) -> Shard(j) (all-to-all), Partial ->
         Shard (reduce-scatter), Shard -> Partial, Partial -> Partial(other op).
 
         Example::
@@ -278,9 +277,8 @@ class RemoteTensor:
         peers = list(zip(self.mesh, self._sids))
         seconds = _timeout_seconds(self._timeout(timeout))
         inner = seconds if seconds == float("inf") else max(0.001, seconds - min(1.0, 0.1 * seconds))
-        grad = torch.is_grad_enabled()
         calls = [
-            (w, _store._redistribute, (sid, new[r], self.placement, dst, r, peers, inner, grad))
+            (w, _store._redistribute, (sid, new[r], self.placement, dst, r, peers, inner))
             for r, (w, sid) in enumerate(peers)
         ]
         try:
@@ -292,6 +290,19 @@ class RemoteTensor:
 
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
+
+
+class _OneOfReplicas(torch.autograd.Function):
+    """The first of equal replicas as the value; the whole gradient to every replica."""
+
+    @staticmethod
+    def forward(ctx: Any, *replicas: torch.Tensor) -> torch.Tensor:
+        ctx.count = len(replicas)
+        return replicas[0].clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return (grad,) * ctx.count
 
 
 def _stored(mesh: tuple[str, ...], placement: Any, calls: list, sids: list[ShardId], timeout: float | None) -> RemoteTensor:
