@@ -231,8 +231,7 @@ class RemoteTensor:
 
     def full_tensor(self, timeout: float | None = None) -> torch.Tensor:
         """The global tensor on the caller: Shard -> the shards concatenated in mesh order,
-        Replicate -> one copy (the first worker's; while autograd records, every worker's is
-        fetched so that each replica receives the gradient), Partial -> the shards reduced.
+        Replicate -> one copy (from the first worker), Partial -> the shards reduced.
 
         Inside ``dist_autograd.context()`` the fetch is recorded: a loss computed from it
         sends gradients back to every worker's graph.
@@ -243,17 +242,11 @@ class RemoteTensor:
         """
         me = rpc.get_worker_info().name
         pairs = list(zip(self.mesh, self._sids))
-        # Replicate: one copy is the value, but while autograd records, every replica is fetched
-        # so that the gradient reaches each worker's copy (as it would each rank's under DTensor)
-        graded = isinstance(self.placement, Replicate) and self.requires_grad and torch.is_grad_enabled()
-        if isinstance(self.placement, Replicate) and not graded:
+        if isinstance(self.placement, Replicate):
             pairs = pairs[:1]
         tensors = call_carrying_releases([(w, _store._fetch, (sid, me)) for w, sid in pairs], self._timeout(timeout))
         device = tensors[0].device
-        tensors = [t.to(device) for t in tensors]
-        if graded:
-            return _OneOfReplicas.apply(*tensors)
-        return pl.assemble(self.placement, tensors)
+        return pl.assemble(self.placement, [t.to(device) for t in tensors])
 
     # ---- moving between placements ------------------------------------------------------
 
@@ -290,19 +283,6 @@ class RemoteTensor:
 
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
-
-
-class _OneOfReplicas(torch.autograd.Function):
-    """The first of equal replicas as the value; the whole gradient to every replica."""
-
-    @staticmethod
-    def forward(ctx: Any, *replicas: torch.Tensor) -> torch.Tensor:
-        ctx.count = len(replicas)
-        return replicas[0].clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return (grad,) * ctx.count
 
 
 def _stored(mesh: tuple[str, ...], placement: Any, calls: list, sids: list[ShardId], timeout: float | None) -> RemoteTensor:
