@@ -59,6 +59,21 @@ def test_replicate_output_full_tensor_is_rank0s_value_exactly():
     assert torch.equal(got, t) and torch.equal(torch.signbit(got), torch.signbit(t))
 
 
+@pytest.mark.parametrize("dst", [Replicate(), Shard(1)], ids=["R", "S1"])
+def test_redistribute_under_no_grad_records_nothing(dst):
+    """Under torch.no_grad() on the caller, a redistribute of an output that requires grad gives
+    a tensor that does not (as locally); the hosts built a graph, which also kept the source's
+    graph alive, and said requires_grad=True."""
+    w = torch.randn(3, 3)
+    lm = LocalModule(MESH, hr.Affine, (w,), in_placements=[Shard(0)], out_placements=Shard(0))
+    out = lm(torch.randn(4, 3))
+    assert out.requires_grad
+    with torch.no_grad():
+        moved = out.redistribute(dst)
+    assert not moved.requires_grad
+    torch.testing.assert_close(moved.full_tensor(), out.full_tensor())
+
+
 def test_replicate_to_shard_keeps_only_its_part():
     """Redistributing Replicate -> Shard(0) and dropping the replicated tensor must leave each
     worker holding its rows only, not a view that keeps the whole replicated storage alive."""
