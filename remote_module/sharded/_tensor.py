@@ -278,8 +278,9 @@ class RemoteTensor:
         peers = list(zip(self.mesh, self._sids))
         seconds = _timeout_seconds(self._timeout(timeout))
         inner = seconds if seconds == float("inf") else max(0.001, seconds - min(1.0, 0.1 * seconds))
+        grad = torch.is_grad_enabled()
         calls = [
-            (w, _store._redistribute, (sid, new[r], self.placement, dst, r, peers, inner))
+            (w, _store._redistribute, (sid, new[r], self.placement, dst, r, peers, inner, grad))
             for r, (w, sid) in enumerate(peers)
         ]
         try:
