@@ -23,14 +23,3 @@ def storage_bytes(sid: tuple) -> int:
     """Bytes of the storage behind shard ``sid`` here (a view keeps its whole storage alive)."""
     return _store._store.get(tuple(sid)).untyped_storage().nbytes()
 
-
-class Dropped(nn.Module):
-    """Dropout (p=0.5) then a replicated weight: random in train mode, the identity map in eval."""
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight.clone())
-        self.drop = nn.Dropout(0.5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(x) @ self.weight.T

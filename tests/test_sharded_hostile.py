@@ -1,5 +1,5 @@
-"""The sharded layer attacked as an ordinary user would: replicated outputs in training,
-redistribute's memory, the caller as a mesh member. Each test checks against a local
+"""The sharded layer attacked as an ordinary user would: gradients through redistribute,
+grad mode, redistribute's memory, the caller as a mesh member. Each test checks against a local
 reference or a figure that a correct implementation must meet."""
 
 import time
@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
-from torch.distributed.optim import DistributedOptimizer
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from remote_module.sharded import LocalModule, distribute
@@ -17,11 +16,6 @@ from tests import _sharded_hostile_remote as hr
 pytestmark = pytest.mark.usefixtures("rpc_world")
 
 MESH = ["worker1", "worker2"]
-
-
-def weights(lm: LocalModule) -> list[torch.Tensor]:
-    sd = lm.state_dict()
-    return [sd[f"shards.{r}.weight"] for r in range(len(lm.mesh))]
 
 
 @pytest.mark.parametrize("src,dst", [(Shard(0), Replicate()), (Partial("sum"), Replicate()),
