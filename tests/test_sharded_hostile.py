@@ -2,7 +2,6 @@
 grad mode, redistribute's memory, the caller as a mesh member. Each test checks against a local
 reference or a figure that a correct implementation must meet."""
 
-import time
 
 import pytest
 import torch
