@@ -48,7 +48,8 @@ class _Releaser:
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # finalizers put here: no lock taken
-        self._lock = threading.Lock()
+        # Re-entrant: a finalizer may run (and queue) inside this lock, e.g. while the thread starts.
+        self._lock = threading.RLock()
         self._pending: dict[str, tuple[list[ShardId], list[ShardId]]] = {}  # worker -> (sure, unsure)
         self._thread: threading.Thread | None = None
 
