@@ -20,6 +20,7 @@ from torch.distributed.optim import DistributedOptimizer
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from remote_module.sharded import LocalModule, distribute
+from remote_module.sharded._tensor import RELEASE_DELAY_S
 from tests import _sharded_train_remote as remote
 from tests._sharded_train_remote import (
     ColumnShard,
@@ -268,10 +269,23 @@ def held_counts() -> dict[str, int]:
     return {w: remote.held_count() if w == "worker0" else rpc.rpc_sync(w, remote.held_count) for w in WORKERS}
 
 
+def settled_held_counts(seconds: float = 10.0) -> dict[str, int]:
+    """The hosts' store sizes once earlier tests' releases have landed (two equal reads more
+    than a release delay apart)."""
+    deadline = time.monotonic() + seconds
+    before = held_counts()
+    while True:
+        time.sleep(3 * RELEASE_DELAY_S)
+        now = held_counts()
+        if now == before or time.monotonic() > deadline:
+            return now
+        before = now
+
+
 def test_a_training_loop_does_not_grow_the_hosts_shard_stores():
     n = 3
     gc.collect()
-    baseline = held_counts()
+    baseline = settled_held_counts()
     local = LocalMLP(HIDDEN[n])
     col, row, bias = sharded(local, MESHES[n])
     dist_opt = DistributedOptimizer(torch.optim.SGD, col.remote_parameters() + row.remote_parameters()

@@ -145,6 +145,27 @@ def assemble(placement: Placement, tensors: Sequence[torch.Tensor]) -> torch.Ten
     return reduce(placement.reduce_op, tensors)
 
 
+class _FirstReplica(torch.autograd.Function):
+    """The first of equal replicas as the value; the gradient to it, zeros to the others."""
+
+    @staticmethod
+    def forward(ctx: Any, *replicas: torch.Tensor) -> torch.Tensor:
+        ctx.count = len(replicas)
+        return replicas[0].clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        zero = torch.zeros_like(grad)
+        return (grad,) + (zero,) * (ctx.count - 1)
+
+
+def first_replica(replicas: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``replicas[0]``'s value (bit for bit); in backward the gradient goes to it and a zero
+    gradient to every other replica. Distributed autograd waits for a gradient at every send
+    of a context: the other replicas, made from pieces sent worker to worker, must get one."""
+    return _FirstReplica.apply(*replicas)
+
+
 # ---- global -> local ---------------------------------------------------------------------
 
 

@@ -244,16 +244,20 @@ def _piece(sid: ShardId, src: Any, dst: Any, rank: int, size: int, dest: str) ->
 
 @rpc.functions.async_execution
 def _redistribute(
-    sid: ShardId, new_sid: ShardId, src: Any, dst: Any, rank: int, peers: Sequence[tuple[str, ShardId]], seconds: float
+    sid: ShardId, new_sid: ShardId, src: Any, dst: Any, rank: int, peers: Sequence[tuple[str, ShardId]], seconds: float,
+    grad: bool = True,
 ) -> Future:
     """This rank's tensor under ``dst``, from its own under ``src`` and pieces from ``peers``
-    (``(worker, shard id)`` per rank), fetched concurrently, worker to worker."""
+    (``(worker, shard id)`` per rank), fetched concurrently, worker to worker; in the caller's
+    grad mode ``grad``."""
     own = _store.get(sid)
     size = len(peers)
     me = rpc.get_worker_info().name
     if not pl.needs_peers(src, dst):
         done: Future = Future()
-        done.set_result(_store.keep(new_sid, pl.combine(src, dst, rank, size, [], own)))
+        # compact: a slice of a replicated tensor would keep the whole of it alive on this worker
+        new = run_as(rank, size, grad, pl.combine, src, dst, rank, size, [], own)
+        done.set_result(_store.keep(new_sid, compact(new)))
         return done
     calls = [(w, _piece, (psid, src, dst, rank, size, me)) for p, (w, psid) in enumerate(peers) if p != rank]
     fetched = call_all_async(calls, timeout=seconds)
@@ -274,6 +278,7 @@ def _redistribute(
         others = iter(got)
         pieces = [pl.piece_for(src, dst, rank, size, own) if p == rank else next(others) for p in range(size)]
         pieces = [t.to(own.device) for t in pieces]
-        return _store.keep(new_sid, pl.combine(src, dst, rank, size, pieces, own))
+        new = run_as(rank, size, grad, pl.combine, src, dst, rank, size, pieces, own)
+        return _store.keep(new_sid, compact(new))
 
     return fetched.then(finish)

@@ -48,7 +48,8 @@ class _Releaser:
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # finalizers put here: no lock taken
-        self._lock = threading.Lock()
+        # Re-entrant: a finalizer may run (and queue) inside this lock, e.g. while the thread starts.
+        self._lock = threading.RLock()
         self._pending: dict[str, tuple[list[ShardId], list[ShardId]]] = {}  # worker -> (sure, unsure)
         self._thread: threading.Thread | None = None
 
@@ -231,7 +232,8 @@ class RemoteTensor:
 
     def full_tensor(self, timeout: float | None = None) -> torch.Tensor:
         """The global tensor on the caller: Shard -> the shards concatenated in mesh order,
-        Replicate -> one copy (from the first worker), Partial -> the shards reduced.
+        Replicate -> one copy (the first worker's; while autograd records, every copy is
+        fetched so that each worker's graph gets a gradient), Partial -> the shards reduced.
 
         Inside ``dist_autograd.context()`` the fetch is recorded: a loss computed from it
         sends gradients back to every worker's graph.
@@ -242,11 +244,18 @@ class RemoteTensor:
         """
         me = rpc.get_worker_info().name
         pairs = list(zip(self.mesh, self._sids))
-        if isinstance(self.placement, Replicate):
+        # Replicate: one copy is the value; while autograd records, every replica is fetched and
+        # the others get a zero gradient (dist autograd waits for one at every send in the
+        # context, and a replica made by redistribute holds pieces sent by the other workers)
+        graded = isinstance(self.placement, Replicate) and self.requires_grad and torch.is_grad_enabled()
+        if isinstance(self.placement, Replicate) and not graded:
             pairs = pairs[:1]
         tensors = call_carrying_releases([(w, _store._fetch, (sid, me)) for w, sid in pairs], self._timeout(timeout))
         device = tensors[0].device
-        return pl.assemble(self.placement, [t.to(device) for t in tensors])
+        tensors = [t.to(device) for t in tensors]
+        if graded:
+            return pl.first_replica(tensors)
+        return pl.assemble(self.placement, tensors)
 
     # ---- moving between placements ------------------------------------------------------
 
@@ -270,8 +279,9 @@ class RemoteTensor:
         peers = list(zip(self.mesh, self._sids))
         seconds = _timeout_seconds(self._timeout(timeout))
         inner = seconds if seconds == float("inf") else max(0.001, seconds - min(1.0, 0.1 * seconds))
+        grad = torch.is_grad_enabled()
         calls = [
-            (w, _store._redistribute, (sid, new[r], self.placement, dst, r, peers, inner))
+            (w, _store._redistribute, (sid, new[r], self.placement, dst, r, peers, inner, grad))
             for r, (w, sid) in enumerate(peers)
         ]
         try:
