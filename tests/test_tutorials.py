@@ -61,29 +61,5 @@ def test_sharded_seed_example_and_megatron_step():
     assert float(mlp[0].rsplit(": ", 1)[1]) < 1e-5, mlp[0]  # equal to the local model after the SGD step
 
 
-def _ps_losses(mode: str, steps: int) -> dict[str, tuple[float, float]]:
-    out = subprocess.run(
-        [sys.executable, "tutorials/parameter_server.py", "--mode", mode, "--steps", str(steps)], cwd=ROOT,
-        capture_output=True, text=True, timeout=150, env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    losses = {}
-    for line in out.stdout.splitlines():
-        if line.startswith("trainer"):
-            name, rest = line.split(": ", 1)
-            assert rest.startswith(f"mode {mode}, {steps} steps, loss "), line
-            losses[name] = tuple(float(v) for v in rest.split("loss ")[1].split(" -> "))
-    assert sorted(losses) == ["trainer0", "trainer1"], out.stdout
-    return losses
-
-
-def test_parameter_server_sync_loss_goes_down():
-    for name, (first, last) in _ps_losses("sync", 30).items():
-        assert last < 0.5 * first, (name, first, last)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", ["async", "half_async", "geo"])
-def test_parameter_server_other_modes_loss_goes_down(mode):
-    for name, (first, last) in _ps_losses(mode, 30).items():
-        assert last < 0.8 * first, (name, first, last)
+# tutorials/parameter_server.py is run by tests/test_torchrun.py, under torchrun and under
+# run_local (one launch each); its modes are tested in tests/test_ps.py.
