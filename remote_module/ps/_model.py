@@ -183,6 +183,26 @@ class PSModel(nn.Module):
                     flat = params[slot.pname].data.view(-1)
                     flat[slot.block.offset:slot.block.offset + slot.block.size].copy_(values[slot.name])
 
+    # ---- one tensor per message ----------------------------------------------------------
+
+    def _packable(self, slots: list[_Slot]) -> bool:
+        """Whether a server's blocks travel as one flat tensor (they share a dtype)."""
+        params = self._params()
+        return len({params[s.pname].dtype for s in slots}) == 1
+
+    def _sent(self, slots: list[_Slot], tensors: list[torch.Tensor]) -> Any:
+        """Blocks as a message carries them: packed ``(names, sizes, flat)`` (one tensor per
+        message, which the RPC agent sends far faster than several), or a dict by name."""
+        if self._packable(slots):
+            return ([s.name for s in slots], [s.block.size for s in slots], torch.cat([t.reshape(-1) for t in tensors]))
+        return {s.name: t.clone() for s, t in zip(slots, tensors)}
+
+    def _received(self, slots: list[_Slot], got: Any) -> dict[str, torch.Tensor]:
+        """A server's answer (one flat tensor, or a list in block order) by block name."""
+        if isinstance(got, torch.Tensor):
+            got = torch.split(got, [s.block.size for s in slots])
+        return dict(zip([s.name for s in slots], got))
+
     def pull(self) -> None:
         """Fetch the parameters from the servers into the local model (in sync mode, waiting
         until the previous step was applied on every server).
@@ -195,12 +215,12 @@ class PSModel(nn.Module):
         seconds = self._seconds()
         inner = seconds if seconds == math.inf else max(0.001, seconds - min(1.0, 0.1 * seconds))
         by_server = self._by_server()
-        calls = [(server, _server._pull, (self.name, [s.name for s in slots], self._step, inner))
+        calls = [(server, _server._pull, (self.name, [s.name for s in slots], self._step, inner, self._packable(slots)))
                  for server, slots in by_server.items() if slots]
         results = call_all(calls, timeout=self.timeout)
         values = {}
-        for (server, _, (_, names, _, _)), got in zip(calls, results):
-            values.update(zip(names, got))
+        for (server, _, args), got in zip(calls, results):
+            values.update(self._received(by_server[server], got))
         self._write(values)
         if self.mode == "geo":
             self._pulled = {k: v.clone() for k, v in values.items()}
@@ -230,14 +250,14 @@ class PSModel(nn.Module):
         params = self._params()
         calls = []
         for server, slots in self._by_server().items():
-            grads = {}
+            grads = []
             for s in slots:
                 g = params[s.pname].grad
                 flat = torch.zeros(s.block.size, dtype=params[s.pname].dtype) if g is None else g.reshape(-1)[
-                    s.block.offset:s.block.offset + s.block.size].clone()
-                grads[s.name] = flat
+                    s.block.offset:s.block.offset + s.block.size]
+                grads.append(flat)
             if grads:
-                calls.append((server, _server._push, (self.name, self._trainer, self._step, grads)))
+                calls.append((server, _server._push, (self.name, self._trainer, self._step, self._sent(slots, grads))))
         call_all(calls, timeout=self.timeout)
         for p in params.values():
             p.grad = None
@@ -246,14 +266,15 @@ class PSModel(nn.Module):
     def _push_deltas(self) -> None:
         calls = []
         for server, slots in self._by_server().items():
-            deltas = {s.name: self._flat(s.pname)[s.block.offset:s.block.offset + s.block.size] - self._pulled[s.name]
-                      for s in slots}
+            deltas = [self._flat(s.pname)[s.block.offset:s.block.offset + s.block.size] - self._pulled[s.name]
+                      for s in slots]
             if deltas:
-                calls.append((server, _server._push_delta, (self.name, deltas)))
+                calls.append((server, _server._push_delta, (self.name, self._sent(slots, deltas), self._packable(slots))))
         results = call_all(calls, timeout=self.timeout)
         values = {}
-        for (server, _, (_, deltas)), got in zip(calls, results):
-            values.update(zip(list(deltas), got))
+        by_server = self._by_server()
+        for (server, _, _), got in zip(calls, results):
+            values.update(self._received(by_server[server], got))
         self._write(values)
         self._pulled = {k: v.clone() for k, v in values.items()}
 

@@ -83,6 +83,14 @@ class _Job:
     def values(self, blocks: list[str]) -> list[torch.Tensor]:
         return [self.params[b].detach().clone() for b in blocks]
 
+    def snapshot(self, blocks: list[str], packed: bool) -> Any:
+        """The blocks' values (lock held): a list of tensors, or ``packed``: one flat tensor,
+        the blocks concatenated in order (one tensor per message: each tensor a message
+        carries costs the RPC agent as much as a few hundred KB of data)."""
+        if packed:
+            return torch.cat([self.params[b].detach() for b in blocks])
+        return self.values(blocks)
+
     def merge(self) -> None:
         """half_async: apply what is queued (lock held)."""
         if self.timer is not None:
@@ -145,10 +153,11 @@ def _attach(name: str, spec: JobSpec, trainer: str, blocks: dict[str, torch.Tens
 class _Waiting:
     """A sync pull waiting for its step, failed at its deadline with who has not pushed."""
 
-    __slots__ = ("job", "step", "future", "blocks", "__weakref__")
+    __slots__ = ("job", "step", "future", "blocks", "packed", "__weakref__")
 
     def __init__(self, job: _Job, step: int, future: Future, blocks: list[str]) -> None:
         self.job, self.step, self.future, self.blocks = job, step, future, blocks
+        self.packed = False
 
     def expire(self, now: float) -> None:
         job = self.job
@@ -169,7 +178,7 @@ class _Waiting:
 
 
 @rpc.functions.async_execution
-def _pull(name: str, blocks: list[str], step: int, seconds: float = math.inf) -> Future:
+def _pull(name: str, blocks: list[str], step: int, seconds: float = math.inf, packed: bool = False) -> Future:
     """The current values of ``blocks``; in sync mode, once step ``step - 1`` is applied (a
     pull still waiting after ``seconds`` fails naming the trainers that have not pushed)."""
     job = _job(name)
@@ -177,18 +186,28 @@ def _pull(name: str, blocks: list[str], step: int, seconds: float = math.inf) ->
     with job.lock:
         if job.spec.mode == "sync" and job.version < step:
             waiting = _Waiting(job, step, answer, blocks)
+            waiting.packed = packed
             job.waiters.append(waiting)  # holds it: the watcher holds it only weakly
             if seconds != math.inf:
                 schedule(_clock() + seconds, waiting)
             return answer
-        values = job.values(blocks)
+        values = job.snapshot(blocks, packed)
     answer.set_result(values)
     return answer
 
 
-def _push(name: str, trainer: str, step: int, grads: dict[str, torch.Tensor]) -> None:
+def unpacked(blocks: Any) -> dict[str, torch.Tensor]:
+    """Blocks as sent: a dict by block name, or packed as ``(names, sizes, flat)``."""
+    if isinstance(blocks, dict):
+        return blocks
+    names, sizes, flat = blocks
+    return dict(zip(names, torch.split(flat, list(sizes))))
+
+
+def _push(name: str, trainer: str, step: int, grads: Any) -> None:
     """Gradients of this server's blocks from ``trainer`` for ``step``, applied by the job's mode."""
     job = _job(name)
+    grads = unpacked(grads)
     ready: list[tuple[Future, list[torch.Tensor]]] = []
     with job.lock:
         mode = job.spec.mode
@@ -230,7 +249,7 @@ def _push(name: str, trainer: str, step: int, grads: dict[str, torch.Tensor]) ->
                 still = []
                 for w in job.waiters:
                     if job.version >= w.step:
-                        ready.append((w.future, job.values(w.blocks)))
+                        ready.append((w.future, job.snapshot(w.blocks, w.packed)))
                     else:
                         still.append(w)
                 job.waiters = still
@@ -244,14 +263,15 @@ def _merge_later(job: _Job, timer: threading.Timer) -> None:
             job.merge()
 
 
-def _push_delta(name: str, deltas: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+def _push_delta(name: str, deltas: Any, packed: bool = False) -> Any:
     """geo: add ``delta / num_trainers`` to each block; the merged values."""
     job = _job(name)
+    deltas = unpacked(deltas)
     with job.lock, torch.no_grad():
         for b, d in deltas.items():
             job.params[b].add_(d.reshape(-1).to(job.params[b].dtype) / job.spec.num_trainers)
         job.applied += 1
-        return job.values(list(deltas))
+        return job.snapshot(list(deltas), packed)
 
 
 def _flush(name: str) -> None:

@@ -157,7 +157,7 @@ def report(r: dict) -> str:
     lines += ["", "throughput ratios of medians (same run)", "-" * 72]
     width = max(map(len, r["ratios"]))
     for name, v in r["ratios"].items():
-        lines.append(f"  {name:<{width}}{v:>6.2f}{_verdict(name, v)}")
+        lines.append(f"  {name:<{width}}{v:>7.3f}{_verdict(name, v)}")
     return "\n".join(lines)
 
 
