@@ -155,10 +155,18 @@ class PSModel(nn.Module):
         return [_Slot(pname, b, s) for (pname, b), s in zip(blocks, chosen)]
 
     def _by_server(self) -> dict[str, list[_Slot]]:
-        out: dict[str, list[_Slot]] = {s: [] for s in self.servers}
-        for slot in self._slots:
-            out[slot.server].append(slot)
-        return out
+        """The slots of each server, in layout order (computed once: the layout is fixed)."""
+        grouped = self.__dict__.get("_grouped")
+        if grouped is None:
+            grouped = {s: [] for s in self.servers}
+            for slot in self._slots:
+                grouped[slot.server].append(slot)
+            params = self._params()
+            self.__dict__["_grouped"] = grouped
+            self.__dict__["_one_dtype"] = {
+                server: len({params[s.pname].dtype for s in slots}) == 1 for server, slots in grouped.items()
+            }
+        return grouped
 
     def _flat(self, pname: str) -> torch.Tensor:
         return self._params()[pname].detach().reshape(-1)
@@ -187,8 +195,10 @@ class PSModel(nn.Module):
 
     def _packable(self, slots: list[_Slot]) -> bool:
         """Whether a server's blocks travel as one flat tensor (they share a dtype)."""
-        params = self._params()
-        return len({params[s.pname].dtype for s in slots}) == 1
+        if not slots:
+            return True
+        self._by_server()
+        return self.__dict__["_one_dtype"][slots[0].server]
 
     def _sent(self, slots: list[_Slot], tensors: list[torch.Tensor]) -> Any:
         """Blocks as a message carries them: packed ``(names, sizes, flat)`` (one tensor per
