@@ -1,0 +1,188 @@
+"""Hostile use of the parameter servers (issue 11) by an ordinary PyTorch user: parameters that
+are scalars, unused on some steps, frozen, integer or tied; partial checkpoints; optimizer state
+of another shape; more num_trainers than trainers; a frozen (SIGSTOP) server.
+
+One world for the file (tests/_ps_world.py: driver, ps0, ps1, trainer0, trainer1); the frozen
+server comes last. Local references are plain torch on the same model (tests/_ps_hostile_remote.py)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from tests import _ps_hostile_remote as h
+from tests import _ps_remote as r
+from tests._ps_world import PSWorld
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+SERVERS = ["ps0", "ps1"]
+TIMEOUT = 2.0
+SLACK = 1.0
+SGD_MOMENTUM = (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.1})
+ADAM = (torch.optim.Adam, {"lr": 0.01, "weight_decay": 0.1})
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def world():
+    w = PSWorld({"ps": 2, "trainer": 2})
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+def job(what: str) -> str:
+    return f"{what}-{next(_ids)}"
+
+
+def reference(optimizer: tuple, steps: int, **model_kwargs) -> dict:
+    """The same model and steps in one process with plain torch."""
+    model = h.build(1, **model_kwargs)
+    opt = optimizer[0](model.parameters(), **optimizer[1])
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        (model(h.x_of(step), h.uses_q(step)) ** 2).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_close(got: dict, expected: dict, what: str, atol: float = 1e-6) -> None:
+    assert list(got) == list(expected), f"{what}: keys {list(got)}, expected {list(expected)}"
+    for k in expected:
+        assert got[k].dtype == expected[k].dtype, f"{what}: {k} is {got[k].dtype}, expected {expected[k].dtype}"
+        err = (got[k].double() - expected[k].double()).abs().max().item()
+        assert err <= atol, f"{what}: {k} differs from plain torch by {err:.3g}: {got[k]} vs {expected[k]}"
+
+
+def _create_kw(name, kwargs):  # on trainer0
+    model_kwargs = kwargs.pop("model_kwargs", None)
+    return h.create(name, 1, SERVERS, model_kwargs, num_trainers=1, min_block_size=4, **kwargs)
+
+
+# ---- parameters torch users have -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_unused_and_frozen_parameters_are_stepped_as_torch_steps_them(world, mode):
+    """torch skips a parameter without a gradient (frozen, or unused this step): no weight
+    decay, no momentum. Pushing zeros instead moves it."""
+    name = job(f"unused-{mode}")
+    world.run({"trainer0": (_create_kw, name, dict(mode=mode, optimizer=SGD_MOMENTUM))})
+    world.run({"trainer0": (h.train, name, 5)})
+    got = world.run({"trainer0": (r.state, name)})["trainer0"]
+    assert_close(got, reference(SGD_MOMENTUM, 5), f"{mode}, SGD with momentum and weight decay, 5 steps")
+
+
+def test_an_integer_parameter_is_kept_not_trained(world):
+    name = job("int")
+    made = world.run({"trainer0": (_try_create_kw, name, dict(model_kwargs={"int_param": True}))})["trainer0"]
+    assert made["ok"], f"a model with an integer parameter cannot be served: {made}"
+    world.run({"trainer0": (h.train, name, 2)})
+    got = world.run({"trainer0": (r.state, name)})["trainer0"]
+    assert_close(got, reference((torch.optim.SGD, {"lr": 0.1}), 2, int_param=True), "with an integer parameter")
+
+
+def _try_create_kw(name, kwargs):  # on trainer0
+    return r._attempt(lambda: _create_kw(name, kwargs))
+
+
+def test_tied_parameters_train_as_one(world):
+    name = job("tied")
+    world.run({"trainer0": (_create_kw, name, dict(optimizer=ADAM, model_kwargs={"tied": True}))})
+    world.run({"trainer0": (h.train, name, 3)})
+    got = world.run({"trainer0": (r.state, name)})["trainer0"]
+    assert_close(got, reference(ADAM, 3, tied=True), "tied head/tail, Adam, 3 steps")
+
+
+# ---- checkpoints -------------------------------------------------------------------------------------
+
+
+def test_a_partial_load_leaves_the_servers_values_of_the_missing_keys(world):
+    """load_state_dict(strict=False) with only ``p``: the other parameters keep the servers'
+    values, not the trainer's local copy (one step stale after step())."""
+    name = job("partial")
+    world.run({"trainer0": (_create_kw, name, {})})
+    world.run({"trainer0": (h.train, name, 2)})
+    got = world.run({"trainer0": (h.partial_load, name, ["p"])})["trainer0"]
+    assert "s" in got["missing"], got["missing"]
+    for block, before in got["before"].items():
+        after = got["after"][block]
+        if block.startswith("p."):
+            assert torch.equal(after, torch.zeros_like(after)), f"{block} was not loaded: {after}"
+        else:
+            assert torch.equal(after, before), f"{block} (not in the checkpoint) changed from {before} to {after}"
+
+
+def test_adam_state_of_a_scalar_parameter_round_trips(world):
+    name = job("scalar-adam")
+    world.run({"trainer0": (_create_kw, name, dict(optimizer=ADAM))})
+    world.run({"trainer0": (h.train, name, 2)})
+    sd = world.run({"trainer0": (r.state, name)})["trainer0"]
+    osd = world.run({"trainer0": (r.optimizer_state, name)})["trainer0"]
+    world.run({"trainer0": (r.load, name, sd, osd)})
+    outcome = world.run({"trainer0": (h.try_train, name, 1, 2)})["trainer0"]
+    assert outcome["ok"], f"a step after reloading Adam's own state failed: {outcome}"
+    got = world.run({"trainer0": (r.state, name)})["trainer0"]
+    assert_close(got, reference(ADAM, 3), "Adam, 2 steps, reload, 1 step")
+
+
+def test_optimizer_state_of_another_shape_is_refused_at_load_naming_the_parameter(world):
+    big, small = job("adam16"), job("adam8")
+    for name, n in ((big, 16), (small, 8)):
+        world.run({"trainer0": (_create_linear, name, n)})
+    world.run({"trainer0": (r.push_linear, big, 1)})
+    osd = world.run({"trainer0": (r.optimizer_state, big)})["trainer0"]
+    outcome = world.run({"trainer0": (h.try_load_optimizer, small, osd)})["trainer0"]
+    assert not outcome["ok"], "a 16-element Adam state was loaded onto an 8-element parameter"
+    assert outcome["type"] == "ValueError" and "'p'" in outcome["message"], outcome
+    world.run({"trainer0": (r.push_linear, small, 1)})  # the job still trains
+
+
+def _create_linear(name, n):  # on trainer0
+    return r.create(name, "linear", 0, SERVERS, {"n": n}, num_trainers=1, optimizer=ADAM, min_block_size=4)
+
+
+# ---- jobs that cannot make progress ------------------------------------------------------------------
+
+
+def test_more_num_trainers_than_trainers_fails_the_pull_within_the_timeout(world):
+    name = job("too-many")
+    world.run({t: (_create_two, name, 3) for t in ("trainer0", "trainer1")})
+    world.run({t: (r.set_timeout, name, TIMEOUT) for t in ("trainer0", "trainer1")})
+    world.run({t: (h.train, name, 1) for t in ("trainer0", "trainer1")})
+    out = world.run({"trainer0": (h.timed, name, "pull")})["trainer0"]
+    assert not out["ok"] and out["seconds"] < TIMEOUT + SLACK, out
+    assert "never attached" in out["message"], out
+
+
+def _create_two(name, n):  # on a trainer
+    return h.create(name, 1, SERVERS, num_trainers=n, min_block_size=4)
+
+
+# ---- a frozen server (last: it disturbs the world) -----------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_frozen_server_is_named_within_the_timeout_and_the_job_continues_after_thawing(world, mode):
+    name = job(f"frozen-{mode}")
+    world.run({"trainer0": (_create_kw, name, dict(mode=mode))})
+    world.run({"trainer0": (r.set_timeout, name, TIMEOUT)})
+    pid = world.procs["ps1"].pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        out = world.run({"trainer0": (h.timed, name, "pull")})["trainer0"]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert not out["ok"] and out["seconds"] < TIMEOUT + SLACK, out
+    assert "'ps1'" in out["message"], out
+    out = world.run({"trainer0": (h.try_train, name, 2)})["trainer0"]
+    assert out["ok"], f"{mode}: training after ps1 thawed failed: {out}"
+    got = world.run({"trainer0": (r.state, name)})["trainer0"]
+    assert_close(got, reference((torch.optim.SGD, {"lr": 0.1}), 2), f"{mode}: 2 steps after a frozen pull")
