@@ -230,13 +230,12 @@ class PSModel(nn.Module):
         params = self._params()
         calls = []
         for server, slots in self._by_server().items():
-            grads = {}
-            for s in slots:
-                g = params[s.pname].grad
-                flat = torch.zeros(s.block.size, dtype=params[s.pname].dtype) if g is None else g.reshape(-1)[
-                    s.block.offset:s.block.offset + s.block.size].clone()
-                grads[s.name] = flat
-            if grads:
+            # a parameter without a gradient (frozen, or unused this step) is not pushed: as in
+            # torch, its optimizer leaves it alone (no weight decay, no momentum)
+            grads = {s.name: params[s.pname].grad.reshape(-1)[s.block.offset:s.block.offset + s.block.size].clone()
+                     for s in slots if params[s.pname].grad is not None}
+            # sync: every server with blocks hears from every trainer every step, grads or not
+            if grads or (slots and self.mode == "sync"):
                 calls.append((server, _server._push, (self.name, self._trainer, self._step, grads)))
         call_all(calls, timeout=self.timeout)
         for p in params.values():

@@ -223,7 +223,11 @@ def _push(name: str, trainer: str, step: int, grads: dict[str, torch.Tensor]) ->
             job.pushed[trainer] = grads
             if len(job.pushed) == job.spec.num_trainers:
                 order = sorted(job.pushed)
-                total = {b: sum((job.pushed[t][b] for t in order[1:]), job.pushed[order[0]][b].clone()) for b in grads}
+                total = {}  # a block no trainer has a gradient for is left alone (as torch does)
+                for b in job.params:
+                    parts = [job.pushed[t][b] for t in order if b in job.pushed[t]]
+                    if parts:
+                        total[b] = sum(parts[1:], parts[0].clone())
                 job.apply(total, 1.0 / job.spec.num_trainers)
                 job.pushed = {}
                 job.version += 1
