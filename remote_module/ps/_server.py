@@ -55,7 +55,9 @@ class _Job:
         self.params: dict[str, nn.Parameter] = {}
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         for block, value in blocks.items():
-            p = nn.Parameter(value.detach().clone().reshape(-1))
+            value = value.detach().clone().reshape(-1)
+            # an integer parameter (never trained, no gradient) cannot require grad
+            p = nn.Parameter(value, requires_grad=value.is_floating_point() or value.is_complex())
             self.params[block] = p
             if spec.mode != "geo":
                 self.optimizers[block] = opt_cls([p], **opt_kwargs)
