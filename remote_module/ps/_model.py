@@ -307,9 +307,14 @@ class PSModel(nn.Module):
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load the local model's ``state_dict`` and send its parameters to the servers."""
         result = self.module.load_state_dict(state_dict, strict=strict)
+        # only the parameters the checkpoint has: with strict=False, the others keep the servers'
+        # values (the local copy may be stale, e.g. one step behind after step())
+        loaded = {id(p) for key, p in self.module.named_parameters(remove_duplicate=False) if key in state_dict}
+        params = self._params()
         calls = []
         for server, slots in self._by_server().items():
-            values = {s.name: self._flat(s.pname)[s.block.offset:s.block.offset + s.block.size].clone() for s in slots}
+            values = {s.name: self._flat(s.pname)[s.block.offset:s.block.offset + s.block.size].clone() for s in slots
+                      if id(params[s.pname]) in loaded}
             if values:
                 calls.append((server, _server._set_values, (self.name, values)))
         call_all(calls, timeout=self.timeout)
