@@ -334,18 +334,21 @@ class PSModel(nn.Module):
             by_block.update(got)
         params = self._params()
         state: dict[str, dict] = {}
+        per_element: dict[str, list[str]] = {}
         for pname, p in params.items():
             slots = [s for s in self._slots if s.pname == pname]
             parts = [by_block.get(s.name, {}) for s in slots]
             entry: dict[str, Any] = {}
+            per_element[pname] = []
             for key in parts[0] if parts else ():
                 values = [part[key] for part in parts]
                 if isinstance(values[0], torch.Tensor) and values[0].dim() == 1 and values[0].numel() == slots[0].block.size:
                     entry[key] = torch.cat(values).reshape(p.shape)
+                    per_element[pname].append(key)  # a scalar parameter's are 0-dim like ``step``: say which
                 else:
                     entry[key] = values[0]
             state[pname] = entry
-        return {"state": state, "optimizer": self.optimizer[0].__name__}
+        return {"state": state, "optimizer": self.optimizer[0].__name__, "per_element": per_element}
 
     def load_optimizer_state_dict(self, state_dict: dict) -> None:
         """Send optimizer state from :meth:`optimizer_state_dict` to the servers, re-sliced."""
@@ -356,16 +359,29 @@ class PSModel(nn.Module):
                 f"the optimizer state is for {state_dict.get('optimizer')!r}, this job uses {self.optimizer[0].__name__!r}"
             )
         params = self._params()
+        marked = state_dict.get("per_element")
+        for pname, p in params.items():  # checked before anything is sent
+            entry = state_dict["state"].get(pname)
+            if entry is None:
+                raise KeyError(f"the optimizer state has no entry for parameter {pname!r}")
+            for key, value in entry.items():
+                per_element = key in marked.get(pname, ()) if marked is not None else (
+                    isinstance(value, torch.Tensor) and value.dim() > 0)
+                if per_element and (not isinstance(value, torch.Tensor) or value.shape != p.shape):
+                    raise ValueError(
+                        f"the optimizer state of parameter {pname!r} has {key!r} of shape "
+                        f"{tuple(getattr(value, 'shape', ()))}, but the parameter has shape {tuple(p.shape)}: load "
+                        "optimizer state saved from the same model"
+                    )
         calls = []
         for server, slots in self._by_server().items():
             states = {}
             for s in slots:
-                entry = state_dict["state"].get(s.pname)
-                if entry is None:
-                    raise KeyError(f"the optimizer state has no entry for parameter {s.pname!r}")
+                entry = state_dict["state"][s.pname]
+                names = marked.get(s.pname, ()) if marked is not None else None
                 block = {}
                 for key, value in entry.items():
-                    if isinstance(value, torch.Tensor) and value.shape == params[s.pname].shape and value.dim() > 0:
+                    if key in names if names is not None else (isinstance(value, torch.Tensor) and value.dim() > 0):
                         block[key] = value.reshape(-1)[s.block.offset:s.block.offset + s.block.size].clone()
                     else:
                         block[key] = value.clone() if isinstance(value, torch.Tensor) else value
