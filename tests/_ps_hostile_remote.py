@@ -95,7 +95,7 @@ def timed(job: str, what: str) -> dict:
     """``pull`` or ``step`` (after a forward and backward) of ``job``: its outcome."""
     ps = base._models[job]
     if what == "step":
-        (ps.module(x_of(0), False) ** 2).backward()
+        (ps.module(x_of(0), uses_q(0)) ** 2).backward()  # step 0's gradients (the first pull was at creation)
     return base._attempt({"pull": ps.pull, "step": ps.step}[what])
 
 
@@ -108,3 +108,8 @@ def wait_for(fn, seconds: float) -> Any:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
+
+
+def retry_step(job: str) -> dict:
+    """``step()`` again with the gradients a failed ``step()`` left."""
+    return base._attempt(base._models[job].step)

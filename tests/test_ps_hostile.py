@@ -186,3 +186,25 @@ def test_a_frozen_server_is_named_within_the_timeout_and_the_job_continues_after
     assert out["ok"], f"{mode}: training after ps1 thawed failed: {out}"
     got = world.run({"trainer0": (r.state, name)})["trainer0"]
     assert_close(got, reference((torch.optim.SGD, {"lr": 0.1}), 2), f"{mode}: 2 steps after a frozen pull")
+
+
+def test_a_sync_step_that_failed_on_a_frozen_server_can_be_retried_after_thawing(world):
+    """Step 0 reaches ps0 but times out on frozen ps1; after the thaw, step() again (the same
+    gradients) is neither refused as a second push nor applied twice; training goes on as in torch."""
+    name = job("frozen-step-sync")
+    world.run({"trainer0": (_create_kw, name, {})})
+    world.run({"trainer0": (r.set_timeout, name, TIMEOUT)})
+    pid = world.procs["ps1"].pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        out = world.run({"trainer0": (h.timed, name, "step")})["trainer0"]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert not out["ok"] and out["seconds"] < TIMEOUT + SLACK and "'ps1'" in out["message"], out
+    retried = world.run({"trainer0": (h.retry_step, name)})["trainer0"]
+    assert retried["ok"], f"step() retried after ps1 thawed: {retried}"
+    world.run({"trainer0": (h.train, name, 2, 1)})
+    got = world.run({"trainer0": (r.state, name)})["trainer0"]
+    assert_close(got, reference((torch.optim.SGD, {"lr": 0.1}), 3), "a failed, retried step 0, then steps 1-2")
+    stats = world.run({"trainer0": (r.stats, name)})["trainer0"]
+    assert [st["version"] for st in stats.values()] == [3, 3], stats
