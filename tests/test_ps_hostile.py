@@ -149,6 +149,28 @@ def _create_linear(name, n):  # on trainer0
     return r.create(name, "linear", 0, SERVERS, {"n": n}, num_trainers=1, optimizer=ADAM, min_block_size=4)
 
 
+def test_geo_with_an_integer_parameter_trains(world):
+    name = job("geo-int")
+    world.run({"trainer0": (_create_kw, name, dict(mode="geo", geo_push_every=1, model_kwargs={"int_param": True}))})
+    out = world.run({"trainer0": (h.try_train, name, 3)})["trainer0"]
+    assert out["ok"], f"geo with an integer parameter: {out}"
+    got = world.run({"trainer0": (r.state, name)})["trainer0"]
+    assert_close(got, reference((torch.optim.SGD, {"lr": 0.1}), 3, int_param=True), "geo, push every step, 1 trainer")
+
+
+def test_a_sync_trainer_that_builds_its_psmodel_again_continues_the_job(world):
+    """A notebook cell run twice, or a restarted trainer: the new PSModel of the same job starts
+    at the job's step (not at step 0, refused for good)."""
+    name = job("rebuilt")
+    world.run({"trainer0": (_create_kw, name, {})})
+    world.run({"trainer0": (h.train, name, 2)})
+    world.run({"trainer0": (_create_kw, name, {})})  # the same job, a fresh model object
+    out = world.run({"trainer0": (h.try_train, name, 1, 2)})["trainer0"]
+    assert out["ok"], f"step 2 of the rebuilt PSModel: {out}"
+    got = world.run({"trainer0": (r.state, name)})["trainer0"]
+    assert_close(got, reference((torch.optim.SGD, {"lr": 0.1}), 3), "2 steps, rebuilt, 1 step")
+
+
 # ---- jobs that cannot make progress ------------------------------------------------------------------
 
 
