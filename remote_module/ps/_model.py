@@ -244,9 +244,11 @@ class PSModel(nn.Module):
 
     def _push_deltas(self) -> None:
         calls = []
+        params = self._params()
         for server, slots in self._by_server().items():
+            # only trainable (floating) parameters move: an integer one has no delta to average
             deltas = {s.name: self._flat(s.pname)[s.block.offset:s.block.offset + s.block.size] - self._pulled[s.name]
-                      for s in slots}
+                      for s in slots if params[s.pname].is_floating_point() or params[s.pname].is_complex()}
             if deltas:
                 calls.append((server, _server._push_delta, (self.name, deltas)))
         results = call_all(calls, timeout=self.timeout)
