@@ -158,13 +158,15 @@ def test_geo_with_an_integer_parameter_trains(world):
     assert_close(got, reference((torch.optim.SGD, {"lr": 0.1}), 3, int_param=True), "geo, push every step, 1 trainer")
 
 
-def test_a_sync_trainer_that_builds_its_psmodel_again_continues_the_job(world):
+@pytest.mark.parametrize("split", ["round_robin", "all_on_ps0"])
+def test_a_sync_trainer_that_builds_its_psmodel_again_continues_the_job(world, split):
     """A notebook cell run twice, or a restarted trainer: the new PSModel of the same job starts
-    at the job's step (not at step 0, refused for good)."""
+    at the job's step (not at step 0, refused for good), also when a server holds no block."""
     name = job("rebuilt")
-    world.run({"trainer0": (_create_kw, name, {})})
+    kwargs = {} if split == "round_robin" else {"split_method": h.all_on_first}
+    world.run({"trainer0": (_create_kw, name, dict(kwargs))})
     world.run({"trainer0": (h.train, name, 2)})
-    world.run({"trainer0": (_create_kw, name, {})})  # the same job, a fresh model object
+    world.run({"trainer0": (_create_kw, name, dict(kwargs))})  # the same job, a fresh model object
     out = world.run({"trainer0": (h.try_train, name, 1, 2)})["trainer0"]
     assert out["ok"], f"step 2 of the rebuilt PSModel: {out}"
     got = world.run({"trainer0": (r.state, name)})["trainer0"]
