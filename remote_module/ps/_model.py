@@ -171,7 +171,13 @@ class PSModel(nn.Module):
         for server, slots in self._by_server().items():
             blocks = {s.name: self._flat(s.pname)[s.block.offset:s.block.offset + s.block.size].clone() for s in slots}
             calls.append((server, _server._attach, (self.name, self._spec, self._trainer, blocks)))
-        call_all(calls, timeout=self.timeout)
+        # sync: a trainer attaching to a job under way (its PSModel built again, or restarted)
+        # starts at the job's step; servers one step apart (a step cut short) meet again when it
+        # pushes the lower one, which the server that has it takes as a retry (a server holding no
+        # block of this job never advances, so it does not count)
+        answers = call_all(calls, timeout=self.timeout)
+        self._step = min((version for (_, _, (_, _, _, blocks)), (_, version) in zip(calls, answers) if blocks),
+                         default=0)
 
     # ---- pull / push ----------------------------------------------------------------
 

@@ -121,8 +121,9 @@ def _mismatch(name: str, what: str, mine: Any, theirs: Any) -> ValueError:
 # ---- handlers ------------------------------------------------------------------------------
 
 
-def _attach(name: str, spec: JobSpec, trainer: str, blocks: dict[str, torch.Tensor]) -> bool:
-    """Create job ``name`` with ``blocks`` (first trainer) or attach to it; True if created."""
+def _attach(name: str, spec: JobSpec, trainer: str, blocks: dict[str, torch.Tensor]) -> tuple[bool, int]:
+    """Create job ``name`` with ``blocks`` (first trainer) or attach to it: whether it was
+    created, and the step the job is at (sync: a trainer that attaches again starts there)."""
     with _jobs_lock:
         job = _jobs.get(name)
         created = job is None
@@ -143,7 +144,7 @@ def _attach(name: str, spec: JobSpec, trainer: str, blocks: dict[str, torch.Tens
                 f"({sorted(job.trainers)}); trainer {trainer!r} would be one more"
             )
         job.trainers.add(trainer)
-    return created
+        return created, job.version
 
 
 class _Waiting:
