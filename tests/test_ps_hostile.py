@@ -173,6 +173,59 @@ def test_a_sync_trainer_that_builds_its_psmodel_again_continues_the_job(world, s
     assert_close(got, reference((torch.optim.SGD, {"lr": 0.1}), 3), "2 steps, rebuilt, 1 step")
 
 
+@pytest.mark.parametrize("opt", ["adagrad", "adam"])
+def test_optimizer_state_resliced_from_two_servers_onto_one_continues_as_torch(world, opt):
+    optimizer = {"adagrad": (torch.optim.Adagrad, {"lr": 0.1, "initial_accumulator_value": 0.1}), "adam": ADAM}[opt]
+    two, one = job(f"{opt}-on-2"), job(f"{opt}-on-1")
+    world.run({"trainer0": (_create_kw, two, dict(optimizer=optimizer))})
+    world.run({"trainer0": (h.train, two, 2)})
+    sd = world.run({"trainer0": (r.state, two)})["trainer0"]
+    osd = world.run({"trainer0": (r.optimizer_state, two)})["trainer0"]
+    world.run({"trainer0": (_create_on_ps1, one, optimizer)})
+    world.run({"trainer0": (r.load, one, sd, osd)})
+    world.run({"trainer0": (h.train, one, 1, 2)})
+    got = world.run({"trainer0": (r.state, one)})["trainer0"]
+    assert_close(got, reference(optimizer, 3), f"{opt}: 2 steps on 2 servers, then 1 on ps1 alone")
+
+
+def _create_on_ps1(name, optimizer):  # on trainer0
+    return h.create(name, 7, ["ps1"], num_trainers=1, min_block_size=4, optimizer=optimizer)
+
+
+def _wrong_length(block_names, servers):
+    return list(servers)[:1]
+
+
+def _unknown_server(block_names, servers):
+    return ["ps9"] * len(block_names)
+
+
+@pytest.mark.parametrize("kwargs, kind, words", [
+    (dict(servers=["ps0", "ps0"]), "ValueError", ["twice", "ps0"]),
+    (dict(servers=["ps0", "nobody"]), "ValueError", ["'nobody'"]),
+    (dict(servers="ps0"), "TypeError", ["'ps0'"]),
+    (dict(mode="asnyc"), "ValueError", ["'asnyc'"]),
+    (dict(optimizer=torch.optim.SGD), "TypeError", ["optimizer"]),
+    (dict(optimizer=(torch.nn.Linear, {})), "TypeError", ["optimizer"]),
+    (dict(optimizer=(torch.optim.SGD, {"lr": -1.0})), "ValueError", ["-1"]),
+    (dict(split_method=_wrong_length), "ValueError", ["split_method", "one of the servers"]),
+    (dict(split_method=_unknown_server), "ValueError", ["split_method", "'ps9'"]),
+])
+def test_bad_arguments_fail_at_construction_naming_the_value_and_leave_no_job(world, kwargs, kind, words):
+    name = job("bad")
+    out = world.run({"trainer0": (_try_create_bad, name, kwargs)})["trainer0"]
+    assert not out["ok"] and out["type"] == kind, out
+    for word in words:
+        assert word in out["message"], (word, out["message"])
+    again = world.run({"trainer0": (_try_create_kw, name, {})})["trainer0"]  # the name is still free
+    assert again["ok"], f"a good PSModel under the name a bad one failed with: {again}"
+
+
+def _try_create_bad(name, kwargs):  # on trainer0
+    servers = kwargs.pop("servers", SERVERS)
+    return r._attempt(lambda: h.create(name, 1, servers, num_trainers=1, min_block_size=4, **kwargs))
+
+
 # ---- jobs that cannot make progress ------------------------------------------------------------------
 
 
