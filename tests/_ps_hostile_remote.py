@@ -118,3 +118,33 @@ def retry_step(job: str) -> dict:
 def all_on_first(block_names: list[str], servers: list[str]) -> list[str]:
     """A split_method leaving every server but the first without blocks."""
     return [servers[0]] * len(block_names)
+
+
+def threads_push(job: str, threads: int, steps: int, **kwargs: Any) -> int:
+    """``threads`` threads of this trainer, each with its own PSModel of ``job`` (a ``linear``
+    model, gradient 1), each pushing ``steps`` times at once; the pushes made."""
+    import threading
+
+    from remote_module.ps import PSModel
+
+    errors: list[BaseException] = []
+    start = threading.Barrier(threads)
+
+    def run() -> None:
+        try:
+            ps = PSModel(base.build("linear", 0), ["ps0", "ps1"], name=job, **kwargs)
+            start.wait()
+            for _ in range(steps):
+                ps().backward()
+                ps.step()
+        except BaseException as exc:  # reported to the test
+            errors.append(exc)
+
+    workers = [threading.Thread(target=run) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    if errors:
+        raise errors[0]
+    return threads * steps

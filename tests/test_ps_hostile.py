@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import os
 import signal
-import time
 
 import pytest
 import torch
@@ -224,6 +223,46 @@ def test_bad_arguments_fail_at_construction_naming_the_value_and_leave_no_job(wo
 def _try_create_bad(name, kwargs):  # on trainer0
     servers = kwargs.pop("servers", SERVERS)
     return r._attempt(lambda: h.create(name, 1, servers, num_trainers=1, min_block_size=4, **kwargs))
+
+
+def test_a_trainer_listed_among_the_servers_serves_its_blocks(world):
+    """Servers need no code of their own, so a trainer may be one (even of its own job): sync,
+    2 trainers, servers ps0 and trainer1, as in torch on the global batch."""
+    name = job("trainer-serves")
+    world.run({t: (_create_with_servers, name, ["ps0", "trainer1"], 2) for t in ("trainer0", "trainer1")})
+    world.run({t: (h.train, name, 3) for t in ("trainer0", "trainer1")})
+    got = world.run({t: (r.state, name) for t in ("trainer0", "trainer1")})
+    expected = reference((torch.optim.SGD, {"lr": 0.1}), 3)  # both trainers see the same data: the mean is it
+    for t, state in got.items():
+        assert_close(state, expected, f"{t}, servers ps0 and trainer1")
+
+
+def _create_with_servers(name, servers, n):  # on a trainer
+    return h.create(name, 1, servers, num_trainers=n, min_block_size=4)
+
+
+@pytest.mark.parametrize("mode", ["async", "half_async"])
+def test_concurrent_pushes_from_threads_of_one_trainer_lose_nothing(world, mode):
+    """4 threads of trainer0 and 1 of trainer1 push gradient 1 (SGD, lr 1) 5 times each, with
+    pulls in between: every element moves by exactly 25 once half_async has flushed."""
+    name = job(f"threads-{mode}")
+    kwargs = dict(num_trainers=2, mode=mode, optimizer=(torch.optim.SGD, {"lr": 1.0}), min_block_size=4,
+                  half_async_merge_every=3)
+    got = world.run({"trainer0": (_threads, name, 4, kwargs), "trainer1": (_threads, name, 1, kwargs)})
+    assert got == {"trainer0": 20, "trainer1": 5}, got
+    state = world.run({"trainer1": (_flushed_state, name, kwargs)})["trainer1"]
+    assert torch.equal(state["p"], torch.full((16,), -25.0)), f"{mode}: expected -25 everywhere, got {state['p']}"
+
+
+def _threads(name, threads, kwargs):  # on a trainer
+    return h.threads_push(name, threads, 5, **kwargs)
+
+
+def _flushed_state(name, kwargs):  # on a trainer: a fresh PSModel of the job, flushed
+    from remote_module.ps import PSModel
+
+    ps = PSModel(r.build("linear", 0), ["ps0", "ps1"], name=name, **kwargs)
+    return dict(ps.state_dict())
 
 
 # ---- jobs that cannot make progress ------------------------------------------------------------------
