@@ -179,7 +179,13 @@ class PSModel(nn.Module):
         for server, slots in self._by_server().items():
             blocks = {s.name: self._flat(s.pname)[s.block.offset:s.block.offset + s.block.size].clone() for s in slots}
             calls.append((server, _server._attach, (self.name, self._spec, self._trainer, blocks)))
-        call_all(calls, timeout=self.timeout)
+        # sync: a trainer attaching to a job under way (its PSModel built again, or restarted)
+        # starts at the job's step; servers one step apart (a step cut short) meet again when it
+        # pushes the lower one, which the server that has it takes as a retry (a server holding no
+        # block of this job never advances, so it does not count)
+        answers = call_all(calls, timeout=self.timeout)
+        self._step = min((version for (_, _, (_, _, _, blocks)), (_, version) in zip(calls, answers) if blocks),
+                         default=0)
 
     # ---- pull / push ----------------------------------------------------------------
 
@@ -203,7 +209,7 @@ class PSModel(nn.Module):
     def _sent(self, slots: list[_Slot], tensors: list[torch.Tensor]) -> Any:
         """Blocks as a message carries them: packed ``(names, sizes, flat)`` (one tensor per
         message, which the RPC agent sends far faster than several), or a dict by name."""
-        if self._packable(slots):
+        if tensors and self._packable(slots):
             return ([s.name for s in slots], [s.block.size for s in slots], torch.cat([t.reshape(-1) for t in tensors]))
         return {s.name: t.clone() for s, t in zip(slots, tensors)}
 
@@ -260,31 +266,33 @@ class PSModel(nn.Module):
         params = self._params()
         calls = []
         for server, slots in self._by_server().items():
-            grads = []
-            for s in slots:
-                g = params[s.pname].grad
-                flat = torch.zeros(s.block.size, dtype=params[s.pname].dtype) if g is None else g.reshape(-1)[
-                    s.block.offset:s.block.offset + s.block.size]
-                grads.append(flat)
-            if grads:
-                calls.append((server, _server._push, (self.name, self._trainer, self._step, self._sent(slots, grads))))
+            # a parameter without a gradient (frozen, or unused this step) is not pushed: as in
+            # torch, its optimizer leaves it alone (no weight decay, no momentum)
+            sel = [s for s in slots if params[s.pname].grad is not None]
+            grads = [params[s.pname].grad.reshape(-1)[s.block.offset:s.block.offset + s.block.size] for s in sel]
+            # sync: every server with blocks hears from every trainer every step, grads or not
+            if grads or (slots and self.mode == "sync"):
+                calls.append((server, _server._push, (self.name, self._trainer, self._step, self._sent(sel, grads))))
         call_all(calls, timeout=self.timeout)
         for p in params.values():
             p.grad = None
         self._step += 1
 
     def _push_deltas(self) -> None:
-        calls = []
+        calls, sent = [], []
+        params = self._params()
         for server, slots in self._by_server().items():
+            # only trainable (floating) parameters move: an integer one has no delta to average
+            sel = [s for s in slots if params[s.pname].is_floating_point() or params[s.pname].is_complex()]
             deltas = [self._flat(s.pname)[s.block.offset:s.block.offset + s.block.size] - self._pulled[s.name]
-                      for s in slots]
+                      for s in sel]
             if deltas:
-                calls.append((server, _server._push_delta, (self.name, self._sent(slots, deltas), self._packable(slots))))
+                calls.append((server, _server._push_delta, (self.name, self._sent(sel, deltas), self._packable(sel))))
+                sent.append(sel)
         results = call_all(calls, timeout=self.timeout)
         values = {}
-        by_server = self._by_server()
-        for (server, _, _), got in zip(calls, results):
-            values.update(self._received(by_server[server], got))
+        for sel, got in zip(sent, results):
+            values.update(self._received(sel, got))
         self._write(values)
         self._pulled = {k: v.clone() for k, v in values.items()}
 
@@ -339,9 +347,14 @@ class PSModel(nn.Module):
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load the local model's ``state_dict`` and send its parameters to the servers."""
         result = self.module.load_state_dict(state_dict, strict=strict)
+        # only the parameters the checkpoint has: with strict=False, the others keep the servers'
+        # values (the local copy may be stale, e.g. one step behind after step())
+        loaded = {id(p) for key, p in self.module.named_parameters(remove_duplicate=False) if key in state_dict}
+        params = self._params()
         calls = []
         for server, slots in self._by_server().items():
-            values = {s.name: self._flat(s.pname)[s.block.offset:s.block.offset + s.block.size].clone() for s in slots}
+            values = {s.name: self._flat(s.pname)[s.block.offset:s.block.offset + s.block.size].clone() for s in slots
+                      if id(params[s.pname]) in loaded}
             if values:
                 calls.append((server, _server._set_values, (self.name, values)))
         call_all(calls, timeout=self.timeout)
@@ -361,18 +374,21 @@ class PSModel(nn.Module):
             by_block.update(got)
         params = self._params()
         state: dict[str, dict] = {}
+        per_element: dict[str, list[str]] = {}
         for pname, p in params.items():
             slots = [s for s in self._slots if s.pname == pname]
             parts = [by_block.get(s.name, {}) for s in slots]
             entry: dict[str, Any] = {}
+            per_element[pname] = []
             for key in parts[0] if parts else ():
                 values = [part[key] for part in parts]
                 if isinstance(values[0], torch.Tensor) and values[0].dim() == 1 and values[0].numel() == slots[0].block.size:
                     entry[key] = torch.cat(values).reshape(p.shape)
+                    per_element[pname].append(key)  # a scalar parameter's are 0-dim like ``step``: say which
                 else:
                     entry[key] = values[0]
             state[pname] = entry
-        return {"state": state, "optimizer": self.optimizer[0].__name__}
+        return {"state": state, "optimizer": self.optimizer[0].__name__, "per_element": per_element}
 
     def load_optimizer_state_dict(self, state_dict: dict) -> None:
         """Send optimizer state from :meth:`optimizer_state_dict` to the servers, re-sliced."""
@@ -383,16 +399,29 @@ class PSModel(nn.Module):
                 f"the optimizer state is for {state_dict.get('optimizer')!r}, this job uses {self.optimizer[0].__name__!r}"
             )
         params = self._params()
+        marked = state_dict.get("per_element")
+        for pname, p in params.items():  # checked before anything is sent
+            entry = state_dict["state"].get(pname)
+            if entry is None:
+                raise KeyError(f"the optimizer state has no entry for parameter {pname!r}")
+            for key, value in entry.items():
+                per_element = key in marked.get(pname, ()) if marked is not None else (
+                    isinstance(value, torch.Tensor) and value.dim() > 0)
+                if per_element and (not isinstance(value, torch.Tensor) or value.shape != p.shape):
+                    raise ValueError(
+                        f"the optimizer state of parameter {pname!r} has {key!r} of shape "
+                        f"{tuple(getattr(value, 'shape', ()))}, but the parameter has shape {tuple(p.shape)}: load "
+                        "optimizer state saved from the same model"
+                    )
         calls = []
         for server, slots in self._by_server().items():
             states = {}
             for s in slots:
-                entry = state_dict["state"].get(s.pname)
-                if entry is None:
-                    raise KeyError(f"the optimizer state has no entry for parameter {s.pname!r}")
+                entry = state_dict["state"][s.pname]
+                names = marked.get(s.pname, ()) if marked is not None else None
                 block = {}
                 for key, value in entry.items():
-                    if isinstance(value, torch.Tensor) and value.shape == params[s.pname].shape and value.dim() > 0:
+                    if key in names if names is not None else (isinstance(value, torch.Tensor) and value.dim() > 0):
                         block[key] = value.reshape(-1)[s.block.offset:s.block.offset + s.block.size].clone()
                     else:
                         block[key] = value.clone() if isinstance(value, torch.Tensor) else value

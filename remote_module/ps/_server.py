@@ -6,8 +6,9 @@ Modes (per job, the same on every server):
 
 - ``sync``: step ``k``'s gradients from all ``num_trainers`` trainers are averaged (summed in
   trainer-name order, so every run gives the same bits) and applied once; pulls for step
-  ``k + 1`` are answered only after that. A trainer pushing twice for one step, or for a step
-  that is not the current one, is refused.
+  ``k + 1`` are answered only after that. A trainer pushing for a step that is not the current
+  one is refused; pushing its last step again (the retry of a ``step()`` that failed on another
+  server) is a no-op.
 - ``async``: each pushed gradient is applied when it arrives, under the job's lock.
 - ``half_async``: pushes are queued and summed; the sum is applied once ``merge_every`` pushes
   have arrived or ``merge_s`` seconds have passed since the first queued one.
@@ -55,13 +56,16 @@ class _Job:
         self.params: dict[str, nn.Parameter] = {}
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         for block, value in blocks.items():
-            p = nn.Parameter(value.detach().clone().reshape(-1))
+            value = value.detach().clone().reshape(-1)
+            # an integer parameter (never trained, no gradient) cannot require grad
+            p = nn.Parameter(value, requires_grad=value.is_floating_point() or value.is_complex())
             self.params[block] = p
             if spec.mode != "geo":
                 self.optimizers[block] = opt_cls([p], **opt_kwargs)
         self.trainers: set[str] = set()
         self.version = 0  # sync: steps applied
         self.pushed: dict[str, dict[str, torch.Tensor]] = {}  # sync: this step's pushes by trainer
+        self.last_step: dict[str, int] = {}  # sync: the last step each trainer pushed (retries are no-ops)
         self.waiters: list[_Waiting] = []  # sync pulls waiting for a version
         self.queued: dict[str, torch.Tensor] = {}  # half_async: summed pushes not yet applied
         self.queued_count = 0
@@ -125,8 +129,9 @@ def _mismatch(name: str, what: str, mine: Any, theirs: Any) -> ValueError:
 # ---- handlers ------------------------------------------------------------------------------
 
 
-def _attach(name: str, spec: JobSpec, trainer: str, blocks: dict[str, torch.Tensor]) -> bool:
-    """Create job ``name`` with ``blocks`` (first trainer) or attach to it; True if created."""
+def _attach(name: str, spec: JobSpec, trainer: str, blocks: dict[str, torch.Tensor]) -> tuple[bool, int]:
+    """Create job ``name`` with ``blocks`` (first trainer) or attach to it: whether it was
+    created, and the step the job is at (sync: a trainer that attaches again starts there)."""
     with _jobs_lock:
         job = _jobs.get(name)
         created = job is None
@@ -147,7 +152,7 @@ def _attach(name: str, spec: JobSpec, trainer: str, blocks: dict[str, torch.Tens
                 f"({sorted(job.trainers)}); trainer {trainer!r} would be one more"
             )
         job.trainers.add(trainer)
-    return created
+        return created, job.version
 
 
 class _Waiting:
@@ -230,19 +235,24 @@ def _push(name: str, trainer: str, step: int, grads: Any) -> None:
                 job.timer.daemon = True
                 job.timer.start()
         else:  # sync
+            if job.last_step.get(trainer) == step and step in (job.version, job.version - 1):
+                # the retry of a step() that failed elsewhere (e.g. another server timed out) after
+                # this push arrived: already counted (pending or applied), so nothing to do
+                return
             if step != job.version:
                 raise RuntimeError(
                     f"parameter-server job {name!r}: trainer {trainer!r} pushed gradients for step {step}, but the "
                     f"servers are at step {job.version}; in sync mode every trainer pushes once per step, in step"
                 )
-            if trainer in job.pushed:
-                raise RuntimeError(
-                    f"parameter-server job {name!r}: trainer {trainer!r} pushed twice for step {step}"
-                )
             job.pushed[trainer] = grads
+            job.last_step[trainer] = step
             if len(job.pushed) == job.spec.num_trainers:
                 order = sorted(job.pushed)
-                total = {b: sum((job.pushed[t][b] for t in order[1:]), job.pushed[order[0]][b].clone()) for b in grads}
+                total = {}  # a block no trainer has a gradient for is left alone (as torch does)
+                for b in job.params:
+                    parts = [job.pushed[t][b] for t in order if b in job.pushed[t]]
+                    if parts:
+                        total[b] = sum(parts[1:], parts[0].clone())
                 job.apply(total, 1.0 / job.spec.num_trainers)
                 job.pushed = {}
                 job.version += 1
