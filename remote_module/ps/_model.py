@@ -15,6 +15,7 @@ from torch import nn
 from remote_module._fanout import _timeout_seconds, call_all
 from remote_module._torch_private import is_rpc_initialized, worker_names
 from remote_module.ps import _server
+from remote_module.ps._checkpoints import PSCheckpoints
 from remote_module.ps._dispatch import RoundRobin
 from remote_module.ps._slicing import Block, block_name, slice_blocks
 from rpc_backend.options import positive_seconds
@@ -52,7 +53,7 @@ class _Slot:
         self.name = block_name(param, block.index)
 
 
-class PSModel(nn.Module):
+class PSModel(PSCheckpoints, nn.Module):
     """A local model trained on parameter servers: its parameters are sliced into blocks
     (:func:`slice_blocks`) spread over ``servers`` (by ``split_method``), where a
     ``torch.optim`` optimizer per block applies the trainers' gradients.
@@ -304,131 +305,6 @@ class PSModel(nn.Module):
         """Per server: steps applied (sync), pushes applied, attached trainers, queued pushes."""
         return dict(zip(self.servers, call_all([(s, _server._stats, (self.name,)) for s in self.servers],
                                                 timeout=self.timeout)))
-
-    # ---- checkpoints ------------------------------------------------------------------
-
-    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
-        """The local model's ``state_dict`` (its own keys) with the servers' current parameters
-        (sync: once this trainer's last step is applied; half_async: after applying what is
-        queued; geo: the local copy is left as it is)."""
-        if self.mode == "half_async":
-            self.flush()
-        values = self._fetch_now()
-        if self.mode != "geo":
-            self._write(values)
-            return self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
-        # geo: the servers' values go into the returned dict only; the local copy (and its progress
-        # since the last push, measured against the last pulled values) stays as it is
-        out = self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
-        params = self._params()
-        full = {pname: p.detach().clone().reshape(-1) for pname, p in params.items()}
-        for slot in self._slots:
-            full[slot.pname][slot.block.offset:slot.block.offset + slot.block.size].copy_(values[slot.name])
-        for pname, flat in full.items():
-            if prefix + pname in out:
-                out[prefix + pname] = flat.reshape(params[pname].shape)
-        return out
-
-    def _fetch_now(self) -> dict[str, torch.Tensor]:
-        """The servers' current values by block name (nothing written into the local model)."""
-        # sync: wait until this trainer's own pushed steps are applied (as a pull does), else a
-        # checkpoint taken right after the last step() misses it while another trainer has not pushed
-        step = self._step if self.mode == "sync" else 0
-        seconds = self._seconds()
-        inner = seconds if seconds == math.inf else max(0.001, seconds - min(1.0, 0.1 * seconds))
-        by_server = self._by_server()
-        calls = [(server, _server._pull, (self.name, [s.name for s in slots], step, inner))
-                 for server, slots in by_server.items() if slots]
-        values = {}
-        for (_, _, (_, names, _, _)), got in zip(calls, call_all(calls, timeout=self.timeout)):
-            values.update(zip(names, got))
-        return values
-
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        """Load the local model's ``state_dict`` and send its parameters to the servers."""
-        result = self.module.load_state_dict(state_dict, strict=strict)
-        # only the parameters the checkpoint has: with strict=False, the others keep the servers'
-        # values (the local copy may be stale, e.g. one step behind after step())
-        loaded = {id(p) for key, p in self.module.named_parameters(remove_duplicate=False) if key in state_dict}
-        params = self._params()
-        calls = []
-        for server, slots in self._by_server().items():
-            values = {s.name: self._flat(s.pname)[s.block.offset:s.block.offset + s.block.size].clone() for s in slots
-                      if id(params[s.pname]) in loaded}
-            if values:
-                calls.append((server, _server._set_values, (self.name, values)))
-        call_all(calls, timeout=self.timeout)
-        if self.mode == "geo":
-            self._pulled = {}
-            self.pull()
-        return result
-
-    def optimizer_state_dict(self) -> dict:
-        """The servers' optimizer state, per parameter (per-element tensors concatenated in
-        the parameter's shape; scalars such as ``step`` as they are), loadable by
-        :meth:`load_optimizer_state_dict` onto any number of servers."""
-        calls = [(server, _server._optimizer_state, (self.name, [s.name for s in slots]))
-                 for server, slots in self._by_server().items() if slots]
-        by_block: dict[str, dict] = {}
-        for got in call_all(calls, timeout=self.timeout):
-            by_block.update(got)
-        params = self._params()
-        state: dict[str, dict] = {}
-        per_element: dict[str, list[str]] = {}
-        for pname, p in params.items():
-            slots = [s for s in self._slots if s.pname == pname]
-            parts = [by_block.get(s.name, {}) for s in slots]
-            entry: dict[str, Any] = {}
-            per_element[pname] = []
-            for key in parts[0] if parts else ():
-                values = [part[key] for part in parts]
-                if isinstance(values[0], torch.Tensor) and values[0].dim() == 1 and values[0].numel() == slots[0].block.size:
-                    entry[key] = torch.cat(values).reshape(p.shape)
-                    per_element[pname].append(key)  # a scalar parameter's are 0-dim like ``step``: say which
-                else:
-                    entry[key] = values[0]
-            state[pname] = entry
-        return {"state": state, "optimizer": self.optimizer[0].__name__, "per_element": per_element}
-
-    def load_optimizer_state_dict(self, state_dict: dict) -> None:
-        """Send optimizer state from :meth:`optimizer_state_dict` to the servers, re-sliced."""
-        if not isinstance(state_dict, dict) or "state" not in state_dict:
-            raise TypeError("load_optimizer_state_dict takes what optimizer_state_dict() returned")
-        if state_dict.get("optimizer") != self.optimizer[0].__name__:
-            raise ValueError(
-                f"the optimizer state is for {state_dict.get('optimizer')!r}, this job uses {self.optimizer[0].__name__!r}"
-            )
-        params = self._params()
-        marked = state_dict.get("per_element")
-        for pname, p in params.items():  # checked before anything is sent
-            entry = state_dict["state"].get(pname)
-            if entry is None:
-                raise KeyError(f"the optimizer state has no entry for parameter {pname!r}")
-            for key, value in entry.items():
-                per_element = key in marked.get(pname, ()) if marked is not None else (
-                    isinstance(value, torch.Tensor) and value.dim() > 0)
-                if per_element and (not isinstance(value, torch.Tensor) or value.shape != p.shape):
-                    raise ValueError(
-                        f"the optimizer state of parameter {pname!r} has {key!r} of shape "
-                        f"{tuple(getattr(value, 'shape', ()))}, but the parameter has shape {tuple(p.shape)}: load "
-                        "optimizer state saved from the same model"
-                    )
-        calls = []
-        for server, slots in self._by_server().items():
-            states = {}
-            for s in slots:
-                entry = state_dict["state"][s.pname]
-                names = marked.get(s.pname, ()) if marked is not None else None
-                block = {}
-                for key, value in entry.items():
-                    if key in names if names is not None else (isinstance(value, torch.Tensor) and value.dim() > 0):
-                        block[key] = value.reshape(-1)[s.block.offset:s.block.offset + s.block.size].clone()
-                    else:
-                        block[key] = value.clone() if isinstance(value, torch.Tensor) else value
-                states[s.name] = block
-            if states:
-                calls.append((server, _server._load_optimizer_state, (self.name, states)))
-        call_all(calls, timeout=self.timeout)
 
     def extra_repr(self) -> str:
         return (f"name={self.name!r}, servers={list(self.servers)}, mode={self.mode!r}, "
