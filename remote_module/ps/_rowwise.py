@@ -1,0 +1,127 @@
+"""Row-wise optimizers for embedding tables: the steps of ``torch.optim.SGD``, ``Adagrad`` and
+``SparseAdam`` on a sparse gradient (row ids and gradient rows), written for a server that holds
+state only for the rows ever touched. Pure functions of tensors: no RPC.
+
+Each step takes the ids and rows of one sparse gradient (ids may repeat: their rows are summed,
+as torch coalesces a sparse gradient), the table's current rows for those ids, and the per-row
+state for them; it returns the new rows and the new state. Counters that torch keeps per
+parameter (``step``) are per table here too, advanced once per step.
+
+Example (a server applying one pushed gradient to the rows it holds)::
+
+    ids, grad = coalesce(ids, grad_rows)
+    state = RowState.for_rows(opt, ids, lookup)        # zeros/initial values for new rows
+    new_rows, new_state = step_rows(opt, rows[ids], grad, state, step=table_step + 1)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+
+#: The optimizers a sparse table accepts, by class.
+SPARSE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adagrad, torch.optim.SparseAdam)
+
+
+class RowOptimizer(NamedTuple):
+    """An optimizer class and its settings, checked for row-wise use."""
+
+    kind: str  # "sgd" | "adagrad" | "sparse_adam"
+    lr: float
+    lr_decay: float = 0.0
+    eps: float = 1e-10
+    initial_accumulator_value: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    maximize: bool = False
+
+
+def row_optimizer(cls: Any, kwargs: dict) -> RowOptimizer:
+    """The row-wise form of ``cls(**kwargs)``; ``ValueError`` for settings torch itself cannot
+    apply to a sparse gradient (SGD momentum / weight decay, Adagrad weight decay)."""
+    kwargs = dict(kwargs)
+    if cls is torch.optim.SGD:
+        for key in ("momentum", "weight_decay", "dampening"):
+            if kwargs.pop(key, 0) not in (0, 0.0):
+                raise ValueError(f"torch.optim.SGD with {key} does not apply to sparse gradients; use {key}=0")
+        kwargs.pop("nesterov", None)
+        kwargs.pop("foreach", None)
+        kwargs.pop("differentiable", None)
+        maximize = bool(kwargs.pop("maximize", False))
+        lr = float(kwargs.pop("lr", 1e-3))
+        _no_more(cls, kwargs)
+        return RowOptimizer("sgd", lr, maximize=maximize)
+    if cls is torch.optim.Adagrad:
+        if kwargs.pop("weight_decay", 0) not in (0, 0.0):
+            raise ValueError("torch.optim.Adagrad with weight_decay does not apply to sparse gradients; use 0")
+        for key in ("foreach", "differentiable", "fused"):
+            kwargs.pop(key, None)
+        opt = RowOptimizer(
+            "adagrad", float(kwargs.pop("lr", 1e-2)), lr_decay=float(kwargs.pop("lr_decay", 0.0)),
+            eps=float(kwargs.pop("eps", 1e-10)),
+            initial_accumulator_value=float(kwargs.pop("initial_accumulator_value", 0.0)),
+            maximize=bool(kwargs.pop("maximize", False)),
+        )
+        _no_more(cls, kwargs)
+        return opt
+    if cls is torch.optim.SparseAdam:
+        betas = tuple(float(b) for b in kwargs.pop("betas", (0.9, 0.999)))
+        opt = RowOptimizer("sparse_adam", float(kwargs.pop("lr", 1e-3)), eps=float(kwargs.pop("eps", 1e-8)),
+                           betas=betas, maximize=bool(kwargs.pop("maximize", False)))
+        _no_more(cls, kwargs)
+        return opt
+    raise ValueError(
+        f"a sparse table takes torch.optim.SGD, Adagrad or SparseAdam (row-wise, state only for touched "
+        f"rows), got {getattr(cls, '__name__', cls)!r}"
+    )
+
+
+def _no_more(cls: Any, kwargs: dict) -> None:
+    if kwargs:
+        raise ValueError(f"{cls.__name__}: settings {sorted(kwargs)} are not supported for a sparse table")
+
+
+def coalesce(ids: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted unique ``ids`` and their rows summed (a sparse gradient's ``coalesce()``)."""
+    unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+    summed = torch.zeros((unique.numel(),) + tuple(rows.shape[1:]), dtype=rows.dtype)
+    summed.index_add_(0, inverse, rows)
+    return unique, summed
+
+
+def new_state(opt: RowOptimizer, n: int, dim: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The state of ``n`` rows never touched before."""
+    if opt.kind == "adagrad":
+        return {"sum": torch.full((n, dim), opt.initial_accumulator_value, dtype=dtype)}
+    if opt.kind == "sparse_adam":
+        return {"exp_avg": torch.zeros(n, dim, dtype=dtype), "exp_avg_sq": torch.zeros(n, dim, dtype=dtype)}
+    return {}
+
+
+def step_rows(
+    opt: RowOptimizer, rows: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], step: int
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One optimizer step on ``rows`` (coalesced ``grad``, same shape) with their ``state``;
+    ``step`` is the table's step count including this one. Returns new rows and new state."""
+    if opt.maximize:
+        grad = -grad
+    if opt.kind == "sgd":
+        return rows.add(grad, alpha=-opt.lr), state
+    if opt.kind == "adagrad":
+        clr = opt.lr / (1 + (step - 1) * opt.lr_decay)
+        total = state["sum"] + grad.pow(2)
+        std = total.sqrt().add_(opt.eps)
+        return rows.add(grad / std, alpha=-clr), {"sum": total}
+    beta1, beta2 = opt.betas
+    old_avg, old_sq = state["exp_avg"], state["exp_avg_sq"]
+    avg_update = grad.sub(old_avg).mul_(1 - beta1)
+    sq_update = grad.pow(2).sub_(old_sq).mul_(1 - beta2)
+    exp_avg = old_avg + avg_update
+    exp_avg_sq = old_sq + sq_update
+    numer = avg_update.add_(old_avg)
+    denom = sq_update.add_(old_sq).sqrt_().add_(opt.eps)
+    bias1 = 1 - beta1 ** step
+    bias2 = 1 - beta2 ** step
+    step_size = opt.lr * math.sqrt(bias2) / bias1
+    return rows.add(numer.div_(denom), alpha=-step_size), {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
