@@ -1,0 +1,181 @@
+"""The server side of a sharded embedding table: the rows a server owns, row-wise optimizer
+state for the rows ever touched, lookups and sparse updates. Trainers create a table by a
+job-unique name, idempotently, as for dense parameters (see ``_server``).
+
+Rows are sliced into blocks by the same rule as dense parameters (whole rows, see
+:func:`slice_blocks`) and placed by the same dispatchers. A server holds its blocks either
+**eagerly** (one tensor per block, rows initialised from ``N(0, 1)`` by a generator seeded with
+the table's seed and the block's first row), or **lazily** (a row is created on its first
+touch from ``N(0, 1)`` seeded with the table's seed and the row id, so a 100-million-row table
+costs memory only for the rows used, and every run gives the same rows).
+
+Work in progress (issue 12): async and sync modes; bags, half-async and geo come next.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import NamedTuple
+
+import torch
+
+from remote_module.ps._rowwise import RowOptimizer, coalesce, new_state, step_rows
+
+_SEED_STRIDE = 1_000_003  # row seeds: seed * stride + row id
+
+
+class TableSpec(NamedTuple):
+    num_embeddings: int
+    dim: int
+    dtype: torch.dtype
+    init: str  # "eager" | "lazy"
+    seed: int
+    mode: str
+    num_trainers: int
+    optimizer: RowOptimizer
+
+
+def row_init(spec: TableSpec, ids: torch.Tensor) -> torch.Tensor:
+    """Lazy rows' first values: ``N(0, 1)`` seeded by (table seed, row id), row by row."""
+    out = torch.empty(ids.numel(), spec.dim, dtype=spec.dtype)
+    for j, i in enumerate(ids.tolist()):
+        g = torch.Generator().manual_seed(spec.seed * _SEED_STRIDE + i)
+        out[j] = torch.randn(spec.dim, generator=g, dtype=spec.dtype)
+    return out
+
+
+class _Rows:
+    """Rows ``[first, first + count)`` of a table, held eagerly or lazily, with optimizer state
+    for the rows ever stepped."""
+
+    def __init__(self, spec: TableSpec, first: int, count: int) -> None:
+        self.spec, self.first, self.count = spec, first, count
+        self.lock = threading.Lock()
+        if spec.init == "eager":
+            g = torch.Generator().manual_seed(spec.seed * _SEED_STRIDE + first)
+            self.values = torch.randn(count, spec.dim, generator=g, dtype=spec.dtype)
+            self.slot_of: dict[int, int] | None = None
+        else:
+            self.values = torch.empty(0, spec.dim, dtype=spec.dtype)
+            self.slot_of = {}
+        self.state: dict[str, torch.Tensor] = {}  # per slot (eager: per row), grown on touch
+        self.touched = torch.zeros(count if spec.init == "eager" else 0, dtype=torch.bool)
+
+    def slots(self, ids: torch.Tensor, create: bool) -> torch.Tensor:
+        """Storage slots of global row ``ids`` (all inside this block); lazy rows are created
+        when ``create`` (else a row never touched reads as its initial value, not stored)."""
+        if self.slot_of is None:
+            return ids - self.first
+        missing = [i for i in ids.tolist() if i not in self.slot_of]
+        if missing and create:
+            start = self.values.shape[0]
+            fresh = row_init(self.spec, torch.tensor(missing))
+            self.values = torch.cat([self.values, fresh])
+            self.touched = torch.cat([self.touched, torch.zeros(len(missing), dtype=torch.bool)])
+            for k, v in self.state.items():
+                self.state[k] = torch.cat([v, torch.zeros(len(missing), *v.shape[1:], dtype=v.dtype)])
+            for j, i in enumerate(missing):
+                self.slot_of[i] = start + j
+        return torch.tensor([self.slot_of.get(i, -1) for i in ids.tolist()], dtype=torch.long)
+
+    def read(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of ``ids`` (lazy rows never touched: their initial values, not stored)."""
+        with self.lock:
+            slots = self.slots(ids, create=False)
+            out = torch.empty(ids.numel(), self.spec.dim, dtype=self.spec.dtype)
+            known = slots >= 0
+            out[known] = self.values[slots[known]]
+            if not bool(known.all()):
+                out[~known] = row_init(self.spec, ids[~known])
+            return out
+
+    def step(self, ids: torch.Tensor, grad: torch.Tensor, step: int, scale: float = 1.0) -> None:
+        """One row-wise optimizer step on coalesced ``ids`` / ``grad`` (``grad * scale``)."""
+        opt = self.spec.optimizer
+        with self.lock:
+            slots = self.slots(ids, create=True)
+            fresh = new_state(opt, int(slots.numel()), self.spec.dim, self.spec.dtype)
+            if fresh and not self.state:
+                size = self.values.shape[0]
+                self.state = {k: torch.zeros(size, self.spec.dim, dtype=self.spec.dtype) for k in fresh}
+            before = {}
+            for k, v in self.state.items():
+                rows = v[slots]
+                new_rows = ~self.touched[slots]
+                rows[new_rows] = fresh[k][: int(new_rows.sum())]
+                before[k] = rows
+            g = grad * scale if scale != 1.0 else grad
+            new_values, after = step_rows(opt, self.values[slots], g, before, step)
+            self.values[slots] = new_values
+            for k, v in after.items():
+                self.state[k][slots] = v
+            self.touched[slots] = True
+
+    def memory_bytes(self) -> int:
+        total = self.values.numel() * self.values.element_size()
+        return total + sum(v.numel() * v.element_size() for v in self.state.values())
+
+
+class Table:
+    """A table's blocks on one server, its step counter and (sync) the pushes of the step."""
+
+    def __init__(self, name: str, spec: TableSpec, blocks: list[tuple[int, int]]) -> None:
+        self.name, self.spec = name, spec
+        self.blocks = [_Rows(spec, first, count) for first, count in blocks]
+        self.lock = threading.Condition()
+        self.step_count = 0
+        self.pushed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _owner(self, ids: torch.Tensor) -> torch.Tensor:
+        """For each id, the index of the block that holds it (``ValueError`` for an id no block here holds)."""
+        owner = torch.full_like(ids, -1)
+        for b, rows in enumerate(self.blocks):
+            inside = (ids >= rows.first) & (ids < rows.first + rows.count)
+            owner[inside] = b
+        if bool((owner < 0).any()):
+            bad = ids[owner < 0][:5].tolist()
+            raise ValueError(f"table {self.name!r}: rows {bad} are not held on this server")
+        return owner
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of ``ids`` (any order, repeats allowed), as stored now."""
+        out = torch.empty(ids.numel(), self.spec.dim, dtype=self.spec.dtype)
+        owner = self._owner(ids)
+        for b, rows in enumerate(self.blocks):
+            mine = owner == b
+            if bool(mine.any()):
+                out[mine] = rows.read(ids[mine])
+        return out
+
+    def apply(self, ids: torch.Tensor, grad: torch.Tensor, scale: float = 1.0) -> None:
+        """One optimizer step of the table with the sparse gradient ``(ids, grad)`` (lock held)."""
+        self.step_count += 1
+        uniq, summed = coalesce(ids, grad)
+        owner = self._owner(uniq)
+        for b, rows in enumerate(self.blocks):
+            mine = owner == b
+            if bool(mine.any()):
+                rows.step(uniq[mine], summed[mine], self.step_count, scale)
+
+    def push(self, trainer: str, step: int, ids: torch.Tensor, grad: torch.Tensor) -> None:
+        """A trainer's sparse gradient, applied by the table's mode (async: now; sync: once every
+        trainer has pushed step ``step``, summed in trainer-name order / num_trainers)."""
+        with self.lock:
+            if self.spec.mode == "async":
+                self.apply(ids, grad)
+                return
+            if step != self.step_count:
+                raise RuntimeError(
+                    f"table {self.name!r}: trainer {trainer!r} pushed step {step}, the table is at step {self.step_count}"
+                )
+            self.pushed[trainer] = (ids, grad)
+            if len(self.pushed) == self.spec.num_trainers:
+                order = sorted(self.pushed)
+                ids_all = torch.cat([self.pushed[t][0] for t in order])
+                grad_all = torch.cat([self.pushed[t][1] for t in order])
+                self.pushed = {}
+                self.apply(ids_all, grad_all, 1.0 / self.spec.num_trainers)
+                self.lock.notify_all()
+
+    def memory_bytes(self) -> int:
+        return sum(rows.memory_bytes() for rows in self.blocks)

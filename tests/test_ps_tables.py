@@ -1,0 +1,85 @@
+"""Server-side sparse tables (no RPC): lookups, lazy rows, and sparse steps equal to torch's
+optimizers stepping an ``nn.Embedding(sparse=True)``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from remote_module.ps._rowwise import row_optimizer
+from remote_module.ps._tables import Table, TableSpec, row_init
+
+BLOCKS = [(0, 7), (7, 7), (14, 6)]  # rows 0..19 in three blocks, as two servers might split them
+
+
+def spec(cls=torch.optim.SGD, kwargs=None, init="eager", mode="async", trainers=1):
+    return TableSpec(20, 3, torch.float64, init, 7, mode, trainers, row_optimizer(cls, kwargs or {"lr": 0.5}))
+
+
+def table_with(weight: torch.Tensor, s: TableSpec) -> Table:
+    t = Table("t", s, BLOCKS)
+    for rows in t.blocks:
+        if s.init == "eager":
+            rows.values[:] = weight[rows.first:rows.first + rows.count]
+    return t
+
+
+@pytest.mark.parametrize("cls,kwargs", [
+    (torch.optim.SGD, {"lr": 0.5}),
+    (torch.optim.Adagrad, {"lr": 0.3, "initial_accumulator_value": 0.1}),
+    (torch.optim.SparseAdam, {"lr": 0.05}),
+], ids=["sgd", "adagrad", "sparse_adam"])
+def test_sparse_steps_equal_a_local_sparse_embedding(cls, kwargs):
+    g = torch.Generator().manual_seed(0)
+    local = nn.Embedding(20, 3, sparse=True).double()
+    opt = cls(local.parameters(), **kwargs)
+    table = table_with(local.weight.detach(), spec(cls, kwargs))
+    assert torch.equal(table.lookup(torch.arange(20)), local.weight.detach())  # same weights: bit for bit
+    for _ in range(6):
+        ids = torch.randint(0, 20, (9,), generator=g)
+        target = torch.randn(9, 3, generator=g, dtype=torch.float64)
+        opt.zero_grad()
+        out = local(ids)
+        # torch adds a repeated id's gradient rows one by one, the table their sum: rounding only
+        torch.testing.assert_close(table.lookup(ids), out.detach(), atol=1e-12, rtol=1e-10)
+        ((out - target) ** 2).sum().backward()
+        grad_rows = 2 * (out.detach() - target)  # d/d(row) of the loss, per occurrence
+        opt.step()
+        table.apply(ids, grad_rows)
+    torch.testing.assert_close(table.lookup(torch.arange(20)), local.weight.detach(), atol=1e-12, rtol=1e-10)
+
+
+def test_lazy_rows_are_created_on_touch_seeded_by_row_id():
+    lazy = Table("t", spec(init="lazy"), BLOCKS)
+    ids = torch.tensor([3, 15, 3, 9])
+    first = lazy.lookup(ids)
+    assert torch.equal(first, row_init(lazy.spec, ids))
+    assert lazy.memory_bytes() == 0  # a lookup creates nothing
+    lazy.apply(ids, torch.ones(4, 3, dtype=torch.float64))
+    after = lazy.lookup(ids)
+    torch.testing.assert_close(after[0], first[0] - 2 * 0.5)  # row 3 twice in the gradient: summed
+    torch.testing.assert_close(after[1], first[1] - 0.5)
+    assert lazy.memory_bytes() == 3 * 3 * 8  # three rows stored (SGD: no state)
+    again = Table("t", spec(init="lazy"), BLOCKS)
+    assert torch.equal(again.lookup(ids), first)  # the same rows in another run
+
+
+def test_sync_applies_once_every_trainer_has_pushed_in_name_order():
+    s = spec(mode="sync", trainers=2)
+    t = Table("t", s, BLOCKS)
+    before = t.lookup(torch.arange(20))
+    t.push("trainer1", 0, torch.tensor([1, 2]), torch.ones(2, 3, dtype=torch.float64))
+    assert torch.equal(t.lookup(torch.arange(20)), before)  # not applied yet
+    t.push("trainer0", 0, torch.tensor([2]), torch.full((1, 3), 3.0, dtype=torch.float64))
+    after = t.lookup(torch.arange(20))
+    torch.testing.assert_close(after[1], before[1] - 0.5 * 1 / 2)
+    torch.testing.assert_close(after[2], before[2] - 0.5 * 4 / 2)
+    with pytest.raises(RuntimeError, match="pushed step 0, the table is at step 1"):
+        t.push("trainer0", 0, torch.tensor([2]), torch.ones(1, 3, dtype=torch.float64))
+
+
+def test_ids_not_held_here_are_refused():
+    t = Table("t", spec(), BLOCKS[:2])
+    with pytest.raises(ValueError, match=r"rows \[15\] are not held on this server"):
+        t.lookup(torch.tensor([1, 15]))
