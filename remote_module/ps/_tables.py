@@ -179,3 +179,42 @@ class Table:
 
     def memory_bytes(self) -> int:
         return sum(rows.memory_bytes() for rows in self.blocks)
+
+
+# ---- handlers ------------------------------------------------------------------------------
+
+_tables: dict[str, Table] = {}
+_tables_lock = threading.Lock()
+
+
+def _table(name: str) -> Table:
+    table = _tables.get(name)
+    if table is None:
+        raise LookupError(f"no sharded table {name!r} on this worker: create it first")
+    return table
+
+
+def _attach_table(name: str, spec: TableSpec, blocks: list[tuple[int, int]]) -> int:
+    """Create table ``name`` with ``blocks`` (row ranges) here, or attach to it (the same spec
+    and blocks, else ``ValueError``); the table's step count."""
+    with _tables_lock:
+        table = _tables.get(name)
+        if table is None:
+            table = _tables[name] = Table(name, spec, blocks)
+    if table.spec != spec:
+        raise ValueError(f"sharded table {name!r} exists with {table.spec}, this trainer asks for {spec}")
+    if [(r.first, r.count) for r in table.blocks] != list(blocks):
+        raise ValueError(f"sharded table {name!r}: this trainer's row blocks differ from the table's")
+    return table.step_count
+
+
+def _lookup(name: str, ids: torch.Tensor) -> torch.Tensor:
+    return _table(name).lookup(ids)
+
+
+def _push_rows(name: str, trainer: str, step: int, ids: torch.Tensor, grad: torch.Tensor) -> None:
+    _table(name).push(trainer, step, ids, grad)
+
+
+def _table_memory(name: str) -> int:
+    return _table(name).memory_bytes()

@@ -1,0 +1,128 @@
+"""ShardedEmbedding (work in progress, issue 12): an ``nn.Embedding`` whose rows live on
+parameter servers; lookups fetch only the unique ids, from the servers that own them, and
+``step()`` pushes only the touched rows' gradients."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.distributed.rpc as rpc
+from torch import nn
+
+from remote_module._fanout import call_all
+from remote_module.ps import _tables
+from remote_module.ps._dispatch import RoundRobin
+from remote_module.ps._rowwise import row_optimizer
+from remote_module.ps._slicing import block_name, slice_blocks
+
+
+class ShardedEmbedding(nn.Module):
+    """An embedding table sliced into row blocks over ``servers`` (work in progress).
+
+    Example (ps0, ps1 only join RPC and wait)::
+
+        emb = ShardedEmbedding(1_000_000, 16, ["ps0", "ps1"], name="user", mode="async")
+        out = emb(torch.tensor([[1, 5], [7, 1]]))     # (2, 2, 16)
+        out.sum().backward()
+        emb.step()                                    # pushes rows 1, 5, 7 only
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        servers: Sequence[str],
+        *,
+        name: str,
+        padding_idx: int | None = None,
+        optimizer: tuple[type, dict] = (torch.optim.SGD, {"lr": 0.1}),
+        init: str = "eager",
+        timeout: float | None = None,
+        mode: str = "async",
+        num_trainers: int = 1,
+        split_method: Any = RoundRobin(),
+        min_block_size: int = 8192,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if init not in ("eager", "lazy"):
+            raise ValueError(f"init must be 'eager' or 'lazy', got {init!r}")
+        if mode not in ("sync", "async"):
+            raise ValueError(f"mode must be 'sync' or 'async' (half_async and geo: not yet), got {mode!r}")
+        if padding_idx is not None and not -num_embeddings <= padding_idx < num_embeddings:
+            raise ValueError(f"padding_idx must be within num_embeddings ({num_embeddings}), got {padding_idx}")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.padding_idx = None if padding_idx is None else padding_idx % num_embeddings
+        self.name, self.timeout, self.mode = name, timeout, mode
+        self.servers = tuple(rpc.get_worker_info(s).name for s in servers)
+        blocks = slice_blocks((num_embeddings, embedding_dim), len(self.servers), min_block_size)
+        names = [block_name("weight", b.index) for b in blocks]
+        chosen = list(split_method(names, self.servers))
+        self._ranges = [(b.offset // embedding_dim, b.size // embedding_dim, s) for b, s in zip(blocks, chosen)]
+        spec = _tables.TableSpec(num_embeddings, embedding_dim, torch.float32, init, seed, mode, num_trainers,
+                                 row_optimizer(*optimizer))
+        by_server: dict[str, list[tuple[int, int]]] = {}
+        for first, count, server in self._ranges:
+            by_server.setdefault(server, []).append((first, count))
+        self._by_server = by_server
+        steps = call_all([(s, _tables._attach_table, (name, spec, rs)) for s, rs in by_server.items()], timeout=timeout)
+        self._step = min(steps) if steps else 0
+        self._trainer = rpc.get_worker_info().name
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (unique ids, their rows with grad)
+        starts = torch.tensor([first for first, _, _ in self._ranges])
+        self.register_buffer("_starts", starts, persistent=False)
+        self._owners = [server for _, _, server in self._ranges]
+
+    def _owner_index(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.searchsorted(self._starts, ids, right=True) - 1
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if input.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"ShardedEmbedding takes integer ids, got {input.dtype}")
+        flat = input.reshape(-1).long()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"ids must be in [0, {self.num_embeddings}), got {int(flat.min())}..{int(flat.max())}")
+        uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+        owner = self._owner_index(uniq)
+        per_server: dict[str, list[torch.Tensor]] = {}
+        for b, server in enumerate(self._owners):
+            mine = owner == b
+            if bool(mine.any()):
+                per_server.setdefault(server, []).append(mine.nonzero().reshape(-1))
+        servers = list(per_server)
+        positions = [torch.cat(per_server[s]) for s in servers]
+        got = call_all([(s, _tables._lookup, (self.name, uniq[p])) for s, p in zip(servers, positions)],
+                       timeout=self.timeout)
+        rows = torch.empty(uniq.numel(), self.embedding_dim)
+        for p, r in zip(positions, got):
+            rows[p] = r
+        if self.padding_idx is not None:
+            rows[uniq == self.padding_idx] = 0.0  # as nn.Embedding: the padding row is zero, never trained
+        if torch.is_grad_enabled():
+            rows.requires_grad_(True)
+            self._pending.append((uniq, rows))
+        return rows[inverse].reshape(*input.shape, self.embedding_dim)
+
+    def step(self) -> None:
+        """Push the touched rows' gradients (only those rows) and forget them."""
+        pending, self._pending = self._pending, []
+        ids_parts, grad_parts = [], []
+        for uniq, rows in pending:
+            if rows.grad is not None:
+                keep = uniq != self.padding_idx if self.padding_idx is not None else torch.ones_like(uniq, dtype=torch.bool)
+                ids_parts.append(uniq[keep])
+                grad_parts.append(rows.grad[keep])
+        ids = torch.cat(ids_parts) if ids_parts else torch.empty(0, dtype=torch.long)
+        grad = torch.cat(grad_parts) if grad_parts else torch.empty(0, self.embedding_dim)
+        owner = self._owner_index(ids)
+        calls = []
+        for server in self._by_server:
+            mine = torch.zeros_like(ids, dtype=torch.bool)
+            for b, s in enumerate(self._owners):
+                if s == server:
+                    mine |= owner == b
+            if bool(mine.any()) or self.mode == "sync":
+                calls.append((server, _tables._push_rows, (self.name, self._trainer, self._step, ids[mine], grad[mine])))
+        call_all(calls, timeout=self.timeout)
+        self._step += 1
