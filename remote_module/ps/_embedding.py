@@ -78,8 +78,14 @@ class ShardedEmbedding(nn.Module):
         return torch.searchsorted(self._starts, ids, right=True) - 1
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        uniq, inverse, rows = self._rows_of(input)
+        return rows[inverse].reshape(*input.shape, self.embedding_dim)
+
+    def _rows_of(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Unique ids of ``input``, each id's index among them, and their rows (fetched from
+        the owning servers concurrently; recorded for :meth:`step` when grad is on)."""
         if input.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"ShardedEmbedding takes integer ids, got {input.dtype}")
+            raise TypeError(f"{type(self).__name__} takes integer ids, got {input.dtype}")
         flat = input.reshape(-1).long()
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
             raise IndexError(f"ids must be in [0, {self.num_embeddings}), got {int(flat.min())}..{int(flat.max())}")
@@ -102,7 +108,7 @@ class ShardedEmbedding(nn.Module):
         if torch.is_grad_enabled():
             rows.requires_grad_(True)
             self._pending.append((uniq, rows))
-        return rows[inverse].reshape(*input.shape, self.embedding_dim)
+        return uniq, inverse, rows
 
     def step(self) -> None:
         """Push the touched rows' gradients (only those rows) and forget them."""
@@ -126,3 +132,30 @@ class ShardedEmbedding(nn.Module):
                 calls.append((server, _tables._push_rows, (self.name, self._trainer, self._step, ids[mine], grad[mine])))
         call_all(calls, timeout=self.timeout)
         self._step += 1
+
+
+class ShardedEmbeddingBag(ShardedEmbedding):
+    """An ``nn.EmbeddingBag`` whose rows live on parameter servers (work in progress: bags are
+    pooled here, on the unique rows fetched, with torch's own ``embedding_bag``, so results
+    equal a local ``nn.EmbeddingBag`` bit for bit; pooling on the servers comes next).
+
+    Example::
+
+        bag = ShardedEmbeddingBag(1_000_000, 16, ["ps0", "ps1"], name="items", mode="sum")
+        out = bag(torch.tensor([1, 2, 4, 5, 4]), offsets=torch.tensor([0, 2]))   # (2, 16)
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, servers: Sequence[str], *,
+                 mode: str = "mean", ps_mode: str = "async", **kwargs: Any) -> None:
+        if mode not in ("sum", "mean", "max"):
+            raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
+        super().__init__(num_embeddings, embedding_dim, servers, mode=ps_mode, **kwargs)
+        self.bag_mode = mode
+
+    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        uniq, inverse, rows = self._rows_of(input)
+        return nn.functional.embedding_bag(
+            inverse.reshape(input.shape), rows, offsets, mode=self.bag_mode,
+            per_sample_weights=per_sample_weights, padding_idx=None,
+        )
