@@ -98,7 +98,7 @@ class ShardedEmbedding(nn.Module):
                 per_server.setdefault(server, []).append(mine.nonzero().reshape(-1))
         servers = list(per_server)
         positions = [torch.cat(per_server[s]) for s in servers]
-        got = call_all([(s, _tables._lookup, (self.name, uniq[p])) for s, p in zip(servers, positions)],
+        got = call_all([(s, _tables._lookup, (self.name, uniq[p], self._step)) for s, p in zip(servers, positions)],
                        timeout=self.timeout)
         rows = torch.empty(uniq.numel(), self.embedding_dim)
         for p, r in zip(positions, got):

@@ -18,6 +18,8 @@ import threading
 from typing import NamedTuple
 
 import torch
+import torch.distributed.rpc as rpc
+from torch.futures import Future
 
 from remote_module.ps._rowwise import RowOptimizer, coalesce, new_state, step_rows
 
@@ -125,6 +127,7 @@ class Table:
         self.lock = threading.Condition()
         self.step_count = 0
         self.pushed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.waiters: list[tuple[int, Future, torch.Tensor]] = []  # sync lookups for a later step
 
     def _owner(self, ids: torch.Tensor) -> torch.Tensor:
         """For each id, the index of the block that holds it (``ValueError`` for an id no block here holds)."""
@@ -160,6 +163,7 @@ class Table:
     def push(self, trainer: str, step: int, ids: torch.Tensor, grad: torch.Tensor) -> None:
         """A trainer's sparse gradient, applied by the table's mode (async: now; sync: once every
         trainer has pushed step ``step``, summed in trainer-name order / num_trainers)."""
+        answers: list = []
         with self.lock:
             if self.spec.mode == "async":
                 self.apply(ids, grad)
@@ -175,7 +179,12 @@ class Table:
                 grad_all = torch.cat([self.pushed[t][1] for t in order])
                 self.pushed = {}
                 self.apply(ids_all, grad_all, 1.0 / self.spec.num_trainers)
-                self.lock.notify_all()
+                ready = [(f, i) for want, f, i in self.waiters if self.step_count >= want]
+                self.waiters = [w for w in self.waiters if self.step_count < w[0]]
+                answers = [(f, self.lookup(i)) for f, i in ready]
+        if self.spec.mode == "sync":
+            for f, rows in answers:  # outside the lock: completing runs the answer's callbacks
+                f.set_result(rows)
 
     def memory_bytes(self) -> int:
         return sum(rows.memory_bytes() for rows in self.blocks)
@@ -208,8 +217,19 @@ def _attach_table(name: str, spec: TableSpec, blocks: list[tuple[int, int]]) -> 
     return table.step_count
 
 
-def _lookup(name: str, ids: torch.Tensor) -> torch.Tensor:
-    return _table(name).lookup(ids)
+@rpc.functions.async_execution
+def _lookup(name: str, ids: torch.Tensor, step: int = 0) -> Future:
+    """The rows of ``ids``; in sync mode once step ``step - 1`` is applied (the caller's
+    timeout bounds the wait)."""
+    table = _table(name)
+    answer: Future = Future()
+    with table.lock:
+        if table.spec.mode == "sync" and table.step_count < step:
+            table.waiters.append((step, answer, ids))
+            return answer
+        rows = table.lookup(ids)
+    answer.set_result(rows)
+    return answer
 
 
 def _push_rows(name: str, trainer: str, step: int, ids: torch.Tensor, grad: torch.Tensor) -> None:
