@@ -54,7 +54,7 @@ class ShardedEmbedding(nn.Module):
             raise ValueError(f"padding_idx must be within num_embeddings ({num_embeddings}), got {padding_idx}")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = None if padding_idx is None else padding_idx % num_embeddings
-        self.name, self.timeout, self.mode = name, timeout, mode
+        self.name, self.timeout, self.mode, self.init = name, timeout, mode, init
         self.servers = tuple(rpc.get_worker_info(s).name for s in servers)
         blocks = slice_blocks((num_embeddings, embedding_dim), len(self.servers), min_block_size)
         names = [block_name("weight", b.index) for b in blocks]
@@ -109,6 +109,54 @@ class ShardedEmbedding(nn.Module):
             rows.requires_grad_(True)
             self._pending.append((uniq, rows))
         return uniq, inverse, rows
+
+    # ---- checkpoints: the local module's key ``weight`` (lazy: ``weight.ids``/``weight.rows``) ----
+
+    def _stored(self) -> tuple[torch.Tensor, torch.Tensor]:
+        calls = [(server, _tables._block_rows, (self.name, first)) for first, _, server in self._ranges]
+        got = call_all(calls, timeout=self.timeout)
+        ids = torch.cat([i for i, _ in got])
+        rows = torch.cat([r for _, r in got])
+        order = torch.argsort(ids)
+        return ids[order], rows[order]
+
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        ids, rows = self._stored()
+        if self.init == "lazy":
+            destination[prefix + "weight.ids"] = ids
+            destination[prefix + "weight.rows"] = rows
+        else:
+            if self.padding_idx is not None:
+                rows[self.padding_idx] = 0.0  # as the table reads it
+            destination[prefix + "weight"] = rows
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any, strict: bool,
+                              missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+        keys = ("weight.ids", "weight.rows") if self.init == "lazy" else ("weight",)
+        if any(prefix + k not in state_dict for k in keys):
+            missing_keys.extend(prefix + k for k in keys if prefix + k not in state_dict)
+            return
+        if self.init == "lazy":
+            ids, rows = state_dict[prefix + "weight.ids"].long(), state_dict[prefix + "weight.rows"]
+        else:
+            rows = state_dict[prefix + "weight"]
+            if tuple(rows.shape) != (self.num_embeddings, self.embedding_dim):
+                error_msgs.append(
+                    f"size mismatch for {prefix}weight: copying a param with shape {tuple(rows.shape)}, the "
+                    f"table is {(self.num_embeddings, self.embedding_dim)}"
+                )
+                return
+            ids = torch.arange(self.num_embeddings)
+        owner = self._owner_index(ids)
+        calls = []
+        for server in self._by_server:
+            mine = torch.zeros_like(ids, dtype=torch.bool)
+            for b, s in enumerate(self._owners):
+                if s == server:
+                    mine |= owner == b
+            if bool(mine.any()):
+                calls.append((server, _tables._set_rows, (self.name, ids[mine], rows[mine].detach().clone())))
+        call_all(calls, timeout=self.timeout)
 
     def step(self) -> None:
         """Push the touched rows' gradients (only those rows) and forget them."""

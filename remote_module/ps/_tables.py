@@ -238,3 +238,31 @@ def _push_rows(name: str, trainer: str, step: int, ids: torch.Tensor, grad: torc
 
 def _table_memory(name: str) -> int:
     return _table(name).memory_bytes()
+
+
+def _block_rows(name: str, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, rows)`` the block starting at row ``first`` stores: every row of an eager block,
+    the touched rows of a lazy one (sorted by id)."""
+    table = _table(name)
+    for rows in table.blocks:
+        if rows.first == first:
+            with rows.lock:
+                if rows.slot_of is None:
+                    return torch.arange(rows.first, rows.first + rows.count), rows.values.clone()
+                ids = torch.tensor(sorted(rows.slot_of), dtype=torch.long)
+                slots = torch.tensor([rows.slot_of[i] for i in ids.tolist()], dtype=torch.long)
+                return ids, rows.values[slots].clone()
+    raise LookupError(f"table {name!r} has no block starting at row {first} here")
+
+
+def _set_rows(name: str, ids: torch.Tensor, values: torch.Tensor) -> None:
+    """Overwrite rows ``ids`` (lazy rows are created); optimizer state is kept."""
+    table = _table(name)
+    with table.lock:
+        owner = table._owner(ids)
+        for b, rows in enumerate(table.blocks):
+            mine = owner == b
+            if bool(mine.any()):
+                with rows.lock:
+                    slots = rows.slots(ids[mine], create=True)
+                    rows.values[slots] = values[mine].to(rows.values.dtype)
