@@ -70,6 +70,8 @@ class ShardedEmbedding(nn.Module):
         self._step = min(steps) if steps else 0
         self._trainer = rpc.get_worker_info().name
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (unique ids, their rows with grad)
+        #: tensor bytes (ids and gradient rows) this module has pushed so far
+        self.pushed_bytes = 0
         starts = torch.tensor([first for first, _, _ in self._ranges])
         self.register_buffer("_starts", starts, persistent=False)
         self._owners = [server for _, _, server in self._ranges]
@@ -113,6 +115,10 @@ class ShardedEmbedding(nn.Module):
     # ---- checkpoints: the local module's key ``weight`` (lazy: ``weight.ids``/``weight.rows``) ----
 
     def _stored(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.mode == "sync":  # once this trainer's last step is applied on every server
+            nothing = torch.empty(0, dtype=torch.long)
+            call_all([(s, _tables._lookup, (self.name, nothing, self._step)) for s in self._by_server],
+                     timeout=self.timeout)
         calls = [(server, _tables._block_rows, (self.name, first)) for first, _, server in self._ranges]
         got = call_all(calls, timeout=self.timeout)
         ids = torch.cat([i for i, _ in got])
@@ -179,6 +185,8 @@ class ShardedEmbedding(nn.Module):
             if bool(mine.any()) or self.mode == "sync":
                 calls.append((server, _tables._push_rows, (self.name, self._trainer, self._step, ids[mine], grad[mine])))
         call_all(calls, timeout=self.timeout)
+        self.pushed_bytes += sum(i.numel() * i.element_size() + g.numel() * g.element_size()
+                                 for _, _, (_, _, _, i, g) in calls)
         self._step += 1
 
 
@@ -194,16 +202,25 @@ class ShardedEmbeddingBag(ShardedEmbedding):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, servers: Sequence[str], *,
-                 mode: str = "mean", ps_mode: str = "async", **kwargs: Any) -> None:
+                 mode: str = "mean", ps_mode: str = "async", padding_idx: int | None = None, **kwargs: Any) -> None:
         if mode not in ("sum", "mean", "max"):
             raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
+        # rows are fetched as they are; the bag skips padding ids as nn.EmbeddingBag does
         super().__init__(num_embeddings, embedding_dim, servers, mode=ps_mode, **kwargs)
         self.bag_mode = mode
+        self.bag_padding_idx = None if padding_idx is None else padding_idx % num_embeddings
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         uniq, inverse, rows = self._rows_of(input)
+        pad = None
+        if self.bag_padding_idx is not None:
+            hit = (uniq == self.bag_padding_idx).nonzero().reshape(-1)
+            # the padding id's index among the unique ids (or one no input uses)
+            pad = int(hit[0]) if hit.numel() else uniq.numel()
+            if not hit.numel():
+                rows = torch.cat([rows, rows.new_zeros(1, self.embedding_dim)])
         return nn.functional.embedding_bag(
             inverse.reshape(input.shape), rows, offsets, mode=self.bag_mode,
-            per_sample_weights=per_sample_weights, padding_idx=None,
+            per_sample_weights=per_sample_weights, padding_idx=pad,
         )

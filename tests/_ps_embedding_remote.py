@@ -1,0 +1,79 @@
+"""What the trainers (and servers) run in tests/test_ps_embedding.py."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+_objects: dict[str, object] = {}
+
+
+def local_bag(seed: int, mode: str, padding_idx=None) -> nn.EmbeddingBag:
+    torch.manual_seed(seed)
+    return nn.EmbeddingBag(200, 4, mode=mode, padding_idx=padding_idx)
+
+
+def batches(seed: int, n: int, with_weights: bool):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, 200, (15,), generator=g)
+        offsets = torch.tensor([0, 4, 4, 9])
+        psw = torch.rand(15, generator=g) if with_weights else None
+        target = torch.randn(4, 4, generator=g)
+        out.append((ids, offsets, psw, target))
+    return out
+
+
+def bag_run(name: str, mode: str, padding_idx, optimizer: tuple, steps: int, ps_mode: str = "async",
+            num_trainers: int = 1, data_seed: int = 1) -> dict:
+    """Create a sharded bag loaded with local_bag(0, ...)'s weights, run ``steps`` training steps
+    on batches(data_seed), return every output and the final weights."""
+    from remote_module.ps._embedding import ShardedEmbeddingBag
+
+    bag = ShardedEmbeddingBag(200, 4, ["ps0", "ps1"], name=name, mode=mode, padding_idx=padding_idx,
+                              optimizer=optimizer, min_block_size=200, ps_mode=ps_mode, num_trainers=num_trainers)
+    bag.load_state_dict(local_bag(0, mode, padding_idx).state_dict())
+    outs = []
+    for ids, offsets, psw, target in batches(data_seed, steps, mode == "sum"):
+        out = bag(ids, offsets, psw)
+        outs.append(out.detach())
+        ((out - target) ** 2).sum().backward()
+        bag.step()
+    return {"outs": outs, "weight": bag.state_dict()["weight"], "pushed": bag.pushed_bytes}
+
+
+def sparsity(name: str) -> dict:
+    from remote_module.ps._embedding import ShardedEmbedding
+
+    emb = ShardedEmbedding(1_000_000, 16, ["ps0", "ps1"], name=name, init="lazy")
+    g = torch.Generator().manual_seed(0)
+    sent = []
+    for _ in range(3):
+        out = emb(torch.randint(0, 1_000_000, (1000,), generator=g))
+        out.sum().backward()
+        before = emb.pushed_bytes
+        emb.step()
+        sent.append(emb.pushed_bytes - before)
+    return {"per_step": sent, "table_bytes": 1_000_000 * 16 * 4}
+
+
+def lazy_train(name: str, steps: int) -> int:
+    from remote_module.ps._embedding import ShardedEmbedding
+
+    emb = ShardedEmbedding(100_000_000, 16, ["ps0", "ps1"], name=name, init="lazy",
+                           optimizer=(torch.optim.Adagrad, {"lr": 0.1}))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        out = emb(torch.randint(0, 100_000_000, (512,), generator=g))
+        out.pow(2).sum().backward()
+        emb.step()
+    return steps
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")

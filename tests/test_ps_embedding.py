@@ -1,0 +1,91 @@
+"""Sharded embedding tables on parameter servers (work in progress, issue 12): equality with
+local modules, sparse updates equal to torch's sparse optimizers, sparsity, lazy memory."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from tests import _ps_embedding_remote as r
+from tests._ps_world import PSWorld
+
+pytestmark = pytest.mark.slow
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def world():
+    w = PSWorld({"ps": 2, "trainer": 2})
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+def name(what: str) -> str:
+    return f"{what}-{next(_ids)}"
+
+
+def local_reference(mode, padding_idx, optimizer, steps, data_seeds=(1,)):
+    bag = r.local_bag(0, mode, padding_idx)
+    sparse = mode != "max"  # torch cannot make a max bag sparse: its dense step is the reference
+    local = torch.nn.EmbeddingBag(200, 4, mode=mode, padding_idx=padding_idx, sparse=sparse)
+    local.load_state_dict(bag.state_dict())
+    cls, kwargs = optimizer
+    opt = cls(local.parameters(), **kwargs)
+    outs = []
+    data = [r.batches(s, steps, mode == "sum") for s in data_seeds]
+    for step in range(steps):
+        opt.zero_grad()
+        loss = 0
+        for batch in data:
+            ids, offsets, psw, target = batch[step]
+            out = local(ids, offsets, psw)
+            outs.append(out.detach())
+            loss = loss + ((out - target) ** 2).sum()
+        (loss / len(data)).backward()
+        opt.step()
+    return outs, local.weight.detach()
+
+
+@pytest.mark.parametrize("mode,padding_idx,optimizer", [
+    ("sum", None, (torch.optim.SGD, {"lr": 0.1})),
+    ("sum", 3, (torch.optim.Adagrad, {"lr": 0.2})),
+    ("mean", None, (torch.optim.SparseAdam, {"lr": 0.05})),
+    ("mean", 7, (torch.optim.SGD, {"lr": 0.1})),
+    ("max", None, (torch.optim.SGD, {"lr": 0.1})),
+])
+def test_bags_and_sparse_steps_equal_the_local_module(world, mode, padding_idx, optimizer):
+    got = world.run({"trainer0": (r.bag_run, name("bag"), mode, padding_idx, optimizer, 4)})["trainer0"]
+    outs, weight = local_reference(mode, padding_idx, optimizer, 4)
+    assert torch.equal(got["outs"][0], outs[0])  # lookups on equal weights: bit for bit
+    for a, b in zip(got["outs"], outs):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got["weight"], weight, atol=1e-6, rtol=1e-5)
+    assert not torch.equal(weight, r.local_bag(0, mode, padding_idx).weight.detach())  # it trained
+
+
+def test_sync_two_trainers_equal_one_process_on_the_global_batch(world):
+    n = name("sync")
+    opt = (torch.optim.SGD, {"lr": 0.1})
+    got = world.run({f"trainer{i}": (r.bag_run, n, "sum", None, opt, 3, "sync", 2, 1 + i) for i in range(2)})
+    _, weight = local_reference("sum", None, opt, 3, data_seeds=(1, 2))
+    for t in ("trainer0", "trainer1"):
+        torch.testing.assert_close(got[t]["weight"], weight, atol=1e-6, rtol=1e-5)
+
+
+def test_bytes_pushed_per_step_are_under_one_percent_of_the_table(world):
+    got = world.run({"trainer0": (r.sparsity, name("sparse"))})["trainer0"]
+    for sent in got["per_step"]:
+        assert 0 < sent < 0.01 * got["table_bytes"], got
+
+
+def test_a_lazy_hundred_million_row_table_stays_small_on_the_servers(world):
+    before = {s: world.run({s: (r.rss_bytes,)})[s] for s in ("ps0", "ps1")}
+    world.run({"trainer0": (r.lazy_train, name("lazy"), 100)}, timeout=120)
+    after = {s: world.run({s: (r.rss_bytes,)})[s] for s in ("ps0", "ps1")}
+    for s in after:
+        assert after[s] < 1 << 30, (s, after[s])
+        assert after[s] - before[s] < 200 << 20, (s, before[s], after[s])  # 51,200 rows touched, not 1e8
