@@ -77,3 +77,24 @@ def rss_bytes() -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("no VmRSS")
+
+
+def reslice_run(name: str, servers: list, steps: int, start: int, checkpoint=None) -> dict:
+    """Train a Adagrad bag on ``servers`` for ``steps`` steps of batches(5) from ``start``,
+    optionally after loading ``checkpoint`` (weights + optimizer state); return the new checkpoint."""
+    from remote_module.ps._embedding import ShardedEmbeddingBag
+
+    bag = ShardedEmbeddingBag(200, 4, servers, name=name, mode="sum", min_block_size=100,
+                              optimizer=(torch.optim.Adagrad, {"lr": 0.2}))
+    if checkpoint is None:
+        bag.load_state_dict(local_bag(0, "sum").state_dict())
+    else:
+        bag.load_state_dict({"weight": checkpoint["weight"]})
+        bag.load_optimizer_state_dict(checkpoint["optim"])
+    data = batches(5, start + steps, True)[start:]
+    for ids, offsets, psw, target in data:
+        out = bag(ids, offsets, psw)
+        ((out - target) ** 2).sum().backward()
+        bag.step()
+    return {"weight": bag.state_dict()["weight"], "optim": bag.optimizer_state_dict(),
+            "servers": sorted({s for _, _, s in bag._ranges})}

@@ -17,7 +17,7 @@ _ids = itertools.count()
 
 @pytest.fixture(scope="module")
 def world():
-    w = PSWorld({"ps": 2, "trainer": 2})
+    w = PSWorld({"ps": 3, "trainer": 2})
     try:
         yield w
     finally:
@@ -89,3 +89,13 @@ def test_a_lazy_hundred_million_row_table_stays_small_on_the_servers(world):
     for s in after:
         assert after[s] < 1 << 30, (s, after[s])
         assert after[s] - before[s] < 200 << 20, (s, before[s], after[s])  # 51,200 rows touched, not 1e8
+
+
+def test_a_checkpoint_from_two_servers_continues_identically_on_three(world):
+    first = world.run({"trainer0": (r.reslice_run, name("two"), ["ps0", "ps1"], 3, 0)})["trainer0"]
+    assert first["servers"] == ["ps0", "ps1"] and first["optim"]["step"] == 3
+    on_two = world.run({"trainer0": (r.reslice_run, name("two-more"), ["ps0", "ps1"], 3, 3, first)})["trainer0"]
+    on_three = world.run({"trainer1": (r.reslice_run, name("three"), ["ps0", "ps1", "ps2"], 3, 3, first)})["trainer1"]
+    assert on_three["servers"] == ["ps0", "ps1", "ps2"]
+    torch.testing.assert_close(on_three["weight"], on_two["weight"], atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(on_two["weight"], first["weight"])  # it trained after the checkpoint

@@ -164,6 +164,38 @@ class ShardedEmbedding(nn.Module):
                 calls.append((server, _tables._set_rows, (self.name, ids[mine], rows[mine].detach().clone())))
         call_all(calls, timeout=self.timeout)
 
+    def optimizer_state_dict(self) -> dict:
+        """The servers' optimizer state for the rows ever touched: ``{"step": the table's step
+        count, "ids": row ids, <state key>: rows}``; loads onto any number of servers."""
+        if self.mode == "sync":
+            nothing = torch.empty(0, dtype=torch.long)
+            call_all([(s, _tables._lookup, (self.name, nothing, self._step)) for s in self._by_server],
+                     timeout=self.timeout)
+        got = call_all([(server, _tables._row_state, (self.name, first)) for first, _, server in self._ranges],
+                       timeout=self.timeout)
+        ids = torch.cat([i for _, i, _ in got]) if got else torch.empty(0, dtype=torch.long)
+        order = torch.argsort(ids)
+        out: dict[str, Any] = {"step": max(st for st, _, _ in got), "ids": ids[order]}
+        for key in got[0][2] if got else ():
+            out[key] = torch.cat([state[key] for _, _, state in got])[order]
+        return out
+
+    def load_optimizer_state_dict(self, state: dict) -> None:
+        """Send :meth:`optimizer_state_dict`'s state to this table's servers, re-sliced."""
+        ids = state["ids"].long()
+        keys = [k for k in state if k not in ("step", "ids")]
+        owner = self._owner_index(ids)
+        calls = []
+        for server in self._by_server:
+            mine = torch.zeros_like(ids, dtype=torch.bool)
+            for b, s in enumerate(self._owners):
+                if s == server:
+                    mine |= owner == b
+            calls.append((server, _tables._set_row_state,
+                          (self.name, int(state["step"]), ids[mine], {k: state[k][mine] for k in keys})))
+        call_all(calls, timeout=self.timeout)
+        self._step = int(state["step"])
+
     def step(self) -> None:
         """Push the touched rows' gradients (only those rows) and forget them."""
         pending, self._pending = self._pending, []

@@ -266,3 +266,41 @@ def _set_rows(name: str, ids: torch.Tensor, values: torch.Tensor) -> None:
                 with rows.lock:
                     slots = rows.slots(ids[mine], create=True)
                     rows.values[slots] = values[mine].to(rows.values.dtype)
+
+
+def _row_state(name: str, first: int) -> tuple[int, torch.Tensor, dict[str, torch.Tensor]]:
+    """The table's step count and, for the block starting at row ``first``, the ids of the rows
+    with optimizer state and that state (sorted by id)."""
+    table = _table(name)
+    for rows in table.blocks:
+        if rows.first == first:
+            with rows.lock:
+                if rows.slot_of is None:
+                    slots = rows.touched.nonzero().reshape(-1)
+                    ids = slots + rows.first
+                else:
+                    pairs = sorted((i, s) for i, s in rows.slot_of.items() if bool(rows.touched[s]))
+                    ids = torch.tensor([i for i, _ in pairs], dtype=torch.long)
+                    slots = torch.tensor([s for _, s in pairs], dtype=torch.long)
+                return table.step_count, ids, {k: v[slots].clone() for k, v in rows.state.items()}
+    raise LookupError(f"table {name!r} has no block starting at row {first} here")
+
+
+def _set_row_state(name: str, step_count: int, ids: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+    """Set the table's step count and the optimizer state of rows ``ids`` (they count as touched)."""
+    table = _table(name)
+    with table.lock:
+        table.step_count = step_count
+        owner = table._owner(ids) if ids.numel() else ids
+        for b, rows in enumerate(table.blocks):
+            mine = owner == b
+            if not bool(mine.any()):
+                continue
+            with rows.lock:
+                slots = rows.slots(ids[mine], create=True)
+                if state and not rows.state:
+                    size = rows.values.shape[0]
+                    rows.state = {k: torch.zeros(size, table.spec.dim, dtype=table.spec.dtype) for k in state}
+                for k, v in state.items():
+                    rows.state[k][slots] = v[mine].to(table.spec.dtype)
+                rows.touched[slots] = True
