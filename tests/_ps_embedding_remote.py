@@ -98,3 +98,35 @@ def reslice_run(name: str, servers: list, steps: int, start: int, checkpoint=Non
         bag.step()
     return {"weight": bag.state_dict()["weight"], "optim": bag.optimizer_state_dict(),
             "servers": sorted({s for _, _, s in bag._ranges})}
+
+
+def half_async_run(name: str) -> dict:
+    from remote_module.ps._embedding import ShardedEmbedding
+
+    emb = ShardedEmbedding(50, 2, ["ps0", "ps1"], name=name, mode="half_async", min_block_size=50,
+                           half_async_merge_every=3, half_async_merge_s=60.0, optimizer=(torch.optim.SGD, {"lr": 1.0}))
+    ids = torch.tensor([1, 30])
+    with torch.no_grad():
+        start = emb(ids).clone()
+    seen = []
+    for k in range(3):
+        emb(ids).sum().mul(k + 1).backward()  # gradient k + 1 on both rows
+        emb.step()
+        with torch.no_grad():
+            seen.append(emb(ids).clone())
+    return {"start": start, "seen": seen}
+
+
+def geo_run(name: str, k: int, steps: int) -> dict:
+    from remote_module.ps._embedding import ShardedEmbedding
+
+    emb = ShardedEmbedding(50, 2, ["ps0", "ps1"], name=name, mode="geo", min_block_size=50, geo_push_every=k,
+                           optimizer=(torch.optim.SGD, {"lr": 0.5}))
+    emb.load_state_dict({"weight": torch.arange(100, dtype=torch.float32).reshape(50, 2)})
+    server = []
+    for step in range(steps):
+        out = emb(torch.tensor([3, 40, 3]))
+        out.sum().backward()
+        emb.step()
+        server.append(emb.state_dict()["weight"][[3, 40]].clone())
+    return {"server": server}

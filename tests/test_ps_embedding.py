@@ -99,3 +99,20 @@ def test_a_checkpoint_from_two_servers_continues_identically_on_three(world):
     assert on_three["servers"] == ["ps0", "ps1", "ps2"]
     torch.testing.assert_close(on_three["weight"], on_two["weight"], atol=1e-6, rtol=1e-5)
     assert not torch.allclose(on_two["weight"], first["weight"])  # it trained after the checkpoint
+
+
+def test_half_async_tables_apply_the_sum_every_merge_every_pushes_and_lookups_do_not_force_it(world):
+    got = world.run({"trainer0": (r.half_async_run, name("half"))})["trainer0"]
+    start, seen = got["start"], got["seen"]
+    assert torch.equal(seen[0], start) and torch.equal(seen[1], start)  # queued, not applied
+    torch.testing.assert_close(seen[2], start - (1 + 2 + 3))  # the sum of the three, lr 1
+
+
+def test_geo_tables_push_local_deltas_every_k_steps(world):
+    got = world.run({"trainer0": (r.geo_run, name("geo"), 2, 4)})["trainer0"]
+    w0 = torch.tensor([[6.0, 7.0], [80.0, 81.0]])
+    # one trainer: row 3 gets gradient 2 per step (twice in the input), row 40 gets 1; lr 0.5
+    per_step = torch.tensor([[1.0, 1.0], [0.5, 0.5]])
+    expected = [w0, w0 - 2 * per_step, w0 - 2 * per_step, w0 - 4 * per_step]
+    for step, (a, b) in enumerate(zip(got["server"], expected)):
+        torch.testing.assert_close(a, b, msg=f"server rows after step {step + 1}")

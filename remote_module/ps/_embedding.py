@@ -44,12 +44,21 @@ class ShardedEmbedding(nn.Module):
         split_method: Any = RoundRobin(),
         min_block_size: int = 8192,
         seed: int = 0,
+        geo_push_every: int = 100,
+        half_async_merge_every: int = 4,
+        half_async_merge_s: float = 0.1,
     ) -> None:
         super().__init__()
         if init not in ("eager", "lazy"):
             raise ValueError(f"init must be 'eager' or 'lazy', got {init!r}")
-        if mode not in ("sync", "async"):
-            raise ValueError(f"mode must be 'sync' or 'async' (half_async and geo: not yet), got {mode!r}")
+        if mode not in ("sync", "async", "half_async", "geo"):
+            raise ValueError(f"mode must be one of sync, async, half_async, geo, got {mode!r}")
+        for what, value in (("geo_push_every", geo_push_every), ("half_async_merge_every", half_async_merge_every)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{what} must be a positive int, got {value!r}")
+        if not half_async_merge_s > 0:
+            raise ValueError(f"half_async_merge_s must be positive, got {half_async_merge_s!r}")
+        self.geo_push_every = geo_push_every
         if padding_idx is not None and not -num_embeddings <= padding_idx < num_embeddings:
             raise ValueError(f"padding_idx must be within num_embeddings ({num_embeddings}), got {padding_idx}")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
@@ -60,8 +69,12 @@ class ShardedEmbedding(nn.Module):
         names = [block_name("weight", b.index) for b in blocks]
         chosen = list(split_method(names, self.servers))
         self._ranges = [(b.offset // embedding_dim, b.size // embedding_dim, s) for b, s in zip(blocks, chosen)]
+        self._row_opt = row_optimizer(*optimizer)
         spec = _tables.TableSpec(num_embeddings, embedding_dim, torch.float32, init, seed, mode, num_trainers,
-                                 row_optimizer(*optimizer))
+                                 self._row_opt, half_async_merge_every, float(half_async_merge_s))
+        # geo: the rows this trainer touched, trained locally: id -> [row, row when pulled, state]
+        self._cache: dict[int, list] = {}
+        self._geo_steps = 0
         by_server: dict[str, list[tuple[int, int]]] = {}
         for first, count, server in self._ranges:
             by_server.setdefault(server, []).append((first, count))
@@ -100,11 +113,20 @@ class ShardedEmbedding(nn.Module):
                 per_server.setdefault(server, []).append(mine.nonzero().reshape(-1))
         servers = list(per_server)
         positions = [torch.cat(per_server[s]) for s in servers]
-        got = call_all([(s, _tables._lookup, (self.name, uniq[p], self._step)) for s, p in zip(servers, positions)],
-                       timeout=self.timeout)
+        if self.mode == "geo":  # cached rows are this trainer's; only the others are fetched
+            positions = [p[torch.tensor([int(uniq[j]) not in self._cache for j in p.tolist()], dtype=torch.bool)]
+                         if p.numel() else p for p in positions]
+        got = call_all([(s, _tables._lookup, (self.name, uniq[p], self._step)) for s, p in zip(servers, positions)
+                        if p.numel()], timeout=self.timeout)
         rows = torch.empty(uniq.numel(), self.embedding_dim)
-        for p, r in zip(positions, got):
+        for p, r in zip([p for p in positions if p.numel()], got):
             rows[p] = r
+            if self.mode == "geo":
+                for j, row in zip(p.tolist(), r):
+                    self._cache[int(uniq[j])] = [row.clone(), row.clone(), None]
+        if self.mode == "geo":
+            for j, i in enumerate(uniq.tolist()):
+                rows[j] = self._cache[i][0]
         if self.padding_idx is not None:
             rows[uniq == self.padding_idx] = 0.0  # as nn.Embedding: the padding row is zero, never trained
         if torch.is_grad_enabled():
@@ -196,8 +218,48 @@ class ShardedEmbedding(nn.Module):
         call_all(calls, timeout=self.timeout)
         self._step = int(state["step"])
 
+    def _geo_step(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
+        """geo: step the cached rows locally; every ``geo_push_every`` steps push ``row - pulled``
+        for every cached row and take the merged rows."""
+        from remote_module.ps._rowwise import coalesce, new_state, step_rows
+
+        self._geo_steps += 1
+        if ids.numel():
+            uniq, summed = coalesce(ids, grad)
+            fresh = new_state(self._row_opt, 1, self.embedding_dim, torch.float32)
+            before = {k: torch.stack([(self._cache[i][2] or {k2: v[0] for k2, v in fresh.items()})[k]
+                                      for i in uniq.tolist()]) for k in fresh}
+            rows = torch.stack([self._cache[i][0] for i in uniq.tolist()])
+            new_rows, after = step_rows(self._row_opt, rows, summed, before, self._geo_steps)
+            for j, i in enumerate(uniq.tolist()):
+                self._cache[i][0] = new_rows[j]
+                self._cache[i][2] = {k: v[j] for k, v in after.items()}
+        if self._geo_steps % self.geo_push_every:
+            return
+        ids = torch.tensor(sorted(self._cache), dtype=torch.long)
+        if not ids.numel():
+            return
+        deltas = torch.stack([self._cache[i][0] - self._cache[i][1] for i in ids.tolist()])
+        owner = self._owner_index(ids)
+        calls, sent = [], []
+        for server in self._by_server:
+            mine = torch.zeros_like(ids, dtype=torch.bool)
+            for b, s in enumerate(self._owners):
+                if s == server:
+                    mine |= owner == b
+            if bool(mine.any()):
+                calls.append((server, _tables._push_row_deltas, (self.name, ids[mine], deltas[mine])))
+                sent.append(ids[mine])
+        merged = call_all(calls, timeout=self.timeout)
+        self.pushed_bytes += sum(i.numel() * i.element_size() + d.numel() * d.element_size()
+                                 for _, _, (_, i, d) in calls)
+        for part_ids, rows in zip(sent, merged):
+            for i, row in zip(part_ids.tolist(), rows):
+                self._cache[i][0], self._cache[i][1] = row.clone(), row.clone()
+
     def step(self) -> None:
-        """Push the touched rows' gradients (only those rows) and forget them."""
+        """Push the touched rows' gradients (only those rows) and forget them (geo: step the
+        cached rows locally, push their deltas every ``geo_push_every`` steps)."""
         pending, self._pending = self._pending, []
         ids_parts, grad_parts = [], []
         for uniq, rows in pending:
@@ -207,6 +269,9 @@ class ShardedEmbedding(nn.Module):
                 grad_parts.append(rows.grad[keep])
         ids = torch.cat(ids_parts) if ids_parts else torch.empty(0, dtype=torch.long)
         grad = torch.cat(grad_parts) if grad_parts else torch.empty(0, self.embedding_dim)
+        if self.mode == "geo":
+            self._geo_step(ids, grad)
+            return
         owner = self._owner_index(ids)
         calls = []
         for server in self._by_server:

@@ -35,6 +35,8 @@ class TableSpec(NamedTuple):
     mode: str
     num_trainers: int
     optimizer: RowOptimizer
+    merge_every: int = 4  # half_async
+    merge_s: float = 0.1  # half_async
 
 
 def row_init(spec: TableSpec, ids: torch.Tensor) -> torch.Tensor:
@@ -128,6 +130,8 @@ class Table:
         self.step_count = 0
         self.pushed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.waiters: list[tuple[int, Future, torch.Tensor]] = []  # sync lookups for a later step
+        self.queued: list[tuple[torch.Tensor, torch.Tensor]] = []  # half_async pushes not applied yet
+        self.timer: threading.Timer | None = None
 
     def _owner(self, ids: torch.Tensor) -> torch.Tensor:
         """For each id, the index of the block that holds it (``ValueError`` for an id no block here holds)."""
@@ -168,6 +172,18 @@ class Table:
             if self.spec.mode == "async":
                 self.apply(ids, grad)
                 return
+            if self.spec.mode == "half_async":
+                self.queued.append((ids, grad))
+                if len(self.queued) >= self.spec.merge_every:
+                    self.merge()
+                elif self.timer is None:
+                    self.timer = threading.Timer(self.spec.merge_s, self._merge_later)
+                    self.timer.args = (self.timer,)
+                    self.timer.daemon = True
+                    self.timer.start()
+                return
+            if self.spec.mode == "geo":
+                raise ValueError(f"table {self.name!r} is in geo mode: trainers push row deltas, not gradients")
             if step != self.step_count:
                 raise RuntimeError(
                     f"table {self.name!r}: trainer {trainer!r} pushed step {step}, the table is at step {self.step_count}"
@@ -185,6 +201,32 @@ class Table:
         if self.spec.mode == "sync":
             for f, rows in answers:  # outside the lock: completing runs the answer's callbacks
                 f.set_result(rows)
+
+    def merge(self) -> None:
+        """half_async: apply the queued pushes' sum as one step (lock held)."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.queued:
+            queued, self.queued = self.queued, []
+            self.apply(torch.cat([i for i, _ in queued]), torch.cat([g for _, g in queued]))
+
+    def _merge_later(self, timer: threading.Timer) -> None:
+        with self.lock:
+            if self.timer is timer:  # not a timer a count merge already replaced
+                self.merge()
+
+    def add_deltas(self, ids: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
+        """geo: add ``deltas / num_trainers`` to rows ``ids`` (unique); their merged values."""
+        with self.lock:
+            owner = self._owner(ids)
+            for b, rows in enumerate(self.blocks):
+                mine = owner == b
+                if bool(mine.any()):
+                    with rows.lock:
+                        slots = rows.slots(ids[mine], create=True)
+                        rows.values[slots] += deltas[mine].to(rows.values.dtype) / self.spec.num_trainers
+            return self.lookup(ids)
 
     def memory_bytes(self) -> int:
         return sum(rows.memory_bytes() for rows in self.blocks)
@@ -234,6 +276,16 @@ def _lookup(name: str, ids: torch.Tensor, step: int = 0) -> Future:
 
 def _push_rows(name: str, trainer: str, step: int, ids: torch.Tensor, grad: torch.Tensor) -> None:
     _table(name).push(trainer, step, ids, grad)
+
+
+def _push_row_deltas(name: str, ids: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
+    return _table(name).add_deltas(ids, deltas)
+
+
+def _flush_table(name: str) -> None:
+    table = _table(name)
+    with table.lock:
+        table.merge()
 
 
 def _table_memory(name: str) -> int:
