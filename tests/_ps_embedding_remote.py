@@ -103,7 +103,7 @@ def reslice_run(name: str, servers: list, steps: int, start: int, checkpoint=Non
 def half_async_run(name: str) -> dict:
     from remote_module.ps._embedding import ShardedEmbedding
 
-    emb = ShardedEmbedding(50, 2, ["ps0", "ps1"], name=name, mode="half_async", min_block_size=50,
+    emb = ShardedEmbedding(50, 2, ["ps0", "ps1"], name=name, ps_mode="half_async", min_block_size=50,
                            half_async_merge_every=3, half_async_merge_s=60.0, optimizer=(torch.optim.SGD, {"lr": 1.0}))
     ids = torch.tensor([1, 30])
     with torch.no_grad():
@@ -120,7 +120,7 @@ def half_async_run(name: str) -> dict:
 def geo_run(name: str, k: int, steps: int) -> dict:
     from remote_module.ps._embedding import ShardedEmbedding
 
-    emb = ShardedEmbedding(50, 2, ["ps0", "ps1"], name=name, mode="geo", min_block_size=50, geo_push_every=k,
+    emb = ShardedEmbedding(50, 2, ["ps0", "ps1"], name=name, ps_mode="geo", min_block_size=50, geo_push_every=k,
                            optimizer=(torch.optim.SGD, {"lr": 0.5}))
     emb.load_state_dict({"weight": torch.arange(100, dtype=torch.float32).reshape(50, 2)})
     server = []

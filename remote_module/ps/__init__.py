@@ -7,7 +7,8 @@ server-side optimizers, and sync / async / half-async / geo training.
 """
 
 from remote_module.ps._dispatch import HashName, RoundRobin
+from remote_module.ps._embedding import ShardedEmbedding, ShardedEmbeddingBag
 from remote_module.ps._model import PSModel
 from remote_module.ps._slicing import Block, slice_blocks
 
-__all__ = ["slice_blocks", "Block", "RoundRobin", "HashName", "PSModel"]
+__all__ = ["slice_blocks", "Block", "RoundRobin", "HashName", "PSModel", "ShardedEmbedding", "ShardedEmbeddingBag"]

@@ -22,7 +22,7 @@ class ShardedEmbedding(nn.Module):
 
     Example (ps0, ps1 only join RPC and wait)::
 
-        emb = ShardedEmbedding(1_000_000, 16, ["ps0", "ps1"], name="user", mode="async")
+        emb = ShardedEmbedding(1_000_000, 16, ["ps0", "ps1"], name="user", ps_mode="async")
         out = emb(torch.tensor([[1, 5], [7, 1]]))     # (2, 2, 16)
         out.sum().backward()
         emb.step()                                    # pushes rows 1, 5, 7 only
@@ -39,7 +39,7 @@ class ShardedEmbedding(nn.Module):
         optimizer: tuple[type, dict] = (torch.optim.SGD, {"lr": 0.1}),
         init: str = "eager",
         timeout: float | None = None,
-        mode: str = "async",
+        ps_mode: str = "async",
         num_trainers: int = 1,
         split_method: Any = RoundRobin(),
         min_block_size: int = 8192,
@@ -51,8 +51,8 @@ class ShardedEmbedding(nn.Module):
         super().__init__()
         if init not in ("eager", "lazy"):
             raise ValueError(f"init must be 'eager' or 'lazy', got {init!r}")
-        if mode not in ("sync", "async", "half_async", "geo"):
-            raise ValueError(f"mode must be one of sync, async, half_async, geo, got {mode!r}")
+        if ps_mode not in ("sync", "async", "half_async", "geo"):
+            raise ValueError(f"ps_mode must be one of sync, async, half_async, geo, got {ps_mode!r}")
         for what, value in (("geo_push_every", geo_push_every), ("half_async_merge_every", half_async_merge_every)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{what} must be a positive int, got {value!r}")
@@ -63,14 +63,14 @@ class ShardedEmbedding(nn.Module):
             raise ValueError(f"padding_idx must be within num_embeddings ({num_embeddings}), got {padding_idx}")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = None if padding_idx is None else padding_idx % num_embeddings
-        self.name, self.timeout, self.mode, self.init = name, timeout, mode, init
+        self.name, self.timeout, self.ps_mode, self.init = name, timeout, ps_mode, init
         self.servers = tuple(rpc.get_worker_info(s).name for s in servers)
         blocks = slice_blocks((num_embeddings, embedding_dim), len(self.servers), min_block_size)
         names = [block_name("weight", b.index) for b in blocks]
         chosen = list(split_method(names, self.servers))
         self._ranges = [(b.offset // embedding_dim, b.size // embedding_dim, s) for b, s in zip(blocks, chosen)]
         self._row_opt = row_optimizer(*optimizer)
-        spec = _tables.TableSpec(num_embeddings, embedding_dim, torch.float32, init, seed, mode, num_trainers,
+        spec = _tables.TableSpec(num_embeddings, embedding_dim, torch.float32, init, seed, ps_mode, num_trainers,
                                  self._row_opt, half_async_merge_every, float(half_async_merge_s))
         # geo: the rows this trainer touched, trained locally: id -> [row, row when pulled, state]
         self._cache: dict[int, list] = {}
@@ -113,7 +113,7 @@ class ShardedEmbedding(nn.Module):
                 per_server.setdefault(server, []).append(mine.nonzero().reshape(-1))
         servers = list(per_server)
         positions = [torch.cat(per_server[s]) for s in servers]
-        if self.mode == "geo":  # cached rows are this trainer's; only the others are fetched
+        if self.ps_mode == "geo":  # cached rows are this trainer's; only the others are fetched
             positions = [p[torch.tensor([int(uniq[j]) not in self._cache for j in p.tolist()], dtype=torch.bool)]
                          if p.numel() else p for p in positions]
         got = call_all([(s, _tables._lookup, (self.name, uniq[p], self._step)) for s, p in zip(servers, positions)
@@ -121,10 +121,10 @@ class ShardedEmbedding(nn.Module):
         rows = torch.empty(uniq.numel(), self.embedding_dim)
         for p, r in zip([p for p in positions if p.numel()], got):
             rows[p] = r
-            if self.mode == "geo":
+            if self.ps_mode == "geo":
                 for j, row in zip(p.tolist(), r):
                     self._cache[int(uniq[j])] = [row.clone(), row.clone(), None]
-        if self.mode == "geo":
+        if self.ps_mode == "geo":
             for j, i in enumerate(uniq.tolist()):
                 rows[j] = self._cache[i][0]
         if self.padding_idx is not None:
@@ -137,7 +137,7 @@ class ShardedEmbedding(nn.Module):
     # ---- checkpoints: the local module's key ``weight`` (lazy: ``weight.ids``/``weight.rows``) ----
 
     def _stored(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.mode == "sync":  # once this trainer's last step is applied on every server
+        if self.ps_mode == "sync":  # once this trainer's last step is applied on every server
             nothing = torch.empty(0, dtype=torch.long)
             call_all([(s, _tables._lookup, (self.name, nothing, self._step)) for s in self._by_server],
                      timeout=self.timeout)
@@ -189,7 +189,7 @@ class ShardedEmbedding(nn.Module):
     def optimizer_state_dict(self) -> dict:
         """The servers' optimizer state for the rows ever touched: ``{"step": the table's step
         count, "ids": row ids, <state key>: rows}``; loads onto any number of servers."""
-        if self.mode == "sync":
+        if self.ps_mode == "sync":
             nothing = torch.empty(0, dtype=torch.long)
             call_all([(s, _tables._lookup, (self.name, nothing, self._step)) for s in self._by_server],
                      timeout=self.timeout)
@@ -269,7 +269,7 @@ class ShardedEmbedding(nn.Module):
                 grad_parts.append(rows.grad[keep])
         ids = torch.cat(ids_parts) if ids_parts else torch.empty(0, dtype=torch.long)
         grad = torch.cat(grad_parts) if grad_parts else torch.empty(0, self.embedding_dim)
-        if self.mode == "geo":
+        if self.ps_mode == "geo":
             self._geo_step(ids, grad)
             return
         owner = self._owner_index(ids)
@@ -279,7 +279,7 @@ class ShardedEmbedding(nn.Module):
             for b, s in enumerate(self._owners):
                 if s == server:
                     mine |= owner == b
-            if bool(mine.any()) or self.mode == "sync":
+            if bool(mine.any()) or self.ps_mode == "sync":
                 calls.append((server, _tables._push_rows, (self.name, self._trainer, self._step, ids[mine], grad[mine])))
         call_all(calls, timeout=self.timeout)
         self.pushed_bytes += sum(i.numel() * i.element_size() + g.numel() * g.element_size()
@@ -303,7 +303,7 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         if mode not in ("sum", "mean", "max"):
             raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
         # rows are fetched as they are; the bag skips padding ids as nn.EmbeddingBag does
-        super().__init__(num_embeddings, embedding_dim, servers, mode=ps_mode, **kwargs)
+        super().__init__(num_embeddings, embedding_dim, servers, ps_mode=ps_mode, **kwargs)
         self.bag_mode = mode
         self.bag_padding_idx = None if padding_idx is None else padding_idx % num_embeddings
 
