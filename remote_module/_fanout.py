@@ -118,6 +118,38 @@ def _timeout_seconds(timeout: float | None) -> float:
     return positive_seconds(timeout, "timeout")
 
 
+def answer_margin(seconds: float) -> float:
+    """Seconds a host keeps back, out of a call's ``seconds``, for the answer of a call it makes
+    in turn: a failure deeper in a chain is then reported, naming its worker, before the outer
+    call's own deadline (``math.inf``: none)."""
+    return 0.0 if seconds == math.inf else min(1.0, 0.1 * seconds)
+
+
+def nested_seconds(seconds: float) -> float:
+    """The budget of a call made inside a call of ``seconds``: ``seconds`` less
+    :func:`answer_margin` (at least 1 ms; ``math.inf`` stays ``math.inf``)."""
+    return seconds if seconds == math.inf else max(0.001, seconds - answer_margin(seconds))
+
+
+def send_and_forget(worker: Any, handler: Callable[..., Any], args: tuple = (), timeout: float = 30) -> None:
+    """Send ``handler(*args)`` to ``worker`` and never look at the answer: for messages whose
+    failure changes nothing (a release, a cancellation). Nothing is raised when RPC is down or
+    shutting down, or the worker is gone."""
+    if not is_rpc_initialized():
+        return
+    try:
+        rpc.rpc_async(worker, handler, args, timeout=timeout).add_done_callback(_ignore_answer)
+    except Exception:
+        pass  # RPC shutting down, or the worker gone: nothing to do there any more
+
+
+def _ignore_answer(fut: Future) -> None:
+    try:
+        fut.value()
+    except Exception:
+        pass
+
+
 def _handler_name(handler: Any) -> str:
     module = getattr(handler, "__module__", None)
     name = getattr(handler, "__qualname__", None) or repr(handler)

@@ -180,19 +180,24 @@ def shutdown_caller() -> dict:
             "shutdown_seconds": shutdown_seconds}
 
 
-def main(role: str, init_method: str, mode: str) -> None:
+def run_role(roles: tuple, role: str, init_method: str, mode: str, faults, shutdown) -> None:
+    """Join the world ``roles`` as ``role``: a host serves until the caller is done (or is
+    killed); the caller runs ``faults()`` (mode "faults") or prints ``shutdown()``'s report."""
     import torch.distributed.rpc as rpc
 
-    roles = ROLES[mode]
     options = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=20, num_worker_threads=16)
     rpc.init_rpc(role, rank=roles.index(role), world_size=len(roles), rpc_backend_options=options)
     if role != "caller":
         rpc.shutdown()  # serves until the caller is done (or is killed)
     elif mode == "faults":
-        faults_caller()
+        faults()
     else:
-        report = phase(shutdown_caller)
+        report = phase(shutdown)
         print("REPORT " + json.dumps(report), flush=True)
+
+
+def main(role: str, init_method: str, mode: str) -> None:
+    run_role(ROLES[mode], role, init_method, mode, faults_caller, shutdown_caller)
 
 
 if __name__ == "__main__":

@@ -76,10 +76,10 @@ def partial_load(job: str, keys: list[str]) -> dict:
     """The servers' values, then ``load_state_dict`` of zeros for ``keys`` only (strict=False),
     then the servers' values again and the load's result."""
     ps = base._models[job]
-    before = {k: v.clone() for k, v in ps._fetch_now().items()}
+    before = {k: v.clone() for k, v in ps._server_values().items()}
     shapes = dict(ps.module.named_parameters())
     result = ps.load_state_dict({k: torch.zeros_like(shapes[k]) for k in keys}, strict=False)
-    after = ps._fetch_now()
+    after = ps._server_values()
     return {"before": before, "after": after, "missing": list(result.missing_keys)}
 
 

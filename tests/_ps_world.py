@@ -15,6 +15,7 @@ values to pytest, which computes the local references itself. Every process is r
 from __future__ import annotations
 
 import base64
+import itertools
 import os
 import pickle
 import queue
@@ -130,6 +131,20 @@ class PSWorld:
         if os.path.exists(self._path):
             os.unlink(self._path)
         self._stderr.close()
+
+    def __enter__(self) -> "PSWorld":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+_job_ids = itertools.count()
+
+
+def job(what: str) -> str:
+    """A job name no other test of this pytest run uses (jobs live on for the world's life)."""
+    return f"{what}-{next(_job_ids)}"
 
 
 # ---- run on the driver -----------------------------------------------------------------------

@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 
-from tests._pipeline_fault_world import attempt, phase, wait_until
+from tests._pipeline_fault_world import attempt, phase, run_role, wait_until
 
 ROLES = {"faults": ("caller", "w1", "w2", "w3"), "shutdown": ("caller", "w1", "w2")}
 #: the timeout of every call in the fault phases
@@ -366,18 +366,7 @@ def shutdown_caller() -> dict:
 
 
 def main(role: str, init_method: str, mode: str) -> None:
-    import torch.distributed.rpc as rpc
-
-    roles = ROLES[mode]
-    options = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=20, num_worker_threads=16)
-    rpc.init_rpc(role, rank=roles.index(role), world_size=len(roles), rpc_backend_options=options)
-    if role != "caller":
-        rpc.shutdown()  # serves until the caller is done (or is killed)
-    elif mode == "faults":
-        faults_caller()
-    else:
-        report = phase(shutdown_caller)
-        print("REPORT " + json.dumps(report), flush=True)
+    run_role(ROLES[mode], role, init_method, mode, faults_caller, shutdown_caller)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
 from torch import nn
 
@@ -253,3 +255,15 @@ class SumNested(nn.Module):
 
     def forward(self, nested: dict, *, extra: list) -> torch.Tensor:
         return nested["a"][0] + nested["a"][1][0] + extra[0]
+
+
+class Pair(NamedTuple):
+    a: Any
+    b: Any
+
+
+class SumPair(nn.Module):
+    """Adds the two tensors of a named tuple."""
+
+    def forward(self, pair: Pair) -> torch.Tensor:
+        return pair.a + pair.b

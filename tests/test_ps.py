@@ -8,7 +8,6 @@ references are computed here, on the same models and batches."""
 
 from __future__ import annotations
 
-import itertools
 import zlib
 
 import pytest
@@ -17,7 +16,7 @@ from torch import nn
 
 from remote_module.ps import HashName
 from tests import _ps_remote as r
-from tests._ps_world import PSWorld
+from tests._ps_world import PSWorld, job
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -26,20 +25,12 @@ STEPS = 20
 #: small enough that every weight is cut into one block per server
 MIN_BLOCK = 4
 ADAM_ATOL = 1e-6  # as SGD: the two orders of summation differ by ~6e-8 after 20 Adam steps (measured)
-_ids = itertools.count()
 
 
 @pytest.fixture(scope="module")
 def world():
-    w = PSWorld({"ps": 3, "trainer": 3})
-    try:
+    with PSWorld({"ps": 3, "trainer": 3}) as w:
         yield w
-    finally:
-        w.close()
-
-
-def job(what: str) -> str:
-    return f"{what}-{next(_ids)}"
 
 
 def trainers(n: int) -> list[str]:

@@ -19,11 +19,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 @pytest.fixture(scope="module")
 def world():
-    w = PSWorld({"ps": 2, "trainer": 2})
-    try:
+    with PSWorld({"ps": 2, "trainer": 2}) as w:
         yield w
-    finally:
-        w.close()
 
 
 def _create_on(names, name, args, kwargs):  # on the driver: every trainer creates its PSModel at once

@@ -7,7 +7,6 @@ server comes last. Local references are plain torch on the same model (tests/_ps
 
 from __future__ import annotations
 
-import itertools
 import os
 import signal
 
@@ -16,7 +15,7 @@ import torch
 
 from tests import _ps_hostile_remote as h
 from tests import _ps_remote as r
-from tests._ps_world import PSWorld
+from tests._ps_world import PSWorld, job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -25,20 +24,12 @@ TIMEOUT = 2.0
 SLACK = 1.0
 SGD_MOMENTUM = (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.1})
 ADAM = (torch.optim.Adam, {"lr": 0.01, "weight_decay": 0.1})
-_ids = itertools.count()
 
 
 @pytest.fixture(scope="module")
 def world():
-    w = PSWorld({"ps": 2, "trainer": 2})
-    try:
+    with PSWorld({"ps": 2, "trainer": 2}) as w:
         yield w
-    finally:
-        w.close()
-
-
-def job(what: str) -> str:
-    return f"{what}-{next(_ids)}"
 
 
 def reference(optimizer: tuple, steps: int, **model_kwargs) -> dict:

@@ -368,6 +368,8 @@ def test_remote_tensors_nested_in_containers_stand_for_their_local_shards():
     lm = LocalModule(mesh, sr.SumNested, out_placements=Shard(0))
     out = lm({"a": [rx, (ry,)]}, extra=[rz])
     assert torch.equal(out.full_tensor(), x + y + z)
+    pair = LocalModule(mesh, sr.SumPair, out_placements=Shard(0))  # a named tuple is walked too
+    assert torch.equal(pair(sr.Pair(rx, ry)).full_tensor(), x + y)
     other = distribute(torch.arange(6.0), ["worker2", "worker1"], Shard(0))
     with pytest.raises(ValueError, match="input 0 lives on mesh"):
         lm({"a": [rx, (other,)]}, extra=[rz])

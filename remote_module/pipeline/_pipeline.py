@@ -14,7 +14,7 @@ from torch import nn
 from torch.futures import Future
 
 from remote_module._errors import CallTimeout, retyped, to_exception
-from remote_module._fanout import _timeout_seconds, call_async
+from remote_module._fanout import _timeout_seconds, answer_margin, call_async, send_and_forget
 from remote_module._torch_private import before_rref_deletion_at_shutdown
 from remote_module.pipeline import _hops
 from remote_module.remote_module import RemoteModule
@@ -64,12 +64,6 @@ def _window(stages: int) -> int:
     """Micro-batches in flight per forward: enough to keep every stage busy with one queued
     behind it at stage 0, and never more than :data:`MAX_IN_FLIGHT`."""
     return max(2, min(stages + 2, MAX_IN_FLIGHT))
-
-
-def _margin(seconds: float) -> float:
-    """Seconds each hop keeps back so that a failure deeper in the chain is reported, by the
-    stage before it, ahead of the timeout of the hop above."""
-    return 0.0 if seconds == math.inf else min(1.0, 0.1 * seconds)
 
 
 def _checked_stage(index: int, item: Any) -> Any:
@@ -245,7 +239,7 @@ class RemotePipeline(nn.Module):
             rpc.get_worker_info().name,
             next(_runs),
             tuple(_hops.Stage(s.on, s._target().key, s.device) for s in self.stages),
-            _margin(seconds),
+            answer_margin(seconds),
             n,
         )
         # Here, not in __init__: a pipeline that arrived over RPC runs in a process where no
@@ -285,11 +279,7 @@ class RemotePipeline(nn.Module):
 
         def cancel_all() -> None:
             for worker in {s.worker for s in route.stages}:
-                try:
-                    fut = rpc.rpc_async(worker, _hops._cancel, (route.caller, route.run), timeout=5)
-                    fut.add_done_callback(_ignore)
-                except Exception:
-                    pass  # RPC shutting down or the host gone: nothing left to cancel there
+                send_and_forget(worker, _hops._cancel, (route.caller, route.run), timeout=5)
 
         def watcher(mb: int):
             def settled(fut: Future) -> None:
@@ -370,11 +360,4 @@ class RemotePipeline(nn.Module):
             error = retyped(exc, f"{what} could not be reached with micro-batch {mb} of {n}: {reason}")
         error.__cause__ = exc
         return error
-
-
-def _ignore(fut: Future) -> None:
-    try:
-        fut.value()
-    except Exception:
-        pass
 

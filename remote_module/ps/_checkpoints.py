@@ -3,7 +3,6 @@ servers' optimizer state per parameter, both re-sliced on load (any number of se
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -14,7 +13,7 @@ from remote_module.ps import _server
 
 class PSCheckpoints:
     """Checkpoint methods of :class:`remote_module.ps.PSModel` (which provides the layout:
-    ``_slots``, ``_by_server()``, ``_params()``, ``_flat()``, ``_write()``, ``pull()``)."""
+    ``_slots``, ``_by_server()``, ``_params()``, ``_flat()``, ``_write()``, ``_server_values()``)."""
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
         """The local model's ``state_dict`` (its own keys) with the servers' current parameters
@@ -22,7 +21,7 @@ class PSCheckpoints:
         queued; geo: the local copy is left as it is)."""
         if self.mode == "half_async":
             self.flush()
-        values = self._fetch_now()
+        values = self._server_values()
         if self.mode != "geo":
             self._write(values)
             return self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
@@ -37,21 +36,6 @@ class PSCheckpoints:
             if prefix + pname in out:
                 out[prefix + pname] = flat.reshape(params[pname].shape)
         return out
-
-    def _fetch_now(self) -> dict[str, torch.Tensor]:
-        """The servers' current values by block name (nothing written into the local model)."""
-        # sync: wait until this trainer's own pushed steps are applied (as a pull does), else a
-        # checkpoint taken right after the last step() misses it while another trainer has not pushed
-        step = self._step if self.mode == "sync" else 0
-        seconds = self._seconds()
-        inner = seconds if seconds == math.inf else max(0.001, seconds - min(1.0, 0.1 * seconds))
-        by_server = self._by_server()
-        calls = [(server, _server._pull, (self.name, [s.name for s in slots], step, inner))
-                 for server, slots in by_server.items() if slots]
-        values = {}
-        for (_, _, (_, names, _, _)), got in zip(calls, call_all(calls, timeout=self.timeout)):
-            values.update(zip(names, got))
-        return values
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load the local model's ``state_dict`` and send its parameters to the servers."""

@@ -4,7 +4,6 @@ parameter servers."""
 from __future__ import annotations
 
 import hashlib
-import math
 from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
@@ -12,12 +11,12 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import nn
 
-from remote_module._fanout import _timeout_seconds, call_all
+from remote_module._fanout import _timeout_seconds, call_all, nested_seconds
 from remote_module._torch_private import is_rpc_initialized, worker_names
 from remote_module.ps import _server
 from remote_module.ps._checkpoints import PSCheckpoints
 from remote_module.ps._dispatch import RoundRobin
-from remote_module.ps._slicing import Block, block_name, slice_blocks
+from remote_module.ps._slicing import Block, _positive_int, block_name, slice_blocks
 from rpc_backend.options import positive_seconds
 
 
@@ -35,12 +34,6 @@ def _check_servers(servers: Any) -> tuple[str, ...]:
     if len(set(names)) != len(names):
         raise ValueError(f"servers name a worker twice: {list(servers)}")
     return tuple(names)
-
-
-def _positive(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{what} must be a positive int, got {value!r}")
-    return value
 
 
 class _Slot:
@@ -111,9 +104,9 @@ class PSModel(PSCheckpoints, nn.Module):
             raise ValueError(f"mode must be one of {', '.join(_server.MODES)}, got {mode!r}")
         if not is_rpc_initialized():
             raise RuntimeError("PSModel needs torch.distributed.rpc: call rpc.init_rpc(...) first")
-        _positive(num_trainers, "num_trainers")
-        _positive(geo_push_every, "geo_push_every")
-        _positive(half_async_merge_every, "half_async_merge_every")
+        _positive_int(num_trainers, "num_trainers")
+        _positive_int(geo_push_every, "geo_push_every")
+        _positive_int(half_async_merge_every, "half_async_merge_every")
         merge_s = positive_seconds(half_async_merge_s, "half_async_merge_s")
         if not (isinstance(optimizer, tuple) and len(optimizer) == 2 and isinstance(optimizer[0], type)
                 and issubclass(optimizer[0], torch.optim.Optimizer) and isinstance(optimizer[1], dict)):
@@ -229,18 +222,24 @@ class PSModel(PSCheckpoints, nn.Module):
             model.pull()
             print(model.module.weight)       # the servers' current values
         """
-        seconds = self._seconds()
-        inner = seconds if seconds == math.inf else max(0.001, seconds - min(1.0, 0.1 * seconds))
-        by_server = self._by_server()
-        calls = [(server, _server._pull, (self.name, [s.name for s in slots], self._step, inner, self._packable(slots)))
-                 for server, slots in by_server.items() if slots]
-        results = call_all(calls, timeout=self.timeout)
-        values = {}
-        for (server, _, args), got in zip(calls, results):
-            values.update(self._received(by_server[server], got))
+        values = self._server_values()
         self._write(values)
         if self.mode == "geo":
             self._pulled = {k: v.clone() for k, v in values.items()}
+
+    def _server_values(self) -> dict[str, torch.Tensor]:
+        """Every block's value on its server, by block name (nothing written locally). In sync
+        mode a server answers once this trainer's last step is applied there; the other modes
+        answer at once."""
+        seconds = self._seconds()
+        by_server = self._by_server()
+        calls = [(server, _server._pull,
+                  (self.name, [s.name for s in slots], self._step, nested_seconds(seconds), self._packable(slots)))
+                 for server, slots in by_server.items() if slots]
+        values = {}
+        for (server, _, _), got in zip(calls, call_all(calls, timeout=self.timeout)):
+            values.update(self._received(by_server[server], got))
+        return values
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Pull the parameters (not in geo mode, which trains its local copy), then run the model."""

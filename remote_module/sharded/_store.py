@@ -32,6 +32,7 @@ from remote_module._device import move_cpu_tensors, tensors_to_cpu
 from remote_module._fanout import call_all_async
 from remote_module._handlers import _device, _lookup
 from remote_module._torch_private import device_map_to
+from remote_module._walk import map_leaves
 # Imported with the store on purpose (it imports torch.distributed.tensor, ~1 s): a worker pays
 # for it on its first shard call, not inside a redistribute whose nested fetches have a budget.
 from remote_module.sharded import _placements as pl
@@ -114,14 +115,9 @@ def held_count() -> int:
 
 
 def _resolved(obj: Any) -> Any:
-    """``obj`` with every :class:`Ref` (at any depth of lists, tuples, dicts) replaced by its tensor."""
-    if isinstance(obj, Ref):
-        return _store.get(obj.sid)
-    if isinstance(obj, dict):
-        return {k: _resolved(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(_resolved(v) for v in obj)
-    return obj
+    """``obj`` with every :class:`Ref` (at any depth of lists, tuples, named tuples, dicts)
+    replaced by its tensor: the same walk the caller made to put the Refs there."""
+    return map_leaves(lambda ref: _store.get(ref.sid), obj, Ref)
 
 
 def compact(t: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from remote_module._fanout import _timeout_seconds, call_all
-from remote_module._torch_private import is_rpc_initialized
+from remote_module._fanout import _timeout_seconds, call_all, nested_seconds, send_and_forget
 from remote_module.sharded import _placements as pl
 from remote_module.sharded import _store
 from remote_module.sharded._mesh import check_mesh
@@ -97,24 +96,8 @@ class _Releaser:
             for worker, (sure_ids, unsure_ids) in pending.items():
                 for unsure, sids in ((False, sure_ids), (True, unsure_ids)):
                     if sids:
-                        _send_release(worker, sids, unsure)
-
-
-def _send_release(worker: str, sids: list[ShardId], unsure: bool) -> None:
-    if not is_rpc_initialized():
-        return  # the world is gone, and the shards with it
-    try:
-        fut = rpc.rpc_async(worker, _store._release, (sids, unsure), timeout=30)
-        fut.add_done_callback(_ignore)
-    except Exception:
-        pass  # RPC shutting down or the worker gone: nothing left to free there
-
-
-def _ignore(fut: Any) -> None:
-    try:
-        fut.value()
-    except Exception:
-        pass
+                        # the world gone (RPC down) takes the shards with it: nothing to free then
+                        send_and_forget(worker, _store._release, (sids, unsure))
 
 
 _releaser = _Releaser()
@@ -278,7 +261,7 @@ class RemoteTensor:
         new = [ids[0] for ids in new_sids(n)]
         peers = list(zip(self.mesh, self._sids))
         seconds = _timeout_seconds(self._timeout(timeout))
-        inner = seconds if seconds == float("inf") else max(0.001, seconds - min(1.0, 0.1 * seconds))
+        inner = nested_seconds(seconds)
         grad = torch.is_grad_enabled()
         calls = [
             (w, _store._redistribute, (sid, new[r], self.placement, dst, r, peers, inner, grad))

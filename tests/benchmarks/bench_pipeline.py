@@ -31,9 +31,6 @@ table with the issue's targets and writes JSON (bench-pipeline-results.json by d
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
 import time
 from typing import Any, Callable
@@ -44,6 +41,7 @@ import torch.distributed.rpc as rpc
 
 from rpc_backend import current_worker, init_role_process_group, run_local
 from tests.benchmarks import _pipeline_hosts as hosts
+from tests.benchmarks._common import one_thread_per_rank, parse_args, publish
 from tests.benchmarks.bench_remote_module import _verdict
 
 STAGE_WORKERS = ["stage0", "stage1"]
@@ -224,29 +222,14 @@ def report(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description="remote_module pipeline benchmark")
-    parser.add_argument("--quick", action="store_true", help="small sizes (for a smoke run)")
-    parser.add_argument("--json", default="bench-pipeline-results.json")
-    args = parser.parse_args(argv)
+    args = parse_args("remote_module pipeline benchmark", "bench-pipeline-results.json", argv)
     cfg = dict(QUICK if args.quick else FULL)
-    # Spawned ranks inherit the environment: OMP_NUM_THREADS is in place before they import torch.
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
+    with one_thread_per_rank():
         results = run_local(rank_main, 3, roles={"caller": 1, "stage": 2}, args=(cfg,), timeout=900)[0]
-    finally:
-        if saved is None:
-            del os.environ["OMP_NUM_THREADS"]
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
     results["ratios"] = ratios(results)
     alone = results["fwd_no_grad_samples_s"]["stage 0 + stage 1 compute alone"]
     results["compute_alone_median_over_fastest"] = statistics.median(alone) / min(alone)  # > 1.15: busy
-    print(report(results))
-    with open(args.json, "w") as f:
-        json.dump(results, f, indent=2)
-    print(f"\nwritten to {args.json}")
-    return results
+    return publish(results, report(results), args.json)
 
 
 if __name__ == "__main__":

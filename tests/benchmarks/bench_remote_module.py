@@ -13,8 +13,6 @@ every ratio compares medians from this one run. The distributed-autograd section
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import time
@@ -25,6 +23,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import nn
 
+from tests.benchmarks._common import parse_args, publish
 from rpc_backend import run_local
 
 SMALL_IN = 16
@@ -257,10 +256,7 @@ def _verdict(name: str, value: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description="remote_module benchmark")
-    parser.add_argument("--quick", action="store_true", help="small sizes (for a smoke run)")
-    parser.add_argument("--json", default="bench-results.json")
-    args = parser.parse_args(argv)
+    args = parse_args("remote_module benchmark", "bench-results.json", argv)
     cfg = (
         {"blocks": 9, "per_block": 40, "large_blocks": 3, "memory_calls": 2000}
         if args.quick
@@ -268,11 +264,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     results = run_local(rank_main, 2, names=["caller", "host"], args=(cfg,), timeout=1800)[0]
     results["ratios"] = ratios(results)
-    print(report(results))
-    with open(args.json, "w") as f:
-        json.dump(results, f, indent=2)
-    print(f"\nwritten to {args.json}")
-    return results
+    return publish(results, report(results), args.json)
 
 
 if __name__ == "__main__":

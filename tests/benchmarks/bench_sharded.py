@@ -39,9 +39,6 @@ a table with the issue's targets and writes JSON (bench-sharded-results.json by 
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
 import time
 from typing import Any, Callable
@@ -53,6 +50,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from rpc_backend import run_local
 from tests.benchmarks import _sharded_hosts as hosts
 from tests.benchmarks._caller_bytes import CallerBytes
+from tests.benchmarks._common import one_thread_per_rank, parse_args, publish
 from tests.benchmarks.bench_remote_module import _verdict
 
 HOSTS = ["host0", "host1", "host2"]
@@ -284,28 +282,13 @@ def report(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description="remote_module sharded-module benchmark")
-    parser.add_argument("--quick", action="store_true", help="small sizes (for a smoke run)")
-    parser.add_argument("--json", default="bench-sharded-results.json")
-    args = parser.parse_args(argv)
+    args = parse_args("remote_module sharded-module benchmark", "bench-sharded-results.json", argv)
     cfg = dict(QUICK if args.quick else FULL)
-    # Spawned ranks inherit the environment: OMP_NUM_THREADS is in place before they import torch.
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
+    with one_thread_per_rank():
         results = run_local(rank_main, 1 + len(HOSTS), roles={"caller": 1, "host": len(HOSTS)}, args=(cfg,),
                             timeout=900)[0]
-    finally:
-        if saved is None:
-            del os.environ["OMP_NUM_THREADS"]
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
     results["ratios"] = ratios(results)
-    print(report(results))
-    with open(args.json, "w") as f:
-        json.dump(results, f, indent=2)
-    print(f"\nwritten to {args.json}")
-    return results
+    return publish(results, report(results), args.json)
 
 
 if __name__ == "__main__":
