@@ -144,6 +144,9 @@ def _progress(total: int, position: int, enabled: bool):
 
 
 def _rank(args: argparse.Namespace) -> dict | None:
+    # Ranks sharing a machine's cores: more intra-op threads than cores per rank only spin
+    # (OpenMP waits busily after each parallel op) and slow down the other ranks' RPCs.
+    torch.set_num_threads(args.threads)
     if current_worker().role == "ps":
         return None
     return train(args)
@@ -186,9 +189,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--servers", type=int, default=2)
     parser.add_argument("--trainers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads per rank (default: this machine's cores / local ranks, at least 1)")
     parser.add_argument("--no-progress", dest="progress", action="store_false")
     parser.add_argument("--plot", default="dlrm-demo.png", help="loss curve PNG (needs matplotlib)")
     args = parser.parse_args(argv)
+    if args.threads is None:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", args.servers + args.trainers))
+        args.threads = max(1, (os.cpu_count() or 1) // local)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: one rank here
         world = read_env()["world_size"]
         args.trainers = world - args.servers

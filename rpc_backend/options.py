@@ -99,12 +99,4 @@ def make_options(
         kwargs["device_maps"] = maps
     if device_list is not None:
         kwargs["devices"] = device_list
-    # EXPERIMENT (issue 12 branch): TensorPipe's shm transport busy-polls (~0.7 core per idle
-    # process); with more processes than cores, uv alone may be faster overall.
-    import os
-
-    transports = os.environ.get("REMOTE_MODULE_TP_TRANSPORTS")
-    if transports:
-        kwargs["_transports"] = transports.split(",")
-        kwargs["_channels"] = ["basic"]
     return rpc.TensorPipeRpcBackendOptions(**kwargs)
