@@ -130,3 +130,77 @@ def geo_run(name: str, k: int, steps: int) -> dict:
         emb.step()
         server.append(emb.state_dict()["weight"][[3, 40]].clone())
     return {"server": server}
+
+
+class Clicks(nn.Module):
+    """A sharded bag feeding a local linear layer: the smallest hybrid of table and dense part."""
+
+    def __init__(self, bag: nn.Module) -> None:
+        super().__init__()
+        self.bag = bag
+        torch.manual_seed(0)
+        self.dense = nn.Linear(4, 1)
+
+    def forward(self, ids, offsets):
+        return self.dense(self.bag(ids, offsets)).squeeze(1)
+
+
+def click_batches(seed: int, n: int, parity: int | None = None):
+    """(ids, offsets, target) batches; with ``parity``, ids of that parity only (rows no other
+    trainer touches)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, 200, (12,), generator=g)
+        if parity is not None:
+            ids = ids // 2 * 2 + parity
+        out.append((ids, torch.tensor([0, 3, 7, 7]), torch.randn(4, generator=g)))
+    return out
+
+
+def _table(name: str, mode: str, num_trainers: int, merge_every: int):
+    from remote_module.ps import ShardedEmbeddingBag
+
+    bag = ShardedEmbeddingBag(200, 4, ["ps0", "ps1"], name=name, mode="sum", ps_mode=mode, num_trainers=num_trainers,
+                              optimizer=(torch.optim.SGD, {"lr": 0.1}), min_block_size=200, geo_push_every=1,
+                              half_async_merge_every=merge_every)
+    bag.load_state_dict(local_bag(0, "sum").state_dict())
+    return bag
+
+
+def psmodel_run(name: str, mode: str, steps: int) -> dict:
+    """One trainer: a PSModel holding a sharded bag and a Linear (dense blocks on ps1, ps2), in
+    ``mode``; the outputs and the final state_dict."""
+    from remote_module.ps import PSModel
+
+    model = PSModel(Clicks(_table(name + "-bag", mode, 1, 1)), ["ps1", "ps2"], name=name, num_trainers=1, mode=mode,
+                    optimizer=(torch.optim.SGD, {"lr": 0.1}), geo_push_every=1, half_async_merge_every=1)
+    outs = []
+    for ids, offsets, target in click_batches(3, steps):
+        out = model(ids, offsets)
+        outs.append(out.detach())
+        ((out - target) ** 2).mean().backward()
+        model.step()
+    return {"outs": outs, "state": model.state_dict(), "optim": model.optimizer_state_dict()}
+
+
+def ddp_run(name: str, mode: str, rank: int, store_path: str, steps: int) -> dict:
+    """Trainer ``rank`` of 2: the Linear under DDP (gloo among the two trainers), the bag on the
+    servers in ``mode``, each trainer on rows of its own parity; the final bag rows and Linear."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    try:
+        model = Clicks(_table(name, mode, 2, 1))
+        model.dense = DDP(model.dense)
+        opt = torch.optim.SGD(model.dense.parameters(), lr=0.1)
+        for ids, offsets, target in click_batches(10 + rank, steps, parity=rank):
+            opt.zero_grad()
+            ((model(ids, offsets) - target) ** 2).mean().backward()
+            opt.step()
+            model.bag.step()
+        dist.barrier()  # both trainers' last pushes are in before the rows are read
+        return {"rows": model.bag.state_dict()["weight"], "dense": model.dense.module.state_dict()}
+    finally:
+        dist.destroy_process_group()

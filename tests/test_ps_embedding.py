@@ -116,3 +116,54 @@ def test_geo_tables_push_local_deltas_every_k_steps(world):
     expected = [w0, w0 - 2 * per_step, w0 - 2 * per_step, w0 - 4 * per_step]
     for step, (a, b) in enumerate(zip(got["server"], expected)):
         torch.testing.assert_close(a, b, msg=f"server rows after step {step + 1}")
+
+
+def local_clicks():
+    bag = torch.nn.EmbeddingBag(200, 4, mode="sum", sparse=True)
+    bag.load_state_dict(r.local_bag(0, "sum").state_dict())
+    return r.Clicks(bag)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "half_async", "geo"])
+def test_a_psmodel_trains_its_tables_and_dense_parameters_like_the_local_model(world, mode):
+    got = world.run({"trainer0": (r.psmodel_run, name(f"psm-{mode}"), mode, 4)})["trainer0"]
+    local = local_clicks()
+    opt = torch.optim.SGD(local.parameters(), lr=0.1)
+    for (ids, offsets, target), out in zip(r.click_batches(3, 4), got["outs"]):
+        ref = local(ids, offsets)
+        torch.testing.assert_close(out, ref.detach(), atol=1e-6, rtol=0)
+        opt.zero_grad()
+        ((ref - target) ** 2).mean().backward()
+        opt.step()
+    assert set(got["state"]) == set(local.state_dict())  # the local model's own keys
+    for key, value in local.state_dict().items():
+        torch.testing.assert_close(got["state"][key], value, atol=1e-6, rtol=0)
+    assert set(got["optim"]["tables"]) == {"bag"}
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "half_async", "geo"])
+def test_tables_train_beside_a_ddp_dense_part(world, mode, tmp_path):
+    n = name(f"ddp-{mode}")
+    store = str(tmp_path / "store")
+    got = world.run({f"trainer{i}": (r.ddp_run, n, mode, i, store, 3) for i in range(2)})
+    # the reference: DDP averages the Linear's gradients; each trainer's rows (its own parity)
+    # get its gradient as the mode applies it: averaged over the 2 trainers in sync and geo
+    # (deltas / num_trainers), as pushed in async and half_async
+    local = local_clicks()
+    opt = torch.optim.SGD(local.dense.parameters(), lr=0.1)
+    row_opt = torch.optim.SGD(local.bag.parameters(), lr=0.1 * (0.5 if mode in ("sync", "geo") else 1.0))
+    data = [r.click_batches(10 + i, 3, parity=i) for i in range(2)]
+    for step in range(3):
+        opt.zero_grad()
+        row_opt.zero_grad()
+        loss = sum(((local(ids, offsets) - target) ** 2).mean() for ids, offsets, target in (d[step] for d in data))
+        # the Linear's gradient is the trainers' mean; each row's is its own trainer's in full
+        loss.backward()
+        for p in local.dense.parameters():
+            p.grad /= 2
+        opt.step()
+        row_opt.step()
+    for i in range(2):
+        torch.testing.assert_close(got[f"trainer{i}"]["rows"], local.bag.weight.detach(), atol=1e-6, rtol=0)
+        for key, value in local.dense.state_dict().items():
+            torch.testing.assert_close(got[f"trainer{i}"]["dense"][key], value, atol=1e-6, rtol=0)

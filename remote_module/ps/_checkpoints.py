@@ -88,7 +88,8 @@ class PSCheckpoints:
                 else:
                     entry[key] = values[0]
             state[pname] = entry
-        return {"state": state, "optimizer": self.optimizer[0].__name__, "per_element": per_element}
+        tables = {qual: table.optimizer_state_dict() for qual, table in self._tables.items()}
+        return {"state": state, "optimizer": self.optimizer[0].__name__, "per_element": per_element, "tables": tables}
 
     def load_optimizer_state_dict(self, state_dict: dict) -> None:
         """Send optimizer state from :meth:`optimizer_state_dict` to the servers, re-sliced."""
@@ -99,6 +100,10 @@ class PSCheckpoints:
                 f"the optimizer state is for {state_dict.get('optimizer')!r}, this job uses {self.optimizer[0].__name__!r}"
             )
         params = self._params()
+        tables = state_dict.get("tables", {})
+        missing = [qual for qual in self._tables if qual not in tables]
+        if missing:
+            raise KeyError(f"the optimizer state has no entry for sharded table(s) {missing}")
         marked = state_dict.get("per_element")
         for pname, p in params.items():  # checked before anything is sent
             entry = state_dict["state"].get(pname)
@@ -129,4 +134,6 @@ class PSCheckpoints:
             if states:
                 calls.append((server, _server._load_optimizer_state, (self.name, states)))
         call_all(calls, timeout=self.timeout)
+        for qual, table in self._tables.items():
+            table.load_optimizer_state_dict(tables[qual])
 

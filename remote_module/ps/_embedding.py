@@ -64,6 +64,7 @@ class ShardedEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = None if padding_idx is None else padding_idx % num_embeddings
         self.name, self.timeout, self.ps_mode, self.init = name, timeout, ps_mode, init
+        self.num_trainers = num_trainers
         self.servers = tuple(rpc.get_worker_info(s).name for s in servers)
         blocks = slice_blocks((num_embeddings, embedding_dim), len(self.servers), min_block_size)
         names = [block_name("weight", b.index) for b in blocks]
@@ -136,11 +137,27 @@ class ShardedEmbedding(nn.Module):
 
     # ---- checkpoints: the local module's key ``weight`` (lazy: ``weight.ids``/``weight.rows``) ----
 
-    def _stored(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.ps_mode == "sync":  # once this trainer's last step is applied on every server
+    def _settle(self) -> None:
+        """Before reading the servers' rows for a checkpoint: sync waits until this trainer's
+        last step is applied on every server; half_async applies what is queued."""
+        if self.ps_mode == "sync":
             nothing = torch.empty(0, dtype=torch.long)
             call_all([(s, _tables._lookup, (self.name, nothing, self._step)) for s in self._by_server],
                      timeout=self.timeout)
+        elif self.ps_mode == "half_async":
+            self.flush()
+
+    def flush(self) -> None:
+        """half_async: have the servers apply the queued pushes now (no-op in other modes)."""
+        if self.ps_mode == "half_async":
+            call_all([(s, _tables._flush_table, (self.name,)) for s in self._by_server], timeout=self.timeout)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the gradients of the lookups since the last :meth:`step` (nothing is pushed)."""
+        self._pending = []
+
+    def _stored(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self._settle()
         calls = [(server, _tables._block_rows, (self.name, first)) for first, _, server in self._ranges]
         got = call_all(calls, timeout=self.timeout)
         ids = torch.cat([i for i, _ in got])
@@ -189,10 +206,7 @@ class ShardedEmbedding(nn.Module):
     def optimizer_state_dict(self) -> dict:
         """The servers' optimizer state for the rows ever touched: ``{"step": the table's step
         count, "ids": row ids, <state key>: rows}``; loads onto any number of servers."""
-        if self.ps_mode == "sync":
-            nothing = torch.empty(0, dtype=torch.long)
-            call_all([(s, _tables._lookup, (self.name, nothing, self._step)) for s in self._by_server],
-                     timeout=self.timeout)
+        self._settle()
         got = call_all([(server, _tables._row_state, (self.name, first)) for first, _, server in self._ranges],
                        timeout=self.timeout)
         ids = torch.cat([i for _, i, _ in got]) if got else torch.empty(0, dtype=torch.long)

@@ -16,6 +16,7 @@ from remote_module._torch_private import is_rpc_initialized, worker_names
 from remote_module.ps import _server
 from remote_module.ps._checkpoints import PSCheckpoints
 from remote_module.ps._dispatch import RoundRobin
+from remote_module.ps._embedding import ShardedEmbedding
 from remote_module.ps._slicing import Block, _positive_int, block_name, slice_blocks
 from rpc_backend.options import positive_seconds
 
@@ -34,6 +35,19 @@ def _check_servers(servers: Any) -> tuple[str, ...]:
     if len(set(names)) != len(names):
         raise ValueError(f"servers name a worker twice: {list(servers)}")
     return tuple(names)
+
+
+def _tables_in(model: nn.Module, mode: str, num_trainers: int) -> dict[str, ShardedEmbedding]:
+    """The sharded tables inside ``model`` by qualified name, checked to train in ``mode``
+    with ``num_trainers`` (their rows live on their own servers; the PSModel steps them)."""
+    tables = {qual: m for qual, m in model.named_modules() if isinstance(m, ShardedEmbedding)}
+    for qual, table in tables.items():
+        if table.ps_mode != mode or table.num_trainers != num_trainers:
+            raise ValueError(
+                f"table {qual!r} trains with ps_mode={table.ps_mode!r}, num_trainers={table.num_trainers}, but the "
+                f"PSModel with mode={mode!r}, num_trainers={num_trainers}: build the table with the same ones"
+            )
+    return tables
 
 
 class _Slot:
@@ -112,6 +126,7 @@ class PSModel(PSCheckpoints, nn.Module):
                 and issubclass(optimizer[0], torch.optim.Optimizer) and isinstance(optimizer[1], dict)):
             raise TypeError(f"optimizer must be (a torch.optim.Optimizer class, kwargs dict), got {optimizer!r}")
         self.module = model
+        self._tables = _tables_in(model, mode, num_trainers)
         self.servers = _check_servers(servers)
         self.name, self.mode, self.num_trainers = name, mode, num_trainers
         self.optimizer = optimizer
@@ -256,6 +271,17 @@ class PSModel(PSCheckpoints, nn.Module):
             loss.backward()
             model.step()
         """
+        self._step_dense()
+        for table in self._tables.values():
+            table.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the local gradients, and the tables' gradients since their last step."""
+        super().zero_grad(set_to_none)
+        for table in self._tables.values():
+            table.zero_grad()
+
+    def _step_dense(self) -> None:
         if self.mode == "geo":
             self._local_opt.step()
             self._local_opt.zero_grad(set_to_none=True)
@@ -299,6 +325,8 @@ class PSModel(PSCheckpoints, nn.Module):
     def flush(self) -> None:
         """half_async: have the servers apply what they have queued now (no-op in other modes)."""
         call_all([(s, _server._flush, (self.name,)) for s in self.servers], timeout=self.timeout)
+        for table in self._tables.values():
+            table.flush()
 
     def stats(self) -> dict[str, dict]:
         """Per server: steps applied (sync), pushes applied, attached trainers, queued pushes."""
