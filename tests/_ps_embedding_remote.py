@@ -13,11 +13,16 @@ def local_bag(seed: int, mode: str, padding_idx=None) -> nn.EmbeddingBag:
     return nn.EmbeddingBag(200, 4, mode=mode, padding_idx=padding_idx)
 
 
-def batches(seed: int, n: int, with_weights: bool):
+def batches(seed: int, n: int, with_weights: bool, pad: int | None = None):
+    """(ids, offsets, per_sample_weights, target) for 4 bags (the second empty); with ``pad``,
+    the first bag holds the padding id and the last bag nothing else."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
         ids = torch.randint(0, 200, (15,), generator=g)
+        if pad is not None:
+            ids[1] = pad
+            ids[9:] = pad
         offsets = torch.tensor([0, 4, 4, 9])
         psw = torch.rand(15, generator=g) if with_weights else None
         target = torch.randn(4, 4, generator=g)
@@ -35,7 +40,7 @@ def bag_run(name: str, mode: str, padding_idx, optimizer: tuple, steps: int, ps_
                               optimizer=optimizer, min_block_size=200, ps_mode=ps_mode, num_trainers=num_trainers)
     bag.load_state_dict(local_bag(0, mode, padding_idx).state_dict())
     outs = []
-    for ids, offsets, psw, target in batches(data_seed, steps, mode == "sum"):
+    for ids, offsets, psw, target in batches(data_seed, steps, mode == "sum", padding_idx):
         out = bag(ids, offsets, psw)
         outs.append(out.detach())
         ((out - target) ** 2).sum().backward()
@@ -204,3 +209,56 @@ def ddp_run(name: str, mode: str, rank: int, store_path: str, steps: int) -> dic
         return {"rows": model.bag.state_dict()["weight"], "dense": model.dense.module.state_dict()}
     finally:
         dist.destroy_process_group()
+
+
+def form_inputs():
+    """Inputs in the forms nn.Embedding / nn.EmbeddingBag take, and two they refuse."""
+    g = torch.Generator().manual_seed(4)
+    ids2d = torch.randint(0, 200, (3, 5), generator=g)
+    ids2d[0, 1] = 2  # the padding id
+    flat = torch.randint(0, 200, (15,), generator=g)
+    return {"ids2d": ids2d, "flat": flat, "offsets": torch.tensor([0, 4, 4, 9]),
+            "psw": torch.rand(15, generator=g)}
+
+
+def local_forms():
+    torch.manual_seed(5)
+    emb = nn.Embedding(200, 4, padding_idx=2)
+    bags = {mode: nn.EmbeddingBag(200, 4, mode=mode) for mode in ("sum", "mean", "max")}
+    return emb, bags
+
+
+def forms_run(name: str, local: bool = False) -> dict:
+    """Lookups in every form, on the sharded modules (or, with ``local``, on local_forms()):
+    outputs, the gradient of per_sample_weights, and the errors of refused calls."""
+    from remote_module.ps import ShardedEmbedding, ShardedEmbeddingBag
+
+    emb, bags = local_forms()
+    if not local:
+        sharded = ShardedEmbedding(200, 4, ["ps0", "ps1"], name=name + "-emb", padding_idx=2, min_block_size=200)
+        sharded.load_state_dict(emb.state_dict())
+        emb = sharded
+        for mode in list(bags):
+            bag = ShardedEmbeddingBag(200, 4, ["ps0", "ps1"], name=f"{name}-{mode}", mode=mode, min_block_size=200)
+            bag.load_state_dict(bags[mode].state_dict())
+            bags[mode] = bag
+    x = form_inputs()
+    out = {"emb": emb(x["ids2d"]).detach()}
+    for mode, bag in bags.items():
+        with torch.no_grad():
+            out[f"{mode}-2d"] = bag(x["ids2d"])
+            out[f"{mode}-offsets"] = bag(x["flat"], x["offsets"])
+    psw = x["psw"].clone().requires_grad_(True)
+    bags["sum"](x["flat"], x["offsets"], psw).pow(2).sum().backward()
+    out["psw-grad"] = psw.grad
+    errors = {}
+    for what, call in (("psw with mean", lambda: bags["mean"](x["flat"], x["offsets"], x["psw"])),
+                       ("2-d with offsets", lambda: bags["sum"](x["ids2d"], x["offsets"])),
+                       ("1-d without offsets", lambda: bags["sum"](x["flat"]))):
+        try:
+            call()
+            errors[what] = None
+        except Exception as exc:  # noqa: BLE001 - the test compares them with torch's
+            errors[what] = (type(exc).__name__, str(exc))
+    out["errors"] = errors
+    return out

@@ -89,6 +89,8 @@ class ShardedEmbedding(nn.Module):
         starts = torch.tensor([first for first, _, _ in self._ranges])
         self.register_buffer("_starts", starts, persistent=False)
         self._owners = [server for _, _, server in self._ranges]
+        self._server_names = list(by_server)
+        self._block_server = torch.tensor([self._server_names.index(s) for s in self._owners], dtype=torch.long)
 
     def _owner_index(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.searchsorted(self._starts, ids, right=True) - 1
@@ -97,15 +99,22 @@ class ShardedEmbedding(nn.Module):
         uniq, inverse, rows = self._rows_of(input)
         return rows[inverse].reshape(*input.shape, self.embedding_dim)
 
-    def _rows_of(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Unique ids of ``input``, each id's index among them, and their rows (fetched from
-        the owning servers concurrently; recorded for :meth:`step` when grad is on)."""
-        if input.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"{type(self).__name__} takes integer ids, got {input.dtype}")
+    def _unique(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``input`` flattened (checked: integer ids in range), its unique ids, and each
+        position's index among them."""
+        if not isinstance(input, torch.Tensor) or input.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{type(self).__name__} takes a tensor of integer ids, got "
+                            f"{getattr(input, 'dtype', type(input).__name__)}")
         flat = input.reshape(-1).long()
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
             raise IndexError(f"ids must be in [0, {self.num_embeddings}), got {int(flat.min())}..{int(flat.max())}")
         uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+        return flat, uniq, inverse
+
+    def _rows_of(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Unique ids of ``input``, each id's index among them, and their rows (fetched from
+        the owning servers concurrently; recorded for :meth:`step` when grad is on)."""
+        _, uniq, inverse = self._unique(input)
         owner = self._owner_index(uniq)
         per_server: dict[str, list[torch.Tensor]] = {}
         for b, server in enumerate(self._owners):
@@ -323,6 +332,73 @@ class ShardedEmbeddingBag(ShardedEmbedding):
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Bags of rows pooled as ``nn.EmbeddingBag`` does (same arguments, same errors).
+
+        The servers pool their own rows of each bag (sums, weighted by ``per_sample_weights``;
+        a mean is the sum over the bag's size; maxima with the row that holds each), so only
+        ``(bags, dim)`` partial results travel. In geo mode, and when ``per_sample_weights``
+        needs a gradient (which needs the rows), the rows are fetched and pooled here instead.
+        """
+        needs_rows = self.ps_mode == "geo" or (
+            per_sample_weights is not None and per_sample_weights.requires_grad and torch.is_grad_enabled())
+        if needs_rows:
+            return self._pool_here(input, offsets, per_sample_weights)
+        flat, uniq, inverse = self._unique(input)
+        grad = torch.is_grad_enabled()
+        # zero rows standing for the unique ids: torch's own embedding_bag on them checks the
+        # arguments as nn.EmbeddingBag does, gives the output's shape and, for sum and mean, the
+        # exact path of each bag's gradient back to its rows (max is routed below)
+        holder = torch.zeros(uniq.numel(), self.embedding_dim, requires_grad=grad)
+        pad = None
+        if self.bag_padding_idx is not None:
+            hit = (uniq == self.bag_padding_idx).nonzero().reshape(-1)
+            pad = int(hit[0]) if hit.numel() else None
+        with torch.set_grad_enabled(grad and self.bag_mode != "max"):
+            zero = nn.functional.embedding_bag(inverse.reshape(input.shape), holder, offsets, mode=self.bag_mode,
+                                               per_sample_weights=per_sample_weights, padding_idx=pad)
+        num_bags = zero.shape[0]
+        if input.dim() == 2:
+            bags = torch.arange(num_bags).repeat_interleave(input.shape[1])
+        else:
+            bags = torch.searchsorted(offsets.long(), torch.arange(flat.numel()), right=True) - 1
+        weights = None if per_sample_weights is None else per_sample_weights.reshape(-1).detach()
+        keep = flat != self.bag_padding_idx if self.bag_padding_idx is not None else None
+        server_of = self._block_server[self._owner_index(flat)]
+        calls = []
+        kind = "max" if self.bag_mode == "max" else "sum"
+        for k, server in enumerate(self._server_names):
+            mine = server_of == k if keep is None else (server_of == k) & keep
+            if bool(mine.any()):
+                pool = (bags[mine], None if weights is None else weights[mine], num_bags, kind)
+                calls.append((server, _tables._lookup, (self.name, flat[mine], self._step, pool)))
+        got = call_all(calls, timeout=self.timeout)
+        if grad:
+            self._pending.append((uniq, holder))
+        if kind == "sum":
+            total = torch.zeros(num_bags, self.embedding_dim)
+            for part in got:  # in server order
+                total = total + part
+            if self.bag_mode == "mean":
+                counts = torch.bincount(bags if keep is None else bags[keep], minlength=num_bags)
+                total = total / counts.clamp(min=1).unsqueeze(1).to(total.dtype)
+            return total + zero
+        if not got:
+            return zero.detach().requires_grad_(grad) if grad else zero
+        values = torch.stack([v for v, _ in got])
+        winners = torch.stack([w for _, w in got])
+        best = values.argmax(0, keepdim=True)  # ties: the first server's
+        winner = winners.gather(0, best).squeeze(0)
+        found = winner >= 0
+        out = torch.where(found, values.gather(0, best).squeeze(0), 0.0)
+        if grad:
+            b, d = found.nonzero(as_tuple=True)
+            row = torch.searchsorted(uniq, winner[b, d])
+            out = out + torch.zeros(num_bags, self.embedding_dim).index_put((b, d), holder[row, d])
+        return out
+
+    def _pool_here(self, input: torch.Tensor, offsets: torch.Tensor | None,
+                   per_sample_weights: torch.Tensor | None) -> torch.Tensor:
+        """Fetch the unique rows and pool them here with torch's ``embedding_bag``."""
         uniq, inverse, rows = self._rows_of(input)
         pad = None
         if self.bag_padding_idx is not None:

@@ -9,7 +9,11 @@ the table's seed and the block's first row), or **lazily** (a row is created on 
 touch from ``N(0, 1)`` seeded with the table's seed and the row id, so a 100-million-row table
 costs memory only for the rows used, and every run gives the same rows).
 
-Work in progress (issue 12): async and sync modes; bags, half-async and geo come next.
+Modes as for dense parameters: ``sync`` (a step's pushes summed in trainer-name order, divided
+by the number of trainers, applied once; lookups for the next step wait for it), ``async``
+(applied on arrival), ``half_async`` (queued, the sum applied every ``merge_every`` pushes or
+``merge_s`` seconds), ``geo`` (trainers push row deltas, added divided by the number of
+trainers). Bags can be pooled here (:func:`pool_rows`), so only pooled rows travel.
 """
 
 from __future__ import annotations
@@ -129,7 +133,7 @@ class Table:
         self.lock = threading.Condition()
         self.step_count = 0
         self.pushed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.waiters: list[tuple[int, Future, torch.Tensor]] = []  # sync lookups for a later step
+        self.waiters: list[tuple[int, Future, torch.Tensor, tuple | None]] = []  # sync lookups for a later step
         self.queued: list[tuple[torch.Tensor, torch.Tensor]] = []  # half_async pushes not applied yet
         self.timer: threading.Timer | None = None
 
@@ -153,6 +157,12 @@ class Table:
             if bool(mine.any()):
                 out[mine] = rows.read(ids[mine])
         return out
+
+    def answer(self, ids: torch.Tensor, pool: tuple | None) -> object:
+        """A lookup's answer: the rows of ``ids``, or with ``pool`` = ``(bags, weights,
+        num_bags, kind)`` those rows pooled (:func:`pool_rows`)."""
+        rows = self.lookup(ids)
+        return rows if pool is None else pool_rows(rows, ids, *pool)
 
     def apply(self, ids: torch.Tensor, grad: torch.Tensor, scale: float = 1.0) -> None:
         """One optimizer step of the table with the sparse gradient ``(ids, grad)`` (lock held)."""
@@ -195,9 +205,9 @@ class Table:
                 grad_all = torch.cat([self.pushed[t][1] for t in order])
                 self.pushed = {}
                 self.apply(ids_all, grad_all, 1.0 / self.spec.num_trainers)
-                ready = [(f, i) for want, f, i in self.waiters if self.step_count >= want]
+                ready = [(f, i, pool) for want, f, i, pool in self.waiters if self.step_count >= want]
                 self.waiters = [w for w in self.waiters if self.step_count < w[0]]
-                answers = [(f, self.lookup(i)) for f, i in ready]
+                answers = [(f, self.answer(i, pool)) for f, i, pool in ready]
         if self.spec.mode == "sync":
             for f, rows in answers:  # outside the lock: completing runs the answer's callbacks
                 f.set_result(rows)
@@ -232,6 +242,32 @@ class Table:
         return sum(rows.memory_bytes() for rows in self.blocks)
 
 
+def pool_rows(rows: torch.Tensor, ids: torch.Tensor, bags: torch.Tensor, weights: torch.Tensor | None,
+              num_bags: int, kind: str) -> object:
+    """Pool ``rows`` (row ``j`` is id ``ids[j]``, in bag ``bags[j]``) into ``num_bags`` bags.
+
+    ``kind="sum"``: the ``(num_bags, dim)`` sums of the rows (times ``weights``), in position
+    order (a mean is this sum divided by the bag's size, which the trainer knows).
+    ``kind="max"``: ``(values, winners)``: the element-wise maxima (``-inf`` where a bag has no
+    row here) and, per element, the id of the first row holding it (``-1`` where none), which
+    the trainer needs to send the gradient to the right row.
+    """
+    dim = rows.shape[1]
+    if kind == "sum":
+        if weights is not None:
+            rows = rows * weights.to(rows.dtype).unsqueeze(1)
+        return torch.zeros(num_bags, dim, dtype=rows.dtype).index_add_(0, bags, rows)
+    where = bags.unsqueeze(1).expand(-1, dim)
+    values = torch.full((num_bags, dim), float("-inf"), dtype=rows.dtype).scatter_reduce(0, where, rows, "amax")
+    n = rows.shape[0]
+    position = torch.arange(n).unsqueeze(1).expand(-1, dim)
+    holds = rows == values[bags]
+    first = torch.full((num_bags, dim), n, dtype=torch.long).scatter_reduce(
+        0, where, torch.where(holds, position, n), "amin")
+    winners = torch.where(first < n, ids[first.clamp(max=max(n - 1, 0))], -1)
+    return values, winners
+
+
 # ---- handlers ------------------------------------------------------------------------------
 
 _tables: dict[str, Table] = {}
@@ -260,16 +296,17 @@ def _attach_table(name: str, spec: TableSpec, blocks: list[tuple[int, int]]) -> 
 
 
 @rpc.functions.async_execution
-def _lookup(name: str, ids: torch.Tensor, step: int = 0) -> Future:
-    """The rows of ``ids``; in sync mode once step ``step - 1`` is applied (the caller's
-    timeout bounds the wait)."""
+def _lookup(name: str, ids: torch.Tensor, step: int = 0, pool: tuple | None = None) -> Future:
+    """The rows of ``ids`` (or, with ``pool``, those rows pooled into bags: see
+    :func:`pool_rows`); in sync mode once step ``step - 1`` is applied (the caller's timeout
+    bounds the wait)."""
     table = _table(name)
     answer: Future = Future()
     with table.lock:
         if table.spec.mode == "sync" and table.step_count < step:
-            table.waiters.append((step, answer, ids))
+            table.waiters.append((step, answer, ids, pool))
             return answer
-        rows = table.lookup(ids)
+        rows = table.answer(ids, pool)
     answer.set_result(rows)
     return answer
 
