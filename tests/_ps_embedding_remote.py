@@ -262,3 +262,23 @@ def forms_run(name: str, local: bool = False) -> dict:
             errors[what] = (type(exc).__name__, str(exc))
     out["errors"] = errors
     return out
+
+
+def sync_stall(name: str, timeout: float) -> dict:
+    """A sync table of 2 trainers where only this one steps: its next lookup must fail in time,
+    naming what it waits for."""
+    import time
+
+    from remote_module.ps import ShardedEmbeddingBag
+
+    bag = ShardedEmbeddingBag(200, 4, ["ps0", "ps1"], name=name, mode="sum", ps_mode="sync", num_trainers=2,
+                              min_block_size=200, timeout=timeout)
+    ids = torch.tensor([[1, 150]])
+    bag(ids).sum().backward()
+    bag.step()
+    start = time.monotonic()
+    try:
+        bag(ids)
+    except Exception as exc:  # noqa: BLE001 - returned to the test
+        return {"error": type(exc).__name__, "message": str(exc), "elapsed": time.monotonic() - start}
+    return {"error": None}

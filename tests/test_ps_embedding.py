@@ -179,3 +179,10 @@ def test_tables_train_beside_a_ddp_dense_part(world, mode, tmp_path):
         torch.testing.assert_close(got[f"trainer{i}"]["rows"], local.bag.weight.detach(), atol=1e-6, rtol=0)
         for key, value in local.dense.state_dict().items():
             torch.testing.assert_close(got[f"trainer{i}"]["dense"][key], value, atol=1e-6, rtol=0)
+
+
+def test_a_sync_lookup_whose_step_never_completes_fails_in_time_naming_the_missing_trainer(world):
+    got = world.run({"trainer0": (r.sync_stall, name("stall"), 1.5)})["trainer0"]
+    assert got["error"] == "CallTimeout", got
+    assert "never attached" in got["message"] and "step 0" in got["message"], got["message"]
+    assert got["elapsed"] < 1.5 + 1.0

@@ -10,7 +10,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import nn
 
-from remote_module._fanout import call_all
+from remote_module._fanout import _timeout_seconds, call_all, nested_seconds
 from remote_module.ps import _tables
 from remote_module.ps._dispatch import RoundRobin
 from remote_module.ps._rowwise import row_optimizer
@@ -80,9 +80,10 @@ class ShardedEmbedding(nn.Module):
         for first, count, server in self._ranges:
             by_server.setdefault(server, []).append((first, count))
         self._by_server = by_server
-        steps = call_all([(s, _tables._attach_table, (name, spec, rs)) for s, rs in by_server.items()], timeout=timeout)
-        self._step = min(steps) if steps else 0
         self._trainer = rpc.get_worker_info().name
+        steps = call_all([(s, _tables._attach_table, (name, spec, rs, self._trainer)) for s, rs in by_server.items()],
+                         timeout=timeout)
+        self._step = min(steps) if steps else 0
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (unique ids, their rows with grad)
         #: tensor bytes (ids and gradient rows) this module has pushed so far
         self.pushed_bytes = 0
@@ -91,6 +92,11 @@ class ShardedEmbedding(nn.Module):
         self._owners = [server for _, _, server in self._ranges]
         self._server_names = list(by_server)
         self._block_server = torch.tensor([self._server_names.index(s) for s in self._owners], dtype=torch.long)
+
+    def _wait_s(self) -> float:
+        """How long a sync lookup may wait on a server for the step: a little less than this
+        call's timeout, so the server's answer (naming who has not pushed) arrives first."""
+        return nested_seconds(_timeout_seconds(self.timeout))
 
     def _owner_index(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.searchsorted(self._starts, ids, right=True) - 1
@@ -126,7 +132,7 @@ class ShardedEmbedding(nn.Module):
         if self.ps_mode == "geo":  # cached rows are this trainer's; only the others are fetched
             positions = [p[torch.tensor([int(uniq[j]) not in self._cache for j in p.tolist()], dtype=torch.bool)]
                          if p.numel() else p for p in positions]
-        got = call_all([(s, _tables._lookup, (self.name, uniq[p], self._step)) for s, p in zip(servers, positions)
+        got = call_all([(s, _tables._lookup, (self.name, uniq[p], self._step, None, self._wait_s())) for s, p in zip(servers, positions)
                         if p.numel()], timeout=self.timeout)
         rows = torch.empty(uniq.numel(), self.embedding_dim)
         for p, r in zip([p for p in positions if p.numel()], got):
@@ -151,7 +157,8 @@ class ShardedEmbedding(nn.Module):
         last step is applied on every server; half_async applies what is queued."""
         if self.ps_mode == "sync":
             nothing = torch.empty(0, dtype=torch.long)
-            call_all([(s, _tables._lookup, (self.name, nothing, self._step)) for s in self._by_server],
+            call_all([(s, _tables._lookup, (self.name, nothing, self._step, None, self._wait_s()))
+                      for s in self._by_server],
                      timeout=self.timeout)
         elif self.ps_mode == "half_async":
             self.flush()
@@ -370,7 +377,7 @@ class ShardedEmbeddingBag(ShardedEmbedding):
             mine = server_of == k if keep is None else (server_of == k) & keep
             if bool(mine.any()):
                 pool = (bags[mine], None if weights is None else weights[mine], num_bags, kind)
-                calls.append((server, _tables._lookup, (self.name, flat[mine], self._step, pool)))
+                calls.append((server, _tables._lookup, (self.name, flat[mine], self._step, pool, self._wait_s())))
         got = call_all(calls, timeout=self.timeout)
         if grad:
             self._pending.append((uniq, holder))

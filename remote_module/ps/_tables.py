@@ -18,13 +18,17 @@ trainers). Bags can be pooled here (:func:`pool_rows`), so only pooled rows trav
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from typing import NamedTuple
 
 import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
+from remote_module._errors import CallTimeout
+from remote_module._settling import complete, schedule, settle_elsewhere
 from remote_module.ps._rowwise import RowOptimizer, coalesce, new_state, step_rows
 
 _SEED_STRIDE = 1_000_003  # row seeds: seed * stride + row id
@@ -133,7 +137,8 @@ class Table:
         self.lock = threading.Condition()
         self.step_count = 0
         self.pushed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.waiters: list[tuple[int, Future, torch.Tensor, tuple | None]] = []  # sync lookups for a later step
+        self.waiters: list[_Waiting] = []  # sync lookups for a later step
+        self.trainers: set[str] = set()  # attached
         self.queued: list[tuple[torch.Tensor, torch.Tensor]] = []  # half_async pushes not applied yet
         self.timer: threading.Timer | None = None
 
@@ -205,12 +210,11 @@ class Table:
                 grad_all = torch.cat([self.pushed[t][1] for t in order])
                 self.pushed = {}
                 self.apply(ids_all, grad_all, 1.0 / self.spec.num_trainers)
-                ready = [(f, i, pool) for want, f, i, pool in self.waiters if self.step_count >= want]
-                self.waiters = [w for w in self.waiters if self.step_count < w[0]]
-                answers = [(f, self.answer(i, pool)) for f, i, pool in ready]
-        if self.spec.mode == "sync":
-            for f, rows in answers:  # outside the lock: completing runs the answer's callbacks
-                f.set_result(rows)
+                ready = [w for w in self.waiters if self.step_count >= w.step]
+                self.waiters = [w for w in self.waiters if self.step_count < w.step]
+                answers = [(w.future, self.answer(w.ids, w.pool)) for w in ready]
+        for f, rows in answers:  # outside the lock: completing runs the answer's callbacks
+            complete(f, rows, False)
 
     def merge(self) -> None:
         """half_async: apply the queued pushes' sum as one step (lock held)."""
@@ -268,6 +272,32 @@ def pool_rows(rows: torch.Tensor, ids: torch.Tensor, bags: torch.Tensor, weights
     return values, winners
 
 
+class _Waiting:
+    """A sync lookup waiting for its step, failed at its deadline with who has not pushed."""
+
+    __slots__ = ("table", "step", "future", "ids", "pool", "__weakref__")
+
+    def __init__(self, table: Table, step: int, future: Future, ids: torch.Tensor, pool: tuple | None) -> None:
+        self.table, self.step, self.future, self.ids, self.pool = table, step, future, ids, pool
+
+    def expire(self, now: float) -> None:
+        table = self.table
+        with table.lock:
+            if self not in table.waiters:
+                return  # answered
+            table.waiters.remove(self)
+            missing = sorted(table.trainers - set(table.pushed)) if table.step_count == self.step - 1 else []
+            never = table.spec.num_trainers - len(table.trainers)
+        who = ", ".join(repr(t) for t in missing) or "none of the attached trainers"
+        if never > 0:
+            who += f" (and {never} trainer(s) never attached)"
+        settle_elsewhere([lambda: complete(self.future, CallTimeout(
+            f"sharded table {table.name!r} on server {rpc.get_worker_info().name!r}: step {self.step - 1} was not "
+            f"applied in time; waiting for gradients from {who} (sync mode needs all {table.spec.num_trainers} "
+            "trainers every step: a trainer that died or stopped pushing stalls the table)"
+        ), True)])
+
+
 # ---- handlers ------------------------------------------------------------------------------
 
 _tables: dict[str, Table] = {}
@@ -281,9 +311,9 @@ def _table(name: str) -> Table:
     return table
 
 
-def _attach_table(name: str, spec: TableSpec, blocks: list[tuple[int, int]]) -> int:
-    """Create table ``name`` with ``blocks`` (row ranges) here, or attach to it (the same spec
-    and blocks, else ``ValueError``); the table's step count."""
+def _attach_table(name: str, spec: TableSpec, blocks: list[tuple[int, int]], trainer: str) -> int:
+    """Create table ``name`` with ``blocks`` (row ranges) here, or attach ``trainer`` to it
+    (the same spec and blocks, else ``ValueError``); the table's step count."""
     with _tables_lock:
         table = _tables.get(name)
         if table is None:
@@ -292,19 +322,30 @@ def _attach_table(name: str, spec: TableSpec, blocks: list[tuple[int, int]]) -> 
         raise ValueError(f"sharded table {name!r} exists with {table.spec}, this trainer asks for {spec}")
     if [(r.first, r.count) for r in table.blocks] != list(blocks):
         raise ValueError(f"sharded table {name!r}: this trainer's row blocks differ from the table's")
-    return table.step_count
+    with table.lock:
+        if trainer not in table.trainers and len(table.trainers) >= spec.num_trainers:
+            raise ValueError(
+                f"sharded table {name!r} already has num_trainers={spec.num_trainers} trainers "
+                f"({sorted(table.trainers)}); trainer {trainer!r} would be one more"
+            )
+        table.trainers.add(trainer)
+        return table.step_count
 
 
 @rpc.functions.async_execution
-def _lookup(name: str, ids: torch.Tensor, step: int = 0, pool: tuple | None = None) -> Future:
+def _lookup(name: str, ids: torch.Tensor, step: int = 0, pool: tuple | None = None,
+            seconds: float = math.inf) -> Future:
     """The rows of ``ids`` (or, with ``pool``, those rows pooled into bags: see
-    :func:`pool_rows`); in sync mode once step ``step - 1`` is applied (the caller's timeout
-    bounds the wait)."""
+    :func:`pool_rows`); in sync mode once step ``step - 1`` is applied (a lookup still waiting
+    after ``seconds`` fails naming the trainers that have not pushed)."""
     table = _table(name)
     answer: Future = Future()
     with table.lock:
         if table.spec.mode == "sync" and table.step_count < step:
-            table.waiters.append((step, answer, ids, pool))
+            waiting = _Waiting(table, step, answer, ids, pool)
+            table.waiters.append(waiting)  # holds it: the watcher holds it only weakly
+            if seconds != math.inf:
+                schedule(time.monotonic() + seconds, waiting)
             return answer
         rows = table.answer(ids, pool)
     answer.set_result(rows)
