@@ -34,7 +34,7 @@ def bag_run(name: str, mode: str, padding_idx, optimizer: tuple, steps: int, ps_
             num_trainers: int = 1, data_seed: int = 1) -> dict:
     """Create a sharded bag loaded with local_bag(0, ...)'s weights, run ``steps`` training steps
     on batches(data_seed), return every output and the final weights."""
-    from remote_module.ps._embedding import ShardedEmbeddingBag
+    from remote_module.ps import ShardedEmbeddingBag
 
     bag = ShardedEmbeddingBag(200, 4, ["ps0", "ps1"], name=name, mode=mode, padding_idx=padding_idx,
                               optimizer=optimizer, min_block_size=200, ps_mode=ps_mode, num_trainers=num_trainers)
@@ -49,7 +49,7 @@ def bag_run(name: str, mode: str, padding_idx, optimizer: tuple, steps: int, ps_
 
 
 def sparsity(name: str) -> dict:
-    from remote_module.ps._embedding import ShardedEmbedding
+    from remote_module.ps import ShardedEmbedding
 
     emb = ShardedEmbedding(1_000_000, 16, ["ps0", "ps1"], name=name, init="lazy")
     g = torch.Generator().manual_seed(0)
@@ -64,7 +64,7 @@ def sparsity(name: str) -> dict:
 
 
 def lazy_train(name: str, steps: int) -> int:
-    from remote_module.ps._embedding import ShardedEmbedding
+    from remote_module.ps import ShardedEmbedding
 
     emb = ShardedEmbedding(100_000_000, 16, ["ps0", "ps1"], name=name, init="lazy",
                            optimizer=(torch.optim.Adagrad, {"lr": 0.1}))
@@ -87,7 +87,7 @@ def rss_bytes() -> int:
 def reslice_run(name: str, servers: list, steps: int, start: int, checkpoint=None) -> dict:
     """Train a Adagrad bag on ``servers`` for ``steps`` steps of batches(5) from ``start``,
     optionally after loading ``checkpoint`` (weights + optimizer state); return the new checkpoint."""
-    from remote_module.ps._embedding import ShardedEmbeddingBag
+    from remote_module.ps import ShardedEmbeddingBag
 
     bag = ShardedEmbeddingBag(200, 4, servers, name=name, mode="sum", min_block_size=100,
                               optimizer=(torch.optim.Adagrad, {"lr": 0.2}))
@@ -106,7 +106,7 @@ def reslice_run(name: str, servers: list, steps: int, start: int, checkpoint=Non
 
 
 def half_async_run(name: str) -> dict:
-    from remote_module.ps._embedding import ShardedEmbedding
+    from remote_module.ps import ShardedEmbedding
 
     emb = ShardedEmbedding(50, 2, ["ps0", "ps1"], name=name, ps_mode="half_async", min_block_size=50,
                            half_async_merge_every=3, half_async_merge_s=60.0, optimizer=(torch.optim.SGD, {"lr": 1.0}))
@@ -123,7 +123,7 @@ def half_async_run(name: str) -> dict:
 
 
 def geo_run(name: str, k: int, steps: int) -> dict:
-    from remote_module.ps._embedding import ShardedEmbedding
+    from remote_module.ps import ShardedEmbedding
 
     emb = ShardedEmbedding(50, 2, ["ps0", "ps1"], name=name, ps_mode="geo", min_block_size=50, geo_push_every=k,
                            optimizer=(torch.optim.SGD, {"lr": 0.5}))

@@ -3,11 +3,15 @@ server-side optimizers, and sync / async / half-async / geo training.
 
 :func:`slice_blocks` cuts a parameter into :class:`Block`\\ s; a dispatcher (:class:`RoundRobin`,
 :class:`HashName`, or any callable ``(block_names, servers) -> servers``) places them;
-:class:`PSModel` wraps a trainer's local model. Servers run no code of their own.
+:class:`PSModel` wraps a trainer's local model. :class:`ShardedEmbedding` and
+:class:`ShardedEmbeddingBag` are embedding tables sliced into row blocks over the servers, with
+sparse lookups and sparse updates (inside a PSModel or on their own). Servers run no code of
+their own.
 """
 
 from remote_module.ps._dispatch import HashName, RoundRobin
-from remote_module.ps._embedding import ShardedEmbedding, ShardedEmbeddingBag
+from remote_module.ps._embedding import ShardedEmbedding
+from remote_module.ps._embedding_bag import ShardedEmbeddingBag
 from remote_module.ps._model import PSModel
 from remote_module.ps._slicing import Block, slice_blocks
 

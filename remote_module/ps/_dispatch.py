@@ -5,7 +5,11 @@ may replace the two here."""
 from __future__ import annotations
 
 import zlib
-from typing import Sequence
+from typing import Any, Sequence
+
+import torch.distributed.rpc as rpc
+
+from remote_module._torch_private import worker_names
 
 
 class RoundRobin:
@@ -47,3 +51,21 @@ class HashName:
 def _check(servers: Sequence[str]) -> None:
     if not servers:
         raise ValueError("a dispatcher needs at least one server, got none")
+
+
+def check_servers(servers: Any) -> tuple[str, ...]:
+    """``servers`` as worker names, checked: a non-empty list of distinct workers of this
+    RPC world (``TypeError`` / ``ValueError`` naming the item otherwise)."""
+    if isinstance(servers, (str, bytes)) or not isinstance(servers, Sequence) or not servers:
+        raise TypeError(f"servers must be a non-empty list of worker names, got {servers!r}")
+    names = []
+    for i, s in enumerate(servers):
+        try:
+            names.append(rpc.get_worker_info(s).name)
+        except RuntimeError:
+            raise ValueError(
+                f"servers[{i}] = {s!r} is not a worker of this RPC world (workers: {', '.join(worker_names())})"
+            ) from None
+    if len(set(names)) != len(names):
+        raise ValueError(f"servers name a worker twice: {list(servers)}")
+    return tuple(names)

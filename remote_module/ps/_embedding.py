@@ -1,6 +1,7 @@
-"""ShardedEmbedding (work in progress, issue 12): an ``nn.Embedding`` whose rows live on
-parameter servers; lookups fetch only the unique ids, from the servers that own them, and
-``step()`` pushes only the touched rows' gradients."""
+"""ShardedEmbedding and ShardedEmbeddingBag: ``nn.Embedding`` / ``nn.EmbeddingBag`` whose rows
+live on parameter servers, sliced into row blocks. Lookups fetch only the unique ids, from the
+servers that own them, concurrently (bags are pooled on the servers); ``step()`` pushes only the
+touched rows' gradients, which the servers apply with a row-wise optimizer (``_rowwise``)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,36 @@ from torch import nn
 
 from remote_module._fanout import _timeout_seconds, call_all, nested_seconds
 from remote_module.ps import _tables
-from remote_module.ps._dispatch import RoundRobin
+from remote_module.ps._dispatch import RoundRobin, check_servers
 from remote_module.ps._rowwise import row_optimizer
-from remote_module.ps._slicing import block_name, slice_blocks
+from remote_module.ps._slicing import _positive_int, block_name, slice_blocks
+from rpc_backend.options import positive_seconds
+
+PS_MODES = ("sync", "async", "half_async", "geo")
 
 
 class ShardedEmbedding(nn.Module):
-    """An embedding table sliced into row blocks over ``servers`` (work in progress).
+    """An ``nn.Embedding`` (``forward(input)``, same output) whose ``num_embeddings x
+    embedding_dim`` rows are sliced into blocks of whole rows over ``servers`` by the same
+    rules as a :class:`PSModel`'s parameters (``min_block_size``, ``split_method``).
+
+    ``name`` is job-unique: trainers that pass the same name share one table (and must pass the
+    same sizes, servers, mode and optimizer). The servers hold the rows: ``init="eager"``
+    creates them all at once; ``init="lazy"`` creates a row on its first touch, from ``N(0, 1)``
+    seeded by ``seed`` and the row id, so a huge table costs memory only for the rows used.
+
+    After ``loss.backward()``, :meth:`step` pushes ``(row ids, gradient rows)`` for the rows
+    this trainer looked up since the last step, and the servers apply ``optimizer``
+    (``torch.optim.SGD``, ``Adagrad`` or ``SparseAdam``, as torch steps a sparse gradient) to
+    those rows only. ``ps_mode`` as in :class:`PSModel`: ``"sync"`` (each step averages all
+    ``num_trainers`` trainers' gradients; lookups wait for the previous step), ``"async"``,
+    ``"half_async"`` (pushes summed, applied every ``half_async_merge_every`` pushes or
+    ``half_async_merge_s`` seconds), ``"geo"`` (this trainer steps the rows it touched
+    locally and every ``geo_push_every`` steps pushes their deltas). Inside a PSModel, the
+    PSModel's ``step()`` steps its tables (their mode must be the PSModel's).
+
+    ``state_dict()`` has the local module's key ``weight`` (a lazy table: ``weight.ids`` and
+    ``weight.rows``, the touched rows only, which a local module cannot load).
 
     Example (ps0, ps1 only join RPC and wait)::
 
@@ -49,30 +73,45 @@ class ShardedEmbedding(nn.Module):
         half_async_merge_s: float = 0.1,
     ) -> None:
         super().__init__()
+        _positive_int(num_embeddings, "num_embeddings")
+        _positive_int(embedding_dim, "embedding_dim")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name must be a non-empty str naming the table, got {name!r}")
         if init not in ("eager", "lazy"):
             raise ValueError(f"init must be 'eager' or 'lazy', got {init!r}")
-        if ps_mode not in ("sync", "async", "half_async", "geo"):
-            raise ValueError(f"ps_mode must be one of sync, async, half_async, geo, got {ps_mode!r}")
-        for what, value in (("geo_push_every", geo_push_every), ("half_async_merge_every", half_async_merge_every)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{what} must be a positive int, got {value!r}")
-        if not half_async_merge_s > 0:
-            raise ValueError(f"half_async_merge_s must be positive, got {half_async_merge_s!r}")
+        if ps_mode not in PS_MODES:
+            raise ValueError(f"ps_mode must be one of {', '.join(PS_MODES)}, got {ps_mode!r}")
+        _positive_int(num_trainers, "num_trainers")
+        _positive_int(geo_push_every, "geo_push_every")
+        _positive_int(half_async_merge_every, "half_async_merge_every")
+        _positive_int(min_block_size, "min_block_size")
+        merge_s = positive_seconds(half_async_merge_s, "half_async_merge_s")
+        timeout = None if timeout is None else positive_seconds(timeout, "timeout")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        if not (isinstance(optimizer, tuple) and len(optimizer) == 2 and isinstance(optimizer[1], dict)):
+            raise TypeError(f"optimizer must be (a torch.optim optimizer class, kwargs dict), got {optimizer!r}")
+        if padding_idx is not None and (isinstance(padding_idx, bool) or not isinstance(padding_idx, int)
+                                        or not -num_embeddings <= padding_idx < num_embeddings):
+            raise ValueError(f"padding_idx must be an int within num_embeddings ({num_embeddings}), got {padding_idx!r}")
         self.geo_push_every = geo_push_every
-        if padding_idx is not None and not -num_embeddings <= padding_idx < num_embeddings:
-            raise ValueError(f"padding_idx must be within num_embeddings ({num_embeddings}), got {padding_idx}")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = None if padding_idx is None else padding_idx % num_embeddings
         self.name, self.timeout, self.ps_mode, self.init = name, timeout, ps_mode, init
         self.num_trainers = num_trainers
-        self.servers = tuple(rpc.get_worker_info(s).name for s in servers)
+        self.servers = check_servers(servers)
         blocks = slice_blocks((num_embeddings, embedding_dim), len(self.servers), min_block_size)
         names = [block_name("weight", b.index) for b in blocks]
         chosen = list(split_method(names, self.servers))
+        if len(chosen) != len(names) or any(c not in self.servers for c in chosen):
+            raise ValueError(
+                f"split_method {split_method!r} must return one of the servers {list(self.servers)} per block "
+                f"({len(names)} blocks), got {chosen!r:.200}"
+            )
         self._ranges = [(b.offset // embedding_dim, b.size // embedding_dim, s) for b, s in zip(blocks, chosen)]
         self._row_opt = row_optimizer(*optimizer)
         spec = _tables.TableSpec(num_embeddings, embedding_dim, torch.float32, init, seed, ps_mode, num_trainers,
-                                 self._row_opt, half_async_merge_every, float(half_async_merge_s))
+                                 self._row_opt, half_async_merge_every, merge_s)
         # geo: the rows this trainer touched, trained locally: id -> [row, row when pulled, state]
         self._cache: dict[int, list] = {}
         self._geo_steps = 0
@@ -315,106 +354,3 @@ class ShardedEmbedding(nn.Module):
         self.pushed_bytes += sum(i.numel() * i.element_size() + g.numel() * g.element_size()
                                  for _, _, (_, _, _, i, g) in calls)
         self._step += 1
-
-
-class ShardedEmbeddingBag(ShardedEmbedding):
-    """An ``nn.EmbeddingBag`` whose rows live on parameter servers (work in progress: bags are
-    pooled here, on the unique rows fetched, with torch's own ``embedding_bag``, so results
-    equal a local ``nn.EmbeddingBag`` bit for bit; pooling on the servers comes next).
-
-    Example::
-
-        bag = ShardedEmbeddingBag(1_000_000, 16, ["ps0", "ps1"], name="items", mode="sum")
-        out = bag(torch.tensor([1, 2, 4, 5, 4]), offsets=torch.tensor([0, 2]))   # (2, 16)
-    """
-
-    def __init__(self, num_embeddings: int, embedding_dim: int, servers: Sequence[str], *,
-                 mode: str = "mean", ps_mode: str = "async", padding_idx: int | None = None, **kwargs: Any) -> None:
-        if mode not in ("sum", "mean", "max"):
-            raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
-        # rows are fetched as they are; the bag skips padding ids as nn.EmbeddingBag does
-        super().__init__(num_embeddings, embedding_dim, servers, ps_mode=ps_mode, **kwargs)
-        self.bag_mode = mode
-        self.bag_padding_idx = None if padding_idx is None else padding_idx % num_embeddings
-
-    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
-                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
-        """Bags of rows pooled as ``nn.EmbeddingBag`` does (same arguments, same errors).
-
-        The servers pool their own rows of each bag (sums, weighted by ``per_sample_weights``;
-        a mean is the sum over the bag's size; maxima with the row that holds each), so only
-        ``(bags, dim)`` partial results travel. In geo mode, and when ``per_sample_weights``
-        needs a gradient (which needs the rows), the rows are fetched and pooled here instead.
-        """
-        needs_rows = self.ps_mode == "geo" or (
-            per_sample_weights is not None and per_sample_weights.requires_grad and torch.is_grad_enabled())
-        if needs_rows:
-            return self._pool_here(input, offsets, per_sample_weights)
-        flat, uniq, inverse = self._unique(input)
-        grad = torch.is_grad_enabled()
-        # zero rows standing for the unique ids: torch's own embedding_bag on them checks the
-        # arguments as nn.EmbeddingBag does, gives the output's shape and, for sum and mean, the
-        # exact path of each bag's gradient back to its rows (max is routed below)
-        holder = torch.zeros(uniq.numel(), self.embedding_dim, requires_grad=grad)
-        pad = None
-        if self.bag_padding_idx is not None:
-            hit = (uniq == self.bag_padding_idx).nonzero().reshape(-1)
-            pad = int(hit[0]) if hit.numel() else None
-        with torch.set_grad_enabled(grad and self.bag_mode != "max"):
-            zero = nn.functional.embedding_bag(inverse.reshape(input.shape), holder, offsets, mode=self.bag_mode,
-                                               per_sample_weights=per_sample_weights, padding_idx=pad)
-        num_bags = zero.shape[0]
-        if input.dim() == 2:
-            bags = torch.arange(num_bags).repeat_interleave(input.shape[1])
-        else:
-            bags = torch.searchsorted(offsets.long(), torch.arange(flat.numel()), right=True) - 1
-        weights = None if per_sample_weights is None else per_sample_weights.reshape(-1).detach()
-        keep = flat != self.bag_padding_idx if self.bag_padding_idx is not None else None
-        server_of = self._block_server[self._owner_index(flat)]
-        calls = []
-        kind = "max" if self.bag_mode == "max" else "sum"
-        for k, server in enumerate(self._server_names):
-            mine = server_of == k if keep is None else (server_of == k) & keep
-            if bool(mine.any()):
-                pool = (bags[mine], None if weights is None else weights[mine], num_bags, kind)
-                calls.append((server, _tables._lookup, (self.name, flat[mine], self._step, pool, self._wait_s())))
-        got = call_all(calls, timeout=self.timeout)
-        if grad:
-            self._pending.append((uniq, holder))
-        if kind == "sum":
-            total = torch.zeros(num_bags, self.embedding_dim)
-            for part in got:  # in server order
-                total = total + part
-            if self.bag_mode == "mean":
-                counts = torch.bincount(bags if keep is None else bags[keep], minlength=num_bags)
-                total = total / counts.clamp(min=1).unsqueeze(1).to(total.dtype)
-            return total + zero
-        if not got:
-            return zero.detach().requires_grad_(grad) if grad else zero
-        values = torch.stack([v for v, _ in got])
-        winners = torch.stack([w for _, w in got])
-        best = values.argmax(0, keepdim=True)  # ties: the first server's
-        winner = winners.gather(0, best).squeeze(0)
-        found = winner >= 0
-        out = torch.where(found, values.gather(0, best).squeeze(0), 0.0)
-        if grad:
-            b, d = found.nonzero(as_tuple=True)
-            row = torch.searchsorted(uniq, winner[b, d])
-            out = out + torch.zeros(num_bags, self.embedding_dim).index_put((b, d), holder[row, d])
-        return out
-
-    def _pool_here(self, input: torch.Tensor, offsets: torch.Tensor | None,
-                   per_sample_weights: torch.Tensor | None) -> torch.Tensor:
-        """Fetch the unique rows and pool them here with torch's ``embedding_bag``."""
-        uniq, inverse, rows = self._rows_of(input)
-        pad = None
-        if self.bag_padding_idx is not None:
-            hit = (uniq == self.bag_padding_idx).nonzero().reshape(-1)
-            # the padding id's index among the unique ids (or one no input uses)
-            pad = int(hit[0]) if hit.numel() else uniq.numel()
-            if not hit.numel():
-                rows = torch.cat([rows, rows.new_zeros(1, self.embedding_dim)])
-        return nn.functional.embedding_bag(
-            inverse.reshape(input.shape), rows, offsets, mode=self.bag_mode,
-            per_sample_weights=per_sample_weights, padding_idx=pad,
-        )

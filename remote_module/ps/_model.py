@@ -12,29 +12,13 @@ import torch.distributed.rpc as rpc
 from torch import nn
 
 from remote_module._fanout import _timeout_seconds, call_all, nested_seconds
-from remote_module._torch_private import is_rpc_initialized, worker_names
+from remote_module._torch_private import is_rpc_initialized
 from remote_module.ps import _server
 from remote_module.ps._checkpoints import PSCheckpoints
-from remote_module.ps._dispatch import RoundRobin
+from remote_module.ps._dispatch import RoundRobin, check_servers as _check_servers
 from remote_module.ps._embedding import ShardedEmbedding
 from remote_module.ps._slicing import Block, _positive_int, block_name, slice_blocks
 from rpc_backend.options import positive_seconds
-
-
-def _check_servers(servers: Any) -> tuple[str, ...]:
-    if isinstance(servers, (str, bytes)) or not isinstance(servers, Sequence) or not servers:
-        raise TypeError(f"servers must be a non-empty list of worker names, got {servers!r}")
-    names = []
-    for i, s in enumerate(servers):
-        try:
-            names.append(rpc.get_worker_info(s).name)
-        except RuntimeError:
-            raise ValueError(
-                f"servers[{i}] = {s!r} is not a worker of this RPC world (workers: {', '.join(worker_names())})"
-            ) from None
-    if len(set(names)) != len(names):
-        raise ValueError(f"servers name a worker twice: {list(servers)}")
-    return tuple(names)
 
 
 def _tables_in(model: nn.Module, mode: str, num_trainers: int) -> dict[str, ShardedEmbedding]:

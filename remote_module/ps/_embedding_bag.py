@@ -1,0 +1,117 @@
+"""ShardedEmbeddingBag: bags of a sharded table, pooled on the servers that own the rows."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from remote_module._fanout import call_all
+from remote_module.ps import _tables
+from remote_module.ps._embedding import ShardedEmbedding
+
+
+class ShardedEmbeddingBag(ShardedEmbedding):
+    """An ``nn.EmbeddingBag`` (``forward(input, offsets=None, per_sample_weights=None)``,
+    ``mode="sum" | "mean" | "max"``, ``padding_idx``) whose rows live on parameter servers, as
+    :class:`ShardedEmbedding` (every other keyword is its; the PS mode is ``ps_mode``, since
+    ``mode`` is the bag's pooling, as torch names it).
+
+    Outputs equal a local ``nn.EmbeddingBag`` up to float32 rounding of the changed order of
+    summation (the servers pool their own rows, the trainer adds the partial results).
+
+    Example::
+
+        bag = ShardedEmbeddingBag(1_000_000, 16, ["ps0", "ps1"], name="items", mode="sum")
+        out = bag(torch.tensor([1, 2, 4, 5, 4]), offsets=torch.tensor([0, 2]))   # (2, 16)
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, servers: Sequence[str], *,
+                 mode: str = "mean", ps_mode: str = "async", padding_idx: int | None = None, **kwargs: Any) -> None:
+        if mode not in ("sum", "mean", "max"):
+            raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
+        super().__init__(num_embeddings, embedding_dim, servers, ps_mode=ps_mode, padding_idx=padding_idx, **kwargs)
+        self.bag_mode = mode
+
+    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Bags of rows pooled as ``nn.EmbeddingBag`` does (same arguments, same errors).
+
+        The servers pool their own rows of each bag (sums, weighted by ``per_sample_weights``;
+        a mean is the sum over the bag's size; maxima with the row that holds each), so only
+        ``(bags, dim)`` partial results travel. In geo mode, and when ``per_sample_weights``
+        needs a gradient (which needs the rows), the rows are fetched and pooled here instead.
+        """
+        needs_rows = self.ps_mode == "geo" or (
+            per_sample_weights is not None and per_sample_weights.requires_grad and torch.is_grad_enabled())
+        if needs_rows:
+            return self._pool_here(input, offsets, per_sample_weights)
+        flat, uniq, inverse = self._unique(input)
+        grad = torch.is_grad_enabled()
+        # zero rows standing for the unique ids: torch's own embedding_bag on them checks the
+        # arguments as nn.EmbeddingBag does, gives the output's shape and, for sum and mean, the
+        # exact path of each bag's gradient back to its rows (max is routed below)
+        holder = torch.zeros(uniq.numel(), self.embedding_dim, requires_grad=grad)
+        pad = None
+        if self.padding_idx is not None:
+            hit = (uniq == self.padding_idx).nonzero().reshape(-1)
+            pad = int(hit[0]) if hit.numel() else None
+        with torch.set_grad_enabled(grad and self.bag_mode != "max"):
+            zero = nn.functional.embedding_bag(inverse.reshape(input.shape), holder, offsets, mode=self.bag_mode,
+                                               per_sample_weights=per_sample_weights, padding_idx=pad)
+        num_bags = zero.shape[0]
+        if input.dim() == 2:
+            bags = torch.arange(num_bags).repeat_interleave(input.shape[1])
+        else:
+            bags = torch.searchsorted(offsets.long(), torch.arange(flat.numel()), right=True) - 1
+        weights = None if per_sample_weights is None else per_sample_weights.reshape(-1).detach()
+        keep = flat != self.padding_idx if self.padding_idx is not None else None
+        server_of = self._block_server[self._owner_index(flat)]
+        calls = []
+        kind = "max" if self.bag_mode == "max" else "sum"
+        for k, server in enumerate(self._server_names):
+            mine = server_of == k if keep is None else (server_of == k) & keep
+            if bool(mine.any()):
+                pool = (bags[mine], None if weights is None else weights[mine], num_bags, kind)
+                calls.append((server, _tables._lookup, (self.name, flat[mine], self._step, pool, self._wait_s())))
+        got = call_all(calls, timeout=self.timeout)
+        if grad:
+            self._pending.append((uniq, holder))
+        if kind == "sum":
+            total = torch.zeros(num_bags, self.embedding_dim)
+            for part in got:  # in server order
+                total = total + part
+            if self.bag_mode == "mean":
+                counts = torch.bincount(bags if keep is None else bags[keep], minlength=num_bags)
+                total = total / counts.clamp(min=1).unsqueeze(1).to(total.dtype)
+            return total + zero
+        if not got:
+            return zero.detach().requires_grad_(grad) if grad else zero
+        values = torch.stack([v for v, _ in got])
+        winners = torch.stack([w for _, w in got])
+        best = values.argmax(0, keepdim=True)  # ties: the first server's
+        winner = winners.gather(0, best).squeeze(0)
+        found = winner >= 0
+        out = torch.where(found, values.gather(0, best).squeeze(0), 0.0)
+        if grad:
+            b, d = found.nonzero(as_tuple=True)
+            row = torch.searchsorted(uniq, winner[b, d])
+            out = out + torch.zeros(num_bags, self.embedding_dim).index_put((b, d), holder[row, d])
+        return out
+
+    def _pool_here(self, input: torch.Tensor, offsets: torch.Tensor | None,
+                   per_sample_weights: torch.Tensor | None) -> torch.Tensor:
+        """Fetch the unique rows and pool them here with torch's ``embedding_bag``."""
+        uniq, inverse, rows = self._rows_of(input)
+        pad = None
+        if self.padding_idx is not None:
+            hit = (uniq == self.padding_idx).nonzero().reshape(-1)
+            # the padding id's index among the unique ids (or one no input uses)
+            pad = int(hit[0]) if hit.numel() else uniq.numel()
+            if not hit.numel():
+                rows = torch.cat([rows, rows.new_zeros(1, self.embedding_dim)])
+        return nn.functional.embedding_bag(
+            inverse.reshape(input.shape), rows, offsets, mode=self.bag_mode,
+            per_sample_weights=per_sample_weights, padding_idx=pad,
+        )
