@@ -27,10 +27,9 @@ MIN_BLOCK = 4
 ADAM_ATOL = 1e-6  # as SGD: the two orders of summation differ by ~6e-8 after 20 Adam steps (measured)
 
 
-@pytest.fixture(scope="module")
-def world():
-    with PSWorld({"ps": 3, "trainer": 3}) as w:
-        yield w
+@pytest.fixture
+def world(ps_world):  # shared with the other PS tests (tests/conftest.py)
+    return ps_world
 
 
 def trainers(n: int) -> list[str]:

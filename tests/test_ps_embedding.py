@@ -1,31 +1,21 @@
-"""Sharded embedding tables on parameter servers (work in progress, issue 12): equality with
-local modules, sparse updates equal to torch's sparse optimizers, sparsity, lazy memory."""
+"""Sharded embedding tables on parameter servers: equality with local modules (lookups, bags,
+sparse steps with torch's sparse optimizers, inside a PSModel, beside DDP, in every mode),
+sparsity, lazy memory, checkpoints re-sliced onto more servers, sync stalls named in time."""
 
 from __future__ import annotations
-
-import itertools
 
 import pytest
 import torch
 
 from tests import _ps_embedding_remote as r
-from tests._ps_world import PSWorld
+from tests._ps_world import job as name
 
 pytestmark = pytest.mark.slow
-_ids = itertools.count()
 
 
-@pytest.fixture(scope="module")
-def world():
-    w = PSWorld({"ps": 3, "trainer": 2})
-    try:
-        yield w
-    finally:
-        w.close()
-
-
-def name(what: str) -> str:
-    return f"{what}-{next(_ids)}"
+@pytest.fixture
+def world(ps_world):  # shared with the other PS tests (tests/conftest.py)
+    return ps_world
 
 
 def local_reference(mode, padding_idx, optimizer, steps, data_seeds=(1,)):
