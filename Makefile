@@ -25,3 +25,4 @@ bench: .install-stamp
 	$(PYTHON) -m tests.benchmarks.bench_pipeline
 	$(PYTHON) -m tests.benchmarks.bench_sharded
 	$(PYTHON) -m tests.benchmarks.bench_ps
+	$(PYTHON) -m tests.benchmarks.bench_embedding

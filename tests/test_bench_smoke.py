@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from tests.benchmarks import bench_pipeline, bench_ps, bench_sharded
+from tests.benchmarks import bench_embedding, bench_pipeline, bench_ps, bench_sharded
 from tests.benchmarks._caller_bytes import sized
 from tests.benchmarks import bench_remote_module as bench
 
@@ -147,3 +147,46 @@ def test_ps_ratios_compare_medians():
     assert r["async servers=2 / tutorial pattern (target >= 1.5)"] == pytest.approx(0.8)
     assert r["sync servers=1 / tutorial pattern"] == pytest.approx(1.2)
     assert r["geo: servers=2 / servers=1"] == pytest.approx(0.5)
+
+
+@pytest.mark.slow
+def test_quick_embedding_benchmark_runs(tmp_path, capsys):
+    # the run itself checks that every variant's table equals a local nn.EmbeddingBag(sparse=True)
+    # + torch.optim.SGD after the first steps, and the anchor's at the end
+    out = tmp_path / "bench-embedding.json"
+    results = bench_embedding.main(["--quick", "--json", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["ratios"] == results["ratios"]
+    cfg = saved["config"]
+    variants = {bench_embedding.ANCHOR} | {f"ShardedEmbeddingBag servers={n}" for n in (1, 2)}
+    assert set(saved["train_steps_per_s"]) == set(saved["lookups_per_s"]) == variants
+    assert set(saved["round_samples_s"]) == {f"{k}: {v}" for k in ("train", "lookup") for v in variants}
+    assert all(len(s) == cfg["rounds"] for s in saved["round_samples_s"].values())
+    assert all(v > 0 for v in saved["train_steps_per_s"].values()) and all(v > 0 for v in saved["lookups_per_s"].values())
+    # the same computation: equal to the local reference after the first steps, equal to each other at the end
+    assert saved["check_rows_changed"] > 0
+    assert set(saved["check_max_abs_diff_vs_local"]) == variants
+    assert all(d <= 1e-6 for d in saved["check_max_abs_diff_vs_local"].values()), saved["check_max_abs_diff_vs_local"]
+    assert all(d <= 1e-5 for d in saved["end_max_abs_diff_vs_anchor"].values()), saved["end_max_abs_diff_vs_anchor"]
+    # on torch 2.13 DistributedOptimizer's SGD takes sparse gradients: the anchor is in its stronger form
+    assert saved["anchor_form"].startswith("sparse=True"), saved["anchor_form"]
+    # sparse pushes: at most the batch's ids (int64) and one gradient row (float32) per id
+    per_batch = cfg["bags"] * cfg["ids_per_bag"]
+    assert all(0 < b <= per_batch * (8 + 4 * cfg["dim"]) for b in saved["pushed_bytes_per_step"].values())
+    assert saved["threads_in_rpc_handlers"] == {"ps0": 1, "ps1": 1} and saved["threads_on_trainer"] == 1
+    assert os.environ.get("OMP_NUM_THREADS") == _OMP_BEFORE
+    printed = capsys.readouterr().out
+    assert "ratios of medians" in printed and "(target >= 2.0)" in printed and "anchor: sparse=True" in printed
+
+
+def test_embedding_ratios_compare_medians():
+    anchor = bench_embedding.ANCHOR
+    sps = {anchor: 400.0, "ShardedEmbeddingBag servers=1": 200.0, "ShardedEmbeddingBag servers=2": 900.0}
+    lps = {anchor: 2e6, "ShardedEmbeddingBag servers=1": 1e6, "ShardedEmbeddingBag servers=2": 1.5e6}
+    r = bench_embedding.ratios({"config": {"server_counts": [1, 2]}, "train_steps_per_s": sps, "lookups_per_s": lps})
+    assert r["train steps/s: ShardedEmbeddingBag servers=2 / anchor (target >= 2.0)"] == pytest.approx(2.25)
+    assert r["train steps/s: ShardedEmbeddingBag servers=1 / anchor"] == pytest.approx(0.5)
+    assert r["lookups/s: ShardedEmbeddingBag servers=2 / anchor"] == pytest.approx(0.75)
+    assert r["train steps/s: ShardedEmbeddingBag servers=2 / servers=1"] == pytest.approx(4.5)
+    assert r["lookups/s: ShardedEmbeddingBag servers=2 / servers=1"] == pytest.approx(1.5)
+    assert bench._verdict("train steps/s: ShardedEmbeddingBag servers=2 / anchor (target >= 2.0)", 1.9) == "  NOT MET"

@@ -1,0 +1,230 @@
+"""Embedding benchmark: ShardedEmbeddingBag over 1 and 2 servers vs PyTorch's hybrid-model pattern.
+
+    make bench                                     # runs this after bench_ps
+    python -m tests.benchmarks.bench_embedding     # full size (about 40 s on 2 cores)
+    python -m tests.benchmarks.bench_embedding --quick
+
+A click model's table, 1,000,000 rows x 16 (float32, 64 MB), pooled with ``mode="sum"``;
+batches of 256 bags x 8 ids drawn uniformly from the table (a fixed, seeded cycle of batches,
+the same for every variant); loss ``((out - target) ** 2).sum() / 16`` to a fixed target per
+batch; SGD with lr 0.1 everywhere. Three local processes on loopback, each started with
+OMP_NUM_THREADS=1 (OpenMP's busy wait otherwise ruins RPC latency on 2 cores): "trainer0"
+runs every variant, "ps0" and "ps1" serve.
+
+Compared:
+
+* ``remote_module.ps.ShardedEmbeddingBag`` (async mode) with its rows on ps0 ("servers=1") and
+  on ps0 + ps1 ("servers=2"); a training step is forward, loss, ``loss.backward()``,
+  ``bag.step()`` (pushes the touched rows' gradients);
+* the anchor, PyTorch's hybrid-model example pattern: one
+  ``torch.distributed.nn.RemoteModule(nn.EmbeddingBag)`` holding the whole table on ps0; a step
+  is forward over RPC, loss, ``dist_autograd.backward``, ``DistributedOptimizer.step``. In its
+  stronger form, ``sparse=True``, when DistributedOptimizer applies SGD to a sparse gradient:
+  the run tries it and says which form it used and why.
+
+Figures: training steps/s, and lookups/s (ids looked up per second, repeats counted, in forward
+passes under ``no_grad``). A round runs ``steps_per_round`` steps (or forwards) of one variant;
+variants and both kinds are interleaved in an order that rotates every round; figures are
+medians over rounds and every ratio compares medians of this one run.
+
+Checks (the run raises if one fails): every variant starts from the same rows (the sharded
+table's seeded rows, loaded into the others); after ``check_steps`` identical steps every
+variant's whole table equals a local ``nn.EmbeddingBag(sparse=True)`` stepped by
+``torch.optim.SGD`` within 1e-6 (and rows did change); after the timed rounds the three tables
+still agree within ``end_atol``. Writes JSON (bench-embedding-results.json by default).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Callable
+
+import torch
+import torch.distributed.rpc as rpc
+from torch import nn
+
+from rpc_backend import current_worker, run_local
+from tests.benchmarks import _embedding_hosts as hosts
+from tests.benchmarks._common import one_thread_per_rank, parse_args, publish
+from tests.benchmarks.bench_ps import rounds
+from tests.benchmarks.bench_remote_module import _verdict
+
+SERVERS = ["ps0", "ps1"]
+ANCHOR = "torch RemoteModule + DistributedOptimizer"
+FULL = {"rows": 1_000_000, "dim": 16, "bags": 256, "ids_per_bag": 8, "lr": 0.1, "seed": 0, "num_batches": 32,
+        "steps_per_round": 30, "rounds": 21, "warmup_rounds": 1, "check_steps": 3, "check_atol": 1e-6,
+        "end_atol": 1e-5, "server_counts": [1, 2]}
+QUICK = {**FULL, "rows": 100_000, "steps_per_round": 3, "rounds": 2}
+
+
+def sharded_name(n: int) -> str:
+    return f"ShardedEmbeddingBag servers={n}"
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
+
+
+def _anchor(cfg: dict, batch: hosts.Batch, start: torch.Tensor) -> tuple[hosts.Anchor, str]:
+    """The anchor in its stronger form (``sparse=True``) if DistributedOptimizer's SGD takes a
+    sparse gradient, else as the example writes it (dense); the reason, in words."""
+    try:
+        anchor = hosts.Anchor(cfg, SERVERS[0], sparse=True)
+        anchor.load(start)
+        anchor.train(batch)  # a step that does not apply the gradient right is caught by the checks
+        anchor.load(start)
+        return anchor, ("sparse=True: DistributedOptimizer(torch.optim.SGD) applies the sparse gradient of "
+                        "nn.EmbeddingBag(sparse=True) (its functional SGD takes sparse grads; checked below "
+                        "against a local nn.EmbeddingBag(sparse=True) + torch.optim.SGD)")
+    except Exception as e:  # noqa: BLE001 - any failure of the sparse form means: fall back, say why
+        anchor = hosts.Anchor(cfg, SERVERS[0], sparse=False)
+        anchor.load(start)
+        return anchor, f"sparse=False (as the example writes it): with sparse=True the step failed: {e!r:.300}"
+
+
+def setup(cfg: dict, batches: list[hosts.Batch]) -> tuple[dict[str, Any], dict]:
+    """Every variant from the same rows, checked equal to a local reference after
+    ``check_steps`` identical steps. ``(variants by name, facts for the results)``."""
+    variants: dict[str, Any] = {sharded_name(n): hosts.Sharded(cfg, SERVERS[:n]) for n in cfg["server_counts"]}
+    first = variants[sharded_name(cfg["server_counts"][0])]
+    start = first.weight()
+    for v in variants.values():
+        if v is not first:
+            v.load(start)
+    variants[ANCHOR], form = _anchor(cfg, batches[0], start)
+    local = nn.EmbeddingBag.from_pretrained(start.clone(), freeze=False, mode="sum", sparse=True)
+    opt = torch.optim.SGD(local.parameters(), lr=cfg["lr"])
+    for b in batches[: cfg["check_steps"]]:
+        opt.zero_grad()
+        hosts.loss_of(local(b[0], b[1]), b[2]).backward()
+        opt.step()
+        for v in variants.values():
+            v.train(b)
+    want = local.weight.detach()
+    changed = int((want != start).any(dim=1).sum())
+    if changed == 0:
+        raise AssertionError(f"{cfg['check_steps']} steps changed no row of the local reference; the check is void")
+    diffs = {}
+    for name, v in variants.items():
+        diffs[name] = _max_diff(v.weight(), want)
+        if not diffs[name] <= cfg["check_atol"]:
+            raise AssertionError(
+                f"{name}: after {cfg['check_steps']} steps its table differs from a local nn.EmbeddingBag(sparse=True) "
+                f"+ torch.optim.SGD by {diffs[name]:.3g} (allowed {cfg['check_atol']}); the variants compute different things"
+            )
+    facts = {"anchor_form": form, "check_rows_changed": changed, "check_max_abs_diff_vs_local": diffs}
+    return variants, facts
+
+
+def trainer_main(cfg: dict) -> dict:
+    results: dict[str, Any] = {"config": cfg, "torch": torch.__version__}
+    results["threads_in_rpc_handlers"] = {w: rpc.rpc_sync(w, hosts.handler_threads) for w in SERVERS}
+    results["threads_on_trainer"] = torch.get_num_threads()
+    batches = hosts.make_batches(cfg)
+    variants, facts = setup(cfg, batches)
+    results.update(facts)
+    steps_done = dict.fromkeys(variants, cfg["check_steps"])  # each variant walks the same batch cycle
+    pushed_before = {name: v.bag.pushed_bytes for name, v in variants.items() if name != ANCHOR}
+
+    def train(name: str) -> Callable[[], None]:
+        def run() -> None:
+            v = variants[name]
+            for _ in range(cfg["steps_per_round"]):
+                v.train(batches[steps_done[name] % len(batches)])
+                steps_done[name] += 1
+        return run
+
+    def lookup(name: str) -> Callable[[], None]:
+        def run() -> None:
+            v = variants[name]
+            for i in range(cfg["steps_per_round"]):
+                v.lookup(batches[i % len(batches)])
+        return run
+
+    timed = {f"train: {n}": train(n) for n in variants} | {f"lookup: {n}": lookup(n) for n in variants}
+    samples = rounds(timed, cfg["rounds"], cfg["warmup_rounds"])
+    results["round_samples_s"] = samples
+    ids_per_batch = cfg["bags"] * cfg["ids_per_bag"]
+    results["train_steps_per_s"] = {n: cfg["steps_per_round"] / statistics.median(samples[f"train: {n}"]) for n in variants}
+    results["lookups_per_s"] = {
+        n: ids_per_batch * cfg["steps_per_round"] / statistics.median(samples[f"lookup: {n}"]) for n in variants
+    }
+    timed_steps = (cfg["rounds"] + cfg["warmup_rounds"]) * cfg["steps_per_round"]
+    results["pushed_bytes_per_step"] = {
+        n: (variants[n].bag.pushed_bytes - before) / timed_steps for n, before in pushed_before.items()
+    }
+    if len(set(steps_done.values())) != 1:
+        raise AssertionError(f"the variants ran different numbers of steps: {steps_done}")
+    reference = variants[ANCHOR].weight()
+    results["end_max_abs_diff_vs_anchor"] = {}
+    for name, v in variants.items():
+        if name != ANCHOR:
+            diff = results["end_max_abs_diff_vs_anchor"][name] = _max_diff(v.weight(), reference)
+            if not diff <= cfg["end_atol"]:
+                raise AssertionError(f"{name}: after {steps_done[name]} identical steps its table differs from the "
+                                     f"anchor's by {diff:.3g} (allowed {cfg['end_atol']})")
+    results["steps_each"] = steps_done[ANCHOR]
+    return results
+
+
+def rank_main(cfg: dict) -> dict | None:
+    if current_worker().role != "trainer":
+        return None  # the servers only serve
+    return trainer_main(cfg)
+
+
+def ratios(r: dict) -> dict[str, float]:
+    sps, lps = r["train_steps_per_s"], r["lookups_per_s"]
+    counts = r["config"]["server_counts"]
+    out = {}
+    for n in counts:
+        target = " (target >= 2.0)" if n == 2 else ""
+        out[f"train steps/s: {sharded_name(n)} / anchor{target}"] = sps[sharded_name(n)] / sps[ANCHOR]
+    for n in counts:
+        out[f"lookups/s: {sharded_name(n)} / anchor"] = lps[sharded_name(n)] / lps[ANCHOR]
+    if len(counts) > 1:
+        a, b = counts[:2]
+        out[f"train steps/s: ShardedEmbeddingBag servers={b} / servers={a}"] = sps[sharded_name(b)] / sps[sharded_name(a)]
+        out[f"lookups/s: ShardedEmbeddingBag servers={b} / servers={a}"] = lps[sharded_name(b)] / lps[sharded_name(a)]
+    return out
+
+
+def report(r: dict) -> str:
+    cfg = r["config"]
+    lines = [
+        "",
+        f"table {cfg['rows']:,} x {cfg['dim']} (mode sum), batches of {cfg['bags']} bags x {cfg['ids_per_bag']} ids "
+        f"(uniform), SGD lr {cfg['lr']}; {cfg['steps_per_round']} steps per round, {cfg['rounds']} rounds, "
+        f"{r['steps_each']} training steps per variant in all",
+        f"anchor: {r['anchor_form']}",
+        f"checks: after {cfg['check_steps']} steps ({r['check_rows_changed']} rows changed) max |diff| vs local "
+        + ", ".join(f"{n}: {d:.2g}" for n, d in r["check_max_abs_diff_vs_local"].items())
+        + "; at the end vs anchor "
+        + ", ".join(f"{n}: {d:.2g}" for n, d in r["end_max_abs_diff_vs_anchor"].items()),
+        f"threads in RPC handlers: {r['threads_in_rpc_handlers']}, on the trainer: {r['threads_on_trainer']}",
+        f"{'median':<46}{'steps/s':>9}{'ms/step':>9}{'lookups/s':>12}{'B pushed/step':>15}",
+        "-" * 91,
+    ]
+    for name, sps in r["train_steps_per_s"].items():
+        pushed = r["pushed_bytes_per_step"].get(name)
+        pushed_text = f"{pushed:>15,.0f}" if pushed is not None else f"{'-':>15}"
+        lines.append(f"  {name:<44}{sps:>9.1f}{1e3 / sps:>9.2f}{r['lookups_per_s'][name]:>12,.0f}{pushed_text}")
+    lines += ["", "ratios of medians (same run)", "-" * 91]
+    width = max(map(len, r["ratios"]))
+    for name, v in r["ratios"].items():
+        lines.append(f"  {name:<{width}}{v:>7.3f}{_verdict(name, v)}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args("remote_module sharded embedding benchmark", "bench-embedding-results.json", argv)
+    cfg = dict(QUICK if args.quick else FULL)
+    with one_thread_per_rank():
+        out = run_local(rank_main, 3, roles={"trainer": 1, "ps": 2}, args=(cfg,), timeout=900)
+    results = next(r for r in out if r is not None)
+    results["ratios"] = ratios(results)
+    return publish(results, report(results), args.json)
+
+
+if __name__ == "__main__":
+    main()
