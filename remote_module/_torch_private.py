@@ -163,3 +163,13 @@ def as_python_module(value: Any) -> Any:
     if isinstance(value, torch._C.ScriptModule):
         return torch.jit._recursive.wrap_cpp_module(value)
     return value
+
+
+def embedding_bag_parts(weight: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor, mode: str,
+                        per_sample_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torch's embedding_bag kernel with what ``F.embedding_bag`` drops: ``(output, bag sizes,
+    max indices)``; for ``mode="max"`` the index into ``weight`` of each element's maximum
+    (undocumented ``torch.embedding_bag``; ``mode``: "sum", "mean" or "max")."""
+    out, _, sizes, max_indices = torch.embedding_bag(
+        weight, indices, offsets, False, {"sum": 0, "mean": 1, "max": 2}[mode], False, per_sample_weights)
+    return out, sizes, max_indices

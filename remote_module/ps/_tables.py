@@ -29,6 +29,7 @@ from torch.futures import Future
 
 from remote_module._errors import CallTimeout
 from remote_module._settling import complete, schedule, settle_elsewhere
+from remote_module._torch_private import embedding_bag_parts
 from remote_module.ps._rowwise import RowOptimizer, coalesce, new_state, step_rows
 
 _SEED_STRIDE = 1_000_003  # row seeds: seed * stride + row id
@@ -93,6 +94,8 @@ class _Rows:
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows of ``ids`` (lazy rows never touched: their initial values, not stored)."""
         with self.lock:
+            if self.slot_of is None:  # eager: every row is stored
+                return self.values.index_select(0, ids - self.first)
             slots = self.slots(ids, create=False)
             out = torch.empty(ids.numel(), self.spec.dim, dtype=self.spec.dtype)
             known = slots >= 0
@@ -111,17 +114,18 @@ class _Rows:
                 size = self.values.shape[0]
                 self.state = {k: torch.zeros(size, self.spec.dim, dtype=self.spec.dtype) for k in fresh}
             before = {}
-            for k, v in self.state.items():
-                rows = v[slots]
-                new_rows = ~self.touched[slots]
-                rows[new_rows] = fresh[k][: int(new_rows.sum())]
-                before[k] = rows
+            if self.state:
+                new_rows = ~self.touched.index_select(0, slots)
+                for k, v in self.state.items():
+                    rows = v.index_select(0, slots)
+                    rows[new_rows] = fresh[k][: int(new_rows.sum())]
+                    before[k] = rows
             g = grad * scale if scale != 1.0 else grad
-            new_values, after = step_rows(opt, self.values[slots], g, before, step)
-            self.values[slots] = new_values
+            new_values, after = step_rows(opt, self.values.index_select(0, slots), g, before, step)
+            self.values.index_copy_(0, slots, new_values)
             for k, v in after.items():
-                self.state[k][slots] = v
-            self.touched[slots] = True
+                self.state[k].index_copy_(0, slots, v)
+            self.touched.index_fill_(0, slots, True)
 
     def memory_bytes(self) -> int:
         total = self.values.numel() * self.values.element_size()
@@ -133,7 +137,9 @@ class Table:
 
     def __init__(self, name: str, spec: TableSpec, blocks: list[tuple[int, int]]) -> None:
         self.name, self.spec = name, spec
-        self.blocks = [_Rows(spec, first, count) for first, count in blocks]
+        self.blocks = [_Rows(spec, first, count) for first, count in sorted(blocks)]
+        self.starts = torch.tensor([r.first for r in self.blocks], dtype=torch.long)
+        self.ends = torch.tensor([r.first + r.count for r in self.blocks], dtype=torch.long)
         self.lock = threading.Condition()
         self.step_count = 0
         self.pushed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -144,39 +150,60 @@ class Table:
 
     def _owner(self, ids: torch.Tensor) -> torch.Tensor:
         """For each id, the index of the block that holds it (``ValueError`` for an id no block here holds)."""
-        owner = torch.full_like(ids, -1)
-        for b, rows in enumerate(self.blocks):
-            inside = (ids >= rows.first) & (ids < rows.first + rows.count)
-            owner[inside] = b
-        if bool((owner < 0).any()):
-            bad = ids[owner < 0][:5].tolist()
+        owner = torch.searchsorted(self.starts, ids, right=True) - 1
+        inside = owner >= 0
+        if bool(inside.all()):
+            ends = self.ends[owner]
+            inside = ids < ends
+        else:
+            inside &= ids < self.ends[owner.clamp(min=0)]
+        if not bool(inside.all()):
+            bad = ids[~inside][:5].tolist()
             raise ValueError(f"table {self.name!r}: rows {bad} are not held on this server")
         return owner
 
+    def _split(self, ids: torch.Tensor) -> list[tuple[_Rows, torch.Tensor | None]]:
+        """The blocks holding ``ids`` (checked), each with the positions of its ids (``None``:
+        all of them, the common case of one block per server)."""
+        if len(self.blocks) == 1:
+            rows = self.blocks[0]
+            if ids.numel() and (int(ids.min()) < rows.first or int(ids.max()) >= rows.first + rows.count):
+                self._owner(ids)  # raises, naming the ids
+            return [(rows, None)]
+        owner = self._owner(ids)
+        out = []
+        for b, rows in enumerate(self.blocks):
+            mine = (owner == b).nonzero().reshape(-1)
+            if mine.numel():
+                out.append((rows, mine))
+        return out
+
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows of ``ids`` (any order, repeats allowed), as stored now."""
+        parts = self._split(ids)
+        if len(parts) == 1 and parts[0][1] is None:
+            return parts[0][0].read(ids)
         out = torch.empty(ids.numel(), self.spec.dim, dtype=self.spec.dtype)
-        owner = self._owner(ids)
-        for b, rows in enumerate(self.blocks):
-            mine = owner == b
-            if bool(mine.any()):
-                out[mine] = rows.read(ids[mine])
+        for rows, mine in parts:
+            out[mine] = rows.read(ids[mine])
         return out
 
     def answer(self, ids: torch.Tensor, pool: tuple | None) -> object:
-        """A lookup's answer: the rows of ``ids``, or with ``pool`` = ``(bags, weights,
-        num_bags, kind)`` those rows pooled (:func:`pool_rows`)."""
+        """A lookup's answer: the rows of ``ids``, or with ``pool`` = ``(offsets, weights,
+        kind)`` those rows pooled (:func:`pool_rows`)."""
+        ids = ids.long()
         rows = self.lookup(ids)
         return rows if pool is None else pool_rows(rows, ids, *pool)
 
     def apply(self, ids: torch.Tensor, grad: torch.Tensor, scale: float = 1.0) -> None:
         """One optimizer step of the table with the sparse gradient ``(ids, grad)`` (lock held)."""
-        self.step_count += 1
         uniq, summed = coalesce(ids, grad)
-        owner = self._owner(uniq)
-        for b, rows in enumerate(self.blocks):
-            mine = owner == b
-            if bool(mine.any()):
+        parts = self._split(uniq)  # checked before anything changes
+        self.step_count += 1
+        for rows, mine in parts:
+            if mine is None:
+                rows.step(uniq, summed, self.step_count, scale)
+            else:
                 rows.step(uniq[mine], summed[mine], self.step_count, scale)
 
     def push(self, trainer: str, step: int, ids: torch.Tensor, grad: torch.Tensor) -> None:
@@ -246,29 +273,28 @@ class Table:
         return sum(rows.memory_bytes() for rows in self.blocks)
 
 
-def pool_rows(rows: torch.Tensor, ids: torch.Tensor, bags: torch.Tensor, weights: torch.Tensor | None,
-              num_bags: int, kind: str) -> object:
-    """Pool ``rows`` (row ``j`` is id ``ids[j]``, in bag ``bags[j]``) into ``num_bags`` bags.
+def pool_rows(rows: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
+              kind: str) -> object:
+    """Pool ``rows`` (row ``j`` is id ``ids[j]``) into bags: bag ``b`` holds rows
+    ``offsets[b]`` up to the next bag's offset (or the end), as ``nn.EmbeddingBag``'s offsets.
 
-    ``kind="sum"``: the ``(num_bags, dim)`` sums of the rows (times ``weights``), in position
+    ``kind="sum"``: the ``(bags, dim)`` sums of the rows (times ``weights``), in position
     order (a mean is this sum divided by the bag's size, which the trainer knows).
     ``kind="max"``: ``(values, winners)``: the element-wise maxima (``-inf`` where a bag has no
     row here) and, per element, the id of the first row holding it (``-1`` where none), which
     the trainer needs to send the gradient to the right row.
     """
-    dim = rows.shape[1]
+    n = rows.shape[0]
+    positions = torch.arange(n)
+    offsets = offsets.long()
     if kind == "sum":
         if weights is not None:
-            rows = rows * weights.to(rows.dtype).unsqueeze(1)
-        return torch.zeros(num_bags, dim, dtype=rows.dtype).index_add_(0, bags, rows)
-    where = bags.unsqueeze(1).expand(-1, dim)
-    values = torch.full((num_bags, dim), float("-inf"), dtype=rows.dtype).scatter_reduce(0, where, rows, "amax")
-    n = rows.shape[0]
-    position = torch.arange(n).unsqueeze(1).expand(-1, dim)
-    holds = rows == values[bags]
-    first = torch.full((num_bags, dim), n, dtype=torch.long).scatter_reduce(
-        0, where, torch.where(holds, position, n), "amin")
-    winners = torch.where(first < n, ids[first.clamp(max=max(n - 1, 0))], -1)
+            weights = weights.to(rows.dtype)
+        return embedding_bag_parts(rows, positions, offsets, "sum", weights)[0]
+    values, sizes, first = embedding_bag_parts(rows, positions, offsets, "max")
+    empty = (sizes == 0).unsqueeze(1)
+    values = values.masked_fill(empty, float("-inf"))
+    winners = torch.where(empty, -1, ids[first.clamp(0, max(n - 1, 0))]) if n else torch.full_like(first, -1)
     return values, winners
 
 
