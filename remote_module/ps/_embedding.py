@@ -332,8 +332,13 @@ class ShardedEmbedding(nn.Module):
         pending, self._pending = self._pending, []
         ids_parts, grad_parts = [], []
         for uniq, rows in pending:
-            if rows.grad is not None:
-                keep = uniq != self.padding_idx if self.padding_idx is not None else torch.ones_like(uniq, dtype=torch.bool)
+            if rows.grad is None:
+                continue
+            if self.padding_idx is None:
+                ids_parts.append(uniq)
+                grad_parts.append(rows.grad)
+            else:
+                keep = uniq != self.padding_idx
                 ids_parts.append(uniq[keep])
                 grad_parts.append(rows.grad[keep])
         ids = torch.cat(ids_parts) if ids_parts else torch.empty(0, dtype=torch.long)
@@ -341,15 +346,17 @@ class ShardedEmbedding(nn.Module):
         if self.ps_mode == "geo":
             self._geo_step(ids, grad)
             return
-        owner = self._owner_index(ids)
         calls = []
-        for server in self._by_server:
-            mine = torch.zeros_like(ids, dtype=torch.bool)
-            for b, s in enumerate(self._owners):
-                if s == server:
-                    mine |= owner == b
-            if bool(mine.any()) or self.ps_mode == "sync":
-                calls.append((server, _tables._push_rows, (self.name, self._trainer, self._step, ids[mine], grad[mine])))
+        if len(self._server_names) == 1:
+            if ids.numel() or self.ps_mode == "sync":
+                calls.append((self._server_names[0], _tables._push_rows, (self.name, self._trainer, self._step, ids, grad)))
+        else:
+            server_of = self._block_server[self._owner_index(ids)]
+            for k, server in enumerate(self._server_names):
+                mine = server_of == k
+                # sync: every server hears from every trainer every step, rows or not
+                if bool(mine.any()) or self.ps_mode == "sync":
+                    calls.append((server, _tables._push_rows, (self.name, self._trainer, self._step, ids[mine], grad[mine])))
         call_all(calls, timeout=self.timeout)
         self.pushed_bytes += sum(i.numel() * i.element_size() + g.numel() * g.element_size()
                                  for _, _, (_, _, _, i, g) in calls)
