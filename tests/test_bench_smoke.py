@@ -183,7 +183,8 @@ def test_embedding_ratios_compare_medians():
     anchor = bench_embedding.ANCHOR
     sps = {anchor: 400.0, "ShardedEmbeddingBag servers=1": 200.0, "ShardedEmbeddingBag servers=2": 900.0}
     lps = {anchor: 2e6, "ShardedEmbeddingBag servers=1": 1e6, "ShardedEmbeddingBag servers=2": 1.5e6}
-    r = bench_embedding.ratios({"config": {"server_counts": [1, 2]}, "train_steps_per_s": sps, "lookups_per_s": lps})
+    r = bench_embedding.ratios({"config": {"server_counts": [1, 2]}, "train_steps_per_s": sps, "lookups_per_s": lps,
+                                "dense_example_steps_per_s": 10.0})
     assert r["train steps/s: ShardedEmbeddingBag servers=2 / anchor (target >= 2.0)"] == pytest.approx(2.25)
     assert r["train steps/s: ShardedEmbeddingBag servers=1 / anchor"] == pytest.approx(0.5)
     assert r["lookups/s: ShardedEmbeddingBag servers=2 / anchor"] == pytest.approx(0.75)

@@ -37,6 +37,7 @@ still agree within ``end_atol``. Writes JSON (bench-embedding-results.json by de
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Any, Callable
 
 import torch
@@ -53,8 +54,8 @@ SERVERS = ["ps0", "ps1"]
 ANCHOR = "torch RemoteModule + DistributedOptimizer"
 FULL = {"rows": 1_000_000, "dim": 16, "bags": 256, "ids_per_bag": 8, "lr": 0.1, "seed": 0, "num_batches": 32,
         "steps_per_round": 30, "rounds": 21, "warmup_rounds": 1, "check_steps": 3, "check_atol": 1e-6,
-        "end_atol": 1e-5, "server_counts": [1, 2]}
-QUICK = {**FULL, "rows": 100_000, "steps_per_round": 3, "rounds": 2}
+        "end_atol": 1e-5, "server_counts": [1, 2], "dense_example_steps": 15}
+QUICK = {**FULL, "rows": 100_000, "steps_per_round": 3, "rounds": 2, "dense_example_steps": 2}
 
 
 def sharded_name(n: int) -> str:
@@ -164,6 +165,14 @@ def trainer_main(cfg: dict) -> dict:
                 raise AssertionError(f"{name}: after {steps_done[name]} identical steps its table differs from the "
                                      f"anchor's by {diff:.3g} (allowed {cfg['end_atol']})")
     results["steps_each"] = steps_done[ANCHOR]
+    # for scale, not the target: the example as written (sparse=False: DistributedOptimizer steps
+    # the whole table's dense gradient every step), timed after the interleaved rounds
+    dense = hosts.Anchor(cfg, SERVERS[0], sparse=False)
+    dense.train(batches[0])
+    start = time.perf_counter()
+    for i in range(cfg["dense_example_steps"]):
+        dense.train(batches[i % len(batches)])
+    results["dense_example_steps_per_s"] = cfg["dense_example_steps"] / (time.perf_counter() - start)
     return results
 
 
@@ -186,6 +195,9 @@ def ratios(r: dict) -> dict[str, float]:
         a, b = counts[:2]
         out[f"train steps/s: ShardedEmbeddingBag servers={b} / servers={a}"] = sps[sharded_name(b)] / sps[sharded_name(a)]
         out[f"lookups/s: ShardedEmbeddingBag servers={b} / servers={a}"] = lps[sharded_name(b)] / lps[sharded_name(a)]
+    for n in counts:
+        out[f"train steps/s: {sharded_name(n)} / the example as written (sparse=False)"] = (
+            sps[sharded_name(n)] / r["dense_example_steps_per_s"])
     return out
 
 
@@ -209,6 +221,8 @@ def report(r: dict) -> str:
         pushed = r["pushed_bytes_per_step"].get(name)
         pushed_text = f"{pushed:>15,.0f}" if pushed is not None else f"{'-':>15}"
         lines.append(f"  {name:<44}{sps:>9.1f}{1e3 / sps:>9.2f}{r['lookups_per_s'][name]:>12,.0f}{pushed_text}")
+    lines.append(f"  {'the example as written (sparse=False), after':<44}{r['dense_example_steps_per_s']:>9.1f}"
+                 f"{1e3 / r['dense_example_steps_per_s']:>9.2f}")
     lines += ["", "ratios of medians (same run)", "-" * 91]
     width = max(map(len, r["ratios"]))
     for name, v in r["ratios"].items():
