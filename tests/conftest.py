@@ -16,6 +16,11 @@ from pathlib import Path
 
 import pytest
 
+# One intra-op thread per process, here and in every rank the tests start (they inherit it),
+# unless the caller chose otherwise: the tests run many processes on few cores, and OpenMP's
+# threads wait busily after each parallel op, taking the cores the other ranks' RPCs need.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 ROOT = Path(__file__).resolve().parent.parent
 RPC_TIMEOUT = 20.0
 #: rank -> name. ``bare`` is reserved for the test that checks a host nothing was run on.
