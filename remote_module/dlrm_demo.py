@@ -128,6 +128,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     me = current_worker()
     init_role_process_group(me)
     torch.manual_seed(0)  # the same dense initialisation on every trainer (DDP checks it anyway)
+    # geo: a trainer pushes every cached row's delta each geo_push_every steps
     tables = [
         ShardedEmbeddingBag(rows, DIM, me.workers("ps"), name=f"dlrm.{name}", mode="mean", ps_mode=args.mode,
                             num_trainers=me.role_size, optimizer=(torch.optim.Adagrad, {"lr": 0.3}),
