@@ -5,7 +5,7 @@ PYTHON ?= python3
 TORCH ?= torch==2.13.0
 PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: install demo test bench
+.PHONY: install demo demo-hybrid test bench
 
 .install-stamp: setup.cfg pyproject.toml
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) "$(TORCH)"
@@ -14,7 +14,12 @@ PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check
 
 install: .install-stamp
 
+# The main job: a DLRM-style click model on 2 parameter servers + 2 trainers (remote_module/dlrm_demo.py).
 demo: .install-stamp
+	$(PYTHON) -m remote_module.dlrm_demo
+
+# The first demo: a hybrid model (remote EmbeddingBag + local Linear) on a local 2-process world.
+demo-hybrid: .install-stamp
 	$(PYTHON) -m remote_module.demo
 
 test: .install-stamp

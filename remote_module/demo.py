@@ -1,4 +1,5 @@
-"""``make demo``: train a small hybrid model on a local two-process RPC world.
+"""``make demo-hybrid``: train a small hybrid model on a local two-process RPC world (the
+first demo; ``make demo`` runs the DLRM click model, :mod:`remote_module.dlrm_demo`).
 
 The trainer holds a local ``Linear`` head; the host worker holds an ``EmbeddingBag`` behind
 a :class:`~remote_module.RemoteModule`. Both train together under distributed autograd and

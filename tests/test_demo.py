@@ -1,4 +1,4 @@
-"""`make demo`'s main job, shortened."""
+"""`make demo-hybrid`'s job (the first demo), shortened; `make demo` is tests/test_dlrm_demo.py."""
 
 from remote_module import demo
 

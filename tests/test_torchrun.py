@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = (ROOT / "tutorials" / "torchrun.md").read_text()
 COMMANDS = [line for line in DOC.splitlines() if line.startswith("torchrun ") and "torchrun_job.py" in line]
 PS_COMMANDS = [line for line in DOC.splitlines() if line.startswith("torchrun ") and "parameter_server.py" in line]
+DLRM_COMMANDS = [line for line in DOC.splitlines() if line.startswith("torchrun ") and "remote_module.dlrm_demo" in line]
 
 
 def _argv(command: str, **subs: str) -> list[str]:
@@ -49,6 +50,11 @@ def _check(output: str, trainers: int) -> None:
 def test_doc_has_the_commands():
     assert len(COMMANDS) == 3
     assert PS_COMMANDS == ["torchrun --standalone --nproc-per-node=4 tutorials/parameter_server.py --mode sync"]
+    assert DLRM_COMMANDS == [
+        "torchrun --standalone --nproc-per-node=4 -m remote_module.dlrm_demo --servers 2",
+        "torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=HOST0:PORT -m remote_module.dlrm_demo "
+        "--servers 2",
+    ]
 
 
 @pytest.mark.timeout(150)
@@ -101,3 +107,29 @@ def test_parameter_server_job_under_torchrun_and_run_local():
                            env=_env(), capture_output=True, text=True, timeout=90)
     assert local.returncode == 0, local.stderr[-3000:]
     assert _trainer_lines(local.stdout) == lines, (local.stdout, out.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_dlrm_demo_under_torchrun_prints_one_summary(tmp_path):
+    # the documented one-machine command (2 servers + 2 trainers), shortened
+    png = tmp_path / "curves.png"
+    command = f"{DLRM_COMMANDS[0]} --steps 20 --plot {png}"
+    out = subprocess.run(_argv(command), cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=140)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    # trainer0 gathered every trainer's figures: one header, one line per trainer, nothing from the servers
+    assert sum(line.startswith("DLRM click model: 2 parameter server(s), 2 trainer(s)") for line in lines) == 1, out.stdout
+    assert sum(line.startswith("trainer    loss first -> last") for line in lines) == 1, out.stdout
+    rows = [line.split() for line in lines if re.match(r"trainer\d ", line)]
+    assert [row[0] for row in rows] == ["trainer0", "trainer1"], out.stdout
+    for row in rows:
+        first, last, auc, steps_per_s = float(row[1]), float(row[3]), float(row[4]), float(row[5])
+        assert last < first and auc > 0.6 and steps_per_s > 0, row
+    assert "ps0" not in out.stdout and "ps1" not in out.stdout
+    # one PNG, from trainer0 (or, without matplotlib, one hint instead)
+    if png.exists():
+        assert [p.name for p in tmp_path.iterdir()] == ["curves.png"]
+        assert out.stdout.count("loss and AUC curves:") == 1
+    else:
+        assert out.stdout.count("install matplotlib") == 1, out.stdout
