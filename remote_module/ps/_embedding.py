@@ -5,6 +5,7 @@ touched rows' gradients, which the servers apply with a row-wise optimizer (``_r
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Sequence
 
 import torch
@@ -123,7 +124,10 @@ class ShardedEmbedding(nn.Module):
         steps = call_all([(s, _tables._attach_table, (name, spec, rs, self._trainer)) for s, rs in by_server.items()],
                          timeout=timeout)
         self._step = min(steps) if steps else 0
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (unique ids, their rows with grad)
+        # the lookups whose rows backward has given a gradient since the last step, by id of the
+        # rows tensor: (unique ids, their rows); filled by _record_on_backward's hook
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pending_lock = threading.Lock()
         #: tensor bytes (ids and gradient rows) this module has pushed so far
         self.pushed_bytes = 0
         starts = torch.tensor([first for first, _, _ in self._ranges])
@@ -186,8 +190,21 @@ class ShardedEmbedding(nn.Module):
             rows[uniq == self.padding_idx] = 0.0  # as nn.Embedding: the padding row is zero, never trained
         if torch.is_grad_enabled():
             rows.requires_grad_(True)
-            self._pending.append((uniq, rows))
+            self._record_on_backward(uniq, rows)
         return uniq, inverse, rows
+
+    def _record_on_backward(self, uniq: torch.Tensor, rows: torch.Tensor) -> None:
+        """Have :meth:`step` push ``rows``' gradient (``rows``: a leaf standing for the rows of
+        ``uniq``) once backward has accumulated one into it. Nothing is held before that, as
+        with a local module: a lookup that is never backpropagated (an eval loop without
+        ``no_grad``) is gone with its output, and ``zero_grad()`` between forward and backward
+        (the torch idiom) clears only the gradients accumulated so far."""
+
+        def accumulated(t: torch.Tensor) -> None:  # once per backward through ``rows``
+            with self._pending_lock:
+                self._pending[id(t)] = (uniq, t)
+
+        rows.register_post_accumulate_grad_hook(accumulated)
 
     # ---- checkpoints: the local module's key ``weight`` (lazy: ``weight.ids``/``weight.rows``) ----
 
@@ -208,8 +225,12 @@ class ShardedEmbedding(nn.Module):
             call_all([(s, _tables._flush_table, (self.name,)) for s in self._by_server], timeout=self.timeout)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forget the gradients of the lookups since the last :meth:`step` (nothing is pushed)."""
-        self._pending = []
+        """Forget the gradients accumulated since the last :meth:`step` (nothing is pushed); as
+        torch's ``zero_grad``, a backward after it (of a forward before it) counts."""
+        with self._pending_lock:
+            pending, self._pending = self._pending, {}
+        for _, rows in pending.values():
+            rows.grad = None
 
     def _stored(self) -> tuple[torch.Tensor, torch.Tensor]:
         self._settle()
@@ -329,9 +350,10 @@ class ShardedEmbedding(nn.Module):
     def step(self) -> None:
         """Push the touched rows' gradients (only those rows) and forget them (geo: step the
         cached rows locally, push their deltas every ``geo_push_every`` steps)."""
-        pending, self._pending = self._pending, []
+        with self._pending_lock:
+            pending, self._pending = self._pending, {}
         ids_parts, grad_parts = [], []
-        for uniq, rows in pending:
+        for uniq, rows in pending.values():
             if rows.grad is not None:
                 keep = uniq != self.padding_idx if self.padding_idx is not None else torch.ones_like(uniq, dtype=torch.bool)
                 ids_parts.append(uniq[keep])

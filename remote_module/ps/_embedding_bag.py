@@ -53,6 +53,8 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         # arguments as nn.EmbeddingBag does, gives the output's shape and, for sum and mean, the
         # exact path of each bag's gradient back to its rows (max is routed below)
         holder = torch.zeros(uniq.numel(), self.embedding_dim, requires_grad=grad)
+        if grad:
+            self._record_on_backward(uniq, holder)
         pad = None
         if self.padding_idx is not None:
             hit = (uniq == self.padding_idx).nonzero().reshape(-1)
@@ -76,8 +78,6 @@ class ShardedEmbeddingBag(ShardedEmbedding):
                 pool = (bags[mine], None if weights is None else weights[mine], num_bags, kind)
                 calls.append((server, _tables._lookup, (self.name, flat[mine], self._step, pool, self._wait_s())))
         got = call_all(calls, timeout=self.timeout)
-        if grad:
-            self._pending.append((uniq, holder))
         if kind == "sum":
             total = torch.zeros(num_bags, self.embedding_dim)
             for part in got:  # in server order

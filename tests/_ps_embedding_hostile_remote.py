@@ -1,0 +1,136 @@
+"""What tests/test_ps_embedding_hostile.py runs on its trainers: sharded tables used as an
+ordinary PyTorch user would (the torch idioms, the mistakes, the threads), each returning what
+happened to pytest, which compares it with plain torch."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+SERVERS = ["ps0", "ps1"]
+
+#: this process's tables (and models) by name, kept between calls
+_objects: dict[str, Any] = {}
+
+
+def attempt(fn: Callable[[], Any]) -> dict:
+    """How ``fn()`` ended: ``ok``, its value or exception type and message, and seconds taken."""
+    start = time.monotonic()
+    try:
+        value = fn()
+    except Exception as exc:  # noqa: BLE001 - returned to the test
+        return {"ok": False, "type": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - start}
+    return {"ok": True, "value": value, "seconds": time.monotonic() - start}
+
+
+def weights(seed: int, rows: int = 20, dim: int = 3) -> torch.Tensor:
+    return torch.randn(rows, dim, generator=torch.Generator().manual_seed(seed))
+
+
+def table(name: str, rows: int = 20, dim: int = 3, *, bag: str | None = None, seed: int | None = 0,
+          keep: bool = True, **kwargs: Any):
+    """A ShardedEmbedding (or, with ``bag``, a ShardedEmbeddingBag of that mode) over ps0, ps1
+    in two blocks, loaded with ``weights(seed)`` unless ``seed`` is None."""
+    from remote_module.ps import ShardedEmbedding, ShardedEmbeddingBag
+
+    kwargs.setdefault("min_block_size", 1)
+    kwargs.setdefault("optimizer", (torch.optim.SGD, {"lr": 1.0}))
+    servers = kwargs.pop("servers", SERVERS)
+    if bag is None:
+        t = ShardedEmbedding(rows, dim, servers, name=name, **kwargs)
+    else:
+        t = ShardedEmbeddingBag(rows, dim, servers, name=name, mode=bag, **kwargs)
+    if seed is not None:
+        t.load_state_dict({"weight": weights(seed, rows, dim)})
+    if keep:
+        _objects[name] = t
+    return t
+
+
+def try_table(name: str, **kwargs: Any) -> dict:
+    return attempt(lambda: table(name, keep=True, **kwargs) and None)
+
+
+def rows_of(name: str) -> torch.Tensor:
+    return _objects[name].state_dict()["weight"]
+
+
+# ---- the torch idioms of a training loop ------------------------------------------------------------
+
+
+def idioms(emb: nn.Module, step: Callable[[], None], zero_grad: Callable[[], None]) -> None:
+    """A training loop's idioms on ``emb`` (a sharded table, or a local ``nn.Embedding`` with
+    its optimizer's ``step`` / ``zero_grad``): pytest compares the rows after it."""
+    x = [torch.tensor(ids) for ids in ([1, 15, 1], [2, 16], [16, 3, 3], [4, 17], [5, 18], [6], [7, 19])]
+    out = emb(x[0]).pow(2).sum()
+    zero_grad()  # between forward and backward, as many loops do: the backward after it counts
+    out.backward()
+    step()
+    zero_grad()
+    emb(x[1]).sum().backward()  # two backwards before a step: the gradients add up
+    emb(x[2]).pow(2).sum().backward()
+    step()
+    zero_grad()
+    out = emb(x[3]).pow(2).sum()
+    out.backward(retain_graph=True)  # backward twice through one graph: twice the gradient
+    out.backward()
+    step()
+    zero_grad()
+    with torch.no_grad():
+        emb(x[4])
+    step()  # after a lookup under no_grad, and with nothing looked up: nothing moves
+    step()
+    emb(x[5])  # a lookup never backpropagated
+    step()
+    zero_grad()
+    emb(x[6]).sum().backward()
+    zero_grad()  # dropped before the step
+    step()
+
+
+def idioms_sharded(name: str, optimizer: tuple) -> torch.Tensor:
+    t = table(name, optimizer=optimizer)
+    idioms(t, t.step, t.zero_grad)
+    return t.state_dict()["weight"]
+
+
+def idioms_in_psmodel(name: str) -> dict:
+    """The same idioms through a PSModel holding the table and a Linear."""
+    from remote_module.ps import PSModel
+
+    t = table(name + "-table")
+    torch.manual_seed(0)
+    model = PSModel(nn.Sequential(t, nn.Linear(3, 1)), ["ps2"], name=name, num_trainers=1, mode="async",
+                    optimizer=(torch.optim.SGD, {"lr": 1.0}))
+    idioms(model, model.step, model.zero_grad)
+    return dict(model.state_dict())
+
+
+def graph_leaf(out: torch.Tensor) -> torch.Tensor:
+    """The first leaf tensor of ``out``'s autograd graph."""
+    fn = out.grad_fn
+    while not hasattr(fn, "variable"):
+        fn = next(f for f, _ in fn.next_functions if f is not None)
+    return fn.variable
+
+
+def dropped_lookup_is_freed(name: str) -> dict:
+    """A lookup whose output is dropped without backward (an eval loop without no_grad) leaves
+    nothing behind: its rows (the leaf of the output's graph) are freed with the output."""
+    import gc
+    import weakref
+
+    t = table(name)
+    alive = []
+    for _ in range(3):
+        out = t(torch.tensor([1, 15]))
+        leaf = graph_leaf(out)  # the rows the output was indexed from
+        ref = weakref.ref(leaf)
+        del out, leaf
+        gc.collect()
+        alive.append(ref() is not None)
+    return {"alive": alive}
