@@ -134,3 +134,32 @@ def dropped_lookup_is_freed(name: str) -> dict:
         gc.collect()
         alive.append(ref() is not None)
     return {"alive": alive}
+
+
+# ---- optimizer state of tables stepped on some servers only ----------------------------------------
+
+
+#: per step, the ids looked up: rows 0-9 are on ps0, 10-19 on ps1
+ONE_SIDE_THEN_BOTH = ([[15, 16], [16]], [[1, 2], [2]], [[1, 15], [3, 18]])
+
+
+def train_steps(t: nn.Module, steps: list[list[int]], step: Callable[[], None]) -> None:
+    for ids in steps:
+        t(torch.tensor(ids)).pow(2).sum().backward()
+        step()
+
+
+def one_side_state(name: str, optimizer: tuple, steps: list[list[int]]) -> dict:
+    """Train a table on ``steps`` (each may touch one server only), then its optimizer state, and
+    the rows of a second table loaded with both checkpoints and trained one step further."""
+    t = table(name, optimizer=optimizer)
+    train_steps(t, steps, t.step)
+    state = attempt(t.optimizer_state_dict)
+    out = {"state": state, "rows": t.state_dict()["weight"]}
+    if state["ok"]:
+        again = table(name + "-again", optimizer=optimizer, seed=None)
+        again.load_state_dict(t.state_dict())
+        again.load_optimizer_state_dict(state["value"])
+        train_steps(again, [[1, 16]], again.step)
+        out["continued"] = again.state_dict()["weight"]
+    return out

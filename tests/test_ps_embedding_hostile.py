@@ -63,3 +63,42 @@ def test_training_loop_idioms_through_a_psmodel_equal_torch(world):
 def test_a_lookup_never_backpropagated_is_freed_with_its_output(world):
     got = on_trainer0(world, h.dropped_lookup_is_freed, job("eval"))
     assert got["alive"] == [False] * 3, f"lookups kept alive after their outputs were dropped: {got}"
+
+
+# ---- optimizer state of tables stepped on some servers only ------------------------------------------
+
+
+OPTIMIZERS = {
+    "adagrad": (torch.optim.Adagrad, {"lr": 0.5, "lr_decay": 0.1, "initial_accumulator_value": 0.1}),
+    "sparse_adam": (torch.optim.SparseAdam, {"lr": 0.1}),
+}
+
+
+def local_steps(optimizer: tuple, steps) -> tuple[nn.Embedding, torch.optim.Optimizer]:
+    emb, opt = local_embedding(optimizer)
+    h.train_steps(emb, steps, lambda: (opt.step(), opt.zero_grad()))
+    return emb, opt
+
+
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+@pytest.mark.parametrize("side", ["ps1-only", "ps0-only"])
+def test_steps_touching_one_server_and_their_optimizer_state_equal_torch(world, opt, side):
+    """A step whose rows all live on one server is still one optimizer step of the table (torch
+    counts steps per parameter: Adagrad's lr_decay, SparseAdam's bias correction), and the
+    optimizer state of a table whose rows on some server were never stepped is saved and
+    loads back, continuing as torch."""
+    steps = {"ps1-only": h.ONE_SIDE_THEN_BOTH[0], "ps0-only": h.ONE_SIDE_THEN_BOTH[1],
+             "one-then-both": h.ONE_SIDE_THEN_BOTH[0] + h.ONE_SIDE_THEN_BOTH[2]}[side]
+    got = on_trainer0(world, h.one_side_state, job(f"osd-{opt}"), OPTIMIZERS[opt], steps)
+    emb, torch_opt = local_steps(OPTIMIZERS[opt], steps)
+    torch.testing.assert_close(got["rows"], emb.weight.detach(), atol=1e-6, rtol=1e-5)
+    assert got["state"]["ok"], f"optimizer_state_dict() of a table stepped on {side}: {got['state']}"
+    state = got["state"]["value"]
+    touched = sorted({i for ids in steps for i in ids})
+    assert state["ids"].tolist() == touched, state
+    local_state = torch_opt.state[emb.weight]
+    for key in {"adagrad": ["sum"], "sparse_adam": ["exp_avg", "exp_avg_sq"]}[opt]:
+        assert key in state, f"{key!r} missing from the saved optimizer state: {sorted(state)}"
+        torch.testing.assert_close(state[key], local_state[key][touched], atol=1e-6, rtol=1e-5, msg=key)
+    h.train_steps(emb, [[1, 16]], lambda: (torch_opt.step(), torch_opt.zero_grad()))
+    torch.testing.assert_close(got["continued"], emb.weight.detach(), atol=1e-6, rtol=1e-5)

@@ -288,8 +288,11 @@ class ShardedEmbedding(nn.Module):
         ids = torch.cat([i for _, i, _ in got]) if got else torch.empty(0, dtype=torch.long)
         order = torch.argsort(ids)
         out: dict[str, Any] = {"step": max(st for st, _, _ in got), "ids": ids[order]}
-        for key in got[0][2] if got else ():
-            out[key] = torch.cat([state[key] for _, _, state in got])[order]
+        # a block never stepped has no state yet (and no ids): its part of each key is empty
+        keys = list(dict.fromkeys(key for _, _, state in got for key in state))
+        empty = torch.empty(0, self.embedding_dim)
+        for key in keys:
+            out[key] = torch.cat([state.get(key, empty) for _, _, state in got])[order]
         return out
 
     def load_optimizer_state_dict(self, state: dict) -> None:
