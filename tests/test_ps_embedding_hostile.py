@@ -81,7 +81,7 @@ def local_steps(optimizer: tuple, steps) -> tuple[nn.Embedding, torch.optim.Opti
 
 
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
-@pytest.mark.parametrize("side", ["ps1-only", "ps0-only"])
+@pytest.mark.parametrize("side", ["ps1-only", "ps0-only", "one-then-both"])
 def test_steps_touching_one_server_and_their_optimizer_state_equal_torch(world, opt, side):
     """A step whose rows all live on one server is still one optimizer step of the table (torch
     counts steps per parameter: Adagrad's lr_decay, SparseAdam's bias correction), and the

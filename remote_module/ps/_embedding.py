@@ -373,7 +373,10 @@ class ShardedEmbedding(nn.Module):
             for b, s in enumerate(self._owners):
                 if s == server:
                     mine |= owner == b
-            if bool(mine.any()) or self.ps_mode == "sync":
+            # every server hears of a step with any rows (an empty push where it holds none):
+            # it is one optimizer step of the whole table, as torch counts steps per parameter
+            # (Adagrad's lr_decay, SparseAdam's bias correction); sync: every step, rows or not
+            if ids.numel() or self.ps_mode == "sync":
                 calls.append((server, _tables._push_rows, (self.name, self._trainer, self._step, ids[mine], grad[mine])))
         call_all(calls, timeout=self.timeout)
         self.pushed_bytes += sum(i.numel() * i.element_size() + g.numel() * g.element_size()
