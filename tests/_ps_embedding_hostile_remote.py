@@ -163,3 +163,61 @@ def one_side_state(name: str, optimizer: tuple, steps: list[list[int]]) -> dict:
         train_steps(again, [[1, 16]], again.step)
         out["continued"] = again.state_dict()["weight"]
     return out
+
+
+# ---- two objects of one table on one trainer ---------------------------------------------------------
+
+
+SYNC2 = dict(ps_mode="sync", num_trainers=2)
+
+
+def two_objects_of_one_table(name: str) -> dict:
+    """trainer0 of a sync table of 2 trainers: two objects of the table, the older one's step
+    (refused), then the newer one's; the rows after the step."""
+    older = table(name, keep=False, **SYNC2)
+    newer = table(name, keep=False, **SYNC2)
+    older(torch.tensor([1, 15])).sum().backward()
+    refused = attempt(older.step)
+    newer(torch.tensor([2, 16])).sum().backward()
+    newer.step()
+    return {"older": refused, "rows": newer.state_dict()["weight"]}
+
+
+def one_sync_step(name: str, ids: list[int]) -> torch.Tensor:
+    t = table(name, keep=False, **SYNC2)
+    t(torch.tensor(ids)).sum().backward()
+    t.step()
+    return t.state_dict()["weight"]
+
+
+# ---- servers that freeze or die, trainers that die ---------------------------------------------------
+
+
+def prepare(name: str, ids: list[int] | None, **kwargs: Any) -> bool:
+    """A table kept here, with a lookup of ``ids`` backpropagated (its gradient waits for a step)."""
+    t = table(name, **kwargs)
+    if ids is not None:
+        t(torch.tensor(ids)).pow(2).sum().backward()
+    return True
+
+
+def timed(name: str, what: str, timeout: float, ids: list[int] | None = None) -> dict:
+    """``what`` ("lookup", "step", "backward", "rows") on table ``name`` with ``timeout``: how it ended."""
+    t = _objects[name]
+    t.timeout = timeout
+    ids_t = torch.tensor(ids if ids is not None else [1, 15])
+    return attempt({
+        "lookup": lambda: t(ids_t).detach(),
+        "step": t.step,
+        "backward": lambda: t(ids_t).pow(2).sum().backward(),
+        "rows": lambda: t.state_dict()["weight"],
+    }[what])
+
+
+def waiters(name: str) -> int:
+    """On a server: the sync lookups of table ``name`` still waiting."""
+    from remote_module.ps import _tables
+
+    table = _tables._table(name)
+    with table.lock:
+        return len(table.waiters)

@@ -6,6 +6,7 @@ touched rows' gradients, which the servers apply with a row-wise optimizer (``_r
 from __future__ import annotations
 
 import threading
+import uuid
 from typing import Any, Sequence
 
 import torch
@@ -121,8 +122,11 @@ class ShardedEmbedding(nn.Module):
             by_server.setdefault(server, []).append((first, count))
         self._by_server = by_server
         self._trainer = rpc.get_worker_info().name
-        steps = call_all([(s, _tables._attach_table, (name, spec, rs, self._trainer)) for s, rs in by_server.items()],
-                         timeout=timeout)
+        # which object of this trainer pushes (sync: the newest one attached; a retried push of
+        # a step is recognised by it)
+        self._token = uuid.uuid4().hex
+        steps = call_all([(s, _tables._attach_table, (name, spec, rs, self._trainer, self._token))
+                          for s, rs in by_server.items()], timeout=timeout)
         self._step = min(steps) if steps else 0
         # the lookups whose rows backward has given a gradient since the last step, by id of the
         # rows tensor: (unique ids, their rows); filled by _record_on_backward's hook
@@ -352,7 +356,12 @@ class ShardedEmbedding(nn.Module):
 
     def step(self) -> None:
         """Push the touched rows' gradients (only those rows) and forget them (geo: step the
-        cached rows locally, push their deltas every ``geo_push_every`` steps)."""
+        cached rows locally, push their deltas every ``geo_push_every`` steps).
+
+        A step that fails (a server did not answer in time) keeps the gradients, as a failed
+        ``optimizer.step()`` keeps ``.grad``: call ``step()`` again to retry it (in sync mode a
+        server that already has this step's push takes the retry as a no-op; in async and
+        half_async a server that had it applies it again), or ``zero_grad()`` to drop them."""
         with self._pending_lock:
             pending, self._pending = self._pending, {}
         ids_parts, grad_parts = [], []
@@ -377,8 +386,15 @@ class ShardedEmbedding(nn.Module):
             # it is one optimizer step of the whole table, as torch counts steps per parameter
             # (Adagrad's lr_decay, SparseAdam's bias correction); sync: every step, rows or not
             if ids.numel() or self.ps_mode == "sync":
-                calls.append((server, _tables._push_rows, (self.name, self._trainer, self._step, ids[mine], grad[mine])))
-        call_all(calls, timeout=self.timeout)
+                calls.append((server, _tables._push_rows,
+                              (self.name, self._trainer, self._step, ids[mine], grad[mine], self._token)))
+        try:
+            call_all(calls, timeout=self.timeout)
+        except BaseException:
+            with self._pending_lock:  # kept for a retry (or zero_grad), with any recorded meanwhile
+                for key, entry in pending.items():
+                    self._pending.setdefault(key, entry)
+            raise
         self.pushed_bytes += sum(i.numel() * i.element_size() + g.numel() * g.element_size()
-                                 for _, _, (_, _, _, i, g) in calls)
+                                 for _, _, (_, _, _, i, g, _) in calls)
         self._step += 1

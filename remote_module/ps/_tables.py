@@ -139,6 +139,8 @@ class Table:
         self.pushed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.waiters: list[_Waiting] = []  # sync lookups for a later step
         self.trainers: set[str] = set()  # attached
+        self.tokens: dict[str, str | None] = {}  # each trainer's newest object of this table (sync: the one that pushes)
+        self.last_push: dict[str, tuple[int, str | None]] = {}  # sync: each trainer's last (step, object)
         self.queued: list[tuple[torch.Tensor, torch.Tensor]] = []  # half_async pushes not applied yet
         self.timer: threading.Timer | None = None
 
@@ -179,9 +181,14 @@ class Table:
             if bool(mine.any()):
                 rows.step(uniq[mine], summed[mine], self.step_count, scale)
 
-    def push(self, trainer: str, step: int, ids: torch.Tensor, grad: torch.Tensor) -> None:
+    def push(self, trainer: str, step: int, ids: torch.Tensor, grad: torch.Tensor, token: str | None = None) -> None:
         """A trainer's sparse gradient, applied by the table's mode (async: now; sync: once every
-        trainer has pushed step ``step``, summed in trainer-name order / num_trainers)."""
+        trainer has pushed step ``step``, summed in trainer-name order / num_trainers).
+
+        Sync: ``token`` names the trainer's object of the table that pushes; only the newest
+        attached may (``ValueError`` otherwise: one trainer, one object); pushing the step it
+        pushed last again (the retry of a ``step()`` that failed on another server after this
+        push arrived) is a no-op."""
         answers: list = []
         with self.lock:
             if self.spec.mode == "async":
@@ -199,11 +206,20 @@ class Table:
                 return
             if self.spec.mode == "geo":
                 raise ValueError(f"table {self.name!r} is in geo mode: trainers push row deltas, not gradients")
+            if token != self.tokens.get(trainer, token):
+                raise ValueError(
+                    f"table {self.name!r}: trainer {trainer!r} has created another ShardedEmbedding of this table since "
+                    "this one; in sync mode a trainer steps a table through one object (the newest): use the same "
+                    "module wherever the table is used"
+                )
+            if self.last_push.get(trainer) == (step, token) and step in (self.step_count, self.step_count - 1):
+                return  # a retry: this push is already counted (pending or applied)
             if step != self.step_count:
                 raise RuntimeError(
                     f"table {self.name!r}: trainer {trainer!r} pushed step {step}, the table is at step {self.step_count}"
                 )
             self.pushed[trainer] = (ids, grad)
+            self.last_push[trainer] = (step, token)
             if len(self.pushed) == self.spec.num_trainers:
                 order = sorted(self.pushed)
                 ids_all = torch.cat([self.pushed[t][0] for t in order])
@@ -311,9 +327,11 @@ def _table(name: str) -> Table:
     return table
 
 
-def _attach_table(name: str, spec: TableSpec, blocks: list[tuple[int, int]], trainer: str) -> int:
-    """Create table ``name`` with ``blocks`` (row ranges) here, or attach ``trainer`` to it
-    (the same spec and blocks, else ``ValueError``); the table's step count."""
+def _attach_table(name: str, spec: TableSpec, blocks: list[tuple[int, int]], trainer: str,
+                  token: str | None = None) -> int:
+    """Create table ``name`` with ``blocks`` (row ranges) here, or attach ``trainer`` (its
+    object ``token``, from now on the one that pushes for it) to it (the same spec and blocks,
+    else ``ValueError``); the table's step count."""
     with _tables_lock:
         table = _tables.get(name)
         if table is None:
@@ -329,6 +347,7 @@ def _attach_table(name: str, spec: TableSpec, blocks: list[tuple[int, int]], tra
                 f"({sorted(table.trainers)}); trainer {trainer!r} would be one more"
             )
         table.trainers.add(trainer)
+        table.tokens[trainer] = token
         return table.step_count
 
 
@@ -352,8 +371,9 @@ def _lookup(name: str, ids: torch.Tensor, step: int = 0, pool: tuple | None = No
     return answer
 
 
-def _push_rows(name: str, trainer: str, step: int, ids: torch.Tensor, grad: torch.Tensor) -> None:
-    _table(name).push(trainer, step, ids, grad)
+def _push_rows(name: str, trainer: str, step: int, ids: torch.Tensor, grad: torch.Tensor,
+               token: str | None = None) -> None:
+    _table(name).push(trainer, step, ids, grad, token)
 
 
 def _push_row_deltas(name: str, ids: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
