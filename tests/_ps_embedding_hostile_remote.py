@@ -221,3 +221,39 @@ def waiters(name: str) -> int:
     table = _tables._table(name)
     with table.lock:
         return len(table.waiters)
+
+
+# ---- max pooling with ties and non-finite rows -------------------------------------------------------
+
+
+def max_weights() -> torch.Tensor:
+    """weights(0) with row 1 (on ps0) equal to row 15 (on ps1), rows 3 and 13 at -inf, and a
+    NaN in row 4 (dimension 0)."""
+    w = weights(0)
+    w[1] = w[15]
+    w[3] = float("-inf")
+    w[13] = float("-inf")
+    w[4, 0] = float("nan")
+    return w
+
+
+#: bags (offsets form): ties both ways round, a -inf row alone, -inf rows on both servers, a NaN
+#: row first / later, a bag of ps0's rows only
+MAX_IDS = [15, 1, 1, 15, 13, 2, 4, 15, 15, 4, 2, 4, 3, 13]
+MAX_OFFSETS = [0, 2, 4, 5, 6, 8, 10, 12]
+
+
+def max_bag_step(bag: nn.Module, step: Callable[[], None]) -> torch.Tensor:
+    """One max-pooled lookup of MAX_IDS, backward of a weighted sum, one step: the output."""
+    out = bag(torch.tensor(MAX_IDS), torch.tensor(MAX_OFFSETS))
+    c = torch.arange(1.0, 1.0 + out.numel()).reshape(out.shape)
+    (out * c).sum().backward()  # each element's gradient is distinct: the row it reaches shows
+    step()
+    return out.detach()
+
+
+def max_pooling(name: str) -> dict:
+    t = table(name, bag="max", seed=None)
+    t.load_state_dict({"weight": max_weights()})
+    out = max_bag_step(t, t.step)
+    return {"out": out, "rows": t.state_dict()["weight"]}

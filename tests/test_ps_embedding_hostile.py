@@ -187,3 +187,18 @@ def test_a_frozen_server_is_named_in_time_other_tables_work_and_training_continu
 
 def _prepare_kw(name, ids, kwargs):  # on a trainer
     return h.prepare(name, ids, **kwargs)
+
+
+# ---- max pooling with ties and non-finite rows ------------------------------------------------------
+
+
+def test_max_pooling_with_ties_and_non_finite_rows_equals_torch_output_and_gradient(world):
+    """torch's max keeps a bag's first row and replaces it only by a strictly greater one: a tie
+    between rows on different servers goes to the earlier row (so does the gradient), a bag of
+    -inf rows is -inf, a NaN in the bag's first row is kept and one later is skipped."""
+    got = on_trainer0(world, h.max_pooling, job("max"))
+    bag = nn.EmbeddingBag(20, 3, mode="max", _weight=h.max_weights())
+    opt = torch.optim.SGD(bag.parameters(), lr=1.0)
+    out = h.max_bag_step(bag, opt.step)
+    torch.testing.assert_close(got["out"], out, equal_nan=True, atol=0, rtol=0)
+    torch.testing.assert_close(got["rows"], bag.weight.detach(), equal_nan=True)

@@ -268,9 +268,11 @@ def pool_rows(rows: torch.Tensor, ids: torch.Tensor, bags: torch.Tensor, weights
 
     ``kind="sum"``: the ``(num_bags, dim)`` sums of the rows (times ``weights``), in position
     order (a mean is this sum divided by the bag's size, which the trainer knows).
-    ``kind="max"``: ``(values, winners)``: the element-wise maxima (``-inf`` where a bag has no
-    row here) and, per element, the id of the first row holding it (``-1`` where none), which
-    the trainer needs to send the gradient to the right row.
+    ``kind="max"``: ``(values, winners, first_nan)``: the element-wise maxima of the rows that
+    are not NaN (``-inf`` where a bag has none here), per element the id of the first row
+    holding it (``-1`` where none: the trainer sends the gradient to that row), and whether the
+    bag's first row here is NaN (torch's max keeps a bag's first row unless a strictly greater
+    one follows, so a NaN counts only there; the trainer knows which server has that row).
     """
     dim = rows.shape[1]
     if kind == "sum":
@@ -278,14 +280,20 @@ def pool_rows(rows: torch.Tensor, ids: torch.Tensor, bags: torch.Tensor, weights
             rows = rows * weights.to(rows.dtype).unsqueeze(1)
         return torch.zeros(num_bags, dim, dtype=rows.dtype).index_add_(0, bags, rows)
     where = bags.unsqueeze(1).expand(-1, dim)
+    nan = rows.isnan()
+    rows = rows.masked_fill(nan, float("-inf"))
     values = torch.full((num_bags, dim), float("-inf"), dtype=rows.dtype).scatter_reduce(0, where, rows, "amax")
     n = rows.shape[0]
     position = torch.arange(n).unsqueeze(1).expand(-1, dim)
-    holds = rows == values[bags]
+    holds = (rows == values[bags]) & ~nan
     first = torch.full((num_bags, dim), n, dtype=torch.long).scatter_reduce(
         0, where, torch.where(holds, position, n), "amin")
     winners = torch.where(first < n, ids[first.clamp(max=max(n - 1, 0))], -1)
-    return values, winners
+    start = torch.full((num_bags,), n, dtype=torch.long).scatter_reduce(0, bags, torch.arange(n), "amin")
+    first_nan = torch.zeros(num_bags, dim, dtype=torch.bool)
+    started = start < n
+    first_nan[started] = nan[start[started]]
+    return values, winners, first_nan
 
 
 class _Waiting:
