@@ -257,3 +257,32 @@ def max_pooling(name: str) -> dict:
     t.load_state_dict({"weight": max_weights()})
     out = max_bag_step(t, t.step)
     return {"out": out, "rows": t.state_dict()["weight"]}
+
+
+# ---- checkpoints that do not fit ---------------------------------------------------------------------
+
+
+def misfit_checkpoints(name: str) -> dict:
+    """A lazy 40-row table's checkpoints (rows 1 and 35 touched) loaded where they do not fit;
+    each outcome and whether the target's rows changed."""
+    big = table(name + "-40", rows=40, init="lazy", seed=None, optimizer=(torch.optim.Adagrad, {"lr": 0.1}))
+    big(torch.tensor([1, 35])).sum().backward()
+    big.step()
+    sd, osd = big.state_dict(), big.optimizer_state_dict()
+    small = table(name + "-20", rows=20, init="lazy", seed=None, optimizer=(torch.optim.Adagrad, {"lr": 0.1}))
+    wide = table(name + "-wide", rows=40, dim=5, init="lazy", seed=None)
+    eager = table(name + "-eager", rows=20, seed=0)
+    before = {"small": small.state_dict(), "wide": wide.state_dict(), "eager": eager.state_dict()}
+    out = {
+        "small strict": attempt(lambda: small.load_state_dict(sd)),
+        "small not strict": attempt(lambda: small.load_state_dict(sd, strict=False)),
+        "small optimizer": attempt(lambda: small.load_optimizer_state_dict(osd)),
+        "wide": attempt(lambda: wide.load_state_dict(sd, strict=False)),
+        "extra key strict": attempt(lambda: eager.load_state_dict({"weight": weights(1), "bias": torch.zeros(3)})),
+        "extra key not strict": attempt(lambda: list(eager.load_state_dict(
+            {"weight": weights(2), "bias": torch.zeros(3)}, strict=False).unexpected_keys)),
+    }
+    after = {"small": small.state_dict(), "wide": wide.state_dict(), "eager": eager.state_dict()}
+    out["unchanged"] = {k: all(torch.equal(before[k][key], after[k][key]) for key in before[k]) for k in before}
+    out["eager rows"] = after["eager"]["weight"]
+    return out

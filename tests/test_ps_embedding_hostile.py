@@ -202,3 +202,29 @@ def test_max_pooling_with_ties_and_non_finite_rows_equals_torch_output_and_gradi
     out = h.max_bag_step(bag, opt.step)
     torch.testing.assert_close(got["out"], out, equal_nan=True, atol=0, rtol=0)
     torch.testing.assert_close(got["rows"], bag.weight.detach(), equal_nan=True)
+
+
+# ---- checkpoints that do not fit ------------------------------------------------------------------------
+
+
+def test_checkpoints_that_do_not_fit_are_refused_as_torch_refuses_them_and_load_nothing(world):
+    """A lazy checkpoint with rows past the table's num_embeddings, or rows of another width, is
+    a size mismatch (strict or not, as torch's), before any server is written (nothing is half
+    loaded); a key the table does not have is unexpected under strict=True and reported
+    otherwise; optimizer state for rows the table does not have is a ValueError naming them."""
+    got = on_trainer0(world, h.misfit_checkpoints, job("misfit"))
+    for case in ("small strict", "small not strict", "wide"):
+        assert not got[case]["ok"] and got[case]["type"] == "RuntimeError", (case, got[case])
+        assert "size mismatch" in got[case]["message"], (case, got[case]["message"])
+    assert "weight.ids" in got["small strict"]["message"] and "35" in got["small strict"]["message"]
+    assert "weight.rows" in got["wide"]["message"], got["wide"]["message"]
+    assert not got["small optimizer"]["ok"] and got["small optimizer"]["type"] == "ValueError", got["small optimizer"]
+    assert "35" in got["small optimizer"]["message"], got["small optimizer"]["message"]
+    strict = got["extra key strict"]
+    assert not strict["ok"] and 'Unexpected key(s) in state_dict: "bias"' in strict["message"], strict
+    assert got["extra key not strict"] == {**got["extra key not strict"], "ok": True, "value": ["bias"]}
+    assert got["unchanged"] == {"small": True, "wide": True, "eager": False}, got["unchanged"]
+    torch.testing.assert_close(got["eager rows"], h.weights(2))  # strict=False loaded its weight
+    local = nn.Embedding(20, 3)
+    with pytest.raises(RuntimeError, match='Unexpected key\\(s\\) in state_dict: "bias"'):
+        local.load_state_dict({"weight": h.weights(1), "bias": torch.zeros(3)})  # as torch does

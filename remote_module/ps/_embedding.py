@@ -258,11 +258,19 @@ class ShardedEmbedding(nn.Module):
     def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any, strict: bool,
                               missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
         keys = ("weight.ids", "weight.rows") if self.init == "lazy" else ("weight",)
+        if strict:  # as torch's: every key under this module's prefix is one of its own
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k[len(prefix):] not in keys
+                                   and not k.endswith("_extra_state"))
         if any(prefix + k not in state_dict for k in keys):
             missing_keys.extend(prefix + k for k in keys if prefix + k not in state_dict)
             return
         if self.init == "lazy":
-            ids, rows = state_dict[prefix + "weight.ids"].long(), state_dict[prefix + "weight.rows"]
+            ids, rows = state_dict[prefix + "weight.ids"], state_dict[prefix + "weight.rows"]
+            misfit = self._misfit(ids, {"rows": rows})
+            if misfit:  # refused before any server is written (as torch: strict or not)
+                error_msgs.append(f"size mismatch for {prefix}weight.{misfit}")
+                return
+            ids = ids.long()
         else:
             rows = state_dict[prefix + "weight"]
             if tuple(rows.shape) != (self.num_embeddings, self.embedding_dim):
@@ -283,6 +291,19 @@ class ShardedEmbedding(nn.Module):
                 calls.append((server, _tables._set_rows, (self.name, ids[mine], rows[mine].detach().clone())))
         call_all(calls, timeout=self.timeout)
 
+    def _misfit(self, ids: Any, rows: dict[str, Any]) -> str | None:
+        """What makes ``ids`` and their ``rows`` (by name) not fit this table (``None`` if they do)."""
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.is_floating_point() or ids.is_complex():
+            return f"ids: expected a 1-D tensor of row ids, got {getattr(ids, 'shape', type(ids).__name__)}"
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+            return (f"ids: rows {int(ids.min())}..{int(ids.max())}, but the table has num_embeddings="
+                    f"{self.num_embeddings} (save and load tables of the same size)")
+        for key, value in rows.items():
+            shape = (ids.numel(), self.embedding_dim)
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+                return f"{key}: copying rows of shape {tuple(getattr(value, 'shape', ()))}, the table needs {shape}"
+        return None
+
     def optimizer_state_dict(self) -> dict:
         """The servers' optimizer state for the rows ever touched: ``{"step": the table's step
         count, "ids": row ids, <state key>: rows}``; loads onto any number of servers."""
@@ -301,8 +322,11 @@ class ShardedEmbedding(nn.Module):
 
     def load_optimizer_state_dict(self, state: dict) -> None:
         """Send :meth:`optimizer_state_dict`'s state to this table's servers, re-sliced."""
-        ids = state["ids"].long()
         keys = [k for k in state if k not in ("step", "ids")]
+        misfit = self._misfit(state.get("ids"), {k: state[k] for k in keys})
+        if misfit:
+            raise ValueError(f"optimizer state for table {self.name!r} does not fit it: {misfit}")
+        ids = state["ids"].long()
         owner = self._owner_index(ids)
         calls = []
         for server in self._by_server:
