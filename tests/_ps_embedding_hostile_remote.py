@@ -286,3 +286,13 @@ def misfit_checkpoints(name: str) -> dict:
     out["unchanged"] = {k: all(torch.equal(before[k][key], after[k][key]) for key in before[k]) for k in before}
     out["eager rows"] = after["eager"]["weight"]
     return out
+
+
+def mismatched_attach(name: str, kwargs: dict) -> dict:
+    """Attach to table ``name`` (built by another trainer with table()'s defaults) with ``kwargs``."""
+    return attempt(lambda: table(name, keep=False, seed=None, num_trainers=2, **kwargs) and None)
+
+
+def table_named(name: str) -> bool:
+    table(name, num_trainers=2)
+    return True

@@ -273,3 +273,22 @@ def test_sgd_momentum_is_refused_saying_why():
 
     with pytest.raises(ValueError, match="momentum.*every row ever touched"):
         row_optimizer(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
+
+
+# ---- trainers that disagree -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"dim": 4}, ["embedding_dim=3", "asks for 4"]),
+    ({"ps_mode": "sync"}, ["ps_mode='async'", "asks for 'sync'"]),
+    ({"optimizer": (torch.optim.Adagrad, {"lr": 1.0})}, ["optimizer=RowOptimizer(kind='sgd'", "asks for RowOptimizer(kind='adagrad'"]),
+    ({"init": "lazy"}, ["init='eager'", "asks for 'lazy'"]),
+    ({"servers": ["ps1", "ps0"]}, ["servers", "same order", "[(0, 10)]", "[(10, 10)]"]),
+])
+def test_a_trainer_attaching_with_other_arguments_is_told_which(world, kwargs, words):
+    name = job("mismatch")
+    on_trainer0(world, h.table_named, name)
+    got = world.run({"trainer1": (h.mismatched_attach, name, kwargs)})["trainer1"]
+    assert not got["ok"] and got["type"] == "ValueError", got
+    for word in words:
+        assert word in got["message"].split("\n")[0], (word, got["message"])

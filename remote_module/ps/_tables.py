@@ -335,6 +335,11 @@ def _table(name: str) -> Table:
     return table
 
 
+#: TableSpec fields by the ShardedEmbedding arguments that set them (for errors)
+_SPEC_ARGUMENTS = {"dim": "embedding_dim", "mode": "ps_mode", "merge_every": "half_async_merge_every",
+                   "merge_s": "half_async_merge_s"}
+
+
 def _attach_table(name: str, spec: TableSpec, blocks: list[tuple[int, int]], trainer: str,
                   token: str | None = None) -> int:
     """Create table ``name`` with ``blocks`` (row ranges) here, or attach ``trainer`` (its
@@ -345,9 +350,16 @@ def _attach_table(name: str, spec: TableSpec, blocks: list[tuple[int, int]], tra
         if table is None:
             table = _tables[name] = Table(name, spec, blocks)
     if table.spec != spec:
-        raise ValueError(f"sharded table {name!r} exists with {table.spec}, this trainer asks for {spec}")
-    if [(r.first, r.count) for r in table.blocks] != list(blocks):
-        raise ValueError(f"sharded table {name!r}: this trainer's row blocks differ from the table's")
+        differ = "; ".join(f"{_SPEC_ARGUMENTS.get(f, f)}={getattr(table.spec, f)!r}, this trainer asks for "
+                           f"{getattr(spec, f)!r}" for f in spec._fields if getattr(table.spec, f) != getattr(spec, f))
+        raise ValueError(f"sharded table {name!r} on server {rpc.get_worker_info().name!r} exists with {differ}: "
+                         "every trainer of a table must build it with the same arguments")
+    held = [(r.first, r.count) for r in table.blocks]
+    if held != list(blocks):
+        raise ValueError(
+            f"sharded table {name!r}: server {rpc.get_worker_info().name!r} holds its rows (first, count) {held}, this "
+            f"trainer expects {list(blocks)} there: every trainer must pass the same servers, in the same order, "
+            "with the same min_block_size and split_method")
     with table.lock:
         if trainer not in table.trainers and len(table.trainers) >= spec.num_trainers:
             raise ValueError(
