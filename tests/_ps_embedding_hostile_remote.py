@@ -296,3 +296,111 @@ def mismatched_attach(name: str, kwargs: dict) -> dict:
 def table_named(name: str) -> bool:
     table(name, num_trainers=2)
     return True
+
+
+# ---- memory on the servers ------------------------------------------------------------------------------
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def table_bytes(name: str) -> int:
+    """On a server: the bytes table ``name`` holds here (rows and optimizer state)."""
+    from remote_module.ps import _tables
+
+    return _tables._table_memory(name)
+
+
+def big_tables(name: str) -> dict:
+    """An eager and a lazy 1,000,000 x 16 table with SparseAdam; the lazy one trained on 1,000
+    rows: what each server holds after creation and after the step."""
+    eager = table(name + "-eager", rows=1_000_000, dim=16, seed=None, optimizer=(torch.optim.SparseAdam, {"lr": 0.1}))
+    lazy = table(name + "-lazy", rows=1_000_000, dim=16, seed=None, init="lazy",
+                 optimizer=(torch.optim.SparseAdam, {"lr": 0.1}))
+    ids = torch.randperm(1_000_000, generator=torch.Generator().manual_seed(0))[:1000]
+    lazy(ids).sum().backward()
+    lazy.step()
+    del eager
+    return {"touched": 1000}
+
+
+# ---- threads, a tied table, a load while another trainer trains -------------------------------------------
+
+
+def threads_train(name: str, threads: int, steps: int) -> dict:
+    """``threads`` threads of this trainer share one async table (SGD, lr 1), each looking up
+    its own ids and stepping ``steps`` times (gradient 1 per occurrence): the rows after."""
+    t = table(name, ps_mode="async")
+    start = threading.Barrier(threads)
+    errors: list[str] = []
+
+    def run(k: int) -> None:
+        try:
+            start.wait()
+            for _ in range(steps):
+                t(torch.tensor([k, 10 + k, k])).sum().backward()
+                t.step()
+        except Exception as exc:  # noqa: BLE001 - returned to the test
+            errors.append(f"{type(exc).__name__}: {exc}")
+
+    workers = [threading.Thread(target=run, args=(k,)) for k in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return {"errors": errors, "rows": t.state_dict()["weight"]}
+
+
+class Tied(nn.Module):
+    """One table used in two places (users and items share it), under two names."""
+
+    def __init__(self, emb: nn.Module) -> None:
+        super().__init__()
+        self.users = emb
+        self.items = emb
+        torch.manual_seed(0)
+        self.head = nn.Linear(3, 1)
+
+    def forward(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+        return self.head(self.users(users) * self.items(items)).squeeze(1)
+
+
+TIED_BATCHES = [(torch.tensor([1, 15, 2]), torch.tensor([15, 3, 2])), (torch.tensor([4, 4, 16]), torch.tensor([16, 1, 5]))]
+
+
+def tied_train(model: nn.Module, step: Callable[[], None], zero_grad: Callable[[], None]) -> None:
+    for users, items in TIED_BATCHES:
+        zero_grad()
+        model(users, items).pow(2).sum().backward()
+        step()
+
+
+def tied_in_psmodel(name: str) -> dict:
+    from remote_module.ps import PSModel
+
+    model = PSModel(Tied(table(name + "-table")), ["ps2"], name=name, num_trainers=1, mode="async",
+                    optimizer=(torch.optim.SGD, {"lr": 1.0}))
+    tied_train(model, model.step, model.zero_grad)
+    return dict(model.state_dict())
+
+
+def train_while_loaded(name: str, steps: int) -> dict:
+    """trainer1: ``steps`` async steps on rows 2 and 12 (while trainer0 loads a checkpoint)."""
+    t = table(name, ps_mode="async", num_trainers=2, seed=None)
+    for _ in range(steps):
+        t(torch.tensor([2, 12])).sum().backward()
+        t.step()
+    return {"steps": steps}
+
+
+def load_while_trained(name: str, times: int) -> dict:
+    """trainer0: load weights(3) ``times`` times into the table trainer1 trains; the rows after."""
+    t = table(name, ps_mode="async", num_trainers=2, seed=None)
+    for _ in range(times):
+        t.load_state_dict({"weight": weights(3)})
+    return {"rows": t.state_dict()["weight"]}

@@ -135,6 +135,7 @@ def faulty():
     from tests._ps_world import PSWorld
 
     with PSWorld({"ps": 2, "trainer": 2}) as w:
+        w.killed = set()
         yield w
 
 
@@ -292,3 +293,93 @@ def test_a_trainer_attaching_with_other_arguments_is_told_which(world, kwargs, w
     assert not got["ok"] and got["type"] == "ValueError", got
     for word in words:
         assert word in got["message"].split("\n")[0], (word, got["message"])
+
+
+def test_a_trainer_killed_in_a_sync_step_is_named_by_the_others_next_lookup_in_time(faulty):
+    """Both trainers attached and looked up; trainer1 is killed before its push: trainer0's push
+    goes through, its next lookup fails within the timeout naming trainer1 (not itself), the
+    waiting lookups are gone from the servers, and nothing was settled twice."""
+    name = job("killed-trainer")
+    faulty.run({t: (_prepare_kw, name, [1, 15], {"ps_mode": "sync", "num_trainers": 2}) for t in ("trainer0", "trainer1")})
+    faulty.kill("trainer1")
+    step = timed(faulty, "trainer0", name, "step")
+    assert step["ok"], f"trainer0's push needs no other trainer: {step}"
+    lookup = timed(faulty, "trainer0", name, "lookup")
+    assert_named_in_time(lookup, "trainer1", "the lookup waiting for step 0")
+    assert lookup["type"] == "CallTimeout", lookup
+    assert "'trainer0'" not in lookup["message"].split("waiting for gradients from")[-1].split("\n")[0], lookup
+    assert faulty.run({s: (h.waiters, name) for s in ("ps0", "ps1")}) == {"ps0": 0, "ps1": 0}
+    assert "settling a remote call's future failed" not in faulty.stderr_tail(100_000)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_killed_server_is_named_by_lookup_and_step_and_tables_elsewhere_keep_working(faulty, mode):
+    """ps1 killed (SIGKILL): a table with rows on it fails lookups and steps in time naming ps1;
+    a table on ps0 alone trains on."""
+    name, healthy = f"killed-server-{mode}", f"killed-server-healthy-{mode}"
+    if "ps1" not in faulty.killed:
+        for m in ("sync", "async"):
+            faulty.run({"trainer0": (_prepare_kw, f"killed-server-{m}", [1, 15], {"ps_mode": m})})
+            faulty.run({"trainer0": (_prepare_kw, f"killed-server-healthy-{m}", [1], {"ps_mode": m, "servers": ["ps0"]})})
+        faulty.kill("ps1")
+        faulty.killed.add("ps1")
+    for what in ("step", "lookup"):
+        assert_named_in_time(timed(faulty, "trainer0", name, what), "ps1", f"{mode} {what}")
+    for what in ("step", "backward", "step", "lookup"):
+        out = timed(faulty, "trainer0", healthy, what, [1])
+        assert out["ok"], f"{mode}: {what} of a table on ps0 alone, ps1 dead: {out}"
+
+
+# ---- memory on the servers ----------------------------------------------------------------------------
+
+
+def test_an_eager_table_costs_its_rows_and_a_lazy_ones_optimizer_state_grows_per_touched_row(world):
+    """1,000,000 x 16 float32 rows are 64 MB over the two servers, eagerly; a lazy table with
+    SparseAdam stepped on 1,000 rows holds those rows and their two moments only."""
+    servers = ("ps0", "ps1")
+    before = world.run({s: (h.rss_bytes,) for s in servers})
+    name = job("memory")
+    on_trainer0(world, h.big_tables, name)
+    after = world.run({s: (h.rss_bytes,) for s in servers})
+    eager = world.run({s: (h.table_bytes, name + "-eager") for s in servers})
+    lazy = world.run({s: (h.table_bytes, name + "-lazy") for s in servers})
+    assert sum(eager.values()) == 1_000_000 * 16 * 4, eager  # rows only: no state before a step
+    assert sum(lazy.values()) == 1000 * 16 * 4 * 3, lazy  # rows, exp_avg, exp_avg_sq of the touched rows
+    grown = sum(after[s] - before[s] for s in servers)
+    assert grown < 64e6 + 32e6, f"the servers grew by {grown / 1e6:.0f} MB for a 64 MB table and 1,000 lazy rows"
+
+
+# ---- threads, a tied table, a load while another trainer trains ------------------------------------------
+
+
+def test_threads_of_one_trainer_sharing_an_async_table_lose_no_gradient(world):
+    got = on_trainer0(world, h.threads_train, job("threads"), 4, 5)
+    assert got["errors"] == [], got["errors"]
+    expected = h.weights(0)
+    for k in range(4):  # 5 steps each: row k gets gradient 2 per step, row 10 + k gets 1
+        expected[k] -= 2 * 5
+        expected[10 + k] -= 5
+    torch.testing.assert_close(got["rows"], expected)
+
+
+def test_a_table_used_in_two_places_of_a_psmodel_trains_as_one_local_embedding(world):
+    got = on_trainer0(world, h.tied_in_psmodel, job("tied"))
+    model = h.Tied(nn.Embedding(20, 3, sparse=True, _weight=h.weights(0)))
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    h.tied_train(model, opt.step, opt.zero_grad)
+    assert list(got) == list(model.state_dict())  # both places' keys, as torch's
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(got[key], value, msg=key)
+
+
+def test_a_checkpoint_loaded_while_another_trainer_trains_leaves_a_consistent_table(world):
+    """trainer1 steps rows 2 and 12 while trainer0 loads a checkpoint again and again: both
+    finish, and every row trainer1 does not touch is the checkpoint's."""
+    name = job("load-while-training")
+    got = world.run({"trainer1": (h.train_while_loaded, name, 30), "trainer0": (h.load_while_trained, name, 10)})
+    rows, expected = got["trainer0"]["rows"], h.weights(3)
+    others = [i for i in range(20) if i not in (2, 12)]
+    torch.testing.assert_close(rows[others], expected[others], atol=0, rtol=0)
+    moved = rows[[2, 12]] - expected[[2, 12]]  # by a whole number of steps since the last load
+    torch.testing.assert_close(moved, moved.round(), atol=1e-5, rtol=0)
+    assert bool((moved.round() <= 0).all()), moved
