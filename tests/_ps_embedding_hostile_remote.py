@@ -404,3 +404,68 @@ def load_while_trained(name: str, times: int) -> dict:
     for _ in range(times):
         t.load_state_dict({"weight": weights(3)})
     return {"rows": t.state_dict()["weight"]}
+
+
+# ---- inputs of every odd shape ---------------------------------------------------------------------------
+
+
+def odd_inputs() -> dict:
+    """(module kind, args) for lookups an ordinary user makes: empty, 0-d, int32, bags that are
+    empty / huge / full of one id, ids on the block boundary (rows 9 | 10), negative padding."""
+    g = torch.Generator().manual_seed(7)
+    huge = torch.randint(0, 20, (5000,), generator=g)
+    return {
+        "emb empty": ("emb", (torch.empty(0, dtype=torch.long),)),
+        "emb empty 2-d": ("emb", (torch.empty(3, 0, dtype=torch.long),)),
+        "emb 0-d": ("emb", (torch.tensor(10),)),
+        "emb int32 boundary": ("emb", (torch.tensor([[9, 10], [10, 9]], dtype=torch.int32),)),
+        "emb padding -1": ("pad", (torch.tensor([19, 0, 19]),)),
+        "sum empty input": ("sum", (torch.empty(0, dtype=torch.long), torch.tensor([0, 0]))),
+        "sum empty bags": ("sum", (torch.tensor([1, 15]), torch.tensor([0, 0, 1, 2, 2]))),
+        "sum int32": ("sum", (torch.tensor([9, 10, 10], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32))),
+        "sum duplicates": ("sum", (torch.tensor([[3, 3, 3, 3]]),)),
+        "sum psw": ("sum", (torch.tensor([9, 10, 10]), torch.tensor([0, 1]), torch.tensor([0.5, 2.0, -1.0]))),
+        "mean huge bag": ("mean", (huge, torch.tensor([0, 1]))),
+        "mean empty bags": ("mean", (torch.tensor([1, 15]), torch.tensor([0, 0, 2]))),
+        "max huge bag": ("max", (huge, torch.tensor([0]))),
+        "max empty bags": ("max", (torch.tensor([1, 15]), torch.tensor([0, 2, 2]))),
+        "max padding -1 only": ("max-pad", (torch.tensor([[19, 19], [1, 19]]),)),
+        "psw short": ("sum", (torch.tensor([9, 10, 10]), torch.tensor([0, 1]), torch.tensor([0.5, 2.0]))),
+        "psw float64": ("sum", (torch.tensor([9, 10]), torch.tensor([0]), torch.tensor([0.5, 2.0], dtype=torch.float64))),
+        "psw with mean": ("mean", (torch.tensor([9, 10]), torch.tensor([0]), torch.tensor([0.5, 2.0]))),
+        "offsets not from 0": ("sum", (torch.tensor([9, 10]), torch.tensor([1]))),
+        "offsets past the end": ("sum", (torch.tensor([9, 10]), torch.tensor([0, 3]))),
+        "offsets decreasing": ("sum", (torch.tensor([9, 10, 11, 12]), torch.tensor([0, 3, 1]))),
+    }
+
+
+def odd_modules(name: str | None) -> dict:
+    """The modules odd_inputs() name: sharded (``name``) or, with None, local ones."""
+    w = weights(0)
+    if name is None:
+        local = {"emb": nn.Embedding(20, 3, _weight=w.clone()), "pad": nn.Embedding(20, 3, padding_idx=-1, _weight=w.clone())}
+        local.update({m: nn.EmbeddingBag(20, 3, mode=m, _weight=w.clone()) for m in ("sum", "mean", "max")})
+        local["max-pad"] = nn.EmbeddingBag(20, 3, mode="max", padding_idx=-1, _weight=w.clone())
+        with torch.no_grad():
+            local["pad"].weight[19] = 0  # as nn.Embedding's own init zeroes it
+        return local
+    out = {"emb": table(f"{name}-emb", keep=False), "pad": table(f"{name}-pad", padding_idx=-1, keep=False)}
+    out.update({m: table(f"{name}-{m}", bag=m, keep=False) for m in ("sum", "mean", "max")})
+    out["max-pad"] = table(f"{name}-max-pad", bag="max", padding_idx=-1, keep=False)
+    return out
+
+
+def odd_lookups(name: str | None) -> dict:
+    """Each of odd_inputs() on odd_modules(name): the output and the stepped gradient's rows, or
+    the refusal's type and message."""
+    modules = odd_modules(name)
+    out = {}
+    for case, (kind, args) in odd_inputs().items():
+        module = modules[kind]
+        try:
+            got = module(*args)
+        except Exception as exc:  # noqa: BLE001 - compared with torch's
+            out[case] = (type(exc).__name__, str(exc).split("\n")[0])
+            continue
+        out[case] = (got.dtype, got.detach())
+    return out

@@ -383,3 +383,25 @@ def test_a_checkpoint_loaded_while_another_trainer_trains_leaves_a_consistent_ta
     moved = rows[[2, 12]] - expected[[2, 12]]  # by a whole number of steps since the last load
     torch.testing.assert_close(moved, moved.round(), atol=1e-5, rtol=0)
     assert bool((moved.round() <= 0).all()), moved
+
+
+# ---- inputs of every odd shape ------------------------------------------------------------------------------
+
+
+def test_odd_inputs_give_torchs_outputs_dtype_and_refusals(world):
+    """Empty inputs and bags, 0-d input, int32 ids and offsets, huge bags, duplicate ids, ids on
+    the block boundary, padding_idx=-1, and per_sample_weights / offsets torch refuses."""
+    got = on_trainer0(world, h.odd_lookups, job("odd"))
+    expected = h.odd_lookups(None)
+    assert list(got) == list(expected)
+    # torch refuses decreasing offsets only when it runs on several threads (on one, as the
+    # trainers here, it returns uninitialised memory): the table refuses them, saying so
+    decreasing = expected.pop("offsets decreasing")
+    assert decreasing[0] == "RuntimeError", decreasing
+    assert got["offsets decreasing"][0] == "ValueError" and "offsets[2]=1" in got["offsets decreasing"][1], got
+    for case, want in expected.items():
+        if isinstance(want[0], str):
+            assert got[case] == want, f"{case}: torch refuses with {want}, the table with {got[case]}"
+        else:
+            assert got[case][0] == want[0] == torch.float32, (case, got[case][0], want[0])
+            torch.testing.assert_close(got[case][1], want[1], atol=1e-5, rtol=1e-6, msg=case)

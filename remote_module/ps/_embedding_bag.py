@@ -43,6 +43,14 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         ``(bags, dim)`` partial results travel. In geo mode, and when ``per_sample_weights``
         needs a gradient (which needs the rows), the rows are fetched and pooled here instead.
         """
+        if isinstance(offsets, torch.Tensor) and offsets.dim() == 1 and offsets.numel() > 1:
+            # torch checks this only when it pools on several threads (on one it reads past the
+            # input and returns uninitialised memory)
+            down = (offsets[1:] < offsets[:-1]).nonzero()
+            if down.numel():
+                i = int(down[0]) + 1
+                raise ValueError(f"offsets must not decrease (bag i starts at offsets[i]), got offsets[{i}]="
+                                 f"{int(offsets[i])} after offsets[{i - 1}]={int(offsets[i - 1])}")
         needs_rows = self.ps_mode == "geo" or (
             per_sample_weights is not None and per_sample_weights.requires_grad and torch.is_grad_enabled())
         if needs_rows:
