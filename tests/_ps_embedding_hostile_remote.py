@@ -469,3 +469,52 @@ def odd_lookups(name: str | None) -> dict:
             continue
         out[case] = (got.dtype, got.detach())
     return out
+
+
+def never_stepped(name: str) -> dict:
+    """The optimizer state of a table never stepped, loaded into another one that then trains."""
+    t = table(name, optimizer=(torch.optim.Adagrad, {"lr": 0.5}))
+    state = t.optimizer_state_dict()
+    again = table(name + "-again", optimizer=(torch.optim.Adagrad, {"lr": 0.5}))
+    again.load_optimizer_state_dict(state)
+    train_steps(again, [[1, 15]], again.step)
+    return {"state": state, "rows": again.state_dict()["weight"]}
+
+
+def shutdown_during_lookups(name: str, path: str) -> bool:
+    """Threads looking up table ``name`` while this trainer's RPC agent is shut down (not
+    gracefully: the servers of these worlds wait in their own shutdown); each thread's last
+    outcome is written to ``path`` as JSON once all have ended (or 10 s passed)."""
+    import json
+
+    import torch.distributed.rpc as rpc
+
+    t = table(name, servers=["ps0"], rows=200, seed=None)
+    outcomes: dict[int, dict] = {}
+    started = threading.Barrier(4)
+
+    def look(k: int) -> None:
+        started.wait()
+        while True:
+            outcome = attempt(lambda: t(torch.arange(200)).shape)
+            if not outcome["ok"]:
+                outcomes[k] = outcome
+                return
+
+    def run() -> None:
+        threads = [threading.Thread(target=look, args=(k,), daemon=True) for k in range(3)]
+        for th in threads:
+            th.start()
+        started.wait()
+        time.sleep(0.2)
+        rpc.shutdown(graceful=False)
+        for th in threads:
+            th.join(timeout=10)
+        with open(path + ".tmp", "w") as f:
+            json.dump({"ended": [not th.is_alive() for th in threads], "outcomes": list(outcomes.values())}, f)
+        import os
+
+        os.replace(path + ".tmp", path)
+
+    threading.Thread(target=run, daemon=True).start()
+    return True

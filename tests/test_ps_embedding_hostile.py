@@ -405,3 +405,30 @@ def test_odd_inputs_give_torchs_outputs_dtype_and_refusals(world):
         else:
             assert got[case][0] == want[0] == torch.float32, (case, got[case][0], want[0])
             torch.testing.assert_close(got[case][1], want[1], atol=1e-5, rtol=1e-6, msg=case)
+
+
+def test_the_optimizer_state_of_a_table_never_stepped_round_trips(world):
+    got = on_trainer0(world, h.never_stepped, job("never"))
+    assert got["state"]["step"] == 0 and got["state"]["ids"].numel() == 0, got["state"]
+    emb, opt = local_steps((torch.optim.Adagrad, {"lr": 0.5}), [[1, 15]])
+    torch.testing.assert_close(got["rows"], emb.weight.detach())
+
+
+def test_lookups_in_flight_when_the_trainer_leaves_rpc_fail_saying_so_and_none_hangs(faulty, tmp_path):
+    """Last in the file: trainer0's RPC agent is shut down (not gracefully: the servers of this
+    world wait in their own shutdown) under three looping lookups: every thread ends with an
+    error naming the server or saying to call init_rpc."""
+    import json
+    import time
+
+    path = tmp_path / "outcomes.json"
+    faulty.run({"trainer0": (h.shutdown_during_lookups, job("shutdown"), str(path))})
+    deadline = time.monotonic() + 30
+    while not path.exists():
+        assert time.monotonic() < deadline, "the lookups did not end within 30 s of the shutdown"
+        time.sleep(0.1)
+    got = json.loads(path.read_text())
+    assert got["ended"] == [True] * 3, got
+    for outcome in got["outcomes"]:  # in flight, not sent, or made after: each says where or what
+        assert outcome["type"] == "RuntimeError", outcome
+        assert "'ps0'" in outcome["message"] or "init_rpc" in outcome["message"], outcome
