@@ -51,14 +51,6 @@ def table(name: str, rows: int = 20, dim: int = 3, *, bag: str | None = None, se
     return t
 
 
-def try_table(name: str, **kwargs: Any) -> dict:
-    return attempt(lambda: table(name, keep=True, **kwargs) and None)
-
-
-def rows_of(name: str) -> torch.Tensor:
-    return _objects[name].state_dict()["weight"]
-
-
 # ---- the torch idioms of a training loop ------------------------------------------------------------
 
 
@@ -149,6 +141,19 @@ def train_steps(t: nn.Module, steps: list[list[int]], step: Callable[[], None]) 
         step()
 
 
+def local_embedding(optimizer: tuple) -> tuple[nn.Embedding, torch.optim.Optimizer]:
+    """The local reference: an nn.Embedding(sparse=True) with weights(0) and ``optimizer``."""
+    emb = nn.Embedding(20, 3, sparse=True, _weight=weights(0))
+    return emb, optimizer[0](emb.parameters(), **optimizer[1])
+
+
+def local_steps(optimizer: tuple, steps: list[list[int]]) -> tuple[nn.Embedding, torch.optim.Optimizer]:
+    """local_embedding() trained on ``steps`` as train_steps() trains a table."""
+    emb, opt = local_embedding(optimizer)
+    train_steps(emb, steps, lambda: (opt.step(), opt.zero_grad()))
+    return emb, opt
+
+
 def one_side_state(name: str, optimizer: tuple, steps: list[list[int]]) -> dict:
     """Train a table on ``steps`` (each may touch one server only), then its optimizer state, and
     the rows of a second table loaded with both checkpoints and trained one step further."""
@@ -188,75 +193,6 @@ def one_sync_step(name: str, ids: list[int]) -> torch.Tensor:
     t(torch.tensor(ids)).sum().backward()
     t.step()
     return t.state_dict()["weight"]
-
-
-# ---- servers that freeze or die, trainers that die ---------------------------------------------------
-
-
-def prepare(name: str, ids: list[int] | None, **kwargs: Any) -> bool:
-    """A table kept here, with a lookup of ``ids`` backpropagated (its gradient waits for a step)."""
-    t = table(name, **kwargs)
-    if ids is not None:
-        t(torch.tensor(ids)).pow(2).sum().backward()
-    return True
-
-
-def timed(name: str, what: str, timeout: float, ids: list[int] | None = None) -> dict:
-    """``what`` ("lookup", "step", "backward", "rows") on table ``name`` with ``timeout``: how it ended."""
-    t = _objects[name]
-    t.timeout = timeout
-    ids_t = torch.tensor(ids if ids is not None else [1, 15])
-    return attempt({
-        "lookup": lambda: t(ids_t).detach(),
-        "step": t.step,
-        "backward": lambda: t(ids_t).pow(2).sum().backward(),
-        "rows": lambda: t.state_dict()["weight"],
-    }[what])
-
-
-def waiters(name: str) -> int:
-    """On a server: the sync lookups of table ``name`` still waiting."""
-    from remote_module.ps import _tables
-
-    table = _tables._table(name)
-    with table.lock:
-        return len(table.waiters)
-
-
-# ---- max pooling with ties and non-finite rows -------------------------------------------------------
-
-
-def max_weights() -> torch.Tensor:
-    """weights(0) with row 1 (on ps0) equal to row 15 (on ps1), rows 3 and 13 at -inf, and a
-    NaN in row 4 (dimension 0)."""
-    w = weights(0)
-    w[1] = w[15]
-    w[3] = float("-inf")
-    w[13] = float("-inf")
-    w[4, 0] = float("nan")
-    return w
-
-
-#: bags (offsets form): ties both ways round, a -inf row alone, -inf rows on both servers, a NaN
-#: row first / later, a bag of ps0's rows only
-MAX_IDS = [15, 1, 1, 15, 13, 2, 4, 15, 15, 4, 2, 4, 3, 13]
-MAX_OFFSETS = [0, 2, 4, 5, 6, 8, 10, 12]
-
-
-def max_bag_step(bag: nn.Module, step: Callable[[], None]) -> torch.Tensor:
-    """One max-pooled lookup of MAX_IDS, backward of a weighted sum, one step: the output."""
-    out = bag(torch.tensor(MAX_IDS), torch.tensor(MAX_OFFSETS))
-    c = torch.arange(1.0, 1.0 + out.numel()).reshape(out.shape)
-    (out * c).sum().backward()  # each element's gradient is distinct: the row it reaches shows
-    step()
-    return out.detach()
-
-
-def max_pooling(name: str) -> dict:
-    t = table(name, bag="max", seed=None)
-    t.load_state_dict({"weight": max_weights()})
-    out = max_bag_step(t, t.step)
-    return {"out": out, "rows": t.state_dict()["weight"]}
 
 
 # ---- checkpoints that do not fit ---------------------------------------------------------------------
@@ -406,71 +342,6 @@ def load_while_trained(name: str, times: int) -> dict:
     return {"rows": t.state_dict()["weight"]}
 
 
-# ---- inputs of every odd shape ---------------------------------------------------------------------------
-
-
-def odd_inputs() -> dict:
-    """(module kind, args) for lookups an ordinary user makes: empty, 0-d, int32, bags that are
-    empty / huge / full of one id, ids on the block boundary (rows 9 | 10), negative padding."""
-    g = torch.Generator().manual_seed(7)
-    huge = torch.randint(0, 20, (5000,), generator=g)
-    return {
-        "emb empty": ("emb", (torch.empty(0, dtype=torch.long),)),
-        "emb empty 2-d": ("emb", (torch.empty(3, 0, dtype=torch.long),)),
-        "emb 0-d": ("emb", (torch.tensor(10),)),
-        "emb int32 boundary": ("emb", (torch.tensor([[9, 10], [10, 9]], dtype=torch.int32),)),
-        "emb padding -1": ("pad", (torch.tensor([19, 0, 19]),)),
-        "sum empty input": ("sum", (torch.empty(0, dtype=torch.long), torch.tensor([0, 0]))),
-        "sum empty bags": ("sum", (torch.tensor([1, 15]), torch.tensor([0, 0, 1, 2, 2]))),
-        "sum int32": ("sum", (torch.tensor([9, 10, 10], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32))),
-        "sum duplicates": ("sum", (torch.tensor([[3, 3, 3, 3]]),)),
-        "sum psw": ("sum", (torch.tensor([9, 10, 10]), torch.tensor([0, 1]), torch.tensor([0.5, 2.0, -1.0]))),
-        "mean huge bag": ("mean", (huge, torch.tensor([0, 1]))),
-        "mean empty bags": ("mean", (torch.tensor([1, 15]), torch.tensor([0, 0, 2]))),
-        "max huge bag": ("max", (huge, torch.tensor([0]))),
-        "max empty bags": ("max", (torch.tensor([1, 15]), torch.tensor([0, 2, 2]))),
-        "max padding -1 only": ("max-pad", (torch.tensor([[19, 19], [1, 19]]),)),
-        "psw short": ("sum", (torch.tensor([9, 10, 10]), torch.tensor([0, 1]), torch.tensor([0.5, 2.0]))),
-        "psw float64": ("sum", (torch.tensor([9, 10]), torch.tensor([0]), torch.tensor([0.5, 2.0], dtype=torch.float64))),
-        "psw with mean": ("mean", (torch.tensor([9, 10]), torch.tensor([0]), torch.tensor([0.5, 2.0]))),
-        "offsets not from 0": ("sum", (torch.tensor([9, 10]), torch.tensor([1]))),
-        "offsets past the end": ("sum", (torch.tensor([9, 10]), torch.tensor([0, 3]))),
-        "offsets decreasing": ("sum", (torch.tensor([9, 10, 11, 12]), torch.tensor([0, 3, 1]))),
-    }
-
-
-def odd_modules(name: str | None) -> dict:
-    """The modules odd_inputs() name: sharded (``name``) or, with None, local ones."""
-    w = weights(0)
-    if name is None:
-        local = {"emb": nn.Embedding(20, 3, _weight=w.clone()), "pad": nn.Embedding(20, 3, padding_idx=-1, _weight=w.clone())}
-        local.update({m: nn.EmbeddingBag(20, 3, mode=m, _weight=w.clone()) for m in ("sum", "mean", "max")})
-        local["max-pad"] = nn.EmbeddingBag(20, 3, mode="max", padding_idx=-1, _weight=w.clone())
-        with torch.no_grad():
-            local["pad"].weight[19] = 0  # as nn.Embedding's own init zeroes it
-        return local
-    out = {"emb": table(f"{name}-emb", keep=False), "pad": table(f"{name}-pad", padding_idx=-1, keep=False)}
-    out.update({m: table(f"{name}-{m}", bag=m, keep=False) for m in ("sum", "mean", "max")})
-    out["max-pad"] = table(f"{name}-max-pad", bag="max", padding_idx=-1, keep=False)
-    return out
-
-
-def odd_lookups(name: str | None) -> dict:
-    """Each of odd_inputs() on odd_modules(name): the output and the stepped gradient's rows, or
-    the refusal's type and message."""
-    modules = odd_modules(name)
-    out = {}
-    for case, (kind, args) in odd_inputs().items():
-        module = modules[kind]
-        try:
-            got = module(*args)
-        except Exception as exc:  # noqa: BLE001 - compared with torch's
-            out[case] = (type(exc).__name__, str(exc).split("\n")[0])
-            continue
-        out[case] = (got.dtype, got.detach())
-    return out
-
-
 def never_stepped(name: str) -> dict:
     """The optimizer state of a table never stepped, loaded into another one that then trains."""
     t = table(name, optimizer=(torch.optim.Adagrad, {"lr": 0.5}))
@@ -479,42 +350,3 @@ def never_stepped(name: str) -> dict:
     again.load_optimizer_state_dict(state)
     train_steps(again, [[1, 15]], again.step)
     return {"state": state, "rows": again.state_dict()["weight"]}
-
-
-def shutdown_during_lookups(name: str, path: str) -> bool:
-    """Threads looking up table ``name`` while this trainer's RPC agent is shut down (not
-    gracefully: the servers of these worlds wait in their own shutdown); each thread's last
-    outcome is written to ``path`` as JSON once all have ended (or 10 s passed)."""
-    import json
-
-    import torch.distributed.rpc as rpc
-
-    t = table(name, servers=["ps0"], rows=200, seed=None)
-    outcomes: dict[int, dict] = {}
-    started = threading.Barrier(4)
-
-    def look(k: int) -> None:
-        started.wait()
-        while True:
-            outcome = attempt(lambda: t(torch.arange(200)).shape)
-            if not outcome["ok"]:
-                outcomes[k] = outcome
-                return
-
-    def run() -> None:
-        threads = [threading.Thread(target=look, args=(k,), daemon=True) for k in range(3)]
-        for th in threads:
-            th.start()
-        started.wait()
-        time.sleep(0.2)
-        rpc.shutdown(graceful=False)
-        for th in threads:
-            th.join(timeout=10)
-        with open(path + ".tmp", "w") as f:
-            json.dump({"ended": [not th.is_alive() for th in threads], "outcomes": list(outcomes.values())}, f)
-        import os
-
-        os.replace(path + ".tmp", path)
-
-    threading.Thread(target=run, daemon=True).start()
-    return True
