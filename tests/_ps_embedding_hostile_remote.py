@@ -350,3 +350,18 @@ def never_stepped(name: str) -> dict:
     again.load_optimizer_state_dict(state)
     train_steps(again, [[1, 15]], again.step)
     return {"state": state, "rows": again.state_dict()["weight"]}
+
+
+def copies(name: str) -> dict:
+    """copy.deepcopy and a pickle round trip of a table with a gradient not pushed yet: the
+    copies look up the same rows; the original still steps its own gradient (once)."""
+    import copy
+    import pickle
+
+    t = table(name)
+    ids = torch.tensor([1, 15])
+    t(ids).sum().backward()
+    deep, unpickled = copy.deepcopy(t), pickle.loads(pickle.dumps(t))
+    deep.step()  # nothing to push: the gradient stays the original's
+    t.step()
+    return {"original": t(ids).detach(), "deep": deep(ids).detach(), "unpickled": unpickled(ids).detach()}

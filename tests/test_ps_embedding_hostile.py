@@ -57,6 +57,13 @@ def test_training_loop_idioms_through_a_psmodel_equal_torch(world):
         torch.testing.assert_close(got[key], value, atol=1e-6, rtol=1e-5, msg=key)
 
 
+def test_a_table_can_be_deep_copied_and_pickled_and_copies_share_its_rows_not_its_gradients(world):
+    got = on_trainer0(world, h.copies, job("copies"))
+    expected = h.weights(0)[[1, 15]] - 1.0  # one step of gradient 1, lr 1: pushed once
+    for key in ("original", "deep", "unpickled"):
+        torch.testing.assert_close(got[key], expected, msg=key)
+
+
 def test_a_lookup_never_backpropagated_is_freed_with_its_output(world):
     got = on_trainer0(world, h.dropped_lookup_is_freed, job("eval"))
     assert got["alive"] == [False] * 3, f"lookups kept alive after their outputs were dropped: {got}"

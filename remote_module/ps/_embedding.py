@@ -197,6 +197,18 @@ class ShardedEmbedding(nn.Module):
             self._record_on_backward(uniq, rows)
         return uniq, inverse, rows
 
+    def __getstate__(self) -> dict:
+        """As nn.Module's, less the lock and the gradients not pushed yet (a copy, e.g.
+        ``copy.deepcopy(model)`` for an averaged model, shares the servers' rows, not them)."""
+        state = self.__dict__.copy()
+        state.pop("_pending_lock", None)
+        state["_pending"] = {}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._pending_lock = threading.Lock()
+
     def _record_on_backward(self, uniq: torch.Tensor, rows: torch.Tensor) -> None:
         """Have :meth:`step` push ``rows``' gradient (``rows``: a leaf standing for the rows of
         ``uniq``) once backward has accumulated one into it. Nothing is held before that, as
