@@ -52,3 +52,41 @@ def test_rowwise_steps_equal_torch_on_sparse_gradients(cls, kwargs):
 def test_settings_torch_cannot_apply_to_sparse_gradients_are_refused(cls, kwargs, match):
     with pytest.raises(ValueError, match=match):
         row_optimizer(cls, kwargs)
+
+
+@pytest.mark.parametrize("cls,kwargs,option", [
+    (torch.optim.SGD, {"lr": -1.0}, "lr"),
+    (torch.optim.SGD, {"lr": 0.1, "nesterov": True}, "nesterov"),
+    (torch.optim.SGD, {"lr": 0.1, "weight_decay": 0.1}, "weight_decay"),
+    (torch.optim.Adagrad, {"lr": -0.1}, "lr"),
+    (torch.optim.Adagrad, {"lr": 0.1, "lr_decay": -1.0}, "lr_decay"),
+    (torch.optim.Adagrad, {"lr": 0.1, "eps": -1.0}, "eps"),
+    (torch.optim.Adagrad, {"lr": 0.1, "initial_accumulator_value": -1.0}, "initial_accumulator_value"),
+    (torch.optim.Adagrad, {"lr": 0.1, "weight_decay": 0.1}, "weight_decay"),
+    (torch.optim.SparseAdam, {"lr": -0.1}, "lr"),
+    (torch.optim.SparseAdam, {"lr": 0.1, "eps": -1.0}, "eps"),
+    (torch.optim.SparseAdam, {"lr": 0.1, "betas": (1.5, 0.9)}, "betas"),
+    (torch.optim.SparseAdam, {"lr": 0.1, "betas": (0.9, -0.1)}, "betas"),
+    (torch.optim.SparseAdam, {"lr": 0.1, "weight_decay": 0.1}, "weight_decay"),
+])
+def test_optimizer_settings_torch_refuses_are_a_value_error_naming_the_option(cls, kwargs, option):
+    """What torch's optimizer (or its sparse step) refuses, a table refuses when it is built,
+    not by training in the wrong direction (a negative lr) or by ignoring the setting."""
+    with pytest.raises(ValueError, match=option):
+        row_optimizer(cls, kwargs)
+    refused = False
+    try:  # torch refuses it too: at construction, or at the first sparse step
+        weight = torch.nn.Parameter(torch.zeros(4, 2))
+        opt = cls([weight], **kwargs)
+        weight.grad = torch.sparse_coo_tensor(torch.tensor([[1]]), torch.ones(1, 2), (4, 2))
+        opt.step()
+    except (ValueError, RuntimeError, TypeError):
+        refused = True
+    assert refused, f"torch accepts {cls.__name__}({kwargs}) on a sparse gradient"
+
+
+def test_sgd_momentum_is_refused_saying_why():
+    """torch accepts SGD momentum on a sparse gradient, but its buffer then moves every row ever
+    touched on every step; a row-wise table cannot, so it refuses, saying so."""
+    with pytest.raises(ValueError, match="momentum.*every row ever touched"):
+        row_optimizer(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})

@@ -75,8 +75,11 @@ def test_sync_applies_once_every_trainer_has_pushed_in_name_order():
     after = t.lookup(torch.arange(20))
     torch.testing.assert_close(after[1], before[1] - 0.5 * 1 / 2)
     torch.testing.assert_close(after[2], before[2] - 0.5 * 4 / 2)
-    with pytest.raises(RuntimeError, match="pushed step 0, the table is at step 1"):
-        t.push("trainer0", 0, torch.tensor([2]), torch.ones(1, 3, dtype=torch.float64))
+    # step 0 again: the retry of a step() that failed on another server after this push arrived
+    t.push("trainer0", 0, torch.tensor([2]), torch.full((1, 3), 3.0, dtype=torch.float64))
+    assert torch.equal(t.lookup(torch.arange(20)), after)  # counted once
+    with pytest.raises(RuntimeError, match="pushed step 5, the table is at step 1"):
+        t.push("trainer0", 5, torch.tensor([2]), torch.ones(1, 3, dtype=torch.float64))
 
 
 def test_ids_not_held_here_are_refused():

@@ -5,6 +5,8 @@ touched rows' gradients, which the servers apply with a row-wise optimizer (``_r
 
 from __future__ import annotations
 
+import threading
+import uuid
 from typing import Any, Sequence
 
 import torch
@@ -120,10 +122,16 @@ class ShardedEmbedding(nn.Module):
             by_server.setdefault(server, []).append((first, count))
         self._by_server = by_server
         self._trainer = rpc.get_worker_info().name
-        steps = call_all([(s, _tables._attach_table, (name, spec, rs, self._trainer)) for s, rs in by_server.items()],
-                         timeout=timeout)
+        # which object of this trainer pushes (sync: the newest one attached; a retried push of
+        # a step is recognised by it)
+        self._token = uuid.uuid4().hex
+        steps = call_all([(s, _tables._attach_table, (name, spec, rs, self._trainer, self._token))
+                          for s, rs in by_server.items()], timeout=timeout)
         self._step = min(steps) if steps else 0
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (unique ids, their rows with grad)
+        # the lookups whose rows backward has given a gradient since the last step, by id of the
+        # rows tensor: (unique ids, their rows); filled by _record_on_backward's hook
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pending_lock = threading.Lock()
         #: tensor bytes (ids and gradient rows) this module has pushed so far
         self.pushed_bytes = 0
         starts = torch.tensor([first for first, _, _ in self._ranges])
@@ -186,8 +194,33 @@ class ShardedEmbedding(nn.Module):
             rows[uniq == self.padding_idx] = 0.0  # as nn.Embedding: the padding row is zero, never trained
         if torch.is_grad_enabled():
             rows.requires_grad_(True)
-            self._pending.append((uniq, rows))
+            self._record_on_backward(uniq, rows)
         return uniq, inverse, rows
+
+    def __getstate__(self) -> dict:
+        """As nn.Module's, less the lock and the gradients not pushed yet (a copy, e.g.
+        ``copy.deepcopy(model)`` for an averaged model, shares the servers' rows, not them)."""
+        state = self.__dict__.copy()
+        state.pop("_pending_lock", None)
+        state["_pending"] = {}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._pending_lock = threading.Lock()
+
+    def _record_on_backward(self, uniq: torch.Tensor, rows: torch.Tensor) -> None:
+        """Have :meth:`step` push ``rows``' gradient (``rows``: a leaf standing for the rows of
+        ``uniq``) once backward has accumulated one into it. Nothing is held before that, as
+        with a local module: a lookup that is never backpropagated (an eval loop without
+        ``no_grad``) is gone with its output, and ``zero_grad()`` between forward and backward
+        (the torch idiom) clears only the gradients accumulated so far."""
+
+        def accumulated(t: torch.Tensor) -> None:  # once per backward through ``rows``
+            with self._pending_lock:
+                self._pending[id(t)] = (uniq, t)
+
+        rows.register_post_accumulate_grad_hook(accumulated)
 
     # ---- checkpoints: the local module's key ``weight`` (lazy: ``weight.ids``/``weight.rows``) ----
 
@@ -208,8 +241,12 @@ class ShardedEmbedding(nn.Module):
             call_all([(s, _tables._flush_table, (self.name,)) for s in self._by_server], timeout=self.timeout)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forget the gradients of the lookups since the last :meth:`step` (nothing is pushed)."""
-        self._pending = []
+        """Forget the gradients accumulated since the last :meth:`step` (nothing is pushed); as
+        torch's ``zero_grad``, a backward after it (of a forward before it) counts."""
+        with self._pending_lock:
+            pending, self._pending = self._pending, {}
+        for _, rows in pending.values():
+            rows.grad = None
 
     def _stored(self) -> tuple[torch.Tensor, torch.Tensor]:
         self._settle()
@@ -233,11 +270,19 @@ class ShardedEmbedding(nn.Module):
     def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any, strict: bool,
                               missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
         keys = ("weight.ids", "weight.rows") if self.init == "lazy" else ("weight",)
+        if strict:  # as torch's: every key under this module's prefix is one of its own
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k[len(prefix):] not in keys
+                                   and not k.endswith("_extra_state"))
         if any(prefix + k not in state_dict for k in keys):
             missing_keys.extend(prefix + k for k in keys if prefix + k not in state_dict)
             return
         if self.init == "lazy":
-            ids, rows = state_dict[prefix + "weight.ids"].long(), state_dict[prefix + "weight.rows"]
+            ids, rows = state_dict[prefix + "weight.ids"], state_dict[prefix + "weight.rows"]
+            misfit = self._misfit(ids, {"rows": rows})
+            if misfit:  # refused before any server is written (as torch: strict or not)
+                error_msgs.append(f"size mismatch for {prefix}weight.{misfit}")
+                return
+            ids = ids.long()
         else:
             rows = state_dict[prefix + "weight"]
             if tuple(rows.shape) != (self.num_embeddings, self.embedding_dim):
@@ -258,6 +303,19 @@ class ShardedEmbedding(nn.Module):
                 calls.append((server, _tables._set_rows, (self.name, ids[mine], rows[mine].detach().clone())))
         call_all(calls, timeout=self.timeout)
 
+    def _misfit(self, ids: Any, rows: dict[str, Any]) -> str | None:
+        """What makes ``ids`` and their ``rows`` (by name) not fit this table (``None`` if they do)."""
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.is_floating_point() or ids.is_complex():
+            return f"ids: expected a 1-D tensor of row ids, got {getattr(ids, 'shape', type(ids).__name__)}"
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+            return (f"ids: rows {int(ids.min())}..{int(ids.max())}, but the table has num_embeddings="
+                    f"{self.num_embeddings} (save and load tables of the same size)")
+        for key, value in rows.items():
+            shape = (ids.numel(), self.embedding_dim)
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+                return f"{key}: copying rows of shape {tuple(getattr(value, 'shape', ()))}, the table needs {shape}"
+        return None
+
     def optimizer_state_dict(self) -> dict:
         """The servers' optimizer state for the rows ever touched: ``{"step": the table's step
         count, "ids": row ids, <state key>: rows}``; loads onto any number of servers."""
@@ -267,14 +325,20 @@ class ShardedEmbedding(nn.Module):
         ids = torch.cat([i for _, i, _ in got]) if got else torch.empty(0, dtype=torch.long)
         order = torch.argsort(ids)
         out: dict[str, Any] = {"step": max(st for st, _, _ in got), "ids": ids[order]}
-        for key in got[0][2] if got else ():
-            out[key] = torch.cat([state[key] for _, _, state in got])[order]
+        # a block never stepped has no state yet (and no ids): its part of each key is empty
+        keys = list(dict.fromkeys(key for _, _, state in got for key in state))
+        empty = torch.empty(0, self.embedding_dim)
+        for key in keys:
+            out[key] = torch.cat([state.get(key, empty) for _, _, state in got])[order]
         return out
 
     def load_optimizer_state_dict(self, state: dict) -> None:
         """Send :meth:`optimizer_state_dict`'s state to this table's servers, re-sliced."""
-        ids = state["ids"].long()
         keys = [k for k in state if k not in ("step", "ids")]
+        misfit = self._misfit(state.get("ids"), {k: state[k] for k in keys})
+        if misfit:
+            raise ValueError(f"optimizer state for table {self.name!r} does not fit it: {misfit}")
+        ids = state["ids"].long()
         owner = self._owner_index(ids)
         calls = []
         for server in self._by_server:
@@ -328,10 +392,16 @@ class ShardedEmbedding(nn.Module):
 
     def step(self) -> None:
         """Push the touched rows' gradients (only those rows) and forget them (geo: step the
-        cached rows locally, push their deltas every ``geo_push_every`` steps)."""
-        pending, self._pending = self._pending, []
+        cached rows locally, push their deltas every ``geo_push_every`` steps).
+
+        A step that fails (a server did not answer in time) keeps the gradients, as a failed
+        ``optimizer.step()`` keeps ``.grad``: call ``step()`` again to retry it (in sync mode a
+        server that already has this step's push takes the retry as a no-op; in async and
+        half_async a server that had it applies it again), or ``zero_grad()`` to drop them."""
+        with self._pending_lock:
+            pending, self._pending = self._pending, {}
         ids_parts, grad_parts = [], []
-        for uniq, rows in pending:
+        for uniq, rows in pending.values():
             if rows.grad is None:
                 continue
             if self.padding_idx is None:
@@ -348,16 +418,25 @@ class ShardedEmbedding(nn.Module):
             return
         calls = []
         if len(self._server_names) == 1:
-            if ids.numel() or self.ps_mode == "sync":
-                calls.append((self._server_names[0], _tables._push_rows, (self.name, self._trainer, self._step, ids, grad)))
+            parts = [(self._server_names[0], None)]
         else:
             server_of = self._block_server[self._owner_index(ids)]
-            for k, server in enumerate(self._server_names):
-                mine = server_of == k
-                # sync: every server hears from every trainer every step, rows or not
-                if bool(mine.any()) or self.ps_mode == "sync":
-                    calls.append((server, _tables._push_rows, (self.name, self._trainer, self._step, ids[mine], grad[mine])))
-        call_all(calls, timeout=self.timeout)
+            parts = [(server, server_of == k) for k, server in enumerate(self._server_names)]
+        for server, mine in parts:
+            # every server hears of a step with any rows (an empty push where it holds none):
+            # it is one optimizer step of the whole table, as torch counts steps per parameter
+            # (Adagrad's lr_decay, SparseAdam's bias correction); sync: every step, rows or not
+            if ids.numel() or self.ps_mode == "sync":
+                sent_ids, sent_grad = (ids, grad) if mine is None else (ids[mine], grad[mine])
+                calls.append((server, _tables._push_rows,
+                              (self.name, self._trainer, self._step, sent_ids, sent_grad, self._token)))
+        try:
+            call_all(calls, timeout=self.timeout)
+        except BaseException:
+            with self._pending_lock:  # kept for a retry (or zero_grad), with any recorded meanwhile
+                for key, entry in pending.items():
+                    self._pending.setdefault(key, entry)
+            raise
         self.pushed_bytes += sum(i.numel() * i.element_size() + g.numel() * g.element_size()
-                                 for _, _, (_, _, _, i, g) in calls)
+                                 for _, _, (_, _, _, i, g, _) in calls)
         self._step += 1

@@ -43,6 +43,14 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         ``(bags, dim)`` partial results travel. In geo mode, and when ``per_sample_weights``
         needs a gradient (which needs the rows), the rows are fetched and pooled here instead.
         """
+        if isinstance(offsets, torch.Tensor) and offsets.dim() == 1 and offsets.numel() > 1:
+            # torch checks this only when it pools on several threads (on one it reads past the
+            # input and returns uninitialised memory)
+            down = (offsets[1:] < offsets[:-1]).nonzero()
+            if down.numel():
+                i = int(down[0]) + 1
+                raise ValueError(f"offsets must not decrease (bag i starts at offsets[i]), got offsets[{i}]="
+                                 f"{int(offsets[i])} after offsets[{i - 1}]={int(offsets[i - 1])}")
         needs_rows = self.ps_mode == "geo" or (
             per_sample_weights is not None and per_sample_weights.requires_grad and torch.is_grad_enabled())
         if needs_rows:
@@ -53,6 +61,8 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         # arguments as nn.EmbeddingBag does, gives the output's shape and, for sum and mean, the
         # exact path of each bag's gradient back to its rows (max is routed below)
         holder = torch.zeros(uniq.numel(), self.embedding_dim, requires_grad=grad)
+        if grad:
+            self._record_on_backward(uniq, holder)
         pad = None
         if self.padding_idx is not None:
             hit = (uniq == self.padding_idx).nonzero().reshape(-1)
@@ -68,16 +78,17 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         weights = None if per_sample_weights is None else per_sample_weights.reshape(-1).detach()
         keep = flat != self.padding_idx if self.padding_idx is not None else None
         if len(self._server_names) == 1:
-            parts = [(self._server_names[0], keep)]
+            server_of = torch.zeros_like(flat)
+            parts = [(0, self._server_names[0], keep)]
         else:
             server_of = self._block_server[self._owner_index(flat)]
-            parts = [(server, server_of == k if keep is None else (server_of == k) & keep)
+            parts = [(k, server, server_of == k if keep is None else (server_of == k) & keep)
                      for k, server in enumerate(self._server_names)]
-        calls = []
+        calls, called = [], []
         kind = "max" if self.bag_mode == "max" else "sum"
         wire = torch.int32 if self.num_embeddings <= 2**31 else torch.int64  # ids travel as int32 when they fit
         positions = torch.arange(num_bags)
-        for server, mine in parts:
+        for k, server, mine in parts:
             if mine is not None and not bool(mine.any()):
                 continue
             ids, in_bags, w = (flat, bags, weights) if mine is None else (
@@ -85,9 +96,8 @@ class ShardedEmbeddingBag(ShardedEmbedding):
             # this server's share of each bag starts where its positions reach that bag
             pool = (torch.searchsorted(in_bags, positions), w, kind)
             calls.append((server, _tables._lookup, (self.name, ids.to(wire), self._step, pool, self._wait_s())))
+            called.append(k)
         got = call_all(calls, timeout=self.timeout)
-        if grad:
-            self._pending.append((uniq, holder))
         if kind == "sum":
             total = torch.zeros(num_bags, self.embedding_dim)
             for part in got:  # in server order
@@ -98,17 +108,49 @@ class ShardedEmbeddingBag(ShardedEmbedding):
             return total + zero
         if not got:
             return zero.detach().requires_grad_(grad) if grad else zero
-        values = torch.stack([v for v, _ in got])
-        winners = torch.stack([w for _, w in got])
-        best = values.argmax(0, keepdim=True)  # ties: the first server's
-        winner = winners.gather(0, best).squeeze(0)
+        value, winner = self._merge_maxima(got, called, flat, bags, keep, server_of, num_bags)
         found = winner >= 0
-        out = torch.where(found, values.gather(0, best).squeeze(0), 0.0)
+        out = torch.where(found, value, 0.0)
         if grad:
             b, d = found.nonzero(as_tuple=True)
             row = torch.searchsorted(uniq, winner[b, d])
             out = out + torch.zeros(num_bags, self.embedding_dim).index_put((b, d), holder[row, d])
         return out
+
+    def _merge_maxima(self, got: list, called: list[int], flat: torch.Tensor, bags: torch.Tensor,
+                      keep: torch.Tensor | None, server_of: torch.Tensor, num_bags: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The servers' maxima merged as torch's max pools a bag: its first row, replaced only
+        by a strictly greater one. So a tie between servers goes to the row earlier in the bag,
+        and a NaN is kept where the bag's first row has it (a later one is never greater).
+        ``(values, winner ids)``, ``-1`` where a bag has no row."""
+        n, dim = flat.numel(), self.embedding_dim
+        kept = torch.arange(n) if keep is None else keep.nonzero().reshape(-1)
+        # where each (bag, id) first occurs: the position of a server's winner in its bag
+        keys = bags[kept] * self.num_embeddings + flat[kept]
+        unique_keys, which = torch.unique(keys, return_inverse=True)
+        first_at = torch.full((unique_keys.numel(),), n, dtype=torch.long).scatter_reduce(0, which, kept, "amin")
+        bag_of = torch.arange(num_bags).unsqueeze(1).expand(-1, dim)
+        value = torch.full((num_bags, dim), float("-inf"))
+        winner = torch.full((num_bags, dim), -1, dtype=torch.long)
+        at = torch.full((num_bags, dim), n, dtype=torch.long)
+        for part, part_winner, _ in got:
+            has = part_winner >= 0
+            slot = torch.searchsorted(unique_keys, bag_of * self.num_embeddings + part_winner.clamp(min=0))
+            part_at = torch.where(has, first_at[slot.clamp(max=unique_keys.numel() - 1)], n)
+            better = has & ((winner < 0) | (part > value) | ((part == value) & (part_at < at)))
+            value, winner, at = (torch.where(better, part, value), torch.where(better, part_winner, winner),
+                                 torch.where(better, part_at, at))
+        # each bag's first row, and whether it is NaN (told by the server that holds it)
+        start = torch.full((num_bags,), n, dtype=torch.long).scatter_reduce(0, bags[kept], kept, "amin")
+        start_server = server_of[start.clamp(max=n - 1)]
+        first_nan = torch.zeros(num_bags, dim, dtype=torch.bool)
+        for k, (_, _, nan_first) in zip(called, got):
+            here = (start < n) & (start_server == k)
+            first_nan[here] = nan_first[here]
+        value = torch.where(first_nan, float("nan"), value)
+        winner = torch.where(first_nan, flat[start.clamp(max=n - 1)].unsqueeze(1).expand(-1, dim), winner)
+        return value, winner
 
     def _pool_here(self, input: torch.Tensor, offsets: torch.Tensor | None,
                    per_sample_weights: torch.Tensor | None) -> torch.Tensor:

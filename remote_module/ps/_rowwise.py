@@ -38,18 +38,28 @@ class RowOptimizer(NamedTuple):
 
 
 def row_optimizer(cls: Any, kwargs: dict) -> RowOptimizer:
-    """The row-wise form of ``cls(**kwargs)``; ``ValueError`` for settings torch itself cannot
-    apply to a sparse gradient (SGD momentum / weight decay, Adagrad weight decay)."""
+    """The row-wise form of ``cls(**kwargs)``; ``ValueError`` naming the setting for what torch
+    refuses (a negative lr, eps, lr_decay or initial_accumulator_value, betas outside [0, 1),
+    nesterov without momentum; SGD and Adagrad weight decay on a sparse gradient) and for SGD
+    momentum (torch's sparse momentum moves every row ever touched on every step: not
+    row-wise)."""
     kwargs = dict(kwargs)
     if cls is torch.optim.SGD:
-        for key in ("momentum", "weight_decay", "dampening"):
+        if kwargs.pop("weight_decay", 0) not in (0, 0.0):
+            raise ValueError("torch.optim.SGD with weight_decay does not apply to sparse gradients; use weight_decay=0")
+        for key in ("momentum", "dampening"):
             if kwargs.pop(key, 0) not in (0, 0.0):
-                raise ValueError(f"torch.optim.SGD with {key} does not apply to sparse gradients; use {key}=0")
-        kwargs.pop("nesterov", None)
+                raise ValueError(
+                    f"torch.optim.SGD with {key}: torch's momentum on a sparse gradient moves every row ever touched "
+                    f"on every step, which a sparse table does not do (its steps touch the step's rows only); use "
+                    f"{key}=0, or Adagrad / SparseAdam")
+        if kwargs.pop("nesterov", False):
+            raise ValueError("torch.optim.SGD with nesterov=True needs momentum (torch refuses it without): use "
+                             "nesterov=False")
         kwargs.pop("foreach", None)
         kwargs.pop("differentiable", None)
         maximize = bool(kwargs.pop("maximize", False))
-        lr = float(kwargs.pop("lr", 1e-3))
+        lr = _non_negative(cls, "lr", kwargs.pop("lr", 1e-3))
         _no_more(cls, kwargs)
         return RowOptimizer("sgd", lr, maximize=maximize)
     if cls is torch.optim.Adagrad:
@@ -58,16 +68,21 @@ def row_optimizer(cls: Any, kwargs: dict) -> RowOptimizer:
         for key in ("foreach", "differentiable", "fused"):
             kwargs.pop(key, None)
         opt = RowOptimizer(
-            "adagrad", float(kwargs.pop("lr", 1e-2)), lr_decay=float(kwargs.pop("lr_decay", 0.0)),
-            eps=float(kwargs.pop("eps", 1e-10)),
-            initial_accumulator_value=float(kwargs.pop("initial_accumulator_value", 0.0)),
+            "adagrad", _non_negative(cls, "lr", kwargs.pop("lr", 1e-2)),
+            lr_decay=_non_negative(cls, "lr_decay", kwargs.pop("lr_decay", 0.0)),
+            eps=_non_negative(cls, "eps", kwargs.pop("eps", 1e-10)),
+            initial_accumulator_value=_non_negative(cls, "initial_accumulator_value",
+                                                    kwargs.pop("initial_accumulator_value", 0.0)),
             maximize=bool(kwargs.pop("maximize", False)),
         )
         _no_more(cls, kwargs)
         return opt
     if cls is torch.optim.SparseAdam:
         betas = tuple(float(b) for b in kwargs.pop("betas", (0.9, 0.999)))
-        opt = RowOptimizer("sparse_adam", float(kwargs.pop("lr", 1e-3)), eps=float(kwargs.pop("eps", 1e-8)),
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"torch.optim.SparseAdam: betas must be two numbers in [0, 1) (as torch checks), got {betas}")
+        opt = RowOptimizer("sparse_adam", _non_negative(cls, "lr", kwargs.pop("lr", 1e-3)),
+                           eps=_non_negative(cls, "eps", kwargs.pop("eps", 1e-8)),
                            betas=betas, maximize=bool(kwargs.pop("maximize", False)))
         _no_more(cls, kwargs)
         return opt
@@ -75,6 +90,17 @@ def row_optimizer(cls: Any, kwargs: dict) -> RowOptimizer:
         f"a sparse table takes torch.optim.SGD, Adagrad or SparseAdam (row-wise, state only for touched "
         f"rows), got {getattr(cls, '__name__', cls)!r}"
     )
+
+
+def _non_negative(cls: Any, key: str, value: Any) -> float:
+    """``value`` as a float, checked as torch's optimizer checks ``key`` (``ValueError`` below 0)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"torch.optim.{cls.__name__}: {key} must be a number, got {value!r}") from None
+    if not number >= 0.0:  # NaN too
+        raise ValueError(f"torch.optim.{cls.__name__}: {key} must be >= 0 (as torch checks), got {value!r}")
+    return number
 
 
 def _no_more(cls: Any, kwargs: dict) -> None:

@@ -145,6 +145,8 @@ class Table:
         self.pushed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.waiters: list[_Waiting] = []  # sync lookups for a later step
         self.trainers: set[str] = set()  # attached
+        self.tokens: dict[str, str | None] = {}  # each trainer's newest object of this table (sync: the one that pushes)
+        self.last_push: dict[str, tuple[int, str | None]] = {}  # sync: each trainer's last (step, object)
         self.queued: list[tuple[torch.Tensor, torch.Tensor]] = []  # half_async pushes not applied yet
         self.timer: threading.Timer | None = None
 
@@ -206,9 +208,14 @@ class Table:
             else:
                 rows.step(uniq[mine], summed[mine], self.step_count, scale)
 
-    def push(self, trainer: str, step: int, ids: torch.Tensor, grad: torch.Tensor) -> None:
+    def push(self, trainer: str, step: int, ids: torch.Tensor, grad: torch.Tensor, token: str | None = None) -> None:
         """A trainer's sparse gradient, applied by the table's mode (async: now; sync: once every
-        trainer has pushed step ``step``, summed in trainer-name order / num_trainers)."""
+        trainer has pushed step ``step``, summed in trainer-name order / num_trainers).
+
+        Sync: ``token`` names the trainer's object of the table that pushes; only the newest
+        attached may (``ValueError`` otherwise: one trainer, one object); pushing the step it
+        pushed last again (the retry of a ``step()`` that failed on another server after this
+        push arrived) is a no-op."""
         answers: list = []
         with self.lock:
             if self.spec.mode == "async":
@@ -226,11 +233,20 @@ class Table:
                 return
             if self.spec.mode == "geo":
                 raise ValueError(f"table {self.name!r} is in geo mode: trainers push row deltas, not gradients")
+            if token != self.tokens.get(trainer, token):
+                raise ValueError(
+                    f"table {self.name!r}: trainer {trainer!r} has created another ShardedEmbedding of this table since "
+                    "this one; in sync mode a trainer steps a table through one object (the newest): use the same "
+                    "module wherever the table is used"
+                )
+            if self.last_push.get(trainer) == (step, token) and step in (self.step_count, self.step_count - 1):
+                return  # a retry: this push is already counted (pending or applied)
             if step != self.step_count:
                 raise RuntimeError(
                     f"table {self.name!r}: trainer {trainer!r} pushed step {step}, the table is at step {self.step_count}"
                 )
             self.pushed[trainer] = (ids, grad)
+            self.last_push[trainer] = (step, token)
             if len(self.pushed) == self.spec.num_trainers:
                 order = sorted(self.pushed)
                 ids_all = torch.cat([self.pushed[t][0] for t in order])
@@ -280,9 +296,11 @@ def pool_rows(rows: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, weig
 
     ``kind="sum"``: the ``(bags, dim)`` sums of the rows (times ``weights``), in position
     order (a mean is this sum divided by the bag's size, which the trainer knows).
-    ``kind="max"``: ``(values, winners)``: the element-wise maxima (``-inf`` where a bag has no
-    row here) and, per element, the id of the first row holding it (``-1`` where none), which
-    the trainer needs to send the gradient to the right row.
+    ``kind="max"``: ``(values, winners, first_nan)``: the element-wise maxima of the rows that
+    are not NaN (``-inf`` where a bag has none here), per element the id of the first row
+    holding it (``-1`` where none: the trainer sends the gradient to that row), and whether the
+    bag's first row here is NaN (torch's max keeps a bag's first row unless a strictly greater
+    one follows, so a NaN counts only there; the trainer knows which server has that row).
     """
     n = rows.shape[0]
     positions = torch.arange(n)
@@ -291,11 +309,21 @@ def pool_rows(rows: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, weig
         if weights is not None:
             weights = weights.to(rows.dtype)
         return embedding_bag_parts(rows, positions, offsets, "sum", weights)[0]
-    values, sizes, first = embedding_bag_parts(rows, positions, offsets, "max")
-    empty = (sizes == 0).unsqueeze(1)
-    values = values.masked_fill(empty, float("-inf"))
-    winners = torch.where(empty, -1, ids[first.clamp(0, max(n - 1, 0))]) if n else torch.full_like(first, -1)
-    return values, winners
+    num_bags, dim = offsets.numel(), rows.shape[1]
+    bags = torch.searchsorted(offsets, positions, right=True) - 1
+    where = bags.unsqueeze(1).expand(-1, dim)
+    nan = rows.isnan()
+    rows = rows.masked_fill(nan, float("-inf"))
+    values = torch.full((num_bags, dim), float("-inf"), dtype=rows.dtype).scatter_reduce(0, where, rows, "amax")
+    holds = (rows == values[bags]) & ~nan
+    first = torch.full((num_bags, dim), n, dtype=torch.long).scatter_reduce(
+        0, where, torch.where(holds, positions.unsqueeze(1).expand(-1, dim), n), "amin")
+    winners = torch.where(first < n, ids[first.clamp(max=max(n - 1, 0))], -1)
+    start = offsets.clamp(max=n)
+    first_nan = torch.zeros(num_bags, dim, dtype=torch.bool)
+    started = start < torch.cat([offsets[1:], offsets.new_tensor([n])]).clamp(max=n)  # bags with a row here
+    first_nan[started] = nan[start[started]]
+    return values, winners, first_nan
 
 
 class _Waiting:
@@ -337,17 +365,31 @@ def _table(name: str) -> Table:
     return table
 
 
-def _attach_table(name: str, spec: TableSpec, blocks: list[tuple[int, int]], trainer: str) -> int:
-    """Create table ``name`` with ``blocks`` (row ranges) here, or attach ``trainer`` to it
-    (the same spec and blocks, else ``ValueError``); the table's step count."""
+#: TableSpec fields by the ShardedEmbedding arguments that set them (for errors)
+_SPEC_ARGUMENTS = {"dim": "embedding_dim", "mode": "ps_mode", "merge_every": "half_async_merge_every",
+                   "merge_s": "half_async_merge_s"}
+
+
+def _attach_table(name: str, spec: TableSpec, blocks: list[tuple[int, int]], trainer: str,
+                  token: str | None = None) -> int:
+    """Create table ``name`` with ``blocks`` (row ranges) here, or attach ``trainer`` (its
+    object ``token``, from now on the one that pushes for it) to it (the same spec and blocks,
+    else ``ValueError``); the table's step count."""
     with _tables_lock:
         table = _tables.get(name)
         if table is None:
             table = _tables[name] = Table(name, spec, blocks)
     if table.spec != spec:
-        raise ValueError(f"sharded table {name!r} exists with {table.spec}, this trainer asks for {spec}")
-    if [(r.first, r.count) for r in table.blocks] != list(blocks):
-        raise ValueError(f"sharded table {name!r}: this trainer's row blocks differ from the table's")
+        differ = "; ".join(f"{_SPEC_ARGUMENTS.get(f, f)}={getattr(table.spec, f)!r}, this trainer asks for "
+                           f"{getattr(spec, f)!r}" for f in spec._fields if getattr(table.spec, f) != getattr(spec, f))
+        raise ValueError(f"sharded table {name!r} on server {rpc.get_worker_info().name!r} exists with {differ}: "
+                         "every trainer of a table must build it with the same arguments")
+    held = [(r.first, r.count) for r in table.blocks]
+    if held != list(blocks):
+        raise ValueError(
+            f"sharded table {name!r}: server {rpc.get_worker_info().name!r} holds its rows (first, count) {held}, this "
+            f"trainer expects {list(blocks)} there: every trainer must pass the same servers, in the same order, "
+            "with the same min_block_size and split_method")
     with table.lock:
         if trainer not in table.trainers and len(table.trainers) >= spec.num_trainers:
             raise ValueError(
@@ -355,6 +397,7 @@ def _attach_table(name: str, spec: TableSpec, blocks: list[tuple[int, int]], tra
                 f"({sorted(table.trainers)}); trainer {trainer!r} would be one more"
             )
         table.trainers.add(trainer)
+        table.tokens[trainer] = token
         return table.step_count
 
 
@@ -378,8 +421,9 @@ def _lookup(name: str, ids: torch.Tensor, step: int = 0, pool: tuple | None = No
     return answer
 
 
-def _push_rows(name: str, trainer: str, step: int, ids: torch.Tensor, grad: torch.Tensor) -> None:
-    _table(name).push(trainer, step, ids, grad)
+def _push_rows(name: str, trainer: str, step: int, ids: torch.Tensor, grad: torch.Tensor,
+               token: str | None = None) -> None:
+    _table(name).push(trainer, step, ids, grad, token)
 
 
 def _push_row_deltas(name: str, ids: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
