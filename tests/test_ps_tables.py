@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from remote_module.ps._rowwise import row_optimizer
-from remote_module.ps._tables import Table, TableSpec, row_init
+from remote_module.ps._rows import TableSpec, row_init
+from remote_module.ps._tables import Table
 
 BLOCKS = [(0, 7), (7, 7), (14, 6)]  # rows 0..19 in three blocks, as two servers might split them
 
@@ -86,3 +87,25 @@ def test_ids_not_held_here_are_refused():
     t = Table("t", spec(), BLOCKS[:2])
     with pytest.raises(ValueError, match=r"rows \[15\] are not held on this server"):
         t.lookup(torch.tensor([1, 15]))
+
+
+@pytest.mark.parametrize("init", ["eager", "lazy"])
+def test_optimizer_state_is_held_for_the_rows_ever_stepped_only(init):
+    """An eager table's rows are all stored, but an Adagrad or SparseAdam state row exists only
+    for rows a step touched (allocated by doubling: at most twice those, at least 64)."""
+    s = TableSpec(100_000, 4, torch.float32, init, 0, "async", 1, row_optimizer(torch.optim.SparseAdam, {"lr": 0.1}))
+    t = Table("t", s, [(0, 100_000)])
+    block = t.blocks[0]
+    t.apply(torch.tensor([5, 70_000, 5]), torch.ones(3, 4))
+    assert set(block.state) == {"exp_avg", "exp_avg_sq"}
+    assert all(v.shape[0] == 64 for v in block.state.values())
+    g = torch.Generator().manual_seed(0)
+    touched = torch.cat([torch.randperm(100_000, generator=g)[:999], torch.tensor([5])]).unique()
+    t.apply(touched, torch.ones(touched.numel(), 4))
+    stepped = int(torch.cat([touched, torch.tensor([5, 70_000])]).unique().numel())
+    assert block.state_used == stepped
+    assert all(stepped <= v.shape[0] <= 2 * stepped for v in block.state.values())
+    # and the state is each row's own: row 5, stepped twice, differs from a row stepped once
+    once = next(i for i in touched.tolist() if i not in (5, 70_000))
+    where = block.state_slot[block.slots(torch.tensor([5, once]), create=False)]
+    assert not torch.equal(block.state["exp_avg"][where[0]], block.state["exp_avg"][where[1]])

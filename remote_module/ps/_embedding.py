@@ -16,6 +16,7 @@ from torch import nn
 from remote_module._fanout import _timeout_seconds, call_all, nested_seconds
 from remote_module.ps import _tables
 from remote_module.ps._dispatch import RoundRobin, check_servers
+from remote_module.ps._embedding_checkpoints import TableCheckpoints
 from remote_module.ps._rowwise import row_optimizer
 from remote_module.ps._slicing import _positive_int, block_name, slice_blocks
 from rpc_backend.options import positive_seconds
@@ -23,7 +24,7 @@ from rpc_backend.options import positive_seconds
 PS_MODES = ("sync", "async", "half_async", "geo")
 
 
-class ShardedEmbedding(nn.Module):
+class ShardedEmbedding(TableCheckpoints, nn.Module):
     """An ``nn.Embedding`` (``forward(input)``, same output) whose ``num_embeddings x
     embedding_dim`` rows are sliced into blocks of whole rows over ``servers`` by the same
     rules as a :class:`PSModel`'s parameters (``min_block_size``, ``split_method``).
@@ -177,7 +178,7 @@ class ShardedEmbedding(nn.Module):
         servers = list(per_server)
         positions = [torch.cat(per_server[s]) for s in servers]
         if self.ps_mode == "geo":  # cached rows are this trainer's; only the others are fetched
-            positions = [p[torch.tensor([int(uniq[j]) not in self._cache for j in p.tolist()], dtype=torch.bool)]
+            positions = [p[torch.tensor([not self._cached(int(uniq[j])) for j in p.tolist()], dtype=torch.bool)]
                          if p.numel() else p for p in positions]
         got = call_all([(s, _tables._lookup, (self.name, uniq[p], self._step, None, self._wait_s())) for s, p in zip(servers, positions)
                         if p.numel()], timeout=self.timeout)
@@ -186,7 +187,8 @@ class ShardedEmbedding(nn.Module):
             rows[p] = r
             if self.ps_mode == "geo":
                 for j, row in zip(p.tolist(), r):
-                    self._cache[int(uniq[j])] = [row.clone(), row.clone(), None]
+                    entry = self._cache.get(int(uniq[j]))  # its optimizer state outlives its row
+                    self._cache[int(uniq[j])] = [row.clone(), row.clone(), entry[2] if entry else None]
         if self.ps_mode == "geo":
             for j, i in enumerate(uniq.tolist()):
                 rows[j] = self._cache[i][0]
@@ -222,19 +224,6 @@ class ShardedEmbedding(nn.Module):
 
         rows.register_post_accumulate_grad_hook(accumulated)
 
-    # ---- checkpoints: the local module's key ``weight`` (lazy: ``weight.ids``/``weight.rows``) ----
-
-    def _settle(self) -> None:
-        """Before reading the servers' rows for a checkpoint: sync waits until this trainer's
-        last step is applied on every server; half_async applies what is queued."""
-        if self.ps_mode == "sync":
-            nothing = torch.empty(0, dtype=torch.long)
-            call_all([(s, _tables._lookup, (self.name, nothing, self._step, None, self._wait_s()))
-                      for s in self._by_server],
-                     timeout=self.timeout)
-        elif self.ps_mode == "half_async":
-            self.flush()
-
     def flush(self) -> None:
         """half_async: have the servers apply the queued pushes now (no-op in other modes)."""
         if self.ps_mode == "half_async":
@@ -248,117 +237,25 @@ class ShardedEmbedding(nn.Module):
         for _, rows in pending.values():
             rows.grad = None
 
-    def _stored(self) -> tuple[torch.Tensor, torch.Tensor]:
-        self._settle()
-        calls = [(server, _tables._block_rows, (self.name, first)) for first, _, server in self._ranges]
-        got = call_all(calls, timeout=self.timeout)
-        ids = torch.cat([i for i, _ in got])
-        rows = torch.cat([r for _, r in got])
-        order = torch.argsort(ids)
-        return ids[order], rows[order]
-
-    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
-        ids, rows = self._stored()
-        if self.init == "lazy":
-            destination[prefix + "weight.ids"] = ids
-            destination[prefix + "weight.rows"] = rows
-        else:
-            if self.padding_idx is not None:
-                rows[self.padding_idx] = 0.0  # as the table reads it
-            destination[prefix + "weight"] = rows
-
-    def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any, strict: bool,
-                              missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
-        keys = ("weight.ids", "weight.rows") if self.init == "lazy" else ("weight",)
-        if strict:  # as torch's: every key under this module's prefix is one of its own
-            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k[len(prefix):] not in keys
-                                   and not k.endswith("_extra_state"))
-        if any(prefix + k not in state_dict for k in keys):
-            missing_keys.extend(prefix + k for k in keys if prefix + k not in state_dict)
-            return
-        if self.init == "lazy":
-            ids, rows = state_dict[prefix + "weight.ids"], state_dict[prefix + "weight.rows"]
-            misfit = self._misfit(ids, {"rows": rows})
-            if misfit:  # refused before any server is written (as torch: strict or not)
-                error_msgs.append(f"size mismatch for {prefix}weight.{misfit}")
-                return
-            ids = ids.long()
-        else:
-            rows = state_dict[prefix + "weight"]
-            if tuple(rows.shape) != (self.num_embeddings, self.embedding_dim):
-                error_msgs.append(
-                    f"size mismatch for {prefix}weight: copying a param with shape {tuple(rows.shape)}, the "
-                    f"table is {(self.num_embeddings, self.embedding_dim)}"
-                )
-                return
-            ids = torch.arange(self.num_embeddings)
-        owner = self._owner_index(ids)
-        calls = []
-        for server in self._by_server:
-            mine = torch.zeros_like(ids, dtype=torch.bool)
-            for b, s in enumerate(self._owners):
-                if s == server:
-                    mine |= owner == b
-            if bool(mine.any()):
-                calls.append((server, _tables._set_rows, (self.name, ids[mine], rows[mine].detach().clone())))
-        call_all(calls, timeout=self.timeout)
-
-    def _misfit(self, ids: Any, rows: dict[str, Any]) -> str | None:
-        """What makes ``ids`` and their ``rows`` (by name) not fit this table (``None`` if they do)."""
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.is_floating_point() or ids.is_complex():
-            return f"ids: expected a 1-D tensor of row ids, got {getattr(ids, 'shape', type(ids).__name__)}"
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
-            return (f"ids: rows {int(ids.min())}..{int(ids.max())}, but the table has num_embeddings="
-                    f"{self.num_embeddings} (save and load tables of the same size)")
-        for key, value in rows.items():
-            shape = (ids.numel(), self.embedding_dim)
-            if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
-                return f"{key}: copying rows of shape {tuple(getattr(value, 'shape', ()))}, the table needs {shape}"
-        return None
-
-    def optimizer_state_dict(self) -> dict:
-        """The servers' optimizer state for the rows ever touched: ``{"step": the table's step
-        count, "ids": row ids, <state key>: rows}``; loads onto any number of servers."""
-        self._settle()
-        got = call_all([(server, _tables._row_state, (self.name, first)) for first, _, server in self._ranges],
-                       timeout=self.timeout)
-        ids = torch.cat([i for _, i, _ in got]) if got else torch.empty(0, dtype=torch.long)
-        order = torch.argsort(ids)
-        out: dict[str, Any] = {"step": max(st for st, _, _ in got), "ids": ids[order]}
-        # a block never stepped has no state yet (and no ids): its part of each key is empty
-        keys = list(dict.fromkeys(key for _, _, state in got for key in state))
-        empty = torch.empty(0, self.embedding_dim)
-        for key in keys:
-            out[key] = torch.cat([state.get(key, empty) for _, _, state in got])[order]
-        return out
-
-    def load_optimizer_state_dict(self, state: dict) -> None:
-        """Send :meth:`optimizer_state_dict`'s state to this table's servers, re-sliced."""
-        keys = [k for k in state if k not in ("step", "ids")]
-        misfit = self._misfit(state.get("ids"), {k: state[k] for k in keys})
-        if misfit:
-            raise ValueError(f"optimizer state for table {self.name!r} does not fit it: {misfit}")
-        ids = state["ids"].long()
-        owner = self._owner_index(ids)
-        calls = []
-        for server in self._by_server:
-            mine = torch.zeros_like(ids, dtype=torch.bool)
-            for b, s in enumerate(self._owners):
-                if s == server:
-                    mine |= owner == b
-            calls.append((server, _tables._set_row_state,
-                          (self.name, int(state["step"]), ids[mine], {k: state[k][mine] for k in keys})))
-        call_all(calls, timeout=self.timeout)
-        self._step = int(state["step"])
+    def _cached(self, i: int) -> bool:
+        """geo: whether row ``i`` is cached here (touched since the last push)."""
+        entry = self._cache.get(i)
+        return entry is not None and entry[0] is not None
 
     def _geo_step(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
         """geo: step the cached rows locally; every ``geo_push_every`` steps push ``row - pulled``
-        for every cached row and take the merged rows."""
+        for the rows cached since the last push, and drop them: a later lookup fetches the
+        merged rows, so a push carries only the rows touched in its interval. Each row's local
+        optimizer state stays (as a local sparse optimizer keeps it)."""
         from remote_module.ps._rowwise import coalesce, new_state, step_rows
 
         self._geo_steps += 1
         if ids.numel():
             uniq, summed = coalesce(ids, grad)
+            evicted = [i for i in uniq.tolist() if not self._cached(i)]
+            if evicted:  # looked up before a push dropped them (e.g. a step() between forward and backward)
+                with torch.no_grad():
+                    self._rows_of(torch.tensor(evicted))
             fresh = new_state(self._row_opt, 1, self.embedding_dim, torch.float32)
             before = {k: torch.stack([(self._cache[i][2] or {k2: v[0] for k2, v in fresh.items()})[k]
                                       for i in uniq.tolist()]) for k in fresh}
@@ -369,7 +266,7 @@ class ShardedEmbedding(nn.Module):
                 self._cache[i][2] = {k: v[j] for k, v in after.items()}
         if self._geo_steps % self.geo_push_every:
             return
-        ids = torch.tensor(sorted(self._cache), dtype=torch.long)
+        ids = torch.tensor(sorted(i for i in self._cache if self._cached(i)), dtype=torch.long)
         if not ids.numel():
             return
         deltas = torch.stack([self._cache[i][0] - self._cache[i][1] for i in ids.tolist()])
@@ -383,12 +280,12 @@ class ShardedEmbedding(nn.Module):
             if bool(mine.any()):
                 calls.append((server, _tables._push_row_deltas, (self.name, ids[mine], deltas[mine])))
                 sent.append(ids[mine])
-        merged = call_all(calls, timeout=self.timeout)
+        call_all(calls, timeout=self.timeout)
         self.pushed_bytes += sum(i.numel() * i.element_size() + d.numel() * d.element_size()
                                  for _, _, (_, i, d) in calls)
-        for part_ids, rows in zip(sent, merged):
-            for i, row in zip(part_ids.tolist(), rows):
-                self._cache[i][0], self._cache[i][1] = row.clone(), row.clone()
+        for part_ids in sent:
+            for i in part_ids.tolist():
+                self._cache[i][0] = self._cache[i][1] = None
 
     def step(self) -> None:
         """Push the touched rows' gradients (only those rows) and forget them (geo: step the

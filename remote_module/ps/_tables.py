@@ -3,11 +3,8 @@ state for the rows ever touched, lookups and sparse updates. Trainers create a t
 job-unique name, idempotently, as for dense parameters (see ``_server``).
 
 Rows are sliced into blocks by the same rule as dense parameters (whole rows, see
-:func:`slice_blocks`) and placed by the same dispatchers. A server holds its blocks either
-**eagerly** (one tensor per block, rows initialised from ``N(0, 1)`` by a generator seeded with
-the table's seed and the block's first row), or **lazily** (a row is created on its first
-touch from ``N(0, 1)`` seeded with the table's seed and the row id, so a 100-million-row table
-costs memory only for the rows used, and every run gives the same rows).
+:func:`slice_blocks`) and placed by the same dispatchers; a block's storage, eager or lazy, is
+``_rows._Rows``.
 
 Modes as for dense parameters: ``sync`` (a step's pushes summed in trainer-name order, divided
 by the number of trainers, applied once; lookups for the next step wait for it), ``async``
@@ -21,7 +18,6 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import NamedTuple
 
 import torch
 import torch.distributed.rpc as rpc
@@ -29,107 +25,8 @@ from torch.futures import Future
 
 from remote_module._errors import CallTimeout
 from remote_module._settling import complete, schedule, settle_elsewhere
-from remote_module._torch_private import embedding_bag_parts
-from remote_module.ps._rowwise import RowOptimizer, coalesce, new_state, step_rows
-
-_SEED_STRIDE = 1_000_003  # row seeds: seed * stride + row id
-
-
-class TableSpec(NamedTuple):
-    num_embeddings: int
-    dim: int
-    dtype: torch.dtype
-    init: str  # "eager" | "lazy"
-    seed: int
-    mode: str
-    num_trainers: int
-    optimizer: RowOptimizer
-    merge_every: int = 4  # half_async
-    merge_s: float = 0.1  # half_async
-
-
-def row_init(spec: TableSpec, ids: torch.Tensor) -> torch.Tensor:
-    """Lazy rows' first values: ``N(0, 1)`` seeded by (table seed, row id), row by row."""
-    out = torch.empty(ids.numel(), spec.dim, dtype=spec.dtype)
-    for j, i in enumerate(ids.tolist()):
-        g = torch.Generator().manual_seed(spec.seed * _SEED_STRIDE + i)
-        out[j] = torch.randn(spec.dim, generator=g, dtype=spec.dtype)
-    return out
-
-
-class _Rows:
-    """Rows ``[first, first + count)`` of a table, held eagerly or lazily, with optimizer state
-    for the rows ever stepped."""
-
-    def __init__(self, spec: TableSpec, first: int, count: int) -> None:
-        self.spec, self.first, self.count = spec, first, count
-        self.lock = threading.Lock()
-        if spec.init == "eager":
-            g = torch.Generator().manual_seed(spec.seed * _SEED_STRIDE + first)
-            self.values = torch.randn(count, spec.dim, generator=g, dtype=spec.dtype)
-            self.slot_of: dict[int, int] | None = None
-        else:
-            self.values = torch.empty(0, spec.dim, dtype=spec.dtype)
-            self.slot_of = {}
-        self.state: dict[str, torch.Tensor] = {}  # per slot (eager: per row), grown on touch
-        self.touched = torch.zeros(count if spec.init == "eager" else 0, dtype=torch.bool)
-
-    def slots(self, ids: torch.Tensor, create: bool) -> torch.Tensor:
-        """Storage slots of global row ``ids`` (all inside this block); lazy rows are created
-        when ``create`` (else a row never touched reads as its initial value, not stored)."""
-        if self.slot_of is None:
-            return ids - self.first
-        missing = [i for i in ids.tolist() if i not in self.slot_of]
-        if missing and create:
-            start = self.values.shape[0]
-            fresh = row_init(self.spec, torch.tensor(missing))
-            self.values = torch.cat([self.values, fresh])
-            self.touched = torch.cat([self.touched, torch.zeros(len(missing), dtype=torch.bool)])
-            for k, v in self.state.items():
-                self.state[k] = torch.cat([v, torch.zeros(len(missing), *v.shape[1:], dtype=v.dtype)])
-            for j, i in enumerate(missing):
-                self.slot_of[i] = start + j
-        return torch.tensor([self.slot_of.get(i, -1) for i in ids.tolist()], dtype=torch.long)
-
-    def read(self, ids: torch.Tensor) -> torch.Tensor:
-        """The rows of ``ids`` (lazy rows never touched: their initial values, not stored)."""
-        with self.lock:
-            if self.slot_of is None:  # eager: every row is stored
-                return self.values.index_select(0, ids - self.first)
-            slots = self.slots(ids, create=False)
-            out = torch.empty(ids.numel(), self.spec.dim, dtype=self.spec.dtype)
-            known = slots >= 0
-            out[known] = self.values[slots[known]]
-            if not bool(known.all()):
-                out[~known] = row_init(self.spec, ids[~known])
-            return out
-
-    def step(self, ids: torch.Tensor, grad: torch.Tensor, step: int, scale: float = 1.0) -> None:
-        """One row-wise optimizer step on coalesced ``ids`` / ``grad`` (``grad * scale``)."""
-        opt = self.spec.optimizer
-        with self.lock:
-            slots = self.slots(ids, create=True)
-            fresh = new_state(opt, int(slots.numel()), self.spec.dim, self.spec.dtype)
-            if fresh and not self.state:
-                size = self.values.shape[0]
-                self.state = {k: torch.zeros(size, self.spec.dim, dtype=self.spec.dtype) for k in fresh}
-            before = {}
-            if self.state:
-                new_rows = ~self.touched.index_select(0, slots)
-                for k, v in self.state.items():
-                    rows = v.index_select(0, slots)
-                    rows[new_rows] = fresh[k][: int(new_rows.sum())]
-                    before[k] = rows
-            g = grad * scale if scale != 1.0 else grad
-            new_values, after = step_rows(opt, self.values.index_select(0, slots), g, before, step)
-            self.values.index_copy_(0, slots, new_values)
-            for k, v in after.items():
-                self.state[k].index_copy_(0, slots, v)
-            self.touched.index_fill_(0, slots, True)
-
-    def memory_bytes(self) -> int:
-        total = self.values.numel() * self.values.element_size()
-        return total + sum(v.numel() * v.element_size() for v in self.state.values())
+from remote_module.ps._rows import TableSpec, _Rows, pool_rows
+from remote_module.ps._rowwise import coalesce
 
 
 class Table:
@@ -289,43 +186,6 @@ class Table:
         return sum(rows.memory_bytes() for rows in self.blocks)
 
 
-def pool_rows(rows: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
-              kind: str) -> object:
-    """Pool ``rows`` (row ``j`` is id ``ids[j]``) into bags: bag ``b`` holds rows
-    ``offsets[b]`` up to the next bag's offset (or the end), as ``nn.EmbeddingBag``'s offsets.
-
-    ``kind="sum"``: the ``(bags, dim)`` sums of the rows (times ``weights``), in position
-    order (a mean is this sum divided by the bag's size, which the trainer knows).
-    ``kind="max"``: ``(values, winners, first_nan)``: the element-wise maxima of the rows that
-    are not NaN (``-inf`` where a bag has none here), per element the id of the first row
-    holding it (``-1`` where none: the trainer sends the gradient to that row), and whether the
-    bag's first row here is NaN (torch's max keeps a bag's first row unless a strictly greater
-    one follows, so a NaN counts only there; the trainer knows which server has that row).
-    """
-    n = rows.shape[0]
-    positions = torch.arange(n)
-    offsets = offsets.long()
-    if kind == "sum":
-        if weights is not None:
-            weights = weights.to(rows.dtype)
-        return embedding_bag_parts(rows, positions, offsets, "sum", weights)[0]
-    num_bags, dim = offsets.numel(), rows.shape[1]
-    bags = torch.searchsorted(offsets, positions, right=True) - 1
-    where = bags.unsqueeze(1).expand(-1, dim)
-    nan = rows.isnan()
-    rows = rows.masked_fill(nan, float("-inf"))
-    values = torch.full((num_bags, dim), float("-inf"), dtype=rows.dtype).scatter_reduce(0, where, rows, "amax")
-    holds = (rows == values[bags]) & ~nan
-    first = torch.full((num_bags, dim), n, dtype=torch.long).scatter_reduce(
-        0, where, torch.where(holds, positions.unsqueeze(1).expand(-1, dim), n), "amin")
-    winners = torch.where(first < n, ids[first.clamp(max=max(n - 1, 0))], -1)
-    start = offsets.clamp(max=n)
-    first_nan = torch.zeros(num_bags, dim, dtype=torch.bool)
-    started = start < torch.cat([offsets[1:], offsets.new_tensor([n])]).clamp(max=n)  # bags with a row here
-    first_nan[started] = nan[start[started]]
-    return values, winners, first_nan
-
-
 class _Waiting:
     """A sync lookup waiting for its step, failed at its deadline with who has not pushed."""
 
@@ -482,7 +342,8 @@ def _row_state(name: str, first: int) -> tuple[int, torch.Tensor, dict[str, torc
                     pairs = sorted((i, s) for i, s in rows.slot_of.items() if bool(rows.touched[s]))
                     ids = torch.tensor([i for i, _ in pairs], dtype=torch.long)
                     slots = torch.tensor([s for _, s in pairs], dtype=torch.long)
-                return table.step_count, ids, {k: v[slots].clone() for k, v in rows.state.items()}
+                where = rows.state_slot.index_select(0, slots)
+                return table.step_count, ids, {k: v.index_select(0, where) for k, v in rows.state.items()}
     raise LookupError(f"table {name!r} has no block starting at row {first} here")
 
 
@@ -498,9 +359,8 @@ def _set_row_state(name: str, step_count: int, ids: torch.Tensor, state: dict[st
                 continue
             with rows.lock:
                 slots = rows.slots(ids[mine], create=True)
-                if state and not rows.state:
-                    size = rows.values.shape[0]
-                    rows.state = {k: torch.zeros(size, table.spec.dim, dtype=table.spec.dtype) for k in state}
-                for k, v in state.items():
-                    rows.state[k][slots] = v[mine].to(table.spec.dtype)
+                if state:
+                    where = rows.state_slots(slots)
+                    for k, v in state.items():
+                        rows.state[k].index_copy_(0, where, v[mine].to(table.spec.dtype))
                 rows.touched[slots] = True

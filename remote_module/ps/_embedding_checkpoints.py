@@ -1,0 +1,132 @@
+"""A sharded table's checkpoints: its rows under the local module's key ``weight`` (a lazy
+table: ``weight.ids`` / ``weight.rows``, the touched rows only) and the servers' per-row
+optimizer state; both address rows by id, so they load onto any number of servers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from remote_module._fanout import call_all
+from remote_module.ps import _tables
+
+
+class TableCheckpoints:
+    """Checkpoint methods of :class:`remote_module.ps.ShardedEmbedding` (which provides
+    ``name``, ``ps_mode``, ``init``, ``timeout``, the layout ``_ranges`` / ``_by_server`` /
+    ``_owners`` / ``_owner_index()``, ``_step``, ``_wait_s()`` and ``flush()``)."""
+
+    def _settle(self) -> None:
+        """Before reading the servers' rows for a checkpoint: sync waits until this trainer's
+        last step is applied on every server; half_async applies what is queued."""
+        if self.ps_mode == "sync":
+            nothing = torch.empty(0, dtype=torch.long)
+            call_all([(s, _tables._lookup, (self.name, nothing, self._step, None, self._wait_s()))
+                      for s in self._by_server],
+                     timeout=self.timeout)
+        elif self.ps_mode == "half_async":
+            self.flush()
+
+    def _stored(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self._settle()
+        calls = [(server, _tables._block_rows, (self.name, first)) for first, _, server in self._ranges]
+        got = call_all(calls, timeout=self.timeout)
+        ids = torch.cat([i for i, _ in got])
+        rows = torch.cat([r for _, r in got])
+        order = torch.argsort(ids)
+        return ids[order], rows[order]
+
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        ids, rows = self._stored()
+        if self.init == "lazy":
+            destination[prefix + "weight.ids"] = ids
+            destination[prefix + "weight.rows"] = rows
+        else:
+            if self.padding_idx is not None:
+                rows[self.padding_idx] = 0.0  # as the table reads it
+            destination[prefix + "weight"] = rows
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any, strict: bool,
+                              missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+        keys = ("weight.ids", "weight.rows") if self.init == "lazy" else ("weight",)
+        if strict:  # as torch's: every key under this module's prefix is one of its own
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k[len(prefix):] not in keys
+                                   and not k.endswith("_extra_state"))
+        if any(prefix + k not in state_dict for k in keys):
+            missing_keys.extend(prefix + k for k in keys if prefix + k not in state_dict)
+            return
+        if self.init == "lazy":
+            ids, rows = state_dict[prefix + "weight.ids"], state_dict[prefix + "weight.rows"]
+            misfit = self._misfit(ids, {"rows": rows})
+            if misfit:  # refused before any server is written (as torch: strict or not)
+                error_msgs.append(f"size mismatch for {prefix}weight.{misfit}")
+                return
+            ids = ids.long()
+        else:
+            rows = state_dict[prefix + "weight"]
+            if tuple(rows.shape) != (self.num_embeddings, self.embedding_dim):
+                error_msgs.append(
+                    f"size mismatch for {prefix}weight: copying a param with shape {tuple(rows.shape)}, the "
+                    f"table is {(self.num_embeddings, self.embedding_dim)}"
+                )
+                return
+            ids = torch.arange(self.num_embeddings)
+        owner = self._owner_index(ids)
+        calls = []
+        for server in self._by_server:
+            mine = torch.zeros_like(ids, dtype=torch.bool)
+            for b, s in enumerate(self._owners):
+                if s == server:
+                    mine |= owner == b
+            if bool(mine.any()):
+                calls.append((server, _tables._set_rows, (self.name, ids[mine], rows[mine].detach().clone())))
+        call_all(calls, timeout=self.timeout)
+
+    def _misfit(self, ids: Any, rows: dict[str, Any]) -> str | None:
+        """What makes ``ids`` and their ``rows`` (by name) not fit this table (``None`` if they do)."""
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.is_floating_point() or ids.is_complex():
+            return f"ids: expected a 1-D tensor of row ids, got {getattr(ids, 'shape', type(ids).__name__)}"
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+            return (f"ids: rows {int(ids.min())}..{int(ids.max())}, but the table has num_embeddings="
+                    f"{self.num_embeddings} (save and load tables of the same size)")
+        for key, value in rows.items():
+            shape = (ids.numel(), self.embedding_dim)
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+                return f"{key}: copying rows of shape {tuple(getattr(value, 'shape', ()))}, the table needs {shape}"
+        return None
+
+    def optimizer_state_dict(self) -> dict:
+        """The servers' optimizer state for the rows ever touched: ``{"step": the table's step
+        count, "ids": row ids, <state key>: rows}``; loads onto any number of servers."""
+        self._settle()
+        got = call_all([(server, _tables._row_state, (self.name, first)) for first, _, server in self._ranges],
+                       timeout=self.timeout)
+        ids = torch.cat([i for _, i, _ in got]) if got else torch.empty(0, dtype=torch.long)
+        order = torch.argsort(ids)
+        out: dict[str, Any] = {"step": max(st for st, _, _ in got), "ids": ids[order]}
+        # a block never stepped has no state yet (and no ids): its part of each key is empty
+        keys = list(dict.fromkeys(key for _, _, state in got for key in state))
+        empty = torch.empty(0, self.embedding_dim)
+        for key in keys:
+            out[key] = torch.cat([state.get(key, empty) for _, _, state in got])[order]
+        return out
+
+    def load_optimizer_state_dict(self, state: dict) -> None:
+        """Send :meth:`optimizer_state_dict`'s state to this table's servers, re-sliced."""
+        keys = [k for k in state if k not in ("step", "ids")]
+        misfit = self._misfit(state.get("ids"), {k: state[k] for k in keys})
+        if misfit:
+            raise ValueError(f"optimizer state for table {self.name!r} does not fit it: {misfit}")
+        ids = state["ids"].long()
+        owner = self._owner_index(ids)
+        calls = []
+        for server in self._by_server:
+            mine = torch.zeros_like(ids, dtype=torch.bool)
+            for b, s in enumerate(self._owners):
+                if s == server:
+                    mine |= owner == b
+            calls.append((server, _tables._set_row_state,
+                          (self.name, int(state["step"]), ids[mine], {k: state[k][mine] for k in keys})))
+        call_all(calls, timeout=self.timeout)
+        self._step = int(state["step"])

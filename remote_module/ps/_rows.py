@@ -1,0 +1,184 @@
+"""A sharded table's storage on a server: the rows of one block, held eagerly (one tensor,
+rows initialised from ``N(0, 1)`` by a generator seeded with the table's seed and the block's
+first row) or lazily (a row is created on its first touch from ``N(0, 1)`` seeded with the
+table's seed and the row id, so a 100-million-row table costs memory only for the rows used and
+every run gives the same rows), with row-wise optimizer state for the rows ever stepped; and
+the pooling of looked-up rows into bags."""
+
+from __future__ import annotations
+
+import threading
+from typing import NamedTuple
+
+import torch
+
+from remote_module._torch_private import embedding_bag_parts
+from remote_module.ps._rowwise import RowOptimizer, new_state, step_rows
+
+_SEED_STRIDE = 1_000_003  # row seeds: seed * stride + row id
+
+
+def _grown(t: torch.Tensor, rows: int, fill: float = 0) -> torch.Tensor:
+    """``t`` with room for ``rows`` rows (the new ones ``fill``)."""
+    out = torch.full((rows,) + tuple(t.shape[1:]), fill, dtype=t.dtype)
+    out[: t.shape[0]] = t
+    return out
+
+
+class TableSpec(NamedTuple):
+    num_embeddings: int
+    dim: int
+    dtype: torch.dtype
+    init: str  # "eager" | "lazy"
+    seed: int
+    mode: str
+    num_trainers: int
+    optimizer: RowOptimizer
+    merge_every: int = 4  # half_async
+    merge_s: float = 0.1  # half_async
+
+
+def row_init(spec: TableSpec, ids: torch.Tensor) -> torch.Tensor:
+    """Lazy rows' first values: ``N(0, 1)`` seeded by (table seed, row id), row by row."""
+    out = torch.empty(ids.numel(), spec.dim, dtype=spec.dtype)
+    for j, i in enumerate(ids.tolist()):
+        g = torch.Generator().manual_seed(spec.seed * _SEED_STRIDE + i)
+        out[j] = torch.randn(spec.dim, generator=g, dtype=spec.dtype)
+    return out
+
+
+class _Rows:
+    """Rows ``[first, first + count)`` of a table, held eagerly or lazily, with optimizer state
+    for the rows ever stepped."""
+
+    def __init__(self, spec: TableSpec, first: int, count: int) -> None:
+        self.spec, self.first, self.count = spec, first, count
+        self.lock = threading.Lock()
+        if spec.init == "eager":
+            g = torch.Generator().manual_seed(spec.seed * _SEED_STRIDE + first)
+            self.values = torch.randn(count, spec.dim, generator=g, dtype=spec.dtype)
+            self.slot_of: dict[int, int] | None = None
+        else:
+            self.values = torch.empty(0, spec.dim, dtype=spec.dtype)
+            self.slot_of = {}
+        self.used = count if spec.init == "eager" else 0  # slots holding a row (lazy: capacity grows ahead)
+        self.touched = torch.zeros(count if spec.init == "eager" else 0, dtype=torch.bool)
+        # optimizer state, for the rows ever stepped only (eager tables too): each storage slot's
+        # state slot (-1: none yet), and the state rows, grown by doubling
+        self.state_slot = torch.full((count if spec.init == "eager" else 0,), -1, dtype=torch.long)
+        self.state_used = 0
+        self.state: dict[str, torch.Tensor] = {}
+
+    def slots(self, ids: torch.Tensor, create: bool) -> torch.Tensor:
+        """Storage slots of global row ``ids`` (all inside this block); lazy rows are created
+        when ``create`` (else a row never touched reads as its initial value, not stored)."""
+        if self.slot_of is None:
+            return ids - self.first
+        missing = list(dict.fromkeys(i for i in ids.tolist() if i not in self.slot_of))
+        if missing and create:
+            start, need = self.used, self.used + len(missing)
+            if need > self.values.shape[0]:  # grow by doubling: appending rows stays cheap on average
+                capacity = max(need, 2 * self.values.shape[0], 64)
+                self.values = _grown(self.values, capacity)
+                self.touched = _grown(self.touched, capacity)
+                self.state_slot = _grown(self.state_slot, capacity, -1)
+            self.values[start:need] = row_init(self.spec, torch.tensor(missing))
+            self.used = need
+            for j, i in enumerate(missing):
+                self.slot_of[i] = start + j
+        return torch.tensor([self.slot_of.get(i, -1) for i in ids.tolist()], dtype=torch.long)
+
+    def read(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of ``ids`` (lazy rows never touched: their initial values, not stored)."""
+        with self.lock:
+            if self.slot_of is None:  # eager: every row is stored
+                return self.values.index_select(0, ids - self.first)
+            slots = self.slots(ids, create=False)
+            out = torch.empty(ids.numel(), self.spec.dim, dtype=self.spec.dtype)
+            known = slots >= 0
+            out[known] = self.values[slots[known]]
+            if not bool(known.all()):
+                out[~known] = row_init(self.spec, ids[~known])
+            return out
+
+    def state_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """The state slots of storage ``slots`` (unique), created with the optimizer's initial
+        state where a row has none yet (lock held)."""
+        found = self.state_slot.index_select(0, slots)
+        new = (found < 0).nonzero().reshape(-1)
+        if new.numel():
+            start, need = self.state_used, self.state_used + new.numel()
+            fresh = new_state(self.spec.optimizer, new.numel(), self.spec.dim, self.spec.dtype)
+            if not self.state:
+                self.state = {k: torch.zeros(max(need, 64), self.spec.dim, dtype=self.spec.dtype) for k in fresh}
+            elif need > next(iter(self.state.values())).shape[0]:
+                capacity = max(need, 2 * next(iter(self.state.values())).shape[0])
+                self.state = {k: _grown(v, capacity) for k, v in self.state.items()}
+            for k, v in fresh.items():
+                self.state[k][start:need] = v
+            found[new] = torch.arange(start, need)
+            self.state_slot.index_copy_(0, slots[new], found[new])
+            self.state_used = need
+        return found
+
+    def step(self, ids: torch.Tensor, grad: torch.Tensor, step: int, scale: float = 1.0) -> None:
+        """One row-wise optimizer step on coalesced ``ids`` / ``grad`` (``grad * scale``)."""
+        opt = self.spec.optimizer
+        if not ids.numel():
+            return
+        with self.lock:
+            slots = self.slots(ids, create=True)
+            before, where = {}, None
+            if new_state(opt, 0, self.spec.dim, self.spec.dtype):  # an optimizer with state
+                where = self.state_slots(slots)
+                before = {k: v.index_select(0, where) for k, v in self.state.items()}
+            g = grad * scale if scale != 1.0 else grad
+            new_values, after = step_rows(opt, self.values.index_select(0, slots), g, before, step)
+            self.values.index_copy_(0, slots, new_values)
+            for k, v in after.items():
+                self.state[k].index_copy_(0, where, v)
+            self.touched.index_fill_(0, slots, True)
+
+    def memory_bytes(self) -> int:
+        """Bytes of the rows stored and of the optimizer state of the rows ever stepped (lazy
+        rows and all state grow by doubling, so up to twice that, and at least 64 rows, may be
+        allocated)."""
+        row = self.values.shape[1] * self.values.element_size()
+        return self.used * row + self.state_used * row * len(self.state)
+
+
+def pool_rows(rows: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
+              kind: str) -> object:
+    """Pool ``rows`` (row ``j`` is id ``ids[j]``) into bags: bag ``b`` holds rows
+    ``offsets[b]`` up to the next bag's offset (or the end), as ``nn.EmbeddingBag``'s offsets.
+
+    ``kind="sum"``: the ``(bags, dim)`` sums of the rows (times ``weights``), in position
+    order (a mean is this sum divided by the bag's size, which the trainer knows).
+    ``kind="max"``: ``(values, winners, first_nan)``: the element-wise maxima of the rows that
+    are not NaN (``-inf`` where a bag has none here), per element the id of the first row
+    holding it (``-1`` where none: the trainer sends the gradient to that row), and whether the
+    bag's first row here is NaN (torch's max keeps a bag's first row unless a strictly greater
+    one follows, so a NaN counts only there; the trainer knows which server has that row).
+    """
+    n = rows.shape[0]
+    positions = torch.arange(n)
+    offsets = offsets.long()
+    if kind == "sum":
+        if weights is not None:
+            weights = weights.to(rows.dtype)
+        return embedding_bag_parts(rows, positions, offsets, "sum", weights)[0]
+    num_bags, dim = offsets.numel(), rows.shape[1]
+    bags = torch.searchsorted(offsets, positions, right=True) - 1
+    where = bags.unsqueeze(1).expand(-1, dim)
+    nan = rows.isnan()
+    rows = rows.masked_fill(nan, float("-inf"))
+    values = torch.full((num_bags, dim), float("-inf"), dtype=rows.dtype).scatter_reduce(0, where, rows, "amax")
+    holds = (rows == values[bags]) & ~nan
+    first = torch.full((num_bags, dim), n, dtype=torch.long).scatter_reduce(
+        0, where, torch.where(holds, positions.unsqueeze(1).expand(-1, dim), n), "amin")
+    winners = torch.where(first < n, ids[first.clamp(max=max(n - 1, 0))], -1)
+    start = offsets.clamp(max=n)
+    first_nan = torch.zeros(num_bags, dim, dtype=torch.bool)
+    started = start < torch.cat([offsets[1:], offsets.new_tensor([n])]).clamp(max=n)  # bags with a row here
+    first_nan[started] = nan[start[started]]
+    return values, winners, first_nan
