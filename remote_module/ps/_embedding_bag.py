@@ -12,6 +12,32 @@ from remote_module.ps import _tables
 from remote_module.ps._embedding import ShardedEmbedding
 
 
+class _BagRows(torch.autograd.Function):
+    """The pooled bags (computed on the servers) as a function of the rows of the unique ids,
+    for backward: row ``u``'s gradient is the sum, over the positions ``j`` holding it, of its
+    bag's gradient times ``weights[j]`` (sum) or over its bag's size (mean), as torch's
+    ``embedding_bag`` backward gives it (a direct ``index_add``: several times faster than
+    running that backward on zero rows)."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, pooled: torch.Tensor, inverse: torch.Tensor, bags: torch.Tensor,
+                weights: torch.Tensor | None, sizes: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(inverse, bags, weights, sizes)
+        ctx.shape = rows.shape
+        return pooled.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        inverse, bags, weights, sizes = ctx.saved_tensors
+        if sizes is not None:
+            grad = grad / sizes
+        per_position = grad.index_select(0, bags)
+        if weights is not None:
+            per_position = per_position * weights.to(per_position.dtype).unsqueeze(1)
+        rows = torch.zeros(ctx.shape, dtype=grad.dtype).index_add_(0, inverse, per_position)
+        return rows, None, None, None, None, None
+
+
 class ShardedEmbeddingBag(ShardedEmbedding):
     """An ``nn.EmbeddingBag`` (``forward(input, offsets=None, per_sample_weights=None)``,
     ``mode="sum" | "mean" | "max"``, ``padding_idx``) whose rows live on parameter servers, as
@@ -58,8 +84,8 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         flat, uniq, inverse = self._unique(input)
         grad = torch.is_grad_enabled()
         # zero rows standing for the unique ids: torch's own embedding_bag on them checks the
-        # arguments as nn.EmbeddingBag does, gives the output's shape and, for sum and mean, the
-        # exact path of each bag's gradient back to its rows (max is routed below)
+        # arguments as nn.EmbeddingBag does and gives the output's shape; backward puts each
+        # row's gradient into them (_BagRows for sum and mean, an index_put for max)
         holder = torch.zeros(uniq.numel(), self.embedding_dim, requires_grad=grad)
         if grad:
             self._record_on_backward(uniq, holder)
@@ -67,7 +93,7 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         if self.padding_idx is not None:
             hit = (uniq == self.padding_idx).nonzero().reshape(-1)
             pad = int(hit[0]) if hit.numel() else None
-        with torch.set_grad_enabled(grad and self.bag_mode != "max"):
+        with torch.no_grad():
             zero = nn.functional.embedding_bag(inverse.reshape(input.shape), holder, offsets, mode=self.bag_mode,
                                                per_sample_weights=per_sample_weights, padding_idx=pad)
         num_bags = zero.shape[0]
@@ -102,10 +128,16 @@ class ShardedEmbeddingBag(ShardedEmbedding):
             total = torch.zeros(num_bags, self.embedding_dim)
             for part in got:  # in server order
                 total = total + part
+            sizes = None
             if self.bag_mode == "mean":
                 counts = torch.bincount(bags if keep is None else bags[keep], minlength=num_bags)
-                total = total / counts.clamp(min=1).unsqueeze(1).to(total.dtype)
-            return total + zero
+                sizes = counts.clamp(min=1).unsqueeze(1).to(total.dtype)
+                total = total / sizes
+            if not grad:
+                return total
+            if keep is not None:
+                inverse, bags, weights = inverse[keep], bags[keep], None if weights is None else weights[keep]
+            return _BagRows.apply(holder, total, inverse, bags, weights, sizes)
         if not got:
             return zero.detach().requires_grad_(grad) if grad else zero
         value, winner = self._merge_maxima(got, called, flat, bags, keep, server_of, num_bags)
