@@ -109,3 +109,35 @@ def test_optimizer_state_is_held_for_the_rows_ever_stepped_only(init):
     once = next(i for i in touched.tolist() if i not in (5, 70_000))
     where = block.state_slot[block.slots(torch.tensor([5, once]), create=False)]
     assert not torch.equal(block.state["exp_avg"][where[0]], block.state["exp_avg"][where[1]])
+
+
+def test_the_geo_cache_trains_its_rows_as_torchs_sparse_optimizer_and_keeps_state_across_pushes():
+    """geo's trainer-side rows: Adagrad steps on cached rows equal torch's Adagrad on a sparse
+    embedding; a push's drop forgets the rows but not their state; a copy carries no lock."""
+    import copy
+
+    from remote_module.ps._geo_cache import GeoCache
+
+    local = nn.Embedding(20, 3, sparse=True).double()
+    opt = torch.optim.Adagrad(local.parameters(), lr=0.3)
+    cache = GeoCache(3, row_optimizer(torch.optim.Adagrad, {"lr": 0.3}), torch.float64)
+    for step, ids in enumerate([torch.tensor([4, 1, 4]), torch.tensor([7, 1]), torch.tensor([1, 19])]):
+        uniq = ids.unique()
+        missing = cache.missing(uniq)
+        if bool(missing.any()):  # as fetched from the servers: the local module's rows
+            cache.add(uniq[missing], local.weight.detach()[uniq[missing]].clone())
+        assert torch.equal(cache.values(uniq), local.weight.detach()[uniq])
+        grad = torch.randn(ids.numel(), 3, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        local(ids).backward(grad)
+        opt.step()
+        summed = torch.zeros(uniq.numel(), 3, dtype=torch.float64).index_add_(0, torch.searchsorted(uniq, ids), grad)
+        cache.step(uniq, summed)
+        torch.testing.assert_close(cache.values(uniq), local.weight.detach()[uniq], atol=1e-12, rtol=0)
+        if step == 1:  # a push: the rows go, their Adagrad sums stay
+            ids_out, deltas = cache.deltas()
+            assert ids_out.tolist() == [1, 4, 7] and deltas.abs().sum() > 0
+            cache.drop(ids_out)
+            assert bool(cache.missing(torch.tensor([1, 4, 7])).all())
+            assert cache.state_ids.tolist() == [1, 4, 7]
+    copy.deepcopy(cache)

@@ -17,7 +17,8 @@ from remote_module._fanout import _timeout_seconds, call_all, nested_seconds
 from remote_module.ps import _tables
 from remote_module.ps._dispatch import RoundRobin, check_servers
 from remote_module.ps._embedding_checkpoints import TableCheckpoints
-from remote_module.ps._rowwise import row_optimizer
+from remote_module.ps._geo_cache import GeoCache
+from remote_module.ps._rowwise import coalesce, row_optimizer
 from remote_module.ps._slicing import _positive_int, block_name, slice_blocks
 from rpc_backend.options import positive_seconds
 
@@ -116,8 +117,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         spec = _tables.TableSpec(num_embeddings, embedding_dim, torch.float32, init, seed, ps_mode, num_trainers,
                                  self._row_opt, half_async_merge_every, merge_s)
         # geo: the rows this trainer touched, trained locally: id -> [row, row when pulled, state]
-        self._cache: dict[int, list] = {}
-        self._geo_steps = 0
+        self._geo = GeoCache(embedding_dim, self._row_opt) if ps_mode == "geo" else None
         by_server: dict[str, list[tuple[int, int]]] = {}
         for first, count, server in self._ranges:
             by_server.setdefault(server, []).append((first, count))
@@ -177,21 +177,18 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
                 per_server.setdefault(server, []).append(mine.nonzero().reshape(-1))
         servers = list(per_server)
         positions = [torch.cat(per_server[s]) for s in servers]
-        if self.ps_mode == "geo":  # cached rows are this trainer's; only the others are fetched
-            positions = [p[torch.tensor([not self._cached(int(uniq[j])) for j in p.tolist()], dtype=torch.bool)]
-                         if p.numel() else p for p in positions]
+        if self._geo is not None:  # cached rows are this trainer's; only the others are fetched
+            missing = self._geo.missing(uniq)
+            positions = [p[missing[p]] for p in positions]
         got = call_all([(s, _tables._lookup, (self.name, uniq[p], self._step, None, self._wait_s())) for s, p in zip(servers, positions)
                         if p.numel()], timeout=self.timeout)
         rows = torch.empty(uniq.numel(), self.embedding_dim)
         for p, r in zip([p for p in positions if p.numel()], got):
             rows[p] = r
-            if self.ps_mode == "geo":
-                for j, row in zip(p.tolist(), r):
-                    entry = self._cache.get(int(uniq[j]))  # its optimizer state outlives its row
-                    self._cache[int(uniq[j])] = [row.clone(), row.clone(), entry[2] if entry else None]
-        if self.ps_mode == "geo":
-            for j, i in enumerate(uniq.tolist()):
-                rows[j] = self._cache[i][0]
+            if self._geo is not None:
+                self._geo.add(uniq[p], r)
+        if self._geo is not None:
+            rows = self._geo.values(uniq)
         if self.padding_idx is not None:
             rows[uniq == self.padding_idx] = 0.0  # as nn.Embedding: the padding row is zero, never trained
         if torch.is_grad_enabled():
@@ -237,55 +234,39 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         for _, rows in pending.values():
             rows.grad = None
 
-    def _cached(self, i: int) -> bool:
-        """geo: whether row ``i`` is cached here (touched since the last push)."""
-        entry = self._cache.get(i)
-        return entry is not None and entry[0] is not None
-
     def _geo_step(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
-        """geo: step the cached rows locally; every ``geo_push_every`` steps push ``row - pulled``
-        for the rows cached since the last push, and drop them: a later lookup fetches the
-        merged rows, so a push carries only the rows touched in its interval. Each row's local
-        optimizer state stays (as a local sparse optimizer keeps it)."""
-        from remote_module.ps._rowwise import coalesce, new_state, step_rows
-
-        self._geo_steps += 1
+        """geo: step the cached rows locally; every ``geo_push_every`` steps push ``row - row
+        when fetched`` for the rows cached since the last push, and drop them: a later lookup
+        fetches the merged rows, so a push carries only the rows touched in its interval. Each
+        row's local optimizer state stays (as a local sparse optimizer keeps it)."""
+        geo = self._geo
         if ids.numel():
             uniq, summed = coalesce(ids, grad)
-            evicted = [i for i in uniq.tolist() if not self._cached(i)]
-            if evicted:  # looked up before a push dropped them (e.g. a step() between forward and backward)
+            evicted = geo.missing(uniq)
+            if bool(evicted.any()):  # looked up before a push dropped them (a step() between forward and backward)
                 with torch.no_grad():
-                    self._rows_of(torch.tensor(evicted))
-            fresh = new_state(self._row_opt, 1, self.embedding_dim, torch.float32)
-            before = {k: torch.stack([(self._cache[i][2] or {k2: v[0] for k2, v in fresh.items()})[k]
-                                      for i in uniq.tolist()]) for k in fresh}
-            rows = torch.stack([self._cache[i][0] for i in uniq.tolist()])
-            new_rows, after = step_rows(self._row_opt, rows, summed, before, self._geo_steps)
-            for j, i in enumerate(uniq.tolist()):
-                self._cache[i][0] = new_rows[j]
-                self._cache[i][2] = {k: v[j] for k, v in after.items()}
-        if self._geo_steps % self.geo_push_every:
+                    self._rows_of(uniq[evicted])
+            geo.step(uniq, summed)
+        else:
+            geo.steps += 1
+        if geo.steps % self.geo_push_every:
             return
-        ids = torch.tensor(sorted(i for i in self._cache if self._cached(i)), dtype=torch.long)
+        ids, deltas = geo.deltas()
         if not ids.numel():
             return
-        deltas = torch.stack([self._cache[i][0] - self._cache[i][1] for i in ids.tolist()])
-        owner = self._owner_index(ids)
-        calls, sent = [], []
-        for server in self._by_server:
-            mine = torch.zeros_like(ids, dtype=torch.bool)
-            for b, s in enumerate(self._owners):
-                if s == server:
-                    mine |= owner == b
-            if bool(mine.any()):
-                calls.append((server, _tables._push_row_deltas, (self.name, ids[mine], deltas[mine])))
-                sent.append(ids[mine])
+        calls = []
+        if len(self._server_names) == 1:
+            calls.append((self._server_names[0], _tables._push_row_deltas, (self.name, ids, deltas)))
+        else:
+            server_of = self._block_server[self._owner_index(ids)]
+            for k, server in enumerate(self._server_names):
+                mine = server_of == k
+                if bool(mine.any()):
+                    calls.append((server, _tables._push_row_deltas, (self.name, ids[mine], deltas[mine])))
         call_all(calls, timeout=self.timeout)
         self.pushed_bytes += sum(i.numel() * i.element_size() + d.numel() * d.element_size()
                                  for _, _, (_, i, d) in calls)
-        for part_ids in sent:
-            for i in part_ids.tolist():
-                self._cache[i][0] = self._cache[i][1] = None
+        geo.drop(ids)
 
     def step(self) -> None:
         """Push the touched rows' gradients (only those rows) and forget them (geo: step the

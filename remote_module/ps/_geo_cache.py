@@ -1,0 +1,96 @@
+"""geo mode's trainer-side rows: the rows a trainer looked up since its last push, trained
+locally with its own row-wise optimizer, as sorted tensors (no per-row Python)."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from remote_module.ps._rowwise import RowOptimizer, new_state, step_rows
+
+
+def _find(sorted_ids: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each of ``ids``, its position in ``sorted_ids`` and whether it is there."""
+    at = torch.searchsorted(sorted_ids, ids)
+    found = at < sorted_ids.numel()
+    found &= sorted_ids[at.clamp(max=max(sorted_ids.numel() - 1, 0))] == ids if sorted_ids.numel() else found
+    return at, found
+
+
+class GeoCache:
+    """Cached rows (``ids`` sorted, their current values and the values they were fetched
+    with) and each row's local optimizer state, which outlives its row: a push drops the rows
+    (the next lookup fetches the merged ones) but a local sparse optimizer keeps its state."""
+
+    def __init__(self, dim: int, optimizer: RowOptimizer, dtype: torch.dtype = torch.float32) -> None:
+        self.dim, self.optimizer, self.dtype = dim, optimizer, dtype
+        self.lock = threading.Lock()
+        self.ids = torch.empty(0, dtype=torch.long)
+        self.rows = torch.empty(0, dim, dtype=dtype)
+        self.fetched = torch.empty(0, dim, dtype=dtype)
+        self.state_ids = torch.empty(0, dtype=torch.long)
+        self.state = new_state(optimizer, 0, dim, dtype)
+        self.steps = 0
+
+    def missing(self, ids: torch.Tensor) -> torch.Tensor:
+        """Which of ``ids`` are not cached."""
+        with self.lock:
+            return ~_find(self.ids, ids)[1]
+
+    def add(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Cache fetched rows (ids not cached yet; a row cached meanwhile keeps its value)."""
+        with self.lock:
+            new = ~_find(self.ids, ids)[1]
+            ids, rows = ids[new], rows[new]
+            merged = torch.cat([self.ids, ids])
+            order = torch.argsort(merged)
+            self.ids = merged[order]
+            self.rows = torch.cat([self.rows, rows])[order]
+            self.fetched = torch.cat([self.fetched, rows])[order]
+
+    def values(self, ids: torch.Tensor) -> torch.Tensor:
+        """The cached values of ``ids`` (all cached)."""
+        with self.lock:
+            return self.rows[torch.searchsorted(self.ids, ids)]
+
+    def step(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
+        """One local optimizer step of the cached rows ``ids`` (sorted, unique, all cached)."""
+        with self.lock:
+            self.steps += 1
+            at = torch.searchsorted(self.ids, ids)
+            before = {}
+            if self.state:
+                where, known = _find(self.state_ids, ids)
+                if not bool(known.all()):
+                    fresh = new_state(self.optimizer, int((~known).sum()), self.dim, self.dtype)
+                    merged = torch.cat([self.state_ids, ids[~known]])
+                    order = torch.argsort(merged)
+                    self.state_ids = merged[order]
+                    self.state = {k: torch.cat([v, fresh[k]])[order] for k, v in self.state.items()}
+                    where = torch.searchsorted(self.state_ids, ids)
+                before = {k: v[where] for k, v in self.state.items()}
+            new_rows, after = step_rows(self.optimizer, self.rows[at], grad, before, self.steps)
+            self.rows[at] = new_rows
+            for k, v in after.items():
+                self.state[k][where] = v
+
+    def deltas(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids, value - value when fetched)`` of every cached row."""
+        with self.lock:
+            return self.ids.clone(), self.rows - self.fetched
+
+    def drop(self, ids: torch.Tensor) -> None:
+        """Forget the rows ``ids`` (pushed): their next lookup fetches the merged rows."""
+        with self.lock:
+            keep = ~_find(ids, self.ids)[1] if ids.numel() else torch.ones_like(self.ids, dtype=torch.bool)
+            self.ids, self.rows, self.fetched = self.ids[keep], self.rows[keep], self.fetched[keep]
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state.pop("lock")
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.lock = threading.Lock()
