@@ -1,5 +1,6 @@
 """What every benchmark's ``main`` does around its own measurements: the command line,
-one OpenMP thread per spawned rank, and printing plus saving the results."""
+one OpenMP thread per spawned rank, interleaved timing rounds, and printing plus saving the
+results."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import argparse
 import contextlib
 import json
 import os
-from typing import Iterator
+import time
+from typing import Any, Callable, Iterator
 
 
 def parse_args(description: str, default_json: str, argv: list[str] | None) -> argparse.Namespace:
@@ -40,3 +42,19 @@ def publish(results: dict, report: str, path: str) -> dict:
         json.dump(results, f, indent=2)
     print(f"\nwritten to {path}")
     return results
+
+
+def rounds(variants: dict[str, Callable[[], Any]], n: int, warmup: int) -> dict[str, list[float]]:
+    """Seconds per round of each variant, ``n`` samples each (after ``warmup`` unmeasured
+    rounds); the order of the variants rotates every round."""
+    for fn in variants.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    items = list(variants.items())
+    for r in range(n):
+        for name, fn in items[r % len(items):] + items[: r % len(items)]:
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return samples

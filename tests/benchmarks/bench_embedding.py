@@ -46,8 +46,7 @@ from torch import nn
 
 from rpc_backend import current_worker, run_local
 from tests.benchmarks import _embedding_hosts as hosts
-from tests.benchmarks._common import one_thread_per_rank, parse_args, publish
-from tests.benchmarks.bench_ps import rounds
+from tests.benchmarks._common import one_thread_per_rank, parse_args, publish, rounds
 from tests.benchmarks.bench_remote_module import _verdict
 
 SERVERS = ["ps0", "ps1"]

@@ -41,7 +41,7 @@ import torch.distributed.rpc as rpc
 
 from rpc_backend import current_worker, init_role_process_group, run_local
 from tests.benchmarks import _pipeline_hosts as hosts
-from tests.benchmarks._common import one_thread_per_rank, parse_args, publish
+from tests.benchmarks._common import one_thread_per_rank, parse_args, publish, rounds
 from tests.benchmarks.bench_remote_module import _verdict
 
 STAGE_WORKERS = ["stage0", "stage1"]
@@ -50,21 +50,6 @@ FULL = {"width": 1024, "layers_per_stage": 8, "batch": 1024, "chunks": [1, 4, 8]
         "fwd_rounds": 21, "fwd_bwd_rounds": 9, "warmup": 1, "seed": 0}
 QUICK = {"width": 128, "layers_per_stage": 2, "batch": 64, "chunks": [1, 4, 8],
          "fwd_rounds": 3, "fwd_bwd_rounds": 2, "warmup": 1, "seed": 0}
-
-
-def rounds(variants: dict[str, Callable[[], Any]], n: int, warmup: int) -> dict[str, list[float]]:
-    """Seconds per step of each variant, ``n`` samples each; the order rotates every round."""
-    for fn in variants.values():
-        for _ in range(warmup):
-            fn()
-    samples: dict[str, list[float]] = {name: [] for name in variants}
-    items = list(variants.items())
-    for r in range(n):
-        for name, fn in items[r % len(items):] + items[: r % len(items)]:
-            start = time.perf_counter()
-            fn()
-            samples[name].append(time.perf_counter() - start)
-    return samples
 
 
 def _check_close(name: str, got: torch.Tensor, want: torch.Tensor) -> None:

@@ -28,7 +28,6 @@ Prints a table with the issue's target and writes JSON (bench-ps-results.json by
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any, Callable
 
 import torch
@@ -36,7 +35,7 @@ import torch.distributed.rpc as rpc
 
 from rpc_backend import current_worker, run_local
 from tests.benchmarks import _ps_hosts as hosts
-from tests.benchmarks._common import one_thread_per_rank, parse_args, publish
+from tests.benchmarks._common import one_thread_per_rank, parse_args, publish, rounds
 from tests.benchmarks.bench_remote_module import _verdict
 
 MODES = ("sync", "async", "half_async", "geo")
@@ -45,21 +44,6 @@ TRAINERS = ["trainer0", "trainer1"]
 FULL = {"batch": 64, "lr": 0.05, "steps_per_round": 20, "rounds": 9, "warmup_rounds": 1, "geo_push_every": 10,
         "half_async_merge_every": 4, "server_counts": [1, 2]}
 QUICK = {**FULL, "steps_per_round": 2, "rounds": 2}
-
-
-def rounds(variants: dict[str, Callable[[], Any]], n: int, warmup: int) -> dict[str, list[float]]:
-    """Seconds per round of each variant, ``n`` samples each; the order rotates every round."""
-    for fn in variants.values():
-        for _ in range(warmup):
-            fn()
-    samples: dict[str, list[float]] = {name: [] for name in variants}
-    items = list(variants.items())
-    for r in range(n):
-        for name, fn in items[r % len(items):] + items[: r % len(items)]:
-            start = time.perf_counter()
-            fn()
-            samples[name].append(time.perf_counter() - start)
-    return samples
 
 
 def _on_trainers(fn: Callable, *args: Any) -> list[Any]:
