@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.optim import DistributedOptimizer
 
 from remote_module import RemoteModule
+from remote_module._progress import progress_bar
 from rpc_backend import run_local
 
 NUM_EMBEDDINGS = 1000
@@ -56,7 +57,7 @@ def train(steps: int, batch: int, progress: bool = True) -> dict:
             return loss_fn(head(embedding(ids, offsets)), labels).item()
 
     before = eval_loss()
-    bar = _progress(steps, progress)
+    bar = progress_bar(steps, progress, desc="hybrid training", unit="step")
     start = time.perf_counter()
     for _ in range(steps):
         ids, offsets, labels = synthetic_batch(gen, teacher, batch)
@@ -70,27 +71,6 @@ def train(steps: int, batch: int, progress: bool = True) -> dict:
     bar.close()
     after = eval_loss()
     return {"loss_before": before, "loss_after": after, "steps": steps, "steps_per_s": steps / elapsed}
-
-
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def set_postfix(self, **kwargs: object) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress(total: int, enabled: bool):
-    if not enabled:
-        return _NoBar()
-    try:
-        from tqdm import tqdm
-    except ImportError:  # the demo extra is optional
-        return _NoBar()
-    return tqdm(total=total, desc="hybrid training", unit="step")
 
 
 def _rank_main(steps: int, batch: int, progress: bool) -> dict | None:

@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from remote_module._progress import progress_bar
 from rpc_backend import Worker, current_worker, init_from_env, init_role_process_group, read_env, run_local
 
 TABLES = {"user": 1_000_000, "ad": 100_000, "site": 10_000}  # rows per table
@@ -190,29 +191,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def set_postfix(self, **kwargs: object) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def _progress(total: int, me: Worker, enabled: bool) -> Any:
     """A tqdm bar on this trainer's own line: the trainers on one machine share its terminal,
     so the line is this trainer's index among them. None (or no tqdm) when stderr is no terminal."""
-    if not enabled:
-        return _NoBar()
-    try:
-        from tqdm import tqdm
-    except ImportError:  # the demo extra is optional
-        return _NoBar()
     first_here = me.rank - me.local_rank  # launchers give a machine's ranks consecutive numbers
     line = sum(1 for p in me.layout[first_here:me.rank] if p.role == me.role)
-    return tqdm(total=total, desc=me.name, position=line, unit="step", leave=True, disable=None, dynamic_ncols=True)
+    return progress_bar(total, enabled, desc=me.name, position=line, unit="step", leave=True, disable=None,
+                        dynamic_ncols=True)
 
 
 def _close_in_order(bar: Any, me: Worker) -> None:
