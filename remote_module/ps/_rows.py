@@ -88,6 +88,16 @@ class _Rows:
                 self.slot_of[i] = start + j
         return torch.tensor([self.slot_of.get(i, -1) for i in ids.tolist()], dtype=torch.long)
 
+    def stored(self, stepped_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids, slots)`` of the rows stored here, sorted by id: every row of an eager block,
+        the created rows of a lazy one; with ``stepped_only``, the rows ever stepped (lock held)."""
+        if self.slot_of is None:
+            slots = self.touched.nonzero().reshape(-1) if stepped_only else torch.arange(self.count)
+            return slots + self.first, slots
+        pairs = sorted((i, s) for i, s in self.slot_of.items() if not stepped_only or bool(self.touched[s]))
+        return (torch.tensor([i for i, _ in pairs], dtype=torch.long),
+                torch.tensor([s for _, s in pairs], dtype=torch.long))
+
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows of ``ids`` (lazy rows never touched: their initial values, not stored)."""
         with self.lock:

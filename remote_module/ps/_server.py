@@ -171,15 +171,25 @@ class _Waiting:
                 return  # answered
             job.waiters.remove(self)
             missing = sorted(set(job.trainers) - set(job.pushed)) if job.version == self.step - 1 else []
-            known = job.spec.num_trainers - len(job.trainers)
-        who = ", ".join(repr(t) for t in missing) or "none of the attached trainers"
-        if known > 0:
-            who += f" (and {known} trainer(s) never attached)"
-        settle_elsewhere([lambda: complete(self.future, CallTimeout(
-            f"parameter-server job {job.name!r} on server {rpc.get_worker_info().name!r}: step {self.step - 1} "
-            f"was not applied in time; waiting for gradients from {who} (sync mode needs all "
-            f"{job.spec.num_trainers} trainers every step: a trainer that died or stopped pushing stalls the job)"
-        ), True)])
+            never = job.spec.num_trainers - len(job.trainers)
+        fail_stalled(self.future, f"parameter-server job {job.name!r}", "job", self.step - 1, missing, never,
+                     job.spec.num_trainers)
+
+
+def fail_stalled(future: Future, what: str, noun: str, step: int, missing: list[str], never: int,
+                 num_trainers: int) -> None:
+    """Fail a sync wait for ``step`` that reached its deadline, on a settler thread, with a
+    ``CallTimeout`` naming the trainers that have not pushed it (``missing``) and how many
+    never attached (``never``); ``what`` names the job or table, ``noun`` says which."""
+    who = ", ".join(repr(t) for t in missing) or "none of the attached trainers"
+    if never > 0:
+        who += f" (and {never} trainer(s) never attached)"
+    error = CallTimeout(
+        f"{what} on server {rpc.get_worker_info().name!r}: step {step} was not applied in time; waiting for "
+        f"gradients from {who} (sync mode needs all {num_trainers} trainers every step: a trainer that died or "
+        f"stopped pushing stalls the {noun})"
+    )
+    settle_elsewhere([lambda: complete(future, error, True)])
 
 
 @rpc.functions.async_execution

@@ -23,10 +23,12 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from remote_module._errors import CallTimeout
-from remote_module._settling import complete, schedule, settle_elsewhere
+from remote_module._settling import complete, schedule
 from remote_module.ps._rows import TableSpec, _Rows, pool_rows
 from remote_module.ps._rowwise import coalesce
+from remote_module.ps._server import fail_stalled
+
+ALL = slice(None)  # "every position": indexes a tensor without a copy
 
 
 class Table:
@@ -61,14 +63,14 @@ class Table:
             raise ValueError(f"table {self.name!r}: rows {bad} are not held on this server")
         return owner
 
-    def _split(self, ids: torch.Tensor) -> list[tuple[_Rows, torch.Tensor | None]]:
-        """The blocks holding ``ids`` (checked), each with the positions of its ids (``None``:
-        all of them, the common case of one block per server)."""
+    def _split(self, ids: torch.Tensor) -> list[tuple[_Rows, torch.Tensor | slice]]:
+        """The blocks holding ``ids`` (checked), each with the positions of its ids (``ALL``:
+        all of them, the common case of one block per server, taken without a copy)."""
         if len(self.blocks) == 1:
             rows = self.blocks[0]
             if ids.numel() and (int(ids.min()) < rows.first or int(ids.max()) >= rows.first + rows.count):
                 self._owner(ids)  # raises, naming the ids
-            return [(rows, None)]
+            return [(rows, ALL)]
         owner = self._owner(ids)
         out = []
         for b, rows in enumerate(self.blocks):
@@ -80,7 +82,7 @@ class Table:
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows of ``ids`` (any order, repeats allowed), as stored now."""
         parts = self._split(ids)
-        if len(parts) == 1 and parts[0][1] is None:
+        if len(parts) == 1 and parts[0][1] is ALL:
             return parts[0][0].read(ids)
         out = torch.empty(ids.numel(), self.spec.dim, dtype=self.spec.dtype)
         for rows, mine in parts:
@@ -100,10 +102,7 @@ class Table:
         parts = self._split(uniq)  # checked before anything changes
         self.step_count += 1
         for rows, mine in parts:
-            if mine is None:
-                rows.step(uniq, summed, self.step_count, scale)
-            else:
-                rows.step(uniq[mine], summed[mine], self.step_count, scale)
+            rows.step(uniq[mine], summed[mine], self.step_count, scale)
 
     def push(self, trainer: str, step: int, ids: torch.Tensor, grad: torch.Tensor, token: str | None = None) -> None:
         """A trainer's sparse gradient, applied by the table's mode (async: now; sync: once every
@@ -173,17 +172,21 @@ class Table:
     def add_deltas(self, ids: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
         """geo: add ``deltas / num_trainers`` to rows ``ids`` (unique); their merged values."""
         with self.lock:
-            owner = self._owner(ids)
-            for b, rows in enumerate(self.blocks):
-                mine = owner == b
-                if bool(mine.any()):
-                    with rows.lock:
-                        slots = rows.slots(ids[mine], create=True)
-                        rows.values[slots] += deltas[mine].to(rows.values.dtype) / self.spec.num_trainers
+            for rows, mine in self._split(ids):
+                with rows.lock:
+                    slots = rows.slots(ids[mine], create=True)
+                    rows.values[slots] += deltas[mine].to(rows.values.dtype) / self.spec.num_trainers
             return self.lookup(ids)
 
     def memory_bytes(self) -> int:
         return sum(rows.memory_bytes() for rows in self.blocks)
+
+    def block(self, first: int) -> _Rows:
+        """The block starting at row ``first`` (``LookupError`` if this server has none)."""
+        for rows in self.blocks:
+            if rows.first == first:
+                return rows
+        raise LookupError(f"table {self.name!r} has no block starting at row {first} here")
 
 
 class _Waiting:
@@ -202,14 +205,8 @@ class _Waiting:
             table.waiters.remove(self)
             missing = sorted(table.trainers - set(table.pushed)) if table.step_count == self.step - 1 else []
             never = table.spec.num_trainers - len(table.trainers)
-        who = ", ".join(repr(t) for t in missing) or "none of the attached trainers"
-        if never > 0:
-            who += f" (and {never} trainer(s) never attached)"
-        settle_elsewhere([lambda: complete(self.future, CallTimeout(
-            f"sharded table {table.name!r} on server {rpc.get_worker_info().name!r}: step {self.step - 1} was not "
-            f"applied in time; waiting for gradients from {who} (sync mode needs all {table.spec.num_trainers} "
-            "trainers every step: a trainer that died or stopped pushing stalls the table)"
-        ), True)])
+        fail_stalled(self.future, f"sharded table {table.name!r}", "table", self.step - 1, missing, never,
+                     table.spec.num_trainers)
 
 
 # ---- handlers ------------------------------------------------------------------------------
@@ -303,48 +300,31 @@ def _table_memory(name: str) -> int:
 def _block_rows(name: str, first: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids, rows)`` the block starting at row ``first`` stores: every row of an eager block,
     the touched rows of a lazy one (sorted by id)."""
-    table = _table(name)
-    for rows in table.blocks:
-        if rows.first == first:
-            with rows.lock:
-                if rows.slot_of is None:
-                    return torch.arange(rows.first, rows.first + rows.count), rows.values.clone()
-                ids = torch.tensor(sorted(rows.slot_of), dtype=torch.long)
-                slots = torch.tensor([rows.slot_of[i] for i in ids.tolist()], dtype=torch.long)
-                return ids, rows.values[slots].clone()
-    raise LookupError(f"table {name!r} has no block starting at row {first} here")
+    rows = _table(name).block(first)
+    with rows.lock:
+        ids, slots = rows.stored()
+        return ids, rows.values.index_select(0, slots)
 
 
 def _set_rows(name: str, ids: torch.Tensor, values: torch.Tensor) -> None:
     """Overwrite rows ``ids`` (lazy rows are created); optimizer state is kept."""
     table = _table(name)
     with table.lock:
-        owner = table._owner(ids)
-        for b, rows in enumerate(table.blocks):
-            mine = owner == b
-            if bool(mine.any()):
-                with rows.lock:
-                    slots = rows.slots(ids[mine], create=True)
-                    rows.values[slots] = values[mine].to(rows.values.dtype)
+        for rows, mine in table._split(ids):
+            with rows.lock:
+                slots = rows.slots(ids[mine], create=True)
+                rows.values[slots] = values[mine].to(rows.values.dtype)
 
 
 def _row_state(name: str, first: int) -> tuple[int, torch.Tensor, dict[str, torch.Tensor]]:
     """The table's step count and, for the block starting at row ``first``, the ids of the rows
     with optimizer state and that state (sorted by id)."""
     table = _table(name)
-    for rows in table.blocks:
-        if rows.first == first:
-            with rows.lock:
-                if rows.slot_of is None:
-                    slots = rows.touched.nonzero().reshape(-1)
-                    ids = slots + rows.first
-                else:
-                    pairs = sorted((i, s) for i, s in rows.slot_of.items() if bool(rows.touched[s]))
-                    ids = torch.tensor([i for i, _ in pairs], dtype=torch.long)
-                    slots = torch.tensor([s for _, s in pairs], dtype=torch.long)
-                where = rows.state_slot.index_select(0, slots)
-                return table.step_count, ids, {k: v.index_select(0, where) for k, v in rows.state.items()}
-    raise LookupError(f"table {name!r} has no block starting at row {first} here")
+    rows = table.block(first)
+    with rows.lock:
+        ids, slots = rows.stored(stepped_only=True)
+        where = rows.state_slot.index_select(0, slots)
+        return table.step_count, ids, {k: v.index_select(0, where) for k, v in rows.state.items()}
 
 
 def _set_row_state(name: str, step_count: int, ids: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
@@ -352,11 +332,9 @@ def _set_row_state(name: str, step_count: int, ids: torch.Tensor, state: dict[st
     table = _table(name)
     with table.lock:
         table.step_count = step_count
-        owner = table._owner(ids) if ids.numel() else ids
-        for b, rows in enumerate(table.blocks):
-            mine = owner == b
-            if not bool(mine.any()):
-                continue
+        if not ids.numel():
+            return
+        for rows, mine in table._split(ids):
             with rows.lock:
                 slots = rows.slots(ids[mine], create=True)
                 if state:
