@@ -137,9 +137,9 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         self.pushed_bytes = 0
         starts = torch.tensor([first for first, _, _ in self._ranges])
         self.register_buffer("_starts", starts, persistent=False)
-        self._owners = [server for _, _, server in self._ranges]
         self._server_names = list(by_server)
-        self._block_server = torch.tensor([self._server_names.index(s) for s in self._owners], dtype=torch.long)
+        # each block's server, as an index into _server_names
+        self._block_server = torch.tensor([self._server_names.index(s) for _, _, s in self._ranges], dtype=torch.long)
 
     def _wait_s(self) -> float:
         """How long a sync lookup may wait on a server for the step: a little less than this
@@ -148,6 +148,23 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
 
     def _owner_index(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.searchsorted(self._starts, ids, right=True) - 1
+
+    def _server_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """Each of ``ids``' server, as an index into ``_server_names``."""
+        if len(self._server_names) == 1:
+            return torch.zeros_like(ids)
+        return self._block_server[self._owner_index(ids)]
+
+    def _by_owner(self, ids: torch.Tensor, keep: torch.Tensor | None = None,
+                  server_of: torch.Tensor | None = None) -> list[tuple[int, str, torch.Tensor | slice]]:
+        """For every server of this table, in order: its index, its name and which of ``ids``
+        it owns (a mask, within ``keep`` when given; ``ALL`` when one server owns them all, so
+        indexing with it copies nothing). ``server_of``: :meth:`_server_of` if computed already."""
+        if len(self._server_names) == 1:
+            return [(0, self._server_names[0], _tables.ALL if keep is None else keep)]
+        server_of = self._server_of(ids) if server_of is None else server_of
+        return [(k, server, server_of == k if keep is None else (server_of == k) & keep)
+                for k, server in enumerate(self._server_names)]
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         uniq, inverse, rows = self._rows_of(input)
@@ -169,24 +186,20 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         """Unique ids of ``input``, each id's index among them, and their rows (fetched from
         the owning servers concurrently; recorded for :meth:`step` when grad is on)."""
         _, uniq, inverse = self._unique(input)
-        owner = self._owner_index(uniq)
-        per_server: dict[str, list[torch.Tensor]] = {}
-        for b, server in enumerate(self._owners):
-            mine = owner == b
-            if bool(mine.any()):
-                per_server.setdefault(server, []).append(mine.nonzero().reshape(-1))
-        servers = list(per_server)
-        positions = [torch.cat(per_server[s]) for s in servers]
-        if self._geo is not None:  # cached rows are this trainer's; only the others are fetched
-            missing = self._geo.missing(uniq)
-            positions = [p[missing[p]] for p in positions]
-        got = call_all([(s, _tables._lookup, (self.name, uniq[p], self._step, None, self._wait_s())) for s, p in zip(servers, positions)
-                        if p.numel()], timeout=self.timeout)
+        # geo: cached rows are this trainer's; only the others are fetched
+        wanted = None if self._geo is None else self._geo.missing(uniq)
+        calls, taken = [], []
+        for _, server, mine in self._by_owner(uniq, wanted):
+            ids = uniq[mine]
+            if ids.numel():
+                calls.append((server, _tables._lookup, (self.name, ids, self._step, None, self._wait_s())))
+                taken.append(mine)
+        got = call_all(calls, timeout=self.timeout)
         rows = torch.empty(uniq.numel(), self.embedding_dim)
-        for p, r in zip([p for p in positions if p.numel()], got):
-            rows[p] = r
+        for mine, r in zip(taken, got):
+            rows[mine] = r
             if self._geo is not None:
-                self._geo.add(uniq[p], r)
+                self._geo.add(uniq[mine], r)
         if self._geo is not None:
             rows = self._geo.values(uniq)
         if self.padding_idx is not None:
@@ -255,14 +268,9 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         if not ids.numel():
             return
         calls = []
-        if len(self._server_names) == 1:
-            calls.append((self._server_names[0], _tables._push_row_deltas, (self.name, ids, deltas)))
-        else:
-            server_of = self._block_server[self._owner_index(ids)]
-            for k, server in enumerate(self._server_names):
-                mine = server_of == k
-                if bool(mine.any()):
-                    calls.append((server, _tables._push_row_deltas, (self.name, ids[mine], deltas[mine])))
+        for _, server, mine in self._by_owner(ids):
+            if ids[mine].numel():
+                calls.append((server, _tables._push_row_deltas, (self.name, ids[mine], deltas[mine])))
         call_all(calls, timeout=self.timeout)
         self.pushed_bytes += sum(i.numel() * i.element_size() + d.numel() * d.element_size()
                                  for _, _, (_, i, d) in calls)
@@ -295,19 +303,13 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
             self._geo_step(ids, grad)
             return
         calls = []
-        if len(self._server_names) == 1:
-            parts = [(self._server_names[0], None)]
-        else:
-            server_of = self._block_server[self._owner_index(ids)]
-            parts = [(server, server_of == k) for k, server in enumerate(self._server_names)]
-        for server, mine in parts:
+        for _, server, mine in self._by_owner(ids):
             # every server hears of a step with any rows (an empty push where it holds none):
             # it is one optimizer step of the whole table, as torch counts steps per parameter
             # (Adagrad's lr_decay, SparseAdam's bias correction); sync: every step, rows or not
             if ids.numel() or self.ps_mode == "sync":
-                sent_ids, sent_grad = (ids, grad) if mine is None else (ids[mine], grad[mine])
                 calls.append((server, _tables._push_rows,
-                              (self.name, self._trainer, self._step, sent_ids, sent_grad, self._token)))
+                              (self.name, self._trainer, self._step, ids[mine], grad[mine], self._token)))
         try:
             call_all(calls, timeout=self.timeout)
         except BaseException:

@@ -103,22 +103,16 @@ class ShardedEmbeddingBag(ShardedEmbedding):
             bags = torch.searchsorted(offsets.long(), torch.arange(flat.numel()), right=True) - 1
         weights = None if per_sample_weights is None else per_sample_weights.reshape(-1).detach()
         keep = flat != self.padding_idx if self.padding_idx is not None else None
-        if len(self._server_names) == 1:
-            server_of = torch.zeros_like(flat)
-            parts = [(0, self._server_names[0], keep)]
-        else:
-            server_of = self._block_server[self._owner_index(flat)]
-            parts = [(k, server, server_of == k if keep is None else (server_of == k) & keep)
-                     for k, server in enumerate(self._server_names)]
+        server_of = self._server_of(flat)
         calls, called = [], []
         kind = "max" if self.bag_mode == "max" else "sum"
         wire = torch.int32 if self.num_embeddings <= 2**31 else torch.int64  # ids travel as int32 when they fit
         positions = torch.arange(num_bags)
-        for k, server, mine in parts:
-            if mine is not None and not bool(mine.any()):
+        for k, server, mine in self._by_owner(flat, keep, server_of):
+            ids = flat[mine]
+            if not ids.numel():
                 continue
-            ids, in_bags, w = (flat, bags, weights) if mine is None else (
-                flat[mine], bags[mine], None if weights is None else weights[mine])
+            in_bags, w = bags[mine], None if weights is None else weights[mine]
             # this server's share of each bag starts where its positions reach that bag
             pool = (torch.searchsorted(in_bags, positions), w, kind)
             calls.append((server, _tables._lookup, (self.name, ids.to(wire), self._step, pool, self._wait_s())))

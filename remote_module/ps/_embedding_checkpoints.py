@@ -15,7 +15,7 @@ from remote_module.ps import _tables
 class TableCheckpoints:
     """Checkpoint methods of :class:`remote_module.ps.ShardedEmbedding` (which provides
     ``name``, ``ps_mode``, ``init``, ``timeout``, the layout ``_ranges`` / ``_by_server`` /
-    ``_owners`` / ``_owner_index()``, ``_step``, ``_wait_s()`` and ``flush()``)."""
+    ``_by_owner()``, ``_step``, ``_wait_s()`` and ``flush()``)."""
 
     def _settle(self) -> None:
         """Before reading the servers' rows for a checkpoint: sync waits until this trainer's
@@ -72,14 +72,9 @@ class TableCheckpoints:
                 )
                 return
             ids = torch.arange(self.num_embeddings)
-        owner = self._owner_index(ids)
         calls = []
-        for server in self._by_server:
-            mine = torch.zeros_like(ids, dtype=torch.bool)
-            for b, s in enumerate(self._owners):
-                if s == server:
-                    mine |= owner == b
-            if bool(mine.any()):
+        for _, server, mine in self._by_owner(ids):
+            if ids[mine].numel():
                 calls.append((server, _tables._set_rows, (self.name, ids[mine], rows[mine].detach().clone())))
         call_all(calls, timeout=self.timeout)
 
@@ -119,14 +114,7 @@ class TableCheckpoints:
         if misfit:
             raise ValueError(f"optimizer state for table {self.name!r} does not fit it: {misfit}")
         ids = state["ids"].long()
-        owner = self._owner_index(ids)
-        calls = []
-        for server in self._by_server:
-            mine = torch.zeros_like(ids, dtype=torch.bool)
-            for b, s in enumerate(self._owners):
-                if s == server:
-                    mine |= owner == b
-            calls.append((server, _tables._set_row_state,
-                          (self.name, int(state["step"]), ids[mine], {k: state[k][mine] for k in keys})))
+        calls = [(server, _tables._set_row_state, (self.name, int(state["step"]), ids[mine], {k: state[k][mine] for k in keys}))
+                 for _, server, mine in self._by_owner(ids)]
         call_all(calls, timeout=self.timeout)
         self._step = int(state["step"])
