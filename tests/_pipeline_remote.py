@@ -62,6 +62,29 @@ class Heads(nn.Module):
         return self.head(x), (x * x).mean(dim=1, keepdim=True)
 
 
+class PickFirst(nn.Module):
+    """Takes one tuple (what ``nn.Sequential`` passes on after an ``LSTM``) and returns its first
+    item; anything else raises ``TypeError``, so a tuple unpacked into several arguments fails."""
+
+    def forward(self, x: tuple) -> torch.Tensor:
+        if not isinstance(x, tuple):
+            raise TypeError(f"PickFirst takes one tuple, got {type(x).__name__}")
+        return x[0]
+
+
+class Tied(nn.Module):
+    """A layer holding another layer's weight Parameter (tied weights), used transposed:
+    ``x @ weight + own bias``."""
+
+    def __init__(self, other: nn.Linear) -> None:
+        super().__init__()
+        self.weight = other.weight  # the same Parameter object
+        self.bias = nn.Parameter(torch.full((other.in_features,), 0.1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight + self.bias
+
+
 class Mix(nn.Module):
     """A first stage with two inputs: ``forward(x, y)``."""
 

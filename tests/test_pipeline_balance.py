@@ -110,3 +110,24 @@ def test_check_balance_accepts_and_returns_a_list():
 def test_check_balance_refuses(balance, layers, stages, error, message):
     with pytest.raises(error, match=message):
         check_balance(balance, layers, stages)
+
+
+@pytest.mark.parametrize(
+    "sizes, stages, joined, expected",
+    [
+        ([100, 0, 100, 0, 50, 50], 2, {2}, [4, 2]),  # no stage may start at layer 2
+        ([100, 0, 100, 0, 50, 50], 2, {3, 4}, [2, 4]),
+        ([10, 10, 10, 10], 2, {2}, [1, 3]),
+        ([10, 10, 10, 10], 3, {1, 3}, None),  # only 2 groups left
+        ([0, 10, 0, 10, 10], 2, {4}, [3, 2]),
+    ],
+)
+def test_balance_by_parameters_never_starts_a_stage_at_a_joined_layer(sizes, stages, joined, expected):
+    if expected is None:
+        with pytest.raises(ValueError, match=r"only 2 group\(s\).*share a module or parameter"):
+            balance_by_parameters(sizes, stages, joined)
+        return
+    got = balance_by_parameters(sizes, stages, joined)
+    assert got == expected
+    starts = [sum(got[:k]) for k in range(1, len(got))]
+    assert not set(starts) & joined

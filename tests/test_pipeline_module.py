@@ -3,12 +3,14 @@ cuts, names kept, checkpoints interchangeable with the local nn.Sequential, bad 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
 
 from remote_module.pipeline import RemotePipeline, _pipeline, split_sequential
-from tests._pipeline_remote import child_names, on_host, training_flags
+from tests._pipeline_remote import Tied, child_names, on_host, training_flags
 
 pytestmark = pytest.mark.usefixtures("rpc_world")
 
@@ -181,3 +183,69 @@ def test_bad_split_arguments_are_refused(nothing_created, sequential, devices, b
 def test_an_unknown_worker_is_named():
     with pytest.raises(ValueError, match="'nosuchworker', which is not in this RPC world"):
         split_sequential(model(), [W1, "nosuchworker/cpu"])
+
+
+# ---- layers that share state (issue 20) ----------------------------------------------------------
+
+
+def _lin() -> nn.Linear:
+    return nn.Linear(4, 4)
+
+
+def same_module_twice() -> nn.Sequential:  # the issue's model
+    lin = _lin()
+    return nn.Sequential(lin, nn.Tanh(), lin)
+
+
+def shared_submodule() -> nn.Sequential:
+    lin = _lin()
+    return nn.Sequential(lin, nn.Tanh(), nn.Sequential(lin, nn.ReLU()))
+
+
+def shared_parameter() -> nn.Sequential:
+    lin = _lin()
+    return nn.Sequential(lin, nn.Tanh(), Tied(lin))
+
+
+@pytest.mark.parametrize(
+    "make, balance, names",
+    [
+        (same_module_twice, [2, 1], r"the same Linear is layer 0 \('0'\) and layer 2 \('2'\)"),
+        (same_module_twice, [1, 2], r"the same Linear is layer 0 \('0'\) and layer 2 \('2'\)"),
+        (shared_submodule, [2, 1], r"layer 2 \('2'\) shares module '2.0' with layer 0 \(as '0'\)"),
+        (shared_parameter, [1, 2], r"layer 2 \('2'\) shares parameter '2.weight' with layer 0 \(as '0.weight'\)"),
+    ],
+    ids=["same-module-late-cut", "same-module-early-cut", "submodule", "parameter"],
+)
+def test_a_balance_cutting_between_layers_that_share_state_is_refused_naming_them(nothing_created, make, balance, names):
+    with pytest.raises(ValueError) as info:
+        split_sequential(make(), [W1, W2], balance)
+    text = str(info.value)
+    assert re.search(names, text), text
+    assert f"balance {balance!r} puts layers 0 and 2" in text and "on different stages" in text
+    assert "Keep layers 0..2 on one stage" in text and "use fewer remote devices" in text
+
+
+def test_without_balance_layers_that_share_state_and_leave_too_few_groups_are_named(nothing_created):
+    with pytest.raises(ValueError) as info:
+        split_sequential(same_module_twice(), [W1, W2])
+    text = str(info.value)
+    assert "into 2 stages" in text and "only 1 group" in text, text
+    assert "the same Linear is layer 0 ('0') and layer 2 ('2')" in text, text
+
+
+def test_a_balance_keeping_shared_layers_together_is_suggested(nothing_created):
+    lin = _lin()
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), lin, nn.Tanh(), lin, nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"layers 2 and 4 .*Keep layers 2..4 on one stage \(e.g. balance=\[2, 4\]"):
+        split_sequential(model, [W1, W2], [3, 3])
+
+
+def test_a_parameter_free_module_used_twice_may_be_cut():
+    act = nn.Tanh()
+    model = nn.Sequential(nn.Linear(4, 4), act, nn.Linear(4, 4), act)
+    pipe = split_sequential(model, [W1, W2], [2, 2])
+    assert stages_of(pipe) == [["0", "1"], ["2", "3"]]
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        close(pipe(x), model(x))

@@ -130,3 +130,94 @@ def test_the_callers_grad_mode_reaches_the_hosts():
     assert not out.requires_grad
     for stage in pipe.stages:
         assert on_host(stage, recorded, "calls")[4:] == [(False, False)] * 2
+
+
+# ---- split_sequential passes and shares what nn.Sequential does (issue 20) -----------------------
+
+
+def seeded(model: nn.Sequential, seed: int) -> nn.Sequential:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model
+
+
+def shared_twice() -> nn.Sequential:
+    """Layer 2 is layer 4 (one Linear used twice), the issue's ``Sequential(lin, Tanh(), lin)``
+    inside a longer model so that there is something to cut."""
+    lin = nn.Linear(8, 8)
+    return seeded(nn.Sequential(nn.Linear(5, 8), nn.ReLU(), lin, nn.Tanh(), lin, nn.Linear(8, 2)), 7)
+
+
+def tied() -> nn.Sequential:
+    """Layer 4 holds layer 2's weight Parameter (tied weights), and nothing else of it."""
+    lin = nn.Linear(5, 8)
+    return seeded(nn.Sequential(nn.Linear(5, 5), nn.ReLU(), lin, nn.Tanh(), remote.Tied(lin), nn.Linear(5, 2)), 8)
+
+
+def trained_like_local(model: nn.Sequential, pipe: RemotePipeline, steps: int = 3) -> None:
+    """Train ``pipe`` (dist autograd, SGD) and ``model`` (local SGD) alike; their parameters
+    stay equal (atol 1e-5) and their numbers of distinct parameters agree."""
+    assert len(pipe.remote_parameters()) == len(list(model.parameters()))
+    opt = DistributedOptimizer(torch.optim.SGD, pipe.remote_parameters(), lr=0.2)
+    local_opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for step in range(steps):
+        x, target = data((6, 5), (6, 2), seed=10 + step)
+        with dist_autograd.context() as ctx:
+            out = pipe(x)
+            local_opt.zero_grad()
+            expected = model(x)
+            torch.testing.assert_close(out, expected.detach(), atol=1e-5, rtol=0, msg=f"step {step}")
+            dist_autograd.backward(ctx, [loss_of(out, target)])
+            opt.step(ctx)
+        loss_of(expected, target).backward()
+        local_opt.step()
+    trained = stripped(pipe.state_dict())
+    assert sorted(trained) == sorted(model.state_dict())
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(trained[name], value, atol=1e-5, rtol=0, msg=name)
+        assert not torch.equal(value, before[name]), f"{name} did not train"
+
+
+@pytest.mark.parametrize("make, devices, stages", [
+    (shared_twice, [W1, W2], [["0", "1"], ["2", "3", "4", "5"]]),
+    (shared_twice, [W1, W2, W1], [["0", "1"], ["2", "3", "4"], ["5"]]),
+    (tied, [W1, W2], [["0", "1"], ["2", "3", "4", "5"]]),
+])
+def test_split_keeps_layers_that_share_state_on_one_stage_and_trains_like_the_local_model(make, devices, stages):
+    model = make()
+    pipe = split_sequential(model, devices, chunks=2)
+    assert [on_host(stage, remote.child_names) for stage in pipe.stages] == stages
+    trained_like_local(model, pipe)
+
+
+def lstm_model() -> nn.Sequential:
+    """The issue's case: an LSTM returns ``(output, (h, c))``; the next layer takes that tuple."""
+    return seeded(nn.Sequential(nn.Linear(3, 4), nn.LSTM(4, 6, batch_first=True), remote.PickFirst(), nn.Linear(6, 2)), 9)
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+@pytest.mark.parametrize("layers, devices, balance", [
+    (lstm_model, [W1, W2], [2, 2]),  # the cut right after the LSTM
+    (lambda: nn.Sequential(*lstm_model()[:2], nn.Identity(), *lstm_model()[2:]), [W1, W2, W1], [2, 1, 2]),  # two cuts
+], ids=["one-cut", "two-cuts"])
+def test_a_tuple_between_layers_crosses_a_cut_as_one_argument(layers, devices, balance, chunks):
+    model = layers()
+    pipe = split_sequential(model, devices, balance=balance, chunks=chunks)
+    x, target = data((4, 3, 3), (4, 3, 2), seed=5)  # (batch, time, features), batch first
+    with dist_autograd.context() as ctx:
+        out = pipe(x)
+        dist_autograd.backward(ctx, [loss_of(out, target)])
+        remote_grads = {}
+        for stage in pipe.stages:
+            remote_grads.update(on_host(stage, remote.gradients, ctx))
+    expected = model(x)
+    torch.testing.assert_close(out, expected.detach(), atol=1e-5, rtol=0)
+    loss_of(expected, target).backward()
+    local_grads = dict(model.named_parameters())
+    assert sorted(remote_grads) == sorted(local_grads)
+    for name, p in local_grads.items():
+        assert remote_grads[name] is not None, f"backward did not reach {name}"
+        torch.testing.assert_close(remote_grads[name], p.grad, atol=1e-5, rtol=0, msg=name)

@@ -3,50 +3,57 @@
 :func:`balance_by_parameters` chooses the layers per stage so that the largest stage holds as
 few parameters as possible; :func:`check_balance` checks a balance the user gave. A layer
 without parameters (``ReLU``, ``Dropout``, ``Flatten``) stays with the layer before it: a cut
-never separates a layer from the activation that follows it.
+never separates a layer from the activation that follows it. A cut is never made where the
+caller forbids one (``joined``: e.g. between two layers that share a module, see
+``remote_module.pipeline._split``).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import AbstractSet, Sequence
 
 
-def _units(sizes: Sequence[int]) -> list[tuple[int, int]]:
+def _units(sizes: Sequence[int], joined: AbstractSet[int] = frozenset()) -> list[tuple[int, int]]:
     """``(layers, parameters)`` per unit: a layer with parameters and the parameter-free layers
-    after it. Parameter-free layers at the front join the first unit."""
+    after it. Parameter-free layers at the front join the first unit; a layer whose index is in
+    ``joined`` joins the unit before it (no cut right before it)."""
     units: list[list[int]] = []
-    for size in sizes:
-        if size > 0 or not units:
-            units.append([1, size])
-        else:
+    for index, size in enumerate(sizes):
+        if units and (size == 0 or index in joined):
             units[-1][0] += 1
+            units[-1][1] += size
+        else:
+            units.append([1, size])
     if len(units) > 1 and units[0][1] == 0:  # leading parameter-free layers: with the first real one
         first = units.pop(0)
         units[0][0] += first[0]
     return [(n, p) for n, p in units]
 
 
-def balance_by_parameters(sizes: Sequence[int], stages: int) -> list[int]:
+def balance_by_parameters(sizes: Sequence[int], stages: int, joined: AbstractSet[int] = frozenset()) -> list[int]:
     """Layers per stage for layers holding ``sizes`` parameters, over ``stages`` stages.
 
     Contiguous stages, each at least one unit (see the module docstring); among the cuts that
     minimise the largest stage's parameter count, the one whose earlier stages are smallest
-    is taken (so a tie puts more work on later stages). Raises ``ValueError`` when there are
-    fewer units than stages.
+    is taken (so a tie puts more work on later stages). No stage starts at a layer whose index
+    is in ``joined``. Raises ``ValueError`` when there are fewer units than stages.
 
     Example::
 
         >>> balance_by_parameters([100, 0, 100, 0, 50, 50], 2)   # Linear ReLU Linear ReLU Linear Linear
         [2, 4]
+        >>> balance_by_parameters([100, 0, 100, 0, 50, 50], 2, joined={2})   # no cut before layer 2
+        [4, 2]
     """
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
         raise ValueError(f"the number of stages must be a positive int, got {stages!r}")
-    units = _units(list(sizes))
+    units = _units(list(sizes), joined)
     if len(units) < stages:
         raise ValueError(
             f"cannot split {len(sizes)} layers into {stages} stages by parameters: only {len(units)} "
-            "group(s) of a layer with parameters and the parameter-free layers after it; pass "
-            "balance=[layers per stage] explicitly, or use fewer stages"
+            "group(s) of a layer with parameters and the parameter-free layers after it"
+            + (" (layers that share a module or parameter, and those between them, form one group)" if joined else "")
+            + "; pass balance=[layers per stage] explicitly, or use fewer stages"
         )
     params = [p for _, p in units]
     prefix = [0]

@@ -64,6 +64,7 @@ class Route(NamedTuple):
     stages: tuple[Stage, ...]
     margin: float  # seconds each hop keeps back for its answer to travel
     micro_batches: int  # in this forward
+    unpack: bool = True  # a stage's tuple output is the next stage's arguments (False: its one argument)
 
 
 #: A failed chain: (stage index, worker, what was raised there, whether it was a cancellation).
@@ -200,9 +201,10 @@ def _portable(out: Any, device: torch.device, dest: str) -> Any:
     return tensors_to_cpu(out)
 
 
-def _as_arguments(out: Any) -> tuple:
-    """A stage's output as the next stage's positional arguments."""
-    return out if isinstance(out, tuple) else (out,)
+def _as_arguments(out: Any, unpack: bool = True) -> tuple:
+    """A stage's output as the next stage's positional arguments: a tuple unpacked when
+    ``unpack``, else the output as one argument (what ``nn.Sequential`` passes on)."""
+    return out if unpack and isinstance(out, tuple) else (out,)
 
 
 def _run_stage(route: Route, index: int, mb: int, deadline: float, grad: bool, args: tuple) -> Any:
@@ -266,7 +268,7 @@ def _step(route: Route, index: int, mb: int, budget: float, grad: bool, args: tu
         answer.set_result(_failed(index, worker, late))
         return answer
     if not last:
-        hop_args = (route, index + 1, mb, left, grad, _as_arguments(out))
+        hop_args = (route, index + 1, mb, left, grad, _as_arguments(out, route.unpack))
     wait = left + route.margin / 2
     try:
         sent = rpc.rpc_async(dest, handler, hop_args, timeout=_rpc_seconds(wait))

@@ -127,7 +127,8 @@ class RemotePipeline(nn.Module):
     time and sends its output straight to the next stage's host, so while stage 1 runs
     micro-batch i, stage 0 runs i+1; the caller sends only the micro-batches and receives only
     the last stage's output. A stage's output is passed on as the next stage's positional
-    arguments (a tuple is unpacked); the last stage returns a tensor or a tuple of tensors.
+    arguments (a tuple is unpacked; with ``unpack_tuples=False`` it is one argument, as
+    ``nn.Sequential`` passes it); the last stage returns a tensor or a tuple of tensors.
     Extra positional tensors (``forward(x, y)``) are split alike and given to stage 0.
 
     Stages run in the caller's grad mode. Inside ``dist_autograd.context()`` the whole chain is
@@ -152,6 +153,9 @@ class RemotePipeline(nn.Module):
         chunks: the number of micro-batches per forward.
         timeout: seconds one ``forward`` may take (``None``: the RPC agent's default). It also
             bounds the creation of stages given as tuples.
+        unpack_tuples: whether a tuple a stage returns becomes the next stage's positional
+            arguments (``True``) or its one argument (``False``, what ``split_sequential``
+            uses: every cut then passes what ``nn.Sequential`` passes between its layers).
 
     Example (worker0 drives; worker1 and worker2 only join RPC and wait)::
 
@@ -166,10 +170,15 @@ class RemotePipeline(nn.Module):
             dist_autograd.backward(ctx, [loss])
     """
 
-    def __init__(self, stages: Sequence[Any], chunks: int = 1, *, timeout: float | None = None) -> None:
+    def __init__(
+        self, stages: Sequence[Any], chunks: int = 1, *, timeout: float | None = None, unpack_tuples: bool = True
+    ) -> None:
         super().__init__()
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks must be a positive int (micro-batches per forward), got {chunks!r}")
+        if not isinstance(unpack_tuples, bool):
+            raise TypeError(f"unpack_tuples must be True or False, got {unpack_tuples!r}")
+        self.unpack_tuples = unpack_tuples
         self.timeout = None if timeout is None else positive_seconds(timeout, "timeout")
         self.chunks = chunks
         try:
@@ -241,6 +250,7 @@ class RemotePipeline(nn.Module):
             tuple(_hops.Stage(s.on, s._target().key, s.device) for s in self.stages),
             answer_margin(seconds),
             n,
+            self.unpack_tuples,
         )
         # Here, not in __init__: a pipeline that arrived over RPC runs in a process where no
         # __init__ ran (registering again is a no-op).
