@@ -14,7 +14,10 @@ holds the data: :func:`split` / :func:`partition` (a caller tensor onto the mesh
 
 Replicate -> Partial keeps the value exact: for ``sum`` rank 0 keeps the tensor and the other
 ranks hold zeros (-0.0 for floats, so even a -0.0 comes back as it was; torch's DTensor divides by the mesh size instead, which rounds); for
-``avg``, ``max`` and ``min`` every rank keeps the tensor.
+``avg``, ``max`` and ``min`` every rank keeps the tensor. An average is a sum divided by the
+mesh size, which rounds (``(x + x + x) / 3`` is not always ``x``), except where every rank
+holds the same value bit for bit: there it is that value (:func:`reduce`), so a value
+distributed as ``Partial(avg)`` comes back exactly.
 """
 
 from __future__ import annotations
@@ -121,13 +124,55 @@ def global_shape(placement: Placement, shapes: Sequence[torch.Size], what: str =
     return first
 
 
+_SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as integers of the same width (a complex element as the last dim's
+    two), so that equality is bit for bit: -0.0 differs from 0.0, a NaN equals itself."""
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    return t.view(_SAME_WIDTH_INT[t.element_size()])
+
+
+def _same_everywhere(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Where (elementwise) every tensor holds rank 0's value bit for bit."""
+    first = _bits(tensors[0])
+    same = torch.ones(first.shape, dtype=torch.bool, device=first.device)
+    for t in tensors[1:]:
+        same &= _bits(t) == first
+    if tensors[0].is_complex():
+        same = same.all(dim=-1)
+    return same
+
+
+class _Average(torch.autograd.Function):
+    """The average of ``tensors``: the sum (left to right) divided by their number, except where
+    all hold the same value bit for bit: that value, exactly. The gradient is the average's,
+    ``grad / n`` to each (as autograd gives for ``sum / n``), wherever the values were equal."""
+
+    @staticmethod
+    def forward(ctx: Any, *tensors: torch.Tensor) -> torch.Tensor:
+        ctx.count = len(tensors)
+        mean = functools.reduce(torch.add, tensors) / len(tensors)
+        return torch.where(_same_everywhere(tensors), tensors[0], mean)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        share = grad / ctx.count
+        return (share,) * ctx.count
+
+
 def reduce(op: str, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """``tensors`` reduced by ``op``, left to right in rank order (a fixed order: the same
-    floating-point result every time)."""
+    floating-point result every time). ``avg`` is the sum divided by ``len(tensors)``, except
+    where every tensor holds the same value bit for bit: that value, so averaging copies of a
+    value gives it back exactly (``(x + x + x) / 3`` may round); the gradient is ``1/n`` of the
+    output's to each, as for ``sum / n``."""
     if op == "sum":
         return functools.reduce(torch.add, tensors)
     if op == "avg":
-        return functools.reduce(torch.add, tensors) / len(tensors)
+        return _Average.apply(*tensors)
     if op == "max":
         return functools.reduce(torch.maximum, tensors)
     if op == "min":
@@ -178,8 +223,8 @@ def split(tensor: torch.Tensor, placement: Shard, n: int) -> list[torch.Tensor]:
 
 def partition(tensor: torch.Tensor, op: str, n: int, rank: int) -> torch.Tensor:
     """Rank ``rank``'s share of a replicated ``tensor`` under ``Partial(op)``, so that reducing
-    the ``n`` shares gives ``tensor`` back exactly: for sum rank 0 keeps it and the others hold
-    zeros; for avg, max and min every rank keeps it."""
+    the ``n`` shares (:func:`reduce`) gives ``tensor`` back bit for bit: for sum rank 0 keeps it
+    and the others hold zeros; for avg, max and min every rank keeps it."""
     if op == "sum" and rank != 0:
         # -0.0 for floats: x + (-0.0) is x bit for bit, a -0.0 included (+0.0 would turn it to +0.0)
         return torch.full_like(tensor, -0.0) if tensor.is_floating_point() or tensor.is_complex() else torch.zeros_like(tensor)
