@@ -43,6 +43,7 @@ from remote_module._errors import (
     unsendable_argument,
 )
 from remote_module._torch_private import device_map_to, dist_autograd_contexts_exist, is_rpc_initialized
+from remote_module._untrained import records_outside_context, warn_untrained
 from remote_module._wire import check_side, dumps, loads
 
 _clock = time.monotonic
@@ -144,6 +145,8 @@ class RemoteCalls:
         return Target(key, self.device, self.is_device_map_set)
 
     def _make_call(self, args: tuple, kwargs: dict) -> Call:
+        if records_outside_context(self, getattr(self, "remote_trainable", True), args, kwargs):
+            warn_untrained(self, f"RemoteModule on worker {self.on!r} ({self.remote_type})", "proxy", "proxy")
         inline = self._fast_path_allowed()
         try:
             payload = dumps((args, kwargs), inline=inline)

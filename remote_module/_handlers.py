@@ -188,6 +188,8 @@ def _description(module: nn.Module) -> dict:
         "type": scripted or f"{type(module).__module__}.{type(module).__qualname__}",
         "signature": portable_signature(sig),
         "repr": repr(module),
+        # whether a forward with grad enabled needs distributed autograd (remote_module._untrained)
+        "trainable": any(p.requires_grad for p in module.parameters()),
     }
 
 

@@ -32,6 +32,7 @@ PICKLED_ATTRIBUTES: tuple[str, ...] = (
     "forward_signature",
     "remote_type",
     "remote_repr",
+    "remote_trainable",
     "timeout",
 )
 
@@ -43,6 +44,7 @@ IGNORED_ATTRIBUTES: tuple[str, ...] = tuple(vars(nn.Module()).keys()) + (
     "forward_async",
     "_host_info",  # a per-process cache of the host's WorkerInfo
     "_channel",  # per-process call channel: coalescing, deadlines, order (remote_module._channel)
+    "_warned_untrained",  # this proxy object warned of training outside dist autograd (remote_module._untrained)
 )
 
 NOT_PICKLABLE = "Cannot pickle RemoteModule in python pickler. RemoteModule can only be pickled when using RPC"

@@ -67,6 +67,17 @@ def dist_autograd_contexts_exist() -> bool:
     return int(_dist_autograd._get_debug_info()["num_autograd_contexts"]) != 0
 
 
+def in_dist_autograd_context() -> bool:
+    """True when this thread is inside a ``torch.distributed.autograd.context()`` (what RPC
+    calls made here record into). torch has no public query: ``_current_context()`` raises
+    ``RuntimeError`` when there is none."""
+    try:
+        _dist_autograd._current_context()
+    except RuntimeError:
+        return False
+    return True
+
+
 def script_module_has_attribute(module: Any, name: str) -> bool:
     """True when the C++ object behind a ScriptModule has attribute ``name``."""
     return hasattr(module._c, name)

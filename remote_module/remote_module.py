@@ -109,7 +109,15 @@ class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
     (whether this process has a device map towards the host, for a module off the CPU; worked
     out again wherever the proxy arrives), ``is_scriptable``, ``module_rref``,
     ``module_interface_cls``, ``forward_signature``, ``remote_type`` (qualified class name of
-    the remote module), ``remote_repr`` (its ``repr`` when the proxy was made), ``timeout``.
+    the remote module), ``remote_repr`` (its ``repr`` when the proxy was made),
+    ``remote_trainable`` (whether the remote module had parameters that require grad when the
+    proxy was made), ``timeout``.
+
+    Training: outside a ``dist_autograd.context()`` nothing is recorded across RPC, so
+    ``loss.backward()`` never reaches the remote parameters (nor the inputs sent). A forward
+    that records gradients there (grad mode on, and ``remote_trainable`` or an input requiring
+    grad) warns once per proxy with a ``UserWarning`` saying what to do; it is silent under
+    ``torch.no_grad()``, inside a context, and for a frozen module given inputs without grad.
 
     Args:
         remote_device: where to create the module.
@@ -281,6 +289,7 @@ class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
             self.forward_signature = info["signature"]
         self._install_generated_methods(local_sig)
         self.remote_repr = info["repr"]
+        self.remote_trainable = bool(info["trainable"])
         check_attributes(self)
 
     def _install_generated_methods(self, sig: inspect.Signature | None = None) -> None:

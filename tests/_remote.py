@@ -165,3 +165,8 @@ class Unhashable(nn.Module):
 
     def forward(self, x):
         return x + 1
+
+
+def frozen_linear(n_in: int, n_out: int) -> nn.Module:
+    """An ``nn.Linear`` whose parameters do not require grad (an inference-only module)."""
+    return nn.Linear(n_in, n_out).requires_grad_(False)

@@ -16,6 +16,7 @@ from torch.futures import Future
 from remote_module._errors import CallTimeout, retyped, to_exception
 from remote_module._fanout import _timeout_seconds, answer_margin, call_async, send_and_forget
 from remote_module._torch_private import before_rref_deletion_at_shutdown
+from remote_module._untrained import records_outside_context, warn_untrained
 from remote_module.pipeline import _hops
 from remote_module.remote_module import RemoteModule
 from rpc_backend.options import positive_seconds
@@ -133,7 +134,10 @@ class RemotePipeline(nn.Module):
 
     Stages run in the caller's grad mode. Inside ``dist_autograd.context()`` the whole chain is
     recorded: ``dist_autograd.backward`` reaches every stage's parameters, and
-    ``DistributedOptimizer(opt, pipe.remote_parameters(), ...)`` steps them.
+    ``DistributedOptimizer(opt, pipe.remote_parameters(), ...)`` steps them. Outside one
+    nothing is recorded across RPC (``loss.backward()`` reaches no stage): a forward with grad
+    enabled whose stages have trainable parameters (or whose inputs require grad) warns once
+    per pipeline with a ``UserWarning`` saying what to do; under ``torch.no_grad()`` it is silent.
 
     It is an ``nn.Module`` whose children are the stage proxies (``pipe.stages``, an
     ``nn.ModuleList``): ``train()``/``eval()`` reach every stage and ``state_dict()`` keys are
@@ -234,6 +238,9 @@ class RemotePipeline(nn.Module):
             raise ValueError(
                 f"every input must have the same size on dim 0 (the batch), got {[t.shape[0] for t in inputs]}"
             )
+        if records_outside_context(self, any(s.remote_trainable for s in self.stages), inputs):
+            workers = ", ".join(repr(s.on) for s in self.stages)
+            warn_untrained(self, f"RemotePipeline (stages on {workers})", "pipeline", "pipe")
         n = max(1, min(self.chunks, batch))
         micro = list(zip(*(torch.tensor_split(t, n) for t in inputs)))
         seconds = self._seconds()

@@ -12,6 +12,7 @@ from torch import nn
 
 from remote_module._errors import CallTimeout, retyped
 from remote_module._fanout import _timeout_seconds
+from remote_module._untrained import records_outside_context, warn_untrained
 from remote_module._walk import map_leaves
 from remote_module.remote_module import RemoteModule
 from remote_module.sharded import _placements as pl
@@ -106,7 +107,9 @@ class LocalModule(nn.Module):
     ``shards.<rank>.<the shard module's own key>``, ``train()``/``eval()`` reach every shard,
     and :meth:`remote_parameters` lists every shard's parameters (for ``DistributedOptimizer``).
     Inside ``dist_autograd.context()`` a loss computed from an output's ``full_tensor()``
-    trains every shard.
+    trains every shard. Outside one nothing is recorded across RPC: a forward with grad enabled
+    whose shards have trainable parameters (or whose inputs require grad) warns once per
+    LocalModule with a ``UserWarning`` saying what to do; under ``torch.no_grad()`` it is silent.
 
     Example (worker0 drives; worker1 and worker2 only join RPC and wait; ``Masked`` is importable
     on every worker)::
@@ -224,6 +227,8 @@ class LocalModule(nn.Module):
         """Run every shard on its local inputs; RemoteTensor outputs by ``out_placements``."""
         made = _clock()
         n = len(self.mesh)
+        if records_outside_context(self, any(s.remote_trainable for s in self.shards), inputs, kwargs):
+            warn_untrained(self, f"LocalModule on mesh {list(self.mesh)}", "LocalModule", "local_module")
         if self.in_placements is not None and len(inputs) != len(self.in_placements):
             raise ValueError(
                 f"LocalModule expects {len(self.in_placements)} input(s) (one per in_placements entry), "

@@ -1,0 +1,74 @@
+"""The warning for a forward whose gradients only distributed autograd could carry.
+
+Outside a ``torch.distributed.autograd.context()`` nothing is recorded across RPC: a remote
+forward (a ``RemoteModule`` proxy, a ``RemotePipeline``, a sharded ``LocalModule``) run with
+gradients enabled returns tensors with no history, so ``loss.backward()`` reaches neither the
+parameters on the hosts nor the tensors given to the forward, and a local optimizer never
+changes them: training goes on with no error and those parameters never move. The forward
+warns once per object (a ``UserWarning``) when it records gradients that way: grad mode on,
+trainable parameters on the hosts (known locally, from when the object was made: no message
+is sent to find out) or an input that requires grad, and no context in this thread. It is
+silent under ``torch.no_grad()`` / ``torch.inference_mode()``, for hosts without trainable
+parameters given inputs without grad, and inside a context.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from typing import Any
+
+import torch
+
+from remote_module._torch_private import in_dist_autograd_context
+
+_FLAG = "_warned_untrained"  # in the object's __dict__ once it warned (never pickled for proxies)
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+def _requires_grad(value: Any) -> bool:
+    # a tensor, or a sharded RemoteTensor (which says whether its shards require grad)
+    return getattr(value, "requires_grad", False) is True
+
+
+def records_outside_context(owner: Any, trainable: bool, args: tuple = (), kwargs: dict | None = None) -> bool:
+    """Whether a forward of ``owner`` now would record gradients that no one can carry back:
+    not yet warned, grad mode on, ``trainable`` (its host modules have parameters that require
+    grad) or a top-level input requiring grad, and no distributed autograd context here."""
+    if _FLAG in owner.__dict__ or not torch.is_grad_enabled():
+        return False
+    if not trainable and not any(_requires_grad(v) for v in (*args, *(kwargs or {}).values())):
+        return False
+    return not in_dist_autograd_context()
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points at the first frame outside this package and torch (the
+    user's call, however many ``nn.Module.__call__`` layers and generated methods lie between)."""
+    level, frame = 2, sys._getframe(2)  # 1: warn_untrained, 2: its caller
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not (name.startswith(_PACKAGE) or name.startswith(_TORCH) or name.startswith("<remote_module")):
+            break
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def warn_untrained(owner: Any, what: str, kind: str, handle: str) -> None:
+    """Warn (once per ``owner``) that ``what`` ran recording gradients outside a distributed
+    autograd context; ``kind`` names the class, ``handle`` what the user calls it in code."""
+    owner.__dict__[_FLAG] = True
+    warnings.warn(
+        f"{what} ran with gradients enabled outside a torch.distributed.autograd context: nothing is "
+        "recorded across RPC there, so loss.backward() reaches neither its parameters on the hosts nor "
+        "the tensors given to it, and a local optimizer never changes them. To train it, run the forward "
+        "and the backward inside `with torch.distributed.autograd.context() as ctx:` with "
+        f"`dist_autograd.backward(ctx, [loss])`, and step `DistributedOptimizer(optimizer_class, "
+        f"{handle}.remote_parameters(), ...)` with `.step(ctx)`; for inference, run it under "
+        f"`torch.no_grad()` or `torch.inference_mode()`. (Shown once per {kind}.)",
+        UserWarning,
+        stacklevel=_user_stacklevel(),
+    )

@@ -1,0 +1,133 @@
+"""No silent no-training (issue 20): a remote forward that records gradients outside a
+distributed autograd context (grad mode on, trainable parameters on the hosts or inputs that
+require grad) warns once per object, for a RemoteModule proxy, a RemotePipeline and a sharded
+LocalModule; it stays silent under no_grad / inference_mode, inside a context, and for frozen
+hosts given inputs without grad."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+import torch.distributed.autograd as dist_autograd
+from torch import nn
+from torch.distributed.tensor import Partial
+
+from remote_module import RemoteModule
+from remote_module.pipeline import split_sequential
+from remote_module.sharded import LocalModule
+from tests import _remote
+
+pytestmark = pytest.mark.usefixtures("rpc_world")
+
+W1, W2 = "worker1/cpu", "worker2/cpu"
+MESH = ["worker1", "worker2"]
+MESSAGE = "outside a torch.distributed.autograd context"
+
+
+@contextlib.contextmanager
+def ours():
+    """The warnings of ours raised inside (every one, whatever the filters say)."""
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        found: list[warnings.WarningMessage] = []
+        yield found
+    found.extend(w for w in got if MESSAGE in str(w.message))
+
+
+def proxy(frozen: bool = False) -> RemoteModule:
+    return RemoteModule(W1, _remote.frozen_linear if frozen else nn.Linear, (4, 3))
+
+
+def pipe(frozen: bool = False):
+    layers = [nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3)]
+    if frozen:
+        for layer in layers:
+            layer.requires_grad_(False)
+    return split_sequential(nn.Sequential(*layers), [W1, W2], chunks=2)
+
+
+def local_module(frozen: bool = False) -> LocalModule:
+    cls = _remote.frozen_linear if frozen else nn.Linear
+    return LocalModule(MESH, cls, (4, 3), out_placements=[Partial("sum")])
+
+
+KINDS = {
+    "proxy": (proxy, "RemoteModule on worker 'worker1' (torch.nn.modules.linear.Linear)", "proxy.remote_parameters()",
+              "proxy"),
+    "pipeline": (pipe, "RemotePipeline (stages on 'worker1', 'worker2')", "pipe.remote_parameters()", "pipeline"),
+    "local_module": (local_module, "LocalModule on mesh ['worker1', 'worker2']", "local_module.remote_parameters()",
+                     "LocalModule"),
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_forward_recording_gradients_outside_a_context_warns_once_per_object(kind):
+    make, what, handle, once = KINDS[kind]
+    first, second = make(), make()
+    x = torch.randn(6, 4)
+    with ours() as got:
+        first(x)  # the nanoGPT trap: loss.backward() would follow and train nothing remote
+    assert len(got) == 1, [str(w.message) for w in got]
+    warning = got[0]
+    assert warning.category is UserWarning
+    assert warning.filename == __file__  # points at the user's call
+    text = str(warning.message)
+    assert text.startswith(what), text
+    for needed in ("loss.backward() reaches neither its parameters on the hosts", "dist_autograd.backward(ctx, [loss])",
+                   f"DistributedOptimizer(optimizer_class, {handle}, ...)", "torch.no_grad()", f"once per {once}"):
+        assert needed in text, (needed, text)
+    with ours() as got:
+        first(x)
+        first(x)
+    assert got == []  # once per object, not per call
+    with ours() as got:
+        second(x)
+    assert len(got) == 1  # another object warns on its own
+
+
+def test_forward_async_warns_like_forward():
+    p = proxy()
+    with ours() as got:
+        p.forward_async(torch.randn(2, 4)).wait()
+        p(torch.randn(2, 4))
+    assert len(got) == 1 and got[0].filename == __file__
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_silent_without_grad_inside_a_context_and_for_frozen_hosts(kind):
+    make, *_ = KINDS[kind]
+    module, frozen = make(), make(frozen=True)
+    x = torch.randn(6, 4)
+    with ours() as got:
+        with torch.no_grad():
+            module(x)
+        with torch.inference_mode():
+            module(x)
+        with dist_autograd.context() as ctx:
+            out = module(x)
+            loss = (out if isinstance(out, torch.Tensor) else out.full_tensor()).sum()
+            dist_autograd.backward(ctx, [loss])
+        frozen(x)  # grad mode on, but nothing on the hosts can train and x needs no grad
+    assert got == [], [str(w.message) for w in got]
+    with ours() as got:  # still armed: silence above was not "already warned"
+        module(x)
+    assert len(got) == 1
+
+
+def test_inputs_that_require_grad_warn_even_for_a_parameter_free_host():
+    relu = RemoteModule(W1, nn.ReLU)
+    with ours() as got:
+        relu(torch.randn(3, 4))  # nothing to train, nothing to cut
+    assert got == []
+    with ours() as got:
+        relu(torch.randn(3, 4, requires_grad=True))  # the gradient to x would be cut here
+    assert len(got) == 1
+
+
+def test_remote_trainable_is_known_without_a_call_and_travels_with_the_proxy():
+    assert proxy().remote_trainable is True
+    assert proxy(frozen=True).remote_trainable is False
+    assert RemoteModule(W1, nn.ReLU).remote_trainable is False
