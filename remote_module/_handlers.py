@@ -189,8 +189,24 @@ def _description(module: nn.Module) -> dict:
         "signature": portable_signature(sig),
         "repr": repr(module),
         # whether a forward with grad enabled needs distributed autograd (remote_module._untrained)
-        "trainable": any(p.requires_grad for p in module.parameters()),
+        "trainable": has_trainable_parameters(module),
     }
+
+
+def has_trainable_parameters(module: nn.Module) -> bool:
+    """Whether ``module`` or a submodule has a parameter that requires grad. Walks children by
+    identity, so a module that is not hashable (``parameters()`` keeps a set of modules) works."""
+    seen: set[int] = set()
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        if any(p is not None and p.requires_grad for p in m._parameters.values()):
+            return True
+        stack.extend(c for c in m._modules.values() if c is not None)
+    return False
 
 
 def _describe(module_rref: rpc.RRef) -> dict:

@@ -13,8 +13,9 @@ from torch import nn
 from remote_module import RemoteModule
 from remote_module._errors import CallTimeout, RemoteModuleError
 from tests import _contract_remote as cr
+from tests._marks import GRAD_ON_WITHOUT_CONTEXT
 
-pytestmark = pytest.mark.usefixtures("rpc_world")
+pytestmark = [pytest.mark.usefixtures("rpc_world"), GRAD_ON_WITHOUT_CONTEXT]
 
 
 def warm(proxy, *args):

@@ -14,8 +14,9 @@ from remote_module._errors import CallTimeout, RemoteModuleError
 from tests import _gates, _remote, _subclass
 from tests._remote import Affine
 from tests._script_defs import MyModule, MyModuleInterface
+from tests._marks import GRAD_ON_WITHOUT_CONTEXT
 
-pytestmark = pytest.mark.usefixtures("rpc_world")
+pytestmark = [pytest.mark.usefixtures("rpc_world"), GRAD_ON_WITHOUT_CONTEXT]
 
 
 class MessageCounter:

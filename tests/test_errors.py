@@ -15,8 +15,9 @@ import remote_module
 from remote_module import RemoteModule, RemoteModuleError
 from tests import _remote
 from tests._remote import Affine, Raiser, Sleeper, UserError
+from tests._marks import GRAD_ON_WITHOUT_CONTEXT
 
-pytestmark = pytest.mark.usefixtures("rpc_world")
+pytestmark = [pytest.mark.usefixtures("rpc_world"), GRAD_ON_WITHOUT_CONTEXT]
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,9 @@ from remote_module import _channel
 from remote_module._wire import INLINE_MAX_BYTES, dumps, loads
 from tests import _remote
 from tests._remote import Affine, Raiser, Sleeper
+from tests._marks import GRAD_ON_WITHOUT_CONTEXT
+
+pytestmark = GRAD_ON_WITHOUT_CONTEXT
 
 
 def roundtrip(obj):

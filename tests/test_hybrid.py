@@ -11,8 +11,9 @@ from torch import nn
 from remote_module import RemoteModule
 from tests import _remote
 from tests._remote import Affine, Hybrid, ModeReporter
+from tests._marks import GRAD_ON_WITHOUT_CONTEXT
 
-pytestmark = pytest.mark.usefixtures("rpc_world")
+pytestmark = [pytest.mark.usefixtures("rpc_world"), GRAD_ON_WITHOUT_CONTEXT]
 
 IDS = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9])
 OFFSETS = torch.tensor([0, 4])

@@ -13,8 +13,9 @@ from remote_module import RemoteModule
 from remote_module._pickling import IGNORED_ATTRIBUTES, NOT_PICKLABLE, NOT_UNPICKLABLE, check_attributes
 from tests import _remote, _subclass
 from tests._remote import Affine
+from tests._marks import GRAD_ON_WITHOUT_CONTEXT
 
-pytestmark = pytest.mark.usefixtures("rpc_world")
+pytestmark = [pytest.mark.usefixtures("rpc_world"), GRAD_ON_WITHOUT_CONTEXT]
 
 
 def test_pickled_attributes_is_public_and_complete():

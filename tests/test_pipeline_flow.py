@@ -15,8 +15,9 @@ import torch.distributed.rpc as rpc
 from remote_module.pipeline import RemotePipeline
 from tests import _pipeline_remote as remote
 from tests._pipeline_remote import Absorb, Emit, FailsOn, Timed, on_host, recorded, seeded_linear
+from tests._marks import GRAD_ON_WITHOUT_CONTEXT
 
-pytestmark = pytest.mark.usefixtures("rpc_world")
+pytestmark = [pytest.mark.usefixtures("rpc_world"), GRAD_ON_WITHOUT_CONTEXT]
 
 W1, W2 = "worker1/cpu", "worker2/cpu"
 WORKERS = ("worker0", "worker1", "worker2")

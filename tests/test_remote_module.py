@@ -12,8 +12,9 @@ import remote_module.remote_module as rm_impl
 from remote_module import RemoteModule
 from tests import _remote
 from tests._remote import Affine, ModeReporter, Nested, VarArgs
+from tests._marks import GRAD_ON_WITHOUT_CONTEXT
 
-pytestmark = pytest.mark.usefixtures("rpc_world")
+pytestmark = [pytest.mark.usefixtures("rpc_world"), GRAD_ON_WITHOUT_CONTEXT]
 
 
 def local_twin(proxy):

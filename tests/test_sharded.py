@@ -14,8 +14,9 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from remote_module.sharded import LocalModule, RemoteTensor, distribute, from_local
 from remote_module.sharded import _placements as pl
 from tests import _sharded_remote as sr
+from tests._marks import GRAD_ON_WITHOUT_CONTEXT
 
-pytestmark = pytest.mark.usefixtures("rpc_world")
+pytestmark = [pytest.mark.usefixtures("rpc_world"), GRAD_ON_WITHOUT_CONTEXT]
 
 MESH = ["worker1", "worker2"]
 OPS = ["sum", "avg", "max", "min"]

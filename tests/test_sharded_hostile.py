@@ -11,8 +11,9 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from remote_module.sharded import LocalModule, distribute
 from tests import _sharded_hostile_remote as hr
+from tests._marks import GRAD_ON_WITHOUT_CONTEXT
 
-pytestmark = pytest.mark.usefixtures("rpc_world")
+pytestmark = [pytest.mark.usefixtures("rpc_world"), GRAD_ON_WITHOUT_CONTEXT]
 
 MESH = ["worker1", "worker2"]
 

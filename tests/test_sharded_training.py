@@ -22,6 +22,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from remote_module.sharded import LocalModule, distribute
 from remote_module.sharded._tensor import RELEASE_DELAY_S
 from tests import _sharded_train_remote as remote
+from tests._marks import GRAD_ON_WITHOUT_CONTEXT
 from tests._sharded_train_remote import (
     ColumnShard,
     PtrColumnShard,
@@ -30,7 +31,7 @@ from tests._sharded_train_remote import (
     TracingColumnShard,
 )
 
-pytestmark = pytest.mark.usefixtures("rpc_world")
+pytestmark = [pytest.mark.usefixtures("rpc_world"), GRAD_ON_WITHOUT_CONTEXT]
 
 #: The pytest process (worker0) is a mesh member in the 3-worker mesh.
 MESHES = {2: ("worker1", "worker2"), 3: ("worker0", "worker1", "worker2")}

@@ -65,13 +65,15 @@ def test_class_defined_inside_a_function_runs_and_trains_remotely():
     proxy = RemoteModule("worker2/cpu", Scaler, (3,))
     assert proxy.remote_type.endswith("Scaler")
     x = torch.ones(3)
-    assert proxy(x, bias=1.0).tolist() == [1.0, 2.0, 3.0]
-    assert proxy.forward_async(x).wait().tolist() == [0.0, 1.0, 2.0]
+    with torch.no_grad():  # inference (outside dist_autograd, grad on would warn that it trains nothing)
+        assert proxy(x, bias=1.0).tolist() == [1.0, 2.0, 3.0]
+        assert proxy.forward_async(x).wait().tolist() == [0.0, 1.0, 2.0]
     opt = DistributedOptimizer(torch.optim.SGD, proxy.remote_parameters(), lr=1.0)
     with dist_autograd.context() as ctx:
         dist_autograd.backward(ctx, [proxy(x).sum()])
         opt.step(ctx)
-    assert proxy(x).tolist() == [-1.0, 0.0, 1.0]  # w - lr * d(sum)/dw = w - 1
+    with torch.no_grad():
+        assert proxy(x).tolist() == [-1.0, 0.0, 1.0]  # w - lr * d(sum)/dw = w - 1
 
 
 def test_main_class_in_a_script_run_by_the_local_launcher():

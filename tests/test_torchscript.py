@@ -9,6 +9,7 @@ import torch.distributed.rpc as rpc
 
 from remote_module import RemoteModule
 from tests import _remote
+from tests._marks import GRAD_ON_WITHOUT_CONTEXT
 from tests._script_defs import (
     MyModule,
     MyModuleInterface,
@@ -18,7 +19,8 @@ from tests._script_defs import (
     run_forward_async,
 )
 
-pytestmark = [pytest.mark.usefixtures("rpc_world"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [pytest.mark.usefixtures("rpc_world"), pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+              GRAD_ON_WITHOUT_CONTEXT]
 
 
 @pytest.fixture(scope="module")

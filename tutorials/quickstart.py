@@ -17,8 +17,9 @@ def main() -> list | None:
     if rpc.get_worker_info().name != "worker0":
         return None  # worker1 only hosts the module; it runs no code of its own
     linear = RemoteModule("worker1/cpu", torch.nn.Linear, args=(20, 30))
-    out = linear(torch.randn(128, 20))  # runs on worker1
-    later = linear.forward_async(torch.randn(4, 20))  # returns at once
+    with torch.no_grad():  # inference (training goes through dist_autograd: tutorials/pipeline.py)
+        out = linear(torch.randn(128, 20))  # runs on worker1
+        later = linear.forward_async(torch.randn(4, 20))  # returns at once
     return [tuple(out.shape), tuple(later.wait().shape), len(linear.remote_parameters())]
 
 
