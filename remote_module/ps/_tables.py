@@ -24,7 +24,7 @@ import torch.distributed.rpc as rpc
 from torch.futures import Future
 
 from remote_module._settling import complete, schedule
-from remote_module.ps._rows import TableSpec, _Rows, pool_rows
+from remote_module.ps._rows import TableSpec, _Rows, pool_rows, row_key
 from remote_module.ps._rowwise import coalesce
 from remote_module.ps._server import fail_stalled
 
@@ -36,7 +36,8 @@ class Table:
 
     def __init__(self, name: str, spec: TableSpec, blocks: list[tuple[int, int]]) -> None:
         self.name, self.spec = name, spec
-        self.blocks = [_Rows(spec, first, count) for first, count in sorted(blocks)]
+        key = row_key(spec.seed, name)
+        self.blocks = [_Rows(spec, first, count, key) for first, count in sorted(blocks)]
         self.starts = torch.tensor([r.first for r in self.blocks], dtype=torch.long)
         self.ends = torch.tensor([r.first + r.count for r in self.blocks], dtype=torch.long)
         self.lock = threading.Condition()
