@@ -31,9 +31,16 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
     rules as a :class:`PSModel`'s parameters (``min_block_size``, ``split_method``).
 
     ``name`` is job-unique: trainers that pass the same name share one table (and must pass the
-    same sizes, servers, mode and optimizer). The servers hold the rows: ``init="eager"``
-    creates them all at once; ``init="lazy"`` creates a row on its first touch, from ``N(0, 1)``
-    seeded by ``seed`` and the row id, so a huge table costs memory only for the rows used.
+    same sizes, servers, mode, optimizer and ``padding_idx``). Sizes and other counts take any
+    integer ``operator.index`` takes (``numpy.int64`` too), as torch's. The servers hold the
+    rows: ``init="eager"`` creates them all at once; ``init="lazy"`` creates a row on its first
+    touch, so a huge table costs memory only for the rows used. Either way a row starts as
+    ``N(0, 1)`` drawn from a hash of (``seed``, ``name``, row id): the same rows eager or lazy,
+    on any servers, in every run; other tables' and other seeds' rows independent.
+
+    ``padding_idx`` as ``nn.Embedding``'s: the padding row is created as zeros, a lookup returns
+    the row as stored (a checkpoint may set it), and it is never trained (no gradient is
+    pushed for it, no optimizer state kept); a bag leaves it out of its pool and its mean.
 
     After ``loss.backward()``, :meth:`step` pushes ``(row ids, gradient rows)`` for the rows
     this trainer looked up since the last step, and the servers apply ``optimizer``
@@ -119,7 +126,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         self._ranges = [(b.offset // embedding_dim, b.size // embedding_dim, s) for b, s in zip(blocks, chosen)]
         self._row_opt = row_optimizer(*optimizer)
         spec = _tables.TableSpec(num_embeddings, embedding_dim, torch.float32, init, seed, ps_mode, num_trainers,
-                                 self._row_opt, half_async_merge_every, merge_s)
+                                 self._row_opt, half_async_merge_every, merge_s, self.padding_idx)
         # geo: the rows this trainer touched, trained locally: id -> [row, row when pulled, state]
         self._geo = GeoCache(embedding_dim, self._row_opt) if ps_mode == "geo" else None
         by_server: dict[str, list[tuple[int, int]]] = {}
@@ -206,8 +213,6 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
                 self._geo.add(uniq[mine], r)
         if self._geo is not None:
             rows = self._geo.values(uniq)
-        if self.padding_idx is not None:
-            rows[uniq == self.padding_idx] = 0.0  # as nn.Embedding: the padding row is zero, never trained
         if torch.is_grad_enabled():
             rows.requires_grad_(True)
             self._record_on_backward(uniq, rows)

@@ -5,7 +5,8 @@ stepped; and the pooling of looked-up rows into bags.
 
 A row's first value depends only on the table's seed, its name and the row id
 (:func:`initial_rows`): eager and lazy blocks, any split of the rows over servers and every run
-give the same rows, and tables of other names or seeds independent ones."""
+give the same rows, and tables of other names or seeds independent ones. The padding row
+(``padding_idx``) starts as zeros, as ``nn.Embedding`` creates it."""
 
 from __future__ import annotations
 
@@ -110,11 +111,12 @@ class TableSpec(NamedTuple):
     optimizer: RowOptimizer
     merge_every: int = 4  # half_async
     merge_s: float = 0.1  # half_async
+    padding_idx: int | None = None  # in [0, num_embeddings): created as zeros, never stepped
 
 
 def row_init(spec: TableSpec, name: str, ids: torch.Tensor) -> torch.Tensor:
     """The first values of rows ``ids`` of table ``name`` (:func:`initial_rows`)."""
-    return initial_rows(row_key(spec.seed, name), ids, spec.dim, spec.dtype)
+    return initial_rows(row_key(spec.seed, name), ids, spec.dim, spec.dtype, spec.padding_idx)
 
 
 class _Rows:
@@ -141,7 +143,7 @@ class _Rows:
 
     def initial(self, ids: torch.Tensor) -> torch.Tensor:
         """The first values of rows ``ids`` (:func:`initial_rows`)."""
-        return initial_rows(self.key, ids, self.spec.dim, self.spec.dtype)
+        return initial_rows(self.key, ids, self.spec.dim, self.spec.dtype, self.spec.padding_idx)
 
     def slots(self, ids: torch.Tensor, create: bool) -> torch.Tensor:
         """Storage slots of global row ``ids`` (all inside this block); lazy rows are created
