@@ -145,7 +145,7 @@ def test_a_huge_eager_block_is_made_in_chunks_with_the_same_rows():
     """An eager block is generated a chunk at a time (bounded temporaries): the rows equal
     those made one by one."""
     key = row_key(0, "big")
-    many = initial_rows(key, torch.arange(70_000), 8)  # > one chunk of 2**18 elements
+    many = initial_rows(key, torch.arange(70_000), 8)  # 560,000 elements: many chunks
     for i in (0, 32_767, 32_768, 69_999):
         assert torch.equal(many[i], initial_rows(key, torch.tensor([i]), 8)[0])
 
