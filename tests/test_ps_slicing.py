@@ -66,12 +66,18 @@ def test_worked_cases():
     assert [b.size for b in slice_blocks((8192 * 2,), 5)] == [8192, 8192]  # capped by min_block_size
 
 
-@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
-def test_bad_arguments_name_the_value(bad):
-    with pytest.raises(ValueError, match="num_servers"):
+@pytest.mark.parametrize("bad,error", [(0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError)])
+def test_bad_arguments_name_the_value(bad, error):
+    # as torch's sizes: a float or a bool is a TypeError, an int out of range a ValueError
+    with pytest.raises(error, match="num_servers"):
         slice_blocks((4, 4), bad)
-    with pytest.raises(ValueError, match="min_block_size"):
+    with pytest.raises(error, match="min_block_size"):
         slice_blocks((4, 4), 2, bad)
+
+
+def test_sizes_take_any_integer_operator_index_takes():
+    np = pytest.importorskip("numpy")
+    assert slice_blocks((4, 4), np.int64(2), np.int32(8)) == slice_blocks((4, 4), 2, 8)
 
 
 def test_dispatchers():

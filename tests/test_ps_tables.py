@@ -55,7 +55,7 @@ def test_lazy_rows_are_created_on_touch_seeded_by_row_id():
     lazy = Table("t", spec(init="lazy"), BLOCKS)
     ids = torch.tensor([3, 15, 3, 9])
     first = lazy.lookup(ids)
-    assert torch.equal(first, row_init(lazy.spec, ids))
+    assert torch.equal(first, row_init(lazy.spec, "t", ids))
     assert lazy.memory_bytes() == 0  # a lookup creates nothing
     lazy.apply(ids, torch.ones(4, 3, dtype=torch.float64))
     after = lazy.lookup(ids)

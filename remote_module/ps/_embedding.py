@@ -19,7 +19,7 @@ from remote_module.ps._dispatch import RoundRobin, check_servers
 from remote_module.ps._embedding_checkpoints import TableCheckpoints
 from remote_module.ps._geo_cache import GeoCache
 from remote_module.ps._rowwise import coalesce, row_optimizer
-from remote_module.ps._slicing import _positive_int, block_name, slice_blocks
+from remote_module.ps._slicing import _index, _positive_int, block_name, slice_blocks
 from rpc_backend.options import positive_seconds
 
 PS_MODES = ("sync", "async", "half_async", "geo")
@@ -31,9 +31,16 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
     rules as a :class:`PSModel`'s parameters (``min_block_size``, ``split_method``).
 
     ``name`` is job-unique: trainers that pass the same name share one table (and must pass the
-    same sizes, servers, mode and optimizer). The servers hold the rows: ``init="eager"``
-    creates them all at once; ``init="lazy"`` creates a row on its first touch, from ``N(0, 1)``
-    seeded by ``seed`` and the row id, so a huge table costs memory only for the rows used.
+    same sizes, servers, mode, optimizer and ``padding_idx``). Sizes and other counts take any
+    integer ``operator.index`` takes (``numpy.int64`` too), as torch's. The servers hold the
+    rows: ``init="eager"`` creates them all at once; ``init="lazy"`` creates a row on its first
+    touch, so a huge table costs memory only for the rows used. Either way a row starts as
+    ``N(0, 1)`` drawn from a hash of (``seed``, ``name``, row id): the same rows eager or lazy,
+    on any servers, in every run; other tables' and other seeds' rows independent.
+
+    ``padding_idx`` as ``nn.Embedding``'s: the padding row is created as zeros, a lookup returns
+    the row as stored (a checkpoint may set it), and it is never trained (no gradient is
+    pushed for it, no optimizer state kept); a bag leaves it out of its pool and its mean.
 
     After ``loss.backward()``, :meth:`step` pushes ``(row ids, gradient rows)`` for the rows
     this trainer looked up since the last step, and the servers apply ``optimizer``
@@ -77,27 +84,31 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         half_async_merge_s: float = 0.1,
     ) -> None:
         super().__init__()
-        _positive_int(num_embeddings, "num_embeddings")
-        _positive_int(embedding_dim, "embedding_dim")
+        # sizes as nn.Embedding takes them: any integer operator.index accepts (numpy.int64...)
+        num_embeddings = _positive_int(num_embeddings, "num_embeddings")
+        embedding_dim = _positive_int(embedding_dim, "embedding_dim")
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty str naming the table, got {name!r}")
         if init not in ("eager", "lazy"):
             raise ValueError(f"init must be 'eager' or 'lazy', got {init!r}")
         if ps_mode not in PS_MODES:
             raise ValueError(f"ps_mode must be one of {', '.join(PS_MODES)}, got {ps_mode!r}")
-        _positive_int(num_trainers, "num_trainers")
-        _positive_int(geo_push_every, "geo_push_every")
-        _positive_int(half_async_merge_every, "half_async_merge_every")
-        _positive_int(min_block_size, "min_block_size")
+        num_trainers = _positive_int(num_trainers, "num_trainers")
+        geo_push_every = _positive_int(geo_push_every, "geo_push_every")
+        half_async_merge_every = _positive_int(half_async_merge_every, "half_async_merge_every")
+        min_block_size = _positive_int(min_block_size, "min_block_size")
         merge_s = positive_seconds(half_async_merge_s, "half_async_merge_s")
         timeout = None if timeout is None else positive_seconds(timeout, "timeout")
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        seed = _index(seed, "seed")
+        if seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
         if not (isinstance(optimizer, tuple) and len(optimizer) == 2 and isinstance(optimizer[1], dict)):
             raise TypeError(f"optimizer must be (a torch.optim optimizer class, kwargs dict), got {optimizer!r}")
-        if padding_idx is not None and (isinstance(padding_idx, bool) or not isinstance(padding_idx, int)
-                                        or not -num_embeddings <= padding_idx < num_embeddings):
-            raise ValueError(f"padding_idx must be an int within num_embeddings ({num_embeddings}), got {padding_idx!r}")
+        if padding_idx is not None:
+            padding_idx = _index(padding_idx, "padding_idx")
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(f"padding_idx must be within num_embeddings: in [-{num_embeddings}, "
+                                 f"{num_embeddings}), got {padding_idx}")
         self.geo_push_every = geo_push_every
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = None if padding_idx is None else padding_idx % num_embeddings
@@ -115,7 +126,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         self._ranges = [(b.offset // embedding_dim, b.size // embedding_dim, s) for b, s in zip(blocks, chosen)]
         self._row_opt = row_optimizer(*optimizer)
         spec = _tables.TableSpec(num_embeddings, embedding_dim, torch.float32, init, seed, ps_mode, num_trainers,
-                                 self._row_opt, half_async_merge_every, merge_s)
+                                 self._row_opt, half_async_merge_every, merge_s, self.padding_idx)
         # geo: the rows this trainer touched, trained locally: id -> [row, row when pulled, state]
         self._geo = GeoCache(embedding_dim, self._row_opt) if ps_mode == "geo" else None
         by_server: dict[str, list[tuple[int, int]]] = {}
@@ -202,8 +213,6 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
                 self._geo.add(uniq[mine], r)
         if self._geo is not None:
             rows = self._geo.values(uniq)
-        if self.padding_idx is not None:
-            rows[uniq == self.padding_idx] = 0.0  # as nn.Embedding: the padding row is zero, never trained
         if torch.is_grad_enabled():
             rows.requires_grad_(True)
             self._record_on_backward(uniq, rows)

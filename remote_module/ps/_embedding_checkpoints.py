@@ -15,7 +15,7 @@ from remote_module.ps import _tables
 class TableCheckpoints:
     """Checkpoint methods of :class:`remote_module.ps.ShardedEmbedding` (which provides
     ``name``, ``ps_mode``, ``init``, ``timeout``, the layout ``_ranges`` / ``_by_server`` /
-    ``_by_owner()``, ``_step``, ``_wait_s()`` and ``flush()``)."""
+    ``_by_owner()``, ``_step``, ``_wait_s()``, ``flush()`` and geo's row cache ``_geo``)."""
 
     def _settle(self) -> None:
         """Before reading the servers' rows for a checkpoint: sync waits until this trainer's
@@ -43,8 +43,6 @@ class TableCheckpoints:
             destination[prefix + "weight.ids"] = ids
             destination[prefix + "weight.rows"] = rows
         else:
-            if self.padding_idx is not None:
-                rows[self.padding_idx] = 0.0  # as the table reads it
             destination[prefix + "weight"] = rows
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any, strict: bool,
@@ -77,6 +75,8 @@ class TableCheckpoints:
             if ids[mine].numel():
                 calls.append((server, _tables._set_rows, (self.name, ids[mine], rows[mine].detach().clone())))
         call_all(calls, timeout=self.timeout)
+        if self._geo is not None:  # geo: rows cached before the load are stale; the next lookup fetches the loaded ones
+            self._geo.drop(ids.unique())
 
     def _misfit(self, ids: Any, rows: dict[str, Any]) -> str | None:
         """What makes ``ids`` and their ``rows`` (by name) not fit this table (``None`` if they do)."""

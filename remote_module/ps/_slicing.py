@@ -11,6 +11,7 @@ last holds the rest.
 from __future__ import annotations
 
 import math
+import operator
 from typing import NamedTuple, Sequence
 
 
@@ -23,8 +24,23 @@ class Block(NamedTuple):
     size: int
 
 
+def _index(value: object, what: str) -> int:
+    """``value`` as an ``int``, if it is an integer of any kind ``operator.index`` accepts
+    (``int``, ``numpy.int64``, a 0-d integer tensor...), as ``nn.Embedding`` takes its sizes;
+    ``TypeError`` for a bool, a float or anything else."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{what} must be an int (or an integer such as numpy.int64), got {type(value).__name__} "
+                    f"{value!r}: pass a whole number as an int")
+
+
 def _positive_int(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    """``value`` as a positive ``int`` (see :func:`_index`; ``ValueError`` below 1)."""
+    value = _index(value, what)
+    if value < 1:
         raise ValueError(f"{what} must be a positive int, got {value!r}")
     return value
 

@@ -24,7 +24,7 @@ import torch.distributed.rpc as rpc
 from torch.futures import Future
 
 from remote_module._settling import complete, schedule
-from remote_module.ps._rows import TableSpec, _Rows, pool_rows
+from remote_module.ps._rows import TableSpec, _Rows, pool_rows, row_key
 from remote_module.ps._rowwise import coalesce
 from remote_module.ps._server import fail_stalled
 
@@ -36,7 +36,8 @@ class Table:
 
     def __init__(self, name: str, spec: TableSpec, blocks: list[tuple[int, int]]) -> None:
         self.name, self.spec = name, spec
-        self.blocks = [_Rows(spec, first, count) for first, count in sorted(blocks)]
+        key = row_key(spec.seed, name)
+        self.blocks = [_Rows(spec, first, count, key) for first, count in sorted(blocks)]
         self.starts = torch.tensor([r.first for r in self.blocks], dtype=torch.long)
         self.ends = torch.tensor([r.first + r.count for r in self.blocks], dtype=torch.long)
         self.lock = threading.Condition()
@@ -99,6 +100,9 @@ class Table:
     def apply(self, ids: torch.Tensor, grad: torch.Tensor, scale: float = 1.0) -> None:
         """One optimizer step of the table with the sparse gradient ``(ids, grad)`` (lock held)."""
         uniq, summed = coalesce(ids, grad)
+        if self.spec.padding_idx is not None:  # never trained (trainers leave it out; so does the server)
+            keep = uniq != self.spec.padding_idx
+            uniq, summed = uniq[keep], summed[keep]
         parts = self._split(uniq)  # checked before anything changes
         self.step_count += 1
         for rows, mine in parts:
@@ -170,11 +174,16 @@ class Table:
                 self.merge()
 
     def add_deltas(self, ids: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
-        """geo: add ``deltas / num_trainers`` to rows ``ids`` (unique); their merged values."""
+        """geo: add ``deltas / num_trainers`` to rows ``ids`` (unique; the padding row is left
+        as it is); their merged values."""
+        moved = ids
+        if self.spec.padding_idx is not None:
+            keep = ids != self.spec.padding_idx
+            moved, deltas = ids[keep], deltas[keep]
         with self.lock:
-            for rows, mine in self._split(ids):
+            for rows, mine in self._split(moved):
                 with rows.lock:
-                    slots = rows.slots(ids[mine], create=True)
+                    slots = rows.slots(moved[mine], create=True)
                     rows.values[slots] += deltas[mine].to(rows.values.dtype) / self.spec.num_trainers
             return self.lookup(ids)
 
