@@ -13,7 +13,7 @@ from remote_module.ps import _server
 
 class PSCheckpoints:
     """Checkpoint methods of :class:`remote_module.ps.PSModel` (which provides the layout:
-    ``_slots``, ``_by_server()``, ``_params()``, ``_flat()``, ``_write()``, ``_server_values()``)."""
+    ``_slots``, ``_by_server()``, ``_params()``, ``_block_values()``, ``_write()``, ``_server_values()``)."""
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
         """The local model's ``state_dict`` (its own keys) with the servers' current parameters
@@ -28,13 +28,9 @@ class PSCheckpoints:
         # geo: the servers' values go into the returned dict only; the local copy (and its progress
         # since the last push, measured against the last pulled values) stays as it is
         out = self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
-        params = self._params()
-        full = {pname: p.detach().clone().reshape(-1) for pname, p in params.items()}
-        for slot in self._slots:
-            full[slot.pname][slot.block.offset:slot.block.offset + slot.block.size].copy_(values[slot.name])
-        for pname, flat in full.items():
+        for pname, value in self._assembled(values).items():
             if prefix + pname in out:
-                out[prefix + pname] = flat.reshape(params[pname].shape)
+                out[prefix + pname] = value
         return out
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
@@ -46,7 +42,7 @@ class PSCheckpoints:
         params = self._params()
         calls = []
         for server, slots in self._by_server().items():
-            values = {s.name: self._flat(s.pname)[s.block.offset:s.block.offset + s.block.size].clone() for s in slots
+            values = {s.name: self._block_values(s).clone() for s in slots
                       if id(params[s.pname]) in loaded}
             if values:
                 calls.append((server, _server._set_values, (self.name, values)))
@@ -136,4 +132,5 @@ class PSCheckpoints:
         call_all(calls, timeout=self.timeout)
         for qual, table in self._tables.items():
             table.load_optimizer_state_dict(tables[qual])
+
 

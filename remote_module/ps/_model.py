@@ -17,7 +17,7 @@ from remote_module.ps import _server
 from remote_module.ps._checkpoints import PSCheckpoints
 from remote_module.ps._dispatch import RoundRobin, check_servers as _check_servers
 from remote_module.ps._embedding import ShardedEmbedding
-from remote_module.ps._slicing import Block, _positive_int, block_name, slice_blocks
+from remote_module.ps._slicing import Block, _positive_int, block_name, block_of, slice_blocks
 from rpc_backend.options import positive_seconds
 
 
@@ -57,6 +57,10 @@ class PSModel(PSCheckpoints, nn.Module):
     ``half_async_merge_every`` pushes or ``half_async_merge_s`` seconds), ``"geo"`` (each trainer
     steps a local copy with its own optimizer and every ``geo_push_every`` steps pushes
     ``local - last pulled``, added on the servers divided by ``num_trainers``).
+
+    Non-contiguous parameters (``channels_last``, ``.t()``) keep their strides; a pull writes
+    the parameters in place as an optimizer does, so a graph built on them before it raises
+    torch's in-place error.
 
     Servers run no code of their own (they join RPC and wait). The first trainer to attach
     initialises the blocks with its model's values; every trainer must build the same model,
@@ -161,8 +165,11 @@ class PSModel(PSCheckpoints, nn.Module):
             }
         return grouped
 
-    def _flat(self, pname: str) -> torch.Tensor:
-        return self._params()[pname].detach().reshape(-1)
+    def _block_values(self, slot: _Slot, tensor: torch.Tensor | None = None) -> torch.Tensor:
+        """Slot's elements of its parameter (or of ``tensor``, e.g. its gradient), flat in
+        row-major order whatever the parameter's strides (a copy only where they need one)."""
+        t = self._params()[slot.pname].detach() if tensor is None else tensor
+        return block_of(t, slot.block).reshape(-1)
 
     def _seconds(self) -> float:
         return _timeout_seconds(self.timeout)
@@ -170,7 +177,7 @@ class PSModel(PSCheckpoints, nn.Module):
     def _attach(self) -> None:
         calls = []
         for server, slots in self._by_server().items():
-            blocks = {s.name: self._flat(s.pname)[s.block.offset:s.block.offset + s.block.size].clone() for s in slots}
+            blocks = {s.name: self._block_values(s).clone() for s in slots}
             calls.append((server, _server._attach, (self.name, self._spec, self._trainer, blocks)))
         # sync: a trainer attaching to a job under way (its PSModel built again, or restarted)
         # starts at the job's step; servers one step apart (a step cut short) meet again when it
@@ -182,13 +189,35 @@ class PSModel(PSCheckpoints, nn.Module):
 
     # ---- pull / push ----------------------------------------------------------------
 
-    def _write(self, values: dict[str, torch.Tensor]) -> None:
+    def _assembled(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each parameter whose blocks are all in ``values`` (flat, by block name), as a new
+        tensor of the parameter's shape, dtype, device and strides (``channels_last`` stays so)."""
         params = self._params()
+        whole: dict[str, list[_Slot]] = {}
+        for slot in self._slots:
+            whole.setdefault(slot.pname, []).append(slot)
+        out = {}
         with torch.no_grad():
-            for slot in self._slots:
-                if slot.name in values:
-                    flat = params[slot.pname].data.view(-1)
-                    flat[slot.block.offset:slot.block.offset + slot.block.size].copy_(values[slot.name])
+            for pname, slots in whole.items():
+                if all(s.name in values for s in slots):
+                    full = torch.empty_like(params[pname], requires_grad=False)
+                    for s in slots:
+                        part = block_of(full, s.block)
+                        part.copy_(values[s.name].view(part.shape))
+                    out[pname] = full
+        return out
+
+    def _write(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copy ``values`` (flat blocks by name) into the local parameters, in place as an
+        optimizer writes them (their version counters advance, so a graph that saved one of
+        them raises torch's in-place error instead of using the new values); the parameters
+        written, assembled (:meth:`_assembled`)."""
+        params = self._params()
+        assembled = self._assembled(values)
+        with torch.no_grad():
+            for pname, full in assembled.items():
+                params[pname].copy_(full)
+        return assembled
 
     # ---- one tensor per message ----------------------------------------------------------
 
@@ -279,7 +308,7 @@ class PSModel(PSCheckpoints, nn.Module):
             # a parameter without a gradient (frozen, or unused this step) is not pushed: as in
             # torch, its optimizer leaves it alone (no weight decay, no momentum)
             sel = [s for s in slots if params[s.pname].grad is not None]
-            grads = [params[s.pname].grad.reshape(-1)[s.block.offset:s.block.offset + s.block.size] for s in sel]
+            grads = [self._block_values(s, params[s.pname].grad) for s in sel]
             # sync: every server with blocks hears from every trainer every step, grads or not
             if grads or (slots and self.mode == "sync"):
                 calls.append((server, _server._push, (self.name, self._trainer, self._step, self._sent(sel, grads))))
@@ -294,8 +323,7 @@ class PSModel(PSCheckpoints, nn.Module):
         for server, slots in self._by_server().items():
             # only trainable (floating) parameters move: an integer one has no delta to average
             sel = [s for s in slots if params[s.pname].is_floating_point() or params[s.pname].is_complex()]
-            deltas = [self._flat(s.pname)[s.block.offset:s.block.offset + s.block.size] - self._pulled[s.name]
-                      for s in sel]
+            deltas = [self._block_values(s) - self._pulled[s.name] for s in sel]
             if deltas:
                 calls.append((server, _server._push_delta, (self.name, self._sent(sel, deltas), self._packable(sel))))
                 sent.append(sel)

@@ -1,0 +1,84 @@
+"""A PSModel behaves as the local torch model it wraps (issue 20), in every mode: a checkpoint
+restored into a fresh job continues exactly as uninterrupted training (geo included: its
+optimizer state lives on the trainer), a step without a gradient is no optimizer step for that
+parameter, two forwards before one backward each keep the values they used while the servers
+move, and non-contiguous parameters (``channels_last``, ``.t()``) train and keep their strides.
+
+The session's parameter-server world (tests/conftest.py ``ps_world``); trainers run
+tests/_ps_parity_remote.py and tests/_ps_remote.py; the plain-torch references are computed
+here on the same models and batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests import _ps_parity_remote as p
+from tests import _ps_remote as r
+from tests._ps_world import PSWorld, job
+
+pytestmark = pytest.mark.timeout(180)
+
+SERVERS = ["ps0", "ps1"]
+MIN_BLOCK = 4  # every weight cut into one block per server
+#: fp32 sums in another order (servers average, re-sliced blocks): agreement to ~1e-7 measured
+ATOL = 1e-6
+MODES = ["sync", "async", "half_async", "geo"]
+OPTIMIZERS = {
+    "sgd_momentum": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}),
+    "adam": (torch.optim.Adam, {"lr": 0.01, "weight_decay": 0.01}),
+}
+#: deterministic merges and pushes: half_async merges by count only, geo pushes every 3 steps
+MODE_KW = {"half_async": {"half_async_merge_every": 2, "half_async_merge_s": 600.0}, "geo": {"geo_push_every": 3}}
+
+
+@pytest.fixture
+def world(ps_world):  # shared with the other PS tests (tests/conftest.py)
+    return ps_world
+
+
+def assert_close(got: dict, expected: dict, what: str, atol: float = ATOL) -> None:
+    assert list(got) == list(expected), f"{what}: keys {list(got)}, expected {list(expected)}"
+    for k in expected:
+        if expected[k] is None or got[k] is None:
+            assert got[k] is None and expected[k] is None, f"{what}: {k} is {got[k]}, expected {expected[k]}"
+            continue
+        assert got[k].shape == expected[k].shape, f"{what}: {k} has shape {got[k].shape}, expected {expected[k].shape}"
+        err = (got[k].double() - expected[k].double()).abs().max().item()
+        assert err <= atol, f"{what}: {k} differs by {err:.3g} (atol {atol})"
+
+
+# ---- non-contiguous parameters ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["sync", "geo"])
+def test_non_contiguous_parameters_train_as_torch_and_keep_their_strides(world, mode):
+    """A ``channels_last`` conv weight and a ``.t()`` weight: the PSModel is built, each step's
+    gradients and the trained values are torch's, and the parameters keep torch's strides."""
+    steps = 3
+    name = job(f"strided-{mode}")
+    sgd = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.5})
+    kwargs = dict(num_trainers=1, mode=mode, optimizer=sgd, min_block_size=MIN_BLOCK,
+                  **({"geo_push_every": 1} if mode == "geo" else {}))
+    layout = world.run({"trainer0": (_create_strided, name, kwargs)})["trainer0"]
+    assert {s for b, s in layout if b.startswith("w.")} == set(SERVERS), layout  # cut across both servers
+    got = world.run({"trainer0": (p.strided_train, name, steps)})["trainer0"]
+    model = p.build("strided", 4)
+    opt = sgd[0](model.parameters(), **sgd[1])
+    for step in range(steps):
+        x, y = p.strided_batch(step)
+        opt.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x), y).backward()
+        assert_close(got["grads"][step], {k: v.grad for k, v in model.named_parameters()},
+                     f"{mode}: step {step}'s gradients")
+        opt.step()
+        assert_close(got["values"][step], model.state_dict(), f"{mode}: the servers' values after step {step}")
+    assert_close(got["local"], dict(model.named_parameters()), f"{mode}: the trainer's parameters")
+    strides = {k: v.stride() for k, v in model.named_parameters()}
+    assert got["strides"] == strides, f"strides {got['strides']}, torch's {strides}"
+    assert model.conv.weight.is_contiguous(memory_format=torch.channels_last) and not model.w.is_contiguous()
+
+
+def _create_strided(name: str, kwargs: dict) -> list:  # on a trainer
+    return p.create(name, "strided", 4, SERVERS, **kwargs)
