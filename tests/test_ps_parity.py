@@ -49,6 +49,47 @@ def assert_close(got: dict, expected: dict, what: str, atol: float = ATOL) -> No
         assert err <= atol, f"{what}: {k} differs by {err:.3g} (atol {atol})"
 
 
+# ---- two forwards before one backward ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["async", "half_async"])
+def test_two_forwards_before_one_backward_keep_the_values_each_used(world, mode):
+    """async: forward, another step lands on the servers, forward again, one backward of both:
+    the gradients are torch's for the first output at the first values plus the second output
+    at the second values (the second pull must not write into what the first graph saved)."""
+    name = job(f"twice-{mode}")
+    kwargs = dict(num_trainers=1, mode=mode, optimizer=(torch.optim.SGD, {"lr": 0.5}), min_block_size=MIN_BLOCK,
+                  **({"half_async_merge_every": 1} if mode == "half_async" else {}))
+    world.run({"trainer0": (_create_net, name, 9, kwargs)})
+    got = world.run({"trainer0": (p.two_forwards, name, 9, SERVERS, kwargs)})["trainer0"]
+    assert not torch.allclose(got["first"]["fc2.weight"], got["second"]["fc2.weight"], atol=1e-3), \
+        "the servers did not move between the forwards: weak test"
+    one, two = r.build("net", 9), r.build("net", 9)
+    one.load_state_dict(got["first"])
+    two.load_state_dict(got["second"])
+    x1, y1 = r.batch(0, 0)
+    x2, _ = r.batch(0, 1)
+    (nn.functional.mse_loss(one(x1), y1) + (two(x2) * 3.0).tanh().sum()).backward()
+    expected = {k: a.grad + b.grad for (k, a), b in zip(one.named_parameters(), two.parameters())}
+    assert_close(got["grads"], expected, f"{mode}: gradients of two forwards at the values each pulled")
+
+
+def test_a_pull_under_a_graph_of_the_parameters_themselves_raises_torch_s_in_place_error(world):
+    """A graph built on the local parameters (``ps.module(x)``), then a pull with new values:
+    its backward raises torch's in-place modification error, as after an optimizer step in
+    torch, instead of silently using the new values."""
+    name = job("inplace")
+    kwargs = dict(num_trainers=1, mode="async", optimizer=(torch.optim.SGD, {"lr": 0.5}), min_block_size=MIN_BLOCK)
+    world.run({"trainer0": (_create_net, name, 9, kwargs)})
+    outcome = world.run({"trainer0": (p.direct_graph_then_pull, name, 9, SERVERS, kwargs)})["trainer0"]
+    assert not outcome["ok"] and outcome["type"] == "RuntimeError", outcome
+    assert "modified by an inplace operation" in outcome["message"], outcome["message"]
+
+
+def _create_net(name: str, seed: int, kwargs: dict) -> list:  # on a trainer
+    return r.create(name, "net", seed, SERVERS, None, **kwargs)
+
+
 # ---- non-contiguous parameters ------------------------------------------------------------------------------
 
 

@@ -10,6 +10,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed.rpc as rpc
 from torch import nn
+from torch.func import functional_call
 
 from remote_module._fanout import _timeout_seconds, call_all, nested_seconds
 from remote_module._torch_private import is_rpc_initialized
@@ -32,6 +33,20 @@ def _tables_in(model: nn.Module, mode: str, num_trainers: int) -> dict[str, Shar
                 f"PSModel with mode={mode!r}, num_trainers={num_trainers}: build the table with the same ones"
             )
     return tables
+
+
+class _Pulled(torch.autograd.Function):
+    """``value`` in the forward pass, its gradient passed to ``param`` in the backward pass: a
+    forward runs on the values it pulled (a tensor of its own, which no later pull writes
+    into), and the gradient still accumulates in the parameter users hold."""
+
+    @staticmethod
+    def forward(ctx: Any, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return value
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
 
 
 class _Slot:
@@ -58,9 +73,13 @@ class PSModel(PSCheckpoints, nn.Module):
     steps a local copy with its own optimizer and every ``geo_push_every`` steps pushes
     ``local - last pulled``, added on the servers divided by ``num_trainers``).
 
-    Non-contiguous parameters (``channels_last``, ``.t()``) keep their strides; a pull writes
-    the parameters in place as an optimizer does, so a graph built on them before it raises
-    torch's in-place error.
+    ``forward`` runs the model on the values it pulled, kept for its own graph: a later pull
+    (another trainer's update arriving in async mode) never changes what an earlier forward's
+    graph saved, so two forwards before one ``backward()`` give torch's gradients at the values
+    each used. The parameters stay the same objects (``model.parameters()``, hooks), receive
+    the gradients, and show the last pulled values; a pull writes them in place as an optimizer
+    does, so a graph built on them directly (``model.module(x)``) raises torch's in-place error.
+    Non-contiguous parameters (``channels_last``, ``.t()``) keep their strides.
 
     Servers run no code of their own (they join RPC and wait). The first trainer to attach
     initialises the blocks with its model's values; every trainer must build the same model,
@@ -270,10 +289,27 @@ class PSModel(PSCheckpoints, nn.Module):
         return values
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Pull the parameters (not in geo mode, which trains its local copy), then run the model."""
-        if self.mode != "geo":
-            self.pull()
-        return self.module(*args, **kwargs)
+        """Pull the parameters (not in geo mode, which trains its local copy), then run the
+        model on the values pulled.
+
+        Each forward runs on values of its own: the pulled values are copied into the local
+        parameters (``model.module.weight`` shows them) and the model runs on a separate copy
+        whose gradient flows into those same parameter objects. So a later forward, whose pull
+        may bring other trainers' updates (async, half_async), never changes what an earlier
+        forward's graph saved: two forwards before one ``backward()`` give, as in torch, the sum
+        of each forward's gradient at the values that forward used (parameters, hooks and
+        optimizers holding them are unchanged objects). Under ``torch.no_grad()`` the model runs
+        on the parameters themselves.
+        """
+        if self.mode == "geo":
+            return self.module(*args, **kwargs)
+        pulled = self._write(self._server_values())
+        if not torch.is_grad_enabled():
+            return self.module(*args, **kwargs)
+        params = self._params()
+        own = {pname: _Pulled.apply(params[pname], value) if params[pname].requires_grad else value
+               for pname, value in pulled.items()}
+        return functional_call(self.module, own, args, kwargs)
 
     def step(self) -> None:
         """Push this step's gradients (geo: step the local copy; every ``geo_push_every`` steps
