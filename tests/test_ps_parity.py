@@ -49,6 +49,84 @@ def assert_close(got: dict, expected: dict, what: str, atol: float = ATOL) -> No
         assert err <= atol, f"{what}: {k} differs by {err:.3g} (atol {atol})"
 
 
+# ---- checkpoints continue identically, every mode ----------------------------------------------------
+
+
+def _train(world: PSWorld, name: str, mode: str, steps: int, start: int) -> None:
+    """Both trainers train ``steps`` steps: together in sync mode (each step needs both), else
+    trainer0 then trainer1 (the driver orders them, so every run applies the same updates)."""
+    if mode == "sync":
+        world.run({t: (r.train, name, i, steps, start) for i, t in enumerate(["trainer0", "trainer1"])})
+    else:
+        for i, t in enumerate(["trainer0", "trainer1"]):
+            world.run({t: (r.train, name, i, steps, start)})
+
+
+def _create(world: PSWorld, name: str, servers: list[str], mode: str, opt: str) -> None:
+    kwargs = dict(num_trainers=2, mode=mode, optimizer=OPTIMIZERS[opt], min_block_size=MIN_BLOCK, **MODE_KW.get(mode, {}))
+    world.run({t: (_create_here, name, servers, kwargs) for t in ["trainer0", "trainer1"]})
+
+
+def _create_here(name: str, servers: list[str], kwargs: dict) -> list:  # on a trainer
+    return r.create(name, "net", 7, servers, None, **kwargs)
+
+
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+@pytest.mark.parametrize("mode", MODES)
+def test_a_restored_checkpoint_continues_as_uninterrupted_training(world, mode, opt):
+    """Train 5 steps on 2 servers, checkpoint (trainer0's state_dict, each trainer's optimizer
+    state), train 4 more; a fresh job on 3 servers restored from the checkpoint trains the same
+    4 steps: the same servers' values (and in geo mode the same local copies; the checkpoint
+    falls between two pushes, after the other trainer's push, so the trainer-side state is all
+    there is of the progress since)."""
+    k, n = 5, 4
+    first, second = job(f"ckpt-{mode}-{opt}"), job(f"restored-{mode}-{opt}")
+    _create(world, first, SERVERS, mode, opt)
+    _train(world, first, mode, k, 0)
+    sd = world.run({"trainer0": (r.state, first)})["trainer0"]
+    osd = world.run({t: (r.optimizer_state, first) for t in ["trainer0", "trainer1"]})
+    _train(world, first, mode, n, k)
+    expected = world.run({"trainer1": (r.state, first)})["trainer1"]
+    expected_local = world.run({t: (r.local, first) for t in ["trainer0", "trainer1"]})
+
+    _create(world, second, ["ps0", "ps1", "ps2"], mode, opt)
+    world.run({t: (r.load, second, sd, osd[t]) for t in ["trainer0", "trainer1"]})
+    _train(world, second, mode, n, k)
+    got = world.run({"trainer1": (r.state, second)})["trainer1"]
+    assert_close(got, expected, f"{mode}, {opt}: restored on 3 servers vs uninterrupted on 2")
+    assert not torch.allclose(got["fc1.weight"], sd["fc1.weight"], atol=1e-3), "did not train after the restore"
+    if mode == "geo":
+        got_local = world.run({t: (r.local, second) for t in ["trainer0", "trainer1"]})
+        for t in got_local:
+            assert_close(got_local[t], expected_local[t], f"geo, {opt}: {t}'s local copy, restored vs uninterrupted")
+
+
+def test_a_geo_optimizer_state_is_the_trainers_own_in_torch_s_format(world):
+    """geo: optimizer_state_dict() has this trainer's local optimizer state per parameter, as a
+    local torch optimizer has it after the same steps (1 trainer, pushing every step: its local
+    copy is the plain model)."""
+    name = job("geo-osd")
+    adam = OPTIMIZERS["adam"]
+    world.run({"trainer0": (_create_here, name, SERVERS, dict(num_trainers=1, mode="geo", geo_push_every=1,
+                                                               optimizer=adam, min_block_size=MIN_BLOCK))})
+    world.run({"trainer0": (r.train, name, 0, 3)})
+    osd = world.run({"trainer0": (r.optimizer_state, name)})["trainer0"]
+    model = r.build("net", 7)
+    opt = adam[0](model.parameters(), **adam[1])
+    for step in range(3):
+        x, y = r.batch(0, step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    for pname, param in model.named_parameters():
+        st = opt.state[param]
+        assert set(osd["state"][pname]) == set(st), (pname, osd["state"][pname].keys(), st.keys())
+        assert int(osd["state"][pname]["step"]) == 3, osd["state"][pname]["step"]
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert_close({key: osd["state"][pname][key]}, {key: st[key]}, f"{pname}'s {key}")
+        assert sorted(osd["per_element"][pname]) == ["exp_avg", "exp_avg_sq"], osd["per_element"][pname]
+
+
 # ---- two forwards before one backward ---------------------------------------------------------------------
 
 

@@ -87,8 +87,9 @@ class PSModel(PSCheckpoints, nn.Module):
     BatchNorm's running statistics) stay local to each trainer.
 
     ``state_dict()`` has the local model's own keys with the servers' current values;
-    :meth:`optimizer_state_dict` the servers' optimizer state per parameter. Both load onto any
-    number of servers (re-sliced).
+    :meth:`optimizer_state_dict` the servers' optimizer state per parameter (geo: this trainer's
+    optimizer state and its progress since its last push). Both load onto any number of servers
+    (re-sliced), and training continues as it would have.
 
     Example (ranks ps0, ps1 only join RPC and wait; trainer0 and trainer1 run)::
 
