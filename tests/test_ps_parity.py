@@ -127,6 +127,48 @@ def test_a_geo_optimizer_state_is_the_trainers_own_in_torch_s_format(world):
         assert sorted(osd["per_element"][pname]) == ["exp_avg", "exp_avg_sq"], osd["per_element"][pname]
 
 
+# ---- a step without gradients is no optimizer step -----------------------------------------------------
+
+
+def sometimes_reference(optimizer: tuple) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = p.build("sometimes", 3)
+    opt = optimizer[0](model.parameters(), **optimizer[1])
+    for step, kind in enumerate(p.SCHEDULE):
+        opt.zero_grad(set_to_none=True)
+        if kind != "none":
+            model(p.sometimes_x(step), kind == "all").backward()
+        opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+@pytest.mark.parametrize("mode", MODES)
+def test_a_step_without_gradients_is_no_optimizer_step(world, mode, opt):
+    """One trainer follows a schedule where ``q`` (or every parameter) has no gradient on some
+    steps: the servers' values and each parameter's step count are torch's, which skips a
+    parameter whose gradient is None (no momentum, no weight decay, no Adam step). geo pushes
+    every 2 optimizer steps: a step() without any gradient does not count towards a push."""
+    name = job(f"nograd-{mode}-{opt}")
+    kwargs = dict(num_trainers=1, mode=mode, optimizer=OPTIMIZERS[opt], min_block_size=MIN_BLOCK,
+                  **({"geo_push_every": 2} if mode == "geo" else {}),
+                  **({"half_async_merge_every": 1} if mode == "half_async" else {}))
+    world.run({"trainer0": (_create_sometimes, name, kwargs)})
+    got = world.run({"trainer0": (p.sometimes_train, name)})["trainer0"]
+    model, reference_opt = sometimes_reference(OPTIMIZERS[opt])
+    expected = {k: v.detach() for k, v in model.named_parameters()}
+    assert sum(kind != "none" for kind in p.SCHEDULE) % 2 == 0  # geo: the last optimizer step pushed
+    assert_close(got["values"], expected, f"{mode}, {opt}: the servers' values after {p.SCHEDULE}")
+    assert_close(got["local"], expected, f"{mode}, {opt}: the trainer's parameters after {p.SCHEDULE}")
+    if opt == "adam":
+        for pname, param in model.named_parameters():
+            steps = int(got["optim"]["state"][pname]["step"])
+            assert steps == int(reference_opt.state[param]["step"]), f"{pname}: {steps} Adam steps"
+
+
+def _create_sometimes(name: str, kwargs: dict) -> list:  # on a trainer
+    return p.create(name, "sometimes", 3, SERVERS, **kwargs)
+
+
 # ---- two forwards before one backward ---------------------------------------------------------------------
 
 

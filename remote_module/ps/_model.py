@@ -70,8 +70,11 @@ class PSModel(PSCheckpoints, nn.Module):
     averages all ``num_trainers`` trainers' gradients, applied once), ``"async"`` (each push
     applied on arrival), ``"half_async"`` (pushes summed and applied every
     ``half_async_merge_every`` pushes or ``half_async_merge_s`` seconds), ``"geo"`` (each trainer
-    steps a local copy with its own optimizer and every ``geo_push_every`` steps pushes
-    ``local - last pulled``, added on the servers divided by ``num_trainers``).
+    steps a local copy with its own optimizer and every ``geo_push_every`` optimizer steps pushes
+    ``local - last pulled``, added on the servers divided by ``num_trainers``). As torch's
+    optimizers, the servers (geo: the local optimizer) skip a parameter whose gradient is None:
+    no momentum, no weight decay, no step count; a ``step()`` without any gradient is no
+    optimizer step (geo: it does not count towards a push).
 
     ``forward`` runs the model on the values it pulled, kept for its own graph: a later pull
     (another trainer's update arriving in async mode) never changes what an earlier forward's
@@ -313,8 +316,9 @@ class PSModel(PSCheckpoints, nn.Module):
         return functional_call(self.module, own, args, kwargs)
 
     def step(self) -> None:
-        """Push this step's gradients (geo: step the local copy; every ``geo_push_every`` steps
-        push the deltas and take the merged parameters) and clear the local gradients.
+        """Push this step's gradients (geo: step the local copy; every ``geo_push_every``
+        optimizer steps push the deltas and take the merged parameters) and clear the local
+        gradients. Parameters without a gradient are left alone, as torch's optimizers leave them.
 
         Example::
 
@@ -332,14 +336,18 @@ class PSModel(PSCheckpoints, nn.Module):
             table.zero_grad()
 
     def _step_dense(self) -> None:
+        params = self._params()
         if self.mode == "geo":
+            # a step() without any gradient is no optimizer step (torch's optimizer leaves every
+            # parameter alone): it does not count towards the next push either
+            if all(p.grad is None for p in params.values()):
+                return
             self._local_opt.step()
             self._local_opt.zero_grad(set_to_none=True)
             self._step += 1
             if self._step % self.geo_push_every == 0:
                 self._push_deltas()
             return
-        params = self._params()
         calls = []
         for server, slots in self._by_server().items():
             # a parameter without a gradient (frozen, or unused this step) is not pushed: as in
