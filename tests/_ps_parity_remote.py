@@ -5,6 +5,7 @@ reference itself. PSModels are kept by job name in tests/_ps_remote.py's registr
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -139,3 +140,63 @@ def direct_graph_then_pull(job: str, seed: int, servers: list[str], kwargs: dict
     other.step()
     ps.pull()
     return base._attempt(lambda: nn.functional.mse_loss(out, y).backward())
+
+
+
+class Meeting(nn.Module):
+    """``p.sum()`` (16 elements: gradient 1), whose forward makes two threads meet inside it:
+    the first to enter waits (up to 2 s) for a second one inside, the second waits (up to 2 s)
+    until the first's call returned (:meth:`finished`). Concurrent forwards that swap tensors
+    on the module would then restore them in the wrong order; one at a time, each wait simply
+    ends at its deadline."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.zeros(16))
+        self.cv = threading.Condition()
+        self.inside = self.done = 0
+
+    def forward(self) -> torch.Tensor:
+        with self.cv:
+            self.inside += 1
+            first = self.inside == 1
+            self.cv.notify_all()
+            if first:
+                self.cv.wait_for(lambda: self.inside >= 2, timeout=2.0)
+            else:
+                self.cv.wait_for(lambda: self.done >= 1, timeout=2.0)
+        return self.p.sum()
+
+    def finished(self) -> None:
+        with self.cv:
+            self.done += 1
+            self.cv.notify_all()
+
+
+def threads_forward(job: str, servers: list[str]) -> dict:
+    """Two threads each forward and backward one async PSModel of a :class:`Meeting` at once:
+    whether the module still holds its own Parameter objects afterwards, and the gradient."""
+    from remote_module.ps import PSModel
+
+    ps = PSModel(Meeting(), servers, name=job, num_trainers=1, mode="async")
+    before = [id(q) for q in ps.parameters()]
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            out = ps()
+            ps.module.finished()
+            out.backward()
+        except BaseException as exc:  # reported to the test
+            errors.append(exc)
+
+    workers = [threading.Thread(target=run) for _ in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    if errors:
+        raise errors[0]
+    return {"same": [id(q) for q in ps.parameters()] == before,
+            "types": sorted({type(v).__name__ for v in ps.module._parameters.values()}),
+            "grad": ps.module.p.grad.clone()}

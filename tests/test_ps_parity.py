@@ -206,6 +206,15 @@ def test_a_pull_under_a_graph_of_the_parameters_themselves_raises_torch_s_in_pla
     assert "modified by an inplace operation" in outcome["message"], outcome["message"]
 
 
+def test_threads_calling_one_psmodel_keep_its_parameters_and_every_gradient(world):
+    """Two threads in one async PSModel's forward at once (tests/_ps_parity_remote.Meeting makes
+    them meet): the module still holds its own Parameter objects afterwards (no thread's
+    per-forward tensor left installed) and the gradient is both backwards'."""
+    got = world.run({"trainer0": (p.threads_forward, job("threads-forward"), SERVERS)})["trainer0"]
+    assert got["same"] and got["types"] == ["Parameter"], got
+    assert torch.equal(got["grad"], torch.full((16,), 2.0)), got["grad"]
+
+
 def _create_net(name: str, seed: int, kwargs: dict) -> list:  # on a trainer
     return r.create(name, "net", seed, SERVERS, None, **kwargs)
 

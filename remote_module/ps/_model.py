@@ -4,6 +4,8 @@ parameter servers."""
 from __future__ import annotations
 
 import hashlib
+import threading
+import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
@@ -47,6 +49,22 @@ class _Pulled(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
+
+
+#: per PSModel, held while a forward writes the pulled values and runs the module on its own
+#: copy of them: functional_call installs that copy on the module for the call, so two threads
+#: in one PSModel's forward at once would see (and could leave behind) each other's tensors.
+#: Kept outside the object, which stays picklable and deep-copyable as a module.
+_forward_locks: "weakref.WeakKeyDictionary[nn.Module, threading.RLock]" = weakref.WeakKeyDictionary()
+_forward_locks_guard = threading.Lock()
+
+
+def _forward_lock(model: nn.Module) -> threading.RLock:
+    with _forward_locks_guard:
+        lock = _forward_locks.get(model)
+        if lock is None:
+            lock = _forward_locks[model] = threading.RLock()
+        return lock
 
 
 class _Slot:
@@ -303,17 +321,20 @@ class PSModel(PSCheckpoints, nn.Module):
         forward's graph saved: two forwards before one ``backward()`` give, as in torch, the sum
         of each forward's gradient at the values that forward used (parameters, hooks and
         optimizers holding them are unchanged objects). Under ``torch.no_grad()`` the model runs
-        on the parameters themselves.
+        on the parameters themselves. Threads calling one PSModel pull concurrently and run the
+        module one at a time (each on the values it pulled).
         """
         if self.mode == "geo":
             return self.module(*args, **kwargs)
-        pulled = self._write(self._server_values())
-        if not torch.is_grad_enabled():
-            return self.module(*args, **kwargs)
-        params = self._params()
-        own = {pname: _Pulled.apply(params[pname], value) if params[pname].requires_grad else value
-               for pname, value in pulled.items()}
-        return functional_call(self.module, own, args, kwargs)
+        values = self._server_values()
+        with _forward_lock(self):
+            pulled = self._write(values)
+            if not torch.is_grad_enabled():
+                return self.module(*args, **kwargs)
+            params = self._params()
+            own = {pname: _Pulled.apply(params[pname], value) if params[pname].requires_grad else value
+                   for pname, value in pulled.items()}
+            return functional_call(self.module, own, args, kwargs)
 
     def step(self) -> None:
         """Push this step's gradients (geo: step the local copy; every ``geo_push_every``
