@@ -44,8 +44,7 @@ class Sometimes(nn.Module):
 
 def build(kind: str, seed: int) -> nn.Module:
     torch.manual_seed(seed)
-    model = {"strided": Strided, "sometimes": Sometimes}[kind]()
-    return model
+    return {"strided": Strided, "sometimes": Sometimes}[kind]()
 
 
 def strided_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
