@@ -88,3 +88,26 @@ def test_dispatchers():
     assert HashName()(names, servers) == [servers[zlib.crc32(n.encode()) % 3] for n in names]
     with pytest.raises(ValueError, match="at least one server"):
         RoundRobin()(names, [])
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "channels_last"])
+@pytest.mark.parametrize("servers, min_block", [(1, 8192), (2, 4), (3, 4)])
+def test_a_block_of_any_strides_is_a_view_with_the_blocks_row_major_elements(layout, servers, min_block):
+    """block_of: the blocks' elements (row-major, whatever the strides) concatenate to the
+    tensor's, and writing into a block writes the tensor (no ``view(-1)``, which a
+    non-contiguous parameter does not have)."""
+    import torch
+
+    from remote_module.ps._slicing import block_of
+
+    t = {"contiguous": lambda: torch.arange(120.0).reshape(6, 20),
+         "transposed": lambda: torch.arange(120.0).reshape(20, 6).t(),
+         "channels_last": lambda: torch.arange(120.0).reshape(2, 3, 4, 5).to(memory_format=torch.channels_last)}[layout]()
+    blocks = slice_blocks(t.shape, servers, min_block)
+    assert torch.equal(torch.cat([block_of(t, b).reshape(-1) for b in blocks]), t.reshape(-1))
+    for b in blocks:
+        block_of(t, b).fill_(-1.0 - b.index)
+    assert torch.equal(t.reshape(-1), torch.cat([torch.full((b.size,), -1.0 - b.index) for b in blocks]))
+    for b in slice_blocks((7,), 2, 3):  # 1-D: runs of elements
+        assert block_of(torch.arange(7), b).tolist() == list(range(b.offset, b.offset + b.size))
+    assert block_of(torch.tensor(3.0), Block(0, 0, 1)).item() == 3.0  # 0-dim: itself

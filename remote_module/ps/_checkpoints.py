@@ -3,6 +3,7 @@ servers' optimizer state per parameter, both re-sliced on load (any number of se
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -13,7 +14,7 @@ from remote_module.ps import _server
 
 class PSCheckpoints:
     """Checkpoint methods of :class:`remote_module.ps.PSModel` (which provides the layout:
-    ``_slots``, ``_by_server()``, ``_params()``, ``_flat()``, ``_write()``, ``_server_values()``)."""
+    ``_slots``, ``_by_server()``, ``_params()``, ``_block_values()``, ``_write()``, ``_server_values()``)."""
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
         """The local model's ``state_dict`` (its own keys) with the servers' current parameters
@@ -28,13 +29,9 @@ class PSCheckpoints:
         # geo: the servers' values go into the returned dict only; the local copy (and its progress
         # since the last push, measured against the last pulled values) stays as it is
         out = self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
-        params = self._params()
-        full = {pname: p.detach().clone().reshape(-1) for pname, p in params.items()}
-        for slot in self._slots:
-            full[slot.pname][slot.block.offset:slot.block.offset + slot.block.size].copy_(values[slot.name])
-        for pname, flat in full.items():
+        for pname, value in self._assembled(values).items():
             if prefix + pname in out:
-                out[prefix + pname] = flat.reshape(params[pname].shape)
+                out[prefix + pname] = value
         return out
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
@@ -46,7 +43,7 @@ class PSCheckpoints:
         params = self._params()
         calls = []
         for server, slots in self._by_server().items():
-            values = {s.name: self._flat(s.pname)[s.block.offset:s.block.offset + s.block.size].clone() for s in slots
+            values = {s.name: self._block_values(s).clone() for s in slots
                       if id(params[s.pname]) in loaded}
             if values:
                 calls.append((server, _server._set_values, (self.name, values)))
@@ -57,16 +54,31 @@ class PSCheckpoints:
         return result
 
     def optimizer_state_dict(self) -> dict:
-        """The servers' optimizer state: ``{"state": {parameter: {key: value}}, "optimizer":
-        the class name, "per_element": {parameter: [keys]}}``. Per-element state (e.g. Adam's
-        moments) is concatenated in the parameter's shape, and ``per_element`` names those keys
-        (a scalar parameter's look like ``step``); scalars such as ``step`` are kept as they are.
-        Loadable by :meth:`load_optimizer_state_dict` onto any number of servers.
+        """The optimizer state: ``{"state": {parameter: {key: value}}, "optimizer": the class
+        name, "per_element": {parameter: [keys]}, "tables": {table: its state}}``. Per-element
+        state (e.g. Adam's moments) is in the parameter's shape, and ``per_element`` names those
+        keys (a scalar parameter's look like ``step``); scalars such as ``step`` are kept as they
+        are. Loadable by :meth:`load_optimizer_state_dict` onto any number of servers.
+
+        sync, async, half_async: the servers' optimizers' state, concatenated from the blocks.
+        geo: the optimizer is this trainer's own, so this is its state, plus ``"geo"``: this
+        trainer's progress since its last push (``"steps"``: its optimizer steps so far, which
+        time the pushes; ``"local"``: its local copy; ``"pulled"``: the values it last took from
+        the servers). Each trainer saves and loads its own: restored after the model's
+        ``load_state_dict``, training continues exactly as it would have.
 
         Example::
 
             torch.save({"model": ps.state_dict(), "optim": ps.optimizer_state_dict()}, "ckpt.pt")
+            # ... a fresh PSModel (any servers), then:
+            ps.load_state_dict(ckpt["model"])
+            ps.load_optimizer_state_dict(ckpt["optim"])
         """
+        tables = {qual: table.optimizer_state_dict() for qual, table in self._tables.items()}
+        if self.mode == "geo":
+            state, per_element = self._trainer_optimizer_state()
+            return {"state": state, "optimizer": self.optimizer[0].__name__, "per_element": per_element,
+                    "tables": tables, "geo": self._geo_progress()}
         calls = [(server, _server._optimizer_state, (self.name, [s.name for s in slots]))
                  for server, slots in self._by_server().items() if slots]
         by_block: dict[str, dict] = {}
@@ -88,11 +100,12 @@ class PSCheckpoints:
                 else:
                     entry[key] = values[0]
             state[pname] = entry
-        tables = {qual: table.optimizer_state_dict() for qual, table in self._tables.items()}
         return {"state": state, "optimizer": self.optimizer[0].__name__, "per_element": per_element, "tables": tables}
 
     def load_optimizer_state_dict(self, state_dict: dict) -> None:
-        """Send optimizer state from :meth:`optimizer_state_dict` to the servers, re-sliced."""
+        """Load optimizer state from :meth:`optimizer_state_dict`: sent to the servers,
+        re-sliced (geo: into this trainer's optimizer, with its ``"geo"`` progress: load it
+        after the model's :meth:`load_state_dict`, which resets the local copy to the servers')."""
         if not isinstance(state_dict, dict) or "state" not in state_dict:
             raise TypeError("load_optimizer_state_dict takes what optimizer_state_dict() returned")
         if state_dict.get("optimizer") != self.optimizer[0].__name__:
@@ -118,6 +131,16 @@ class PSCheckpoints:
                         f"{tuple(getattr(value, 'shape', ()))}, but the parameter has shape {tuple(p.shape)}: load "
                         "optimizer state saved from the same model"
                     )
+        geo = state_dict.get("geo") if self.mode == "geo" else None
+        if geo is not None:
+            self._check_geo_progress(geo)
+        if self.mode == "geo":
+            self._load_trainer_optimizer_state(state_dict["state"])
+            if geo is not None:
+                self._load_geo_progress(geo)
+            for qual, table in self._tables.items():
+                table.load_optimizer_state_dict(tables[qual])
+            return
         calls = []
         for server, slots in self._by_server().items():
             states = {}
@@ -137,3 +160,70 @@ class PSCheckpoints:
         for qual, table in self._tables.items():
             table.load_optimizer_state_dict(tables[qual])
 
+
+    # ---- geo: the optimizer and the progress since the last push are the trainer's ----------------
+
+    def _trainer_optimizer_state(self) -> tuple[dict[str, dict], dict[str, list[str]]]:
+        """This trainer's optimizer state by parameter name (copies), and its per-element keys:
+        tensors of the parameter's shape (a scalar parameter's ``step`` is a scalar)."""
+        opt = self._local_opt
+        state: dict[str, dict] = {}
+        per_element: dict[str, list[str]] = {}
+        for pname, p in self._params().items():
+            entry = {k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+                     for k, v in opt.state.get(p, {}).items()}
+            state[pname] = entry
+            per_element[pname] = [k for k, v in entry.items() if isinstance(v, torch.Tensor)
+                                  and v.shape == p.shape and (p.dim() > 0 or k != "step")]
+        return state, per_element
+
+    def _load_trainer_optimizer_state(self, state: dict[str, dict]) -> None:
+        """``state`` (by parameter name, checked) into this trainer's optimizer, through torch's
+        own ``load_state_dict`` (which casts to each parameter's dtype and device)."""
+        opt = self._local_opt
+        index = {id(p): i for i, p in enumerate(p for group in opt.param_groups for p in group["params"])}
+        loaded = {}
+        for pname, p in self._params().items():
+            entry = state[pname]
+            if entry:
+                loaded[index[id(p)]] = {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+                                        for k, v in entry.items()}
+        sd = opt.state_dict()
+        sd["state"] = loaded
+        opt.load_state_dict(sd)
+
+    def _geo_progress(self) -> dict:
+        params = self._params()
+        return {"steps": self._step,
+                "local": {pname: p.detach().clone() for pname, p in params.items()},
+                "pulled": self._assembled(self._pulled)}
+
+    def _check_geo_progress(self, geo: Any) -> None:
+        """A ``"geo"`` entry as :meth:`_geo_progress` made it for this model (checked before
+        anything is loaded): a ``ValueError`` naming what does not fit."""
+        if not (isinstance(geo, dict) and isinstance(geo.get("steps"), int) and isinstance(geo.get("local"), dict)
+                and isinstance(geo.get("pulled"), dict)):
+            raise ValueError("the optimizer state's 'geo' entry must have 'steps' (int), 'local' and 'pulled' "
+                             f"(dicts by parameter name) as optimizer_state_dict() makes it, got {geo!r:.200}")
+        for pname, p in self._params().items():
+            trained = p.is_floating_point() or p.is_complex()
+            for what in ("local", "pulled"):
+                value = geo[what].get(pname)
+                if value is None and (what == "local" or trained):
+                    raise KeyError(f"the optimizer state's geo {what!r} values have no entry for parameter {pname!r}")
+                if value is not None and (not isinstance(value, torch.Tensor) or value.shape != p.shape):
+                    raise ValueError(
+                        f"the optimizer state's geo {what!r} value of parameter {pname!r} has shape "
+                        f"{tuple(getattr(value, 'shape', ()))}, but the parameter has shape {tuple(p.shape)}: load "
+                        "optimizer state saved from the same model"
+                    )
+
+    def _load_geo_progress(self, geo: dict) -> None:
+        """The local copy, the values last pulled (re-sliced) and the step count, as saved."""
+        params = self._params()
+        with torch.no_grad():
+            for pname, p in params.items():
+                p.copy_(geo["local"][pname])
+        self._pulled = {s.name: self._block_values(s, geo["pulled"][s.pname].to(params[s.pname].dtype)).clone()
+                        for s in self._slots if s.pname in geo["pulled"]}
+        self._step = geo["steps"]

@@ -4,12 +4,15 @@ parameter servers."""
 from __future__ import annotations
 
 import hashlib
+import threading
+import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed.rpc as rpc
 from torch import nn
+from torch.func import functional_call
 
 from remote_module._fanout import _timeout_seconds, call_all, nested_seconds
 from remote_module._torch_private import is_rpc_initialized
@@ -17,7 +20,7 @@ from remote_module.ps import _server
 from remote_module.ps._checkpoints import PSCheckpoints
 from remote_module.ps._dispatch import RoundRobin, check_servers as _check_servers
 from remote_module.ps._embedding import ShardedEmbedding
-from remote_module.ps._slicing import Block, _positive_int, block_name, slice_blocks
+from remote_module.ps._slicing import Block, _positive_int, block_name, block_of, slice_blocks
 from rpc_backend.options import positive_seconds
 
 
@@ -32,6 +35,36 @@ def _tables_in(model: nn.Module, mode: str, num_trainers: int) -> dict[str, Shar
                 f"PSModel with mode={mode!r}, num_trainers={num_trainers}: build the table with the same ones"
             )
     return tables
+
+
+class _Pulled(torch.autograd.Function):
+    """``value`` in the forward pass, its gradient passed to ``param`` in the backward pass: a
+    forward runs on the values it pulled (a tensor of its own, which no later pull writes
+    into), and the gradient still accumulates in the parameter users hold."""
+
+    @staticmethod
+    def forward(ctx: Any, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return value
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+#: per PSModel, held while a forward writes the pulled values and runs the module on its own
+#: copy of them: functional_call installs that copy on the module for the call, so two threads
+#: in one PSModel's forward at once would see (and could leave behind) each other's tensors.
+#: Kept outside the object, which stays picklable and deep-copyable as a module.
+_forward_locks: "weakref.WeakKeyDictionary[nn.Module, threading.RLock]" = weakref.WeakKeyDictionary()
+_forward_locks_guard = threading.Lock()
+
+
+def _forward_lock(model: nn.Module) -> threading.RLock:
+    with _forward_locks_guard:
+        lock = _forward_locks.get(model)
+        if lock is None:
+            lock = _forward_locks[model] = threading.RLock()
+        return lock
 
 
 class _Slot:
@@ -55,8 +88,19 @@ class PSModel(PSCheckpoints, nn.Module):
     averages all ``num_trainers`` trainers' gradients, applied once), ``"async"`` (each push
     applied on arrival), ``"half_async"`` (pushes summed and applied every
     ``half_async_merge_every`` pushes or ``half_async_merge_s`` seconds), ``"geo"`` (each trainer
-    steps a local copy with its own optimizer and every ``geo_push_every`` steps pushes
-    ``local - last pulled``, added on the servers divided by ``num_trainers``).
+    steps a local copy with its own optimizer and every ``geo_push_every`` optimizer steps pushes
+    ``local - last pulled``, added on the servers divided by ``num_trainers``). As torch's
+    optimizers, the servers (geo: the local optimizer) skip a parameter whose gradient is None:
+    no momentum, no weight decay, no step count; a ``step()`` without any gradient is no
+    optimizer step (geo: it does not count towards a push).
+
+    ``forward`` runs the model on the values it pulled, kept for its own graph: a later pull
+    (another trainer's update arriving in async mode) never changes what an earlier forward's
+    graph saved, so two forwards before one ``backward()`` give torch's gradients at the values
+    each used. The parameters stay the same objects (``model.parameters()``, hooks), receive
+    the gradients, and show the last pulled values; a pull writes them in place as an optimizer
+    does, so a graph built on them directly (``model.module(x)``) raises torch's in-place error.
+    Non-contiguous parameters (``channels_last``, ``.t()``) keep their strides.
 
     Servers run no code of their own (they join RPC and wait). The first trainer to attach
     initialises the blocks with its model's values; every trainer must build the same model,
@@ -64,8 +108,9 @@ class PSModel(PSCheckpoints, nn.Module):
     BatchNorm's running statistics) stay local to each trainer.
 
     ``state_dict()`` has the local model's own keys with the servers' current values;
-    :meth:`optimizer_state_dict` the servers' optimizer state per parameter. Both load onto any
-    number of servers (re-sliced).
+    :meth:`optimizer_state_dict` the servers' optimizer state per parameter (geo: this trainer's
+    optimizer state and its progress since its last push). Both load onto any number of servers
+    (re-sliced), and training continues as it would have.
 
     Example (ranks ps0, ps1 only join RPC and wait; trainer0 and trainer1 run)::
 
@@ -161,8 +206,11 @@ class PSModel(PSCheckpoints, nn.Module):
             }
         return grouped
 
-    def _flat(self, pname: str) -> torch.Tensor:
-        return self._params()[pname].detach().reshape(-1)
+    def _block_values(self, slot: _Slot, tensor: torch.Tensor | None = None) -> torch.Tensor:
+        """Slot's elements of its parameter (or of ``tensor``, e.g. its gradient), flat in
+        row-major order whatever the parameter's strides (a copy only where they need one)."""
+        t = self._params()[slot.pname].detach() if tensor is None else tensor
+        return block_of(t, slot.block).reshape(-1)
 
     def _seconds(self) -> float:
         return _timeout_seconds(self.timeout)
@@ -170,7 +218,7 @@ class PSModel(PSCheckpoints, nn.Module):
     def _attach(self) -> None:
         calls = []
         for server, slots in self._by_server().items():
-            blocks = {s.name: self._flat(s.pname)[s.block.offset:s.block.offset + s.block.size].clone() for s in slots}
+            blocks = {s.name: self._block_values(s).clone() for s in slots}
             calls.append((server, _server._attach, (self.name, self._spec, self._trainer, blocks)))
         # sync: a trainer attaching to a job under way (its PSModel built again, or restarted)
         # starts at the job's step; servers one step apart (a step cut short) meet again when it
@@ -182,13 +230,35 @@ class PSModel(PSCheckpoints, nn.Module):
 
     # ---- pull / push ----------------------------------------------------------------
 
-    def _write(self, values: dict[str, torch.Tensor]) -> None:
+    def _assembled(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each parameter whose blocks are all in ``values`` (flat, by block name), as a new
+        tensor of the parameter's shape, dtype, device and strides (``channels_last`` stays so)."""
         params = self._params()
+        whole: dict[str, list[_Slot]] = {}
+        for slot in self._slots:
+            whole.setdefault(slot.pname, []).append(slot)
+        out = {}
         with torch.no_grad():
-            for slot in self._slots:
-                if slot.name in values:
-                    flat = params[slot.pname].data.view(-1)
-                    flat[slot.block.offset:slot.block.offset + slot.block.size].copy_(values[slot.name])
+            for pname, slots in whole.items():
+                if all(s.name in values for s in slots):
+                    full = torch.empty_like(params[pname], requires_grad=False)
+                    for s in slots:
+                        part = block_of(full, s.block)
+                        part.copy_(values[s.name].view(part.shape))
+                    out[pname] = full
+        return out
+
+    def _write(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copy ``values`` (flat blocks by name) into the local parameters, in place as an
+        optimizer writes them (their version counters advance, so a graph that saved one of
+        them raises torch's in-place error instead of using the new values); the parameters
+        written, assembled (:meth:`_assembled`)."""
+        params = self._params()
+        assembled = self._assembled(values)
+        with torch.no_grad():
+            for pname, full in assembled.items():
+                params[pname].copy_(full)
+        return assembled
 
     # ---- one tensor per message ----------------------------------------------------------
 
@@ -241,14 +311,35 @@ class PSModel(PSCheckpoints, nn.Module):
         return values
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Pull the parameters (not in geo mode, which trains its local copy), then run the model."""
-        if self.mode != "geo":
-            self.pull()
-        return self.module(*args, **kwargs)
+        """Pull the parameters (not in geo mode, which trains its local copy), then run the
+        model on the values pulled.
+
+        Each forward runs on values of its own: the pulled values are copied into the local
+        parameters (``model.module.weight`` shows them) and the model runs on a separate copy
+        whose gradient flows into those same parameter objects. So a later forward, whose pull
+        may bring other trainers' updates (async, half_async), never changes what an earlier
+        forward's graph saved: two forwards before one ``backward()`` give, as in torch, the sum
+        of each forward's gradient at the values that forward used (parameters, hooks and
+        optimizers holding them are unchanged objects). Under ``torch.no_grad()`` the model runs
+        on the parameters themselves. Threads calling one PSModel pull concurrently and run the
+        module one at a time (each on the values it pulled).
+        """
+        if self.mode == "geo":
+            return self.module(*args, **kwargs)
+        values = self._server_values()
+        with _forward_lock(self):
+            pulled = self._write(values)
+            if not torch.is_grad_enabled():
+                return self.module(*args, **kwargs)
+            params = self._params()
+            own = {pname: _Pulled.apply(params[pname], value) if params[pname].requires_grad else value
+                   for pname, value in pulled.items()}
+            return functional_call(self.module, own, args, kwargs)
 
     def step(self) -> None:
-        """Push this step's gradients (geo: step the local copy; every ``geo_push_every`` steps
-        push the deltas and take the merged parameters) and clear the local gradients.
+        """Push this step's gradients (geo: step the local copy; every ``geo_push_every``
+        optimizer steps push the deltas and take the merged parameters) and clear the local
+        gradients. Parameters without a gradient are left alone, as torch's optimizers leave them.
 
         Example::
 
@@ -266,20 +357,24 @@ class PSModel(PSCheckpoints, nn.Module):
             table.zero_grad()
 
     def _step_dense(self) -> None:
+        params = self._params()
         if self.mode == "geo":
+            # a step() without any gradient is no optimizer step (torch's optimizer leaves every
+            # parameter alone): it does not count towards the next push either
+            if all(p.grad is None for p in params.values()):
+                return
             self._local_opt.step()
             self._local_opt.zero_grad(set_to_none=True)
             self._step += 1
             if self._step % self.geo_push_every == 0:
                 self._push_deltas()
             return
-        params = self._params()
         calls = []
         for server, slots in self._by_server().items():
             # a parameter without a gradient (frozen, or unused this step) is not pushed: as in
             # torch, its optimizer leaves it alone (no weight decay, no momentum)
             sel = [s for s in slots if params[s.pname].grad is not None]
-            grads = [params[s.pname].grad.reshape(-1)[s.block.offset:s.block.offset + s.block.size] for s in sel]
+            grads = [self._block_values(s, params[s.pname].grad) for s in sel]
             # sync: every server with blocks hears from every trainer every step, grads or not
             if grads or (slots and self.mode == "sync"):
                 calls.append((server, _server._push, (self.name, self._trainer, self._step, self._sent(sel, grads))))
@@ -294,8 +389,7 @@ class PSModel(PSCheckpoints, nn.Module):
         for server, slots in self._by_server().items():
             # only trainable (floating) parameters move: an integer one has no delta to average
             sel = [s for s in slots if params[s.pname].is_floating_point() or params[s.pname].is_complex()]
-            deltas = [self._flat(s.pname)[s.block.offset:s.block.offset + s.block.size] - self._pulled[s.name]
-                      for s in sel]
+            deltas = [self._block_values(s) - self._pulled[s.name] for s in sel]
             if deltas:
                 calls.append((server, _server._push_delta, (self.name, self._sent(sel, deltas), self._packable(sel))))
                 sent.append(sel)

@@ -14,6 +14,8 @@ import math
 import operator
 from typing import NamedTuple, Sequence
 
+import torch
+
 
 class Block(NamedTuple):
     """One block of a parameter: its ``index`` among the parameter's blocks, its ``offset`` and
@@ -86,3 +88,30 @@ def slice_blocks(
 def block_name(param_name: str, index: int) -> str:
     """A block's name: ``"<parameter name>.block<index>"``."""
     return f"{param_name}.block{index}"
+
+
+def block_of(tensor: torch.Tensor, block: Block) -> torch.Tensor:
+    """The part of ``tensor`` that ``block`` covers, as a view of ``tensor`` (writing into it
+    writes the parameter), for any strides: a block of a tensor of two or more dimensions is a
+    run of whole rows, of a 1-D tensor a run of elements, of a 0-dim tensor the tensor itself.
+    Its elements in row-major order are the block's elements (``.reshape(-1)``), whatever the
+    tensor's memory format (``channels_last``, a transposed parameter): a non-contiguous
+    parameter needs no ``view(-1)``, which it does not have.
+
+    Example::
+
+        >>> w = torch.arange(12.0).reshape(3, 4).t()      # non-contiguous, shape (4, 3)
+        >>> [block_of(w, b).reshape(-1).tolist() for b in slice_blocks(w.shape, 2, 4)]
+        [[0.0, 4.0, 8.0, 1.0, 5.0, 9.0], [2.0, 6.0, 10.0, 3.0, 7.0, 11.0]]
+    """
+    if tensor.dim() == 0 or (block.offset == 0 and block.size == tensor.numel()):
+        return tensor
+    if tensor.dim() == 1:
+        return tensor[block.offset:block.offset + block.size]
+    row = tensor.numel() // tensor.shape[0]
+    if block.offset % row or block.size % row:
+        raise ValueError(
+            f"block {block} of a tensor of shape {tuple(tensor.shape)} is not a run of whole rows of {row} "
+            "elements: slice parameters with slice_blocks"
+        )
+    return tensor[block.offset // row:(block.offset + block.size) // row]
