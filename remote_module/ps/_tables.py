@@ -45,6 +45,7 @@ class Table:
         # SparseAdam's bias correction): steps in which a trainer had a gradient for it
         self.optimizer_steps = 0
         self.pushed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.ahead: dict[int, dict[str, tuple]] = {}  # sync: pushes for later steps, by step
         self.waiters: list[_Waiting] = []  # sync lookups for a later step
         self.trainers: set[str] = set()  # attached
         self.tokens: dict[str, str | None] = {}  # each trainer's newest object of this table (sync: the one that pushes)
@@ -147,20 +148,29 @@ class Table:
                 )
             if self.last_push.get(trainer) == (step, token) and step in (self.step_count, self.step_count - 1):
                 return  # a retry: this push is already counted (pending or applied)
-            if step != self.step_count:
+            # ahead of the table only by the step after its last push (see below)
+            if step < self.step_count or (step > self.step_count and self.last_push.get(trainer, (None,))[0] != step - 1):
                 raise RuntimeError(
                     f"table {self.name!r}: trainer {trainer!r} pushed step {step}, the table is at step {self.step_count}"
                 )
-            self.pushed[trainer] = (ids, grad)
             self.last_push[trainer] = (step, token)
-            if len(self.pushed) == self.spec.num_trainers:
+            if step > self.step_count:
+                # a trainer that looked nothing up since its last step did not wait for that step
+                # to complete: its push waits here for its own step
+                self.ahead.setdefault(step, {})[trainer] = (ids, grad)
+                return
+            self.pushed[trainer] = (ids, grad)
+            stepped = False
+            while len(self.pushed) == self.spec.num_trainers:
                 order = [t for t in sorted(self.pushed) if self.pushed[t][0] is not None]
                 if order:  # some trainer had a gradient: one optimizer step
                     ids_all = torch.cat([self.pushed[t][0] for t in order])
                     grad_all = torch.cat([self.pushed[t][1] for t in order])
                     self.apply(ids_all, grad_all, 1.0 / self.spec.num_trainers)
-                self.pushed = {}
                 self.step_count += 1
+                self.pushed = self.ahead.pop(self.step_count, {})
+                stepped = True
+            if stepped:
                 ready = [w for w in self.waiters if self.step_count >= w.step]
                 self.waiters = [w for w in self.waiters if self.step_count < w.step]
                 answers = [(w.future, self.answer(w.ids, w.pool)) for w in ready]
