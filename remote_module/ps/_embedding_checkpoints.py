@@ -15,7 +15,8 @@ from remote_module.ps import _tables
 class TableCheckpoints:
     """Checkpoint methods of :class:`remote_module.ps.ShardedEmbedding` (which provides
     ``name``, ``ps_mode``, ``init``, ``timeout``, the layout ``_ranges`` / ``_by_server`` /
-    ``_by_owner()``, ``_step``, ``_wait_s()`` and ``flush()``)."""
+    ``_by_owner()``, ``_step``, ``_wait_s()``, ``flush()``, and in geo mode ``_geo`` and
+    ``_geo_push()``)."""
 
     def _settle(self) -> None:
         """Before reading the servers' rows for a checkpoint: sync waits until this trainer's
