@@ -150,7 +150,8 @@ def ddp_inside_run(name: str, rank: int, store_path: str) -> dict:
 
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
     try:
-        bag = table(name, bag="sum", num_trainers=2, optimizer=(torch.optim.SGD, {"lr": 0.5}), seed=0 if rank == 0 else None)
+        bag = table(name, bag="sum", num_trainers=2, optimizer=(torch.optim.SGD, {"lr": 0.5}),
+                    seed=0 if rank == 0 else None)
         dist.barrier()  # trainer0 loaded the rows
         model = DDP(Clicks(bag))
         opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=0.01)

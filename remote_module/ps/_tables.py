@@ -149,7 +149,8 @@ class Table:
             if self.last_push.get(trainer) == (step, token) and step in (self.step_count, self.step_count - 1):
                 return  # a retry: this push is already counted (pending or applied)
             # ahead of the table only by the step after its last push (see below)
-            if step < self.step_count or (step > self.step_count and self.last_push.get(trainer, (None,))[0] != step - 1):
+            after_last = self.last_push.get(trainer, (None,))[0] == step - 1
+            if step < self.step_count or (step > self.step_count and not after_last):
                 raise RuntimeError(
                     f"table {self.name!r}: trainer {trainer!r} pushed step {step}, the table is at step {self.step_count}"
                 )
