@@ -102,12 +102,13 @@ def idioms_in_psmodel(name: str) -> dict:
     return dict(model.state_dict())
 
 
-def graph_leaf(out: torch.Tensor) -> torch.Tensor:
-    """The first leaf tensor of ``out``'s autograd graph."""
+def graph_leaf(out: torch.Tensor) -> Any:
+    """The node of ``out``'s autograd graph that records the looked-up rows' gradient for the
+    table's step (it holds the lookup's ids)."""
     fn = out.grad_fn
-    while not hasattr(fn, "variable"):
+    while type(fn).__name__ != "_RecordedBackward":
         fn = next(f for f, _ in fn.next_functions if f is not None)
-    return fn.variable
+    return fn
 
 
 def dropped_lookup_is_freed(name: str) -> dict:
@@ -120,7 +121,7 @@ def dropped_lookup_is_freed(name: str) -> dict:
     alive = []
     for _ in range(3):
         out = t(torch.tensor([1, 15]))
-        leaf = graph_leaf(out)  # the rows the output was indexed from
+        leaf = graph_leaf(out)  # what records the rows the output was indexed from
         ref = weakref.ref(leaf)
         del out, leaf
         gc.collect()

@@ -133,7 +133,12 @@ def geo_run(name: str, k: int, steps: int) -> dict:
         out = emb(torch.tensor([3, 40, 3]))
         out.sum().backward()
         emb.step()
-        server.append(emb.state_dict()["weight"][[3, 40]].clone())
+        # a new object of the table has cached nothing: its lookup reads the servers' rows
+        # (state_dict() would push this trainer's deltas first)
+        reader = ShardedEmbedding(50, 2, ["ps0", "ps1"], name=name, ps_mode="geo", min_block_size=50,
+                                  geo_push_every=k, optimizer=(torch.optim.SGD, {"lr": 0.5}))
+        with torch.no_grad():
+            server.append(reader(torch.tensor([3, 40])).clone())
     return {"server": server}
 
 

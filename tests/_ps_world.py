@@ -47,7 +47,7 @@ def _decode(text: str) -> Any:
 class PSWorld:
     """pytest's handle on the world: start it, run functions on its workers, kill ranks, close it."""
 
-    def __init__(self, roles: dict[str, int], rpc_timeout: float = 20.0, start_timeout: float = 60.0) -> None:
+    def __init__(self, roles: dict[str, int], rpc_timeout: float = 20.0, start_timeout: float = 180.0) -> None:
         from rpc_backend.loopback import fresh_file_rendezvous, loopback_env
 
         self.names = role_names(roles)
@@ -70,7 +70,7 @@ class PSWorld:
         threading.Thread(target=self._read, daemon=True).start()
         self._lock = threading.Lock()
         try:
-            self.call(_ready, self.names[1:], timeout=start_timeout)
+            self.call(_ready, self.names[1:], start_timeout, timeout=start_timeout + 10)
         except BaseException:
             self.close()
             raise
@@ -150,13 +150,14 @@ def job(what: str) -> str:
 # ---- run on the driver -----------------------------------------------------------------------
 
 
-def _ready(names: list[str]) -> list[str]:
-    """Every rank answers (and has imported the PS test helpers)."""
+def _ready(names: list[str], seconds: float) -> list[str]:
+    """Every rank answers (and has imported the PS test helpers) within ``seconds``: on a
+    loaded machine those imports take longer than the world's RPC timeout."""
     import torch.distributed.rpc as rpc
 
     from tests import _ps_remote
 
-    futs = [rpc.rpc_async(n, _ps_remote.ready, (n.startswith("ps"),)) for n in names]
+    futs = [rpc.rpc_async(n, _ps_remote.ready, (n.startswith("ps"),), timeout=seconds) for n in names]
     return [f.wait() for f in futs]
 
 

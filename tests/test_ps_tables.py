@@ -141,3 +141,27 @@ def test_the_geo_cache_trains_its_rows_as_torchs_sparse_optimizer_and_keeps_stat
             assert bool(cache.missing(torch.tensor([1, 4, 7])).all())
             assert cache.state_ids.tolist() == [1, 4, 7]
     copy.deepcopy(cache)
+
+
+def test_sync_keeps_a_push_for_the_next_step_until_its_step_completes():
+    """A trainer that looked nothing up since its last step pushes the next one before the
+    others have pushed theirs: the push waits for its step (a step in which no trainer had a
+    gradient completes the round without an optimizer step)."""
+    t = Table("t", spec(mode="sync", trainers=2), BLOCKS)
+    before = t.lookup(torch.arange(20))
+    one = torch.ones(1, 3, dtype=torch.float64)
+    t.push("trainer0", 0, torch.tensor([1]), one)
+    t.push("trainer0", 1, None, None)  # no gradient, ahead of the table
+    t.push("trainer0", 2, torch.tensor([2]), one)  # and the step after
+    assert t.step_count == 0 and t.optimizer_steps == 0
+    t.push("trainer1", 0, None, None)
+    assert t.step_count == 1 and t.optimizer_steps == 1
+    t.push("trainer1", 1, None, None)  # step 1: nobody had a gradient
+    assert t.step_count == 2 and t.optimizer_steps == 1
+    t.push("trainer1", 2, torch.tensor([2]), one)
+    assert t.step_count == 3 and t.optimizer_steps == 2
+    after = t.lookup(torch.arange(20))
+    torch.testing.assert_close(after[1], before[1] - 0.5 / 2)
+    torch.testing.assert_close(after[2], before[2] - 0.5 * 2 / 2)
+    with pytest.raises(RuntimeError, match="pushed step 5, the table is at step 3"):
+        t.push("trainer0", 5, None, None)  # not the step after its last push

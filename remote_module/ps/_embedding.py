@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import threading
 import uuid
-from typing import Any, Sequence
+import warnings
+import weakref
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed.rpc as rpc
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from remote_module._fanout import _timeout_seconds, call_all, nested_seconds
 from remote_module.ps import _tables
@@ -23,6 +26,49 @@ from remote_module.ps._slicing import _index, _positive_int, block_name, slice_b
 from rpc_backend.options import positive_seconds
 
 PS_MODES = ("sync", "async", "half_async", "geo")
+
+#: backward passes a table records without a step() before it warns that its gradients are never
+#: pushed, where no local optimizer step told it sooner (gradient accumulation stays below this)
+UNPUSHED_BACKWARDS = 100
+
+_live_tables: "weakref.WeakSet[ShardedEmbedding]" = weakref.WeakSet()
+_hook_lock = threading.Lock()
+_optimizer_hook: Any = None
+
+
+def _on_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """torch.optim's global post-step hook: tell every table that a local optimizer stepped."""
+    thread = threading.get_ident()
+    for table in list(_live_tables):
+        table._local_optimizer_stepped(thread)
+
+
+def _watch_optimizer_steps() -> None:
+    """Register :func:`_on_optimizer_step` with torch.optim, once per process."""
+    global _optimizer_hook
+    with _hook_lock:
+        if _optimizer_hook is None:
+            _optimizer_hook = register_optimizer_step_post_hook(_on_optimizer_step)
+
+
+class _Recorded(torch.autograd.Function):
+    """``rows`` unchanged, recorded for :meth:`ShardedEmbedding.step`: backward hands their
+    gradient to ``record`` and gives the table's zero-size ``grad_marker`` a (zero-size)
+    gradient, so the marker's ``.grad`` says whether a gradient was recorded since the last
+    ``zero_grad()``, as a parameter's does."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, marker: torch.Tensor, record: Callable, uniq: torch.Tensor
+                ) -> torch.Tensor:
+        ctx.record, ctx.uniq = record, uniq
+        ctx.marker = (marker.dtype, marker.device)  # (a model moved with .double() or .to(device))
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        ctx.record(ctx.uniq, grad)
+        dtype, device = ctx.marker
+        return None, torch.zeros(0, dtype=dtype, device=device), None, None
 
 
 class ShardedEmbedding(TableCheckpoints, nn.Module):
@@ -55,6 +101,23 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
     ``state_dict()`` has the local module's key ``weight`` (a lazy table: ``weight.ids`` and
     ``weight.rows``, the touched rows only, which a local module cannot load).
 
+    Gradients as a parameter's: the table has one zero-size parameter, ``grad_marker`` (no
+    values, never in ``state_dict()``), whose ``.grad`` backward sets. ``zero_grad()`` of any
+    module holding the table, or of an optimizer built from its ``parameters()``, sets it to
+    ``None``, and the table then drops the gradients recorded before (``zero_grad(
+    set_to_none=False)`` zeroes it in place, which a zero-size tensor cannot show: call the
+    table's own ``zero_grad()`` then). ``requires_grad_(False)`` freezes the table (nothing
+    is recorded). A step without a recorded gradient is no optimizer step (torch skips a
+    parameter without one: Adagrad's ``lr_decay`` and SparseAdam's bias correction count
+    only steps with one).
+
+    Gradients never pushed warn: the table's rows train only through :meth:`step` (a local
+    optimizer of ``model.parameters()`` steps only the zero-size marker). A forward (grad
+    enabled) of a table holding gradients recorded before a local ``torch.optim`` optimizer
+    stepped (in the thread of the table's forward) and not pushed since, or after
+    ``UNPUSHED_BACKWARDS`` (100) backward passes without a step, warns once (``UserWarning``).
+    Accumulating gradients over several backward passes before one step is silent.
+
     Example (ps0, ps1 only join RPC and wait)::
 
         emb = ShardedEmbedding(1_000_000, 16, ["ps0", "ps1"], name="user", ps_mode="async")
@@ -84,6 +147,8 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         half_async_merge_s: float = 0.1,
     ) -> None:
         super().__init__()
+        #: zero-size: backward sets its ``.grad``, ``zero_grad()`` clears it (see the class docstring)
+        self.grad_marker = nn.Parameter(torch.empty(0))
         # sizes as nn.Embedding takes them: any integer operator.index accepts (numpy.int64...)
         num_embeddings = _positive_int(num_embeddings, "num_embeddings")
         embedding_dim = _positive_int(embedding_dim, "embedding_dim")
@@ -140,10 +205,10 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         steps = call_all([(s, _tables._attach_table, (name, spec, rs, self._trainer, self._token))
                           for s, rs in by_server.items()], timeout=timeout)
         self._step = min(steps) if steps else 0
-        # the lookups whose rows backward has given a gradient since the last step, by id of the
-        # rows tensor: (unique ids, their rows); filled by _record_on_backward's hook
-        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._pending_lock = threading.Lock()
+        self._reset_gradients()
+        _live_tables.add(self)
+        _watch_optimizer_steps()
         #: tensor bytes (ids and gradient rows) this module has pushed so far
         self.pushed_bytes = 0
         starts = torch.tensor([first for first, _, _ in self._ranges])
@@ -213,35 +278,97 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
                 self._geo.add(uniq[mine], r)
         if self._geo is not None:
             rows = self._geo.values(uniq)
-        if torch.is_grad_enabled():
-            rows.requires_grad_(True)
-            self._record_on_backward(uniq, rows)
+        if self._records():
+            rows = self._recorded(uniq, rows)
         return uniq, inverse, rows
+
+    def _reset_gradients(self) -> None:
+        """No gradients recorded (construction, and a copy)."""
+        # (unique ids, gradient rows) of each lookup backward reached: ``_fresh`` in the backward
+        # under way, ``_held`` in finished ones (dropped when the marker's grad was cleared since)
+        self._fresh: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._held: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._hooked: Any = None  # a weak reference to the marker whose accumulation seals _fresh
+        self._backwards = 0  # backward passes recorded since the last step()
+        self._stepped_past = False  # a local optimizer stepped while _held waited
+        self._forward_thread: int | None = None
+        self._warned_unpushed = False
 
     def __getstate__(self) -> dict:
         """As nn.Module's, less the lock and the gradients not pushed yet (a copy, e.g.
         ``copy.deepcopy(model)`` for an averaged model, shares the servers' rows, not them)."""
         state = self.__dict__.copy()
-        state.pop("_pending_lock", None)
-        state["_pending"] = {}
+        for key in ("_pending_lock", "_fresh", "_held", "_hooked"):
+            state.pop(key, None)
         return state
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self._pending_lock = threading.Lock()
+        self._reset_gradients()
+        _live_tables.add(self)
+        _watch_optimizer_steps()
 
-    def _record_on_backward(self, uniq: torch.Tensor, rows: torch.Tensor) -> None:
-        """Have :meth:`step` push ``rows``' gradient (``rows``: a leaf standing for the rows of
-        ``uniq``) once backward has accumulated one into it. Nothing is held before that, as
-        with a local module: a lookup that is never backpropagated (an eval loop without
-        ``no_grad``) is gone with its output, and ``zero_grad()`` between forward and backward
-        (the torch idiom) clears only the gradients accumulated so far."""
+    def _records(self) -> bool:
+        """Whether this forward records gradients (grad enabled, the table not frozen); warns
+        once if recorded gradients were never pushed (see the class docstring)."""
+        if not (torch.is_grad_enabled() and self.grad_marker.requires_grad):
+            return False
+        self._forward_thread = threading.get_ident()
+        if not self._warned_unpushed and (self._stepped_past or self._backwards >= UNPUSHED_BACKWARDS):
+            self._warned_unpushed = True
+            why = ("a local optimizer has stepped since they were recorded" if self._stepped_past
+                   else f"{self._backwards} backward passes without a step()")
+            warnings.warn(
+                f"{type(self).__name__} {self.name!r}: gradients that backward recorded for its rows were never "
+                f"pushed to the servers ({why}), so the table does not train: an optimizer of model.parameters() "
+                "steps only its zero-size grad_marker. Call table.step() after loss.backward() (PSModel.step() "
+                "does it for the tables inside a PSModel); to accumulate over backward passes, call it once after "
+                "them; to freeze the table, table.requires_grad_(False)", UserWarning, stacklevel=4)
+        return True
 
-        def accumulated(t: torch.Tensor) -> None:  # once per backward through ``rows``
-            with self._pending_lock:
-                self._pending[id(t)] = (uniq, t)
+    def _recorded(self, uniq: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` (standing for the rows of ``uniq``) recorded for :meth:`step`: their gradient
+        is kept once backward reaches them. Nothing is held before that, as with a local
+        module: a lookup that is never backpropagated (an eval loop without ``no_grad``) is
+        gone with its output."""
+        marker = self.grad_marker
+        if self._hooked is None or self._hooked() is not marker:  # (a copy, or the marker replaced)
+            marker.register_post_accumulate_grad_hook(self._seal)
+            self._hooked = weakref.ref(marker)
+        return _Recorded.apply(rows, marker, self._record, uniq)
 
-        rows.register_post_accumulate_grad_hook(accumulated)
+    def _record(self, uniq: torch.Tensor, grad: torch.Tensor) -> None:
+        """In backward, before the marker accumulates: keep ``grad``; gradients of finished
+        backward passes are dropped if ``zero_grad()`` cleared the marker since."""
+        with self._pending_lock:
+            if self.grad_marker.grad is None:
+                self._held = []
+            self._fresh.append((uniq, grad))
+
+    def _seal(self, marker: torch.Tensor) -> None:
+        """After the marker accumulated (once per backward through the table): this backward's
+        gradients count until the marker's ``.grad`` is cleared."""
+        with self._pending_lock:
+            if not self._fresh:
+                return
+            self._held.extend(self._fresh)
+            self._fresh = []
+            self._backwards += 1
+
+    def _local_optimizer_stepped(self, thread: int) -> None:
+        """A local torch.optim optimizer stepped in ``thread``: note it if this table holds
+        gradients recorded by a forward of that thread (see :meth:`_records`)."""
+        if thread == self._forward_thread and self._held and self.grad_marker.grad is not None:
+            self._stepped_past = True
+
+    def _take_gradients(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The gradients recorded and not discarded since the last step, now forgotten (lock held)."""
+        if self.grad_marker.grad is None:
+            self._held = []  # zero_grad() since their backward
+        taken = self._held + self._fresh
+        self._held, self._fresh = [], []
+        return taken
 
     def flush(self) -> None:
         """half_async: have the servers apply the queued pushes now (no-op in other modes)."""
@@ -251,28 +378,33 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients accumulated since the last :meth:`step` (nothing is pushed); as
         torch's ``zero_grad``, a backward after it (of a forward before it) counts."""
+        super().zero_grad(set_to_none)
         with self._pending_lock:
-            pending, self._pending = self._pending, {}
-        for _, rows in pending.values():
-            rows.grad = None
+            self._held, self._fresh = [], []
+            self._backwards, self._stepped_past = 0, False
 
-    def _geo_step(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
-        """geo: step the cached rows locally; every ``geo_push_every`` steps push ``row - row
-        when fetched`` for the rows cached since the last push, and drop them: a later lookup
-        fetches the merged rows, so a push carries only the rows touched in its interval. Each
-        row's local optimizer state stays (as a local sparse optimizer keeps it)."""
+    def _geo_step(self, ids: torch.Tensor, grad: torch.Tensor, has_grad: bool) -> None:
+        """geo: step the cached rows locally (an optimizer step only with a gradient:
+        ``has_grad``); every ``geo_push_every`` calls push ``row - row when fetched`` for the
+        rows cached since the last push, and drop them: a later lookup fetches the merged rows,
+        so a push carries only the rows touched in its interval. Each row's local optimizer
+        state stays (as a local sparse optimizer keeps it)."""
         geo = self._geo
-        if ids.numel():
+        geo.calls += 1
+        if has_grad:
             uniq, summed = coalesce(ids, grad)
             evicted = geo.missing(uniq)
             if bool(evicted.any()):  # looked up before a push dropped them (a step() between forward and backward)
                 with torch.no_grad():
                     self._rows_of(uniq[evicted])
             geo.step(uniq, summed)
-        else:
-            geo.steps += 1
-        if geo.steps % self.geo_push_every:
-            return
+        if geo.calls % self.geo_push_every == 0:
+            self._geo_push()
+
+    def _geo_push(self) -> None:
+        """geo: push the deltas of every cached row and drop them (their next lookup fetches
+        the merged rows)."""
+        geo = self._geo
         ids, deltas = geo.deltas()
         if not ids.numel():
             return
@@ -289,43 +421,50 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         """Push the touched rows' gradients (only those rows) and forget them (geo: step the
         cached rows locally, push their deltas every ``geo_push_every`` steps).
 
+        Without a gradient recorded since the last step (or since ``zero_grad()``) this is no
+        optimizer step, as torch's optimizers skip a parameter whose ``.grad`` is ``None``
+        (sync: the trainer still tells the servers, which wait for every trainer's step).
+
         A step that fails (a server did not answer in time) keeps the gradients, as a failed
         ``optimizer.step()`` keeps ``.grad``: call ``step()`` again to retry it (in sync mode a
         server that already has this step's push takes the retry as a no-op; in async and
         half_async a server that had it applies it again), or ``zero_grad()`` to drop them."""
         with self._pending_lock:
-            pending, self._pending = self._pending, {}
+            taken = self._take_gradients()
+            self._backwards, self._stepped_past = 0, False
         ids_parts, grad_parts = [], []
-        for uniq, rows in pending.values():
-            if rows.grad is None:
-                continue
+        for uniq, g in taken:
             if self.padding_idx is None:
                 ids_parts.append(uniq)
-                grad_parts.append(rows.grad)
+                grad_parts.append(g)
             else:
                 keep = uniq != self.padding_idx
                 ids_parts.append(uniq[keep])
-                grad_parts.append(rows.grad[keep])
+                grad_parts.append(g[keep])
+        has_grad = bool(taken)
         ids = torch.cat(ids_parts) if ids_parts else torch.empty(0, dtype=torch.long)
         grad = torch.cat(grad_parts) if grad_parts else torch.empty(0, self.embedding_dim)
         if self.ps_mode == "geo":
-            self._geo_step(ids, grad)
+            self._geo_step(ids, grad, has_grad)
             return
         calls = []
         for _, server, mine in self._by_owner(ids):
-            # every server hears of a step with any rows (an empty push where it holds none):
-            # it is one optimizer step of the whole table, as torch counts steps per parameter
-            # (Adagrad's lr_decay, SparseAdam's bias correction); sync: every step, rows or not
-            if ids.numel() or self.ps_mode == "sync":
+            # every server hears of a step with a gradient (an empty push where it holds none of
+            # its rows): it is one optimizer step of the whole table, as torch counts steps per
+            # parameter (Adagrad's lr_decay, SparseAdam's bias correction); sync: every step,
+            # without a gradient as None (the servers' step waits for every trainer)
+            if has_grad:
                 calls.append((server, _tables._push_rows,
                               (self.name, self._trainer, self._step, ids[mine], grad[mine], self._token)))
+            elif self.ps_mode == "sync":
+                calls.append((server, _tables._push_rows, (self.name, self._trainer, self._step, None, None,
+                                                           self._token)))
         try:
             call_all(calls, timeout=self.timeout)
         except BaseException:
             with self._pending_lock:  # kept for a retry (or zero_grad), with any recorded meanwhile
-                for key, entry in pending.items():
-                    self._pending.setdefault(key, entry)
+                self._held = taken + self._held
             raise
         self.pushed_bytes += sum(i.numel() * i.element_size() + g.numel() * g.element_size()
-                                 for _, _, (_, _, _, i, g, _) in calls)
+                                 for _, _, (_, _, _, i, g, _) in calls if i is not None)
         self._step += 1

@@ -82,13 +82,13 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         if needs_rows:
             return self._pool_here(input, offsets, per_sample_weights)
         flat, uniq, inverse = self._unique(input)
-        grad = torch.is_grad_enabled()
+        grad = self._records()
         # zero rows standing for the unique ids: torch's own embedding_bag on them checks the
         # arguments as nn.EmbeddingBag does and gives the output's shape; backward puts each
         # row's gradient into them (_BagRows for sum and mean, an index_put for max)
-        holder = torch.zeros(uniq.numel(), self.embedding_dim, requires_grad=grad)
+        holder = torch.zeros(uniq.numel(), self.embedding_dim)
         if grad:
-            self._record_on_backward(uniq, holder)
+            holder = self._recorded(uniq, holder)
         pad = None
         if self.padding_idx is not None:
             hit = (uniq == self.padding_idx).nonzero().reshape(-1)
@@ -133,7 +133,9 @@ class ShardedEmbeddingBag(ShardedEmbedding):
                 inverse, bags, weights = inverse[keep], bags[keep], None if weights is None else weights[keep]
             return _BagRows.apply(holder, total, inverse, bags, weights, sizes)
         if not got:
-            return zero.detach().requires_grad_(grad) if grad else zero
+            # no row but padding: backward still reaches the (padding) rows, as torch's gives the
+            # weight a gradient, so the step counts
+            return zero + holder.sum() * 0.0 if grad else zero
         value, winner = self._merge_maxima(got, called, flat, bags, keep, server_of, num_bags)
         found = winner >= 0
         out = torch.where(found, value, 0.0)

@@ -15,12 +15,16 @@ from remote_module.ps import _tables
 class TableCheckpoints:
     """Checkpoint methods of :class:`remote_module.ps.ShardedEmbedding` (which provides
     ``name``, ``ps_mode``, ``init``, ``timeout``, the layout ``_ranges`` / ``_by_server`` /
-    ``_by_owner()``, ``_step``, ``_wait_s()``, ``flush()`` and geo's row cache ``_geo``)."""
+    ``_by_owner()``, ``_step``, ``_wait_s()``, ``flush()``, and in geo mode ``_geo`` and
+    ``_geo_push()``)."""
 
     def _settle(self) -> None:
         """Before reading the servers' rows for a checkpoint: sync waits until this trainer's
-        last step is applied on every server; half_async applies what is queued."""
-        if self.ps_mode == "sync":
+        last step is applied on every server; half_async applies what is queued; geo pushes
+        this trainer's deltas (so the checkpoint holds what it trained since its last push)."""
+        if self.ps_mode == "geo":
+            self._geo_push()
+        elif self.ps_mode == "sync":
             nothing = torch.empty(0, dtype=torch.long)
             call_all([(s, _tables._lookup, (self.name, nothing, self._step, None, self._wait_s()))
                       for s in self._by_server],
@@ -75,7 +79,7 @@ class TableCheckpoints:
             if ids[mine].numel():
                 calls.append((server, _tables._set_rows, (self.name, ids[mine], rows[mine].detach().clone())))
         call_all(calls, timeout=self.timeout)
-        if self._geo is not None:  # geo: rows cached before the load are stale; the next lookup fetches the loaded ones
+        if self._geo is not None:  # cached rows are stale now: the next lookups fetch the loaded ones
             self._geo.drop(ids.unique())
 
     def _misfit(self, ids: Any, rows: dict[str, Any]) -> str | None:
@@ -92,9 +96,14 @@ class TableCheckpoints:
         return None
 
     def optimizer_state_dict(self) -> dict:
-        """The servers' optimizer state for the rows ever touched: ``{"step": the table's step
-        count, "ids": row ids, <state key>: rows}``; loads onto any number of servers."""
+        """The optimizer state for the rows ever touched: ``{"step": the table's optimizer step
+        count, "ids": row ids, <state key>: rows}``; loads onto any number of servers. The
+        servers' state, or in geo mode the trainer's (its rows are stepped locally), with
+        ``"geo_step_calls"``, the ``step()`` calls that set when deltas are pushed (pushed
+        first, as :meth:`state_dict` does)."""
         self._settle()
+        if self._geo is not None:
+            return self._geo.state_dict()
         got = call_all([(server, _tables._row_state, (self.name, first)) for first, _, server in self._ranges],
                        timeout=self.timeout)
         ids = torch.cat([i for _, i, _ in got]) if got else torch.empty(0, dtype=torch.long)
@@ -108,13 +117,21 @@ class TableCheckpoints:
         return out
 
     def load_optimizer_state_dict(self, state: dict) -> None:
-        """Send :meth:`optimizer_state_dict`'s state to this table's servers, re-sliced."""
-        keys = [k for k in state if k not in ("step", "ids")]
+        """Load :meth:`optimizer_state_dict`'s state: onto this table's servers, re-sliced, or in
+        geo mode into the trainer's local optimizer (a checkpoint of any mode loads into any)."""
+        if not isinstance(state, dict) or "step" not in state:
+            raise TypeError(f"load_optimizer_state_dict takes what optimizer_state_dict() returned, got "
+                            f"{type(state).__name__}{' without a step' if isinstance(state, dict) else ''}")
+        keys = [k for k in state if k not in ("step", "ids", "geo_step_calls")]
         misfit = self._misfit(state.get("ids"), {k: state[k] for k in keys})
         if misfit:
             raise ValueError(f"optimizer state for table {self.name!r} does not fit it: {misfit}")
         ids = state["ids"].long()
+        if self._geo is not None:
+            calls = state.get("geo_step_calls")
+            self._geo.load_state_dict(int(state["step"]), ids, {k: state[k] for k in keys},
+                                      None if calls is None else int(calls))
+            return
         calls = [(server, _tables._set_row_state, (self.name, int(state["step"]), ids[mine], {k: state[k][mine] for k in keys}))
                  for _, server, mine in self._by_owner(ids)]
         call_all(calls, timeout=self.timeout)
-        self._step = int(state["step"])

@@ -21,7 +21,10 @@ def _find(sorted_ids: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, to
 class GeoCache:
     """Cached rows (``ids`` sorted, their current values and the values they were fetched
     with) and each row's local optimizer state, which outlives its row: a push drops the rows
-    (the next lookup fetches the merged ones) but a local sparse optimizer keeps its state."""
+    (the next lookup fetches the merged ones) but a local sparse optimizer keeps its state.
+
+    ``steps`` counts optimizer steps (steps with a gradient, as torch counts them); ``calls``
+    counts the table's ``step()`` calls, which set when deltas are pushed."""
 
     def __init__(self, dim: int, optimizer: RowOptimizer, dtype: torch.dtype = torch.float32) -> None:
         self.dim, self.optimizer, self.dtype = dim, optimizer, dtype
@@ -32,6 +35,7 @@ class GeoCache:
         self.state_ids = torch.empty(0, dtype=torch.long)
         self.state = new_state(optimizer, 0, dim, dtype)
         self.steps = 0
+        self.calls = 0
 
     def missing(self, ids: torch.Tensor) -> torch.Tensor:
         """Which of ``ids`` are not cached."""
@@ -85,6 +89,32 @@ class GeoCache:
         with self.lock:
             keep = ~_find(ids, self.ids)[1] if ids.numel() else torch.ones_like(self.ids, dtype=torch.bool)
             self.ids, self.rows, self.fetched = self.ids[keep], self.rows[keep], self.fetched[keep]
+
+    def state_dict(self) -> dict:
+        """The local optimizer's state in the form of a table's ``optimizer_state_dict()``:
+        ``{"step", "ids", <state key>: rows, "geo_step_calls"}`` (copies)."""
+        with self.lock:
+            out: dict = {"step": self.steps, "ids": self.state_ids.clone()}
+            out.update({k: v.clone() for k, v in self.state.items()})
+            out["geo_step_calls"] = self.calls
+            return out
+
+    def load_state_dict(self, steps: int, ids: torch.Tensor, state: dict[str, torch.Tensor],
+                        calls: int | None) -> None:
+        """Replace the local optimizer's state (``ids`` unique and checked by the caller; their
+        state rows by key, the optimizer's keys exactly) and step counts (``calls`` ``None``:
+        kept)."""
+        expected = sorted(new_state(self.optimizer, 0, self.dim, self.dtype))
+        if sorted(state) != expected:
+            raise ValueError(f"optimizer state keys {sorted(state)} do not fit this table's {self.optimizer.kind} "
+                             f"optimizer, which keeps {expected}: load the state of a table with the same optimizer")
+        order = torch.argsort(ids)
+        with self.lock:
+            self.state_ids = ids[order].clone()
+            self.state = {k: v[order].to(self.dtype).clone() for k, v in state.items()}
+            self.steps = steps
+            if calls is not None:
+                self.calls = calls
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()

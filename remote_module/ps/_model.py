@@ -171,14 +171,16 @@ class PSModel(PSCheckpoints, nn.Module):
         self._spec = _server.JobSpec(mode, num_trainers, (optimizer[0], dict(optimizer[1])),
                                      half_async_merge_every, merge_s, layout)
         self._attach()
-        self._local_opt = optimizer[0](model.parameters(), **optimizer[1]) if mode == "geo" else None
+        self._local_opt = optimizer[0](self._params().values(), **optimizer[1]) if mode == "geo" else None
         self._pulled: dict[str, torch.Tensor] = {}
         self.pull()
 
     # ---- layout ---------------------------------------------------------------------
 
     def _params(self) -> "OrderedDict[str, nn.Parameter]":
-        return OrderedDict(self.module.named_parameters())
+        # less the tables' zero-size grad markers: the tables step their own rows
+        markers = {id(t.grad_marker) for t in self._tables.values()}
+        return OrderedDict((n, p) for n, p in self.module.named_parameters() if id(p) not in markers)
 
     def _layout(self, split_method: Any, min_block_size: int, slice_var_up: bool) -> list[_Slot]:
         blocks = [(pname, b) for pname, p in self._params().items()

@@ -41,8 +41,12 @@ class Table:
         self.starts = torch.tensor([r.first for r in self.blocks], dtype=torch.long)
         self.ends = torch.tensor([r.first + r.count for r in self.blocks], dtype=torch.long)
         self.lock = threading.Condition()
-        self.step_count = 0
+        self.step_count = 0  # sync: the steps (rounds of every trainer's push) completed
+        # optimizer steps of the table (torch's per-parameter ``step``: Adagrad's lr_decay,
+        # SparseAdam's bias correction): steps in which a trainer had a gradient for it
+        self.optimizer_steps = 0
         self.pushed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.ahead: dict[int, dict[str, tuple]] = {}  # sync: pushes for later steps, by step
         self.waiters: list[_Waiting] = []  # sync lookups for a later step
         self.trainers: set[str] = set()  # attached
         self.tokens: dict[str, str | None] = {}  # each trainer's newest object of this table (sync: the one that pushes)
@@ -104,13 +108,18 @@ class Table:
             keep = uniq != self.spec.padding_idx
             uniq, summed = uniq[keep], summed[keep]
         parts = self._split(uniq)  # checked before anything changes
-        self.step_count += 1
+        self.optimizer_steps += 1
         for rows, mine in parts:
-            rows.step(uniq[mine], summed[mine], self.step_count, scale)
+            rows.step(uniq[mine], summed[mine], self.optimizer_steps, scale)
 
-    def push(self, trainer: str, step: int, ids: torch.Tensor, grad: torch.Tensor, token: str | None = None) -> None:
+    def push(self, trainer: str, step: int, ids: torch.Tensor | None, grad: torch.Tensor | None,
+             token: str | None = None) -> None:
         """A trainer's sparse gradient, applied by the table's mode (async: now; sync: once every
         trainer has pushed step ``step``, summed in trainer-name order / num_trainers).
+
+        ``ids`` and ``grad`` ``None``: the trainer had no gradient for the table this step (sync
+        trainers push every step; a step in which no trainer had one is not an optimizer step,
+        as torch skips a parameter without a gradient).
 
         Sync: ``token`` names the trainer's object of the table that pushes; only the newest
         attached may (``ValueError`` otherwise: one trainer, one object); pushing the step it
@@ -118,6 +127,8 @@ class Table:
         push arrived) is a no-op."""
         answers: list = []
         with self.lock:
+            if ids is None and self.spec.mode != "sync":
+                return
             if self.spec.mode == "async":
                 self.apply(ids, grad)
                 return
@@ -141,18 +152,30 @@ class Table:
                 )
             if self.last_push.get(trainer) == (step, token) and step in (self.step_count, self.step_count - 1):
                 return  # a retry: this push is already counted (pending or applied)
-            if step != self.step_count:
+            # ahead of the table only by the step after its last push (see below)
+            after_last = self.last_push.get(trainer, (None,))[0] == step - 1
+            if step < self.step_count or (step > self.step_count and not after_last):
                 raise RuntimeError(
                     f"table {self.name!r}: trainer {trainer!r} pushed step {step}, the table is at step {self.step_count}"
                 )
-            self.pushed[trainer] = (ids, grad)
             self.last_push[trainer] = (step, token)
-            if len(self.pushed) == self.spec.num_trainers:
-                order = sorted(self.pushed)
-                ids_all = torch.cat([self.pushed[t][0] for t in order])
-                grad_all = torch.cat([self.pushed[t][1] for t in order])
-                self.pushed = {}
-                self.apply(ids_all, grad_all, 1.0 / self.spec.num_trainers)
+            if step > self.step_count:
+                # a trainer that looked nothing up since its last step did not wait for that step
+                # to complete: its push waits here for its own step
+                self.ahead.setdefault(step, {})[trainer] = (ids, grad)
+                return
+            self.pushed[trainer] = (ids, grad)
+            stepped = False
+            while len(self.pushed) == self.spec.num_trainers:
+                order = [t for t in sorted(self.pushed) if self.pushed[t][0] is not None]
+                if order:  # some trainer had a gradient: one optimizer step
+                    ids_all = torch.cat([self.pushed[t][0] for t in order])
+                    grad_all = torch.cat([self.pushed[t][1] for t in order])
+                    self.apply(ids_all, grad_all, 1.0 / self.spec.num_trainers)
+                self.step_count += 1
+                self.pushed = self.ahead.pop(self.step_count, {})
+                stepped = True
+            if stepped:
                 ready = [w for w in self.waiters if self.step_count >= w.step]
                 self.waiters = [w for w in self.waiters if self.step_count < w.step]
                 answers = [(w.future, self.answer(w.ids, w.pool)) for w in ready]
@@ -326,21 +349,23 @@ def _set_rows(name: str, ids: torch.Tensor, values: torch.Tensor) -> None:
 
 
 def _row_state(name: str, first: int) -> tuple[int, torch.Tensor, dict[str, torch.Tensor]]:
-    """The table's step count and, for the block starting at row ``first``, the ids of the rows
-    with optimizer state and that state (sorted by id)."""
+    """The table's optimizer step count and, for the block starting at row ``first``, the ids
+    of the rows with optimizer state and that state (sorted by id)."""
     table = _table(name)
     rows = table.block(first)
     with rows.lock:
         ids, slots = rows.stored(stepped_only=True)
         where = rows.state_slot.index_select(0, slots)
-        return table.step_count, ids, {k: v.index_select(0, where) for k, v in rows.state.items()}
+        return table.optimizer_steps, ids, {k: v.index_select(0, where) for k, v in rows.state.items()}
 
 
-def _set_row_state(name: str, step_count: int, ids: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
-    """Set the table's step count and the optimizer state of rows ``ids`` (they count as touched)."""
+def _set_row_state(name: str, optimizer_steps: int, ids: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+    """Set the table's optimizer step count and the optimizer state of rows ``ids`` (they count
+    as touched). A sync table's step (its trainers' round) is left alone: it is not optimizer
+    state, and trainers already attached wait on it."""
     table = _table(name)
     with table.lock:
-        table.step_count = step_count
+        table.optimizer_steps = optimizer_steps
         if not ids.numel():
             return
         for rows, mine in table._split(ids):

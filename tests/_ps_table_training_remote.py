@@ -1,0 +1,237 @@
+"""What tests/test_ps_table_training.py runs on its trainers: tables trained as torch trains a
+local embedding (zero_grad through containers and optimizers, steps without gradients,
+checkpoints continued, DDP and local optimizers beside the tables' grad markers), and the
+warning of a table whose gradients are never pushed. Each returns what happened; pytest
+compares it with plain torch (tests/test_ps_table_training.py holds the references)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from tests._ps_embedding_hostile_remote import table, weights
+
+#: per step, the ids looked up (``None``: no lookup, so no gradient); rows 0-9 live on ps0, 10-19
+#: on ps1 (tests/_ps_embedding_hostile_remote.table), so some steps touch one server only
+SCHEDULE: list[list[int] | None] = [[1, 15], None, [16, 17], [2], None, None, [3, 15, 3], [18], None, [1, 19]]
+
+
+def train(emb: nn.Module, schedule: list, step: Any, zero_grad: Any) -> None:
+    """One step per entry of ``schedule``: zero_grad, a lookup and backward if it has ids, step."""
+    for ids in schedule:
+        zero_grad()
+        if ids is not None:
+            emb(torch.tensor(ids)).pow(2).sum().backward()
+        step()
+
+
+def local(optimizer: tuple) -> tuple[nn.Embedding, torch.optim.Optimizer]:
+    emb = nn.Embedding(20, 3, sparse=True, _weight=weights(0))
+    return emb, optimizer[0](emb.parameters(), **optimizer[1])
+
+
+# ---- steps without gradients -------------------------------------------------------------------------
+
+
+def steps_without_gradients(name: str, mode: str, optimizer: tuple) -> torch.Tensor:
+    """A table trained on SCHEDULE in ``mode`` (half_async applying every push, geo pushing
+    every 3 steps); its rows as the servers hold them."""
+    t = table(name, ps_mode=mode, optimizer=optimizer, half_async_merge_every=1, geo_push_every=3)
+    train(t, SCHEDULE, t.step, t.zero_grad)
+    return t.state_dict()["weight"]
+
+
+def sync_trainer(name: str, optimizer: tuple, schedule: list) -> torch.Tensor:
+    """One of two trainers of a sync table, stepping ``schedule`` (all trainers step every
+    step; a ``None`` entry: no gradient this step)."""
+    t = table(name, ps_mode="sync", num_trainers=2, optimizer=optimizer, seed=None)
+    train(t, schedule, t.step, t.zero_grad)
+    return t.state_dict()["weight"]
+
+
+def load_rows(name: str, optimizer: tuple) -> bool:
+    """Load weights(0) into the 2-trainer sync table ``name`` (before its trainers step)."""
+    table(name, ps_mode="sync", num_trainers=2, optimizer=optimizer, keep=False)
+    return True
+
+
+# ---- checkpoints continued ---------------------------------------------------------------------------
+
+
+def checkpointed(name: str, mode: str, optimizer: tuple, first: list, then: list,
+                 checkpoint: dict | None = None) -> dict:
+    """Train a table in ``mode`` on ``first``, take a checkpoint (rows and optimizer state),
+    train on ``then``; or (``checkpoint`` given) load it into a new table and train on ``then``.
+    The checkpoint and the rows at the end."""
+    kwargs = dict(ps_mode=mode, optimizer=optimizer, half_async_merge_every=1, geo_push_every=2)
+    if checkpoint is None:
+        t = table(name, **kwargs)
+        train(t, first, t.step, t.zero_grad)
+        checkpoint = {"rows": t.state_dict(), "optim": t.optimizer_state_dict()}
+    else:
+        t = table(name, seed=None, **kwargs)
+        t.load_state_dict(checkpoint["rows"])
+        t.load_optimizer_state_dict(checkpoint["optim"])
+    train(t, then, t.step, t.zero_grad)
+    return {"checkpoint": checkpoint, "rows": t.state_dict()["weight"]}
+
+
+# ---- zero_grad through containers and optimizers -----------------------------------------------------
+
+
+class Clicks(nn.Module):
+    """A sharded bag (or a local sparse one) feeding a Linear: a model holding a table."""
+
+    def __init__(self, bag: nn.Module) -> None:
+        super().__init__()
+        self.bag = bag
+        torch.manual_seed(0)
+        self.dense = nn.Linear(3, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.dense(self.bag(ids)).squeeze(1)
+
+
+BAGS = [torch.tensor([[1, 15], [2, 3]]), torch.tensor([[16, 4], [4, 5]]), torch.tensor([[6, 17], [18, 1]])]
+
+
+def zero_grad_run(model: nn.Module, table_step: Any, how: str) -> None:
+    """A loop over BAGS where the first backward is discarded by ``zero_grad`` of ``how``
+    (``"module"``: the model's; ``"container"``: an ``nn.ModuleList`` holding the model;
+    ``"optimizer"``: SGD over ``model.parameters()``), then two steps; a backward discarded
+    just before a step that finds nothing; the dense part trains by the same SGD."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    zero = {"module": model.zero_grad, "container": nn.ModuleList([model]).zero_grad, "optimizer": opt.zero_grad}[how]
+    model(BAGS[0]).pow(2).sum().backward()
+    zero()  # the backward above is discarded: the table must not step it
+    for ids in BAGS[1:]:
+        model(ids).pow(2).sum().backward()
+        opt.step()
+        table_step()
+        zero()
+    model(BAGS[0]).sum().backward()
+    zero()
+    table_step()  # nothing left: no optimizer step either
+
+
+def zero_grad_sharded(name: str, how: str) -> dict:
+    model = Clicks(table(name, bag="sum", optimizer=(torch.optim.SGD, {"lr": 0.5})))
+    zero_grad_run(model, model.bag.step, how)
+    return {"rows": model.bag.state_dict()["weight"], "dense": model.dense.state_dict()}
+
+
+# ---- local optimizers and DDP beside the tables' grad markers -----------------------------------------
+
+
+def local_optimizer_run(name: str, optimizer: tuple) -> dict:
+    """A model holding a table, trained by a local ``optimizer`` over ``model.parameters()``
+    (which holds the table's zero-size marker) and the table's own SGD."""
+    model = Clicks(table(name, bag="sum", optimizer=(torch.optim.SGD, {"lr": 0.5})))
+    opt = optimizer[0](model.parameters(), **optimizer[1])
+    for ids in BAGS * 2:
+        opt.zero_grad()
+        model(ids).pow(2).sum().backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+        opt.step()
+        model.bag.step()
+    return {"rows": model.bag.state_dict()["weight"], "dense": model.dense.state_dict(),
+            "params": [n for n, _ in model.named_parameters()], "state_keys": sorted(model.state_dict())}
+
+
+def ddp_inside_run(name: str, rank: int, store_path: str) -> dict:
+    """Trainer ``rank`` of 2: DDP (gloo) around a whole model holding a table (async), so the
+    table's marker is one of DDP's parameters; an SGD of the DDP module's parameters; each
+    trainer looks up rows of its own parity."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    try:
+        bag = table(name, bag="sum", num_trainers=2, optimizer=(torch.optim.SGD, {"lr": 0.5}),
+                    seed=0 if rank == 0 else None)
+        dist.barrier()  # trainer0 loaded the rows
+        model = DDP(Clicks(bag))
+        opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=0.01)
+        for ids in BAGS:
+            opt.zero_grad()
+            model(ids // 2 * 2 + rank).pow(2).sum().backward()
+            opt.step()
+            bag.step()
+        dist.barrier()  # both trainers' pushes are in
+        return {"rows": bag.state_dict()["weight"], "dense": model.module.dense.state_dict()}
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- the warning of gradients never pushed -----------------------------------------------------------
+
+
+def unpushed_warnings(name: str, case: str) -> dict:
+    """Run ``case`` with a table in a model; the table warnings caught, and the rows."""
+    bag = table(name, bag="sum", optimizer=(torch.optim.SGD, {"lr": 0.5}))
+    model = Clicks(bag)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if case == "forgotten step":  # a ported DLRM loop: model.parameters() holds no table rows
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for ids in BAGS * 2:
+                opt.zero_grad()
+                model(ids).pow(2).sum().backward()
+                opt.step()
+        elif case == "forgotten step, dense optimizer":
+            opt = torch.optim.Adam(model.dense.parameters(), lr=0.1)
+            for ids in BAGS:
+                opt.zero_grad()
+                model(ids).pow(2).sum().backward()
+                opt.step()
+            with torch.no_grad():
+                model(BAGS[0])  # an eval lookup does not warn
+            model(BAGS[0])
+        elif case == "accumulation":  # 4 backward passes per step, the table stepped after the optimizer
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(3):
+                opt.zero_grad()
+                for ids in BAGS + BAGS[:1]:
+                    model(ids).pow(2).sum().backward()
+                opt.step()
+                bag.step()
+        elif case == "demo loop":  # as remote_module/dlrm_demo.py: zero_grad, backward, step, table.step
+            opt = torch.optim.Adam(model.dense.parameters(), lr=0.1)
+            for ids in BAGS * 2:
+                opt.zero_grad()
+                model(ids).pow(2).sum().backward()
+                opt.step()
+                bag.step()
+        elif case == "many backward passes":  # no local optimizer: told after 100 passes without a step
+            for _ in range(101):
+                bag(BAGS[0]).sum().backward()
+            bag(BAGS[0])
+            bag(BAGS[0])
+        elif case == "long accumulation":  # no local optimizer, 99 passes then a step: silent
+            for _ in range(2):
+                for _ in range(99):
+                    bag(BAGS[0]).sum().backward()
+                bag.step()
+            bag(BAGS[0])
+        elif case == "frozen":  # requires_grad_(False): nothing recorded, nothing to warn about
+            model.requires_grad_(False)
+            model.dense.requires_grad_(True)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for ids in BAGS * 2:
+                opt.zero_grad()
+                out = model(ids)
+                out.pow(2).sum().backward()
+                opt.step()
+            frozen_out = bag(BAGS[0])
+        else:
+            raise ValueError(case)
+    got = [str(w.message) for w in caught if "never pushed" in str(w.message)]
+    out = {"warnings": got, "categories": [w.category.__name__ for w in caught if "never pushed" in str(w.message)],
+           "rows": bag.state_dict()["weight"]}
+    if case == "frozen":
+        out["frozen_requires_grad"] = frozen_out.requires_grad
+        out["held"] = len(bag._held) + len(bag._fresh)
+    return out
