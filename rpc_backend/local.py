@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import time
 import traceback
@@ -89,7 +90,60 @@ def _rank_entry(
     except BaseException:
         _send(results, ("error", rank, traceback.format_exc()))
         os._exit(1)
-    _send(results, ("ok", rank, value))
+    try:
+        payload = _result_bytes(value)
+    except _UnpicklableResult as exc:
+        _send(results, ("error", rank, str(exc)))
+        os._exit(1)
+    _send(results, ("ok", rank, payload))
+
+
+class _UnpicklableResult(Exception):
+    """A rank's return value cannot be pickled; the message names the offending type."""
+
+
+def _result_bytes(value: Any) -> bytes:
+    """``value`` pickled by value with the plain pickler.
+
+    The result queue's own pickler (multiprocessing's, with torch's reducers) would share a
+    tensor's storage through a file descriptor of this process, which is gone by the time the
+    caller reads it; plain pickle copies tensors into the bytes instead.
+    """
+    try:
+        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        where, culprit = _first_unpicklable(value, "result")
+        raise _UnpicklableResult(
+            f"fn returned a value run_local cannot send back: {where} is of type "
+            f"{_type_name(culprit)}, which cannot be pickled ({type(exc).__name__}: {exc}); return "
+            f"picklable data instead (tensors, numbers, strings, lists, dicts, ...)"
+        ) from None
+
+
+def _first_unpicklable(value: Any, where: str, depth: int = 0) -> tuple[str, Any]:
+    """The path and value of the innermost part of ``value`` that cannot be pickled, looking
+    into lists, tuples, sets and dicts; ``value`` itself when no part is to blame."""
+    if depth < 20:
+        if isinstance(value, dict):
+            items: Any = [(f"{where}[{k!r}]", v) for k, v in value.items()]
+            items += [(f"a key of {where}", k) for k in value]
+        elif isinstance(value, (list, tuple)):
+            items = [(f"{where}[{i}]", v) for i, v in enumerate(value)]
+        elif isinstance(value, (set, frozenset)):
+            items = [(f"an element of {where}", v) for v in value]
+        else:
+            items = []
+        for inner_where, inner in items:
+            try:
+                pickle.dumps(inner, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception:
+                return _first_unpicklable(inner, inner_where, depth + 1)
+    return where, value
+
+
+def _type_name(value: Any) -> str:
+    cls = type(value)
+    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _send(results: Any, item: tuple) -> None:
@@ -124,7 +178,9 @@ def run_local(
     the process ends); the ranks also exit by themselves if the caller dies outright. MASTER_ADDR / MASTER_PORT name a store
     the launcher hosts on 127.0.0.1 (as torchrun's agent does), so
     :func:`~rpc_backend.init_role_process_group` and ``init_process_group`` work in ``fn``. Returns the ranks' return
-    values ordered by rank. If a rank raises, its traceback is printed, the other ranks are
+    values ordered by rank, copied by value with plain pickle (tensors arrive intact, with no
+    storage shared with the exited rank); a value that cannot be pickled fails the world with
+    :class:`LocalWorldError` naming the rank and the offending type. If a rank raises, its traceback is printed, the other ranks are
     stopped and :class:`LocalWorldError` is raised within ``stop_grace`` seconds. ``timeout``
     bounds the whole run (None: no bound). ``fn`` must be importable (module level).
     A rank whose ``fn`` returned keeps serving the others until every rank is done, however
@@ -213,7 +269,15 @@ def _collect(
         if status == "error":
             _log.error("rank %d (%s) failed:\n%s", rank, names[rank], payload)
             raise LocalWorldError(rank, names[rank], payload)
-        values[rank] = payload
+        try:
+            values[rank] = pickle.loads(payload)
+        except Exception as exc:
+            raise LocalWorldError(
+                rank, names[rank],
+                f"its result could not be unpickled in the caller ({type(exc).__name__}: {exc}); "
+                f"return values whose classes the caller can import (not ones defined in the "
+                f"script run as __main__)",
+            ) from exc
     return values
 
 
