@@ -17,12 +17,12 @@ import pickle
 import queue
 import time
 import traceback
-import warnings
 from typing import Any, Callable, Mapping, Sequence
 
 import torch.distributed.rpc as rpc
 
 from rpc_backend._lifetime import StopSignals, exit_with_parent
+from rpc_backend._quiet import hide_functional_optimizer_deprecation, no_backend_as_process_group_warning
 from rpc_backend.loopback import loopback_env, loopback_store
 from rpc_backend.options import make_options, positive_seconds
 from rpc_backend.roles import Placement, placements
@@ -54,7 +54,7 @@ def _rank_entry(
     results: Any,
 ) -> None:
     exit_with_parent(launcher_pid)  # a launcher killed outright (SIGKILL) cannot stop its ranks
-    warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
+    hide_functional_optimizer_deprecation()
     world_size = len(layout)
     me = layout[rank]
     os.environ.update(loopback_env())
@@ -73,11 +73,13 @@ def _rank_entry(
     try:
         init_method = f"tcp://{os.environ['MASTER_ADDR']}:{store_port}"
         options = make_options(init_method=init_method, worker_names=[p.name for p in layout], **option_kwargs)
-        rpc.init_rpc(me.name, rank=rank, world_size=world_size, rpc_backend_options=options)
+        with no_backend_as_process_group_warning():
+            rpc.init_rpc(me.name, rank=rank, world_size=world_size, rpc_backend_options=options)
         worker = _set_current(
             Worker(me.name, rank, world_size, rank, me.role, me.role_rank, me.role_size,
                    shutdown_timeout=shutdown_timeout, layout=list(layout))
         )
+        results.put(("joined", rank, None))  # for the caller's progress messages
         value = fn(*args)
     except BaseException:
         _send(results, ("error", rank, traceback.format_exc()))
@@ -166,6 +168,8 @@ def run_local(
     stop_grace: float = 3.0,
     device_maps: dict[str, dict[str, dict]] | None = None,
     shutdown_timeout: float | None = None,
+    progress: Callable[[str], None] | None = None,
+    progress_every: float = 2.0,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` spawned local processes forming one RPC world.
 
@@ -175,7 +179,8 @@ def run_local(
     ROLE_WORLD_SIZE), and listens on loopback only. When the calling process gets SIGINT or
     SIGTERM (while ``run_local`` runs in the main thread), the ranks are stopped first
     (terminate, then kill) and then the signal has its usual effect (``KeyboardInterrupt``;
-    the process ends); the ranks also exit by themselves if the caller dies outright. MASTER_ADDR / MASTER_PORT name a store
+    the process ends); the ranks also exit by themselves if the caller dies outright. The ranks
+    keep two unactionable torch warnings off the console (see ``rpc_backend/_quiet.py``). MASTER_ADDR / MASTER_PORT name a store
     the launcher hosts on 127.0.0.1 (as torchrun's agent does), so
     :func:`~rpc_backend.init_role_process_group` and ``init_process_group`` work in ``fn``. Returns the ranks' return
     values ordered by rank, copied by value with plain pickle (tensors arrive intact, with no
@@ -188,6 +193,10 @@ def run_local(
     shuts down immediately and fails the world).
     ``device_maps`` maps a worker name to its own device maps, e.g.
     ``{"worker0": {"worker1": {"cuda:0": "cuda:0"}}}``.
+    ``progress``, when given, is called in the caller with one-line messages while the world
+    starts (spawning takes seconds: every rank imports torch before it joins): once when the
+    processes start, every ``progress_every`` seconds while some rank has not joined the RPC
+    world yet (naming them), and once when all have joined; e.g. ``progress=print``.
 
     Example::
 
@@ -209,6 +218,9 @@ def run_local(
     names = [p.name for p in layout]
     if shutdown_timeout is not None:
         shutdown_timeout = positive_seconds(shutdown_timeout, "shutdown_timeout")
+    progress_every = positive_seconds(progress_every, "progress_every")
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress must be a callable taking one str (e.g. print), got {progress!r}")
     option_kwargs = dict(rpc_timeout=rpc_timeout, num_worker_threads=num_worker_threads, device_maps=None)
     # validate here, in the caller, before any process starts
     make_options(worker_names=names, **option_kwargs)
@@ -237,7 +249,11 @@ def run_local(
                 )
                 proc.start()  # raises for e.g. an fn that cannot be pickled for spawn
                 procs.append(proc)  # only started ranks are stopped and joined below
-            values = _collect(procs, results, names, deadline, timeout, stop)
+            if progress is not None:
+                progress(f"started {world_size} processes ({', '.join(names)}); each imports torch, "
+                         f"then joins the RPC world")
+            values = _collect(procs, results, names, deadline, timeout, stop,
+                              _JoinReporter(names, progress, progress_every))
         finally:
             _stop(procs, stop_grace, hurry=lambda: stop.received is not None)
             results.close()
@@ -247,12 +263,13 @@ def run_local(
 
 def _collect(
     procs: list[Any], results: Any, names: list[str], deadline: float | None, timeout: float | None,
-    stop: StopSignals,
+    stop: StopSignals, joins: _JoinReporter,
 ) -> dict[int, Any]:
     """Every rank's value by rank; raises for the first rank that fails or exits without one."""
     values: dict[int, Any] = {}
     while len(values) < len(procs) or any(p.is_alive() for p in procs):
         stop.raise_if_received()
+        joins.tick()
         try:
             status, rank, payload = results.get(timeout=0.2)
         except queue.Empty:
@@ -266,6 +283,9 @@ def _collect(
             except queue.Empty:
                 r = gone[0]
                 raise LocalWorldError(r, names[r], f"exited with code {procs[r].exitcode} without a result") from None
+        if status == "joined":
+            joins.joined(rank)
+            continue
         if status == "error":
             _log.error("rank %d (%s) failed:\n%s", rank, names[rank], payload)
             raise LocalWorldError(rank, names[rank], payload)
@@ -279,6 +299,33 @@ def _collect(
                 f"script run as __main__)",
             ) from exc
     return values
+
+
+class _JoinReporter:
+    """``run_local``'s progress messages about ranks joining the RPC world (none without a
+    ``progress`` callable)."""
+
+    def __init__(self, names: list[str], progress: Callable[[str], None] | None, every: float) -> None:
+        self.names = names
+        self.progress = progress
+        self.every = every
+        self.start = self.last = time.monotonic()
+        self.waiting = set(range(len(names)))
+
+    def joined(self, rank: int) -> None:
+        self.waiting.discard(rank)
+        if self.progress is not None and not self.waiting:
+            self.progress(f"all {len(self.names)} ranks joined the RPC world "
+                          f"({time.monotonic() - self.start:.1f} s)")
+
+    def tick(self) -> None:
+        """Say which ranks have not joined yet, at most every ``every`` seconds."""
+        now = time.monotonic()
+        if self.progress is None or not self.waiting or now - self.last < self.every:
+            return
+        self.last = now
+        missing = [self.names[r] for r in sorted(self.waiting)]
+        self.progress(f"waiting for {', '.join(missing)} to join the RPC world ({now - self.start:.0f} s)")
 
 
 def _stop(procs: list[Any], grace: float, hurry: Callable[[], bool]) -> None:

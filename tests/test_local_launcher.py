@@ -45,7 +45,14 @@ def test_a_rank_that_cannot_start_raises_its_own_error():
 def test_tensor_results_arrive_by_value_and_intact():
     import torch
 
-    values = run_local(_launcher_fns.tensors_of_rank, 2, args=(7,), timeout=60)
+    messages: list[str] = []
+    values = run_local(_launcher_fns.tensors_of_rank, 2, args=(7,), timeout=60, progress=messages.append,
+                       progress_every=0.5)
+    # progress: the start, then (maybe) who is still joining, then everyone joined, once
+    assert messages[0].startswith("started 2 processes (worker0, worker1)"), messages
+    assert [m for m in messages if m.startswith("all ")] == [messages[-1]], messages
+    assert messages[-1].startswith("all 2 ranks joined the RPC world"), messages
+    assert all(m.startswith("waiting for ") for m in messages[1:-1]), messages
     for rank, value in enumerate(values):
         g = torch.Generator().manual_seed(7 + rank)
         base = torch.randn(6, 4, generator=g)
