@@ -81,6 +81,7 @@ def _rank_entry(
         )
         results.put(("joined", rank, None))  # for the caller's progress messages
         value = fn(*args)
+        results.put(("returned", rank, None))
     except BaseException:
         _send(results, ("error", rank, traceback.format_exc()))
         # Skip the graceful barrier: the others may be waiting on this rank forever.
@@ -196,7 +197,8 @@ def run_local(
     ``progress``, when given, is called in the caller with one-line messages while the world
     starts (spawning takes seconds: every rank imports torch before it joins): once when the
     processes start, every ``progress_every`` seconds while some rank has not joined the RPC
-    world yet (naming them), and once when all have joined; e.g. ``progress=print``.
+    world yet (naming them), and once when all have joined; then, once every ``fn`` has
+    returned, while the ranks shut down and exit (the same way); e.g. ``progress=print``.
 
     Example::
 
@@ -269,7 +271,7 @@ def _collect(
     values: dict[int, Any] = {}
     while len(values) < len(procs) or any(p.is_alive() for p in procs):
         stop.raise_if_received()
-        joins.tick()
+        joins.tick([r for r, p in enumerate(procs) if p.is_alive()])
         try:
             status, rank, payload = results.get(timeout=0.2)
         except queue.Empty:
@@ -283,12 +285,13 @@ def _collect(
             except queue.Empty:
                 r = gone[0]
                 raise LocalWorldError(r, names[r], f"exited with code {procs[r].exitcode} without a result") from None
-        if status == "joined":
-            joins.joined(rank)
+        if status in ("joined", "returned"):
+            joins.mark(status, rank)
             continue
         if status == "error":
             _log.error("rank %d (%s) failed:\n%s", rank, names[rank], payload)
             raise LocalWorldError(rank, names[rank], payload)
+        joins.done(rank)
         try:
             values[rank] = pickle.loads(payload)
         except Exception as exc:
@@ -310,22 +313,52 @@ class _JoinReporter:
         self.progress = progress
         self.every = every
         self.start = self.last = time.monotonic()
-        self.waiting = set(range(len(names)))
+        self.unjoined = set(range(len(names)))
+        self.running = set(range(len(names)))
+        self.stopping: set[int] | None = None  # the ranks not done shutting down, once all returned
+        self.exiting = False  # every result is in; the processes are exiting
 
-    def joined(self, rank: int) -> None:
-        self.waiting.discard(rank)
-        if self.progress is not None and not self.waiting:
-            self.progress(f"all {len(self.names)} ranks joined the RPC world "
-                          f"({time.monotonic() - self.start:.1f} s)")
-
-    def tick(self) -> None:
-        """Say which ranks have not joined yet, at most every ``every`` seconds."""
+    def mark(self, status: str, rank: int) -> None:
+        """A rank joined the world or its ``fn`` returned."""
         now = time.monotonic()
-        if self.progress is None or not self.waiting or now - self.last < self.every:
+        if status == "joined":
+            self.unjoined.discard(rank)
+            if not self.unjoined:
+                self._say(f"all {len(self.names)} ranks joined the RPC world ({now - self.start:.1f} s)")
+        else:
+            self.running.discard(rank)
+            if not self.running:
+                self.stopping, self.start = set(range(len(self.names))), now
+                self._say(f"all {len(self.names)} ranks returned; shutting the RPC world down")
+
+    def done(self, rank: int) -> None:
+        """A rank finished its shutdown (its result arrived)."""
+        if self.stopping is not None:
+            self.stopping.discard(rank)
+            if not self.stopping and not self.exiting:
+                self.exiting, self.start = True, time.monotonic()
+
+    def tick(self, alive: list[int]) -> None:
+        """Say which ranks have not joined (shut down, exited) yet, at most every ``every`` s;
+        ``alive``: the ranks whose processes still run."""
+        now = time.monotonic()
+        if now - self.last < self.every:
             return
-        self.last = now
-        missing = [self.names[r] for r in sorted(self.waiting)]
-        self.progress(f"waiting for {', '.join(missing)} to join the RPC world ({now - self.start:.0f} s)")
+        if self.unjoined:
+            missing, what = self.unjoined, "join the RPC world"
+        elif self.stopping:
+            missing, what = self.stopping, "shut down"
+        elif self.exiting and alive:
+            missing, what = set(alive), "exit"
+        else:
+            return
+        names = ", ".join(self.names[r] for r in sorted(missing))
+        self._say(f"waiting for {names} to {what} ({now - self.start:.0f} s)")
+
+    def _say(self, message: str) -> None:
+        self.last = time.monotonic()
+        if self.progress is not None:
+            self.progress(message)
 
 
 def _stop(procs: list[Any], grace: float, hurry: Callable[[], bool]) -> None:
