@@ -65,13 +65,14 @@ def trainer(rank: int, pg_init_method: str, steps: int) -> list[float]:
         _shared["embedding"] = RemoteModule("ps/cpu", nn.EmbeddingBag, (NUM_EMBEDDINGS, DIM), {"mode": "sum"})
     dist.barrier()
     embedding = _shared["embedding"] if rank == 0 else rpc.rpc_sync("trainer0", shared_embedding)
-    say(f"trainer{rank}: training {steps} steps with the shared embedding on ps")
+    say(f"trainer{rank}: building the model and its DistributedOptimizer (shared embedding on ps)")
     model = HybridModel(embedding)
     params = [rpc.RRef(p) for p in model.parameters()] + embedding.remote_parameters()
     opt = DistributedOptimizer(torch.optim.SGD, params, lr=0.5)
     teacher = torch.randn(NUM_EMBEDDINGS, CLASSES, generator=torch.Generator().manual_seed(42))
     gen = torch.Generator().manual_seed(rank)
     losses = []
+    say(f"trainer{rank}: training {steps} steps")
     last_line = time.monotonic()
     for step in range(1, steps + 1):
         ids, offsets, labels = batch(gen, teacher)
@@ -80,7 +81,7 @@ def trainer(rank: int, pg_init_method: str, steps: int) -> list[float]:
             dist_autograd.backward(ctx, [loss])
             opt.step(ctx)
         losses.append(loss.item())
-        if time.monotonic() - last_line >= 2.0:  # a line every 2 s: a run takes a while
+        if step == 1 or time.monotonic() - last_line >= 2.0:  # a line every 2 s: a run takes a while
             last_line = time.monotonic()
             say(f"trainer{rank}: step {step}/{steps}, loss {losses[-1]:.3f}")
     dist.barrier()  # trainer0 keeps the shared proxy alive until trainer1 is done
