@@ -138,7 +138,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     # geo: a trainer pushes every cached row's delta each geo_push_every steps
     tables = []
     for t, (name, rows) in enumerate(TABLES.items()):
-        with still(f"{me.name}: creating table {name} ({rows:,} rows x {DIM}) on {', '.join(servers)}"):
+        with still(f"{me.name}: creating table {name} ({rows:,} rows x {DIM}) on {len(servers)} server(s)"):
             tables.append(
                 ShardedEmbeddingBag(rows, DIM, servers, name=f"dlrm.{name}", mode="mean", ps_mode=args.mode,
                                     num_trainers=me.role_size, optimizer=(torch.optim.Adagrad, {"lr": 0.3}),
@@ -237,8 +237,7 @@ def _rank(args: argparse.Namespace) -> dict[str, Any] | None:
     torch.set_num_threads(args.threads)
     me = current_worker()
     if me.role == "ps":
-        say(f"{me.name}: serving table blocks to {len(me.workers('trainer'))} trainer(s)")
-        return None
+        return None  # serves the tables' blocks; under torchrun the servers print nothing
     result = train(args)
     say(f"{me.name}: finished; waiting for every rank to finish")
     return result

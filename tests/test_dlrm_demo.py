@@ -53,7 +53,6 @@ def _check_progress_lines(lines: list[str], steps: int) -> None:
     world = [index("Starting a local RPC world"), index("  started 3 processes (ps0, trainer0, trainer1)"),
              index("  all 3 ranks joined the RPC world")]
     assert world == sorted(world), lines
-    assert index("ps0: serving table blocks to 2 trainer(s)") < index("  all 3 ranks returned")
     for t in ("trainer0", "trainer1"):
         phases = [f"{t}: forming the trainers' DDP group", *(f"{t}: creating table {name} " for name in dlrm_demo.TABLES),
                   f"{t}: building the dense model", f"{t}: training {steps} steps", f"{t}: {steps} steps done; scoring",
