@@ -1,5 +1,6 @@
 """rpc_backend.run_local: results by rank, bounded failure."""
 
+import re
 import time
 
 import pytest
@@ -48,11 +49,15 @@ def test_tensor_results_arrive_by_value_and_intact():
     messages: list[str] = []
     values = run_local(_launcher_fns.tensors_of_rank, 2, args=(7,), timeout=60, progress=messages.append,
                        progress_every=0.5)
-    # progress: the start, then (maybe) who is still joining, then everyone joined, once
+    # progress: the start, (maybe) who is still joining, everyone joined; then, once every fn
+    # returned, the shutdown and (maybe) who has not shut down or exited yet
     assert messages[0].startswith("started 2 processes (worker0, worker1)"), messages
-    assert [m for m in messages if m.startswith("all ")] == [messages[-1]], messages
-    assert messages[-1].startswith("all 2 ranks joined the RPC world"), messages
-    assert all(m.startswith("waiting for ") for m in messages[1:-1]), messages
+    joined = [i for i, m in enumerate(messages) if m.startswith("all 2 ranks joined the RPC world")]
+    returned = [i for i, m in enumerate(messages) if m == "all 2 ranks returned; shutting the RPC world down"]
+    assert len(joined) == 1 and len(returned) == 1 and joined[0] < returned[0], messages
+    assert all(re.match(r"waiting for (worker\d, )*worker\d to join the RPC world", m) for m in messages[1:joined[0]]), messages
+    assert all(re.match(r"waiting for (worker\d, )*worker\d to (shut down|exit)", m)
+               for m in messages[returned[0] + 1:]), messages
     for rank, value in enumerate(values):
         g = torch.Generator().manual_seed(7 + rank)
         base = torch.randn(6, 4, generator=g)
