@@ -1,15 +1,22 @@
 # The README's two commands: `make demo` and `make test` (each installs what it needs).
 PYTHON ?= python3
-# setup.cfg declares torch as a range (torch>=2.4). When torch is missing, this pin picks the
-# small CPU wheel instead of a multi-GB CUDA build; override it, e.g. `make TORCH=torch test`.
+# setup.cfg declares torch as a range (the versions the suite has run on). When torch is
+# missing, this pin is installed; which build (CPU or CUDA) pip picks for it depends on your
+# package index. Override it, e.g. `make TORCH=torch test`.
 TORCH ?= torch==2.13.0
 PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check
+# pip builds the project without build isolation (offline, with what is installed) only when
+# this interpreter's setuptools can build wheels by itself (>= 70.1; torch >= 2.13 brings one).
+# Otherwise (a fresh venv's setuptools 65 without `wheel`, or no setuptools at all, as in
+# Python 3.12+ venvs) pip fetches setuptools into an isolated build environment.
+CAN_BUILD := import setuptools, sys; sys.exit(tuple(int(p) for p in setuptools.__version__.split(".")[:2]) < (70, 1))
+BUILD_FLAGS = $$($(PYTHON) -c '$(CAN_BUILD)' 2>/dev/null && echo --no-build-isolation)
 
 .PHONY: install demo demo-hybrid test bench
 
 .install-stamp: setup.cfg pyproject.toml
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) "$(TORCH)"
-	$(PIP) --no-build-isolation -e ".[test,demo]"
+	$(PIP) $(BUILD_FLAGS) -e ".[test,demo]"
 	touch $@
 
 install: .install-stamp

@@ -28,14 +28,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+import threading
 import time
 from collections import deque
-from typing import Any, NamedTuple
+from contextlib import contextmanager
+from typing import Any, Iterator, NamedTuple
 
 import torch
 from torch import nn
 
-from remote_module._progress import progress_bar
+from remote_module._progress import NoBar, progress_bar
 from rpc_backend import Worker, current_worker, init_from_env, init_role_process_group, read_env, run_local
 
 TABLES = {"user": 1_000_000, "ad": 100_000, "site": 10_000}  # rows per table
@@ -45,6 +48,7 @@ BAG = 3  # ids per sparse feature per click
 BATCH = 128  # clicks per trainer per step
 ZIPF = 1.1  # popularity: the id of rank k is drawn with probability ~ 1 / k**ZIPF
 EVAL = 4096  # held-out clicks for the final AUC
+PLAIN_PROGRESS_EVERY = 2.0  # seconds between a trainer's progress lines when no bar is shown
 WINDOW = 20  # steps in the progressive AUC (each batch scored before it is trained on)
 MODES = ("async", "sync", "half_async", "geo")
 
@@ -127,20 +131,30 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     from remote_module.ps import ShardedEmbeddingBag
 
     me = current_worker()
+    say(f"{me.name}: forming the trainers' DDP group ({me.role_size} trainers)")
     init_role_process_group(me)
+    servers = me.workers("ps")
     torch.manual_seed(0)  # the same dense initialisation on every trainer (DDP checks it anyway)
     # geo: a trainer pushes every cached row's delta each geo_push_every steps
-    tables = [
-        ShardedEmbeddingBag(rows, DIM, me.workers("ps"), name=f"dlrm.{name}", mode="mean", ps_mode=args.mode,
-                            num_trainers=me.role_size, optimizer=(torch.optim.Adagrad, {"lr": 0.3}),
-                            min_block_size=4096, geo_push_every=20, seed=t)
-        for t, (name, rows) in enumerate(TABLES.items())
-    ]
-    dense = DDP(Dense())
-    opt = torch.optim.Adam(dense.parameters(), lr=0.003)
-    truth = Truth()
+    tables = []
+    for t, (name, rows) in enumerate(TABLES.items()):
+        with still(f"{me.name}: creating table {name} ({rows:,} rows x {DIM}) on {len(servers)} server(s)"):
+            tables.append(
+                ShardedEmbeddingBag(rows, DIM, servers, name=f"dlrm.{name}", mode="mean", ps_mode=args.mode,
+                                    num_trainers=me.role_size, optimizer=(torch.optim.Adagrad, {"lr": 0.3}),
+                                    min_block_size=4096, geo_push_every=20, seed=t)
+            )
+    with still(f"{me.name}: building the dense model (DDP over the trainers) and the click generator"):
+        dense = DDP(Dense())
+        opt = torch.optim.Adam(dense.parameters(), lr=0.003)
+        truth = Truth()
     gen = torch.Generator().manual_seed(100 + me.role_rank)
     bar = _progress(args.steps, me, args.progress)
+    say(f"{me.name}: training {args.steps} steps of {BATCH} clicks ({args.mode} mode)")
+    # without a bar on screen (no terminal, --no-progress, no tqdm), a line every few seconds
+    shown = not isinstance(bar, NoBar) and not getattr(bar, "disable", False)  # tqdm off a terminal
+    plain_every = None if shown else PLAIN_PROGRESS_EVERY
+    last_line = time.monotonic()
     latencies: list[float] = []
     losses: list[float] = []
     recent: deque = deque(maxlen=WINDOW)
@@ -166,8 +180,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             auc_curve.append((step, auc(torch.cat([s for s, _ in recent]), torch.cat([c for _, c in recent]))))
             bar.set_postfix(loss=f"{losses[-1]:.3f}", auc=f"{auc_curve[-1][1]:.3f}", refresh=False)
         bar.update(1)
+        if plain_every is not None and time.monotonic() - last_line >= plain_every:
+            last_line = time.monotonic()
+            auc_text = f", AUC {auc_curve[-1][1]:.3f}" if auc_curve else ""
+            say(f"{me.name}: step {step}/{args.steps}, loss {losses[-1]:.3f}{auc_text}")
     elapsed = time.perf_counter() - start
     _close_in_order(bar, me)
+    say(f"{me.name}: {args.steps} steps done; scoring {EVAL} held-out clicks")
     held_out = truth.batch(torch.Generator().manual_seed(999), EVAL)
     with torch.no_grad():
         scores = dense.module(held_out.dense, [t(ids) for t, ids in zip(tables, held_out.ids)])
@@ -216,9 +235,39 @@ def _rank(args: argparse.Namespace) -> dict[str, Any] | None:
     # Ranks sharing a machine's cores: more intra-op threads than cores per rank only spin
     # (OpenMP waits busily after each parallel op) and slow down the other ranks' RPCs.
     torch.set_num_threads(args.threads)
-    if current_worker().role == "ps":
-        return None
-    return train(args)
+    me = current_worker()
+    if me.role == "ps":
+        return None  # serves the tables' blocks; under torchrun the servers print nothing
+    result = train(args)
+    say(f"{me.name}: finished; waiting for every rank to finish")
+    return result
+
+
+def say(text: str) -> None:
+    """One progress line on stdout, right away, in one write (ranks share the terminal, and
+    ``print`` writes the line's end separately)."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+@contextmanager
+def still(text: str, every: float = PLAIN_PROGRESS_EVERY) -> Iterator[None]:
+    """Say ``text`` now, then ``text (still, N s)`` every ``every`` seconds until the block ends."""
+    say(text)
+    done = threading.Event()
+    start = time.monotonic()
+
+    def remind() -> None:
+        while not done.wait(every):
+            say(f"{text} (still, {time.monotonic() - start:.0f} s)")
+
+    thread = threading.Thread(target=remind, name="dlrm-demo-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def summary(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
@@ -340,7 +389,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         print(f"Starting a local RPC world on loopback: {args.servers} server(s), {args.trainers} trainer(s)...",
               flush=True)
         out = run_local(_rank, args.servers + args.trainers, roles={"ps": args.servers, "trainer": args.trainers},
-                        args=(args,), timeout=900)
+                        args=(args,), timeout=900, progress=lambda message: say(f"  {message}"))
         results = [r for r in out if r is not None]
     if not results:
         return []

@@ -13,15 +13,16 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import time
 import traceback
-import warnings
 from typing import Any, Callable, Mapping, Sequence
 
 import torch.distributed.rpc as rpc
 
 from rpc_backend._lifetime import StopSignals, exit_with_parent
+from rpc_backend._quiet import hide_functional_optimizer_deprecation, no_backend_as_process_group_warning
 from rpc_backend.loopback import loopback_env, loopback_store
 from rpc_backend.options import make_options, positive_seconds
 from rpc_backend.roles import Placement, placements
@@ -53,7 +54,7 @@ def _rank_entry(
     results: Any,
 ) -> None:
     exit_with_parent(launcher_pid)  # a launcher killed outright (SIGKILL) cannot stop its ranks
-    warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
+    hide_functional_optimizer_deprecation()
     world_size = len(layout)
     me = layout[rank]
     os.environ.update(loopback_env())
@@ -72,12 +73,15 @@ def _rank_entry(
     try:
         init_method = f"tcp://{os.environ['MASTER_ADDR']}:{store_port}"
         options = make_options(init_method=init_method, worker_names=[p.name for p in layout], **option_kwargs)
-        rpc.init_rpc(me.name, rank=rank, world_size=world_size, rpc_backend_options=options)
+        with no_backend_as_process_group_warning():
+            rpc.init_rpc(me.name, rank=rank, world_size=world_size, rpc_backend_options=options)
         worker = _set_current(
             Worker(me.name, rank, world_size, rank, me.role, me.role_rank, me.role_size,
                    shutdown_timeout=shutdown_timeout, layout=list(layout))
         )
+        results.put(("joined", rank, None))  # for the caller's progress messages
         value = fn(*args)
+        results.put(("returned", rank, None))
     except BaseException:
         _send(results, ("error", rank, traceback.format_exc()))
         # Skip the graceful barrier: the others may be waiting on this rank forever.
@@ -89,7 +93,60 @@ def _rank_entry(
     except BaseException:
         _send(results, ("error", rank, traceback.format_exc()))
         os._exit(1)
-    _send(results, ("ok", rank, value))
+    try:
+        payload = _result_bytes(value)
+    except _UnpicklableResult as exc:
+        _send(results, ("error", rank, str(exc)))
+        os._exit(1)
+    _send(results, ("ok", rank, payload))
+
+
+class _UnpicklableResult(Exception):
+    """A rank's return value cannot be pickled; the message names the offending type."""
+
+
+def _result_bytes(value: Any) -> bytes:
+    """``value`` pickled by value with the plain pickler.
+
+    The result queue's own pickler (multiprocessing's, with torch's reducers) would share a
+    tensor's storage through a file descriptor of this process, which is gone by the time the
+    caller reads it; plain pickle copies tensors into the bytes instead.
+    """
+    try:
+        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        where, culprit = _first_unpicklable(value, "result")
+        raise _UnpicklableResult(
+            f"fn returned a value run_local cannot send back: {where} is of type "
+            f"{_type_name(culprit)}, which cannot be pickled ({type(exc).__name__}: {exc}); return "
+            f"picklable data instead (tensors, numbers, strings, lists, dicts, ...)"
+        ) from None
+
+
+def _first_unpicklable(value: Any, where: str, depth: int = 0) -> tuple[str, Any]:
+    """The path and value of the innermost part of ``value`` that cannot be pickled, looking
+    into lists, tuples, sets and dicts; ``value`` itself when no part is to blame."""
+    if depth < 20:
+        if isinstance(value, dict):
+            items: Any = [(f"{where}[{k!r}]", v) for k, v in value.items()]
+            items += [(f"a key of {where}", k) for k in value]
+        elif isinstance(value, (list, tuple)):
+            items = [(f"{where}[{i}]", v) for i, v in enumerate(value)]
+        elif isinstance(value, (set, frozenset)):
+            items = [(f"an element of {where}", v) for v in value]
+        else:
+            items = []
+        for inner_where, inner in items:
+            try:
+                pickle.dumps(inner, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception:
+                return _first_unpicklable(inner, inner_where, depth + 1)
+    return where, value
+
+
+def _type_name(value: Any) -> str:
+    cls = type(value)
+    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _send(results: Any, item: tuple) -> None:
@@ -112,6 +169,8 @@ def run_local(
     stop_grace: float = 3.0,
     device_maps: dict[str, dict[str, dict]] | None = None,
     shutdown_timeout: float | None = None,
+    progress: Callable[[str], None] | None = None,
+    progress_every: float = 2.0,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` spawned local processes forming one RPC world.
 
@@ -121,10 +180,13 @@ def run_local(
     ROLE_WORLD_SIZE), and listens on loopback only. When the calling process gets SIGINT or
     SIGTERM (while ``run_local`` runs in the main thread), the ranks are stopped first
     (terminate, then kill) and then the signal has its usual effect (``KeyboardInterrupt``;
-    the process ends); the ranks also exit by themselves if the caller dies outright. MASTER_ADDR / MASTER_PORT name a store
+    the process ends); the ranks also exit by themselves if the caller dies outright. The ranks
+    keep two unactionable torch warnings off the console (see ``rpc_backend/_quiet.py``). MASTER_ADDR / MASTER_PORT name a store
     the launcher hosts on 127.0.0.1 (as torchrun's agent does), so
     :func:`~rpc_backend.init_role_process_group` and ``init_process_group`` work in ``fn``. Returns the ranks' return
-    values ordered by rank. If a rank raises, its traceback is printed, the other ranks are
+    values ordered by rank, copied by value with plain pickle (tensors arrive intact, with no
+    storage shared with the exited rank); a value that cannot be pickled fails the world with
+    :class:`LocalWorldError` naming the rank and the offending type. If a rank raises, its traceback is printed, the other ranks are
     stopped and :class:`LocalWorldError` is raised within ``stop_grace`` seconds. ``timeout``
     bounds the whole run (None: no bound). ``fn`` must be importable (module level).
     A rank whose ``fn`` returned keeps serving the others until every rank is done, however
@@ -132,6 +194,11 @@ def run_local(
     shuts down immediately and fails the world).
     ``device_maps`` maps a worker name to its own device maps, e.g.
     ``{"worker0": {"worker1": {"cuda:0": "cuda:0"}}}``.
+    ``progress``, when given, is called in the caller with one-line messages while the world
+    starts (spawning takes seconds: every rank imports torch before it joins): once when the
+    processes start, every ``progress_every`` seconds while some rank has not joined the RPC
+    world yet (naming them), and once when all have joined; then, once every ``fn`` has
+    returned, while the ranks shut down and exit (the same way); e.g. ``progress=print``.
 
     Example::
 
@@ -153,6 +220,9 @@ def run_local(
     names = [p.name for p in layout]
     if shutdown_timeout is not None:
         shutdown_timeout = positive_seconds(shutdown_timeout, "shutdown_timeout")
+    progress_every = positive_seconds(progress_every, "progress_every")
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress must be a callable taking one str (e.g. print), got {progress!r}")
     option_kwargs = dict(rpc_timeout=rpc_timeout, num_worker_threads=num_worker_threads, device_maps=None)
     # validate here, in the caller, before any process starts
     make_options(worker_names=names, **option_kwargs)
@@ -181,7 +251,11 @@ def run_local(
                 )
                 proc.start()  # raises for e.g. an fn that cannot be pickled for spawn
                 procs.append(proc)  # only started ranks are stopped and joined below
-            values = _collect(procs, results, names, deadline, timeout, stop)
+            if progress is not None:
+                progress(f"started {world_size} processes ({', '.join(names)}); each imports torch, "
+                         f"then joins the RPC world")
+            values = _collect(procs, results, names, deadline, timeout, stop,
+                              _JoinReporter(names, progress, progress_every))
         finally:
             _stop(procs, stop_grace, hurry=lambda: stop.received is not None)
             results.close()
@@ -191,12 +265,13 @@ def run_local(
 
 def _collect(
     procs: list[Any], results: Any, names: list[str], deadline: float | None, timeout: float | None,
-    stop: StopSignals,
+    stop: StopSignals, joins: _JoinReporter,
 ) -> dict[int, Any]:
     """Every rank's value by rank; raises for the first rank that fails or exits without one."""
     values: dict[int, Any] = {}
     while len(values) < len(procs) or any(p.is_alive() for p in procs):
         stop.raise_if_received()
+        joins.tick([r for r, p in enumerate(procs) if p.is_alive()])
         try:
             status, rank, payload = results.get(timeout=0.2)
         except queue.Empty:
@@ -210,11 +285,80 @@ def _collect(
             except queue.Empty:
                 r = gone[0]
                 raise LocalWorldError(r, names[r], f"exited with code {procs[r].exitcode} without a result") from None
+        if status in ("joined", "returned"):
+            joins.mark(status, rank)
+            continue
         if status == "error":
             _log.error("rank %d (%s) failed:\n%s", rank, names[rank], payload)
             raise LocalWorldError(rank, names[rank], payload)
-        values[rank] = payload
+        joins.done(rank)
+        try:
+            values[rank] = pickle.loads(payload)
+        except Exception as exc:
+            raise LocalWorldError(
+                rank, names[rank],
+                f"its result could not be unpickled in the caller ({type(exc).__name__}: {exc}); "
+                f"return values whose classes the caller can import (not ones defined in the "
+                f"script run as __main__)",
+            ) from exc
     return values
+
+
+class _JoinReporter:
+    """``run_local``'s progress messages about ranks joining the RPC world (none without a
+    ``progress`` callable)."""
+
+    def __init__(self, names: list[str], progress: Callable[[str], None] | None, every: float) -> None:
+        self.names = names
+        self.progress = progress
+        self.every = every
+        self.start = self.last = time.monotonic()
+        self.unjoined = set(range(len(names)))
+        self.running = set(range(len(names)))
+        self.stopping: set[int] | None = None  # the ranks not done shutting down, once all returned
+        self.exiting = False  # every result is in; the processes are exiting
+
+    def mark(self, status: str, rank: int) -> None:
+        """A rank joined the world or its ``fn`` returned."""
+        now = time.monotonic()
+        if status == "joined":
+            self.unjoined.discard(rank)
+            if not self.unjoined:
+                self._say(f"all {len(self.names)} ranks joined the RPC world ({now - self.start:.1f} s)")
+        else:
+            self.running.discard(rank)
+            if not self.running:
+                self.stopping, self.start = set(range(len(self.names))), now
+                self._say(f"all {len(self.names)} ranks returned; shutting the RPC world down")
+
+    def done(self, rank: int) -> None:
+        """A rank finished its shutdown (its result arrived)."""
+        if self.stopping is not None:
+            self.stopping.discard(rank)
+            if not self.stopping and not self.exiting:
+                self.exiting, self.start = True, time.monotonic()
+
+    def tick(self, alive: list[int]) -> None:
+        """Say which ranks have not joined (shut down, exited) yet, at most every ``every`` s;
+        ``alive``: the ranks whose processes still run."""
+        now = time.monotonic()
+        if now - self.last < self.every:
+            return
+        if self.unjoined:
+            missing, what = self.unjoined, "join the RPC world"
+        elif self.stopping:
+            missing, what = self.stopping, "shut down"
+        elif self.exiting and alive:
+            missing, what = set(alive), "exit"
+        else:
+            return
+        names = ", ".join(self.names[r] for r in sorted(missing))
+        self._say(f"waiting for {names} to {what} ({now - self.start:.0f} s)")
+
+    def _say(self, message: str) -> None:
+        self.last = time.monotonic()
+        if self.progress is not None:
+            self.progress(message)
 
 
 def _stop(procs: list[Any], grace: float, hurry: Callable[[], bool]) -> None:

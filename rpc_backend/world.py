@@ -13,6 +13,7 @@ from typing import Any, Iterable, Mapping
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
+from rpc_backend._quiet import hide_functional_optimizer_deprecation, no_backend_as_process_group_warning
 from rpc_backend._torch_private import UNBOUNDED_SHUTDOWN_TIMEOUT, is_rpc_initialized
 from rpc_backend.options import DEFAULT_RPC_TIMEOUT, DEFAULT_WORKER_THREADS, make_options, positive_seconds
 from rpc_backend.roles import Placement, placements
@@ -248,6 +249,9 @@ def init_from_env(
     every other worker however long it takes; ``shutdown_timeout`` seconds bound it. The rendezvous is torchrun's own store
     (MASTER_ADDR:MASTER_PORT; the agent's store when torchrun provides one), so a process group
     for DDP among some ranks (:func:`init_role_process_group`) needs no second port.
+    Two torch warnings nobody can act on stay off the console: gloo's "Backend ... as a
+    ProcessGroup" during ``init_rpc``, and TorchScript's functional optimizer deprecation that
+    torch's ``DistributedOptimizer`` emits on the workers (see ``rpc_backend/_quiet.py``).
 
     Example (every rank runs the same script)::
 
@@ -270,7 +274,9 @@ def init_from_env(
         worker_names=names,
     )
     me: Placement = layout[info["rank"]]
-    rpc.init_rpc(me.name, rank=info["rank"], world_size=info["world_size"], rpc_backend_options=options)
+    hide_functional_optimizer_deprecation()
+    with no_backend_as_process_group_warning():
+        rpc.init_rpc(me.name, rank=info["rank"], world_size=info["world_size"], rpc_backend_options=options)
     return _set_current(Worker(
         name=me.name,
         rank=info["rank"],

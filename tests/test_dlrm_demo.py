@@ -14,7 +14,7 @@ COLUMNS = ("trainer", "loss first -> last", "AUC", "steps/s", "lookups/s", "push
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
-def test_short_run_learns_and_reports_sane_figures(capsys):
+def test_short_run_learns_and_reports_sane_figures(capfd):
     # 1 server + 2 trainers: DDP among the trainers, the tables' rows over one server
     results = dlrm_demo.main(["--servers", "1", "--trainers", "2", "--steps", "40", "--no-progress", "--plot", ""])
     assert [r["trainer"] for r in results] == ["trainer0", "trainer1"]
@@ -30,13 +30,39 @@ def test_short_run_learns_and_reports_sane_figures(capsys):
         # only touched rows travel: at most every id's row (id + gradient row) per step
         assert 0 < r["bytes_pushed_per_step"] <= ids_per_step * (8 + 4 * dlrm_demo.DIM), r
         assert 0 < r["lookup_p50_ms"] <= r["lookup_p99_ms"], r
-    out = capsys.readouterr().out
+    out = capfd.readouterr().out  # the ranks' lines too (they write to the same stdout)
+    _check_progress_lines(out.splitlines(), steps=40)
     header = next(line for line in out.splitlines() if line.startswith("trainer "))
     assert all(c in header for c in COLUMNS), header
     for r in results:
         line = next(line for line in out.splitlines() if line.startswith(r["trainer"] + " "))
         assert f"{r['auc']:.3f}" in line and f"{r['steps_per_s']:.1f}" in line, line
     assert "mode async, 40 steps" in out and "the hidden truth scores" in out
+
+
+def _check_progress_lines(lines: list[str], steps: int) -> None:
+    """Before each slow phase the demo says what it does, in order: the world starting (and
+    who has not joined, while ranks import torch), each trainer's DDP group, each table, the
+    dense model, training (with a line every few seconds when no bar shows), scoring, the
+    shutdown; then the summary. Every line is whole (ranks share stdout)."""
+    def index(prefix: str) -> int:
+        found = [i for i, line in enumerate(lines) if line.startswith(prefix)]
+        assert found, (prefix, lines)
+        return found[0]
+
+    world = [index("Starting a local RPC world"), index("  started 3 processes (ps0, trainer0, trainer1)"),
+             index("  all 3 ranks joined the RPC world")]
+    assert world == sorted(world), lines
+    for t in ("trainer0", "trainer1"):
+        phases = [f"{t}: forming the trainers' DDP group", *(f"{t}: creating table {name} " for name in dlrm_demo.TABLES),
+                  f"{t}: building the dense model", f"{t}: training {steps} steps", f"{t}: {steps} steps done; scoring",
+                  f"{t}: finished"]
+        at = [index(p) for p in phases]
+        assert at == sorted(at) and at[0] > world[1], (phases, lines)
+        assert index(f"{t}: finished") < index("  all 3 ranks returned; shutting the RPC world down")
+    assert index("  all 3 ranks returned") < index("trainer    loss first -> last")
+    for line in lines:  # one process's line never runs into another's
+        assert line.count("trainer0:") + line.count("trainer1:") + line.count("ps0:") <= 1, line
 
 
 def test_auc_is_the_pairwise_rank_statistic():

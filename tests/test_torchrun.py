@@ -62,6 +62,10 @@ def test_single_machine():
     out = subprocess.run(_argv(COMMANDS[0]), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=140)
     assert out.returncode == 0, out.stderr[-3000:]
     _check(out.stdout, trainers=2)
+    # init_from_env keeps gloo's per-rank "Backend ... as a ProcessGroup" off the console, and
+    # the workers drop TorchScript's functional optimizer deprecation (DistributedOptimizer)
+    assert "You are using a Backend" not in out.stderr, out.stderr[-3000:]
+    assert "functional optimizers is deprecated" not in out.stderr, out.stderr[-3000:]
 
 
 @pytest.mark.timeout(150)

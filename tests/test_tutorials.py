@@ -1,6 +1,8 @@
-"""Every tutorial runs as its docstring says."""
+"""Every tutorial runs as its docstring says, both as `python tutorials/<name>.py` and as
+`python -m tutorials.<name>`, without torch's avoidable warnings."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,8 +27,16 @@ def test_hybrid_ddp_loss_goes_down():
         timeout=170, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    lines = [line for line in out.stdout.splitlines() if line.startswith("trainer")]
-    assert len(lines) == 2
+    lines = [line for line in out.stdout.splitlines() if re.match(r"trainer\d: loss ", line)]
+    assert len(lines) == 2, out.stdout
+    # it says what it does while it runs: the world starting, each trainer's phases, in order
+    said = out.stdout.splitlines()
+    for t in ("trainer0", "trainer1"):
+        phases = [f"{t}: joining the trainers' DDP group", f"{t}: training 100 steps", f"{t}: loss "]
+        at = [next(i for i, line in enumerate(said) if line.startswith(p)) for p in phases]
+        assert at == sorted(at), out.stdout
+    assert said[0].startswith("Starting 3 local processes"), out.stdout
+    assert any(line.startswith("  all 3 ranks joined the RPC world") for line in said), out.stdout
     for line in lines:
         first, last = (float(v) for v in line.split("loss ")[1].split(" -> "))
         assert last < 0.8 * first, line
@@ -44,6 +54,7 @@ def test_pipeline_trains_and_loss_goes_down():
     losses = [float(line.split("loss ")[1]) for line in lines]
     assert losses[-1] < 0.9 * losses[0], losses
     assert "on=worker1" in out.stdout and "on=worker2" in out.stdout, out.stdout  # two stages, two hosts
+    _no_avoidable_warnings(out.stderr)
 
 
 @pytest.mark.slow
@@ -63,3 +74,39 @@ def test_sharded_seed_example_and_megatron_step():
 
 # tutorials/parameter_server.py is run by tests/test_torchrun.py, under torchrun and under
 # run_local (one launch each); its modes are tested in tests/test_ps.py.
+
+
+#: what torch prints that the project keeps off the console (see rpc_backend/_quiet.py)
+AVOIDABLE = ("functional optimizers is deprecated", "You are using a Backend")
+
+
+def _no_avoidable_warnings(stderr: str) -> None:
+    for text in AVOIDABLE:
+        assert text not in stderr, stderr[-3000:]
+
+
+#: each tutorial in the launch form the tests above do not use, with the cheapest arguments
+OTHER_FORM = [
+    ("quickstart", "module", []),
+    ("sharded", "script", []),
+    ("pipeline", "module", ["--steps", "2"]),
+    ("hybrid_ddp", "module", ["--steps", "3"]),
+    ("parameter_server", "module", ["--steps", "3", "--mode", "async"]),
+]
+
+
+def test_every_tutorial_script_is_run_in_both_forms():
+    scripts = {path.stem for path in (ROOT / "tutorials").glob("*.py")} - {"torchrun_job"}  # torchrun only
+    assert {name for name, _, _ in OTHER_FORM} == scripts
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("name, form, extra", OTHER_FORM, ids=[f"{n}-{f}" for n, f, _ in OTHER_FORM])
+def test_tutorial_runs_in_its_other_launch_form(name, form, extra):
+    # as a user runs it: from the checkout, with the project installed, no PYTHONPATH
+    head = ["tutorials/" + name + ".py"] if form == "script" else ["-m", "tutorials." + name]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, *head, *extra], cwd=ROOT, capture_output=True, text=True, timeout=190, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    _no_avoidable_warnings(out.stderr)

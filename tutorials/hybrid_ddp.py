@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -50,26 +51,39 @@ def batch(gen: torch.Generator, teacher: torch.Tensor, size: int = 32) -> tuple:
     return ids, torch.arange(0, size * BAG, BAG), labels
 
 
+def say(text: str) -> None:
+    """A progress line, in one write: the three processes share the terminal."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
 def trainer(rank: int, pg_init_method: str, steps: int) -> list[float]:
+    say(f"trainer{rank}: joining the trainers' DDP group")
     dist.init_process_group("gloo", init_method=pg_init_method, rank=rank, world_size=2)
     torch.manual_seed(0)  # the same MLP start on both trainers (DDP also broadcasts it)
     if rank == 0:
         _shared["embedding"] = RemoteModule("ps/cpu", nn.EmbeddingBag, (NUM_EMBEDDINGS, DIM), {"mode": "sum"})
     dist.barrier()
     embedding = _shared["embedding"] if rank == 0 else rpc.rpc_sync("trainer0", shared_embedding)
+    say(f"trainer{rank}: building the model and its DistributedOptimizer (shared embedding on ps)")
     model = HybridModel(embedding)
     params = [rpc.RRef(p) for p in model.parameters()] + embedding.remote_parameters()
     opt = DistributedOptimizer(torch.optim.SGD, params, lr=0.5)
     teacher = torch.randn(NUM_EMBEDDINGS, CLASSES, generator=torch.Generator().manual_seed(42))
     gen = torch.Generator().manual_seed(rank)
     losses = []
-    for _ in range(steps):
+    say(f"trainer{rank}: training {steps} steps")
+    last_line = time.monotonic()
+    for step in range(1, steps + 1):
         ids, offsets, labels = batch(gen, teacher)
         with dist_autograd.context() as ctx:
             loss = nn.functional.cross_entropy(model(ids, offsets), labels)
             dist_autograd.backward(ctx, [loss])
             opt.step(ctx)
         losses.append(loss.item())
+        if step == 1 or time.monotonic() - last_line >= 2.0:  # a line every 2 s: a run takes a while
+            last_line = time.monotonic()
+            say(f"trainer{rank}: step {step}/{steps}, loss {losses[-1]:.3f}")
     dist.barrier()  # trainer0 keeps the shared proxy alive until trainer1 is done
     dist.destroy_process_group()
     return losses
@@ -87,8 +101,10 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=200)
     steps = parser.parse_args().steps
     pg_init_method, path = fresh_file_rendezvous()
+    print(f"Starting 3 local processes (trainer0, trainer1, ps) for {steps} steps...", flush=True)
     try:
-        results = run_local(main, 3, names=["trainer0", "trainer1", "ps"], args=(pg_init_method, steps), timeout=600)
+        results = run_local(main, 3, names=["trainer0", "trainer1", "ps"], args=(pg_init_method, steps), timeout=600,
+                            progress=lambda message: say(f"  {message}"))
     finally:
         if os.path.exists(path):
             os.unlink(path)

@@ -1,6 +1,6 @@
 """Shard-local modules: one module per worker, each on its own shard, outputs combined as declared.
 
-    python -m tutorials.sharded
+    python tutorials/sharded.py      (or: python -m tutorials.sharded)
 
 Three local processes: ``worker0`` drives; ``worker1`` and ``worker2`` form the mesh and run
 no code of their own (they only join RPC and serve until the driver is done). Two parts:
@@ -22,6 +22,12 @@ module's importable name (``tutorials.sharded``), so RPC can send them by refere
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python tutorials/sharded.py`: the workers import tutorials.sharded
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 import torch.distributed.autograd as dist_autograd
