@@ -205,14 +205,14 @@ def unpushed_warnings(name: str, case: str) -> dict:
                 model(ids).pow(2).sum().backward()
                 opt.step()
                 bag.step()
-        elif case == "many backward passes":  # no local optimizer: told after 100 passes without a step
-            for _ in range(101):
+        elif case == "many backward passes":  # no local optimizer: told after 10 passes without a step
+            for _ in range(11):
                 bag(BAGS[0]).sum().backward()
             bag(BAGS[0])
             bag(BAGS[0])
-        elif case == "long accumulation":  # no local optimizer, 99 passes then a step: silent
+        elif case == "long accumulation":  # no local optimizer, 9 passes then a step: silent
             for _ in range(2):
-                for _ in range(99):
+                for _ in range(9):
                     bag(BAGS[0]).sum().backward()
                 bag.step()
             bag(BAGS[0])

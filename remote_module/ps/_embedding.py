@@ -29,7 +29,7 @@ PS_MODES = ("sync", "async", "half_async", "geo")
 
 #: backward passes a table records without a step() before it warns that its gradients are never
 #: pushed, where no local optimizer step told it sooner (gradient accumulation stays below this)
-UNPUSHED_BACKWARDS = 100
+UNPUSHED_BACKWARDS = 10
 
 _live_tables: "weakref.WeakSet[ShardedEmbedding]" = weakref.WeakSet()
 _hook_lock = threading.Lock()
@@ -115,7 +115,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
     optimizer of ``model.parameters()`` steps only the zero-size marker). A forward (grad
     enabled) of a table holding gradients recorded before a local ``torch.optim`` optimizer
     stepped (in the thread of the table's forward) and not pushed since, or after
-    ``UNPUSHED_BACKWARDS`` (100) backward passes without a step, warns once (``UserWarning``).
+    ``UNPUSHED_BACKWARDS`` (10) backward passes without a step, warns once (``UserWarning``).
     Accumulating gradients over several backward passes before one step is silent.
 
     Example (ps0, ps1 only join RPC and wait)::
