@@ -95,11 +95,8 @@ def _kind(out: Any) -> str:
 
 def _concatenated(outputs: list[Any], where: str) -> Any:
     """The last stage's outputs (``where``: that stage and its worker) concatenated on dim 0."""
-    only = outputs[0]
-    if len(outputs) == 1 and (
-        isinstance(only, torch.Tensor) or (isinstance(only, tuple) and all(isinstance(t, torch.Tensor) for t in only))
-    ):
-        return outputs[0]  # one micro-batch: returned as the stage returned it, as locally
+    if len(outputs) == 1:  # one micro-batch: returned as the stage returned it, as nn.Sequential
+        return outputs[0]  # would (an LSTM's (output, (h, c)), a dict, a 0-d loss)
     first = outputs[0]
     for mb, out in enumerate(outputs):
         same = isinstance(out, torch.Tensor) if isinstance(first, torch.Tensor) else (
@@ -129,7 +126,9 @@ class RemotePipeline(nn.Module):
     micro-batch i, stage 0 runs i+1; the caller sends only the micro-batches and receives only
     the last stage's output. A stage's output is passed on as the next stage's positional
     arguments (a tuple is unpacked; with ``unpack_tuples=False`` it is one argument, as
-    ``nn.Sequential`` passes it); the last stage returns a tensor or a tuple of tensors.
+    ``nn.Sequential`` passes it). With several micro-batches the last stage returns a tensor or
+    a tuple of tensors, each with a batch dimension; with one, whatever it returns is returned
+    as is (an ``LSTM``'s ``(output, (h, c))``, as ``nn.Sequential`` returns it).
     Extra positional tensors (``forward(x, y)``) are split alike and given to stage 0.
 
     Stages run in the caller's grad mode. Inside ``dist_autograd.context()`` the whole chain is
