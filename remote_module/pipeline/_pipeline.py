@@ -13,6 +13,7 @@ import torch.distributed.rpc as rpc
 from torch import nn
 from torch.futures import Future
 
+from remote_module import _handlers
 from remote_module._errors import CallTimeout, retyped, to_exception
 from remote_module._fanout import _timeout_seconds, answer_margin, call_async, send_and_forget
 from remote_module._torch_private import before_rref_deletion_at_shutdown
@@ -214,6 +215,21 @@ class RemotePipeline(nn.Module):
             opt = DistributedOptimizer(torch.optim.SGD, pipe.remote_parameters(), lr=0.05)
         """
         return [p for stage in self.stages for p in stage.remote_parameters(recurse)]
+
+    def requires_grad_(self, requires_grad: bool = True) -> "RemotePipeline":
+        """Set ``requires_grad`` of every stage's parameters on their hosts, as
+        ``nn.Sequential.requires_grad_`` does for its layers, and return the pipeline.
+
+        (``nn.Module.requires_grad_`` only walks local parameters, and the stage proxies hold
+        none.) A model holding the pipeline does not reach it this way: call it on the pipeline.
+
+        Example::
+
+            pipe.requires_grad_(False)     # freeze every stage (e.g. a frozen feature extractor)
+        """
+        for stage in self.stages:
+            stage.remote_trainable = stage._rpc(_handlers._requires_grad, stage.module_rref, requires_grad)
+        return super().requires_grad_(requires_grad)
 
     # ---- forward -----------------------------------------------------------------------
 
