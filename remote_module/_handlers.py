@@ -223,6 +223,13 @@ def _train(module_rref: rpc.RRef, mode: bool) -> None:
     module_rref.local_value().train(mode)
 
 
+def _requires_grad(module_rref: rpc.RRef, requires_grad: bool) -> bool:
+    """``module.requires_grad_(requires_grad)``; whether it now has trainable parameters."""
+    module = module_rref.local_value()
+    module.requires_grad_(requires_grad)
+    return has_trainable_parameters(module)
+
+
 def _training(module_rref: rpc.RRef) -> bool:
     return module_rref.local_value().training
 

@@ -237,3 +237,8 @@ def gradients(module_rref: rpc.RRef, context_id: int) -> dict[str, torch.Tensor 
 def child_names(module_rref: rpc.RRef) -> list[str]:
     """The names of the host module's direct children."""
     return list(module_rref.local_value()._modules)
+
+
+def requires_grad_flags(module_rref: rpc.RRef) -> dict[str, bool]:
+    """``requires_grad`` of each of the host module's parameters, by name."""
+    return {name: p.requires_grad for name, p in module_rref.local_value().named_parameters()}

@@ -126,3 +126,8 @@ def held_count() -> int:
     from remote_module.sharded._store import held_count as count
 
     return count()
+
+
+def rref_requires_grad(param_rref: rpc.RRef) -> bool:
+    """Run on a parameter's owner: whether it requires grad."""
+    return param_rref.local_value().requires_grad

@@ -8,9 +8,10 @@ import time
 import pytest
 import torch
 import torch.distributed.rpc as rpc
+from torch import nn
 
 from remote_module import RemoteModule
-from remote_module.pipeline import RemotePipeline
+from remote_module.pipeline import RemotePipeline, split_sequential
 from remote_module.pipeline import _hops
 from tests import _pipeline_hostile_remote as phr
 
@@ -110,26 +111,50 @@ def test_the_pipeline_pickled_to_a_second_caller_runs_there(rpc_world, caller):
 # ---- a last stage that does not return a batch -------------------------------------------------
 
 
-# With one micro-batch a 0-d tensor (and a tensor-or-tuple output) is returned as the stage
-# returned it, as a local model would (next test): "scalar" and "mixed" only fail with chunks > 1.
-@pytest.mark.parametrize(
-    "kind, chunks",
-    [(k, c) for k in ("none", "dict", "list") for c in (1, 2)] + [("scalar", 2), ("mixed", 2)],
-)
-def test_a_last_stage_not_returning_a_batch_is_named_with_what_it_returned(rpc_world, kind, chunks):
+# With one micro-batch nothing is concatenated: whatever the last stage returned is returned,
+# as a local nn.Sequential would (next tests); only with chunks > 1 must it be a batch.
+@pytest.mark.parametrize("kind", ["none", "dict", "list", "scalar", "mixed"])
+def test_a_last_stage_not_returning_a_batch_is_named_with_what_it_returned(rpc_world, kind):
     pipe = RemotePipeline(
-        [("worker1/cpu", phr.Add, (1.0,), None), ("worker2/cpu", phr.Returns, (kind,), None)], chunks=chunks, timeout=10
+        [("worker1/cpu", phr.Add, (1.0,), None), ("worker2/cpu", phr.Returns, (kind,), None)], chunks=2, timeout=10
     )
-    with pytest.raises(TypeError, match=r"last pipeline stage \(stage 1 on worker 'worker2'\).*micro-batch \d of"):
+    named = r"last pipeline stage \(stage 1 on worker 'worker2'\).*micro-batch \d of.*use chunks=1"
+    with pytest.raises(TypeError, match=named):
         pipe(torch.arange(4.0).reshape(4, 1))
 
 
-def test_one_micro_batch_returns_what_the_last_stage_returned(rpc_world):
+@pytest.mark.parametrize("kind", ["none", "dict", "list", "scalar"])
+def test_one_micro_batch_returns_what_the_last_stage_returned(rpc_world, kind):
     pipe = RemotePipeline(
-        [("worker1/cpu", phr.Add, (1.0,), None), ("worker2/cpu", phr.Returns, ("scalar",), None)], chunks=1, timeout=10
+        [("worker1/cpu", phr.Add, (1.0,), None), ("worker2/cpu", phr.Returns, (kind,), None)], chunks=1, timeout=10
     )
     x = torch.arange(4.0).reshape(4, 1)
-    assert torch.equal(pipe(x), (x + 1.0).sum())
+    expected = phr.Returns(kind)(x + 1.0)
+    got = pipe(x)
+    assert type(got) is type(expected)
+    if kind == "dict":
+        assert got.keys() == expected.keys() and torch.equal(got["x"], expected["x"])
+    elif kind == "list":
+        assert len(got) == 1 and torch.equal(got[0], expected[0])
+    elif kind == "scalar":
+        assert torch.equal(got, expected)
+
+
+def test_a_pipeline_ending_in_an_lstm_returns_its_nested_tuple_as_nn_sequential(rpc_world):
+    # word_language_model's layers: an LSTM returns (output, (h, c)); with one micro-batch the
+    # pipeline returns that structure as nn.Sequential does (it was refused, the error then
+    # suggesting chunks=1, the setting already in use)
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Embedding(20, 4), nn.LSTM(4, 4, 2))
+    x = torch.randint(0, 20, (5, 3))
+    with torch.no_grad():
+        want = seq(x)
+        got = split_sequential(seq, ["worker1/cpu", "worker2/cpu"], chunks=1, timeout=10)(x)
+    assert type(got) is tuple and type(got[1]) is tuple
+    assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+    refused = r"micro-batch 0 of 2 returned a tuple of tensor\(3-d\), tuple.*use chunks=1"
+    with torch.no_grad(), pytest.raises(TypeError, match=refused):
+        split_sequential(seq, ["worker1/cpu", "worker2/cpu"], chunks=2, timeout=10)(x)  # h, c: batch on dim 1
 
 
 def test_an_output_that_does_not_pickle_names_the_stage_and_leaves_nothing_behind(rpc_world):

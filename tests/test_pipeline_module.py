@@ -4,13 +4,15 @@ cuts, names kept, checkpoints interchangeable with the local nn.Sequential, bad 
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
+import torch.distributed.autograd as dist_autograd
 from torch import nn
 
 from remote_module.pipeline import RemotePipeline, _pipeline, split_sequential
-from tests._pipeline_remote import Tied, child_names, on_host, training_flags
+from tests._pipeline_remote import Tied, child_names, on_host, requires_grad_flags, training_flags
 
 pytestmark = pytest.mark.usefixtures("rpc_world")
 
@@ -68,6 +70,30 @@ def test_train_and_eval_reach_every_stage_and_its_submodules():
     assert pipe.training is False
     assert not any(v for f in flags() for v in f.values())
     assert not any(stage.training for stage in pipe.stages)
+
+
+def test_requires_grad_reaches_every_stage_as_on_the_local_sequential():
+    # nn.Module.requires_grad_ walks the pipeline's own parameters, and the stage proxies hold
+    # none: pipe.requires_grad_(False) was a silent no-op, the stages kept training (seen
+    # freezing a nanoGPT split into a pipeline)
+    pipe = split_sequential(model(), [W1, W2], chunks=2)
+
+    def flags() -> list[bool]:
+        return [v for stage in pipe.stages for v in on_host(stage, requires_grad_flags).values()]
+
+    assert pipe.requires_grad_(False) is pipe
+    assert flags() == [False] * 6
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing can train now: no warning about training
+        out = pipe(x)
+    assert not out.requires_grad  # as model().requires_grad_(False)(x)
+    assert not any(stage.remote_trainable for stage in pipe.stages)
+    pipe.requires_grad_()
+    assert flags() == [True] * 6
+    assert all(stage.remote_trainable for stage in pipe.stages)
+    with dist_autograd.context():
+        assert pipe(x).requires_grad
 
 
 def test_state_dict_keys_are_stages_i_then_the_stage_modules_own_keys():

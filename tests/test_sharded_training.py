@@ -158,6 +158,35 @@ def test_parameters_after_three_steps_equal_a_local_model(n, opt_cls, opt_kwargs
     assert_same_parameters(col, row, bias, local)
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_requires_grad_reaches_every_shard_as_on_the_local_model(n):
+    # nn.Module.requires_grad_ walks local parameters only, and the shard proxies hold none:
+    # col.requires_grad_(False) was a silent no-op and the shards kept training
+    local = LocalMLP(HIDDEN[n])
+    col, row, bias = sharded(local, MESHES[n])
+    assert col.requires_grad_(False) is col
+    assert not any(shard.remote_trainable for shard in col.shards)
+    params = col.remote_parameters()
+    assert not any(rpc.rpc_sync(p.owner(), remote.rref_requires_grad, (p,)) for p in params)
+    local.col.requires_grad_(False)
+    opt = DistributedOptimizer(torch.optim.SGD, row.remote_parameters(), lr=0.5)
+    x = torch.randn(BATCH, D_IN)
+    with dist_autograd.context() as ctx:
+        loss = run(col, row, bias, x).square().sum()
+        dist_autograd.backward(ctx, [loss])
+        opt.step(ctx)
+    local_loss = local(x).square().sum()
+    local_loss.backward()
+    with torch.no_grad():
+        local.row.weight -= 0.5 * local.row.weight.grad
+    local.bias.grad = None
+    bias.data.copy_(local.bias)
+    assert_same_parameters(col, row, bias, local)  # the frozen column shards kept their weights
+    col.requires_grad_()
+    assert all(rpc.rpc_sync(p.owner(), remote.rref_requires_grad, (p,)) for p in params)
+    assert all(shard.remote_trainable for shard in col.shards)
+
+
 # ---- state_dict -----------------------------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ import torch.distributed.rpc as rpc
 from torch import nn
 from torch.futures import Future
 
+from remote_module import _handlers
 from remote_module._errors import CallTimeout, retyped, to_exception
 from remote_module._fanout import _timeout_seconds, answer_margin, call_async, send_and_forget
 from remote_module._torch_private import before_rref_deletion_at_shutdown
@@ -95,11 +96,8 @@ def _kind(out: Any) -> str:
 
 def _concatenated(outputs: list[Any], where: str) -> Any:
     """The last stage's outputs (``where``: that stage and its worker) concatenated on dim 0."""
-    only = outputs[0]
-    if len(outputs) == 1 and (
-        isinstance(only, torch.Tensor) or (isinstance(only, tuple) and all(isinstance(t, torch.Tensor) for t in only))
-    ):
-        return outputs[0]  # one micro-batch: returned as the stage returned it, as locally
+    if len(outputs) == 1:  # one micro-batch: returned as the stage returned it, as nn.Sequential
+        return outputs[0]  # would (an LSTM's (output, (h, c)), a dict, a 0-d loss)
     first = outputs[0]
     for mb, out in enumerate(outputs):
         same = isinstance(out, torch.Tensor) if isinstance(first, torch.Tensor) else (
@@ -129,7 +127,9 @@ class RemotePipeline(nn.Module):
     micro-batch i, stage 0 runs i+1; the caller sends only the micro-batches and receives only
     the last stage's output. A stage's output is passed on as the next stage's positional
     arguments (a tuple is unpacked; with ``unpack_tuples=False`` it is one argument, as
-    ``nn.Sequential`` passes it); the last stage returns a tensor or a tuple of tensors.
+    ``nn.Sequential`` passes it). With several micro-batches the last stage returns a tensor or
+    a tuple of tensors, each with a batch dimension; with one, whatever it returns is returned
+    as is (an ``LSTM``'s ``(output, (h, c))``, as ``nn.Sequential`` returns it).
     Extra positional tensors (``forward(x, y)``) are split alike and given to stage 0.
 
     Stages run in the caller's grad mode. Inside ``dist_autograd.context()`` the whole chain is
@@ -215,6 +215,21 @@ class RemotePipeline(nn.Module):
             opt = DistributedOptimizer(torch.optim.SGD, pipe.remote_parameters(), lr=0.05)
         """
         return [p for stage in self.stages for p in stage.remote_parameters(recurse)]
+
+    def requires_grad_(self, requires_grad: bool = True) -> "RemotePipeline":
+        """Set ``requires_grad`` of every stage's parameters on their hosts, as
+        ``nn.Sequential.requires_grad_`` does for its layers, and return the pipeline.
+
+        (``nn.Module.requires_grad_`` only walks local parameters, and the stage proxies hold
+        none.) A model holding the pipeline does not reach it this way: call it on the pipeline.
+
+        Example::
+
+            pipe.requires_grad_(False)     # freeze every stage (e.g. a frozen feature extractor)
+        """
+        for stage in self.stages:
+            stage.remote_trainable = stage._rpc(_handlers._requires_grad, stage.module_rref, requires_grad)
+        return super().requires_grad_(requires_grad)
 
     # ---- forward -----------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import nn
 
+from remote_module import _handlers
 from remote_module._errors import CallTimeout, retyped
 from remote_module._fanout import _timeout_seconds
 from remote_module._untrained import records_outside_context, warn_untrained
@@ -188,6 +189,21 @@ class LocalModule(nn.Module):
             opt = DistributedOptimizer(torch.optim.SGD, lm.remote_parameters(), lr=0.1)
         """
         return [p for shard in self.shards for p in shard.remote_parameters(recurse)]
+
+    def requires_grad_(self, requires_grad: bool = True) -> "LocalModule":
+        """Set ``requires_grad`` of every shard's parameters on their workers, as
+        ``nn.Module.requires_grad_`` does for a local module, and return this LocalModule.
+
+        (``nn.Module.requires_grad_`` only walks local parameters, and the shard proxies hold
+        none.) A model holding this LocalModule does not reach it this way: call it here.
+
+        Example::
+
+            col.requires_grad_(False)      # freeze every shard
+        """
+        for shard in self.shards:
+            shard.remote_trainable = shard._rpc(_handlers._requires_grad, shard.module_rref, requires_grad)
+        return super().requires_grad_(requires_grad)
 
     # ---- forward -----------------------------------------------------------------------
 
