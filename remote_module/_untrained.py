@@ -23,7 +23,7 @@ import torch
 
 from remote_module._torch_private import in_dist_autograd_context
 
-_FLAG = "_warned_untrained"  # in the object's __dict__ once it warned (never pickled for proxies)
+_FLAG = "_warned_untrained"  # in the object's __dict__ once it warned (never pickled: see unwarned_state)
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -72,3 +72,12 @@ def warn_untrained(owner: Any, what: str, kind: str, handle: str) -> None:
         UserWarning,
         stacklevel=_user_stacklevel(),
     )
+
+
+def unwarned_state(owner: Any) -> dict:
+    """``owner``'s pickled state (its ``__dict__``) without the once-warned flag: a copy that
+    arrives elsewhere (over RPC) is another object, which warns on its own, as a proxy does
+    (``_pickling.IGNORED_ATTRIBUTES``). For ``__getstate__`` of a pipeline or LocalModule."""
+    state = owner.__dict__.copy()
+    state.pop(_FLAG, None)
+    return state

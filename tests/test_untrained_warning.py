@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
 from torch import nn
 from torch.distributed.tensor import Partial
 
@@ -131,3 +132,14 @@ def test_remote_trainable_is_known_without_a_call_and_travels_with_the_proxy():
     assert proxy().remote_trainable is True
     assert proxy(frozen=True).remote_trainable is False
     assert RemoteModule(W1, nn.ReLU).remote_trainable is False
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_copy_sent_over_rpc_warns_on_its_own(kind):
+    # the copy is another object in another process: the sender having warned does not mute it
+    make, *_ = KINDS[kind]
+    thing, x = make(), torch.randn(6, 4)
+    with ours() as got:
+        thing(x)
+    assert len(got) == 1
+    assert rpc.rpc_sync("worker2", _remote.untrained_warnings, (thing, x)) == 1

@@ -16,7 +16,7 @@ from torch.futures import Future
 from remote_module._errors import CallTimeout, retyped, to_exception
 from remote_module._fanout import _timeout_seconds, answer_margin, call_async, send_and_forget
 from remote_module._torch_private import before_rref_deletion_at_shutdown
-from remote_module._untrained import records_outside_context, warn_untrained
+from remote_module._untrained import records_outside_context, unwarned_state, warn_untrained
 from remote_module.pipeline import _hops
 from remote_module.remote_module import RemoteModule
 from rpc_backend.options import positive_seconds
@@ -206,6 +206,10 @@ class RemotePipeline(nn.Module):
 
     def extra_repr(self) -> str:
         return f"chunks={self.chunks}"
+
+    def __getstate__(self) -> dict:
+        """As ``nn.Module``'s, less the once-warned flag: a copy sent over RPC warns on its own."""
+        return unwarned_state(self)
 
     def remote_parameters(self, recurse: bool = True) -> list[rpc.RRef]:
         """RRefs of every stage's parameters, stage by stage, for ``DistributedOptimizer``.

@@ -12,7 +12,7 @@ from torch import nn
 
 from remote_module._errors import CallTimeout, retyped
 from remote_module._fanout import _timeout_seconds
-from remote_module._untrained import records_outside_context, warn_untrained
+from remote_module._untrained import records_outside_context, unwarned_state, warn_untrained
 from remote_module._walk import map_leaves
 from remote_module.remote_module import RemoteModule
 from remote_module.sharded import _placements as pl
@@ -179,6 +179,10 @@ class LocalModule(nn.Module):
             )
             self.__dict__["_hosts_cache"] = hosts
         return hosts
+
+    def __getstate__(self) -> dict:
+        """As ``nn.Module``'s, less the once-warned flag: a copy sent over RPC warns on its own."""
+        return unwarned_state(self)
 
     def remote_parameters(self, recurse: bool = True) -> list[rpc.RRef]:
         """RRefs of every shard's parameters, shard by shard, for ``DistributedOptimizer``.
