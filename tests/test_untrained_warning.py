@@ -7,6 +7,7 @@ hosts given inputs without grad."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
 
 import pytest
@@ -143,3 +144,18 @@ def test_a_copy_sent_over_rpc_warns_on_its_own(kind):
         thing(x)
     assert len(got) == 1
     assert rpc.rpc_sync("worker2", _remote.untrained_warnings, (thing, x)) == 1
+
+
+def test_a_call_refused_before_anything_runs_does_not_use_up_the_warning():
+    p = proxy()
+    lm = LocalModule(MESH, nn.Linear, (4, 3), in_placements=[None], out_placements=[Partial("sum")])
+    with ours() as got:
+        with pytest.raises(TypeError, match="cannot be sent over RPC"):
+            p(threading.Lock())  # refused here: nothing sent, nothing recorded
+        with pytest.raises(ValueError, match=r"expects 1 input"):
+            lm(torch.randn(2, 4), torch.randn(2, 4))
+    assert got == [], [str(w.message) for w in got]
+    with ours() as got:
+        p(torch.randn(2, 4))
+        lm(torch.randn(2, 4))
+    assert len(got) == 2 and all(w.filename == __file__ for w in got)

@@ -231,8 +231,6 @@ class LocalModule(nn.Module):
         """Run every shard on its local inputs; RemoteTensor outputs by ``out_placements``."""
         made = _clock()
         n = len(self.mesh)
-        if records_outside_context(self, any(s.remote_trainable for s in self.shards), inputs, kwargs):
-            warn_untrained(self, f"LocalModule on mesh {list(self.mesh)}", "LocalModule", "local_module")
         if self.in_placements is not None and len(inputs) != len(self.in_placements):
             raise ValueError(
                 f"LocalModule expects {len(self.in_placements)} input(s) (one per in_placements entry), "
@@ -243,6 +241,9 @@ class LocalModule(nn.Module):
         per_input = [self._input(i, v, p, temps) for i, (v, p) in enumerate(zip(inputs, placements))]
         for k, v in kwargs.items():
             map_leaves(lambda rt: self._check_mesh(f"keyword argument {k!r}", rt), v, RemoteTensor)
+        # after the checks: a call refused before any shard runs does not use up the one warning
+        if records_outside_context(self, any(s.remote_trainable for s in self.shards), inputs, kwargs):
+            warn_untrained(self, f"LocalModule on mesh {list(self.mesh)}", "LocalModule", "local_module")
         seconds = _timeout_seconds(self.timeout)
         deadline = made + seconds
         for r, shard in enumerate(self.shards):
