@@ -7,9 +7,10 @@ parameters on the hosts nor the tensors given to the forward, and a local optimi
 changes them: training goes on with no error and those parameters never move. The forward
 warns once per object (a ``UserWarning``) when it records gradients that way: grad mode on,
 trainable parameters on the hosts (known locally, from when the object was made: no message
-is sent to find out) or an input that requires grad, and no context in this thread. It is
-silent under ``torch.no_grad()`` / ``torch.inference_mode()``, for hosts without trainable
-parameters given inputs without grad, and inside a context.
+is sent to find out) or an input that requires grad (a tensor in a tuple, list or dict too),
+and no context in this thread. It is silent under ``torch.no_grad()`` /
+``torch.inference_mode()``, for hosts without trainable parameters given inputs without grad,
+and inside a context.
 """
 
 from __future__ import annotations
@@ -30,14 +31,21 @@ _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
 def _requires_grad(value: Any) -> bool:
-    # a tensor, or a sharded RemoteTensor (which says whether its shards require grad)
+    """Whether ``value`` is, or holds in its tuples, lists and dicts (an LSTM's ``(h0, c0)``), a
+    tensor or sharded RemoteTensor (which says whether its shards require grad) that requires
+    grad: RPC carries nested tensors, so a gradient to any of them is cut outside a context."""
+    if isinstance(value, (tuple, list)):
+        return any(_requires_grad(v) for v in value)
+    if isinstance(value, dict):
+        return any(_requires_grad(v) for v in value.values())
     return getattr(value, "requires_grad", False) is True
 
 
 def records_outside_context(owner: Any, trainable: bool, args: tuple = (), kwargs: dict | None = None) -> bool:
     """Whether a forward of ``owner`` now would record gradients that no one can carry back:
     not yet warned, grad mode on, ``trainable`` (its host modules have parameters that require
-    grad) or a top-level input requiring grad, and no distributed autograd context here."""
+    grad) or an input requiring grad (nested in tuples, lists, dicts too), and no distributed
+    autograd context here."""
     if _FLAG in owner.__dict__ or not torch.is_grad_enabled():
         return False
     if not trainable and not any(_requires_grad(v) for v in (*args, *(kwargs or {}).values())):

@@ -183,3 +183,8 @@ def untrained_warnings(thing, *args) -> int:
             thing(*args)
             thing(*args)
     return sum("outside a torch.distributed.autograd context" in str(w.message) for w in got)
+
+
+def frozen_lstm(n_in: int, n_hidden: int) -> nn.Module:
+    """An ``nn.LSTM`` whose parameters do not require grad: ``forward(x, (h0, c0))``."""
+    return nn.LSTM(n_in, n_hidden).requires_grad_(False)

@@ -159,3 +159,15 @@ def test_a_call_refused_before_anything_runs_does_not_use_up_the_warning():
         p(torch.randn(2, 4))
         lm(torch.randn(2, 4))
     assert len(got) == 2 and all(w.filename == __file__ for w in got)
+
+
+def test_a_nested_input_that_requires_grad_warns_for_a_frozen_host():
+    # an LSTM's (h0, c0): RPC carries nested tensors, so their gradient is cut as a top-level one's
+    lstm = RemoteModule(W1, _remote.frozen_lstm, (4, 3))
+    x, h, c = torch.randn(2, 1, 4), torch.zeros(1, 1, 3), torch.zeros(1, 1, 3)
+    with ours() as got:
+        lstm(x, (h, c))
+    assert got == []
+    with ours() as got:
+        lstm(x, (h.requires_grad_(), c))
+    assert len(got) == 1 and got[0].filename == __file__
