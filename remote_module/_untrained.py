@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from remote_module._torch_private import in_dist_autograd_context
+from remote_module._torch_private import in_dist_autograd_context, is_rpc_initialized
 
 _FLAG = "_warned_untrained"  # in the object's __dict__ once it warned (never pickled: see unwarned_state)
 
@@ -45,12 +45,13 @@ def records_outside_context(owner: Any, trainable: bool, args: tuple = (), kwarg
     """Whether a forward of ``owner`` now would record gradients that no one can carry back:
     not yet warned, grad mode on, ``trainable`` (its host modules have parameters that require
     grad) or an input requiring grad (nested in tuples, lists, dicts too), and no distributed
-    autograd context here."""
+    autograd context here. Never before ``rpc.init_rpc`` or after ``rpc.shutdown()``: such a
+    forward fails without running (and records nothing), so the one warning is kept."""
     if _FLAG in owner.__dict__ or not torch.is_grad_enabled():
         return False
     if not trainable and not any(_requires_grad(v) for v in (*args, *(kwargs or {}).values())):
         return False
-    return not in_dist_autograd_context()
+    return is_rpc_initialized() and not in_dist_autograd_context()
 
 
 def _user_stacklevel() -> int:
