@@ -68,8 +68,12 @@ def _user_stacklevel() -> int:
 
 def warn_untrained(owner: Any, what: str, kind: str, handle: str) -> None:
     """Warn (once per ``owner``) that ``what`` ran recording gradients outside a distributed
-    autograd context; ``kind`` names the class, ``handle`` what the user calls it in code."""
-    owner.__dict__[_FLAG] = True
+    autograd context; ``kind`` names the class, ``handle`` what the user calls it in code.
+    Threads that all passed :func:`records_outside_context` at once race here: the one whose
+    ``setdefault`` stores the flag (atomic under the GIL) warns, the others do not."""
+    claim = object()
+    if owner.__dict__.setdefault(_FLAG, claim) is not claim:
+        return
     warnings.warn(
         f"{what} ran with gradients enabled outside a torch.distributed.autograd context: nothing is "
         "recorded across RPC there, so loss.backward() reaches neither its parameters on the hosts nor "

@@ -171,3 +171,28 @@ def test_a_nested_input_that_requires_grad_warns_for_a_frozen_host():
     with ours() as got:
         lstm(x, (h.requires_grad_(), c))
     assert len(got) == 1 and got[0].filename == __file__
+
+
+def test_a_burst_from_several_threads_warns_once(monkeypatch):
+    # every thread passes the "not warned yet" check before any of them warns (the barrier
+    # holds them there): still one warning per object
+    from remote_module import _untrained
+
+    threads = 4
+    barrier = threading.Barrier(threads, timeout=10)
+    real = _untrained.in_dist_autograd_context
+
+    def slow_check():
+        barrier.wait()
+        return real()
+
+    monkeypatch.setattr(_untrained, "in_dist_autograd_context", slow_check)
+    p = proxy()
+    x = torch.randn(2, 4)
+    with ours() as got:
+        workers = [threading.Thread(target=p, args=(x,)) for _ in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    assert len(got) == 1, [str(w.message) for w in got]
