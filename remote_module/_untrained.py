@@ -33,12 +33,18 @@ _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 def _requires_grad(value: Any) -> bool:
     """Whether ``value`` is, or holds in its tuples, lists and dicts (an LSTM's ``(h0, c0)``), a
     tensor or sharded RemoteTensor (which says whether its shards require grad) that requires
-    grad: RPC carries nested tensors, so a gradient to any of them is cut outside a context."""
-    if isinstance(value, (tuple, list)):
-        return any(_requires_grad(v) for v in value)
-    if isinstance(value, dict):
-        return any(_requires_grad(v) for v in value.values())
-    return getattr(value, "requires_grad", False) is True
+    grad: RPC carries nested tensors, so a gradient to any of them is cut outside a context.
+    Each container is looked into once (a list that holds itself is fine)."""
+    stack, seen = [value], set()
+    while stack:
+        v = stack.pop()
+        if isinstance(v, (tuple, list, dict)):
+            if id(v) not in seen:
+                seen.add(id(v))
+                stack.extend(v.values() if isinstance(v, dict) else v)
+        elif getattr(v, "requires_grad", False) is True:
+            return True
+    return False
 
 
 def records_outside_context(owner: Any, trainable: bool, args: tuple = (), kwargs: dict | None = None) -> bool:

@@ -196,3 +196,13 @@ def test_a_burst_from_several_threads_warns_once(monkeypatch):
         for w in workers:
             w.join()
     assert len(got) == 1, [str(w.message) for w in got]
+
+
+def test_inputs_that_hold_themselves_are_looked_into_once():
+    from remote_module._untrained import _requires_grad
+
+    loop: list = [torch.zeros(1)]
+    loop.append(loop)
+    assert _requires_grad(loop) is False
+    loop.append({"h": (torch.zeros(1, requires_grad=True),)})
+    assert _requires_grad(loop) is True
