@@ -145,8 +145,6 @@ class RemoteCalls:
         return Target(key, self.device, self.is_device_map_set)
 
     def _make_call(self, args: tuple, kwargs: dict) -> Call:
-        if records_outside_context(self, getattr(self, "remote_trainable", True), args, kwargs):
-            warn_untrained(self, f"RemoteModule on worker {self.on!r} ({self.remote_type})", "proxy", "proxy")
         inline = self._fast_path_allowed()
         try:
             payload = dumps((args, kwargs), inline=inline)
@@ -154,6 +152,9 @@ class RemoteCalls:
                 check_side(payload.side)
         except Exception as exc:  # pickling happens here: nothing was sent
             raise self._explain_unsendable(args, kwargs, exc, inline) from exc
+        # after the checks: a call refused before anything is sent does not use up the one warning
+        if records_outside_context(self, getattr(self, "remote_trainable", True), args, kwargs):
+            warn_untrained(self, f"RemoteModule on worker {self.on!r} ({self.remote_type})", "proxy", "proxy")
         return Call(payload, torch.is_grad_enabled(), inline)
 
     def _explain_unsendable(self, args: tuple, kwargs: dict, exc: BaseException, inline: bool) -> TypeError:

@@ -7,9 +7,10 @@ parameters on the hosts nor the tensors given to the forward, and a local optimi
 changes them: training goes on with no error and those parameters never move. The forward
 warns once per object (a ``UserWarning``) when it records gradients that way: grad mode on,
 trainable parameters on the hosts (known locally, from when the object was made: no message
-is sent to find out) or an input that requires grad, and no context in this thread. It is
-silent under ``torch.no_grad()`` / ``torch.inference_mode()``, for hosts without trainable
-parameters given inputs without grad, and inside a context.
+is sent to find out) or an input that requires grad (a tensor in a tuple, list or dict too),
+and no context in this thread. It is silent under ``torch.no_grad()`` /
+``torch.inference_mode()``, for hosts without trainable parameters given inputs without grad,
+and inside a context.
 """
 
 from __future__ import annotations
@@ -21,28 +22,42 @@ from typing import Any
 
 import torch
 
-from remote_module._torch_private import in_dist_autograd_context
+from remote_module._torch_private import in_dist_autograd_context, is_rpc_initialized
 
-_FLAG = "_warned_untrained"  # in the object's __dict__ once it warned (never pickled for proxies)
+_FLAG = "_warned_untrained"  # in the object's __dict__ once it warned (never pickled: see unwarned_state)
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
 def _requires_grad(value: Any) -> bool:
-    # a tensor, or a sharded RemoteTensor (which says whether its shards require grad)
-    return getattr(value, "requires_grad", False) is True
+    """Whether ``value`` is, or holds in its tuples, lists and dicts (an LSTM's ``(h0, c0)``), a
+    tensor or sharded RemoteTensor (which says whether its shards require grad) that requires
+    grad: RPC carries nested tensors, so a gradient to any of them is cut outside a context.
+    Each container is looked into once (a list that holds itself is fine)."""
+    stack, seen = [value], set()
+    while stack:
+        v = stack.pop()
+        if isinstance(v, (tuple, list, dict)):
+            if id(v) not in seen:
+                seen.add(id(v))
+                stack.extend(v.values() if isinstance(v, dict) else v)
+        elif getattr(v, "requires_grad", False) is True:
+            return True
+    return False
 
 
 def records_outside_context(owner: Any, trainable: bool, args: tuple = (), kwargs: dict | None = None) -> bool:
     """Whether a forward of ``owner`` now would record gradients that no one can carry back:
     not yet warned, grad mode on, ``trainable`` (its host modules have parameters that require
-    grad) or a top-level input requiring grad, and no distributed autograd context here."""
+    grad) or an input requiring grad (nested in tuples, lists, dicts too), and no distributed
+    autograd context here. Never before ``rpc.init_rpc`` or after ``rpc.shutdown()``: such a
+    forward fails without running (and records nothing), so the one warning is kept."""
     if _FLAG in owner.__dict__ or not torch.is_grad_enabled():
         return False
     if not trainable and not any(_requires_grad(v) for v in (*args, *(kwargs or {}).values())):
         return False
-    return not in_dist_autograd_context()
+    return is_rpc_initialized() and not in_dist_autograd_context()
 
 
 def _user_stacklevel() -> int:
@@ -59,8 +74,12 @@ def _user_stacklevel() -> int:
 
 def warn_untrained(owner: Any, what: str, kind: str, handle: str) -> None:
     """Warn (once per ``owner``) that ``what`` ran recording gradients outside a distributed
-    autograd context; ``kind`` names the class, ``handle`` what the user calls it in code."""
-    owner.__dict__[_FLAG] = True
+    autograd context; ``kind`` names the class, ``handle`` what the user calls it in code.
+    Threads that all passed :func:`records_outside_context` at once race here: the one whose
+    ``setdefault`` stores the flag (atomic under the GIL) warns, the others do not."""
+    claim = object()
+    if owner.__dict__.setdefault(_FLAG, claim) is not claim:
+        return
     warnings.warn(
         f"{what} ran with gradients enabled outside a torch.distributed.autograd context: nothing is "
         "recorded across RPC there, so loss.backward() reaches neither its parameters on the hosts nor "
@@ -72,3 +91,12 @@ def warn_untrained(owner: Any, what: str, kind: str, handle: str) -> None:
         UserWarning,
         stacklevel=_user_stacklevel(),
     )
+
+
+def unwarned_state(owner: Any) -> dict:
+    """``owner``'s pickled state (its ``__dict__``) without the once-warned flag: a copy that
+    arrives elsewhere (over RPC) is another object, which warns on its own, as a proxy does
+    (``_pickling.IGNORED_ATTRIBUTES``). For ``__getstate__`` of a pipeline or LocalModule."""
+    state = owner.__dict__.copy()
+    state.pop(_FLAG, None)
+    return state

@@ -177,6 +177,18 @@ def numpy_sized(name: str | None) -> dict:
     return {"outs": outs, "attrs": attrs}
 
 
+def psmodel_numpy_sized(name: str) -> dict:
+    """A PSModel built with numpy integers (validated as ShardedEmbedding validates them): the
+    types its integer attributes are kept as."""
+    import numpy as np
+
+    from remote_module.ps import PSModel
+
+    ps = PSModel(nn.Linear(2, 2), SERVERS, name=name, num_trainers=np.int32(1), mode="geo",
+                 geo_push_every=np.int64(2), half_async_merge_every=np.int16(2))
+    return {k: type(getattr(ps, k)).__name__ for k in ("num_trainers", "geo_push_every")}
+
+
 def attach_with_other_padding(name: str) -> dict:
     """A table created with padding_idx=3, then attached by an object asking for padding_idx=4,
     and one asking for none: the refusals' types and messages."""

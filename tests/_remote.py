@@ -170,3 +170,21 @@ class Unhashable(nn.Module):
 def frozen_linear(n_in: int, n_out: int) -> nn.Module:
     """An ``nn.Linear`` whose parameters do not require grad (an inference-only module)."""
     return nn.Linear(n_in, n_out).requires_grad_(False)
+
+
+def untrained_warnings(thing, *args) -> int:
+    """How many warnings of training outside dist autograd two forwards of ``thing`` (a proxy,
+    pipeline or LocalModule that arrived over RPC) raise here, grad mode on."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        with torch.enable_grad():
+            thing(*args)
+            thing(*args)
+    return sum("outside a torch.distributed.autograd context" in str(w.message) for w in got)
+
+
+def frozen_lstm(n_in: int, n_hidden: int) -> nn.Module:
+    """An ``nn.LSTM`` whose parameters do not require grad: ``forward(x, (h0, c0))``."""
+    return nn.LSTM(n_in, n_hidden).requires_grad_(False)

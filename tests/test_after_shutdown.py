@@ -15,3 +15,10 @@ def test_a_proxy_on_the_agent_default_timeout_used_after_shutdown_says_what_to_d
     for kind, message in found:
         assert kind == "RuntimeError", (kind, message)
         assert "call rpc.init_rpc" in message, message  # not torch's "Current RPC agent is not set!"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_forward_after_shutdown_does_not_warn_of_training_outside_dist_autograd():
+    found = run_local(_after_shutdown.warnings_after_shutdown, 2, timeout=90)[0]
+    assert found == [("RuntimeError", []), ("RuntimeError", [])], found

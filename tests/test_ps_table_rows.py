@@ -280,3 +280,12 @@ def test_numpy_integer_sizes_are_taken_as_torch_takes_them(world):
     assert torch.equal(got["outs"]["emb"], want["outs"]["emb"])
     torch.testing.assert_close(got["outs"]["bag"], want["outs"]["bag"], atol=1e-6, rtol=0)
     assert got["attrs"] == {k: ("int", v) for k, (_, v) in want["attrs"].items()}  # kept as ints
+
+
+@pytest.mark.slow
+def test_a_psmodel_keeps_numpy_integer_counts_as_ints(world):
+    # PSModel validates its counts with the tables' check, which accepts numpy integers: it must
+    # keep them as ints too (not numpy scalars sent to the servers in its job spec)
+    pytest.importorskip("numpy")
+    got = on_trainer0(world, r.psmodel_numpy_sized, job("numpy-psmodel"))
+    assert got == {"num_trainers": "int", "geo_push_every": "int"}

@@ -460,3 +460,25 @@ def test_the_gradient_of_an_average_is_a_share_to_each_rank_equal_values_or_not(
         out.backward(torch.tensor([3.0, 6.0, 9.0, 1.0]))
         for leaf in leaves:
             assert torch.equal(leaf.grad, torch.tensor([3.0, 6.0, 9.0, 1.0]) / 3)
+
+
+def test_an_average_works_wherever_sum_over_n_does():
+    """The exact average must not lose what ``sum / n`` (what it replaced) did: sparse
+    tensors, forward-mode AD and torch.func transforms."""
+    x, y = torch.randn(5), torch.randn(5)
+    sparse = pl.reduce("avg", [x.to_sparse(), y.to_sparse()])
+    assert sparse.is_sparse and torch.equal(sparse.to_dense(), (x + y) / 2)
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level():
+        a = fwAD.make_dual(x, torch.ones(5))
+        b = fwAD.make_dual(y, torch.full((5,), 3.0))
+        assert torch.equal(fwAD.unpack_dual(pl.reduce("avg", [a, b])).tangent, torch.full((5,), 2.0))
+        assert torch.equal(fwAD.unpack_dual(pl.reduce("avg", [a, x])).tangent, torch.full((5,), 0.5))
+    batch = torch.randn(4, 5)
+    mapped = torch.func.vmap(lambda t: pl.reduce("avg", [t, t, t]))(batch)
+    assert torch.equal(mapped, batch)  # exact, per example too
+    mapped = torch.func.vmap(lambda t: pl.reduce("avg", [t, y]))(batch)
+    assert torch.equal(mapped, (batch + y) / 2)
+    jac = torch.func.jacrev(lambda t: pl.reduce("avg", [t, 2 * t]))(x)
+    assert torch.allclose(jac, torch.eye(5) * 1.5)

@@ -7,11 +7,13 @@ hosts given inputs without grad."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
 
 import pytest
 import torch
 import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
 from torch import nn
 from torch.distributed.tensor import Partial
 
@@ -131,3 +133,76 @@ def test_remote_trainable_is_known_without_a_call_and_travels_with_the_proxy():
     assert proxy().remote_trainable is True
     assert proxy(frozen=True).remote_trainable is False
     assert RemoteModule(W1, nn.ReLU).remote_trainable is False
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_copy_sent_over_rpc_warns_on_its_own(kind):
+    # the copy is another object in another process: the sender having warned does not mute it
+    make, *_ = KINDS[kind]
+    thing, x = make(), torch.randn(6, 4)
+    with ours() as got:
+        thing(x)
+    assert len(got) == 1
+    assert rpc.rpc_sync("worker2", _remote.untrained_warnings, (thing, x)) == 1
+
+
+def test_a_call_refused_before_anything_runs_does_not_use_up_the_warning():
+    p = proxy()
+    lm = LocalModule(MESH, nn.Linear, (4, 3), in_placements=[None], out_placements=[Partial("sum")])
+    with ours() as got:
+        with pytest.raises(TypeError, match="cannot be sent over RPC"):
+            p(threading.Lock())  # refused here: nothing sent, nothing recorded
+        with pytest.raises(ValueError, match=r"expects 1 input"):
+            lm(torch.randn(2, 4), torch.randn(2, 4))
+    assert got == [], [str(w.message) for w in got]
+    with ours() as got:
+        p(torch.randn(2, 4))
+        lm(torch.randn(2, 4))
+    assert len(got) == 2 and all(w.filename == __file__ for w in got)
+
+
+def test_a_nested_input_that_requires_grad_warns_for_a_frozen_host():
+    # an LSTM's (h0, c0): RPC carries nested tensors, so their gradient is cut as a top-level one's
+    lstm = RemoteModule(W1, _remote.frozen_lstm, (4, 3))
+    x, h, c = torch.randn(2, 1, 4), torch.zeros(1, 1, 3), torch.zeros(1, 1, 3)
+    with ours() as got:
+        lstm(x, (h, c))
+    assert got == []
+    with ours() as got:
+        lstm(x, (h.requires_grad_(), c))
+    assert len(got) == 1 and got[0].filename == __file__
+
+
+def test_a_burst_from_several_threads_warns_once(monkeypatch):
+    # every thread passes the "not warned yet" check before any of them warns (the barrier
+    # holds them there): still one warning per object
+    from remote_module import _untrained
+
+    threads = 4
+    barrier = threading.Barrier(threads, timeout=10)
+    real = _untrained.in_dist_autograd_context
+
+    def slow_check():
+        barrier.wait()
+        return real()
+
+    monkeypatch.setattr(_untrained, "in_dist_autograd_context", slow_check)
+    p = proxy()
+    x = torch.randn(2, 4)
+    with ours() as got:
+        workers = [threading.Thread(target=p, args=(x,)) for _ in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    assert len(got) == 1, [str(w.message) for w in got]
+
+
+def test_inputs_that_hold_themselves_are_looked_into_once():
+    from remote_module._untrained import _requires_grad
+
+    loop: list = [torch.zeros(1)]
+    loop.append(loop)
+    assert _requires_grad(loop) is False
+    loop.append({"h": (torch.zeros(1, requires_grad=True),)})
+    assert _requires_grad(loop) is True

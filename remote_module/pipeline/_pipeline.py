@@ -17,7 +17,7 @@ from remote_module import _handlers
 from remote_module._errors import CallTimeout, retyped, to_exception
 from remote_module._fanout import _timeout_seconds, answer_margin, call_async, send_and_forget
 from remote_module._torch_private import before_rref_deletion_at_shutdown
-from remote_module._untrained import records_outside_context, warn_untrained
+from remote_module._untrained import records_outside_context, unwarned_state, warn_untrained
 from remote_module.pipeline import _hops
 from remote_module.remote_module import RemoteModule
 from rpc_backend.options import positive_seconds
@@ -109,7 +109,9 @@ def _concatenated(outputs: list[Any], where: str) -> Any:
                 f"of tensors of the same arity, each with a batch dimension (they are concatenated over "
                 f"micro-batches on dim 0); micro-batch {mb} of {len(outputs)} returned {_kind(out)}"
                 + ("" if mb == 0 else f" and micro-batch 0 {_kind(first)}")
-                + ": return a batch (e.g. per-sample values, not their sum) or use chunks=1"
+                + (": return a batch (e.g. per-sample values, not their sum) or use chunks=1" if len(outputs) > 1 else
+                   ": end the model with a layer that returns a tensor or a flat tuple of tensors (e.g. one that "
+                   "picks an LSTM's output from its (output, (h, c)))")
             )
     if isinstance(first, torch.Tensor):
         return torch.cat(outputs)
@@ -206,6 +208,10 @@ class RemotePipeline(nn.Module):
 
     def extra_repr(self) -> str:
         return f"chunks={self.chunks}"
+
+    def __getstate__(self) -> dict:
+        """As ``nn.Module``'s, less the once-warned flag: a copy sent over RPC warns on its own."""
+        return unwarned_state(self)
 
     def remote_parameters(self, recurse: bool = True) -> list[rpc.RRef]:
         """RRefs of every stage's parameters, stage by stage, for ``DistributedOptimizer``.

@@ -147,9 +147,10 @@ class PSModel(PSCheckpoints, nn.Module):
             raise ValueError(f"mode must be one of {', '.join(_server.MODES)}, got {mode!r}")
         if not is_rpc_initialized():
             raise RuntimeError("PSModel needs torch.distributed.rpc: call rpc.init_rpc(...) first")
-        _positive_int(num_trainers, "num_trainers")
-        _positive_int(geo_push_every, "geo_push_every")
-        _positive_int(half_async_merge_every, "half_async_merge_every")
+        # as ShardedEmbedding takes them: any integer operator.index takes, kept as an int
+        num_trainers = _positive_int(num_trainers, "num_trainers")
+        geo_push_every = _positive_int(geo_push_every, "geo_push_every")
+        half_async_merge_every = _positive_int(half_async_merge_every, "half_async_merge_every")
         merge_s = positive_seconds(half_async_merge_s, "half_async_merge_s")
         if not (isinstance(optimizer, tuple) and len(optimizer) == 2 and isinstance(optimizer[0], type)
                 and issubclass(optimizer[0], torch.optim.Optimizer) and isinstance(optimizer[1], dict)):

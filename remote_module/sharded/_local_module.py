@@ -13,7 +13,7 @@ from torch import nn
 from remote_module import _handlers
 from remote_module._errors import CallTimeout, retyped
 from remote_module._fanout import _timeout_seconds
-from remote_module._untrained import records_outside_context, warn_untrained
+from remote_module._untrained import records_outside_context, unwarned_state, warn_untrained
 from remote_module._walk import map_leaves
 from remote_module.remote_module import RemoteModule
 from remote_module.sharded import _placements as pl
@@ -181,6 +181,10 @@ class LocalModule(nn.Module):
             self.__dict__["_hosts_cache"] = hosts
         return hosts
 
+    def __getstate__(self) -> dict:
+        """As ``nn.Module``'s, less the once-warned flag: a copy sent over RPC warns on its own."""
+        return unwarned_state(self)
+
     def remote_parameters(self, recurse: bool = True) -> list[rpc.RRef]:
         """RRefs of every shard's parameters, shard by shard, for ``DistributedOptimizer``.
 
@@ -243,8 +247,6 @@ class LocalModule(nn.Module):
         """Run every shard on its local inputs; RemoteTensor outputs by ``out_placements``."""
         made = _clock()
         n = len(self.mesh)
-        if records_outside_context(self, any(s.remote_trainable for s in self.shards), inputs, kwargs):
-            warn_untrained(self, f"LocalModule on mesh {list(self.mesh)}", "LocalModule", "local_module")
         if self.in_placements is not None and len(inputs) != len(self.in_placements):
             raise ValueError(
                 f"LocalModule expects {len(self.in_placements)} input(s) (one per in_placements entry), "
@@ -255,6 +257,9 @@ class LocalModule(nn.Module):
         per_input = [self._input(i, v, p, temps) for i, (v, p) in enumerate(zip(inputs, placements))]
         for k, v in kwargs.items():
             map_leaves(lambda rt: self._check_mesh(f"keyword argument {k!r}", rt), v, RemoteTensor)
+        # after the checks: a call refused before any shard runs does not use up the one warning
+        if records_outside_context(self, any(s.remote_trainable for s in self.shards), inputs, kwargs):
+            warn_untrained(self, f"LocalModule on mesh {list(self.mesh)}", "LocalModule", "local_module")
         seconds = _timeout_seconds(self.timeout)
         deadline = made + seconds
         for r, shard in enumerate(self.shards):

@@ -138,9 +138,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _same_everywhere(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Where (elementwise) every tensor holds rank 0's value bit for bit."""
     first = _bits(tensors[0])
-    same = torch.ones(first.shape, dtype=torch.bool, device=first.device)
+    same = torch.ones_like(first, dtype=torch.bool)
     for t in tensors[1:]:
-        same &= _bits(t) == first
+        same = same & (_bits(t) == first)  # not in place: under vmap the right side is batched
     if tensors[0].is_complex():
         same = same.all(dim=-1)
     return same
@@ -149,18 +149,38 @@ def _same_everywhere(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 class _Average(torch.autograd.Function):
     """The average of ``tensors``: the sum (left to right) divided by their number, except where
     all hold the same value bit for bit: that value, exactly. The gradient is the average's,
-    ``grad / n`` to each (as autograd gives for ``sum / n``), wherever the values were equal."""
+    ``grad / n`` to each (as autograd gives for ``sum / n``), wherever the values were equal;
+    so is its forward-mode derivative, and ``torch.func.vmap`` maps it as it maps ``sum / n``."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx: Any, *tensors: torch.Tensor) -> torch.Tensor:
-        ctx.count = len(tensors)
+    def forward(*tensors: torch.Tensor) -> torch.Tensor:
         mean = functools.reduce(torch.add, tensors) / len(tensors)
         return torch.where(_same_everywhere(tensors), tensors[0], mean)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.count = len(inputs)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         share = grad / ctx.count
         return (share,) * ctx.count
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: torch.Tensor | None) -> torch.Tensor:
+        given = [t for t in tangents if t is not None]
+        return functools.reduce(torch.add, given) / ctx.count
+
+
+def _average(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``avg`` of :func:`reduce`: exact where all are equal bit for bit (:class:`_Average`), for
+    dense tensors of one dtype; others (sparse, mixed dtypes, whose bits do not compare) as
+    ``sum / n``."""
+    if any(t.layout != torch.strided or t.dtype != tensors[0].dtype for t in tensors):
+        return functools.reduce(torch.add, tensors) / len(tensors)
+    return _Average.apply(*tensors)
 
 
 def reduce(op: str, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -172,7 +192,7 @@ def reduce(op: str, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     if op == "sum":
         return functools.reduce(torch.add, tensors)
     if op == "avg":
-        return _Average.apply(*tensors)
+        return _average(tensors)
     if op == "max":
         return functools.reduce(torch.maximum, tensors)
     if op == "min":
