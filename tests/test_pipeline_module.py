@@ -275,14 +275,3 @@ def test_a_parameter_free_module_used_twice_may_be_cut():
     x = torch.randn(3, 4)
     with torch.no_grad():
         close(pipe(x), model(x))
-
-
-def test_a_last_layer_returning_a_nested_tuple_with_one_micro_batch_is_refused_without_naming_chunks():
-    # an LSTM last: nn.Sequential returns its (output, (h, c)); a pipeline's last stage must
-    # return a tensor or a flat tuple of them, and with one micro-batch, advising chunks=1 is wrong
-    model = nn.Sequential(nn.Linear(4, 4), nn.LSTM(4, 5, batch_first=True))
-    pipe = split_sequential(model, [W1, W2], [1, 1], chunks=1)
-    with pytest.raises(TypeError, match=r"micro-batch 0 of 1 returned a tuple of tensor\(3-d\), tuple") as info:
-        with torch.no_grad():
-            pipe(torch.randn(2, 3, 4))
-    assert "chunks=1" not in str(info.value) and "flat tuple of tensors" in str(info.value), str(info.value)

@@ -109,9 +109,7 @@ def _concatenated(outputs: list[Any], where: str) -> Any:
                 f"of tensors of the same arity, each with a batch dimension (they are concatenated over "
                 f"micro-batches on dim 0); micro-batch {mb} of {len(outputs)} returned {_kind(out)}"
                 + ("" if mb == 0 else f" and micro-batch 0 {_kind(first)}")
-                + (": return a batch (e.g. per-sample values, not their sum) or use chunks=1" if len(outputs) > 1 else
-                   ": end the model with a layer that returns a tensor or a flat tuple of tensors (e.g. one that "
-                   "picks an LSTM's output from its (output, (h, c)))")
+                + ": return a batch (e.g. per-sample values, not their sum) or use chunks=1"
             )
     if isinstance(first, torch.Tensor):
         return torch.cat(outputs)
