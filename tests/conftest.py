@@ -81,3 +81,22 @@ def ps_world():
 
     with PSWorld({"ps": 3, "trainer": 3}) as w:
         yield w
+
+
+#: pytest's per-test timeouts (the default in pyproject.toml and every ``@pytest.mark.timeout``)
+#: are guards against hangs, not time limits: on a loaded machine (load ~20 on 2 cores) a test
+#: that starts processes takes several times its quiet time, so every limit is stretched by
+#: this factor (``REMOTE_MODULE_TEST_TIMEOUT_SCALE``, default 3).
+TIMEOUT_SCALE = float(os.environ.get("REMOTE_MODULE_TEST_TIMEOUT_SCALE", "3"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if getattr(config.option, "timeout", None):
+        config.option.timeout = float(config.option.timeout) * TIMEOUT_SCALE
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        if marker is not None and marker.args:
+            item.add_marker(pytest.mark.timeout(float(marker.args[0]) * TIMEOUT_SCALE), append=False)
