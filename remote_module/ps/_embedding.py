@@ -84,6 +84,10 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
     ``N(0, 1)`` drawn from a hash of (``seed``, ``name``, row id): the same rows eager or lazy,
     on any servers, in every run; other tables' and other seeds' rows independent.
 
+    ``sparse`` is torch's keyword, taken so that a port keeps its calls: whatever its value,
+    backward gives the looked-up rows' gradients only and the servers step those rows (SGD
+    and Adagrad, as a table takes them, step a sparse gradient as torch steps a dense one).
+
     ``padding_idx`` as ``nn.Embedding``'s: the padding row is created as zeros, a lookup returns
     the row as stored (a checkpoint may set it), and it is never trained (no gradient is
     pushed for it, no optimizer state kept); a bag leaves it out of its pool and its mean.
@@ -134,6 +138,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         *,
         name: str,
         padding_idx: int | None = None,
+        sparse: bool = False,
         optimizer: tuple[type, dict] = (torch.optim.SGD, {"lr": 0.1}),
         init: str = "eager",
         timeout: float | None = None,
@@ -169,6 +174,10 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
         if not (isinstance(optimizer, tuple) and len(optimizer) == 2 and isinstance(optimizer[1], dict)):
             raise TypeError(f"optimizer must be (a torch.optim optimizer class, kwargs dict), got {optimizer!r}")
+        if not isinstance(sparse, bool):
+            raise TypeError(f"sparse must be a bool, as torch's, got {sparse!r}")
+        #: torch's keyword, kept as given: the rows' gradients are per row either way
+        self.sparse = sparse
         if padding_idx is not None:
             padding_idx = _index(padding_idx, "padding_idx")
             if not -num_embeddings <= padding_idx < num_embeddings:
@@ -216,6 +225,19 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         self._server_names = list(by_server)
         # each block's server, as an index into _server_names
         self._block_server = torch.tensor([self._server_names.index(s) for _, _, s in self._ranges], dtype=torch.long)
+
+    def extra_repr(self) -> str:
+        """As torch's (sizes, ``padding_idx``), then where the rows live: ``print(model)``."""
+        return ", ".join(self._repr_parts())
+
+    def _repr_parts(self) -> list[str]:
+        parts = [f"{self.num_embeddings}, {self.embedding_dim}"]
+        if self.padding_idx is not None:
+            parts.append(f"padding_idx={self.padding_idx}")
+        if getattr(self, "sparse", False):  # (a table pickled before the keyword)
+            parts.append("sparse=True")
+        parts.append(f"name={self.name!r}, servers={list(self.servers)!r}, ps_mode={self.ps_mode!r}")
+        return parts
 
     def _wait_s(self) -> float:
         """How long a sync lookup may wait on a server for the step: a little less than this
