@@ -40,7 +40,7 @@ def _on_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
     """torch.optim's global post-step hook: tell every table that a local optimizer stepped."""
     thread = threading.get_ident()
     for table in list(_live_tables):
-        table._local_optimizer_stepped(thread)
+        table._local_optimizer_stepped(thread, optimizer)
 
 
 def _watch_optimizer_steps() -> None:
@@ -121,6 +121,9 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
     stepped (in the thread of the table's forward) and not pushed since, or after
     ``UNPUSHED_BACKWARDS`` (10) backward passes without a step, warns once (``UserWarning``).
     Accumulating gradients over several backward passes before one step is silent.
+    The rows step with the lr given in ``optimizer``: a local LR scheduler does not reach it,
+    and changing the lr of an optimizer group holding ``grad_marker`` (a scheduler over
+    ``model.parameters()``) warns once (``UserWarning``).
 
     Example (ps0, ps1 only join RPC and wait)::
 
@@ -216,6 +219,8 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         self._step = min(steps) if steps else 0
         self._pending_lock = threading.Lock()
         self._reset_gradients()
+        self._group_lrs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._warned_lr = False
         _live_tables.add(self)
         _watch_optimizer_steps()
         #: tensor bytes (ids and gradient rows) this module has pushed so far
@@ -320,7 +325,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         """As nn.Module's, less the lock and the gradients not pushed yet (a copy, e.g.
         ``copy.deepcopy(model)`` for an averaged model, shares the servers' rows, not them)."""
         state = self.__dict__.copy()
-        for key in ("_pending_lock", "_fresh", "_held", "_hooked"):
+        for key in ("_pending_lock", "_fresh", "_held", "_hooked", "_group_lrs"):
             state.pop(key, None)
         return state
 
@@ -328,6 +333,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         super().__setstate__(state)
         self._pending_lock = threading.Lock()
         self._reset_gradients()
+        self._group_lrs = weakref.WeakKeyDictionary()
         _live_tables.add(self)
         _watch_optimizer_steps()
 
@@ -378,11 +384,38 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
             self._fresh = []
             self._backwards += 1
 
-    def _local_optimizer_stepped(self, thread: int) -> None:
+    def _local_optimizer_stepped(self, thread: int, optimizer: torch.optim.Optimizer) -> None:
         """A local torch.optim optimizer stepped in ``thread``: note it if this table holds
-        gradients recorded by a forward of that thread (see :meth:`_records`)."""
+        gradients recorded by a forward of that thread (see :meth:`_records`), and warn once if
+        the lr of its group holding this table's ``grad_marker`` changed since its first step
+        (see :meth:`_check_group_lr`)."""
         if thread == self._forward_thread and self._held and self.grad_marker.grad is not None:
             self._stepped_past = True
+        if not getattr(self, "_warned_lr", True):
+            self._check_group_lr(optimizer)
+
+    def _check_group_lr(self, optimizer: torch.optim.Optimizer) -> None:
+        """The rows step with the lr the table was built with, on the servers: an LR scheduler
+        (or a hand-set ``group["lr"]``) changing the lr of the group that holds ``grad_marker``
+        (an optimizer over ``model.parameters()``, as facebookresearch/dlrm schedules it) does
+        not reach them, so warn once. A group's lr at the optimizer's first step seen is the
+        baseline; a group added later starts a new one."""
+        marker = self.grad_marker
+        entry = self._group_lrs.get(optimizer)
+        if entry is None or entry[0] != len(optimizer.param_groups):
+            group = next((g for g in optimizer.param_groups if any(p is marker for p in g["params"])), None)
+            entry = (len(optimizer.param_groups), group, None if group is None else float(group["lr"]))
+            self._group_lrs[optimizer] = entry
+        _, group, first = entry
+        if group is None or float(group["lr"]) == first:
+            return
+        self._warned_lr = True
+        warnings.warn(
+            f"{type(self).__name__} {self.name!r}: the lr of the {type(optimizer).__name__} param group holding its "
+            f"grad_marker changed from {first:g} to {float(group['lr']):g} (an LR scheduler?), but the table's rows "
+            "step on the servers with the lr given at construction (optimizer=(cls, {'lr': ...})), which local "
+            "optimizers and schedulers do not change; to silence this, build the scheduled optimizer over the "
+            "dense parameters only", UserWarning, stacklevel=4)
 
     def _take_gradients(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The gradients recorded and not discarded since the last step, now forgotten (lock held)."""
