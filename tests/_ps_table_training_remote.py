@@ -230,6 +230,7 @@ def unpushed_warnings(name: str, case: str) -> dict:
             raise ValueError(case)
     got = [str(w.message) for w in caught if "never pushed" in str(w.message)]
     out = {"warnings": got, "categories": [w.category.__name__ for w in caught if "never pushed" in str(w.message)],
+           "files": [w.filename for w in caught if "never pushed" in str(w.message)],
            "rows": bag.state_dict()["weight"]}
     if case == "frozen":
         out["frozen_requires_grad"] = frozen_out.requires_grad
@@ -254,4 +255,5 @@ def scheduled_lr(name: str, case: str) -> dict:
             bag.step()
             sched.step()
     return {"warnings": [str(w.message) for w in caught if "lr" in str(w.message)],
-            "categories": [w.category.__name__ for w in caught if "lr" in str(w.message)]}
+            "categories": [w.category.__name__ for w in caught if "lr" in str(w.message)],
+            "files": [w.filename for w in caught if "lr" in str(w.message)]}

@@ -17,6 +17,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from remote_module._fanout import _timeout_seconds, call_all, nested_seconds
+from remote_module._untrained import _user_stacklevel
 from remote_module.ps import _tables
 from remote_module.ps._dispatch import RoundRobin, check_servers
 from remote_module.ps._embedding_checkpoints import TableCheckpoints
@@ -352,7 +353,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
                 f"pushed to the servers ({why}), so the table does not train: an optimizer of model.parameters() "
                 "steps only its zero-size grad_marker. Call table.step() after loss.backward() (PSModel.step() "
                 "does it for the tables inside a PSModel); to accumulate over backward passes, call it once after "
-                "them; to freeze the table, table.requires_grad_(False)", UserWarning, stacklevel=4)
+                "them; to freeze the table, table.requires_grad_(False)", UserWarning, stacklevel=_user_stacklevel())
         return True
 
     def _recorded(self, uniq: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -415,7 +416,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
             f"grad_marker changed from {first:g} to {float(group['lr']):g} (an LR scheduler?), but the table's rows "
             "step on the servers with the lr given at construction (optimizer=(cls, {'lr': ...})), which local "
             "optimizers and schedulers do not change; to silence this, build the scheduled optimizer over the "
-            "dense parameters only", UserWarning, stacklevel=4)
+            "dense parameters only", UserWarning, stacklevel=_user_stacklevel())
 
     def _take_gradients(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The gradients recorded and not discarded since the last step, now forgotten (lock held)."""
