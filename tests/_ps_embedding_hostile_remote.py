@@ -366,3 +366,21 @@ def copies(name: str) -> dict:
     deep.step()  # nothing to push: the gradient stays the original's
     t.step()
     return {"original": t(ids).detach(), "deep": deep(ids).detach(), "unpickled": unpickled(ids).detach()}
+
+
+# ---- a ported model's constructor calls and print(model) --------------------------------------------------
+
+
+def ported_constructors(name: str) -> dict:
+    """Tables built as a port of ``nn.EmbeddingBag(n, m, mode="sum", sparse=True)`` writes them
+    (facebookresearch/dlrm: numpy sizes, ``sparse=True``), and their reprs."""
+    import numpy as np
+
+    bag = table(f"{name}-bag", np.int64(20), np.int64(3), bag="sum", sparse=True)
+    emb = table(f"{name}-emb", sparse=False, padding_idx=2)
+    ids = torch.tensor([1, 15, 4])
+    before = bag(ids, torch.tensor([0, 1])).detach()
+    bag(ids, torch.tensor([0, 1])).sum().backward()
+    bag.step()
+    return {"bag": repr(bag), "emb": repr(emb), "sparse": (bag.sparse, emb.sparse),
+            "moved": bag(ids, torch.tensor([0, 1])).detach() - before}

@@ -230,8 +230,30 @@ def unpushed_warnings(name: str, case: str) -> dict:
             raise ValueError(case)
     got = [str(w.message) for w in caught if "never pushed" in str(w.message)]
     out = {"warnings": got, "categories": [w.category.__name__ for w in caught if "never pushed" in str(w.message)],
+           "files": [w.filename for w in caught if "never pushed" in str(w.message)],
            "rows": bag.state_dict()["weight"]}
     if case == "frozen":
         out["frozen_requires_grad"] = frozen_out.requires_grad
         out["held"] = len(bag._held) + len(bag._fresh)
     return out
+
+
+def scheduled_lr(name: str, case: str) -> dict:
+    """A ported DLRM loop with an LR scheduler (dlrm's LRPolicyScheduler decays every group of an
+    optimizer over ``model.parameters()``): the lr warnings caught."""
+    bag = table(name, bag="sum", optimizer=(torch.optim.SGD, {"lr": 0.5}))
+    model = Clicks(bag)
+    params = model.dense.parameters() if case == "dense only" else model.parameters()
+    opt = torch.optim.SGD(params, lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5 if case != "constant" else 1.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for ids in BAGS * 2:
+            opt.zero_grad()
+            model(ids).pow(2).sum().backward()
+            opt.step()
+            bag.step()
+            sched.step()
+    return {"warnings": [str(w.message) for w in caught if "lr" in str(w.message)],
+            "categories": [w.category.__name__ for w in caught if "lr" in str(w.message)],
+            "files": [w.filename for w in caught if "lr" in str(w.message)]}

@@ -264,3 +264,18 @@ def test_the_optimizer_state_of_a_table_never_stepped_round_trips(world):
     assert got["state"]["step"] == 0 and got["state"]["ids"].numel() == 0, got["state"]
     emb, opt = h.local_steps((torch.optim.Adagrad, {"lr": 0.5}), [[1, 15]])
     torch.testing.assert_close(got["rows"], emb.weight.detach())
+
+
+# ---- a ported model's constructor calls and print(model) ----------------------------------------------------
+
+
+def test_torchs_sparse_keyword_is_taken_and_print_shows_the_tables_sizes(world):
+    """A port of ``nn.EmbeddingBag(n, m, mode="sum", sparse=True)`` (facebookresearch/dlrm) keeps
+    ``sparse=`` (the rows' gradients are per row either way), and ``print(model)`` shows each
+    table's sizes and mode as torch's modules do, plus where it lives."""
+    got = on_trainer0(world, h.ported_constructors, job("ported"))
+    assert got["sparse"] == (True, False)
+    assert got["moved"].abs().sum() > 0  # it trains
+    assert got["bag"].startswith("ShardedEmbeddingBag(20, 3, mode='sum', sparse=True, name='ported-"), got["bag"]
+    assert "servers=['ps0', 'ps1'], ps_mode='async'" in got["bag"], got["bag"]
+    assert got["emb"].startswith("ShardedEmbedding(20, 3, padding_idx=2, name='ported-"), got["emb"]

@@ -177,6 +177,7 @@ def test_a_table_whose_gradients_are_never_pushed_warns_once(world, case):
     assert len(got["warnings"]) == 1, got["warnings"]
     assert got["categories"] == ["UserWarning"]
     assert "table.step()" in got["warnings"][0] and "'unpushed" in got["warnings"][0], got["warnings"][0]
+    assert got["files"] == [r.__file__], got["files"]  # the user's line, not torch's nn.Module.__call__
     torch.testing.assert_close(got["rows"], weights(0), atol=0, rtol=0)  # indeed never trained
 
 
@@ -189,3 +190,20 @@ def test_accumulation_stepped_tables_and_frozen_tables_do_not_warn(world, case):
         torch.testing.assert_close(got["rows"], weights(0), atol=0, rtol=0)
     else:
         assert not torch.allclose(got["rows"], weights(0))
+
+
+# ---- an LR scheduler does not reach a table's lr: it warns ----------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["model.parameters()", "dense only", "constant"])
+def test_a_scheduled_lr_of_the_group_holding_a_table_warns_once(world, case):
+    """The rows step with the lr the table was built with, on the servers; a scheduler changing
+    the lr of the optimizer group holding the table's grad_marker (dlrm's LRPolicyScheduler over
+    model.parameters()) would leave the table behind silently: it warns once, naming the table."""
+    got = on_trainer0(world, r.scheduled_lr, job("sched"), case)
+    if case == "model.parameters()":
+        assert len(got["warnings"]) == 1 and got["categories"] == ["UserWarning"], got
+        assert "'sched" in got["warnings"][0] and "lr" in got["warnings"][0], got["warnings"][0]
+        assert got["files"] == [r.__file__], got["files"]  # the user's opt.step(), not the scheduler's wrapper
+    else:
+        assert got["warnings"] == [], got

@@ -17,6 +17,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from remote_module._fanout import _timeout_seconds, call_all, nested_seconds
+from remote_module._untrained import _user_stacklevel
 from remote_module.ps import _tables
 from remote_module.ps._dispatch import RoundRobin, check_servers
 from remote_module.ps._embedding_checkpoints import TableCheckpoints
@@ -40,7 +41,7 @@ def _on_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
     """torch.optim's global post-step hook: tell every table that a local optimizer stepped."""
     thread = threading.get_ident()
     for table in list(_live_tables):
-        table._local_optimizer_stepped(thread)
+        table._local_optimizer_stepped(thread, optimizer)
 
 
 def _watch_optimizer_steps() -> None:
@@ -84,6 +85,10 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
     ``N(0, 1)`` drawn from a hash of (``seed``, ``name``, row id): the same rows eager or lazy,
     on any servers, in every run; other tables' and other seeds' rows independent.
 
+    ``sparse`` is torch's keyword, taken so that a port keeps its calls: whatever its value,
+    backward gives the looked-up rows' gradients only and the servers step those rows (SGD
+    and Adagrad, as a table takes them, step a sparse gradient as torch steps a dense one).
+
     ``padding_idx`` as ``nn.Embedding``'s: the padding row is created as zeros, a lookup returns
     the row as stored (a checkpoint may set it), and it is never trained (no gradient is
     pushed for it, no optimizer state kept); a bag leaves it out of its pool and its mean.
@@ -117,6 +122,9 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
     stepped (in the thread of the table's forward) and not pushed since, or after
     ``UNPUSHED_BACKWARDS`` (10) backward passes without a step, warns once (``UserWarning``).
     Accumulating gradients over several backward passes before one step is silent.
+    The rows step with the lr given in ``optimizer``: a local LR scheduler does not reach it,
+    and changing the lr of an optimizer group holding ``grad_marker`` (a scheduler over
+    ``model.parameters()``) warns once (``UserWarning``).
 
     Example (ps0, ps1 only join RPC and wait)::
 
@@ -134,6 +142,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         *,
         name: str,
         padding_idx: int | None = None,
+        sparse: bool = False,
         optimizer: tuple[type, dict] = (torch.optim.SGD, {"lr": 0.1}),
         init: str = "eager",
         timeout: float | None = None,
@@ -169,6 +178,10 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
         if not (isinstance(optimizer, tuple) and len(optimizer) == 2 and isinstance(optimizer[1], dict)):
             raise TypeError(f"optimizer must be (a torch.optim optimizer class, kwargs dict), got {optimizer!r}")
+        if not isinstance(sparse, bool):
+            raise TypeError(f"sparse must be a bool, as torch's, got {sparse!r}")
+        #: torch's keyword, kept as given: the rows' gradients are per row either way
+        self.sparse = sparse
         if padding_idx is not None:
             padding_idx = _index(padding_idx, "padding_idx")
             if not -num_embeddings <= padding_idx < num_embeddings:
@@ -207,6 +220,8 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         self._step = min(steps) if steps else 0
         self._pending_lock = threading.Lock()
         self._reset_gradients()
+        self._group_lrs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._warned_lr = False
         _live_tables.add(self)
         _watch_optimizer_steps()
         #: tensor bytes (ids and gradient rows) this module has pushed so far
@@ -216,6 +231,19 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         self._server_names = list(by_server)
         # each block's server, as an index into _server_names
         self._block_server = torch.tensor([self._server_names.index(s) for _, _, s in self._ranges], dtype=torch.long)
+
+    def extra_repr(self) -> str:
+        """As torch's (sizes, ``padding_idx``), then where the rows live: ``print(model)``."""
+        return ", ".join(self._repr_parts())
+
+    def _repr_parts(self) -> list[str]:
+        parts = [f"{self.num_embeddings}, {self.embedding_dim}"]
+        if self.padding_idx is not None:
+            parts.append(f"padding_idx={self.padding_idx}")
+        if getattr(self, "sparse", False):  # (a table pickled before the keyword)
+            parts.append("sparse=True")
+        parts.append(f"name={self.name!r}, servers={list(self.servers)!r}, ps_mode={self.ps_mode!r}")
+        return parts
 
     def _wait_s(self) -> float:
         """How long a sync lookup may wait on a server for the step: a little less than this
@@ -298,7 +326,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         """As nn.Module's, less the lock and the gradients not pushed yet (a copy, e.g.
         ``copy.deepcopy(model)`` for an averaged model, shares the servers' rows, not them)."""
         state = self.__dict__.copy()
-        for key in ("_pending_lock", "_fresh", "_held", "_hooked"):
+        for key in ("_pending_lock", "_fresh", "_held", "_hooked", "_group_lrs"):
             state.pop(key, None)
         return state
 
@@ -306,6 +334,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         super().__setstate__(state)
         self._pending_lock = threading.Lock()
         self._reset_gradients()
+        self._group_lrs = weakref.WeakKeyDictionary()
         _live_tables.add(self)
         _watch_optimizer_steps()
 
@@ -324,7 +353,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
                 f"pushed to the servers ({why}), so the table does not train: an optimizer of model.parameters() "
                 "steps only its zero-size grad_marker. Call table.step() after loss.backward() (PSModel.step() "
                 "does it for the tables inside a PSModel); to accumulate over backward passes, call it once after "
-                "them; to freeze the table, table.requires_grad_(False)", UserWarning, stacklevel=4)
+                "them; to freeze the table, table.requires_grad_(False)", UserWarning, stacklevel=_user_stacklevel())
         return True
 
     def _recorded(self, uniq: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -356,11 +385,38 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
             self._fresh = []
             self._backwards += 1
 
-    def _local_optimizer_stepped(self, thread: int) -> None:
+    def _local_optimizer_stepped(self, thread: int, optimizer: torch.optim.Optimizer) -> None:
         """A local torch.optim optimizer stepped in ``thread``: note it if this table holds
-        gradients recorded by a forward of that thread (see :meth:`_records`)."""
+        gradients recorded by a forward of that thread (see :meth:`_records`), and warn once if
+        the lr of its group holding this table's ``grad_marker`` changed since its first step
+        (see :meth:`_check_group_lr`)."""
         if thread == self._forward_thread and self._held and self.grad_marker.grad is not None:
             self._stepped_past = True
+        if not getattr(self, "_warned_lr", True):
+            self._check_group_lr(optimizer)
+
+    def _check_group_lr(self, optimizer: torch.optim.Optimizer) -> None:
+        """The rows step with the lr the table was built with, on the servers: an LR scheduler
+        (or a hand-set ``group["lr"]``) changing the lr of the group that holds ``grad_marker``
+        (an optimizer over ``model.parameters()``, as facebookresearch/dlrm schedules it) does
+        not reach them, so warn once. A group's lr at the optimizer's first step seen is the
+        baseline; a group added later starts a new one."""
+        marker = self.grad_marker
+        entry = self._group_lrs.get(optimizer)
+        if entry is None or entry[0] != len(optimizer.param_groups):
+            group = next((g for g in optimizer.param_groups if any(p is marker for p in g["params"])), None)
+            entry = (len(optimizer.param_groups), group, None if group is None else float(group["lr"]))
+            self._group_lrs[optimizer] = entry
+        _, group, first = entry
+        if group is None or float(group["lr"]) == first:
+            return
+        self._warned_lr = True
+        warnings.warn(
+            f"{type(self).__name__} {self.name!r}: the lr of the {type(optimizer).__name__} param group holding its "
+            f"grad_marker changed from {first:g} to {float(group['lr']):g} (an LR scheduler?), but the table's rows "
+            "step on the servers with the lr given at construction (optimizer=(cls, {'lr': ...})), which local "
+            "optimizers and schedulers do not change; to silence this, build the scheduled optimizer over the "
+            "dense parameters only", UserWarning, stacklevel=_user_stacklevel())
 
     def _take_gradients(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The gradients recorded and not discarded since the last step, now forgotten (lock held)."""

@@ -60,6 +60,10 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         super().__init__(num_embeddings, embedding_dim, servers, ps_mode=ps_mode, padding_idx=padding_idx, **kwargs)
         self.bag_mode = mode
 
+    def _repr_parts(self) -> list[str]:
+        parts = super()._repr_parts()
+        return parts[:1] + [f"mode={self.bag_mode!r}"] + parts[1:]
+
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         """Bags of rows pooled as ``nn.EmbeddingBag`` does (same arguments, same errors).
