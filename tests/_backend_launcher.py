@@ -32,6 +32,10 @@ def _own_sigterm(signum, frame) -> None:
 
 
 def main(pid_dir: str, mode: str) -> None:
+    # Python's own SIGINT handler whatever this process inherited: a shell starts background
+    # jobs (`make test &`) with SIGINT ignored, and Python then leaves it ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if mode == "own-sigterm":
         signal.signal(signal.SIGTERM, _own_sigterm)
     try:
