@@ -235,3 +235,48 @@ def unpushed_warnings(name: str, case: str) -> dict:
         out["frozen_requires_grad"] = frozen_out.requires_grad
         out["held"] = len(bag._held) + len(bag._fresh)
     return out
+
+
+# ---- a model moved to another dtype ------------------------------------------------------------------
+
+
+def in_dtype(name: str, bag: str | None, dtype: torch.dtype) -> dict:
+    """A table (``bag``: a ShardedEmbeddingBag of that pooling) under a Linear, the whole model
+    cast to ``dtype`` as ``model.to(dtype)`` casts it, trained two SGD steps: each output's
+    dtype and value, the Linear's gradient and the rows after."""
+    t = table(name, bag=bag, optimizer=(torch.optim.SGD, {"lr": 0.5}))
+    model = nn.Sequential(t, nn.Linear(3, 1))
+    nn.init.normal_(model[1].weight, generator=torch.Generator().manual_seed(0))
+    nn.init.zeros_(model[1].bias)
+    model = model.to(dtype)
+    ids = torch.tensor([[1, 15], [2, 1]])
+    outs, grads = [], []
+    for _ in range(2):
+        model.zero_grad()
+        out = model(ids)
+        outs.append(out.detach())
+        out.pow(2).sum().backward()
+        grads.append(model[1].weight.grad.clone())
+        t.step()
+    return {"outs": outs, "grads": grads, "rows": t.state_dict()["weight"]}
+
+
+def local_in_dtype(bag: str | None, dtype: torch.dtype) -> dict:
+    """:func:`in_dtype` with a local sparse ``nn.Embedding`` / ``nn.EmbeddingBag`` and SGD."""
+    emb = (nn.Embedding(20, 3, sparse=True, _weight=weights(0)) if bag is None  # (max: no sparse; SGD alike)
+           else nn.EmbeddingBag(20, 3, mode=bag, sparse=bag != "max", _weight=weights(0)))
+    model = nn.Sequential(emb, nn.Linear(3, 1))
+    nn.init.normal_(model[1].weight, generator=torch.Generator().manual_seed(0))
+    nn.init.zeros_(model[1].bias)
+    model = model.to(dtype)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.5)
+    ids = torch.tensor([[1, 15], [2, 1]])
+    outs, grads = [], []
+    for _ in range(2):
+        model.zero_grad()
+        out = model(ids)
+        outs.append(out.detach())
+        out.pow(2).sum().backward()
+        grads.append(model[1].weight.grad.clone())
+        opt.step()
+    return {"outs": outs, "grads": grads, "rows": emb.weight.detach()}

@@ -189,3 +189,19 @@ def test_accumulation_stepped_tables_and_frozen_tables_do_not_warn(world, case):
         torch.testing.assert_close(got["rows"], weights(0), atol=0, rtol=0)
     else:
         assert not torch.allclose(got["rows"], weights(0))
+
+
+# ---- a model cast to another dtype ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bag", [None, "sum", "mean", "max"])
+def test_a_table_in_a_model_cast_to_float64_outputs_float64_as_torch(world, bag):
+    """``model.to(torch.float64)`` (or ``.double()``) casts the table's grad_marker: its
+    outputs follow, as a local module's follow its weight (the servers keep float32 rows), so
+    the layers after it run in float64 instead of raising a dtype mismatch."""
+    got = on_trainer0(world, r.in_dtype, job(f"dtype-{bag}"), bag, torch.float64)
+    want = r.local_in_dtype(bag, torch.float64)
+    for a, b in zip(got["outs"] + got["grads"], want["outs"] + want["grads"]):
+        assert a.dtype == b.dtype == torch.float64
+        close(a, b)
+    close(got["rows"], want["rows"].float())

@@ -66,7 +66,7 @@ class _Recorded(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        ctx.record(ctx.uniq, grad)
+        ctx.record(ctx.uniq, grad.to(torch.float32))  # the servers' rows are float32, whatever the model's dtype
         dtype, device = ctx.marker
         return None, torch.zeros(0, dtype=dtype, device=device), None, None
 
@@ -242,6 +242,13 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         return [(k, server, server_of == k if keep is None else (server_of == k) & keep)
                 for k, server in enumerate(self._server_names)]
 
+    def _dtype(self) -> torch.dtype:
+        """The dtype of this module's outputs: its ``grad_marker``'s, as ``nn.Embedding``'s
+        output is its weight's (``model.double()`` / ``.half()`` / ``.to(dtype)`` set it; the
+        servers keep float32 rows)."""
+        dtype = self.grad_marker.dtype
+        return dtype if dtype.is_floating_point else torch.float32
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         uniq, inverse, rows = self._rows_of(input)
         return rows[inverse].reshape(*input.shape, self.embedding_dim)
@@ -280,7 +287,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
             rows = self._geo.values(uniq)
         if self._records():
             rows = self._recorded(uniq, rows)
-        return uniq, inverse, rows
+        return uniq, inverse, rows.to(self._dtype())
 
     def _reset_gradients(self) -> None:
         """No gradients recorded (construction, and a copy)."""
