@@ -216,6 +216,11 @@ def unpushed_warnings(name: str, case: str) -> dict:
                     bag(BAGS[0]).sum().backward()
                 bag.step()
             bag(BAGS[0])
+        elif case == "discarded by zero_grad":  # gradients inspected, then discarded: nothing to push
+            for _ in range(12):
+                model(BAGS[0]).pow(2).sum().backward()
+                model.zero_grad()
+            model(BAGS[0])
         elif case == "frozen":  # requires_grad_(False): nothing recorded, nothing to warn about
             model.requires_grad_(False)
             model.dense.requires_grad_(True)

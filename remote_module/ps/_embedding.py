@@ -322,6 +322,12 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         if not (torch.is_grad_enabled() and self.grad_marker.requires_grad):
             return False
         self._forward_thread = threading.get_ident()
+        if self.grad_marker.grad is None:
+            # zero_grad() (of a container or an optimizer) discarded what was recorded: backward
+            # passes before it do not count towards the warning (a local optimizer step while
+            # they were held still does: their gradients were never pushed)
+            with self._pending_lock:
+                self._held, self._backwards = [], 0
         if not self._warned_unpushed and (self._stepped_past or self._backwards >= UNPUSHED_BACKWARDS):
             self._warned_unpushed = True
             why = ("a local optimizer has stepped since they were recorded" if self._stepped_past
