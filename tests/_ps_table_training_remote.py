@@ -242,7 +242,7 @@ def unpushed_warnings(name: str, case: str) -> dict:
     return out
 
 
-# ---- a model moved to another dtype ------------------------------------------------------------------
+# ---- a model moved to another dtype; a copy of a sync table --------------------------------------------
 
 
 def in_dtype(name: str, bag: str | None, dtype: torch.dtype) -> dict:
@@ -285,3 +285,23 @@ def local_in_dtype(bag: str | None, dtype: torch.dtype) -> dict:
         grads.append(model[1].weight.grad.clone())
         opt.step()
     return {"outs": outs, "grads": grads, "rows": emb.weight.detach()}
+
+
+def copied_sync_table(name: str) -> dict:
+    """A sync table and its ``copy.deepcopy``: the original steps row 1, the copy tries to step
+    row 2 (refused: one trainer, one object), the original steps row 3."""
+    import copy
+
+    t = table(name, ps_mode="sync")
+    c = copy.deepcopy(t)
+    t(torch.tensor([1])).sum().backward()
+    t.step()
+    try:
+        c(torch.tensor([2])).sum().backward()
+        c.step()
+        copy_error = None
+    except Exception as exc:
+        copy_error = f"{type(exc).__name__}: {exc}"
+    t(torch.tensor([3])).sum().backward()
+    t.step()
+    return {"copy_error": copy_error, "rows": t.state_dict()["weight"]}

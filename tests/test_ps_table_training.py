@@ -207,3 +207,14 @@ def test_a_table_in_a_model_cast_to_float64_outputs_float64_as_torch(world, bag)
         assert a.dtype == b.dtype == torch.float64
         close(a, b)
     close(got["rows"], want["rows"].float())
+
+
+def test_a_copy_of_a_sync_table_is_refused_not_dropped_silently(world):
+    """``copy.deepcopy`` of a sync table is another object of it: its step is refused with
+    the one-object error, never taken for a retry of the original's step (dropped)."""
+    got = on_trainer0(world, r.copied_sync_table, job("copied"))
+    assert got["copy_error"] is not None and "a copy" in got["copy_error"], got["copy_error"]
+    want = weights(0).clone()
+    want[1] -= 1.0
+    want[3] -= 1.0
+    torch.testing.assert_close(got["rows"], want, atol=0, rtol=0)

@@ -311,6 +311,9 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
+        # a copy is another object of the table: in sync mode its pushes are refused (one trainer,
+        # one object), never taken as retries of the original's (which would drop them silently)
+        self._token = uuid.uuid4().hex
         self._pending_lock = threading.Lock()
         self._reset_gradients()
         _live_tables.add(self)

@@ -147,8 +147,8 @@ class Table:
             if token != self.tokens.get(trainer, token):
                 raise ValueError(
                     f"table {self.name!r}: trainer {trainer!r} has created another ShardedEmbedding of this table since "
-                    "this one; in sync mode a trainer steps a table through one object (the newest): use the same "
-                    "module wherever the table is used"
+                    "this one, or this one is a copy (copy.deepcopy, pickle); in sync mode a trainer steps a table "
+                    "through one object (the newest created): use the same module wherever the table is used"
                 )
             if self.last_push.get(trainer) == (step, token) and step in (self.step_count, self.step_count - 1):
                 return  # a retry: this push is already counted (pending or applied)
