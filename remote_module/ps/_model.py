@@ -297,6 +297,7 @@ class PSModel(PSCheckpoints, nn.Module):
         self._write(values)
         if self.mode == "geo":
             self._pulled = {k: v.clone() for k, v in values.items()}
+            self.__dict__.pop("_geo_restored", None)  # the local copy is the servers' now
 
     def _server_values(self) -> dict[str, torch.Tensor]:
         """Every block's value on its server, by block name (nothing written locally). In sync
@@ -367,6 +368,7 @@ class PSModel(PSCheckpoints, nn.Module):
                 return
             self._local_opt.step()
             self._local_opt.zero_grad(set_to_none=True)
+            self.__dict__.pop("_geo_restored", None)  # trained on since a restore
             self._step += 1
             if self._step % self.geo_push_every == 0:
                 self._push_deltas()
