@@ -305,3 +305,50 @@ def copied_sync_table(name: str) -> dict:
     t(torch.tensor([3])).sum().backward()
     t.step()
     return {"copy_error": copy_error, "rows": t.state_dict()["weight"]}
+
+
+# ---- a PSModel step that failed in a table, retried --------------------------------------------------------
+
+
+def psmodel_step_retried(name: str) -> dict:
+    """A sync PSModel holding a sync bag (SGD lr 0.5) and a Linear (SGD lr 0.1), 3 steps; the
+    table's first push of step 1 fails (as a timed-out server fails it) and step() is called
+    again. The rows, the dense values and each server's dense step count after."""
+    from remote_module.ps import PSModel
+
+    bag = table(name + "-bag", bag="sum", ps_mode="sync", optimizer=(torch.optim.SGD, {"lr": 0.5}))
+    model = PSModel(Clicks(bag), ["ps0", "ps1"], name=name, num_trainers=1, mode="sync", min_block_size=1)
+    step, failed = bag.step, []
+
+    def failing_once() -> None:
+        if len(failed) == 1 and not failed[0]:
+            failed[0] = True
+            raise TimeoutError("ps1 did not answer (injected)")
+        step()
+
+    bag.step = failing_once
+    for i, ids in enumerate(BAGS):
+        model(ids).pow(2).sum().backward()
+        if i == 1:
+            failed.append(False)
+            try:
+                model.step()
+            except TimeoutError:
+                pass
+        model.step()  # (i == 1: the retry)
+    return {"rows": bag.state_dict()["weight"], "dense": {k: v for k, v in model.state_dict().items()
+                                                           if k.startswith("dense.")},
+            "versions": [s["version"] for s in model.stats().values()], "failed": failed}
+
+
+def local_psmodel_steps() -> dict:
+    """:func:`psmodel_step_retried` as plain torch (no failure)."""
+    model = Clicks(nn.EmbeddingBag(20, 3, mode="sum", sparse=True, _weight=weights(0)))
+    dense = torch.optim.SGD(model.dense.parameters(), lr=0.1)
+    rows = torch.optim.SGD(model.bag.parameters(), lr=0.5)
+    for ids in BAGS:
+        model.zero_grad()
+        model(ids).pow(2).sum().backward()
+        dense.step()
+        rows.step()
+    return {"rows": model.bag.weight.detach(), "dense": {f"dense.{k}": v for k, v in model.dense.state_dict().items()}}

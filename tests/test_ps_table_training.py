@@ -218,3 +218,16 @@ def test_a_copy_of_a_sync_table_is_refused_not_dropped_silently(world):
     want[1] -= 1.0
     want[3] -= 1.0
     torch.testing.assert_close(got["rows"], want, atol=0, rtol=0)
+
+
+def test_a_psmodel_step_that_failed_in_a_table_is_completed_by_calling_it_again(world):
+    """PSModel.step() pushed its dense gradients, then a table's push failed: step() again
+    steps only what was left (the table), not the dense part a second time (a sync server
+    would take it for the next round). Training equals torch's, one dense step per step."""
+    got = on_trainer0(world, r.psmodel_step_retried, job("retried"))
+    want = r.local_psmodel_steps()
+    assert got["failed"] == [True]
+    assert got["versions"] == [3, 3], got["versions"]
+    close(got["rows"], want["rows"])
+    for key, value in want["dense"].items():
+        close(got["dense"][key], value, key)

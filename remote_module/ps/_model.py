@@ -343,15 +343,26 @@ class PSModel(PSCheckpoints, nn.Module):
         """Push this step's gradients (geo: step the local copy; every ``geo_push_every``
         optimizer steps push the deltas and take the merged parameters) and clear the local
         gradients. Parameters without a gradient are left alone, as torch's optimizers leave them.
+        A step that raised part-way (a server timed out) is completed by calling ``step()``
+        again: the dense part and the tables that were stepped already are not stepped twice.
 
         Example::
 
             loss.backward()
             model.step()
         """
-        self._step_dense()
-        for table in self._tables.values():
-            table.step()
+        # the parts of this step done already: a step() that failed part-way (a table's server
+        # timed out) is retried by calling step() again, which does only the parts left, so no
+        # part pushes a second step (sync: it would be taken for the next round)
+        done = self.__dict__.setdefault("_step_done", set())
+        if None not in done:
+            self._step_dense()
+            done.add(None)
+        for qual, table in self._tables.items():
+            if qual not in done:
+                table.step()
+                done.add(qual)
+        done.clear()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the local gradients, and the tables' gradients since their last step."""
