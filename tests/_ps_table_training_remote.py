@@ -352,3 +352,43 @@ def local_psmodel_steps() -> dict:
         dense.step()
         rows.step()
     return {"rows": model.bag.weight.detach(), "dense": {f"dense.{k}": v for k, v in model.dense.state_dict().items()}}
+
+
+# ---- gradients that torch does not write to .grad -----------------------------------------------------------
+
+
+def grads_not_accumulated(model: nn.Module, bag: nn.Module, table_step: Any) -> None:
+    """Steps where some gradients are not ``.grad``'s: ``torch.autograd.grad`` of the loss with
+    respect to ``model.parameters()`` (a gradient norm to log), then a backward; a backward
+    with ``inputs=`` the dense parameters only. SGD over the dense part, ``table_step`` after."""
+    opt = torch.optim.SGD(model.dense.parameters(), lr=0.1)
+    for ids in BAGS:
+        opt.zero_grad()
+        loss = model(ids).pow(2).sum()
+        torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad], retain_graph=True)
+        loss.backward()
+        opt.step()
+        table_step()
+    opt.zero_grad()
+    model(BAGS[0]).pow(2).sum().backward(inputs=list(model.dense.parameters()))
+    opt.step()
+    table_step()
+
+
+def grads_not_accumulated_sharded(name: str) -> dict:
+    bag = table(name, bag="sum", optimizer=(torch.optim.SGD, {"lr": 0.5}))
+    model = Clicks(bag)
+    grads_not_accumulated(model, bag, bag.step)
+    return {"rows": bag.state_dict()["weight"], "dense": model.dense.state_dict()}
+
+
+def grads_not_accumulated_local() -> dict:
+    model = Clicks(nn.EmbeddingBag(20, 3, mode="sum", sparse=True, _weight=weights(0)))
+    rows = torch.optim.SGD(model.bag.parameters(), lr=0.5)
+
+    def table_step() -> None:
+        rows.step()
+        rows.zero_grad()
+
+    grads_not_accumulated(model, model.bag, table_step)
+    return {"rows": model.bag.weight.detach(), "dense": model.dense.state_dict()}

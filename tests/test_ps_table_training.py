@@ -231,3 +231,14 @@ def test_a_psmodel_step_that_failed_in_a_table_is_completed_by_calling_it_again(
     close(got["rows"], want["rows"])
     for key, value in want["dense"].items():
         close(got["dense"][key], value, key)
+
+
+def test_autograd_grad_and_backward_inputs_without_the_table_record_nothing(world):
+    """As a parameter's ``.grad``: ``torch.autograd.grad(loss, model.parameters())`` returns
+    the gradients and sets no ``.grad`` (the table must not push them at its next step), and
+    ``backward(inputs=dense parameters)`` leaves the table out."""
+    got = on_trainer0(world, r.grads_not_accumulated_sharded, job("not-accumulated"))
+    want = r.grads_not_accumulated_local()
+    close(got["rows"], want["rows"])
+    for key, value in want["dense"].items():
+        close(got["dense"][key], value, key)

@@ -17,6 +17,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from remote_module._fanout import _timeout_seconds, call_all, nested_seconds
+from remote_module._torch_private import backward_accumulates
 from remote_module.ps import _tables
 from remote_module.ps._dispatch import RoundRobin, check_servers
 from remote_module.ps._embedding_checkpoints import TableCheckpoints
@@ -58,17 +59,20 @@ class _Recorded(torch.autograd.Function):
     ``zero_grad()``, as a parameter's does."""
 
     @staticmethod
-    def forward(ctx: Any, rows: torch.Tensor, marker: torch.Tensor, record: Callable, uniq: torch.Tensor
-                ) -> torch.Tensor:
-        ctx.record, ctx.uniq = record, uniq
+    def forward(ctx: Any, rows: torch.Tensor, marker: torch.Tensor, record: Callable, uniq: torch.Tensor,
+                accumulator: Any) -> torch.Tensor:
+        ctx.record, ctx.uniq, ctx.accumulator = record, uniq, accumulator
         ctx.marker = (marker.dtype, marker.device)  # (a model moved with .double() or .to(device))
         return rows.view_as(rows)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        ctx.record(ctx.uniq, grad.to(torch.float32))  # the servers' rows are float32, whatever the model's dtype
+        # as a parameter's .grad: only a backward that accumulates into the marker records (not
+        # torch.autograd.grad(), nor backward(inputs=...) without the table)
+        if backward_accumulates(ctx.accumulator):
+            ctx.record(ctx.uniq, grad.to(torch.float32))  # the servers' rows are float32, whatever the model's dtype
         dtype, device = ctx.marker
-        return None, torch.zeros(0, dtype=dtype, device=device), None, None
+        return None, torch.zeros(0, dtype=dtype, device=device), None, None, None
 
 
 class ShardedEmbedding(TableCheckpoints, nn.Module):
@@ -352,7 +356,8 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         if self._hooked is None or self._hooked() is not marker:  # (a copy, or the marker replaced)
             marker.register_post_accumulate_grad_hook(self._seal)
             self._hooked = weakref.ref(marker)
-        return _Recorded.apply(rows, marker, self._record, uniq)
+        accumulator = marker.view_as(marker).grad_fn.next_functions[0][0]  # the marker's AccumulateGrad
+        return _Recorded.apply(rows, marker, self._record, uniq, accumulator)
 
     def _record(self, uniq: torch.Tensor, grad: torch.Tensor) -> None:
         """In backward, before the marker accumulates: keep ``grad``; gradients of finished
