@@ -321,8 +321,8 @@ def psmodel_step_retried(name: str) -> dict:
     step, failed = bag.step, []
 
     def failing_once() -> None:
-        if len(failed) == 1 and not failed[0]:
-            failed[0] = True
+        if failed and not failed[-1]:
+            failed[-1] = True
             raise TimeoutError("ps1 did not answer (injected)")
         step()
 
@@ -336,9 +336,21 @@ def psmodel_step_retried(name: str) -> dict:
             except TimeoutError:
                 pass
         model.step()  # (i == 1: the retry)
-    return {"rows": bag.state_dict()["weight"], "dense": {k: v for k, v in model.state_dict().items()
-                                                           if k.startswith("dense.")},
-            "versions": [s["version"] for s in model.stats().values()], "failed": failed}
+    out = {"rows": bag.state_dict()["weight"], "dense": {k: v.clone() for k, v in model.state_dict().items()
+                                                          if k.startswith("dense.")},
+           "versions": [s["version"] for s in model.stats().values()], "failed": failed}
+    # a failed step dropped (zero_grad), not retried: the next step() is a whole one
+    model(BAGS[0]).sum().backward()
+    failed.append(False)
+    try:
+        model.step()
+    except TimeoutError:
+        pass
+    model.zero_grad()
+    model(BAGS[0]).sum().backward()
+    model.step()
+    out["versions_after"] = [s["version"] for s in model.stats().values()]
+    return out
 
 
 def local_psmodel_steps() -> dict:

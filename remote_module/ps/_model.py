@@ -327,6 +327,7 @@ class PSModel(PSCheckpoints, nn.Module):
         on the parameters themselves. Threads calling one PSModel pull concurrently and run the
         module one at a time (each on the values it pulled).
         """
+        self.__dict__.pop("_step_done", None)  # a failed step() not retried: the next one is whole
         if self.mode == "geo":
             return self.module(*args, **kwargs)
         values = self._server_values()
@@ -344,7 +345,8 @@ class PSModel(PSCheckpoints, nn.Module):
         optimizer steps push the deltas and take the merged parameters) and clear the local
         gradients. Parameters without a gradient are left alone, as torch's optimizers leave them.
         A step that raised part-way (a server timed out) is completed by calling ``step()``
-        again: the dense part and the tables that were stepped already are not stepped twice.
+        again: the dense part and the tables that were stepped already are not stepped twice
+        (after a ``forward`` or ``zero_grad()``, the next ``step()`` is a whole one again).
 
         Example::
 
@@ -366,6 +368,7 @@ class PSModel(PSCheckpoints, nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the local gradients, and the tables' gradients since their last step."""
+        self.__dict__.pop("_step_done", None)  # a failed step() dropped, not retried
         super().zero_grad(set_to_none)
         for table in self._tables.values():
             table.zero_grad()
