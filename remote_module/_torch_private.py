@@ -184,3 +184,16 @@ def embedding_bag_parts(weight: torch.Tensor, indices: torch.Tensor, offsets: to
     out, _, sizes, max_indices = torch.embedding_bag(
         weight, indices, offsets, False, {"sum": 0, "mean": 1, "max": 2}[mode], False, per_sample_weights)
     return out, sizes, max_indices
+
+
+def backward_accumulates(accumulator: Any) -> bool:
+    """Whether the backward pass under way (called from a ``backward`` of an autograd Function)
+    will run ``accumulator``, a leaf's ``AccumulateGrad`` node, i.e. write that leaf's
+    ``.grad``: not under ``torch.autograd.grad()`` (which returns gradients instead) or a
+    ``backward(inputs=...)`` that leaves the leaf out. True where torch cannot tell."""
+    try:
+        return bool(torch._C._will_engine_execute_node(accumulator))
+    except RuntimeError as exc:  # torch refuses leaf nodes under autograd.grad(), which sets no .grad
+        return "autograd.grad" not in str(exc)
+    except AttributeError:
+        return True

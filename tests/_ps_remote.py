@@ -128,10 +128,12 @@ def optimizer_state(job: str) -> dict:
     return _models[job].optimizer_state_dict()
 
 
-def load(job: str, state_dict: dict, optimizer_state_dict: dict | None = None) -> bool:
+def load(job: str, state_dict: dict, optimizer_state_dict: dict | None = None, optimizer_first: bool = False) -> bool:
     ps = _models[job]
+    if optimizer_first:  # torch's model and optimizer loads go in either order
+        ps.load_optimizer_state_dict(optimizer_state_dict)
     ps.load_state_dict(state_dict)
-    if optimizer_state_dict is not None:
+    if optimizer_state_dict is not None and not optimizer_first:
         ps.load_optimizer_state_dict(optimizer_state_dict)
     return True
 

@@ -216,6 +216,11 @@ def unpushed_warnings(name: str, case: str) -> dict:
                     bag(BAGS[0]).sum().backward()
                 bag.step()
             bag(BAGS[0])
+        elif case == "discarded by zero_grad":  # gradients inspected, then discarded: nothing to push
+            for _ in range(12):
+                model(BAGS[0]).pow(2).sum().backward()
+                model.zero_grad()
+            model(BAGS[0])
         elif case == "frozen":  # requires_grad_(False): nothing recorded, nothing to warn about
             model.requires_grad_(False)
             model.dense.requires_grad_(True)
@@ -257,3 +262,167 @@ def scheduled_lr(name: str, case: str) -> dict:
     return {"warnings": [str(w.message) for w in caught if "lr" in str(w.message)],
             "categories": [w.category.__name__ for w in caught if "lr" in str(w.message)],
             "files": [w.filename for w in caught if "lr" in str(w.message)]}
+
+
+# ---- a model moved to another dtype; a copy of a sync table --------------------------------------------
+
+
+def in_dtype(name: str, bag: str | None, dtype: torch.dtype) -> dict:
+    """A table (``bag``: a ShardedEmbeddingBag of that pooling) under a Linear, the whole model
+    cast to ``dtype`` as ``model.to(dtype)`` casts it, trained two SGD steps: each output's
+    dtype and value, the Linear's gradient and the rows after."""
+    t = table(name, bag=bag, optimizer=(torch.optim.SGD, {"lr": 0.5}))
+    model = nn.Sequential(t, nn.Linear(3, 1))
+    nn.init.normal_(model[1].weight, generator=torch.Generator().manual_seed(0))
+    nn.init.zeros_(model[1].bias)
+    model = model.to(dtype)
+    ids = torch.tensor([[1, 15], [2, 1]])
+    outs, grads = [], []
+    for _ in range(2):
+        model.zero_grad()
+        out = model(ids)
+        outs.append(out.detach())
+        out.pow(2).sum().backward()
+        grads.append(model[1].weight.grad.clone())
+        t.step()
+    return {"outs": outs, "grads": grads, "rows": t.state_dict()["weight"]}
+
+
+def local_in_dtype(bag: str | None, dtype: torch.dtype) -> dict:
+    """:func:`in_dtype` with a local sparse ``nn.Embedding`` / ``nn.EmbeddingBag`` and SGD."""
+    emb = (nn.Embedding(20, 3, sparse=True, _weight=weights(0)) if bag is None  # (max: no sparse; SGD alike)
+           else nn.EmbeddingBag(20, 3, mode=bag, sparse=bag != "max", _weight=weights(0)))
+    model = nn.Sequential(emb, nn.Linear(3, 1))
+    nn.init.normal_(model[1].weight, generator=torch.Generator().manual_seed(0))
+    nn.init.zeros_(model[1].bias)
+    model = model.to(dtype)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.5)
+    ids = torch.tensor([[1, 15], [2, 1]])
+    outs, grads = [], []
+    for _ in range(2):
+        model.zero_grad()
+        out = model(ids)
+        outs.append(out.detach())
+        out.pow(2).sum().backward()
+        grads.append(model[1].weight.grad.clone())
+        opt.step()
+    return {"outs": outs, "grads": grads, "rows": emb.weight.detach()}
+
+
+def copied_sync_table(name: str) -> dict:
+    """A sync table and its ``copy.deepcopy``: the original steps row 1, the copy tries to step
+    row 2 (refused: one trainer, one object), the original steps row 3."""
+    import copy
+
+    t = table(name, ps_mode="sync")
+    c = copy.deepcopy(t)
+    t(torch.tensor([1])).sum().backward()
+    t.step()
+    try:
+        c(torch.tensor([2])).sum().backward()
+        c.step()
+        copy_error = None
+    except Exception as exc:
+        copy_error = f"{type(exc).__name__}: {exc}"
+    t(torch.tensor([3])).sum().backward()
+    t.step()
+    return {"copy_error": copy_error, "rows": t.state_dict()["weight"]}
+
+
+# ---- a PSModel step that failed in a table, retried --------------------------------------------------------
+
+
+def psmodel_step_retried(name: str) -> dict:
+    """A sync PSModel holding a sync bag (SGD lr 0.5) and a Linear (SGD lr 0.1), 3 steps; the
+    table's first push of step 1 fails (as a timed-out server fails it) and step() is called
+    again. The rows, the dense values and each server's dense step count after."""
+    from remote_module.ps import PSModel
+
+    bag = table(name + "-bag", bag="sum", ps_mode="sync", optimizer=(torch.optim.SGD, {"lr": 0.5}))
+    model = PSModel(Clicks(bag), ["ps0", "ps1"], name=name, num_trainers=1, mode="sync", min_block_size=1)
+    step, failed = bag.step, []
+
+    def failing_once() -> None:
+        if failed and not failed[-1]:
+            failed[-1] = True
+            raise TimeoutError("ps1 did not answer (injected)")
+        step()
+
+    bag.step = failing_once
+    for i, ids in enumerate(BAGS):
+        model(ids).pow(2).sum().backward()
+        if i == 1:
+            failed.append(False)
+            try:
+                model.step()
+            except TimeoutError:
+                pass
+        model.step()  # (i == 1: the retry)
+    out = {"rows": bag.state_dict()["weight"], "dense": {k: v.clone() for k, v in model.state_dict().items()
+                                                          if k.startswith("dense.")},
+           "versions": [s["version"] for s in model.stats().values()], "failed": failed}
+    # a failed step dropped (zero_grad), not retried: the next step() is a whole one
+    model(BAGS[0]).sum().backward()
+    failed.append(False)
+    try:
+        model.step()
+    except TimeoutError:
+        pass
+    model.zero_grad()
+    model(BAGS[0]).sum().backward()
+    model.step()
+    out["versions_after"] = [s["version"] for s in model.stats().values()]
+    return out
+
+
+def local_psmodel_steps() -> dict:
+    """:func:`psmodel_step_retried` as plain torch (no failure)."""
+    model = Clicks(nn.EmbeddingBag(20, 3, mode="sum", sparse=True, _weight=weights(0)))
+    dense = torch.optim.SGD(model.dense.parameters(), lr=0.1)
+    rows = torch.optim.SGD(model.bag.parameters(), lr=0.5)
+    for ids in BAGS:
+        model.zero_grad()
+        model(ids).pow(2).sum().backward()
+        dense.step()
+        rows.step()
+    return {"rows": model.bag.weight.detach(), "dense": {f"dense.{k}": v for k, v in model.dense.state_dict().items()}}
+
+
+# ---- gradients that torch does not write to .grad -----------------------------------------------------------
+
+
+def grads_not_accumulated(model: nn.Module, bag: nn.Module, table_step: Any) -> None:
+    """Steps where some gradients are not ``.grad``'s: ``torch.autograd.grad`` of the loss with
+    respect to ``model.parameters()`` (a gradient norm to log), then a backward; a backward
+    with ``inputs=`` the dense parameters only. SGD over the dense part, ``table_step`` after."""
+    opt = torch.optim.SGD(model.dense.parameters(), lr=0.1)
+    for ids in BAGS:
+        opt.zero_grad()
+        loss = model(ids).pow(2).sum()
+        torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad], retain_graph=True)
+        loss.backward()
+        opt.step()
+        table_step()
+    opt.zero_grad()
+    model(BAGS[0]).pow(2).sum().backward(inputs=list(model.dense.parameters()))
+    opt.step()
+    table_step()
+
+
+def grads_not_accumulated_sharded(name: str) -> dict:
+    bag = table(name, bag="sum", optimizer=(torch.optim.SGD, {"lr": 0.5}))
+    model = Clicks(bag)
+    grads_not_accumulated(model, bag, bag.step)
+    return {"rows": bag.state_dict()["weight"], "dense": model.dense.state_dict()}
+
+
+def grads_not_accumulated_local() -> dict:
+    model = Clicks(nn.EmbeddingBag(20, 3, mode="sum", sparse=True, _weight=weights(0)))
+    rows = torch.optim.SGD(model.bag.parameters(), lr=0.5)
+
+    def table_step() -> None:
+        rows.step()
+        rows.zero_grad()
+
+    grads_not_accumulated(model, model.bag, table_step)
+    return {"rows": model.bag.weight.detach(), "dense": model.dense.state_dict()}

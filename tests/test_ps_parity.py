@@ -79,6 +79,18 @@ def test_a_restored_checkpoint_continues_as_uninterrupted_training(world, mode, 
     4 steps: the same servers' values (and in geo mode the same local copies; the checkpoint
     falls between two pushes, after the other trainer's push, so the trainer-side state is all
     there is of the progress since)."""
+    _restored_vs_uninterrupted(world, mode, opt)
+
+
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+def test_a_geo_checkpoint_loads_the_optimizer_state_before_or_after_the_model(world, opt):
+    """torch's ``model.load_state_dict`` and ``optimizer.load_state_dict`` go in either order:
+    a geo trainer that loads its optimizer state (and progress) first, then the model,
+    continues as uninterrupted training too (it kept the servers' values as its local copy)."""
+    _restored_vs_uninterrupted(world, "geo", opt, optimizer_first=True)
+
+
+def _restored_vs_uninterrupted(world, mode: str, opt: str, optimizer_first: bool = False) -> None:
     k, n = 5, 4
     first, second = job(f"ckpt-{mode}-{opt}"), job(f"restored-{mode}-{opt}")
     _create(world, first, SERVERS, mode, opt)
@@ -90,7 +102,7 @@ def test_a_restored_checkpoint_continues_as_uninterrupted_training(world, mode, 
     expected_local = world.run({t: (r.local, first) for t in ["trainer0", "trainer1"]})
 
     _create(world, second, ["ps0", "ps1", "ps2"], mode, opt)
-    world.run({t: (r.load, second, sd, osd[t]) for t in ["trainer0", "trainer1"]})
+    world.run({t: (r.load, second, sd, osd[t], optimizer_first) for t in ["trainer0", "trainer1"]})
     _train(world, second, mode, n, k)
     got = world.run({"trainer1": (r.state, second)})["trainer1"]
     assert_close(got, expected, f"{mode}, {opt}: restored on 3 servers vs uninterrupted on 2")

@@ -181,11 +181,13 @@ def test_a_table_whose_gradients_are_never_pushed_warns_once(world, case):
     torch.testing.assert_close(got["rows"], weights(0), atol=0, rtol=0)  # indeed never trained
 
 
-@pytest.mark.parametrize("case", ["accumulation", "demo loop", "long accumulation", "frozen"])
+@pytest.mark.parametrize("case", ["accumulation", "demo loop", "long accumulation", "frozen", "discarded by zero_grad"])
 def test_accumulation_stepped_tables_and_frozen_tables_do_not_warn(world, case):
     got = on_trainer0(world, r.unpushed_warnings, job("pushed"), case)
     assert got["warnings"] == []
-    if case == "frozen":  # requires_grad_(False): as a frozen nn.EmbeddingBag, nothing recorded
+    if case == "discarded by zero_grad":  # torch: zero_grad() drops them; nothing was left to push
+        torch.testing.assert_close(got["rows"], weights(0), atol=0, rtol=0)
+    elif case == "frozen":  # requires_grad_(False): as a frozen nn.EmbeddingBag, nothing recorded
         assert got["frozen_requires_grad"] is False and got["held"] == 0
         torch.testing.assert_close(got["rows"], weights(0), atol=0, rtol=0)
     else:
@@ -207,3 +209,55 @@ def test_a_scheduled_lr_of_the_group_holding_a_table_warns_once(world, case):
         assert got["files"] == [r.__file__], got["files"]  # the user's opt.step(), not the scheduler's wrapper
     else:
         assert got["warnings"] == [], got
+
+
+# ---- a model cast to another dtype; a copy of a sync table ------------------------------------------------
+
+
+@pytest.mark.parametrize("bag", [None, "sum", "mean", "max"])
+def test_a_table_in_a_model_cast_to_float64_outputs_float64_as_torch(world, bag):
+    """``model.to(torch.float64)`` (or ``.double()``) casts the table's grad_marker: its
+    outputs follow, as a local module's follow its weight (the servers keep float32 rows), so
+    the layers after it run in float64 instead of raising a dtype mismatch."""
+    got = on_trainer0(world, r.in_dtype, job(f"dtype-{bag}"), bag, torch.float64)
+    want = r.local_in_dtype(bag, torch.float64)
+    for a, b in zip(got["outs"] + got["grads"], want["outs"] + want["grads"]):
+        assert a.dtype == b.dtype == torch.float64
+        close(a, b)
+    close(got["rows"], want["rows"].float())
+
+
+def test_a_copy_of_a_sync_table_is_refused_not_dropped_silently(world):
+    """``copy.deepcopy`` of a sync table is another object of it: its step is refused with
+    the one-object error, never taken for a retry of the original's step (dropped)."""
+    got = on_trainer0(world, r.copied_sync_table, job("copied"))
+    assert got["copy_error"] is not None and "a copy" in got["copy_error"], got["copy_error"]
+    want = weights(0).clone()
+    want[1] -= 1.0
+    want[3] -= 1.0
+    torch.testing.assert_close(got["rows"], want, atol=0, rtol=0)
+
+
+def test_a_psmodel_step_that_failed_in_a_table_is_completed_by_calling_it_again(world):
+    """PSModel.step() pushed its dense gradients, then a table's push failed: step() again
+    steps only what was left (the table), not the dense part a second time (a sync server
+    would take it for the next round). Training equals torch's, one dense step per step."""
+    got = on_trainer0(world, r.psmodel_step_retried, job("retried"))
+    want = r.local_psmodel_steps()
+    assert got["failed"] == [True, True]
+    assert got["versions"] == [3, 3], got["versions"]
+    assert got["versions_after"] == [5, 5], got["versions_after"]  # dropped with zero_grad: next one whole
+    close(got["rows"], want["rows"])
+    for key, value in want["dense"].items():
+        close(got["dense"][key], value, key)
+
+
+def test_autograd_grad_and_backward_inputs_without_the_table_record_nothing(world):
+    """As a parameter's ``.grad``: ``torch.autograd.grad(loss, model.parameters())`` returns
+    the gradients and sets no ``.grad`` (the table must not push them at its next step), and
+    ``backward(inputs=dense parameters)`` leaves the table out."""
+    got = on_trainer0(world, r.grads_not_accumulated_sharded, job("not-accumulated"))
+    want = r.grads_not_accumulated_local()
+    close(got["rows"], want["rows"])
+    for key, value in want["dense"].items():
+        close(got["dense"][key], value, key)

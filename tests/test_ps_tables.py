@@ -165,3 +165,19 @@ def test_sync_keeps_a_push_for_the_next_step_until_its_step_completes():
     torch.testing.assert_close(after[2], before[2] - 0.5 * 2 / 2)
     with pytest.raises(RuntimeError, match="pushed step 5, the table is at step 3"):
         t.push("trainer0", 5, None, None)  # not the step after its last push
+
+
+def test_sync_takes_the_retry_of_a_push_waiting_for_its_step_as_a_no_op():
+    """A push kept for a later step (the trainer looked nothing up since its last step), then
+    the same step pushed again: the retry of a step() that failed on another server after this
+    one had it. Counted once, as the retry of a push of the current step is, not refused."""
+    t = Table("t", spec(mode="sync", trainers=2), BLOCKS)
+    before = t.lookup(torch.arange(20))
+    one = torch.ones(1, 3, dtype=torch.float64)
+    t.push("trainer0", 0, None, None)
+    t.push("trainer0", 1, torch.tensor([1]), one)  # waits for step 0
+    t.push("trainer0", 1, torch.tensor([1]), one)  # the retry: already held
+    t.push("trainer1", 0, None, None)
+    t.push("trainer1", 1, None, None)
+    assert t.step_count == 2 and t.optimizer_steps == 1
+    torch.testing.assert_close(t.lookup(torch.arange(20))[1], before[1] - 0.5 / 2)  # once

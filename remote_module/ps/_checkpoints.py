@@ -49,8 +49,16 @@ class PSCheckpoints:
                 calls.append((server, _server._set_values, (self.name, values)))
         call_all(calls, timeout=self.timeout)
         if self.mode == "geo":
-            self._pulled = {}
-            self.pull()
+            restored = self.__dict__.pop("_geo_restored", None)
+            if restored is None:
+                self._pulled = {}
+                self.pull()
+            else:
+                # the optimizer state was loaded first (torch's loads go in either order): the
+                # trainer's progress it restored stays, as if it had been loaded after this
+                with torch.no_grad():
+                    for pname, p in self._params().items():
+                        p.copy_(restored[pname])
         return result
 
     def optimizer_state_dict(self) -> dict:
@@ -104,8 +112,9 @@ class PSCheckpoints:
 
     def load_optimizer_state_dict(self, state_dict: dict) -> None:
         """Load optimizer state from :meth:`optimizer_state_dict`: sent to the servers,
-        re-sliced (geo: into this trainer's optimizer, with its ``"geo"`` progress: load it
-        after the model's :meth:`load_state_dict`, which resets the local copy to the servers')."""
+        re-sliced (geo: into this trainer's optimizer, with its ``"geo"`` progress; before or
+        after the model's :meth:`load_state_dict`, as torch's loads go: a model loaded after it,
+        before the next step or pull, keeps that progress)."""
         if not isinstance(state_dict, dict) or "state" not in state_dict:
             raise TypeError("load_optimizer_state_dict takes what optimizer_state_dict() returned")
         if state_dict.get("optimizer") != self.optimizer[0].__name__:
@@ -227,3 +236,5 @@ class PSCheckpoints:
         self._pulled = {s.name: self._block_values(s, geo["pulled"][s.pname].to(params[s.pname].dtype)).clone()
                         for s in self._slots if s.pname in geo["pulled"]}
         self._step = geo["steps"]
+        # a load_state_dict() before the next step or pull keeps this progress (see there)
+        self.__dict__["_geo_restored"] = {pname: p.detach().clone() for pname, p in params.items()}

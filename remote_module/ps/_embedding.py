@@ -18,6 +18,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from remote_module._fanout import _timeout_seconds, call_all, nested_seconds
 from remote_module._untrained import _user_stacklevel
+from remote_module._torch_private import backward_accumulates
 from remote_module.ps import _tables
 from remote_module.ps._dispatch import RoundRobin, check_servers
 from remote_module.ps._embedding_checkpoints import TableCheckpoints
@@ -59,17 +60,20 @@ class _Recorded(torch.autograd.Function):
     ``zero_grad()``, as a parameter's does."""
 
     @staticmethod
-    def forward(ctx: Any, rows: torch.Tensor, marker: torch.Tensor, record: Callable, uniq: torch.Tensor
-                ) -> torch.Tensor:
-        ctx.record, ctx.uniq = record, uniq
+    def forward(ctx: Any, rows: torch.Tensor, marker: torch.Tensor, record: Callable, uniq: torch.Tensor,
+                accumulator: Any) -> torch.Tensor:
+        ctx.record, ctx.uniq, ctx.accumulator = record, uniq, accumulator
         ctx.marker = (marker.dtype, marker.device)  # (a model moved with .double() or .to(device))
         return rows.view_as(rows)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        ctx.record(ctx.uniq, grad)
+        # as a parameter's .grad: only a backward that accumulates into the marker records (not
+        # torch.autograd.grad(), nor backward(inputs=...) without the table)
+        if backward_accumulates(ctx.accumulator):
+            ctx.record(ctx.uniq, grad.to(torch.float32))  # the servers' rows are float32, whatever the model's dtype
         dtype, device = ctx.marker
-        return None, torch.zeros(0, dtype=dtype, device=device), None, None
+        return None, torch.zeros(0, dtype=dtype, device=device), None, None, None
 
 
 class ShardedEmbedding(TableCheckpoints, nn.Module):
@@ -270,6 +274,13 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         return [(k, server, server_of == k if keep is None else (server_of == k) & keep)
                 for k, server in enumerate(self._server_names)]
 
+    def _dtype(self) -> torch.dtype:
+        """The dtype of this module's outputs: its ``grad_marker``'s, as ``nn.Embedding``'s
+        output is its weight's (``model.double()`` / ``.half()`` / ``.to(dtype)`` set it; the
+        servers keep float32 rows)."""
+        dtype = self.grad_marker.dtype
+        return dtype if dtype.is_floating_point else torch.float32
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         uniq, inverse, rows = self._rows_of(input)
         return rows[inverse].reshape(*input.shape, self.embedding_dim)
@@ -308,7 +319,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
             rows = self._geo.values(uniq)
         if self._records():
             rows = self._recorded(uniq, rows)
-        return uniq, inverse, rows
+        return uniq, inverse, rows.to(self._dtype())
 
     def _reset_gradients(self) -> None:
         """No gradients recorded (construction, and a copy)."""
@@ -332,6 +343,9 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
+        # a copy is another object of the table: in sync mode its pushes are refused (one trainer,
+        # one object), never taken as retries of the original's (which would drop them silently)
+        self._token = uuid.uuid4().hex
         self._pending_lock = threading.Lock()
         self._reset_gradients()
         self._group_lrs = weakref.WeakKeyDictionary()
@@ -344,6 +358,12 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         if not (torch.is_grad_enabled() and self.grad_marker.requires_grad):
             return False
         self._forward_thread = threading.get_ident()
+        if self.grad_marker.grad is None:
+            # zero_grad() (of a container or an optimizer) discarded what was recorded: backward
+            # passes before it do not count towards the warning (a local optimizer step while
+            # they were held still does: their gradients were never pushed)
+            with self._pending_lock:
+                self._held, self._backwards = [], 0
         if not self._warned_unpushed and (self._stepped_past or self._backwards >= UNPUSHED_BACKWARDS):
             self._warned_unpushed = True
             why = ("a local optimizer has stepped since they were recorded" if self._stepped_past
@@ -365,7 +385,8 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         if self._hooked is None or self._hooked() is not marker:  # (a copy, or the marker replaced)
             marker.register_post_accumulate_grad_hook(self._seal)
             self._hooked = weakref.ref(marker)
-        return _Recorded.apply(rows, marker, self._record, uniq)
+        accumulator = marker.view_as(marker).grad_fn.next_functions[0][0]  # the marker's AccumulateGrad
+        return _Recorded.apply(rows, marker, self._record, uniq, accumulator)
 
     def _record(self, uniq: torch.Tensor, grad: torch.Tensor) -> None:
         """In backward, before the marker accumulates: keep ``grad``; gradients of finished

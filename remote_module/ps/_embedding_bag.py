@@ -90,7 +90,8 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         # zero rows standing for the unique ids: torch's own embedding_bag on them checks the
         # arguments as nn.EmbeddingBag does and gives the output's shape; backward puts each
         # row's gradient into them (_BagRows for sum and mean, an index_put for max)
-        holder = torch.zeros(uniq.numel(), self.embedding_dim)
+        dtype = self._dtype()  # the model's (e.g. after model.double()); the servers pool float32
+        holder = torch.zeros(uniq.numel(), self.embedding_dim, dtype=dtype)
         if grad:
             holder = self._recorded(uniq, holder)
         pad = None
@@ -131,6 +132,7 @@ class ShardedEmbeddingBag(ShardedEmbedding):
                 counts = torch.bincount(bags if keep is None else bags[keep], minlength=num_bags)
                 sizes = counts.clamp(min=1).unsqueeze(1).to(total.dtype)
                 total = total / sizes
+            total = total.to(dtype)
             if not grad:
                 return total
             if keep is not None:
@@ -146,8 +148,8 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         if grad:
             b, d = found.nonzero(as_tuple=True)
             row = torch.searchsorted(uniq, winner[b, d])
-            out = out + torch.zeros(num_bags, self.embedding_dim).index_put((b, d), holder[row, d])
-        return out
+            out = out + torch.zeros(num_bags, self.embedding_dim, dtype=dtype).index_put((b, d), holder[row, d])
+        return out.to(dtype)
 
     def _merge_maxima(self, got: list, called: list[int], flat: torch.Tensor, bags: torch.Tensor,
                       keep: torch.Tensor | None, server_of: torch.Tensor, num_bags: int

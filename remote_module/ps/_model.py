@@ -298,6 +298,7 @@ class PSModel(PSCheckpoints, nn.Module):
         self._write(values)
         if self.mode == "geo":
             self._pulled = {k: v.clone() for k, v in values.items()}
+            self.__dict__.pop("_geo_restored", None)  # the local copy is the servers' now
 
     def _server_values(self) -> dict[str, torch.Tensor]:
         """Every block's value on its server, by block name (nothing written locally). In sync
@@ -327,6 +328,7 @@ class PSModel(PSCheckpoints, nn.Module):
         on the parameters themselves. Threads calling one PSModel pull concurrently and run the
         module one at a time (each on the values it pulled).
         """
+        self.__dict__.pop("_step_done", None)  # a failed step() not retried: the next one is whole
         if self.mode == "geo":
             return self.module(*args, **kwargs)
         values = self._server_values()
@@ -343,18 +345,31 @@ class PSModel(PSCheckpoints, nn.Module):
         """Push this step's gradients (geo: step the local copy; every ``geo_push_every``
         optimizer steps push the deltas and take the merged parameters) and clear the local
         gradients. Parameters without a gradient are left alone, as torch's optimizers leave them.
+        A step that raised part-way (a server timed out) is completed by calling ``step()``
+        again: the dense part and the tables that were stepped already are not stepped twice
+        (after a ``forward`` or ``zero_grad()``, the next ``step()`` is a whole one again).
 
         Example::
 
             loss.backward()
             model.step()
         """
-        self._step_dense()
-        for table in self._tables.values():
-            table.step()
+        # the parts of this step done already: a step() that failed part-way (a table's server
+        # timed out) is retried by calling step() again, which does only the parts left, so no
+        # part pushes a second step (sync: it would be taken for the next round)
+        done = self.__dict__.setdefault("_step_done", set())
+        if None not in done:
+            self._step_dense()
+            done.add(None)
+        for qual, table in self._tables.items():
+            if qual not in done:
+                table.step()
+                done.add(qual)
+        done.clear()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the local gradients, and the tables' gradients since their last step."""
+        self.__dict__.pop("_step_done", None)  # a failed step() dropped, not retried
         super().zero_grad(set_to_none)
         for table in self._tables.values():
             table.zero_grad()
@@ -368,6 +383,7 @@ class PSModel(PSCheckpoints, nn.Module):
                 return
             self._local_opt.step()
             self._local_opt.zero_grad(set_to_none=True)
+            self.__dict__.pop("_geo_restored", None)  # trained on since a restore
             self._step += 1
             if self._step % self.geo_push_every == 0:
                 self._push_deltas()

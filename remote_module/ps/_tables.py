@@ -147,11 +147,12 @@ class Table:
             if token != self.tokens.get(trainer, token):
                 raise ValueError(
                     f"table {self.name!r}: trainer {trainer!r} has created another ShardedEmbedding of this table since "
-                    "this one; in sync mode a trainer steps a table through one object (the newest): use the same "
-                    "module wherever the table is used"
+                    "this one, or this one is a copy (copy.deepcopy, pickle); in sync mode a trainer steps a table "
+                    "through one object (the newest created): use the same module wherever the table is used"
                 )
-            if self.last_push.get(trainer) == (step, token) and step in (self.step_count, self.step_count - 1):
-                return  # a retry: this push is already counted (pending or applied)
+            if self.last_push.get(trainer) == (step, token) and (
+                    step in (self.step_count, self.step_count - 1) or trainer in self.ahead.get(step, {})):
+                return  # a retry: this push is already counted (pending, waiting for its step, or applied)
             # ahead of the table only by the step after its last push (see below)
             after_last = self.last_push.get(trainer, (None,))[0] == step - 1
             if step < self.step_count or (step > self.step_count and not after_last):
