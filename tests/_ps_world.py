@@ -111,6 +111,26 @@ class PSWorld:
             raise AssertionError("failed on " + "; ".join(f"{w}: {t}" for w, t in failed.items()))
         return {w: value for w, (_, value) in zip(calls, outcomes)}
 
+    def freeze(self, name: str) -> None:
+        """SIGSTOP one rank and wait until it is stopped. ``kill()`` returns before the stop takes
+        effect: one thread of the rank takes the signal and only then stops the others, so on a
+        loaded machine the rank's RPC threads may still answer calls sent right after it (in a
+        frozen-server test a step then succeeds). pytest is its parent: ``waitpid(WUNTRACED)``
+        returns once every thread of it has stopped."""
+        import signal
+
+        pid = self.procs[name].pid
+        os.kill(pid, signal.SIGSTOP)
+        _, status = os.waitpid(pid, os.WUNTRACED)
+        if not os.WIFSTOPPED(status):
+            raise AssertionError(f"{name} did not stop on SIGSTOP: wait status {status:#x}")
+
+    def thaw(self, name: str) -> None:
+        """SIGCONT a rank stopped by :meth:`freeze`."""
+        import signal
+
+        os.kill(self.procs[name].pid, signal.SIGCONT)
+
     def kill(self, name: str) -> None:
         """SIGKILL one rank and reap it."""
         proc = self.procs[name]

@@ -48,20 +48,17 @@ def test_a_frozen_server_is_named_in_time_other_tables_work_and_training_continu
     timeout naming ps1, while a table on ps0 alone keeps working. After SIGCONT, step() again
     retries the failed step (sync: the servers that had it take the retry as a no-op) and the
     rows equal torch's."""
-    import os
-    import signal
-
     name, healthy = job(f"frozen-{mode}"), job(f"healthy-{mode}")
     faulty.run({"trainer0": (_prepare_kw, name, [1, 15], {"ps_mode": mode})})
     faulty.run({"trainer0": (_prepare_kw, healthy, [1], {"ps_mode": mode, "servers": ["ps0"]})})
-    pid = faulty.procs["ps1"].pid
-    os.kill(pid, signal.SIGSTOP)
+    # stopped before the first call is sent (os.kill returns before the stop takes effect)
+    faulty.freeze("ps1")
     try:
         step = timed(faulty, "trainer0", name, "step")
         lookup = timed(faulty, "trainer0", name, "lookup")
         others = [timed(faulty, "trainer0", healthy, what, [1]) for what in ("step", "lookup")]
     finally:
-        os.kill(pid, signal.SIGCONT)
+        faulty.thaw("ps1")
     assert_named_in_time(step, "ps1", f"{mode} step")
     assert_named_in_time(lookup, "ps1", f"{mode} lookup")
     assert all(o["ok"] and o["seconds"] < TIMEOUT for o in others), f"a table on ps0 alone, ps1 frozen: {others}"

@@ -7,9 +7,6 @@ server comes last. Local references are plain torch on the same model (tests/_ps
 
 from __future__ import annotations
 
-import os
-import signal
-
 import pytest
 import torch
 
@@ -281,12 +278,11 @@ def test_a_frozen_server_is_named_within_the_timeout_and_the_job_continues_after
     name = job(f"frozen-{mode}")
     world.run({"trainer0": (_create_kw, name, dict(mode=mode))})
     world.run({"trainer0": (r.set_timeout, name, TIMEOUT)})
-    pid = world.procs["ps1"].pid
-    os.kill(pid, signal.SIGSTOP)
+    world.freeze("ps1")  # stopped before the pull is sent
     try:
         out = world.run({"trainer0": (h.timed, name, "pull")})["trainer0"]
     finally:
-        os.kill(pid, signal.SIGCONT)
+        world.thaw("ps1")
     assert not out["ok"] and out["seconds"] < TIMEOUT + SLACK, out
     assert "'ps1'" in out["message"], out
     out = world.run({"trainer0": (h.try_train, name, 2)})["trainer0"]
@@ -301,12 +297,11 @@ def test_a_sync_step_that_failed_on_a_frozen_server_can_be_retried_after_thawing
     name = job("frozen-step-sync")
     world.run({"trainer0": (_create_kw, name, {})})
     world.run({"trainer0": (r.set_timeout, name, TIMEOUT)})
-    pid = world.procs["ps1"].pid
-    os.kill(pid, signal.SIGSTOP)
+    world.freeze("ps1")  # stopped before the step is sent
     try:
         out = world.run({"trainer0": (h.timed, name, "step")})["trainer0"]
     finally:
-        os.kill(pid, signal.SIGCONT)
+        world.thaw("ps1")
     assert not out["ok"] and out["seconds"] < TIMEOUT + SLACK and "'ps1'" in out["message"], out
     retried = world.run({"trainer0": (h.retry_step, name)})["trainer0"]
     assert retried["ok"], f"step() retried after ps1 thawed: {retried}"
