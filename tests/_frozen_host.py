@@ -71,11 +71,28 @@ def process_state(pid: int) -> str:
         return f.read().rsplit(")", 1)[1].split()[0]
 
 
-def wait_for_state(pid: int, stopped: bool, seconds: float = 10.0) -> None:
+def thread_states(pid: int) -> list[str]:
+    """The one-letter state of every thread of ``pid`` (a stop signal stops the thread that
+    takes it first, the others only once that thread runs: on a loaded machine they may still
+    answer calls for a while)."""
+    states = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except FileNotFoundError:  # a thread that just ended
+            continue
+    return states
+
+
+def wait_for_state(pid: int, stopped: bool, seconds: float = 60.0) -> None:
+    """Until every thread of ``pid`` is stopped (``stopped``) or none is (generous: a loaded machine)."""
     deadline = _clock() + seconds
-    while (process_state(pid) == "T") != stopped:
+    while (all(s in "Tt" for s in thread_states(pid)) if stopped
+           else all(s not in "Tt" for s in thread_states(pid))) is False:
         if _clock() > deadline:
-            raise AssertionError(f"process {pid} did not become {'stopped' if stopped else 'running'}")
+            raise AssertionError(f"process {pid} did not become {'stopped' if stopped else 'running'}: "
+                                 f"thread states {thread_states(pid)}")
         time.sleep(0.01)
 
 
