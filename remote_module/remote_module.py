@@ -292,6 +292,12 @@ class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
         self.remote_trainable = bool(info["trainable"])
         check_attributes(self)
 
+    def _set_remote_requires_grad(self, requires_grad: bool) -> None:
+        """``requires_grad_(requires_grad)`` of the module on its host (for the layers that own
+        proxies: a pipeline's stages, a LocalModule's shards), and ``remote_trainable`` as it is
+        now. The proxy itself refuses ``requires_grad_`` (see ``_unsupported``)."""
+        self.remote_trainable = self._rpc(_handlers._requires_grad, self.module_rref, requires_grad)
+
     def _install_generated_methods(self, sig: inspect.Signature | None = None) -> None:
         if self.is_scriptable:
             generated = render_scriptable_module(self.module_interface_cls)

@@ -13,7 +13,6 @@ import torch.distributed.rpc as rpc
 from torch import nn
 from torch.futures import Future
 
-from remote_module import _handlers
 from remote_module._errors import CallTimeout, retyped, to_exception
 from remote_module._fanout import _timeout_seconds, answer_margin, call_async, send_and_forget
 from remote_module._torch_private import before_rref_deletion_at_shutdown
@@ -232,7 +231,7 @@ class RemotePipeline(nn.Module):
             pipe.requires_grad_(False)     # freeze every stage (e.g. a frozen feature extractor)
         """
         for stage in self.stages:
-            stage.remote_trainable = stage._rpc(_handlers._requires_grad, stage.module_rref, requires_grad)
+            stage._set_remote_requires_grad(requires_grad)
         return super().requires_grad_(requires_grad)
 
     # ---- forward -----------------------------------------------------------------------

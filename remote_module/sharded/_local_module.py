@@ -10,7 +10,6 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import nn
 
-from remote_module import _handlers
 from remote_module._errors import CallTimeout, retyped
 from remote_module._fanout import _timeout_seconds
 from remote_module._untrained import records_outside_context, unwarned_state, warn_untrained
@@ -206,7 +205,7 @@ class LocalModule(nn.Module):
             col.requires_grad_(False)      # freeze every shard
         """
         for shard in self.shards:
-            shard.remote_trainable = shard._rpc(_handlers._requires_grad, shard.module_rref, requires_grad)
+            shard._set_remote_requires_grad(requires_grad)
         return super().requires_grad_(requires_grad)
 
     # ---- forward -----------------------------------------------------------------------
