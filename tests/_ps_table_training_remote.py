@@ -276,16 +276,7 @@ def in_dtype(name: str, bag: str | None, dtype: torch.dtype) -> dict:
     nn.init.normal_(model[1].weight, generator=torch.Generator().manual_seed(0))
     nn.init.zeros_(model[1].bias)
     model = model.to(dtype)
-    ids = torch.tensor([[1, 15], [2, 1]])
-    outs, grads = [], []
-    for _ in range(2):
-        model.zero_grad()
-        out = model(ids)
-        outs.append(out.detach())
-        out.pow(2).sum().backward()
-        grads.append(model[1].weight.grad.clone())
-        t.step()
-    return {"outs": outs, "grads": grads, "rows": t.state_dict()["weight"]}
+    return {**_two_steps(model, t.step), "rows": t.state_dict()["weight"]}
 
 
 def local_in_dtype(bag: str | None, dtype: torch.dtype) -> dict:
@@ -297,6 +288,12 @@ def local_in_dtype(bag: str | None, dtype: torch.dtype) -> dict:
     nn.init.zeros_(model[1].bias)
     model = model.to(dtype)
     opt = torch.optim.SGD(emb.parameters(), lr=0.5)
+    return {**_two_steps(model, opt.step), "rows": emb.weight.detach()}
+
+
+def _two_steps(model: nn.Module, step: Any) -> dict:
+    """Two steps of :func:`in_dtype`'s loop on ``model`` (an embedding under a Linear), with
+    ``step`` stepping the embedding: each output and the Linear's gradient."""
     ids = torch.tensor([[1, 15], [2, 1]])
     outs, grads = [], []
     for _ in range(2):
@@ -305,8 +302,8 @@ def local_in_dtype(bag: str | None, dtype: torch.dtype) -> dict:
         outs.append(out.detach())
         out.pow(2).sum().backward()
         grads.append(model[1].weight.grad.clone())
-        opt.step()
-    return {"outs": outs, "grads": grads, "rows": emb.weight.detach()}
+        step()
+    return {"outs": outs, "grads": grads}
 
 
 def copied_sync_table(name: str) -> dict:
