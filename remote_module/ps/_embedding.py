@@ -358,12 +358,8 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         if not (torch.is_grad_enabled() and self.grad_marker.requires_grad):
             return False
         self._forward_thread = threading.get_ident()
-        if self.grad_marker.grad is None:
-            # zero_grad() (of a container or an optimizer) discarded what was recorded: backward
-            # passes before it do not count towards the warning (a local optimizer step while
-            # they were held still does: their gradients were never pushed)
-            with self._pending_lock:
-                self._held, self._backwards = [], 0
+        with self._pending_lock:
+            self._drop_discarded()
         if not self._warned_unpushed and (self._stepped_past or self._backwards >= UNPUSHED_BACKWARDS):
             self._warned_unpushed = True
             why = ("a local optimizer has stepped since they were recorded" if self._stepped_past
@@ -392,8 +388,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         """In backward, before the marker accumulates: keep ``grad``; gradients of finished
         backward passes are dropped if ``zero_grad()`` cleared the marker since."""
         with self._pending_lock:
-            if self.grad_marker.grad is None:
-                self._held = []
+            self._drop_discarded()
             self._fresh.append((uniq, grad))
 
     def _seal(self, marker: torch.Tensor) -> None:
@@ -439,10 +434,17 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
             "optimizers and schedulers do not change; to silence this, build the scheduled optimizer over the "
             "dense parameters only", UserWarning, stacklevel=_user_stacklevel())
 
+    def _drop_discarded(self) -> None:
+        """(Lock held.) If ``zero_grad()`` (of the table, a container or an optimizer) cleared the
+        marker's ``.grad`` since the held backward passes, forget them: their gradients are not
+        pushed and they do not count towards the unpushed warning (a local optimizer step while
+        they were held still does: their gradients were never pushed)."""
+        if self.grad_marker.grad is None:
+            self._held, self._backwards = [], 0
+
     def _take_gradients(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The gradients recorded and not discarded since the last step, now forgotten (lock held)."""
-        if self.grad_marker.grad is None:
-            self._held = []  # zero_grad() since their backward
+        self._drop_discarded()
         taken = self._held + self._fresh
         self._held, self._fresh = [], []
         return taken
