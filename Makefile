@@ -23,11 +23,11 @@ install: .install-stamp
 
 # The main job: a DLRM-style click model on 2 parameter servers + 2 trainers (remote_module/dlrm_demo.py).
 demo: .install-stamp
-	$(PYTHON) -m remote_module.dlrm_demo
+	$(PYTHON) -m remote_module.demos.dlrm
 
 # The first demo: a hybrid model (remote EmbeddingBag + local Linear) on a local 2-process world.
 demo-hybrid: .install-stamp
-	$(PYTHON) -m remote_module.demo
+	$(PYTHON) -m remote_module.demos.hybrid
 
 test: .install-stamp
 	$(PYTHON) -m pytest

@@ -3,9 +3,8 @@
 ``RemoteModule`` is a drop-in replacement for ``torch.distributed.nn.RemoteModule``.
 """
 
-from remote_module._errors import CallTimeout, RemoteModuleError
-from remote_module._pickling import PICKLED_ATTRIBUTES
-from remote_module._unsupported import UNSUPPORTED_METHODS
+from remote_module._core import CallTimeout, RemoteModuleError
+from remote_module._proxy import PICKLED_ATTRIBUTES, UNSUPPORTED_METHODS
 from remote_module.remote_module import RemoteModule
 
 __all__ = ["RemoteModule", "RemoteModuleError", "CallTimeout", "PICKLED_ATTRIBUTES", "UNSUPPORTED_METHODS"]

@@ -12,14 +12,14 @@ import torch.distributed.rpc as rpc
 from torch import nn
 from torch.futures import Future
 
-from remote_module import _handlers
-from remote_module._calls import RemoteCalls, _rpc_missing_message
-from remote_module._codegen import render_forward_methods, render_scriptable_module
-from remote_module._creation import AGENT_DEFAULT_TIMEOUT as _AGENT_DEFAULT_TIMEOUT
-from remote_module._creation import check_constructor_arguments, create_on_host
-from remote_module._device import parse_remote_device
-from remote_module._module_state import RemoteModuleState
-from remote_module._pickling import (
+from remote_module._core import is_jit_interface, is_rpc_initialized, parse_remote_device, register_rpc_reducer, worker_names
+from remote_module._proxy import host as _host
+from remote_module._proxy.calls import RemoteCalls, _rpc_missing_message
+from remote_module._proxy.codegen import render_forward_methods, render_scriptable_module
+from remote_module._proxy.creation import AGENT_DEFAULT_TIMEOUT as _AGENT_DEFAULT_TIMEOUT
+from remote_module._proxy.creation import check_constructor_arguments, create_on_host
+from remote_module._proxy.module_state import RemoteModuleState
+from remote_module._proxy.pickling import (
     PICKLED_ATTRIBUTES,
     check_attributes,
     check_declared_attributes,
@@ -27,13 +27,7 @@ from remote_module._pickling import (
     reduce_proxy,
     reduce_script_module,
 )
-from remote_module._unsupported import UNSUPPORTED_METHODS, make_unsupported
-from remote_module._torch_private import (
-    is_jit_interface,
-    is_rpc_initialized,
-    register_rpc_reducer,
-    worker_names,
-)
+from remote_module._proxy.unsupported import UNSUPPORTED_METHODS, make_unsupported
 from rpc_backend.options import positive_seconds
 
 
@@ -243,9 +237,9 @@ class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
             proxy._prepare(f"{owner}/{proxy.device}", _module_interface_cls, timeout)
         if _module_interface_cls is not None:
             render_scriptable_module(_module_interface_cls)
-            proxy._rpc(_handlers._prepare_scriptable, _module_interface_cls)
+            proxy._rpc(_host._prepare_scriptable, _module_interface_cls)
         proxy.module_rref = module_rref
-        proxy._finish(proxy._rpc(_handlers._describe, module_rref), None)
+        proxy._finish(proxy._rpc(_host._describe, module_rref), None)
         return proxy
 
     # ---- construction helpers ------------------------------------------------------------
@@ -284,7 +278,7 @@ class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
         self.module_key = info["key"]
         if local_sig is not None:
             # This proxy keeps the exact local objects; a picklable copy travels with it.
-            self.forward_signature = _handlers.portable_signature(local_sig)
+            self.forward_signature = _host.portable_signature(local_sig)
         else:
             self.forward_signature = info["signature"]
         self._install_generated_methods(local_sig)
@@ -296,7 +290,7 @@ class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
         """``requires_grad_(requires_grad)`` of the module on its host (for the layers that own
         proxies: a pipeline's stages, a LocalModule's shards), and ``remote_trainable`` as it is
         now. The proxy itself refuses ``requires_grad_`` (see ``_unsupported``)."""
-        self.remote_trainable = self._rpc(_handlers._requires_grad, self.module_rref, requires_grad)
+        self.remote_trainable = self._rpc(_host._requires_grad, self.module_rref, requires_grad)
 
     def _install_generated_methods(self, sig: inspect.Signature | None = None) -> None:
         if self.is_scriptable:
@@ -318,7 +312,7 @@ class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
 
             opt = DistributedOptimizer(torch.optim.SGD, proxy.remote_parameters(), lr=0.1)
         """
-        return self._rpc(_handlers._param_rrefs, self.module_rref, recurse)
+        return self._rpc(_host._param_rrefs, self.module_rref, recurse)
 
     def get_module_rref(self) -> rpc.RRef:
         """The ``RRef`` of the remote module (``RRef[nn.Module]``).
@@ -337,7 +331,7 @@ class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
     # Exported, so that a scripted proxy refuses torch.save / torch.jit.save with the same
     # message (TorchScript's pickler calls a script object's __getstate__). TorchScript compiles
     # them, so the messages are literals (TorchScript cannot read a global string): they equal
-    # remote_module._pickling.NOT_PICKLABLE / NOT_UNPICKLABLE (tests/test_pickling.py checks).
+    # remote_module._proxy.pickling.NOT_PICKLABLE / NOT_UNPICKLABLE (tests/test_pickling.py checks).
     @torch.jit.export
     def __getstate__(self):  # noqa: ANN204
         raise RuntimeError(

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import torch.distributed.rpc as rpc
 
-
 #: The ``timeout`` that makes ``rpc.shutdown(graceful=True)`` wait without a deadline. In torch
 #: 2.13 (rpc/api.py, ``_all_gather``) this value (0) means "no timeout" for both the gather's
 #: RPCs and its proceed signal; any other number bounds each of them.

@@ -28,7 +28,6 @@ from rpc_backend.options import make_options, positive_seconds
 from rpc_backend.roles import Placement, placements
 from rpc_backend.world import Worker, _set_current
 
-
 _log = logging.getLogger("rpc_backend.run_local")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -75,8 +76,7 @@ def make_options(
         opts = make_options(rpc_timeout=20, device_maps={"ps0": {"cuda:0": "cuda:0"}})
     """
     rpc_timeout = positive_seconds(rpc_timeout, "rpc_timeout")
-    if isinstance(num_worker_threads, bool) or not isinstance(num_worker_threads, int) or num_worker_threads < 1:
-        raise ValueError(f"num_worker_threads must be a positive int, got {num_worker_threads!r}")
+    num_worker_threads = positive_int(num_worker_threads, "num_worker_threads", wrong_type=ValueError)
     known = None if worker_names is None else set(worker_names)
     maps: dict[str, dict[torch.device, torch.device]] = {}
     for peer, mapping in (device_maps or {}).items():
@@ -100,3 +100,39 @@ def make_options(
     if device_list is not None:
         kwargs["devices"] = device_list
     return rpc.TensorPipeRpcBackendOptions(**kwargs)
+
+
+def positive_int(value: Any, what: str, *, wrong_type: type[Exception] = TypeError, message: str | None = None) -> int:
+    """``value`` as a positive ``int``: the one positive-int check of both packages.
+
+    Accepts what ``operator.index`` accepts (``int``, ``numpy.int64``, a 0-d integer tensor), as
+    torch takes sizes; never a ``bool``. A non-integer raises ``wrong_type`` (``TypeError`` by
+    default, as ``nn.Embedding`` does for a float size; ``ValueError`` where an API has always
+    raised that), an integer below 1 ``ValueError``. ``message``, when given, is the error text
+    for both, formatted with ``what`` and ``value``.
+
+    Example::
+
+        >>> positive_int(4, "num_servers")
+        4
+        >>> positive_int(0, "num_servers")
+        Traceback (most recent call last):
+        ...
+        ValueError: num_servers must be a positive int, got 0
+    """
+    number = None
+    if not isinstance(value, bool):
+        try:
+            number = operator.index(value)
+        except TypeError:
+            pass
+    if number is not None and number >= 1:
+        return number
+    if message is not None:
+        text = message.format(what=what, value=value)
+    elif number is None and wrong_type is not ValueError:
+        text = (f"{what} must be an int (or an integer such as numpy.int64), got {type(value).__name__} "
+                f"{value!r}: pass a whole number as an int")
+    else:
+        text = f"{what} must be a positive int, got {value!r}"
+    raise (wrong_type if number is None else ValueError)(text)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+from rpc_backend.options import positive_int
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -26,8 +28,7 @@ def placements(world_size: int, roles: Mapping[str, int] | None = None) -> list[
         >>> [p.name for p in placements(3, {"ps": 1, "trainer": 2})]
         ['ps0', 'trainer0', 'trainer1']
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    world_size = positive_int(world_size, "world_size", wrong_type=ValueError)
     if roles is None:
         return [Placement(f"worker{r}", "worker", r, world_size) for r in range(world_size)]
     if not isinstance(roles, Mapping) or not roles:
@@ -36,8 +37,8 @@ def placements(world_size: int, roles: Mapping[str, int] | None = None) -> list[
     for role, count in roles.items():
         if not isinstance(role, str) or not role.isidentifier():
             raise ValueError(f"role names must be identifiers such as 'ps' or 'trainer', got {role!r}")
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise ValueError(f"role {role!r} needs a positive int count, got {count!r}")
+        count = positive_int(count, f"role {role!r}", wrong_type=ValueError,
+                             message="{what} needs a positive int count, got {value!r}")
         out.extend(Placement(f"{role}{i}", role, i, count) for i in range(count))
     if len(out) != world_size:
         spec = ", ".join(f"{r}={c}" for r, c in roles.items())

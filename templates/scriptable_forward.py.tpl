@@ -34,7 +34,7 @@ def _remote_forward(module_rref: RRef[_rm_interface], device: str, is_device_map
 
 
 # forward/forward_async below serve two callers. From Python (an eager proxy) they take the
-# proxy's call path (remote_module._calls), which keeps the README's call contract: timeout=,
+# proxy's call path (remote_module._proxy.calls), which keeps the README's call contract: timeout=,
 # program order, exceptions with their own type naming worker and module. Inside TorchScript
 # (torch.jit.script(proxy)) only the is_scripting() branch is compiled, and only what TorchScript
 # can express holds: each call is one rpc_async bounded by the proxy's timeout (-1.0: the agent's

@@ -171,7 +171,7 @@ class Tracker:
 def warm(proxy, x) -> None:
     """Answered calls until the channel counts them cheap: it then coalesces (the first
     calls cost more, and one slow answer on a loaded machine raises the running average)."""
-    from remote_module._channel import HEAVY_CALL_S
+    from remote_module._proxy.channel import HEAVY_CALL_S
 
     for _ in range(200):
         proxy.forward_async(x).wait()

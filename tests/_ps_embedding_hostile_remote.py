@@ -250,7 +250,7 @@ def table_bytes(name: str) -> int:
     """On a server: the bytes table ``name`` holds here (rows and optimizer state)."""
     from remote_module.ps import _tables
 
-    return _tables._table_memory(name)
+    return _tables._table(name).memory_bytes()
 
 
 def big_tables(name: str) -> dict:

@@ -141,9 +141,10 @@ def tensor_views(module_rref) -> dict:
 
 
 def registered_keys() -> set:
-    from remote_module import _handlers  # the host has it imported once it hosts a module
+    """The keys of the objects this worker holds for proxies (for leak checks)."""
+    from remote_module._core import host_objects
 
-    return _handlers.registered_keys()
+    return host_objects.keys()
 
 
 def rss_mb() -> float:

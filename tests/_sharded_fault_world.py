@@ -146,7 +146,7 @@ def peer_fetch(rt, new_index: int):
     that comes is w1's, about the peer)."""
     from torch.distributed.tensor import Replicate
 
-    from remote_module._fanout import call_all
+    from remote_module._core.fanout import call_all
     from remote_module.sharded import _store
 
     peers = list(zip(rt.mesh, rt._sids))

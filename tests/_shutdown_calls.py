@@ -61,7 +61,7 @@ def cheap_proxy(host: str) -> tuple[Any, Any]:
     (its channel coalesces from here on, see below) and a local copy of the module that computes what each call must return."""
     import torch
 
-    import remote_module._channel as channel
+    import remote_module._proxy.channel as channel
     from remote_module import RemoteModule
     from tests import _contract_remote as cr
 

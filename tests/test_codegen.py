@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.futures import Future
 
-from remote_module._codegen import forward_signature, render_forward_methods, template_text
+from remote_module._proxy.codegen import forward_signature, render_forward_methods, template_text
 from tests._remote import Affine, VarArgs
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from remote_module import RemoteModule
-from remote_module._errors import CallTimeout, RemoteModuleError
+from remote_module._core.errors import CallTimeout, RemoteModuleError
 from tests import _contract_remote as cr
 from tests._marks import GRAD_ON_WITHOUT_CONTEXT
 

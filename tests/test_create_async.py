@@ -10,7 +10,7 @@ import torch.distributed.rpc as rpc
 
 import remote_module.remote_module as rm_impl
 from remote_module import RemoteModule
-from remote_module._errors import CallTimeout, RemoteModuleError
+from remote_module._core.errors import CallTimeout, RemoteModuleError
 from tests import _gates, _remote, _subclass
 from tests._remote import Affine
 from tests._script_defs import MyModule, MyModuleInterface

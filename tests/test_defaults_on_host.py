@@ -9,7 +9,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 
 from remote_module import RemoteModule
-from remote_module._calls import RemoteCalls
+from remote_module._proxy.calls import RemoteCalls
 from tests import _defaults_remote as d
 
 pytestmark = pytest.mark.usefixtures("rpc_world")

@@ -1,6 +1,6 @@
 """`make demo-hybrid`'s job (the first demo), shortened; `make demo` is tests/test_dlrm_demo.py."""
 
-from remote_module import demo
+from remote_module.demos import hybrid as demo
 
 
 def test_demo_trains_the_hybrid_model(capsys):

@@ -4,9 +4,9 @@ out again wherever a proxy arrives (no GPU needed: the map lookup and the rule a
 import pytest
 import torch.distributed.rpc as rpc
 
-import remote_module._pickling as pickling
+import remote_module._proxy.pickling as pickling
 from remote_module import RemoteModule
-from remote_module._device import uses_device_map
+from remote_module._core.device import uses_device_map
 from tests import _gates
 from tests._remote import Affine
 

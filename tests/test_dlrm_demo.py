@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from remote_module import dlrm_demo
+from remote_module.demos import dlrm as dlrm_demo
 
 COLUMNS = ("trainer", "loss first -> last", "AUC", "steps/s", "lookups/s", "pushed B/step", "p50 ms", "p99 ms")
 

@@ -52,7 +52,7 @@ def test_type_unknown_to_the_caller_becomes_a_remote_module_error(raiser):
 
 
 def test_remote_module_error_is_public():
-    from remote_module import _errors
+    from remote_module._core import errors as _errors
 
     assert "RemoteModuleError" in remote_module.__all__
     assert RemoteModuleError is _errors.RemoteModuleError and issubclass(RemoteModuleError, RuntimeError)

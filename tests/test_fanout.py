@@ -1,4 +1,4 @@
-"""remote_module._fanout: N host calls at once, results in order, the first failure naming its
+"""remote_module._core.fanout: N host calls at once, results in order, the first failure naming its
 worker and index, a timeout per call."""
 
 import threading
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed.rpc as rpc
 
-from remote_module._errors import CallTimeout, RemoteModuleError
-from remote_module._fanout import HostCall, call_all, call_all_async
+from remote_module._core.errors import CallTimeout, RemoteModuleError
+from remote_module._core.fanout import HostCall, call_all, call_all_async
 from tests import _gates
 from tests._remote import UserError, echo
 

@@ -14,8 +14,8 @@ from torch import nn
 from torch.distributed.optim import DistributedOptimizer
 
 from remote_module import RemoteModule
-from remote_module import _channel
-from remote_module._wire import INLINE_MAX_BYTES, dumps, loads
+from remote_module._proxy import channel as _channel
+from remote_module._proxy.wire import INLINE_MAX_BYTES, dumps, loads
 from tests import _remote
 from tests._remote import Affine, Raiser, Sleeper
 from tests._marks import GRAD_ON_WITHOUT_CONTEXT
@@ -74,7 +74,7 @@ def _pickled(obj):
     """``obj`` through the general path (the pickler), never a short form."""
     import io
 
-    from remote_module._wire import Payload, _Pickler
+    from remote_module._proxy.wire import Payload, _Pickler
 
     buf = io.BytesIO()
     pickler = _Pickler(buf, True)
@@ -102,7 +102,7 @@ def _short_form_cases():
 
 @pytest.mark.parametrize("name", list(_short_form_cases()))
 def test_short_forms_arrive_exactly_as_the_pickled_form(name):
-    # The commonest small calls skip the pickler (remote_module._wire): what arrives must be
+    # The commonest small calls skip the pickler (remote_module._proxy.wire): what arrives must be
     # what the general path delivers: types, values, strides, offsets, identity, storage sharing.
     value = _short_form_cases()[name]
     short = dumps(value, inline=True)

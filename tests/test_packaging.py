@@ -38,7 +38,7 @@ PROBE = r"""
 import importlib.util, json, sys
 from pathlib import Path
 import remote_module, rpc_backend, remote_module._templates
-from remote_module._codegen import template_text
+from remote_module._proxy.codegen import template_text
 expected = json.loads(sys.argv[1])
 print(json.dumps({
     "remote_module": remote_module.__file__,

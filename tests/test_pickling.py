@@ -10,7 +10,7 @@ import torch.distributed.rpc as rpc
 
 import remote_module
 from remote_module import RemoteModule
-from remote_module._pickling import IGNORED_ATTRIBUTES, NOT_PICKLABLE, NOT_UNPICKLABLE, check_attributes
+from remote_module._proxy.pickling import IGNORED_ATTRIBUTES, NOT_PICKLABLE, NOT_UNPICKLABLE, check_attributes
 from tests import _remote, _subclass
 from tests._remote import Affine
 from tests._marks import GRAD_ON_WITHOUT_CONTEXT

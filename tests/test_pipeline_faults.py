@@ -13,7 +13,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 from remote_module import RemoteModule
-from remote_module._errors import CallTimeout, RemoteModuleError
+from remote_module._core.errors import CallTimeout, RemoteModuleError
 from remote_module.pipeline import RemotePipeline
 from tests import _gates
 from tests import _pipeline_fault_world as pfw

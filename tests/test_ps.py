@@ -230,7 +230,8 @@ def test_half_async_a_timer_that_fired_during_a_count_merge_does_not_merge_the_n
             time.sleep(0.01)
         assert j.applied == 2 and torch.equal(j.params["b"].detach(), torch.full((2,), -12.0)), j.params["b"]
     finally:
-        _server._drop(name)
+        with _server._jobs_lock:
+            _server._jobs.pop(name, None)
 
 
 # ---- checkpoints --------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from remote_module._device import parse_remote_device
+from remote_module._core.device import parse_remote_device
 
 VALID = [
     ("worker1/cpu", "worker1", None, "cpu"),

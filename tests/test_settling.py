@@ -1,4 +1,4 @@
-"""Settling futures in runs (remote_module._settling), without RPC: a callback that blocks
+"""Settling futures in runs (remote_module._core.settling), without RPC: a callback that blocks
 holds up no other future for more than a moment, one that raises stops nothing, a future
 settled twice is logged, and the watcher calls targets at their deadlines."""
 
@@ -9,8 +9,8 @@ import time
 import pytest
 from torch.futures import Future
 
-from remote_module import _settling
-from remote_module._settling import (
+from remote_module._core import settling as _settling
+from remote_module._core.settling import (
     STUCK_S,
     WATCH_TICK_S,
     complete,

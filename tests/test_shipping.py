@@ -19,8 +19,8 @@ import torch.distributed.autograd as dist_autograd
 from torch.distributed.optim import DistributedOptimizer
 
 from remote_module import RemoteModule
-from remote_module import _shipping
-from remote_module._shipping import ByValue, by_value_reduce, importable_by_reference, pack_constructor, unpack_constructor
+from remote_module._proxy import shipping as _shipping
+from remote_module._proxy.shipping import ByValue, by_value_reduce, importable_by_reference, pack_constructor, unpack_constructor
 from tests._remote import Affine
 from tests._shipping_checks import Holder
 

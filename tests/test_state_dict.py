@@ -1,4 +1,4 @@
-"""Host-side loading at a prefix (remote_module._state_dict), without RPC: what a proxy's host
+"""Host-side loading at a prefix (remote_module._proxy.state_dict), without RPC: what a proxy's host
 reports equals what the same module inside a local model reports."""
 
 from collections import OrderedDict
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from remote_module._state_dict import entries_under, load_at
+from remote_module._proxy.state_dict import entries_under, load_at
 
 
 def _model(inner: nn.Module) -> nn.Module:

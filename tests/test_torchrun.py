@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = (ROOT / "tutorials" / "torchrun.md").read_text()
 COMMANDS = [line for line in DOC.splitlines() if line.startswith("torchrun ") and "torchrun_job.py" in line]
 PS_COMMANDS = [line for line in DOC.splitlines() if line.startswith("torchrun ") and "parameter_server.py" in line]
-DLRM_COMMANDS = [line for line in DOC.splitlines() if line.startswith("torchrun ") and "remote_module.dlrm_demo" in line]
+DLRM_COMMANDS = [line for line in DOC.splitlines() if line.startswith("torchrun ") and "remote_module.demos.dlrm" in line]
 
 
 def _argv(command: str, **subs: str) -> list[str]:
@@ -51,8 +51,8 @@ def test_doc_has_the_commands():
     assert len(COMMANDS) == 3
     assert PS_COMMANDS == ["torchrun --standalone --nproc-per-node=4 tutorials/parameter_server.py --mode sync"]
     assert DLRM_COMMANDS == [
-        "torchrun --standalone --nproc-per-node=4 -m remote_module.dlrm_demo --servers 2",
-        "torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=HOST0:PORT -m remote_module.dlrm_demo "
+        "torchrun --standalone --nproc-per-node=4 -m remote_module.demos.dlrm --servers 2",
+        "torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=HOST0:PORT -m remote_module.demos.dlrm "
         "--servers 2",
     ]
 

@@ -91,7 +91,7 @@ def test_our_script_module_reducer_wins_whatever_the_import_order():
         "import torch.distributed.nn, torch.distributed.optim\n"
         "import remote_module\n"
         "from torch.distributed.rpc.internal import _internal_rpc_pickler as p\n"
-        "from remote_module._pickling import reduce_script_module\n"
+        "from remote_module._proxy.pickling import reduce_script_module\n"
         "print(p._class_reducer_dict[torch.jit.RecursiveScriptModule] is reduce_script_module)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

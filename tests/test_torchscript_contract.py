@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from remote_module import RemoteModule
-from remote_module._codegen import template_text
+from remote_module._proxy.codegen import template_text
 from tests import _gates
 from tests._script_gate import Gate, GateInterface, call_gate, call_gate_async
 
@@ -72,7 +72,7 @@ def test_templates_come_from_the_tree_the_package_was_imported_from():
 
 
 def test_capture_reads_the_type_a_script_raised():
-    from remote_module._errors import capture
+    from remote_module._core.errors import capture
 
     scripted = torch.jit.script(Gate())
     try:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from remote_module import UNSUPPORTED_METHODS, RemoteModule
-from remote_module._unsupported import EMPTY_WITHOUT_RECURSION
+from remote_module._proxy.unsupported import EMPTY_WITHOUT_RECURSION
 from tests._remote import Affine
 
 pytestmark = pytest.mark.usefixtures("rpc_world")

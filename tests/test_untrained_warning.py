@@ -176,7 +176,7 @@ def test_a_nested_input_that_requires_grad_warns_for_a_frozen_host():
 def test_a_burst_from_several_threads_warns_once(monkeypatch):
     # every thread passes the "not warned yet" check before any of them warns (the barrier
     # holds them there): still one warning per object
-    from remote_module import _untrained
+    from remote_module._core import untrained as _untrained
 
     threads = 4
     barrier = threading.Barrier(threads, timeout=10)
@@ -199,7 +199,7 @@ def test_a_burst_from_several_threads_warns_once(monkeypatch):
 
 
 def test_inputs_that_hold_themselves_are_looked_into_once():
-    from remote_module._untrained import _requires_grad
+    from remote_module._core.untrained import _requires_grad
 
     loop: list = [torch.zeros(1)]
     loop.append(loop)

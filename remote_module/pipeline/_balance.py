@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import AbstractSet, Sequence
 
+from remote_module._core import positive_int
+
 
 def _units(sizes: Sequence[int], joined: AbstractSet[int] = frozenset()) -> list[tuple[int, int]]:
     """``(layers, parameters)`` per unit: a layer with parameters and the parameter-free layers
@@ -45,8 +47,7 @@ def balance_by_parameters(sizes: Sequence[int], stages: int, joined: AbstractSet
         >>> balance_by_parameters([100, 0, 100, 0, 50, 50], 2, joined={2})   # no cut before layer 2
         [4, 2]
     """
-    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
-        raise ValueError(f"the number of stages must be a positive int, got {stages!r}")
+    stages = positive_int(stages, "the number of stages", wrong_type=ValueError)
     units = _units(list(sizes), joined)
     if len(units) < stages:
         raise ValueError(
@@ -90,8 +91,10 @@ def check_balance(balance: Sequence[int], layers: int, stages: int) -> list[int]
         values = list(balance)
     except TypeError:
         raise TypeError(f"balance must be a sequence of ints (layers per stage), got {balance!r}") from None
-    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
-        raise ValueError(f"balance must hold positive ints (layers per stage), got {values!r}")
+    try:
+        values = [positive_int(v, "balance", wrong_type=ValueError) for v in values]
+    except ValueError:
+        raise ValueError(f"balance must hold positive ints (layers per stage), got {values!r}") from None
     if len(values) != stages:
         raise ValueError(
             f"balance has {len(values)} entries but there are {stages} remote devices; give one "

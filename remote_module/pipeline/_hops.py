@@ -39,11 +39,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from remote_module._calls import _rpc_seconds
-from remote_module._device import move_cpu_tensors, tensors_to_cpu
-from remote_module._errors import CallTimeout, RemoteFailure, capture
-from remote_module._handlers import _device, _lookup
-from remote_module._torch_private import device_map_to
+from remote_module._core import CallTimeout, RemoteFailure, capture, device_map_to, host_device, hosted_module, move_cpu_tensors, rpc_timeout_argument, tensors_to_cpu
 
 _clock = time.monotonic
 
@@ -52,7 +48,7 @@ class Stage(NamedTuple):
     """A stage as the hosts address it: its worker, its module's key there, its device."""
 
     worker: str
-    key: Any  # an int (remote_module._registry), or the RRef of a scripted module
+    key: Any  # an int (remote_module._core.store), or the RRef of a scripted module
     device: str
 
 
@@ -152,8 +148,8 @@ _turns_lock = threading.Lock()
 
 
 def _module_and_turns(key: Any) -> tuple[Any, _Turns]:
-    """The stage's module (see remote_module._handlers._lookup) and its turns."""
-    module = _lookup(key)
+    """The stage's module (see remote_module._core.hosted_module) and its turns."""
+    module = hosted_module(key)
     with _turns_lock:
         if isinstance(key, rpc.PyRRef):
             table: Any = _script_turns
@@ -220,7 +216,7 @@ def _run_stage(route: Route, index: int, mb: int, deadline: float, grad: bool, a
     try:
         if _is_cancelled(route.caller, route.run):
             raise Cancelled(f"micro-batch {mb} was cancelled: another micro-batch of this forward failed")
-        device = _device(stage.device)
+        device = host_device(stage.device)
         args = move_cpu_tensors(args, device)  # as a proxy's call does: at any depth
         with torch.set_grad_enabled(grad):
             return module(*args)
@@ -249,7 +245,7 @@ def _step(route: Route, index: int, mb: int, budget: float, grad: bool, args: tu
         out = _run_stage(route, index, mb, deadline, grad, args)
         last = index + 1 == len(route.stages)
         dest = route.caller if last else route.stages[index + 1].worker
-        out = _portable(out, _device(route.stages[index].device), dest)
+        out = _portable(out, host_device(route.stages[index].device), dest)
     except BaseException as exc:  # the stage's own failure, whatever it is
         answer.set_result(_failed(index, worker, exc))
         return answer
@@ -271,7 +267,7 @@ def _step(route: Route, index: int, mb: int, budget: float, grad: bool, args: tu
         hop_args = (route, index + 1, mb, left, grad, _as_arguments(out, route.unpack))
     wait = left + route.margin / 2
     try:
-        sent = rpc.rpc_async(dest, handler, hop_args, timeout=_rpc_seconds(wait))
+        sent = rpc.rpc_async(dest, handler, hop_args, timeout=rpc_timeout_argument(wait))
     except BaseException as exc:  # nothing was sent (e.g. an output that does not pickle)
         answer.set_result(_failed(index, worker, exc))
         return answer

@@ -13,10 +13,20 @@ import torch.distributed.rpc as rpc
 from torch import nn
 from torch.futures import Future
 
-from remote_module._errors import CallTimeout, retyped, to_exception
-from remote_module._fanout import _timeout_seconds, answer_margin, call_async, send_and_forget
-from remote_module._torch_private import before_rref_deletion_at_shutdown
-from remote_module._untrained import records_outside_context, unwarned_state, warn_untrained
+from remote_module._core import (
+    CallTimeout,
+    answer_margin,
+    before_rref_deletion_at_shutdown,
+    call_async,
+    positive_int,
+    records_outside_context,
+    retyped,
+    send_and_forget,
+    timeout_seconds,
+    to_exception,
+    unwarned_state,
+    warn_untrained,
+)
 from remote_module.pipeline import _hops
 from remote_module.remote_module import RemoteModule
 from rpc_backend.options import positive_seconds
@@ -177,8 +187,8 @@ class RemotePipeline(nn.Module):
         self, stages: Sequence[Any], chunks: int = 1, *, timeout: float | None = None, unpack_tuples: bool = True
     ) -> None:
         super().__init__()
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            raise ValueError(f"chunks must be a positive int (micro-batches per forward), got {chunks!r}")
+        chunks = positive_int(chunks, "chunks", wrong_type=ValueError,
+                              message="{what} must be a positive int (micro-batches per forward), got {value!r}")
         if not isinstance(unpack_tuples, bool):
             raise TypeError(f"unpack_tuples must be True or False, got {unpack_tuples!r}")
         self.unpack_tuples = unpack_tuples
@@ -238,7 +248,7 @@ class RemotePipeline(nn.Module):
 
     def _seconds(self) -> float:
         """This pipeline's timeout in seconds (``math.inf``: none)."""
-        return _timeout_seconds(self.timeout)
+        return timeout_seconds(self.timeout)
 
     def forward(self, x: torch.Tensor, *more: torch.Tensor) -> Any:
         """Run the micro-batches of ``x`` (and ``more``, split alike) through the stages."""

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from remote_module._fanout import call_all
+from remote_module._core import call_all
 from remote_module.ps import _server
 
 

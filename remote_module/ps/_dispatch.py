@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 import torch.distributed.rpc as rpc
 
-from remote_module._torch_private import worker_names
+from remote_module._core import worker_names
 
 
 class RoundRobin:

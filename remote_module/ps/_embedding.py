@@ -16,15 +16,13 @@ import torch.distributed.rpc as rpc
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from remote_module._fanout import _timeout_seconds, call_all, nested_seconds
-from remote_module._untrained import _user_stacklevel
-from remote_module._torch_private import backward_accumulates
+from remote_module._core import backward_accumulates, call_all, nested_seconds, positive_int, timeout_seconds, user_stacklevel
 from remote_module.ps import _tables
 from remote_module.ps._dispatch import RoundRobin, check_servers
 from remote_module.ps._embedding_checkpoints import TableCheckpoints
 from remote_module.ps._geo_cache import GeoCache
 from remote_module.ps._rowwise import coalesce, row_optimizer
-from remote_module.ps._slicing import _index, _positive_int, block_name, slice_blocks
+from remote_module.ps._slicing import _index, block_name, slice_blocks
 from rpc_backend.options import positive_seconds
 
 PS_MODES = ("sync", "async", "half_async", "geo")
@@ -163,18 +161,18 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         #: zero-size: backward sets its ``.grad``, ``zero_grad()`` clears it (see the class docstring)
         self.grad_marker = nn.Parameter(torch.empty(0))
         # sizes as nn.Embedding takes them: any integer operator.index accepts (numpy.int64...)
-        num_embeddings = _positive_int(num_embeddings, "num_embeddings")
-        embedding_dim = _positive_int(embedding_dim, "embedding_dim")
+        num_embeddings = positive_int(num_embeddings, "num_embeddings")
+        embedding_dim = positive_int(embedding_dim, "embedding_dim")
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty str naming the table, got {name!r}")
         if init not in ("eager", "lazy"):
             raise ValueError(f"init must be 'eager' or 'lazy', got {init!r}")
         if ps_mode not in PS_MODES:
             raise ValueError(f"ps_mode must be one of {', '.join(PS_MODES)}, got {ps_mode!r}")
-        num_trainers = _positive_int(num_trainers, "num_trainers")
-        geo_push_every = _positive_int(geo_push_every, "geo_push_every")
-        half_async_merge_every = _positive_int(half_async_merge_every, "half_async_merge_every")
-        min_block_size = _positive_int(min_block_size, "min_block_size")
+        num_trainers = positive_int(num_trainers, "num_trainers")
+        geo_push_every = positive_int(geo_push_every, "geo_push_every")
+        half_async_merge_every = positive_int(half_async_merge_every, "half_async_merge_every")
+        min_block_size = positive_int(min_block_size, "min_block_size")
         merge_s = positive_seconds(half_async_merge_s, "half_async_merge_s")
         timeout = None if timeout is None else positive_seconds(timeout, "timeout")
         seed = _index(seed, "seed")
@@ -252,7 +250,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
     def _wait_s(self) -> float:
         """How long a sync lookup may wait on a server for the step: a little less than this
         call's timeout, so the server's answer (naming who has not pushed) arrives first."""
-        return nested_seconds(_timeout_seconds(self.timeout))
+        return nested_seconds(timeout_seconds(self.timeout))
 
     def _owner_index(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.searchsorted(self._starts, ids, right=True) - 1
@@ -307,7 +305,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         for _, server, mine in self._by_owner(uniq, wanted):
             ids = uniq[mine]
             if ids.numel():
-                calls.append((server, _tables._lookup, (self.name, ids, self._step, None, self._wait_s())))
+                calls.append((server, _tables._rows_for, (self.name, ids, self._step, None, self._wait_s())))
                 taken.append(mine)
         got = call_all(calls, timeout=self.timeout)
         rows = torch.empty(uniq.numel(), self.embedding_dim)
@@ -369,7 +367,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
                 f"pushed to the servers ({why}), so the table does not train: an optimizer of model.parameters() "
                 "steps only its zero-size grad_marker. Call table.step() after loss.backward() (PSModel.step() "
                 "does it for the tables inside a PSModel); to accumulate over backward passes, call it once after "
-                "them; to freeze the table, table.requires_grad_(False)", UserWarning, stacklevel=_user_stacklevel())
+                "them; to freeze the table, table.requires_grad_(False)", UserWarning, stacklevel=user_stacklevel())
         return True
 
     def _recorded(self, uniq: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -432,7 +430,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
             f"grad_marker changed from {first:g} to {float(group['lr']):g} (an LR scheduler?), but the table's rows "
             "step on the servers with the lr given at construction (optimizer=(cls, {'lr': ...})), which local "
             "optimizers and schedulers do not change; to silence this, build the scheduled optimizer over the "
-            "dense parameters only", UserWarning, stacklevel=_user_stacklevel())
+            "dense parameters only", UserWarning, stacklevel=user_stacklevel())
 
     def _drop_discarded(self) -> None:
         """(Lock held.) If ``zero_grad()`` (of the table, a container or an optimizer) cleared the

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from remote_module._fanout import call_all
+from remote_module._core import call_all
 from remote_module.ps import _tables
 
 
@@ -26,7 +26,7 @@ class TableCheckpoints:
             self._geo_push()
         elif self.ps_mode == "sync":
             nothing = torch.empty(0, dtype=torch.long)
-            call_all([(s, _tables._lookup, (self.name, nothing, self._step, None, self._wait_s()))
+            call_all([(s, _tables._rows_for, (self.name, nothing, self._step, None, self._wait_s()))
                       for s in self._by_server],
                      timeout=self.timeout)
         elif self.ps_mode == "half_async":

@@ -14,13 +14,13 @@ import torch.distributed.rpc as rpc
 from torch import nn
 from torch.func import functional_call
 
-from remote_module._fanout import _timeout_seconds, call_all, nested_seconds
-from remote_module._torch_private import is_rpc_initialized
+from remote_module._core import call_all, is_rpc_initialized, nested_seconds, positive_int, timeout_seconds
 from remote_module.ps import _server
 from remote_module.ps._checkpoints import PSCheckpoints
-from remote_module.ps._dispatch import RoundRobin, check_servers as _check_servers
+from remote_module.ps._dispatch import RoundRobin
+from remote_module.ps._dispatch import check_servers as _check_servers
 from remote_module.ps._embedding import ShardedEmbedding
-from remote_module.ps._slicing import Block, _positive_int, block_name, block_of, slice_blocks
+from remote_module.ps._slicing import Block, block_name, block_of, slice_blocks
 from rpc_backend.options import positive_seconds
 
 
@@ -148,9 +148,9 @@ class PSModel(PSCheckpoints, nn.Module):
         if not is_rpc_initialized():
             raise RuntimeError("PSModel needs torch.distributed.rpc: call rpc.init_rpc(...) first")
         # as ShardedEmbedding takes them: any integer operator.index takes, kept as an int
-        num_trainers = _positive_int(num_trainers, "num_trainers")
-        geo_push_every = _positive_int(geo_push_every, "geo_push_every")
-        half_async_merge_every = _positive_int(half_async_merge_every, "half_async_merge_every")
+        num_trainers = positive_int(num_trainers, "num_trainers")
+        geo_push_every = positive_int(geo_push_every, "geo_push_every")
+        half_async_merge_every = positive_int(half_async_merge_every, "half_async_merge_every")
         merge_s = positive_seconds(half_async_merge_s, "half_async_merge_s")
         if not (isinstance(optimizer, tuple) and len(optimizer) == 2 and isinstance(optimizer[0], type)
                 and issubclass(optimizer[0], torch.optim.Optimizer) and isinstance(optimizer[1], dict)):
@@ -216,7 +216,7 @@ class PSModel(PSCheckpoints, nn.Module):
         return block_of(t, slot.block).reshape(-1)
 
     def _seconds(self) -> float:
-        return _timeout_seconds(self.timeout)
+        return timeout_seconds(self.timeout)
 
     def _attach(self) -> None:
         calls = []
@@ -320,7 +320,7 @@ class PSModel(PSCheckpoints, nn.Module):
 
         Each forward runs on values of its own: the pulled values are copied into the local
         parameters (``model.module.weight`` shows them) and the model runs on a separate copy
-        whose gradient flows into those same parameter objects. So a later forward, whose pull
+        whose gradient flows into those same parameter host_objects. So a later forward, whose pull
         may bring other trainers' updates (async, half_async), never changes what an earlier
         forward's graph saved: two forwards before one ``backward()`` give, as in torch, the sum
         of each forward's gradient at the values that forward used (parameters, hooks and

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from remote_module._torch_private import embedding_bag_parts
+from remote_module._core import embedding_bag_parts
 from remote_module.ps._rowwise import RowOptimizer, new_state, step_rows
 
 # splitmix64 (Steele, Lea and Flood 2014), its published constants: the stream's increment

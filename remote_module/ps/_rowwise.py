@@ -21,9 +21,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-#: The optimizers a sparse table accepts, by class.
-SPARSE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adagrad, torch.optim.SparseAdam)
-
 
 class RowOptimizer(NamedTuple):
     """An optimizer class and its settings, checked for row-wise use."""

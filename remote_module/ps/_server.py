@@ -29,8 +29,7 @@ import torch.distributed.rpc as rpc
 from torch import nn
 from torch.futures import Future
 
-from remote_module._errors import CallTimeout
-from remote_module._settling import complete, schedule, settle_elsewhere
+from remote_module._core import CallTimeout, complete, schedule, settle_elsewhere
 
 MODES = ("sync", "async", "half_async", "geo")
 
@@ -341,8 +340,3 @@ def _stats(name: str) -> dict:
     with job.lock:
         return {"version": job.version, "applied": job.applied, "trainers": sorted(job.trainers),
                 "queued": job.queued_count, "blocks": sorted(job.params)}
-
-
-def _drop(name: str) -> bool:
-    with _jobs_lock:
-        return _jobs.pop(name, None) is not None

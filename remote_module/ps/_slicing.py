@@ -16,6 +16,8 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from remote_module._core import positive_int
+
 
 class Block(NamedTuple):
     """One block of a parameter: its ``index`` among the parameter's blocks, its ``offset`` and
@@ -37,14 +39,6 @@ def _index(value: object, what: str) -> int:
             pass
     raise TypeError(f"{what} must be an int (or an integer such as numpy.int64), got {type(value).__name__} "
                     f"{value!r}: pass a whole number as an int")
-
-
-def _positive_int(value: object, what: str) -> int:
-    """``value`` as a positive ``int`` (see :func:`_index`; ``ValueError`` below 1)."""
-    value = _index(value, what)
-    if value < 1:
-        raise ValueError(f"{what} must be a positive int, got {value!r}")
-    return value
 
 
 def slice_blocks(
@@ -69,8 +63,8 @@ def slice_blocks(
         raise TypeError(f"shape must be a sequence of ints, got {shape!r}") from None
     if any(d < 0 for d in dims):
         raise ValueError(f"shape must have non-negative sizes, got {tuple(dims)}")
-    _positive_int(num_servers, "num_servers")
-    _positive_int(min_block_size, "min_block_size")
+    positive_int(num_servers, "num_servers")
+    positive_int(min_block_size, "min_block_size")
     numel = math.prod(dims)
     if numel == 0:
         return [Block(0, 0, 0)]

@@ -23,7 +23,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from remote_module._settling import complete, schedule
+from remote_module._core import complete, schedule
 from remote_module.ps._rows import TableSpec, _Rows, pool_rows, row_key
 from remote_module.ps._rowwise import coalesce
 from remote_module.ps._server import fail_stalled
@@ -292,7 +292,7 @@ def _attach_table(name: str, spec: TableSpec, blocks: list[tuple[int, int]], tra
 
 
 @rpc.functions.async_execution
-def _lookup(name: str, ids: torch.Tensor, step: int = 0, pool: tuple | None = None,
+def _rows_for(name: str, ids: torch.Tensor, step: int = 0, pool: tuple | None = None,
             seconds: float = math.inf) -> Future:
     """The rows of ``ids`` (or, with ``pool``, those rows pooled into bags: see
     :func:`pool_rows`); in sync mode once step ``step - 1`` is applied (a lookup still waiting
@@ -324,10 +324,6 @@ def _flush_table(name: str) -> None:
     table = _table(name)
     with table.lock:
         table.merge()
-
-
-def _table_memory(name: str) -> int:
-    return _table(name).memory_bytes()
 
 
 def _block_rows(name: str, first: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,10 +10,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import nn
 
-from remote_module._errors import CallTimeout, retyped
-from remote_module._fanout import _timeout_seconds
-from remote_module._untrained import records_outside_context, unwarned_state, warn_untrained
-from remote_module._walk import map_leaves
+from remote_module._core import CallTimeout, map_leaves, records_outside_context, retyped, timeout_seconds, unwarned_state, warn_untrained
 from remote_module.remote_module import RemoteModule
 from remote_module.sharded import _placements as pl
 from remote_module.sharded import _store
@@ -259,7 +256,7 @@ class LocalModule(nn.Module):
         # after the checks: a call refused before any shard runs does not use up the one warning
         if records_outside_context(self, any(s.remote_trainable for s in self.shards), inputs, kwargs):
             warn_untrained(self, f"LocalModule on mesh {list(self.mesh)}", "LocalModule", "local_module")
-        seconds = _timeout_seconds(self.timeout)
+        seconds = timeout_seconds(self.timeout)
         deadline = made + seconds
         for r, shard in enumerate(self.shards):
             if not shard._earlier_calls_done(deadline):

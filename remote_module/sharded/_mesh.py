@@ -15,10 +15,9 @@ import threading
 from typing import Any, Sequence
 
 import torch
-
 import torch.distributed.rpc as rpc
 
-from remote_module._torch_private import is_rpc_initialized, worker_names
+from remote_module._core import is_rpc_initialized, worker_names
 
 
 def check_mesh(mesh: Any, what: str = "mesh") -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -6,7 +6,7 @@ release the outputs of a call that failed or timed out without having heard back
 that arrives before what it releases (the call was late) leaves a tombstone, and the late
 tensor is dropped on arrival instead of being kept forever.
 
-Handlers (module-level, pickled by reference; run through ``remote_module._fanout``):
+Handlers (module-level, pickled by reference; run through ``remote_module._core.fanout``):
 
 - :func:`_keep`: store a tensor sent by the caller (``distribute``);
 - :func:`_run_fn`: run a user function with the shard's mesh position, store what it returns
@@ -28,11 +28,8 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from remote_module._device import move_cpu_tensors, tensors_to_cpu
-from remote_module._fanout import call_all_async
-from remote_module._handlers import _device, _lookup
-from remote_module._torch_private import device_map_to
-from remote_module._walk import map_leaves
+from remote_module._core import call_all_async, device_map_to, host_device, hosted_module, map_leaves, move_cpu_tensors, tensors_to_cpu
+
 # Imported with the store on purpose (it imports torch.distributed.tensor, ~1 s): a worker pays
 # for it on its first shard call, not inside a redistribute whose nested fetches have a budget.
 from remote_module.sharded import _placements as pl
@@ -107,11 +104,6 @@ class _Store:
 
 
 _store = _Store()
-
-
-def held_count() -> int:
-    """How many shards this process holds (for leak checks)."""
-    return _store.count()
 
 
 def _resolved(obj: Any) -> Any:
@@ -211,9 +203,9 @@ def _forward(
     """Run the shard module on its local inputs; store its outputs under ``sids`` (one per
     declared output placement). Returns the output structure and each output's meta."""
     _dropping(drop)
-    module = _lookup(key)
+    module = hosted_module(key)
     args, kwargs = _resolved(args), _resolved(kwargs)
-    dev = _device(device)
+    dev = host_device(device)
     if dev.type != "cpu":
         args, kwargs = move_cpu_tensors(args, dev), move_cpu_tensors(kwargs, dev)
     out = run_as(rank, size, grad, module, *args, **kwargs)

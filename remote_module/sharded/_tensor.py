@@ -14,7 +14,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from remote_module._fanout import _timeout_seconds, call_all, nested_seconds, send_and_forget
+from remote_module._core import call_all, nested_seconds, send_and_forget, timeout_seconds
 from remote_module.sharded import _placements as pl
 from remote_module.sharded import _store
 from remote_module.sharded._mesh import check_mesh
@@ -196,8 +196,6 @@ class RemoteTensor:
             "rt.full_tensor(), or pass it to a LocalModule, whose shards read their local pieces"
         )
 
-    def _refs(self) -> list[_store.Ref]:
-        return [_store.Ref(sid) for sid in self._sids]
 
     # ---- fetching -------------------------------------------------------------------
 
@@ -260,7 +258,7 @@ class RemoteTensor:
         n = len(self.mesh)
         new = [ids[0] for ids in new_sids(n)]
         peers = list(zip(self.mesh, self._sids))
-        seconds = _timeout_seconds(self._timeout(timeout))
+        seconds = timeout_seconds(self._timeout(timeout))
         inner = nested_seconds(seconds)
         grad = torch.is_grad_enabled()
         calls = [
@@ -304,7 +302,7 @@ def distribute(tensor: torch.Tensor, mesh: Sequence[Any], placement: Any, *, tim
     workers, _ = check_mesh(mesh)
     p = pl.normalized(pl.check_placement(placement), tensor.dim(), "distribute")
     pl.check_op_dtype(p, tensor.dtype, "distribute")
-    _timeout_seconds(timeout)
+    timeout_seconds(timeout)
     parts = pl.local_parts(tensor, p, len(workers))
     sids = [ids[0] for ids in new_sids(len(workers))]
     calls = [(w, _store._keep, (sid, _store.compact(part))) for w, sid, part in zip(workers, sids, parts)]
@@ -335,7 +333,7 @@ def from_local(
     """
     workers, _ = check_mesh(mesh)
     p = pl.check_placement(placement)
-    _timeout_seconds(timeout)
+    timeout_seconds(timeout)
     n = len(workers)
     sids = [ids[0] for ids in new_sids(n)]
     if isinstance(fn, (list, tuple)):

@@ -84,7 +84,7 @@ def storage_bytes(t: torch.Tensor) -> int:
 def _handler_name(func: Any, args: Any) -> str:
     name = getattr(func, "__name__", repr(func))
     if isinstance(args, (tuple, list)) and args and callable(args[0]) and hasattr(args[0], "__name__"):
-        name += f"({args[0].__name__})"  # remote_module._fanout runs the handler passed first
+        name += f"({args[0].__name__})"  # remote_module._core.fanout runs the handler passed first
     return name
 
 

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from remote_module._shipping import by_value_reduce
+from remote_module._proxy.shipping import by_value_reduce
 
 Point = collections.namedtuple("Point", "x y")  # same line as in shipping_same.py, other file
 

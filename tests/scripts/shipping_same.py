@@ -16,7 +16,7 @@ import threading
 
 import torch
 
-from remote_module._shipping import by_value_reduce
+from remote_module._proxy.shipping import by_value_reduce
 
 Point = collections.namedtuple("Point", "x y")
 

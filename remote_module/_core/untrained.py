@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
-from remote_module._torch_private import in_dist_autograd_context, is_rpc_initialized
+from remote_module._core._torch_private import in_dist_autograd_context, is_rpc_initialized
 
 _FLAG = "_warned_untrained"  # in the object's __dict__ once it warned (never pickled: see unwarned_state)
 
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # remote_module/
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
@@ -60,7 +60,7 @@ def records_outside_context(owner: Any, trainable: bool, args: tuple = (), kwarg
     return is_rpc_initialized() and not in_dist_autograd_context()
 
 
-def _user_stacklevel() -> int:
+def user_stacklevel() -> int:
     """The ``stacklevel`` that points at the first frame outside this package and torch (the
     user's call, however many ``nn.Module.__call__`` layers and generated methods lie between)."""
     level, frame = 2, sys._getframe(2)  # 1: warn_untrained, 2: its caller
@@ -89,7 +89,7 @@ def warn_untrained(owner: Any, what: str, kind: str, handle: str) -> None:
         f"{handle}.remote_parameters(), ...)` with `.step(ctx)`; for inference, run it under "
         f"`torch.no_grad()` or `torch.inference_mode()`. (Shown once per {kind}.)",
         UserWarning,
-        stacklevel=_user_stacklevel(),
+        stacklevel=user_stacklevel(),
     )
 
 

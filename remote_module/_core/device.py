@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from remote_module._walk import map_tensors
+from remote_module._core.walk import map_tensors
 
 _PARSE_ERROR = "Could not parse remote_device: {}. The valid format is '<workername>/<device>'"
 _RANK = re.compile(r"rank:(\d+)")

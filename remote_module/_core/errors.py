@@ -15,7 +15,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from remote_module._torch_private import jit_exception_origin
+from remote_module._core._torch_private import jit_exception_origin
 
 
 class RemoteModuleError(RuntimeError):

@@ -1,7 +1,7 @@
 """Walking nested structures (lists, tuples, named tuples, dicts) to map their leaves.
 
 Used where a value's *structure* matters (moving tensors to a device, flattening outputs); the
-wire format does not rebuild containers (see ``remote_module._wire``).
+wire format does not rebuild containers (see ``remote_module._proxy.wire``).
 """
 
 from __future__ import annotations

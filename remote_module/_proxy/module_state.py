@@ -5,15 +5,15 @@ override ``nn.Module``'s own): ``train``/``eval`` and the ``training`` flag are 
 module's, read and written on the host in program order (every proxy of one module agrees);
 ``state_dict``/``load_state_dict`` carry the remote entries as CPU copies under the proxy's
 prefix. It uses the proxy's ``_rpc`` (a blocking call in program order, see
-remote_module._calls) and ``module_rref``.
+remote_module._proxy.calls) and ``module_rref``.
 """
 
 from __future__ import annotations
 
 from typing import Any, TypeVar
 
-from remote_module import _handlers
-from remote_module._state_dict import entries_under, merge_remote_state
+from remote_module._proxy import host as _host
+from remote_module._proxy.state_dict import entries_under, merge_remote_state
 
 _P = TypeVar("_P", bound="RemoteModuleState")
 
@@ -31,7 +31,7 @@ class RemoteModuleState:
         """
         if not isinstance(mode, bool):
             raise ValueError(f"training mode is expected to be boolean, got {mode!r}")
-        self._rpc(_handlers._train, self.module_rref, mode)
+        self._rpc(_host._train, self.module_rref, mode)
         self.__dict__["training"] = mode  # the last value seen (see the training property)
         return self
 
@@ -56,7 +56,7 @@ class RemoteModuleState:
         """
         if "module_rref" not in self.__dict__:
             return self.__dict__.get("training", True)  # not connected yet (being built or received)
-        mode = self.__dict__["training"] = self._rpc(_handlers._training, self.module_rref)
+        mode = self.__dict__["training"] = self._rpc(_host._training, self.module_rref)
         return mode
 
     @training.setter
@@ -66,7 +66,7 @@ class RemoteModuleState:
         if not isinstance(mode, bool):
             raise ValueError(f"training mode is expected to be boolean, got {mode!r}")
         if "module_rref" in self.__dict__:
-            self._rpc(_handlers._set_training, self.module_rref, mode)
+            self._rpc(_host._set_training, self.module_rref, mode)
         self.__dict__["training"] = mode
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
@@ -81,7 +81,7 @@ class RemoteModuleState:
         """
         if args:  # nn.Module's deprecated positional form: (destination, prefix, keep_vars)
             destination, prefix, keep_vars = (list(args) + [destination, prefix, keep_vars][len(args):])[:3]
-        state, metadata = self._rpc(_handlers._state_dict, self.module_rref)
+        state, metadata = self._rpc(_host._state_dict, self.module_rref)
         return merge_remote_state(destination, prefix, state, metadata)
 
     def _load_from_state_dict(
@@ -99,7 +99,7 @@ class RemoteModuleState:
         state, metadata = entries_under(state_dict, prefix)
         assign = bool(local_metadata.get("assign_to_params_buffers", False))  # load_state_dict(assign=)
         missing, unexpected, errors = self._rpc(
-            _handlers._load_state_dict, dict(state), dict(metadata), self.module_rref, prefix, assign
+            _host._load_state_dict, dict(state), dict(metadata), self.module_rref, prefix, assign
         )
         missing_keys.extend(missing)
         unexpected_keys.extend(unexpected)

@@ -17,8 +17,7 @@ import warnings
 import torch
 from torch import nn
 
-from remote_module._device import uses_device_map
-from remote_module._torch_private import device_map_to, script_module_has_attribute
+from remote_module._core import device_map_to, script_module_has_attribute, uses_device_map
 
 #: Attributes sent when a proxy is an argument or result of an RPC.
 PICKLED_ATTRIBUTES: tuple[str, ...] = (
@@ -43,8 +42,8 @@ IGNORED_ATTRIBUTES: tuple[str, ...] = tuple(vars(nn.Module()).keys()) + (
     "forward",
     "forward_async",
     "_host_info",  # a per-process cache of the host's WorkerInfo
-    "_channel",  # per-process call channel: coalescing, deadlines, order (remote_module._channel)
-    "_warned_untrained",  # this proxy object warned of training outside dist autograd (remote_module._untrained)
+    "_channel",  # per-process call channel: coalescing, deadlines, order (remote_module._proxy.channel)
+    "_warned_untrained",  # this proxy object warned of training outside dist autograd (remote_module._core.untrained)
 )
 
 NOT_PICKLABLE = "Cannot pickle RemoteModule in python pickler. RemoteModule can only be pickled when using RPC"
@@ -103,7 +102,7 @@ def check_attributes(proxy: nn.Module) -> None:
         if name not in sent and name not in IGNORED_ATTRIBUTES:
             raise AttributeError(
                 f"Attribute {name} must be either in ``remote_module.PICKLED_ATTRIBUTES`` or "
-                "``remote_module._pickling.IGNORED_ATTRIBUTES``. A subclass of RemoteModule declares "
+                "``remote_module._proxy.pickling.IGNORED_ATTRIBUTES``. A subclass of RemoteModule declares "
                 f"its own: PICKLED_ATTRIBUTES = RemoteModule.PICKLED_ATTRIBUTES + ({name!r},)."
             )
 
@@ -129,7 +128,7 @@ def reduce_proxy(proxy: nn.Module) -> tuple:
 
 def device_map_is_set(on: str, device: str) -> bool:
     """``is_device_map_set`` as this process sees it: a module off the CPU on worker ``on``, and a
-    device map from this process towards ``on`` (see :func:`remote_module._device.uses_device_map`).
+    device map from this process towards ``on`` (see :func:`remote_module._core.device.uses_device_map`).
 
     Example (a process whose TensorPipe options map its cuda:0 to worker1's cuda:1)::
 

@@ -19,10 +19,10 @@ tensor (big, CUDA, sparse, quantized, conjugate/negative views, subclasses such 
 ``nn.Parameter``), and every tensor when ``inline=False`` (distributed autograd records
 only tensors that travel as tensors), goes to ``side``.
 
-Other objects. Classes registered with the RPC pickler (``RemoteModule`` proxies, script
+Other host_objects. Classes registered with the RPC pickler (``RemoteModule`` proxies, script
 modules) are reduced with their registered reducer, as RPC would; RRefs go to ``side``.
 Classes and functions that the receiver cannot import by name (defined in ``__main__`` or
-inside a function) ship by value (:func:`remote_module._shipping.by_value_reduce`).
+inside a function) ship by value (:func:`remote_module._proxy.shipping.by_value_reduce`).
 
 Example::
 
@@ -43,8 +43,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from remote_module._shipping import by_value_reduce
-from remote_module._torch_private import rpc_class_reducers, rref_types
+from remote_module._core import rpc_class_reducers, rref_types
+from remote_module._proxy.shipping import by_value_reduce
 
 #: Tensors whose bytes on the wire are at most this are inlined; larger ones use the tensor
 #: channel, which streams big buffers without extra copies.

@@ -19,7 +19,7 @@ it takes:
   estimated host time than ``DEADLINE_FRACTION`` of the shortest remaining deadline in it;
 - **progress no callback can block**: when a message is answered, the next one leaves
   before any future is settled, and futures are settled outside every lock, in runs that
-  move to another thread when a callback blocks (:mod:`remote_module._settling`), so a
+  move to another thread when a callback blocks (:mod:`remote_module._core.settling`), so a
   blocked callback delays no other call's result or deadline by more than a moment;
 - **order**: calls that share a message run in the order they were made;
   :meth:`Channel.wait_for_thread` lets a blocking call wait until every earlier call of the
@@ -30,7 +30,7 @@ it takes:
 
 A channel is one per (caller object, process) and is never pickled. Host handlers are
 module-level functions ``one(context, item)`` and ``many(context, items)`` that return an
-:class:`remote_module._callspec.Answer` in its wire form (``Answer(...).wire()``), one per item
+:class:`remote_module._proxy.call_records.Answer` in its wire form (``Answer(...).wire()``), one per item
 for ``many``.
 
 Example (an upper layer sending many small lookups to one server in few messages)::
@@ -38,7 +38,7 @@ Example (an upper layer sending many small lookups to one server in few messages
     # host side, module level
     def _lookup_one(table_key, ids):
         start = time.perf_counter()
-        rows = objects.get(table_key)[ids]
+        rows = host_objects.get(table_key)[ids]
         return Answer(dumps(rows, inline=True), time.perf_counter() - start).wire()
 
     def _lookup_many(table_key, many_ids):
@@ -64,19 +64,21 @@ from typing import Any, Callable
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from remote_module._callspec import Answer
-from remote_module._errors import CallTimeout, timeout_message
-from remote_module._settling import (
+from remote_module._core import (
     WATCH_TICK_S,
+    CallTimeout,
     add_to_run,
+    before_rref_deletion_at_shutdown,
     complete,
     finish_run,
+    rpc_timeout_argument,
     schedule,
     settle_elsewhere,
     settle_here,
+    timeout_message,
     watched_run,
 )
-from remote_module._torch_private import before_rref_deletion_at_shutdown
+from remote_module._proxy.call_records import Answer
 
 #: At most this many shared messages of one channel are in flight; later calls queue.
 MAX_IN_FLIGHT = 2
@@ -241,7 +243,7 @@ class Channel:
         caller of ``submit`` gets it raised when ``raise_now``, else the batch is failed by
         whoever sent it)."""
         latest = max(p.deadline for p in batch)
-        rpc_timeout = 0 if latest == math.inf else max(latest - _clock(), 0.001)  # 0: no timeout
+        rpc_timeout = rpc_timeout_argument(latest - _clock())
         try:
             if len(batch) == 1:
                 fut = rpc.rpc_async(self.dest, self.one, (self.context, batch[0].item), timeout=rpc_timeout)
@@ -268,7 +270,7 @@ class Channel:
         except BaseException as exc:
             self._answered(batch, shared, None, exc)
             return
-        # answers arrive in their wire form (remote_module._callspec)
+        # answers arrive in their wire form (remote_module._proxy.call_records)
         answers = [Answer.from_wire(value)] if len(batch) == 1 else [Answer.from_wire(a) for a in value]
         self._answered(batch, shared, answers, None)
 

@@ -2,9 +2,9 @@
 
 Module-level so RPC pickles them by reference; the host imports this installed module on
 first use and needs nothing else imported beforehand. Each call succeeds or fails alone: its
-arguments are unpickled, the module runs and its output is pickled (``remote_module._wire``)
+arguments are unpickled, the module runs and its output is pickled (``remote_module._proxy.wire``)
 inside one ``try``, and anything raised, ``BaseException``s such as ``SystemExit``
-included, becomes that call's own :class:`remote_module._errors.RemoteFailure`.
+included, becomes that call's own :class:`remote_module._core.errors.RemoteFailure`.
 """
 
 from __future__ import annotations
@@ -14,11 +14,9 @@ from typing import Any
 
 import torch
 
-from remote_module._callspec import Answer, Call, Target
-from remote_module._device import prepare_inputs, prepare_output
-from remote_module._errors import capture
-from remote_module._handlers import _device, _lookup
-from remote_module._wire import dumps, loads
+from remote_module._core import capture, host_device, hosted_module, prepare_inputs, prepare_output
+from remote_module._proxy.call_records import Answer, Call, Target
+from remote_module._proxy.wire import dumps, loads
 
 _clock = time.perf_counter
 
@@ -26,8 +24,8 @@ _clock = time.perf_counter
 def _run(target: Target, call: Call) -> Any:
     """One call's result: its output as a Payload, or its RemoteFailure."""
     try:
-        module = _lookup(target.key)
-        dev = _device(target.device)
+        module = hosted_module(target.key)
+        dev = host_device(target.device)
         args, kwargs = loads(call.payload)
         args, kwargs = prepare_inputs(args, kwargs, dev)
         if call.grad_enabled == torch.is_grad_enabled():
@@ -44,7 +42,7 @@ def _run(target: Target, call: Call) -> Any:
 # ---- handlers ---------------------------------------------------------------------------
 
 
-# Records arrive and leave in their wire form (remote_module._callspec: plain tuples).
+# Records arrive and leave in their wire form (remote_module._proxy.call_records: plain tuples).
 
 
 def _call_one(target: tuple, call: tuple) -> tuple:
@@ -55,7 +53,7 @@ def _call_one(target: tuple, call: tuple) -> tuple:
 
 
 def _call_many(target: tuple, calls: list[tuple]) -> list[tuple]:
-    """Calls that share a message (see remote_module._channel), run in the order made."""
+    """Calls that share a message (see remote_module._proxy.channel), run in the order made."""
     where = Target._make(target)
     answers = []
     for call in calls:

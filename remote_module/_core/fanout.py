@@ -10,10 +10,10 @@ keeps:
 - **its own exception type**: a handler's exception is caught on the host (``BaseException``
   included, so a ``SystemExit`` cannot take the host's RPC thread down) and raised on the
   caller with its original type when that type is importable there (else a
-  :class:`remote_module._errors.RemoteModuleError` named after it), naming the worker and the
+  :class:`remote_module._core.errors.RemoteModuleError` named after it), naming the worker and the
   call's index (``calls[2] (make_shard)``), with the remote traceback;
 - **a timeout**: each call fails within ``timeout`` seconds of being sent (``None``: the RPC
-  agent's default), with a :class:`remote_module._errors.CallTimeout` naming the worker. The
+  agent's default), with a :class:`remote_module._core.errors.CallTimeout` naming the worker. The
   deadline is kept here, not by RPC: the message itself waits for its answer, so an answer that
   comes after the deadline is still received and dropped. (An RPC timed out by torch drops its
   late answer unread, and an RRef inside it, e.g. a module created on the host, is never
@@ -33,12 +33,12 @@ Example (a caller and two hosts that only serve)::
 
     # every worker: rpc.init_rpc(name, rank=..., world_size=3); workers 1 and 2 then only
     # call rpc.shutdown(). In an importable module, e.g. mylib/tables.py:
-    def make_table(rows: int) -> int:
-        return objects.hold(torch.zeros(rows, 8))     # remote_module._registry
+    def row_count(path: str) -> int:
+        return len(torch.load(path))
 
     # worker0
-    from remote_module._fanout import call_all
-    keys = call_all([("worker1", make_table, (100,)), ("worker2", make_table, (50,))], timeout=10)
+    from remote_module._core import call_all
+    counts = call_all([("worker1", row_count, ("/data/a.pt",)), ("worker2", row_count, ("/data/b.pt",))], timeout=10)
 """
 
 from __future__ import annotations
@@ -51,12 +51,12 @@ from typing import Any, Callable, Iterable, NamedTuple
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from remote_module._errors import CallTimeout, capture, retyped, timeout_message, to_exception
-from remote_module._settling import complete, schedule, settle_elsewhere
-from remote_module._torch_private import is_async_execution, is_rpc_initialized, worker_names
-from rpc_backend.options import positive_seconds
+from remote_module._core._torch_private import is_async_execution, is_rpc_initialized, worker_names
+from remote_module._core.deadlines import timeout_seconds
+from remote_module._core.errors import CallTimeout, capture, retyped, timeout_message, to_exception
+from remote_module._core.settling import complete, schedule, settle_elsewhere
 
-#: torch.distributed.rpc's "no timeout": the deadline is kept by remote_module._settling's watcher.
+#: torch.distributed.rpc's "no timeout": the deadline is kept by remote_module._core.settling's watcher.
 _NO_RPC_TIMEOUT = 0
 
 _clock = time.monotonic
@@ -108,14 +108,6 @@ def _run_async(handler: Callable[..., Any], args: tuple, kwargs: dict) -> Future
 
 
 # ---- caller side ----------------------------------------------------------------------------
-
-
-def _timeout_seconds(timeout: float | None) -> float:
-    """``timeout`` checked, in seconds (``None``: the agent's default; ``math.inf``: none)."""
-    if timeout is None:
-        seconds = rpc.get_rpc_timeout()
-        return seconds if seconds > 0 else math.inf
-    return positive_seconds(timeout, "timeout")
 
 
 def answer_margin(seconds: float) -> float:
@@ -206,7 +198,7 @@ class _Outstanding:
             future.set_exception(to_exception(value, f"on worker {self.name!r} in {self.label}"))
 
     def expire(self, now: float) -> None:
-        """Called by the process's deadline watcher (remote_module._settling) at the deadline;
+        """Called by the process's deadline watcher (remote_module._core.settling) at the deadline;
         the future is failed on a settler thread, so a callback that blocks on it delays no
         other deadline."""
         future = self._take()
@@ -243,7 +235,7 @@ def call_async(
     label = label if label is not None else _handler_name(handler)
     if not callable(handler):
         raise TypeError(f"{label}: the handler must be a module-level function, got {handler!r}")
-    seconds = _timeout_seconds(timeout)
+    seconds = timeout_seconds(timeout)
     name = _worker_name(worker, label)
     body = _run_async if is_async_execution(handler) else _run
     made = _clock()
@@ -308,7 +300,7 @@ def call_all_async(calls: Iterable[HostCall | tuple], timeout: float | None = No
         keys = fut.wait()          # [key on worker1, key on worker2, key on worker3]
     """
     checked = [_as_call(i, call) for i, call in enumerate(calls)]
-    _timeout_seconds(timeout)
+    timeout_seconds(timeout)
     n = len(checked)
     labels = [f"calls[{i}] of {n} ({_handler_name(c.handler)})" for i, c in enumerate(checked)]
     for call, label in zip(checked, labels):

@@ -8,11 +8,11 @@ calls of other handlers, all keeping one contract (README, "Calls"):
 3. each call succeeds or fails alone; 4. no callback can stall the proxy;
 5. a graceful shutdown answers every call made before it;
 6. only the arguments given travel, defaults are evaluated on the host (the generated
-   methods, ``remote_module._codegen``), and an argument that cannot be pickled is a
+   methods, ``remote_module._proxy.codegen``), and an argument that cannot be pickled is a
    ``TypeError`` naming its parameter, raised before anything is sent;
-7. arguments arrive as sent (``remote_module._wire``).
+7. arguments arrive as sent (``remote_module._proxy.wire``).
 
-``forward_async`` calls go through the proxy's :class:`remote_module._channel.Channel` (one
+``forward_async`` calls go through the proxy's :class:`remote_module._proxy.channel.Channel` (one
 per proxy and process), which may let cheap calls share messages.
 
 A mixin of :class:`remote_module.RemoteModule`; it reads the proxy's attributes ``on``,
@@ -31,20 +31,25 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from remote_module import _call_handlers
-from remote_module._callspec import Answer, Call, Target
-from remote_module._channel import Channel
-from remote_module._errors import (
+from remote_module._core import (
     CallTimeout,
     RemoteFailure,
+    agent_timeout_seconds,
+    device_map_to,
+    dist_autograd_contexts_exist,
+    is_rpc_initialized,
+    records_outside_context,
     retyped,
+    rpc_timeout_argument,
     timeout_message,
     to_exception,
     unsendable_argument,
+    warn_untrained,
 )
-from remote_module._torch_private import device_map_to, dist_autograd_contexts_exist, is_rpc_initialized
-from remote_module._untrained import records_outside_context, warn_untrained
-from remote_module._wire import check_side, dumps, loads
+from remote_module._proxy import host_calls as _host_calls
+from remote_module._proxy.call_records import Answer, Call, Target
+from remote_module._proxy.channel import Channel
+from remote_module._proxy.wire import check_side, dumps, loads
 
 _clock = time.monotonic
 
@@ -67,11 +72,6 @@ def _failure(on: str, remote_type: str, exc: BaseException, what: str) -> BaseEx
     return retyped(exc, f"{_label(on, remote_type, what)} failed: {exc}")
 
 
-def _rpc_seconds(remaining: float) -> float:
-    """torch RPC's timeout argument for ``remaining`` seconds (0 means none)."""
-    return 0 if remaining == math.inf else max(remaining, 0.001)
-
-
 class RemoteCalls:
     """The calling half of RemoteModule (see the module docstring)."""
 
@@ -87,7 +87,7 @@ class RemoteCalls:
         if not self._earlier_calls_done(deadline):
             raise CallTimeout(f"{_label(self.on, self._remote_type(), what)} failed: {timeout_message(timeout, None)}")
         try:
-            return rpc.rpc_sync(self._dest(), handler, args, timeout=_rpc_seconds(deadline - _clock()))
+            return rpc.rpc_sync(self._dest(), handler, args, timeout=rpc_timeout_argument(deadline - _clock()))
         except RuntimeError as exc:
             if _clock() >= deadline - 0.05 and is_rpc_initialized():
                 message = timeout_message(timeout, self.on)
@@ -109,14 +109,13 @@ class RemoteCalls:
 
     def _timeout_s(self) -> float:
         """This proxy's timeout in seconds (``math.inf``: none)."""
-        timeout = self.timeout
-        if timeout < 0:  # the agent's default
-            try:
-                timeout = rpc.get_rpc_timeout()
-            except RuntimeError as exc:  # no agent (before init_rpc, after shutdown): torch's
-                # own message here says nothing of what to do
-                raise RuntimeError(_rpc_missing_message(f"RemoteModule on {self.on!r}")) from exc
-        return timeout if timeout > 0 else math.inf
+        if self.timeout >= 0:  # checked seconds (0, as torch spells it: none)
+            return self.timeout if self.timeout > 0 else math.inf
+        try:  # negative: the agent's default
+            return agent_timeout_seconds()
+        except RuntimeError as exc:  # no agent (before init_rpc, after shutdown): torch's
+            # own message here says nothing of what to do
+            raise RuntimeError(_rpc_missing_message(f"RemoteModule on {self.on!r}")) from exc
 
     def _where(self) -> str:
         return f"on {self.on} in {self.remote_type}.forward"
@@ -190,7 +189,7 @@ class RemoteCalls:
         made = _clock()
         call = self._make_call(args, kwargs)
         sent = (self._target().wire(), call.wire())
-        answer = Answer.from_wire(self._blocking(_call_handlers._call_one, sent, "forward", made))
+        answer = Answer.from_wire(self._blocking(_host_calls._call_one, sent, "forward", made))
         channel = self.__dict__.get("_channel")
         if channel is not None:
             channel.observe(answer.seconds)
@@ -223,7 +222,7 @@ class RemoteCalls:
                 return _failure(on, remote_type, exc, "forward_async") if isinstance(exc, RuntimeError) else exc
 
             channel = Channel(
-                self._dest(), _call_handlers._call_one, _call_handlers._call_many, self._target().wire(),
+                self._dest(), _host_calls._call_one, _host_calls._call_many, self._target().wire(),
                 finish=finish, fail=fail, label=_label(on, remote_type, "forward_async"),
                 devices=self._future_devices() if self.is_device_map_set else None,
                 keepalive=self.__dict__.get("module_rref"),

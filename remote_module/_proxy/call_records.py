@@ -2,8 +2,8 @@
 
 A message names its host object once (:class:`Target`) and carries one :class:`Call` or a
 list of them; the host answers each call with an :class:`Answer`: the call's own result
-(a :class:`remote_module._wire.Payload` of its output, or its
-:class:`remote_module._errors.RemoteFailure`) and the seconds the host spent on it, from
+(a :class:`remote_module._proxy.wire.Payload` of its output, or its
+:class:`remote_module._core.errors.RemoteFailure`) and the seconds the host spent on it, from
 which the caller's channel estimates what a message of such calls costs.
 
 On the wire each record travels as a plain tuple (``record.wire()``) and is rebuilt with
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from remote_module._wire import Payload
+from remote_module._proxy.wire import Payload
 
 
 class Target(NamedTuple):

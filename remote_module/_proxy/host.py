@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import inspect
 import pickle
-from functools import lru_cache
 from typing import Any
 
 import torch
 import torch.distributed.rpc as rpc
 from torch import nn
 
-from remote_module._registry import objects
-from remote_module._shipping import unpack_constructor
-from remote_module._state_dict import load_at
-from remote_module._torch_private import as_python_module, script_class_name
+from remote_module._core import as_python_module, host_device, host_objects, script_class_name
+from remote_module._proxy.shipping import unpack_constructor
+from remote_module._proxy.state_dict import load_at
 
 _NOT_A_MODULE = (
     "Expect `module_cls(*args, **kwargs)` returns an instance of <class nn.Module>, "
@@ -27,36 +25,12 @@ _NOT_A_MODULE = (
 )
 
 
-@lru_cache(maxsize=64)
-def _device(device: str) -> torch.device:
-    return torch.device(device)
-
-
 def _build(module_cls: Any, args: tuple, kwargs: dict, device: str) -> nn.Module:
     module_cls, args, kwargs = unpack_constructor(module_cls, args, kwargs)
     module = module_cls(*args, **kwargs)
     if not isinstance(module, nn.Module):
         raise ValueError(_NOT_A_MODULE.format(type(module)))
-    return module.to(_device(device))
-
-
-def _lookup(key: int | rpc.RRef) -> nn.Module:
-    """The module a proxy names by ``key`` (see :mod:`remote_module._registry`), or by its RRef
-    (a scripted module, which the registry cannot hold weakly)."""
-    if isinstance(key, rpc.PyRRef):
-        return as_python_module(key.local_value())
-    try:
-        return objects.get(key, "module")
-    except LookupError:
-        raise RuntimeError(
-            f"the module behind this RemoteModule (key {key}) no longer exists on this worker: "
-            "every RRef to it was deleted"
-        ) from None
-
-
-def registered_keys() -> set[int]:
-    """The keys of the objects this worker holds for proxies (for leak checks)."""
-    return objects.keys()
+    return module.to(host_device(device))
 
 
 #: A default whose pickle is larger than this is shown, not sent, in a proxy's signature.
@@ -151,7 +125,7 @@ def _create(
 ) -> tuple[dict, rpc.RRef]:
     """Create ``module_cls(*args, **kwargs)`` on ``device`` and return its description with an
     RRef owned here: a proxy's whole construction in one message (run through
-    :mod:`remote_module._fanout`, which carries an exception back with its type).
+    :mod:`remote_module._core.fanout`, which carries an exception back with its type).
 
     With ``interface_cls`` the module is scripted and the RRef is typed with that TorchScript
     interface (what a scriptable proxy's script code calls).
@@ -160,7 +134,7 @@ def _create(
         module = _build(module_cls, args, kwargs, device)
         rref = rpc.RRef(module)
     else:
-        from remote_module._codegen import render_scriptable_module
+        from remote_module._proxy.codegen import render_scriptable_module
 
         render_scriptable_module(interface_cls)  # compiles _remote_forward here, before any call
         module = torch.jit.script(_build(module_cls, args, kwargs, device))
@@ -170,25 +144,25 @@ def _create(
 
 def _prepare_scriptable(interface_cls: type) -> None:
     """Compile the scriptable template on this host (for init_from_module_rref)."""
-    from remote_module._codegen import render_scriptable_module
+    from remote_module._proxy.codegen import render_scriptable_module
 
     render_scriptable_module(interface_cls)
 
 
 def _description(module: nn.Module) -> dict:
     """What a proxy learns about its module when it is made; holds the module by key (weakly)."""
-    from remote_module._codegen import forward_signature
+    from remote_module._proxy.codegen import forward_signature
 
     scripted = script_class_name(module)
     sig = None if scripted is not None else forward_signature(module)
     return {
         # A ScriptModule's Python wrapper dies with this call (the RRef holds the TorchScript
         # object): scriptable proxies name their module by RRef instead of by key.
-        "key": None if scripted is not None else objects.hold_weakly(module),
+        "key": None if scripted is not None else host_objects.hold_weakly(module),
         "type": scripted or f"{type(module).__module__}.{type(module).__qualname__}",
         "signature": portable_signature(sig),
         "repr": repr(module),
-        # whether a forward with grad enabled needs distributed autograd (remote_module._untrained)
+        # whether a forward with grad enabled needs distributed autograd (remote_module._core.untrained)
         "trainable": has_trainable_parameters(module),
     }
 

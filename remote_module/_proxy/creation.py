@@ -2,8 +2,8 @@
 ``RemoteModule.create_async(...)``).
 
 The caller checks the constructor arguments, then sends one host call (through
-:func:`remote_module._fanout.call_async`) that builds the module, holds it by key and answers
-with its description and an RRef owned by the host (``_handlers._create``). Nothing waits in
+:func:`remote_module._core.fanout.call_async`) that builds the module, holds it by key and answers
+with its description and an RRef owned by the host (``_host._create``). Nothing waits in
 between, so N proxies made one after another are N messages in flight together, about one
 round trip in all. The proxy is set up from the answer in the message's callback, which never
 blocks (it renders the generated methods, which needs no RPC).
@@ -15,10 +15,10 @@ from typing import Any
 
 from torch.futures import Future
 
-from remote_module import _handlers
-from remote_module._codegen import forward_signature, render_scriptable_module
-from remote_module._fanout import call_async
-from remote_module._shipping import pack_constructor
+from remote_module._core import call_async
+from remote_module._proxy import host as _host
+from remote_module._proxy.codegen import forward_signature, render_scriptable_module
+from remote_module._proxy.shipping import pack_constructor
 
 #: torch.distributed.rpc's "use the agent's default timeout", as a proxy stores it.
 AGENT_DEFAULT_TIMEOUT = -1.0
@@ -71,7 +71,7 @@ def create_on_host(proxy: Any, module_cls: Any, args: tuple, kwargs: dict) -> Fu
         render_scriptable_module(interface_cls)  # caller side: validates the interface
     created = call_async(
         proxy.on,
-        _handlers._create,
+        _host._create,
         (module_cls, args, kwargs, proxy.device, interface_cls),
         timeout=None if proxy.timeout == AGENT_DEFAULT_TIMEOUT else proxy.timeout,
         label=f"RemoteModule creation of {name!r}",

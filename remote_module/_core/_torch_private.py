@@ -86,7 +86,7 @@ def script_module_has_attribute(module: Any, name: str) -> bool:
 def rpc_class_reducers() -> dict:
     """The RPC pickler's table of per-class reducers (the live dict: later registrations show).
 
-    ``register_rpc_reducer`` adds to it; remote_module._wire applies the same reducers in its
+    ``register_rpc_reducer`` adds to it; remote_module._proxy.wire applies the same reducers in its
     own pickler so an object travels exactly as RPC would send it.
     """
     from torch.distributed.rpc.internal import _internal_rpc_pickler

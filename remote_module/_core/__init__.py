@@ -1,0 +1,145 @@
+"""The machinery every layer of remote_module may use, through the names listed here.
+
+Upper layers (the proxy in ``remote_module._proxy`` and ``remote_module.remote_module``, and
+``pipeline``, ``sharded``, ``ps``) import these names from ``remote_module._core`` itself,
+never from its modules: what is listed in ``__all__`` is the internal API, and
+``tests/test_layers.py`` fails when a layer reaches past it. What lives where:
+
+- ``deadlines``: timeouts normalised once (:func:`timeout_seconds`), torch's timeout
+  argument written once (:func:`rpc_timeout_argument`);
+- ``fanout``: N host calls at once (:func:`call_all`, :func:`call_all_async`,
+  :func:`call_async`), nested budgets (:func:`nested_seconds`, :func:`answer_margin`),
+  :func:`send_and_forget`;
+- ``settling``: settling futures off the RPC threads and the one deadline watcher;
+- ``errors``: :class:`RemoteModuleError`, :class:`CallTimeout`, remote tracebacks, retyping;
+- ``device``: parsing ``remote_device``, moving tensors to and from the host's device;
+- ``walk``: mapping over nested tuples, lists and dicts;
+- ``store``: the host object store (:data:`host_objects`, :func:`hosted_module`);
+- ``untrained``: the warning for a remote forward that distributed autograd cannot train;
+- ``_torch_private``: every use of torch's private names, in one file;
+- argument checks shared with ``rpc_backend`` (:func:`positive_int`, :func:`positive_seconds`).
+"""
+
+from remote_module._core._torch_private import (
+    as_python_module,
+    backward_accumulates,
+    before_rref_deletion_at_shutdown,
+    device_map_to,
+    dist_autograd_contexts_exist,
+    embedding_bag_parts,
+    in_dist_autograd_context,
+    interface_forward_schema,
+    is_jit_interface,
+    is_rpc_initialized,
+    register_rpc_reducer,
+    rpc_class_reducers,
+    rref_types,
+    script_class_name,
+    script_module_has_attribute,
+    worker_names,
+)
+from remote_module._core.deadlines import agent_timeout_seconds, rpc_timeout_argument, timeout_seconds
+from remote_module._core.device import (
+    move_cpu_tensors,
+    parse_remote_device,
+    prepare_inputs,
+    prepare_output,
+    tensors_to_cpu,
+    uses_device_map,
+)
+from remote_module._core.errors import (
+    CallTimeout,
+    RemoteFailure,
+    RemoteModuleError,
+    capture,
+    retyped,
+    timeout_message,
+    to_exception,
+    unsendable_argument,
+)
+from remote_module._core.fanout import (
+    HostCall,
+    answer_margin,
+    call_all,
+    call_all_async,
+    call_async,
+    nested_seconds,
+    send_and_forget,
+)
+from remote_module._core.settling import (
+    WATCH_TICK_S,
+    add_to_run,
+    complete,
+    finish_run,
+    schedule,
+    settle_elsewhere,
+    settle_here,
+    watched_run,
+)
+from remote_module._core.store import Registry, host_device, host_objects, hosted_module
+from remote_module._core.untrained import records_outside_context, unwarned_state, user_stacklevel, warn_untrained
+from remote_module._core.walk import map_leaves, map_tensors
+from rpc_backend.options import positive_int, positive_seconds
+
+__all__ = [
+    "WATCH_TICK_S",
+    "CallTimeout",
+    "HostCall",
+    "Registry",
+    "RemoteFailure",
+    "RemoteModuleError",
+    "add_to_run",
+    "agent_timeout_seconds",
+    "answer_margin",
+    "as_python_module",
+    "backward_accumulates",
+    "before_rref_deletion_at_shutdown",
+    "call_all",
+    "call_all_async",
+    "call_async",
+    "capture",
+    "complete",
+    "device_map_to",
+    "dist_autograd_contexts_exist",
+    "embedding_bag_parts",
+    "finish_run",
+    "host_device",
+    "host_objects",
+    "hosted_module",
+    "in_dist_autograd_context",
+    "interface_forward_schema",
+    "is_jit_interface",
+    "is_rpc_initialized",
+    "map_leaves",
+    "map_tensors",
+    "move_cpu_tensors",
+    "nested_seconds",
+    "parse_remote_device",
+    "positive_int",
+    "positive_seconds",
+    "prepare_inputs",
+    "prepare_output",
+    "records_outside_context",
+    "register_rpc_reducer",
+    "retyped",
+    "rpc_class_reducers",
+    "rpc_timeout_argument",
+    "rref_types",
+    "schedule",
+    "script_class_name",
+    "script_module_has_attribute",
+    "send_and_forget",
+    "settle_elsewhere",
+    "settle_here",
+    "timeout_message",
+    "timeout_seconds",
+    "to_exception",
+    "tensors_to_cpu",
+    "unsendable_argument",
+    "unwarned_state",
+    "user_stacklevel",
+    "uses_device_map",
+    "warn_untrained",
+    "watched_run",
+    "worker_names",
+]

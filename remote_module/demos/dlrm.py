@@ -1,0 +1,417 @@
+"""``make demo``: a small DLRM-style click model trained on parameter servers.
+
+Three sparse features (a user, an ad and a site id per click, three ids each) look up
+``ShardedEmbeddingBag`` tables of 1,000,000, 100,000 and 10,000 rows sliced over the parameter
+servers; only the rows a batch touches travel, both ways. The dense part (bottom and top MLPs)
+trains on every trainer under ``DistributedDataParallel`` (gloo, among the trainers only).
+Clicks are synthetic, drawn from a hidden ground truth: a weight for every table row plus a
+dense weight vector. Ids follow a Zipf-like popularity curve (a few ids are frequent, most are
+rare), so the tables can learn the frequent rows within a short run, and most of what there is
+to learn is in the tables: the summary shows the AUC the truth itself reaches and the AUC of its
+dense part alone, which the model can only beat by training its tables.
+
+Run it on a local world (every rank a process on this machine, loopback only)::
+
+    python -m remote_module.demos.dlrm [--mode async|sync|half_async|geo] [--servers 2]
+                                      [--trainers 2] [--steps 150]
+
+or under torchrun, one rank per process, the first ``--servers`` ranks serving the tables::
+
+    torchrun --standalone --nproc-per-node=4 -m remote_module.demos.dlrm --servers 2
+
+Each trainer shows a progress bar (when tqdm is installed and stderr is a terminal); at the end
+one summary table is printed (by trainer0 under torchrun) and, when matplotlib is installed, a
+PNG of the loss and AUC curves is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from collections import deque
+from contextlib import contextmanager
+from typing import Any, Iterator, NamedTuple
+
+import torch
+from torch import nn
+
+from remote_module.demos.progress import NoBar, progress_bar
+from rpc_backend import Worker, current_worker, init_from_env, init_role_process_group, read_env, run_local
+
+TABLES = {"user": 1_000_000, "ad": 100_000, "site": 10_000}  # rows per table
+DIM = 16  # embedding width
+DENSE = 8  # dense features per click
+BAG = 3  # ids per sparse feature per click
+BATCH = 128  # clicks per trainer per step
+ZIPF = 1.1  # popularity: the id of rank k is drawn with probability ~ 1 / k**ZIPF
+EVAL = 4096  # held-out clicks for the final AUC
+PLAIN_PROGRESS_EVERY = 2.0  # seconds between a trainer's progress lines when no bar is shown
+WINDOW = 20  # steps in the progressive AUC (each batch scored before it is trained on)
+MODES = ("async", "sync", "half_async", "geo")
+
+
+class Batch(NamedTuple):
+    ids: list[torch.Tensor]  # per table: (clicks, BAG) row ids
+    dense: torch.Tensor  # (clicks, DENSE)
+    clicks: torch.Tensor  # (clicks,) 0. or 1.
+
+
+class Truth:
+    """The hidden ground truth: a weight per table row and a dense weight vector. A click's
+    logit is the sum over tables of its ids' mean weight plus the dense features' dot product."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(12345)
+        self.rows = [torch.randn(rows, generator=g) for rows in TABLES.values()]
+        # popular ids spread over the id space (as hashed ids are), so over every server
+        self.ids_by_rank = [torch.randperm(rows, generator=g) for rows in TABLES.values()]
+        self.cdf = []
+        for rows in TABLES.values():
+            p = torch.arange(1, rows + 1, dtype=torch.float64).pow(-ZIPF).cumsum(0)
+            self.cdf.append(p / p[-1])
+        self.dense = torch.randn(DENSE, generator=g) * 0.2
+
+    def batch(self, gen: torch.Generator, size: int = BATCH) -> Batch:
+        ids = []
+        for by_rank, cdf in zip(self.ids_by_rank, self.cdf):
+            rank = torch.searchsorted(cdf, torch.rand(size * BAG, generator=gen, dtype=torch.float64))
+            ids.append(by_rank[rank.clamp_(max=len(cdf) - 1)].view(size, BAG))
+        dense = torch.randn(size, DENSE, generator=gen)
+        clicks = torch.bernoulli(torch.sigmoid(2.0 * self.logit(ids, dense)), generator=gen)
+        return Batch(ids, dense, clicks)
+
+    def logit(self, ids: list[torch.Tensor], dense: torch.Tensor, sparse: bool = True) -> torch.Tensor:
+        out = dense @ self.dense
+        if sparse:
+            out = out + sum(w[i].mean(1) for w, i in zip(self.rows, ids))
+        return out
+
+
+class Dense(nn.Module):
+    """Bottom MLP on the dense features, top MLP on [bottom, pooled embeddings]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bottom = nn.Sequential(nn.Linear(DENSE, DIM), nn.ReLU())
+        self.top = nn.Sequential(nn.Linear(DIM * (len(TABLES) + 1), 64), nn.ReLU(), nn.Linear(64, 1))
+
+    def forward(self, dense: torch.Tensor, pooled: list[torch.Tensor]) -> torch.Tensor:
+        return self.top(torch.cat([self.bottom(dense), *pooled], dim=1)).squeeze(1)
+
+
+def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """Area under the ROC curve: the chance that a random click scores above a random non-click
+    (ties count one half); NaN when ``labels`` hold one class only.
+
+    Example::
+
+        >>> auc(torch.tensor([0.1, 0.4, 0.35, 0.8]), torch.tensor([0., 0., 1., 1.]))
+        0.75
+    """
+    scores = scores.double()
+    pos = labels.bool()
+    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    uniq, inverse, counts = torch.unique(scores, return_inverse=True, return_counts=True)
+    # a score's rank is the mean of the ranks its ties share
+    mean_rank = counts.cumsum(0).double() - (counts.double() - 1) / 2
+    ranks = mean_rank[inverse]
+    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    """One trainer's run: train ``args.steps`` steps, then score held-out clicks; the figures
+    the summary prints (see :func:`summary`) plus the loss and progressive-AUC curves."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from remote_module.ps import ShardedEmbeddingBag
+
+    me = current_worker()
+    say(f"{me.name}: forming the trainers' DDP group ({me.role_size} trainers)")
+    init_role_process_group(me)
+    servers = me.workers("ps")
+    torch.manual_seed(0)  # the same dense initialisation on every trainer (DDP checks it anyway)
+    # geo: a trainer pushes every cached row's delta each geo_push_every steps
+    tables = []
+    for t, (name, rows) in enumerate(TABLES.items()):
+        with still(f"{me.name}: creating table {name} ({rows:,} rows x {DIM}) on {len(servers)} server(s)"):
+            tables.append(
+                ShardedEmbeddingBag(rows, DIM, servers, name=f"dlrm.{name}", mode="mean", ps_mode=args.mode,
+                                    num_trainers=me.role_size, optimizer=(torch.optim.Adagrad, {"lr": 0.3}),
+                                    min_block_size=4096, geo_push_every=20, seed=t)
+            )
+    with still(f"{me.name}: building the dense model (DDP over the trainers) and the click generator"):
+        dense = DDP(Dense())
+        opt = torch.optim.Adam(dense.parameters(), lr=0.003)
+        truth = Truth()
+    gen = torch.Generator().manual_seed(100 + me.role_rank)
+    bar = _progress(args.steps, me, args.progress)
+    say(f"{me.name}: training {args.steps} steps of {BATCH} clicks ({args.mode} mode)")
+    # without a bar on screen (no terminal, --no-progress, no tqdm), a line every few seconds
+    shown = not isinstance(bar, NoBar) and not getattr(bar, "disable", False)  # tqdm off a terminal
+    plain_every = None if shown else PLAIN_PROGRESS_EVERY
+    last_line = time.monotonic()
+    latencies: list[float] = []
+    losses: list[float] = []
+    recent: deque = deque(maxlen=WINDOW)
+    auc_curve: list[tuple[int, float]] = []
+    start = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        batch = truth.batch(gen)
+        pooled = []
+        for table, ids in zip(tables, batch.ids):
+            t0 = time.perf_counter()
+            pooled.append(table(ids))
+            latencies.append(time.perf_counter() - t0)
+        scores = dense(batch.dense, pooled)
+        loss = nn.functional.binary_cross_entropy_with_logits(scores, batch.clicks)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        for table in tables:
+            table.step()
+        losses.append(loss.item())
+        recent.append((scores.detach(), batch.clicks))
+        if step % 5 == 0 or step == args.steps:
+            auc_curve.append((step, auc(torch.cat([s for s, _ in recent]), torch.cat([c for _, c in recent]))))
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", auc=f"{auc_curve[-1][1]:.3f}", refresh=False)
+        bar.update(1)
+        if plain_every is not None and time.monotonic() - last_line >= plain_every:
+            last_line = time.monotonic()
+            auc_text = f", AUC {auc_curve[-1][1]:.3f}" if auc_curve else ""
+            say(f"{me.name}: step {step}/{args.steps}, loss {losses[-1]:.3f}{auc_text}")
+    elapsed = time.perf_counter() - start
+    _close_in_order(bar, me)
+    say(f"{me.name}: {args.steps} steps done; scoring {EVAL} held-out clicks")
+    held_out = truth.batch(torch.Generator().manual_seed(999), EVAL)
+    with torch.no_grad():
+        scores = dense.module(held_out.dense, [t(ids) for t, ids in zip(tables, held_out.ids)])
+    lat = torch.tensor(latencies, dtype=torch.float64)
+    k = max(1, len(losses) // 10)
+    return {
+        "trainer": me.name,
+        "steps": args.steps,
+        "loss_first": sum(losses[:k]) / k,  # mean of the first tenth of the steps
+        "loss_last": sum(losses[-k:]) / k,  # ... and of the last tenth
+        "auc": auc(scores, held_out.clicks),
+        "auc_truth": auc(truth.logit(held_out.ids, held_out.dense), held_out.clicks),
+        "auc_truth_dense_only": auc(truth.logit(held_out.ids, held_out.dense, sparse=False), held_out.clicks),
+        "steps_per_s": args.steps / elapsed,
+        "lookups_per_s": args.steps * BATCH * BAG * len(TABLES) / float(lat.sum()),
+        "bytes_pushed_per_step": sum(t.pushed_bytes for t in tables) / args.steps,
+        "lookup_p50_ms": float(lat.quantile(0.5)) * 1e3,
+        "lookup_p99_ms": float(lat.quantile(0.99)) * 1e3,
+        "losses": losses,
+        "auc_curve": auc_curve,
+    }
+
+
+def _progress(total: int, me: Worker, enabled: bool) -> Any:
+    """A tqdm bar on this trainer's own line: the trainers on one machine share its terminal,
+    so the line is this trainer's index among them. None (or no tqdm) when stderr is no terminal."""
+    first_here = me.rank - me.local_rank  # launchers give a machine's ranks consecutive numbers
+    line = sum(1 for p in me.layout[first_here:me.rank] if p.role == me.role)
+    return progress_bar(total, enabled, desc=me.name, position=line, unit="step", leave=True, disable=None,
+                        dynamic_ncols=True)
+
+
+def _close_in_order(bar: Any, me: Worker) -> None:
+    """Close the trainers' bars one by one in rank order: tqdm writes a closing bar on the line
+    the terminal's cursor is on (the first bar's), then a newline, so closing the top bar first
+    leaves the bars in order."""
+    import torch.distributed as dist
+
+    for rank in range(me.role_size):
+        if rank == me.role_rank:
+            bar.close()
+        dist.barrier()  # over the trainers' process group
+
+
+def _rank(args: argparse.Namespace) -> dict[str, Any] | None:
+    # Ranks sharing a machine's cores: more intra-op threads than cores per rank only spin
+    # (OpenMP waits busily after each parallel op) and slow down the other ranks' RPCs.
+    torch.set_num_threads(args.threads)
+    me = current_worker()
+    if me.role == "ps":
+        return None  # serves the tables' blocks; under torchrun the servers print nothing
+    result = train(args)
+    say(f"{me.name}: finished; waiting for every rank to finish")
+    return result
+
+
+def say(text: str) -> None:
+    """One progress line on stdout, right away, in one write (ranks share the terminal, and
+    ``print`` writes the line's end separately)."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+@contextmanager
+def still(text: str, every: float = PLAIN_PROGRESS_EVERY) -> Iterator[None]:
+    """Say ``text`` now, then ``text (still, N s)`` every ``every`` seconds until the block ends."""
+    say(text)
+    done = threading.Event()
+    start = time.monotonic()
+
+    def remind() -> None:
+        while not done.wait(every):
+            say(f"{text} (still, {time.monotonic() - start:.0f} s)")
+
+    thread = threading.Thread(target=remind, name="dlrm-demo-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def summary(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    """The table printed at the end: one line per trainer (the dict :func:`train` returns)."""
+    sizes = " + ".join(f"{name} {rows:,}" for name, rows in TABLES.items())
+    table_mb = sum(TABLES.values()) * DIM * 4 / 1e6
+    lines = [
+        f"DLRM click model: {args.servers} parameter server(s), {len(results)} trainer(s), mode {args.mode}, "
+        f"{args.steps} steps of {BATCH} clicks per trainer",
+        f"tables: {sizes} rows x {DIM} floats ({table_mb:.1f} MB), sliced over the servers",
+        "",
+        f"{'trainer':<10}{'loss first -> last':>19}{'AUC':>7}{'steps/s':>9}{'lookups/s':>11}"
+        f"{'pushed B/step':>15}{'p50 ms':>8}{'p99 ms':>8}",
+    ]
+    for r in results:
+        lines.append(
+            f"{r['trainer']:<10}{r['loss_first']:>10.3f} -> {r['loss_last']:<5.3f}{r['auc']:>7.3f}"
+            f"{r['steps_per_s']:>9.1f}{r['lookups_per_s']:>11,.0f}{r['bytes_pushed_per_step']:>15,.0f}"
+            f"{r['lookup_p50_ms']:>8.2f}{r['lookup_p99_ms']:>8.2f}"
+        )
+    if results:
+        r = results[0]
+        lines += [
+            "",
+            f"AUC: on {EVAL} held-out clicks; the hidden truth scores {r['auc_truth']:.3f} on them, "
+            f"its dense features alone {r['auc_truth_dense_only']:.3f}.",
+            f"lookups/s: ids looked up per second spent looking up; p50/p99: one table's lookup of "
+            f"{BATCH} bags of {BAG} ids.",
+            "pushed B/step: bytes of row ids and gradient rows (geo: row deltas) sent to the servers per step.",
+        ]
+    return "\n".join(lines)
+
+
+def plot(results: list[dict[str, Any]], path: str) -> str | None:
+    """Write the loss and progressive-AUC curves to ``path`` (PNG); None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (loss_ax, auc_ax) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for r in results:
+        loss_ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=r["trainer"], linewidth=0.8)
+        steps, aucs = zip(*r["auc_curve"]) if r["auc_curve"] else ((), ())
+        auc_ax.plot(steps, aucs, label=f"{r['trainer']} (held out: {r['auc']:.3f})")
+    if results:
+        auc_ax.axhline(results[0]["auc_truth"], color="grey", linestyle="--", label="hidden truth")
+        auc_ax.axhline(results[0]["auc_truth_dense_only"], color="grey", linestyle=":", label="truth, dense only")
+    loss_ax.set(xlabel="step", ylabel="loss (binary cross-entropy)", title="training loss")
+    auc_ax.set(xlabel="step", ylabel="AUC", title=f"progressive AUC (last {WINDOW} batches)")
+    loss_ax.legend()
+    auc_ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked (argparse exits with a message naming the bad option)."""
+    parser = argparse.ArgumentParser(prog="python -m remote_module.demos.dlrm",
+                                     description="Train a small DLRM-style click model on parameter servers.")
+    parser.add_argument("--mode", choices=MODES, default="async", help="parameter-server mode (default: async)")
+    parser.add_argument("--servers", type=_at_least_one, default=2, help="parameter servers (default: 2)")
+    parser.add_argument("--trainers", type=_at_least_one, default=None,
+                        help="trainers (default: 2; under torchrun: the other ranks, WORLD_SIZE - servers)")
+    parser.add_argument("--steps", type=_at_least_one, default=150, help="training steps per trainer (default: 150)")
+    parser.add_argument("--threads", type=_at_least_one, default=None,
+                        help="torch threads per rank (default: this machine's cores / its ranks, at least 1)")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    parser.add_argument("--plot", default="dlrm-demo.png", metavar="PNG",
+                        help="where to write the loss/AUC curves (needs matplotlib; '' for none; default: %(default)s)")
+    args = parser.parse_args(argv)
+    args.torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if args.torchrun:
+        world = read_env()["world_size"]
+        if args.servers >= world:
+            parser.error(f"--servers {args.servers} leaves no trainer among torchrun's {world} processes: "
+                         f"pass --servers below {world}, or start more processes (--nproc-per-node, --nnodes)")
+        if args.trainers is not None and args.trainers != world - args.servers:
+            parser.error(f"--trainers {args.trainers} does not match torchrun's {world} processes minus "
+                         f"--servers {args.servers}; leave --trainers out under torchrun")
+        args.trainers = world - args.servers
+    elif args.trainers is None:
+        args.trainers = 2
+    if args.threads is None:
+        here = int(os.environ.get("LOCAL_WORLD_SIZE", args.servers + args.trainers))
+        args.threads = max(1, (os.cpu_count() or 1) // here)
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    """Run the demo; returns each trainer's figures (the dicts :func:`train` returns, in trainer
+    order; under torchrun on trainer0 only, ``[]`` on the other ranks).
+
+    Example::
+
+        results = main(["--steps", "50", "--no-progress", "--plot", ""])
+        results[0]["auc"], results[0]["steps_per_s"]
+    """
+    args = parse_args(argv)
+    if args.torchrun:
+        with init_from_env(roles={"ps": args.servers, "trainer": args.trainers}):
+            mine = _rank(args)
+            results = _gather(mine)
+    else:
+        print(f"Starting a local RPC world on loopback: {args.servers} server(s), {args.trainers} trainer(s)...",
+              flush=True)
+        out = run_local(_rank, args.servers + args.trainers, roles={"ps": args.servers, "trainer": args.trainers},
+                        args=(args,), timeout=900, progress=lambda message: say(f"  {message}"))
+        results = [r for r in out if r is not None]
+    if not results:
+        return []
+    print("\n" + summary(results, args), flush=True)
+    if args.plot:
+        written = plot(results, args.plot)
+        print(f"loss and AUC curves: {written}" if written
+              else "(install matplotlib, e.g. the project's `plot` extra, for a PNG of the loss and AUC curves)")
+    return results
+
+
+def _gather(mine: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """torchrun: every trainer's figures on trainer0 (over the trainers' process group), so one
+    summary is printed and one PNG written; ``[]`` on the servers and the other trainers."""
+    if mine is None:
+        return []
+    import torch.distributed as dist
+
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone if dist.get_rank() == 0 else []
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""The layer rules of shared/DESIGN.md, read from the source with ``ast`` (used by test_layers.py).
+
+Bottom up: ``rpc_backend`` (worlds), ``remote_module._core`` (machinery every layer may use),
+``remote_module._proxy`` (what only RemoteModule uses), ``remote_module.remote_module`` (the
+proxy), then ``pipeline``, ``sharded`` and ``ps``, and ``demos`` on top. :func:`violations`
+returns one line per broken rule:
+
+- ``rpc_backend`` imports nothing of ``remote_module``;
+- ``_core`` imports nothing of ``remote_module`` above it;
+- ``_proxy`` imports ``_core`` only through its public names and never a layer above it;
+- ``pipeline``, ``sharded`` and ``ps`` never import each other, and import ``_core`` and
+  ``_proxy`` only as ``from remote_module._core import <a name in its __all__>``; no other
+  private module of the package (``remote_module._x``) and no layer's private modules;
+- ``demos`` use public names only;
+- torch's private names (``torch._C``, ``rpc._is_current_rpc_agent_set``, the modules
+  ``torch.distributed.rpc.api`` and ``.internal``) appear only in the ``_torch_private.py``
+  files.
+
+Every import counts, also one inside a function.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Iterator
+
+UPPER = ("pipeline", "sharded", "ps")
+INTERNAL = ("_core", "_proxy")
+TORCH_PRIVATE_MODULES = ("torch.distributed.rpc.api", "torch.distributed.rpc.internal")
+
+
+def _private(part: str) -> bool:
+    return part.startswith("_") and not (part.startswith("__") and part.endswith("__"))
+
+
+def _layer(rel: tuple[str, ...]) -> str:
+    """The layer of a file, from its path relative to the source root."""
+    if rel[0] == "rpc_backend":
+        return "rpc_backend"
+    if len(rel) == 2:
+        return "proxy" if rel[1] == "remote_module.py" else "package"  # __init__, old demo shims
+    return rel[1]  # _core, _proxy, pipeline, sharded, ps, demos, _templates
+
+
+def _imports(tree: ast.AST) -> Iterator[tuple[int, str, list[str]]]:
+    """``(line, module, names)`` of every import; ``names`` empty for ``import x``."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name, []
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.lineno, node.module, [a.name for a in node.names]
+
+
+def _public_names(root: Path, package: str) -> set[str]:
+    """The names in ``remote_module/<package>/__init__.py``'s ``__all__``."""
+    tree = ast.parse((root / "remote_module" / package / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
+def _check_import(layer: str, module: str, names: list[str], public: dict[str, set[str]]) -> str | None:
+    """Why this import breaks a rule, or None."""
+    parts = module.split(".")
+    if parts[0] != "remote_module":
+        return None
+    if layer == "rpc_backend":
+        return "rpc_backend imports nothing of remote_module"
+    below = parts[1] if len(parts) > 1 else None
+    if layer == "_core":
+        return None if below == "_core" else "_core imports nothing above it"
+    if layer == "_proxy" and below not in ("_core", "_proxy"):
+        return "_proxy imports nothing above it (only _core's public names and _proxy)"
+    if layer == "proxy":  # remote_module.py: the proxy itself, built on _proxy's modules
+        if below not in (None, "_core", "_proxy", "remote_module"):
+            return "the proxy imports nothing above it"
+        if below == "_proxy":
+            return None
+    if below in INTERNAL and layer not in INTERNAL:
+        if len(parts) > 2:
+            return f"import {below}'s public names from remote_module.{below}, not its modules"
+        hidden = sorted(set(names) - public[below])
+        if hidden or not names:
+            return f"not in remote_module.{below}.__all__: {hidden or module}"
+    if layer in ("_proxy", "proxy") and below == "_core" and len(parts) > 2:
+        return "import _core's public names from remote_module._core, not its modules"
+    if layer in ("_proxy", "proxy") and below == "_core":
+        hidden = sorted(set(names) - public["_core"])
+        return f"not in remote_module._core.__all__: {hidden}" if hidden else None
+    if layer in UPPER or layer == "demos":
+        if below in UPPER and below != layer:
+            if layer in UPPER:
+                return f"{layer} never imports {below}"
+            if any(_private(p) for p in parts[2:]):
+                return f"demos use public names only, not {module}"
+        if below is not None and _private(below) and below not in INTERNAL:
+            return f"{module} is private to the proxy or the package"
+        if layer == "demos" and below in INTERNAL:
+            return "demos use public names only"
+    return None
+
+
+def _torch_private_uses(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """``(line, name)`` of each use of a private torch name: an import of one, or an attribute
+    ``_x`` read from a name bound to a torch module (``import torch.distributed.rpc as rpc``)."""
+    bound: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "torch":
+                    bound[alias.asname or "torch"] = alias.name if alias.asname else "torch"
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "torch":
+            for alias in node.names:
+                bound.setdefault(alias.asname or alias.name, f"{node.module}.{alias.name}")
+    for line, module, names in _imports(tree):
+        if module.split(".")[0] != "torch":
+            continue
+        for full in [module] + [f"{module}.{n}" for n in names]:
+            if any(_private(p) for p in full.split(".")) or full.startswith(TORCH_PRIVATE_MODULES):
+                yield line, full
+                break
+    inner = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or id(node) in inner:  # one report per chain
+            continue
+        chain, base = [node.attr], node.value
+        while isinstance(base, ast.Attribute):
+            chain.append(base.attr)
+            base = base.value
+        if isinstance(base, ast.Name) and base.id in bound:
+            full = ".".join([bound[base.id], *reversed(chain)])
+            if any(_private(p) for p in full.split(".")) or full.startswith(TORCH_PRIVATE_MODULES):
+                yield node.lineno, full
+
+
+def violations(root: Path) -> list[str]:
+    """Every broken layer rule under ``root`` (the folder holding remote_module/ and
+    rpc_backend/), as ``path:line: rule``."""
+    public = {name: _public_names(root, name) for name in INTERNAL}
+    found = []
+    for package in ("rpc_backend", "remote_module"):
+        for path in sorted((root / package).rglob("*.py")):
+            rel = path.relative_to(root).parts
+            layer = _layer(rel)
+            tree = ast.parse(path.read_text(), str(path))
+            for line, module, names in _imports(tree):
+                why = _check_import(layer, module, names, public)
+                if why:
+                    found.append(f"{'/'.join(rel)}:{line}: {why} ({module})")
+            if path.name != "_torch_private.py":
+                for line, name in _torch_private_uses(tree):
+                    found.append(f"{'/'.join(rel)}:{line}: torch's private {name} outside _torch_private.py")
+    return found

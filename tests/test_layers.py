@@ -1,0 +1,67 @@
+"""The layer map of shared/DESIGN.md holds in the source (imports only point down), and the
+check fails on each kind of bad import planted in a copy of the source."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+import remote_module
+import rpc_backend
+from tests._layers import violations
+
+ROOT = Path(remote_module.__file__).resolve().parent.parent
+
+
+def test_the_packages_sit_side_by_side():
+    assert Path(rpc_backend.__file__).resolve().parent.parent == ROOT
+
+
+def test_imports_only_point_down():
+    assert violations(ROOT) == []
+
+
+# (file, line planted at the end, a word of the rule it breaks)
+PLANTED = [
+    ("rpc_backend/roles.py", "import remote_module", "rpc_backend imports nothing"),
+    ("remote_module/_core/walk.py", "def f():\n    from remote_module._proxy import wire", "_core imports nothing above"),
+    ("remote_module/_core/errors.py", "from remote_module.ps import PSModel", "_core imports nothing above"),
+    ("remote_module/_proxy/wire.py", "from remote_module.pipeline import RemotePipeline", "_proxy imports nothing above"),
+    ("remote_module/pipeline/_split.py", "from remote_module.ps import PSModel", "pipeline never imports ps"),
+    ("remote_module/sharded/_mesh.py", "from remote_module._core.fanout import call_all", "not its modules"),
+    ("remote_module/ps/_rows.py", "from remote_module._core import _PACKAGE", "not in remote_module._core.__all__"),
+    ("remote_module/ps/_rows.py", "import remote_module._core", "not in remote_module._core.__all__"),
+    ("remote_module/ps/_dispatch.py", "from remote_module._proxy.host import host_device", "not its modules"),
+    ("remote_module/ps/_server.py", "from remote_module.sharded._store import Ref", "ps never imports sharded"),
+    ("remote_module/demos/hybrid.py", "from remote_module.ps._rows import TableSpec", "public names only"),
+    ("remote_module/sharded/_placements.py", "x = torch._C._get_tracing_state", "torch's private torch._C"),
+    ("remote_module/pipeline/_balance.py", "from torch.distributed.rpc.api import RRef", "torch's private"),
+    ("remote_module/ps/_tables.py", "rpc._get_current_rpc_agent()", "torch's private"),
+]
+
+
+@pytest.fixture(scope="module")
+def copied(tmp_path_factory):
+    """A copy of both packages' source, checked clean once."""
+    root = tmp_path_factory.mktemp("src")
+    for package in ("rpc_backend", "remote_module"):
+        shutil.copytree(ROOT / package, root / package, ignore=shutil.ignore_patterns("__pycache__"))
+    assert violations(root) == []
+    return root
+
+
+@pytest.mark.parametrize("path,planted,rule", PLANTED, ids=[f"{p}:{r}" for p, _, r in PLANTED])
+def test_a_planted_bad_import_is_found(copied, path, planted, rule):
+    target = copied / path
+    original = target.read_text()
+    try:
+        target.write_text(original + "\n" + planted + "\n")
+        found = violations(copied)
+    finally:
+        target.write_text(original)
+    assert len(found) == 1, found
+    where, why = found[0].split(": ", 1)
+    assert where.startswith(f"{path}:") and int(where.rsplit(":", 1)[1]) > len(original.splitlines()), found
+    assert rule in why, found
