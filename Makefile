@@ -12,7 +12,7 @@ PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check
 CAN_BUILD := import setuptools, sys; sys.exit(tuple(int(p) for p in setuptools.__version__.split(".")[:2]) < (70, 1))
 BUILD_FLAGS = $$($(PYTHON) -c '$(CAN_BUILD)' 2>/dev/null && echo --no-build-isolation)
 
-.PHONY: install demo demo-hybrid test bench
+.PHONY: install demo demo-hybrid test lint bench
 
 .install-stamp: setup.cfg pyproject.toml
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) "$(TORCH)"
@@ -31,6 +31,10 @@ demo-hybrid: .install-stamp
 
 test: .install-stamp
 	$(PYTHON) -m pytest
+
+# Static checks with ruff (its rules: [tool.ruff] in pyproject.toml).
+lint: .install-stamp
+	$(PYTHON) -m ruff check .
 
 bench: .install-stamp
 	$(PYTHON) -m tests.benchmarks.bench_remote_module
