@@ -12,7 +12,13 @@ import torch.distributed.rpc as rpc
 from torch import nn
 from torch.futures import Future
 
-from remote_module._core import is_jit_interface, is_rpc_initialized, parse_remote_device, register_rpc_reducer, worker_names
+from remote_module._core import (
+    is_jit_interface,
+    is_rpc_initialized,
+    parse_remote_device,
+    register_rpc_reducer,
+    worker_names,
+)
 from remote_module._proxy import host as _host
 from remote_module._proxy.calls import RemoteCalls, _rpc_missing_message
 from remote_module._proxy.codegen import render_forward_methods, render_scriptable_module

@@ -12,7 +12,6 @@ import torch
 from tests._ps_embedding_hostile_remote import _objects, attempt, table
 
 
-
 def prepare(name: str, ids: list[int] | None, **kwargs: Any) -> bool:
     """A table kept here, with a lookup of ``ids`` backpropagated (its gradient waits for a step)."""
     t = table(name, **kwargs)

@@ -12,7 +12,6 @@ from torch import nn
 from tests._ps_embedding_hostile_remote import table, weights
 
 
-
 def max_weights() -> torch.Tensor:
     """weights(0) with row 1 (on ps0) equal to row 15 (on ps1), rows 3 and 13 at -inf, and a
     NaN in row 4 (dimension 0)."""

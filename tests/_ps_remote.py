@@ -55,8 +55,9 @@ def ready(server: bool) -> str:
     """Import what the jobs use before any timed call: remote_module.ps, and on servers torch.optim's
     first optimizer (its constructor imports torch._dynamo: ~2 s of CPU, past a short job timeout;
     trainers build one only in geo mode)."""
-    import remote_module.ps  # noqa: F401
     import torch.distributed.rpc as rpc
+
+    import remote_module.ps  # noqa: F401
 
     if server:
         torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)

@@ -299,8 +299,7 @@ def shutdown_caller() -> dict:
     import torch.distributed.rpc as rpc
     from torch.distributed.tensor import Shard
 
-    from remote_module.sharded import LocalModule, distribute
-    from remote_module.sharded import _tensor
+    from remote_module.sharded import LocalModule, _tensor, distribute
     from tests import _pipeline_faults_remote as pfr
 
     caught: list[str] = []

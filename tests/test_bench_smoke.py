@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tests.benchmarks import bench_embedding, bench_pipeline, bench_ps, bench_sharded
-from tests.benchmarks._caller_bytes import sized
 from tests.benchmarks import bench_remote_module as bench
+from tests.benchmarks._caller_bytes import sized
 
 _OMP_BEFORE = os.environ.get("OMP_NUM_THREADS")
 

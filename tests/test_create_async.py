@@ -12,9 +12,9 @@ import remote_module.remote_module as rm_impl
 from remote_module import RemoteModule
 from remote_module._core.errors import CallTimeout, RemoteModuleError
 from tests import _gates, _remote, _subclass
+from tests._marks import GRAD_ON_WITHOUT_CONTEXT
 from tests._remote import Affine
 from tests._script_defs import MyModule, MyModuleInterface
-from tests._marks import GRAD_ON_WITHOUT_CONTEXT
 
 pytestmark = [pytest.mark.usefixtures("rpc_world"), GRAD_ON_WITHOUT_CONTEXT]
 

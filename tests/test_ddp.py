@@ -13,7 +13,7 @@ from torch import nn
 
 from rpc_backend import run_local
 from tests import _ddp_job
-from tests._ddp_job import LR, NUM_EMBEDDINGS, DIM, HybridModel, batch
+from tests._ddp_job import DIM, LR, NUM_EMBEDDINGS, HybridModel, batch
 
 STEPS = 3
 

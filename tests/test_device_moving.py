@@ -5,8 +5,8 @@ from collections import OrderedDict
 
 import torch
 
-from remote_module._core.walk import map_tensors
 from remote_module._core.device import move_cpu_tensors, prepare_inputs, prepare_output, tensors_to_cpu
+from remote_module._core.walk import map_tensors
 from tests._remote import Pair
 
 META = torch.device("meta")

@@ -10,12 +10,12 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import nn
 
-import remote_module.remote_module as impl
 import remote_module
+import remote_module.remote_module as impl
 from remote_module import RemoteModule, RemoteModuleError
 from tests import _remote
-from tests._remote import Affine, Raiser, Sleeper, UserError
 from tests._marks import GRAD_ON_WITHOUT_CONTEXT
+from tests._remote import Affine, Raiser, Sleeper, UserError
 
 pytestmark = [pytest.mark.usefixtures("rpc_world"), GRAD_ON_WITHOUT_CONTEXT]
 

@@ -17,8 +17,8 @@ from remote_module import RemoteModule
 from remote_module._proxy import channel as _channel
 from remote_module._proxy.wire import INLINE_MAX_BYTES, dumps, loads
 from tests import _remote
-from tests._remote import Affine, Raiser, Sleeper
 from tests._marks import GRAD_ON_WITHOUT_CONTEXT
+from tests._remote import Affine, Raiser, Sleeper
 
 pytestmark = GRAD_ON_WITHOUT_CONTEXT
 

@@ -10,8 +10,8 @@ from torch import nn
 
 from remote_module import RemoteModule
 from tests import _remote
-from tests._remote import Affine, Hybrid, ModeReporter
 from tests._marks import GRAD_ON_WITHOUT_CONTEXT
+from tests._remote import Affine, Hybrid, ModeReporter
 
 pytestmark = [pytest.mark.usefixtures("rpc_world"), GRAD_ON_WITHOUT_CONTEXT]
 

@@ -12,7 +12,6 @@ environment (PyPI must be reachable then).
 """
 
 import json
-import os
 import shutil
 import subprocess
 import sys

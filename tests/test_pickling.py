@@ -12,8 +12,8 @@ import remote_module
 from remote_module import RemoteModule
 from remote_module._proxy.pickling import IGNORED_ATTRIBUTES, NOT_PICKLABLE, NOT_UNPICKLABLE, check_attributes
 from tests import _remote, _subclass
-from tests._remote import Affine
 from tests._marks import GRAD_ON_WITHOUT_CONTEXT
+from tests._remote import Affine
 
 pytestmark = [pytest.mark.usefixtures("rpc_world"), GRAD_ON_WITHOUT_CONTEXT]
 

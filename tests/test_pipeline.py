@@ -13,8 +13,8 @@ from torch import nn
 
 from remote_module import RemoteModule
 from remote_module.pipeline import RemotePipeline, _pipeline, split_sequential
-from tests._pipeline_remote import Fork, Heads, Join, Mix, Timed, on_host, recorded, seeded_linear
 from tests._marks import GRAD_ON_WITHOUT_CONTEXT
+from tests._pipeline_remote import Fork, Heads, Join, Mix, Timed, on_host, recorded, seeded_linear
 
 pytestmark = [pytest.mark.usefixtures("rpc_world"), GRAD_ON_WITHOUT_CONTEXT]
 

@@ -14,8 +14,8 @@ import torch.distributed.rpc as rpc
 
 from remote_module.pipeline import RemotePipeline
 from tests import _pipeline_remote as remote
-from tests._pipeline_remote import Absorb, Emit, FailsOn, Timed, on_host, recorded, seeded_linear
 from tests._marks import GRAD_ON_WITHOUT_CONTEXT
+from tests._pipeline_remote import Absorb, Emit, FailsOn, Timed, on_host, recorded, seeded_linear
 
 pytestmark = [pytest.mark.usefixtures("rpc_world"), GRAD_ON_WITHOUT_CONTEXT]
 

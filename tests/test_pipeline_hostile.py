@@ -11,8 +11,7 @@ import torch.distributed.rpc as rpc
 from torch import nn
 
 from remote_module import RemoteModule
-from remote_module.pipeline import RemotePipeline, split_sequential
-from remote_module.pipeline import _hops
+from remote_module.pipeline import RemotePipeline, _hops, split_sequential
 from tests import _pipeline_hostile_remote as phr
 
 _clock = time.monotonic

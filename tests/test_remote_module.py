@@ -11,8 +11,8 @@ from torch.distributed.optim import DistributedOptimizer
 import remote_module.remote_module as rm_impl
 from remote_module import RemoteModule
 from tests import _remote
-from tests._remote import Affine, ModeReporter, Nested, VarArgs
 from tests._marks import GRAD_ON_WITHOUT_CONTEXT
+from tests._remote import Affine, ModeReporter, Nested, VarArgs
 
 pytestmark = [pytest.mark.usefixtures("rpc_world"), GRAD_ON_WITHOUT_CONTEXT]
 

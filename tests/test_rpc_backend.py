@@ -21,7 +21,6 @@ from tests import _world_fns
 from tests._subworld import run_report
 
 
-
 def test_role_spec_names_ranks_in_order():
     layout = placements(4, {"ps": 2, "trainer": 2})
     assert [p.name for p in layout] == ["ps0", "ps1", "trainer0", "trainer1"]

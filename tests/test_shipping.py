@@ -6,11 +6,11 @@ import dataclasses
 import importlib.util
 import io
 import json
-import pickle
-import tempfile
 import os
+import pickle
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,7 +20,13 @@ from torch.distributed.optim import DistributedOptimizer
 
 from remote_module import RemoteModule
 from remote_module._proxy import shipping as _shipping
-from remote_module._proxy.shipping import ByValue, by_value_reduce, importable_by_reference, pack_constructor, unpack_constructor
+from remote_module._proxy.shipping import (
+    ByValue,
+    by_value_reduce,
+    importable_by_reference,
+    pack_constructor,
+    unpack_constructor,
+)
 from tests._remote import Affine
 from tests._shipping_checks import Holder
 

@@ -39,7 +39,17 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from remote_module._core import CallTimeout, RemoteFailure, capture, device_map_to, host_device, hosted_module, move_cpu_tensors, rpc_timeout_argument, tensors_to_cpu
+from remote_module._core import (
+    CallTimeout,
+    RemoteFailure,
+    capture,
+    device_map_to,
+    host_device,
+    hosted_module,
+    move_cpu_tensors,
+    rpc_timeout_argument,
+    tensors_to_cpu,
+)
 
 _clock = time.monotonic
 

@@ -16,7 +16,14 @@ import torch.distributed.rpc as rpc
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from remote_module._core import backward_accumulates, call_all, nested_seconds, positive_int, timeout_seconds, user_stacklevel
+from remote_module._core import (
+    backward_accumulates,
+    call_all,
+    nested_seconds,
+    positive_int,
+    timeout_seconds,
+    user_stacklevel,
+)
 from remote_module.ps import _tables
 from remote_module.ps._dispatch import RoundRobin, check_servers
 from remote_module.ps._embedding_checkpoints import TableCheckpoints

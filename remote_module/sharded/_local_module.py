@@ -10,7 +10,15 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import nn
 
-from remote_module._core import CallTimeout, map_leaves, records_outside_context, retyped, timeout_seconds, unwarned_state, warn_untrained
+from remote_module._core import (
+    CallTimeout,
+    map_leaves,
+    records_outside_context,
+    retyped,
+    timeout_seconds,
+    unwarned_state,
+    warn_untrained,
+)
 from remote_module.remote_module import RemoteModule
 from remote_module.sharded import _placements as pl
 from remote_module.sharded import _store

@@ -28,7 +28,15 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from remote_module._core import call_all_async, device_map_to, host_device, hosted_module, map_leaves, move_cpu_tensors, tensors_to_cpu
+from remote_module._core import (
+    call_all_async,
+    device_map_to,
+    host_device,
+    hosted_module,
+    map_leaves,
+    move_cpu_tensors,
+    tensors_to_cpu,
+)
 
 # Imported with the store on purpose (it imports torch.distributed.tensor, ~1 s): a worker pays
 # for it on its first shard call, not inside a redistribute whose nested fetches have a budget.

@@ -23,8 +23,8 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import nn
 
-from tests.benchmarks._common import parse_args, publish
 from rpc_backend import run_local
+from tests.benchmarks._common import parse_args, publish
 
 SMALL_IN = 16
 
