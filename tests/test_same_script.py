@@ -28,7 +28,7 @@ def _env() -> dict:
 
 
 def _result(stdout: str, stderr: str = "") -> dict:
-    line = next((l for l in stdout.splitlines() if l.startswith("RESULT ")), None)
+    line = next((ln for ln in stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line is not None, f"no RESULT line\nstdout:\n{stdout[-2000:]}\nstderr:\n{stderr[-3000:]}"
     return json.loads(line[len("RESULT "):])
 

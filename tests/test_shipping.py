@@ -88,7 +88,7 @@ def test_main_class_in_a_script_run_by_the_local_launcher():
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(next(l for l in out.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
+    result = json.loads(next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))[len("RESULT "):])
     assert result["out"] == [2.0, 2.0, 2.0]
     assert result["after"] == [1.5, 1.5, 1.5]  # w - 0.5 * 1
     assert result["type"].endswith("MainNet")
@@ -238,7 +238,7 @@ def test_pickles_resolve_in_the_same_script_and_copy_in_another(tmp_path):
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONHASHSEED": str(seed)}
         out = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr[-3000:]
-        line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), "RESULT null")
+        line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), "RESULT null")
         return json.loads(line[len("RESULT "):])
 
     run(1, "tests/scripts/shipping_same.py", "dump", sent)
