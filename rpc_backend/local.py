@@ -180,14 +180,15 @@ def run_local(
     SIGTERM (while ``run_local`` runs in the main thread), the ranks are stopped first
     (terminate, then kill) and then the signal has its usual effect (``KeyboardInterrupt``;
     the process ends); the ranks also exit by themselves if the caller dies outright. The ranks
-    keep two unactionable torch warnings off the console (see ``rpc_backend/_quiet.py``). MASTER_ADDR / MASTER_PORT name a store
-    the launcher hosts on 127.0.0.1 (as torchrun's agent does), so
-    :func:`~rpc_backend.init_role_process_group` and ``init_process_group`` work in ``fn``. Returns the ranks' return
-    values ordered by rank, copied by value with plain pickle (tensors arrive intact, with no
-    storage shared with the exited rank); a value that cannot be pickled fails the world with
-    :class:`LocalWorldError` naming the rank and the offending type. If a rank raises, its traceback is printed, the other ranks are
-    stopped and :class:`LocalWorldError` is raised within ``stop_grace`` seconds. ``timeout``
-    bounds the whole run (None: no bound). ``fn`` must be importable (module level).
+    keep two unactionable torch warnings off the console (see ``rpc_backend/_quiet.py``).
+    MASTER_ADDR / MASTER_PORT name a store the launcher hosts on 127.0.0.1 (as torchrun's agent
+    does), so :func:`~rpc_backend.init_role_process_group` and ``init_process_group`` work in
+    ``fn``. Returns the ranks' return values ordered by rank, copied by value with plain pickle
+    (tensors arrive intact, with no storage shared with the exited rank); a value that cannot be
+    pickled fails the world with :class:`LocalWorldError` naming the rank and the offending
+    type. If a rank raises, its traceback is printed, the other ranks are stopped and
+    :class:`LocalWorldError` is raised within ``stop_grace`` seconds. ``timeout`` bounds the
+    whole run (None: no bound). ``fn`` must be importable (module level).
     A rank whose ``fn`` returned keeps serving the others until every rank is done, however
     long that takes; ``shutdown_timeout`` seconds bound that wait (a rank that hits the bound
     shuts down immediately and fails the world).

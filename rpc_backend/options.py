@@ -85,7 +85,9 @@ def make_options(
         if known is not None and peer not in known:
             raise ValueError(f"device_maps names worker {peer!r}, which is not in the world ({sorted(known)})")
         if not isinstance(mapping, Mapping) or not mapping:
-            raise TypeError(f"device_maps[{peer!r}] must be a non-empty dict of local -> remote device, got {mapping!r}")
+            raise TypeError(
+                f"device_maps[{peer!r}] must be a non-empty dict of local -> remote device, got {mapping!r}"
+            )
         where = f"device_maps[{peer!r}]"
         pairs = {_device(k, where): _device(v, where) for k, v in mapping.items()}
         if len(set(pairs.values())) != len(pairs):

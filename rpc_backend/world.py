@@ -193,7 +193,9 @@ def _env_int(name: str, env: Mapping[str, str]) -> int:
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"{name}={value!r} is not an integer; start the job with torchrun, e.g. {TORCHRUN_HINT}") from None
+        raise ValueError(
+            f"{name}={value!r} is not an integer; start the job with torchrun, e.g. {TORCHRUN_HINT}"
+        ) from None
 
 
 def read_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -222,7 +224,9 @@ def read_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     if not 0 < port < 65536:
         problems.append(f"MASTER_PORT={port} is not a TCP port")
     if problems:
-        raise ValueError("inconsistent torchrun variables: " + "; ".join(problems) + f". Expected a launch like: {TORCHRUN_HINT}")
+        raise ValueError(
+            "inconsistent torchrun variables: " + "; ".join(problems) + f". Expected a launch like: {TORCHRUN_HINT}"
+        )
     return {
         "rank": rank,
         "world_size": world_size,
@@ -246,9 +250,10 @@ def init_from_env(
 
     Worker names come from ``roles`` (``{"ps": 2, "trainer": 2}`` -> ps0, ps1, trainer0,
     trainer1 by rank), default ``worker<rank>``. The worker's graceful shutdown waits for
-    every other worker however long it takes; ``shutdown_timeout`` seconds bound it. The rendezvous is torchrun's own store
-    (MASTER_ADDR:MASTER_PORT; the agent's store when torchrun provides one), so a process group
-    for DDP among some ranks (:func:`init_role_process_group`) needs no second port.
+    every other worker however long it takes; ``shutdown_timeout`` seconds bound it. The
+    rendezvous is torchrun's own store (MASTER_ADDR:MASTER_PORT; the agent's store when torchrun
+    provides one), so a process group for DDP among some ranks (:func:`init_role_process_group`)
+    needs no second port.
     Two torch warnings nobody can act on stay off the console: gloo's "Backend ... as a
     ProcessGroup" during ``init_rpc``, and TorchScript's functional optimizer deprecation that
     torch's ``DistributedOptimizer`` emits on the workers (see ``rpc_backend/_quiet.py``).

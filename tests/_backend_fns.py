@@ -54,7 +54,8 @@ def trainers_in_a_role_group() -> dict | None:
     report = {
         "group": (dist.get_rank(), dist.get_world_size()),
         "all_reduce": total.item(),
-        "params": [p.detach().tolist() for p in model.parameters()],  # plain lists: tensors would travel as shared memory
+        # plain lists: tensors would travel as shared memory
+        "params": [p.detach().tolist() for p in model.parameters()],
         "from_ps": from_ps,
         "master": (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])),
         "listening": listening_addresses(),

@@ -307,7 +307,10 @@ class Tied(nn.Module):
         return self.head(self.users(users) * self.items(items)).squeeze(1)
 
 
-TIED_BATCHES = [(torch.tensor([1, 15, 2]), torch.tensor([15, 3, 2])), (torch.tensor([4, 4, 16]), torch.tensor([16, 1, 5]))]
+TIED_BATCHES = [
+    (torch.tensor([1, 15, 2]), torch.tensor([15, 3, 2])),
+    (torch.tensor([4, 4, 16]), torch.tensor([16, 1, 5])),
+]
 
 
 def tied_train(model: nn.Module, step: Callable[[], None], zero_grad: Callable[[], None]) -> None:

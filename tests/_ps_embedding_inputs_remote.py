@@ -70,7 +70,8 @@ def odd_inputs() -> dict:
         "max empty bags": ("max", (torch.tensor([1, 15]), torch.tensor([0, 2, 2]))),
         "max padding -1 only": ("max-pad", (torch.tensor([[19, 19], [1, 19]]),)),
         "psw short": ("sum", (torch.tensor([9, 10, 10]), torch.tensor([0, 1]), torch.tensor([0.5, 2.0]))),
-        "psw float64": ("sum", (torch.tensor([9, 10]), torch.tensor([0]), torch.tensor([0.5, 2.0], dtype=torch.float64))),
+        "psw float64": ("sum", (torch.tensor([9, 10]), torch.tensor([0]),
+                                torch.tensor([0.5, 2.0], dtype=torch.float64))),
         "psw with mean": ("mean", (torch.tensor([9, 10]), torch.tensor([0]), torch.tensor([0.5, 2.0]))),
         "offsets not from 0": ("sum", (torch.tensor([9, 10]), torch.tensor([1]))),
         "offsets past the end": ("sum", (torch.tensor([9, 10]), torch.tensor([0, 3]))),
@@ -82,7 +83,8 @@ def odd_modules(name: str | None) -> dict:
     """The modules odd_inputs() name: sharded (``name``) or, with None, local ones."""
     w = weights(0)
     if name is None:
-        local = {"emb": nn.Embedding(20, 3, _weight=w.clone()), "pad": nn.Embedding(20, 3, padding_idx=-1, _weight=w.clone())}
+        local = {"emb": nn.Embedding(20, 3, _weight=w.clone()),
+                 "pad": nn.Embedding(20, 3, padding_idx=-1, _weight=w.clone())}
         local.update({m: nn.EmbeddingBag(20, 3, mode=m, _weight=w.clone()) for m in ("sum", "mean", "max")})
         local["max-pad"] = nn.EmbeddingBag(20, 3, mode="max", padding_idx=-1, _weight=w.clone())
         return local  # the padding row as loaded (non-zero): nn.Embedding returns it as stored

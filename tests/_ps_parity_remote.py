@@ -101,7 +101,8 @@ def sometimes_train(job: str) -> dict:
         if kind != "none":
             ps(sometimes_x(step), kind == "all").backward()
         ps.step()
-    return {"values": {k: v.clone() for k, v in ps.state_dict().items()}, "local": _params(ps.module), "optim": ps.optimizer_state_dict()}
+    return {"values": {k: v.clone() for k, v in ps.state_dict().items()}, "local": _params(ps.module),
+            "optim": ps.optimizer_state_dict()}
 
 
 def two_forwards(job: str, seed: int, servers: list[str], kwargs: dict) -> dict:

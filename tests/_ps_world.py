@@ -52,7 +52,8 @@ class PSWorld:
 
         self.names = role_names(roles)
         init_method, self._path = fresh_file_rendezvous()
-        env = {**os.environ, **loopback_env(), "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        env = {**os.environ, **loopback_env(),
+               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                "OMP_NUM_THREADS": "1"}
         self._stderr = tempfile.TemporaryFile()
         self.procs: dict[str, subprocess.Popen] = {}

@@ -303,7 +303,9 @@ def shutdown_caller() -> dict:
     from tests import _pipeline_faults_remote as pfr
 
     caught: list[str] = []
-    threading.excepthook = lambda args: caught.append(f"thread {args.thread.name}: {args.exc_type.__name__}: {args.exc_value}")
+    threading.excepthook = lambda args: caught.append(
+        f"thread {args.thread.name}: {args.exc_type.__name__}: {args.exc_value}"
+    )
     sys.unraisablehook = lambda u: caught.append(f"unraisable: {u.exc_type.__name__}: {u.exc_value}")
     mesh = ["w1", "w2"]
     lm = LocalModule(mesh, pfr.Step, step_args, out_placements=Shard(0), timeout=60.0)

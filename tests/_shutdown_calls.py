@@ -57,8 +57,9 @@ def summarize(futures: list, expected: list, *, settle_within: float = 0.0) -> d
 
 
 def cheap_proxy(host: str) -> tuple[Any, Any]:
-    """A warmed proxy of a small linear layer on ``host`` that takes CHEAP_PAUSE per call
-    (its channel coalesces from here on, see below) and a local copy of the module that computes what each call must return."""
+    """A warmed proxy of a small linear layer on ``host`` that takes CHEAP_PAUSE per call (its
+    channel coalesces from here on, see below) and a local copy of the module that computes what
+    each call must return."""
     import torch
 
     import remote_module._proxy.channel as channel

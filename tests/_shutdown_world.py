@@ -14,7 +14,8 @@ def main(rank: str, init_method: str) -> None:
 
     from rpc_backend import make_options, shutdown_rpc
 
-    rpc.init_rpc(f"w{rank}", rank=int(rank), world_size=2, rpc_backend_options=make_options(init_method=init_method, rpc_timeout=10))
+    rpc.init_rpc(f"w{rank}", rank=int(rank), world_size=2,
+                 rpc_backend_options=make_options(init_method=init_method, rpc_timeout=10))
     if rank == "1":
         time.sleep(60)
         os._exit(0)

@@ -126,7 +126,9 @@ def test_quick_ps_benchmark_runs(tmp_path, capsys):
     results = bench_ps.main(["--quick", "--json", str(out)])
     saved = json.loads(out.read_text())
     assert saved["ratios"] == results["ratios"]
-    variants = {"tutorial pattern"} | {f"{m} servers={n}" for n in (1, 2) for m in ("sync", "async", "half_async", "geo")}
+    variants = {"tutorial pattern"} | {
+        f"{m} servers={n}" for n in (1, 2) for m in ("sync", "async", "half_async", "geo")
+    }
     assert set(saved["steps_per_s"]) == variants
     assert set(saved["checks"]) == variants - {"tutorial pattern"}
     assert all(len(s) == saved["config"]["rounds"] for s in saved["round_samples_s"].values())
@@ -162,7 +164,8 @@ def test_quick_embedding_benchmark_runs(tmp_path, capsys):
     assert set(saved["train_steps_per_s"]) == set(saved["lookups_per_s"]) == variants
     assert set(saved["round_samples_s"]) == {f"{k}: {v}" for k in ("train", "lookup") for v in variants}
     assert all(len(s) == cfg["rounds"] for s in saved["round_samples_s"].values())
-    assert all(v > 0 for v in saved["train_steps_per_s"].values()) and all(v > 0 for v in saved["lookups_per_s"].values())
+    assert (all(v > 0 for v in saved["train_steps_per_s"].values())
+            and all(v > 0 for v in saved["lookups_per_s"].values()))
     # the same computation: equal to the local reference after the first steps, equal to each other at the end
     assert saved["check_rows_changed"] > 0
     assert set(saved["check_max_abs_diff_vs_local"]) == variants

@@ -34,7 +34,9 @@ def bind(module_cls):
     return rec, types.MethodType(fwd, rec), types.MethodType(fwd_async, rec)
 
 
-@pytest.mark.parametrize("module_cls", [Affine, VarArgs, torch.nn.Linear, torch.nn.EmbeddingBag, torch.nn.MultiheadAttention])
+@pytest.mark.parametrize(
+    "module_cls", [Affine, VarArgs, torch.nn.Linear, torch.nn.EmbeddingBag, torch.nn.MultiheadAttention]
+)
 def test_signature_is_the_modules(module_cls):
     _, fwd, fwd_async = bind(module_cls)
     expected = inspect.signature(module_cls.forward)

@@ -54,7 +54,8 @@ def _check_progress_lines(lines: list[str], steps: int) -> None:
              index("  all 3 ranks joined the RPC world")]
     assert world == sorted(world), lines
     for t in ("trainer0", "trainer1"):
-        phases = [f"{t}: forming the trainers' DDP group", *(f"{t}: creating table {name} " for name in dlrm_demo.TABLES),
+        phases = [f"{t}: forming the trainers' DDP group",
+                  *(f"{t}: creating table {name} " for name in dlrm_demo.TABLES),
                   f"{t}: building the dense model", f"{t}: training {steps} steps", f"{t}: {steps} steps done; scoring",
                   f"{t}: finished"]
         at = [index(p) for p in phases]

@@ -124,7 +124,8 @@ def test_an_argument_whose_reduce_raises_is_a_type_error_naming_it(path, make_ba
 
 # malformed remote_device strings and bad module_cls / args: (kwargs to RemoteModule, type, message part)
 BAD_INPUTS = [
-    (dict(remote_device=""), ValueError, "Could not parse remote_device: . The valid format is '<workername>/<device>'"),
+    (dict(remote_device=""), ValueError,
+     "Could not parse remote_device: . The valid format is '<workername>/<device>'"),
     (dict(remote_device="/cpu"), ValueError, "Could not parse remote_device: /cpu."),
     (dict(remote_device="worker1/"), ValueError, "Could not parse remote_device: worker1/."),
     (dict(remote_device="worker1/cpu/0"), ValueError, "Could not parse remote_device: worker1/cpu/0."),
@@ -140,7 +141,8 @@ BAD_INPUTS = [
     (dict(remote_device="rank:99/cpu"), ValueError, "names rank 99, which is not in this RPC world"),
     (dict(module_cls=42), TypeError, "module_cls must be an nn.Module class or a callable"),
     (dict(module_cls=_remote.not_a_module_factory), ValueError,
-     "Expect `module_cls(*args, **kwargs)` returns an instance of <class nn.Module>, but it returns an instance of <class 'list'>."),
+     "Expect `module_cls(*args, **kwargs)` returns an instance of <class nn.Module>, "
+     "but it returns an instance of <class 'list'>."),
     (dict(args=5), TypeError, "args must be a tuple"),
     (dict(kwargs=[("n", 4)]), TypeError, "kwargs must be a dict"),
     (dict(kwargs={1: 4}), TypeError, "kwargs must be a dict of str"),

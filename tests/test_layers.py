@@ -26,9 +26,11 @@ def test_imports_only_point_down():
 # (file, line planted at the end, a word of the rule it breaks)
 PLANTED = [
     ("rpc_backend/roles.py", "import remote_module", "rpc_backend imports nothing"),
-    ("remote_module/_core/walk.py", "def f():\n    from remote_module._proxy import wire", "_core imports nothing above"),
+    ("remote_module/_core/walk.py", "def f():\n    from remote_module._proxy import wire",
+     "_core imports nothing above"),
     ("remote_module/_core/errors.py", "from remote_module.ps import PSModel", "_core imports nothing above"),
-    ("remote_module/_proxy/wire.py", "from remote_module.pipeline import RemotePipeline", "_proxy imports nothing above"),
+    ("remote_module/_proxy/wire.py", "from remote_module.pipeline import RemotePipeline",
+     "_proxy imports nothing above"),
     ("remote_module/pipeline/_split.py", "from remote_module.ps import PSModel", "pipeline never imports ps"),
     ("remote_module/sharded/_mesh.py", "from remote_module._core.fanout import call_all", "not its modules"),
     ("remote_module/ps/_rows.py", "from remote_module._core import _PACKAGE", "not in remote_module._core.__all__"),

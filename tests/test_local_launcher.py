@@ -55,7 +55,8 @@ def test_tensor_results_arrive_by_value_and_intact():
     joined = [i for i, m in enumerate(messages) if m.startswith("all 2 ranks joined the RPC world")]
     returned = [i for i, m in enumerate(messages) if m == "all 2 ranks returned; shutting the RPC world down"]
     assert len(joined) == 1 and len(returned) == 1 and joined[0] < returned[0], messages
-    assert all(re.match(r"waiting for (worker\d, )*worker\d to join the RPC world", m) for m in messages[1:joined[0]]), messages
+    assert all(re.match(r"waiting for (worker\d, )*worker\d to join the RPC world", m)
+               for m in messages[1:joined[0]]), messages
     assert all(re.match(r"waiting for (worker\d, )*worker\d to (shut down|exit)", m)
                for m in messages[returned[0] + 1:]), messages
     for rank, value in enumerate(values):

@@ -154,7 +154,9 @@ def test_dependency_view_has_torch_and_hides_build_tools_and_the_project(tmp_pat
     views = _dependency_view(tmp_path)
     names = {entry.name for view in views for entry in view.iterdir()}
     assert "torch" in names
-    hidden = {n for n in names if n.split("-")[0].lower() in ("setuptools", "wheel", "pip", "remote_module", "rpc_backend")}
+    hidden = {
+        n for n in names if n.split("-")[0].lower() in ("setuptools", "wheel", "pip", "remote_module", "rpc_backend")
+    }
     assert hidden == set()
     assert not any(n.endswith(".pth") for n in names)
 
@@ -188,7 +190,8 @@ def test_pip_install_into_a_clean_venv(tmp_path, own_setuptools):
     assert editable["py_typed"] == {"remote_module": True, "rpc_backend": True}
 
     # a regular install over it
-    _run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", *_install_flags(python), str(project)], cwd=tmp_path)
+    _run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", *_install_flags(python), str(project)],
+         cwd=tmp_path)
     info = _probe(python, expected, cwd=tmp_path)
     assert info["remote_module"].startswith(str(env_dir)), info
     assert info["templates_pkg"].startswith(str(env_dir)), info

@@ -48,7 +48,9 @@ def test_an_undeclared_attribute_is_rejected_with_how_to_declare_it():
             self.extra = 1
             super().__init__(*args, **kwargs)
 
-    with pytest.raises(AttributeError, match=r"extra.*PICKLED_ATTRIBUTES = RemoteModule.PICKLED_ATTRIBUTES \+ \('extra',\)"):
+    with pytest.raises(
+        AttributeError, match=r"extra.*PICKLED_ATTRIBUTES = RemoteModule.PICKLED_ATTRIBUTES \+ \('extra',\)"
+    ):
         Undeclared("worker1", Affine)
 
 

@@ -121,7 +121,8 @@ def test_a_pipeline_of_existing_proxies():
 def test_three_stages_two_of_them_on_the_same_worker():
     layers = [seeded_linear(4, 6, 10), seeded_linear(6, 6, 11), seeded_linear(6, 3, 12)]
     pipe = RemotePipeline(
-        [(W1, seeded_linear, (4, 6, 10), None), (W2, seeded_linear, (6, 6, 11), None), (W2, seeded_linear, (6, 3, 12), None)],
+        [(W1, seeded_linear, (4, 6, 10), None), (W2, seeded_linear, (6, 6, 11), None),
+         (W2, seeded_linear, (6, 3, 12), None)],
         chunks=4,
     )
     assert [s.on for s in pipe.stages] == ["worker1", "worker2", "worker2"]

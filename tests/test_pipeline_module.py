@@ -49,7 +49,8 @@ def test_repr_lists_the_stages_and_their_workers():
     pipe = split_sequential(model(), [W1, W2], chunks=2)
     text = repr(pipe)
     assert text.startswith("RemotePipeline(\n  chunks=2\n  (stages): ModuleList(")
-    first, second = text.index("(0): RemoteModule(on=worker1, device=cpu"), text.index("(1): RemoteModule(on=worker2, device=cpu")
+    first, second = (text.index("(0): RemoteModule(on=worker1, device=cpu"),
+                     text.index("(1): RemoteModule(on=worker2, device=cpu"))
     assert first < text.index("(0): Linear(in_features=8, out_features=64") < text.index("(2): Dropout") < second
     assert second < text.index("(4): Linear(in_features=8, out_features=8")
 
@@ -105,7 +106,8 @@ def test_state_dict_keys_are_stages_i_then_the_stage_modules_own_keys():
     ]
     split = split_sequential(model(), [W1, W2])
     assert list(split.state_dict()) == [
-        "stages.0.0.weight", "stages.0.0.bias", "stages.1.3.weight", "stages.1.3.bias", "stages.1.4.weight", "stages.1.4.bias",
+        "stages.0.0.weight", "stages.0.0.bias",
+        "stages.1.3.weight", "stages.1.3.bias", "stages.1.4.weight", "stages.1.4.bias",
     ]
 
 
@@ -148,7 +150,11 @@ def test_split_keeps_the_child_names_and_equals_the_local_model():
 
 @pytest.mark.parametrize(
     "devices, stages",
-    [([W1, W2], [["0", "1", "2"], ["3", "4"]]), ([W1, W2, W1], [["0", "1", "2"], ["3"], ["4"]]), ([W2], [["0", "1", "2", "3", "4"]])],
+    [
+        ([W1, W2], [["0", "1", "2"], ["3", "4"]]),
+        ([W1, W2, W1], [["0", "1", "2"], ["3"], ["4"]]),
+        ([W2], [["0", "1", "2", "3", "4"]]),
+    ],
 )
 def test_default_balance_by_parameters_keeps_parameter_free_layers_with_the_layer_before(devices, stages):
     pipe = split_sequential(model(), devices)
@@ -243,7 +249,9 @@ def shared_parameter() -> nn.Sequential:
     ],
     ids=["same-module-late-cut", "same-module-early-cut", "submodule", "parameter"],
 )
-def test_a_balance_cutting_between_layers_that_share_state_is_refused_naming_them(nothing_created, make, balance, names):
+def test_a_balance_cutting_between_layers_that_share_state_is_refused_naming_them(
+    nothing_created, make, balance, names
+):
     with pytest.raises(ValueError) as info:
         split_sequential(make(), [W1, W2], balance)
     text = str(info.value)

@@ -26,7 +26,8 @@ def _same_inputs_every_run():
 
 def mlp() -> nn.Sequential:
     g = torch.Generator().manual_seed(1)
-    model = nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 12), nn.Linear(12, 2))
+    model = nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 12),
+                          nn.Linear(12, 2))
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.3)
@@ -73,7 +74,8 @@ def test_backward_reaches_every_stage_with_local_gradients(chunks):
 
 
 def test_backward_through_tuple_outputs_and_a_tuple_last_stage():
-    pipe = RemotePipeline([(W1, Fork, (4, 30), None), (W2, Join, (4, 5, 31), None), (W1, Heads, (5, 32), None)], chunks=3)
+    pipe = RemotePipeline([(W1, Fork, (4, 30), None), (W2, Join, (4, 5, 31), None), (W1, Heads, (5, 32), None)],
+                          chunks=3)
     local = [Fork(4, 30), Join(4, 5, 31), Heads(5, 32)]
     (x,) = data((7, 4))
     with dist_autograd.context() as ctx:
@@ -195,7 +197,9 @@ def test_split_keeps_layers_that_share_state_on_one_stage_and_trains_like_the_lo
 
 def lstm_model() -> nn.Sequential:
     """The issue's case: an LSTM returns ``(output, (h, c))``; the next layer takes that tuple."""
-    return seeded(nn.Sequential(nn.Linear(3, 4), nn.LSTM(4, 6, batch_first=True), remote.PickFirst(), nn.Linear(6, 2)), 9)
+    return seeded(
+        nn.Sequential(nn.Linear(3, 4), nn.LSTM(4, 6, batch_first=True), remote.PickFirst(), nn.Linear(6, 2)), 9
+    )
 
 
 @pytest.mark.parametrize("chunks", [1, 2])

@@ -166,7 +166,8 @@ def test_geo_follows_the_rule_in_a_fixed_order(world):
 
 def _create_linear(world, name, n, mode, **kw):
     world.call(_create_on, trainers(n), name, ("linear", 0, SERVERS),
-               dict(num_trainers=n, mode=mode, optimizer=(torch.optim.SGD, {"lr": 1.0}), min_block_size=MIN_BLOCK, **kw))
+               dict(num_trainers=n, mode=mode, optimizer=(torch.optim.SGD, {"lr": 1.0}),
+                    min_block_size=MIN_BLOCK, **kw))
 
 
 def grads(i: int) -> list[float]:

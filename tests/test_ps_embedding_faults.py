@@ -85,7 +85,8 @@ def test_a_trainer_killed_in_a_sync_step_is_named_by_the_others_next_lookup_in_t
     goes through, its next lookup fails within the timeout naming trainer1 (not itself), the
     waiting lookups are gone from the servers, and nothing was settled twice."""
     name = job("killed-trainer")
-    faulty.run({t: (_prepare_kw, name, [1, 15], {"ps_mode": "sync", "num_trainers": 2}) for t in ("trainer0", "trainer1")})
+    faulty.run({t: (_prepare_kw, name, [1, 15], {"ps_mode": "sync", "num_trainers": 2})
+                for t in ("trainer0", "trainer1")})
     faulty.kill("trainer1")
     step = timed(faulty, "trainer0", name, "step")
     assert step["ok"], f"trainer0's push needs no other trainer: {step}"
@@ -110,7 +111,8 @@ def test_a_killed_server_is_named_by_lookup_and_step_and_tables_elsewhere_keep_w
     if "ps1" not in faulty.killed:
         for m in ("sync", "async"):
             faulty.run({"trainer0": (_prepare_kw, f"killed-server-{m}", [1, 15], {"ps_mode": m})})
-            faulty.run({"trainer0": (_prepare_kw, f"killed-server-healthy-{m}", [1], {"ps_mode": m, "servers": ["ps0"]})})
+            faulty.run({"trainer0": (_prepare_kw, f"killed-server-healthy-{m}", [1],
+                                     {"ps_mode": m, "servers": ["ps0"]})})
         faulty.kill("ps1")
         faulty.killed.add("ps1")
     for what in ("step", "lookup"):

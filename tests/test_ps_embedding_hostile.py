@@ -169,7 +169,8 @@ def test_checkpoints_that_do_not_fit_are_refused_as_torch_refuses_them_and_load_
 @pytest.mark.parametrize("kwargs,words", [
     ({"dim": 4}, ["embedding_dim=3", "asks for 4"]),
     ({"ps_mode": "sync"}, ["ps_mode='async'", "asks for 'sync'"]),
-    ({"optimizer": (torch.optim.Adagrad, {"lr": 1.0})}, ["optimizer=RowOptimizer(kind='sgd'", "asks for RowOptimizer(kind='adagrad'"]),
+    ({"optimizer": (torch.optim.Adagrad, {"lr": 1.0})},
+     ["optimizer=RowOptimizer(kind='sgd'", "asks for RowOptimizer(kind='adagrad'"]),
     ({"init": "lazy"}, ["init='eager'", "asks for 'lazy'"]),
     ({"servers": ["ps1", "ps0"]}, ["servers", "same order", "[(0, 10)]", "[(10, 10)]"]),
 ])

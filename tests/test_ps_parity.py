@@ -63,7 +63,8 @@ def _train(world: PSWorld, name: str, mode: str, steps: int, start: int) -> None
 
 
 def _create(world: PSWorld, name: str, servers: list[str], mode: str, opt: str) -> None:
-    kwargs = dict(num_trainers=2, mode=mode, optimizer=OPTIMIZERS[opt], min_block_size=MIN_BLOCK, **MODE_KW.get(mode, {}))
+    kwargs = dict(num_trainers=2, mode=mode, optimizer=OPTIMIZERS[opt], min_block_size=MIN_BLOCK,
+                  **MODE_KW.get(mode, {}))
     world.run({t: (_create_here, name, servers, kwargs) for t in ["trainer0", "trainer1"]})
 
 

@@ -36,7 +36,8 @@ def test_blocks_cover_every_element_once_in_order(shape, servers, min_block):
 
 
 @_SETTINGS
-@given(shape=st.lists(st.integers(1, 300), min_size=2, max_size=4), servers=st.integers(1, 6), min_block=st.integers(1, 5000))
+@given(shape=st.lists(st.integers(1, 300), min_size=2, max_size=4), servers=st.integers(1, 6),
+       min_block=st.integers(1, 5000))
 def test_blocks_of_matrices_are_whole_rows(shape, servers, min_block):
     row = math.prod(shape[1:])
     for b in slice_blocks(shape, servers, min_block):
@@ -102,7 +103,8 @@ def test_a_block_of_any_strides_is_a_view_with_the_blocks_row_major_elements(lay
 
     t = {"contiguous": lambda: torch.arange(120.0).reshape(6, 20),
          "transposed": lambda: torch.arange(120.0).reshape(20, 6).t(),
-         "channels_last": lambda: torch.arange(120.0).reshape(2, 3, 4, 5).to(memory_format=torch.channels_last)}[layout]()
+         "channels_last": lambda: torch.arange(120.0).reshape(2, 3, 4, 5).to(memory_format=torch.channels_last),
+         }[layout]()
     blocks = slice_blocks(t.shape, servers, min_block)
     assert torch.equal(torch.cat([block_of(t, b).reshape(-1) for b in blocks]), t.reshape(-1))
     for b in blocks:

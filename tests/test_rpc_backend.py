@@ -55,7 +55,8 @@ def test_bad_role_specs(world_size, roles, exc, text):
         (dict(rpc_timeout=0), ValueError, "rpc_timeout must be a positive number"),
         (dict(rpc_timeout="60"), ValueError, "rpc_timeout"),
         (dict(num_worker_threads=0), ValueError, "num_worker_threads must be a positive int"),
-        (dict(device_maps={"nobody": {"cuda:0": "cuda:0"}}, worker_names=["w0"]), ValueError, "'nobody', which is not in the world"),
+        (dict(device_maps={"nobody": {"cuda:0": "cuda:0"}}, worker_names=["w0"]), ValueError,
+         "'nobody', which is not in the world"),
         (dict(device_maps={"w1": {"cuda:0": "gpu9"}}), ValueError, "'gpu9' is not a device"),
         (dict(device_maps={"w1": {}}), TypeError, "non-empty dict"),
         (dict(device_maps={"w1": {"cuda:0": "cuda:1", "cuda:1": "cuda:1"}}), ValueError, "same remote device"),
@@ -69,7 +70,8 @@ def test_options_are_validated_before_init(kwargs, exc, text):
 
 
 @pytest.mark.parametrize(
-    "value", [True, False, "60", None, float("nan"), float("inf"), -float("inf"), 0, 0.0, -1, 0.0004, 2**31 / 1000, 1e12]
+    "value",
+    [True, False, "60", None, float("nan"), float("inf"), -float("inf"), 0, 0.0, -1, 0.0004, 2**31 / 1000, 1e12],
 )
 def test_timeouts_outside_what_torch_can_express_are_refused(value):
     # under 1 ms torch waits forever; 2**31 ms or more (inf too) wraps into a negative figure
@@ -94,7 +96,8 @@ def test_timeouts_within_range_are_float_seconds(value, seconds):
 
 
 def test_valid_options():
-    opts = make_options(rpc_timeout=5, num_worker_threads=4, device_maps={"w1": {"cuda:0": "cuda:1"}}, devices=["cuda:0"])
+    opts = make_options(rpc_timeout=5, num_worker_threads=4, device_maps={"w1": {"cuda:0": "cuda:1"}},
+                        devices=["cuda:0"])
     assert opts.rpc_timeout == 5 and opts.num_worker_threads == 4
     assert opts.device_maps == {"w1": {torch.device("cuda:0"): torch.device("cuda:1")}}
     assert opts.devices == [torch.device("cuda:0")]

@@ -300,7 +300,9 @@ def test_state_dict_round_trip_and_remote_parameters(linear):
         for k, v in linear.state_dict().items():
             assert torch.equal(v, new[k]), k
         x = torch.randn(4, 3)
-        want = torch.cat([nn.functional.linear(x, new[f"shards.{r}.weight"], new[f"shards.{r}.bias"]) for r in range(2)])
+        want = torch.cat(
+            [nn.functional.linear(x, new[f"shards.{r}.weight"], new[f"shards.{r}.bias"]) for r in range(2)]
+        )
         assert torch.equal(linear(x).full_tensor(), want)
         params = linear.remote_parameters()
         assert [p.owner_name() for p in params] == ["worker1", "worker1", "worker2", "worker2"]

@@ -129,7 +129,8 @@ def test_bad_meshes(mesh, exc, parts):
 @pytest.mark.parametrize("mesh", [["worker2", "worker1"], ["worker1"]], ids=str)
 def test_inputs_on_another_mesh(echo2, mesh):
     other = distribute(torch.arange(6.0), mesh, Shard(0))
-    expected = [f"lives on mesh {mesh}", "this LocalModule's mesh is ['worker1', 'worker2']", "same workers, same order"]
+    expected = [f"lives on mesh {mesh}", "this LocalModule's mesh is ['worker1', 'worker2']",
+                "same workers, same order"]
     with raises(ValueError, "LocalModule input 0", *expected):
         echo2(other, 1.0)  # declared Shard(0)
     with raises(ValueError, "LocalModule input 1", *expected):
@@ -173,7 +174,8 @@ def test_partial_avg_needs_a_floating_dtype():
 
 @pytest.mark.parametrize("placement,exc,parts", [
     (Partial("prod"), ValueError, ["Partial('prod') is not supported; reduce ops: sum, avg, max, min"]),
-    ([Shard(0), Replicate()], ValueError, ["a 1-D mesh takes one placement, got a sequence of 2", "pass e.g. Shard(0)"]),
+    ([Shard(0), Replicate()], ValueError,
+     ["a 1-D mesh takes one placement, got a sequence of 2", "pass e.g. Shard(0)"]),
     ([], ValueError, ["a 1-D mesh takes one placement, got a sequence of 0"]),
     ("Shard(0)", TypeError, ["must be torch.distributed.tensor.Shard(dim), Replicate() or Partial(op)", "got str"]),
 ])

@@ -5,8 +5,8 @@ op, every redistribute pair).
 Exactness: everything is bit-exact (``torch.equal``), a ``Partial(avg)`` made from one value
 (``local_parts``, or a redistribute into ``Partial(avg)``) included: an average of equal values
 is that value. ``reduce`` of differing values is compared with torch's own (differently
-ordered) ``sum`` / ``mean`` within ``2 * n * eps * sum(|x|)`` elementwise. ``torch.equal`` treats -0.0 and 0.0 as equal (``Partial(sum)`` adds +0.0 zeros,
-which turns a -0.0 into 0.0).
+ordered) ``sum`` / ``mean`` within ``2 * n * eps * sum(|x|)`` elementwise. ``torch.equal``
+treats -0.0 and 0.0 as equal (``Partial(sum)`` adds +0.0 zeros, which turns a -0.0 into 0.0).
 
 Hypothesis runs derandomized without a database (no profile is registered elsewhere in the
 project), so CI sees the same examples every run.

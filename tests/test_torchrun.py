@@ -17,7 +17,9 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = (ROOT / "tutorials" / "torchrun.md").read_text()
 COMMANDS = [line for line in DOC.splitlines() if line.startswith("torchrun ") and "torchrun_job.py" in line]
 PS_COMMANDS = [line for line in DOC.splitlines() if line.startswith("torchrun ") and "parameter_server.py" in line]
-DLRM_COMMANDS = [line for line in DOC.splitlines() if line.startswith("torchrun ") and "remote_module.demos.dlrm" in line]
+DLRM_COMMANDS = [
+    line for line in DOC.splitlines() if line.startswith("torchrun ") and "remote_module.demos.dlrm" in line
+]
 
 
 def _argv(command: str, **subs: str) -> list[str]:
@@ -52,8 +54,8 @@ def test_doc_has_the_commands():
     assert PS_COMMANDS == ["torchrun --standalone --nproc-per-node=4 tutorials/parameter_server.py --mode sync"]
     assert DLRM_COMMANDS == [
         "torchrun --standalone --nproc-per-node=4 -m remote_module.demos.dlrm --servers 2",
-        "torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=HOST0:PORT -m remote_module.demos.dlrm "
-        "--servers 2",
+        "torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=HOST0:PORT "
+        "-m remote_module.demos.dlrm --servers 2",
     ]
 
 
@@ -123,7 +125,9 @@ def test_dlrm_demo_under_torchrun_prints_one_summary(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     # trainer0 gathered every trainer's figures: one header, one line per trainer, nothing from the servers
-    assert sum(line.startswith("DLRM click model: 2 parameter server(s), 2 trainer(s)") for line in lines) == 1, out.stdout
+    assert sum(line.startswith("DLRM click model: 2 parameter server(s), 2 trainer(s)") for line in lines) == 1, (
+        out.stdout
+    )
     assert sum(line.startswith("trainer    loss first -> last") for line in lines) == 1, out.stdout
     rows = [line.split() for line in lines if re.match(r"trainer\d ", line)]
     assert [row[0] for row in rows] == ["trainer0", "trainer1"], out.stdout

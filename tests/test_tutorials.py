@@ -107,6 +107,7 @@ def test_tutorial_runs_in_its_other_launch_form(name, form, extra):
     # as a user runs it: from the checkout, with the project installed, no PYTHONPATH
     head = ["tutorials/" + name + ".py"] if form == "script" else ["-m", "tutorials." + name]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = subprocess.run([sys.executable, *head, *extra], cwd=ROOT, capture_output=True, text=True, timeout=190, env=env)
+    out = subprocess.run([sys.executable, *head, *extra], cwd=ROOT, capture_output=True, text=True,
+                         timeout=190, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     _no_avoidable_warnings(out.stderr)

@@ -176,8 +176,10 @@ def as_python_module(value: Any) -> Any:
     return value
 
 
-def embedding_bag_parts(weight: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor, mode: str,
-                        per_sample_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def embedding_bag_parts(
+    weight: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor, mode: str,
+    per_sample_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """torch's embedding_bag kernel with what ``F.embedding_bag`` drops: ``(output, bag sizes,
     max indices)``; for ``mode="max"`` the index into ``weight`` of each element's maximum
     (undocumented ``torch.embedding_bag``; ``mode``: "sum", "mean" or "max")."""

@@ -99,7 +99,9 @@ def _kind(out: Any) -> str:
     if isinstance(out, torch.Tensor):
         return f"a tensor with {out.dim()} dimensions" if out.dim() == 0 else "a tensor"
     if isinstance(out, tuple):
-        return "a tuple of " + ", ".join(type(t).__name__ if not isinstance(t, torch.Tensor) else f"tensor({t.dim()}-d)" for t in out)
+        return "a tuple of " + ", ".join(
+            type(t).__name__ if not isinstance(t, torch.Tensor) else f"tensor({t.dim()}-d)" for t in out
+        )
     return type(out).__name__
 
 

@@ -49,7 +49,8 @@ def _sharings(layers: list[tuple[str, nn.Module]]) -> list[_Sharing]:
             (first, _, first_name), kind, name = clash
             first_layer = layers[first][0]
             if kind == "module" and name == "" and first_name == "":
-                what = f"the same {type(layer).__name__} is layer {first} ({first_layer!r}) and layer {index} ({layer_name!r})"
+                what = (f"the same {type(layer).__name__} is layer {first} ({first_layer!r}) "
+                        f"and layer {index} ({layer_name!r})")
             else:
                 here = f"{layer_name}.{name}" if name else layer_name
                 there = f"{first_layer}.{first_name}" if first_name else first_layer
@@ -112,7 +113,9 @@ def split_sequential(
     if not isinstance(sequential, nn.Sequential):
         raise TypeError(f"split_sequential takes an nn.Sequential, got {type(sequential).__name__}")
     if isinstance(remote_devices, str):
-        raise TypeError(f"remote_devices must be a list of remote devices, one per stage, got the string {remote_devices!r}")
+        raise TypeError(
+            f"remote_devices must be a list of remote devices, one per stage, got the string {remote_devices!r}"
+        )
     devices = list(remote_devices)
     if not devices:
         raise ValueError("remote_devices is empty: give one remote device (e.g. 'worker1/cpu') per stage")

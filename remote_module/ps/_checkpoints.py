@@ -102,7 +102,8 @@ class PSCheckpoints:
             per_element[pname] = []
             for key in parts[0] if parts else ():
                 values = [part[key] for part in parts]
-                if isinstance(values[0], torch.Tensor) and values[0].dim() == 1 and values[0].numel() == slots[0].block.size:
+                if (isinstance(values[0], torch.Tensor) and values[0].dim() == 1
+                        and values[0].numel() == slots[0].block.size):
                     entry[key] = torch.cat(values).reshape(p.shape)
                     per_element[pname].append(key)  # a scalar parameter's are 0-dim like ``step``: say which
                 else:
@@ -119,7 +120,8 @@ class PSCheckpoints:
             raise TypeError("load_optimizer_state_dict takes what optimizer_state_dict() returned")
         if state_dict.get("optimizer") != self.optimizer[0].__name__:
             raise ValueError(
-                f"the optimizer state is for {state_dict.get('optimizer')!r}, this job uses {self.optimizer[0].__name__!r}"
+                f"the optimizer state is for {state_dict.get('optimizer')!r}, "
+                f"this job uses {self.optimizer[0].__name__!r}"
             )
         params = self._params()
         tables = state_dict.get("tables", {})

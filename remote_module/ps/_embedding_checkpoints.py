@@ -132,6 +132,7 @@ class TableCheckpoints:
             self._geo.load_state_dict(int(state["step"]), ids, {k: state[k] for k in keys},
                                       None if calls is None else int(calls))
             return
-        calls = [(server, _tables._set_row_state, (self.name, int(state["step"]), ids[mine], {k: state[k][mine] for k in keys}))
+        calls = [(server, _tables._set_row_state,
+                  (self.name, int(state["step"]), ids[mine], {k: state[k][mine] for k in keys}))
                  for _, server, mine in self._by_owner(ids)]
         call_all(calls, timeout=self.timeout)

@@ -77,7 +77,9 @@ def row_optimizer(cls: Any, kwargs: dict) -> RowOptimizer:
     if cls is torch.optim.SparseAdam:
         betas = tuple(float(b) for b in kwargs.pop("betas", (0.9, 0.999)))
         if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"torch.optim.SparseAdam: betas must be two numbers in [0, 1) (as torch checks), got {betas}")
+            raise ValueError(
+                f"torch.optim.SparseAdam: betas must be two numbers in [0, 1) (as torch checks), got {betas}"
+            )
         opt = RowOptimizer("sparse_adam", _non_negative(cls, "lr", kwargs.pop("lr", 1e-3)),
                            eps=_non_negative(cls, "eps", kwargs.pop("eps", 1e-8)),
                            betas=betas, maximize=bool(kwargs.pop("maximize", False)))

@@ -141,7 +141,8 @@ def _attach(name: str, spec: JobSpec, trainer: str, blocks: dict[str, torch.Tens
             if getattr(job.spec, field) != getattr(spec, field):
                 raise _mismatch(name, field, getattr(job.spec, field), getattr(spec, field))
         if job.spec.layout != spec.layout:
-            raise _mismatch(name, "block layout (parameter names, shapes, slicing, servers)", job.spec.layout, spec.layout)
+            raise _mismatch(name, "block layout (parameter names, shapes, slicing, servers)",
+                            job.spec.layout, spec.layout)
         if (job.spec.optimizer[0], job.spec.optimizer[1]) != (spec.optimizer[0], spec.optimizer[1]):
             raise _mismatch(name, "optimizer", job.spec.optimizer, spec.optimizer)
     with job.lock:

@@ -49,7 +49,8 @@ class Table:
         self.ahead: dict[int, dict[str, tuple]] = {}  # sync: pushes for later steps, by step
         self.waiters: list[_Waiting] = []  # sync lookups for a later step
         self.trainers: set[str] = set()  # attached
-        self.tokens: dict[str, str | None] = {}  # each trainer's newest object of this table (sync: the one that pushes)
+        # each trainer's newest object of this table (sync: the one that pushes)
+        self.tokens: dict[str, str | None] = {}
         self.last_push: dict[str, tuple[int, str | None]] = {}  # sync: each trainer's last (step, object)
         self.queued: list[tuple[torch.Tensor, torch.Tensor]] = []  # half_async pushes not applied yet
         self.timer: threading.Timer | None = None
@@ -146,9 +147,9 @@ class Table:
                 raise ValueError(f"table {self.name!r} is in geo mode: trainers push row deltas, not gradients")
             if token != self.tokens.get(trainer, token):
                 raise ValueError(
-                    f"table {self.name!r}: trainer {trainer!r} has created another ShardedEmbedding of this table since "
-                    "this one, or this one is a copy (copy.deepcopy, pickle); in sync mode a trainer steps a table "
-                    "through one object (the newest created): use the same module wherever the table is used"
+                    f"table {self.name!r}: trainer {trainer!r} has created another ShardedEmbedding of this table "
+                    "since this one, or this one is a copy (copy.deepcopy, pickle); in sync mode a trainer steps a "
+                    "table through one object (the newest created): use the same module wherever the table is used"
                 )
             if self.last_push.get(trainer) == (step, token) and (
                     step in (self.step_count, self.step_count - 1) or trainer in self.ahead.get(step, {})):
@@ -157,7 +158,8 @@ class Table:
             after_last = self.last_push.get(trainer, (None,))[0] == step - 1
             if step < self.step_count or (step > self.step_count and not after_last):
                 raise RuntimeError(
-                    f"table {self.name!r}: trainer {trainer!r} pushed step {step}, the table is at step {self.step_count}"
+                    f"table {self.name!r}: trainer {trainer!r} pushed step {step}, "
+                    f"the table is at step {self.step_count}"
                 )
             self.last_push[trainer] = (step, token)
             if step > self.step_count:

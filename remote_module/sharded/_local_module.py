@@ -61,7 +61,9 @@ def _constructor_args(args: Any, kwargs: Any, n: int) -> list[tuple[tuple, dict]
             per_rank.append((tuple(got[0]), dict(got[1] or {})))
         return per_rank
     if not isinstance(args, (tuple, list)):
-        raise TypeError(f"LocalModule: args must be a tuple or a callable rank -> (args, kwargs), got {type(args).__name__}")
+        raise TypeError(
+            f"LocalModule: args must be a tuple or a callable rank -> (args, kwargs), got {type(args).__name__}"
+        )
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"LocalModule: kwargs must be a dict or None, got {type(kwargs).__name__}")
     return [(tuple(args), dict(kwargs or {}))] * n
@@ -280,7 +282,8 @@ class LocalModule(nn.Module):
         for r, shard in enumerate(self.shards):
             args_r = tuple(_for_rank(v, r) for v in per_input)
             kwargs_r = {k: _for_rank(v, r) for k, v in kwargs.items()}
-            calls.append((hosts.infos[r], _store._forward, (hosts.keys[r], shard.device, r, n, args_r, kwargs_r, sids[r], grad)))
+            calls.append((hosts.infos[r], _store._forward,
+                          (hosts.keys[r], shard.device, r, n, args_r, kwargs_r, sids[r], grad)))
         left = deadline - _clock()
         try:
             results = call_carrying_releases(calls, None if left == float("inf") else max(left, 0.001))

@@ -13,11 +13,11 @@ holds the data: :func:`split` / :func:`partition` (a caller tensor onto the mesh
 :func:`combine` (what rank ``r`` makes of the pieces). Tests check them without any RPC.
 
 Replicate -> Partial keeps the value exact: for ``sum`` rank 0 keeps the tensor and the other
-ranks hold zeros (-0.0 for floats, so even a -0.0 comes back as it was; torch's DTensor divides by the mesh size instead, which rounds); for
-``avg``, ``max`` and ``min`` every rank keeps the tensor. An average is a sum divided by the
-mesh size, which rounds (``(x + x + x) / 3`` is not always ``x``), except where every rank
-holds the same value bit for bit: there it is that value (:func:`reduce`), so a value
-distributed as ``Partial(avg)`` comes back exactly.
+ranks hold zeros (-0.0 for floats, so even a -0.0 comes back as it was; torch's DTensor divides
+by the mesh size instead, which rounds); for ``avg``, ``max`` and ``min`` every rank keeps the
+tensor. An average is a sum divided by the mesh size, which rounds (``(x + x + x) / 3`` is not
+always ``x``), except where every rank holds the same value bit for bit: there it is that value
+(:func:`reduce`), so a value distributed as ``Partial(avg)`` comes back exactly.
 """
 
 from __future__ import annotations
@@ -247,7 +247,8 @@ def partition(tensor: torch.Tensor, op: str, n: int, rank: int) -> torch.Tensor:
     and the others hold zeros; for avg, max and min every rank keeps it."""
     if op == "sum" and rank != 0:
         # -0.0 for floats: x + (-0.0) is x bit for bit, a -0.0 included (+0.0 would turn it to +0.0)
-        return torch.full_like(tensor, -0.0) if tensor.is_floating_point() or tensor.is_complex() else torch.zeros_like(tensor)
+        return (torch.full_like(tensor, -0.0) if tensor.is_floating_point() or tensor.is_complex()
+                else torch.zeros_like(tensor))
     if op not in REDUCE_OPS:
         raise ValueError(f"unknown reduce op {op!r}; reduce ops: {', '.join(REDUCE_OPS)}")
     return tensor

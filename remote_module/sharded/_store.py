@@ -177,7 +177,9 @@ def _run_fn(sid: ShardId, fn: Any, args: tuple, kwargs: dict, rank: int, size: i
     t = run_as(rank, size, grad, fn, *args, **kwargs)
     if not isinstance(t, torch.Tensor):
         name = getattr(fn, "__qualname__", repr(fn))
-        raise TypeError(f"from_local: {name}(...) must return a tensor on every worker, got {type(t).__name__}: {t!r:.80}")
+        raise TypeError(
+            f"from_local: {name}(...) must return a tensor on every worker, got {type(t).__name__}: {t!r:.80}"
+        )
     return _store.keep(sid, t)
 
 

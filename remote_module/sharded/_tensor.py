@@ -144,7 +144,9 @@ class RemoteTensor:
         x.redistribute(Replicate()).full_tensor()     # tensor([0., 1., ..., 9.])
     """
 
-    __slots__ = ("mesh", "placement", "shape", "dtype", "requires_grad", "local_shapes", "timeout", "_sids", "__weakref__")
+    __slots__ = (
+        "mesh", "placement", "shape", "dtype", "requires_grad", "local_shapes", "timeout", "_sids", "__weakref__",
+    )
 
     def __init__(self, *, _mesh: tuple[str, ...], _placement: Any, _metas: Sequence[Meta], _sids: Sequence[ShardId],
                  _timeout: float | None = None) -> None:
@@ -276,7 +278,9 @@ class RemoteTensor:
         return self.timeout if timeout is None else timeout
 
 
-def _stored(mesh: tuple[str, ...], placement: Any, calls: list, sids: list[ShardId], timeout: float | None) -> RemoteTensor:
+def _stored(
+    mesh: tuple[str, ...], placement: Any, calls: list, sids: list[ShardId], timeout: float | None
+) -> RemoteTensor:
     """Run ``calls`` (one per rank, each storing ``sids[rank]``) and wrap what they stored."""
     try:
         metas = call_all(calls, timeout=timeout)
@@ -286,7 +290,9 @@ def _stored(mesh: tuple[str, ...], placement: Any, calls: list, sids: list[Shard
     return RemoteTensor(_mesh=mesh, _placement=placement, _metas=metas, _sids=sids, _timeout=timeout)
 
 
-def distribute(tensor: torch.Tensor, mesh: Sequence[Any], placement: Any, *, timeout: float | None = None) -> RemoteTensor:
+def distribute(
+    tensor: torch.Tensor, mesh: Sequence[Any], placement: Any, *, timeout: float | None = None
+) -> RemoteTensor:
     """Put a caller's tensor onto the workers of ``mesh``: ``Shard(dim)`` splits it as
     ``torch.tensor_split`` does (uneven sizes allowed), ``Replicate()`` copies it to every
     worker, ``Partial(op)`` gives shares that reduce back to it. ``placement`` is one placement

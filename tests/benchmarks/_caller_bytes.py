@@ -152,5 +152,6 @@ class CallerBytes:
         passes ``shape_filter`` where given."""
         with self._lock:
             return sum(
-                n for (d, shape), n in self.tensors.items() if d == direction and (shape_filter is None or shape_filter(shape))
+                n for (d, shape), n in self.tensors.items()
+                if d == direction and (shape_filter is None or shape_filter(shape))
             )

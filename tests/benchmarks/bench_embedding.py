@@ -110,7 +110,8 @@ def setup(cfg: dict, batches: list[hosts.Batch]) -> tuple[dict[str, Any], dict]:
         if not diffs[name] <= cfg["check_atol"]:
             raise AssertionError(
                 f"{name}: after {cfg['check_steps']} steps its table differs from a local nn.EmbeddingBag(sparse=True) "
-                f"+ torch.optim.SGD by {diffs[name]:.3g} (allowed {cfg['check_atol']}); the variants compute different things"
+                f"+ torch.optim.SGD by {diffs[name]:.3g} (allowed {cfg['check_atol']}); "
+                "the variants compute different things"
             )
     facts = {"anchor_form": form, "check_rows_changed": changed, "check_max_abs_diff_vs_local": diffs}
     return variants, facts
@@ -145,7 +146,9 @@ def trainer_main(cfg: dict) -> dict:
     samples = rounds(timed, cfg["rounds"], cfg["warmup_rounds"])
     results["round_samples_s"] = samples
     ids_per_batch = cfg["bags"] * cfg["ids_per_bag"]
-    results["train_steps_per_s"] = {n: cfg["steps_per_round"] / statistics.median(samples[f"train: {n}"]) for n in variants}
+    results["train_steps_per_s"] = {
+        n: cfg["steps_per_round"] / statistics.median(samples[f"train: {n}"]) for n in variants
+    }
     results["lookups_per_s"] = {
         n: ids_per_batch * cfg["steps_per_round"] / statistics.median(samples[f"lookup: {n}"]) for n in variants
     }
@@ -192,7 +195,9 @@ def ratios(r: dict) -> dict[str, float]:
         out[f"lookups/s: {sharded_name(n)} / anchor"] = lps[sharded_name(n)] / lps[ANCHOR]
     if len(counts) > 1:
         a, b = counts[:2]
-        out[f"train steps/s: ShardedEmbeddingBag servers={b} / servers={a}"] = sps[sharded_name(b)] / sps[sharded_name(a)]
+        out[f"train steps/s: ShardedEmbeddingBag servers={b} / servers={a}"] = (
+            sps[sharded_name(b)] / sps[sharded_name(a)]
+        )
         out[f"lookups/s: ShardedEmbeddingBag servers={b} / servers={a}"] = lps[sharded_name(b)] / lps[sharded_name(a)]
     for n in counts:
         out[f"train steps/s: {sharded_name(n)} / the example as written (sparse=False)"] = (

@@ -212,9 +212,13 @@ def ratios(r: dict) -> dict[str, float]:
     return {
         "small no_grad: project / torch (target <= 0.70)": small["remote_module"] / small["torch RemoteModule"],
         "small no_grad: project / raw no-op (target <= 1.5)": small["remote_module"] / small["raw rpc_sync no-op"],
-        "async 64 in flight: project / torch calls/s (target >= 1.5)": rates["remote_module"] / rates["torch RemoteModule"],
+        "async 64 in flight: project / torch calls/s (target >= 1.5)": (
+            rates["remote_module"] / rates["torch RemoteModule"]
+        ),
         "dist autograd: project / torch (target <= 1.05)": ag["remote_module"] / ag["torch RemoteModule"],
-        "64MB bandwidth: project / torch (target >= 1.0)": large["64MB"]["remote_module"] / large["64MB"]["torch RemoteModule"],
+        "64MB bandwidth: project / torch (target >= 1.0)": (
+            large["64MB"]["remote_module"] / large["64MB"]["torch RemoteModule"]
+        ),
         "64MB bandwidth: project / in-process copy": large["64MB"]["remote_module"] / large["64MB"]["in-process copy"],
         "1MB bandwidth: project / torch": large["1MB"]["remote_module"] / large["1MB"]["torch RemoteModule"],
     }
@@ -235,14 +239,16 @@ def report(r: dict) -> str:
         for name, v in row.items():
             lines.append(f"  {name:<28}{v:>10.2f}")
     m = r["memory"]
-    lines.append(f"memory after {m['calls']} calls: caller +{m['caller_growth_MB']:.1f} MB, host +{m['host_growth_MB']:.1f} MB")
+    lines.append(f"memory after {m['calls']} calls: caller +{m['caller_growth_MB']:.1f} MB, "
+                 f"host +{m['host_growth_MB']:.1f} MB")
     lines.append("")
     lines.append("ratios of medians (same run)")
     lines.append("-" * 60)
     for name, v in r["ratios"].items():
         lines.append(f"  {name:<62}{v:>7.2f}{_verdict(name, v)}")
     grown = max(m["caller_growth_MB"], m["host_growth_MB"])
-    lines.append(f"  {'memory growth, worst side (MB, target < 20)':<62}{grown:>7.1f}{'  met' if grown < 20 else '  NOT MET'}")
+    lines.append(f"  {'memory growth, worst side (MB, target < 20)':<62}{grown:>7.1f}"
+                 f"{'  met' if grown < 20 else '  NOT MET'}")
     return "\n".join(lines)
 
 

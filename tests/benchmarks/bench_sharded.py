@@ -168,7 +168,9 @@ def _bytes_per_forward(cfg: dict, fn: Callable[[], Any], workers: list[str], wan
         "received_tensor_bytes": counted.tensor_bytes("received") / k,
         "sent_other_bytes": counted.other["sent"] / k,
         "received_other_bytes": counted.other["received"] / k,
-        "hidden_activation_bytes": (counted.tensor_bytes("sent", hidden) + counted.tensor_bytes("received", hidden)) / k,
+        "hidden_activation_bytes": (
+            (counted.tensor_bytes("sent", hidden) + counted.tensor_bytes("received", hidden)) / k
+        ),
         "messages": {name: c / k for name, c in sorted(counted.messages.items())},
         "unpicklable_messages": counted.unpicklable,
     }
@@ -240,7 +242,9 @@ def ratios(r: dict) -> dict[str, float]:
     out: dict[str, float] = {}
     for n in r["config"]["small_ns"]:
         floor = small[f"N={n}: {n} concurrent rpc_async no-ops"]
-        out[f"small fwd N={n}: sharded / {n} concurrent no-ops (target <= 1.5)"] = small[f"N={n}: sharded forward"] / floor
+        out[f"small fwd N={n}: sharded / {n} concurrent no-ops (target <= 1.5)"] = (
+            small[f"N={n}: sharded forward"] / floor
+        )
         out[f"small fwd N={n}: sharded, releases excluded / {n} concurrent no-ops"] = (
             small[f"N={n}: sharded forward, releases excluded"] / floor
         )
@@ -263,8 +267,10 @@ def report(r: dict) -> str:
     for name, s in r["mlp_s"].items():
         all_s = r["mlp_samples_s"][name]
         lines.append(f"  {name:<50}{s * 1e3:>9.1f}{min(all_s) * 1e3:>9.1f}{max(all_s) * 1e3:>9.1f}")
-    lines += ["", "bytes through the caller per forward (measured: instrumented rpc_async/rpc_sync/remote in the caller)",
-              f"{'':<22}{'sent tensors':>14}{'recv tensors':>14}{'sent other':>12}{'recv other':>12}{'hidden act.':>13}",
+    lines += ["",
+              "bytes through the caller per forward (measured: instrumented rpc_async/rpc_sync/remote in the caller)",
+              f"{'':<22}{'sent tensors':>14}{'recv tensors':>14}{'sent other':>12}{'recv other':>12}"
+              f"{'hidden act.':>13}",
               "-" * 87]
     for name, b in r["mlp_bytes"].items():
         lines.append(f"  {name:<20}{b['sent_tensor_bytes']:>14,.0f}{b['received_tensor_bytes']:>14,.0f}"
