@@ -14,7 +14,7 @@ Knows nothing of ``remote_module``; everything above builds on it.
 from rpc_backend.local import LocalWorldError, run_local
 from rpc_backend.loopback import fresh_file_rendezvous, loopback_env, loopback_interface, loopback_store
 from rpc_backend.options import make_options
-from rpc_backend.roles import Placement, placements
+from rpc_backend.roles import Placement, RankPlacement, placements
 from rpc_backend.world import Worker, current_worker, init_from_env, init_role_process_group, read_env, shutdown_rpc
 
 __all__ = [
@@ -28,7 +28,8 @@ __all__ = [
     "LocalWorldError",
     "make_options",
     "placements",
-    "Placement",
+    "RankPlacement",
+    "Placement",  # the old name of RankPlacement
     "loopback_env",
     "loopback_interface",
     "fresh_file_rendezvous",

@@ -25,7 +25,7 @@ from rpc_backend._lifetime import StopSignals, exit_with_parent
 from rpc_backend._quiet import hide_functional_optimizer_deprecation, no_backend_as_process_group_warning
 from rpc_backend.loopback import loopback_env, loopback_store
 from rpc_backend.options import make_options, positive_seconds
-from rpc_backend.roles import Placement, placements
+from rpc_backend.roles import RankPlacement, placements
 from rpc_backend.world import Worker, _set_current
 
 _log = logging.getLogger("rpc_backend.run_local")
@@ -45,7 +45,7 @@ def _rank_entry(
     fn: Callable[..., Any],
     args: tuple,
     rank: int,
-    layout: list[Placement],
+    layout: list[RankPlacement],
     launcher_pid: int,
     store_port: int,
     option_kwargs: dict,
@@ -216,7 +216,7 @@ def run_local(
         names = list(names)
         if len(names) != world_size or len(set(names)) != world_size:
             raise ValueError(f"names must be {world_size} distinct worker names, got {names!r}")
-        layout = [Placement(n, "worker", r, world_size) for r, n in enumerate(names)]
+        layout = [RankPlacement(n, "worker", r, world_size) for r, n in enumerate(names)]
     names = [p.name for p in layout]
     if shutdown_timeout is not None:
         shutdown_timeout = positive_seconds(shutdown_timeout, "shutdown_timeout")

@@ -9,8 +9,9 @@ from rpc_backend.options import positive_int
 
 
 @dataclass(frozen=True)
-class Placement:
-    """Where a rank sits: its worker name, role and index within the role."""
+class RankPlacement:
+    """Where a rank sits in a job: its worker name, role and index within the role (not to be
+    confused with torch's tensor ``Placement``, which ``remote_module.sharded`` uses)."""
 
     name: str
     role: str
@@ -18,8 +19,12 @@ class Placement:
     role_size: int
 
 
-def placements(world_size: int, roles: Mapping[str, int] | None = None) -> list[Placement]:
-    """One :class:`Placement` per rank, in rank order (roles fill ranks in the spec's order).
+#: The name this class had before; kept so that code written against it keeps working.
+Placement = RankPlacement
+
+
+def placements(world_size: int, roles: Mapping[str, int] | None = None) -> list[RankPlacement]:
+    """One :class:`RankPlacement` per rank, in rank order (roles fill ranks in the spec's order).
 
     Without ``roles`` every rank is ``worker<rank>`` with role ``worker``.
 
@@ -30,16 +35,16 @@ def placements(world_size: int, roles: Mapping[str, int] | None = None) -> list[
     """
     world_size = positive_int(world_size, "world_size", wrong_type=ValueError)
     if roles is None:
-        return [Placement(f"worker{r}", "worker", r, world_size) for r in range(world_size)]
+        return [RankPlacement(f"worker{r}", "worker", r, world_size) for r in range(world_size)]
     if not isinstance(roles, Mapping) or not roles:
         raise TypeError(f"roles must be a non-empty mapping of role name to count, got {roles!r}")
-    out: list[Placement] = []
+    out: list[RankPlacement] = []
     for role, count in roles.items():
         if not isinstance(role, str) or not role.isidentifier():
             raise ValueError(f"role names must be identifiers such as 'ps' or 'trainer', got {role!r}")
         count = positive_int(count, f"role {role!r}", wrong_type=ValueError,
                              message="{what} needs a positive int count, got {value!r}")
-        out.extend(Placement(f"{role}{i}", role, i, count) for i in range(count))
+        out.extend(RankPlacement(f"{role}{i}", role, i, count) for i in range(count))
     if len(out) != world_size:
         spec = ", ".join(f"{r}={c}" for r, c in roles.items())
         raise ValueError(f"roles ({spec}) add up to {len(out)} workers but the world has {world_size}")

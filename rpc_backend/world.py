@@ -16,7 +16,7 @@ import torch.distributed.rpc as rpc
 from rpc_backend._quiet import hide_functional_optimizer_deprecation, no_backend_as_process_group_warning
 from rpc_backend._torch_private import UNBOUNDED_SHUTDOWN_TIMEOUT, is_rpc_initialized
 from rpc_backend.options import DEFAULT_RPC_TIMEOUT, DEFAULT_WORKER_THREADS, make_options, positive_seconds
-from rpc_backend.roles import Placement, placements
+from rpc_backend.roles import RankPlacement, placements
 
 TORCHRUN_HINT = "torchrun --standalone --nproc-per-node=3 your_script.py"
 _REQUIRED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -49,8 +49,8 @@ class Worker:
     role_size: int
     names: list[str] = field(default_factory=list)
     shutdown_timeout: float | None = None
-    #: one :class:`Placement` per rank, in rank order: the roles :meth:`workers` looks up
-    layout: list[Placement] = field(default_factory=list)
+    #: one :class:`RankPlacement` per rank, in rank order: the roles :meth:`workers` looks up
+    layout: list[RankPlacement] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.shutdown_timeout is not None:
@@ -278,7 +278,7 @@ def init_from_env(
         devices=devices,
         worker_names=names,
     )
-    me: Placement = layout[info["rank"]]
+    me: RankPlacement = layout[info["rank"]]
     hide_functional_optimizer_deprecation()
     with no_backend_as_process_group_warning():
         rpc.init_rpc(me.name, rank=info["rank"], world_size=info["world_size"], rpc_backend_options=options)

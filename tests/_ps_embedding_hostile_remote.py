@@ -96,7 +96,7 @@ def idioms_in_psmodel(name: str) -> dict:
 
     t = table(name + "-table")
     torch.manual_seed(0)
-    model = PSModel(nn.Sequential(t, nn.Linear(3, 1)), ["ps2"], name=name, num_trainers=1, mode="async",
+    model = PSModel(nn.Sequential(t, nn.Linear(3, 1)), ["ps2"], name=name, num_trainers=1, ps_mode="async",
                     optimizer=(torch.optim.SGD, {"lr": 1.0}))
     idioms(model, model.step, model.zero_grad)
     return dict(model.state_dict())
@@ -323,7 +323,7 @@ def tied_train(model: nn.Module, step: Callable[[], None], zero_grad: Callable[[
 def tied_in_psmodel(name: str) -> dict:
     from remote_module.ps import PSModel
 
-    model = PSModel(Tied(table(name + "-table")), ["ps2"], name=name, num_trainers=1, mode="async",
+    model = PSModel(Tied(table(name + "-table")), ["ps2"], name=name, num_trainers=1, ps_mode="async",
                     optimizer=(torch.optim.SGD, {"lr": 1.0}))
     tied_train(model, model.step, model.zero_grad)
     return dict(model.state_dict())

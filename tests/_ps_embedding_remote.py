@@ -183,7 +183,7 @@ def psmodel_run(name: str, mode: str, steps: int) -> dict:
     ``mode``; the outputs and the final state_dict."""
     from remote_module.ps import PSModel
 
-    model = PSModel(Clicks(_table(name + "-bag", mode, 1, 1)), ["ps1", "ps2"], name=name, num_trainers=1, mode=mode,
+    model = PSModel(Clicks(_table(name + "-bag", mode, 1, 1)), ["ps1", "ps2"], name=name, num_trainers=1, ps_mode=mode,
                     optimizer=(torch.optim.SGD, {"lr": 0.1}), geo_push_every=1, half_async_merge_every=1)
     outs = []
     for ids, offsets, target in click_batches(3, steps):

@@ -119,7 +119,7 @@ def two_forwards(job: str, seed: int, servers: list[str], kwargs: dict) -> dict:
     first = _params(ps.module)
     nn.functional.mse_loss(other(x2), y1).backward()
     other.step()
-    if ps.mode == "half_async":
+    if ps.ps_mode == "half_async":
         other.flush()
     out2 = ps(x2)
     second = _params(ps.module)
@@ -178,7 +178,7 @@ def threads_forward(job: str, servers: list[str]) -> dict:
     whether the module still holds its own Parameter objects afterwards, and the gradient."""
     from remote_module.ps import PSModel
 
-    ps = PSModel(Meeting(), servers, name=job, num_trainers=1, mode="async")
+    ps = PSModel(Meeting(), servers, name=job, num_trainers=1, ps_mode="async")
     before = [id(q) for q in ps.parameters()]
     errors: list[BaseException] = []
 

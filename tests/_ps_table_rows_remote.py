@@ -184,7 +184,7 @@ def psmodel_numpy_sized(name: str) -> dict:
 
     from remote_module.ps import PSModel
 
-    ps = PSModel(nn.Linear(2, 2), SERVERS, name=name, num_trainers=np.int32(1), mode="geo",
+    ps = PSModel(nn.Linear(2, 2), SERVERS, name=name, num_trainers=np.int32(1), ps_mode="geo",
                  geo_push_every=np.int64(2), half_async_merge_every=np.int16(2))
     return {k: type(getattr(ps, k)).__name__ for k in ("num_trainers", "geo_push_every")}
 

@@ -336,7 +336,7 @@ def psmodel_step_retried(name: str) -> dict:
     from remote_module.ps import PSModel
 
     bag = table(name + "-bag", bag="sum", ps_mode="sync", optimizer=(torch.optim.SGD, {"lr": 0.5}))
-    model = PSModel(Clicks(bag), ["ps0", "ps1"], name=name, num_trainers=1, mode="sync", min_block_size=1)
+    model = PSModel(Clicks(bag), ["ps0", "ps1"], name=name, num_trainers=1, ps_mode="sync", min_block_size=1)
     step, failed = bag.step, []
 
     def failing_once() -> None:

@@ -111,7 +111,8 @@ def test_async_loses_no_update(world):
     n, k = 3, 10
     name = job("async")
     world.call(_create_on, trainers(n), name, ("linear", 0, SERVERS),
-               dict(num_trainers=n, mode="async", optimizer=(torch.optim.SGD, {"lr": 1.0}), min_block_size=MIN_BLOCK))
+               dict(num_trainers=n, ps_mode="async", optimizer=(torch.optim.SGD, {"lr": 1.0}),
+                    min_block_size=MIN_BLOCK))
     world.run({t: (r.push_linear, name, k) for t in trainers(n)})  # concurrently, gradient 1 each
     got = world.run({"trainer0": (r.state, name)})["trainer0"]["p"]
     assert torch.equal(got, torch.full((16,), -float(n * k))), f"expected every element at {-n * k}, got {got}"
@@ -146,7 +147,7 @@ def test_geo_follows_the_rule_in_a_fixed_order(world):
     k, rounds, lr = 3, 2, 0.1
     name = job("geo")
     world.call(_create_on, trainers(2), name, ("net", 2, SERVERS),
-               dict(num_trainers=2, mode="geo", geo_push_every=k, optimizer=(torch.optim.SGD, {"lr": lr}),
+               dict(num_trainers=2, ps_mode="geo", geo_push_every=k, optimizer=(torch.optim.SGD, {"lr": lr}),
                     min_block_size=MIN_BLOCK))
     for rnd in range(rounds):
         for i, t in enumerate(trainers(2)):  # the driver orders the pushes: trainer0, then trainer1
@@ -166,7 +167,7 @@ def test_geo_follows_the_rule_in_a_fixed_order(world):
 
 def _create_linear(world, name, n, mode, **kw):
     world.call(_create_on, trainers(n), name, ("linear", 0, SERVERS),
-               dict(num_trainers=n, mode=mode, optimizer=(torch.optim.SGD, {"lr": 1.0}),
+               dict(num_trainers=n, ps_mode=mode, optimizer=(torch.optim.SGD, {"lr": 1.0}),
                     min_block_size=MIN_BLOCK, **kw))
 
 
@@ -275,7 +276,7 @@ def test_checkpoint_from_two_servers_continues_identically_on_three(world):
     (dict(model_kwargs={"hidden": 4}), ["block layout"]),
     (dict(min_block_size=16), ["block layout"]),
     (dict(num_trainers=3), ["num_trainers", "2", "3"]),
-    (dict(mode="async"), ["mode", "'sync'", "'async'"]),
+    (dict(ps_mode="async"), ["mode", "'sync'", "'async'"]),
     (dict(optimizer=(torch.optim.SGD, {"lr": 0.5})), ["optimizer", "0.5"]),
 ])
 def test_a_trainer_that_disagrees_with_the_job_fails_at_start_naming_the_mismatch(world, theirs, words):
@@ -286,6 +287,33 @@ def test_a_trainer_that_disagrees_with_the_job_fails_at_start_naming_the_mismatc
     assert not outcome["ok"] and outcome["type"] == "ValueError", outcome
     for word in words:
         assert word in outcome["message"], (word, outcome["message"])
+
+
+def test_the_old_mode_keyword_still_works_with_a_deprecation_warning(world):
+    name = job("old-keyword")
+    got = world.call(_on, "trainer0", r.create_with_old_keyword, (name, "net", 5, SERVERS),
+                     dict(num_trainers=1, mode="async", min_block_size=MIN_BLOCK))
+    assert got["ps_mode"] == got["mode"] == "async" and "ps_mode='async'" in got["repr"], got
+    assert [w[0] for w in got["warned"]] == ["DeprecationWarning"] * 2, got["warned"]
+    assert "pass ps_mode=" in got["warned"][0][1] and "PSModel.ps_mode" in got["warned"][1][1], got["warned"]
+    assert all(w[2].endswith("_ps_remote.py") for w in got["warned"]), got["warned"]  # the caller's line
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(ps_mode="geo", mode="async"), "TypeError"),
+    (dict(mode="bogus"), "ValueError"),
+])
+def test_the_old_mode_keyword_is_checked_as_the_new_one(world, kwargs, error):
+    outcome = world.call(_try_on, "trainer0", job("old-keyword-bad"), ("net", 5, SERVERS),
+                         dict(num_trainers=1, min_block_size=MIN_BLOCK, **kwargs))
+    assert not outcome["ok"] and outcome["type"] == error, outcome
+    assert "ps_mode" in outcome["message"] and repr(kwargs["mode"]) in outcome["message"], outcome
+
+
+def _on(trainer, fn, args, kwargs):  # on the driver
+    import torch.distributed.rpc as rpc
+
+    return rpc.rpc_sync(trainer, fn, args, kwargs)
 
 
 def _try_on(trainer, name, args, kwargs):  # on the driver
@@ -303,7 +331,7 @@ def test_a_trainer_beyond_num_trainers_is_refused(world):
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    (dict(mode="bogus"), ["mode", "'bogus'"]),
+    (dict(ps_mode="bogus"), ["mode", "'bogus'"]),
     (dict(geo_push_every=0), ["geo_push_every", "0"]),
     (dict(half_async_merge_every=-1), ["half_async_merge_every", "-1"]),
     (dict(half_async_merge_s=0), ["half_async_merge_s", "0"]),

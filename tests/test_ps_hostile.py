@@ -61,7 +61,7 @@ def test_unused_and_frozen_parameters_are_stepped_as_torch_steps_them(world, mod
     """torch skips a parameter without a gradient (frozen, or unused this step): no weight
     decay, no momentum. Pushing zeros instead moves it."""
     name = job(f"unused-{mode}")
-    world.run({"trainer0": (_create_kw, name, dict(mode=mode, optimizer=SGD_MOMENTUM))})
+    world.run({"trainer0": (_create_kw, name, dict(ps_mode=mode, optimizer=SGD_MOMENTUM))})
     world.run({"trainer0": (h.train, name, 5)})
     got = world.run({"trainer0": (r.state, name)})["trainer0"]
     assert_close(got, reference(SGD_MOMENTUM, 5), f"{mode}, SGD with momentum and weight decay, 5 steps")
@@ -138,7 +138,7 @@ def _create_linear(name, n):  # on trainer0
 
 def test_geo_with_an_integer_parameter_trains(world):
     name = job("geo-int")
-    world.run({"trainer0": (_create_kw, name, dict(mode="geo", geo_push_every=1, model_kwargs={"int_param": True}))})
+    world.run({"trainer0": (_create_kw, name, dict(ps_mode="geo", geo_push_every=1, model_kwargs={"int_param": True}))})
     out = world.run({"trainer0": (h.try_train, name, 3)})["trainer0"]
     assert out["ok"], f"geo with an integer parameter: {out}"
     got = world.run({"trainer0": (r.state, name)})["trainer0"]
@@ -191,7 +191,7 @@ def _unknown_server(block_names, servers):
     (dict(servers=["ps0", "ps0"]), "ValueError", ["twice", "ps0"]),
     (dict(servers=["ps0", "nobody"]), "ValueError", ["'nobody'"]),
     (dict(servers="ps0"), "TypeError", ["'ps0'"]),
-    (dict(mode="asnyc"), "ValueError", ["'asnyc'"]),
+    (dict(ps_mode="asnyc"), "ValueError", ["'asnyc'"]),
     (dict(optimizer=torch.optim.SGD), "TypeError", ["optimizer"]),
     (dict(optimizer=(torch.nn.Linear, {})), "TypeError", ["optimizer"]),
     (dict(optimizer=(torch.optim.SGD, {"lr": -1.0})), "ValueError", ["-1"]),
@@ -234,7 +234,7 @@ def test_concurrent_pushes_from_threads_of_one_trainer_lose_nothing(world, mode)
     """4 threads of trainer0 and 1 of trainer1 push gradient 1 (SGD, lr 1) 5 times each, with
     pulls in between: every element moves by exactly 25 once half_async has flushed."""
     name = job(f"threads-{mode}")
-    kwargs = dict(num_trainers=2, mode=mode, optimizer=(torch.optim.SGD, {"lr": 1.0}), min_block_size=4,
+    kwargs = dict(num_trainers=2, ps_mode=mode, optimizer=(torch.optim.SGD, {"lr": 1.0}), min_block_size=4,
                   half_async_merge_every=3)
     got = world.run({"trainer0": (_threads, name, 4, kwargs), "trainer1": (_threads, name, 1, kwargs)})
     assert got == {"trainer0": 20, "trainer1": 5}, got
@@ -276,7 +276,7 @@ def _create_two(name, n):  # on a trainer
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_a_frozen_server_is_named_within_the_timeout_and_the_job_continues_after_thawing(world, mode):
     name = job(f"frozen-{mode}")
-    world.run({"trainer0": (_create_kw, name, dict(mode=mode))})
+    world.run({"trainer0": (_create_kw, name, dict(ps_mode=mode))})
     world.run({"trainer0": (r.set_timeout, name, TIMEOUT)})
     world.freeze("ps1")  # stopped before the pull is sent
     try:

@@ -63,7 +63,7 @@ def _train(world: PSWorld, name: str, mode: str, steps: int, start: int) -> None
 
 
 def _create(world: PSWorld, name: str, servers: list[str], mode: str, opt: str) -> None:
-    kwargs = dict(num_trainers=2, mode=mode, optimizer=OPTIMIZERS[opt], min_block_size=MIN_BLOCK,
+    kwargs = dict(num_trainers=2, ps_mode=mode, optimizer=OPTIMIZERS[opt], min_block_size=MIN_BLOCK,
                   **MODE_KW.get(mode, {}))
     world.run({t: (_create_here, name, servers, kwargs) for t in ["trainer0", "trainer1"]})
 
@@ -120,7 +120,7 @@ def test_a_geo_optimizer_state_is_the_trainers_own_in_torch_s_format(world):
     copy is the plain model)."""
     name = job("geo-osd")
     adam = OPTIMIZERS["adam"]
-    world.run({"trainer0": (_create_here, name, SERVERS, dict(num_trainers=1, mode="geo", geo_push_every=1,
+    world.run({"trainer0": (_create_here, name, SERVERS, dict(num_trainers=1, ps_mode="geo", geo_push_every=1,
                                                                optimizer=adam, min_block_size=MIN_BLOCK))})
     world.run({"trainer0": (r.train, name, 0, 3)})
     osd = world.run({"trainer0": (r.optimizer_state, name)})["trainer0"]
@@ -162,7 +162,7 @@ def test_a_step_without_gradients_is_no_optimizer_step(world, mode, opt):
     parameter whose gradient is None (no momentum, no weight decay, no Adam step). geo pushes
     every 2 optimizer steps: a step() without any gradient does not count towards a push."""
     name = job(f"nograd-{mode}-{opt}")
-    kwargs = dict(num_trainers=1, mode=mode, optimizer=OPTIMIZERS[opt], min_block_size=MIN_BLOCK,
+    kwargs = dict(num_trainers=1, ps_mode=mode, optimizer=OPTIMIZERS[opt], min_block_size=MIN_BLOCK,
                   **({"geo_push_every": 2} if mode == "geo" else {}),
                   **({"half_async_merge_every": 1} if mode == "half_async" else {}))
     world.run({"trainer0": (_create_sometimes, name, kwargs)})
@@ -191,7 +191,7 @@ def test_two_forwards_before_one_backward_keep_the_values_each_used(world, mode)
     the gradients are torch's for the first output at the first values plus the second output
     at the second values (the second pull must not write into what the first graph saved)."""
     name = job(f"twice-{mode}")
-    kwargs = dict(num_trainers=1, mode=mode, optimizer=(torch.optim.SGD, {"lr": 0.5}), min_block_size=MIN_BLOCK,
+    kwargs = dict(num_trainers=1, ps_mode=mode, optimizer=(torch.optim.SGD, {"lr": 0.5}), min_block_size=MIN_BLOCK,
                   **({"half_async_merge_every": 1} if mode == "half_async" else {}))
     world.run({"trainer0": (_create_net, name, 9, kwargs)})
     got = world.run({"trainer0": (p.two_forwards, name, 9, SERVERS, kwargs)})["trainer0"]
@@ -212,7 +212,7 @@ def test_a_pull_under_a_graph_of_the_parameters_themselves_raises_torch_s_in_pla
     its backward raises torch's in-place modification error, as after an optimizer step in
     torch, instead of silently using the new values."""
     name = job("inplace")
-    kwargs = dict(num_trainers=1, mode="async", optimizer=(torch.optim.SGD, {"lr": 0.5}), min_block_size=MIN_BLOCK)
+    kwargs = dict(num_trainers=1, ps_mode="async", optimizer=(torch.optim.SGD, {"lr": 0.5}), min_block_size=MIN_BLOCK)
     world.run({"trainer0": (_create_net, name, 9, kwargs)})
     outcome = world.run({"trainer0": (p.direct_graph_then_pull, name, 9, SERVERS, kwargs)})["trainer0"]
     assert not outcome["ok"] and outcome["type"] == "RuntimeError", outcome
@@ -242,7 +242,7 @@ def test_non_contiguous_parameters_train_as_torch_and_keep_their_strides(world, 
     steps = 3
     name = job(f"strided-{mode}")
     sgd = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.5})
-    kwargs = dict(num_trainers=1, mode=mode, optimizer=sgd, min_block_size=MIN_BLOCK,
+    kwargs = dict(num_trainers=1, ps_mode=mode, optimizer=sgd, min_block_size=MIN_BLOCK,
                   **({"geo_push_every": 1} if mode == "geo" else {}))
     layout = world.run({"trainer0": (_create_strided, name, kwargs)})["trainer0"]
     assert {s for b, s in layout if b.startswith("w.")} == set(SERVERS), layout  # cut across both servers

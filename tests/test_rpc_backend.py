@@ -180,3 +180,27 @@ def test_graceful_shutdown_is_bounded():
     report = run_report("tests._shutdown_world", ["0", "1"], timeout=60)
     assert report["seconds"] < 2.0 + 5.0 + 3.0
     assert "did not complete within 2.0 s" in report["outcome"]
+
+
+def test_a_ranks_placement_is_a_rankplacement_and_keeps_its_old_name():
+    import rpc_backend
+
+    layout = placements(3, {"ps": 1, "trainer": 2})
+    assert all(type(p) is rpc_backend.RankPlacement for p in layout)
+    assert rpc_backend.Placement is rpc_backend.RankPlacement  # the old name, for existing code
+    assert layout[2] == rpc_backend.RankPlacement("trainer1", "trainer", 1, 2)
+
+
+def test_one_positive_int_check_takes_what_torch_takes_as_a_size():
+    import numpy as np
+
+    from rpc_backend.options import positive_int
+
+    assert positive_int(np.int64(3), "n") == 3 and type(positive_int(torch.tensor(2), "n")) is int
+    for bad, error in [(0, ValueError), (-2, ValueError), (True, TypeError), (1.0, TypeError), ("1", TypeError)]:
+        with pytest.raises(error, match=rf"^n must be .*got .*{bad!r}"):
+            positive_int(bad, "n")
+    with pytest.raises(ValueError, match=r"^n must be a positive int, got 1\.5$"):
+        positive_int(1.5, "n", wrong_type=ValueError)
+    with pytest.raises(ValueError, match=r"^role 'ps' needs a positive int count, got 0$"):
+        positive_int(0, "role 'ps'", message="{what} needs a positive int count, got {value!r}")

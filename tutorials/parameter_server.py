@@ -57,7 +57,7 @@ def train(args: argparse.Namespace) -> list[float]:
     """What a trainer runs (``current_worker()`` says which one and who the servers are)."""
     me = current_worker()
     model = PSModel(
-        mlp(), me.workers("ps"), name="mnist-mlp", num_trainers=me.role_size, mode=args.mode,
+        mlp(), me.workers("ps"), name="mnist-mlp", num_trainers=me.role_size, ps_mode=args.mode,
         optimizer=(torch.optim.SGD, {"lr": args.lr}), geo_push_every=args.geo_push_every,
     )
     losses = []

@@ -20,10 +20,10 @@ class PSCheckpoints:
         """The local model's ``state_dict`` (its own keys) with the servers' current parameters
         (sync: once this trainer's last step is applied; half_async: after applying what is
         queued; geo: the local copy is left as it is)."""
-        if self.mode == "half_async":
+        if self.ps_mode == "half_async":
             self.flush()
         values = self._server_values()
-        if self.mode != "geo":
+        if self.ps_mode != "geo":
             self._write(values)
             return self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
         # geo: the servers' values go into the returned dict only; the local copy (and its progress
@@ -48,7 +48,7 @@ class PSCheckpoints:
             if values:
                 calls.append((server, _server._set_values, (self.name, values)))
         call_all(calls, timeout=self.timeout)
-        if self.mode == "geo":
+        if self.ps_mode == "geo":
             restored = self.__dict__.pop("_geo_restored", None)
             if restored is None:
                 self._pulled = {}
@@ -83,7 +83,7 @@ class PSCheckpoints:
             ps.load_optimizer_state_dict(ckpt["optim"])
         """
         tables = {qual: table.optimizer_state_dict() for qual, table in self._tables.items()}
-        if self.mode == "geo":
+        if self.ps_mode == "geo":
             state, per_element = self._trainer_optimizer_state()
             return {"state": state, "optimizer": self.optimizer[0].__name__, "per_element": per_element,
                     "tables": tables, "geo": self._geo_progress()}
@@ -142,10 +142,10 @@ class PSCheckpoints:
                         f"{tuple(getattr(value, 'shape', ()))}, but the parameter has shape {tuple(p.shape)}: load "
                         "optimizer state saved from the same model"
                     )
-        geo = state_dict.get("geo") if self.mode == "geo" else None
+        geo = state_dict.get("geo") if self.ps_mode == "geo" else None
         if geo is not None:
             self._check_geo_progress(geo)
-        if self.mode == "geo":
+        if self.ps_mode == "geo":
             self._load_trainer_optimizer_state(state_dict["state"])
             if geo is not None:
                 self._load_geo_progress(geo)

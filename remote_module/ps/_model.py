@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import warnings
 import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Sequence
@@ -24,15 +25,15 @@ from remote_module.ps._slicing import Block, block_name, block_of, slice_blocks
 from rpc_backend.options import positive_seconds
 
 
-def _tables_in(model: nn.Module, mode: str, num_trainers: int) -> dict[str, ShardedEmbedding]:
-    """The sharded tables inside ``model`` by qualified name, checked to train in ``mode``
+def _tables_in(model: nn.Module, ps_mode: str, num_trainers: int) -> dict[str, ShardedEmbedding]:
+    """The sharded tables inside ``model`` by qualified name, checked to train in ``ps_mode``
     with ``num_trainers`` (their rows live on their own servers; the PSModel steps them)."""
     tables = {qual: m for qual, m in model.named_modules() if isinstance(m, ShardedEmbedding)}
     for qual, table in tables.items():
-        if table.ps_mode != mode or table.num_trainers != num_trainers:
+        if table.ps_mode != ps_mode or table.num_trainers != num_trainers:
             raise ValueError(
                 f"table {qual!r} trains with ps_mode={table.ps_mode!r}, num_trainers={table.num_trainers}, but the "
-                f"PSModel with mode={mode!r}, num_trainers={num_trainers}: build the table with the same ones"
+                f"PSModel with ps_mode={ps_mode!r}, num_trainers={num_trainers}: build the table with the same ones"
             )
     return tables
 
@@ -84,7 +85,7 @@ class PSModel(PSCheckpoints, nn.Module):
 
     Before each ``forward`` (or on :meth:`pull`) the parameters are fetched from the servers;
     after ``loss.backward()``, :meth:`step` pushes the gradients, block by block (blocks for
-    different servers concurrently), and clears the local ones. ``mode``: ``"sync"`` (each step
+    different servers concurrently), and clears the local ones. ``ps_mode``: ``"sync"`` (each step
     averages all ``num_trainers`` trainers' gradients, applied once), ``"async"`` (each push
     applied on arrival), ``"half_async"`` (pushes summed and applied every
     ``half_async_merge_every`` pushes or ``half_async_merge_s`` seconds), ``"geo"`` (each trainer
@@ -104,7 +105,7 @@ class PSModel(PSCheckpoints, nn.Module):
 
     Servers run no code of their own (they join RPC and wait). The first trainer to attach
     initialises the blocks with its model's values; every trainer must build the same model,
-    servers, mode and slicing (checked: a mismatch is a ``ValueError``). Buffers (e.g.
+    servers, ps_mode and slicing (checked: a mismatch is a ``ValueError``). Buffers (e.g.
     BatchNorm's running statistics) stay local to each trainer.
 
     ``state_dict()`` has the local model's own keys with the servers' current values;
@@ -114,7 +115,7 @@ class PSModel(PSCheckpoints, nn.Module):
 
     Example (ranks ps0, ps1 only join RPC and wait; trainer0 and trainer1 run)::
 
-        model = PSModel(nn.Linear(784, 10), ["ps0", "ps1"], name="mnist", num_trainers=2, mode="sync")
+        model = PSModel(nn.Linear(784, 10), ["ps0", "ps1"], name="mnist", num_trainers=2, ps_mode="sync")
         for x, y in batches:
             loss = F.cross_entropy(model(x), y)   # pulls the current parameters first
             loss.backward()
@@ -128,7 +129,7 @@ class PSModel(PSCheckpoints, nn.Module):
         *,
         name: str,
         num_trainers: int,
-        mode: str = "sync",
+        ps_mode: str = "sync",
         optimizer: tuple[type, dict] = (torch.optim.SGD, {"lr": 0.1}),
         split_method: Callable[[Sequence[str], Sequence[str]], Sequence[str]] = RoundRobin(),
         min_block_size: int = 8192,
@@ -137,14 +138,21 @@ class PSModel(PSCheckpoints, nn.Module):
         half_async_merge_every: int = 4,
         half_async_merge_s: float = 0.1,
         timeout: float | None = None,
+        mode: str | None = None,
     ) -> None:
         super().__init__()
+        if mode is not None:  # the keyword's old name (ShardedEmbeddingBag's mode= is the bag's)
+            if ps_mode != "sync" and ps_mode != mode:
+                raise TypeError(f"PSModel got ps_mode={ps_mode!r} and mode={mode!r}: pass ps_mode only")
+            warnings.warn("PSModel(mode=...) is deprecated: pass ps_mode=..., the keyword ShardedEmbedding "
+                          "and ShardedEmbeddingBag take", DeprecationWarning, stacklevel=2)
+            ps_mode = mode
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty str naming the job, got {name!r}")
-        if mode not in _server.MODES:
-            raise ValueError(f"mode must be one of {', '.join(_server.MODES)}, got {mode!r}")
+        if ps_mode not in _server.MODES:
+            raise ValueError(f"ps_mode must be one of {', '.join(_server.MODES)}, got {ps_mode!r}")
         if not is_rpc_initialized():
             raise RuntimeError("PSModel needs torch.distributed.rpc: call rpc.init_rpc(...) first")
         # as ShardedEmbedding takes them: any integer operator.index takes, kept as an int
@@ -156,9 +164,9 @@ class PSModel(PSCheckpoints, nn.Module):
                 and issubclass(optimizer[0], torch.optim.Optimizer) and isinstance(optimizer[1], dict)):
             raise TypeError(f"optimizer must be (a torch.optim.Optimizer class, kwargs dict), got {optimizer!r}")
         self.module = model
-        self._tables = _tables_in(model, mode, num_trainers)
+        self._tables = _tables_in(model, ps_mode, num_trainers)
         self.servers = _check_servers(servers)
-        self.name, self.mode, self.num_trainers = name, mode, num_trainers
+        self.name, self.ps_mode, self.num_trainers = name, ps_mode, num_trainers
         self.optimizer = optimizer
         self.geo_push_every = geo_push_every
         self.timeout = None if timeout is None else positive_seconds(timeout, "timeout")
@@ -169,10 +177,10 @@ class PSModel(PSCheckpoints, nn.Module):
             (s.name, tuple(self._params()[s.pname].shape), str(self._params()[s.pname].dtype), s.block.offset,
              s.block.size, s.server) for s in self._slots
         ]).encode()).hexdigest()
-        self._spec = _server.JobSpec(mode, num_trainers, (optimizer[0], dict(optimizer[1])),
+        self._spec = _server.JobSpec(ps_mode, num_trainers, (optimizer[0], dict(optimizer[1])),
                                      half_async_merge_every, merge_s, layout)
         self._attach()
-        self._local_opt = optimizer[0](self._params().values(), **optimizer[1]) if mode == "geo" else None
+        self._local_opt = optimizer[0](self._params().values(), **optimizer[1]) if ps_mode == "geo" else None
         self._pulled: dict[str, torch.Tensor] = {}
         self.pull()
 
@@ -296,7 +304,7 @@ class PSModel(PSCheckpoints, nn.Module):
         """
         values = self._server_values()
         self._write(values)
-        if self.mode == "geo":
+        if self.ps_mode == "geo":
             self._pulled = {k: v.clone() for k, v in values.items()}
             self.__dict__.pop("_geo_restored", None)  # the local copy is the servers' now
 
@@ -329,7 +337,7 @@ class PSModel(PSCheckpoints, nn.Module):
         module one at a time (each on the values it pulled).
         """
         self.__dict__.pop("_step_done", None)  # a failed step() not retried: the next one is whole
-        if self.mode == "geo":
+        if self.ps_mode == "geo":
             return self.module(*args, **kwargs)
         values = self._server_values()
         with _forward_lock(self):
@@ -376,7 +384,7 @@ class PSModel(PSCheckpoints, nn.Module):
 
     def _step_dense(self) -> None:
         params = self._params()
-        if self.mode == "geo":
+        if self.ps_mode == "geo":
             # a step() without any gradient is no optimizer step (torch's optimizer leaves every
             # parameter alone): it does not count towards the next push either
             if all(p.grad is None for p in params.values()):
@@ -395,7 +403,7 @@ class PSModel(PSCheckpoints, nn.Module):
             sel = [s for s in slots if params[s.pname].grad is not None]
             grads = [self._block_values(s, params[s.pname].grad) for s in sel]
             # sync: every server with blocks hears from every trainer every step, grads or not
-            if grads or (slots and self.mode == "sync"):
+            if grads or (slots and self.ps_mode == "sync"):
                 calls.append((server, _server._push, (self.name, self._trainer, self._step, self._sent(sel, grads))))
         call_all(calls, timeout=self.timeout)
         for p in params.values():
@@ -430,6 +438,12 @@ class PSModel(PSCheckpoints, nn.Module):
         return dict(zip(self.servers, call_all([(s, _server._stats, (self.name,)) for s in self.servers],
                                                 timeout=self.timeout)))
 
+    @property
+    def mode(self) -> str:
+        """Deprecated: :attr:`ps_mode` (the name ``ShardedEmbedding`` uses)."""
+        warnings.warn("PSModel.mode is deprecated: read PSModel.ps_mode", DeprecationWarning, stacklevel=2)
+        return self.ps_mode
+
     def extra_repr(self) -> str:
-        return (f"name={self.name!r}, servers={list(self.servers)}, mode={self.mode!r}, "
+        return (f"name={self.name!r}, servers={list(self.servers)}, ps_mode={self.ps_mode!r}, "
                 f"num_trainers={self.num_trainers}, blocks={len(self._slots)}")

@@ -132,7 +132,7 @@ class _PSTrainer:
         from remote_module.ps import PSModel
 
         self.model = PSModel(
-            build_model(), servers, name=f"bench-{mode}-{len(servers)}", num_trainers=num_trainers, mode=mode,
+            build_model(), servers, name=f"bench-{mode}-{len(servers)}", num_trainers=num_trainers, ps_mode=mode,
             optimizer=(torch.optim.SGD, {"lr": cfg["lr"]}), geo_push_every=cfg["geo_push_every"],
             half_async_merge_every=cfg["half_async_merge_every"], timeout=60,
         )
