@@ -21,7 +21,7 @@ BUILD_FLAGS = $$($(PYTHON) -c '$(CAN_BUILD)' 2>/dev/null && echo --no-build-isol
 
 install: .install-stamp
 
-# The main job: a DLRM-style click model on 2 parameter servers + 2 trainers (remote_module/dlrm_demo.py).
+# The main job: a DLRM-style click model on 2 parameter servers + 2 trainers (remote_module/demos/dlrm.py).
 demo: .install-stamp
 	$(PYTHON) -m remote_module.demos.dlrm
 

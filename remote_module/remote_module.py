@@ -272,7 +272,7 @@ class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
                 f"got {interface_cls!r}"
             )
         self.timeout = _AGENT_DEFAULT_TIMEOUT if timeout is None else positive_seconds(timeout, "timeout")
-        self.on = _worker_name(parsed.worker, remote_device)
+        self.on = _host_worker_name(parsed.worker, remote_device)
         self.device = str(parsed.device)
         # A device map only matters for a module off the CPU (torch checks it the same way).
         self.is_device_map_set = device_map_is_set(self.on, self.device)
@@ -295,8 +295,8 @@ class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
     def _set_remote_requires_grad(self, requires_grad: bool) -> None:
         """``requires_grad_(requires_grad)`` of the module on its host (for the layers that own
         proxies: a pipeline's stages, a LocalModule's shards), and ``remote_trainable`` as it is
-        now. The proxy itself refuses ``requires_grad_`` (see ``_unsupported``)."""
-        self.remote_trainable = self._rpc(_host._requires_grad, self.module_rref, requires_grad)
+        now. The proxy itself refuses ``requires_grad_`` (see ``remote_module._proxy.unsupported``)."""
+        self.remote_trainable = self._rpc(_host._set_requires_grad, self.module_rref, requires_grad)
 
     def _install_generated_methods(self, sig: inspect.Signature | None = None) -> None:
         if self.is_scriptable:
@@ -361,7 +361,7 @@ register_rpc_reducer(RemoteModule, reduce_proxy)
 register_rpc_reducer(torch.jit.RecursiveScriptModule, reduce_script_module, replace=True)
 
 
-def _worker_name(worker: str | int, remote_device: str) -> str:
+def _host_worker_name(worker: str | int, remote_device: str) -> str:
     try:
         return rpc.get_worker_info(worker).name
     except RuntimeError:

@@ -198,7 +198,7 @@ def unpushed_warnings(name: str, case: str) -> dict:
                     model(ids).pow(2).sum().backward()
                 opt.step()
                 bag.step()
-        elif case == "demo loop":  # as remote_module/dlrm_demo.py: zero_grad, backward, step, table.step
+        elif case == "demo loop":  # as remote_module/demos/dlrm.py: zero_grad, backward, step, table.step
             opt = torch.optim.Adam(model.dense.parameters(), lr=0.1)
             for ids in BAGS * 2:
                 opt.zero_grad()

@@ -1,4 +1,4 @@
-"""`make demo`'s main job (remote_module/dlrm_demo.py), shortened: the summary's figures are
+"""`make demo`'s main job (remote_module/demos/dlrm.py), shortened: the summary's figures are
 present and sane, and the command line refuses what it cannot run."""
 
 import itertools

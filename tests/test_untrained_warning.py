@@ -199,10 +199,10 @@ def test_a_burst_from_several_threads_warns_once(monkeypatch):
 
 
 def test_inputs_that_hold_themselves_are_looked_into_once():
-    from remote_module._core.untrained import _requires_grad
+    from remote_module._core.untrained import _holds_grad_input
 
     loop: list = [torch.zeros(1)]
     loop.append(loop)
-    assert _requires_grad(loop) is False
+    assert _holds_grad_input(loop) is False
     loop.append({"h": (torch.zeros(1, requires_grad=True),)})
-    assert _requires_grad(loop) is True
+    assert _holds_grad_input(loop) is True

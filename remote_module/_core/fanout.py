@@ -78,7 +78,7 @@ class HostCall(NamedTuple):
 # ---- host-side handlers ---------------------------------------------------------------------
 
 
-def _run(handler: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[bool, Any]:
+def _run_handler(handler: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[bool, Any]:
     """``(True, result)``, or ``(False, RemoteFailure)`` for whatever the handler raised."""
     try:
         return True, handler(*args, **kwargs)
@@ -88,7 +88,7 @@ def _run(handler: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[bool, 
 
 @rpc.functions.async_execution
 def _run_async(handler: Callable[..., Any], args: tuple, kwargs: dict) -> Future:
-    """:func:`_run` for an ``async_execution`` handler: answered when its Future completes."""
+    """:func:`_run_handler` for an ``async_execution`` handler: answered when its Future completes."""
     answer: Future = Future()
     try:
         pending = handler(*args, **kwargs)
@@ -237,7 +237,7 @@ def call_async(
         raise TypeError(f"{label}: the handler must be a module-level function, got {handler!r}")
     seconds = timeout_seconds(timeout)
     name = _worker_name(worker, label)
-    body = _run_async if is_async_execution(handler) else _run
+    body = _run_async if is_async_execution(handler) else _run_handler
     made = _clock()
     try:
         sent = rpc.rpc_async(name, body, (handler, tuple(args), dict(kwargs or {})), timeout=_NO_RPC_TIMEOUT)

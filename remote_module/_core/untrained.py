@@ -30,7 +30,7 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep 
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
-def _requires_grad(value: Any) -> bool:
+def _holds_grad_input(value: Any) -> bool:
     """Whether ``value`` is, or holds in its tuples, lists and dicts (an LSTM's ``(h0, c0)``), a
     tensor or sharded RemoteTensor (which says whether its shards require grad) that requires
     grad: RPC carries nested tensors, so a gradient to any of them is cut outside a context.
@@ -55,7 +55,7 @@ def records_outside_context(owner: Any, trainable: bool, args: tuple = (), kwarg
     forward fails without running (and records nothing), so the one warning is kept."""
     if _FLAG in owner.__dict__ or not torch.is_grad_enabled():
         return False
-    if not trainable and not any(_requires_grad(v) for v in (*args, *(kwargs or {}).values())):
+    if not trainable and not any(_holds_grad_input(v) for v in (*args, *(kwargs or {}).values())):
         return False
     return is_rpc_initialized() and not in_dist_autograd_context()
 
@@ -96,7 +96,7 @@ def warn_untrained(owner: Any, what: str, kind: str, handle: str) -> None:
 def unwarned_state(owner: Any) -> dict:
     """``owner``'s pickled state (its ``__dict__``) without the once-warned flag: a copy that
     arrives elsewhere (over RPC) is another object, which warns on its own, as a proxy does
-    (``_pickling.IGNORED_ATTRIBUTES``). For ``__getstate__`` of a pipeline or LocalModule."""
+    (``remote_module._proxy.pickling.IGNORED_ATTRIBUTES``). For ``__getstate__`` of a pipeline or LocalModule."""
     state = owner.__dict__.copy()
     state.pop(_FLAG, None)
     return state

@@ -25,7 +25,7 @@ _NOT_A_MODULE = (
 )
 
 
-def _build(module_cls: Any, args: tuple, kwargs: dict, device: str) -> nn.Module:
+def _build_module(module_cls: Any, args: tuple, kwargs: dict, device: str) -> nn.Module:
     module_cls, args, kwargs = unpack_constructor(module_cls, args, kwargs)
     module = module_cls(*args, **kwargs)
     if not isinstance(module, nn.Module):
@@ -131,13 +131,13 @@ def _create(
     interface (what a scriptable proxy's script code calls).
     """
     if interface_cls is None:
-        module = _build(module_cls, args, kwargs, device)
+        module = _build_module(module_cls, args, kwargs, device)
         rref = rpc.RRef(module)
     else:
         from remote_module._proxy.codegen import render_scriptable_module
 
         render_scriptable_module(interface_cls)  # compiles _remote_forward here, before any call
-        module = torch.jit.script(_build(module_cls, args, kwargs, device))
+        module = torch.jit.script(_build_module(module_cls, args, kwargs, device))
         rref = rpc.RRef(module, interface_cls)
     return _description(module), rref
 
@@ -197,7 +197,7 @@ def _train(module_rref: rpc.RRef, mode: bool) -> None:
     module_rref.local_value().train(mode)
 
 
-def _requires_grad(module_rref: rpc.RRef, requires_grad: bool) -> bool:
+def _set_requires_grad(module_rref: rpc.RRef, requires_grad: bool) -> bool:
     """``module.requires_grad_(requires_grad)``; whether it now has trainable parameters."""
     module = module_rref.local_value()
     module.requires_grad_(requires_grad)

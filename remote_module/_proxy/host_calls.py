@@ -21,7 +21,7 @@ from remote_module._proxy.wire import dumps, loads
 _clock = time.perf_counter
 
 
-def _run(target: Target, call: Call) -> Any:
+def _run_call(target: Target, call: Call) -> Any:
     """One call's result: its output as a Payload, or its RemoteFailure."""
     try:
         module = hosted_module(target.key)
@@ -48,7 +48,7 @@ def _run(target: Target, call: Call) -> Any:
 def _call_one(target: tuple, call: tuple) -> tuple:
     """One ``forward`` call: ``Answer.wire()`` of ``Call.wire()``."""
     start = _clock()
-    result = _run(Target._make(target), Call.from_wire(call))
+    result = _run_call(Target._make(target), Call.from_wire(call))
     return Answer(result, _clock() - start).wire()
 
 
@@ -58,6 +58,6 @@ def _call_many(target: tuple, calls: list[tuple]) -> list[tuple]:
     answers = []
     for call in calls:
         start = _clock()
-        result = _run(where, Call.from_wire(call))
+        result = _run_call(where, Call.from_wire(call))
         answers.append(Answer(result, _clock() - start).wire())
     return answers

@@ -75,7 +75,7 @@ class Payload(NamedTuple):
     side: list
 
 
-def _kind(cls: type) -> int:
+def _wire_kind(cls: type) -> int:
     kind = _kinds.get(cls)
     if kind is None:
         if issubclass(cls, torch.Tensor):
@@ -177,7 +177,7 @@ class _Pickler(pickle.Pickler):
         cls = type(obj)
         kind = _kinds.get(cls)
         if kind is None:
-            kind = _kind(cls)
+            kind = _wire_kind(cls)
         if kind == _PLAIN:
             return None
         if kind == _TENSOR and self.inline:

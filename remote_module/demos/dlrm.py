@@ -13,7 +13,7 @@ dense part alone, which the model can only beat by training its tables.
 Run it on a local world (every rank a process on this machine, loopback only)::
 
     python -m remote_module.demos.dlrm [--mode async|sync|half_async|geo] [--servers 2]
-                                      [--trainers 2] [--steps 150]
+                                       [--trainers 2] [--steps 150]
 
 or under torchrun, one rank per process, the first ``--servers`` ranks serving the tables::
 

@@ -95,7 +95,7 @@ def _batched(out: Any) -> bool:
     return isinstance(out, tuple) and len(out) > 0 and all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in out)
 
 
-def _kind(out: Any) -> str:
+def _described(out: Any) -> str:
     if isinstance(out, torch.Tensor):
         return f"a tensor with {out.dim()} dimensions" if out.dim() == 0 else "a tensor"
     if isinstance(out, tuple):
@@ -118,8 +118,8 @@ def _concatenated(outputs: list[Any], where: str) -> Any:
             raise TypeError(
                 f"the last pipeline stage ({where}) must return, for every micro-batch, a tensor or a tuple "
                 f"of tensors of the same arity, each with a batch dimension (they are concatenated over "
-                f"micro-batches on dim 0); micro-batch {mb} of {len(outputs)} returned {_kind(out)}"
-                + ("" if mb == 0 else f" and micro-batch 0 {_kind(first)}")
+                f"micro-batches on dim 0); micro-batch {mb} of {len(outputs)} returned {_described(out)}"
+                + ("" if mb == 0 else f" and micro-batch 0 {_described(first)}")
                 + ": return a batch (e.g. per-sample values, not their sum) or use chunks=1"
             )
     if isinstance(first, torch.Tensor):

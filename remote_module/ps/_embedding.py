@@ -1,7 +1,8 @@
-"""ShardedEmbedding and ShardedEmbeddingBag: ``nn.Embedding`` / ``nn.EmbeddingBag`` whose rows
-live on parameter servers, sliced into row blocks. Lookups fetch only the unique ids, from the
-servers that own them, concurrently (bags are pooled on the servers); ``step()`` pushes only the
-touched rows' gradients, which the servers apply with a row-wise optimizer (``_rowwise``)."""
+"""ShardedEmbedding: an ``nn.Embedding`` whose rows live on parameter servers, sliced into row
+blocks. Lookups fetch only the unique ids, from the servers that own them, concurrently;
+``step()`` pushes only the touched rows' gradients, which the servers apply with a row-wise
+optimizer (``_rowwise``). ``ShardedEmbeddingBag`` (``_embedding_bag``) builds on it, pooling
+bags on the servers; the servers' side is ``_tables``."""
 
 from __future__ import annotations
 

@@ -25,14 +25,14 @@ from remote_module.ps._rowwise import RowOptimizer, new_state, step_rows
 _U64 = 1 << 64
 
 
-def _bits(c: int) -> int:
+def _as_int64(c: int) -> int:
     """The unsigned 64-bit constant ``c`` as the int64 with the same bits."""
     return c - _U64 if c >= 1 << 63 else c
 
 
-_GAMMA = _bits(0x9E3779B97F4A7C15)
-_MIX1 = _bits(0xBF58476D1CE4E5B9)
-_MIX2 = _bits(0x94D049BB133111EB)
+_GAMMA = _as_int64(0x9E3779B97F4A7C15)
+_MIX1 = _as_int64(0xBF58476D1CE4E5B9)
+_MIX2 = _as_int64(0x94D049BB133111EB)
 # elements made at a time: temporaries of ~128 KB, which malloc reuses (a server kept ~30 MB
 # more of its RSS after an eager 500,000 x 16 block made 2**18 at a time)
 _CHUNK = 1 << 14

@@ -127,7 +127,7 @@ def global_shape(placement: Placement, shapes: Sequence[torch.Size], what: str =
 _SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
+def _bit_pattern(t: torch.Tensor) -> torch.Tensor:
     """``t``'s elements as integers of the same width (a complex element as the last dim's
     two), so that equality is bit for bit: -0.0 differs from 0.0, a NaN equals itself."""
     if t.is_complex():
@@ -137,10 +137,10 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def _same_everywhere(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Where (elementwise) every tensor holds rank 0's value bit for bit."""
-    first = _bits(tensors[0])
+    first = _bit_pattern(tensors[0])
     same = torch.ones_like(first, dtype=torch.bool)
     for t in tensors[1:]:
-        same = same & (_bits(t) == first)  # not in place: under vmap the right side is batched
+        same = same & (_bit_pattern(t) == first)  # not in place: under vmap the right side is batched
     if tensors[0].is_complex():
         same = same.all(dim=-1)
     return same

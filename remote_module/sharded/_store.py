@@ -151,16 +151,16 @@ def flatten(out: Any, path: str = "output") -> tuple[list[Any], Any]:
 
 def unflatten(spec: Any, leaves: Sequence[Any]) -> Any:
     """The inverse of :func:`flatten`."""
-    return _build(spec, iter(leaves))
+    return _rebuild(spec, iter(leaves))
 
 
-def _build(spec: Any, it: Any) -> Any:
+def _rebuild(spec: Any, it: Any) -> Any:
     # A module-level function, not a closure: a recursive closure is a reference cycle that
     # kept ``leaves`` (the caller's RemoteTensors) alive until the cyclic GC ran.
     if spec is None:
         return next(it)
     kind, children = spec
-    items = [_build(c, it) for c in children]
+    items = [_rebuild(c, it) for c in children]
     return tuple(items) if kind == "tuple" else items
 
 

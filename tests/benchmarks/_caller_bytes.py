@@ -7,7 +7,7 @@ returned by torch.distributed.rpc, sized as RPC would send them: every tensor by
 its storage (RPC sends a tensor's whole storage) and the rest by the length of its pickle
 (with tensors and RRefs left out of it). RPC's and TensorPipe's own framing is not counted.
 A tensor that remote_module's wire format writes into the pickle (64 KiB or less, see
-remote_module/_wire.py) is counted in the pickled bytes, not as a tensor.
+remote_module/_proxy/wire.py) is counted in the pickled bytes, not as a tensor.
 Tensors are also filed by shape, so a report can say which of them were activations.
 
 Example (in the caller only)::
