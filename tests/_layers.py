@@ -16,7 +16,9 @@ returns one line per broken rule:
   ``torch.distributed.rpc.api`` and ``.internal``) appear only in the ``_torch_private.py``
   files.
 
-Every import counts, also one inside a function.
+Every import counts, also one inside a function, a relative one (``from .._core import x``),
+``from remote_module import sharded`` (a module named after ``import``) and
+``importlib.import_module("...")`` with a literal name.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Iterator
 
 UPPER = ("pipeline", "sharded", "ps")
 INTERNAL = ("_core", "_proxy")
+DEMOS = ("demos", "demo", "dlrm_demo")  # the demos and their old module paths
 TORCH_PRIVATE_MODULES = ("torch.distributed.rpc.api", "torch.distributed.rpc.internal")
 
 
@@ -43,14 +46,48 @@ def _layer(rel: tuple[str, ...]) -> str:
     return rel[1]  # _core, _proxy, pipeline, sharded, ps, demos, _templates
 
 
-def _imports(tree: ast.AST) -> Iterator[tuple[int, str, list[str]]]:
-    """``(line, module, names)`` of every import; ``names`` empty for ``import x``."""
+def _is_module(root: Path, module: str) -> bool:
+    """Whether ``module`` (dotted) is a module or package in the source under ``root``."""
+    path = root.joinpath(*module.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def _imports(
+    tree: ast.AST, rel: tuple[str, ...] = (), root: Path | None = None
+) -> Iterator[tuple[int, str, list[str]]]:
+    """``(line, module, names)`` of every import; ``names`` empty for ``import x``.
+
+    Relative imports are resolved against ``rel`` (the file's path under ``root``), and a
+    module named in ``from package import module`` counts as ``import package.module`` (so
+    ``from remote_module import sharded`` is an import of ``remote_module.sharded``)."""
+    package = rel[:-1] if rel else ()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield node.lineno, alias.name, []
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            yield node.lineno, node.module, [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                if not package or node.level > len(package):
+                    continue  # outside the packages: not ours to check
+                base = list(package[: len(package) - (node.level - 1)])
+                module = ".".join(base + ([node.module] if node.module else []))
+            elif node.module:
+                module = node.module
+            else:
+                continue
+            names = [a.name for a in node.names]
+            submodules = [n for n in names if root is not None and n != "*" and _is_module(root, f"{module}.{n}")]
+            for name in submodules:
+                yield node.lineno, f"{module}.{name}", []
+            rest = [n for n in names if n not in submodules]
+            if rest or not names:
+                yield node.lineno, module, rest
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            # importlib.import_module("remote_module._proxy.wire"), __import__("..."): a literal name
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if called in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                yield node.lineno, node.args[0].value, []
 
 
 def _public_names(root: Path, package: str) -> set[str]:
@@ -90,6 +127,8 @@ def _check_import(layer: str, module: str, names: list[str], public: dict[str, s
     if layer in ("_proxy", "proxy") and below == "_core":
         hidden = sorted(set(names) - public["_core"])
         return f"not in remote_module._core.__all__: {hidden}" if hidden else None
+    if below in DEMOS and layer not in ("demos", "package"):
+        return "nothing below the demos imports them"
     if layer in UPPER or layer == "demos":
         if below in UPPER and below != layer:
             if layer in UPPER:
@@ -146,7 +185,7 @@ def violations(root: Path) -> list[str]:
             rel = path.relative_to(root).parts
             layer = _layer(rel)
             tree = ast.parse(path.read_text(), str(path))
-            for line, module, names in _imports(tree):
+            for line, module, names in _imports(tree, rel, root):
                 why = _check_import(layer, module, names, public)
                 if why:
                     found.append(f"{'/'.join(rel)}:{line}: {why} ({module})")

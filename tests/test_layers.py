@@ -41,6 +41,17 @@ PLANTED = [
     ("remote_module/sharded/_placements.py", "x = torch._C._get_tracing_state", "torch's private torch._C"),
     ("remote_module/pipeline/_balance.py", "from torch.distributed.rpc.api import RRef", "torch's private"),
     ("remote_module/ps/_tables.py", "rpc._get_current_rpc_agent()", "torch's private"),
+    # relative imports, modules named after ``from package import``, literal dynamic imports
+    ("remote_module/ps/_rows.py", "from ..sharded import _store", "ps never imports sharded"),
+    ("remote_module/ps/_rows.py", "from .._core.fanout import call_all", "not its modules"),
+    ("remote_module/_core/walk.py", "from .._proxy import wire", "_core imports nothing above"),
+    ("remote_module/ps/_rows.py", "from remote_module import sharded", "ps never imports sharded"),
+    ("remote_module/ps/_rows.py", "from remote_module import _proxy", "not in remote_module._proxy.__all__"),
+    ("remote_module/remote_module.py", "from remote_module import ps", "the proxy imports nothing above"),
+    ("remote_module/demos/hybrid.py", "from remote_module.ps import _rows", "public names only"),
+    ("remote_module/pipeline/_split.py", "from remote_module import dlrm_demo", "nothing below the demos"),
+    ("remote_module/sharded/_mesh.py", "import importlib\nimportlib.import_module('remote_module._proxy.wire')",
+     "not its modules"),
 ]
 
 
