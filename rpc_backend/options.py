@@ -123,7 +123,9 @@ def positive_int(value: Any, what: str, *, wrong_type: type[Exception] = TypeErr
         ValueError: num_servers must be a positive int, got 0
     """
     number = None
-    if not isinstance(value, bool):
+    # a bool never, nor a bool tensor / numpy bool, whose __index__ gives 0 or 1 (torch refuses
+    # them as sizes too)
+    if not isinstance(value, bool) and str(getattr(value, "dtype", "")) not in ("torch.bool", "bool"):
         try:
             number = operator.index(value)
         except TypeError:

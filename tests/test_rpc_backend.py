@@ -1,6 +1,7 @@
 """rpc_backend without RemoteModule: role specs, option validation, torchrun variables,
 the Worker context manager and bounded shutdown."""
 
+import re
 import time
 from fractions import Fraction
 
@@ -197,8 +198,10 @@ def test_one_positive_int_check_takes_what_torch_takes_as_a_size():
     from rpc_backend.options import positive_int
 
     assert positive_int(np.int64(3), "n") == 3 and type(positive_int(torch.tensor(2), "n")) is int
-    for bad, error in [(0, ValueError), (-2, ValueError), (True, TypeError), (1.0, TypeError), ("1", TypeError)]:
-        with pytest.raises(error, match=rf"^n must be .*got .*{bad!r}"):
+    bad_values = [(0, ValueError), (-2, ValueError), (True, TypeError), (1.0, TypeError), ("1", TypeError),
+                  (torch.tensor(True), TypeError), (np.array(True), TypeError), (np.bool_(True), TypeError)]
+    for bad, error in bad_values:
+        with pytest.raises(error, match=rf"^n must be .*got .*{re.escape(repr(bad))}"):
             positive_int(bad, "n")
     with pytest.raises(ValueError, match=r"^n must be a positive int, got 1\.5$"):
         positive_int(1.5, "n", wrong_type=ValueError)
