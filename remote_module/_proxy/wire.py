@@ -19,7 +19,7 @@ tensor (big, CUDA, sparse, quantized, conjugate/negative views, subclasses such 
 ``nn.Parameter``), and every tensor when ``inline=False`` (distributed autograd records
 only tensors that travel as tensors), goes to ``side``.
 
-Other host_objects. Classes registered with the RPC pickler (``RemoteModule`` proxies, script
+Other objects. Classes registered with the RPC pickler (``RemoteModule`` proxies, script
 modules) are reduced with their registered reducer, as RPC would; RRefs go to ``side``.
 Classes and functions that the receiver cannot import by name (defined in ``__main__`` or
 inside a function) ship by value (:func:`remote_module._proxy.shipping.by_value_reduce`).

@@ -328,7 +328,7 @@ class PSModel(PSCheckpoints, nn.Module):
 
         Each forward runs on values of its own: the pulled values are copied into the local
         parameters (``model.module.weight`` shows them) and the model runs on a separate copy
-        whose gradient flows into those same parameter host_objects. So a later forward, whose pull
+        whose gradient flows into those same parameter objects. So a later forward, whose pull
         may bring other trainers' updates (async, half_async), never changes what an earlier
         forward's graph saved: two forwards before one ``backward()`` give, as in torch, the sum
         of each forward's gradient at the values that forward used (parameters, hooks and
