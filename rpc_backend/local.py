@@ -17,6 +17,7 @@ import pickle
 import queue
 import time
 import traceback
+import warnings
 from typing import Any, Callable, Mapping, Sequence
 
 import torch.distributed.rpc as rpc
@@ -54,6 +55,9 @@ def _rank_entry(
 ) -> None:
     exit_with_parent(launcher_pid)  # a launcher killed outright (SIGKILL) cannot stop its ranks
     hide_functional_optimizer_deprecation()
+    # The user's script runs here as __mp_main__: show the DeprecationWarnings its own lines
+    # trigger, as Python's default filters do for __main__ (a plain run or torchrun).
+    warnings.filterwarnings("default", category=DeprecationWarning, module="__mp_main__")
     world_size = len(layout)
     me = layout[rank]
     os.environ.update(loopback_env())

@@ -22,7 +22,12 @@ def warm(proxy, *args):
     """One answered call: the proxy's channel then knows the call's cost and coalesces."""
     proxy.forward_async(*args).wait()
     assert proxy._channel.cost is not None
-    return proxy._channel
+    channel = proxy._channel
+    assert channel.cost is not None
+    with channel.lock:  # a host thread preempted under load can report a cheap call as heavy
+        # (> HEAVY_CALL_S: a message each, rightly); these tests are about cheap calls
+        channel.cost = min(channel.cost, 0.0)
+    return channel
 
 
 def in_thread(fn, seconds):

@@ -242,7 +242,12 @@ class TestOverRPC:
 def warm(proxy, *args):
     """One answered call: the channel then knows what a call costs on the host."""
     proxy.forward_async(*args).wait()
-    return proxy._channel
+    channel = proxy._channel
+    assert channel.cost is not None
+    with channel.lock:  # a host thread preempted under load can report a cheap call as heavy
+        # (> HEAVY_CALL_S: a message each, rightly); these tests are about cheap calls
+        channel.cost = min(channel.cost, 0.0)
+    return channel
 
 
 @pytest.mark.usefixtures("rpc_world")

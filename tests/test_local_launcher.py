@@ -81,3 +81,16 @@ def test_an_unpicklable_result_names_the_rank_and_the_type():
     text = str(info.value)
     assert "result['lock']" in text and "_thread.lock" in text, text
     assert "without a result" not in text
+
+
+@pytest.mark.slow
+def test_a_deprecation_the_users_script_triggers_shows_as_under_python_main():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "scripts" / "deprecation_job.py"
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0 and "RESULT [1]" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert "DeprecationWarning: old_api() is deprecated: call new_api()" in done.stderr, done.stderr[-3000:]
+    assert "deprecation_job.py:19" in done.stderr, done.stderr[-3000:]  # the user's line

@@ -81,7 +81,11 @@ def _rank_main(steps: int, batch: int, progress: bool) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m remote_module.demos.hybrid",
+        description="Train a small hybrid model (a remote EmbeddingBag and a local Linear head) on a local "
+        "two-process RPC world.",
+    )
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--no-progress", action="store_true")

@@ -147,12 +147,13 @@ class PSModel(PSCheckpoints, nn.Module):
             warnings.warn("PSModel(mode=...) is deprecated: pass ps_mode=..., the keyword ShardedEmbedding "
                           "and ShardedEmbeddingBag take", DeprecationWarning, stacklevel=2)
             ps_mode = mode
+        keyword = "ps_mode" if mode is None else "mode (ps_mode's old name)"
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty str naming the job, got {name!r}")
         if ps_mode not in _server.MODES:
-            raise ValueError(f"ps_mode must be one of {', '.join(_server.MODES)}, got {ps_mode!r}")
+            raise ValueError(f"{keyword} must be one of {', '.join(_server.MODES)}, got {ps_mode!r}")
         if not is_rpc_initialized():
             raise RuntimeError("PSModel needs torch.distributed.rpc: call rpc.init_rpc(...) first")
         # as ShardedEmbedding takes them: any integer operator.index takes, kept as an int
