@@ -11,6 +11,8 @@ import sys
 import threading
 import time
 
+from tests._transport import world_options
+
 
 def _exit_when_orphaned(parent_pid: int) -> None:
     while True:
@@ -24,7 +26,7 @@ def main(argv: list[str]) -> None:
     threading.Thread(target=_exit_when_orphaned, args=(int(parent_pid),), daemon=True).start()
     import torch.distributed.rpc as rpc
 
-    options = rpc.TensorPipeRpcBackendOptions(
+    options = world_options(
         init_method=init_method, rpc_timeout=float(rpc_timeout), num_worker_threads=16
     )
     rpc.init_rpc(name, rank=int(rank), world_size=int(world_size), rpc_backend_options=options)

@@ -25,6 +25,8 @@ import threading
 import time
 import traceback
 
+from tests._transport import world_options
+
 ROLES = {"faults": ("caller", "h1", "h2", "h3"), "shutdown": ("caller", "h1", "h2")}
 #: the pipeline's timeout in the fault phases
 TIMEOUT = 3.0
@@ -185,7 +187,7 @@ def run_role(roles: tuple, role: str, init_method: str, mode: str, faults, shutd
     killed); the caller runs ``faults()`` (mode "faults") or prints ``shutdown()``'s report."""
     import torch.distributed.rpc as rpc
 
-    options = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=20, num_worker_threads=16)
+    options = world_options(init_method=init_method, rpc_timeout=20, num_worker_threads=16)
     rpc.init_rpc(role, rank=roles.index(role), world_size=len(roles), rpc_backend_options=options)
     if role != "caller":
         rpc.shutdown()  # serves until the caller is done (or is killed)

@@ -28,6 +28,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+from tests._transport import world_options
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -224,7 +226,7 @@ def main(argv: list[str]) -> None:
     threading.Thread(target=_exit_when_orphaned, args=(int(parent_pid),), daemon=True).start()
     import torch.distributed.rpc as rpc
 
-    options = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=float(rpc_timeout),
+    options = world_options(init_method=init_method, rpc_timeout=float(rpc_timeout),
                                               num_worker_threads=16)
     rpc.init_rpc(name, rank=int(rank), world_size=int(world_size), rpc_backend_options=options)
     if name != "driver":

@@ -20,6 +20,8 @@ import threading
 import time
 from typing import Any
 
+from tests._transport import world_options
+
 ROLES = ("caller", "host")
 CHEAP_CALLS = 2000
 #: host seconds per cheap call: the calls share messages, and a burst keeps a queue on the
@@ -172,7 +174,7 @@ def exit_in_init_then_shutdown() -> dict:
 def main(role: str, init_method: str, mode: str) -> None:
     import torch.distributed.rpc as rpc
 
-    options = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=60, num_worker_threads=8)
+    options = world_options(init_method=init_method, rpc_timeout=60, num_worker_threads=8)
     rpc.init_rpc(role, rank=ROLES.index(role), world_size=len(ROLES), rpc_backend_options=options)
     if role == "host":
         rpc.shutdown()  # serves until the caller is done

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from rpc_backend.loopback import fresh_file_rendezvous, loopback_env
+from tests._transport import world_options
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,7 +45,7 @@ def join_and_serve(role: str, init_method: str, roles: tuple[str, ...] | list[st
     (which prints the report); every rank then shuts down gracefully, the others serving."""
     import torch.distributed.rpc as rpc
 
-    options = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=20, num_worker_threads=8)
+    options = world_options(init_method=init_method, rpc_timeout=20, num_worker_threads=8)
     rpc.init_rpc(role, rank=roles.index(role), world_size=len(roles), rpc_backend_options=options)
     if role == "caller":
         caller()

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._transport import world_options
+
 # One intra-op thread per process, here and in every rank the tests start (they inherit it),
 # unless the caller chose otherwise: the tests run many processes on few cores, and OpenMP's
 # threads wait busily after each parallel op, taking the cores the other ranks' RPCs need.
@@ -54,7 +56,7 @@ def rpc_world():
         if rank > 0
     ]
     try:
-        options = rpc.TensorPipeRpcBackendOptions(
+        options = world_options(
             init_method=init_method, rpc_timeout=RPC_TIMEOUT, num_worker_threads=16
         )
         rpc.init_rpc(WORLD[0], rank=0, world_size=len(WORLD), rpc_backend_options=options)
