@@ -19,7 +19,7 @@ from remote_module._core import (
     register_rpc_reducer,
     worker_names,
 )
-from remote_module._proxy import host as _host
+from remote_module._proxy import _host
 from remote_module._proxy.calls import RemoteCalls, _rpc_missing_message
 from remote_module._proxy.codegen import render_forward_methods, render_scriptable_module
 from remote_module._proxy.creation import AGENT_DEFAULT_TIMEOUT as _AGENT_DEFAULT_TIMEOUT

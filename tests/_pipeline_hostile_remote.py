@@ -49,15 +49,15 @@ class Add(nn.Module):
 
 def host_state() -> dict[str, int]:
     """On a host: sizes of the pipeline hop tables that must not grow with finished forwards."""
-    from remote_module.pipeline import _hops
+    from remote_module.pipeline import _host
 
-    with _hops._turns_lock:
-        turns = [*_hops._turns.values(), *_hops._script_turns.values()]
+    with _host._turns_lock:
+        turns = [*_host._turns.values(), *_host._script_turns.values()]
     return {
         "next": sum(len(t._next) for t in turns),
         "queue": sum(len(t._queue) for t in turns),
         "busy": sum(bool(t._busy) for t in turns),
-        "inbox": len(_hops._inbox),
+        "inbox": len(_host._inbox),
     }
 
 

@@ -35,9 +35,9 @@ def timed(name: str, what: str, timeout: float, ids: list[int] | None = None) ->
 
 def waiters(name: str) -> int:
     """On a server: the sync lookups of table ``name`` still waiting."""
-    from remote_module.ps import _tables
+    from remote_module.ps import _table_server
 
-    table = _tables._table(name)
+    table = _table_server._table(name)
     with table.lock:
         return len(table.waiters)
 

@@ -248,9 +248,9 @@ def rss_bytes() -> int:
 
 def table_bytes(name: str) -> int:
     """On a server: the bytes table ``name`` holds here (rows and optimizer state)."""
-    from remote_module.ps import _tables
+    from remote_module.ps import _table_server
 
-    return _tables._table(name).memory_bytes()
+    return _table_server._table(name).memory_bytes()
 
 
 def big_tables(name: str) -> dict:

@@ -129,10 +129,11 @@ def state_of(module: nn.Module, weight: torch.Tensor) -> dict:
 def server_rows(module: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """Rows ``ids`` of a sharded table as its servers hold them (past any trainer-side cache)."""
     from remote_module._core.fanout import call_all
-    from remote_module.ps import _tables
+    from remote_module.ps import _table_server
 
     parts = [(server, mine) for _, server, mine in module._by_owner(ids)]
-    got = call_all([(server, _tables._rows_for, (module.name, ids[mine], module._step)) for server, mine in parts])
+    got = call_all([(server, _table_server._rows_for, (module.name, ids[mine], module._step))
+                    for server, mine in parts])
     out = torch.empty(ids.numel(), module.embedding_dim)
     for (_, mine), rows in zip(parts, got):
         out[mine] = rows

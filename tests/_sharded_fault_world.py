@@ -147,11 +147,11 @@ def peer_fetch(rt, new_index: int):
     from torch.distributed.tensor import Replicate
 
     from remote_module._core.fanout import call_all
-    from remote_module.sharded import _store
+    from remote_module.sharded import _host
 
     peers = list(zip(rt.mesh, rt._sids))
     new_sid = ("caller", -new_index, 0)
-    call_all([(rt.mesh[0], _store._redistribute, (rt._sids[0], new_sid, rt.placement, Replicate(), 0, peers, TIMEOUT))],
+    call_all([(rt.mesh[0], _host._redistribute, (rt._sids[0], new_sid, rt.placement, Replicate(), 0, peers, TIMEOUT))],
              timeout=30)
     return True
 

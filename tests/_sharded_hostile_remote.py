@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from remote_module.sharded import _store
+from remote_module.sharded import _host
 
 
 class Affine(nn.Module):
@@ -21,5 +21,5 @@ class Affine(nn.Module):
 
 def storage_bytes(sid: tuple) -> int:
     """Bytes of the storage behind shard ``sid`` here (a view keeps its whole storage alive)."""
-    return _store._store.get(tuple(sid)).untyped_storage().nbytes()
+    return _host._store.get(tuple(sid)).untyped_storage().nbytes()
 

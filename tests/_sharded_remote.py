@@ -33,9 +33,9 @@ def position() -> torch.Tensor:
 
 def held_count() -> int:
     """How many shards this process holds (for leak checks)."""
-    from remote_module.sharded import _store
+    from remote_module.sharded import _host
 
-    return _store._store.count()
+    return _host._store.count()
 
 
 class ColumnParallel(nn.Module):
@@ -120,7 +120,7 @@ def _recording(name: str, original):
             _traffic.append((name, dest))
         return original(*args, **kwargs)
 
-    # pickled by reference as remote_module.sharded._store.<name>, so peers call this one too
+    # pickled by reference as remote_module.sharded._host.<name>, so peers call this one too
     handler.__module__, handler.__qualname__, handler.__name__ = original.__module__, original.__qualname__, name
     handler.original = original
     return handler
@@ -128,12 +128,12 @@ def _recording(name: str, original):
 
 def watch_store(on: bool) -> None:
     """Make this process's shard-store handlers record ``(handler, requesting worker)`` (or stop)."""
-    from remote_module.sharded import _store
+    from remote_module.sharded import _host
 
     for name in _WATCHED:
-        current = getattr(_store, name)
+        current = getattr(_host, name)
         original = getattr(current, "original", current)
-        setattr(_store, name, _recording(name, original) if on else original)
+        setattr(_host, name, _recording(name, original) if on else original)
     with _traffic_lock:
         _traffic.clear()
 

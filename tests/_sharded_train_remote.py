@@ -124,9 +124,9 @@ def value_of(param: rpc.RRef) -> torch.Tensor:
 
 def held_count() -> int:
     """How many shards this process holds (for leak checks)."""
-    from remote_module.sharded import _store
+    from remote_module.sharded import _host
 
-    return _store._store.count()
+    return _host._store.count()
 
 
 def rref_requires_grad(param_rref: rpc.RRef) -> bool:

@@ -11,7 +11,7 @@ import torch.distributed.rpc as rpc
 from torch import nn
 
 from remote_module import RemoteModule
-from remote_module.pipeline import RemotePipeline, _hops, split_sequential
+from remote_module.pipeline import RemotePipeline, _host, split_sequential
 from tests import _pipeline_hostile_remote as phr
 
 _clock = time.monotonic
@@ -62,7 +62,7 @@ def assert_hosts_clean(workers) -> None:
     """No forward's order, waiter or inbox entry is left on the hosts or the caller."""
     for w in workers:
         assert host_state(w) == {"next": 0, "queue": 0, "busy": 0, "inbox": 0}, (w, host_state(w))
-    assert not _hops._inbox, f"caller inbox entries left: {list(_hops._inbox)}"
+    assert not _host._inbox, f"caller inbox entries left: {list(_host._inbox)}"
 
 
 def test_a_burst_of_forwards_is_exact_and_leaves_nothing_behind(rpc_world):

@@ -22,7 +22,7 @@ from torch import nn
 
 from remote_module.ps._rows import TableSpec, initial_rows, mix64, row_init, row_key
 from remote_module.ps._rowwise import row_optimizer
-from remote_module.ps._tables import Table
+from remote_module.ps._table_server import Table
 from tests import _ps_table_rows_remote as r
 from tests._ps_world import job
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from remote_module.ps._rows import TableSpec, row_init
 from remote_module.ps._rowwise import row_optimizer
-from remote_module.ps._tables import Table
+from remote_module.ps._table_server import Table
 
 BLOCKS = [(0, 7), (7, 7), (14, 6)]  # rows 0..19 in three blocks, as two servers might split them
 

@@ -5,7 +5,7 @@
 - ``channel``: the coalescing channel (several small calls in one message);
 - ``codegen``: rendering ``forward``/``forward_async`` from the module's real signature;
 - ``creation``: creating the module on its host;
-- ``host`` and ``host_calls``: the handlers that run on the host (creation, description,
+- ``_host`` and ``_host_calls``: the handlers that run on the host (creation, description,
   ``state_dict``, ``requires_grad``; the forward calls);
 - ``pickling``: what travels when a proxy is itself sent (``PICKLED_ATTRIBUTES``);
 - ``shipping``: sending classes defined in ``__main__`` or a script by value;

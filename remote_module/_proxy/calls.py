@@ -46,7 +46,7 @@ from remote_module._core import (
     unsendable_argument,
     warn_untrained,
 )
-from remote_module._proxy import host_calls as _host_calls
+from remote_module._proxy import _host_calls
 from remote_module._proxy.call_records import Answer, Call, Target
 from remote_module._proxy.channel import Channel
 from remote_module._proxy.wire import check_side, dumps, loads

@@ -16,7 +16,7 @@ from typing import Any
 from torch.futures import Future
 
 from remote_module._core import call_async
-from remote_module._proxy import host as _host
+from remote_module._proxy import _host
 from remote_module._proxy.codegen import forward_signature, render_scriptable_module
 from remote_module._proxy.shipping import pack_constructor
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
-from remote_module._proxy import host as _host
+from remote_module._proxy import _host
 from remote_module._proxy.state_dict import entries_under, merge_remote_state
 
 _P = TypeVar("_P", bound="RemoteModuleState")

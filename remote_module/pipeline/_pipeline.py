@@ -27,7 +27,7 @@ from remote_module._core import (
     unwarned_state,
     warn_untrained,
 )
-from remote_module.pipeline import _hops
+from remote_module.pipeline import _host
 from remote_module.remote_module import RemoteModule
 from rpc_backend.options import positive_seconds
 
@@ -281,10 +281,10 @@ class RemotePipeline(nn.Module):
                     f"pipeline stage {i} on worker {stage.on!r}: earlier calls this thread made on its "
                     f"proxy were not answered within the pipeline's timeout ({seconds:g} s)"
                 )
-        route = _hops.Route(
+        route = _host.Route(
             rpc.get_worker_info().name,
             next(_runs),
-            tuple(_hops.Stage(s.on, s._target().key, s.device) for s in self.stages),
+            tuple(_host.Stage(s.on, s._target().key, s.device) for s in self.stages),
             answer_margin(seconds),
             n,
             self.unpack_tuples,
@@ -292,12 +292,12 @@ class RemotePipeline(nn.Module):
         # Here, not in __init__: a pipeline that arrived over RPC runs in a process where no
         # __init__ ran (registering again is a no-op).
         before_rref_deletion_at_shutdown(_forwards.wait_until_none)
-        _hops.open_inbox(route.run)
+        _host.open_inbox(route.run)
         _forwards.started(route.run, deadline)
         try:
             failures = self._run(route, micro, deadline)
         finally:
-            outputs = _hops.close_inbox(route.run)
+            outputs = _host.close_inbox(route.run)
             _forwards.ended(route.run)
         if failures:
             raise failures[0]
@@ -307,7 +307,7 @@ class RemotePipeline(nn.Module):
         last = f"stage {len(route.stages) - 1} on worker {route.stages[-1].worker!r}"
         return _concatenated([outputs[i] for i in range(n)], last)
 
-    def _run(self, route: _hops.Route, micro: list[tuple], deadline: float) -> list[BaseException]:
+    def _run(self, route: _host.Route, micro: list[tuple], deadline: float) -> list[BaseException]:
         """Send every micro-batch, wait until all are settled; the failures, first one first."""
         n = len(micro)
         first = route.stages[0]
@@ -326,7 +326,7 @@ class RemotePipeline(nn.Module):
 
         def cancel_all() -> None:
             for worker in {s.worker for s in route.stages}:
-                send_and_forget(worker, _hops._cancel, (route.caller, route.run), timeout=5)
+                send_and_forget(worker, _host._cancel, (route.caller, route.run), timeout=5)
 
         def watcher(mb: int):
             def settled(fut: Future) -> None:
@@ -374,7 +374,7 @@ class RemotePipeline(nn.Module):
             try:
                 fut = call_async(
                     first.worker,
-                    _hops._step,
+                    _host._step,
                     (route, 0, mb, left - route.margin, grad, args),
                     timeout=None if left == math.inf else left,  # None here: the agent's, which is none
                     label=f"pipeline micro-batch {mb} of {n} (stage 0 on worker {first.worker!r})",

@@ -2,7 +2,7 @@
 blocks. Lookups fetch only the unique ids, from the servers that own them, concurrently;
 ``step()`` pushes only the touched rows' gradients, which the servers apply with a row-wise
 optimizer (``_rowwise``). ``ShardedEmbeddingBag`` (``_embedding_bag``) builds on it, pooling
-bags on the servers; the servers' side is ``_tables``."""
+bags on the servers; the servers' side is ``_table_server``."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from remote_module._core import (
     timeout_seconds,
     user_stacklevel,
 )
-from remote_module.ps import _tables
+from remote_module.ps import _table_server
 from remote_module.ps._dispatch import RoundRobin, check_servers
 from remote_module.ps._embedding_checkpoints import TableCheckpoints
 from remote_module.ps._geo_cache import GeoCache
@@ -213,7 +213,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
             )
         self._ranges = [(b.offset // embedding_dim, b.size // embedding_dim, s) for b, s in zip(blocks, chosen)]
         self._row_opt = row_optimizer(*optimizer)
-        spec = _tables.TableSpec(num_embeddings, embedding_dim, torch.float32, init, seed, ps_mode, num_trainers,
+        spec = _table_server.TableSpec(num_embeddings, embedding_dim, torch.float32, init, seed, ps_mode, num_trainers,
                                  self._row_opt, half_async_merge_every, merge_s, self.padding_idx)
         # geo: the rows this trainer touched, trained locally: id -> [row, row when pulled, state]
         self._geo = GeoCache(embedding_dim, self._row_opt) if ps_mode == "geo" else None
@@ -225,7 +225,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         # which object of this trainer pushes (sync: the newest one attached; a retried push of
         # a step is recognised by it)
         self._token = uuid.uuid4().hex
-        steps = call_all([(s, _tables._attach_table, (name, spec, rs, self._trainer, self._token))
+        steps = call_all([(s, _table_server._attach_table, (name, spec, rs, self._trainer, self._token))
                           for s, rs in by_server.items()], timeout=timeout)
         self._step = min(steps) if steps else 0
         self._pending_lock = threading.Lock()
@@ -275,7 +275,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         it owns (a mask, within ``keep`` when given; ``ALL`` when one server owns them all, so
         indexing with it copies nothing). ``server_of``: :meth:`_server_of` if computed already."""
         if len(self._server_names) == 1:
-            return [(0, self._server_names[0], _tables.ALL if keep is None else keep)]
+            return [(0, self._server_names[0], _table_server.ALL if keep is None else keep)]
         server_of = self._server_of(ids) if server_of is None else server_of
         return [(k, server, server_of == k if keep is None else (server_of == k) & keep)
                 for k, server in enumerate(self._server_names)]
@@ -313,7 +313,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         for _, server, mine in self._by_owner(uniq, wanted):
             ids = uniq[mine]
             if ids.numel():
-                calls.append((server, _tables._rows_for, (self.name, ids, self._step, None, self._wait_s())))
+                calls.append((server, _table_server._rows_for, (self.name, ids, self._step, None, self._wait_s())))
                 taken.append(mine)
         got = call_all(calls, timeout=self.timeout)
         rows = torch.empty(uniq.numel(), self.embedding_dim)
@@ -458,7 +458,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
     def flush(self) -> None:
         """half_async: have the servers apply the queued pushes now (no-op in other modes)."""
         if self.ps_mode == "half_async":
-            call_all([(s, _tables._flush_table, (self.name,)) for s in self._by_server], timeout=self.timeout)
+            call_all([(s, _table_server._flush_table, (self.name,)) for s in self._by_server], timeout=self.timeout)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients accumulated since the last :meth:`step` (nothing is pushed); as
@@ -496,7 +496,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         calls = []
         for _, server, mine in self._by_owner(ids):
             if ids[mine].numel():
-                calls.append((server, _tables._push_row_deltas, (self.name, ids[mine], deltas[mine])))
+                calls.append((server, _table_server._push_row_deltas, (self.name, ids[mine], deltas[mine])))
         call_all(calls, timeout=self.timeout)
         self.pushed_bytes += sum(i.numel() * i.element_size() + d.numel() * d.element_size()
                                  for _, _, (_, i, d) in calls)
@@ -539,10 +539,10 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
             # parameter (Adagrad's lr_decay, SparseAdam's bias correction); sync: every step,
             # without a gradient as None (the servers' step waits for every trainer)
             if has_grad:
-                calls.append((server, _tables._push_rows,
+                calls.append((server, _table_server._push_rows,
                               (self.name, self._trainer, self._step, ids[mine], grad[mine], self._token)))
             elif self.ps_mode == "sync":
-                calls.append((server, _tables._push_rows, (self.name, self._trainer, self._step, None, None,
+                calls.append((server, _table_server._push_rows, (self.name, self._trainer, self._step, None, None,
                                                            self._token)))
         try:
             call_all(calls, timeout=self.timeout)

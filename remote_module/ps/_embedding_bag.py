@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from remote_module._core import call_all
-from remote_module.ps import _tables
+from remote_module.ps import _table_server
 from remote_module.ps._embedding import ShardedEmbedding
 
 
@@ -120,7 +120,7 @@ class ShardedEmbeddingBag(ShardedEmbedding):
             in_bags, w = bags[mine], None if weights is None else weights[mine]
             # this server's share of each bag starts where its positions reach that bag
             pool = (torch.searchsorted(in_bags, positions), w, kind)
-            calls.append((server, _tables._rows_for, (self.name, ids.to(wire), self._step, pool, self._wait_s())))
+            calls.append((server, _table_server._rows_for, (self.name, ids.to(wire), self._step, pool, self._wait_s())))
             called.append(k)
         got = call_all(calls, timeout=self.timeout)
         if kind == "sum":

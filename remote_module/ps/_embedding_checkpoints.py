@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from remote_module._core import call_all
-from remote_module.ps import _tables
+from remote_module.ps import _table_server
 
 
 class TableCheckpoints:
@@ -26,7 +26,7 @@ class TableCheckpoints:
             self._geo_push()
         elif self.ps_mode == "sync":
             nothing = torch.empty(0, dtype=torch.long)
-            call_all([(s, _tables._rows_for, (self.name, nothing, self._step, None, self._wait_s()))
+            call_all([(s, _table_server._rows_for, (self.name, nothing, self._step, None, self._wait_s()))
                       for s in self._by_server],
                      timeout=self.timeout)
         elif self.ps_mode == "half_async":
@@ -34,7 +34,7 @@ class TableCheckpoints:
 
     def _stored(self) -> tuple[torch.Tensor, torch.Tensor]:
         self._settle()
-        calls = [(server, _tables._block_rows, (self.name, first)) for first, _, server in self._ranges]
+        calls = [(server, _table_server._block_rows, (self.name, first)) for first, _, server in self._ranges]
         got = call_all(calls, timeout=self.timeout)
         ids = torch.cat([i for i, _ in got])
         rows = torch.cat([r for _, r in got])
@@ -77,7 +77,7 @@ class TableCheckpoints:
         calls = []
         for _, server, mine in self._by_owner(ids):
             if ids[mine].numel():
-                calls.append((server, _tables._set_rows, (self.name, ids[mine], rows[mine].detach().clone())))
+                calls.append((server, _table_server._set_rows, (self.name, ids[mine], rows[mine].detach().clone())))
         call_all(calls, timeout=self.timeout)
         if self._geo is not None:  # cached rows are stale now: the next lookups fetch the loaded ones
             self._geo.drop(ids.unique())
@@ -104,7 +104,7 @@ class TableCheckpoints:
         self._settle()
         if self._geo is not None:
             return self._geo.state_dict()
-        got = call_all([(server, _tables._row_state, (self.name, first)) for first, _, server in self._ranges],
+        got = call_all([(server, _table_server._row_state, (self.name, first)) for first, _, server in self._ranges],
                        timeout=self.timeout)
         ids = torch.cat([i for _, i, _ in got]) if got else torch.empty(0, dtype=torch.long)
         order = torch.argsort(ids)
@@ -132,7 +132,7 @@ class TableCheckpoints:
             self._geo.load_state_dict(int(state["step"]), ids, {k: state[k] for k in keys},
                                       None if calls is None else int(calls))
             return
-        calls = [(server, _tables._set_row_state,
+        calls = [(server, _table_server._set_row_state,
                   (self.name, int(state["step"]), ids[mine], {k: state[k][mine] for k in keys}))
                  for _, server, mine in self._by_owner(ids)]
         call_all(calls, timeout=self.timeout)

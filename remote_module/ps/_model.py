@@ -16,7 +16,7 @@ from torch import nn
 from torch.func import functional_call
 
 from remote_module._core import call_all, is_rpc_initialized, nested_seconds, positive_int, timeout_seconds
-from remote_module.ps import _server
+from remote_module.ps import _dense_server
 from remote_module.ps._checkpoints import PSCheckpoints
 from remote_module.ps._dispatch import RoundRobin
 from remote_module.ps._dispatch import check_servers as _check_servers
@@ -152,8 +152,8 @@ class PSModel(PSCheckpoints, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty str naming the job, got {name!r}")
-        if ps_mode not in _server.MODES:
-            raise ValueError(f"{keyword} must be one of {', '.join(_server.MODES)}, got {ps_mode!r}")
+        if ps_mode not in _dense_server.MODES:
+            raise ValueError(f"{keyword} must be one of {', '.join(_dense_server.MODES)}, got {ps_mode!r}")
         if not is_rpc_initialized():
             raise RuntimeError("PSModel needs torch.distributed.rpc: call rpc.init_rpc(...) first")
         # as ShardedEmbedding takes them: any integer operator.index takes, kept as an int
@@ -178,7 +178,7 @@ class PSModel(PSCheckpoints, nn.Module):
             (s.name, tuple(self._params()[s.pname].shape), str(self._params()[s.pname].dtype), s.block.offset,
              s.block.size, s.server) for s in self._slots
         ]).encode()).hexdigest()
-        self._spec = _server.JobSpec(ps_mode, num_trainers, (optimizer[0], dict(optimizer[1])),
+        self._spec = _dense_server.JobSpec(ps_mode, num_trainers, (optimizer[0], dict(optimizer[1])),
                                      half_async_merge_every, merge_s, layout)
         self._attach()
         self._local_opt = optimizer[0](self._params().values(), **optimizer[1]) if ps_mode == "geo" else None
@@ -231,7 +231,7 @@ class PSModel(PSCheckpoints, nn.Module):
         calls = []
         for server, slots in self._by_server().items():
             blocks = {s.name: self._block_values(s).clone() for s in slots}
-            calls.append((server, _server._attach, (self.name, self._spec, self._trainer, blocks)))
+            calls.append((server, _dense_server._attach, (self.name, self._spec, self._trainer, blocks)))
         # sync: a trainer attaching to a job under way (its PSModel built again, or restarted)
         # starts at the job's step; servers one step apart (a step cut short) meet again when it
         # pushes the lower one, which the server that has it takes as a retry (a server holding no
@@ -315,7 +315,7 @@ class PSModel(PSCheckpoints, nn.Module):
         answer at once."""
         seconds = self._seconds()
         by_server = self._by_server()
-        calls = [(server, _server._pull,
+        calls = [(server, _dense_server._pull,
                   (self.name, [s.name for s in slots], self._step, nested_seconds(seconds), self._packable(slots)))
                  for server, slots in by_server.items() if slots]
         values = {}
@@ -405,7 +405,8 @@ class PSModel(PSCheckpoints, nn.Module):
             grads = [self._block_values(s, params[s.pname].grad) for s in sel]
             # sync: every server with blocks hears from every trainer every step, grads or not
             if grads or (slots and self.ps_mode == "sync"):
-                calls.append((server, _server._push, (self.name, self._trainer, self._step, self._sent(sel, grads))))
+                sent = self._sent(sel, grads)
+                calls.append((server, _dense_server._push, (self.name, self._trainer, self._step, sent)))
         call_all(calls, timeout=self.timeout)
         for p in params.values():
             p.grad = None
@@ -419,7 +420,8 @@ class PSModel(PSCheckpoints, nn.Module):
             sel = [s for s in slots if params[s.pname].is_floating_point() or params[s.pname].is_complex()]
             deltas = [self._block_values(s) - self._pulled[s.name] for s in sel]
             if deltas:
-                calls.append((server, _server._push_delta, (self.name, self._sent(sel, deltas), self._packable(sel))))
+                packed = self._packable(sel)
+                calls.append((server, _dense_server._push_delta, (self.name, self._sent(sel, deltas), packed)))
                 sent.append(sel)
         results = call_all(calls, timeout=self.timeout)
         values = {}
@@ -430,13 +432,13 @@ class PSModel(PSCheckpoints, nn.Module):
 
     def flush(self) -> None:
         """half_async: have the servers apply what they have queued now (no-op in other modes)."""
-        call_all([(s, _server._flush, (self.name,)) for s in self.servers], timeout=self.timeout)
+        call_all([(s, _dense_server._flush, (self.name,)) for s in self.servers], timeout=self.timeout)
         for table in self._tables.values():
             table.flush()
 
     def stats(self) -> dict[str, dict]:
         """Per server: steps applied (sync), pushes applied, attached trainers, queued pushes."""
-        return dict(zip(self.servers, call_all([(s, _server._stats, (self.name,)) for s in self.servers],
+        return dict(zip(self.servers, call_all([(s, _dense_server._stats, (self.name,)) for s in self.servers],
                                                 timeout=self.timeout)))
 
     @property

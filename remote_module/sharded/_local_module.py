@@ -20,8 +20,8 @@ from remote_module._core import (
     warn_untrained,
 )
 from remote_module.remote_module import RemoteModule
+from remote_module.sharded import _host
 from remote_module.sharded import _placements as pl
-from remote_module.sharded import _store
 from remote_module.sharded._mesh import check_mesh
 from remote_module.sharded._tensor import RemoteTensor, call_carrying_releases, new_sids, release_later
 from rpc_backend.options import positive_seconds
@@ -89,7 +89,7 @@ def _for_rank(value: Any, rank: int) -> Any:
     RemoteTensor in it replaced by a reference to the rank's local shard."""
     if isinstance(value, _PerRank):
         return value.items[rank]
-    return map_leaves(lambda rt: _store.Ref(rt._sids[rank]), value, RemoteTensor)
+    return map_leaves(lambda rt: _host.Ref(rt._sids[rank]), value, RemoteTensor)
 
 
 class LocalModule(nn.Module):
@@ -230,12 +230,12 @@ class LocalModule(nn.Module):
             if value.placement != want:
                 value = value.redistribute(want, timeout=self.timeout)
                 temps.append(value)
-            return _PerRank([_store.Ref(sid) for sid in value._sids])
+            return _PerRank([_host.Ref(sid) for sid in value._sids])
         if isinstance(value, torch.Tensor):
             # What distribute() would store, sent with the call instead (nothing to store or free).
             want = pl.normalized(placement, value.dim(), f"in_placements[{i}]")
             pl.check_op_dtype(want, value.dtype, f"in_placements[{i}]")
-            return _PerRank([_store.compact(part) for part in pl.local_parts(value, want, len(self.mesh))])
+            return _PerRank([_host.compact(part) for part in pl.local_parts(value, want, len(self.mesh))])
         raise TypeError(
             f"LocalModule input {i} has in_placements[{i}] = {pl.describe(placement)}, so it must be a tensor or "
             f"a RemoteTensor, got {type(value).__name__}: {value!r:.80}; declare None to pass it as it is"
@@ -282,7 +282,7 @@ class LocalModule(nn.Module):
         for r, shard in enumerate(self.shards):
             args_r = tuple(_for_rank(v, r) for v in per_input)
             kwargs_r = {k: _for_rank(v, r) for k, v in kwargs.items()}
-            calls.append((hosts.infos[r], _store._forward,
+            calls.append((hosts.infos[r], _host._forward,
                           (hosts.keys[r], shard.device, r, n, args_r, kwargs_r, sids[r], grad)))
         left = deadline - _clock()
         try:
@@ -313,4 +313,4 @@ class LocalModule(nn.Module):
         except BaseException:
             release_later(self.mesh, [[sids[r][j] for j in range(len(outs), count)] for r in range(n)])
             raise
-        return _store.unflatten(specs[0], outs)
+        return _host.unflatten(specs[0], outs)

@@ -15,10 +15,10 @@ import torch.distributed.rpc as rpc
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from remote_module._core import call_all, nested_seconds, send_and_forget, timeout_seconds
+from remote_module.sharded import _host
 from remote_module.sharded import _placements as pl
-from remote_module.sharded import _store
+from remote_module.sharded._host import Meta, ShardId
 from remote_module.sharded._mesh import check_mesh
-from remote_module.sharded._store import Meta, ShardId
 
 _serials = itertools.count(1)
 
@@ -97,7 +97,7 @@ class _Releaser:
                 for unsure, sids in ((False, sure_ids), (True, unsure_ids)):
                     if sids:
                         # the world gone (RPC down) takes the shards with it: nothing to free then
-                        send_and_forget(worker, _store._release, (sids, unsure))
+                        send_and_forget(worker, _host._release, (sids, unsure))
 
 
 _releaser = _Releaser()
@@ -210,7 +210,7 @@ class RemoteTensor:
             # a == tensor([0., 1., 2.]), b == tensor([3., 4.])
         """
         me = rpc.get_worker_info().name
-        calls = [(w, _store._fetch, (sid, me)) for w, sid in zip(self.mesh, self._sids)]
+        calls = [(w, _host._fetch, (sid, me)) for w, sid in zip(self.mesh, self._sids)]
         return call_carrying_releases(calls, self._timeout(timeout))
 
     def full_tensor(self, timeout: float | None = None) -> torch.Tensor:
@@ -233,7 +233,7 @@ class RemoteTensor:
         graded = isinstance(self.placement, Replicate) and self.requires_grad and torch.is_grad_enabled()
         if isinstance(self.placement, Replicate) and not graded:
             pairs = pairs[:1]
-        tensors = call_carrying_releases([(w, _store._fetch, (sid, me)) for w, sid in pairs], self._timeout(timeout))
+        tensors = call_carrying_releases([(w, _host._fetch, (sid, me)) for w, sid in pairs], self._timeout(timeout))
         device = tensors[0].device
         tensors = [t.to(device) for t in tensors]
         if graded:
@@ -264,7 +264,7 @@ class RemoteTensor:
         inner = nested_seconds(seconds)
         grad = torch.is_grad_enabled()
         calls = [
-            (w, _store._redistribute, (sid, new[r], self.placement, dst, r, peers, inner, grad))
+            (w, _host._redistribute, (sid, new[r], self.placement, dst, r, peers, inner, grad))
             for r, (w, sid) in enumerate(peers)
         ]
         try:
@@ -311,7 +311,7 @@ def distribute(
     timeout_seconds(timeout)
     parts = pl.local_parts(tensor, p, len(workers))
     sids = [ids[0] for ids in new_sids(len(workers))]
-    calls = [(w, _store._keep, (sid, _store.compact(part))) for w, sid, part in zip(workers, sids, parts)]
+    calls = [(w, _host._keep, (sid, _host.compact(part))) for w, sid, part in zip(workers, sids, parts)]
     return _stored(workers, p, calls, sids, timeout)
 
 
@@ -354,7 +354,7 @@ def from_local(
                     f"from_local: RRef {r} is owned by {rref.owner_name()!r}, but mesh rank {r} is {workers[r]!r}; "
                     "each worker's shard must be owned by that worker (order the RRefs as the mesh)"
                 )
-        calls = [(w, _store._adopt, (sid, rref)) for w, sid, rref in zip(workers, sids, rrefs)]
+        calls = [(w, _host._adopt, (sid, rref)) for w, sid, rref in zip(workers, sids, rrefs)]
     elif callable(fn):
         if args is not None and not isinstance(args, (tuple, list)):
             raise TypeError(f"from_local: args must be a tuple, got {type(args).__name__}")
@@ -362,7 +362,7 @@ def from_local(
             raise TypeError(f"from_local: kwargs must be a dict or None, got {type(kwargs).__name__}")
         grad = torch.is_grad_enabled()
         calls = [
-            (w, _store._run_fn, (sid, fn, tuple(args or ()), dict(kwargs or {}), r, n, grad))
+            (w, _host._run_fn, (sid, fn, tuple(args or ()), dict(kwargs or {}), r, n, grad))
             for r, (w, sid) in enumerate(zip(workers, sids))
         ]
     else:

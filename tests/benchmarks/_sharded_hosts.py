@@ -27,9 +27,9 @@ def handler_threads() -> int:
 
 def held_count() -> int:
     """How many shards this worker's sharded store holds (to wait for releases to land)."""
-    from remote_module.sharded import _store
+    from remote_module.sharded import _host
 
-    return _store._store.count()
+    return _host._store.count()
 
 
 class Tiny(nn.Module):

@@ -1,6 +1,6 @@
 """The server side of a sharded embedding table: the rows a server owns, row-wise optimizer
 state for the rows ever touched, lookups and sparse updates. Trainers create a table by a
-job-unique name, idempotently, as for dense parameters (see ``_server``).
+job-unique name, idempotently, as for dense parameters (see ``_dense_server``).
 
 Rows are sliced into blocks by the same rule as dense parameters (whole rows, see
 :func:`slice_blocks`) and placed by the same dispatchers; a block's storage, eager or lazy, is
@@ -24,9 +24,9 @@ import torch.distributed.rpc as rpc
 from torch.futures import Future
 
 from remote_module._core import complete, schedule
+from remote_module.ps._dense_server import fail_stalled
 from remote_module.ps._rows import TableSpec, _Rows, pool_rows, row_key
 from remote_module.ps._rowwise import coalesce
-from remote_module.ps._server import fail_stalled
 
 ALL = slice(None)  # "every position": indexes a tensor without a copy
 
