@@ -88,16 +88,8 @@ class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
         rpc.init_rpc("worker1", rank=1, world_size=2)
         rpc.shutdown()
 
-    Calls keep the contract of one call per message, whatever path they take (README,
-    "Calls"): (1) a blocking call (``forward``, ``train``/``eval``, reading ``training``,
-    ``state_dict``, ``load_state_dict``, ``remote_parameters``) runs on the host after every
-    earlier call this thread made on the proxy; calls sharing a message run in the order made;
-    (2) each call has its own ``timeout``, counted from when it was made, and fails with
-    ``remote_module.CallTimeout`` saying whether it was sent; (3) each call succeeds or fails
-    alone; (4) no callback on a returned future can stall the proxy; (5) a graceful shutdown
-    answers every call made before it; (6) only the arguments given travel, defaults are
-    evaluated on the host; (7) what arrives is what was sent (containers, self-references,
-    strides, storage sharing); (8) ``timeout`` is ``None`` or seconds in [0.001, 2**31/1000).
+    Every call, whatever path it takes, keeps the call contract in README.md ("Calls: the
+    call contract").
 
     Creating a proxy is one message to the host; :meth:`create_async` returns a Future of the
     proxy instead of waiting, so many proxies (shards, pipeline stages) are created at once.

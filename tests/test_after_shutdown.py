@@ -1,5 +1,6 @@
-"""A proxy used after a graceful rpc.shutdown() says which call to make (README compatibility
-table: "API used before init_rpc / after shutdown"), also on the agent's default timeout."""
+"""A proxy used after a graceful rpc.shutdown() says which call to make (the differences table
+in tutorials/remote-module.md: "API used before init_rpc / after shutdown"), also on the
+agent's default timeout."""
 
 import pytest
 

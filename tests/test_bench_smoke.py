@@ -1,5 +1,5 @@
 """`make bench` keeps working: its quick mode runs end to end and writes every figure.
-(No timing is asserted here; figures are read from `make bench`, see README.)"""
+(No timing is asserted here; figures are read from `make bench`, see tutorials/performance.md.)"""
 
 import json
 import os

@@ -72,6 +72,27 @@ def test_sharded_seed_example_and_megatron_step():
     assert float(mlp[0].rsplit(": ", 1)[1]) < 1e-5, mlp[0]  # equal to the local model after the SGD step
 
 
+@pytest.mark.slow
+def test_embeddings_table_trains_and_its_checkpoint_loads_locally():
+    out = subprocess.run(
+        [sys.executable, "tutorials/embeddings.py", "--steps", "100"], cwd=ROOT, capture_output=True, text=True,
+        timeout=170, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    loss = [line for line in lines if line.startswith("trainer0: loss ")]
+    assert len(loss) == 1, out.stdout
+    first, last = (float(v) for v in loss[0].split("loss ")[1].split(" -> "))
+    assert last < 0.5 * first, loss[0]
+    pushed = [line for line in lines if line.startswith("pushed per step: ")]
+    assert len(pushed) == 1, out.stdout
+    per_step, table = (float(v) for v in re.findall(r"([\d.]+) KiB", pushed[0]))
+    assert 0 < per_step < table, pushed[0]  # only the touched rows' gradients travel
+    check = [line for line in lines if line.startswith("checkpoint in nn.EmbeddingBag: max difference ")]
+    assert len(check) == 1 and float(check[0].rsplit(" ", 1)[1]) < 1e-5, out.stdout  # float32 rounding at most
+    _no_avoidable_warnings(out.stderr)
+
+
 # tutorials/parameter_server.py is run by tests/test_torchrun.py, under torchrun and under
 # run_local (one launch each); its modes are tested in tests/test_ps.py.
 
@@ -92,6 +113,7 @@ OTHER_FORM = [
     ("pipeline", "module", ["--steps", "2"]),
     ("hybrid_ddp", "module", ["--steps", "3"]),
     ("parameter_server", "module", ["--steps", "3", "--mode", "async"]),
+    ("embeddings", "module", ["--steps", "5"]),
 ]
 
 

@@ -1,16 +1,8 @@
 """How a RemoteModule proxy calls its host: ``forward``/``forward_async`` and the blocking
-calls of other handlers, all keeping one contract (README, "Calls"):
-
-1. program order at synchronisation points: a blocking call (``forward``, ``train``/``eval``,
-   ``state_dict``, ``load_state_dict``, ``remote_parameters``) runs on the host only after
-   every earlier call this thread made on the proxy was answered;
-2. a timeout per call, counted from when it was made, saying whether the call was sent;
-3. each call succeeds or fails alone; 4. no callback can stall the proxy;
-5. a graceful shutdown answers every call made before it;
-6. only the arguments given travel, defaults are evaluated on the host (the generated
-   methods, ``remote_module._proxy.codegen``), and an argument that cannot be pickled is a
-   ``TypeError`` naming its parameter, raised before anything is sent;
-7. arguments arrive as sent (``remote_module._proxy.wire``).
+calls of other handlers, all keeping the call contract in README.md ("Calls: the call
+contract", the one place it is written). Point 6 (arguments checked on the caller, only those
+given sent) is the generated methods' (``remote_module._proxy.codegen``), point 7 (what
+arrives is what was sent) ``remote_module._proxy.wire``'s.
 
 ``forward_async`` calls go through the proxy's :class:`remote_module._proxy.channel.Channel` (one
 per proxy and process), which may let cheap calls share messages.
