@@ -39,7 +39,7 @@ def waiters(name: str) -> int:
 
     table = _table_server._table(name)
     with table.lock:
-        return len(table.waiters)
+        return len(table.sync.waiters)
 
 
 def shutdown_during_lookups(name: str, path: str) -> bool:

@@ -209,24 +209,24 @@ def test_half_async_a_timer_that_fired_during_a_count_merge_does_not_merge_the_n
     import threading
     import time
 
-    from remote_module.ps import _dense_server
+    from remote_module.ps import _dense_server, _modes
 
     fired = threading.Event()
-    merge_later = _dense_server._merge_later
-    monkeypatch.setattr(_dense_server, "_merge_later", lambda *a: (fired.set(), merge_later(*a)))
+    merge_later = _modes.merge_later
+    monkeypatch.setattr(_modes, "merge_later", lambda *a: (fired.set(), merge_later(*a)))
     name = job("timer-race")
     spec = _dense_server.JobSpec("half_async", 1, (torch.optim.SGD, {"lr": 1.0}), 2, 0.2, "layout")
     _dense_server._attach(name, spec, "t", {"b": torch.zeros(2)})
     j = _dense_server._jobs[name]
     try:
         _dense_server._push(name, "t", 0, {"b": torch.ones(2)})  # queued; the 0.2 s timer armed
-        old = j.timer
+        old = j.merges.timer
         with j.lock:  # (reentrant) the pushes below run while the fired timer waits for the lock
             assert fired.wait(10), "the merge_s timer did not fire"
             _dense_server._push(name, "t", 0, {"b": torch.ones(2)})  # second push: merged by count
             _dense_server._push(name, "t", 0, {"b": torch.full((2,), 10.0)})  # queued, its own timer armed
         old.join(10)
-        assert (j.applied, j.queued_count) == (1, 1), f"the third push was merged early: applied {j.applied}"
+        assert (j.applied, j.merges.count) == (1, 1), f"the third push was merged early: applied {j.applied}"
         deadline = time.monotonic() + 10
         while j.applied < 2 and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -153,13 +153,13 @@ def test_sync_keeps_a_push_for_the_next_step_until_its_step_completes():
     t.push("trainer0", 0, torch.tensor([1]), one)
     t.push("trainer0", 1, None, None)  # no gradient, ahead of the table
     t.push("trainer0", 2, torch.tensor([2]), one)  # and the step after
-    assert t.step_count == 0 and t.optimizer_steps == 0
+    assert t.sync.done == 0 and t.optimizer_steps == 0
     t.push("trainer1", 0, None, None)
-    assert t.step_count == 1 and t.optimizer_steps == 1
+    assert t.sync.done == 1 and t.optimizer_steps == 1
     t.push("trainer1", 1, None, None)  # step 1: nobody had a gradient
-    assert t.step_count == 2 and t.optimizer_steps == 1
+    assert t.sync.done == 2 and t.optimizer_steps == 1
     t.push("trainer1", 2, torch.tensor([2]), one)
-    assert t.step_count == 3 and t.optimizer_steps == 2
+    assert t.sync.done == 3 and t.optimizer_steps == 2
     after = t.lookup(torch.arange(20))
     torch.testing.assert_close(after[1], before[1] - 0.5 / 2)
     torch.testing.assert_close(after[2], before[2] - 0.5 * 2 / 2)
@@ -179,5 +179,5 @@ def test_sync_takes_the_retry_of_a_push_waiting_for_its_step_as_a_no_op():
     t.push("trainer0", 1, torch.tensor([1]), one)  # the retry: already held
     t.push("trainer1", 0, None, None)
     t.push("trainer1", 1, None, None)
-    assert t.step_count == 2 and t.optimizer_steps == 1
+    assert t.sync.done == 2 and t.optimizer_steps == 1
     torch.testing.assert_close(t.lookup(torch.arange(20))[1], before[1] - 0.5 / 2)  # once

@@ -1,27 +1,19 @@
 """The server side of a parameter-server job: the blocks a server owns, their optimizers, and
-how pushed gradients are applied in each mode. Servers run no code of their own: trainers
-create this state by RPC (the handlers below), under a job-unique name, idempotently.
+how pushed gradients are applied. Servers run no code of their own: trainers create this state
+by RPC (the handlers below), under a job-unique name, idempotently.
 
-Modes (per job, the same on every server):
-
-- ``sync``: step ``k``'s gradients from all ``num_trainers`` trainers are averaged (summed in
-  trainer-name order, so every run gives the same bits) and applied once; pulls for step
-  ``k + 1`` are answered only after that. A trainer pushing for a step that is not the current
-  one is refused; pushing its last step again (the retry of a ``step()`` that failed on another
-  server) is a no-op.
-- ``async``: each pushed gradient is applied when it arrives, under the job's lock.
-- ``half_async``: pushes are queued and summed; the sum is applied once ``merge_every`` pushes
-  have arrived or ``merge_s`` seconds have passed since the first queued one.
-- ``geo``: trainers push parameter deltas; each is added divided by ``num_trainers``.
-
-Waiting pulls (sync) hold no RPC thread: they are futures completed when the step is applied.
+The modes (per job, the same on every server) are ``_modes``'s, shared with the tables: ``sync``
+averages step ``k``'s gradients of all ``num_trainers`` trainers (summed in trainer-name order)
+and applies them once, pulls for step ``k + 1`` waiting for that (a push for any other step
+than the current one is refused here); ``async`` applies each push on arrival; ``half_async``
+sums pushes and applies the sum every ``merge_every`` pushes or ``merge_s`` seconds; ``geo``
+adds each pushed parameter delta divided by ``num_trainers``.
 """
 
 from __future__ import annotations
 
 import math
 import threading
-import time
 from typing import Any, NamedTuple
 
 import torch
@@ -29,11 +21,10 @@ import torch.distributed.rpc as rpc
 from torch import nn
 from torch.futures import Future
 
-from remote_module._core import CallTimeout, complete, schedule, settle_elsewhere
+from remote_module.ps._modes import PS_MODES, HalfAsyncMerges, SyncSteps, read_when_applied, settle
 
-MODES = ("sync", "async", "half_async", "geo")
-
-_clock = time.monotonic
+#: The modes (one tuple for jobs and tables: :data:`remote_module.ps._modes.PS_MODES`).
+MODES = PS_MODES
 
 
 class JobSpec(NamedTuple):
@@ -62,13 +53,10 @@ class _Job:
             if spec.mode != "geo":
                 self.optimizers[block] = opt_cls([p], **opt_kwargs)
         self.trainers: set[str] = set()
-        self.version = 0  # sync: steps applied
-        self.pushed: dict[str, dict[str, torch.Tensor]] = {}  # sync: this step's pushes by trainer
-        self.last_step: dict[str, int] = {}  # sync: the last step each trainer pushed (retries are no-ops)
-        self.waiters: list[_Waiting] = []  # sync pulls waiting for a version
+        self.label, self.noun = f"parameter-server job {name!r}", "job"
+        self.sync = SyncSteps(self, spec.num_trainers, allow_ahead=False)
         self.queued: dict[str, torch.Tensor] = {}  # half_async: summed pushes not yet applied
-        self.queued_count = 0
-        self.timer: threading.Timer | None = None
+        self.merges = HalfAsyncMerges(self.lock, spec.merge_every, spec.merge_s, self._apply_queued)
         self.applied = 0  # pushes (or merges) applied, for tests and stats
 
     # ---- applying -------------------------------------------------------------------
@@ -96,12 +84,21 @@ class _Job:
 
     def merge(self) -> None:
         """half_async: apply what is queued (lock held)."""
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        if self.queued_count:
-            queued, self.queued, self.queued_count = self.queued, {}, 0
-            self.apply(queued)
+        self.merges.merge()
+
+    def _apply_queued(self) -> None:
+        queued, self.queued = self.queued, {}
+        self.apply(queued)
+
+    def apply_step(self, pushes: list[tuple[str, dict[str, torch.Tensor]]]) -> None:
+        """sync: one step's pushes (in trainer-name order) averaged and applied (lock held). A
+        block no trainer has a gradient for is left alone, as torch does."""
+        total = {}
+        for b in self.params:
+            parts = [grads[b] for _, grads in pushes if b in grads]
+            if parts:
+                total[b] = sum(parts[1:], parts[0].clone())
+        self.apply(total, 1.0 / self.spec.num_trainers)
 
 
 _jobs: dict[str, _Job] = {}
@@ -152,44 +149,7 @@ def _attach(name: str, spec: JobSpec, trainer: str, blocks: dict[str, torch.Tens
                 f"({sorted(job.trainers)}); trainer {trainer!r} would be one more"
             )
         job.trainers.add(trainer)
-        return created, job.version
-
-
-class _Waiting:
-    """A sync pull waiting for its step, failed at its deadline with who has not pushed."""
-
-    __slots__ = ("job", "step", "future", "blocks", "packed", "__weakref__")
-
-    def __init__(self, job: _Job, step: int, future: Future, blocks: list[str]) -> None:
-        self.job, self.step, self.future, self.blocks = job, step, future, blocks
-        self.packed = False
-
-    def expire(self, now: float) -> None:
-        job = self.job
-        with job.lock:
-            if self not in job.waiters:
-                return  # answered
-            job.waiters.remove(self)
-            missing = sorted(set(job.trainers) - set(job.pushed)) if job.version == self.step - 1 else []
-            never = job.spec.num_trainers - len(job.trainers)
-        fail_stalled(self.future, f"parameter-server job {job.name!r}", "job", self.step - 1, missing, never,
-                     job.spec.num_trainers)
-
-
-def fail_stalled(future: Future, what: str, noun: str, step: int, missing: list[str], never: int,
-                 num_trainers: int) -> None:
-    """Fail a sync wait for ``step`` that reached its deadline, on a settler thread, with a
-    ``CallTimeout`` naming the trainers that have not pushed it (``missing``) and how many
-    never attached (``never``); ``what`` names the job or table, ``noun`` says which."""
-    who = ", ".join(repr(t) for t in missing) or "none of the attached trainers"
-    if never > 0:
-        who += f" (and {never} trainer(s) never attached)"
-    error = CallTimeout(
-        f"{what} on server {rpc.get_worker_info().name!r}: step {step} was not applied in time; waiting for "
-        f"gradients from {who} (sync mode needs all {num_trainers} trainers every step: a trainer that died or "
-        f"stopped pushing stalls the {noun})"
-    )
-    settle_elsewhere([lambda: complete(future, error, True)])
+        return created, job.sync.done
 
 
 @rpc.functions.async_execution
@@ -197,18 +157,7 @@ def _pull(name: str, blocks: list[str], step: int, seconds: float = math.inf, pa
     """The current values of ``blocks``; in sync mode, once step ``step - 1`` is applied (a
     pull still waiting after ``seconds`` fails naming the trainers that have not pushed)."""
     job = _job(name)
-    answer: Future = Future()
-    with job.lock:
-        if job.spec.mode == "sync" and job.version < step:
-            waiting = _Waiting(job, step, answer, blocks)
-            waiting.packed = packed
-            job.waiters.append(waiting)  # holds it: the watcher holds it only weakly
-            if seconds != math.inf:
-                schedule(_clock() + seconds, waiting)
-            return answer
-        values = job.snapshot(blocks, packed)
-    answer.set_result(values)
-    return answer
+    return read_when_applied(job, step, seconds, job.snapshot, blocks, packed)
 
 
 def unpacked(blocks: Any) -> dict[str, torch.Tensor]:
@@ -236,51 +185,13 @@ def _push(name: str, trainer: str, step: int, grads: Any) -> None:
         elif mode == "half_async":
             for b, g in grads.items():
                 job.queued[b] = job.queued[b] + g if b in job.queued else g.clone()
-            job.queued_count += 1
-            if job.queued_count >= job.spec.merge_every:
-                job.merge()
-            elif job.timer is None:
-                job.timer = threading.Timer(job.spec.merge_s, _merge_later)
-                job.timer.args = (job, job.timer)
-                job.timer.daemon = True
-                job.timer.start()
+            job.merges.queued()
         else:  # sync
-            if job.last_step.get(trainer) == step and step in (job.version, job.version - 1):
-                # the retry of a step() that failed elsewhere (e.g. another server timed out) after
-                # this push arrived: already counted (pending or applied), so nothing to do
-                return
-            if step != job.version:
-                raise RuntimeError(
-                    f"parameter-server job {name!r}: trainer {trainer!r} pushed gradients for step {step}, but the "
-                    f"servers are at step {job.version}; in sync mode every trainer pushes once per step, in step"
-                )
-            job.pushed[trainer] = grads
-            job.last_step[trainer] = step
-            if len(job.pushed) == job.spec.num_trainers:
-                order = sorted(job.pushed)
-                total = {}  # a block no trainer has a gradient for is left alone (as torch does)
-                for b in job.params:
-                    parts = [job.pushed[t][b] for t in order if b in job.pushed[t]]
-                    if parts:
-                        total[b] = sum(parts[1:], parts[0].clone())
-                job.apply(total, 1.0 / job.spec.num_trainers)
-                job.pushed = {}
-                job.version += 1
-                still = []
-                for w in job.waiters:
-                    if job.version >= w.step:
-                        ready.append((w.future, job.snapshot(w.blocks, w.packed)))
-                    else:
-                        still.append(w)
-                job.waiters = still
-    for fut, values in ready:  # outside the lock: completing runs the answer's callbacks
-        fut.set_result(values)
-
-
-def _merge_later(job: _Job, timer: threading.Timer) -> None:
-    with job.lock:
-        if job.timer is timer:  # not cancelled (by a merge) while it waited for the lock
-            job.merge()
+            job.sync.push(trainer, step, grads, None, job.apply_step, lambda: RuntimeError(
+                f"parameter-server job {name!r}: trainer {trainer!r} pushed gradients for step {step}, but the "
+                f"servers are at step {job.sync.done}; in sync mode every trainer pushes once per step, in step"))
+            ready = job.sync.ready(job.snapshot)
+    settle(ready)
 
 
 def _push_delta(name: str, deltas: Any, packed: bool = False) -> Any:
@@ -339,5 +250,5 @@ def _load_optimizer_state(name: str, states: dict[str, dict]) -> None:
 def _stats(name: str) -> dict:
     job = _job(name)
     with job.lock:
-        return {"version": job.version, "applied": job.applied, "trainers": sorted(job.trainers),
-                "queued": job.queued_count, "blocks": sorted(job.params)}
+        return {"version": job.sync.done, "applied": job.applied, "trainers": sorted(job.trainers),
+                "queued": job.merges.count, "blocks": sorted(job.params)}

@@ -29,11 +29,10 @@ from remote_module.ps import _table_server
 from remote_module.ps._dispatch import RoundRobin, check_servers
 from remote_module.ps._embedding_checkpoints import TableCheckpoints
 from remote_module.ps._geo_cache import GeoCache
+from remote_module.ps._modes import PS_MODES
 from remote_module.ps._rowwise import coalesce, row_optimizer
 from remote_module.ps._slicing import _index, block_name, slice_blocks
 from rpc_backend.options import positive_seconds
-
-PS_MODES = ("sync", "async", "half_async", "geo")
 
 #: backward passes a table records without a step() before it warns that its gradients are never
 #: pushed, where no local optimizer step told it sooner (gradient accumulation stays below this)

@@ -6,25 +6,24 @@ Rows are sliced into blocks by the same rule as dense parameters (whole rows, se
 :func:`slice_blocks`) and placed by the same dispatchers; a block's storage, eager or lazy, is
 ``_rows._Rows``.
 
-Modes as for dense parameters: ``sync`` (a step's pushes summed in trainer-name order, divided
-by the number of trainers, applied once; lookups for the next step wait for it), ``async``
-(applied on arrival), ``half_async`` (queued, the sum applied every ``merge_every`` pushes or
-``merge_s`` seconds), ``geo`` (trainers push row deltas, added divided by the number of
-trainers). Bags can be pooled here (:func:`pool_rows`), so only pooled rows travel.
+The modes are ``_modes``'s, shared with dense parameters: ``sync`` (a step's pushes summed in
+trainer-name order, divided by the number of trainers, applied once; lookups for the next step
+wait for it; a trainer's push for the step after its last one may arrive first and waits),
+``async`` (applied on arrival), ``half_async`` (queued, the sum applied every ``merge_every``
+pushes or ``merge_s`` seconds), ``geo`` (trainers push row deltas, added divided by the number
+of trainers). Bags can be pooled here (:func:`pool_rows`), so only pooled rows travel.
 """
 
 from __future__ import annotations
 
 import math
 import threading
-import time
 
 import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from remote_module._core import complete, schedule
-from remote_module.ps._dense_server import fail_stalled
+from remote_module.ps._modes import HalfAsyncMerges, SyncSteps, read_when_applied, settle
 from remote_module.ps._rows import TableSpec, _Rows, pool_rows, row_key
 from remote_module.ps._rowwise import coalesce
 
@@ -41,19 +40,18 @@ class Table:
         self.starts = torch.tensor([r.first for r in self.blocks], dtype=torch.long)
         self.ends = torch.tensor([r.first + r.count for r in self.blocks], dtype=torch.long)
         self.lock = threading.Condition()
-        self.step_count = 0  # sync: the steps (rounds of every trainer's push) completed
         # optimizer steps of the table (torch's per-parameter ``step``: Adagrad's lr_decay,
         # SparseAdam's bias correction): steps in which a trainer had a gradient for it
         self.optimizer_steps = 0
-        self.pushed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.ahead: dict[int, dict[str, tuple]] = {}  # sync: pushes for later steps, by step
-        self.waiters: list[_Waiting] = []  # sync lookups for a later step
         self.trainers: set[str] = set()  # attached
+        self.label, self.noun = f"sharded table {name!r}", "table"
+        # sync: a trainer that looked nothing up since its last step did not wait for that step
+        # to complete, so its push for the next one may arrive first: it waits for its step
+        self.sync = SyncSteps(self, spec.num_trainers, allow_ahead=True)
         # each trainer's newest object of this table (sync: the one that pushes)
         self.tokens: dict[str, str | None] = {}
-        self.last_push: dict[str, tuple[int, str | None]] = {}  # sync: each trainer's last (step, object)
         self.queued: list[tuple[torch.Tensor, torch.Tensor]] = []  # half_async pushes not applied yet
-        self.timer: threading.Timer | None = None
+        self.merges = HalfAsyncMerges(self.lock, spec.merge_every, spec.merge_s, self._apply_queued)
 
     def _owner(self, ids: torch.Tensor) -> torch.Tensor:
         """For each id, the index of the block that holds it (``ValueError`` for an id no block here holds)."""
@@ -135,13 +133,7 @@ class Table:
                 return
             if self.spec.mode == "half_async":
                 self.queued.append((ids, grad))
-                if len(self.queued) >= self.spec.merge_every:
-                    self.merge()
-                elif self.timer is None:
-                    self.timer = threading.Timer(self.spec.merge_s, self._merge_later)
-                    self.timer.args = (self.timer,)
-                    self.timer.daemon = True
-                    self.timer.start()
+                self.merges.queued()
                 return
             if self.spec.mode == "geo":
                 raise ValueError(f"table {self.name!r} is in geo mode: trainers push row deltas, not gradients")
@@ -151,53 +143,26 @@ class Table:
                     "since this one, or this one is a copy (copy.deepcopy, pickle); in sync mode a trainer steps a "
                     "table through one object (the newest created): use the same module wherever the table is used"
                 )
-            if self.last_push.get(trainer) == (step, token) and (
-                    step in (self.step_count, self.step_count - 1) or trainer in self.ahead.get(step, {})):
-                return  # a retry: this push is already counted (pending, waiting for its step, or applied)
-            # ahead of the table only by the step after its last push (see below)
-            after_last = self.last_push.get(trainer, (None,))[0] == step - 1
-            if step < self.step_count or (step > self.step_count and not after_last):
-                raise RuntimeError(
-                    f"table {self.name!r}: trainer {trainer!r} pushed step {step}, "
-                    f"the table is at step {self.step_count}"
-                )
-            self.last_push[trainer] = (step, token)
-            if step > self.step_count:
-                # a trainer that looked nothing up since its last step did not wait for that step
-                # to complete: its push waits here for its own step
-                self.ahead.setdefault(step, {})[trainer] = (ids, grad)
-                return
-            self.pushed[trainer] = (ids, grad)
-            stepped = False
-            while len(self.pushed) == self.spec.num_trainers:
-                order = [t for t in sorted(self.pushed) if self.pushed[t][0] is not None]
-                if order:  # some trainer had a gradient: one optimizer step
-                    ids_all = torch.cat([self.pushed[t][0] for t in order])
-                    grad_all = torch.cat([self.pushed[t][1] for t in order])
-                    self.apply(ids_all, grad_all, 1.0 / self.spec.num_trainers)
-                self.step_count += 1
-                self.pushed = self.ahead.pop(self.step_count, {})
-                stepped = True
-            if stepped:
-                ready = [w for w in self.waiters if self.step_count >= w.step]
-                self.waiters = [w for w in self.waiters if self.step_count < w.step]
-                answers = [(w.future, self.answer(w.ids, w.pool)) for w in ready]
-        for f, rows in answers:  # outside the lock: completing runs the answer's callbacks
-            complete(f, rows, False)
+            self.sync.push(trainer, step, (ids, grad), token, self._apply_step, lambda: RuntimeError(
+                f"table {self.name!r}: trainer {trainer!r} pushed step {step}, the table is at step {self.sync.done}"))
+            answers = self.sync.ready(self.answer)
+        settle(answers)
+
+    def _apply_step(self, pushes: list[tuple[str, tuple]]) -> None:
+        """sync: one step's pushes (in trainer-name order) as one optimizer step of their sum /
+        num_trainers; none when no trainer had a gradient (lock held)."""
+        pushes = [(ids, grad) for _, (ids, grad) in pushes if ids is not None]
+        if pushes:
+            self.apply(torch.cat([i for i, _ in pushes]), torch.cat([g for _, g in pushes]),
+                       1.0 / self.spec.num_trainers)
 
     def merge(self) -> None:
         """half_async: apply the queued pushes' sum as one step (lock held)."""
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        if self.queued:
-            queued, self.queued = self.queued, []
-            self.apply(torch.cat([i for i, _ in queued]), torch.cat([g for _, g in queued]))
+        self.merges.merge()
 
-    def _merge_later(self, timer: threading.Timer) -> None:
-        with self.lock:
-            if self.timer is timer:  # not a timer a count merge already replaced
-                self.merge()
+    def _apply_queued(self) -> None:
+        queued, self.queued = self.queued, []
+        self.apply(torch.cat([i for i, _ in queued]), torch.cat([g for _, g in queued]))
 
     def add_deltas(self, ids: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
         """geo: add ``deltas / num_trainers`` to rows ``ids`` (unique; the padding row is left
@@ -222,26 +187,6 @@ class Table:
             if rows.first == first:
                 return rows
         raise LookupError(f"table {self.name!r} has no block starting at row {first} here")
-
-
-class _Waiting:
-    """A sync lookup waiting for its step, failed at its deadline with who has not pushed."""
-
-    __slots__ = ("table", "step", "future", "ids", "pool", "__weakref__")
-
-    def __init__(self, table: Table, step: int, future: Future, ids: torch.Tensor, pool: tuple | None) -> None:
-        self.table, self.step, self.future, self.ids, self.pool = table, step, future, ids, pool
-
-    def expire(self, now: float) -> None:
-        table = self.table
-        with table.lock:
-            if self not in table.waiters:
-                return  # answered
-            table.waiters.remove(self)
-            missing = sorted(table.trainers - set(table.pushed)) if table.step_count == self.step - 1 else []
-            never = table.spec.num_trainers - len(table.trainers)
-        fail_stalled(self.future, f"sharded table {table.name!r}", "table", self.step - 1, missing, never,
-                     table.spec.num_trainers)
 
 
 # ---- handlers ------------------------------------------------------------------------------
@@ -290,7 +235,7 @@ def _attach_table(name: str, spec: TableSpec, blocks: list[tuple[int, int]], tra
             )
         table.trainers.add(trainer)
         table.tokens[trainer] = token
-        return table.step_count
+        return table.sync.done
 
 
 @rpc.functions.async_execution
@@ -300,17 +245,7 @@ def _rows_for(name: str, ids: torch.Tensor, step: int = 0, pool: tuple | None = 
     :func:`pool_rows`); in sync mode once step ``step - 1`` is applied (a lookup still waiting
     after ``seconds`` fails naming the trainers that have not pushed)."""
     table = _table(name)
-    answer: Future = Future()
-    with table.lock:
-        if table.spec.mode == "sync" and table.step_count < step:
-            waiting = _Waiting(table, step, answer, ids, pool)
-            table.waiters.append(waiting)  # holds it: the watcher holds it only weakly
-            if seconds != math.inf:
-                schedule(time.monotonic() + seconds, waiting)
-            return answer
-        rows = table.answer(ids, pool)
-    answer.set_result(rows)
-    return answer
+    return read_when_applied(table, step, seconds, table.answer, ids, pool)
 
 
 def _push_rows(name: str, trainer: str, step: int, ids: torch.Tensor, grad: torch.Tensor,

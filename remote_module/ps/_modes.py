@@ -1,0 +1,198 @@
+"""The parameter-server modes, written once for dense jobs (``_dense_server``) and sharded
+tables (``_table_server``).
+
+- :data:`PS_MODES`: ``sync``, ``async``, ``half_async``, ``geo``.
+- :class:`SyncSteps` (``sync``): a step is applied once every one of ``num_trainers`` trainers
+  has pushed it, their pushes taken in trainer-name order (so every run gives the same bits);
+  pushing the step a trainer pushed last again (the retry of a ``step()`` that failed on another
+  server after this push arrived) is a no-op; a push for another step is refused, or, where the
+  owner allows it, a push for the step right after the trainer's last one waits for its step.
+  Reads (pulls, lookups) for a later step wait, without holding an RPC thread, and fail at
+  their deadline naming the trainers that have not pushed (:func:`fail_stalled`).
+- :class:`HalfAsyncMerges` (``half_async``): what the owner queued is applied together once
+  ``merge_every`` pushes have arrived or ``merge_s`` seconds have passed since the first
+  queued one.
+- ``async`` (each push applied on arrival) and ``geo`` (deltas added divided by the number of
+  trainers) need no state of their own.
+
+The owner (a job or a table) keeps its values and optimizers, and one lock, a
+``threading.Condition``, held by every method here that says "lock held".
+
+Example (an owner's push handler, lock held; ``apply`` steps the optimizers)::
+
+    self.sync = SyncSteps(self, num_trainers=2, allow_ahead=False)
+    ...
+    with self.lock:
+        self.sync.push(trainer, step, grads, None, apply=lambda pushes: self.apply(total(pushes)),
+                       refused=lambda: RuntimeError("wrong step"))
+        answers = self.sync.ready(self.snapshot)
+    settle(answers)
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import Any, Callable
+
+import torch.distributed.rpc as rpc
+from torch.futures import Future
+
+from remote_module._core import CallTimeout, complete, schedule, settle_elsewhere
+
+PS_MODES = ("sync", "async", "half_async", "geo")
+
+_clock = time.monotonic
+
+
+def fail_stalled(future: Future, what: str, noun: str, step: int, missing: list[str], never: int,
+                 num_trainers: int) -> None:
+    """Fail a sync wait for ``step`` that reached its deadline, on a settler thread, with a
+    ``CallTimeout`` naming the trainers that have not pushed it (``missing``) and how many
+    never attached (``never``); ``what`` names the job or table, ``noun`` says which."""
+    who = ", ".join(repr(t) for t in missing) or "none of the attached trainers"
+    if never > 0:
+        who += f" (and {never} trainer(s) never attached)"
+    error = CallTimeout(
+        f"{what} on server {rpc.get_worker_info().name!r}: step {step} was not applied in time; waiting for "
+        f"gradients from {who} (sync mode needs all {num_trainers} trainers every step: a trainer that died or "
+        f"stopped pushing stalls the {noun})"
+    )
+    settle_elsewhere([lambda: complete(future, error, True)])
+
+
+def settle(answers: list[tuple[Future, Any]]) -> None:
+    """Complete waiting reads with their values (outside the owner's lock: completing runs the
+    answers' callbacks)."""
+    for future, value in answers:
+        complete(future, value, False)
+
+
+class _Waiting:
+    """A sync read waiting for its step, failed at its deadline with who has not pushed."""
+
+    __slots__ = ("sync", "step", "future", "args", "__weakref__")
+
+    def __init__(self, sync: SyncSteps, step: int, future: Future, args: tuple) -> None:
+        self.sync, self.step, self.future, self.args = sync, step, future, args
+
+    def expire(self, now: float) -> None:
+        sync = self.sync
+        owner = sync.owner
+        with owner.lock:
+            if self not in sync.waiters:
+                return  # answered
+            sync.waiters.remove(self)
+            missing = sorted(set(owner.trainers) - set(sync.pushed)) if sync.done == self.step - 1 else []
+            never = sync.num_trainers - len(owner.trainers)
+        fail_stalled(self.future, owner.label, owner.noun, self.step - 1, missing, never, sync.num_trainers)
+
+
+class SyncSteps:
+    """The sync mode's steps of one owner (a job or a table on this server).
+
+    The owner provides ``lock``, ``trainers`` (the attached ones), ``label`` (``"sharded table
+    'x'"``) and ``noun`` (``"table"``). ``allow_ahead``: a trainer's push for the step right
+    after its last one, before the owner completed that last step, waits for its step (a table's
+    trainer that looked nothing up in between did not wait); otherwise it is refused."""
+
+    def __init__(self, owner: Any, num_trainers: int, allow_ahead: bool) -> None:
+        self.owner, self.num_trainers, self.allow_ahead = owner, num_trainers, allow_ahead
+        self.done = 0  # steps applied
+        self.pushed: dict[str, Any] = {}  # this step's pushes by trainer
+        self.ahead: dict[int, dict[str, Any]] = {}  # pushes for later steps, by step
+        self.last_push: dict[str, tuple[int, Any]] = {}  # each trainer's last (step, token)
+        self.waiters: list[_Waiting] = []  # reads for a later step
+
+    def push(self, trainer: str, step: int, payload: Any, token: Any,
+             apply: Callable[[list[tuple[str, Any]]], None], refused: Callable[[], Exception]) -> None:
+        """``trainer``'s push of ``step`` (lock held). Each step every trainer has pushed is
+        applied, in order, with ``apply(pushes)`` (``(trainer, payload)`` in trainer-name order)
+        before the step counts as done. ``refused()`` is raised for a push of another step."""
+        last = self.last_push.get(trainer)
+        if last == (step, token) and (step in (self.done, self.done - 1) or trainer in self.ahead.get(step, {})):
+            return  # a retry: this push is already counted (pending, waiting for its step, or applied)
+        after_last = last is not None and last[0] == step - 1
+        if step < self.done or (step > self.done and not (self.allow_ahead and after_last)):
+            raise refused()
+        self.last_push[trainer] = (step, token)
+        if step > self.done:
+            self.ahead.setdefault(step, {})[trainer] = payload  # waits here for its own step
+            return
+        self.pushed[trainer] = payload
+        while len(self.pushed) == self.num_trainers:
+            apply([(t, self.pushed[t]) for t in sorted(self.pushed)])
+            self.done += 1
+            self.pushed = self.ahead.pop(self.done, {})
+
+    def wait(self, step: int, future: Future, args: tuple, seconds: float) -> bool:
+        """Whether a read for ``step`` must wait (lock held); if so it is queued and answered
+        by :meth:`ready` once step ``step - 1`` is applied, or failed after ``seconds``."""
+        if self.done >= step:
+            return False
+        waiting = _Waiting(self, step, future, args)
+        self.waiters.append(waiting)  # holds it: the watcher holds it only weakly
+        if seconds != math.inf:
+            schedule(_clock() + seconds, waiting)
+        return True
+
+    def ready(self, answer: Callable[..., Any]) -> list[tuple[Future, Any]]:
+        """The waiting reads whose step is applied, with their values ``answer(*args)`` (lock
+        held); :func:`settle` them outside the lock."""
+        ready = [w for w in self.waiters if self.done >= w.step]
+        if not ready:
+            return []
+        self.waiters = [w for w in self.waiters if self.done < w.step]
+        return [(w.future, answer(*w.args)) for w in ready]
+
+
+def read_when_applied(owner: Any, step: int, seconds: float, answer: Callable[..., Any], *args: Any) -> Future:
+    """A read of ``owner`` (a pull, a lookup): ``answer(*args)`` now, or in sync mode once step
+    ``step - 1`` is applied (failed after ``seconds`` naming the trainers that have not pushed)."""
+    future: Future = Future()
+    with owner.lock:
+        if owner.spec.mode == "sync" and owner.sync.wait(step, future, args, seconds):
+            return future
+        value = answer(*args)
+    future.set_result(value)
+    return future
+
+
+class HalfAsyncMerges:
+    """When the half_async mode applies what its owner queued: every ``every`` pushes, or
+    ``seconds`` after the first push queued since the last merge (``apply_queued()``, lock
+    held)."""
+
+    def __init__(self, lock: threading.Condition, every: int, seconds: float,
+                 apply_queued: Callable[[], None]) -> None:
+        self.lock, self.every, self.seconds, self.apply_queued = lock, every, seconds, apply_queued
+        self.count = 0  # pushes queued since the last merge
+        self.timer: threading.Timer | None = None
+
+    def queued(self) -> None:
+        """The owner queued one more push (lock held)."""
+        self.count += 1
+        if self.count >= self.every:
+            self.merge()
+        elif self.timer is None:
+            self.timer = threading.Timer(self.seconds, merge_later)
+            self.timer.args = (self, self.timer)
+            self.timer.daemon = True
+            self.timer.start()
+
+    def merge(self) -> None:
+        """Apply what is queued now (lock held)."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.count:
+            self.count = 0
+            self.apply_queued()
+
+
+def merge_later(merges: HalfAsyncMerges, timer: threading.Timer) -> None:
+    """A half_async timer's merge (on the timer's thread)."""
+    with merges.lock:
+        if merges.timer is timer:  # not cancelled (by a count merge) while it waited for the lock
+            merges.merge()
