@@ -126,7 +126,7 @@ def held_count() -> int:
     """How many shards this process holds (for leak checks)."""
     from remote_module.sharded import _host
 
-    return _host._store.count()
+    return len(_host._store)
 
 
 def rref_requires_grad(param_rref: rpc.RRef) -> bool:

@@ -217,7 +217,7 @@ def test_half_async_a_timer_that_fired_during_a_count_merge_does_not_merge_the_n
     name = job("timer-race")
     spec = _dense_server.JobSpec("half_async", 1, (torch.optim.SGD, {"lr": 1.0}), 2, 0.2, "layout")
     _dense_server._attach(name, spec, "t", {"b": torch.zeros(2)})
-    j = _dense_server._jobs[name]
+    j = _dense_server._jobs.get(name)
     try:
         _dense_server._push(name, "t", 0, {"b": torch.ones(2)})  # queued; the 0.2 s timer armed
         old = j.merges.timer
@@ -232,8 +232,7 @@ def test_half_async_a_timer_that_fired_during_a_count_merge_does_not_merge_the_n
             time.sleep(0.01)
         assert j.applied == 2 and torch.equal(j.params["b"].detach(), torch.full((2,), -12.0)), j.params["b"]
     finally:
-        with _dense_server._jobs_lock:
-            _dense_server._jobs.pop(name, None)
+        _dense_server._jobs.pop(name)
 
 
 # ---- checkpoints --------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ from torch.futures import Future
 
 from remote_module._core import (
     CallTimeout,
+    HostStore,
     RemoteFailure,
     capture,
     device_map_to,
@@ -299,25 +300,21 @@ def _step(route: Route, index: int, mb: int, budget: float, grad: bool, args: tu
 
 # ---- the caller's inbox ----------------------------------------------------------------
 
-_inbox: dict[int, dict[int, Any]] = {}
-_inbox_lock = threading.Lock()
+#: The outputs of each open run, by run, then micro-batch (strong entries, popped at the end).
+_inbox = HostStore()
 
 
 def open_inbox(run: int) -> None:
     """Caller side: accept the outputs of ``run``."""
-    with _inbox_lock:
-        _inbox[run] = {}
+    _inbox.put(run, {})
 
 
 def close_inbox(run: int) -> dict[int, Any]:
     """Caller side: the outputs of ``run`` by micro-batch; later deliveries are dropped."""
-    with _inbox_lock:
-        return _inbox.pop(run, {})
+    return _inbox.pop(run, {})
 
 
 def _deliver(run: int, mb: int, out: Any) -> None:
-    """Handler on the caller: the last stage's output for micro-batch ``mb`` of ``run``."""
-    with _inbox_lock:
-        box = _inbox.get(run)
-        if box is not None:
-            box[mb] = out
+    """Handler on the caller: the last stage's output for micro-batch ``mb`` of ``run`` (under
+    the inbox's lock, so that a run closed meanwhile never sees it)."""
+    _inbox.update(run, lambda box: box.__setitem__(mb, out))

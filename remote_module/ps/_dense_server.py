@@ -21,6 +21,7 @@ import torch.distributed.rpc as rpc
 from torch import nn
 from torch.futures import Future
 
+from remote_module._core import HostStore
 from remote_module.ps._modes import PS_MODES, HalfAsyncMerges, SyncSteps, read_when_applied, settle
 
 #: The modes (one tuple for jobs and tables: :data:`remote_module.ps._modes.PS_MODES`).
@@ -101,8 +102,9 @@ class _Job:
         self.apply(total, 1.0 / self.spec.num_trainers)
 
 
-_jobs: dict[str, _Job] = {}
-_jobs_lock = threading.Lock()
+#: This server's jobs by name (created by the first trainer to attach; they live as long as the
+#: server process).
+_jobs = HostStore()
 
 
 def _job(name: str) -> _Job:
@@ -128,11 +130,7 @@ def _mismatch(name: str, what: str, mine: Any, theirs: Any) -> ValueError:
 def _attach(name: str, spec: JobSpec, trainer: str, blocks: dict[str, torch.Tensor]) -> tuple[bool, int]:
     """Create job ``name`` with ``blocks`` (first trainer) or attach to it: whether it was
     created, and the step the job is at (sync: a trainer that attaches again starts there)."""
-    with _jobs_lock:
-        job = _jobs.get(name)
-        created = job is None
-        if created:
-            job = _jobs[name] = _Job(name, spec, blocks)
+    job, created = _jobs.setdefault(name, lambda: _Job(name, spec, blocks))
     if not created:
         for field in ("mode", "num_trainers", "merge_every", "merge_s"):
             if getattr(job.spec, field) != getattr(spec, field):

@@ -23,6 +23,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
+from remote_module._core import HostStore
 from remote_module.ps._modes import HalfAsyncMerges, SyncSteps, read_when_applied, settle
 from remote_module.ps._rows import TableSpec, _Rows, pool_rows, row_key
 from remote_module.ps._rowwise import coalesce
@@ -191,8 +192,8 @@ class Table:
 
 # ---- handlers ------------------------------------------------------------------------------
 
-_tables: dict[str, Table] = {}
-_tables_lock = threading.Lock()
+#: This server's tables by name (created by the first trainer to attach).
+_tables = HostStore()
 
 
 def _table(name: str) -> Table:
@@ -212,10 +213,7 @@ def _attach_table(name: str, spec: TableSpec, blocks: list[tuple[int, int]], tra
     """Create table ``name`` with ``blocks`` (row ranges) here, or attach ``trainer`` (its
     object ``token``, from now on the one that pushes for it) to it (the same spec and blocks,
     else ``ValueError``); the table's step count."""
-    with _tables_lock:
-        table = _tables.get(name)
-        if table is None:
-            table = _tables[name] = Table(name, spec, blocks)
+    table, _ = _tables.setdefault(name, lambda: Table(name, spec, blocks))
     if table.spec != spec:
         differ = "; ".join(f"{_SPEC_ARGUMENTS.get(f, f)}={getattr(table.spec, f)!r}, this trainer asks for "
                            f"{getattr(spec, f)!r}" for f in spec._fields if getattr(table.spec, f) != getattr(spec, f))

@@ -20,8 +20,6 @@ Handlers (module-level, pickled by reference; run through ``remote_module._core.
 
 from __future__ import annotations
 
-import collections
-import threading
 from typing import Any, NamedTuple, Sequence
 
 import torch
@@ -29,6 +27,7 @@ import torch.distributed.rpc as rpc
 from torch.futures import Future
 
 from remote_module._core import (
+    HostStore,
     call_all_async,
     device_map_to,
     host_device,
@@ -74,50 +73,35 @@ def meta_of(t: torch.Tensor) -> tuple:
     return tuple(t.shape), str(t.dtype).rpartition(".")[2], t.requires_grad
 
 
-class _Store:
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._tensors: dict[ShardId, torch.Tensor] = {}
-        self._tombstones: collections.OrderedDict[ShardId, None] = collections.OrderedDict()
-
-    def keep(self, sid: ShardId, t: torch.Tensor) -> tuple:
-        with self._lock:
-            if self._tombstones.pop(sid, 0) is None:  # released before it arrived: drop it
-                return meta_of(t)
-            if sid in self._tensors:
-                raise RuntimeError(f"shard id {sid} is already in use on this worker")
-            self._tensors[sid] = t
-        return meta_of(t)
-
-    def get(self, sid: ShardId) -> torch.Tensor:
-        t = self._tensors.get(sid)
-        if t is None:
-            raise LookupError(
-                f"shard {sid} does not exist on worker {rpc.get_worker_info().name!r}: its RemoteTensor "
-                "was released (garbage-collected) or never stored here"
-            )
-        return t
-
-    def release(self, sids: Sequence[ShardId], unsure: bool) -> None:
-        with self._lock:
-            for sid in sids:
-                if self._tensors.pop(sid, None) is None and unsure:
-                    self._tombstones[sid] = None
-                    if len(self._tombstones) > _MAX_TOMBSTONES:
-                        self._tombstones.popitem(last=False)
-
-    def count(self) -> int:
-        with self._lock:
-            return len(self._tensors)
+def _keep_shard(sid: ShardId, t: torch.Tensor) -> tuple:
+    """Hold ``t`` as shard ``sid`` (dropped when ``sid`` was released before it arrived); its
+    :class:`Meta` as it travels."""
+    try:
+        _store.put(sid, t)
+    except KeyError:
+        raise RuntimeError(f"shard id {sid} is already in use on this worker") from None
+    return meta_of(t)
 
 
-_store = _Store()
+def _shard(sid: ShardId) -> torch.Tensor:
+    t = _store.get(sid)
+    if t is None:
+        raise LookupError(
+            f"shard {sid} does not exist on worker {rpc.get_worker_info().name!r}: its RemoteTensor "
+            "was released (garbage-collected) or never stored here"
+        )
+    return t
+
+
+#: This process's shards by shard id; a release of a shard not stored yet (its call was late)
+#: leaves a tombstone, and the late tensor is dropped on arrival.
+_store = HostStore(max_tombstones=_MAX_TOMBSTONES)
 
 
 def _resolved(obj: Any) -> Any:
     """``obj`` with every :class:`Ref` (at any depth of lists, tuples, named tuples, dicts)
     replaced by its tensor: the same walk the caller made to put the Refs there."""
-    return map_leaves(lambda ref: _store.get(ref.sid), obj, Ref)
+    return map_leaves(lambda ref: _shard(ref.sid), obj, Ref)
 
 
 def compact(t: torch.Tensor) -> torch.Tensor:
@@ -170,7 +154,7 @@ def _rebuild(spec: Any, it: Any) -> Any:
 def _keep(sid: ShardId, t: torch.Tensor) -> tuple:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"a shard must be a tensor, got {type(t).__name__}")
-    return _store.keep(sid, t)
+    return _keep_shard(sid, t)
 
 
 def _run_fn(sid: ShardId, fn: Any, args: tuple, kwargs: dict, rank: int, size: int, grad: bool) -> tuple:
@@ -180,14 +164,14 @@ def _run_fn(sid: ShardId, fn: Any, args: tuple, kwargs: dict, rank: int, size: i
         raise TypeError(
             f"from_local: {name}(...) must return a tensor on every worker, got {type(t).__name__}: {t!r:.80}"
         )
-    return _store.keep(sid, t)
+    return _keep_shard(sid, t)
 
 
 def _adopt(sid: ShardId, rref: rpc.RRef) -> tuple:
     t = rref.local_value()
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"from_local: an RRef must hold a tensor, got RRef[{type(t).__name__}]")
-    return _store.keep(sid, t)
+    return _keep_shard(sid, t)
 
 
 def _dropping(drop: tuple | None) -> None:
@@ -199,7 +183,7 @@ def _dropping(drop: tuple | None) -> None:
 
 def _fetch(sid: ShardId, dest: str, drop: tuple | None = None) -> torch.Tensor:
     _dropping(drop)
-    return portable(_store.get(sid), dest)
+    return portable(_shard(sid), dest)
 
 
 def _release(sids: Sequence[ShardId], unsure: bool = False) -> None:
@@ -232,12 +216,12 @@ def _forward(
                 f"output {i} of the shard module on mesh rank {rank} is {type(leaf).__name__}: {leaf!r:.80}; "
                 "every output with a declared placement must be a tensor"
             )
-    metas = [_store.keep(sid, t) for sid, t in zip(sids, leaves)]
+    metas = [_keep_shard(sid, t) for sid, t in zip(sids, leaves)]
     return spec, metas
 
 
 def _piece(sid: ShardId, src: Any, dst: Any, rank: int, size: int, dest: str) -> torch.Tensor:
-    return portable(pl.piece_for(src, dst, rank, size, _store.get(sid)), dest)
+    return portable(pl.piece_for(src, dst, rank, size, _shard(sid)), dest)
 
 
 @rpc.functions.async_execution
@@ -248,14 +232,14 @@ def _redistribute(
     """This rank's tensor under ``dst``, from its own under ``src`` and pieces from ``peers``
     (``(worker, shard id)`` per rank), fetched concurrently, worker to worker; in the caller's
     grad mode ``grad``."""
-    own = _store.get(sid)
+    own = _shard(sid)
     size = len(peers)
     me = rpc.get_worker_info().name
     if not pl.needs_peers(src, dst):
         done: Future = Future()
         # compact: a slice of a replicated tensor would keep the whole of it alive on this worker
         new = run_as(rank, size, grad, pl.combine, src, dst, rank, size, [], own)
-        done.set_result(_store.keep(new_sid, compact(new)))
+        done.set_result(_keep_shard(new_sid, compact(new)))
         return done
     calls = [(w, _piece, (psid, src, dst, rank, size, me)) for p, (w, psid) in enumerate(peers) if p != rank]
     fetched = call_all_async(calls, timeout=seconds)
@@ -277,6 +261,6 @@ def _redistribute(
         pieces = [pl.piece_for(src, dst, rank, size, own) if p == rank else next(others) for p in range(size)]
         pieces = [t.to(own.device) for t in pieces]
         new = run_as(rank, size, grad, pl.combine, src, dst, rank, size, pieces, own)
-        return _store.keep(new_sid, compact(new))
+        return _keep_shard(new_sid, compact(new))
 
     return fetched.then(finish)

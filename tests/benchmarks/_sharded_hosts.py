@@ -29,7 +29,7 @@ def held_count() -> int:
     """How many shards this worker's sharded store holds (to wait for releases to land)."""
     from remote_module.sharded import _host
 
-    return _host._store.count()
+    return len(_host._store)
 
 
 class Tiny(nn.Module):
