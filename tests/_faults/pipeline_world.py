@@ -23,8 +23,8 @@ import signal
 import sys
 import threading
 import time
-import traceback
 
+from tests._faults.frozen_host import phase, wait_until
 from tests._transport import world_options
 
 ROLES = {"faults": ("caller", "h1", "h2", "h3"), "shutdown": ("caller", "h1", "h2")}
@@ -47,14 +47,6 @@ def attempt(fn) -> dict:
         return {"ok": False, "type": type(exc).__name__, "message": str(exc), "seconds": _clock() - start}
     plain = value if isinstance(value, (bool, int, float, str, dict, type(None))) else repr(value)[:200]
     return {"ok": True, "value": plain, "seconds": _clock() - start}
-
-
-def wait_until(predicate, seconds: float, what: str) -> None:
-    deadline = _clock() + seconds
-    while not predicate():
-        if _clock() > deadline:
-            raise AssertionError(f"not within {seconds} s: {what}")
-        time.sleep(0.01)
 
 
 def forward_equals(pipe, x, expected) -> bool:
@@ -100,13 +92,6 @@ def killed(pipe, other, x, host: str, pid: int, tag: str, value: float) -> dict:
     report["again"] = attempt(lambda: pipe(x))
     report["other"] = attempt(lambda: bool(torch.equal(other(x), x)))
     return report
-
-
-def phase(run, *args) -> dict:
-    try:
-        return run(*args)
-    except Exception:
-        return {"error": traceback.format_exc()}
 
 
 def faults_caller() -> None:

@@ -35,7 +35,8 @@ import sys
 import threading
 import time
 
-from tests._faults.pipeline_world import attempt, phase, run_role, wait_until
+from tests._faults.frozen_host import phase, wait_until
+from tests._faults.pipeline_world import attempt, run_role
 
 ROLES = {"faults": ("caller", "w1", "w2", "w3"), "shutdown": ("caller", "w1", "w2")}
 #: the timeout of every call in the fault phases

@@ -127,24 +127,14 @@ def threads_push(job: str, threads: int, steps: int, **kwargs: Any) -> int:
 
     from remote_module.ps import PSModel
 
-    errors: list[BaseException] = []
     start = threading.Barrier(threads)
 
     def run() -> None:
-        try:
-            ps = PSModel(base.build("linear", 0), ["ps0", "ps1"], name=job, **kwargs)
-            start.wait()
-            for _ in range(steps):
-                ps().backward()
-                ps.step()
-        except BaseException as exc:  # reported to the test
-            errors.append(exc)
+        ps = PSModel(base.build("linear", 0), ["ps0", "ps1"], name=job, **kwargs)
+        start.wait()
+        for _ in range(steps):
+            ps().backward()
+            ps.step()
 
-    workers = [threading.Thread(target=run) for _ in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    if errors:
-        raise errors[0]
+    base.in_threads(run, threads)
     return threads * steps

@@ -180,23 +180,13 @@ def threads_forward(job: str, servers: list[str]) -> dict:
 
     ps = PSModel(Meeting(), servers, name=job, num_trainers=1, ps_mode="async")
     before = [id(q) for q in ps.parameters()]
-    errors: list[BaseException] = []
 
     def run() -> None:
-        try:
-            out = ps()
-            ps.module.finished()
-            out.backward()
-        except BaseException as exc:  # reported to the test
-            errors.append(exc)
+        out = ps()
+        ps.module.finished()
+        out.backward()
 
-    workers = [threading.Thread(target=run) for _ in range(2)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    if errors:
-        raise errors[0]
+    base.in_threads(run, 2)
     return {"same": [id(q) for q in ps.parameters()] == before,
             "types": sorted({type(v).__name__ for v in ps.module._parameters.values()}),
             "grad": ps.module.p.grad.clone()}

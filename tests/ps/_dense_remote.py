@@ -4,8 +4,9 @@ kept by job name between calls."""
 
 from __future__ import annotations
 
+import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -222,3 +223,23 @@ def set_timeout(job: str, seconds: float | None) -> bool:
     more than a short timeout to attach, and that is not what the fault tests test)."""
     _models[job].timeout = seconds
     return True
+
+
+def in_threads(target: Callable[[], Any], count: int) -> None:
+    """Run ``target`` in ``count`` threads at once and wait for them; the first exception one of
+    them raised is raised here (reported to the test)."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            target()
+        except BaseException as exc:
+            errors.append(exc)
+
+    workers = [threading.Thread(target=run) for _ in range(count)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    if errors:
+        raise errors[0]
