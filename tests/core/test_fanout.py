@@ -123,6 +123,6 @@ def test_bad_calls_raise_before_anything_is_sent(monkeypatch):
 
 def test_an_argument_that_cannot_be_sent_names_the_call():
     with pytest.raises(
-        TypeError, match=r"calls\[0\] of 1 \(tests\._remote\.echo\) could not be sent to worker 'worker1'"
+        TypeError, match=r"calls\[0\] of 1 \(tests\.proxy\._remote\.echo\) could not be sent to worker 'worker1'"
     ):
         call_all([("worker1", echo, (threading.Lock(),))])

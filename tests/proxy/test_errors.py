@@ -71,7 +71,7 @@ def test_api_before_rpc_says_what_to_call(monkeypatch):
 
 def test_unsendable_arguments_are_named_on_the_caller(tmp_path):
     proxy = RemoteModule("worker1", Affine)
-    with pytest.raises(TypeError, match=r"argument 'x' of tests\._remote\.Affine\.forward cannot be sent"):
+    with pytest.raises(TypeError, match=r"argument 'x' of tests\.proxy\._remote\.Affine\.forward cannot be sent"):
         proxy(threading.Lock())
     with open(tmp_path / "f.txt", "w") as f:
         with pytest.raises(TypeError, match=r"argument 'shift' .*cannot be sent"):
