@@ -329,7 +329,7 @@ class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
     # Exported, so that a scripted proxy refuses torch.save / torch.jit.save with the same
     # message (TorchScript's pickler calls a script object's __getstate__). TorchScript compiles
     # them, so the messages are literals (TorchScript cannot read a global string): they equal
-    # remote_module._proxy.pickling.NOT_PICKLABLE / NOT_UNPICKLABLE (tests/test_pickling.py checks).
+    # remote_module._proxy.pickling.NOT_PICKLABLE / NOT_UNPICKLABLE (tests/proxy/test_pickling.py checks).
     @torch.jit.export
     def __getstate__(self):  # noqa: ANN204
         raise RuntimeError(

@@ -77,9 +77,9 @@ def rpc_world():
 @pytest.fixture(scope="session")
 def ps_world():
     """One parameter-server world (driver, ps0-ps2, trainer0-trainer2) for the PS tests that
-    kill nothing (tests/test_ps.py, tests/test_ps_embedding.py): started once, when the first
+    kill nothing (tests/ps/test_dense.py, tests/ps/test_embedding.py): started once, when the first
     of them needs it (each start costs every rank's ``import torch``)."""
-    from tests._ps_world import PSWorld
+    from tests.ps._world import PSWorld
 
     with PSWorld({"ps": 3, "trainer": 3}) as w:
         yield w

@@ -94,7 +94,7 @@ def test_embeddings_table_trains_and_its_checkpoint_loads_locally():
 
 
 # tutorials/parameter_server.py is run by tests/test_torchrun.py, under torchrun and under
-# run_local (one launch each); its modes are tested in tests/test_ps.py.
+# run_local (one launch each); its modes are tested in tests/ps/test_dense.py.
 
 
 #: what torch prints that the project keeps off the console (see rpc_backend/_quiet.py)

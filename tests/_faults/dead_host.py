@@ -1,0 +1,87 @@
+"""A small world whose host is killed mid-run (run by tests/proxy/test_dead_host.py).
+
+    python -m tests._faults.dead_host ROLE INIT_METHOD
+
+ROLE is caller (rank 0), doomed (rank 1, killed) or survivor (rank 2). The caller prints one
+JSON line with what it saw and leaves without a graceful shutdown (a peer is dead).
+"""
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+ROLES = ("caller", "doomed", "survivor")
+TIMEOUT = 5.0
+
+
+def die_soon() -> int:
+    """Kill this process 0.2 s from now (after the answer left); returns its pid."""
+    threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    return os.getpid()
+
+
+def wait_until_dead(pid: int, seconds: float = 10.0) -> None:
+    """Poll until ``pid`` is gone or a zombie (the host runs on this Linux machine)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":  # killed, not yet reaped
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"process {pid} still alive after {seconds} s")
+
+
+def attempt(fn) -> dict:
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:
+        return {"ok": False, "type": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - start}
+    return {"ok": True, "seconds": time.monotonic() - start}
+
+
+def caller() -> None:
+    import torch
+    import torch.distributed.rpc as rpc
+
+    from remote_module import RemoteModule
+
+    doomed = RemoteModule("doomed/cpu", torch.nn.Linear, (4, 4), timeout=TIMEOUT)
+    survivor = RemoteModule("survivor/cpu", torch.nn.Linear, (4, 4), timeout=TIMEOUT)
+    agent_default = RemoteModule("survivor/cpu", torch.nn.Linear, (4, 4))  # timeout=None
+    x = torch.ones(1, 4)
+    before = attempt(lambda: doomed(x))
+    wait_until_dead(rpc.rpc_sync("doomed", die_soon))
+    report = {
+        "before": before,
+        "sync": attempt(lambda: doomed(x)),
+        "async": attempt(lambda: doomed.forward_async(x).wait()),
+        "survivor": attempt(lambda: survivor(x)),
+        "survivor_async": attempt(lambda: survivor.forward_async(x).wait()),
+        "timeout": TIMEOUT,
+    }
+    rpc.shutdown(graceful=False)  # a peer is dead: no barrier
+    report["after_shutdown"] = attempt(lambda: survivor(x))
+    report["after_shutdown_agent_default"] = [
+        attempt(lambda: agent_default(x)),
+        attempt(lambda: agent_default.forward_async(x).wait()),
+        attempt(lambda: agent_default.training),
+    ]
+    print("REPORT " + json.dumps(report), flush=True)
+    os._exit(0)
+
+
+def main(role: str, init_method: str) -> None:
+    from tests._faults.subworld import join_and_serve
+
+    join_and_serve(role, init_method, ROLES, caller)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

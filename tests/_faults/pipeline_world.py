@@ -1,0 +1,191 @@
+"""Small worlds for RemotePipeline's failures that need processes of their own (run by
+tests/pipeline/test_faults.py): stage workers frozen with SIGSTOP and killed with SIGKILL,
+and a graceful ``rpc.shutdown()`` while a forward runs.
+
+    python -m tests._faults.pipeline_world ROLE INIT_METHOD MODE
+
+MODE ``faults`` (roles caller, h1, h2, h3), in turn on one world: a 3-stage pipeline on h1, h2,
+h3 with stage 0 frozen, then its last stage frozen (each thawed afterwards), then its last stage
+killed mid-forward; then a 2-stage pipeline on h1, h2 with stage 0 killed mid-forward. A proxy
+on h2 is called during each fault. The caller leaves without a graceful shutdown (peers died).
+
+MODE ``shutdown`` (roles caller, h1, h2): a forward running in a thread when the caller calls
+``rpc.shutdown()``.
+
+The caller prints one ``REPORT`` line with what it measured; the test judges it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+from tests._faults.frozen_host import phase, wait_until
+from tests._transport import world_options
+
+ROLES = {"faults": ("caller", "h1", "h2", "h3"), "shutdown": ("caller", "h1", "h2")}
+#: the pipeline's timeout in the fault phases
+TIMEOUT = 3.0
+#: the 2-stage pipeline's micro-batch (value) on which stage 0's host kills itself
+KILL_AT = 2.0
+#: seconds per micro-batch on each stage in the shutdown world
+SHUTDOWN_PAUSE = 0.3
+
+_clock = time.monotonic
+
+
+def attempt(fn) -> dict:
+    """How ``fn()`` ended: ``ok`` (and ``value``), or the error's type and message; seconds."""
+    start = _clock()
+    try:
+        value = fn()
+    except Exception as exc:
+        return {"ok": False, "type": type(exc).__name__, "message": str(exc), "seconds": _clock() - start}
+    plain = value if isinstance(value, (bool, int, float, str, dict, type(None))) else repr(value)[:200]
+    return {"ok": True, "value": plain, "seconds": _clock() - start}
+
+
+def forward_equals(pipe, x, expected) -> bool:
+    import torch
+
+    return bool(torch.equal(pipe(x), expected))
+
+
+def frozen(pipe, other, x, expected, host: str, pid: int) -> dict:
+    """Stop ``host`` during a forward with the pipeline's timeout, call ``other`` meanwhile,
+    thaw it; then a forward with time enough must succeed."""
+    import torch
+
+    from tests._faults.frozen_host import wait_for_state
+
+    os.kill(pid, signal.SIGSTOP)
+    wait_for_state(pid, stopped=True)
+    try:
+        pipe.timeout = TIMEOUT
+        report = {"forward": attempt(lambda: pipe(x))}
+        report["other"] = attempt(lambda: bool(torch.equal(other(x), x)))
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    wait_for_state(pid, stopped=False)
+    pipe.timeout = 30.0
+    report["after"] = attempt(lambda: forward_equals(pipe, x, expected))
+    return report
+
+
+def killed(pipe, other, x, host: str, pid: int, tag: str, value: float) -> dict:
+    """``host`` kills itself when stage ``tag`` sees ``value`` during a forward; then another
+    forward (the host now known dead) and a call on ``other``."""
+    import torch
+    import torch.distributed.rpc as rpc
+
+    from tests._faults import stages as pfr
+    from tests._faults.dead_host import wait_until_dead
+
+    rpc.rpc_sync(host, pfr.configure, (tag,), {"die_on": value})
+    pipe.timeout = TIMEOUT
+    report = {"forward": attempt(lambda: pipe(x))}
+    wait_until_dead(pid)
+    report["again"] = attempt(lambda: pipe(x))
+    report["other"] = attempt(lambda: bool(torch.equal(other(x), x)))
+    return report
+
+
+def faults_caller() -> None:
+    import torch
+    import torch.distributed.rpc as rpc
+
+    from remote_module import RemoteModule
+    from remote_module.pipeline import RemotePipeline
+    from tests._faults import stages as pfr
+    from tests.proxy import _contract_remote as cr
+
+    hosts = ("h1", "h2", "h3")
+    pids = {h: rpc.rpc_sync(h, cr.pid) for h in hosts}
+    three = RemotePipeline(
+        [(f"{h}/cpu", pfr.Step, (f"p3-{i}", float(10**i)), None) for i, h in enumerate(hosts)],
+        chunks=2, timeout=30.0,
+    )
+    other = RemoteModule("h2/cpu", torch.nn.Identity, timeout=5)
+    x = torch.arange(2.0).reshape(2, 1)
+    expected = x + 111.0
+    report = {"timeout": TIMEOUT, "warm": attempt(lambda: forward_equals(three, x, expected))}
+    report["frozen_first"] = phase(frozen, three, other, x, expected, "h1", pids["h1"])
+    report["frozen_last"] = phase(frozen, three, other, x, expected, "h3", pids["h3"])
+    # micro-batch 1 reaches stage 2 holding 1 + 1 + 10
+    report["killed_last"] = phase(killed, three, other, x, "h3", pids["h3"], "p3-2", 12.0)
+    two = RemotePipeline(
+        [("h1/cpu", pfr.Step, ("p2-0", 1.0), None), ("h2/cpu", pfr.Step, ("p2-1", 10.0), None)],
+        chunks=4, timeout=30.0,
+    )
+    four = torch.arange(4.0).reshape(4, 1)
+    report["two_warm"] = attempt(lambda: forward_equals(two, four, four + 11.0))
+    report["killed_first"] = phase(killed, two, other, four, "h1", pids["h1"], "p2-0", KILL_AT)
+    print("REPORT " + json.dumps(report), flush=True)
+    os._exit(0)
+
+
+def shutdown_caller() -> dict:
+    """A forward in a thread; ``rpc.shutdown()`` once every micro-batch was sent and stage 0
+    started the first. The forward must answer, correctly."""
+    import torch
+    import torch.distributed.rpc as rpc
+
+    from remote_module.pipeline import RemotePipeline, _pipeline
+    from tests._faults import stages as pfr
+
+    pipe = RemotePipeline(
+        [("h1/cpu", pfr.Step, ("s-0", 1.0), None), ("h2/cpu", pfr.Step, ("s-1", 10.0), None)],
+        chunks=4, timeout=60.0,
+    )
+    x = torch.arange(4.0).reshape(4, 1)
+    for host, tag in (("h1", "s-0"), ("h2", "s-1")):
+        rpc.rpc_sync(host, pfr.configure, (tag,), {"pause": SHUTDOWN_PAUSE})
+    sent = []
+    send = _pipeline.call_async
+
+    def counted(*args, **kwargs):
+        fut = send(*args, **kwargs)
+        sent.append(fut)
+        return fut
+
+    _pipeline.call_async = counted
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.update(attempt(lambda: forward_equals(pipe, x, x + 11.0))))
+    thread.start()
+    wait_until(lambda: len(sent) == 4, 30, "the forward sent its 4 micro-batches")
+    wait_until(lambda: rpc.rpc_sync("h1", pfr.counts, ("s-0",))["entered"] >= 1, 30, "stage 0 started")
+    outstanding = sum(not f.done() for f in sent)
+    start = _clock()
+    rpc.shutdown()
+    shutdown_seconds = _clock() - start
+    thread.join(60)
+    return {"forward": box, "forward_alive": thread.is_alive(), "outstanding_at_shutdown": outstanding,
+            "shutdown_seconds": shutdown_seconds}
+
+
+def run_role(roles: tuple, role: str, init_method: str, mode: str, faults, shutdown) -> None:
+    """Join the world ``roles`` as ``role``: a host serves until the caller is done (or is
+    killed); the caller runs ``faults()`` (mode "faults") or prints ``shutdown()``'s report."""
+    import torch.distributed.rpc as rpc
+
+    options = world_options(init_method=init_method, rpc_timeout=20, num_worker_threads=16)
+    rpc.init_rpc(role, rank=roles.index(role), world_size=len(roles), rpc_backend_options=options)
+    if role != "caller":
+        rpc.shutdown()  # serves until the caller is done (or is killed)
+    elif mode == "faults":
+        faults()
+    else:
+        report = phase(shutdown)
+        print("REPORT " + json.dumps(report), flush=True)
+
+
+def main(role: str, init_method: str, mode: str) -> None:
+    run_role(ROLES[mode], role, init_method, mode, faults_caller, shutdown_caller)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

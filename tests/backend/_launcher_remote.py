@@ -1,0 +1,43 @@
+"""Rank functions for tests/backend/test_launcher.py."""
+
+import os
+import time
+
+import torch.distributed.rpc as rpc
+
+
+def rank_and_sum(base: int) -> tuple:
+    me = rpc.get_worker_info()
+    return me.name, base + me.id, os.environ["RANK"], os.environ["WORLD_SIZE"]
+
+
+def second_rank_fails() -> None:
+    if rpc.get_worker_info().id == 1:
+        raise ValueError("rank 1 fails on purpose")
+    time.sleep(3600)  # would hang forever without the launcher stopping it
+
+
+def tensors_of_rank(seed: int) -> dict:
+    """Tensors of several kinds: a view into a larger storage, a leaf that requires grad, ints,
+    and a tensor a remote worker computed."""
+    import torch
+
+    me = rpc.get_worker_info()
+    g = torch.Generator().manual_seed(seed + me.id)
+    base = torch.randn(6, 4, generator=g)
+    other = "worker1" if me.id == 0 else "worker0"
+    return {
+        "rank": me.id,
+        "view": base[1:4, ::2],
+        "leaf": torch.nn.Parameter(torch.randn(3, generator=g)),
+        "ints": torch.arange(5, dtype=torch.int64) * (me.id + 1),
+        "remote": rpc.rpc_sync(other, torch.add, (base, 1.0)),
+    }
+
+
+def rank_returns_a_lock_inside() -> object:
+    import threading
+
+    if rpc.get_worker_info().id == 1:
+        return {"ok": 1, "lock": threading.Lock()}
+    return "fine"

@@ -1,0 +1,96 @@
+"""rpc_backend.run_local: results by rank, bounded failure."""
+
+import re
+import time
+
+import pytest
+
+from rpc_backend import LocalWorldError, run_local
+from tests.backend import _launcher_remote
+
+
+def test_returns_values_ordered_by_rank():
+    assert run_local(_launcher_remote.rank_and_sum, 3, args=(10,), timeout=60) == [
+        ("worker0", 10, "0", "3"),
+        ("worker1", 11, "1", "3"),
+        ("worker2", 12, "2", "3"),
+    ]
+
+
+def test_a_failing_rank_stops_the_world_quickly():
+    start = time.monotonic()
+    with pytest.raises(LocalWorldError) as info:
+        run_local(_launcher_remote.second_rank_fails, 3, timeout=60, rpc_timeout=120)
+    assert info.value.rank == 1
+    assert "rank 1 fails on purpose" in str(info.value)
+    # the other ranks wait in a barrier forever; the launcher must not
+    assert time.monotonic() - start < 30
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="world_size"):
+        run_local(_launcher_remote.rank_and_sum, 0)
+    with pytest.raises(ValueError, match="distinct"):
+        run_local(_launcher_remote.rank_and_sum, 2, names=["a", "a"])
+
+
+def test_a_rank_that_cannot_start_raises_its_own_error():
+    # spawn pickles a rank's arguments when it starts it: the caller gets that error, not a
+    # failure of the cleanup that follows ("can only join a started process")
+    import threading
+
+    with pytest.raises(TypeError, match="pickle"):
+        run_local(_launcher_remote.rank_and_sum, 2, args=(threading.Lock(),), timeout=60)
+
+
+def test_tensor_results_arrive_by_value_and_intact():
+    import torch
+
+    messages: list[str] = []
+    values = run_local(_launcher_remote.tensors_of_rank, 2, args=(7,), timeout=60, progress=messages.append,
+                       progress_every=0.5)
+    # progress: the start, (maybe) who is still joining, everyone joined; then, once every fn
+    # returned, the shutdown and (maybe) who has not shut down or exited yet
+    assert messages[0].startswith("started 2 processes (worker0, worker1)"), messages
+    joined = [i for i, m in enumerate(messages) if m.startswith("all 2 ranks joined the RPC world")]
+    returned = [i for i, m in enumerate(messages) if m == "all 2 ranks returned; shutting the RPC world down"]
+    assert len(joined) == 1 and len(returned) == 1 and joined[0] < returned[0], messages
+    assert all(re.match(r"waiting for (worker\d, )*worker\d to join the RPC world", m)
+               for m in messages[1:joined[0]]), messages
+    assert all(re.match(r"waiting for (worker\d, )*worker\d to (shut down|exit)", m)
+               for m in messages[returned[0] + 1:]), messages
+    for rank, value in enumerate(values):
+        g = torch.Generator().manual_seed(7 + rank)
+        base = torch.randn(6, 4, generator=g)
+        leaf = torch.randn(3, generator=g)
+        assert value["rank"] == rank
+        assert torch.equal(value["view"], base[1:4, ::2])
+        assert isinstance(value["leaf"], torch.nn.Parameter) and value["leaf"].requires_grad
+        assert torch.equal(value["leaf"].detach(), leaf)
+        assert torch.equal(value["ints"], torch.arange(5) * (rank + 1))
+        assert torch.equal(value["remote"], base + 1.0)
+        # the values are the caller's own: usable after every rank has exited
+        value["view"].add_(1)
+        assert torch.equal(value["view"], base[1:4, ::2] + 1)
+
+
+def test_an_unpicklable_result_names_the_rank_and_the_type():
+    with pytest.raises(LocalWorldError) as info:
+        run_local(_launcher_remote.rank_returns_a_lock_inside, 2, timeout=60)
+    assert info.value.rank == 1
+    text = str(info.value)
+    assert "result['lock']" in text and "_thread.lock" in text, text
+    assert "without a result" not in text
+
+
+@pytest.mark.slow
+def test_a_deprecation_the_users_script_triggers_shows_as_under_python_main():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "scripts" / "deprecation_job.py"
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0 and "RESULT [1]" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert "DeprecationWarning: old_api() is deprecated: call new_api()" in done.stderr, done.stderr[-3000:]
+    assert "deprecation_job.py:19" in done.stderr, done.stderr[-3000:]  # the user's line

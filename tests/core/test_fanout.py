@@ -1,0 +1,128 @@
+"""remote_module._core.fanout: N host calls at once, results in order, the first failure naming its
+worker and index, a timeout per call."""
+
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed.rpc as rpc
+
+from remote_module._core.errors import CallTimeout, RemoteModuleError
+from remote_module._core.fanout import HostCall, call_all, call_all_async
+from tests._faults import gates
+from tests.proxy._remote import UserError, echo
+
+pytestmark = pytest.mark.usefixtures("rpc_world")
+
+
+def wait_until(predicate, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def test_results_come_back_in_the_order_of_the_calls():
+    # the first call is the slowest, so the hosts answer in reverse order
+    workers = ["worker1", "worker2", "worker0", "worker1"]
+    calls = [HostCall(w, gates.timed, (i, 0.15 * (len(workers) - i))) for i, w in enumerate(workers)]
+    results = call_all(calls, timeout=10)
+    assert [(tag, host) for tag, host, _, _ in results] == list(enumerate(workers))
+    ends = [end for _, _, _, end in results]
+    assert ends != sorted(ends)  # answered out of order, returned in order
+    assert call_all([]) == []
+
+
+def test_calls_on_different_workers_run_at_the_same_time():
+    calls = [(w, gates.timed, (i, 0.5)) for i, w in enumerate(["worker1", "worker2", "worker0"])]
+    fut = call_all_async(calls, timeout=10)
+    assert isinstance(fut, torch.futures.Future)
+    results = fut.wait()
+    starts = [start for _, _, start, _ in results]
+    ends = [end for _, _, _, end in results]
+    assert max(starts) < min(ends), (starts, ends)  # every call started before any ended
+
+
+def test_first_failure_keeps_its_type_and_names_worker_and_index():
+    calls = [("worker1", echo, (1,)), ("worker2", gates.fail, ("no table 7",)), ("worker1", echo, (2,))]
+    for run in (lambda: call_all(calls), lambda: call_all_async(calls).wait()):
+        with pytest.raises(UserError) as info:
+            run()
+        text = str(info.value)
+        assert text.splitlines()[0] == "no table 7"
+        assert "calls[1] of 3" in text and "worker2" in text and "tests._faults.gates.fail" in text
+        assert "Remote traceback" in text
+
+
+def test_first_failure_does_not_wait_for_the_other_calls():
+    key = "fanout-first-failure"
+    fut = call_all_async([("worker1", gates.hold, (key,)), ("worker2", gates.fail, ("early",))], timeout=20)
+    try:
+        wait_until(fut.done)
+        # the held call is still running on worker1 when the whole has already failed
+        assert rpc.rpc_sync("worker1", gates.holding, (key,))
+        with pytest.raises(UserError, match="early") as info:
+            fut.wait()
+        assert "calls[1] of 2" in str(info.value) and "worker2" in str(info.value)
+    finally:
+        rpc.rpc_sync("worker1", gates.release, (key,))
+
+
+def test_a_call_that_hangs_times_out_naming_its_worker():
+    key = "fanout-timeout"
+    start = time.monotonic()
+    try:
+        with pytest.raises(CallTimeout) as info:
+            call_all([("worker2", echo, (1,)), ("worker1", gates.hold, (key,))], timeout=0.5)
+        elapsed = time.monotonic() - start
+    finally:
+        rpc.rpc_sync("worker1", gates.release, (key,))
+    assert elapsed < 0.5 + 2.0
+    text = str(info.value)
+    assert "calls[1] of 2" in text and "worker1" in text and "0.5 s" in text
+
+
+def test_async_execution_handlers_are_answered_when_their_future_completes():
+    assert call_all([("worker1", gates.add_later, (2, 3)), ("worker2", gates.add_later, (4, 5))]) == [5, 9]
+    with pytest.raises(UserError, match="later") as info:
+        call_all([("worker1", gates.add_later, (1, 1)), ("worker2", gates.fail_later, ("later",))])
+    assert "calls[1] of 2" in str(info.value) and "worker2" in str(info.value)
+
+
+def test_rrefs_made_on_the_hosts_come_back():
+    rrefs = call_all([("worker1", gates.tensor_rref, (2,)), ("worker2", gates.tensor_rref, (3,))])
+    assert [r.owner_name() for r in rrefs] == ["worker1", "worker2"]
+    assert torch.equal(rrefs[1].to_here(), torch.full((3,), 3.0))
+
+
+def test_system_exit_on_a_host_is_that_call_failure_and_the_host_keeps_serving():
+    with pytest.raises(RemoteModuleError) as info:
+        call_all([("worker1", gates.exit_now)])
+    assert type(info.value).__name__ == "SystemExit" and "worker1" in str(info.value)
+    assert call_all([("worker1", echo, ("still here",))]) == ["still here"]
+
+
+def test_bad_calls_raise_before_anything_is_sent(monkeypatch):
+    sent = []
+    real = rpc.rpc_async
+    monkeypatch.setattr(rpc, "rpc_async", lambda *a, **k: sent.append(a) or real(*a, **k))
+    with pytest.raises(ValueError, match=r"calls\[1\] of 2 .*worker 'nobody' is not in this RPC world"):
+        call_all([("worker1", echo, (1,)), ("nobody", echo, (2,))])
+    with pytest.raises(TypeError, match=r"calls\[0\] must be a HostCall or a tuple"):
+        call_all([echo])
+    with pytest.raises(TypeError, match=r"calls\[0\]: args must be a tuple"):
+        call_all([("worker1", echo, 5)])
+    with pytest.raises(TypeError, match=r"calls\[0\]: the handler must be"):
+        call_all([("worker1", "echo")])
+    with pytest.raises(ValueError, match="timeout must be a positive number"):
+        call_all([("worker1", echo, (1,))], timeout=0)
+    assert sent == []
+    assert call_all([HostCall(1, echo, (), {"obj": "by rank, kwargs"})]) == ["by rank, kwargs"]
+
+
+def test_an_argument_that_cannot_be_sent_names_the_call():
+    with pytest.raises(
+        TypeError, match=r"calls\[0\] of 1 \(tests\.proxy\._remote\.echo\) could not be sent to worker 'worker1'"
+    ):
+        call_all([("worker1", echo, (threading.Lock(),))])

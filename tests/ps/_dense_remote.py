@@ -1,0 +1,245 @@
+"""What the parameter-server tests run on their trainers (tests/ps/_world.py sends these by RPC):
+models and batches that pytest rebuilds for its local references, and each trainer's PSModels
+kept by job name between calls."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+IN, HIDDEN, OUT = 6, 5, 3
+ROWS = 4  # rows of one trainer's batch
+
+#: this process's PSModels by job name
+_models: dict[str, Any] = {}
+
+
+class Net(nn.Module):
+    """A small MLP; its weights split into row blocks over 2 or 3 servers at min_block_size 4."""
+
+    def __init__(self, hidden: int = HIDDEN) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(IN, hidden)
+        self.fc2 = nn.Linear(hidden, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+class Linear(nn.Module):
+    """``(p * c).sum()``: its gradient is ``c`` (all ones without ``c``)."""
+
+    def __init__(self, n: int = 16) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.zeros(n))
+
+    def forward(self, c: torch.Tensor | None = None) -> torch.Tensor:
+        return self.p.sum() if c is None else (self.p * c).sum()
+
+
+def build(kind: str, seed: int, **kwargs: Any) -> nn.Module:
+    torch.manual_seed(seed)
+    return {"net": Net, "linear": Linear}[kind](**kwargs)
+
+
+def batch(trainer: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Trainer ``trainer``'s batch for ``step`` (the same in every process)."""
+    g = torch.Generator().manual_seed(1000 * trainer + step)
+    return torch.randn(ROWS, IN, generator=g), torch.randn(ROWS, OUT, generator=g)
+
+
+def ready(server: bool) -> str:
+    """Import what the jobs use before any timed call: remote_module.ps, and on servers torch.optim's
+    first optimizer (its constructor imports torch._dynamo: ~2 s of CPU, past a short job timeout;
+    trainers build one only in geo mode)."""
+    import torch.distributed.rpc as rpc
+
+    import remote_module.ps  # noqa: F401
+
+    if server:
+        torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    return rpc.get_worker_info().name
+
+
+def _attempt(fn) -> dict:
+    start = time.monotonic()
+    try:
+        value = fn()
+    except Exception as exc:
+        return {"ok": False, "type": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - start}
+    return {"ok": True, "value": value, "seconds": time.monotonic() - start}
+
+
+# ---- jobs ----------------------------------------------------------------------------------------
+
+
+def create(job: str, kind: str, seed: int, servers: list[str], model_kwargs: dict | None = None, **kwargs: Any):
+    """A PSModel of ``build(kind, seed)`` for ``job``; its layout as ``[(block name, server)]``."""
+    from remote_module.ps import PSModel
+
+    ps = PSModel(build(kind, seed, **(model_kwargs or {})), servers, name=job, **kwargs)
+    _models[job] = ps
+    return [(s.name, s.server) for s in ps._slots]
+
+
+def try_create(*args: Any, **kwargs: Any) -> dict:
+    """:func:`create`, its outcome (an expected error as type and message)."""
+    return _attempt(lambda: create(*args, **kwargs))
+
+
+def create_with_old_keyword(job: str, kind: str, seed: int, servers: list[str], **kwargs: Any) -> dict:
+    """:func:`create` with PSModel's deprecated ``mode=`` (in ``kwargs``): the mode it took and
+    the warnings the keyword and the old ``.mode`` attribute gave."""
+    import warnings
+
+    from remote_module.ps import PSModel
+
+    with warnings.catch_warnings(record=True) as made:
+        warnings.simplefilter("always")
+        ps = PSModel(build(kind, seed), servers, name=job, **kwargs)
+    with warnings.catch_warnings(record=True) as read:
+        warnings.simplefilter("always")
+        old = ps.mode
+    _models[job] = ps
+    return {"ps_mode": ps.ps_mode, "mode": old, "repr": repr(ps),
+            "warned": [(w.category.__name__, str(w.message), w.filename) for w in made + read]}
+
+
+def train(job: str, trainer: int, steps: int, start: int = 0) -> int:
+    """``steps`` MSE steps of ``job`` on this trainer's batches ``start ..``."""
+    ps = _models[job]
+    for step in range(start, start + steps):
+        x, y = batch(trainer, step)
+        nn.functional.mse_loss(ps(x), y).backward()
+        ps.step()
+    return steps
+
+
+def push_linear(job: str, steps: int, c: list[float] | None = None) -> int:
+    """``steps`` steps of a ``linear`` job: each pushes the gradient ``c`` (ones without it)."""
+    ps = _models[job]
+    for _ in range(steps):
+        ps(None if c is None else torch.tensor(c)).backward()
+        ps.step()
+    return steps
+
+
+def state(job: str) -> dict:
+    """``PSModel.state_dict()``: the servers' parameters under the model's own keys."""
+    return dict(_models[job].state_dict())
+
+
+def local(job: str) -> dict:
+    """This trainer's local parameters, as they are (no pull)."""
+    return {k: v.detach().clone() for k, v in _models[job].module.state_dict().items()}
+
+
+def pulled(job: str) -> dict:
+    """``pull()``, then the local parameters."""
+    _models[job].pull()
+    return local(job)
+
+
+def optimizer_state(job: str) -> dict:
+    return _models[job].optimizer_state_dict()
+
+
+def load(job: str, state_dict: dict, optimizer_state_dict: dict | None = None, optimizer_first: bool = False) -> bool:
+    ps = _models[job]
+    if optimizer_first:  # torch's model and optimizer loads go in either order
+        ps.load_optimizer_state_dict(optimizer_state_dict)
+    ps.load_state_dict(state_dict)
+    if optimizer_state_dict is not None and not optimizer_first:
+        ps.load_optimizer_state_dict(optimizer_state_dict)
+    return True
+
+
+def stats(job: str) -> dict:
+    return _models[job].stats()
+
+
+def step_twice(job: str, trainer: int) -> dict:
+    """A sync trainer pushing twice without pulling in between: the second push's outcome."""
+    ps = _models[job]
+    x, y = batch(trainer, 0)
+    nn.functional.mse_loss(ps(x), y).backward()
+    ps.step()
+    nn.functional.mse_loss(ps.module(x), y).backward()  # the local model: no pull, no wait
+    return _attempt(ps.step)
+
+
+def forward_backward(job: str, trainer: int, step: int = 0) -> bool:
+    """Gradients of one step in the local model (nothing pushed yet)."""
+    ps = _models[job]
+    x, y = batch(trainer, step)
+    nn.functional.mse_loss(ps(x), y).backward()
+    return True
+
+
+def attempt(job: str, what: str) -> dict:
+    """How ``pull`` / ``step`` of ``job`` ends here (type, message, seconds)."""
+    ps = _models[job]
+    return _attempt({"pull": ps.pull, "step": ps.step}[what])
+
+
+def half_async_timed(job: str, c: list[float], seconds: float) -> dict:
+    """half_async: push ``c`` once, pull at once (nothing merged yet), then poll ``stats()``
+    until every server applied it (at most ``seconds``): when, measured from the push's return."""
+    ps = _models[job]
+    ps(torch.tensor(c)).backward()
+    ps.step()
+    pushed = time.monotonic()
+    before = pulled(job)["p"]
+    queued_before = [st["queued"] for st in ps.stats().values()]
+    merged_after = None
+    while time.monotonic() < pushed + seconds:
+        if all(st["applied"] == 1 and st["queued"] == 0 for st in ps.stats().values()):
+            merged_after = time.monotonic() - pushed
+            break
+        time.sleep(0.02)
+    return {"before": before, "queued_before": queued_before, "merged_after": merged_after, "after": pulled(job)["p"]}
+
+
+
+
+def train_then_state(job: str, trainer: int, steps: int) -> dict:
+    """:func:`train`, then at once :func:`state` (a checkpoint right after the last push)."""
+    train(job, trainer, steps)
+    return state(job)
+
+
+def later(seconds: float, fn, *args: Any) -> Any:
+    """``fn(*args)`` after ``seconds`` (to push after another trainer, most likely)."""
+    time.sleep(seconds)
+    return fn(*args)
+
+
+def set_timeout(job: str, seconds: float | None) -> bool:
+    """The job's per-call timeout from now on (created without one: a loaded machine may take
+    more than a short timeout to attach, and that is not what the fault tests test)."""
+    _models[job].timeout = seconds
+    return True
+
+
+def in_threads(target: Callable[[], Any], count: int) -> None:
+    """Run ``target`` in ``count`` threads at once and wait for them; the first exception one of
+    them raised is raised here (reported to the test)."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            target()
+        except BaseException as exc:
+            errors.append(exc)
+
+    workers = [threading.Thread(target=run) for _ in range(count)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    if errors:
+        raise errors[0]

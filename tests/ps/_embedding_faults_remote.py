@@ -1,0 +1,81 @@
+"""What tests/ps/test_embedding_faults.py runs on its trainers and servers (tables built by
+tests/ps/_embedding_edge_cases_remote.table)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+
+from tests.ps._embedding_edge_cases_remote import _objects, attempt, table
+
+
+def prepare(name: str, ids: list[int] | None, **kwargs: Any) -> bool:
+    """A table kept here, with a lookup of ``ids`` backpropagated (its gradient waits for a step)."""
+    t = table(name, **kwargs)
+    if ids is not None:
+        t(torch.tensor(ids)).pow(2).sum().backward()
+    return True
+
+
+def timed(name: str, what: str, timeout: float, ids: list[int] | None = None) -> dict:
+    """``what`` ("lookup", "step", "backward", "rows") on table ``name`` with ``timeout``: how it ended."""
+    t = _objects[name]
+    t.timeout = timeout
+    ids_t = torch.tensor(ids if ids is not None else [1, 15])
+    return attempt({
+        "lookup": lambda: t(ids_t).detach(),
+        "step": t.step,
+        "backward": lambda: t(ids_t).pow(2).sum().backward(),
+        "rows": lambda: t.state_dict()["weight"],
+    }[what])
+
+
+def waiters(name: str) -> int:
+    """On a server: the sync lookups of table ``name`` still waiting."""
+    from remote_module.ps import _table_server
+
+    table = _table_server._table(name)
+    with table.lock:
+        return len(table.sync.waiters)
+
+
+def shutdown_during_lookups(name: str, path: str) -> bool:
+    """Threads looking up table ``name`` while this trainer's RPC agent is shut down (not
+    gracefully: the servers of these worlds wait in their own shutdown); each thread's last
+    outcome is written to ``path`` as JSON once all have ended (or 10 s passed)."""
+    import json
+
+    import torch.distributed.rpc as rpc
+
+    t = table(name, servers=["ps0"], rows=200, seed=None)
+    outcomes: dict[int, dict] = {}
+    started = threading.Barrier(4)
+
+    def look(k: int) -> None:
+        started.wait()
+        while True:
+            outcome = attempt(lambda: t(torch.arange(200)).shape)
+            if not outcome["ok"]:
+                outcomes[k] = outcome
+                return
+
+    def run() -> None:
+        threads = [threading.Thread(target=look, args=(k,), daemon=True) for k in range(3)]
+        for th in threads:
+            th.start()
+        started.wait()
+        time.sleep(0.2)
+        rpc.shutdown(graceful=False)
+        for th in threads:
+            th.join(timeout=10)
+        with open(path + ".tmp", "w") as f:
+            json.dump({"ended": [not th.is_alive() for th in threads], "outcomes": list(outcomes.values())}, f)
+        import os
+
+        os.replace(path + ".tmp", path)
+
+    threading.Thread(target=run, daemon=True).start()
+    return True

@@ -1,0 +1,367 @@
+"""Parameter servers over RPC (issue 11): sync training equals one process on the global batch,
+async loses no update, geo and half-async follow their rules exactly, checkpoints re-slice onto
+another number of servers, and layout / mode mismatches fail at start naming the value.
+
+One world for the whole module (tests/ps/_world.py): a driver, ps0..ps2, trainer0..trainer2;
+each job uses a subset and a name of its own. Trainers run tests/ps/_dense_remote.py; the local
+references are computed here, on the same models and batches."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+from torch import nn
+
+from remote_module.ps import HashName
+from tests.ps import _dense_remote as r
+from tests.ps._world import PSWorld, job
+
+pytestmark = pytest.mark.timeout(120)
+
+SERVERS = ["ps0", "ps1"]
+STEPS = 20
+#: small enough that every weight is cut into one block per server
+MIN_BLOCK = 4
+ADAM_ATOL = 1e-6  # as SGD: the two orders of summation differ by ~6e-8 after 20 Adam steps (measured)
+
+
+@pytest.fixture
+def world(ps_world):  # shared with the other PS tests (tests/conftest.py)
+    return ps_world
+
+
+def trainers(n: int) -> list[str]:
+    return [f"trainer{i}" for i in range(n)]
+
+
+def _create_on(names, name, args, kwargs):  # on the driver: every trainer creates its PSModel at once
+    import torch.distributed.rpc as rpc
+
+    futs = [rpc.rpc_async(t, r.create, (name, *args), kwargs) for t in names]
+    return {t: f.wait() for t, f in zip(names, futs)}
+
+
+def train_all(world: PSWorld, name: str, n: int, steps: int, start: int = 0) -> None:
+    world.run({t: (r.train, name, i, steps, start) for i, t in enumerate(trainers(n))})
+
+
+def assert_close(got: dict, expected: dict, atol: float, what: str) -> None:
+    assert list(got) == list(expected), f"{what}: keys {list(got)}, expected {list(expected)}"
+    for k in expected:
+        err = (got[k] - expected[k]).abs().max().item()
+        assert err <= atol, f"{what}: {k} differs from the reference by {err:.3g} (atol {atol})"
+
+
+def reference(n: int, optimizer: tuple, steps: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """One process, the concatenated batch of ``n`` trainers per step."""
+    model = r.build("net", seed)
+    opt = optimizer[0](model.parameters(), **optimizer[1])
+    for step in range(steps):
+        xs, ys = zip(*(r.batch(t, step) for t in range(n)))
+        opt.zero_grad()
+        nn.functional.mse_loss(model(torch.cat(xs)), torch.cat(ys)).backward()
+        opt.step()
+    return model, opt
+
+
+OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.1}), "adam": (torch.optim.Adam, {"lr": 0.01})}
+
+
+# ---- sync ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_sync_training_equals_one_process_on_the_global_batch(world, n, opt):
+    name = job(f"sync-{opt}-{n}")
+    layouts = world.call(_create_on, trainers(n), name, ("net", 1, SERVERS),
+                         dict(num_trainers=n, optimizer=OPTIMIZERS[opt], min_block_size=MIN_BLOCK))
+    layout = layouts["trainer0"]
+    assert all(lay == layout for lay in layouts.values()), layouts
+    for pname in ("fc1.weight", "fc2.weight"):  # really split over both servers
+        assert {s for b, s in layout if b.startswith(pname + ".")} == set(SERVERS), layout
+    train_all(world, name, n, STEPS)
+    states = world.run({t: (r.state, name) for t in trainers(n)})
+    expected, _ = reference(n, OPTIMIZERS[opt], STEPS, seed=1)
+    initial = r.build("net", 1).state_dict()
+    atol = 1e-6 if opt == "sgd" else ADAM_ATOL
+    for t, got in states.items():
+        assert_close(got, expected.state_dict(), atol, f"{t}'s state_dict after {STEPS} {opt} steps")
+    assert all((states["trainer0"][k] - initial[k]).abs().max() > 1e-3 for k in initial), "did not train"
+
+
+def test_a_sync_checkpoint_right_after_a_step_waits_for_that_step(world):
+    """trainer0 pushes step 0 and asks for the state at once; trainer1 pushes 0.5 s later: the
+    state has step 0 applied on every server (not the values before it, nor a mix)."""
+    name = job("sync-ckpt")
+    sgd = OPTIMIZERS["sgd"]
+    world.call(_create_on, trainers(2), name, ("net", 1, SERVERS),
+               dict(num_trainers=2, optimizer=sgd, min_block_size=MIN_BLOCK))
+    got = world.run({"trainer0": (r.train_then_state, name, 0, 1), "trainer1": (r.later, 0.5, r.train, name, 1, 1)})
+    expected, _ = reference(2, sgd, 1, seed=1)
+    assert_close(got["trainer0"], expected.state_dict(), 1e-6, "trainer0's state_dict right after its step")
+
+
+# ---- async -----------------------------------------------------------------------------------------
+
+
+def test_async_loses_no_update(world):
+    n, k = 3, 10
+    name = job("async")
+    world.call(_create_on, trainers(n), name, ("linear", 0, SERVERS),
+               dict(num_trainers=n, ps_mode="async", optimizer=(torch.optim.SGD, {"lr": 1.0}),
+                    min_block_size=MIN_BLOCK))
+    world.run({t: (r.push_linear, name, k) for t in trainers(n)})  # concurrently, gradient 1 each
+    got = world.run({"trainer0": (r.state, name)})["trainer0"]["p"]
+    assert torch.equal(got, torch.full((16,), -float(n * k))), f"expected every element at {-n * k}, got {got}"
+    stats = world.run({"trainer1": (r.stats, name)})["trainer1"]
+    assert {s: st["applied"] for s, st in stats.items()} == {s: n * k for s in SERVERS}, stats
+
+
+# ---- geo ---------------------------------------------------------------------------------------------
+
+
+def geo_reference(seed: int, k: int, rounds: int, lr: float) -> tuple[dict, list[dict]]:
+    """The rule by hand: trainer0 then trainer1 each train ``k`` local steps from what they
+    last took, push ``local - last_pulled``; the server adds it / 2; the pusher takes the result."""
+    server = {n: p.detach().clone() for n, p in r.build("net", seed).named_parameters()}
+    took = [dict(server), dict(server)]
+    for rnd in range(rounds):
+        for t in (0, 1):
+            model = r.build("net", seed)
+            model.load_state_dict(took[t])
+            opt = torch.optim.SGD(model.parameters(), lr=lr)
+            for step in range(rnd * k, rnd * k + k):
+                x, y = r.batch(t, step)
+                opt.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+            server = {n: server[n] + (p.detach() - took[t][n]) / 2 for n, p in model.named_parameters()}
+            took[t] = {n: v.clone() for n, v in server.items()}
+    return server, took
+
+
+def test_geo_follows_the_rule_in_a_fixed_order(world):
+    k, rounds, lr = 3, 2, 0.1
+    name = job("geo")
+    world.call(_create_on, trainers(2), name, ("net", 2, SERVERS),
+               dict(num_trainers=2, ps_mode="geo", geo_push_every=k, optimizer=(torch.optim.SGD, {"lr": lr}),
+                    min_block_size=MIN_BLOCK))
+    for rnd in range(rounds):
+        for i, t in enumerate(trainers(2)):  # the driver orders the pushes: trainer0, then trainer1
+            world.run({t: (r.train, name, i, k, rnd * k)})
+        # a checkpoint between rounds must not disturb the trainers' local copies
+        world.run({"trainer0": (r.state, name)})
+    server, took = geo_reference(2, k, rounds, lr)
+    assert_close(world.run({"trainer1": (r.state, name)})["trainer1"], server, 1e-6, "the servers' parameters")
+    locals_ = world.run({t: (r.local, name) for t in trainers(2)})
+    for i, t in enumerate(trainers(2)):
+        assert_close(locals_[t], took[i], 1e-6, f"{t}'s local copy after its last push")
+    assert not torch.allclose(took[0]["fc1.weight"], took[1]["fc1.weight"]), "the order did not matter: weak test"
+
+
+# ---- half-async ---------------------------------------------------------------------------------------
+
+
+def _create_linear(world, name, n, mode, **kw):
+    world.call(_create_on, trainers(n), name, ("linear", 0, SERVERS),
+               dict(num_trainers=n, ps_mode=mode, optimizer=(torch.optim.SGD, {"lr": 1.0}),
+                    min_block_size=MIN_BLOCK, **kw))
+
+
+def grads(i: int) -> list[float]:
+    return [float(i + 1) * (j + 1) for j in range(16)]
+
+
+def test_half_async_merges_after_exactly_merge_every_pushes_and_pulls_do_not_force_it(world):
+    name = job("half-count")
+    _create_linear(world, name, 2, "half_async", half_async_merge_every=3, half_async_merge_s=60.0)
+    zeros = torch.zeros(16)
+    for i, t in enumerate(["trainer0", "trainer1"]):
+        world.run({t: (r.push_linear, name, 1, grads(i))})
+        assert torch.equal(world.run({"trainer0": (r.pulled, name)})["trainer0"]["p"], zeros), f"applied after {i + 1}"
+        stats = world.run({"trainer1": (r.stats, name)})["trainer1"]
+        assert [(st["queued"], st["applied"]) for st in stats.values()] == [(i + 1, 0)] * 2, stats
+    world.run({"trainer0": (r.push_linear, name, 1, grads(2))})
+    got = world.run({"trainer1": (r.pulled, name)})["trainer1"]["p"]
+    assert torch.equal(got, -(torch.tensor(grads(0)) + torch.tensor(grads(1)) + torch.tensor(grads(2)))), got
+    stats = world.run({"trainer1": (r.stats, name)})["trainer1"]
+    assert [(st["queued"], st["applied"]) for st in stats.values()] == [(0, 1)] * 2, stats
+
+
+def test_half_async_merges_merge_s_after_the_first_queued_push(world):
+    name = job("half-time")
+    merge_s = 1.0
+    _create_linear(world, name, 2, "half_async", half_async_merge_every=100, half_async_merge_s=merge_s)
+    report = world.run({"trainer0": (r.half_async_timed, name, grads(0), 10.0)})["trainer0"]
+    assert torch.equal(report["before"], torch.zeros(16)), report  # the pull right after did not merge
+    assert report["queued_before"] == [1, 1], report
+    assert report["merged_after"] is not None, f"not merged within 10 s: {report}"
+    assert merge_s - 0.05 <= report["merged_after"] <= merge_s + 2.0, report
+    assert torch.equal(report["after"], -torch.tensor(grads(0))), report
+
+
+def test_half_async_a_timer_that_fired_during_a_count_merge_does_not_merge_the_next_push_early(monkeypatch):
+    """Server side only, no RPC: the merge_s timer fires while a push holds the job's lock and
+    merges by count; the next push must wait for its own merge_s, not be merged by that timer."""
+    import threading
+    import time
+
+    from remote_module.ps import _dense_server, _modes
+
+    fired = threading.Event()
+    merge_later = _modes.merge_later
+    monkeypatch.setattr(_modes, "merge_later", lambda *a: (fired.set(), merge_later(*a)))
+    name = job("timer-race")
+    spec = _dense_server.JobSpec("half_async", 1, (torch.optim.SGD, {"lr": 1.0}), 2, 0.2, "layout")
+    _dense_server._attach(name, spec, "t", {"b": torch.zeros(2)})
+    j = _dense_server._jobs.get(name)
+    try:
+        _dense_server._push(name, "t", 0, {"b": torch.ones(2)})  # queued; the 0.2 s timer armed
+        old = j.merges.timer
+        with j.lock:  # (reentrant) the pushes below run while the fired timer waits for the lock
+            assert fired.wait(10), "the merge_s timer did not fire"
+            _dense_server._push(name, "t", 0, {"b": torch.ones(2)})  # second push: merged by count
+            _dense_server._push(name, "t", 0, {"b": torch.full((2,), 10.0)})  # queued, its own timer armed
+        old.join(10)
+        assert (j.applied, j.merges.count) == (1, 1), f"the third push was merged early: applied {j.applied}"
+        deadline = time.monotonic() + 10
+        while j.applied < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert j.applied == 2 and torch.equal(j.params["b"].detach(), torch.full((2,), -12.0)), j.params["b"]
+    finally:
+        _dense_server._jobs.pop(name)
+
+
+# ---- checkpoints --------------------------------------------------------------------------------------
+
+
+def test_checkpoint_from_two_servers_continues_identically_on_three(world):
+    adam = OPTIMIZERS["adam"]
+    two, three = job("ckpt-2"), job("ckpt-3")
+    world.call(_create_on, trainers(2), two, ("net", 3, SERVERS),
+               dict(num_trainers=2, optimizer=adam, min_block_size=MIN_BLOCK))
+    train_all(world, two, 2, 5)
+    sd = world.run({"trainer0": (r.state, two)})["trainer0"]
+    osd = world.run({"trainer1": (r.optimizer_state, two)})["trainer1"]
+    local = r.build("net", 3)
+    local.load_state_dict(sd, strict=True)  # the local model's own keys
+    reference_model, _ = reference(2, adam, 5, seed=3)
+    assert_close(sd, reference_model.state_dict(), ADAM_ATOL, "state_dict after 5 steps")
+
+    layouts = world.call(_create_on, trainers(2), three, ("net", 4, ["ps0", "ps1", "ps2"]),
+                         dict(num_trainers=2, optimizer=adam, min_block_size=MIN_BLOCK))
+    assert {s for _, s in layouts["trainer0"]} == {"ps0", "ps1", "ps2"}, layouts
+    world.run({"trainer0": (r.load, three, sd, osd)})
+    train_all(world, two, 2, 5, start=5)
+    train_all(world, three, 2, 5, start=5)
+    on_two = world.run({"trainer0": (r.state, two)})["trainer0"]
+    on_three = world.run({"trainer1": (r.state, three)})["trainer1"]
+    assert_close(on_three, on_two, 1e-6, "3 servers from the checkpoint vs 2 servers continued")
+    assert not torch.allclose(on_two["fc1.weight"], sd["fc1.weight"], atol=1e-4), "did not train after the checkpoint"
+    # the optimizer state round-trips per parameter, in the parameter's shape
+    osd3 = world.run({"trainer0": (r.optimizer_state, three)})["trainer0"]
+    for pname, p in local.named_parameters():
+        assert osd3["state"][pname]["exp_avg"].shape == p.shape, (pname, osd3["state"][pname]["exp_avg"].shape)
+        assert int(osd3["state"][pname]["step"]) == 10, osd3["state"][pname]["step"]
+
+
+# ---- layout and mode errors -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("theirs, words", [
+    (dict(model_kwargs={"hidden": 4}), ["block layout"]),
+    (dict(min_block_size=16), ["block layout"]),
+    (dict(num_trainers=3), ["num_trainers", "2", "3"]),
+    (dict(ps_mode="async"), ["mode", "'sync'", "'async'"]),
+    (dict(optimizer=(torch.optim.SGD, {"lr": 0.5})), ["optimizer", "0.5"]),
+])
+def test_a_trainer_that_disagrees_with_the_job_fails_at_start_naming_the_mismatch(world, theirs, words):
+    name = job("mismatch")
+    mine = dict(num_trainers=2, min_block_size=MIN_BLOCK)
+    world.call(_create_on, ["trainer0"], name, ("net", 5, SERVERS), mine)
+    outcome = world.call(_try_on, "trainer1", name, ("net", 5, SERVERS), {**mine, **theirs})
+    assert not outcome["ok"] and outcome["type"] == "ValueError", outcome
+    for word in words:
+        assert word in outcome["message"], (word, outcome["message"])
+
+
+def test_the_old_mode_keyword_still_works_with_a_deprecation_warning(world):
+    name = job("old-keyword")
+    got = world.call(_on, "trainer0", r.create_with_old_keyword, (name, "net", 5, SERVERS),
+                     dict(num_trainers=1, mode="async", min_block_size=MIN_BLOCK))
+    assert got["ps_mode"] == got["mode"] == "async" and "ps_mode='async'" in got["repr"], got
+    assert [w[0] for w in got["warned"]] == ["DeprecationWarning"] * 2, got["warned"]
+    assert "pass ps_mode=" in got["warned"][0][1] and "PSModel.ps_mode" in got["warned"][1][1], got["warned"]
+    assert all(w[2].endswith("_dense_remote.py") for w in got["warned"]), got["warned"]  # the caller's line
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(ps_mode="geo", mode="async"), "TypeError"),
+    (dict(mode="bogus"), "ValueError"),
+])
+def test_the_old_mode_keyword_is_checked_as_the_new_one(world, kwargs, error):
+    outcome = world.call(_try_on, "trainer0", job("old-keyword-bad"), ("net", 5, SERVERS),
+                         dict(num_trainers=1, min_block_size=MIN_BLOCK, **kwargs))
+    assert not outcome["ok"] and outcome["type"] == error, outcome
+    assert "ps_mode" in outcome["message"] and repr(kwargs["mode"]) in outcome["message"], outcome
+
+
+def _on(trainer, fn, args, kwargs):  # on the driver
+    import torch.distributed.rpc as rpc
+
+    return rpc.rpc_sync(trainer, fn, args, kwargs)
+
+
+def _try_on(trainer, name, args, kwargs):  # on the driver
+    import torch.distributed.rpc as rpc
+
+    return rpc.rpc_sync(trainer, r.try_create, (name, *args), kwargs)
+
+
+def test_a_trainer_beyond_num_trainers_is_refused(world):
+    name = job("extra")
+    world.call(_create_on, trainers(2), name, ("net", 5, SERVERS), dict(num_trainers=2, min_block_size=MIN_BLOCK))
+    outcome = world.call(_try_on, "trainer2", name, ("net", 5, SERVERS), dict(num_trainers=2, min_block_size=MIN_BLOCK))
+    assert not outcome["ok"] and outcome["type"] == "ValueError", outcome
+    assert "num_trainers=2" in outcome["message"] and "'trainer2'" in outcome["message"], outcome["message"]
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(ps_mode="bogus"), ["mode", "'bogus'"]),
+    (dict(geo_push_every=0), ["geo_push_every", "0"]),
+    (dict(half_async_merge_every=-1), ["half_async_merge_every", "-1"]),
+    (dict(half_async_merge_s=0), ["half_async_merge_s", "0"]),
+    (dict(num_trainers=0), ["num_trainers", "0"]),
+])
+def test_bad_modes_and_intervals_are_value_errors_naming_the_value(world, kwargs, words):
+    outcome = world.call(_try_on, "trainer0", job("bad"), ("net", 5, SERVERS), {"num_trainers": 2, **kwargs})
+    assert not outcome["ok"] and outcome["type"] == "ValueError", outcome
+    for word in words:
+        assert word in outcome["message"], (word, outcome["message"])
+
+
+def test_a_sync_trainer_pushing_twice_for_one_step_is_refused(world):
+    name = job("twice")
+    world.call(_create_on, trainers(2), name, ("net", 5, SERVERS), dict(num_trainers=2, min_block_size=MIN_BLOCK))
+    outcome = world.run({"trainer0": (r.step_twice, name, 0)})["trainer0"]
+    assert not outcome["ok"], outcome
+    assert "'trainer0'" in outcome["message"] and "step" in outcome["message"], outcome["message"]
+    stats = world.run({"trainer1": (r.stats, name)})["trainer1"]
+    assert [st["version"] for st in stats.values()] == [0, 0], stats  # nothing applied: trainer1 never pushed
+
+
+def test_hash_name_dispatch_is_the_same_on_every_trainer_and_here(world):
+    name = job("hash")
+    servers = ["ps0", "ps1", "ps2"]
+    layouts = world.call(_create_on, trainers(2), name, ("net", 5, servers),
+                         dict(num_trainers=2, min_block_size=MIN_BLOCK, split_method=HashName()))
+    blocks = [b for b, _ in layouts["trainer0"]]
+    here = HashName()(blocks, servers)
+    assert here == [servers[zlib.crc32(b.encode()) % 3] for b in blocks]
+    for t, layout in layouts.items():
+        assert [s for _, s in layout] == here, (t, layout, here)
+    assert len(set(here)) > 1, f"every block on one server: {here}"
+

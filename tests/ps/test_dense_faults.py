@@ -1,0 +1,78 @@
+"""Parameter servers under failing workers (issue 11, item 6): a trainer killed in sync mode
+and a server killed. Their own small world (tests/ps/_world.py: driver, ps0, ps1, trainer0,
+trainer1), since ranks die in it; the trainer is killed first, then the server."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.ps import _dense_remote as r
+from tests.ps._world import PSWorld
+
+#: a failure is reported at the latest this long after the call's timeout (a loaded 2-core machine)
+SLACK = 1.0
+TIMEOUT = 2.0
+SERVERS = ["ps0", "ps1"]
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+
+@pytest.fixture(scope="module")
+def world():
+    with PSWorld({"ps": 2, "trainer": 2}) as w:
+        yield w
+
+
+def _create_on(names, name, args, kwargs):  # on the driver: every trainer creates its PSModel at once
+    import torch.distributed.rpc as rpc
+
+    futs = [rpc.rpc_async(t, r.create, (name, *args), kwargs) for t in names]
+    return {t: f.wait() for t, f in zip(names, futs)}
+
+
+def assert_failed_naming(outcome: dict, worker: str, what: str) -> None:
+    assert not outcome["ok"], f"{what} succeeded although {worker} is dead: {outcome}"
+    assert outcome["seconds"] < TIMEOUT + SLACK, f"{what}: the failure came too late: {outcome}"
+    assert f"'{worker}'" in outcome["message"], f"{what}: the error does not name {worker!r}: {outcome['message']}"
+
+
+@pytest.fixture(scope="module")
+def trainer_killed(world):
+    """Sync job on both trainers; trainer1 killed; trainer0 pushes step 0, then pulls for step 1."""
+    name = "sync-trainer-killed"
+    world.call(_create_on, ["trainer0", "trainer1"], name, ("net", 1, SERVERS),
+               dict(num_trainers=2, min_block_size=4))
+    world.run({"trainer0": (r.set_timeout, name, TIMEOUT)})
+    world.kill("trainer1")
+    world.run({"trainer0": (r.forward_backward, name, 0)})
+    step = world.run({"trainer0": (r.attempt, name, "step")})["trainer0"]
+    pull = world.run({"trainer0": (r.attempt, name, "pull")})["trainer0"]
+    return {"step": step, "pull": pull}
+
+
+def test_a_trainer_killed_in_sync_mode_fails_the_others_pull_naming_it(trainer_killed):
+    assert trainer_killed["step"]["ok"], f"pushing step 0 needs no other trainer: {trainer_killed['step']}"
+    pull = trainer_killed["pull"]
+    assert_failed_naming(pull, "trainer1", "the pull waiting for step 0")
+    assert "'trainer0'" not in pull["message"].split("waiting for gradients from")[-1], pull["message"]
+    assert pull["type"] == "CallTimeout", pull
+
+
+@pytest.fixture(scope="module")
+def server_killed(world):
+    """One-trainer jobs in every pushing mode, gradients ready; ps1 killed; then step and pull."""
+    modes = ("sync", "async", "half_async")
+    for mode in modes:
+        world.call(_create_on, ["trainer0"], f"server-killed-{mode}", ("net", 1, SERVERS),
+                   dict(num_trainers=1, mode=mode, min_block_size=4))
+        world.run({"trainer0": (r.forward_backward, f"server-killed-{mode}", 0)})
+        world.run({"trainer0": (r.set_timeout, f"server-killed-{mode}", TIMEOUT)})
+    world.kill("ps1")
+    return {(mode, what): world.run({"trainer0": (r.attempt, f"server-killed-{mode}", what)})["trainer0"]
+            for mode in modes for what in ("step", "pull")}
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "half_async"])
+@pytest.mark.parametrize("what", ["step", "pull"])
+def test_a_killed_server_is_named_by_step_and_pull_within_the_timeout(trainer_killed, server_killed, mode, what):
+    assert_failed_naming(server_killed[(mode, what)], "ps1", f"{what} in {mode} mode")
