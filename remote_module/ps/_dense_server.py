@@ -170,7 +170,7 @@ def _push(name: str, trainer: str, step: int, grads: Any) -> None:
     """Gradients of this server's blocks from ``trainer`` for ``step``, applied by the job's mode."""
     job = _job(name)
     grads = unpacked(grads)
-    ready: list[tuple[Future, list[torch.Tensor]]] = []
+    ready: list[tuple[Future, Any, bool]] = []
     with job.lock:
         mode = job.spec.mode
         if mode == "geo":

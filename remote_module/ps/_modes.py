@@ -62,11 +62,11 @@ def fail_stalled(future: Future, what: str, noun: str, step: int, missing: list[
     settle_elsewhere([lambda: complete(future, error, True)])
 
 
-def settle(answers: list[tuple[Future, Any]]) -> None:
-    """Complete waiting reads with their values (outside the owner's lock: completing runs the
-    answers' callbacks)."""
-    for future, value in answers:
-        complete(future, value, False)
+def settle(answers: list[tuple[Future, Any, bool]]) -> None:
+    """Complete waiting reads with their values or errors (outside the owner's lock: completing
+    runs the answers' callbacks)."""
+    for future, value, is_error in answers:
+        complete(future, value, is_error)
 
 
 class _Waiting:
@@ -137,19 +137,28 @@ class SyncSteps:
             schedule(_clock() + seconds, waiting)
         return True
 
-    def ready(self, answer: Callable[..., Any]) -> list[tuple[Future, Any]]:
-        """The waiting reads whose step is applied, with their values ``answer(*args)`` (lock
-        held); :func:`settle` them outside the lock."""
+    def ready(self, answer: Callable[..., Any]) -> list[tuple[Future, Any, bool]]:
+        """The waiting reads whose step is applied, with their values ``answer(*args)`` or the
+        error it raised (that read's own: a read of blocks or rows not held here fails alone,
+        never the push that completed the step nor the other reads) (lock held); :func:`settle`
+        them outside the lock."""
         ready = [w for w in self.waiters if self.done >= w.step]
         if not ready:
             return []
         self.waiters = [w for w in self.waiters if self.done < w.step]
-        return [(w.future, answer(*w.args)) for w in ready]
+        answers = []
+        for w in ready:
+            try:
+                answers.append((w.future, answer(*w.args), False))
+            except Exception as exc:
+                answers.append((w.future, exc, True))
+        return answers
 
 
 def read_when_applied(owner: Any, step: int, seconds: float, answer: Callable[..., Any], *args: Any) -> Future:
     """A read of ``owner`` (a pull, a lookup): ``answer(*args)`` now, or in sync mode once step
-    ``step - 1`` is applied (failed after ``seconds`` naming the trainers that have not pushed)."""
+    ``step - 1`` is applied (failed after ``seconds`` naming the trainers that have not pushed;
+    failed with what ``answer`` raises, if it raises)."""
     future: Future = Future()
     with owner.lock:
         if owner.spec.mode == "sync" and owner.sync.wait(step, future, args, seconds):

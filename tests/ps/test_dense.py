@@ -365,3 +365,28 @@ def test_hash_name_dispatch_is_the_same_on_every_trainer_and_here(world):
         assert [s for _, s in layout] == here, (t, layout, here)
     assert len(set(here)) > 1, f"every block on one server: {here}"
 
+
+
+def test_sync_a_waiting_pull_that_fails_fails_alone():
+    """Server side only, no RPC: two pulls wait for step 1, one of a block this server does not
+    hold. When the step completes that pull fails with its own error; the other is answered, and
+    the push that completed the step succeeds (before, both were left waiting forever)."""
+    import math
+
+    from remote_module.ps import _dense_server
+
+    name = job("failing-pull")
+    spec = _dense_server.JobSpec("sync", 2, (torch.optim.SGD, {"lr": 1.0}), 2, 0.2, "layout")
+    for t in ("t0", "t1"):
+        _dense_server._attach(name, spec, t, {"b": torch.zeros(2)})
+    try:
+        bad = _dense_server._pull(name, ["nope"], 1, math.inf)
+        good = _dense_server._pull(name, ["b"], 1, math.inf)
+        _dense_server._push(name, "t0", 0, {"b": torch.ones(2)})
+        _dense_server._push(name, "t1", 0, {"b": torch.ones(2)})  # completes step 0
+        with pytest.raises(KeyError, match="nope"):
+            bad.wait()
+        assert torch.equal(good.wait()[0], torch.full((2,), -1.0))
+        assert not _dense_server._jobs.get(name).sync.waiters
+    finally:
+        _dense_server._jobs.pop(name)

@@ -3,9 +3,12 @@ optimizers stepping an ``nn.Embedding(sparse=True)``."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
+from torch.futures import Future
 
 from remote_module.ps._rows import TableSpec, row_init
 from remote_module.ps._rowwise import row_optimizer
@@ -181,3 +184,20 @@ def test_sync_takes_the_retry_of_a_push_waiting_for_its_step_as_a_no_op():
     t.push("trainer1", 1, None, None)
     assert t.sync.done == 2 and t.optimizer_steps == 1
     torch.testing.assert_close(t.lookup(torch.arange(20))[1], before[1] - 0.5 / 2)  # once
+
+
+def test_sync_a_waiting_lookup_that_fails_fails_alone():
+    """Two lookups wait for step 1; one asks for rows this server does not hold. When the step
+    completes, that lookup fails with its own error, the other is answered and the push that
+    completed the step succeeds (none of them is left waiting forever)."""
+    t = Table("t", spec(mode="sync", trainers=2), BLOCKS)
+    bad, good = Future(), Future()
+    with t.lock:
+        assert t.sync.wait(1, bad, (torch.tensor([99]), None), math.inf)
+        assert t.sync.wait(1, good, (torch.tensor([1, 2]), None), math.inf)
+    t.push("trainer0", 0, None, None)
+    t.push("trainer1", 0, None, None)  # completes step 0: answers both
+    assert t.sync.done == 1 and not t.sync.waiters
+    with pytest.raises(ValueError, match=r"rows \[99\] are not held"):
+        bad.wait()
+    torch.testing.assert_close(good.wait(), t.lookup(torch.tensor([1, 2])))
