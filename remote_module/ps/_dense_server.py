@@ -178,6 +178,12 @@ def _push(name: str, trainer: str, step: int, grads: Any) -> None:
         unknown = [b for b in grads if b not in job.params]
         if unknown:
             raise KeyError(f"parameter-server job {name!r} has no blocks {unknown} on this server")
+        for b, g in grads.items():  # checked before the push counts: a bad one must not stall a step
+            if g.numel() != job.params[b].numel():
+                raise ValueError(
+                    f"parameter-server job {name!r}: trainer {trainer!r} pushed {g.numel()} gradient values for "
+                    f"block {b!r}, which holds {job.params[b].numel()} on this server"
+                )
         if mode == "async":
             job.apply(grads)
         elif mode == "half_async":

@@ -132,6 +132,8 @@ class Table:
             if self.spec.mode == "async":
                 self.apply(ids, grad)
                 return
+            if ids is not None:
+                self._check_push(trainer, ids, grad)  # before it counts: a bad push must not stall a step
             if self.spec.mode == "half_async":
                 self.queued.append((ids, grad))
                 self.merges.queued()
@@ -148,6 +150,19 @@ class Table:
                 f"table {self.name!r}: trainer {trainer!r} pushed step {step}, the table is at step {self.sync.done}"))
             answers = self.sync.ready(self.answer)
         settle(answers)
+
+    def _check_push(self, trainer: str, ids: torch.Tensor, grad: torch.Tensor) -> None:
+        """``ValueError`` unless ``grad`` has one row of ``dim`` values per id and every id
+        (but the padding row) is held here: what :meth:`apply` would refuse later, when the push
+        is counted in a step or queued with others."""
+        if ids.dim() != 1 or tuple(grad.shape) != (ids.numel(), self.spec.dim):
+            raise ValueError(
+                f"table {self.name!r}: trainer {trainer!r} pushed a gradient of shape {tuple(grad.shape)} for ids "
+                f"of shape {tuple(ids.shape)}; expected ({ids.numel()}, {self.spec.dim}) for 1-d ids"
+            )
+        if self.spec.padding_idx is not None:
+            ids = ids[ids != self.spec.padding_idx]
+        self._split(ids)
 
     def _apply_step(self, pushes: list[tuple[str, tuple]]) -> None:
         """sync: one step's pushes (in trainer-name order) as one optimizer step of their sum /

@@ -390,3 +390,24 @@ def test_sync_a_waiting_pull_that_fails_fails_alone():
         assert not _dense_server._jobs.get(name).sync.waiters
     finally:
         _dense_server._jobs.pop(name)
+
+
+def test_sync_a_push_of_the_wrong_size_is_refused_before_it_counts():
+    """Server side only, no RPC: a gradient with another number of values than its block fails
+    for the trainer that pushed it, before it counts; before, it was kept and failed the push
+    that completed the step, and the job's step never completed."""
+    from remote_module.ps import _dense_server
+
+    name = job("wrong-size")
+    spec = _dense_server.JobSpec("sync", 2, (torch.optim.SGD, {"lr": 1.0}), 2, 0.2, "layout")
+    for t in ("t0", "t1"):
+        _dense_server._attach(name, spec, t, {"b": torch.zeros(2)})
+    try:
+        with pytest.raises(ValueError, match="pushed 3 gradient values for block 'b', which holds 2"):
+            _dense_server._push(name, "t0", 0, {"b": torch.ones(3)})
+        _dense_server._push(name, "t0", 0, {"b": torch.ones(2)})
+        _dense_server._push(name, "t1", 0, {"b": torch.ones(2)})
+        j = _dense_server._jobs.get(name)
+        assert j.sync.done == 1 and torch.equal(j.params["b"].detach(), torch.full((2,), -1.0))
+    finally:
+        _dense_server._jobs.pop(name)

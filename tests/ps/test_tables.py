@@ -201,3 +201,28 @@ def test_sync_a_waiting_lookup_that_fails_fails_alone():
     with pytest.raises(ValueError, match=r"rows \[99\] are not held"):
         bad.wait()
     torch.testing.assert_close(good.wait(), t.lookup(torch.tensor([1, 2])))
+
+
+@pytest.mark.parametrize("mode", ["sync", "half_async"])
+def test_a_push_of_rows_not_held_here_is_refused_before_it_counts(mode):
+    """A push naming rows this server does not hold (or a gradient of the wrong shape) fails for
+    the trainer that sent it, before it counts: before, sync kept it and failed the push that
+    completed the step, whose round then never completed (every later push waited on it);
+    half_async queued it and dropped the good pushes merged with it."""
+    t = Table("t", spec(mode=mode, trainers=2), BLOCKS)
+    t.merges.every = 2
+    before = t.lookup(torch.arange(20))
+    one = torch.ones(1, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"rows \[99\] are not held"):
+        t.push("trainer0", 0, torch.tensor([99]), one)
+    with pytest.raises(ValueError, match=r"gradient of shape \(1, 2\)"):
+        t.push("trainer0", 0, torch.tensor([1]), torch.ones(1, 2, dtype=torch.float64))
+    t.push("trainer0", 0, torch.tensor([1]), one)  # the trainer's step, sent again right
+    t.push("trainer1", 0, torch.tensor([2]), one)
+    assert t.optimizer_steps == 1 and t.merges.count == 0
+    if mode == "sync":
+        assert t.sync.done == 1 and not t.sync.pushed
+    after = t.lookup(torch.arange(20))
+    scale = 0.5 / 2 if mode == "sync" else 0.5
+    torch.testing.assert_close(after[1], before[1] - scale)
+    torch.testing.assert_close(after[2], before[2] - scale)
