@@ -67,6 +67,8 @@ class HostStore:
             if ref is not None and ref() is obj:
                 return key
             key, obj_id = next(self._keys), id(obj)
+            while key in self._strong:  # a caller's key: never shadow it (nor be shadowed by it)
+                key = next(self._keys)
             weak, by_id = self._weak, self._weak_key_by_id
 
             def forget(_: Any) -> None:
@@ -84,22 +86,24 @@ class HostStore:
 
     def put(self, key: Any, obj: Any) -> bool:
         """Hold ``obj`` under ``key``; False (``obj`` dropped) when ``key`` was released before
-        it arrived; ``KeyError`` when ``key`` is already held."""
+        it arrived; ``KeyError`` when ``key`` is already held (or is a key the store picked)."""
         with self._lock:
             if key in self._tombstones:
                 del self._tombstones[key]
                 return False
-            if key in self._strong:
+            if key in self._strong or key in self._weak:
                 raise KeyError(key)
             self._strong[key] = obj
             return True
 
     def setdefault(self, key: Any, make: Callable[[], Any]) -> tuple[Any, bool]:
         """The object under ``key``, made with ``make()`` (under the lock) and held when there is
-        none; and whether it was made."""
+        none; and whether it was made (``KeyError`` for a key the store picked)."""
         with self._lock:
             obj = self._strong.get(key)
             if obj is None:
+                if key in self._weak:
+                    raise KeyError(key)
                 obj = self._strong[key] = make()
                 return obj, True
             return obj, False

@@ -66,3 +66,19 @@ def test_update_changes_a_held_entry_only():
     assert store.update(7, lambda box: box.__setitem__(0, "out")) and store.get(7) == {0: "out"}
     assert store.pop(7) == {0: "out"}
     assert store.update(7, lambda box: box.__setitem__(1, "late")) is False
+
+
+def test_caller_keys_and_picked_keys_never_shadow_each_other():
+    """One store with weak entries (keys it picks: 1, 2, ...) and strong ones under int keys:
+    a caller's key is never picked, and a picked key is refused to a caller, so neither entry
+    hides the other from get()."""
+    store = HostStore()
+    store.put(1, "caller's")
+    module = Thing()
+    key = store.hold_weakly(module)
+    assert key != 1 and store.get(key) is module and store.get(1) == "caller's"
+    with pytest.raises(KeyError):
+        store.put(key, "another")
+    with pytest.raises(KeyError):
+        store.setdefault(key, lambda: "another")
+    assert store.get(key) is module and store.keys() == {1, key}
