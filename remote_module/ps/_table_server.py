@@ -132,9 +132,8 @@ class Table:
             if self.spec.mode == "async":
                 self.apply(ids, grad)
                 return
-            if ids is not None:
-                self._check_push(trainer, ids, grad)  # before it counts: a bad push must not stall a step
             if self.spec.mode == "half_async":
+                self._check_push(trainer, ids, grad)  # before it is queued: it would fail the merge
                 self.queued.append((ids, grad))
                 self.merges.queued()
                 return
@@ -146,6 +145,8 @@ class Table:
                     "since this one, or this one is a copy (copy.deepcopy, pickle); in sync mode a trainer steps a "
                     "table through one object (the newest created): use the same module wherever the table is used"
                 )
+            if ids is not None:
+                self._check_push(trainer, ids, grad)  # before it counts: it would fail its step forever
             self.sync.push(trainer, step, (ids, grad), token, self._apply_step, lambda: RuntimeError(
                 f"table {self.name!r}: trainer {trainer!r} pushed step {step}, the table is at step {self.sync.done}"))
             answers = self.sync.ready(self.answer)
