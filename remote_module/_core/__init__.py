@@ -76,7 +76,7 @@ from remote_module._core.settling import (
     settle_here,
     watched_run,
 )
-from remote_module._core.store import HostStore, Registry, host_device, host_objects, hosted_module
+from remote_module._core.store import HostStore, host_device, host_objects, hosted_module
 from remote_module._core.untrained import records_outside_context, unwarned_state, user_stacklevel, warn_untrained
 from remote_module._core.walk import map_leaves, map_tensors
 from rpc_backend.options import positive_int, positive_seconds
@@ -86,7 +86,6 @@ __all__ = [
     "CallTimeout",
     "HostCall",
     "HostStore",
-    "Registry",
     "RemoteFailure",
     "RemoteModuleError",
     "add_to_run",

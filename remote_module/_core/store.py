@@ -158,10 +158,6 @@ class HostStore:
         return iter(self.keys())
 
 
-#: The name this store's class had before it held strong entries too.
-Registry = HostStore
-
-
 #: This process's store of proxied modules (weak entries).
 host_objects = HostStore()
 

@@ -22,10 +22,7 @@ from torch import nn
 from torch.futures import Future
 
 from remote_module._core import HostStore
-from remote_module.ps._modes import PS_MODES, HalfAsyncMerges, SyncSteps, read_when_applied, settle
-
-#: The modes (one tuple for jobs and tables: :data:`remote_module.ps._modes.PS_MODES`).
-MODES = PS_MODES
+from remote_module.ps._modes import HalfAsyncMerges, SyncSteps, read_when_applied, settle
 
 
 class JobSpec(NamedTuple):
@@ -82,10 +79,6 @@ class _Job:
         if packed:
             return torch.cat([self.params[b].detach() for b in blocks])
         return self.values(blocks)
-
-    def merge(self) -> None:
-        """half_async: apply what is queued (lock held)."""
-        self.merges.merge()
 
     def _apply_queued(self) -> None:
         queued, self.queued = self.queued, {}
@@ -214,7 +207,7 @@ def _flush(name: str) -> None:
     job = _job(name)
     with job.lock:
         if job.spec.mode == "half_async":
-            job.merge()
+            job.merges.merge()
 
 
 def _set_values(name: str, values: dict[str, torch.Tensor]) -> None:

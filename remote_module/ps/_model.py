@@ -21,6 +21,7 @@ from remote_module.ps._checkpoints import PSCheckpoints
 from remote_module.ps._dispatch import RoundRobin
 from remote_module.ps._dispatch import check_servers as _check_servers
 from remote_module.ps._embedding import ShardedEmbedding
+from remote_module.ps._modes import PS_MODES
 from remote_module.ps._slicing import Block, block_name, block_of, slice_blocks
 from rpc_backend.options import positive_seconds
 
@@ -152,8 +153,8 @@ class PSModel(PSCheckpoints, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty str naming the job, got {name!r}")
-        if ps_mode not in _dense_server.MODES:
-            raise ValueError(f"{keyword} must be one of {', '.join(_dense_server.MODES)}, got {ps_mode!r}")
+        if ps_mode not in PS_MODES:
+            raise ValueError(f"{keyword} must be one of {', '.join(PS_MODES)}, got {ps_mode!r}")
         if not is_rpc_initialized():
             raise RuntimeError("PSModel needs torch.distributed.rpc: call rpc.init_rpc(...) first")
         # as ShardedEmbedding takes them: any integer operator.index takes, kept as an int

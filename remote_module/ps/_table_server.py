@@ -173,10 +173,6 @@ class Table:
             self.apply(torch.cat([i for i, _ in pushes]), torch.cat([g for _, g in pushes]),
                        1.0 / self.spec.num_trainers)
 
-    def merge(self) -> None:
-        """half_async: apply the queued pushes' sum as one step (lock held)."""
-        self.merges.merge()
-
     def _apply_queued(self) -> None:
         queued, self.queued = self.queued, []
         self.apply(torch.cat([i for i, _ in queued]), torch.cat([g for _, g in queued]))
@@ -274,7 +270,7 @@ def _push_row_deltas(name: str, ids: torch.Tensor, deltas: torch.Tensor) -> torc
 def _flush_table(name: str) -> None:
     table = _table(name)
     with table.lock:
-        table.merge()
+        table.merges.merge()
 
 
 def _block_rows(name: str, first: int) -> tuple[torch.Tensor, torch.Tensor]:
