@@ -175,6 +175,29 @@ def _torch_private_uses(tree: ast.AST) -> Iterator[tuple[int, str]]:
                 yield node.lineno, full
 
 
+# A file's findings by (source root, its path, its text, the public names): the planted
+# cases of test_layers.py change one file's text at a time (never which files exist), so the
+# other files are not walked again.
+_findings: dict[tuple[str, tuple[str, ...], str, tuple[tuple[str, ...], ...]], list[str]] = {}
+
+
+def _file_violations(root: Path, rel: tuple[str, ...], text: str, public: dict[str, set[str]]) -> list[str]:
+    key = (str(root), rel, text, tuple(tuple(sorted(public[name])) for name in INTERNAL))
+    if key not in _findings:
+        layer = _layer(rel)
+        tree = ast.parse(text, "/".join(rel))
+        found = []
+        for line, module, names in _imports(tree, rel, root):
+            why = _check_import(layer, module, names, public)
+            if why:
+                found.append(f"{'/'.join(rel)}:{line}: {why} ({module})")
+        if rel[-1] != "_torch_private.py":
+            for line, name in _torch_private_uses(tree):
+                found.append(f"{'/'.join(rel)}:{line}: torch's private {name} outside _torch_private.py")
+        _findings[key] = found
+    return _findings[key]
+
+
 def violations(root: Path) -> list[str]:
     """Every broken layer rule under ``root`` (the folder holding remote_module/ and
     rpc_backend/), as ``path:line: rule``."""
@@ -182,14 +205,5 @@ def violations(root: Path) -> list[str]:
     found = []
     for package in ("rpc_backend", "remote_module"):
         for path in sorted((root / package).rglob("*.py")):
-            rel = path.relative_to(root).parts
-            layer = _layer(rel)
-            tree = ast.parse(path.read_text(), str(path))
-            for line, module, names in _imports(tree, rel, root):
-                why = _check_import(layer, module, names, public)
-                if why:
-                    found.append(f"{'/'.join(rel)}:{line}: {why} ({module})")
-            if path.name != "_torch_private.py":
-                for line, name in _torch_private_uses(tree):
-                    found.append(f"{'/'.join(rel)}:{line}: torch's private {name} outside _torch_private.py")
+            found += _file_violations(root, path.relative_to(root).parts, path.read_text(), public)
     return found
