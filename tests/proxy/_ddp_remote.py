@@ -76,7 +76,14 @@ def trainer_main(steps: int) -> dict | None:
         with dist_autograd.context() as ctx:
             loss = nn.functional.cross_entropy(model(ids, offsets), labels)
             dist_autograd.backward(ctx, [loss])
+            # One trainer's step after the other's: DistributedOptimizer's TorchScript optimizers
+            # (SGD's among them) take no lock on the host, so two steps on the shared table at
+            # once can lose an update (torch's docs: no ordering across workers).
+            if me.role_rank == 1:
+                dist.barrier()
             opt.step(ctx)
+            if me.role_rank == 0:
+                dist.barrier()
         dist.barrier()  # both trainers' updates of the shared table land before the next forward
     final = _dump(model.module.state_dict())
     dist.barrier()  # trainer0 keeps the proxy alive until trainer1 has read the final state
