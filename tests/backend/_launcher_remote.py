@@ -41,3 +41,21 @@ def rank_returns_a_lock_inside() -> object:
     if rpc.get_worker_info().id == 1:
         return {"ok": 1, "lock": threading.Lock()}
     return "fine"
+
+
+def what_a_rank_sees(mark_name: str) -> dict:
+    """What a rank inherits from the caller of run_local, and who started it."""
+    import multiprocessing
+    import sys
+
+    import torch
+
+    print(f"rank {rpc.get_worker_info().id} prints", flush=True)
+    return {
+        "mark": os.environ.get(mark_name),
+        "cwd": os.getcwd(),
+        "launcher": multiprocessing.parent_process().pid,
+        "parent": os.getppid(),
+        "threads": torch.get_num_threads(),
+        "main_module": sys.modules["__mp_main__"].__name__ if "__mp_main__" in sys.modules else None,
+    }

@@ -29,6 +29,7 @@ def keep_calling_worker1(seconds: float) -> dict | None:
 def trainers_in_a_role_group() -> dict | None:
     """A torchrun-style job body: trainers form a gloo group of their own (all_reduce, one DDP
     step on different data) and call the ps over RPC; the ps only serves."""
+    import multiprocessing
     import os
 
     import torch
@@ -59,7 +60,8 @@ def trainers_in_a_role_group() -> dict | None:
         "from_ps": from_ps,
         "master": (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])),
         "listening": listening_addresses(),
-        "launcher_listening": listening_addresses(os.getppid()),
+        # the launcher (the parent of a spawned rank; a forked rank's parent is the forkserver)
+        "launcher_listening": listening_addresses(multiprocessing.parent_process().pid),
     }
     dist.barrier()
     dist.destroy_process_group()
@@ -67,13 +69,14 @@ def trainers_in_a_role_group() -> dict | None:
 
 
 def write_pid_and_wait(pid_dir: str) -> None:
-    """Every rank writes ``rank<N>.pid`` into ``pid_dir`` (atomically) and then waits forever."""
+    """Every rank writes ``rank<N>.pid`` (its pid and its parent's) into ``pid_dir`` (atomically)
+    and then waits forever."""
     import os
 
     rank = rpc.get_worker_info().id
     tmp = os.path.join(pid_dir, f".rank{rank}.tmp")
     with open(tmp, "w") as f:
-        f.write(str(os.getpid()))
+        f.write(f"{os.getpid()} {os.getppid()}")  # and its parent: the launcher, or the forkserver
     os.replace(tmp, os.path.join(pid_dir, f"rank{rank}.pid"))
     while True:
         time.sleep(1.0)
