@@ -97,7 +97,39 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.timeout = float(config.option.timeout) * TIMEOUT_SCALE
 
 
+#: The files that start many processes (subprocess worlds, torchrun, benchmark smoke runs), in
+#: falling order of their wall time on a 2-core machine. ``make test`` runs two pytest
+#: processes (pytest-xdist, ``--dist loadfile``: a file stays in one process, so its worlds
+#: are started once); handing these out first keeps one long file from being the last thing
+#: left running. Only the order changes: every file still runs, the rest in collection order.
+RUN_FIRST = (
+    "tests/test_tutorials.py",
+    "tests/test_torchrun.py",
+    "tests/benchmarks/test_smoke.py",
+    "tests/test_packaging.py",
+    "tests/pipeline/test_faults.py",
+    "tests/proxy/test_contract_faults.py",
+    "tests/sharded/test_faults.py",
+    "tests/ps/test_dense_edge_cases.py",
+    "tests/ps/test_embedding_faults.py",
+    "tests/backend/test_shutdown.py",
+    "tests/backend/test_worlds.py",
+    "tests/proxy/test_same_script.py",
+    "tests/ps/test_dense.py",
+    "tests/backend/test_launcher.py",
+    "tests/demos/test_old_paths.py",
+    "tests/proxy/test_shipping.py",
+    "tests/backend/test_lifetime.py",
+)
+
+
+def _file_order(item: pytest.Item) -> int:
+    path = item.nodeid.split("::", 1)[0]
+    return RUN_FIRST.index(path) if path in RUN_FIRST else len(RUN_FIRST)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=_file_order)  # stable: within a file, and among the other files, nothing moves
     for item in items:
         marker = item.get_closest_marker("timeout")
         if marker is not None and marker.args:
