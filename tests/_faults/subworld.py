@@ -1,40 +1,68 @@
-"""Small dedicated worlds of plain subprocesses, for tests that kill workers or leave them
-hanging: each rank runs ``python -m MODULE ROLE INIT_METHOD [ARGS...]``, rank 0 prints one
-``REPORT <json>`` line, and every process is reaped afterwards."""
+"""Small dedicated worlds for tests that kill workers or leave them hanging: each rank runs
+module ``MODULE`` as ``__main__`` with ``sys.argv[1:] == [ROLE, INIT_METHOD, *ARGS]`` (as
+``python -m MODULE ROLE INIT_METHOD [ARGS...]`` would), rank 0 prints one ``REPORT <json>``
+line, and every process is reaped afterwards.
+
+The ranks are forked from a forkserver started for the world with torch preloaded
+(``rpc_backend._start``, as ``run_local`` starts its ranks): one ``import torch`` per world
+instead of one per rank. They are real processes of their own (SIGSTOP, SIGKILL by pid work
+as on spawned ones)."""
 
 import json
 import os
-import subprocess
+import runpy
 import sys
+import tempfile
 from pathlib import Path
 
+from rpc_backend._start import rank_context
 from rpc_backend.loopback import fresh_file_rendezvous, loopback_env
 from tests._transport import world_options
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _run_module(module: str, argv: list[str], stdout_path: str | None) -> None:
+    """A rank: stdout to ``stdout_path`` (or nowhere), stderr nowhere, then ``module`` as ``__main__``."""
+    for fd, path in ((1, stdout_path or os.devnull), (2, os.devnull)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.argv = [module, *argv]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
 def run_report(module: str, roles: list[str], timeout: float, args: tuple[str, ...] = ()) -> dict:
     """Start one process per role (``args`` go to every one); return rank 0's report. Kills
     the rest when it is done."""
     init_method, path = fresh_file_rendezvous()
-    env = {**os.environ, **loopback_env(), "PYTHONPATH": str(ROOT)}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", module, role, init_method, *args],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        )
-        for role in roles
-    ]
-    try:
-        out, _ = procs[0].communicate(timeout=timeout)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        if os.path.exists(path):
-            os.unlink(path)
+    saved = dict(os.environ)
+    procs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "rank0.out")
+        try:
+            # the server, and so every rank, starts with this environment; pytest's is restored
+            os.environ.update(loopback_env())
+            with rank_context("forkserver") as ctx:
+                os.environ.clear()
+                os.environ.update(saved)
+                for rank, role in enumerate(roles):
+                    procs.append(ctx.Process(target=_run_module, args=(module, [role, init_method, *args],
+                                                                       out_path if rank == 0 else None)))
+                    procs[-1].start()
+                procs[0].join(timeout)
+                finished = procs[0].exitcode is not None
+                for p in procs:
+                    if p.is_alive():
+                        p.kill()
+                    p.join()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+            if os.path.exists(path):
+                os.unlink(path)
+        out = open(out_path).read() if os.path.exists(out_path) else ""
+    assert finished, f"{module}'s rank 0 did not finish within {timeout} s:\n{out[-3000:]}"
     line = next((line for line in out.splitlines() if line.startswith("REPORT ")), None)
     assert line is not None, f"{module} printed no report:\n{out[-3000:]}"
     return json.loads(line[len("REPORT "):])
