@@ -29,12 +29,12 @@ demo: .install-stamp
 demo-hybrid: .install-stamp
 	$(PYTHON) -m remote_module.demos.hybrid
 
-# Two pytest processes (pytest-xdist), each with its own shared test worlds; a file's tests stay
-# in one process. `make TEST_PROCESSES=0 test` runs them all in this one; a plain
-# `python3 -m pytest` does too.
-TEST_PROCESSES ?= 2
+# Three pytest processes (pytest-xdist), each with its own shared test worlds; a file's tests
+# stay in one process (tests/conftest.py groups them). `make TEST_PROCESSES=0 test` runs them
+# all in this one; a plain `python3 -m pytest` does too.
+TEST_PROCESSES ?= 3
 test: .install-stamp
-	$(PYTHON) -m pytest -n $(TEST_PROCESSES) --dist loadfile
+	$(PYTHON) -m pytest -n $(TEST_PROCESSES) --dist loadgroup
 
 # Static checks with ruff (its rules: [tool.ruff] in pyproject.toml).
 lint: .install-stamp

@@ -98,10 +98,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 #: The files that start many processes (subprocess worlds, torchrun, benchmark smoke runs), in
-#: falling order of their wall time on a 2-core machine. ``make test`` runs two pytest
-#: processes (pytest-xdist, ``--dist loadfile``: a file stays in one process, so its worlds
-#: are started once); handing these out first keeps one long file from being the last thing
-#: left running. Only the order changes: every file still runs, the rest in collection order.
+#: falling order of their wall time on a 2-core machine. ``make test`` runs several pytest
+#: processes (pytest-xdist, ``--dist loadgroup`` with the groups below: a file stays in one
+#: process, so its worlds are started once); handing these out first keeps one long file from
+#: being the last thing left running. Only the order changes: every file still runs, the rest
+#: in collection order.
 RUN_FIRST = (
     "tests/test_tutorials.py",
     "tests/test_torchrun.py",
@@ -128,9 +129,14 @@ def _file_order(item: pytest.Item) -> int:
     return RUN_FIRST.index(path) if path in RUN_FIRST else len(RUN_FIRST)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     items.sort(key=_file_order)  # stable: within a file, and among the other files, nothing moves
     for item in items:
+        # pytest-xdist's work units (`--dist loadgroup`): a file, except that the files using
+        # the PS session world form one unit, so that world starts in one process only
+        group = "ps_world" if "ps_world" in getattr(item, "fixturenames", ()) else item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group(group))
         marker = item.get_closest_marker("timeout")
         if marker is not None and marker.args:
             item.add_marker(pytest.mark.timeout(float(marker.args[0]) * TIMEOUT_SCALE), append=False)
