@@ -30,11 +30,12 @@ demo-hybrid: .install-stamp
 	$(PYTHON) -m remote_module.demos.hybrid
 
 # Three pytest processes (pytest-xdist), each with its own shared test worlds; a file's tests
-# stay in one process (tests/conftest.py groups them). `make TEST_PROCESSES=0 test` runs them
-# all in this one; a plain `python3 -m pytest` does too.
+# stay in one process (tests/conftest.py groups them and puts the slow files first, an order
+# xdist keeps with --no-loadscope-reorder). `make TEST_PROCESSES=0 test` runs them all in this
+# one; a plain `python3 -m pytest` does too.
 TEST_PROCESSES ?= 3
 test: .install-stamp
-	$(PYTHON) -m pytest -n $(TEST_PROCESSES) --dist loadgroup
+	$(PYTHON) -m pytest -n $(TEST_PROCESSES) --dist loadgroup --no-loadscope-reorder
 
 # Static checks with ruff (its rules: [tool.ruff] in pyproject.toml).
 lint: .install-stamp
