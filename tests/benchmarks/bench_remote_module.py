@@ -149,7 +149,7 @@ def caller_main(cfg: dict) -> dict:
     # memory over many calls ---------------------------------------------------------------
     calls = cfg["memory_calls"]
     with torch.no_grad():
-        for _ in range(1000):
+        for _ in range(cfg["memory_warmup"]):
             ours.forward(x)
         import gc
 
@@ -264,9 +264,10 @@ def _verdict(name: str, value: float) -> str:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args("remote_module benchmark", "bench-results.json", argv)
     cfg = (
-        {"blocks": 9, "per_block": 40, "large_blocks": 3, "memory_calls": 2000}
+        # quick: only that every figure is produced (the smoke test), at the least cost
+        {"blocks": 3, "per_block": 20, "large_blocks": 1, "memory_warmup": 200, "memory_calls": 500}
         if args.quick
-        else {"blocks": 31, "per_block": 100, "large_blocks": 9, "memory_calls": 100_000}
+        else {"blocks": 31, "per_block": 100, "large_blocks": 9, "memory_warmup": 1000, "memory_calls": 100_000}
     )
     results = run_local(rank_main, 2, names=["caller", "host"], args=(cfg,), timeout=1800)[0]
     results["ratios"] = ratios(results)
