@@ -6,7 +6,10 @@ forks every rank from it, so a world of N ranks pays one import instead of N. Th
 started by the call, so it has the caller's environment, working directory and standard
 streams at that moment, as spawned ranks would; it is stopped when the call ends.
 
-What differs from spawn is only who the ranks' parent is: the server, not the caller. A rank
+Two things differ from spawn, and are made up for. Forked ranks start with the server's
+random state: ``rpc_backend._forked`` reseeds torch's generator (and numpy's, if loaded) in each
+one, right after the fork and before the caller's ``__main__`` is imported (so its
+``torch.manual_seed`` still applies). And the ranks' parent is the server, not the caller: a rank
 therefore also watches a pipe whose write end only the caller holds (:func:`launcher_link`,
 :func:`rpc_backend._lifetime.exit_when_closed`): it exits when the caller dies, however it dies.
 
@@ -27,8 +30,9 @@ import threading
 from typing import Any, Iterator
 
 #: imported once by the server, before any rank is forked (the rank entry point's module pulls
-#: in torch.distributed.rpc and the rest of rpc_backend)
-PRELOAD = ["torch", "torch.distributed.rpc", "rpc_backend.local"]
+#: in torch.distributed.rpc and the rest of rpc_backend); ``rpc_backend._forked`` makes each
+#: forked rank reseed torch's generator, as a new interpreter would have a seed of its own
+PRELOAD = ["torch", "torch.distributed.rpc", "rpc_backend.local", "rpc_backend._forked"]
 #: the start methods ``run_local`` accepts
 START_METHODS = ("forkserver", "spawn")
 _lock = threading.Lock()

@@ -131,3 +131,25 @@ def test_both_start_methods_give_ranks_the_callers_environment_at_the_time_of_th
 def test_start_method_is_checked_before_anything_starts():
     with pytest.raises(ValueError, match="start_method must be one of"):
         run_local(_launcher_remote.rank_and_sum, 2, args=(1,), start_method="fork")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", ["none", "7"])
+def test_ranks_have_seeds_of_their_own_unless_the_script_seeds_torch(seed):
+    # forked ranks would share the forkserver's generator state; they are reseeded right after
+    # the fork, before the script is imported, so its torch.manual_seed still applies
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "scripts" / "seeded_job.py"
+    done = subprocess.run([sys.executable, str(script), seed], capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
+    for method, ranks in json.loads(line[len("RESULT "):]).items():
+        seeds = [s for s, _ in ranks]
+        if seed == "none":
+            assert len(set(seeds)) == 3 and len({tuple(d) for _, d in ranks}) == 3, (method, ranks)
+        else:
+            assert seeds == [7, 7, 7] and ranks[0][1] == ranks[1][1] == ranks[2][1], (method, ranks)
