@@ -8,9 +8,7 @@ the block ends the previous handlers are back and the signal takes its usual eff
 previous Python handler runs).
 
 Rank side, :func:`exit_with_parent`: ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` on Linux, and on
-every platform a thread that notices ``os.getppid()`` change; and :func:`exit_when_closed`, for
-ranks whose parent is not the launcher (forked from a forkserver): a thread that waits for EOF
-on a pipe only the launcher writes to.
+every platform a thread that notices ``os.getppid()`` change.
 """
 
 from __future__ import annotations
@@ -147,25 +145,5 @@ def exit_with_parent(
 
     # the parent may have gone before prctl took effect: the thread's first check sees it
     thread = threading.Thread(target=watch, name="rpc-backend-parent-watchdog", daemon=True)
-    thread.start()
-    return thread
-
-
-def exit_when_closed(link: Any, *, on_orphaned: Callable[[], None] = _orphaned) -> threading.Thread:
-    """Make this process end when the launcher holding ``link``'s write end is gone.
-
-    ``link`` is the read end of a ``multiprocessing`` pipe whose write end only the launcher
-    holds and never writes to; a daemon thread waits on it and calls ``on_orphaned`` (default:
-    exit) once it reads EOF, i.e. once the launcher has exited or closed it. Returns that thread.
-    """
-
-    def watch() -> None:
-        try:
-            link.poll(None)  # nothing is ever sent: this returns at EOF
-        except (OSError, EOFError):
-            pass
-        on_orphaned()
-
-    thread = threading.Thread(target=watch, name="rpc-backend-launcher-watchdog", daemon=True)
     thread.start()
     return thread

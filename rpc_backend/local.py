@@ -1,6 +1,6 @@
 """``run_local``: run a function on N local processes that form one RPC world.
 
-The embedded default used by ``make demo``, the tutorials and tests: local processes on
+The embedded default used by ``make demo``, the tutorials and tests: spawned processes on
 loopback, each with RPC initialized and RANK / WORLD_SIZE / LOCAL_RANK set as torchrun would
 set them. Like torchrun's agent, the launcher hosts the job's store (on 127.0.0.1 only) and
 gives every rank MASTER_ADDR / MASTER_PORT / TORCHELASTIC_USE_AGENT_STORE, so code written
@@ -11,6 +11,7 @@ A failing rank stops the world within seconds instead of hanging it.
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 import os
 import pickle
 import queue
@@ -21,9 +22,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch.distributed.rpc as rpc
 
-from rpc_backend._lifetime import StopSignals, exit_when_closed, exit_with_parent
+from rpc_backend._lifetime import StopSignals, exit_with_parent
 from rpc_backend._quiet import hide_functional_optimizer_deprecation, no_backend_as_process_group_warning
-from rpc_backend._start import START_METHODS, launcher_link, rank_context
 from rpc_backend.loopback import loopback_env, loopback_store
 from rpc_backend.options import make_options, positive_seconds
 from rpc_backend.roles import RankPlacement, placements
@@ -47,16 +47,13 @@ def _rank_entry(
     args: tuple,
     rank: int,
     layout: list[RankPlacement],
-    launcher_link: Any,
+    launcher_pid: int,
     store_port: int,
     option_kwargs: dict,
     shutdown_timeout: float | None,
     results: Any,
 ) -> None:
-    # a launcher killed outright (SIGKILL) cannot stop its ranks: they stop themselves when it is
-    # gone (their parent is the launcher when spawned, the forkserver when forked)
-    exit_with_parent(os.getppid())
-    exit_when_closed(launcher_link)
+    exit_with_parent(launcher_pid)  # a launcher killed outright (SIGKILL) cannot stop its ranks
     hide_functional_optimizer_deprecation()
     # The user's script runs here as __mp_main__: show the DeprecationWarnings its own lines
     # trigger, as Python's default filters do for __main__ (a plain run or torchrun).
@@ -177,9 +174,8 @@ def run_local(
     shutdown_timeout: float | None = None,
     progress: Callable[[str], None] | None = None,
     progress_every: float = 2.0,
-    start_method: str = "forkserver",
 ) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` local processes forming one RPC world.
+    """Run ``fn(*args)`` on ``world_size`` spawned local processes forming one RPC world.
 
     Worker names come from ``roles`` (``{"ps": 1, "trainer": 2}`` -> ps0, trainer0, trainer1)
     or are given as ``names``; default ``worker0 .. worker{N-1}``. Each rank sees RANK,
@@ -203,15 +199,10 @@ def run_local(
     ``device_maps`` maps a worker name to its own device maps, e.g.
     ``{"worker0": {"worker1": {"cuda:0": "cuda:0"}}}``.
     ``progress``, when given, is called in the caller with one-line messages while the world
-    starts (that takes seconds: torch is imported before a rank joins): once when the
+    starts (spawning takes seconds: every rank imports torch before it joins): once when the
     processes start, every ``progress_every`` seconds while some rank has not joined the RPC
     world yet (naming them), and once when all have joined; then, once every ``fn`` has
     returned, while the ranks shut down and exit (the same way); e.g. ``progress=print``.
-    ``start_method``: ``"forkserver"`` (default) forks the ranks from one process started for
-    this call, which imports torch once for all of them (see ``rpc_backend/_start.py``; spawn
-    is used where that is unavailable); ``"spawn"`` starts each rank as a new interpreter. Either
-    way the ranks see the caller's environment, working directory and standard streams as they
-    are when ``run_local`` is called, and re-import the caller's ``__main__`` module.
 
     Example::
 
@@ -224,8 +215,6 @@ def run_local(
     """
     if roles is not None and names is not None:
         raise ValueError("pass roles or names, not both")
-    if start_method not in START_METHODS:
-        raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
     layout = placements(world_size, roles)
     if names is not None:
         names = list(names)
@@ -249,37 +238,32 @@ def run_local(
     stop = StopSignals()
     with stop:  # main thread only: SIGINT/SIGTERM stop the ranks first, then take effect
         store = loopback_store()
-        with rank_context(start_method) as ctx:
-            results = ctx.Queue()
-            link_in, link_out = launcher_link(ctx)
-            procs: list[Any] = []
-            deadline = None if timeout is None else time.monotonic() + timeout
-            try:
-                for rank in range(world_size):
-                    stop.raise_if_received()
-                    rank_maps = maps_by_worker.get(names[rank])
-                    proc = ctx.Process(
-                        target=_rank_entry,
-                        args=(fn, args, rank, layout, link_in, store.port,
-                              {**option_kwargs, "device_maps": rank_maps}, shutdown_timeout, results),
-                        name=f"rpc-{names[rank]}",
-                        daemon=False,
-                    )
-                    proc.start()  # raises for e.g. an fn that cannot be pickled
-                    procs.append(proc)  # only started ranks are stopped and joined below
-                link_in.close()
-                if progress is not None:
-                    forked = ctx.get_start_method() == "forkserver"
-                    how = ("forked from one process that imported torch, each joins the RPC world" if forked
-                           else "each imports torch, then joins the RPC world")
-                    progress(f"started {world_size} processes ({', '.join(names)}); {how}")
-                values = _collect(procs, results, names, deadline, timeout, stop,
-                                  _JoinReporter(names, progress, progress_every))
-            finally:
-                _stop(procs, stop_grace, hurry=lambda: stop.received is not None)
-                link_out.close()  # after the ranks are gone: they exit when it closes
-                results.close()
-                del store
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        procs: list[Any] = []
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            for rank in range(world_size):
+                stop.raise_if_received()
+                rank_maps = maps_by_worker.get(names[rank])
+                proc = ctx.Process(
+                    target=_rank_entry,
+                    args=(fn, args, rank, layout, os.getpid(), store.port,
+                          {**option_kwargs, "device_maps": rank_maps}, shutdown_timeout, results),
+                    name=f"rpc-{names[rank]}",
+                    daemon=False,
+                )
+                proc.start()  # raises for e.g. an fn that cannot be pickled for spawn
+                procs.append(proc)  # only started ranks are stopped and joined below
+            if progress is not None:
+                progress(f"started {world_size} processes ({', '.join(names)}); each imports torch, "
+                         f"then joins the RPC world")
+            values = _collect(procs, results, names, deadline, timeout, stop,
+                              _JoinReporter(names, progress, progress_every))
+        finally:
+            _stop(procs, stop_grace, hurry=lambda: stop.received is not None)
+            results.close()
+            del store
     return [values[r] for r in range(world_size)]
 
 

@@ -4,9 +4,10 @@ module ``MODULE`` as ``__main__`` with ``sys.argv[1:] == [ROLE, INIT_METHOD, *AR
 line, and every process is reaped afterwards.
 
 The ranks are forked from a forkserver started for the world with torch preloaded
-(``rpc_backend._start``, as ``run_local`` starts its ranks): one ``import torch`` per world
-instead of one per rank. They are real processes of their own (SIGSTOP, SIGKILL by pid work
-as on spawned ones)."""
+(tests/_forkserver.py): one ``import torch`` per world instead of one per rank. They are
+processes of their own (SIGSTOP and SIGKILL by pid work as on spawned ones), get the
+environment given here explicitly, and reseed torch before running the module, as a new
+interpreter has a seed of its own."""
 
 import json
 import os
@@ -15,19 +16,25 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rpc_backend._start import rank_context
 from rpc_backend.loopback import fresh_file_rendezvous, loopback_env
+from tests._forkserver import fork_context
 from tests._transport import world_options
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run_module(module: str, argv: list[str], stdout_path: str | None) -> None:
-    """A rank: stdout to ``stdout_path`` (or nowhere), stderr nowhere, then ``module`` as ``__main__``."""
+def _run_module(module: str, argv: list[str], env: dict, stdout_path: str | None) -> None:
+    """A rank: ``env``, stdout to ``stdout_path`` (or nowhere), stderr nowhere, a seed of its
+    own, then ``module`` as ``__main__``."""
+    import torch
+
+    os.environ.clear()
+    os.environ.update(env)
     for fd, path in ((1, stdout_path or os.devnull), (2, os.devnull)):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(target, fd)
         os.close(target)
+    torch.default_generator.seed()
     sys.argv = [module, *argv]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
@@ -36,19 +43,15 @@ def run_report(module: str, roles: list[str], timeout: float, args: tuple[str, .
     """Start one process per role (``args`` go to every one); return rank 0's report. Kills
     the rest when it is done."""
     init_method, path = fresh_file_rendezvous()
-    saved = dict(os.environ)
+    env = {**os.environ, **loopback_env(), "PYTHONPATH": str(ROOT)}
     procs = []
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "rank0.out")
         try:
-            # the server, and so every rank, starts with this environment; pytest's is restored
-            os.environ.update(loopback_env())
-            with rank_context("forkserver") as ctx:
-                os.environ.clear()
-                os.environ.update(saved)
+            with fork_context() as ctx:
                 for rank, role in enumerate(roles):
-                    procs.append(ctx.Process(target=_run_module, args=(module, [role, init_method, *args],
-                                                                       out_path if rank == 0 else None)))
+                    procs.append(ctx.Process(target=_run_module, args=(
+                        module, [role, init_method, *args], env, out_path if rank == 0 else None)))
                     procs[-1].start()
                 procs[0].join(timeout)
                 finished = procs[0].exitcode is not None
@@ -57,8 +60,6 @@ def run_report(module: str, roles: list[str], timeout: float, args: tuple[str, .
                         p.kill()
                     p.join()
         finally:
-            os.environ.clear()
-            os.environ.update(saved)
             if os.path.exists(path):
                 os.unlink(path)
         out = open(out_path).read() if os.path.exists(out_path) else ""

@@ -29,7 +29,6 @@ def keep_calling_worker1(seconds: float) -> dict | None:
 def trainers_in_a_role_group() -> dict | None:
     """A torchrun-style job body: trainers form a gloo group of their own (all_reduce, one DDP
     step on different data) and call the ps over RPC; the ps only serves."""
-    import multiprocessing
     import os
 
     import torch
@@ -60,8 +59,7 @@ def trainers_in_a_role_group() -> dict | None:
         "from_ps": from_ps,
         "master": (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])),
         "listening": listening_addresses(),
-        # the launcher (the parent of a spawned rank; a forked rank's parent is the forkserver)
-        "launcher_listening": listening_addresses(multiprocessing.parent_process().pid),
+        "launcher_listening": listening_addresses(os.getppid()),
     }
     dist.barrier()
     dist.destroy_process_group()
@@ -69,14 +67,13 @@ def trainers_in_a_role_group() -> dict | None:
 
 
 def write_pid_and_wait(pid_dir: str) -> None:
-    """Every rank writes ``rank<N>.pid`` (its pid and its parent's) into ``pid_dir`` (atomically)
-    and then waits forever."""
+    """Every rank writes ``rank<N>.pid`` into ``pid_dir`` (atomically) and then waits forever."""
     import os
 
     rank = rpc.get_worker_info().id
     tmp = os.path.join(pid_dir, f".rank{rank}.tmp")
     with open(tmp, "w") as f:
-        f.write(f"{os.getpid()} {os.getppid()}")  # and its parent: the launcher, or the forkserver
+        f.write(str(os.getpid()))
     os.replace(tmp, os.path.join(pid_dir, f"rank{rank}.pid"))
     while True:
         time.sleep(1.0)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rpc_backend._lifetime import StopSignals, exit_when_closed, exit_with_parent
+from rpc_backend._lifetime import StopSignals, exit_with_parent
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,20 +53,14 @@ class _Launcher:
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         self.rank_pids: list[int] = []
-        self.forkservers: list[int] = []
 
     def wait_for_ranks(self) -> list[int]:
         files = [self.pid_dir / f"rank{r}.pid" for r in range(2)]
         _wait_for(lambda: all(f.exists() for f in files) or self.proc.poll() is not None, 240, "ranks did not start")
         assert self.proc.poll() is None, self.proc.communicate()
-        pairs = [[int(v) for v in f.read_text().split()] for f in files]
-        # run_local's default start: the ranks are forked by a forkserver it started, which
-        # must not outlive it either
-        self.forkservers = sorted({parent for _, parent in pairs})
-        assert len(self.forkservers) == 1 and self.forkservers[0] != self.proc.pid, pairs
-        self.rank_pids = [pid for pid, _ in pairs]
+        self.rank_pids = [int(f.read_text()) for f in files]
         assert not any(_is_gone(pid) for pid in self.rank_pids)
-        return self.rank_pids + self.forkservers
+        return self.rank_pids
 
     def finish(self) -> tuple[int, dict | None, str]:
         out, err = self.proc.communicate(timeout=180)  # stopping ranks: slow under load
@@ -77,7 +71,7 @@ class _Launcher:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-        for pid in self.rank_pids + self.forkservers:
+        for pid in self.rank_pids:
             if not _is_gone(pid):
                 os.kill(pid, signal.SIGKILL)
 
@@ -151,17 +145,6 @@ def test_parent_watchdog_notices_a_new_parent():
     calm = threading.Event()
     exit_with_parent(os.getppid(), interval=0.05, on_orphaned=calm.set, use_prctl=False)
     assert not calm.wait(0.5)
-
-
-def test_launcher_watchdog_fires_when_the_launchers_end_of_the_pipe_closes():
-    import multiprocessing
-
-    ours, launchers = multiprocessing.Pipe(duplex=False)
-    fired = threading.Event()
-    exit_when_closed(ours, on_orphaned=fired.set)
-    assert not fired.wait(0.5)  # the launcher lives (holds its end)
-    launchers.close()  # as when it exits, however it exits
-    assert fired.wait(5)
 
 
 def test_stop_signals_do_nothing_outside_the_main_thread():
