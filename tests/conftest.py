@@ -98,10 +98,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 #: The files that start many processes (subprocess worlds, torchrun, benchmark smoke runs), in
-#: falling order of their wall time on a 2-core machine. ``make test`` runs several pytest
-#: processes (pytest-xdist, ``--dist loadgroup`` with the groups below: a file stays in one
-#: process, so its worlds are started once); handing these out first keeps one long file from
-#: being the last thing left running. Only the order changes: every file still runs, the rest
+#: falling order of their wall time on a 2-core machine. With several pytest processes
+#: (pytest-xdist, ``--dist loadgroup`` with the groups below: a file stays in one process, so
+#: its worlds are started once; see the Makefile), handing these out first keeps one long file
+#: from being the last thing left running. Only the order changes: every file still runs, the rest
 #: in collection order.
 RUN_FIRST = (
     "tests/test_tutorials.py",
@@ -131,7 +131,8 @@ def _file_order(item: pytest.Item) -> int:
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=_file_order)  # stable: within a file, and among the other files, nothing moves
+    if getattr(config.option, "numprocesses", None):  # only when pytest-xdist distributes (-n N)
+        items.sort(key=_file_order)  # stable: within a file, and among the other files, nothing moves
     for item in items:
         # pytest-xdist's work units (`--dist loadgroup`): a file, except that the files using
         # the PS session world form one unit, so that world starts in one process only
