@@ -124,8 +124,12 @@ RUN_FIRST = (
 )
 
 
+def _file_of(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
 def _file_order(item: pytest.Item) -> int:
-    path = item.nodeid.split("::", 1)[0]
+    path = _file_of(item)
     return RUN_FIRST.index(path) if path in RUN_FIRST else len(RUN_FIRST)
 
 
@@ -136,7 +140,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         # pytest-xdist's work units (`--dist loadgroup`): a file, except that the files using
         # the PS session world form one unit, so that world starts in one process only
-        group = "ps_world" if "ps_world" in getattr(item, "fixturenames", ()) else item.nodeid.split("::", 1)[0]
+        group = "ps_world" if "ps_world" in getattr(item, "fixturenames", ()) else _file_of(item)
         item.add_marker(pytest.mark.xdist_group(group))
         marker = item.get_closest_marker("timeout")
         if marker is not None and marker.args:

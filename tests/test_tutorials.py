@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._avoidable import no_avoidable_warnings
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -54,7 +56,7 @@ def test_pipeline_trains_and_loss_goes_down():
     losses = [float(line.split("loss ")[1]) for line in lines]
     assert losses[-1] < 0.9 * losses[0], losses
     assert "on=worker1" in out.stdout and "on=worker2" in out.stdout, out.stdout  # two stages, two hosts
-    _no_avoidable_warnings(out.stderr)
+    no_avoidable_warnings(out.stderr)
 
 
 @pytest.mark.slow
@@ -90,20 +92,11 @@ def test_embeddings_table_trains_and_its_checkpoint_loads_locally():
     assert 0 < per_step < table, pushed[0]  # only the touched rows' gradients travel
     check = [line for line in lines if line.startswith("checkpoint in nn.EmbeddingBag: max difference ")]
     assert len(check) == 1 and float(check[0].rsplit(" ", 1)[1]) < 1e-5, out.stdout  # float32 rounding at most
-    _no_avoidable_warnings(out.stderr)
+    no_avoidable_warnings(out.stderr)
 
 
 # tutorials/parameter_server.py is run by tests/test_torchrun.py in both forms: as a script
 # under torchrun and as a module under run_local; its modes are tested in tests/ps/test_dense.py.
-
-
-#: what torch prints that the project keeps off the console (see rpc_backend/_quiet.py)
-AVOIDABLE = ("functional optimizers is deprecated", "You are using a Backend")
-
-
-def _no_avoidable_warnings(stderr: str) -> None:
-    for text in AVOIDABLE:
-        assert text not in stderr, stderr[-3000:]
 
 
 #: each tutorial in the launch form the tests above do not use, with the cheapest arguments
@@ -132,4 +125,4 @@ def test_tutorial_runs_in_its_other_launch_form(name, form, extra):
     out = subprocess.run([sys.executable, *head, *extra], cwd=ROOT, capture_output=True, text=True,
                          timeout=190, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
-    _no_avoidable_warnings(out.stderr)
+    no_avoidable_warnings(out.stderr)

@@ -44,9 +44,8 @@ def rank_returns_a_lock_inside() -> object:
 
 
 def what_a_rank_sees(mark_name: str) -> dict:
-    """What a rank inherits from the caller of run_local, and who started it."""
+    """What a rank inherits from the caller of run_local, and who started it (its launcher and parent)."""
     import multiprocessing
-    import sys
 
     import torch
 
@@ -57,5 +56,4 @@ def what_a_rank_sees(mark_name: str) -> dict:
         "launcher": multiprocessing.parent_process().pid,
         "parent": os.getppid(),
         "threads": torch.get_num_threads(),
-        "main_module": sys.modules["__mp_main__"].__name__ if "__mp_main__" in sys.modules else None,
     }
