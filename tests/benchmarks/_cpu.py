@@ -1,0 +1,67 @@
+"""CPU seconds spent by the processes of a world: what a benchmark's work costs on machines
+where every rank has cores of its own (on 2 shared cores, wall time hides it).
+
+Read from ``/proc/<pid>/stat`` (user + system time of every thread of the process, in clock
+ticks of 10 ms), so a window should last well over 10 ms per process; Linux only (elsewhere
+:func:`process_cpu_seconds` returns None and the benchmarks print no CPU figures).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+import torch.distributed.rpc as rpc
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` (all its threads), None when unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    # the command name (field 2) may hold spaces: count fields after its closing parenthesis
+    fields = text[text.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def world_pids(names: Iterable[str]) -> list[int]:
+    """This process's pid and the pid of every worker in ``names`` (asked over RPC; the
+    workers run on this machine)."""
+    pids = [os.getpid()]
+    for name in names:
+        pid = rpc.rpc_sync(name, os.getpid)
+        if pid not in pids:
+            pids.append(pid)
+    return pids
+
+
+class CpuMeter:
+    """CPU seconds of ``pids`` summed, between :meth:`start` and :meth:`stop`.
+
+    Example::
+
+        meter = CpuMeter(world_pids(["worker1", "worker2"]))
+        meter.start(); work(); cpu = meter.stop()   # None off Linux
+    """
+
+    def __init__(self, pids: Iterable[int]) -> None:
+        self.pids = list(pids)
+        self._start: list[float | None] = []
+
+    def read(self) -> list[float | None]:
+        return [process_cpu_seconds(pid) for pid in self.pids]
+
+    def start(self) -> None:
+        self._start = self.read()
+
+    def stop_each(self) -> list[float | None]:
+        """CPU seconds of each pid since :meth:`start` (None where unreadable)."""
+        return [None if a is None or b is None else b - a for a, b in zip(self._start, self.read())]
+
+    def stop(self) -> float | None:
+        each = self.stop_each()
+        return None if any(v is None for v in each) else sum(each)  # type: ignore[arg-type]
