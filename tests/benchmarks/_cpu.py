@@ -1,23 +1,41 @@
 """CPU seconds spent by the processes of a world: what a benchmark's work costs on machines
 where every rank has cores of its own (on 2 shared cores, wall time hides it).
 
-Read from ``/proc/<pid>/stat`` (user + system time of every thread of the process, in clock
-ticks of 10 ms), so a window should last well over 10 ms per process; Linux only (elsewhere
-:func:`process_cpu_seconds` returns None and the benchmarks print no CPU figures).
+Read per process, user + system time of every thread, live or ended: from the process's CPU
+clock (``clock_gettime`` on the clock id that glibc's ``clock_getcpuclockid`` builds, exact to
+the nanosecond), else from ``/proc/<pid>/stat`` (in clock ticks of 10 ms, so a window should
+then last well over 10 ms per process). Linux only: elsewhere :func:`process_cpu_seconds`
+returns None and the benchmarks print no CPU figures.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import time
 from typing import Iterable
 
 import torch.distributed.rpc as rpc
 
+from rpc_backend import current_worker
+
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _process_clock(pid: int) -> int:
+    """The CPU-time clock id of process ``pid`` (all its threads), as Linux encodes it:
+    ``MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED)``."""
+    return (~pid << 3) | 2
 
 
 def process_cpu_seconds(pid: int) -> float | None:
     """User + system CPU seconds of process ``pid`` (all its threads), None when unreadable."""
+    if sys.platform != "linux":
+        return None
+    try:
+        return time.clock_gettime(_process_clock(pid))
+    except OSError:  # a kernel without per-process CPU clocks: the coarser /proc figure
+        pass
     try:
         with open(f"/proc/{pid}/stat") as f:
             text = f.read()
@@ -37,6 +55,13 @@ def world_pids(names: Iterable[str]) -> list[int]:
         if pid not in pids:
             pids.append(pid)
     return pids
+
+
+def world_meter() -> CpuMeter:
+    """A :class:`CpuMeter` over every process of this process's world (``run_local`` or
+    ``init_from_env``): itself and each of its peers. Called on the rank that drives."""
+    me = current_worker()
+    return CpuMeter(world_pids(name for name in me.names if name != me.name))
 
 
 class CpuMeter:
