@@ -1,6 +1,6 @@
 """What every benchmark's ``main`` does around its own measurements: the command line,
-one OpenMP thread per spawned rank, interleaved timing rounds, and printing plus saving the
-results."""
+one OpenMP thread per spawned rank, interleaved timing rounds (wall time and the world's CPU
+time over the same windows), and printing plus saving the results."""
 
 from __future__ import annotations
 
@@ -8,8 +8,11 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import time
 from typing import Any, Callable, Iterator
+
+from tests.benchmarks._cpu import CpuMeter
 
 
 def parse_args(description: str, default_json: str, argv: list[str] | None) -> argparse.Namespace:
@@ -44,17 +47,79 @@ def publish(results: dict, report: str, path: str) -> dict:
     return results
 
 
-def rounds(variants: dict[str, Callable[[], Any]], n: int, warmup: int) -> dict[str, list[float]]:
+class Window:
+    """One timed window: wall seconds and the CPU seconds of ``meter``'s processes over it.
+
+    Example::
+
+        with Window(meter) as w:
+            work()
+        w.seconds, w.cpu          # cpu: summed over the processes; None without a meter or off Linux
+
+    The meter is read just outside the clock, so reading it costs the wall time nothing.
+    """
+
+    def __init__(self, meter: CpuMeter | None = None) -> None:
+        self.meter = meter
+        self.seconds = 0.0
+        self.cpu: float | None = None
+
+    def __enter__(self) -> Window:
+        if self.meter is not None:
+            self.meter.start()
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.seconds = time.perf_counter() - self._start
+        self.cpu = self.meter.stop() if self.meter is not None else None
+
+
+def rounds(
+    variants: dict[str, Callable[[], Any]],
+    n: int,
+    warmup: int,
+    meter: CpuMeter | None = None,
+    after: dict[str, Callable[[], Any]] | None = None,
+) -> tuple[dict[str, list[float]], dict[str, list[float | None]]]:
     """Seconds per round of each variant, ``n`` samples each (after ``warmup`` unmeasured
-    rounds); the order of the variants rotates every round."""
-    for fn in variants.values():
+    rounds), and the CPU seconds ``meter``'s processes spent in each of those same rounds
+    (summed over the processes; None without a meter or off Linux). The order of the variants
+    rotates every round. ``after[name]`` runs after each round of variant ``name``, outside
+    the clock and the meter (to let the round's work settle, say)."""
+    after = after or {}
+    for name, fn in variants.items():
         for _ in range(warmup):
             fn()
+            if name in after:
+                after[name]()
     samples: dict[str, list[float]] = {name: [] for name in variants}
+    cpu: dict[str, list[float | None]] = {name: [] for name in variants}
     items = list(variants.items())
     for r in range(n):
         for name, fn in items[r % len(items):] + items[: r % len(items)]:
-            start = time.perf_counter()
-            fn()
-            samples[name].append(time.perf_counter() - start)
-    return samples
+            with Window(meter) as w:
+                fn()
+            samples[name].append(w.seconds)
+            cpu[name].append(w.cpu)
+            if name in after:
+                after[name]()
+    return samples, cpu
+
+
+def median_cpu(samples: list[float | None], ops: float = 1) -> float | None:
+    """CPU seconds per operation: the median over rounds of a round's CPU seconds, over
+    ``ops`` operations a round; None when any round's CPU is unknown (off Linux)."""
+    if not samples or any(c is None for c in samples):
+        return None
+    return statistics.median(samples) / ops  # type: ignore[type-var]
+
+
+def cpu_per_op(cpu: dict[str, list[float | None]], ops: float = 1) -> dict[str, float | None]:
+    """:func:`median_cpu` of every variant of a :func:`rounds` result."""
+    return {name: median_cpu(c, ops) for name, c in cpu.items()}
+
+
+def cpu_cell(cpu: float | None, scale: float, width: int, decimals: int = 1) -> str:
+    """``cpu * scale`` right-aligned in ``width`` columns, or ``-`` when unknown (off Linux)."""
+    return f"{'-':>{width}}" if cpu is None else f"{cpu * scale:>{width}.{decimals}f}"

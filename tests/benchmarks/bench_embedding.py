@@ -143,7 +143,7 @@ def trainer_main(cfg: dict) -> dict:
         return run
 
     timed = {f"train: {n}": train(n) for n in variants} | {f"lookup: {n}": lookup(n) for n in variants}
-    samples = rounds(timed, cfg["rounds"], cfg["warmup_rounds"])
+    samples, _ = rounds(timed, cfg["rounds"], cfg["warmup_rounds"])
     results["round_samples_s"] = samples
     ids_per_batch = cfg["bags"] * cfg["ids_per_bag"]
     results["train_steps_per_s"] = {

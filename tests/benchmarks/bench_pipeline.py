@@ -98,7 +98,7 @@ def caller_main(cfg: dict) -> dict:
     for c in chunk_list:
         variants[f"RemotePipeline chunks={c}"] = ours_fwd(c)
         variants[f"tutorial pattern chunks={c}"] = tutorial_fwd(c)
-    samples = rounds(variants, cfg["fwd_rounds"], cfg["warmup"])
+    samples, _ = rounds(variants, cfg["fwd_rounds"], cfg["warmup"])
     results["fwd_no_grad_samples_s"] = samples
     results["fwd_no_grad_s"] = {name: statistics.median(s) for name, s in samples.items()}
 
@@ -132,7 +132,7 @@ def caller_main(cfg: dict) -> dict:
         got = fn()
         if abs(got - want_loss) > 1e-4 * max(1.0, abs(want_loss)):
             raise AssertionError(f"{name}: loss {got!r}, expected {want_loss!r} (the local model's)")
-    samples = rounds(variants, cfg["fwd_bwd_rounds"], 0)
+    samples, _ = rounds(variants, cfg["fwd_bwd_rounds"], 0)
     results["fwd_bwd_samples_s"] = samples
     results["fwd_bwd_s"] = {name: statistics.median(s) for name, s in samples.items()}
     return results

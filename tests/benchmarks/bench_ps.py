@@ -87,7 +87,7 @@ def driver_main(cfg: dict) -> dict:
     def variant(name: str) -> Callable[[], Any]:
         return lambda: _on_trainers(hosts.run_steps, name, cfg["steps_per_round"])
 
-    samples = rounds({name: variant(name) for name in names}, cfg["rounds"], cfg["warmup_rounds"])
+    samples, _ = rounds({name: variant(name) for name in names}, cfg["rounds"], cfg["warmup_rounds"])
     results["round_samples_s"] = samples
     per_round = len(TRAINERS) * cfg["steps_per_round"]
     results["steps_per_s"] = {name: per_round / statistics.median(s) for name, s in samples.items()}
