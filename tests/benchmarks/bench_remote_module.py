@@ -7,15 +7,17 @@ Two local processes on loopback ("caller" and "host"). Every figure is a median 
 of calls, with the variants interleaved block by block (in an order that rotates from block
 to block) so drift and ordering effects hit them all alike, and
 every ratio compares medians from this one run. The distributed-autograd section runs last
-(see the note there). Prints a table and writes JSON
-(bench-results.json by default).
+(see the note there). Beside every time or rate: the CPU seconds per call (per round trip for
+the large ones) summed over both processes, every thread, metered over the same blocks
+(median over blocks / calls in a block): what a call costs where each process has a core of
+its own, which on 2 shared cores the wall time does not say. Prints a table and writes JSON
+(bench-results.json by default; CPU figures in the ``*_cpu_s`` keys beside the times).
 """
 
 from __future__ import annotations
 
 import os
 import statistics
-import time
 from typing import Any, Callable
 
 import torch
@@ -24,7 +26,8 @@ import torch.distributed.rpc as rpc
 from torch import nn
 
 from rpc_backend import run_local
-from tests.benchmarks._common import parse_args, publish
+from tests.benchmarks._common import cpu_cell, cpu_per_op, parse_args, publish, rounds
+from tests.benchmarks._cpu import CpuMeter, world_meter
 
 SMALL_IN = 16
 
@@ -54,35 +57,37 @@ def gc_collect() -> None:
 # ---- measuring ---------------------------------------------------------------------------
 
 
-def interleaved(variants: dict[str, Callable[[], Any]], blocks: int, per_block: int) -> dict[str, float]:
-    """Median seconds per call of each variant; blocks alternate between variants."""
-    samples: dict[str, list[float]] = {name: [] for name in variants}
+def interleaved(variants: dict[str, Callable[[], Any]], blocks: int, per_block: int, meter: CpuMeter
+                ) -> tuple[dict[str, float], dict[str, float | None]]:
+    """Median seconds per call of each variant, and median CPU seconds per call of the world
+    (``meter``'s processes) over the same blocks; blocks alternate between variants."""
     for fn in variants.values():  # warm up every path first
         for _ in range(max(3, per_block // 4)):
             fn()
-    items = list(variants.items())
-    for block in range(blocks):
-        # rotate the order each block, so no variant always runs right after the same other
-        for name, fn in items[block % len(items):] + items[: block % len(items)]:
-            start = time.perf_counter()
+
+    def block(fn: Callable[[], Any]) -> Callable[[], None]:
+        def run() -> None:
             for _ in range(per_block):
                 fn()
-            samples[name].append((time.perf_counter() - start) / per_block)
-    return {name: statistics.median(s) for name, s in samples.items()}
+        return run
+
+    # rounds rotates the order each block, so no variant always runs right after the same other
+    samples, cpu = rounds({name: block(fn) for name, fn in variants.items()}, blocks, 0, meter)
+    return {name: statistics.median(s) / per_block for name, s in samples.items()}, cpu_per_op(cpu, per_block)
 
 
-def in_flight(variants: dict[str, Callable[[], Any]], blocks: int, depth: int) -> dict[str, float]:
-    """Median calls per second with ``depth`` async calls in flight."""
-    rates: dict[str, list[float]] = {name: [] for name in variants}
+def in_flight(variants: dict[str, Callable[[], Any]], blocks: int, depth: int, meter: CpuMeter
+              ) -> tuple[dict[str, float], dict[str, float | None]]:
+    """Median calls per second with ``depth`` async calls in flight, and median CPU seconds
+    per call of the world (``meter``'s processes) over the same blocks."""
     for fn in variants.values():
         torch.futures.wait_all([fn() for _ in range(depth)])
-    items = list(variants.items())
-    for block in range(blocks):
-        for name, fn in items[block % len(items):] + items[: block % len(items)]:
-            start = time.perf_counter()
-            torch.futures.wait_all([fn() for _ in range(depth)])
-            rates[name].append(depth / (time.perf_counter() - start))
-    return {name: statistics.median(r) for name, r in rates.items()}
+
+    def block(fn: Callable[[], Any]) -> Callable[[], None]:
+        return lambda: torch.futures.wait_all([fn() for _ in range(depth)])
+
+    samples, cpu = rounds({name: block(fn) for name, fn in variants.items()}, blocks, 0, meter)
+    return {name: statistics.median(depth / t for t in s) for name, s in samples.items()}, cpu_per_op(cpu, depth)
 
 
 def caller_main(cfg: dict) -> dict:
@@ -92,6 +97,7 @@ def caller_main(cfg: dict) -> dict:
 
     host = "host"
     results: dict[str, Any] = {"config": cfg, "torch": torch.__version__}
+    meter = world_meter()  # CPU of both processes, every thread, over the same blocks as the clock
 
     # small forward ------------------------------------------------------------------------
     torch.manual_seed(0)
@@ -100,7 +106,7 @@ def caller_main(cfg: dict) -> dict:
     raw_rref = rpc.remote(host, nn.Linear, (SMALL_IN, SMALL_IN))
     x = torch.randn(1, SMALL_IN)
     with torch.no_grad():
-        small = interleaved(
+        small, small_cpu = interleaved(
             {
                 "raw rpc_sync no-op": lambda: rpc.rpc_sync(host, noop),
                 "raw RRef call": lambda: rpc.rpc_sync(host, rref_forward, (raw_rref, x)),
@@ -109,12 +115,14 @@ def caller_main(cfg: dict) -> dict:
             },
             cfg["blocks"],
             cfg["per_block"],
+            meter,
         )
     results["small_forward_no_grad_s"] = small
+    results["small_forward_no_grad_cpu_s"] = small_cpu
 
     # forward_async, 64 in flight ----------------------------------------------------------
     with torch.no_grad():
-        rates = in_flight(
+        rates, rates_cpu = in_flight(
             {
                 "raw rpc_async RRef call": lambda: rpc.rpc_async(host, rref_forward, (raw_rref, x)),
                 "torch RemoteModule": lambda: theirs.forward_async(x),
@@ -122,19 +130,22 @@ def caller_main(cfg: dict) -> dict:
             },
             cfg["blocks"],
             64,
+            meter,
         )
     results["forward_async_64_calls_per_s"] = rates
+    results["forward_async_64_cpu_s"] = rates_cpu  # per call
 
     # large round trips --------------------------------------------------------------------
     ours_id = RemoteModule(f"{host}/cpu", nn.Identity)
     theirs_id = TorchRemoteModule(f"{host}/cpu", nn.Identity)
     large: dict[str, dict[str, float]] = {}
+    large_cpu: dict[str, dict[str, float | None]] = {}
     for label, nbytes in (("1MB", 1 << 20), ("64MB", 64 << 20)):
         t = torch.randn(nbytes // 4)
         blocks = cfg["blocks"] if nbytes <= (1 << 20) else cfg["large_blocks"]
         per_block = cfg["per_block"] // 4 if nbytes <= (1 << 20) else 1
         with torch.no_grad():
-            secs = interleaved(
+            secs, large_cpu[label] = interleaved(
                 {
                     "in-process copy": lambda: t.clone(),
                     "torch RemoteModule": lambda: theirs_id.forward(t),
@@ -142,9 +153,11 @@ def caller_main(cfg: dict) -> dict:
                 },
                 blocks,
                 per_block,
+                meter,
             )
         large[label] = {name: nbytes / s / 1e9 for name, s in secs.items()}  # GB/s of payload
     results["round_trip_GB_per_s"] = large
+    results["round_trip_cpu_s"] = large_cpu  # per round trip
 
     # memory over many calls ---------------------------------------------------------------
     calls = cfg["memory_calls"]
@@ -179,15 +192,17 @@ def caller_main(cfg: dict) -> dict:
 
         return run
 
-    autograd = interleaved(
+    autograd, autograd_cpu = interleaved(
         {
             "torch RemoteModule": under_context(lambda: theirs.forward(xg)),
             "remote_module": under_context(lambda: ours.forward(xg)),
         },
         cfg["blocks"],
         cfg["per_block"],
+        meter,
     )
     results["small_forward_dist_autograd_s"] = autograd
+    results["small_forward_dist_autograd_cpu_s"] = autograd_cpu
 
     return results
 
@@ -225,19 +240,21 @@ def ratios(r: dict) -> dict[str, float]:
 
 
 def report(r: dict) -> str:
-    lines = ["", "median time per call (µs)", "-" * 60]
-    for section, key in (("small forward, no_grad", "small_forward_no_grad_s"),
-                         ("small forward, dist autograd", "small_forward_dist_autograd_s")):
+    lines = ["", "median per call; cpu: CPU seconds summed over both processes (every thread)", "-" * 60,
+             f"{'time per call (µs)':<30}{'µs':>8}{'cpu µs':>10}"]
+    for section, key in (("small forward, no_grad", "small_forward_no_grad"),
+                         ("small forward, dist autograd", "small_forward_dist_autograd")):
         lines.append(section)
-        for name, s in r[key].items():
-            lines.append(f"  {name:<28}{s * 1e6:>10.1f}")
-    lines.append("forward_async, 64 in flight (calls/s)")
+        cpu = r[f"{key}_cpu_s"]
+        for name, s in r[f"{key}_s"].items():
+            lines.append(f"  {name:<28}{s * 1e6:>8.1f}{cpu_cell(cpu[name], 1e6, 10)}")
+    lines.append(f"{'forward_async, 64 in flight':<30}{'calls/s':>8}{'cpu µs':>10}")
     for name, v in r["forward_async_64_calls_per_s"].items():
-        lines.append(f"  {name:<28}{v:>10.0f}")
+        lines.append(f"  {name:<28}{v:>8.0f}{cpu_cell(r['forward_async_64_cpu_s'][name], 1e6, 10)}")
     for size, row in r["round_trip_GB_per_s"].items():
-        lines.append(f"{size} round trip through nn.Identity (GB/s of payload)")
+        lines.append(f"{size + ' round trip, nn.Identity':<30}{'GB/s':>8}{'cpu ms':>10}  (GB/s of payload)")
         for name, v in row.items():
-            lines.append(f"  {name:<28}{v:>10.2f}")
+            lines.append(f"  {name:<28}{v:>8.2f}{cpu_cell(r['round_trip_cpu_s'][size][name], 1e3, 10, 2)}")
     m = r["memory"]
     lines.append(f"memory after {m['calls']} calls: caller +{m['caller_growth_MB']:.1f} MB, "
                  f"host +{m['host_growth_MB']:.1f} MB")

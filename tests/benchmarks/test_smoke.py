@@ -3,6 +3,7 @@
 
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -12,6 +13,16 @@ from tests.benchmarks import bench_remote_module as bench
 from tests.benchmarks._caller_bytes import sized
 
 _OMP_BEFORE = os.environ.get("OMP_NUM_THREADS")
+
+
+def _cpu_beside(times: dict, cpu: dict) -> None:
+    """CPU seconds per operation, keyed like the times beside it: positive on Linux (where the
+    processes' CPU clocks are read), None elsewhere."""
+    assert set(cpu) == set(times), (sorted(cpu), sorted(times))
+    if sys.platform == "linux":
+        assert all(isinstance(v, float) and v > 0 for v in cpu.values()), cpu
+    else:
+        assert all(v is None for v in cpu.values()), cpu
 
 
 def test_quick_benchmark_runs(tmp_path, capsys):
@@ -24,8 +35,14 @@ def test_quick_benchmark_runs(tmp_path, capsys):
     }
     assert set(saved["round_trip_GB_per_s"]) == {"1MB", "64MB"}
     assert all(v > 0 for v in saved["forward_async_64_calls_per_s"].values())
+    for key in ("small_forward_no_grad", "small_forward_dist_autograd"):
+        _cpu_beside(saved[f"{key}_s"], saved[f"{key}_cpu_s"])
+    _cpu_beside(saved["forward_async_64_calls_per_s"], saved["forward_async_64_cpu_s"])
+    assert set(saved["round_trip_cpu_s"]) == {"1MB", "64MB"}
+    for size, row in saved["round_trip_GB_per_s"].items():
+        _cpu_beside(row, saved["round_trip_cpu_s"][size])
     printed = capsys.readouterr().out
-    assert "ratios of medians" in printed and "memory growth" in printed
+    assert "ratios of medians" in printed and "memory growth" in printed and "cpu µs" in printed
 
 
 def test_verdicts():
