@@ -25,8 +25,12 @@ Compared, at chunks 1, 4 and 8:
 Every figure is the median over rounds of one step per variant, the variants interleaved in
 an order that rotates from round to round; every ratio compares medians of this one run
 (throughput ratios: the other's time per step over ours). The forward+backward section runs
-last: once a process has used distributed autograd, its RPC calls cost more CPU. Prints a
-table with the issue's targets and writes JSON (bench-pipeline-results.json by default).
+last: once a process has used distributed autograd, its RPC calls cost more CPU. Beside each
+time: the CPU seconds per step summed over the three processes (every thread), metered over
+the same rounds (median over rounds): what a step costs where each process has a core of its
+own. Prints a table with the issue's targets and writes JSON (bench-pipeline-results.json by
+default; CPU figures in ``fwd_no_grad_cpu_s`` and ``fwd_bwd_cpu_s``, per round in the
+``*_cpu_samples_s`` keys).
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ import torch.distributed.rpc as rpc
 
 from rpc_backend import current_worker, init_role_process_group, run_local
 from tests.benchmarks import _pipeline_hosts as hosts
-from tests.benchmarks._common import one_thread_per_rank, parse_args, publish, rounds
+from tests.benchmarks._common import cpu_cell, cpu_per_op, one_thread_per_rank, parse_args, publish, rounds
+from tests.benchmarks._cpu import world_meter
 from tests.benchmarks.bench_remote_module import _verdict
 
 STAGE_WORKERS = ["stage0", "stage1"]
@@ -65,6 +70,7 @@ def caller_main(cfg: dict) -> dict:
 
     results: dict[str, Any] = {"config": cfg, "torch": torch.__version__}
     results["threads_in_rpc_handlers"] = {w: rpc.rpc_sync(w, hosts.handler_threads) for w in STAGE_WORKERS}
+    meter = world_meter()  # CPU of all three processes, every thread, over the same rounds as the clock
     chunk_list = cfg["chunks"]
     model = hosts.build_model(cfg)
     x = hosts.batch(cfg)
@@ -98,9 +104,11 @@ def caller_main(cfg: dict) -> dict:
     for c in chunk_list:
         variants[f"RemotePipeline chunks={c}"] = ours_fwd(c)
         variants[f"tutorial pattern chunks={c}"] = tutorial_fwd(c)
-    samples, _ = rounds(variants, cfg["fwd_rounds"], cfg["warmup"])
+    samples, cpu = rounds(variants, cfg["fwd_rounds"], cfg["warmup"], meter)
     results["fwd_no_grad_samples_s"] = samples
     results["fwd_no_grad_s"] = {name: statistics.median(s) for name, s in samples.items()}
+    results["fwd_no_grad_cpu_samples_s"] = cpu
+    results["fwd_no_grad_cpu_s"] = cpu_per_op(cpu)  # per step (one step a round)
 
     # forward + backward ----------------------------------------------------------------------
     deadline = time.monotonic() + 120
@@ -132,9 +140,11 @@ def caller_main(cfg: dict) -> dict:
         got = fn()
         if abs(got - want_loss) > 1e-4 * max(1.0, abs(want_loss)):
             raise AssertionError(f"{name}: loss {got!r}, expected {want_loss!r} (the local model's)")
-    samples, _ = rounds(variants, cfg["fwd_bwd_rounds"], 0)
+    samples, cpu = rounds(variants, cfg["fwd_bwd_rounds"], 0, meter)
     results["fwd_bwd_samples_s"] = samples
     results["fwd_bwd_s"] = {name: statistics.median(s) for name, s in samples.items()}
+    results["fwd_bwd_cpu_samples_s"] = cpu
+    results["fwd_bwd_cpu_s"] = cpu_per_op(cpu)
     return results
 
 
@@ -183,15 +193,16 @@ def report(r: dict) -> str:
         "",
         f"2 stages x {cfg['layers_per_stage']} x (Linear({cfg['width']}, {cfg['width']}) + ReLU), "
         f"batch {cfg['batch']}; threads in the hosts' RPC handlers: {r['threads_in_rpc_handlers']}",
-        f"{'median per step':<40}{'ms':>9}{'samples/s':>11}{'min ms':>9}{'max ms':>9}",
-        "-" * 78,
+        "cpu: CPU seconds per step summed over the 3 processes (every thread)",
+        f"{'median per step':<40}{'ms':>9}{'samples/s':>11}{'min ms':>9}{'max ms':>9}{'cpu ms':>9}",
+        "-" * 87,
     ]
     for title, key in (("forward, no grad", "fwd_no_grad"), ("forward + backward", "fwd_bwd")):
         lines.append(title)
         for name, s in r[f"{key}_s"].items():
             all_s = r[f"{key}_samples_s"][name]
             lines.append(f"  {name:<38}{s * 1e3:>9.1f}{cfg['batch'] / s:>11.0f}"
-                         f"{min(all_s) * 1e3:>9.1f}{max(all_s) * 1e3:>9.1f}")
+                         f"{min(all_s) * 1e3:>9.1f}{max(all_s) * 1e3:>9.1f}{cpu_cell(r[f'{key}_cpu_s'][name], 1e3, 9)}")
     busy = r["compute_alone_median_over_fastest"] - 1
     if busy > BUSY:
         lines.append(

@@ -68,11 +68,15 @@ def test_quick_pipeline_benchmark_runs(tmp_path, capsys):
         f"{v} chunks={c}" for v in ("RemotePipeline", "pipelining GPipe") for c in chunks
     }
     assert all(len(s) == saved["config"]["fwd_rounds"] for s in saved["fwd_no_grad_samples_s"].values())
+    for key in ("fwd_no_grad", "fwd_bwd"):  # CPU seconds per step beside each time, per round too
+        _cpu_beside(saved[f"{key}_s"], saved[f"{key}_cpu_s"])
+        assert {k: len(v) for k, v in saved[f"{key}_cpu_samples_s"].items()} == {
+            k: len(v) for k, v in saved[f"{key}_samples_s"].items()}
     # OMP_NUM_THREADS=1 reached the stage hosts before torch: their RPC handler threads use one
     assert saved["threads_in_rpc_handlers"] == {"stage0": 1, "stage1": 1}
     assert os.environ.get("OMP_NUM_THREADS") == _OMP_BEFORE  # the launcher's environment is restored
     printed = capsys.readouterr().out
-    assert "throughput ratios of medians" in printed and "(target >= 1.25)" in printed
+    assert "throughput ratios of medians" in printed and "(target >= 1.25)" in printed and "cpu ms" in printed
 
 
 def test_pipeline_ratios_compare_medians():
