@@ -33,8 +33,13 @@ BLAS threads of RPC handler threads).
    its pickled length; TensorPipe's framing is not counted.
 
 Figures are medians over blocks (small forward) or rounds (MLP), the variants interleaved
-in an order that rotates every block; every ratio compares medians of this one run. Prints
-a table with the issue's targets and writes JSON (bench-sharded-results.json by default).
+in an order that rotates every block; every ratio compares medians of this one run. Beside
+each time: the CPU seconds per call (per forward) summed over the four processes (every
+thread), metered over the same blocks (median over blocks / calls in a block; the waits for
+releases after a block are outside both): what a call costs where each process has a core of
+its own. Prints a table with the issue's targets and writes JSON (bench-sharded-results.json
+by default; CPU figures in ``small_cpu_s`` and ``mlp_cpu_s``, per block in the
+``*_cpu_samples_s`` keys).
 """
 
 from __future__ import annotations
@@ -50,7 +55,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from rpc_backend import run_local
 from tests.benchmarks import _sharded_hosts as hosts
 from tests.benchmarks._caller_bytes import CallerBytes
-from tests.benchmarks._common import one_thread_per_rank, parse_args, publish
+from tests.benchmarks._common import cpu_cell, cpu_per_op, one_thread_per_rank, parse_args, publish, rounds
+from tests.benchmarks._cpu import CpuMeter, world_meter
 from tests.benchmarks.bench_remote_module import _verdict
 
 HOSTS = ["host0", "host1", "host2"]
@@ -76,31 +82,33 @@ def drain(workers: list[str], want: list[int]) -> None:
         time.sleep(0.002)
 
 
-def blocks(variants: dict[str, tuple[Callable[[], Any], Callable[[], None]]], n: int, per_block: int
-           ) -> dict[str, list[float]]:
-    """Seconds per call of each variant, one sample per block of ``per_block`` calls; the order
+def blocks(variants: dict[str, tuple[Callable[[], Any], Callable[[], None]]], n: int, per_block: int,
+           meter: CpuMeter) -> tuple[dict[str, list[float]], dict[str, list[float | None]]]:
+    """Seconds per call of each variant, one sample per block of ``per_block`` calls, and the
+    CPU seconds per call of the world (``meter``'s processes) over each same block; the order
     rotates every block. Each variant is ``(call, after)``: ``after`` runs once the block's
-    clock has stopped."""
+    clock and meter have stopped."""
     for call, after in variants.values():  # warm up every path
         for _ in range(max(3, per_block // 4)):
             call()
         after()
-    samples: dict[str, list[float]] = {name: [] for name in variants}
-    items = list(variants.items())
-    for b in range(n):
-        for name, (call, after) in items[b % len(items):] + items[: b % len(items)]:
-            start = time.perf_counter()
+
+    def block(call: Callable[[], Any]) -> Callable[[], None]:
+        def run() -> None:
             for _ in range(per_block):
                 call()
-            samples[name].append((time.perf_counter() - start) / per_block)
-            after()
-    return samples
+        return run
+
+    samples, cpu = rounds({name: block(call) for name, (call, _) in variants.items()}, n, 0, meter,
+                          after={name: after for name, (_, after) in variants.items()})
+    return ({name: [t / per_block for t in s] for name, s in samples.items()},
+            {name: [None if c is None else c / per_block for c in s] for name, s in cpu.items()})
 
 
 # ---- 1. small sharded forward ---------------------------------------------------------------
 
 
-def small_forward(cfg: dict) -> dict[str, list[float]]:
+def small_forward(cfg: dict, meter: CpuMeter) -> tuple[dict[str, list[float]], dict[str, list[float | None]]]:
     from remote_module.sharded import LocalModule, distribute
 
     variants: dict[str, tuple[Callable[[], Any], Callable[[], None]]] = {}
@@ -135,7 +143,7 @@ def small_forward(cfg: dict) -> dict[str, list[float]]:
         return run
 
     variants = {name: (call, settled(after)) for name, (call, after) in variants.items()}
-    return blocks(variants, cfg["blocks"], cfg["per_block"])
+    return blocks(variants, cfg["blocks"], cfg["per_block"], meter)
 
 
 # ---- 2. the Megatron MLP ----------------------------------------------------------------------
@@ -176,7 +184,7 @@ def _bytes_per_forward(cfg: dict, fn: Callable[[], Any], workers: list[str], wan
     }
 
 
-def mlp(cfg: dict) -> dict[str, Any]:
+def mlp(cfg: dict, meter: CpuMeter) -> dict[str, Any]:
     from remote_module import RemoteModule
     from remote_module.sharded import LocalModule
 
@@ -213,19 +221,24 @@ def mlp(cfg: dict) -> dict[str, Any]:
         drain(HOSTS, baseline)
         out["bytes"][name] = _bytes_per_forward(cfg, fn, HOSTS, baseline)
     settle = {name: (fn, lambda: drain(HOSTS, baseline)) for name, fn in variants.items()}
-    out["samples_s"] = blocks(settle, cfg["mlp_rounds"], 1)
+    out["samples_s"], out["cpu_samples_s"] = blocks(settle, cfg["mlp_rounds"], 1, meter)
     return out
 
 
 def caller_main(cfg: dict) -> dict:
     results: dict[str, Any] = {"config": cfg, "torch": torch.__version__}
     results["threads_in_rpc_handlers"] = {w: rpc.rpc_sync(w, hosts.handler_threads) for w in HOSTS}
-    samples = small_forward(cfg)
+    meter = world_meter()  # CPU of all four processes, every thread, over the same blocks as the clock
+    samples, cpu = small_forward(cfg, meter)
     results["small_samples_s"] = samples
     results["small_s"] = {name: statistics.median(s) for name, s in samples.items()}
-    m = mlp(cfg)
+    results["small_cpu_samples_s"] = cpu  # per call, each block's
+    results["small_cpu_s"] = cpu_per_op(cpu)
+    m = mlp(cfg, meter)
     results["mlp_samples_s"] = m["samples_s"]
     results["mlp_s"] = {name: statistics.median(s) for name, s in m["samples_s"].items()}
+    results["mlp_cpu_samples_s"] = m["cpu_samples_s"]  # per forward
+    results["mlp_cpu_s"] = cpu_per_op(m["cpu_samples_s"])
     results["mlp_bytes"] = m["bytes"]
     results["mlp_max_abs_diff"] = m["max_abs_diff"]
     return results
@@ -258,15 +271,18 @@ def ratios(r: dict) -> dict[str, float]:
 def report(r: dict) -> str:
     cfg = r["config"]
     lines = ["", f"threads in the hosts' RPC handlers: {r['threads_in_rpc_handlers']}",
-             f"{'small forward: median per call':<52}{'µs':>9}{'min µs':>9}{'max µs':>9}", "-" * 79]
+             "cpu: CPU seconds per call summed over the 4 processes (every thread)",
+             f"{'small forward: median per call':<52}{'µs':>9}{'min µs':>9}{'max µs':>9}{'cpu µs':>9}", "-" * 88]
     for name, s in r["small_s"].items():
         all_s = r["small_samples_s"][name]
-        lines.append(f"  {name:<50}{s * 1e6:>9.0f}{min(all_s) * 1e6:>9.0f}{max(all_s) * 1e6:>9.0f}")
+        lines.append(f"  {name:<50}{s * 1e6:>9.0f}{min(all_s) * 1e6:>9.0f}{max(all_s) * 1e6:>9.0f}"
+                     f"{cpu_cell(r['small_cpu_s'][name], 1e6, 9, 0)}")
     lines += ["", f"Megatron MLP, batch {cfg['batch']}, d_model {cfg['d_model']}, hidden {cfg['hidden']}, no grad",
-              f"{'median per forward':<52}{'ms':>9}{'min ms':>9}{'max ms':>9}", "-" * 79]
+              f"{'median per forward':<52}{'ms':>9}{'min ms':>9}{'max ms':>9}{'cpu ms':>9}", "-" * 88]
     for name, s in r["mlp_s"].items():
         all_s = r["mlp_samples_s"][name]
-        lines.append(f"  {name:<50}{s * 1e3:>9.1f}{min(all_s) * 1e3:>9.1f}{max(all_s) * 1e3:>9.1f}")
+        lines.append(f"  {name:<50}{s * 1e3:>9.1f}{min(all_s) * 1e3:>9.1f}{max(all_s) * 1e3:>9.1f}"
+                     f"{cpu_cell(r['mlp_cpu_s'][name], 1e3, 9)}")
     lines += ["",
               "bytes through the caller per forward (measured: instrumented rpc_async/rpc_sync/remote in the caller)",
               f"{'':<22}{'sent tensors':>14}{'recv tensors':>14}{'sent other':>12}{'recv other':>12}"

@@ -105,6 +105,9 @@ def test_quick_sharded_benchmark_runs(tmp_path, capsys):
         for v in (f"{n} concurrent rpc_async no-ops", "sharded forward", "sharded forward, releases excluded")
     }
     assert set(saved["mlp_s"]) == {f"N={n}: {v}" for n in (2, 3) for v in ("sharded", "by hand")}
+    for key, blocks in (("small", "blocks"), ("mlp", "mlp_rounds")):  # CPU seconds per call, per block too
+        _cpu_beside(saved[f"{key}_s"], saved[f"{key}_cpu_s"])
+        assert all(len(c) == saved["config"][blocks] for c in saved[f"{key}_cpu_samples_s"].values())
     for n in (2, 3):
         sharded, by_hand = saved["mlp_bytes"][f"N={n}: sharded"], saved["mlp_bytes"][f"N={n}: by hand"]
         assert sharded["hidden_activation_bytes"] == 0, sharded
@@ -116,7 +119,7 @@ def test_quick_sharded_benchmark_runs(tmp_path, capsys):
     assert saved["threads_in_rpc_handlers"] == {"host0": 1, "host1": 1, "host2": 1}
     assert os.environ.get("OMP_NUM_THREADS") == _OMP_BEFORE
     printed = capsys.readouterr().out
-    assert "ratios of medians" in printed and "(target <= 1.5)" in printed
+    assert "ratios of medians" in printed and "(target <= 1.5)" in printed and "cpu µs" in printed
 
 
 def test_sharded_ratios_compare_medians():
