@@ -22,7 +22,11 @@ are interleaved in an order that rotates every round. Figures are medians over r
 ratio compares medians of this one run. After the rounds, each variant's server-side counts
 are checked against the steps run (sync: every step applied once; async: every push applied;
 geo: every interval's deltas), and every variant's loss on its fixed batch must have fallen.
-Prints a table with the issue's target and writes JSON (bench-ps-results.json by default).
+Beside each rate: the CPU seconds per trainer step summed over the five processes (every
+thread), metered over the same rounds (median over rounds / steps in a round, both trainers'
+steps counted, as in steps/s): what a step costs where each process has a core of its own.
+Prints a table with the issue's target and writes JSON (bench-ps-results.json by default; CPU
+figures in ``step_cpu_s``, per round in ``round_cpu_samples_s``).
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ import torch.distributed.rpc as rpc
 
 from rpc_backend import current_worker, run_local
 from tests.benchmarks import _ps_hosts as hosts
-from tests.benchmarks._common import one_thread_per_rank, parse_args, publish, rounds
+from tests.benchmarks._common import cpu_cell, cpu_per_op, one_thread_per_rank, parse_args, publish, rounds
+from tests.benchmarks._cpu import world_meter
 from tests.benchmarks.bench_remote_module import _verdict
 
 MODES = ("sync", "async", "half_async", "geo")
@@ -87,10 +92,13 @@ def driver_main(cfg: dict) -> dict:
     def variant(name: str) -> Callable[[], Any]:
         return lambda: _on_trainers(hosts.run_steps, name, cfg["steps_per_round"])
 
-    samples, _ = rounds({name: variant(name) for name in names}, cfg["rounds"], cfg["warmup_rounds"])
+    meter = world_meter()  # CPU of all five processes, every thread, over the same rounds as the clock
+    samples, cpu = rounds({name: variant(name) for name in names}, cfg["rounds"], cfg["warmup_rounds"], meter)
     results["round_samples_s"] = samples
+    results["round_cpu_samples_s"] = cpu
     per_round = len(TRAINERS) * cfg["steps_per_round"]
     results["steps_per_s"] = {name: per_round / statistics.median(s) for name, s in samples.items()}
+    results["step_cpu_s"] = cpu_per_op(cpu, per_round)  # per step of one trainer, like ms/step
     results["losses"] = {}
     for name in names:
         finals = _on_trainers(hosts.run_steps, name, 1)
@@ -130,13 +138,15 @@ def report(r: dict) -> str:
         f"{cfg['steps_per_round']} steps per trainer per round, {cfg['rounds']} rounds; "
         f"geo pushes every {cfg['geo_push_every']} steps, half_async merges every {cfg['half_async_merge_every']}",
         f"threads in RPC handlers: {r['threads_in_rpc_handlers']}",
-        f"{'median, both trainers':<34}{'steps/s':>9}{'ms/step':>9}{'loss first':>12}{'last':>8}",
-        "-" * 72,
+        "cpu ms/step: CPU seconds per step summed over the 5 processes (every thread)",
+        f"{'median, both trainers':<34}{'steps/s':>9}{'ms/step':>9}{'cpu ms/step':>13}{'loss first':>12}{'last':>8}",
+        "-" * 85,
     ]
     for name, v in r["steps_per_s"].items():
         first, last = r["losses"][name]
-        lines.append(f"  {name:<32}{v:>9.1f}{1e3 / v:>9.2f}{first:>12.3f}{last:>8.3f}")
-    lines += ["", "throughput ratios of medians (same run)", "-" * 72]
+        lines.append(f"  {name:<32}{v:>9.1f}{1e3 / v:>9.2f}{cpu_cell(r['step_cpu_s'][name], 1e3, 13, 2)}"
+                     f"{first:>12.3f}{last:>8.3f}")
+    lines += ["", "throughput ratios of medians (same run)", "-" * 85]
     width = max(map(len, r["ratios"]))
     for name, v in r["ratios"].items():
         lines.append(f"  {name:<{width}}{v:>7.3f}{_verdict(name, v)}")

@@ -156,11 +156,13 @@ def test_quick_ps_benchmark_runs(tmp_path, capsys):
     assert set(saved["steps_per_s"]) == variants
     assert set(saved["checks"]) == variants - {"tutorial pattern"}
     assert all(len(s) == saved["config"]["rounds"] for s in saved["round_samples_s"].values())
+    _cpu_beside(saved["steps_per_s"], saved["step_cpu_s"])  # CPU seconds per step, per round too
+    assert all(len(c) == saved["config"]["rounds"] for c in saved["round_cpu_samples_s"].values())
     assert all(last < first for first, last in saved["losses"].values()), saved["losses"]
     assert saved["threads_in_rpc_handlers"] == {"ps0": 1, "ps1": 1, "trainer0": 1, "trainer1": 1}
     assert os.environ.get("OMP_NUM_THREADS") == _OMP_BEFORE
     printed = capsys.readouterr().out
-    assert "throughput ratios of medians" in printed and "(target >= 1.5)" in printed
+    assert "throughput ratios of medians" in printed and "(target >= 1.5)" in printed and "cpu ms/step" in printed
 
 
 def test_ps_ratios_compare_medians():
