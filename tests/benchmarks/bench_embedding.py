@@ -25,19 +25,23 @@ Compared:
 Figures: training steps/s, and lookups/s (ids looked up per second, repeats counted, in forward
 passes under ``no_grad``). A round runs ``steps_per_round`` steps (or forwards) of one variant;
 variants and both kinds are interleaved in an order that rotates every round; figures are
-medians over rounds and every ratio compares medians of this one run.
+medians over rounds and every ratio compares medians of this one run. Beside each rate: the
+CPU seconds per training step and per lookup (per id) summed over the three processes (every
+thread), metered over the same rounds (median over rounds / steps or ids in a round): what
+the work costs where each process has a core of its own.
 
 Checks (the run raises if one fails): every variant starts from the same rows (the sharded
 table's seeded rows, loaded into the others); after ``check_steps`` identical steps every
 variant's whole table equals a local ``nn.EmbeddingBag(sparse=True)`` stepped by
 ``torch.optim.SGD`` within 1e-6 (and rows did change); after the timed rounds the three tables
-still agree within ``end_atol``. Writes JSON (bench-embedding-results.json by default).
+still agree within ``end_atol``. Writes JSON (bench-embedding-results.json by default; CPU
+figures in ``train_step_cpu_s``, ``lookup_cpu_s`` and ``dense_example_step_cpu_s``, per round
+in ``round_cpu_samples_s``).
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any, Callable
 
 import torch
@@ -46,7 +50,8 @@ from torch import nn
 
 from rpc_backend import current_worker, run_local
 from tests.benchmarks import _embedding_hosts as hosts
-from tests.benchmarks._common import one_thread_per_rank, parse_args, publish, rounds
+from tests.benchmarks._common import Window, cpu_cell, cpu_per_op, one_thread_per_rank, parse_args, publish, rounds
+from tests.benchmarks._cpu import world_meter
 from tests.benchmarks.bench_remote_module import _verdict
 
 SERVERS = ["ps0", "ps1"]
@@ -143,8 +148,10 @@ def trainer_main(cfg: dict) -> dict:
         return run
 
     timed = {f"train: {n}": train(n) for n in variants} | {f"lookup: {n}": lookup(n) for n in variants}
-    samples, _ = rounds(timed, cfg["rounds"], cfg["warmup_rounds"])
+    meter = world_meter()  # CPU of all three processes, every thread, over the same rounds as the clock
+    samples, cpu = rounds(timed, cfg["rounds"], cfg["warmup_rounds"], meter)
     results["round_samples_s"] = samples
+    results["round_cpu_samples_s"] = cpu
     ids_per_batch = cfg["bags"] * cfg["ids_per_bag"]
     results["train_steps_per_s"] = {
         n: cfg["steps_per_round"] / statistics.median(samples[f"train: {n}"]) for n in variants
@@ -152,6 +159,10 @@ def trainer_main(cfg: dict) -> dict:
     results["lookups_per_s"] = {
         n: ids_per_batch * cfg["steps_per_round"] / statistics.median(samples[f"lookup: {n}"]) for n in variants
     }
+    train_cpu = cpu_per_op(cpu, cfg["steps_per_round"])
+    lookup_cpu = cpu_per_op(cpu, ids_per_batch * cfg["steps_per_round"])
+    results["train_step_cpu_s"] = {n: train_cpu[f"train: {n}"] for n in variants}  # per training step
+    results["lookup_cpu_s"] = {n: lookup_cpu[f"lookup: {n}"] for n in variants}  # per id looked up
     timed_steps = (cfg["rounds"] + cfg["warmup_rounds"]) * cfg["steps_per_round"]
     results["pushed_bytes_per_step"] = {
         n: (variants[n].bag.pushed_bytes - before) / timed_steps for n, before in pushed_before.items()
@@ -171,10 +182,11 @@ def trainer_main(cfg: dict) -> dict:
     # the whole table's dense gradient every step), timed after the interleaved rounds
     dense = hosts.Anchor(cfg, SERVERS[0], sparse=False)
     dense.train(batches[0])
-    start = time.perf_counter()
-    for i in range(cfg["dense_example_steps"]):
-        dense.train(batches[i % len(batches)])
-    results["dense_example_steps_per_s"] = cfg["dense_example_steps"] / (time.perf_counter() - start)
+    with Window(meter) as w:
+        for i in range(cfg["dense_example_steps"]):
+            dense.train(batches[i % len(batches)])
+    results["dense_example_steps_per_s"] = cfg["dense_example_steps"] / w.seconds
+    results["dense_example_step_cpu_s"] = None if w.cpu is None else w.cpu / cfg["dense_example_steps"]
     return results
 
 
@@ -218,16 +230,19 @@ def report(r: dict) -> str:
         + "; at the end vs anchor "
         + ", ".join(f"{n}: {d:.2g}" for n, d in r["end_max_abs_diff_vs_anchor"].items()),
         f"threads in RPC handlers: {r['threads_in_rpc_handlers']}, on the trainer: {r['threads_on_trainer']}",
-        f"{'median':<46}{'steps/s':>9}{'ms/step':>9}{'lookups/s':>12}{'B pushed/step':>15}",
-        "-" * 91,
+        "cpu: CPU seconds summed over the 3 processes (every thread), per training step and per id looked up",
+        f"{'median':<46}{'steps/s':>9}{'ms/step':>9}{'cpu ms/step':>13}{'lookups/s':>12}{'cpu ns/lookup':>15}"
+        f"{'B pushed/step':>15}",
+        "-" * 119,
     ]
     for name, sps in r["train_steps_per_s"].items():
         pushed = r["pushed_bytes_per_step"].get(name)
         pushed_text = f"{pushed:>15,.0f}" if pushed is not None else f"{'-':>15}"
-        lines.append(f"  {name:<44}{sps:>9.1f}{1e3 / sps:>9.2f}{r['lookups_per_s'][name]:>12,.0f}{pushed_text}")
+        lines.append(f"  {name:<44}{sps:>9.1f}{1e3 / sps:>9.2f}{cpu_cell(r['train_step_cpu_s'][name], 1e3, 13, 2)}"
+                     f"{r['lookups_per_s'][name]:>12,.0f}{cpu_cell(r['lookup_cpu_s'][name], 1e9, 15, 0)}{pushed_text}")
     lines.append(f"  {'the example as written (sparse=False), after':<44}{r['dense_example_steps_per_s']:>9.1f}"
-                 f"{1e3 / r['dense_example_steps_per_s']:>9.2f}")
-    lines += ["", "ratios of medians (same run)", "-" * 91]
+                 f"{1e3 / r['dense_example_steps_per_s']:>9.2f}{cpu_cell(r['dense_example_step_cpu_s'], 1e3, 13, 2)}")
+    lines += ["", "ratios of medians (same run)", "-" * 119]
     width = max(map(len, r["ratios"]))
     for name, v in r["ratios"].items():
         lines.append(f"  {name:<{width}}{v:>7.3f}{_verdict(name, v)}")

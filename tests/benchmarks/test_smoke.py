@@ -192,6 +192,12 @@ def test_quick_embedding_benchmark_runs(tmp_path, capsys):
     assert all(len(s) == cfg["rounds"] for s in saved["round_samples_s"].values())
     assert (all(v > 0 for v in saved["train_steps_per_s"].values())
             and all(v > 0 for v in saved["lookups_per_s"].values()))
+    # CPU seconds per training step and per id looked up beside the rates, per round too
+    _cpu_beside(saved["train_steps_per_s"], saved["train_step_cpu_s"])
+    _cpu_beside(saved["lookups_per_s"], saved["lookup_cpu_s"])
+    _cpu_beside({"dense": saved["dense_example_steps_per_s"]}, {"dense": saved["dense_example_step_cpu_s"]})
+    assert {k: len(v) for k, v in saved["round_cpu_samples_s"].items()} == {
+        k: len(v) for k, v in saved["round_samples_s"].items()}
     # the same computation: equal to the local reference after the first steps, equal to each other at the end
     assert saved["check_rows_changed"] > 0
     assert set(saved["check_max_abs_diff_vs_local"]) == variants
@@ -206,6 +212,7 @@ def test_quick_embedding_benchmark_runs(tmp_path, capsys):
     assert os.environ.get("OMP_NUM_THREADS") == _OMP_BEFORE
     printed = capsys.readouterr().out
     assert "ratios of medians" in printed and "(target >= 2.0)" in printed and "anchor: sparse=True" in printed
+    assert "cpu ms/step" in printed and "cpu ns/lookup" in printed
 
 
 def test_embedding_ratios_compare_medians():
