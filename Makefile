@@ -42,6 +42,7 @@ lint: .install-stamp
 	$(PYTHON) -m ruff check .
 
 bench: .install-stamp
+	$(PYTHON) -m tests.benchmarks.bench_transport
 	$(PYTHON) -m tests.benchmarks.bench_remote_module
 	$(PYTHON) -m tests.benchmarks.bench_pipeline
 	$(PYTHON) -m tests.benchmarks.bench_sharded

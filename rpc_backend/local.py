@@ -25,7 +25,7 @@ import torch.distributed.rpc as rpc
 from rpc_backend._lifetime import StopSignals, exit_with_parent
 from rpc_backend._quiet import hide_functional_optimizer_deprecation, no_backend_as_process_group_warning
 from rpc_backend.loopback import loopback_env, loopback_store
-from rpc_backend.options import make_options, positive_seconds
+from rpc_backend.options import DEFAULT_TRANSPORT, make_options, positive_seconds
 from rpc_backend.roles import RankPlacement, placements
 from rpc_backend.world import Worker, _set_current
 
@@ -174,6 +174,7 @@ def run_local(
     shutdown_timeout: float | None = None,
     progress: Callable[[str], None] | None = None,
     progress_every: float = 2.0,
+    transport: str = DEFAULT_TRANSPORT,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` spawned local processes forming one RPC world.
 
@@ -203,6 +204,8 @@ def run_local(
     processes start, every ``progress_every`` seconds while some rank has not joined the RPC
     world yet (naming them), and once when all have joined; then, once every ``fn`` has
     returned, while the ranks shut down and exit (the same way); e.g. ``progress=print``.
+    ``transport`` is TensorPipe's transport, ``"uv"`` (default; idle ranks use no CPU) or
+    ``"shm"`` (torch's defaults, which busy-poll), as in :func:`~rpc_backend.make_options`.
 
     Example::
 
@@ -227,7 +230,8 @@ def run_local(
     progress_every = positive_seconds(progress_every, "progress_every")
     if progress is not None and not callable(progress):
         raise TypeError(f"progress must be a callable taking one str (e.g. print), got {progress!r}")
-    option_kwargs = dict(rpc_timeout=rpc_timeout, num_worker_threads=num_worker_threads, device_maps=None)
+    option_kwargs = dict(rpc_timeout=rpc_timeout, num_worker_threads=num_worker_threads, device_maps=None,
+                         transport=transport)
     # validate here, in the caller, before any process starts
     make_options(worker_names=names, **option_kwargs)
     maps_by_worker = dict(device_maps or {})

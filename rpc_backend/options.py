@@ -20,6 +20,15 @@ MIN_SECONDS = 0.001
 #: and more (infinity included) wrap into a negative figure.
 MAX_SECONDS_EXCLUSIVE = 2**31 / 1000
 
+#: ``transport`` values of :func:`make_options`, ``run_local`` and ``init_from_env``.
+#: ``"uv"``: TensorPipe's libuv transport (TCP, loopback included); its threads sleep while
+#: nothing arrives. ``"shm"``: TensorPipe's defaults as a plain ``init_rpc`` gets them (shared
+#: memory between processes of one machine, uv between machines), whose shared-memory reactor
+#: busy-polls: every rank that has exchanged messages keeps a core busy while idle.
+#: tutorials/performance.md has the measured costs of both.
+TRANSPORTS = ("uv", "shm")
+DEFAULT_TRANSPORT = "uv"
+
 
 def positive_seconds(value: Any, what: str) -> float:
     """``value`` as float seconds, checked to be a real number in ``[0.001, 2**31 / 1000)``.
@@ -65,8 +74,14 @@ def make_options(
     device_maps: Mapping[str, Mapping[Any, Any]] | None = None,
     devices: Iterable[Any] | None = None,
     worker_names: Iterable[str] | None = None,
+    transport: str = DEFAULT_TRANSPORT,
 ) -> rpc.TensorPipeRpcBackendOptions:
     """Check every option and build TensorPipe options.
+
+    ``transport`` is ``"uv"`` (the default: idle ranks use no CPU) or ``"shm"`` (torch's own
+    defaults, which busy-poll); see :data:`TRANSPORTS`. With ``"uv"`` and no devices, tensors
+    travel through the connection itself (TensorPipe's ``basic`` channel); with ``devices`` or
+    ``device_maps``, every channel torch registered (its CUDA channels among them) is offered.
 
     ``device_maps`` maps a *peer* worker name to ``{local device: peer device}``, e.g.
     ``{"worker1": {"cuda:0": "cuda:1"}}``. With ``worker_names``, peers must be among them.
@@ -76,6 +91,8 @@ def make_options(
         opts = make_options(rpc_timeout=20, device_maps={"ps0": {"cuda:0": "cuda:0"}})
     """
     rpc_timeout = positive_seconds(rpc_timeout, "rpc_timeout")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
     num_worker_threads = positive_int(num_worker_threads, "num_worker_threads", wrong_type=ValueError)
     known = None if worker_names is None else set(worker_names)
     maps: dict[str, dict[torch.device, torch.device]] = {}
@@ -101,7 +118,31 @@ def make_options(
         kwargs["device_maps"] = maps
     if device_list is not None:
         kwargs["devices"] = device_list
+    kwargs.update(transport_kwargs(transport, cuda=bool(maps) or bool(device_list)))
     return rpc.TensorPipeRpcBackendOptions(**kwargs)
+
+
+#: The CPU channels of ``transport="uv"``. ``cma`` (cross-memory attach: one copy between
+#: processes of a machine) was faster for 64 MB but slower for many small tensors (it answers
+#: every tensor with a message of its own), and ``mpt_uv`` slower still for those; see
+#: tests/benchmarks/bench_transport.py and tutorials/performance.md.
+UV_CPU_CHANNELS = ("basic",)
+
+
+def transport_kwargs(transport: str, *, cuda: bool = False) -> dict[str, Any]:
+    """TensorPipe's private ``_transports`` / ``_channels`` arguments for ``transport``.
+
+    Empty for ``"shm"`` (torch's defaults). For ``"uv"`` with ``cuda``, the channels are left
+    to torch's default (every registered channel, the CUDA ones included), so that device maps
+    work; without, :data:`UV_CPU_CHANNELS`.
+    """
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    if transport == "shm":
+        return {}
+    if cuda:
+        return {"_transports": ["uv"]}
+    return {"_transports": ["uv"], "_channels": list(UV_CPU_CHANNELS)}
 
 
 def positive_int(value: Any, what: str, *, wrong_type: type[Exception] = TypeError, message: str | None = None) -> int:

@@ -15,7 +15,13 @@ import torch.distributed.rpc as rpc
 
 from rpc_backend._quiet import hide_functional_optimizer_deprecation, no_backend_as_process_group_warning
 from rpc_backend._torch_private import UNBOUNDED_SHUTDOWN_TIMEOUT, is_rpc_initialized
-from rpc_backend.options import DEFAULT_RPC_TIMEOUT, DEFAULT_WORKER_THREADS, make_options, positive_seconds
+from rpc_backend.options import (
+    DEFAULT_RPC_TIMEOUT,
+    DEFAULT_TRANSPORT,
+    DEFAULT_WORKER_THREADS,
+    make_options,
+    positive_seconds,
+)
 from rpc_backend.roles import RankPlacement, placements
 
 TORCHRUN_HINT = "torchrun --standalone --nproc-per-node=3 your_script.py"
@@ -245,6 +251,7 @@ def init_from_env(
     device_maps: Mapping[str, Mapping[Any, Any]] | None = None,
     devices: Iterable[Any] | None = None,
     shutdown_timeout: float | None = None,
+    transport: str = DEFAULT_TRANSPORT,
 ) -> Worker:
     """Initialize RPC inside a torchrun job; return this process's :class:`Worker`.
 
@@ -253,7 +260,8 @@ def init_from_env(
     every other worker however long it takes; ``shutdown_timeout`` seconds bound it. The
     rendezvous is torchrun's own store (MASTER_ADDR:MASTER_PORT; the agent's store when torchrun
     provides one), so a process group for DDP among some ranks (:func:`init_role_process_group`)
-    needs no second port.
+    needs no second port. ``transport`` is ``"uv"`` (default; idle ranks use no CPU) or
+    ``"shm"`` (torch's defaults, which busy-poll), as in :func:`make_options`.
     Two torch warnings nobody can act on stay off the console: gloo's "Backend ... as a
     ProcessGroup" during ``init_rpc``, and TorchScript's functional optimizer deprecation that
     torch's ``DistributedOptimizer`` emits on the workers (see ``rpc_backend/_quiet.py``).
@@ -277,6 +285,7 @@ def init_from_env(
         device_maps=device_maps,
         devices=devices,
         worker_names=names,
+        transport=transport,
     )
     me: RankPlacement = layout[info["rank"]]
     hide_functional_optimizer_deprecation()

@@ -1,11 +1,10 @@
 """TensorPipe options for the worlds the tests start themselves.
 
-TensorPipe's shared-memory transport busy-polls: every rank of a world that has exchanged
-messages burns about half a core while idle, and the test session keeps two long-lived worlds
-(4 + 7 ranks) beside the short ones. On a 2-core machine that spinning costs the suite more
-than the tests themselves, so test worlds use the uv transport (TCP on loopback, no spinning)
-and the basic channel. ``REMOTE_MODULE_TEST_TRANSPORT=shm`` gives them TensorPipe's defaults.
-The library's own defaults (``rpc_backend.make_options``) are not changed by this.
+They use the library's default transport (``rpc_backend.make_options``: uv, which does not
+spin when idle), as ``run_local`` and ``init_from_env`` do: the session keeps two long-lived
+worlds (4 + 7 ranks) beside the short ones, and on 2 cores spinning ranks would cost the
+suite more than the tests themselves. ``REMOTE_MODULE_TEST_TRANSPORT=shm`` runs them on
+torch's defaults instead (shared memory, busy-polling).
 """
 
 from __future__ import annotations
@@ -14,11 +13,22 @@ import os
 from typing import Any
 
 
+def chosen_transport() -> str:
+    """The transport of the test worlds: ``$REMOTE_MODULE_TEST_TRANSPORT`` or the default."""
+    from rpc_backend.options import DEFAULT_TRANSPORT, TRANSPORTS
+
+    name = os.environ.get("REMOTE_MODULE_TEST_TRANSPORT", DEFAULT_TRANSPORT)
+    if name not in TRANSPORTS:
+        raise ValueError(f"REMOTE_MODULE_TEST_TRANSPORT must be one of {TRANSPORTS}, got {name!r}")
+    return name
+
+
 def world_options(**kwargs: Any) -> Any:
     """``rpc.TensorPipeRpcBackendOptions(**kwargs)`` on the test worlds' transport."""
     import torch.distributed.rpc as rpc
 
-    if os.environ.get("REMOTE_MODULE_TEST_TRANSPORT", "uv") == "uv":
-        kwargs.setdefault("_transports", ["uv"])
-        kwargs.setdefault("_channels", ["basic"])
+    from rpc_backend.options import transport_kwargs
+
+    for key, value in transport_kwargs(chosen_transport()).items():
+        kwargs.setdefault(key, value)
     return rpc.TensorPipeRpcBackendOptions(**kwargs)

@@ -49,8 +49,13 @@ def what_a_rank_sees(mark_name: str) -> dict:
 
     import torch
 
-    print(f"rank {rpc.get_worker_info().id} prints", flush=True)
+    me = rpc.get_worker_info().id
+    print(f"rank {me} prints", flush=True)
+    rpc.rpc_sync(f"worker{1 - me}", os.getpid)  # a message each way: the transports are in use
     return {
+        # TensorPipe names its threads: TP_UV_loop (uv), TP_SHM_reactor (shm, the busy-polling one)
+        "thread_names": {open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")}
+        if os.path.isdir("/proc/self/task") else None,
         "mark": os.environ.get(mark_name),
         "cwd": os.getcwd(),
         "launcher": multiprocessing.parent_process().pid,

@@ -96,23 +96,29 @@ def test_a_deprecation_the_users_script_triggers_shows_as_under_python_main():
     assert "deprecation_job.py:19" in done.stderr, done.stderr[-3000:]  # the user's line
 
 
-def test_ranks_see_the_callers_environment_cwd_and_stdout_as_of_each_call(capfd, monkeypatch, tmp_path):
+def test_ranks_see_the_callers_environment_cwd_stdout_and_transport_as_of_each_call(capfd, monkeypatch, tmp_path):
     import os
 
     mark = "RPC_BACKEND_TEST_MARK"
     THREADS = (2, 1)  # (torch caps the count at the cores there are: 2 on the smallest machines)
+    TRANSPORT_OF_CALL = ({}, {"transport": "shm"})  # the default (uv), then torch's own defaults
     monkeypatch.chdir(tmp_path)
     seen = {}
     for i in range(2):
         monkeypatch.setenv(mark, f"call{i}")  # changed after the first call: the second sees it
         monkeypatch.setenv("OMP_NUM_THREADS", str(THREADS[i]))
-        seen[i] = run_local(_launcher_remote.what_a_rank_sees, 2, args=(mark,), timeout=90)
+        transport = TRANSPORT_OF_CALL[i]
+        seen[i] = run_local(_launcher_remote.what_a_rank_sees, 2, args=(mark,), timeout=90, **transport)
     me = os.getpid()
     for i, ranks in seen.items():
         for got in ranks:
             assert got["mark"] == f"call{i}" and got["cwd"] == str(tmp_path), got
             assert got["threads"] == THREADS[i], got  # OMP_NUM_THREADS as the call saw it
             assert got["launcher"] == got["parent"] == me, got
+            if got["thread_names"] is not None:  # Linux: the transport asked for, and only it
+                spinning = "TP_SHM_reactor" in got["thread_names"]
+                assert "TP_UV_loop" in got["thread_names"], got
+                assert spinning == (TRANSPORT_OF_CALL[i].get("transport") == "shm"), got
     # their prints reach the caller's stdout (here: pytest's capture)
     out = capfd.readouterr().out
     assert out.count("rank 0 prints") == 2 and out.count("rank 1 prints") == 2, out

@@ -207,3 +207,22 @@ def test_one_positive_int_check_takes_what_torch_takes_as_a_size():
         positive_int(1.5, "n", wrong_type=ValueError)
     with pytest.raises(ValueError, match=r"^role 'ps' needs a positive int count, got 0$"):
         positive_int(0, "role 'ps'", message="{what} needs a positive int count, got {value!r}")
+
+
+def test_the_transport_is_uv_by_default_and_shm_on_request():
+    from rpc_backend import DEFAULT_TRANSPORT, TRANSPORTS
+    from rpc_backend.options import transport_kwargs
+
+    assert DEFAULT_TRANSPORT == "uv" and set(TRANSPORTS) == {"uv", "shm"}
+    assert transport_kwargs("uv") == {"_transports": ["uv"], "_channels": ["basic"]}
+    assert transport_kwargs("shm") == {}  # torch's defaults, as a plain init_rpc
+    # with devices, every registered channel (the CUDA ones among them) stays on offer
+    assert transport_kwargs("uv", cuda=True) == {"_transports": ["uv"]}
+    for bad in ("tcp", "UV", None, ["uv"]):
+        with pytest.raises(ValueError, match=r"transport must be one of \('uv', 'shm'\), got "):
+            make_options(transport=bad)
+    with pytest.raises(ValueError, match="transport must be one of"):
+        run_local(print, 2, transport="ibv")  # refused in the caller, before any process starts
+    # and a plain options object is built for both
+    for name in TRANSPORTS:
+        assert make_options(transport=name, rpc_timeout=7).rpc_timeout == 7

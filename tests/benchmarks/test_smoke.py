@@ -227,3 +227,17 @@ def test_embedding_ratios_compare_medians():
     assert r["train steps/s: ShardedEmbeddingBag servers=2 / servers=1"] == pytest.approx(4.5)
     assert r["lookups/s: ShardedEmbeddingBag servers=2 / servers=1"] == pytest.approx(1.5)
     assert bench._verdict("train steps/s: ShardedEmbeddingBag servers=2 / anchor (target >= 2.0)", 1.9) == "  NOT MET"
+
+
+@pytest.mark.slow
+def test_quick_transport_benchmark_runs(tmp_path, capsys):
+    from tests.benchmarks import bench_transport
+
+    out = tmp_path / "bench-transport.json"
+    results = bench_transport.main(["--quick", "--json", str(out)])
+    saved = json.loads(out.read_text())
+    assert set(saved["summary"]) == {"uv", "shm"} == set(results["summary"])
+    for row in saved["summary"].values():
+        assert all(row[key] > 0 for key in ("small_call_s", "inflight64_s", "big_s"))
+    assert len(saved["run_local_default_idle_core_per_rank"]) == 2
+    assert "(target <= 0.03)" in capsys.readouterr().out
