@@ -16,10 +16,15 @@ from tests.benchmarks._cpu import CpuMeter
 
 
 def parse_args(description: str, default_json: str, argv: list[str] | None) -> argparse.Namespace:
-    """``--quick`` (small sizes, for a smoke run) and ``--json PATH``."""
+    """``--quick`` (small sizes, for a smoke run), ``--json PATH`` and ``--transport`` (the
+    world's TensorPipe transport, ``rpc_backend``'s default unless given)."""
+    from rpc_backend import DEFAULT_TRANSPORT, TRANSPORTS
+
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="small sizes (for a smoke run)")
     parser.add_argument("--json", default=default_json)
+    parser.add_argument("--transport", choices=TRANSPORTS, default=DEFAULT_TRANSPORT,
+                        help=f"the world's transport (default {DEFAULT_TRANSPORT})")
     return parser.parse_args(argv)
 
 
@@ -39,7 +44,11 @@ def one_thread_per_rank() -> Iterator[None]:
 
 
 def publish(results: dict, report: str, path: str) -> dict:
-    """Print ``report``, write ``results`` to ``path`` as JSON; ``results``."""
+    """Print ``report`` (after the world's transport, when the config names one), write
+    ``results`` to ``path`` as JSON; ``results``."""
+    transport = results.get("config", {}).get("transport")
+    if transport is not None:
+        print(f"transport: {transport} (--transport to choose)")
     print(report)
     with open(path, "w") as f:
         json.dump(results, f, indent=2)

@@ -252,8 +252,10 @@ def report(r: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args("remote_module sharded embedding benchmark", "bench-embedding-results.json", argv)
     cfg = dict(QUICK if args.quick else FULL)
+    cfg["transport"] = args.transport
     with one_thread_per_rank():
-        out = run_local(rank_main, 3, roles={"trainer": 1, "ps": 2}, args=(cfg,), timeout=900)
+        out = run_local(rank_main, 3, roles={"trainer": 1, "ps": 2}, args=(cfg,),
+                            transport=cfg["transport"], timeout=900)
     results = next(r for r in out if r is not None)
     results["ratios"] = ratios(results)
     return publish(results, report(results), args.json)

@@ -220,8 +220,10 @@ def report(r: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args("remote_module pipeline benchmark", "bench-pipeline-results.json", argv)
     cfg = dict(QUICK if args.quick else FULL)
+    cfg["transport"] = args.transport
     with one_thread_per_rank():
-        results = run_local(rank_main, 3, roles={"caller": 1, "stage": 2}, args=(cfg,), timeout=900)[0]
+        results = run_local(rank_main, 3, roles={"caller": 1, "stage": 2}, args=(cfg,),
+                            transport=cfg["transport"], timeout=900)[0]
     results["ratios"] = ratios(results)
     alone = results["fwd_no_grad_samples_s"]["stage 0 + stage 1 compute alone"]
     results["compute_alone_median_over_fastest"] = statistics.median(alone) / min(alone)  # > 1.15: busy

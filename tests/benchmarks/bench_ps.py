@@ -156,8 +156,10 @@ def report(r: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args("remote_module parameter-server benchmark", "bench-ps-results.json", argv)
     cfg = dict(QUICK if args.quick else FULL)
+    cfg["transport"] = args.transport
     with one_thread_per_rank():
-        results = run_local(rank_main, 5, roles={"driver": 1, "ps": 2, "trainer": 2}, args=(cfg,), timeout=900)[0]
+        results = run_local(rank_main, 5, roles={"driver": 1, "ps": 2, "trainer": 2}, args=(cfg,),
+                            transport=cfg["transport"], timeout=900)[0]
     results["ratios"] = ratios(results)
     return publish(results, report(results), args.json)
 

@@ -286,7 +286,9 @@ def main(argv: list[str] | None = None) -> dict:
         if args.quick
         else {"blocks": 31, "per_block": 100, "large_blocks": 9, "memory_warmup": 1000, "memory_calls": 100_000}
     )
-    results = run_local(rank_main, 2, names=["caller", "host"], args=(cfg,), timeout=1800)[0]
+    cfg["transport"] = args.transport
+    results = run_local(rank_main, 2, names=["caller", "host"], args=(cfg,), transport=cfg["transport"],
+                        timeout=1800)[0]
     results["ratios"] = ratios(results)
     return publish(results, report(results), args.json)
 

@@ -306,9 +306,10 @@ def report(r: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args("remote_module sharded-module benchmark", "bench-sharded-results.json", argv)
     cfg = dict(QUICK if args.quick else FULL)
+    cfg["transport"] = args.transport
     with one_thread_per_rank():
         results = run_local(rank_main, 1 + len(HOSTS), roles={"caller": 1, "host": len(HOSTS)}, args=(cfg,),
-                            timeout=900)[0]
+                            transport=cfg["transport"], timeout=900)[0]
     results["ratios"] = ratios(results)
     return publish(results, report(results), args.json)
 
