@@ -255,7 +255,7 @@ def ratios(r: dict) -> dict[str, float]:
     out: dict[str, float] = {}
     for n in r["config"]["small_ns"]:
         floor = small[f"N={n}: {n} concurrent rpc_async no-ops"]
-        out[f"small fwd N={n}: sharded / {n} concurrent no-ops (target <= 1.5)"] = (
+        out[f"small fwd N={n}: sharded / {n} concurrent no-ops (target <= 1.3)"] = (
             small[f"N={n}: sharded forward"] / floor
         )
         out[f"small fwd N={n}: sharded, releases excluded / {n} concurrent no-ops"] = (
