@@ -91,7 +91,7 @@ def make_options(
         opts = make_options(rpc_timeout=20, device_maps={"ps0": {"cuda:0": "cuda:0"}})
     """
     rpc_timeout = positive_seconds(rpc_timeout, "rpc_timeout")
-    if transport not in TRANSPORTS:
+    if not isinstance(transport, str) or transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
     num_worker_threads = positive_int(num_worker_threads, "num_worker_threads", wrong_type=ValueError)
     known = None if worker_names is None else set(worker_names)
@@ -136,7 +136,7 @@ def transport_kwargs(transport: str, *, cuda: bool = False) -> dict[str, Any]:
     to torch's default (every registered channel, the CUDA ones included), so that device maps
     work; without, :data:`UV_CPU_CHANNELS`.
     """
-    if transport not in TRANSPORTS:
+    if not isinstance(transport, str) or transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
     if transport == "shm":
         return {}

@@ -218,7 +218,11 @@ def test_the_transport_is_uv_by_default_and_shm_on_request():
     assert transport_kwargs("shm") == {}  # torch's defaults, as a plain init_rpc
     # with devices, every registered channel (the CUDA ones among them) stays on offer
     assert transport_kwargs("uv", cuda=True) == {"_transports": ["uv"]}
-    for bad in ("tcp", "UV", None, ["uv"]):
+    class AlwaysEqual:
+        def __eq__(self, other):
+            return True
+
+    for bad in ("tcp", "UV", "", None, 1, ["uv"], ("uv",), np.array(["uv"]), AlwaysEqual()):
         with pytest.raises(ValueError, match=r"transport must be one of \('uv', 'shm'\), got "):
             make_options(transport=bad)
     with pytest.raises(ValueError, match="transport must be one of"):
