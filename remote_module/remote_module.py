@@ -73,10 +73,12 @@ class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
 
     Example (two processes)::
 
-        # worker0 (caller)
+        # worker0 (caller); make_options(): the transport that sleeps when idle (torch's
+        # default options busy-poll a core per process)
         import torch, torch.distributed.rpc as rpc
         from remote_module import RemoteModule
-        rpc.init_rpc("worker0", rank=0, world_size=2)
+        from rpc_backend import make_options
+        rpc.init_rpc("worker0", rank=0, world_size=2, rpc_backend_options=make_options())
         linear = RemoteModule("worker1/cpu", torch.nn.Linear, args=(20, 30))
         out = linear(torch.randn(128, 20))         # runs on worker1
         fut = linear.forward_async(torch.randn(4, 20))
@@ -85,7 +87,8 @@ class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
 
         # worker1 (host): only needs this package installed
         import torch.distributed.rpc as rpc
-        rpc.init_rpc("worker1", rank=1, world_size=2)
+        from rpc_backend import make_options
+        rpc.init_rpc("worker1", rank=1, world_size=2, rpc_backend_options=make_options())
         rpc.shutdown()
 
     Every call, whatever path it takes, keeps the call contract in README.md ("Calls: the

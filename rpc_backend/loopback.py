@@ -44,7 +44,7 @@ def fresh_file_rendezvous() -> tuple[str, str]:
     Example (choose once, pass to every rank)::
 
         init_method, path = fresh_file_rendezvous()
-        options = rpc.TensorPipeRpcBackendOptions(init_method=init_method)
+        options = make_options(init_method=init_method)   # rpc_backend.make_options
     """
     fd, path = tempfile.mkstemp(prefix="rpc_rendezvous_")
     os.close(fd)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import operator
@@ -24,7 +25,7 @@ MAX_SECONDS_EXCLUSIVE = 2**31 / 1000
 #: ``"uv"``: TensorPipe's libuv transport (TCP, loopback included); its threads sleep while
 #: nothing arrives. ``"shm"``: TensorPipe's defaults as a plain ``init_rpc`` gets them (shared
 #: memory between processes of one machine, uv between machines), whose shared-memory reactor
-#: busy-polls: every rank that has exchanged messages keeps a core busy while idle.
+#: busy-polls: every process keeps a core busy from ``init_rpc`` on, idle or not.
 #: tutorials/performance.md has the measured costs of both.
 TRANSPORTS = ("uv", "shm")
 DEFAULT_TRANSPORT = "uv"
@@ -79,9 +80,9 @@ def make_options(
     """Check every option and build TensorPipe options.
 
     ``transport`` is ``"uv"`` (the default: idle ranks use no CPU) or ``"shm"`` (torch's own
-    defaults, which busy-poll); see :data:`TRANSPORTS`. With ``"uv"`` and no devices, tensors
-    travel through the connection itself (TensorPipe's ``basic`` channel); with ``devices`` or
-    ``device_maps``, every channel torch registered (its CUDA channels among them) is offered.
+    defaults, which busy-poll); see :data:`TRANSPORTS`. With ``"uv"``, CPU tensors travel
+    through the connection itself (TensorPipe's ``basic`` channel) and CUDA tensors on the CUDA
+    channels torch registered (see :func:`transport_kwargs`).
 
     ``device_maps`` maps a *peer* worker name to ``{local device: peer device}``, e.g.
     ``{"worker1": {"cuda:0": "cuda:1"}}``. With ``worker_names``, peers must be among them.
@@ -118,31 +119,47 @@ def make_options(
         kwargs["device_maps"] = maps
     if device_list is not None:
         kwargs["devices"] = device_list
-    kwargs.update(transport_kwargs(transport, cuda=bool(maps) or bool(device_list)))
+    kwargs.update(transport_kwargs(transport))
     return rpc.TensorPipeRpcBackendOptions(**kwargs)
 
 
-#: The CPU channels of ``transport="uv"``. ``cma`` (cross-memory attach: one copy between
-#: processes of a machine) was faster for 64 MB but slower for many small tensors (it answers
-#: every tensor with a message of its own), and ``mpt_uv`` slower still for those; see
+#: The CPU channel of ``transport="uv"``: tensors inside the connection's own messages.
+#: ``cma`` (cross-memory attach: one copy between processes of a machine) was faster for 64 MB
+#: but slower for many small tensors, and ``mpt_uv`` slower still for those; see
 #: tests/benchmarks/bench_transport.py and tutorials/performance.md.
 UV_CPU_CHANNELS = ("basic",)
+#: TensorPipe's CUDA channels, highest priority first; ``transport="uv"`` offers those this
+#: build of torch registered (none in a CPU build).
+CUDA_CHANNELS = ("cuda_ipc", "cuda_gdr", "cuda_xth", "cuda_basic")
 
 
-def transport_kwargs(transport: str, *, cuda: bool = False) -> dict[str, Any]:
+@functools.lru_cache(maxsize=None)
+def registered_channels(names: tuple[str, ...]) -> tuple[str, ...]:
+    """Those of ``names`` that this torch registered as TensorPipe channels (the options
+    refuse an unknown one with "Unknown channel")."""
+    found = []
+    for name in names:
+        try:
+            rpc.TensorPipeRpcBackendOptions(_channels=[name])
+        except RuntimeError:
+            continue
+        found.append(name)
+    return tuple(found)
+
+
+def transport_kwargs(transport: str) -> dict[str, Any]:
     """TensorPipe's private ``_transports`` / ``_channels`` arguments for ``transport``.
 
-    Empty for ``"shm"`` (torch's defaults). For ``"uv"`` with ``cuda``, the channels are left
-    to torch's default (every registered channel, the CUDA ones included), so that device maps
-    work; without, :data:`UV_CPU_CHANNELS`.
+    Empty for ``"shm"`` (torch's defaults). For ``"uv"``: the uv transport, the ``basic``
+    channel for CPU tensors and every CUDA channel this torch registered, on every rank
+    whether or not it sets device maps (torch gives a rank devices from its peers' maps too,
+    and a CUDA tensor then needs a CUDA channel on both sides).
     """
     if not isinstance(transport, str) or transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
     if transport == "shm":
         return {}
-    if cuda:
-        return {"_transports": ["uv"]}
-    return {"_transports": ["uv"], "_channels": list(UV_CPU_CHANNELS)}
+    return {"_transports": ["uv"], "_channels": [*UV_CPU_CHANNELS, *registered_channels(CUDA_CHANNELS)]}
 
 
 def positive_int(value: Any, what: str, *, wrong_type: type[Exception] = TypeError, message: str | None = None) -> int:

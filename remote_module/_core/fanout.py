@@ -31,8 +31,9 @@ it completes. Results travel as RPC sends them (tensors, RRefs created on the ho
 
 Example (a caller and two hosts that only serve)::
 
-    # every worker: rpc.init_rpc(name, rank=..., world_size=3); workers 1 and 2 then only
-    # call rpc.shutdown(). In an importable module, e.g. mylib/tables.py:
+    # every worker: rpc.init_rpc(name, rank=..., world_size=3,
+    # rpc_backend_options=rpc_backend.make_options()); workers 1 and 2 then only call
+    # rpc.shutdown(). In an importable module, e.g. mylib/tables.py:
     def row_count(path: str) -> int:
         return len(torch.load(path))
 

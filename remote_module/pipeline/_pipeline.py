@@ -174,7 +174,9 @@ class RemotePipeline(nn.Module):
 
     Example (worker0 drives; worker1 and worker2 only join RPC and wait)::
 
-        # worker1, worker2: rpc.init_rpc(f"worker{rank}", rank=rank, world_size=3); rpc.shutdown()
+        # worker1, worker2 (make_options: rpc_backend's, whose transport sleeps when idle):
+        # rpc.init_rpc(f"worker{rank}", rank=rank, world_size=3, rpc_backend_options=make_options())
+        # rpc.shutdown()
         # worker0:
         pipe = RemotePipeline(
             [("worker1/cpu", nn.Linear, (16, 32), None), ("worker2/cpu", nn.Linear, (32, 4), None)],

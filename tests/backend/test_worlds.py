@@ -214,10 +214,15 @@ def test_the_transport_is_uv_by_default_and_shm_on_request():
     from rpc_backend.options import transport_kwargs
 
     assert DEFAULT_TRANSPORT == "uv" and set(TRANSPORTS) == {"uv", "shm"}
-    assert transport_kwargs("uv") == {"_transports": ["uv"], "_channels": ["basic"]}
+    uv = transport_kwargs("uv")
+    assert uv["_transports"] == ["uv"] and uv["_channels"][0] == "basic"
     assert transport_kwargs("shm") == {}  # torch's defaults, as a plain init_rpc
-    # with devices, every registered channel (the CUDA ones among them) stays on offer
-    assert transport_kwargs("uv", cuda=True) == {"_transports": ["uv"]}
+    # every rank offers the CUDA channels this torch has (a peer's device map gives it devices)
+    cuda = uv["_channels"][1:]
+    assert set(cuda) <= {"cuda_ipc", "cuda_gdr", "cuda_xth", "cuda_basic"}
+    if torch.version.cuda is not None and torch.cuda.is_available():  # a CUDA (not ROCm) build
+        assert "cuda_basic" in cuda, uv
+    assert make_options(device_maps={"w1": {"cuda:0": "cuda:0"}}, devices=["cuda:0"]).devices  # builds
     class AlwaysEqual:
         def __eq__(self, other):
             return True

@@ -15,7 +15,8 @@ from typing import Any, Callable, Iterator
 from tests.benchmarks._cpu import CpuMeter
 
 
-def parse_args(description: str, default_json: str, argv: list[str] | None) -> argparse.Namespace:
+def parse_args(description: str, default_json: str, argv: list[str] | None,
+               transport: bool = True) -> argparse.Namespace:
     """``--quick`` (small sizes, for a smoke run), ``--json PATH`` and ``--transport`` (the
     world's TensorPipe transport, ``rpc_backend``'s default unless given)."""
     from rpc_backend import DEFAULT_TRANSPORT, TRANSPORTS
@@ -23,8 +24,9 @@ def parse_args(description: str, default_json: str, argv: list[str] | None) -> a
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="small sizes (for a smoke run)")
     parser.add_argument("--json", default=default_json)
-    parser.add_argument("--transport", choices=TRANSPORTS, default=DEFAULT_TRANSPORT,
-                        help=f"the world's transport (default {DEFAULT_TRANSPORT})")
+    if transport:  # (not for a benchmark that compares the transports itself)
+        parser.add_argument("--transport", choices=TRANSPORTS, default=DEFAULT_TRANSPORT,
+                            help=f"the world's transport (default {DEFAULT_TRANSPORT})")
     return parser.parse_args(argv)
 
 

@@ -22,6 +22,7 @@ pair of workers exchange a message, then measures:
 * idle: CPU used by each rank over the idle window (a core is 1.0);
 * small call: ``rpc_sync`` of a no-op to worker1, seconds per call;
 * 64 in flight: 64 ``rpc_async`` calls to worker1 (a 16-float tensor each) awaited together;
+* 64 x 1 MB in flight: 64 ``rpc_async`` calls carrying 1 MB each to worker1, awaited together;
 * 64 MB: one ``rpc_sync`` carrying 64 MB to worker1 (a float answer).
 
 Beside each time: CPU seconds per operation summed over the world's processes (every thread), which
@@ -119,6 +120,11 @@ def measure(cfg: dict) -> dict:
     def inflight() -> None:
         torch.futures.wait_all([rpc.rpc_async("worker1", torch.add, (x, 1)) for _ in range(64)])
 
+    mid = torch.ones((1 << 20) // 4)
+
+    def inflight_mb() -> None:
+        torch.futures.wait_all([rpc.rpc_async("worker1", _first, (mid,)) for _ in range(64)])
+
     big = torch.ones(cfg["big_mb"] * (1 << 20) // 4)
 
     def big_call() -> None:
@@ -126,6 +132,7 @@ def measure(cfg: dict) -> dict:
 
     out["small_call_s"], out["small_call_cpu_s"] = timed(small_calls, small, 4)
     out["inflight64_s"], out["inflight64_cpu_s"] = timed(inflight, 1, cfg["inflight_rounds"])
+    out["inflight64_1mb_s"], out["inflight64_1mb_cpu_s"] = timed(inflight_mb, 1, cfg["big_calls"])
     out["big_s"], out["big_cpu_s"] = timed(big_call, 1, cfg["big_calls"])
     return out
 
@@ -172,7 +179,8 @@ def _run_local_idle(idle_s: float) -> list[float | None] | None:
     return [None if c is None else c / idle_s for c in meter.stop_each()]
 
 
-METRICS = [("small_call_s", "small call"), ("inflight64_s", "64 in flight"), ("big_s", "64 MB")]
+METRICS = [("small_call_s", "small call"), ("inflight64_s", "64 in flight"),
+           ("inflight64_1mb_s", "64 x 1 MB"), ("big_s", "64 MB")]
 
 
 def summarise(runs: dict[str, list[dict]]) -> dict:
@@ -212,7 +220,7 @@ def report(results: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(__doc__.splitlines()[0], "bench-transport-results.json", argv)
+    args = parse_args(__doc__.splitlines()[0], "bench-transport-results.json", argv, transport=False)
     cfg = dict(QUICK if args.quick else FULL)
     names = cfg["configs"]
     runs: dict[str, list[dict]] = {name: [] for name in names}

@@ -238,6 +238,6 @@ def test_quick_transport_benchmark_runs(tmp_path, capsys):
     saved = json.loads(out.read_text())
     assert set(saved["summary"]) == {"uv", "shm"} == set(results["summary"])
     for row in saved["summary"].values():
-        assert all(row[key] > 0 for key in ("small_call_s", "inflight64_s", "big_s"))
+        assert all(row[key] > 0 for key in ("small_call_s", "inflight64_s", "inflight64_1mb_s", "big_s"))
     assert len(saved["run_local_default_idle_core_per_rank"]) == 2
     assert "(target <= 0.03)" in capsys.readouterr().out
