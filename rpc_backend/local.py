@@ -10,6 +10,7 @@ A failing rank stops the world within seconds instead of hanging it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -18,7 +19,7 @@ import queue
 import time
 import traceback
 import warnings
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch.distributed.rpc as rpc
 
@@ -186,6 +187,8 @@ def run_local(
     (terminate, then kill) and then the signal has its usual effect (``KeyboardInterrupt``;
     the process ends); the ranks also exit by themselves if the caller dies outright. The ranks
     keep two unactionable torch warnings off the console (see ``rpc_backend/_quiet.py``).
+    As torchrun does, ranks start with ``OMP_NUM_THREADS=1`` (one intra-op thread each: they
+    share the machine's cores) unless the caller's environment sets it.
     MASTER_ADDR / MASTER_PORT name a store the launcher hosts on 127.0.0.1 (as torchrun's agent
     does), so :func:`~rpc_backend.init_role_process_group` and ``init_process_group`` work in
     ``fn``. Returns the ranks' return values ordered by rank, copied by value with plain pickle
@@ -247,18 +250,19 @@ def run_local(
         procs: list[Any] = []
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            for rank in range(world_size):
-                stop.raise_if_received()
-                rank_maps = maps_by_worker.get(names[rank])
-                proc = ctx.Process(
-                    target=_rank_entry,
-                    args=(fn, args, rank, layout, os.getpid(), store.port,
-                          {**option_kwargs, "device_maps": rank_maps}, shutdown_timeout, results),
-                    name=f"rpc-{names[rank]}",
-                    daemon=False,
-                )
-                proc.start()  # raises for e.g. an fn that cannot be pickled for spawn
-                procs.append(proc)  # only started ranks are stopped and joined below
+            with _one_thread_unless_set(world_size):  # read by each rank as it starts
+                for rank in range(world_size):
+                    stop.raise_if_received()
+                    rank_maps = maps_by_worker.get(names[rank])
+                    proc = ctx.Process(
+                        target=_rank_entry,
+                        args=(fn, args, rank, layout, os.getpid(), store.port,
+                              {**option_kwargs, "device_maps": rank_maps}, shutdown_timeout, results),
+                        name=f"rpc-{names[rank]}",
+                        daemon=False,
+                    )
+                    proc.start()  # raises for e.g. an fn that cannot be pickled for spawn
+                    procs.append(proc)  # only started ranks are stopped and joined below
             if progress is not None:
                 progress(f"started {world_size} processes ({', '.join(names)}); each imports torch, "
                          f"then joins the RPC world")
@@ -269,6 +273,21 @@ def run_local(
             results.close()
             del store
     return [values[r] for r in range(world_size)]
+
+
+@contextlib.contextmanager
+def _one_thread_unless_set(world_size: int) -> Iterator[None]:
+    """``OMP_NUM_THREADS=1`` in this process's environment while the ranks start (a spawned
+    process gets the environment as it is at its start), as torchrun sets it for more than one
+    process per machine, unless the caller has set it; the caller's environment afterwards."""
+    if world_size < 2 or "OMP_NUM_THREADS" in os.environ:
+        yield
+        return
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop("OMP_NUM_THREADS", None)
 
 
 def _collect(

@@ -61,4 +61,5 @@ def what_a_rank_sees(mark_name: str) -> dict:
         "launcher": multiprocessing.parent_process().pid,
         "parent": os.getppid(),
         "threads": torch.get_num_threads(),
+        "omp_env": os.environ.get("OMP_NUM_THREADS"),
     }

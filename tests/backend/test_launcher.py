@@ -100,20 +100,26 @@ def test_ranks_see_the_callers_environment_cwd_stdout_and_transport_as_of_each_c
     import os
 
     mark = "RPC_BACKEND_TEST_MARK"
-    THREADS = (2, 1)  # (torch caps the count at the cores there are: 2 on the smallest machines)
+    # set to 2 (torch caps the count at the cores there are: 2 on the smallest machines), then
+    # unset: one thread per rank, as torchrun sets it for several processes
+    THREADS = (2, 1)
     TRANSPORT_OF_CALL = ({}, {"transport": "shm"})  # the default (uv), then torch's own defaults
     monkeypatch.chdir(tmp_path)
     seen = {}
     for i in range(2):
         monkeypatch.setenv(mark, f"call{i}")  # changed after the first call: the second sees it
-        monkeypatch.setenv("OMP_NUM_THREADS", str(THREADS[i]))
+        if i == 0:
+            monkeypatch.setenv("OMP_NUM_THREADS", str(THREADS[i]))
+        else:
+            monkeypatch.delenv("OMP_NUM_THREADS")
         transport = TRANSPORT_OF_CALL[i]
         seen[i] = run_local(_launcher_remote.what_a_rank_sees, 2, args=(mark,), timeout=90, **transport)
     me = os.getpid()
     for i, ranks in seen.items():
         for got in ranks:
             assert got["mark"] == f"call{i}" and got["cwd"] == str(tmp_path), got
-            assert got["threads"] == THREADS[i], got  # OMP_NUM_THREADS as the call saw it
+            assert got["threads"] == THREADS[i], got  # OMP_NUM_THREADS as the call saw it, else 1
+            assert got["omp_env"] == str(THREADS[i]), got
             assert got["launcher"] == got["parent"] == me, got
             if got["thread_names"] is not None:  # Linux: the transport asked for, and only it
                 spinning = "TP_SHM_reactor" in got["thread_names"]
@@ -122,3 +128,4 @@ def test_ranks_see_the_callers_environment_cwd_stdout_and_transport_as_of_each_c
     # their prints reach the caller's stdout (here: pytest's capture)
     out = capfd.readouterr().out
     assert out.count("rank 0 prints") == 2 and out.count("rank 1 prints") == 2, out
+    assert "OMP_NUM_THREADS" not in os.environ  # the caller's environment, as it was
