@@ -39,7 +39,16 @@ import torch
 from torch import nn
 
 from remote_module.demos.progress import NoBar, progress_bar
-from rpc_backend import Worker, current_worker, init_from_env, init_role_process_group, read_env, run_local
+from rpc_backend import (
+    DEFAULT_TRANSPORT,
+    TRANSPORTS,
+    Worker,
+    current_worker,
+    init_from_env,
+    init_role_process_group,
+    read_env,
+    run_local,
+)
 
 TABLES = {"user": 1_000_000, "ad": 100_000, "site": 10_000}  # rows per table
 DIM = 16  # embedding width
@@ -349,6 +358,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=_at_least_one, default=150, help="training steps per trainer (default: 150)")
     parser.add_argument("--threads", type=_at_least_one, default=None,
                         help="torch threads per rank (default: this machine's cores / its ranks, at least 1)")
+    parser.add_argument("--transport", choices=TRANSPORTS, default=DEFAULT_TRANSPORT,
+                        help="TensorPipe transport: uv sleeps when idle, shm (torch's defaults) busy-polls "
+                             "(default: %(default)s)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     parser.add_argument("--plot", default="dlrm-demo.png", metavar="PNG",
                         help="where to write the loss/AUC curves (needs matplotlib; '' for none; default: %(default)s)")
@@ -382,14 +394,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     """
     args = parse_args(argv)
     if args.torchrun:
-        with init_from_env(roles={"ps": args.servers, "trainer": args.trainers}):
+        with init_from_env(roles={"ps": args.servers, "trainer": args.trainers}, transport=args.transport):
             mine = _rank(args)
             results = _gather(mine)
     else:
         print(f"Starting a local RPC world on loopback: {args.servers} server(s), {args.trainers} trainer(s)...",
               flush=True)
         out = run_local(_rank, args.servers + args.trainers, roles={"ps": args.servers, "trainer": args.trainers},
-                        args=(args,), timeout=900, progress=lambda message: say(f"  {message}"))
+                        args=(args,), timeout=900, progress=lambda message: say(f"  {message}"),
+                        transport=args.transport)
         results = [r for r in out if r is not None]
     if not results:
         return []

@@ -84,6 +84,7 @@ def test_auc_is_the_pairwise_rank_statistic():
         (["--steps", "0"], "argument --steps: must be at least 1, got 0"),
         (["--steps", "ten"], "argument --steps: expected a whole number, got 'ten'"),
         (["--mode", "hogwild"], "argument --mode: invalid choice: 'hogwild'"),
+        (["--transport", "tcp"], "argument --transport: invalid choice: 'tcp'"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(argv, message, capsys, monkeypatch):
@@ -93,6 +94,12 @@ def test_bad_arguments_are_refused_by_name(argv, message, capsys, monkeypatch):
         dlrm_demo.parse_args(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_transport_is_rpc_backends_default_unless_chosen(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    assert dlrm_demo.parse_args([]).transport == "uv"
+    assert dlrm_demo.parse_args(["--transport", "shm"]).transport == "shm"
 
 
 def _torchrun_env(monkeypatch, world_size):
