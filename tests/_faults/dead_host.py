@@ -31,7 +31,7 @@ def wait_until_dead(pid: int, seconds: float = 10.0) -> None:
             with open(f"/proc/{pid}/stat") as f:
                 if f.read().rsplit(")", 1)[1].split()[0] == "Z":  # killed, not yet reaped
                     return
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # gone (ESRCH: reaped while being read)
             return
         time.sleep(0.02)
     raise AssertionError(f"process {pid} still alive after {seconds} s")

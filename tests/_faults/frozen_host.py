@@ -80,7 +80,7 @@ def thread_states(pid: int) -> list[str]:
         try:
             with open(f"/proc/{pid}/task/{task}/stat") as f:
                 states.append(f.read().rsplit(")", 1)[1].split()[0])
-        except FileNotFoundError:  # a thread that just ended
+        except (FileNotFoundError, ProcessLookupError):  # a thread that just ended (ESRCH mid-read)
             continue
     return states
 
