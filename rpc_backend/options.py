@@ -92,8 +92,7 @@ def make_options(
         opts = make_options(rpc_timeout=20, device_maps={"ps0": {"cuda:0": "cuda:0"}})
     """
     rpc_timeout = positive_seconds(rpc_timeout, "rpc_timeout")
-    if not isinstance(transport, str) or transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    chosen = transport_kwargs(transport)  # checks it
     num_worker_threads = positive_int(num_worker_threads, "num_worker_threads", wrong_type=ValueError)
     known = None if worker_names is None else set(worker_names)
     maps: dict[str, dict[torch.device, torch.device]] = {}
@@ -119,7 +118,7 @@ def make_options(
         kwargs["device_maps"] = maps
     if device_list is not None:
         kwargs["devices"] = device_list
-    kwargs.update(transport_kwargs(transport))
+    kwargs.update(chosen)
     return rpc.TensorPipeRpcBackendOptions(**kwargs)
 
 

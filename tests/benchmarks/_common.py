@@ -118,6 +118,14 @@ def rounds(
     return samples, cpu
 
 
+def repeated(fn: Callable[[], Any], times: int) -> Callable[[], None]:
+    """A callable that calls ``fn`` ``times`` times: one block of calls, for :func:`rounds`."""
+    def run() -> None:
+        for _ in range(times):
+            fn()
+    return run
+
+
 def median_cpu(samples: list[float | None], ops: float = 1) -> float | None:
     """CPU seconds per operation: the median over rounds of a round's CPU seconds, over
     ``ops`` operations a round; None when any round's CPU is unknown (off Linux)."""

@@ -26,7 +26,7 @@ import torch.distributed.rpc as rpc
 from torch import nn
 
 from rpc_backend import run_local
-from tests.benchmarks._common import cpu_cell, cpu_per_op, parse_args, publish, rounds
+from tests.benchmarks._common import cpu_cell, cpu_per_op, parse_args, publish, repeated, rounds
 from tests.benchmarks._cpu import CpuMeter, world_meter
 
 SMALL_IN = 16
@@ -65,14 +65,8 @@ def interleaved(variants: dict[str, Callable[[], Any]], blocks: int, per_block: 
         for _ in range(max(3, per_block // 4)):
             fn()
 
-    def block(fn: Callable[[], Any]) -> Callable[[], None]:
-        def run() -> None:
-            for _ in range(per_block):
-                fn()
-        return run
-
     # rounds rotates the order each block, so no variant always runs right after the same other
-    samples, cpu = rounds({name: block(fn) for name, fn in variants.items()}, blocks, 0, meter)
+    samples, cpu = rounds({name: repeated(fn, per_block) for name, fn in variants.items()}, blocks, 0, meter)
     return {name: statistics.median(s) / per_block for name, s in samples.items()}, cpu_per_op(cpu, per_block)
 
 

@@ -55,7 +55,15 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from rpc_backend import run_local
 from tests.benchmarks import _sharded_hosts as hosts
 from tests.benchmarks._caller_bytes import CallerBytes
-from tests.benchmarks._common import cpu_cell, cpu_per_op, one_thread_per_rank, parse_args, publish, rounds
+from tests.benchmarks._common import (
+    cpu_cell,
+    cpu_per_op,
+    one_thread_per_rank,
+    parse_args,
+    publish,
+    repeated,
+    rounds,
+)
 from tests.benchmarks._cpu import CpuMeter, world_meter
 from tests.benchmarks.bench_remote_module import _verdict
 
@@ -93,13 +101,7 @@ def blocks(variants: dict[str, tuple[Callable[[], Any], Callable[[], None]]], n:
             call()
         after()
 
-    def block(call: Callable[[], Any]) -> Callable[[], None]:
-        def run() -> None:
-            for _ in range(per_block):
-                call()
-        return run
-
-    samples, cpu = rounds({name: block(call) for name, (call, _) in variants.items()}, n, 0, meter,
+    samples, cpu = rounds({name: repeated(call, per_block) for name, (call, _) in variants.items()}, n, 0, meter,
                           after={name: after for name, (_, after) in variants.items()})
     return ({name: [t / per_block for t in s] for name, s in samples.items()},
             {name: [None if c is None else c / per_block for c in s] for name, s in cpu.items()})

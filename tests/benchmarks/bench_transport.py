@@ -37,21 +37,17 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
 
-from rpc_backend import current_worker, fresh_file_rendezvous, loopback_env, make_options, run_local
+from rpc_backend import current_worker, fresh_file_rendezvous, loopback_env, run_local
 from rpc_backend._quiet import no_backend_as_process_group_warning
 from rpc_backend.options import transport_kwargs
-from tests.benchmarks._common import cpu_cell, median_cpu, one_thread_per_rank, parse_args, publish
+from tests.benchmarks._common import cpu_cell, median_cpu, one_thread_per_rank, parse_args, publish, repeated, rounds
 from tests.benchmarks._cpu import CpuMeter, world_pids
-
-
-def _names(n: int) -> list[str]:
-    return [f"worker{r}" for r in range(n)]
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "uv": transport_kwargs("uv"),
@@ -73,6 +69,10 @@ def _first(t: torch.Tensor) -> float:
     return float(t[0])
 
 
+def _names(n: int) -> list[str]:
+    return [f"worker{r}" for r in range(n)]
+
+
 def _greet_everyone(names: list[str]) -> None:
     me = rpc.get_worker_info().name
     for name in names:
@@ -80,40 +80,31 @@ def _greet_everyone(names: list[str]) -> None:
             rpc.rpc_sync(name, _noop)
 
 
-def _per_op(seconds: list[float], cpu: list[float | None], ops: int) -> tuple[float, float | None]:
-    return statistics.median(seconds) / ops, median_cpu(cpu, ops)
+def idle_after_traffic(names: list[str], idle_s: float) -> tuple[CpuMeter, list[float | None]]:
+    """On ``names[0]``: after a message between every pair of ``names`` (so every connection
+    exists), the CPU each of their processes uses over ``idle_s`` seconds of nothing, in cores;
+    and the meter over those processes."""
+    for name in names:
+        rpc.rpc_sync(name, _greet_everyone, (names,))
+    meter = CpuMeter(world_pids(names[1:]))
+    time.sleep(0.5)  # let the last answers settle
+    meter.start()
+    time.sleep(idle_s)
+    return meter, [None if c is None else c / idle_s for c in meter.stop_each()]
 
 
 def measure(cfg: dict) -> dict:
-    """Run on worker0: idle CPU per rank, then the three call patterns."""
-    names = _names(cfg["ranks"])
-    for name in names:  # traffic between every pair, so every connection exists
-        rpc.rpc_sync(name, _greet_everyone, (names,))
-    pids = world_pids(names[1:])
-    meter = CpuMeter(pids)
-    time.sleep(0.5)  # let the last answers settle
-    meter.start()
-    time.sleep(cfg["idle_s"])
-    idle = [None if c is None else c / cfg["idle_s"] for c in meter.stop_each()]
-
+    """Run on worker0: idle CPU per rank, then the call patterns (time and CPU per operation)."""
+    meter, idle = idle_after_traffic(_names(cfg["ranks"]), cfg["idle_s"])
     out: dict[str, Any] = {"idle_core_per_rank": idle}
 
-    def timed(fn, ops: int, rounds: int) -> tuple[float, float | None]:
-        fn()  # warm
-        seconds, cpu = [], []
-        for _ in range(rounds):
-            meter.start()
-            start = time.perf_counter()
-            fn()
-            seconds.append(time.perf_counter() - start)
-            cpu.append(meter.stop())
-        return _per_op(seconds, cpu, ops)
+    def timed(key: str, fn: Callable[[], Any], ops: int, n: int) -> None:
+        seconds, cpu = rounds({key: fn}, n, 1, meter)
+        out[key] = statistics.median(seconds[key]) / ops
+        out[_cpu_key(key)] = median_cpu(cpu[key], ops)
 
     small = cfg["small_calls"] // 4
-
-    def small_calls() -> None:
-        for _ in range(small):
-            rpc.rpc_sync("worker1", _noop)
+    small_calls = repeated(lambda: rpc.rpc_sync("worker1", _noop), small)
 
     x = torch.ones(16)
 
@@ -130,21 +121,19 @@ def measure(cfg: dict) -> dict:
     def big_call() -> None:
         rpc.rpc_sync("worker1", _first, (big,))
 
-    out["small_call_s"], out["small_call_cpu_s"] = timed(small_calls, small, 4)
-    out["inflight64_s"], out["inflight64_cpu_s"] = timed(inflight, 1, cfg["inflight_rounds"])
-    out["inflight64_1mb_s"], out["inflight64_1mb_cpu_s"] = timed(inflight_mb, 1, cfg["big_calls"])
-    out["big_s"], out["big_cpu_s"] = timed(big_call, 1, cfg["big_calls"])
+    timed("small_call_s", small_calls, small, 4)
+    timed("inflight64_s", inflight, 1, cfg["inflight_rounds"])
+    timed("inflight64_1mb_s", inflight_mb, 1, cfg["big_calls"])
+    timed("big_s", big_call, 1, cfg["big_calls"])
     return out
 
 
 def _rank(rank: int, config: dict, init_method: str, cfg: dict, answers: Any) -> None:
     os.environ.update(loopback_env())
-    options = make_options(init_method=init_method, rpc_timeout=120, num_worker_threads=16)
-    kwargs = {"init_method": init_method, "rpc_timeout": options.rpc_timeout,
-              "num_worker_threads": options.num_worker_threads, **config}
+    options = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=120, num_worker_threads=16,
+                                              **config)
     with no_backend_as_process_group_warning():
-        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=cfg["ranks"],
-                     rpc_backend_options=rpc.TensorPipeRpcBackendOptions(**kwargs))
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=cfg["ranks"], rpc_backend_options=options)
     if rank == 0:
         answers.put(measure(cfg))
     rpc.shutdown()
@@ -169,18 +158,16 @@ def idle_under_run_local(cfg: dict) -> list[float | None]:
 def _run_local_idle(idle_s: float) -> list[float | None] | None:
     if rpc.get_worker_info().id != 0:
         return None
-    names = list(current_worker().names)
-    for name in names:
-        rpc.rpc_sync(name, _greet_everyone, (names,))
-    meter = CpuMeter(world_pids(names[1:]))
-    time.sleep(0.5)
-    meter.start()
-    time.sleep(idle_s)
-    return [None if c is None else c / idle_s for c in meter.stop_each()]
+    return idle_after_traffic(list(current_worker().names), idle_s)[1]
 
 
 METRICS = [("small_call_s", "small call"), ("inflight64_s", "64 in flight"),
            ("inflight64_1mb_s", "64 x 1 MB"), ("big_s", "64 MB")]
+
+
+def _cpu_key(key: str) -> str:
+    """The JSON key of a metric's CPU seconds per operation: ``big_s`` -> ``big_cpu_s``."""
+    return key.removesuffix("_s") + "_cpu_s"
 
 
 def summarise(runs: dict[str, list[dict]]) -> dict:
@@ -190,8 +177,8 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
             max(v for v in w["idle_core_per_rank"] if v is not None) for w in worlds)}
         for key, _ in METRICS:
             row[key] = statistics.median(w[key] for w in worlds)
-            cpu = [w[key.replace("_s", "_cpu_s")] for w in worlds]
-            row[key.replace("_s", "_cpu_s")] = statistics.median(cpu) if None not in cpu else None
+            cpu = [w[_cpu_key(key)] for w in worlds]
+            row[_cpu_key(key)] = statistics.median(cpu) if None not in cpu else None
             row[key + "_ratio_to_shm"] = statistics.median(
                 w[key] / s[key] for w, s in zip(worlds, runs["shm"]))
         summary[name] = row
@@ -207,7 +194,7 @@ def report(results: dict) -> str:
     for name, row in results["summary"].items():
         cells = [f"{name:10} {row['idle_core_per_rank_max']:14.3f}"]
         for key, _ in METRICS:
-            cells.append(f"{row[key] * 1e6:16.0f} {cpu_cell(row[key.replace('_s', '_cpu_s')], 1e6, 9, 0)} "
+            cells.append(f"{row[key] * 1e6:16.0f} {cpu_cell(row[_cpu_key(key)], 1e6, 9, 0)} "
                          f"{row[key + '_ratio_to_shm']:6.2f}")
         lines.append(" ".join(cells))
     idle = results["run_local_default_idle_core_per_rank"]
