@@ -1,11 +1,13 @@
 """``run_local``: run a function on N local processes that form one RPC world.
 
-The embedded default used by ``make demo``, the tutorials and tests: spawned processes on
-loopback, each with RPC initialized and RANK / WORLD_SIZE / LOCAL_RANK set as torchrun would
-set them. Like torchrun's agent, the launcher hosts the job's store (on 127.0.0.1 only) and
-gives every rank MASTER_ADDR / MASTER_PORT / TORCHELASTIC_USE_AGENT_STORE, so code written
-for torchrun (``init_role_process_group``, ``init_process_group("gloo")``) runs unchanged.
-A failing rank stops the world within seconds instead of hanging it.
+The embedded default used by ``make demo``, the tutorials and tests: processes on loopback,
+each with RPC initialized and RANK / WORLD_SIZE / LOCAL_RANK set as torchrun would set them.
+The launcher spawns one fresh process per world, which imports torch once and forks the ranks
+(``rpc_backend/_zygote.py`` says what a forked rank keeps of a spawned one's semantics).
+Like torchrun's agent, the launcher hosts the job's store (on 127.0.0.1 only) and gives every
+rank MASTER_ADDR / MASTER_PORT / TORCHELASTIC_USE_AGENT_STORE, so code written for torchrun
+(``init_role_process_group``, ``init_process_group("gloo")``) runs unchanged. A failing rank
+stops the world within seconds instead of hanging it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import time
 import traceback
 import warnings
@@ -25,6 +28,7 @@ import torch.distributed.rpc as rpc
 
 from rpc_backend._lifetime import StopSignals, exit_with_parent
 from rpc_backend._quiet import hide_functional_optimizer_deprecation, no_backend_as_process_group_warning
+from rpc_backend._zygote import Ranks, zygote_main
 from rpc_backend.loopback import loopback_env, loopback_store
 from rpc_backend.options import DEFAULT_TRANSPORT, make_options, positive_seconds
 from rpc_backend.roles import RankPlacement, placements
@@ -44,17 +48,17 @@ class LocalWorldError(RuntimeError):
 
 
 def _rank_entry(
+    parent_pid: int,
     fn: Callable[..., Any],
     args: tuple,
     rank: int,
     layout: list[RankPlacement],
-    launcher_pid: int,
     store_port: int,
     option_kwargs: dict,
     shutdown_timeout: float | None,
     results: Any,
 ) -> None:
-    exit_with_parent(launcher_pid)  # a launcher killed outright (SIGKILL) cannot stop its ranks
+    exit_with_parent(parent_pid)  # a launcher killed outright (SIGKILL) cannot stop its ranks
     hide_functional_optimizer_deprecation()
     # The user's script runs here as __mp_main__: show the DeprecationWarnings its own lines
     # trigger, as Python's default filters do for __main__ (a plain run or torchrun).
@@ -177,7 +181,7 @@ def run_local(
     progress_every: float = 2.0,
     transport: str = DEFAULT_TRANSPORT,
 ) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` spawned local processes forming one RPC world.
+    """Run ``fn(*args)`` on ``world_size`` local processes forming one RPC world.
 
     Worker names come from ``roles`` (``{"ps": 1, "trainer": 2}`` -> ps0, trainer0, trainer1)
     or are given as ``names``; default ``worker0 .. worker{N-1}``. Each rank sees RANK,
@@ -197,13 +201,17 @@ def run_local(
     type. If a rank raises, its traceback is printed, the other ranks are stopped and
     :class:`LocalWorldError` is raised within ``stop_grace`` seconds. ``timeout`` bounds the
     whole run (None: no bound). ``fn`` must be importable (module level).
+    The ranks are forked from one process that this call spawns (a fresh interpreter with the
+    caller's environment, working directory and ``__main__`` as of the call, which imports
+    torch once); each runs its ``atexit`` handlers when done and draws its own Python and
+    NumPy random numbers, as a spawned process would (see ``rpc_backend/_zygote.py``).
     A rank whose ``fn`` returned keeps serving the others until every rank is done, however
     long that takes; ``shutdown_timeout`` seconds bound that wait (a rank that hits the bound
     shuts down immediately and fails the world).
     ``device_maps`` maps a worker name to its own device maps, e.g.
     ``{"worker0": {"worker1": {"cuda:0": "cuda:0"}}}``.
     ``progress``, when given, is called in the caller with one-line messages while the world
-    starts (spawning takes seconds: every rank imports torch before it joins): once when the
+    starts (seconds: the process that forks the ranks imports torch first): once when the
     processes start, every ``progress_every`` seconds while some rank has not joined the RPC
     world yet (naming them), and once when all have joined; then, once every ``fn`` has
     returned, while the ranks shut down and exit (the same way); e.g. ``progress=print``.
@@ -247,29 +255,29 @@ def run_local(
         store = loopback_store()
         ctx = mp.get_context("spawn")
         results = ctx.Queue()
-        procs: list[Any] = []
+        ranks: Ranks | None = None
         deadline = None if timeout is None else time.monotonic() + timeout
+        rank_args = [
+            (fn, args, rank, layout, store.port, {**option_kwargs, "device_maps": maps_by_worker.get(names[rank])},
+             shutdown_timeout, results)
+            for rank in range(world_size)
+        ]
         try:
-            with _one_thread_unless_set(world_size):  # read by each rank as it starts
-                for rank in range(world_size):
-                    stop.raise_if_received()
-                    rank_maps = maps_by_worker.get(names[rank])
-                    proc = ctx.Process(
-                        target=_rank_entry,
-                        args=(fn, args, rank, layout, os.getpid(), store.port,
-                              {**option_kwargs, "device_maps": rank_maps}, shutdown_timeout, results),
-                        name=f"rpc-{names[rank]}",
-                        daemon=False,
-                    )
-                    proc.start()  # raises for e.g. an fn that cannot be pickled for spawn
-                    procs.append(proc)  # only started ranks are stopped and joined below
+            stop.raise_if_received()
+            with _one_thread_unless_set(world_size):  # read by the zygote as it starts
+                zygote = ctx.Process(
+                    target=zygote_main, args=(os.getpid(), _rank_entry, rank_args, names, results),
+                    name="rpc-local-world", daemon=False,
+                )
+                zygote.start()  # raises for e.g. an fn that cannot be pickled for spawn (nothing started)
+            ranks = Ranks(zygote, results, world_size)  # only a started world is stopped below
             if progress is not None:
-                progress(f"started {world_size} processes ({', '.join(names)}); each imports torch, "
-                         f"then joins the RPC world")
-            values = _collect(procs, results, names, deadline, timeout, stop,
-                              _JoinReporter(names, progress, progress_every))
+                progress(f"started {world_size} processes ({', '.join(names)}), forked from one that imports "
+                         f"torch once; each then joins the RPC world")
+            values = _collect(ranks, names, deadline, timeout, stop, _JoinReporter(names, progress, progress_every))
         finally:
-            _stop(procs, stop_grace, hurry=lambda: stop.received is not None)
+            if ranks is not None:
+                _stop(ranks, stop_grace, hurry=lambda: stop.received is not None)
             results.close()
             del store
     return [values[r] for r in range(world_size)]
@@ -291,27 +299,27 @@ def _one_thread_unless_set(world_size: int) -> Iterator[None]:
 
 
 def _collect(
-    procs: list[Any], results: Any, names: list[str], deadline: float | None, timeout: float | None,
+    ranks: Ranks, names: list[str], deadline: float | None, timeout: float | None,
     stop: StopSignals, joins: _JoinReporter,
 ) -> dict[int, Any]:
     """Every rank's value by rank; raises for the first rank that fails or exits without one."""
     values: dict[int, Any] = {}
-    while len(values) < len(procs) or any(p.is_alive() for p in procs):
+    while len(values) < len(names) or ranks.any_alive():
         stop.raise_if_received()
-        joins.tick([r for r, p in enumerate(procs) if p.is_alive()])
+        joins.tick(ranks.alive())
         try:
-            status, rank, payload = results.get(timeout=0.2)
+            status, rank, payload = ranks.get(timeout=0.2)
         except queue.Empty:
-            gone = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in values]
+            gone = [r for r in range(len(names)) if r not in values and ranks.exitcode(r) is not None]
             if not gone:
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"local world {names} did not finish within {timeout} s") from None
                 continue
-            try:  # a rank sends its result just before it exits: it may still be in the pipe
-                status, rank, payload = results.get(timeout=0.5)
+            try:  # a rank sends its result before it exits: read what is still in the pipe
+                status, rank, payload = ranks.get(timeout=0.5)
             except queue.Empty:
                 r = gone[0]
-                raise LocalWorldError(r, names[r], f"exited with code {procs[r].exitcode} without a result") from None
+                raise LocalWorldError(r, names[r], f"exited with code {ranks.exitcode(r)} without a result") from None
         if status in ("joined", "returned"):
             joins.mark(status, rank)
             continue
@@ -388,17 +396,13 @@ class _JoinReporter:
             self.progress(message)
 
 
-def _stop(procs: list[Any], grace: float, hurry: Callable[[], bool]) -> None:
+def _stop(ranks: Ranks, grace: float, hurry: Callable[[], bool]) -> None:
     """Give the ranks ``grace`` seconds to exit (none once ``hurry()``), then terminate, then kill."""
     deadline = time.monotonic() + grace
-    while any(p.is_alive() for p in procs) and time.monotonic() < deadline and not hurry():
-        time.sleep(0.05)
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + 2.0
-    for p in procs:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join()
+    while ranks.any_alive() and time.monotonic() < deadline and not hurry():
+        ranks.reap(0.05)
+    if ranks.any_alive():
+        ranks.signal(signal.SIGTERM)
+        if not ranks.reap(2.0):
+            ranks.signal(signal.SIGKILL)
+            ranks.reap(5.0)

@@ -49,6 +49,8 @@ def what_a_rank_sees(mark_name: str) -> dict:
 
     import torch
 
+    from tests.backend._sockets import parent_of
+
     me = rpc.get_worker_info().id
     print(f"rank {me} prints", flush=True)
     rpc.rpc_sync(f"worker{1 - me}", os.getpid)  # a message each way: the transports are in use
@@ -58,8 +60,37 @@ def what_a_rank_sees(mark_name: str) -> dict:
         if os.path.isdir("/proc/self/task") else None,
         "mark": os.environ.get(mark_name),
         "cwd": os.getcwd(),
-        "launcher": multiprocessing.parent_process().pid,
+        # a rank is forked by the world's zygote, which the launcher spawned
         "parent": os.getppid(),
+        "mp_parent": multiprocessing.parent_process().pid,
+        "launcher": parent_of(os.getppid()),
         "threads": torch.get_num_threads(),
         "omp_env": os.environ.get("OMP_NUM_THREADS"),
     }
+
+
+def exits_and_draws(exit_dir: str) -> dict:
+    """Registers an ``atexit`` handler that writes ``exit<rank>`` into ``exit_dir`` and
+    returns one draw of each global random generator."""
+    import atexit
+    import random
+
+    import torch
+
+    rank = rpc.get_worker_info().id
+
+    def mark_exit() -> None:
+        with open(os.path.join(exit_dir, f"exit{rank}"), "w") as f:
+            f.write("ran")
+
+    atexit.register(mark_exit)
+    try:
+        import numpy
+    except ImportError:
+        numpy_draw = None
+    else:
+        numpy_draw = float(numpy.random.random())
+    import multiprocessing
+
+    return {"python": random.random(), "numpy": numpy_draw, "torch": torch.rand(1).item(),
+            "start_method": multiprocessing.get_start_method()}

@@ -36,7 +36,7 @@ def trainers_in_a_role_group() -> dict | None:
     from torch.nn.parallel import DistributedDataParallel
 
     from rpc_backend import current_worker, init_role_process_group
-    from tests.backend._sockets import listening_addresses
+    from tests.backend._sockets import listening_addresses, parent_of
 
     me = current_worker()
     if me.role != "trainer":
@@ -59,7 +59,8 @@ def trainers_in_a_role_group() -> dict | None:
         "from_ps": from_ps,
         "master": (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])),
         "listening": listening_addresses(),
-        "launcher_listening": listening_addresses(os.getppid()),
+        # the launcher: the parent of this rank's parent (the zygote that forked it)
+        "launcher_listening": listening_addresses(parent_of(os.getppid())),
     }
     dist.barrier()
     dist.destroy_process_group()

@@ -30,6 +30,12 @@ def _decode(hex_addr: str, family: int) -> str:
     return socket.inet_ntop(family, struct.pack(">4I", *words))
 
 
+def parent_of(pid: int) -> int:
+    """The parent pid of process ``pid`` (Linux: from /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
 def listening_addresses(pid: int | None = None) -> list[str]:
     """``ip:port`` of every TCP socket in LISTEN state owned by ``pid`` (default: this process)."""
     inodes = _socket_inodes(os.getpid() if pid is None else pid)

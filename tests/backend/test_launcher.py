@@ -120,12 +120,33 @@ def test_ranks_see_the_callers_environment_cwd_stdout_and_transport_as_of_each_c
             assert got["mark"] == f"call{i}" and got["cwd"] == str(tmp_path), got
             assert got["threads"] == THREADS[i], got  # OMP_NUM_THREADS as the call saw it, else 1
             assert got["omp_env"] == str(THREADS[i]), got
-            assert got["launcher"] == got["parent"] == me, got
+            # forked by one process per world (the zygote), which this process spawned
+            assert got["launcher"] == me and got["parent"] == got["mp_parent"] != me, got
             if got["thread_names"] is not None:  # Linux: the transport asked for, and only it
                 spinning = "TP_SHM_reactor" in got["thread_names"]
                 assert "TP_UV_loop" in got["thread_names"], got
                 assert spinning == (TRANSPORT_OF_CALL[i].get("transport") == "shm"), got
+    # one zygote per call, shared by its ranks
+    assert [len({got["parent"] for got in ranks}) for ranks in seen.values()] == [1, 1], seen
+    assert seen[0][0]["parent"] != seen[1][0]["parent"], seen
     # their prints reach the caller's stdout (here: pytest's capture)
     out = capfd.readouterr().out
     assert out.count("rank 0 prints") == 2 and out.count("rank 1 prints") == 2, out
     assert "OMP_NUM_THREADS" not in os.environ  # the caller's environment, as it was
+
+
+def test_forked_ranks_run_their_exit_handlers_and_draw_random_numbers_as_spawned_ones(tmp_path):
+    # the ranks are forked from one process per world (rpc_backend/_zygote.py): what a spawned
+    # rank got from its fresh interpreter must hold as well
+    draws = run_local(_launcher_remote.exits_and_draws, 3, args=(str(tmp_path),), timeout=90)
+    # atexit handlers ran as each rank ended (run_local returns once every rank has exited)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exit0", "exit1", "exit2"]
+    assert all(p.read_text() == "ran" for p in tmp_path.iterdir())
+    # Python's and NumPy's global generators are seeded per process (from the OS) ...
+    assert len({d["python"] for d in draws}) == 3, draws
+    if draws[0]["numpy"] is not None:
+        assert len({d["numpy"] for d in draws}) == 3, draws
+    # ... and torch's starts from its fixed default seed in every rank, as in a fresh process
+    assert len({d["torch"] for d in draws}) == 1, draws
+    # a process a rank starts is spawned by default, as from a spawned rank
+    assert [d["start_method"] for d in draws] == ["spawn"] * 3, draws
