@@ -29,11 +29,11 @@ demo: .install-stamp
 demo-hybrid: .install-stamp
 	$(PYTHON) -m remote_module.demos.hybrid
 
-# One pytest process by default. On a machine with cores to spare, several (pytest-xdist, a
-# file's tests kept in one process, slow files first, see tests/conftest.py):
-#   make TEST_FLAGS="-n 3 --dist loadgroup --no-loadscope-reorder" test
-# On 2 cores that gained little (457-478 s against 480-514 s) and failed tests at load ~20.
-TEST_FLAGS ?=
+# Two pytest processes (pytest-xdist; a file's tests stay in one process, the files that start
+# many processes first, see tests/conftest.py): on 2 cores 298 s against 463-508 s in one
+# process, most of a test's time being waits (deadlines, worlds starting). One process:
+#   make TEST_FLAGS= test
+TEST_FLAGS ?= -n 2 --dist loadfile --no-loadscope-reorder
 test: .install-stamp
 	$(PYTHON) -m pytest $(TEST_FLAGS)
 

@@ -77,8 +77,8 @@ def rpc_world():
 @pytest.fixture(scope="session")
 def ps_world():
     """One parameter-server world (driver, ps0-ps2, trainer0-trainer2) for the PS tests that
-    kill nothing (tests/ps/test_dense.py, tests/ps/test_embedding.py): started once, when the first
-    of them needs it (each start costs every rank's ``import torch``)."""
+    kill nothing (tests/ps/test_dense.py, tests/ps/test_embedding.py): started once per pytest process,
+    when the first of them needs it (each start costs every rank's ``import torch``)."""
     from tests.ps._world import PSWorld
 
     with PSWorld({"ps": 3, "trainer": 3}) as w:
@@ -99,10 +99,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 #: The files that start many processes (subprocess worlds, torchrun, benchmark smoke runs), in
 #: falling order of their wall time on a 2-core machine. With several pytest processes
-#: (pytest-xdist, ``--dist loadgroup`` with the groups below: a file stays in one process, so
-#: its worlds are started once; see the Makefile), handing these out first keeps one long file
-#: from being the last thing left running. Only the order changes: every file still runs, the rest
-#: in collection order.
+#: (pytest-xdist, ``--dist loadfile``: a file stays in one process, so its worlds are started
+#: once; see the Makefile), handing these out first keeps one long file from being the last
+#: thing left running. Only the order changes: every file still runs, the rest in collection
+#: order. (Not ``--dist loadgroup``: pytest-xdist 3.8 marks a group in ``item._nodeid``, which
+#: pytest 9.2 no longer reads, so every test became a group of its own.)
 RUN_FIRST = (
     "tests/test_tutorials.py",
     "tests/test_torchrun.py",
@@ -133,15 +134,12 @@ def _file_order(item: pytest.Item) -> int:
     return RUN_FIRST.index(path) if path in RUN_FIRST else len(RUN_FIRST)
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if getattr(config.option, "numprocesses", None):  # only when pytest-xdist distributes (-n N)
+    # only when pytest-xdist distributes (-n N): in its workers, whose collection order is the
+    # order the controller hands the files out in
+    if getattr(config.option, "numprocesses", None) or hasattr(config, "workerinput"):
         items.sort(key=_file_order)  # stable: within a file, and among the other files, nothing moves
     for item in items:
-        # pytest-xdist's work units (`--dist loadgroup`): a file, except that the files using
-        # the PS session world form one unit, so that world starts in one process only
-        group = "ps_world" if "ps_world" in getattr(item, "fixturenames", ()) else _file_of(item)
-        item.add_marker(pytest.mark.xdist_group(group))
         marker = item.get_closest_marker("timeout")
         if marker is not None and marker.args:
             item.add_marker(pytest.mark.timeout(float(marker.args[0]) * TIMEOUT_SCALE), append=False)
