@@ -11,9 +11,13 @@ would, with these differences taken care of:
 - **exit**: a forked process ends with ``os._exit``; a rank runs the interpreter's ``atexit``
   handlers itself when its function is done (a spawned rank ran them at interpreter exit), so
   loggers flush and user handlers run;
-- **randomness**: Python's ``random`` reseeds itself in a forked child; NumPy's global
-  generator, when NumPy is loaded, is reseeded from the OS here, so ranks do not share a
-  stream (torch's generator starts from its fixed default seed in every rank, as spawned);
+- **randomness**: every rank starts from the generator states the zygote had once the
+  caller's ``__main__`` (and ``fn``'s module) were imported, for Python's ``random``, NumPy's
+  global generator and torch's, as a spawned rank started from what its own import of the
+  same script left: a script that seeds at its top level gets those seeded streams in every
+  rank. (Python reseeds ``random`` in a forked child; that is undone.) One difference: a
+  script that seeds nothing gets one stream shared by its ranks, where spawned ranks each
+  drew fresh OS entropy for Python and NumPy; seed with the rank for independent streams;
 - **lifetime**: a rank dies with its zygote (``PR_SET_PDEATHSIG`` and a watchdog thread), and
   the zygote with the launcher, so a launcher killed outright still takes every rank down;
 - **start method**: a rank's default ``multiprocessing`` start method is ``spawn``, as it was;
@@ -34,6 +38,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import queue
+import random
 import signal
 import sys
 import time
@@ -45,13 +50,23 @@ from rpc_backend._lifetime import _set_parent_death_signal, exit_with_parent
 FORKED, EXITED = "forked", "exited"
 
 
-def _reseed_numpy() -> None:
+def _generator_states() -> tuple[Any, Any]:
+    """Python's ``random`` state and NumPy's global one (None without NumPy)."""
+    numpy_state = None
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         try:
-            numpy.random.seed()
-        except Exception:  # a stub or broken NumPy: nothing to reseed
+            numpy_state = numpy.random.get_state()
+        except Exception:  # a stub or broken NumPy: nothing to carry over
             pass
+    return random.getstate(), numpy_state
+
+
+def _restore_generators(states: tuple[Any, Any]) -> None:
+    python_state, numpy_state = states
+    random.setstate(python_state)  # Python reseeded it in this forked child
+    if numpy_state is not None:
+        sys.modules["numpy"].random.set_state(numpy_state)
 
 
 class _RankProcess(mp.context.ForkProcess):
@@ -61,8 +76,8 @@ class _RankProcess(mp.context.ForkProcess):
     _start_method = "spawn"
 
 
-def _forked_rank(target: Callable[..., None], args: tuple) -> None:
-    _reseed_numpy()
+def _forked_rank(target: Callable[..., None], args: tuple, states: tuple[Any, Any]) -> None:
+    _restore_generators(states)
     try:
         target(*args)
     finally:
@@ -78,9 +93,10 @@ def zygote_main(
     ``target(zygote_pid, *rank_args[r])``; report their pids, then reap them, reporting each
     exit code, until none is left."""
     _set_parent_death_signal(signal.SIGKILL)  # no thread yet: forking comes first
+    states = _generator_states()  # what the caller's script left, for every rank
     ranks = []
     for args, name in zip(rank_args, names):
-        proc = _RankProcess(target=_forked_rank, args=(target, (os.getpid(), *args)), name=f"rpc-{name}",
+        proc = _RankProcess(target=_forked_rank, args=(target, (os.getpid(), *args), states), name=f"rpc-{name}",
                             daemon=False)
         proc.start()
         ranks.append(proc)

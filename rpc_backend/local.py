@@ -203,8 +203,9 @@ def run_local(
     whole run (None: no bound). ``fn`` must be importable (module level).
     The ranks are forked from one process that this call spawns (a fresh interpreter with the
     caller's environment, working directory and ``__main__`` as of the call, which imports
-    torch once); each runs its ``atexit`` handlers when done and draws its own Python and
-    NumPy random numbers, as a spawned process would (see ``rpc_backend/_zygote.py``).
+    torch once); each runs its ``atexit`` handlers when done and starts from the random
+    generator states the script's top level left (seed with the rank for independent streams;
+    see ``rpc_backend/_zygote.py``).
     A rank whose ``fn`` returned keeps serving the others until every rank is done, however
     long that takes; ``shutdown_timeout`` seconds bound that wait (a rank that hits the bound
     shuts down immediately and fails the world).

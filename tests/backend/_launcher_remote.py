@@ -68,29 +68,3 @@ def what_a_rank_sees(mark_name: str) -> dict:
         "omp_env": os.environ.get("OMP_NUM_THREADS"),
     }
 
-
-def exits_and_draws(exit_dir: str) -> dict:
-    """Registers an ``atexit`` handler that writes ``exit<rank>`` into ``exit_dir`` and
-    returns one draw of each global random generator."""
-    import atexit
-    import random
-
-    import torch
-
-    rank = rpc.get_worker_info().id
-
-    def mark_exit() -> None:
-        with open(os.path.join(exit_dir, f"exit{rank}"), "w") as f:
-            f.write("ran")
-
-    atexit.register(mark_exit)
-    try:
-        import numpy
-    except ImportError:
-        numpy_draw = None
-    else:
-        numpy_draw = float(numpy.random.random())
-    import multiprocessing
-
-    return {"python": random.random(), "numpy": numpy_draw, "torch": torch.rand(1).item(),
-            "start_method": multiprocessing.get_start_method()}

@@ -135,18 +135,29 @@ def test_ranks_see_the_callers_environment_cwd_stdout_and_transport_as_of_each_c
     assert "OMP_NUM_THREADS" not in os.environ  # the caller's environment, as it was
 
 
-def test_forked_ranks_run_their_exit_handlers_and_draw_random_numbers_as_spawned_ones(tmp_path):
+
+def test_forked_ranks_run_their_exit_handlers_and_keep_the_scripts_seeds_as_spawned_ones(tmp_path):
     # the ranks are forked from one process per world (rpc_backend/_zygote.py): what a spawned
-    # rank got from its fresh interpreter must hold as well
-    draws = run_local(_launcher_remote.exits_and_draws, 3, args=(str(tmp_path),), timeout=90)
+    # rank got from running the script's top level itself must hold as well
+    import random
+
+    import numpy
+    import torch
+
+    saved = random.getstate(), numpy.random.get_state(), torch.get_rng_state()
+    from tests.backend import _seeded_remote  # seeds this process's generators: put back below
+
+    random.setstate(saved[0])
+    numpy.random.set_state(saved[1])
+    torch.set_rng_state(saved[2])
+    draws = run_local(_seeded_remote.exits_and_draws, 3, args=(str(tmp_path),), timeout=90)
     # atexit handlers ran as each rank ended (run_local returns once every rank has exited)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exit0", "exit1", "exit2"]
     assert all(p.read_text() == "ran" for p in tmp_path.iterdir())
-    # Python's and NumPy's global generators are seeded per process (from the OS) ...
-    assert len({d["python"] for d in draws}) == 3, draws
-    if draws[0]["numpy"] is not None:
-        assert len({d["numpy"] for d in draws}) == 3, draws
-    # ... and torch's starts from its fixed default seed in every rank, as in a fresh process
-    assert len({d["torch"] for d in draws}) == 1, draws
+    # the module seeded Python's, NumPy's and torch's generators at import: every rank draws
+    # from the seeded streams (Python's reseeding of ``random`` in a forked child is undone)
+    want = _seeded_remote.expected_draws()
+    for d in draws:
+        assert {k: d[k] for k in want} == want, (d, want)
     # a process a rank starts is spawned by default, as from a spawned rank
     assert [d["start_method"] for d in draws] == ["spawn"] * 3, draws
