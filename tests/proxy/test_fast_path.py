@@ -17,6 +17,7 @@ from remote_module import RemoteModule
 from remote_module._proxy import channel as _channel
 from remote_module._proxy.wire import INLINE_MAX_BYTES, dumps, loads
 from tests._marks import GRAD_ON_WITHOUT_CONTEXT
+from tests.conftest import TIMEOUT_SCALE
 from tests.proxy import _remote
 from tests.proxy._remote import Affine, Raiser, Sleeper
 
@@ -233,7 +234,8 @@ class TestOverRPC:
         assert len(keys) == 3 and keys <= rpc.rpc_sync("worker2", _remote.registered_keys)
         del proxies
         gc.collect()
-        deadline = time.monotonic() + 60  # the owner hears of the deleted RRefs in its own time
+        # the owner hears of the deleted RRefs in its own time: at load ~10 it took over 60 s
+        deadline = time.monotonic() + 60 * TIMEOUT_SCALE
         while keys & rpc.rpc_sync("worker2", _remote.registered_keys) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not keys & rpc.rpc_sync("worker2", _remote.registered_keys)
