@@ -47,6 +47,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from functools import partial
 from typing import Any, Callable, Iterable, NamedTuple
 
 import torch.distributed.rpc as rpc
@@ -163,6 +164,32 @@ def _worker_name(worker: Any, label: str) -> str:
     )
 
 
+def _worker_info(worker: Any, index: int, n: int, handler: Any) -> rpc.WorkerInfo:
+    """``worker`` as a WorkerInfo (sending to one spares RPC a lookup by name); the error of
+    :func:`_worker_name` for one not in the world."""
+    if isinstance(worker, rpc.WorkerInfo):
+        return worker
+    if isinstance(worker, (str, int)) and not isinstance(worker, bool):
+        try:
+            return rpc.get_worker_info(worker)
+        except RuntimeError:
+            pass
+    _worker_name(worker, _call_label(index, n, handler))  # raises, naming the call
+    raise AssertionError("unreachable")
+
+
+def _unsent(exc: Exception, label: str, name: str) -> BaseException:
+    """The error for a call that could not be sent (an argument that does not pickle, RPC
+    shut down meanwhile)."""
+    if not is_rpc_initialized():
+        return RuntimeError(f"{label} could not be sent to worker {name!r}: RPC was shut down meanwhile ({exc})")
+    return retyped(
+        exc,
+        f"{label} could not be sent to worker {name!r}: {type(exc).__name__}: {exc}. Pass tensors, "
+        "plain Python values or picklable objects, and module-level handlers.",
+    )
+
+
 class _Outstanding:
     """One sent call until its result future is settled, by its answer or by its deadline,
     whichever comes first; the future is dropped once settled (the deadline queue keeps this
@@ -186,7 +213,7 @@ class _Outstanding:
             ok, value = sent.value()  # read even when late: RRefs in it are confirmed, then dropped
         except BaseException as exc:  # the RPC itself failed: dead host, shutdown
             # its traceback holds this frame, hence ``future``, which will hold the failure (and
-            # so ``exc``, its cause) out of the cycle collector's sight: see ``collect`` below
+            # so ``exc``, its cause) out of the cycle collector's sight: see call_all below
             exc.__traceback__ = None
             if future is not None:
                 future.set_exception(_rpc_failure(exc, self.label, self.name))
@@ -243,15 +270,7 @@ def call_async(
     try:
         sent = rpc.rpc_async(name, body, (handler, tuple(args), dict(kwargs or {})), timeout=_NO_RPC_TIMEOUT)
     except Exception as exc:  # nothing was sent
-        if not is_rpc_initialized():
-            raise RuntimeError(
-                f"{label} could not be sent to worker {name!r}: RPC was shut down meanwhile ({exc})"
-            ) from exc
-        raise retyped(
-            exc,
-            f"{label} could not be sent to worker {name!r}: {type(exc).__name__}: {exc}. Pass tensors, "
-            "plain Python values or picklable objects, and module-level handlers.",
-        ) from exc
+        raise _unsent(exc, label, name) from exc
     result: Future = Future()
     call = _Outstanding(result, label, name, seconds)
     sent.add_done_callback(call.answered)  # holds ``call`` (the watcher only weakly) until answered
@@ -289,6 +308,72 @@ def _as_call(index: int, call: Any) -> HostCall:
     return found
 
 
+class _Batch:
+    """The calls of one :func:`call_all_async`, from their sending until the combined future
+    is settled: each call's answer lands in its slot, the first failure (or the deadline)
+    settles the combined future at once. One object, one deadline and one callback per call,
+    instead of a future of its own per call; labels are written only for an error."""
+
+    __slots__ = ("combined", "results", "left", "lock", "names", "handlers", "seconds", "__weakref__")
+
+    def __init__(self, combined: Future, names: list[str], handlers: list[Any], seconds: float) -> None:
+        self.combined: Future | None = combined
+        self.results: list[Any] = [_UNANSWERED] * len(names)
+        self.left = len(names)
+        self.lock = threading.Lock()
+        self.names, self.handlers, self.seconds = names, handlers, seconds
+
+    def label(self, index: int) -> str:
+        return _call_label(index, len(self.names), self.handlers[index])
+
+    def answered(self, index: int, sent: Future) -> None:
+        try:
+            ok, value = sent.value()  # read even when late: RRefs in it are confirmed, then dropped
+        except BaseException as exc:  # the RPC itself failed: dead host, shutdown
+            # its traceback holds this frame's ``sent``, which holds ``exc`` out of the cycle
+            # collector's sight (see call_all)
+            exc.__traceback__ = None
+            self._fail(_rpc_failure(exc, self.label(index), self.names[index]))
+            return
+        if not ok:
+            self._fail(to_exception(value, f"on worker {self.names[index]!r} in {self.label(index)}"))
+            return
+        with self.lock:
+            if self.combined is None:
+                return  # failed or timed out before: dropped
+            self.results[index] = value
+            self.left -= 1
+            if self.left:
+                return
+            combined, self.combined = self.combined, None
+        combined.set_result(self.results)  # outside the lock: callbacks may run here
+
+    def _fail(self, failure: BaseException) -> None:
+        with self.lock:
+            combined, self.combined = self.combined, None
+        if combined is not None:
+            combined.set_exception(failure)  # outside the lock: callbacks may run here
+
+    def expire(self, now: float) -> None:
+        """Called by the process's deadline watcher (remote_module._core.settling) at the
+        deadline: fails the combined future naming the first call not answered, on a settler
+        thread, so a callback that blocks on it delays no other deadline."""
+        with self.lock:
+            combined, self.combined = self.combined, None
+            index = next((i for i, r in enumerate(self.results) if r is _UNANSWERED), 0)
+        if combined is not None:
+            name = self.names[index]
+            message = f"{self.label(index)} on worker {name!r} failed: {timeout_message(self.seconds, name)}"
+            settle_elsewhere([lambda: complete(combined, CallTimeout(message), True)])
+
+
+_UNANSWERED = object()
+
+
+def _call_label(index: int, n: int, handler: Any) -> str:
+    return f"calls[{index}] of {n} ({_handler_name(handler)})"
+
+
 def call_all_async(calls: Iterable[HostCall | tuple], timeout: float | None = None) -> Future:
     """Send every call now; a Future of their results in order, or of the first failure.
 
@@ -301,48 +386,31 @@ def call_all_async(calls: Iterable[HostCall | tuple], timeout: float | None = No
         keys = fut.wait()          # [key on worker1, key on worker2, key on worker3]
     """
     checked = [_as_call(i, call) for i, call in enumerate(calls)]
-    timeout_seconds(timeout)
+    seconds = timeout_seconds(timeout)
     n = len(checked)
-    labels = [f"calls[{i}] of {n} ({_handler_name(c.handler)})" for i, c in enumerate(checked)]
-    for call, label in zip(checked, labels):
-        _worker_name(call.worker, label)
+    infos = [_worker_info(c.worker, i, n, c.handler) for i, c in enumerate(checked)]
     combined: Future = Future()
     if n == 0:
         combined.set_result([])
         return combined
-    results: list[Any] = [None] * n
-    lock = threading.Lock()
-    state = {"left": n, "failed": False}
-
-    def collector(index: int) -> Callable[[Future], None]:
-        def collect(fut: Future) -> None:
-            try:
-                value = fut.value()
-            except BaseException as exc:
-                # its traceback holds ``fut``, which holds ``exc`` where the cycle collector cannot
-                # see (a torch Future keeps its error in C++): both, and every frame the error
-                # passes through later (a caller's arguments), would never be freed
-                exc.__traceback__ = None
-                with lock:
-                    first, state["failed"] = not state["failed"], True
-                if first:
-                    combined.set_exception(exc)  # outside the lock: callbacks may run here
-                return
-            with lock:
-                results[index] = value
-                state["left"] -= 1
-                done = state["left"] == 0 and not state["failed"]
-            if done:
-                combined.set_result(results)
-
-        return collect
-
-    sent = [
-        call_async(c.worker, c.handler, tuple(c.args), c.kwargs, timeout=timeout, label=label)
-        for c, label in zip(checked, labels)
-    ]
-    for index, fut in enumerate(sent):
-        fut.add_done_callback(collector(index))
+    if not is_rpc_initialized():
+        raise RuntimeError(
+            "call_async needs torch.distributed.rpc: call rpc.init_rpc(name, rank=..., world_size=...) first"
+        )
+    batch = _Batch(combined, [info.name for info in infos], [c.handler for c in checked], seconds)
+    for index, (call, info) in enumerate(zip(checked, infos)):
+        body = _run_async if is_async_execution(call.handler) else _run_handler
+        try:
+            sent = rpc.rpc_async(info, body, (call.handler, tuple(call.args), dict(call.kwargs or {})),
+                                 timeout=_NO_RPC_TIMEOUT)
+        except Exception as exc:  # nothing was sent for this call (earlier ones were: dropped)
+            batch.combined = None
+            raise _unsent(exc, batch.label(index), info.name) from exc
+        sent.add_done_callback(partial(batch.answered, index))  # holds ``batch`` until answered
+    if seconds != math.inf:
+        # one deadline for the batch, counted from the last send (each call gets at least its
+        # ``timeout``; the watcher visits deadlines every WATCH_TICK_S anyway)
+        schedule(_clock() + seconds, batch)
     return combined
 
 
@@ -359,5 +427,5 @@ def call_all(calls: Iterable[HostCall | tuple], timeout: float | None = None) ->
         return call_all_async(calls, timeout).wait()
     except BaseException as exc:
         # raised without torch's ``wait`` frame, whose future holds ``exc`` out of the cycle
-        # collector's sight (see ``collect``): the caller's frames would be kept with it for good
+        # collector's sight (see _Batch.answered): the caller's frames would be kept with it for good
         raise exc.with_traceback(None)
