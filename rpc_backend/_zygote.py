@@ -1,34 +1,33 @@
-"""How ``run_local`` starts its ranks: one spawned process imports torch, then forks them.
+"""How ``run_local`` starts its ranks: one fresh process imports torch, then forks them.
 
 Spawning every rank costs each one a fresh interpreter and ``import torch`` (~2 s of CPU),
-so a world of N ranks paid N imports before its first message. Here the launcher spawns one
-process per world, the *zygote*: a fresh interpreter started like any spawned process (the
-caller's environment, working directory and ``sys.path`` as of the call, the caller's
-``__main__`` imported as ``__mp_main__``), which imports torch once and then forks the N ranks
-before it has started a thread or touched a device. Each rank then runs as a spawned one
-would, with these differences taken care of:
+so a world of N ranks paid N imports before its first message. Here the launcher starts one
+process per world, the *zygote*: a fresh interpreter with the caller's environment, working
+directory and ``sys.path`` as of the call, which imports torch (and this package) and nothing
+of the caller's, then forks the N ranks before it has started a thread. Each rank then does
+what a spawned rank did after its interpreter started (``multiprocessing.spawn.prepare``: the
+caller's ``sys.argv``, ``sys.path``, working directory, and its ``__main__`` imported as
+``__mp_main__``), unpickles its function and arguments, and runs. So the caller's module-level
+code runs in every rank, as before, never in the zygote: its seeds, threads and OpenMP pools
+are each rank's own. What differs from a spawned rank, and is taken care of:
 
 - **exit**: a forked process ends with ``os._exit``; a rank runs the interpreter's ``atexit``
-  handlers itself when its function is done (a spawned rank ran them at interpreter exit), so
-  loggers flush and user handlers run;
-- **randomness**: every rank starts from the generator states the zygote had once the
-  caller's ``__main__`` (and ``fn``'s module) were imported, for Python's ``random``, NumPy's
-  global generator and torch's, as a spawned rank started from what its own import of the
-  same script left: a script that seeds at its top level gets those seeded streams in every
-  rank. (Python reseeds ``random`` in a forked child; that is undone.) One difference: a
-  script that seeds nothing gets one stream shared by its ranks, where spawned ranks each
-  drew fresh OS entropy for Python and NumPy; seed with the rank for independent streams;
+  handlers itself when its function is done (a spawned rank ran them at interpreter exit);
+- **randomness**: Python reseeds ``random`` in a forked child, and NumPy's global generator
+  (torch imports NumPy) is reseeded here from the OS before the caller's script runs, so each
+  rank draws its own stream unless the script seeds, as a fresh interpreter would; torch's
+  generator starts from its fixed default seed, as in a fresh interpreter;
+- **start method**: a rank's default ``multiprocessing`` start method is ``spawn``, as it was;
 - **lifetime**: a rank dies with its zygote (``PR_SET_PDEATHSIG`` and a watchdog thread), and
   the zygote with the launcher, so a launcher killed outright still takes every rank down;
-- **start method**: a rank's default ``multiprocessing`` start method is ``spawn``, as it was;
 - **signals**: the zygote ignores SIGINT (a terminal's Ctrl-C reaches every process of the
   group; each rank handles it as before) and passes SIGTERM on to its ranks.
 
-The zygote reports the ranks' pids and, as it reaps them, their exit codes through the
-world's result queue; :class:`Ranks` is the launcher's view of them (alive, exit code,
-terminate, kill), driven by the messages it reads.
+Messages (the ranks' "joined", results, errors; the zygote's pids and exit codes, which it
+learns with ``waitpid``, so a rank's own children never delay them) travel to the launcher
+over one pipe; :class:`Ranks` is the launcher's view of them.
 
-Needs the ``fork`` start method (Linux, macOS).
+Needs ``fork`` (Linux, macOS).
 """
 
 from __future__ import annotations
@@ -36,37 +35,51 @@ from __future__ import annotations
 import atexit
 import multiprocessing as mp
 import multiprocessing.connection
+import multiprocessing.spawn
 import os
+import pickle
 import queue
-import random
 import signal
+import subprocess
 import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from rpc_backend._lifetime import _set_parent_death_signal, exit_with_parent
 
-#: Messages of the zygote itself on the result queue (the ranks send the others).
+#: Messages of the zygote itself (the ranks send the others).
 FORKED, EXITED = "forked", "exited"
 
-
-def _generator_states() -> tuple[Any, Any]:
-    """Python's ``random`` state and NumPy's global one (None without NumPy)."""
-    numpy_state = None
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        try:
-            numpy_state = numpy.random.get_state()
-        except Exception:  # a stub or broken NumPy: nothing to carry over
-            pass
-    return random.getstate(), numpy_state
+# What the zygote's interpreter runs: read what the launcher sent, take the caller's sys.path
+# (as a spawned process does before it imports anything of the caller's), then serve.
+_BOOT = (
+    "import os, pickle, sys; "
+    "f = os.fdopen(int(sys.argv[1]), 'rb'); sent = pickle.load(f); f.close(); "
+    "sys.path[:] = sent[0]['sys_path']; "
+    "from rpc_backend._zygote import zygote_main; zygote_main(sent, int(sys.argv[2]), int(sys.argv[3]))"
+)
 
 
-def _restore_generators(states: tuple[Any, Any]) -> None:
-    python_state, numpy_state = states
-    random.setstate(python_state)  # Python reseeded it in this forked child
-    if numpy_state is not None:
-        sys.modules["numpy"].random.set_state(numpy_state)
+class Messages:
+    """The ranks' and the zygote's end of the message pipe: ``put`` one picklable item (whole
+    messages, one writer at a time; the lock is inherited by the forked ranks)."""
+
+    def __init__(self, fd: int) -> None:
+        self._conn = mp.connection.Connection(fd, readable=False)
+        self._lock = mp.get_context("fork").Lock()
+
+    def put(self, item: Any) -> None:
+        data = pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._lock:
+            self._conn.send_bytes(data)
+
+    # what run_local's ranks call on a multiprocessing.Queue before they exit: ``put`` is
+    # synchronous here, so there is nothing to flush
+    def close(self) -> None:
+        pass
+
+    def join_thread(self) -> None:
+        pass
 
 
 class _RankProcess(mp.context.ForkProcess):
@@ -76,72 +89,119 @@ class _RankProcess(mp.context.ForkProcess):
     _start_method = "spawn"
 
 
-def _forked_rank(target: Callable[..., None], args: tuple, states: tuple[Any, Any]) -> None:
-    _restore_generators(states)
+def _reseed_numpy() -> None:
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        try:
+            numpy.random.seed()
+        except Exception:  # a stub or broken NumPy: nothing to reseed
+            pass
+
+
+def _forked_rank(prep: dict, payload: bytes, rank: int, zygote_pid: int, messages: Messages) -> None:
+    _reseed_numpy()  # before the caller's script runs: it may seed it
+    mp.spawn.prepare(prep)  # what a spawned process did first: sys.path, argv, cwd, __main__
+    from rpc_backend.local import _rank_entry
+
+    args = pickle.loads(payload)[rank]
     try:
-        target(*args)
+        _rank_entry(zygote_pid, *args, messages)
     finally:
         # A forked child ends with os._exit (no interpreter exit): run what a spawned rank's
         # interpreter ran at exit. (Ranks that fail end with os._exit themselves, as before.)
         atexit._run_exitfuncs()
 
 
-def zygote_main(
-    launcher_pid: int, target: Callable[..., None], rank_args: Sequence[tuple], names: Sequence[str], results: Any,
-) -> None:
-    """The zygote: fork one rank per entry of ``rank_args``, which runs
-    ``target(zygote_pid, *rank_args[r])``; report their pids, then reap them, reporting each
-    exit code, until none is left."""
+def zygote_main(sent: tuple, message_fd: int, launcher_pid: int) -> None:
+    """The zygote (see the module docstring): fork a rank per name, report their pids, reap
+    them with ``waitpid``, reporting each exit code, and end once none is left."""
+    prep, names, payload = sent
     _set_parent_death_signal(signal.SIGKILL)  # no thread yet: forking comes first
-    states = _generator_states()  # what the caller's script left, for every rank
-    ranks = []
-    for args, name in zip(rank_args, names):
-        proc = _RankProcess(target=_forked_rank, args=(target, (os.getpid(), *args), states), name=f"rpc-{name}",
-                            daemon=False)
+    import rpc_backend.local  # noqa: F401  (torch and what every rank runs, imported once)
+
+    messages = Messages(message_fd)
+    prep = {k: v for k, v in prep.items() if k != "start_method"}  # a rank's stays "spawn"
+    ranks: dict[int, int] = {}
+    procs = []
+    for rank, name in enumerate(names):
+        proc = _RankProcess(
+            target=_forked_rank, args=({**prep, "name": f"rpc-{name}"}, payload, rank, os.getpid(), messages),
+            name=f"rpc-{name}", daemon=False,
+        )
         proc.start()
-        ranks.append(proc)
+        procs.append(proc)
+        ranks[proc.pid] = rank
     # After the forks, so that the ranks keep Python's own SIGINT handler and SIGTERM default.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def pass_on(signum: int, frame: Any) -> None:
-        for p in ranks:
-            if p.exitcode is None:
-                try:
-                    os.kill(p.pid, signum)
-                except ProcessLookupError:
-                    pass
+        for pid in list(ranks):
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
 
     signal.signal(signal.SIGTERM, pass_on)
     exit_with_parent(launcher_pid)
-    results.put((FORKED, -1, [p.pid for p in ranks]))
-    left = {p.sentinel: (rank, p) for rank, p in enumerate(ranks)}
-    while left:
-        for sentinel in mp.connection.wait(list(left)):
-            rank, proc = left.pop(sentinel)
-            proc.join()
-            results.put((EXITED, rank, proc.exitcode))
-    results.close()
-    results.join_thread()  # every report flushed before this process ends
+    messages.put((FORKED, -1, [p.pid for p in procs]))
+    for proc in procs:  # starting a process reaps finished ones: a rank may be gone already
+        if proc.exitcode is not None:
+            messages.put((EXITED, ranks.pop(proc.pid), proc.exitcode))
+    while ranks:
+        try:
+            pid, status = os.waitpid(-1, 0)  # not the ranks' sentinels: their children may hold them
+        except ChildProcessError:
+            break
+        rank = ranks.pop(pid, None)
+        if rank is not None:
+            messages.put((EXITED, rank, os.waitstatus_to_exitcode(status)))
+    os._exit(0)
 
 
 class Ranks:
-    """The launcher's view of a zygote's ranks (see the module docstring).
+    """The launcher's view of a world: the zygote's process and the message pipe.
 
-    ``get`` returns the ranks' own messages from the result queue and keeps the zygote's
-    (pids, exit codes) for :meth:`alive`, :meth:`exitcode`, :meth:`signal`.
+    :meth:`get` returns the ranks' own messages and keeps the zygote's (pids, exit codes) for
+    :meth:`alive`, :meth:`exitcode` and :meth:`signal`.
     """
 
-    def __init__(self, zygote: Any, results: Any, world_size: int) -> None:
-        self.zygote = zygote
-        self.results = results
-        self.pids: list[int | None] = [None] * world_size
-        self.exitcodes: list[int | None] = [None] * world_size
+    def __init__(self, prep: dict, names: Sequence[str], payload: bytes) -> None:
+        data_r, data_w = os.pipe()
+        message_r, message_w = os.pipe()
+        cmd = [mp.spawn.get_executable(), *subprocess._args_from_interpreter_flags(), "-c", _BOOT,
+               str(data_r), str(message_w), str(os.getpid())]
+        try:
+            self.zygote = subprocess.Popen(cmd, pass_fds=(data_r, message_w))
+        except BaseException:
+            for fd in (data_r, data_w, message_r, message_w):
+                os.close(fd)
+            raise
+        os.close(data_r)
+        os.close(message_w)
+        self._conn = mp.connection.Connection(message_r, writable=False)
+        with os.fdopen(data_w, "wb") as f:  # the zygote reads it before anything else
+            try:
+                pickle.dump((prep, list(names), payload), f, protocol=pickle.HIGHEST_PROTOCOL)
+            except BrokenPipeError:
+                pass  # the zygote died at once: reported as its exit
+        self.pids: list[int | None] = [None] * len(names)
+        self.exitcodes: list[int | None] = [None] * len(names)
+        self._eof = False
 
     def get(self, timeout: float) -> tuple:
         """The next message a rank sent, within ``timeout`` seconds (``queue.Empty`` if none)."""
         end = time.monotonic() + timeout
         while True:
-            status, rank, payload = self.results.get(timeout=max(0.0, end - time.monotonic()))
+            left = max(0.0, end - time.monotonic())
+            if self._eof or not self._conn.poll(left):
+                if self._eof:
+                    time.sleep(min(left, 0.05))
+                raise queue.Empty
+            try:
+                status, rank, payload = pickle.loads(self._conn.recv_bytes())
+            except EOFError:  # every writer is gone
+                self._eof = True
+                continue
             if status == FORKED:
                 self.pids = list(payload)
             elif status == EXITED:
@@ -159,18 +219,25 @@ class Ranks:
 
     def alive(self) -> list[int]:
         """The ranks whose processes may still run (as far as the reports read so far say)."""
-        zygote_alive = self.zygote.is_alive()
+        zygote_alive = self.zygote.poll() is None
         return [r for r, code in enumerate(self.exitcodes) if code is None and (zygote_alive or _exists(self.pids[r]))]
 
     def exitcode(self, rank: int) -> int | None:
-        """The rank's exit code; the zygote's when the zygote ended without reporting it."""
+        """The rank's exit code; the zygote's when it ended without reporting the rank's."""
         code = self.exitcodes[rank]
         if code is None and rank not in self.alive():
-            return self.zygote.exitcode
+            return self.zygote.returncode
         return code
 
+    def exit_text(self, rank: int) -> str:
+        """How the rank ended, for an error message."""
+        if self.exitcodes[rank] is not None:
+            return f"exited with code {self.exitcodes[rank]} without a result"
+        return (f"ended without a result when the process that forked the ranks (pid {self.zygote.pid}) "
+                f"exited with code {self.zygote.returncode}")
+
     def any_alive(self) -> bool:
-        return bool(self.alive()) or self.zygote.is_alive()
+        return bool(self.alive()) or self.zygote.poll() is None
 
     def signal(self, signum: int) -> None:
         """Send ``signum`` to every rank still running and to the zygote."""
@@ -182,7 +249,7 @@ class Ranks:
                     os.kill(pid, signum)
                 except ProcessLookupError:
                     pass
-        if self.zygote.is_alive():
+        if self.zygote.poll() is None:
             try:
                 os.kill(self.zygote.pid, signum)
             except ProcessLookupError:
@@ -199,8 +266,10 @@ class Ranks:
                 self.get(min(0.05, left))
             except queue.Empty:
                 pass
-        self.zygote.join()
         return True
+
+    def close(self) -> None:
+        self._conn.close()
 
 
 def _exists(pid: int | None) -> bool:
@@ -220,3 +289,15 @@ def _exists(pid: int | None) -> bool:
         except ProcessLookupError:
             return False
         return True
+
+
+def start(fn_args: Sequence[tuple], names: Sequence[str], main_name: str = "rpc-local-world") -> Ranks:
+    """Start a world: the zygote, which forks one rank per name; rank ``r`` runs
+    ``_rank_entry(zygote_pid, *fn_args[r], messages)``. Raises at once (nothing started) when
+    the arguments cannot be pickled."""
+    prep = mp.spawn.get_preparation_data(main_name)
+    if "authkey" in prep:  # an AuthenticationString pickles only while spawning: send its bytes
+        prep["authkey"] = bytes(prep["authkey"])
+    payload = pickle.dumps(list(fn_args), protocol=pickle.HIGHEST_PROTOCOL)
+    return Ranks(prep, names, payload)
+

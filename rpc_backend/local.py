@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing as mp
 import os
 import pickle
 import queue
@@ -28,7 +27,8 @@ import torch.distributed.rpc as rpc
 
 from rpc_backend._lifetime import StopSignals, exit_with_parent
 from rpc_backend._quiet import hide_functional_optimizer_deprecation, no_backend_as_process_group_warning
-from rpc_backend._zygote import Ranks, zygote_main
+from rpc_backend._zygote import Ranks
+from rpc_backend._zygote import start as start_world
 from rpc_backend.loopback import loopback_env, loopback_store
 from rpc_backend.options import DEFAULT_TRANSPORT, make_options, positive_seconds
 from rpc_backend.roles import RankPlacement, placements
@@ -254,24 +254,17 @@ def run_local(
     stop = StopSignals()
     with stop:  # main thread only: SIGINT/SIGTERM stop the ranks first, then take effect
         store = loopback_store()
-        ctx = mp.get_context("spawn")
-        results = ctx.Queue()
         ranks: Ranks | None = None
         deadline = None if timeout is None else time.monotonic() + timeout
         rank_args = [
             (fn, args, rank, layout, store.port, {**option_kwargs, "device_maps": maps_by_worker.get(names[rank])},
-             shutdown_timeout, results)
+             shutdown_timeout)
             for rank in range(world_size)
         ]
         try:
             stop.raise_if_received()
             with _one_thread_unless_set(world_size):  # read by the zygote as it starts
-                zygote = ctx.Process(
-                    target=zygote_main, args=(os.getpid(), _rank_entry, rank_args, names, results),
-                    name="rpc-local-world", daemon=False,
-                )
-                zygote.start()  # raises for e.g. an fn that cannot be pickled for spawn (nothing started)
-            ranks = Ranks(zygote, results, world_size)  # only a started world is stopped below
+                ranks = start_world(rank_args, names)  # raises for e.g. an fn that cannot be pickled
             if progress is not None:
                 progress(f"started {world_size} processes ({', '.join(names)}), forked from one that imports "
                          f"torch once; each then joins the RPC world")
@@ -279,7 +272,7 @@ def run_local(
         finally:
             if ranks is not None:
                 _stop(ranks, stop_grace, hurry=lambda: stop.received is not None)
-            results.close()
+                ranks.close()
             del store
     return [values[r] for r in range(world_size)]
 
@@ -320,7 +313,7 @@ def _collect(
                 status, rank, payload = ranks.get(timeout=0.5)
             except queue.Empty:
                 r = gone[0]
-                raise LocalWorldError(r, names[r], f"exited with code {ranks.exitcode(r)} without a result") from None
+                raise LocalWorldError(r, names[r], ranks.exit_text(r)) from None
         if status in ("joined", "returned"):
             joins.mark(status, rank)
             continue

@@ -161,3 +161,38 @@ def test_forked_ranks_run_their_exit_handlers_and_keep_the_scripts_seeds_as_spaw
         assert {k: d[k] for k in want} == want, (d, want)
     # a process a rank starts is spawned by default, as from a spawned rank
     assert [d["start_method"] for d in draws] == ["spawn"] * 3, draws
+
+
+def test_a_ranks_module_runs_in_the_rank_never_before_the_fork():
+    # module-level code of fn's module (as of the caller's script) runs in each rank, as when
+    # every rank was spawned: an OpenMP pool started there (forked after use, it would hang
+    # the ranks' next parallel op) and a thread started there (absent after a fork)
+    from tests.backend import _zygote_remote
+
+    got = run_local(_zygote_remote.matmul_and_heartbeat, 2, timeout=120)
+    assert got == [{"sum": 256.0 ** 3, "threads": 2, "heartbeat": True}] * 2, got
+
+
+def test_a_child_a_rank_leaves_behind_does_not_hold_up_the_world(tmp_path):
+    import os
+    import signal
+
+    from tests.backend import _zygote_remote
+
+    pids = run_local(_zygote_remote.leave_a_child, 2, args=(str(tmp_path),), timeout=120)
+    try:
+        # returned, though each child still holds every descriptor its rank had
+        assert all(os.path.exists(f"/proc/{pid}") for pid in pids), pids
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_the_forking_process_killed_is_named():
+    from tests.backend import _zygote_remote
+
+    with pytest.raises(LocalWorldError, match=r"the process that forked the ranks \(pid \d+\) exited with code -9"):
+        run_local(_zygote_remote.kill_the_forking_process, 2, timeout=120)
