@@ -43,6 +43,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from typing import Any, Sequence
 
 from rpc_backend._lifetime import _set_parent_death_signal, exit_with_parent
@@ -100,10 +101,20 @@ def _reseed_numpy() -> None:
 
 def _forked_rank(prep: dict, payload: bytes, rank: int, zygote_pid: int, messages: Messages) -> None:
     _reseed_numpy()  # before the caller's script runs: it may seed it
-    mp.spawn.prepare(prep)  # what a spawned process did first: sys.path, argv, cwd, __main__
     from rpc_backend.local import _rank_entry
 
-    args = pickle.loads(payload)[rank]
+    me = mp.current_process()
+    # While the script runs as __mp_main__, a run_local it reaches (no ``if __name__ ==
+    # "__main__":`` guard) raises multiprocessing's own error, as in a spawned process.
+    me._inheriting = True
+    try:
+        mp.spawn.prepare(prep)  # what a spawned process did first: sys.path, argv, cwd, __main__
+        args = pickle.loads(payload)[rank]
+    except BaseException:
+        messages.put(("error", rank, traceback.format_exc()))
+        os._exit(1)
+    finally:
+        del me._inheriting
     try:
         _rank_entry(zygote_pid, *args, messages)
     finally:

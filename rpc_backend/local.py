@@ -18,6 +18,7 @@ import os
 import pickle
 import queue
 import signal
+import threading
 import time
 import traceback
 import warnings
@@ -263,7 +264,7 @@ def run_local(
         ]
         try:
             stop.raise_if_received()
-            with _one_thread_unless_set(world_size):  # read by the zygote as it starts
+            with _environment_lock, _one_thread_unless_set(world_size):  # read by the zygote as it starts
                 ranks = start_world(rank_args, names)  # raises for e.g. an fn that cannot be pickled
             if progress is not None:
                 progress(f"started {world_size} processes ({', '.join(names)}), forked from one that imports "
@@ -275,6 +276,11 @@ def run_local(
                 ranks.close()
             del store
     return [values[r] for r in range(world_size)]
+
+
+#: Held while a world's zygote starts with the environment ``_one_thread_unless_set`` made
+#: (two run_local calls in two threads would otherwise see and undo each other's setting).
+_environment_lock = threading.Lock()
 
 
 @contextlib.contextmanager

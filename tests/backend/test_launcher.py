@@ -96,6 +96,20 @@ def test_a_deprecation_the_users_script_triggers_shows_as_under_python_main():
     assert "deprecation_job.py:19" in done.stderr, done.stderr[-3000:]  # the user's line
 
 
+def test_a_script_without_a_main_guard_fails_with_multiprocessings_own_error():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "scripts" / "no_guard_job.py"
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=150)
+    assert done.returncode != 0 and "RESULT" not in done.stdout, done.stdout + done.stderr[-3000:]
+    assert "LocalWorldError" in done.stderr, done.stderr[-3000:]
+    assert "if __name__ == '__main__':" in done.stderr, done.stderr[-3000:]
+    # the launcher's top level, then each of the 2 ranks' own run of it: no nested worlds
+    assert done.stdout.count("TOP LEVEL") <= 3, done.stdout
+
+
 def test_ranks_see_the_callers_environment_cwd_stdout_and_transport_as_of_each_call(capfd, monkeypatch, tmp_path):
     import os
 
