@@ -59,7 +59,7 @@ def _rank_entry(
     shutdown_timeout: float | None,
     results: Any,
 ) -> None:
-    exit_with_parent(parent_pid)  # a launcher killed outright (SIGKILL) cannot stop its ranks
+    exit_with_parent(parent_pid)  # a parent killed outright (SIGKILL) cannot stop its ranks
     hide_functional_optimizer_deprecation()
     # The user's script runs here as __mp_main__: show the DeprecationWarnings its own lines
     # trigger, as Python's default filters do for __main__ (a plain run or torchrun).
@@ -202,11 +202,11 @@ def run_local(
     type. If a rank raises, its traceback is printed, the other ranks are stopped and
     :class:`LocalWorldError` is raised within ``stop_grace`` seconds. ``timeout`` bounds the
     whole run (None: no bound). ``fn`` must be importable (module level).
-    The ranks are forked from one process that this call spawns (a fresh interpreter with the
-    caller's environment, working directory and ``__main__`` as of the call, which imports
-    torch once); each runs its ``atexit`` handlers when done and starts from the random
-    generator states the script's top level left (seed with the rank for independent streams;
-    see ``rpc_backend/_zygote.py``).
+    The ranks are forked from one fresh interpreter per call (the caller's environment, working
+    directory and ``sys.path`` as of the call), which imports torch once and none of the
+    caller's code; each rank then imports the caller's ``__main__`` as a spawned rank did, so
+    module-level code, seeds and threads are its own, and runs its ``atexit`` handlers when
+    done (see ``rpc_backend/_zygote.py``).
     A rank whose ``fn`` returned keeps serving the others until every rank is done, however
     long that takes; ``shutdown_timeout`` seconds bound that wait (a rank that hits the bound
     shuts down immediately and fails the world).

@@ -153,22 +153,12 @@ def _handler_name(handler: Any) -> str:
 
 
 def _worker_name(worker: Any, label: str) -> str:
-    if isinstance(worker, rpc.WorkerInfo):
-        return worker.name
-    if isinstance(worker, (str, int)) and not isinstance(worker, bool):
-        try:
-            return rpc.get_worker_info(worker).name
-        except RuntimeError:
-            pass
-    raise ValueError(
-        f"{label}: worker {worker!r} is not in this RPC world (workers: {', '.join(worker_names())}); "
-        "pass a worker name, a rank or a WorkerInfo"
-    )
+    return _worker_info(worker, lambda: label).name
 
 
-def _worker_info(worker: Any, index: int, n: int, handler: Any) -> rpc.WorkerInfo:
-    """``worker`` as a WorkerInfo (sending to one spares RPC a lookup by name); the error of
-    :func:`_worker_name` for one not in the world."""
+def _worker_info(worker: Any, label: Callable[[], str]) -> rpc.WorkerInfo:
+    """``worker`` as a WorkerInfo (sending to one spares RPC a lookup by name); ``ValueError``
+    naming the call (``label()``, written only then) for one not in this world."""
     if isinstance(worker, rpc.WorkerInfo):
         return worker
     if isinstance(worker, (str, int)) and not isinstance(worker, bool):
@@ -176,8 +166,10 @@ def _worker_info(worker: Any, index: int, n: int, handler: Any) -> rpc.WorkerInf
             return rpc.get_worker_info(worker)
         except RuntimeError:
             pass
-    _worker_name(worker, _call_label(index, n, handler))  # raises, naming the call
-    raise AssertionError("unreachable")
+    raise ValueError(
+        f"{label()}: worker {worker!r} is not in this RPC world (workers: {', '.join(worker_names())}); "
+        "pass a worker name, a rank or a WorkerInfo"
+    )
 
 
 def _unsent(exc: Exception, label: str, name: str) -> BaseException:
@@ -390,7 +382,7 @@ def call_all_async(calls: Iterable[HostCall | tuple], timeout: float | None = No
     checked = [_as_call(i, call) for i, call in enumerate(calls)]
     seconds = timeout_seconds(timeout)
     n = len(checked)
-    infos = [_worker_info(c.worker, i, n, c.handler) for i, c in enumerate(checked)]
+    infos = [_worker_info(c.worker, partial(_call_label, i, n, c.handler)) for i, c in enumerate(checked)]
     combined: Future = Future()
     if n == 0:
         combined.set_result([])

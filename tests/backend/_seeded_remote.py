@@ -1,5 +1,6 @@
 """A rank function whose module seeds every generator at import, as a training script's top
-level does (for tests/backend/test_launcher.py): run_local imports it once per world."""
+level does (for tests/backend/test_launcher.py): run_local's ranks each import it, as spawned
+ranks did."""
 
 from __future__ import annotations
 
