@@ -8,12 +8,15 @@ never from its modules: what is listed in ``__all__`` is the internal API, and
 - ``deadlines``: timeouts normalised once (:func:`timeout_seconds`), torch's timeout
   argument written once (:func:`rpc_timeout_argument`);
 - ``fanout``: N host calls at once (:func:`call_all`, :func:`call_all_async`,
-  :func:`call_async`), nested budgets (:func:`nested_seconds`, :func:`answer_margin`),
-  :func:`send_and_forget`;
+  :func:`call_async`; :func:`send_to_each` for calls a layer checked once), nested budgets
+  (:func:`nested_seconds`, :func:`answer_margin`), :func:`send_and_forget`;
 - ``settling``: settling futures off the RPC threads and the one deadline watcher;
 - ``errors``: :class:`RemoteModuleError`, :class:`CallTimeout`, remote tracebacks, retyping;
 - ``device``: parsing ``remote_device``, moving tensors to and from the host's device;
 - ``walk``: mapping over nested tuples, lists and dicts;
+- ``tensor_records``: small CPU tensors written into a message's pickle
+  (:class:`TensorRecords`, :class:`RecordReader`, :func:`inline_small`), not sent through
+  RPC's tensor channel;
 - ``store``: the host object store (:data:`host_objects`, :func:`hosted_module`);
 - ``untrained``: the warning for a remote forward that distributed autograd cannot train;
 - ``_torch_private``: every use of torch's private names, in one file;
@@ -65,6 +68,7 @@ from remote_module._core.fanout import (
     call_async,
     nested_seconds,
     send_and_forget,
+    send_to_each,
 )
 from remote_module._core.settling import (
     WATCH_TICK_S,
@@ -77,17 +81,21 @@ from remote_module._core.settling import (
     watched_run,
 )
 from remote_module._core.store import HostStore, host_device, host_objects, hosted_module
+from remote_module._core.tensor_records import INLINE_MAX_BYTES, RecordReader, TensorRecords, inline_small
 from remote_module._core.untrained import records_outside_context, unwarned_state, user_stacklevel, warn_untrained
 from remote_module._core.walk import map_leaves, map_tensors
 from rpc_backend.options import positive_int, positive_seconds
 
 __all__ = [
+    "INLINE_MAX_BYTES",
     "WATCH_TICK_S",
     "CallTimeout",
     "HostCall",
     "HostStore",
     "RemoteFailure",
+    "RecordReader",
     "RemoteModuleError",
+    "TensorRecords",
     "add_to_run",
     "agent_timeout_seconds",
     "answer_margin",
@@ -107,6 +115,7 @@ __all__ = [
     "host_objects",
     "hosted_module",
     "in_dist_autograd_context",
+    "inline_small",
     "interface_forward_schema",
     "is_jit_interface",
     "is_rpc_initialized",
@@ -129,6 +138,7 @@ __all__ = [
     "script_class_name",
     "script_module_has_attribute",
     "send_and_forget",
+    "send_to_each",
     "settle_elsewhere",
     "settle_here",
     "timeout_message",

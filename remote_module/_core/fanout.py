@@ -50,7 +50,7 @@ import math
 import threading
 import time
 from functools import partial
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import torch.distributed.rpc as rpc
 from torch.futures import Future
@@ -391,12 +391,18 @@ def call_all_async(calls: Iterable[HostCall | tuple], timeout: float | None = No
         raise RuntimeError(
             "call_async needs torch.distributed.rpc: call rpc.init_rpc(name, rank=..., world_size=...) first"
         )
-    batch = _Batch(combined, [info.name for info in infos], [c.handler for c in checked], seconds)
-    for index, (call, info) in enumerate(zip(checked, infos)):
-        body = _run_async if is_async_execution(call.handler) else _run_handler
+    return _send(combined, infos, [c.handler for c in checked], [(c.args, c.kwargs) for c in checked], seconds)
+
+
+def _send(combined: Future, infos: Sequence[rpc.WorkerInfo], handlers: Sequence[Any],
+          arguments: Sequence[tuple[Any, Any]], seconds: float) -> Future:
+    """Send checked calls (``arguments``: ``(args, kwargs)`` per call) as one :class:`_Batch`
+    settling ``combined``."""
+    batch = _Batch(combined, [info.name for info in infos], handlers, seconds)
+    for index, (info, handler, (args, kwargs)) in enumerate(zip(infos, handlers, arguments)):
+        body = _run_async if is_async_execution(handler) else _run_handler
         try:
-            sent = rpc.rpc_async(info, body, (call.handler, tuple(call.args), dict(call.kwargs or {})),
-                                 timeout=_NO_RPC_TIMEOUT)
+            sent = rpc.rpc_async(info, body, (handler, tuple(args), dict(kwargs or {})), timeout=_NO_RPC_TIMEOUT)
         except Exception as exc:  # nothing was sent for this call (earlier ones were: dropped)
             batch.combined = None
             raise _unsent(exc, batch.label(index), info.name) from exc
@@ -406,6 +412,26 @@ def call_all_async(calls: Iterable[HostCall | tuple], timeout: float | None = No
         # ``timeout``; the watcher visits deadlines every WATCH_TICK_S anyway)
         schedule(_clock() + seconds, batch)
     return combined
+
+
+def send_to_each(infos: Sequence[rpc.WorkerInfo], handler: Callable[..., Any], args: Sequence[tuple],
+                 seconds: float) -> Future:
+    """:func:`call_all_async` of ``handler(*args[i])`` on ``infos[i]`` for calls a layer has
+    already checked: ``infos`` are this world's ``WorkerInfo``s, ``handler`` a module-level
+    handler, ``seconds`` from :func:`timeout_seconds`. The same contract (one batch, results in
+    order, each failure naming its worker and index), without re-checking per call what a
+    layer checked once (per mesh, per module).
+
+    Example::
+
+        infos = [rpc.get_worker_info(w) for w in mesh]            # once
+        fut = send_to_each(infos, handler, [(x,), (y,)], timeout_seconds(None))
+    """
+    combined: Future = Future()
+    if not infos:
+        combined.set_result([])
+        return combined
+    return _send(combined, infos, [handler] * len(infos), [(a, None) for a in args], seconds)
 
 
 def call_all(calls: Iterable[HostCall | tuple], timeout: float | None = None) -> list[Any]:

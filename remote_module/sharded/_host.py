@@ -58,7 +58,22 @@ class Meta(NamedTuple):
     @staticmethod
     def from_wire(wire: tuple) -> "Meta":
         """The Meta of :func:`meta_of`'s wire form."""
-        return Meta(torch.Size(wire[0]), getattr(torch, wire[1]), wire[2])
+        return Meta(torch.Size(wire[0]), dtype_named(wire[1]), wire[2])
+
+
+_dtype_names: dict[torch.dtype, str] = {}
+_dtypes_by_name: dict[str, torch.dtype] = {}
+
+
+def dtype_named(name: str) -> torch.dtype:
+    """The dtype :func:`meta_of` named ``name`` (``"float32"``)."""
+    dtype = _dtypes_by_name.get(name)
+    if dtype is None:
+        dtype = getattr(torch, name)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{name!r} names no torch dtype")
+        _dtypes_by_name[name] = dtype
+    return dtype
 
 
 class Ref(NamedTuple):
@@ -70,7 +85,11 @@ class Ref(NamedTuple):
 def meta_of(t: torch.Tensor) -> tuple:
     """A stored tensor's :class:`Meta` as it travels: plain ints, a dtype name and a bool (a
     ``torch.Size`` and a ``torch.dtype`` cost far more to pickle)."""
-    return tuple(t.shape), str(t.dtype).rpartition(".")[2], t.requires_grad
+    dtype = t.dtype
+    name = _dtype_names.get(dtype)
+    if name is None:
+        name = _dtype_names[dtype] = str(dtype).rpartition(".")[2]
+    return tuple(t.shape), name, t.requires_grad
 
 
 def _keep_shard(sid: ShardId, t: torch.Tensor) -> tuple:
@@ -196,13 +215,18 @@ def _forward(
 ) -> tuple[Any, list[tuple]]:
     """Run the shard module on its local inputs; store its outputs under ``sids`` (one per
     declared output placement). Returns the output structure and each output's meta."""
-    _dropping(drop)
+    if drop is not None:
+        _dropping(drop)
     module = hosted_module(key)
-    args, kwargs = _resolved(args), _resolved(kwargs)
+    args = tuple([_shard(a.sid) if type(a) is Ref else _resolved(a) for a in args])
+    if kwargs:
+        kwargs = _resolved(kwargs)
     dev = host_device(device)
     if dev.type != "cpu":
         args, kwargs = move_cpu_tensors(args, dev), move_cpu_tensors(kwargs, dev)
     out = run_as(rank, size, grad, module, *args, **kwargs)
+    if type(out) is torch.Tensor and len(sids) == 1:  # the common case: one tensor
+        return None, [_keep_shard(sids[0], out)]
     leaves, spec = flatten(out)
     if len(leaves) != len(sids):
         raise ValueError(

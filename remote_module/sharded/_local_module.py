@@ -3,6 +3,7 @@ combined by declared placements."""
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -12,6 +13,9 @@ from torch import nn
 
 from remote_module._core import (
     CallTimeout,
+    device_map_to,
+    dist_autograd_contexts_exist,
+    inline_small,
     map_leaves,
     records_outside_context,
     retyped,
@@ -23,7 +27,7 @@ from remote_module.remote_module import RemoteModule
 from remote_module.sharded import _host
 from remote_module.sharded import _placements as pl
 from remote_module.sharded._mesh import check_mesh
-from remote_module.sharded._tensor import RemoteTensor, call_carrying_releases, new_sids, release_later
+from remote_module.sharded._tensor import RemoteTensor, each_carrying_releases, new_sids, release_later
 from rpc_backend.options import positive_seconds
 
 _clock = time.monotonic
@@ -70,9 +74,15 @@ def _constructor_args(args: Any, kwargs: Any, n: int) -> list[tuple[tuple, dict]
 
 
 class _Hosts(NamedTuple):
+    """What a forward needs of its shards that stays fixed in one process."""
+
+    pid: int  # the process these were looked up in
     caller: str
-    infos: tuple
-    keys: tuple
+    shards: tuple  # the shard proxies
+    infos: tuple  # each shard's WorkerInfo (a WorkerInfo given to a call spares two name lookups)
+    keys: tuple  # each shard module's key on its host
+    devices: tuple  # each shard's device
+    mapped: tuple  # a device map to the shard's worker is set: tensors travel as tensors
 
 
 class _PerRank:
@@ -175,21 +185,30 @@ class LocalModule(nn.Module):
         return text
 
     def _hosts(self) -> "_Hosts":
-        """The caller's name, each shard's WorkerInfo and module key, looked up once per process
-        (a WorkerInfo given to a call spares two name lookups)."""
+        """The caller's name and what the shards' calls need, looked up once per process
+        (a copy sent to another process looks them up again there)."""
         hosts = self.__dict__.get("_hosts_cache")
-        if hosts is None or hosts.caller != rpc.get_worker_info().name:
+        if hosts is None or hosts.pid != os.getpid():
             hosts = _Hosts(
+                os.getpid(),
                 rpc.get_worker_info().name,
+                tuple(self.shards),
                 tuple(rpc.get_worker_info(s.on) for s in self.shards),
                 tuple(s._target().key for s in self.shards),
+                tuple(s.device for s in self.shards),
+                tuple(bool(device_map_to(s.on)) for s in self.shards),
             )
             self.__dict__["_hosts_cache"] = hosts
         return hosts
 
     def __getstate__(self) -> dict:
-        """As ``nn.Module``'s, less the once-warned flag: a copy sent over RPC warns on its own."""
-        return unwarned_state(self)
+        """As ``nn.Module``'s, less the once-warned flag and this process's lookups: a copy sent
+        over RPC warns on its own and looks its hosts up there."""
+        state = unwarned_state(self)
+        state.pop("_hosts_cache", None)
+        state.pop("_wanted_cache", None)
+        state.pop("_out_cache", None)
+        return state
 
     def remote_parameters(self, recurse: bool = True) -> list[rpc.RRef]:
         """RRefs of every shard's parameters, shard by shard, for ``DistributedOptimizer``.
@@ -217,29 +236,53 @@ class LocalModule(nn.Module):
 
     # ---- forward -----------------------------------------------------------------------
 
-    def _input(self, i: int, value: Any, placement: Any, temps: list) -> Any:
+    def _input(self, i: int, value: Any, placement: Any, temps: list, hosts: "_Hosts", inline: bool) -> Any:
         """Input ``i`` as the ranks receive it: a :class:`_PerRank` (each rank its own value),
         or a value sent to every rank, in which RemoteTensors (at any depth of lists, tuples
-        and dicts) stand for their local shards."""
+        and dicts) stand for their local shards. With ``inline``, the small CPU tensors made
+        here for the ranks travel inside the message's pickle (see ``inline_small``)."""
         if placement is None:
             map_leaves(lambda rt: self._check_mesh(f"input {i}", rt), value, RemoteTensor)
             return value
         if isinstance(value, RemoteTensor):
             self._check_mesh(f"input {i}", value)
-            want = pl.normalized(placement, value.ndim, f"in_placements[{i}]")
+            want = self._wanted(i, placement, value.ndim, value.dtype)
             if value.placement != want:
                 value = value.redistribute(want, timeout=self.timeout)
                 temps.append(value)
             return _PerRank([_host.Ref(sid) for sid in value._sids])
         if isinstance(value, torch.Tensor):
             # What distribute() would store, sent with the call instead (nothing to store or free).
-            want = pl.normalized(placement, value.dim(), f"in_placements[{i}]")
-            pl.check_op_dtype(want, value.dtype, f"in_placements[{i}]")
-            return _PerRank([_host.compact(part) for part in pl.local_parts(value, want, len(self.mesh))])
+            want = self._wanted(i, placement, value.dim(), value.dtype)
+            parts = pl.local_parts(value, want, len(self.mesh))
+            sent: dict[int, Any] = {}  # Replicate gives every rank the same tensor: encoded once
+            items = []
+            for r, part in enumerate(parts):
+                if inline and not hosts.mapped[r]:
+                    item = sent.get(id(part))
+                    if item is None:
+                        item = sent[id(part)] = inline_small(_host.compact(part))
+                    items.append(item)
+                else:
+                    items.append(_host.compact(part))
+            return _PerRank(items)
         raise TypeError(
             f"LocalModule input {i} has in_placements[{i}] = {pl.describe(placement)}, so it must be a tensor or "
             f"a RemoteTensor, got {type(value).__name__}: {value!r:.80}; declare None to pass it as it is"
         )
+
+    def _wanted(self, i: int, placement: Any, ndim: int, dtype: torch.dtype) -> Any:
+        """``in_placements[i]`` normalised for an ``ndim``-d input of ``dtype`` and checked,
+        once per (input, ndim, dtype) in this process."""
+        cache = self.__dict__.get("_wanted_cache")
+        if cache is None:
+            cache = self.__dict__["_wanted_cache"] = {}
+        want = cache.get((i, ndim, dtype))
+        if want is None:
+            want = pl.normalized(placement, ndim, f"in_placements[{i}]")
+            pl.check_op_dtype(want, dtype, f"in_placements[{i}]")
+            cache[(i, ndim, dtype)] = want
+        return want
 
     def _check_mesh(self, what: str, value: RemoteTensor) -> RemoteTensor:
         if tuple(value.mesh) != tuple(self.mesh):
@@ -260,57 +303,77 @@ class LocalModule(nn.Module):
             )
         placements = self.in_placements or (None,) * len(inputs)
         temps: list[RemoteTensor] = []  # kept alive until the shards have run
-        per_input = [self._input(i, v, p, temps) for i, (v, p) in enumerate(zip(inputs, placements))]
+        hosts = self._hosts()
+        # tensors travel as tensors where distributed autograd may record them (as a proxy's do)
+        inline = not dist_autograd_contexts_exist()
+        per_input = [self._input(i, v, p, temps, hosts, inline) for i, (v, p) in enumerate(zip(inputs, placements))]
         for k, v in kwargs.items():
-            map_leaves(lambda rt: self._check_mesh(f"keyword argument {k!r}", rt), v, RemoteTensor)
+            map_leaves(lambda rt, k=k: self._check_mesh(f"keyword argument {k!r}", rt), v, RemoteTensor)
         # after the checks: a call refused before any shard runs does not use up the one warning
-        if records_outside_context(self, any(s.remote_trainable for s in self.shards), inputs, kwargs):
+        grad = torch.is_grad_enabled()
+        if grad and records_outside_context(self, any(s.remote_trainable for s in self.shards), inputs, kwargs):
             warn_untrained(self, f"LocalModule on mesh {list(self.mesh)}", "LocalModule", "local_module")
         seconds = timeout_seconds(self.timeout)
         deadline = made + seconds
-        for r, shard in enumerate(self.shards):
+        for r, shard in enumerate(hosts.shards):
             if not shard._earlier_calls_done(deadline):
                 raise CallTimeout(
                     f"LocalModule shard {r} on worker {shard.on!r}: earlier calls this thread made on its proxy "
                     f"were not answered within the timeout ({seconds:g} s)"
                 )
         count = len(self.out_placements)
-        hosts = self._hosts()
         sids = new_sids(n, count, hosts.caller)
-        grad = torch.is_grad_enabled()
-        calls = []
-        for r, shard in enumerate(self.shards):
-            args_r = tuple(_for_rank(v, r) for v in per_input)
-            kwargs_r = {k: _for_rank(v, r) for k, v in kwargs.items()}
-            calls.append((hosts.infos[r], _host._forward,
-                          (hosts.keys[r], shard.device, r, n, args_r, kwargs_r, sids[r], grad)))
+        args = [(hosts.keys[r], hosts.devices[r], r, n, tuple(_for_rank(v, r) for v in per_input),
+                 {k: _for_rank(v, r) for k, v in kwargs.items()} if kwargs else {}, sids[r], grad)
+                for r in range(n)]
         left = deadline - _clock()
         try:
-            results = call_carrying_releases(calls, None if left == float("inf") else max(left, 0.001))
+            results = each_carrying_releases(hosts.infos, _host._forward, args, max(left, 0.001))
         except BaseException:
             release_later(self.mesh, sids, unsure=True)
             raise
         finally:
             del temps
-        specs = [spec for spec, _ in results]
-        for r, spec in enumerate(specs):
-            if spec != specs[0]:
+        spec = results[0][0]
+        for r in range(1, n):
+            if results[r][0] != spec:
                 release_later(self.mesh, sids)
                 raise ValueError(
-                    f"the shard modules returned differently structured outputs: mesh rank 0 returned {specs[0]!r} "
-                    f"and mesh rank {r} returned {spec!r} (None is a tensor; every rank must return the same structure)"
+                    f"the shard modules returned differently structured outputs: mesh rank 0 returned {spec!r} "
+                    f"and mesh rank {r} returned {results[r][0]!r} (None is a tensor; every rank must return the "
+                    "same structure)"
                 )
         outs = []
         try:
-            for j, placement in enumerate(self.out_placements):
-                metas = [results[r][1][j] for r in range(n)]
-                ids = [sids[r][j] for r in range(n)]
-                try:
-                    outs.append(RemoteTensor(_mesh=self.mesh, _placement=placement, _metas=metas, _sids=ids,
-                                             _timeout=self.timeout))
-                except ValueError as exc:
-                    raise ValueError(f"LocalModule output {j} ({pl.describe(placement)}): {exc}") from None
+            for j in range(count):
+                outs.append(self._output(j, [results[r][1][j] for r in range(n)], [sids[r][j] for r in range(n)]))
         except BaseException:
             release_later(self.mesh, [[sids[r][j] for j in range(len(outs), count)] for r in range(n)])
             raise
-        return _host.unflatten(specs[0], outs)
+        return outs[0] if spec is None else _host.unflatten(spec, outs)
+
+    def _output(self, j: int, metas: list[tuple], sids: list) -> RemoteTensor:
+        """Output ``j`` from its shards' metadata as the hosts sent it (``_host.meta_of``); the
+        declared placement is normalised and checked once per (output, ndim, dtype)."""
+        shape, dtype_name, _ = metas[0]
+        cache = self.__dict__.get("_out_cache")
+        if cache is None:
+            cache = self.__dict__["_out_cache"] = {}
+        found = cache.get((j, len(shape), dtype_name))
+        placement = self.out_placements[j]
+        try:
+            if found is None:
+                dtype = _host.dtype_named(dtype_name)
+                want = pl.normalized(placement, len(shape), "placement")
+                pl.check_op_dtype(want, dtype)
+                found = cache[(j, len(shape), dtype_name)] = (want, dtype)
+            for r, m in enumerate(metas):
+                if m[1] != dtype_name:
+                    raise ValueError(
+                        "every worker's shard must have one dtype, got "
+                        + ", ".join(f"{w}: {_host.dtype_named(m[1])}" for w, m in zip(self.mesh, metas))
+                    )
+            return RemoteTensor._of_shards(self.mesh, found[0], [m[0] for m in metas], found[1],
+                                           any(m[2] for m in metas), sids, self.timeout)
+        except ValueError as exc:  # the caller releases this output's shards with the rest
+            raise ValueError(f"LocalModule output {j} ({pl.describe(placement)}): {exc}") from None

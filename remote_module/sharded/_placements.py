@@ -69,6 +69,12 @@ def shard_dim(placement: Shard, ndim: int, what: str = "Shard") -> int:
     return dim % ndim
 
 
+def shard_dim_or_none(placement: Placement) -> int | None:
+    """``placement.dim`` for a ``Shard``, else None: by class, without ``isinstance``, which
+    goes through torch's opaque-type metaclass (for placements already checked)."""
+    return placement.dim if issubclass(type(placement), Shard) else None
+
+
 def normalized(placement: Placement, ndim: int, what: str = "placement") -> Placement:
     """``placement`` with a ``Shard`` dim made non-negative for an ``ndim``-d tensor."""
     if isinstance(placement, Shard):

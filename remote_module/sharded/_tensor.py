@@ -14,7 +14,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from remote_module._core import call_all, nested_seconds, send_and_forget, timeout_seconds
+from remote_module._core import call_all, nested_seconds, send_and_forget, send_to_each, timeout_seconds
 from remote_module.sharded import _host
 from remote_module.sharded import _placements as pl
 from remote_module.sharded._host import Meta, ShardId
@@ -116,6 +116,21 @@ def call_carrying_releases(calls: list[tuple], timeout: float | None) -> list[An
         raise
 
 
+def each_carrying_releases(infos: Sequence[rpc.WorkerInfo], handler: Callable[..., Any], args: list[tuple],
+                           seconds: float) -> list[Any]:
+    """:func:`call_carrying_releases` for one handler and checked ``WorkerInfo``s (see
+    ``send_to_each``): ``handler(*args[r], releases for infos[r])`` on every ``infos[r]``."""
+    taken = [_releaser.take(info.name) for info in infos]
+    try:
+        return send_to_each(infos, handler, [(*a, t) for a, t in zip(args, taken)], seconds).wait()
+    except BaseException as exc:
+        for info, t in zip(infos, taken):
+            _releaser.give_back(info.name, t)
+        # raised without torch's ``wait`` frame, whose future holds ``exc`` out of the cycle
+        # collector's sight (as call_all does)
+        raise exc.with_traceback(None)
+
+
 def release_later(mesh: Sequence[str], sids: Sequence[Sequence[ShardId]], unsure: bool = False) -> None:
     """Free ``sids[rank]`` on ``mesh[rank]``: carried by the next call there, or sent soon."""
     for worker, ids in zip(mesh, sids):
@@ -124,6 +139,22 @@ def release_later(mesh: Sequence[str], sids: Sequence[Sequence[ShardId]], unsure
 
 
 # ---- RemoteTensor ------------------------------------------------------------------------
+
+
+def _global_shape(placement: Any, shapes: list[tuple]) -> torch.Size:
+    """:func:`pl.global_shape` for shapes as tuples of ints (a shard's metadata as it travels),
+    without a ``torch.Size`` per rank; a shape that does not fit gets its error."""
+    first = shapes[0]
+    dim = pl.shard_dim_or_none(placement)
+    if dim is None:
+        if all(s == first for s in shapes):
+            return torch.Size(first)
+    elif 0 <= dim < len(first):
+        head, tail = first[:dim], first[dim + 1:]
+        if all(len(s) == len(first) and s[:dim] == head and s[dim + 1:] == tail for s in shapes):
+            return torch.Size((*head, sum(s[dim] for s in shapes), *tail))
+    return pl.global_shape(placement, shapes, "the RemoteTensor")
+
 
 
 class RemoteTensor:
@@ -170,6 +201,23 @@ class RemoteTensor:
         self.local_shapes = tuple(torch.Size(m.shape) for m in _metas)
         self.timeout = _timeout
         self._sids = tuple(_sids)
+
+    @classmethod
+    def _of_shards(cls, mesh: tuple[str, ...], placement: Any, shapes: list[tuple], dtype: torch.dtype,
+                   requires_grad: bool, sids: Sequence[ShardId], timeout: float | None) -> "RemoteTensor":
+        """A RemoteTensor of shards whose metadata the caller checked (``placement`` normalised
+        and valid for ``dtype``; ``shapes`` as tuples of ints): no checks, no conversions."""
+        self = cls.__new__(cls)
+        weakref.finalize(self, release_later, mesh, [[sid] for sid in sids]).atexit = False
+        self.shape = _global_shape(placement, shapes)
+        self.mesh = mesh
+        self.placement = placement
+        self.dtype = dtype
+        self.requires_grad = requires_grad
+        self.local_shapes = tuple(map(torch.Size, shapes))
+        self.timeout = timeout
+        self._sids = tuple(sids)
+        return self
 
     @property
     def placements(self) -> tuple:

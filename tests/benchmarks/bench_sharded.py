@@ -9,12 +9,14 @@ process starts with OMP_NUM_THREADS=1 in its environment before torch is importe
 host computes on one core (torch.set_num_threads(1) in the main thread would not limit the
 BLAS threads of RPC handler threads).
 
-1. **Small sharded forward** on N = 1, 2, 3 workers: a ``LocalModule`` of a tiny module
-   (``x * 2``) called on a RemoteTensor already distributed (``Shard(0)``, 4 x 16 floats a
-   worker), output ``Shard(0)``, no grad, the output dropped each iteration as a loop drops
-   it (its shards are then freed by release messages sent from the caller's background
-   thread: included). The floor: N concurrent raw ``rpc.rpc_async`` no-ops to the same
-   workers, waited for together. Also, for comparison only, the sharded forward with the
+1. **Small sharded forward** on N = 1, 2, 3 workers, no grad, the output dropped each
+   iteration as a loop drops it (its shards are then freed by release messages that later
+   calls carry or the caller's background thread sends: included). Two modules: the
+   issue's, a ``LocalModule`` of ``Linear(16, 16)`` called on a caller tensor (4 x 16)
+   distributed as ``Replicate()`` with the call, output ``Shard(0)``; and a tiny one
+   (``x * 2``) on a RemoteTensor already distributed (``Shard(0)``, 4 x 16 floats a worker),
+   whose call sends no tensor. The floor: N concurrent raw ``rpc.rpc_async`` no-ops to the
+   same workers, waited for together. Also, for comparison only, the sharded forward with the
    outputs kept until the block's clock stopped (their releases sent after it): what a
    forward costs without its release messages. After every block, of every variant, the
    caller waits (clock stopped) until the hosts hold only the input shards again, so no
@@ -50,6 +52,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed.rpc as rpc
+from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from rpc_backend import run_local
@@ -116,11 +119,13 @@ def small_forward(cfg: dict, meter: CpuMeter) -> tuple[dict[str, list[float]], d
     variants: dict[str, tuple[Callable[[], Any], Callable[[], None]]] = {}
     keep: list[Any] = []  # the outputs of the "releases excluded" variant, until its block ends
     inputs = []
+    xr = torch.randn(4, 16)
     for n in cfg["small_ns"]:
         mesh = HOSTS[:n]
         x = distribute(torch.randn(4 * n, 16), mesh, Shard(0))
         lm = LocalModule(mesh, hosts.Tiny, out_placements=Shard(0))
-        inputs.append((x, lm))
+        linear = LocalModule(mesh, nn.Linear, (16, 16), in_placements=[Replicate()], out_placements=Shard(0))
+        inputs.append((x, lm, linear))
 
         def floor(mesh: list[str] = mesh) -> None:
             torch.futures.wait_all([rpc.rpc_async(w, hosts.noop) for w in mesh])
@@ -133,7 +138,12 @@ def small_forward(cfg: dict, meter: CpuMeter) -> tuple[dict[str, list[float]], d
             with torch.no_grad():
                 keep.append(lm(x))
 
+        def replicated(linear: Any = linear, xr: Any = xr) -> None:
+            with torch.no_grad():
+                linear(xr)
+
         variants[f"N={n}: {n} concurrent rpc_async no-ops"] = (floor, lambda: None)
+        variants[f"N={n}: Linear(16, 16), Replicate input"] = (replicated, lambda: None)
         variants[f"N={n}: sharded forward"] = (sharded, lambda: None)
         variants[f"N={n}: sharded forward, releases excluded"] = (sharded_kept, keep.clear)
     baseline = held(HOSTS)
@@ -257,9 +267,10 @@ def ratios(r: dict) -> dict[str, float]:
     out: dict[str, float] = {}
     for n in r["config"]["small_ns"]:
         floor = small[f"N={n}: {n} concurrent rpc_async no-ops"]
-        out[f"small fwd N={n}: sharded / {n} concurrent no-ops (target <= 1.3)"] = (
-            small[f"N={n}: sharded forward"] / floor
+        out[f"small fwd N={n}: Linear, Replicate input / {n} concurrent no-ops (target <= 1.3)"] = (
+            small[f"N={n}: Linear(16, 16), Replicate input"] / floor
         )
+        out[f"small fwd N={n}: x * 2 on Shard(0) / {n} concurrent no-ops"] = small[f"N={n}: sharded forward"] / floor
         out[f"small fwd N={n}: sharded, releases excluded / {n} concurrent no-ops"] = (
             small[f"N={n}: sharded forward, releases excluded"] / floor
         )

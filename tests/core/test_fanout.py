@@ -9,7 +9,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 from remote_module._core.errors import CallTimeout, RemoteModuleError
-from remote_module._core.fanout import HostCall, call_all, call_all_async
+from remote_module._core.fanout import HostCall, call_all, call_all_async, send_to_each
 from tests._faults import gates
 from tests.proxy._remote import UserError, echo
 
@@ -126,3 +126,27 @@ def test_an_argument_that_cannot_be_sent_names_the_call():
         TypeError, match=r"calls\[0\] of 1 \(tests\.proxy\._remote\.echo\) could not be sent to worker 'worker1'"
     ):
         call_all([("worker1", echo, (threading.Lock(),))])
+
+
+def test_send_to_each_keeps_the_contract_of_call_all():
+    # the entry point for calls a layer checked once: same order, failures and deadline
+    infos = [rpc.get_worker_info(w) for w in ("worker2", "worker1", "worker2")]
+    assert send_to_each(infos, echo, [("a",), ("b",), ("c",)], 10.0).wait() == ["a", "b", "c"]
+    assert send_to_each([], echo, [], 10.0).wait() == []
+    with pytest.raises(UserError) as info:
+        send_to_each(infos[:2], gates.fail, [("first",), ("second",)], 10.0).wait()
+    assert "calls[0] of 2" in str(info.value) and "worker2" in str(info.value)
+    key = "send-to-each-timeout"
+    start = time.monotonic()
+    try:
+        with pytest.raises(CallTimeout) as timed_out:
+            send_to_each(infos[:2], gates.hold, [(key + "-2",), (key,)], 0.5).wait()
+        elapsed = time.monotonic() - start
+    finally:
+        rpc.rpc_sync("worker1", gates.release, (key,))
+        rpc.rpc_sync("worker2", gates.release, (key + "-2",))
+    assert elapsed < 0.5 + 2.0
+    text = str(timed_out.value)
+    assert "calls[0] of 2" in text and "worker2" in text and "0.5 s" in text
+    with pytest.raises(TypeError, match=r"calls\[0\] of 1 .*could not be sent to worker 'worker1'"):
+        send_to_each([rpc.get_worker_info("worker1")], echo, [(threading.Lock(),)], 10.0)

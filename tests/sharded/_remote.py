@@ -184,6 +184,16 @@ class Echo(nn.Module):
         return x.clone()
 
 
+class Received(nn.Module):
+    """What the shard received, as one row: ``[contiguous, requires_grad, storage offset,
+    storage bytes, element bytes, dtype is float64]``."""
+
+    def forward(self, x):
+        return torch.tensor([[float(x.is_contiguous()), float(x.requires_grad), float(x.storage_offset()),
+                              float(x.untyped_storage().nbytes()), float(x.numel() * x.element_size()),
+                              float(x.dtype == torch.float64)]])
+
+
 class Stamped(nn.Module):
     """Records its host's wall-clock start and end around a short sleep: ``[start, end]``."""
 

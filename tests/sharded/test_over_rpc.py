@@ -75,6 +75,29 @@ def test_seed_example_with_a_distributed_caller_tensor():
         assert out.full_tensor().item() == 7.5
 
 
+@pytest.mark.parametrize("placement", [Replicate(), Shard(0), Shard(1)])
+def test_caller_tensors_arrive_compact_whether_written_into_the_message_or_not(placement):
+    # Outside a dist autograd context a small caller tensor travels inside the call's pickle;
+    # inside one it travels as a tensor (RPC records it). The shards see the same either way.
+    big = torch.arange(40.0, dtype=torch.float64).reshape(5, 8)
+    x = big[1:5, 2:6].requires_grad_()  # a non-contiguous view into a larger storage
+    received = LocalModule(MESH, sr.Received, in_placements=[placement], out_placements=Shard(0))
+    echo = LocalModule(MESH, sr.Echo, in_placements=[placement], out_placements=Shard(0))
+    parts = [x] * 2 if isinstance(placement, Replicate) else torch.tensor_split(x, 2, dim=placement.dim)
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            inlined = received(x).local_shards()
+            values = echo(x).local_shards()
+            with dist_autograd.context():
+                as_tensors = received(x).local_shards()
+                values_as_tensors = echo(x).local_shards()
+        for got, tensor_path, part, value, value_t in zip(inlined, as_tensors, parts, values, values_as_tensors):
+            nbytes = float(part.numel() * 8)
+            assert got.tolist() == [[1.0, float(grad), 0.0, nbytes, nbytes, 1.0]]
+            assert torch.equal(got, tensor_path)
+            assert torch.equal(value, part.detach()) and torch.equal(value_t, part.detach())
+
+
 # ---- distribute / from_local -------------------------------------------------------------
 
 
