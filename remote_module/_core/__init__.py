@@ -14,9 +14,6 @@ never from its modules: what is listed in ``__all__`` is the internal API, and
 - ``errors``: :class:`RemoteModuleError`, :class:`CallTimeout`, remote tracebacks, retyping;
 - ``device``: parsing ``remote_device``, moving tensors to and from the host's device;
 - ``walk``: mapping over nested tuples, lists and dicts;
-- ``tensor_records``: small CPU tensors written into a message's pickle
-  (:class:`TensorRecords`, :class:`RecordReader`, :func:`inline_small`), not sent through
-  RPC's tensor channel;
 - ``store``: the host object store (:data:`host_objects`, :func:`hosted_module`);
 - ``untrained``: the warning for a remote forward that distributed autograd cannot train;
 - ``_torch_private``: every use of torch's private names, in one file;
@@ -81,21 +78,17 @@ from remote_module._core.settling import (
     watched_run,
 )
 from remote_module._core.store import HostStore, host_device, host_objects, hosted_module
-from remote_module._core.tensor_records import INLINE_MAX_BYTES, RecordReader, TensorRecords, inline_small
 from remote_module._core.untrained import records_outside_context, unwarned_state, user_stacklevel, warn_untrained
 from remote_module._core.walk import map_leaves, map_tensors
 from rpc_backend.options import positive_int, positive_seconds
 
 __all__ = [
-    "INLINE_MAX_BYTES",
     "WATCH_TICK_S",
     "CallTimeout",
     "HostCall",
     "HostStore",
     "RemoteFailure",
-    "RecordReader",
     "RemoteModuleError",
-    "TensorRecords",
     "add_to_run",
     "agent_timeout_seconds",
     "answer_margin",
@@ -115,7 +108,6 @@ __all__ = [
     "host_objects",
     "hosted_module",
     "in_dist_autograd_context",
-    "inline_small",
     "interface_forward_schema",
     "is_jit_interface",
     "is_rpc_initialized",

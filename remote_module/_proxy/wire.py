@@ -33,16 +33,25 @@ Example::
 from __future__ import annotations
 
 import copyreg
+import ctypes
 import io
 import pickle
+import struct
 import types
 import weakref
 from typing import Any, NamedTuple
 
 import torch
 
-from remote_module._core import INLINE_MAX_BYTES, RecordReader, TensorRecords, rpc_class_reducers, rref_types  # noqa: F401
+from remote_module._core import rpc_class_reducers, rref_types
 from remote_module._proxy.shipping import by_value_reduce
+
+#: Tensors whose bytes on the wire are at most this are inlined; larger ones use the tensor
+#: channel, which streams big buffers without extra copies.
+INLINE_MAX_BYTES = 64 * 1024
+#: torch RPC's compact-copy rule for views (see the module docstring).
+COMPACT_MIN_STORAGE_BYTES = 8 * 1024
+COMPACT_MIN_MULTIPLE = 2
 
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
 _PLAIN, _TENSOR, _SIDE = 0, 1, 2  # how a type travels (cached per type in _kinds)
@@ -79,13 +88,90 @@ def _wire_kind(cls: type) -> int:
     return kind
 
 
+_DTYPES = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+    torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool,
+)
+_DTYPE_CODES = {d: i for i, d in enumerate(_DTYPES)}
+# An inlined tensor is one persistent id of bytes (one object: the pickler visits nothing
+# inside it): header (tag, dtype, requires_grad, ndim, storage index, offset), sizes, strides,
+# then, the first time a storage is seen, its bytes.
+_HEADER = struct.Struct("<BBBBqq")
+_NEW_STORAGE, _SEEN_STORAGE, _SEEN_TENSOR = 1, 2, 3
+_SEEN = struct.Struct("<Bq")
+
+
+def _sent_tensor(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor whose storage goes inline for ``t`` (``t`` or its compact copy), or None
+    when ``t`` must travel through the tensor channel."""
+    if (
+        type(t) is not torch.Tensor
+        or not t.is_cpu
+        or t.layout is not torch.strided
+        or t.dtype not in _DTYPE_CODES
+        or t.is_conj()
+        or t.is_neg()
+    ):
+        return None
+    nbytes = t.untyped_storage().nbytes()
+    if nbytes >= COMPACT_MIN_STORAGE_BYTES:
+        useful = t.numel() * t.element_size()
+        if nbytes >= COMPACT_MIN_MULTIPLE * useful:  # what torch RPC sends is a compact copy
+            if useful > INLINE_MAX_BYTES:
+                return None
+            return t.detach().clone()
+        if nbytes > INLINE_MAX_BYTES:
+            return None
+    return t
+
+
+class _Tensors:
+    """Encodes inlined tensors as records, remembering tensors and storages already written
+    within one value (so identity survives and views share their storage on arrival)."""
+
+    __slots__ = ("_tensors", "_storages", "_new_storages", "_keep")
+
+    def __init__(self) -> None:
+        self._tensors: dict[int, int] = {}  # id(tensor) -> index, so identity survives
+        self._storages: dict[int, int] = {}  # data_ptr -> index, so views share storage
+        self._new_storages = 0
+        self._keep: list = []  # compact copies stay alive: their addresses must stay unique
+
+    def record(self, t: torch.Tensor) -> bytes | None:
+        """The record of ``t``, or None when it must travel through the tensor channel."""
+        index = self._tensors.get(id(t))
+        if index is not None:
+            return _SEEN.pack(_SEEN_TENSOR, index)
+        sent = _sent_tensor(t)
+        if sent is None:
+            return None
+        if sent is not t:
+            self._keep.append(sent)
+        self._tensors[id(t)] = len(self._tensors)
+        storage = sent.untyped_storage()
+        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        shape = sent.shape
+        ndim = len(shape)
+        sizes = struct.pack(f"<{2 * ndim}q", *shape, *sent.stride())
+        code = _DTYPE_CODES[sent.dtype]
+        seen = self._storages.get(ptr) if nbytes else None
+        if seen is not None:
+            return _HEADER.pack(_SEEN_STORAGE, code, t.requires_grad, ndim, seen, sent.storage_offset()) + sizes
+        index = self._new_storages
+        self._new_storages += 1
+        if nbytes:  # empty storages may share an address; each is its own
+            self._storages[ptr] = index
+        header = _HEADER.pack(_NEW_STORAGE, code, t.requires_grad, ndim, index, sent.storage_offset())
+        return header + sizes + (ctypes.string_at(ptr, nbytes) if nbytes else b"")
+
+
 class _Pickler(pickle.Pickler):
-    def __init__(self, file: io.BytesIO, inline: bool, tensors: TensorRecords | None = None) -> None:
+    def __init__(self, file: io.BytesIO, inline: bool, tensors: _Tensors | None = None) -> None:
         super().__init__(file, _PROTOCOL)
         self.inline = inline
         self.side: list = []
         self._side_index: dict[int, int] = {}
-        self._records = tensors if tensors is not None else TensorRecords()
+        self._records = tensors if tensors is not None else _Tensors()
 
     def persistent_id(self, obj: Any) -> Any:
         cls = type(obj)
@@ -122,11 +208,43 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
 
+class _Records:
+    """Decodes tensor records (the receiver's side of :class:`_Tensors`)."""
+
+    __slots__ = ("tensors", "storages")
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.storages: list[torch.UntypedStorage] = []
+
+    def tensor(self, pid: bytes) -> torch.Tensor:
+        if pid[0] == _SEEN_TENSOR:
+            return self.tensors[_SEEN.unpack(pid)[1]]
+        tag, code, requires_grad, ndim, index, offset = _HEADER.unpack_from(pid)
+        end = _HEADER.size + 16 * ndim
+        sizes = struct.unpack_from(f"<{2 * ndim}q", pid, _HEADER.size)
+        if tag == _NEW_STORAGE:
+            nbytes = len(pid) - end
+            storage = torch.UntypedStorage(nbytes)
+            if nbytes:
+                # into memory the storage owns (one over the message's buffer would keep the
+                # whole message alive)
+                ctypes.memmove(storage.data_ptr(), pid[end:], nbytes)
+            self.storages.append(storage)
+        else:
+            storage = self.storages[index]
+        t = torch.empty(0, dtype=_DTYPES[code]).set_(storage, offset, sizes[:ndim], sizes[ndim:])
+        if requires_grad:
+            t.requires_grad_(True)
+        self.tensors.append(t)
+        return t
+
+
 class _Unpickler(pickle.Unpickler):
     def __init__(self, file: io.BytesIO, side: list) -> None:
         super().__init__(file)
         self.side = side
-        self.records = RecordReader()
+        self.records = _Records()
 
     def persistent_load(self, pid: Any) -> Any:
         if type(pid) is int:
@@ -141,12 +259,12 @@ def _short_form(obj: Any) -> bytes | tuple | None:
     """The short ``data`` of :class:`Payload` for ``obj``, when it has one (see there)."""
     cls = type(obj)
     if cls is torch.Tensor:
-        return TensorRecords().record(obj)
+        return _Tensors().record(obj)
     if cls is tuple and len(obj) == 2 and type(obj[1]) is dict and not obj[1] and type(obj[0]) is tuple:
         args = obj[0]
         if not args or any(type(a) is not torch.Tensor for a in args):
             return None
-        tensors = TensorRecords()
+        tensors = _Tensors()
         records = tuple(tensors.record(a) for a in args)
         return None if None in records else records
     return None
@@ -204,8 +322,8 @@ def loads(payload: Payload) -> Any:
     """The value :func:`dumps` pickled."""
     data = payload.data
     if type(data) is tuple:  # (args, {}) with args all inlined tensors
-        records = RecordReader()
+        records = _Records()
         return tuple([records.tensor(pid) for pid in data]), {}
     if data[0] != _PROTO_OPCODE:  # one inlined tensor
-        return RecordReader().tensor(data)
+        return _Records().tensor(data)
     return _Unpickler(io.BytesIO(data), payload.side).load()

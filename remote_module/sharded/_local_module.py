@@ -13,9 +13,6 @@ from torch import nn
 
 from remote_module._core import (
     CallTimeout,
-    device_map_to,
-    dist_autograd_contexts_exist,
-    inline_small,
     map_leaves,
     records_outside_context,
     retyped,
@@ -82,7 +79,6 @@ class _Hosts(NamedTuple):
     infos: tuple  # each shard's WorkerInfo (a WorkerInfo given to a call spares two name lookups)
     keys: tuple  # each shard module's key on its host
     devices: tuple  # each shard's device
-    mapped: tuple  # a device map to the shard's worker is set: tensors travel as tensors
 
 
 class _PerRank:
@@ -196,7 +192,6 @@ class LocalModule(nn.Module):
                 tuple(rpc.get_worker_info(s.on) for s in self.shards),
                 tuple(s._target().key for s in self.shards),
                 tuple(s.device for s in self.shards),
-                tuple(bool(device_map_to(s.on)) for s in self.shards),
             )
             self.__dict__["_hosts_cache"] = hosts
         return hosts
@@ -236,11 +231,10 @@ class LocalModule(nn.Module):
 
     # ---- forward -----------------------------------------------------------------------
 
-    def _input(self, i: int, value: Any, placement: Any, temps: list, hosts: "_Hosts", inline: bool) -> Any:
+    def _input(self, i: int, value: Any, placement: Any, temps: list) -> Any:
         """Input ``i`` as the ranks receive it: a :class:`_PerRank` (each rank its own value),
         or a value sent to every rank, in which RemoteTensors (at any depth of lists, tuples
-        and dicts) stand for their local shards. With ``inline``, the small CPU tensors made
-        here for the ranks travel inside the message's pickle (see ``inline_small``)."""
+        and dicts) stand for their local shards."""
         if placement is None:
             map_leaves(lambda rt: self._check_mesh(f"input {i}", rt), value, RemoteTensor)
             return value
@@ -254,18 +248,7 @@ class LocalModule(nn.Module):
         if isinstance(value, torch.Tensor):
             # What distribute() would store, sent with the call instead (nothing to store or free).
             want = self._wanted(i, placement, value.dim(), value.dtype)
-            parts = pl.local_parts(value, want, len(self.mesh))
-            sent: dict[int, Any] = {}  # Replicate gives every rank the same tensor: encoded once
-            items = []
-            for r, part in enumerate(parts):
-                if inline and not hosts.mapped[r]:
-                    item = sent.get(id(part))
-                    if item is None:
-                        item = sent[id(part)] = inline_small(_host.compact(part))
-                    items.append(item)
-                else:
-                    items.append(_host.compact(part))
-            return _PerRank(items)
+            return _PerRank([_host.compact(part) for part in pl.local_parts(value, want, len(self.mesh))])
         raise TypeError(
             f"LocalModule input {i} has in_placements[{i}] = {pl.describe(placement)}, so it must be a tensor or "
             f"a RemoteTensor, got {type(value).__name__}: {value!r:.80}; declare None to pass it as it is"
@@ -304,9 +287,7 @@ class LocalModule(nn.Module):
         placements = self.in_placements or (None,) * len(inputs)
         temps: list[RemoteTensor] = []  # kept alive until the shards have run
         hosts = self._hosts()
-        # tensors travel as tensors where distributed autograd may record them (as a proxy's do)
-        inline = not dist_autograd_contexts_exist()
-        per_input = [self._input(i, v, p, temps, hosts, inline) for i, (v, p) in enumerate(zip(inputs, placements))]
+        per_input = [self._input(i, v, p, temps) for i, (v, p) in enumerate(zip(inputs, placements))]
         for k, v in kwargs.items():
             map_leaves(lambda rt, k=k: self._check_mesh(f"keyword argument {k!r}", rt), v, RemoteTensor)
         # after the checks: a call refused before any shard runs does not use up the one warning

@@ -76,9 +76,9 @@ def test_seed_example_with_a_distributed_caller_tensor():
 
 
 @pytest.mark.parametrize("placement", [Replicate(), Shard(0), Shard(1)])
-def test_caller_tensors_arrive_compact_whether_written_into_the_message_or_not(placement):
-    # Outside a dist autograd context a small caller tensor travels inside the call's pickle;
-    # inside one it travels as a tensor (RPC records it). The shards see the same either way.
+def test_caller_tensors_arrive_compact_inside_and_outside_a_dist_autograd_context(placement):
+    # what distribute() would store: the rank's part, contiguous, in its own storage, with
+    # the caller's grad mode; the same inside a context (where RPC records the send)
     big = torch.arange(40.0, dtype=torch.float64).reshape(5, 8)
     x = big[1:5, 2:6].requires_grad_()  # a non-contiguous view into a larger storage
     received = LocalModule(MESH, sr.Received, in_placements=[placement], out_placements=Shard(0))
