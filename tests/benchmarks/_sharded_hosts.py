@@ -32,6 +32,20 @@ def held_count() -> int:
     return len(_host._store)
 
 
+_by_hand: dict[str, object] = {}
+
+
+def linear_by_hand(x: torch.Tensor) -> None:
+    """The small forward's work written as a raw RPC handler: this host's ``Linear(16, 16)``
+    (made on first use) on ``x``, without grad, the output kept here until the next call (the
+    sharded variant keeps its output until a release arrives); nothing travels back."""
+    linear = _by_hand.get("linear")
+    if linear is None:
+        linear = _by_hand.setdefault("linear", nn.Linear(16, 16))
+    with torch.no_grad():
+        _by_hand["output"] = linear(x)
+
+
 class Tiny(nn.Module):
     """The small forward: ``x * 2`` (no parameters; the cost measured is the call's)."""
 

@@ -142,7 +142,11 @@ def small_forward(cfg: dict, meter: CpuMeter) -> tuple[dict[str, list[float]], d
             with torch.no_grad():
                 linear(xr)
 
+        def by_hand(mesh: list[str] = mesh, xr: Any = xr) -> None:
+            torch.futures.wait_all([rpc.rpc_async(w, hosts.linear_by_hand, (xr,)) for w in mesh])
+
         variants[f"N={n}: {n} concurrent rpc_async no-ops"] = (floor, lambda: None)
+        variants[f"N={n}: the Linear's work by hand (raw rpc_async)"] = (by_hand, lambda: None)
         variants[f"N={n}: Linear(16, 16), Replicate input"] = (replicated, lambda: None)
         variants[f"N={n}: sharded forward"] = (sharded, lambda: None)
         variants[f"N={n}: sharded forward, releases excluded"] = (sharded_kept, keep.clear)
@@ -269,6 +273,11 @@ def ratios(r: dict) -> dict[str, float]:
         floor = small[f"N={n}: {n} concurrent rpc_async no-ops"]
         out[f"small fwd N={n}: Linear, Replicate input / {n} concurrent no-ops (target <= 1.3)"] = (
             small[f"N={n}: Linear(16, 16), Replicate input"] / floor
+        )
+        by_hand = small[f"N={n}: the Linear's work by hand (raw rpc_async)"]
+        out[f"small fwd N={n}: the Linear's work by hand / {n} concurrent no-ops"] = by_hand / floor
+        out[f"small fwd N={n}: Linear, Replicate input / the same work by hand"] = (
+            small[f"N={n}: Linear(16, 16), Replicate input"] / by_hand
         )
         out[f"small fwd N={n}: x * 2 on Shard(0) / {n} concurrent no-ops"] = small[f"N={n}: sharded forward"] / floor
         out[f"small fwd N={n}: sharded, releases excluded / {n} concurrent no-ops"] = (

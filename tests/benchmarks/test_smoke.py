@@ -102,8 +102,8 @@ def test_quick_sharded_benchmark_runs(tmp_path, capsys):
     assert saved["ratios"] == results["ratios"]
     assert set(saved["small_s"]) == {
         f"N={n}: {v}" for n in (1, 2, 3)
-        for v in (f"{n} concurrent rpc_async no-ops", "Linear(16, 16), Replicate input", "sharded forward",
-                  "sharded forward, releases excluded")
+        for v in (f"{n} concurrent rpc_async no-ops", "the Linear's work by hand (raw rpc_async)",
+                  "Linear(16, 16), Replicate input", "sharded forward", "sharded forward, releases excluded")
     }
     assert set(saved["mlp_s"]) == {f"N={n}: {v}" for n in (2, 3) for v in ("sharded", "by hand")}
     for key, blocks in (("small", "blocks"), ("mlp", "mlp_rounds")):  # CPU seconds per call, per block too
@@ -129,11 +129,14 @@ def test_sharded_ratios_compare_medians():
         small[f"N={n}: {n} concurrent rpc_async no-ops"] = 0.001 * n
         small[f"N={n}: sharded forward"] = 0.002 * n
         small[f"N={n}: Linear(16, 16), Replicate input"] = 0.0025 * n
+        small[f"N={n}: the Linear's work by hand (raw rpc_async)"] = 0.00125 * n
         small[f"N={n}: sharded forward, releases excluded"] = 0.0015 * n
     mlp = {"N=2: sharded": 0.05, "N=2: by hand": 0.06, "N=3: sharded": 0.05, "N=3: by hand": 0.04}
     r = bench_sharded.ratios({"config": {"small_ns": [1, 2, 3], "mlp_ns": [2, 3]}, "small_s": small, "mlp_s": mlp})
     assert r["small fwd N=3: Linear, Replicate input / 3 concurrent no-ops (target <= 1.3)"] == pytest.approx(2.5)
     assert r["small fwd N=3: x * 2 on Shard(0) / 3 concurrent no-ops"] == pytest.approx(2.0)
+    assert r["small fwd N=2: Linear, Replicate input / the same work by hand"] == pytest.approx(2.0)
+    assert r["small fwd N=1: the Linear's work by hand / 1 concurrent no-ops"] == pytest.approx(1.25)
     assert r["small fwd N=1: sharded, releases excluded / 1 concurrent no-ops"] == pytest.approx(1.5)
     assert r["MLP N=2: by hand / sharded time (target >= 1.0)"] == pytest.approx(1.2)
     assert r["MLP N=3: by hand / sharded time, stretch (target >= 1.2)"] == pytest.approx(0.8)
