@@ -43,6 +43,21 @@ def rref_forward(rref: rpc.RRef, x: torch.Tensor) -> torch.Tensor:
     return rref.local_value()(x)
 
 
+_held: dict[str, nn.Module] = {}
+
+
+def hold_linear() -> None:
+    """Make the host's ``Linear(SMALL_IN, SMALL_IN)`` for :func:`held_forward`."""
+    _held["linear"] = nn.Linear(SMALL_IN, SMALL_IN)
+
+
+def held_forward(x: torch.Tensor) -> torch.Tensor:
+    """The small forward's work as a raw handler: a module held in a dict (no RRef), run
+    without grad, its output returned: what a call costs with no proxy machinery at all."""
+    with torch.no_grad():
+        return _held["linear"](x)
+
+
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -98,12 +113,14 @@ def caller_main(cfg: dict) -> dict:
     ours = RemoteModule(f"{host}/cpu", nn.Linear, (SMALL_IN, SMALL_IN))
     theirs = TorchRemoteModule(f"{host}/cpu", nn.Linear, (SMALL_IN, SMALL_IN))
     raw_rref = rpc.remote(host, nn.Linear, (SMALL_IN, SMALL_IN))
+    rpc.rpc_sync(host, hold_linear)
     x = torch.randn(1, SMALL_IN)
     with torch.no_grad():
         small, small_cpu = interleaved(
             {
                 "raw rpc_sync no-op": lambda: rpc.rpc_sync(host, noop),
                 "raw RRef call": lambda: rpc.rpc_sync(host, rref_forward, (raw_rref, x)),
+                "raw call of a held module": lambda: rpc.rpc_sync(host, held_forward, (x,)),
                 "torch RemoteModule": lambda: theirs.forward(x),
                 "remote_module": lambda: ours.forward(x),
             },
@@ -221,6 +238,12 @@ def ratios(r: dict) -> dict[str, float]:
     return {
         "small no_grad: project / torch (target <= 0.70)": small["remote_module"] / small["torch RemoteModule"],
         "small no_grad: project / raw no-op (target <= 1.5)": small["remote_module"] / small["raw rpc_sync no-op"],
+        "small no_grad: project / raw call of a held module": (
+            small["remote_module"] / small["raw call of a held module"]
+        ),
+        "small no_grad: raw call of a held module / torch": (
+            small["raw call of a held module"] / small["torch RemoteModule"]
+        ),
         "async 64 in flight: project / torch calls/s (target >= 4)": (
             rates["remote_module"] / rates["torch RemoteModule"]
         ),

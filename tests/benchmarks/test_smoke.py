@@ -31,7 +31,7 @@ def test_quick_benchmark_runs(tmp_path, capsys):
     saved = json.loads(out.read_text())
     assert saved["ratios"] == results["ratios"]
     assert set(saved["small_forward_no_grad_s"]) == {
-        "raw rpc_sync no-op", "raw RRef call", "torch RemoteModule", "remote_module"
+        "raw rpc_sync no-op", "raw RRef call", "raw call of a held module", "torch RemoteModule", "remote_module"
     }
     assert set(saved["round_trip_GB_per_s"]) == {"1MB", "64MB"}
     assert all(v > 0 for v in saved["forward_async_64_calls_per_s"].values())
