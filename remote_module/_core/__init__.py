@@ -13,7 +13,7 @@ never from its modules: what is listed in ``__all__`` is the internal API, and
 - ``settling``: settling futures off the RPC threads and the one deadline watcher;
 - ``errors``: :class:`RemoteModuleError`, :class:`CallTimeout`, remote tracebacks, retyping;
 - ``device``: parsing ``remote_device``, moving tensors to and from the host's device;
-- ``walk``: mapping over nested tuples, lists and dicts;
+- ``walk``: mapping over nested tuples, lists and dicts (and :func:`parameters_as_views`);
 - ``store``: the host object store (:data:`host_objects`, :func:`hosted_module`);
 - ``untrained``: the warning for a remote forward that distributed autograd cannot train;
 - ``_torch_private``: every use of torch's private names, in one file;
@@ -79,7 +79,7 @@ from remote_module._core.settling import (
 )
 from remote_module._core.store import HostStore, host_device, host_objects, hosted_module
 from remote_module._core.untrained import records_outside_context, unwarned_state, user_stacklevel, warn_untrained
-from remote_module._core.walk import map_leaves, map_tensors
+from remote_module._core.walk import map_leaves, map_tensors, parameters_as_views
 from rpc_backend.options import positive_int, positive_seconds
 
 __all__ = [
@@ -115,6 +115,7 @@ __all__ = [
     "map_tensors",
     "move_cpu_tensors",
     "nested_seconds",
+    "parameters_as_views",
     "parse_remote_device",
     "positive_int",
     "positive_seconds",

@@ -55,10 +55,16 @@ from typing import Any, Callable, Iterable, NamedTuple, Sequence
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from remote_module._core._torch_private import is_async_execution, is_rpc_initialized, worker_names
+from remote_module._core._torch_private import (
+    dist_autograd_contexts_exist,
+    is_async_execution,
+    is_rpc_initialized,
+    worker_names,
+)
 from remote_module._core.deadlines import timeout_seconds
 from remote_module._core.errors import CallTimeout, capture, retyped, timeout_message, to_exception
 from remote_module._core.settling import complete, schedule, settle_elsewhere
+from remote_module._core.walk import parameters_as_views
 
 #: torch.distributed.rpc's "no timeout": the deadline is kept by remote_module._core.settling's watcher.
 _NO_RPC_TIMEOUT = 0
@@ -260,6 +266,8 @@ def call_async(
     seconds = timeout_seconds(timeout)
     name = _worker_name(worker, label)
     body = _run_async if is_async_execution(handler) else _run_handler
+    if dist_autograd_contexts_exist():  # parameters must travel as graph tensors there
+        args, kwargs = parameters_as_views((tuple(args), kwargs))
     made = _clock()
     try:
         sent = rpc.rpc_async(name, body, (handler, tuple(args), dict(kwargs or {})), timeout=_NO_RPC_TIMEOUT)
@@ -399,7 +407,10 @@ def _send(combined: Future, infos: Sequence[rpc.WorkerInfo], handlers: Sequence[
     """Send checked calls (``arguments``: ``(args, kwargs)`` per call) as one :class:`_Batch`
     settling ``combined``."""
     batch = _Batch(combined, [info.name for info in infos], handlers, seconds)
+    recorded = dist_autograd_contexts_exist()  # parameters must travel as graph tensors there
     for index, (info, handler, (args, kwargs)) in enumerate(zip(infos, handlers, arguments)):
+        if recorded:
+            args, kwargs = parameters_as_views((tuple(args), kwargs))
         body = _run_async if is_async_execution(handler) else _run_handler
         try:
             sent = rpc.rpc_async(info, body, (handler, tuple(args), dict(kwargs or {})), timeout=_NO_RPC_TIMEOUT)

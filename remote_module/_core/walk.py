@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+from torch import nn
 
 
 def map_leaves(fn: Callable[[Any], Any], obj: Any, leaf_type: type) -> Any:
@@ -44,3 +45,44 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
         {'a': [tensor([2.])], 'b': 3}
     """
     return map_leaves(fn, obj, torch.Tensor)
+
+
+def parameters_as_views(obj: Any) -> Any:
+    """``obj`` with every ``nn.Parameter`` in it (in tuples, lists, dicts) replaced by a view of
+    itself, the same view for the same parameter; ``obj`` itself when it holds none.
+
+    torch RPC pickles an ``nn.Parameter`` by its data, detached (pytorch/pytorch#86525), so a
+    parameter sent as an argument inside a distributed autograd context would never get a
+    gradient; a view is an ordinary tensor of the graph, and its gradient reaches the
+    parameter, as it does when the parameter is passed to a local module.
+
+    Example::
+
+        w = nn.Parameter(torch.ones(2))
+        (sent,) = parameters_as_views((w,))     # sent._base is w
+    """
+    if not _holds_parameter(obj):
+        return obj
+    views: dict[int, torch.Tensor] = {}
+
+    def view(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, nn.Parameter) or isinstance(t, nn.parameter.UninitializedParameter):
+            return t
+        found = views.get(id(t))
+        if found is None:
+            found = views[id(t)] = t.view_as(t)
+        return found
+
+    return map_tensors(view, obj)
+
+
+def _holds_parameter(obj: Any) -> bool:
+    stack, seen = [obj], set()
+    while stack:
+        v = stack.pop()
+        if isinstance(v, nn.Parameter):
+            return True
+        if isinstance(v, (tuple, list, dict)) and id(v) not in seen:
+            seen.add(id(v))
+            stack.extend(v.values() if isinstance(v, dict) else v)
+    return False

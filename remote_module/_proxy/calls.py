@@ -30,6 +30,7 @@ from remote_module._core import (
     device_map_to,
     dist_autograd_contexts_exist,
     is_rpc_initialized,
+    parameters_as_views,
     records_outside_context,
     retyped,
     rpc_timeout_argument,
@@ -137,6 +138,9 @@ class RemoteCalls:
 
     def _make_call(self, args: tuple, kwargs: dict) -> Call:
         inline = self._fast_path_allowed()
+        if not inline and dist_autograd_contexts_exist():
+            # torch RPC would send a parameter detached: a view of it travels in the graph
+            args, kwargs = parameters_as_views((args, kwargs))
         try:
             payload = dumps((args, kwargs), inline=inline)
             if payload.side:  # what RPC's own pickler will carry must not fail once sent

@@ -38,6 +38,14 @@ class VarArgs(nn.Module):
         return {"a": a, "b": b, "rest": list(rest), "c": c, "extra": dict(extra)}
 
 
+class Weighted(nn.Module):
+    """``(x * w).sum()`` plus ``(x * pair[0] * pair[1]).sum()``: gradients reach ``w`` and
+    both items of ``pair`` (the same tensor twice is one tensor)."""
+
+    def forward(self, x, w, pair):
+        return (x * w).sum() + (x * pair[0] * pair[1]).sum()
+
+
 class Nested(nn.Module):
     """Returns a nested structure of tensors, built from nested inputs."""
 

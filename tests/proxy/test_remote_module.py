@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
+from torch import nn
 from torch.distributed.optim import DistributedOptimizer
 
 import remote_module.remote_module as rm_impl
@@ -174,6 +175,25 @@ def test_init_from_module_rref_naming_another_worker_calls_the_owner():
     c = rpc.rpc_sync("worker2", RemoteModule.init_from_module_rref, ("worker2", a.get_module_rref()))
     assert c.on == "worker1" and torch.equal(c(x), a(x))
     assert rpc.rpc_sync("worker1", _remote.call_counter, (a.get_module_rref(),)) == 6
+
+
+def test_caller_parameters_passed_as_arguments_get_their_gradients_as_locally():
+    # torch RPC sends an nn.Parameter detached (pytorch/pytorch#86525): locally a parameter
+    # given to a module's forward gets its gradient, so it must here too, nested ones included
+    proxy = RemoteModule("worker1", _remote.Weighted)
+    x = torch.arange(1.0, 4.0)
+    w, v = nn.Parameter(torch.full((3,), 2.0)), nn.Parameter(torch.full((3,), 3.0))
+    local = _remote.Weighted()
+    want_loss = local(x, w, (v, v))
+    want = torch.autograd.grad(want_loss, [w, v])
+    for run in (lambda: proxy(x, w, (v, v)), lambda: proxy.forward_async(x, w, [v, v]).wait()):
+        with dist_autograd.context() as ctx:
+            loss = run()
+            dist_autograd.backward(ctx, [loss])
+            got = dist_autograd.get_gradients(ctx)
+        assert torch.equal(loss, want_loss.detach())
+        assert torch.equal(got[w], want[0]) and torch.equal(got[v], want[1])
+    assert isinstance(w, nn.Parameter) and w.grad is None  # the caller's objects are untouched
 
 
 def test_remote_parameters_train_with_distributed_optimizer():

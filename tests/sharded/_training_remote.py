@@ -132,3 +132,11 @@ def held_count() -> int:
 def rref_requires_grad(param_rref: rpc.RRef) -> bool:
     """Run on a parameter's owner: whether it requires grad."""
     return param_rref.local_value().requires_grad
+
+
+class Scale(nn.Module):
+    """``x * w``: a weight the caller holds, given with the call."""
+
+    def forward(self, x, w):
+        return x * w
+

@@ -339,3 +339,19 @@ def test_a_training_loop_does_not_grow_the_hosts_shard_stores():
             break
         time.sleep(0.05)
     assert all(now[w] <= baseline[w] for w in WORKERS), f"shard stores grew: baseline {baseline}, after {now}"
+
+
+def test_caller_parameters_given_whole_get_their_gradients_as_locally():
+    # torch RPC sends an nn.Parameter detached (pytorch/pytorch#86525); found porting a
+    # sequence-parallel norm whose weight the caller holds
+    x = torch.arange(8.0).view(4, 2)
+    want = x.sum(0)  # d/dw of (x * w).sum()
+    for placement, give in ((Replicate(), lambda w: w), (None, lambda w: w),
+                            (None, lambda w: distribute(w, MESHES[2], Replicate()))):
+        w = nn.Parameter(torch.ones(2))
+        lm = LocalModule(MESHES[2], remote.Scale, in_placements=[Shard(0), placement], out_placements=Shard(0))
+        with dist_autograd.context() as ctx:
+            dist_autograd.backward(ctx, [lm(x, give(w)).full_tensor().sum()])
+            got = dist_autograd.get_gradients(ctx).get(w)
+        assert got is not None and torch.equal(got, want), (placement, got)
+
