@@ -102,6 +102,70 @@ def _grown(t: torch.Tensor, rows: int, fill: float = 0) -> torch.Tensor:
     return out
 
 
+class SlotIndex:
+    """A lazy block's map from global row id to storage slot, in whole-tensor ops (no per-id
+    Python): two sorted runs of ``(id, slot)`` pairs, a large one and a small recent one that
+    new ids are merged into; the recent run is merged into the large one once it holds an
+    eighth as many, so each id is copied a bounded number of times on average.
+
+    Example::
+
+        index = SlotIndex()
+        index.add(torch.tensor([7, 3]), torch.tensor([0, 1]))
+        index.find(torch.tensor([3, 5, 7]))        # tensor([ 1, -1,  0])
+    """
+
+    #: the recent run is merged into the large one beyond max(this, large / 8) pairs
+    RECENT_MIN = 4096
+
+    def __init__(self) -> None:
+        empty = torch.empty(0, dtype=torch.long)
+        self.ids, self.slots = empty, empty  # the large run, ids ascending
+        self.recent_ids, self.recent_slots = empty, empty  # the recent run, ids ascending
+
+    def __len__(self) -> int:
+        return self.ids.numel() + self.recent_ids.numel()
+
+    @staticmethod
+    def _lookup(sorted_ids: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        n = sorted_ids.numel()
+        if not n:
+            return torch.full_like(ids, -1)
+        at = torch.searchsorted(sorted_ids, ids).clamp_(max=n - 1)
+        return torch.where(sorted_ids[at] == ids, slots[at], -1)
+
+    def find(self, ids: torch.Tensor) -> torch.Tensor:
+        """The slot of each of ``ids`` (int64, any shape, repeats allowed); -1 where none."""
+        found = self._lookup(self.ids, self.slots, ids)
+        if self.recent_ids.numel():
+            found = torch.where(found >= 0, found, self._lookup(self.recent_ids, self.recent_slots, ids))
+        return found
+
+    @staticmethod
+    def _merged(a_ids: torch.Tensor, a_slots: torch.Tensor, b_ids: torch.Tensor,
+                b_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two sorted runs with no id in common as one sorted run."""
+        n = a_ids.numel() + b_ids.numel()
+        at_b = torch.searchsorted(a_ids, b_ids) + torch.arange(b_ids.numel())  # b's places in the result
+        from_a = torch.ones(n, dtype=torch.bool)
+        from_a[at_b] = False
+        ids, slots = torch.empty(n, dtype=torch.long), torch.empty(n, dtype=torch.long)
+        ids[at_b], slots[at_b] = b_ids, b_slots
+        ids[from_a], slots[from_a] = a_ids, a_slots
+        return ids, slots
+
+    def add(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
+        """Add ``ids`` (sorted, unique, none present yet) at ``slots``."""
+        self.recent_ids, self.recent_slots = self._merged(self.recent_ids, self.recent_slots, ids, slots)
+        if self.recent_ids.numel() > max(self.RECENT_MIN, self.ids.numel() // 8):
+            self.ids, self.slots = self._merged(self.ids, self.slots, self.recent_ids, self.recent_slots)
+            self.recent_ids = self.recent_slots = torch.empty(0, dtype=torch.long)
+
+    def pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every ``(ids, slots)``, ids ascending."""
+        return self._merged(self.ids, self.slots, self.recent_ids, self.recent_slots)
+
+
 class TableSpec(NamedTuple):
     num_embeddings: int
     dim: int
@@ -131,10 +195,10 @@ class _Rows:
         self.lock = threading.Lock()
         if spec.init == "eager":
             self.values = self.initial(torch.arange(first, first + count))
-            self.slot_of: dict[int, int] | None = None
+            self.slot_of: SlotIndex | None = None
         else:
             self.values = torch.empty(0, spec.dim, dtype=spec.dtype)
-            self.slot_of = {}
+            self.slot_of = SlotIndex()
         self.used = count if spec.init == "eager" else 0  # slots holding a row (lazy: capacity grows ahead)
         self.touched = torch.zeros(count if spec.init == "eager" else 0, dtype=torch.bool)
         # optimizer state, for the rows ever stepped only (eager tables too): each storage slot's
@@ -152,19 +216,24 @@ class _Rows:
         when ``create`` (else a row never touched reads as its initial value, not stored)."""
         if self.slot_of is None:
             return ids - self.first
-        missing = list(dict.fromkeys(i for i in ids.tolist() if i not in self.slot_of))
-        if missing and create:
-            start, need = self.used, self.used + len(missing)
-            if need > self.values.shape[0]:  # grow by doubling: appending rows stays cheap on average
-                capacity = max(need, 2 * self.values.shape[0], 64)
-                self.values = _grown(self.values, capacity)
-                self.touched = _grown(self.touched, capacity)
-                self.state_slot = _grown(self.state_slot, capacity, -1)
-            self.values[start:need] = self.initial(torch.tensor(missing))
-            self.used = need
-            for j, i in enumerate(missing):
-                self.slot_of[i] = start + j
-        return torch.tensor([self.slot_of.get(i, -1) for i in ids.tolist()], dtype=torch.long)
+        ids = ids.long()
+        found = self.slot_of.find(ids)
+        if create:
+            absent = found < 0
+            if bool(absent.any()):
+                missing = torch.unique(ids[absent])  # sorted
+                start, need = self.used, self.used + missing.numel()
+                if need > self.values.shape[0]:  # grow by doubling: appending rows stays cheap on average
+                    capacity = max(need, 2 * self.values.shape[0], 64)
+                    self.values = _grown(self.values, capacity)
+                    self.touched = _grown(self.touched, capacity)
+                    self.state_slot = _grown(self.state_slot, capacity, -1)
+                self.values[start:need] = self.initial(missing)
+                self.used = need
+                new_slots = torch.arange(start, need)
+                self.slot_of.add(missing, new_slots)
+                found[absent] = new_slots[torch.searchsorted(missing, ids[absent])]
+        return found
 
     def stored(self, stepped_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(ids, slots)`` of the rows stored here, sorted by id: every row of an eager block,
@@ -172,9 +241,11 @@ class _Rows:
         if self.slot_of is None:
             slots = self.touched.nonzero().reshape(-1) if stepped_only else torch.arange(self.count)
             return slots + self.first, slots
-        pairs = sorted((i, s) for i, s in self.slot_of.items() if not stepped_only or bool(self.touched[s]))
-        return (torch.tensor([i for i, _ in pairs], dtype=torch.long),
-                torch.tensor([s for _, s in pairs], dtype=torch.long))
+        ids, slots = self.slot_of.pairs()
+        if stepped_only:
+            keep = self.touched.index_select(0, slots)
+            ids, slots = ids[keep], slots[keep]
+        return ids, slots
 
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows of ``ids`` (lazy rows never touched: their initial values, not stored)."""

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from remote_module.ps._rows import TableSpec, initial_rows, mix64, row_init, row_key
+from remote_module.ps._rows import SlotIndex, TableSpec, _Rows, initial_rows, mix64, row_init, row_key
 from remote_module.ps._rowwise import row_optimizer
 from remote_module.ps._table_server import Table
 from tests.ps import _table_rows_remote as r
@@ -289,3 +289,46 @@ def test_a_psmodel_keeps_numpy_integer_counts_as_ints(world):
     pytest.importorskip("numpy")
     got = on_trainer0(world, r.psmodel_numpy_sized, job("numpy-psmodel"))
     assert got == {"num_trainers": "int", "geo_push_every": "int"}
+
+
+@pytest.mark.parametrize("recent_min", [1, 8, SlotIndex.RECENT_MIN])
+def test_a_lazy_blocks_slot_index_finds_what_a_dict_would(monkeypatch, recent_min):
+    # whole-tensor lookups (no per-id Python) against the dict they replace, across merges
+    monkeypatch.setattr(SlotIndex, "RECENT_MIN", recent_min)
+    gen = torch.Generator().manual_seed(3)
+    index, want = SlotIndex(), {}
+    for _ in range(60):
+        batch = torch.randint(0, 5000, (int(torch.randint(1, 200, (1,), generator=gen)),), generator=gen)
+        got = index.find(batch)
+        assert got.tolist() == [want.get(i, -1) for i in batch.tolist()]
+        new = torch.tensor(sorted({i for i in batch.tolist() if i not in want}), dtype=torch.long)
+        slots = torch.arange(len(want), len(want) + new.numel())
+        index.add(new, slots)
+        want.update(zip(new.tolist(), slots.tolist()))
+    ids, slots = index.pairs()
+    assert ids.tolist() == sorted(want) and slots.tolist() == [want[i] for i in sorted(want)]
+    assert len(index) == len(want)
+    assert index.find(torch.tensor([-1, 10**12])).tolist() == [-1, -1]
+
+
+def test_lazy_rows_created_in_any_order_and_with_repeats_read_as_eager_ones():
+    spec = TableSpec(1000, 4, torch.float32, "lazy", 0, "async", 1, row_optimizer(torch.optim.SGD, {"lr": 0.5}))
+    eager_spec = spec._replace(init="eager")
+    key = row_key(0, "t")
+    lazy, eager = _Rows(spec, 100, 900, key), _Rows(eager_spec, 100, 900, key)
+    for ids in ([900, 105, 900, 333], [105, 999, 100], [450, 451, 105]):
+        ids = torch.tensor(ids)
+        grad = torch.arange(float(ids.numel() * 4)).view(-1, 4)
+        unique, inverse = ids.unique(return_inverse=True)
+        summed = torch.zeros(unique.numel(), 4).index_add_(0, inverse, grad)
+        for rows in (lazy, eager):
+            rows.step(unique, summed, 1)
+        assert torch.equal(lazy.read(ids), eager.read(ids))
+        slots = lazy.slots(ids, create=False)
+        assert (slots >= 0).all() and slots[0] == lazy.slots(ids[:1], create=False)[0]
+    never = torch.tensor([101, 998])
+    assert torch.equal(lazy.read(never), eager.read(never)) and (lazy.slots(never, create=False) == -1).all()
+    stored, _ = lazy.stored()
+    assert stored.tolist() == [100, 105, 333, 450, 451, 900, 999]
+    assert lazy.stored(stepped_only=True)[0].tolist() == stored.tolist()
+
