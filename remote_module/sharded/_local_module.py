@@ -255,17 +255,18 @@ class LocalModule(nn.Module):
         )
 
     def _wanted(self, i: int, placement: Any, ndim: int, dtype: torch.dtype) -> Any:
-        """``in_placements[i]`` normalised for an ``ndim``-d input of ``dtype`` and checked,
-        once per (input, ndim, dtype) in this process."""
+        """``placement`` (``in_placements[i]``) normalised for an ``ndim``-d input of ``dtype``
+        and checked, once per (input, ndim, dtype) for as long as ``in_placements[i]`` is that
+        same object."""
         cache = self.__dict__.get("_wanted_cache")
         if cache is None:
             cache = self.__dict__["_wanted_cache"] = {}
-        want = cache.get((i, ndim, dtype))
-        if want is None:
+        found = cache.get((i, ndim, dtype))
+        if found is None or found[0] is not placement:
             want = pl.normalized(placement, ndim, f"in_placements[{i}]")
             pl.check_op_dtype(want, dtype, f"in_placements[{i}]")
-            cache[(i, ndim, dtype)] = want
-        return want
+            found = cache[(i, ndim, dtype)] = (placement, want)
+        return found[1]
 
     def _check_mesh(self, what: str, value: RemoteTensor) -> RemoteTensor:
         if tuple(value.mesh) != tuple(self.mesh):
@@ -335,7 +336,8 @@ class LocalModule(nn.Module):
 
     def _output(self, j: int, metas: list[tuple], sids: list) -> RemoteTensor:
         """Output ``j`` from its shards' metadata as the hosts sent it (``_host.meta_of``); the
-        declared placement is normalised and checked once per (output, ndim, dtype)."""
+        declared placement is normalised and checked once per (output, ndim, dtype) for as long
+        as ``out_placements[j]`` is that same object."""
         shape, dtype_name, _ = metas[0]
         cache = self.__dict__.get("_out_cache")
         if cache is None:
@@ -343,18 +345,18 @@ class LocalModule(nn.Module):
         found = cache.get((j, len(shape), dtype_name))
         placement = self.out_placements[j]
         try:
-            if found is None:
+            if found is None or found[0] is not placement:
                 dtype = _host.dtype_named(dtype_name)
                 want = pl.normalized(placement, len(shape), "placement")
                 pl.check_op_dtype(want, dtype)
-                found = cache[(j, len(shape), dtype_name)] = (want, dtype)
+                found = cache[(j, len(shape), dtype_name)] = (placement, want, dtype)
             for r, m in enumerate(metas):
                 if m[1] != dtype_name:
                     raise ValueError(
                         "every worker's shard must have one dtype, got "
                         + ", ".join(f"{w}: {_host.dtype_named(m[1])}" for w, m in zip(self.mesh, metas))
                     )
-            return RemoteTensor._of_shards(self.mesh, found[0], [m[0] for m in metas], found[1],
+            return RemoteTensor._of_shards(self.mesh, found[1], [m[0] for m in metas], found[2],
                                            any(m[2] for m in metas), sids, self.timeout)
         except ValueError as exc:  # the caller releases this output's shards with the rest
             raise ValueError(f"LocalModule output {j} ({pl.describe(placement)}): {exc}") from None

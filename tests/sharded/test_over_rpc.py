@@ -98,6 +98,19 @@ def test_caller_tensors_arrive_compact_inside_and_outside_a_dist_autograd_contex
             assert torch.equal(value, part.detach()) and torch.equal(value_t, part.detach())
 
 
+def test_placements_set_after_a_forward_apply_to_the_next():
+    # in/out placements are looked up once per input shape and dtype: a reassignment must count
+    lm = LocalModule(MESH, sr.Echo, in_placements=[Shard(0)], out_placements=Shard(0))
+    x = torch.arange(8.0).view(4, 2)
+    with torch.no_grad():
+        first = lm(x)
+        assert first.placement == Shard(0) and first.local_shapes == ((2, 2), (2, 2))
+        lm.in_placements, lm.out_placements = (Replicate(),), (Replicate(),)
+        second = lm(x)
+    assert second.placement == Replicate() and second.local_shapes == ((4, 2), (4, 2))
+    assert torch.equal(second.full_tensor(), x)
+
+
 # ---- distribute / from_local -------------------------------------------------------------
 
 
