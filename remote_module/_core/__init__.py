@@ -8,7 +8,8 @@ never from its modules: what is listed in ``__all__`` is the internal API, and
 - ``deadlines``: timeouts normalised once (:func:`timeout_seconds`), torch's timeout
   argument written once (:func:`rpc_timeout_argument`);
 - ``fanout``: N host calls at once (:func:`call_all`, :func:`call_all_async`,
-  :func:`call_async`; :func:`send_to_each` for calls a layer checked once), nested budgets
+  :func:`call_async`; :func:`send_to_each` for calls a layer checked once; :func:`call_grouped`:
+  one message per worker), nested budgets
   (:func:`nested_seconds`, :func:`answer_margin`), :func:`send_and_forget`;
 - ``settling``: settling futures off the RPC threads and the one deadline watcher;
 - ``errors``: :class:`RemoteModuleError`, :class:`CallTimeout`, remote tracebacks, retyping;
@@ -63,6 +64,8 @@ from remote_module._core.fanout import (
     call_all,
     call_all_async,
     call_async,
+    call_grouped,
+    call_grouped_async,
     nested_seconds,
     send_and_forget,
     send_to_each,
@@ -98,6 +101,8 @@ __all__ = [
     "call_all",
     "call_all_async",
     "call_async",
+    "call_grouped",
+    "call_grouped_async",
     "capture",
     "complete",
     "device_map_to",

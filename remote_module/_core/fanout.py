@@ -117,6 +117,44 @@ def _run_async(handler: Callable[..., Any], args: tuple, kwargs: dict) -> Future
     return answer
 
 
+@rpc.functions.async_execution
+def _run_many(calls: list[tuple[Callable[..., Any], tuple, dict]]) -> Future:
+    """Several calls that share one message, run in the order sent: each answered
+    ``(True, result)`` or ``(False, RemoteFailure)`` on its own; ``async_execution`` handlers
+    are started in turn and awaited together."""
+    answers: list[Any] = [None] * len(calls)
+    waiting: list[tuple[int, Future]] = []
+    for i, (handler, args, kwargs) in enumerate(calls):
+        if not is_async_execution(handler):
+            answers[i] = _run_handler(handler, args, kwargs)
+            continue
+        try:
+            waiting.append((i, handler(*args, **kwargs)))
+        except BaseException as exc:
+            answers[i] = (False, capture(exc))
+    done: Future = Future()
+    if not waiting:
+        done.set_result(answers)
+        return done
+    left = [len(waiting)]
+    lock = threading.Lock()
+
+    def settle(i: int, fut: Future) -> None:
+        try:
+            answers[i] = (True, fut.value())
+        except BaseException as exc:
+            answers[i] = (False, capture(exc))
+        with lock:
+            left[0] -= 1
+            last = not left[0]
+        if last:
+            done.set_result(answers)
+
+    for i, fut in waiting:
+        fut.add_done_callback(partial(settle, i))
+    return done
+
+
 # ---- caller side ----------------------------------------------------------------------------
 
 
@@ -350,6 +388,30 @@ class _Batch:
             combined, self.combined = self.combined, None
         combined.set_result(self.results)  # outside the lock: callbacks may run here
 
+    def answered_group(self, indices: list[int], sent: Future) -> None:
+        """The answer of one message that carried the calls ``indices`` (see
+        :func:`call_grouped_async`): a list of ``(ok, value)``, one per call."""
+        try:
+            answers = sent.value()
+        except BaseException as exc:  # the RPC itself failed: every call in it did
+            exc.__traceback__ = None
+            self._fail(_rpc_failure(exc, self.label(indices[0]), self.names[indices[0]]))
+            return
+        for index, (ok, value) in zip(indices, answers):
+            if not ok:
+                self._fail(to_exception(value, f"on worker {self.names[index]!r} in {self.label(index)}"))
+                return
+        with self.lock:
+            if self.combined is None:
+                return  # failed or timed out before: dropped
+            for index, (_, value) in zip(indices, answers):
+                self.results[index] = value
+            self.left -= len(indices)
+            if self.left:
+                return
+            combined, self.combined = self.combined, None
+        combined.set_result(self.results)  # outside the lock: callbacks may run here
+
     def _fail(self, failure: BaseException) -> None:
         with self.lock:
             combined, self.combined = self.combined, None
@@ -443,6 +505,71 @@ def send_to_each(infos: Sequence[rpc.WorkerInfo], handler: Callable[..., Any], a
         combined.set_result([])
         return combined
     return _send(combined, infos, [handler] * len(infos), [(a, None) for a in args], seconds)
+
+
+def call_grouped_async(calls: Iterable[HostCall | tuple], timeout: float | None = None) -> Future:
+    """:func:`call_all_async` with the calls to one worker in one message: a worker runs its
+    calls in the order given (``async_execution`` ones started in that order, awaited
+    together), each succeeding or failing alone. The contract is :func:`call_all_async`'s:
+    results in the order of ``calls``, the first failure naming its worker and index, one
+    deadline. For many small calls to few workers (the tables of a model on their servers):
+    one message per worker instead of one per call.
+
+    Example::
+
+        fut = call_grouped_async([("ps0", lookup, ("items", ids0)), ("ps0", lookup, ("users", ids1)),
+                                  ("ps1", lookup, ("items", ids2))], timeout=10)   # two messages
+        items0, users, items1 = fut.wait()
+    """
+    checked = [_as_call(i, call) for i, call in enumerate(calls)]
+    seconds = timeout_seconds(timeout)
+    n = len(checked)
+    infos = [_worker_info(c.worker, partial(_call_label, i, n, c.handler)) for i, c in enumerate(checked)]
+    combined: Future = Future()
+    if n == 0:
+        combined.set_result([])
+        return combined
+    if not is_rpc_initialized():
+        raise RuntimeError(
+            "call_async needs torch.distributed.rpc: call rpc.init_rpc(name, rank=..., world_size=...) first"
+        )
+    groups: dict[str, list[int]] = {}
+    for index, info in enumerate(infos):
+        groups.setdefault(info.name, []).append(index)
+    batch = _Batch(combined, [info.name for info in infos], [c.handler for c in checked], seconds)
+    recorded = dist_autograd_contexts_exist()  # parameters must travel as graph tensors there
+    for indices in groups.values():
+        sub = []
+        for index in indices:
+            call = checked[index]
+            args, kwargs = tuple(call.args), dict(call.kwargs or {})
+            if recorded:
+                args, kwargs = parameters_as_views((args, kwargs))
+            sub.append((call.handler, args, kwargs))
+        info = infos[indices[0]]
+        try:
+            if len(sub) == 1:
+                body = _run_async if is_async_execution(sub[0][0]) else _run_handler
+                sent = rpc.rpc_async(info, body, sub[0], timeout=_NO_RPC_TIMEOUT)
+                sent.add_done_callback(partial(batch.answered, indices[0]))
+            else:
+                sent = rpc.rpc_async(info, _run_many, (sub,), timeout=_NO_RPC_TIMEOUT)
+                sent.add_done_callback(partial(batch.answered_group, indices))
+        except Exception as exc:  # nothing was sent for these calls (earlier ones were: dropped)
+            batch.combined = None
+            raise _unsent(exc, batch.label(indices[0]), info.name) from exc
+    if seconds != math.inf:
+        schedule(_clock() + seconds, batch)
+    return combined
+
+
+def call_grouped(calls: Iterable[HostCall | tuple], timeout: float | None = None) -> list[Any]:
+    """:func:`call_grouped_async`, waited for: the results in order, or the first failure
+    with its original type, naming the worker and the call's index."""
+    try:
+        return call_grouped_async(calls, timeout).wait()
+    except BaseException as exc:
+        raise exc.with_traceback(None)  # (see call_all)
 
 
 def call_all(calls: Iterable[HostCall | tuple], timeout: float | None = None) -> list[Any]:
