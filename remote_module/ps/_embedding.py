@@ -305,6 +305,13 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
     def _rows_of(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Unique ids of ``input``, each id's index among them, and their rows (fetched from
         the owning servers concurrently; recorded for :meth:`step` when grad is on)."""
+        calls, finish = self._rows_plan(input)
+        return finish(call_all(calls, timeout=self.timeout))
+
+    def _rows_plan(self, input: torch.Tensor) -> tuple[list, Callable[[list], tuple]]:
+        """:meth:`_rows_of` in two halves: the host calls that fetch the rows, and what makes
+        its result of their answers (so that a collection can send several tables' calls to a
+        server in one message)."""
         _, uniq, inverse = self._unique(input)
         # geo: cached rows are this trainer's; only the others are fetched
         wanted = None if self._geo is None else self._geo.missing(uniq)
@@ -314,17 +321,20 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
             if ids.numel():
                 calls.append((server, _table_server._rows_for, (self.name, ids, self._step, None, self._wait_s())))
                 taken.append(mine)
-        got = call_all(calls, timeout=self.timeout)
-        rows = torch.empty(uniq.numel(), self.embedding_dim)
-        for mine, r in zip(taken, got):
-            rows[mine] = r
+
+        def finish(got: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            rows = torch.empty(uniq.numel(), self.embedding_dim)
+            for mine, r in zip(taken, got):
+                rows[mine] = r
+                if self._geo is not None:
+                    self._geo.add(uniq[mine], r)
             if self._geo is not None:
-                self._geo.add(uniq[mine], r)
-        if self._geo is not None:
-            rows = self._geo.values(uniq)
-        if self._records():
-            rows = self._recorded(uniq, rows)
-        return uniq, inverse, rows.to(self._dtype())
+                rows = self._geo.values(uniq)
+            if self._records():
+                rows = self._recorded(uniq, rows)
+            return uniq, inverse, rows.to(self._dtype())
+
+        return calls, finish
 
     def _reset_gradients(self) -> None:
         """No gradients recorded (construction, and a copy)."""
@@ -513,6 +523,22 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         ``optimizer.step()`` keeps ``.grad``: call ``step()`` again to retry it (in sync mode a
         server that already has this step's push takes the retry as a no-op; in async and
         half_async a server that had it applies it again), or ``zero_grad()`` to drop them."""
+        plan = self._push_plan()
+        if plan is None:
+            return
+        calls, done, failed = plan
+        try:
+            call_all(calls, timeout=self.timeout)
+        except BaseException:
+            failed()
+            raise
+        done()
+
+    def _push_plan(self) -> tuple[list, Callable[[], None], Callable[[], None]] | None:
+        """:meth:`step` in parts: the host calls that push this step's gradients, what to do
+        once they all succeeded, and what to do when they failed (keep the gradients for a
+        retry); None in geo mode, where it steps the cached rows here (and pushes their deltas
+        every ``geo_push_every`` calls) itself."""
         with self._pending_lock:
             taken = self._take_gradients()
             self._backwards, self._stepped_past = 0, False
@@ -530,7 +556,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         grad = torch.cat(grad_parts) if grad_parts else torch.empty(0, self.embedding_dim)
         if self.ps_mode == "geo":
             self._geo_step(ids, grad, has_grad)
-            return
+            return None
         calls = []
         for _, server, mine in self._by_owner(ids):
             # every server hears of a step with a gradient (an empty push where it holds none of
@@ -543,12 +569,14 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
             elif self.ps_mode == "sync":
                 calls.append((server, _table_server._push_rows, (self.name, self._trainer, self._step, None, None,
                                                            self._token)))
-        try:
-            call_all(calls, timeout=self.timeout)
-        except BaseException:
+
+        def failed() -> None:
             with self._pending_lock:  # kept for a retry (or zero_grad), with any recorded meanwhile
                 self._held = taken + self._held
-            raise
-        self.pushed_bytes += sum(i.numel() * i.element_size() + g.numel() * g.element_size()
-                                 for _, _, (_, _, _, i, g, _) in calls if i is not None)
-        self._step += 1
+
+        def done() -> None:
+            self.pushed_bytes += sum(i.numel() * i.element_size() + g.numel() * g.element_size()
+                                     for _, _, (_, _, _, i, g, _) in calls if i is not None)
+            self._step += 1
+
+        return calls, done, failed

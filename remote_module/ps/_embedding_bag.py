@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -73,6 +73,14 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         ``(bags, dim)`` partial results travel. In geo mode, and when ``per_sample_weights``
         needs a gradient (which needs the rows), the rows are fetched and pooled here instead.
         """
+        calls, finish = self._lookup_plan(input, offsets, per_sample_weights)
+        return finish(call_all(calls, timeout=self.timeout))
+
+    def _lookup_plan(self, input: torch.Tensor, offsets: torch.Tensor | None,
+                     per_sample_weights: torch.Tensor | None) -> tuple[list, Callable[[list], torch.Tensor]]:
+        """:meth:`forward` in two halves: the host calls of this lookup, and what makes the
+        output of their answers (so that a collection can send several tables' calls to a
+        server in one message). Arguments are checked here, before anything is sent."""
         if isinstance(offsets, torch.Tensor) and offsets.dim() == 1 and offsets.numel() > 1:
             # torch checks this only when it pools on several threads (on one it reads past the
             # input and returns uninitialised memory)
@@ -84,7 +92,7 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         needs_rows = self.ps_mode == "geo" or (
             per_sample_weights is not None and per_sample_weights.requires_grad and torch.is_grad_enabled())
         if needs_rows:
-            return self._pool_here(input, offsets, per_sample_weights)
+            return self._pool_here_plan(input, offsets, per_sample_weights)
         flat, uniq, inverse = self._unique(input)
         grad = self._records()
         # zero rows standing for the unique ids: torch's own embedding_bag on them checks the
@@ -122,7 +130,14 @@ class ShardedEmbeddingBag(ShardedEmbedding):
             pool = (torch.searchsorted(in_bags, positions), w, kind)
             calls.append((server, _table_server._rows_for, (self.name, ids.to(wire), self._step, pool, self._wait_s())))
             called.append(k)
-        got = call_all(calls, timeout=self.timeout)
+        return calls, lambda got: self._pooled(got, kind, called, flat, uniq, inverse, bags, weights, keep, holder,
+                                                zero, server_of, num_bags, grad, dtype)
+
+    def _pooled(self, got: list, kind: str, called: list[int], flat: torch.Tensor, uniq: torch.Tensor,
+                inverse: torch.Tensor, bags: torch.Tensor, weights: torch.Tensor | None, keep: torch.Tensor | None,
+                holder: torch.Tensor, zero: torch.Tensor, server_of: torch.Tensor, num_bags: int, grad: bool,
+                dtype: torch.dtype) -> torch.Tensor:
+        """The output of a lookup from the servers' answers ``got`` (see :meth:`_lookup_plan`)."""
         if kind == "sum":
             total = torch.zeros(num_bags, self.embedding_dim)
             for part in got:  # in server order
@@ -186,10 +201,16 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         winner = torch.where(first_nan, flat[start.clamp(max=n - 1)].unsqueeze(1).expand(-1, dim), winner)
         return value, winner
 
-    def _pool_here(self, input: torch.Tensor, offsets: torch.Tensor | None,
-                   per_sample_weights: torch.Tensor | None) -> torch.Tensor:
-        """Fetch the unique rows and pool them here with torch's ``embedding_bag``."""
-        uniq, inverse, rows = self._rows_of(input)
+    def _pool_here_plan(self, input: torch.Tensor, offsets: torch.Tensor | None,
+                        per_sample_weights: torch.Tensor | None) -> tuple[list, Callable[[list], torch.Tensor]]:
+        """Fetch the unique rows and pool them here with torch's ``embedding_bag`` (in two
+        halves, as :meth:`_lookup_plan`)."""
+        calls, rows_of = self._rows_plan(input)
+        return calls, lambda got: self._pool_rows_here(rows_of(got), input, offsets, per_sample_weights)
+
+    def _pool_rows_here(self, fetched: tuple, input: torch.Tensor, offsets: torch.Tensor | None,
+                        per_sample_weights: torch.Tensor | None) -> torch.Tensor:
+        uniq, inverse, rows = fetched
         pad = None
         if self.padding_idx is not None:
             hit = (uniq == self.padding_idx).nonzero().reshape(-1)
