@@ -5,14 +5,19 @@ server-side optimizers, and sync / async / half-async / geo training.
 :class:`HashName`, or any callable ``(block_names, servers) -> servers``) places them;
 :class:`PSModel` wraps a trainer's local model. :class:`ShardedEmbedding` and
 :class:`ShardedEmbeddingBag` are embedding tables sliced into row blocks over the servers, with
-sparse lookups and sparse updates (inside a PSModel or on their own). Servers run no code of
-their own.
+sparse lookups and sparse updates (inside a PSModel or on their own);
+:class:`ShardedEmbeddingBagCollection` looks up and pushes several tables together, one
+message per server. Servers run no code of their own.
 """
 
+from remote_module.ps._collection import ShardedEmbeddingBagCollection
 from remote_module.ps._dispatch import HashName, RoundRobin
 from remote_module.ps._embedding import ShardedEmbedding
 from remote_module.ps._embedding_bag import ShardedEmbeddingBag
 from remote_module.ps._model import PSModel
 from remote_module.ps._slicing import Block, slice_blocks
 
-__all__ = ["slice_blocks", "Block", "RoundRobin", "HashName", "PSModel", "ShardedEmbedding", "ShardedEmbeddingBag"]
+__all__ = [
+    "slice_blocks", "Block", "RoundRobin", "HashName", "PSModel", "ShardedEmbedding", "ShardedEmbeddingBag",
+    "ShardedEmbeddingBagCollection",
+]

@@ -1,0 +1,165 @@
+"""ShardedEmbeddingBagCollection: the tables of a model looked up together, one message per
+server, and their gradients pushed together, one message per server."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from remote_module._core import call_grouped, timeout_seconds
+from remote_module.ps._embedding_bag import ShardedEmbeddingBag
+
+
+class ShardedEmbeddingBagCollection(nn.Module):
+    """Several :class:`ShardedEmbeddingBag` tables used together, as torchrec's
+    ``EmbeddingBagCollection`` groups a model's tables: a forward sends every table's lookups
+    for one server in **one message** (and gets their pooled bags back in one answer), and
+    :meth:`step` sends every table's pushes for one server in one message. Each table keeps
+    its own rules: arguments, errors, modes, checkpoints.
+
+    ``tables`` maps a name to a table; the tables must share ``ps_mode`` and ``num_trainers``
+    (``ValueError`` naming the table that differs). They are this module's children under
+    those names, so ``state_dict()`` keys are ``<name>.weight`` (a lazy table:
+    ``<name>.weight.ids`` / ``<name>.weight.rows``), and a model or :class:`PSModel` holding
+    the collection reaches them as it reaches any submodule.
+
+    ``forward(features)`` takes, for every table, its input: the ids tensor, or a tuple
+    ``(input, offsets, per_sample_weights)`` (the last two may be ``None`` or left out), as
+    the table's own ``forward`` takes them; it returns ``{name: pooled bags}``. A name not in
+    the collection, or a table without an input, raises ``KeyError`` naming it. The calls of
+    one forward share one deadline: the shortest of the tables' timeouts.
+
+    In geo mode a table steps its cached rows locally and pushes their deltas every
+    ``geo_push_every`` steps in messages of its own (as it does alone).
+
+    Example::
+
+        tables = {"items": ShardedEmbeddingBag(1_000_000, 16, servers, name="items", mode="sum"),
+                  "users": ShardedEmbeddingBag(100_000, 16, servers, name="users", mode="sum")}
+        ebc = ShardedEmbeddingBagCollection(tables)
+        out = ebc({"items": (ids, offsets), "users": user_ids.view(-1, 1)})   # one message per server
+        loss = model(out["items"], out["users"]); loss.backward()
+        ebc.step()                                                        # one message per server
+    """
+
+    def __init__(self, tables: Mapping[str, ShardedEmbeddingBag]) -> None:
+        super().__init__()
+        if not isinstance(tables, Mapping) or not tables:
+            raise TypeError("ShardedEmbeddingBagCollection takes a non-empty mapping of name -> ShardedEmbeddingBag, "
+                            f"got {tables!r:.100}")
+        first_name, first = None, None
+        for name, table in tables.items():
+            if not isinstance(name, str):
+                raise TypeError(f"ShardedEmbeddingBagCollection: table names must be str, got {name!r}")
+            if not isinstance(table, ShardedEmbeddingBag):
+                raise TypeError(f"ShardedEmbeddingBagCollection: table {name!r} must be a ShardedEmbeddingBag, "
+                                f"got {type(table).__name__}")
+            if first is None:
+                first_name, first = name, table
+            for what in ("ps_mode", "num_trainers"):
+                if getattr(table, what) != getattr(first, what):
+                    raise ValueError(
+                        f"ShardedEmbeddingBagCollection: table {name!r} has {what}={getattr(table, what)!r}, but table "
+                        f"{first_name!r} has {what}={getattr(first, what)!r}; the tables of a collection share both"
+                    )
+            self.add_module(name, table)  # torch's own checks of the name (no '.', no attribute clash)
+        self._names = tuple(tables)
+
+    @property
+    def ps_mode(self) -> str:
+        return self.table(self._names[0]).ps_mode
+
+    def table(self, name: str) -> ShardedEmbeddingBag:
+        """The table called ``name`` (``KeyError`` naming it when there is none)."""
+        if name not in self._names:
+            raise KeyError(f"ShardedEmbeddingBagCollection has no table {name!r} (tables: {', '.join(self._names)})")
+        return self._modules[name]
+
+    def tables(self) -> dict[str, ShardedEmbeddingBag]:
+        """``{name: table}``, in the order given."""
+        return {name: self._modules[name] for name in self._names}
+
+    def extra_repr(self) -> str:
+        return f"tables={list(self._names)}, ps_mode={self.ps_mode!r}"
+
+    def _timeout(self) -> float:
+        return min((timeout_seconds(t.timeout) for t in self.tables().values()), default=math.inf)
+
+    def forward(self, features: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """``{name: pooled bags}`` for every table (see the class docstring)."""
+        if not isinstance(features, Mapping):
+            raise TypeError(f"ShardedEmbeddingBagCollection takes a mapping of table name -> input, got "
+                            f"{type(features).__name__}")
+        for name in features:
+            if name not in self._names:
+                raise KeyError(f"ShardedEmbeddingBagCollection has no table {name!r} (tables: "
+                               f"{', '.join(self._names)})")
+        for name in self._names:
+            if name not in features:
+                raise KeyError(f"ShardedEmbeddingBagCollection: no input for table {name!r}")
+        plans = []
+        for name in self._names:
+            value = features[name]
+            if isinstance(value, tuple):
+                if not 1 <= len(value) <= 3:
+                    raise TypeError(
+                        f"ShardedEmbeddingBagCollection: table {name!r}'s input must be a tensor or a tuple "
+                        f"(input, offsets=None, per_sample_weights=None), got a tuple of {len(value)}"
+                    )
+                args = value + (None,) * (3 - len(value))
+            else:
+                args = (value, None, None)
+            plans.append(self._modules[name]._lookup_plan(*args))
+        calls = [call for table_calls, _ in plans for call in table_calls]
+        got = call_grouped(calls, timeout=self._timeout())
+        out, at = {}, 0
+        for name, (table_calls, finish) in zip(self._names, plans):
+            out[name] = finish(got[at:at + len(table_calls)])
+            at += len(table_calls)
+        return out
+
+    def step(self) -> None:
+        """Push every table's gradients, one message per server (see the tables' ``step``:
+        what is pushed, retries, sync). When the push fails, every table keeps its gradients
+        for a retry, as a table's failed ``step()`` does."""
+        plans = [plan for plan in (self._modules[name]._push_plan() for name in self._names) if plan is not None]
+        calls = [call for table_calls, _, _ in plans for call in table_calls]
+        try:
+            call_grouped(calls, timeout=self._timeout())
+        except BaseException:
+            for _, _, failed in plans:
+                failed()
+            raise
+        for _, done, _ in plans:
+            done()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Every table's ``zero_grad`` (the gradients recorded since the last step are dropped)."""
+        for table in self.tables().values():
+            table.zero_grad(set_to_none)
+
+    def flush(self) -> None:
+        """Every table's ``flush`` (half_async: the servers apply what they queued)."""
+        for table in self.tables().values():
+            table.flush()
+
+    def optimizer_state_dict(self) -> dict[str, dict]:
+        """``{name: that table's optimizer_state_dict()}``."""
+        return {name: table.optimizer_state_dict() for name, table in self.tables().items()}
+
+    def load_optimizer_state_dict(self, state: Mapping[str, dict]) -> None:
+        """Load :meth:`optimizer_state_dict`'s state into every table (``KeyError`` naming a
+        table it has no state for, or a name that is not a table)."""
+        if not isinstance(state, Mapping):
+            raise TypeError(f"load_optimizer_state_dict takes what optimizer_state_dict() returned, got "
+                            f"{type(state).__name__}")
+        for name in state:
+            self.table(name)
+        for name in self._names:
+            if name not in state:
+                raise KeyError(f"ShardedEmbeddingBagCollection: no optimizer state for table {name!r}")
+        for name in self._names:
+            self._modules[name].load_optimizer_state_dict(state[name])

@@ -1,0 +1,146 @@
+"""What the trainers run in tests/ps/test_collection.py."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+SPECS = {  # name -> (rows, mode, padding_idx)
+    "items": (300, "sum", None),
+    "users": (120, "mean", 4),
+    "tags": (50, "max", None),
+}
+
+
+def local_tables(seed: int = 0) -> dict[str, nn.EmbeddingBag]:
+    torch.manual_seed(seed)
+    return {name: nn.EmbeddingBag(rows, 4, mode=mode, padding_idx=pad) for name, (rows, mode, pad) in SPECS.items()}
+
+
+def features(seed: int, steps: int) -> list[tuple[dict, dict]]:
+    """Per step: each table's input in another of the accepted forms, and a target per table."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        items = torch.randint(0, 300, (10,), generator=g)
+        weights = torch.rand(10, generator=g)
+        users = torch.randint(0, 120, (3, 2), generator=g)
+        users[0, 0] = 4  # the padding id
+        tags = torch.randint(0, 50, (7,), generator=g)
+        feats = {"items": (items, torch.tensor([0, 3, 3, 8]), weights), "users": users,
+                 "tags": (tags, torch.tensor([0, 2, 5]))}
+        targets = {"items": torch.randn(4, 4, generator=g), "users": torch.randn(3, 4, generator=g),
+                   "tags": torch.randn(3, 4, generator=g)}
+        out.append((feats, targets))
+    return out
+
+
+def _args(value):
+    return value if isinstance(value, tuple) else (value,)
+
+
+def make(job: str, ps_mode: str = "async", num_trainers: int = 1, collect: bool = True):
+    from remote_module.ps import ShardedEmbeddingBag, ShardedEmbeddingBagCollection
+
+    tables = {}
+    for name, (rows, mode, pad) in SPECS.items():
+        tables[name] = ShardedEmbeddingBag(rows, 4, ["ps0", "ps1"], name=f"{job}-{name}", mode=mode, padding_idx=pad,
+                                           optimizer=(torch.optim.Adagrad, {"lr": 0.2}), min_block_size=40,
+                                           ps_mode=ps_mode, num_trainers=num_trainers)
+        tables[name].load_state_dict(local_tables()[name].state_dict())
+    return ShardedEmbeddingBagCollection(tables) if collect else tables
+
+
+def train(job: str, steps: int, ps_mode: str = "async", collect: bool = True) -> dict:
+    """``steps`` training steps of a collection (or of the same tables one by one); every
+    output and the final weights."""
+    model = make(job, ps_mode, collect=collect)
+    outs = []
+    for feats, targets in features(1, steps):
+        if collect:
+            got = model(feats)
+        else:
+            got = {name: model[name](*_args(value)) for name, value in feats.items()}
+        outs.append({k: v.detach() for k, v in got.items()})
+        sum(((got[k] - targets[k]) ** 2).sum() for k in got).backward()
+        if collect:
+            model.step()
+        else:
+            for table in model.values():
+                table.step()
+    weights = model.state_dict() if collect else {f"{k}.weight": t.state_dict()["weight"] for k, t in model.items()}
+    return {"outs": outs, "weights": weights}
+
+
+def messages(job: str, ps_mode: str) -> dict:
+    """Messages this trainer sends to each worker in one forward and in one step of a
+    collection of three tables on two servers (counted at torch.distributed.rpc.rpc_async)."""
+    import collections
+
+    import torch.distributed.rpc as rpc
+
+    model = make(job, ps_mode)
+    feats, targets = features(2, 1)[0]
+    model(feats)  # a first step outside the count (sync: the servers wait for it)
+    counted: collections.Counter = collections.Counter()
+    real = rpc.rpc_async
+
+    def counting(to, *args, **kwargs):
+        counted[to.name if isinstance(to, rpc.WorkerInfo) else to] += 1
+        return real(to, *args, **kwargs)
+
+    out = {}
+    rpc.rpc_async = counting
+    try:
+        got = model(feats)
+        out["forward"] = dict(counted)
+        sum(((got[k] - targets[k]) ** 2).sum() for k in got).backward()
+        counted.clear()
+        model.step()
+        out["step"] = dict(counted)
+    finally:
+        rpc.rpc_async = real
+    return out
+
+
+def refusals(job: str) -> list[str]:
+    """The errors of bad collections and bad inputs, as ``TypeName: message``."""
+    from remote_module.ps import ShardedEmbeddingBag, ShardedEmbeddingBagCollection
+
+    model = make(job)
+    feats, _ = features(3, 1)[0]
+    texts = []
+
+    def caught(fn):
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - the text is the point
+            texts.append(f"{type(exc).__name__}: {exc}")
+        else:
+            texts.append("no error")
+
+    caught(lambda: model({k: v for k, v in feats.items() if k != "users"}))
+    caught(lambda: model({**feats, "nope": feats["users"]}))
+    caught(lambda: model({**feats, "tags": (feats["users"], None, None, None)}))
+    sync = ShardedEmbeddingBag(10, 4, ["ps0"], name=f"{job}-sync", ps_mode="sync")
+    caught(lambda: ShardedEmbeddingBagCollection({"a": model.table("items"), "b": sync}))
+    caught(lambda: ShardedEmbeddingBagCollection({"a": nn.EmbeddingBag(3, 4)}))
+    caught(lambda: ShardedEmbeddingBagCollection({}))
+    caught(lambda: model.table("nope"))
+    return texts
+
+
+def checkpoints(job: str) -> dict:
+    """A collection's state_dict keys, and that its state and optimizer state load into another."""
+    model = make(job)
+    feats, targets = features(4, 1)[0]
+    got = model(feats)
+    sum(((got[k] - targets[k]) ** 2).sum() for k in got).backward()
+    model.step()
+    other = make(job + "-copy")
+    other.load_state_dict(model.state_dict())
+    other.load_optimizer_state_dict(model.optimizer_state_dict())
+    same_state = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
+    opt_a, opt_b = model.optimizer_state_dict(), other.optimizer_state_dict()
+    same_opt = all(torch.equal(opt_a[t]["sum"], opt_b[t]["sum"]) for t in opt_a)
+    return {"keys": sorted(model.state_dict()), "same_state": same_state, "same_optimizer_state": same_opt}

@@ -1,0 +1,78 @@
+"""ShardedEmbeddingBagCollection: several tables looked up and pushed together, one message per
+server, each table trained exactly as alone and as a local nn.EmbeddingBag (issue 24)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.ps import _collection_remote as r
+from tests.ps._world import job as name
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def world(ps_world):  # shared with the other PS tests (tests/conftest.py)
+    return ps_world
+
+
+def local_reference(steps):
+    tables = r.local_tables()
+    sparse = {k: t.mode != "max" for k, t in tables.items()}  # torch cannot make a max bag sparse
+    local = {k: torch.nn.EmbeddingBag(t.num_embeddings, 4, mode=t.mode, padding_idx=t.padding_idx, sparse=sparse[k])
+             for k, t in tables.items()}
+    for k in local:
+        local[k].load_state_dict(tables[k].state_dict())
+    opts = [torch.optim.Adagrad(t.parameters(), lr=0.2) for t in local.values()]
+    outs = []
+    for feats, targets in r.features(1, steps):
+        got = {k: local[k](*(v if isinstance(v, tuple) else (v,))) for k, v in feats.items()}
+        outs.append({k: v.detach() for k, v in got.items()})
+        for opt in opts:
+            opt.zero_grad()
+        sum(((got[k] - targets[k]) ** 2).sum() for k in got).backward()
+        for opt in opts:
+            opt.step()
+    return outs, {f"{k}.weight": t.weight.detach() for k, t in local.items()}
+
+
+@pytest.mark.parametrize("ps_mode", ["async", "sync"])
+def test_a_collection_trains_each_table_as_alone_and_as_local_torch(world, ps_mode):
+    got = world.run({"trainer0": (r.train, name("ebc"), 3, ps_mode, True),
+                     "trainer1": (r.train, name("alone"), 3, ps_mode, False)})
+    together, alone = got["trainer0"], got["trainer1"]
+    outs, weights = local_reference(3)
+    for step in range(3):
+        for k in r.SPECS:
+            assert torch.equal(together["outs"][step][k], alone["outs"][step][k])  # the same server work
+            torch.testing.assert_close(together["outs"][step][k], outs[step][k], atol=1e-6, rtol=1e-5)
+    for k, w in weights.items():
+        assert torch.equal(together["weights"][k], alone["weights"][k])
+        torch.testing.assert_close(together["weights"][k], w, atol=1e-6, rtol=1e-5)
+        assert not torch.equal(w, r.local_tables()[k.split(".")[0]].weight.detach())  # it trained
+
+
+@pytest.mark.parametrize("ps_mode", ["async", "sync"])
+def test_one_message_per_server_for_a_forward_and_for_a_step(world, ps_mode):
+    got = world.run({"trainer0": (r.messages, name("msgs"), ps_mode)})["trainer0"]
+    # three tables, each on both servers: one lookup and one push message per server
+    assert got == {"forward": {"ps0": 1, "ps1": 1}, "step": {"ps0": 1, "ps1": 1}}
+
+
+def test_bad_collections_and_inputs_are_refused_naming_the_table(world):
+    texts = world.run({"trainer0": (r.refusals, name("bad"))})["trainer0"]
+    missing, unknown, too_long, mixed, not_bag, empty, no_table = texts
+    assert missing.startswith("KeyError") and "no input for table 'users'" in missing
+    assert unknown.startswith("KeyError") and "no table 'nope'" in unknown
+    assert too_long.startswith("TypeError") and "'tags'" in too_long
+    assert mixed.startswith("ValueError") and "table 'b' has ps_mode='sync'" in mixed
+    assert not_bag.startswith("TypeError") and "table 'a' must be a ShardedEmbeddingBag" in not_bag
+    assert empty.startswith("TypeError")
+    assert no_table.startswith("KeyError") and "'nope'" in no_table
+
+
+def test_checkpoints_use_the_table_names_and_load_into_another_collection(world):
+    got = world.run({"trainer0": (r.checkpoints, name("ckpt"))})["trainer0"]
+    assert got["keys"] == ["items.weight", "tags.weight", "users.weight"]
+    assert got["same_state"] and got["same_optimizer_state"]
