@@ -9,7 +9,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 from remote_module._core.errors import CallTimeout, RemoteModuleError
-from remote_module._core.fanout import HostCall, call_all, call_all_async, send_to_each
+from remote_module._core.fanout import HostCall, call_all, call_all_async, call_grouped, send_to_each
 from tests._faults import gates
 from tests.proxy._remote import UserError, echo
 
@@ -152,3 +152,36 @@ def test_send_to_each_keeps_the_contract_of_call_all():
     assert "calls[0] of 2" in text and "worker2" in text and "0.5 s" in text
     with pytest.raises(TypeError, match=r"calls\[0\] of 1 .*could not be sent to worker 'worker1'"):
         send_to_each([rpc.get_worker_info("worker1")], echo, [(threading.Lock(),)], 10.0)
+
+
+def test_call_grouped_sends_one_message_per_worker_and_keeps_the_contract(monkeypatch):
+    sent = []
+    real = rpc.rpc_async
+    monkeypatch.setattr(rpc, "rpc_async", lambda to, *a, **k: sent.append(to.name) or real(to, *a, **k))
+    calls = [("worker1", echo, ("a",)), ("worker2", echo, ("b",)), ("worker1", gates.add_later, (2, 3)),
+             ("worker1", echo, ("c",)), ("worker2", gates.add_later, (4, 5))]
+    assert call_grouped(calls, timeout=10) == ["a", "b", 5, "c", 9]
+    assert sorted(sent) == ["worker1", "worker2"]  # one message each
+    assert call_grouped([]) == []
+    # a failure inside a shared message is that call's, with its type, index and worker
+    with pytest.raises(UserError) as info:
+        call_grouped([("worker1", echo, (1,)), ("worker2", echo, (2,)), ("worker1", gates.fail, ("third",))])
+    text = str(info.value)
+    assert text.startswith("third") and "calls[2] of 3" in text and "worker1" in text
+    with pytest.raises(UserError, match="later") as info:
+        call_grouped([("worker2", echo, (1,)), ("worker2", gates.fail_later, ("later",))])
+    assert "calls[1] of 2" in str(info.value) and "worker2" in str(info.value)
+    # the worker keeps serving, and the order within a message is the order given
+    key = "grouped-timeout"
+    start = time.monotonic()
+    try:
+        with pytest.raises(CallTimeout) as timed_out:
+            call_grouped([("worker2", echo, (1,)), ("worker1", gates.hold, (key,)), ("worker1", echo, (3,))],
+                         timeout=0.5)
+        elapsed = time.monotonic() - start
+    finally:
+        rpc.rpc_sync("worker1", gates.release, (key,))
+    assert elapsed < 0.5 + 2.0
+    assert "calls[1] of 3" in str(timed_out.value) and "worker1" in str(timed_out.value)
+    assert call_grouped([("worker1", echo, ("still",)), ("worker1", echo, ("here",))]) == ["still", "here"]
+
