@@ -9,7 +9,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from remote_module._core import call_grouped, timeout_seconds
+from remote_module._core import call_grouped, retyped, timeout_seconds
 from remote_module.ps._embedding_bag import ShardedEmbeddingBag
 
 
@@ -26,11 +26,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
     ``<name>.weight.ids`` / ``<name>.weight.rows``), and a model or :class:`PSModel` holding
     the collection reaches them as it reaches any submodule.
 
-    ``forward(features)`` takes, for every table, its input: the ids tensor, or a tuple
-    ``(input, offsets, per_sample_weights)`` (the last two may be ``None`` or left out), as
-    the table's own ``forward`` takes them; it returns ``{name: pooled bags}``. A name not in
-    the collection, or a table without an input, raises ``KeyError`` naming it. The calls of
-    one forward share one deadline: the shortest of the tables' timeouts.
+    ``forward(features)`` takes, for every table, its input: the ids tensor, or a tuple (or
+    list) ``(input, offsets, per_sample_weights)`` (the last two may be ``None`` or left out),
+    as the table's own ``forward`` takes them; it returns ``{name: pooled bags}``. A name not
+    in the collection, or a table without an input, raises ``KeyError`` naming it; a table's
+    own errors keep their type and name the table. The calls of one forward share one
+    deadline: the shortest of the tables' timeouts. ``ebc[name]``, ``name in ebc``,
+    ``len(ebc)``, ``list(ebc)`` and ``keys()`` see the tables by name.
 
     In geo mode a table steps its cached rows locally and pushes their deltas every
     ``geo_push_every`` steps in messages of its own (as it does alone).
@@ -82,6 +84,22 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """``{name: table}``, in the order given."""
         return {name: self._modules[name] for name in self._names}
 
+    def keys(self) -> list[str]:
+        """The table names, in the order given."""
+        return list(self._names)
+
+    def __getitem__(self, name: str) -> ShardedEmbeddingBag:
+        return self.table(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __iter__(self) -> Any:
+        return iter(self._names)
+
     def extra_repr(self) -> str:
         return f"tables={list(self._names)}, ps_mode={self.ps_mode!r}"
 
@@ -103,16 +121,19 @@ class ShardedEmbeddingBagCollection(nn.Module):
         plans = []
         for name in self._names:
             value = features[name]
-            if isinstance(value, tuple):
+            if isinstance(value, (tuple, list)):
                 if not 1 <= len(value) <= 3:
                     raise TypeError(
                         f"ShardedEmbeddingBagCollection: table {name!r}'s input must be a tensor or a tuple "
-                        f"(input, offsets=None, per_sample_weights=None), got a tuple of {len(value)}"
+                        f"(input, offsets=None, per_sample_weights=None), got a {type(value).__name__} of {len(value)}"
                     )
-                args = value + (None,) * (3 - len(value))
+                args = tuple(value) + (None,) * (3 - len(value))
             else:
                 args = (value, None, None)
-            plans.append(self._modules[name]._lookup_plan(*args))
+            try:
+                plans.append(self._modules[name]._lookup_plan(*args))
+            except (TypeError, ValueError, IndexError, RuntimeError) as exc:  # the table's own checks
+                raise retyped(exc, f"ShardedEmbeddingBagCollection table {name!r}: {exc}") from exc
         calls = [call for table_calls, _ in plans for call in table_calls]
         got = call_grouped(calls, timeout=self._timeout())
         out, at = {}, 0

@@ -127,6 +127,11 @@ def refusals(job: str) -> list[str]:
     caught(lambda: ShardedEmbeddingBagCollection({"a": nn.EmbeddingBag(3, 4)}))
     caught(lambda: ShardedEmbeddingBagCollection({}))
     caught(lambda: model.table("nope"))
+    caught(lambda: model({**feats, "users": feats["users"] + 1000}))  # ids out of range: the table's IndexError
+    as_list = model({k: list(v) if isinstance(v, tuple) else v for k, v in feats.items()})
+    as_tuple = model(feats)
+    texts.append(str(all(torch.equal(as_list[k], as_tuple[k]) for k in as_tuple)))
+    texts.append(f"{len(model)} {list(model)} {'items' in model} {model['tags'] is model.table('tags')}")
     return texts
 
 

@@ -62,7 +62,7 @@ def test_one_message_per_server_for_a_forward_and_for_a_step(world, ps_mode):
 
 def test_bad_collections_and_inputs_are_refused_naming_the_table(world):
     texts = world.run({"trainer0": (r.refusals, name("bad"))})["trainer0"]
-    missing, unknown, too_long, mixed, not_bag, empty, no_table = texts
+    missing, unknown, too_long, mixed, not_bag, empty, no_table, out_of_range, lists_ok, mapping = texts
     assert missing.startswith("KeyError") and "no input for table 'users'" in missing
     assert unknown.startswith("KeyError") and "no table 'nope'" in unknown
     assert too_long.startswith("TypeError") and "'tags'" in too_long
@@ -70,6 +70,9 @@ def test_bad_collections_and_inputs_are_refused_naming_the_table(world):
     assert not_bag.startswith("TypeError") and "table 'a' must be a ShardedEmbeddingBag" in not_bag
     assert empty.startswith("TypeError")
     assert no_table.startswith("KeyError") and "'nope'" in no_table
+    assert out_of_range.startswith("IndexError") and "table 'users'" in out_of_range
+    assert lists_ok == "True"  # (input, offsets) given as a list, as a tuple
+    assert mapping == "3 ['items', 'users', 'tags'] True True"
 
 
 def test_checkpoints_use_the_table_names_and_load_into_another_collection(world):
