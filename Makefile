@@ -48,3 +48,4 @@ bench: .install-stamp
 	$(PYTHON) -m tests.benchmarks.bench_sharded
 	$(PYTHON) -m tests.benchmarks.bench_ps
 	$(PYTHON) -m tests.benchmarks.bench_embedding
+	$(PYTHON) -m tests.benchmarks.bench_dlrm

@@ -388,6 +388,12 @@ class _Batch:
             combined, self.combined = self.combined, None
         combined.set_result(self.results)  # outside the lock: callbacks may run here
 
+    def group_label(self, indices: list[int]) -> str:
+        """The calls that shared one message, for an error that concerns them all."""
+        if len(indices) == 1:
+            return self.label(indices[0])
+        return " and ".join(self.label(i) for i in indices) + " (one message)"
+
     def answered_group(self, indices: list[int], sent: Future) -> None:
         """The answer of one message that carried the calls ``indices`` (see
         :func:`call_grouped_async`): a list of ``(ok, value)``, one per call."""
@@ -395,7 +401,7 @@ class _Batch:
             answers = sent.value()
         except BaseException as exc:  # the RPC itself failed: every call in it did
             exc.__traceback__ = None
-            self._fail(_rpc_failure(exc, self.label(indices[0]), self.names[indices[0]]))
+            self._fail(_rpc_failure(exc, self.group_label(indices), self.names[indices[0]]))
             return
         for index, (ok, value) in zip(indices, answers):
             if not ok:
@@ -432,6 +438,68 @@ class _Batch:
 
 
 _UNANSWERED = object()
+
+
+class _EachBatch(_Batch):
+    """A :class:`_Batch` that waits for every call (or the deadline) and settles with each
+    call's outcome, ``(True, result)`` or ``(False, exception)``, instead of failing at the
+    first failure (:func:`call_grouped_each`)."""
+
+    __slots__ = ()
+
+    def _settle(self, index: int, outcome: tuple[bool, Any]) -> None:
+        with self.lock:
+            if self.combined is None or self.results[index] is not _UNANSWERED:
+                return
+            self.results[index] = outcome
+            self.left -= 1
+            if self.left:
+                return
+            combined, self.combined = self.combined, None
+        combined.set_result(self.results)
+
+    def answered(self, index: int, sent: Future) -> None:
+        try:
+            ok, value = sent.value()
+        except BaseException as exc:
+            exc.__traceback__ = None
+            self._settle(index, (False, _rpc_failure(exc, self.label(index), self.names[index])))
+            return
+        if ok:
+            self._settle(index, (True, value))
+        else:
+            self._settle(index, (False, to_exception(value, f"on worker {self.names[index]!r} in {self.label(index)}")))
+
+    def answered_group(self, indices: list[int], sent: Future) -> None:
+        try:
+            answers = sent.value()
+        except BaseException as exc:
+            exc.__traceback__ = None
+            failure = _rpc_failure(exc, self.group_label(indices), self.names[indices[0]])
+            for index in indices:
+                self._settle(index, (False, failure))
+            return
+        for index, (ok, value) in zip(indices, answers):
+            if ok:
+                self._settle(index, (True, value))
+            else:
+                failure = to_exception(value, f"on worker {self.names[index]!r} in {self.label(index)}")
+                self._settle(index, (False, failure))
+
+    def expire(self, now: float) -> None:
+        """At the deadline: every call not answered gets a ``CallTimeout`` naming it, and the
+        outcomes are delivered on a settler thread (as :meth:`_Batch.expire` does)."""
+        with self.lock:
+            combined, self.combined = self.combined, None
+            if combined is None:
+                return
+            for index, r in enumerate(self.results):
+                if r is _UNANSWERED:
+                    name = self.names[index]
+                    message = f"{self.label(index)} on worker {name!r} failed: {timeout_message(self.seconds, name)}"
+                    self.results[index] = (False, CallTimeout(message))
+            results = self.results
+        settle_elsewhere([lambda: complete(combined, results, False)])
 
 
 def _call_label(index: int, n: int, handler: Any) -> str:
@@ -510,10 +578,13 @@ def send_to_each(infos: Sequence[rpc.WorkerInfo], handler: Callable[..., Any], a
 def call_grouped_async(calls: Iterable[HostCall | tuple], timeout: float | None = None) -> Future:
     """:func:`call_all_async` with the calls to one worker in one message: a worker runs its
     calls in the order given (``async_execution`` ones started in that order, awaited
-    together), each succeeding or failing alone. The contract is :func:`call_all_async`'s:
-    results in the order of ``calls``, the first failure naming its worker and index, one
-    deadline. For many small calls to few workers (the tables of a model on their servers):
-    one message per worker instead of one per call.
+    together), each succeeding or failing alone. Results come back in the order of ``calls``;
+    a failure names its worker and index (a failure of the message itself, e.g. an answer
+    that does not pickle, names every call it carried). The first failure to arrive fails the
+    whole, but a message is answered only once all its calls are done, and ``timeout`` counts
+    for all of them: a worker runs them one after another. For many small calls to few
+    workers (the tables of a model on their servers): one message per worker instead of one
+    per call.
 
     Example::
 
@@ -521,6 +592,24 @@ def call_grouped_async(calls: Iterable[HostCall | tuple], timeout: float | None 
                                   ("ps1", lookup, ("items", ids2))], timeout=10)   # two messages
         items0, users, items1 = fut.wait()
     """
+    return _send_grouped(calls, timeout, _Batch)
+
+
+def call_grouped_each(calls: Iterable[HostCall | tuple], timeout: float | None = None) -> list[tuple[bool, Any]]:
+    """:func:`call_grouped_async`, waiting for every call (or ``timeout``): each call's
+    outcome, ``(True, result)`` or ``(False, exception)`` (a ``CallTimeout`` naming the call
+    for one not answered in time), in the order of ``calls``; for callers that act on each
+    call's success (a step of several tables, each kept for a retry where it failed).
+
+    Example::
+
+        for ok, value in call_grouped_each(pushes, timeout=10):
+            ...
+    """
+    return _send_grouped(calls, timeout, _EachBatch).wait()
+
+
+def _send_grouped(calls: Iterable[HostCall | tuple], timeout: float | None, batch_type: type) -> Future:
     checked = [_as_call(i, call) for i, call in enumerate(calls)]
     seconds = timeout_seconds(timeout)
     n = len(checked)
@@ -536,7 +625,7 @@ def call_grouped_async(calls: Iterable[HostCall | tuple], timeout: float | None 
     groups: dict[str, list[int]] = {}
     for index, info in enumerate(infos):
         groups.setdefault(info.name, []).append(index)
-    batch = _Batch(combined, [info.name for info in infos], [c.handler for c in checked], seconds)
+    batch = batch_type(combined, [info.name for info in infos], [c.handler for c in checked], seconds)
     recorded = dist_autograd_contexts_exist()  # parameters must travel as graph tensors there
     for indices in groups.values():
         sub = []
@@ -557,7 +646,7 @@ def call_grouped_async(calls: Iterable[HostCall | tuple], timeout: float | None 
                 sent.add_done_callback(partial(batch.answered_group, indices))
         except Exception as exc:  # nothing was sent for these calls (earlier ones were: dropped)
             batch.combined = None
-            raise _unsent(exc, batch.label(indices[0]), info.name) from exc
+            raise _unsent(exc, batch.group_label(indices), info.name) from exc
     if seconds != math.inf:
         schedule(_clock() + seconds, batch)
     return combined

@@ -3,13 +3,19 @@ server, and their gradients pushed together, one message per server."""
 
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping
 
 import torch
 from torch import nn
 
-from remote_module._core import call_grouped, retyped, timeout_seconds
+from remote_module._core import (
+    call_grouped,
+    call_grouped_each,
+    nested_seconds,
+    positive_seconds,
+    retyped,
+    timeout_seconds,
+)
 from remote_module.ps._embedding_bag import ShardedEmbeddingBag
 
 
@@ -30,9 +36,20 @@ class ShardedEmbeddingBagCollection(nn.Module):
     list) ``(input, offsets, per_sample_weights)`` (the last two may be ``None`` or left out),
     as the table's own ``forward`` takes them; it returns ``{name: pooled bags}``. A name not
     in the collection, or a table without an input, raises ``KeyError`` naming it; a table's
-    own errors keep their type and name the table. The calls of one forward share one
-    deadline: the shortest of the tables' timeouts. ``ebc[name]``, ``name in ebc``,
+    own errors keep their type and name the table. ``ebc[name]``, ``name in ebc``,
     ``len(ebc)``, ``list(ebc)`` and ``keys()`` see the tables by name.
+
+    ``timeout`` (seconds; ``None``: the RPC agent's default) is the collection's own, not the
+    tables': a forward's and a step's calls share one deadline, and a server runs the calls
+    of its message one after another, so it must cover all the tables' work on a server. A
+    sync lookup waits on a server for the step within it (and names the trainers missing).
+
+    :meth:`step` steps every table as its own ``step()`` would: a table whose push failed on
+    some server (a server down or late) keeps its gradients for a retry, as alone, and the
+    others count as stepped; the first failure is raised once all have been answered.
+
+    Hooks registered on a table do not run: the collection calls the tables' lookups, not
+    their ``forward``.
 
     In geo mode a table steps its cached rows locally and pushes their deltas every
     ``geo_push_every`` steps in messages of its own (as it does alone).
@@ -47,18 +64,24 @@ class ShardedEmbeddingBagCollection(nn.Module):
         ebc.step()                                                        # one message per server
     """
 
-    def __init__(self, tables: Mapping[str, ShardedEmbeddingBag]) -> None:
+    def __init__(self, tables: Mapping[str, ShardedEmbeddingBag], *, timeout: float | None = None) -> None:
         super().__init__()
+        self.timeout = None if timeout is None else positive_seconds(timeout, "timeout")
         if not isinstance(tables, Mapping) or not tables:
             raise TypeError("ShardedEmbeddingBagCollection takes a non-empty mapping of name -> ShardedEmbeddingBag, "
                             f"got {tables!r:.100}")
         first_name, first = None, None
+        seen: dict[int, str] = {}
         for name, table in tables.items():
             if not isinstance(name, str):
                 raise TypeError(f"ShardedEmbeddingBagCollection: table names must be str, got {name!r}")
             if not isinstance(table, ShardedEmbeddingBag):
                 raise TypeError(f"ShardedEmbeddingBagCollection: table {name!r} must be a ShardedEmbeddingBag, "
                                 f"got {type(table).__name__}")
+            if id(table) in seen:
+                raise ValueError(f"ShardedEmbeddingBagCollection: tables {seen[id(table)]!r} and {name!r} are the same "
+                                 "table object; give each table once")
+            seen[id(table)] = name
             if first is None:
                 first_name, first = name, table
             for what in ("ps_mode", "num_trainers"):
@@ -103,9 +126,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def extra_repr(self) -> str:
         return f"tables={list(self._names)}, ps_mode={self.ps_mode!r}"
 
-    def _timeout(self) -> float:
-        return min((timeout_seconds(t.timeout) for t in self.tables().values()), default=math.inf)
-
     def forward(self, features: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """``{name: pooled bags}`` for every table (see the class docstring)."""
         if not isinstance(features, Mapping):
@@ -118,6 +138,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         for name in self._names:
             if name not in features:
                 raise KeyError(f"ShardedEmbeddingBagCollection: no input for table {name!r}")
+        wait_s = nested_seconds(timeout_seconds(self.timeout))  # a sync server's answer arrives in time
         plans = []
         for name in self._names:
             value = features[name]
@@ -131,11 +152,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
             else:
                 args = (value, None, None)
             try:
-                plans.append(self._modules[name]._lookup_plan(*args))
+                plans.append(self._modules[name]._lookup_plan(*args, wait_s))
             except (TypeError, ValueError, IndexError, RuntimeError) as exc:  # the table's own checks
                 raise retyped(exc, f"ShardedEmbeddingBagCollection table {name!r}: {exc}") from exc
         calls = [call for table_calls, _ in plans for call in table_calls]
-        got = call_grouped(calls, timeout=self._timeout())
+        got = call_grouped(calls, timeout=self.timeout)
         out, at = {}, 0
         for name, (table_calls, finish) in zip(self._names, plans):
             out[name] = finish(got[at:at + len(table_calls)])
@@ -144,18 +165,31 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     def step(self) -> None:
         """Push every table's gradients, one message per server (see the tables' ``step``:
-        what is pushed, retries, sync). When the push fails, every table keeps its gradients
-        for a retry, as a table's failed ``step()`` does."""
+        what is pushed, retries, sync). Each table succeeds or fails as its own ``step()``
+        would: one whose push failed keeps its gradients for a retry (or ``zero_grad()``), the
+        others count as stepped; the first failure is raised once every call was answered."""
+        timeout_seconds(self.timeout)  # checked before anything is taken
         plans = [plan for plan in (self._modules[name]._push_plan() for name in self._names) if plan is not None]
         calls = [call for table_calls, _, _ in plans for call in table_calls]
         try:
-            call_grouped(calls, timeout=self._timeout())
-        except BaseException:
+            outcomes = call_grouped_each(calls, timeout=self.timeout)
+        except BaseException:  # nothing was sent (a call that cannot be sent, RPC down)
             for _, _, failed in plans:
                 failed()
             raise
-        for _, done, _ in plans:
-            done()
+        first: BaseException | None = None
+        at = 0
+        for table_calls, done, failed in plans:
+            mine = outcomes[at:at + len(table_calls)]
+            at += len(table_calls)
+            failure = next((value for ok, value in mine if not ok), None)
+            if failure is None:
+                done()
+            else:
+                failed()
+                first = first if first is not None else failure
+        if first is not None:
+            raise first
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Every table's ``zero_grad`` (the gradients recorded since the last step are dropped)."""

@@ -308,10 +308,12 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         calls, finish = self._rows_plan(input)
         return finish(call_all(calls, timeout=self.timeout))
 
-    def _rows_plan(self, input: torch.Tensor) -> tuple[list, Callable[[list], tuple]]:
+    def _rows_plan(self, input: torch.Tensor, wait_s: float | None = None) -> tuple[list, Callable[[list], tuple]]:
         """:meth:`_rows_of` in two halves: the host calls that fetch the rows, and what makes
         its result of their answers (so that a collection can send several tables' calls to a
-        server in one message)."""
+        server in one message). ``wait_s``: how long a sync lookup may wait on a server for
+        the step (default :meth:`_wait_s`; a collection's budget is its own)."""
+        wait_s = self._wait_s() if wait_s is None else wait_s
         _, uniq, inverse = self._unique(input)
         # geo: cached rows are this trainer's; only the others are fetched
         wanted = None if self._geo is None else self._geo.missing(uniq)
@@ -319,7 +321,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         for _, server, mine in self._by_owner(uniq, wanted):
             ids = uniq[mine]
             if ids.numel():
-                calls.append((server, _table_server._rows_for, (self.name, ids, self._step, None, self._wait_s())))
+                calls.append((server, _table_server._rows_for, (self.name, ids, self._step, None, wait_s)))
                 taken.append(mine)
 
         def finish(got: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

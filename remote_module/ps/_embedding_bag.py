@@ -77,10 +77,13 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         return finish(call_all(calls, timeout=self.timeout))
 
     def _lookup_plan(self, input: torch.Tensor, offsets: torch.Tensor | None,
-                     per_sample_weights: torch.Tensor | None) -> tuple[list, Callable[[list], torch.Tensor]]:
+                     per_sample_weights: torch.Tensor | None,
+                     wait_s: float | None = None) -> tuple[list, Callable[[list], torch.Tensor]]:
         """:meth:`forward` in two halves: the host calls of this lookup, and what makes the
         output of their answers (so that a collection can send several tables' calls to a
-        server in one message). Arguments are checked here, before anything is sent."""
+        server in one message). Arguments are checked here, before anything is sent.
+        ``wait_s``: as for :meth:`_rows_plan`."""
+        wait_s = self._wait_s() if wait_s is None else wait_s
         if isinstance(offsets, torch.Tensor) and offsets.dim() == 1 and offsets.numel() > 1:
             # torch checks this only when it pools on several threads (on one it reads past the
             # input and returns uninitialised memory)
@@ -92,7 +95,7 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         needs_rows = self.ps_mode == "geo" or (
             per_sample_weights is not None and per_sample_weights.requires_grad and torch.is_grad_enabled())
         if needs_rows:
-            return self._pool_here_plan(input, offsets, per_sample_weights)
+            return self._pool_here_plan(input, offsets, per_sample_weights, wait_s)
         flat, uniq, inverse = self._unique(input)
         grad = self._records()
         # zero rows standing for the unique ids: torch's own embedding_bag on them checks the
@@ -128,7 +131,7 @@ class ShardedEmbeddingBag(ShardedEmbedding):
             in_bags, w = bags[mine], None if weights is None else weights[mine]
             # this server's share of each bag starts where its positions reach that bag
             pool = (torch.searchsorted(in_bags, positions), w, kind)
-            calls.append((server, _table_server._rows_for, (self.name, ids.to(wire), self._step, pool, self._wait_s())))
+            calls.append((server, _table_server._rows_for, (self.name, ids.to(wire), self._step, pool, wait_s)))
             called.append(k)
         return calls, lambda got: self._pooled(got, kind, called, flat, uniq, inverse, bags, weights, keep, holder,
                                                 zero, server_of, num_bags, grad, dtype)
@@ -202,10 +205,11 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         return value, winner
 
     def _pool_here_plan(self, input: torch.Tensor, offsets: torch.Tensor | None,
-                        per_sample_weights: torch.Tensor | None) -> tuple[list, Callable[[list], torch.Tensor]]:
+                        per_sample_weights: torch.Tensor | None,
+                        wait_s: float | None = None) -> tuple[list, Callable[[list], torch.Tensor]]:
         """Fetch the unique rows and pool them here with torch's ``embedding_bag`` (in two
         halves, as :meth:`_lookup_plan`)."""
-        calls, rows_of = self._rows_plan(input)
+        calls, rows_of = self._rows_plan(input, wait_s)
         return calls, lambda got: self._pool_rows_here(rows_of(got), input, offsets, per_sample_weights)
 
     def _pool_rows_here(self, fetched: tuple, input: torch.Tensor, offsets: torch.Tensor | None,

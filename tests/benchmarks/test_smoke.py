@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from tests.benchmarks import bench_embedding, bench_pipeline, bench_ps, bench_sharded
+from tests.benchmarks import bench_dlrm, bench_embedding, bench_pipeline, bench_ps, bench_sharded
 from tests.benchmarks import bench_remote_module as bench
 from tests.benchmarks._caller_bytes import sized
 
@@ -247,3 +247,20 @@ def test_quick_transport_benchmark_runs(tmp_path, capsys):
         assert all(row[key] > 0 for key in ("small_call_s", "inflight64_s", "inflight64_1mb_s", "big_s"))
     assert len(saved["run_local_default_idle_core_per_rank"]) == 2
     assert "(target <= 0.03)" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_quick_dlrm_benchmark_runs(tmp_path, capsys):
+    # the run itself checks that the three variants' sync losses agree (the collection's and the
+    # one-by-one tables' exactly)
+    out = tmp_path / "bench-dlrm.json"
+    results = bench_dlrm.main(["--quick", "--json", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["ratios"] == results["ratios"]
+    assert set(saved["samples_per_s"]) == {"local", "collection", "tables"}
+    _cpu_beside(saved["samples_per_s"], saved["cpu_s_per_step"])
+    assert saved["messages_per_step"]["collection"] == {s: 2 for s in saved["servers_with_rows"]}
+    assert sum(saved["messages_per_step"]["tables"].values()) == 2 * len(saved["config"]["tables"])
+    printed = capsys.readouterr().out
+    assert "ratios of medians" in printed and "messages per training step" in printed
+

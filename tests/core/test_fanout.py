@@ -9,7 +9,14 @@ import torch
 import torch.distributed.rpc as rpc
 
 from remote_module._core.errors import CallTimeout, RemoteModuleError
-from remote_module._core.fanout import HostCall, call_all, call_all_async, call_grouped, send_to_each
+from remote_module._core.fanout import (
+    HostCall,
+    call_all,
+    call_all_async,
+    call_grouped,
+    call_grouped_each,
+    send_to_each,
+)
 from tests._faults import gates
 from tests.proxy._remote import UserError, echo
 
@@ -184,4 +191,24 @@ def test_call_grouped_sends_one_message_per_worker_and_keeps_the_contract(monkey
     assert elapsed < 0.5 + 2.0
     assert "calls[1] of 3" in str(timed_out.value) and "worker1" in str(timed_out.value)
     assert call_grouped([("worker1", echo, ("still",)), ("worker1", echo, ("here",))]) == ["still", "here"]
+
+
+def test_call_grouped_each_gives_every_calls_outcome_and_names_a_shared_failure():
+    key = "grouped-each"
+    try:
+        outcomes = call_grouped_each([("worker1", echo, ("a",)), ("worker2", gates.fail, ("no",)),
+                                      ("worker2", echo, ("b",)), ("worker1", gates.hold, (key,))], timeout=0.5)
+    finally:
+        rpc.rpc_sync("worker1", gates.release, (key,))
+    assert [ok for ok, _ in outcomes] == [False, False, True, False]  # worker1's message: answered late
+    assert outcomes[2][1] == "b"
+    assert isinstance(outcomes[1][1], UserError) and "calls[1] of 4" in str(outcomes[1][1])
+    late = [v for ok, v in (outcomes[0], outcomes[3])]
+    assert all(isinstance(v, CallTimeout) for v in late) and "calls[3] of 4" in str(late[1])
+    # an answer that cannot be pickled fails the message: every call in it is named
+    with pytest.raises(Exception) as info:
+        call_grouped([("worker1", echo, (1,)), ("worker1", gates.unpicklable_result)], timeout=10)
+    text = str(info.value)
+    assert "calls[0] of 2" in text and "calls[1] of 2" in text and "one message" in text
+    assert call_grouped([("worker1", echo, ("fine",))]) == ["fine"]
 

@@ -127,6 +127,7 @@ def refusals(job: str) -> list[str]:
     caught(lambda: ShardedEmbeddingBagCollection({"a": nn.EmbeddingBag(3, 4)}))
     caught(lambda: ShardedEmbeddingBagCollection({}))
     caught(lambda: model.table("nope"))
+    caught(lambda: ShardedEmbeddingBagCollection({"a": model.table("items"), "b": model.table("items")}))
     caught(lambda: model({**feats, "users": feats["users"] + 1000}))  # ids out of range: the table's IndexError
     as_list = model({k: list(v) if isinstance(v, tuple) else v for k, v in feats.items()})
     as_tuple = model(feats)
@@ -149,3 +150,45 @@ def checkpoints(job: str) -> dict:
     opt_a, opt_b = model.optimizer_state_dict(), other.optimizer_state_dict()
     same_opt = all(torch.equal(opt_a[t]["sum"], opt_b[t]["sum"]) for t in opt_a)
     return {"keys": sorted(model.state_dict()), "same_state": same_state, "same_optimizer_state": same_opt}
+
+
+def refuse_push(*args) -> None:
+    """A server-side push that fails (standing for a server that refused or was down)."""
+    raise ValueError("push refused")
+
+
+def partial_failure(job: str) -> dict:
+    """A step whose pushes of one table all fail: that table keeps its gradients, the others
+    count as stepped; a retry pushes that table only, and the weights end as in a run where
+    nothing failed."""
+    model, reference = make(job), make(job + "-ref")
+    feats, targets = features(5, 1)[0]
+    for m in (model, reference):
+        got = m(feats)
+        sum(((got[k] - targets[k]) ** 2).sum() for k in got).backward()
+    reference.step()
+    users = model.table("users")
+    real = users._push_plan
+
+    def failing():
+        calls, done, failed = real()
+        return [(server, refuse_push, ()) for server, _, _ in calls], done, failed
+
+    users._push_plan = failing
+    try:
+        model.step()
+        error = "no error"
+    except ValueError as exc:
+        error = str(exc)
+    finally:
+        del users._push_plan
+    after_failure = {k: v.clone() for k, v in model.state_dict().items()}
+    model.step()  # the retry
+    final = model.state_dict()
+    return {
+        "error": error,
+        "others_stepped_once": all(torch.equal(after_failure[k], final[k]) for k in final if not k.startswith("users")),
+        "users_stepped_by_retry": not torch.equal(after_failure["users.weight"], final["users.weight"]),
+        "as_if_nothing_failed": all(torch.equal(final[k], reference.state_dict()[k]) for k in final),
+    }
+

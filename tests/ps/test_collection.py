@@ -62,7 +62,7 @@ def test_one_message_per_server_for_a_forward_and_for_a_step(world, ps_mode):
 
 def test_bad_collections_and_inputs_are_refused_naming_the_table(world):
     texts = world.run({"trainer0": (r.refusals, name("bad"))})["trainer0"]
-    missing, unknown, too_long, mixed, not_bag, empty, no_table, out_of_range, lists_ok, mapping = texts
+    missing, unknown, too_long, mixed, not_bag, empty, no_table, twice, out_of_range, lists_ok, mapping = texts
     assert missing.startswith("KeyError") and "no input for table 'users'" in missing
     assert unknown.startswith("KeyError") and "no table 'nope'" in unknown
     assert too_long.startswith("TypeError") and "'tags'" in too_long
@@ -70,6 +70,7 @@ def test_bad_collections_and_inputs_are_refused_naming_the_table(world):
     assert not_bag.startswith("TypeError") and "table 'a' must be a ShardedEmbeddingBag" in not_bag
     assert empty.startswith("TypeError")
     assert no_table.startswith("KeyError") and "'nope'" in no_table
+    assert twice.startswith("ValueError") and "'a' and 'b' are the same table object" in twice
     assert out_of_range.startswith("IndexError") and "table 'users'" in out_of_range
     assert lists_ok == "True"  # (input, offsets) given as a list, as a tuple
     assert mapping == "3 ['items', 'users', 'tags'] True True"
@@ -79,3 +80,11 @@ def test_checkpoints_use_the_table_names_and_load_into_another_collection(world)
     got = world.run({"trainer0": (r.checkpoints, name("ckpt"))})["trainer0"]
     assert got["keys"] == ["items.weight", "tags.weight", "users.weight"]
     assert got["same_state"] and got["same_optimizer_state"]
+
+
+def test_a_step_whose_pushes_of_one_table_fail_keeps_that_tables_gradients_only(world):
+    # each table succeeds or fails as its own step() would: a retry pushes the failed one only
+    got = world.run({"trainer0": (r.partial_failure, name("partial"))})["trainer0"]
+    assert "push refused" in got["error"] and "ps0" in got["error"]
+    assert got["others_stepped_once"] and got["users_stepped_by_retry"] and got["as_if_nothing_failed"]
+

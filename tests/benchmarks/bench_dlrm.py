@@ -1,0 +1,165 @@
+"""DLRM-style benchmark: a model with many sharded tables against the same model with local ones.
+
+    make bench                                 # runs this after bench_embedding
+    python -m tests.benchmarks.bench_dlrm      # full size (about 2 minutes on 2 cores)
+    python -m tests.benchmarks.bench_dlrm --quick
+
+The model (tests/benchmarks/_dlrm_model.py) follows facebookresearch/dlrm's ``DLRM_Net``:
+tables 100000-40000-20000-10000-4000-2000-1000-100 x 16, bottom MLP 13-512-256-64-16, dot
+interaction, top MLP 52-512-256-1, batch 128, SGD (lr 0.1) for the dense part and, on the
+servers, for the tables. Three local processes: "ps0" and "ps1" serve, "trainer0" trains, each
+with ``OMP_NUM_THREADS=1`` (the local reference too: it runs in the trainer's process).
+
+1. **Equal losses.** In sync mode, a few steps of the three variants (local tables; the
+   sharded tables in a ``ShardedEmbeddingBagCollection``; the same sharded tables one by
+   one) from the same weights and data: the losses must agree (relative 1e-5) and the
+   collection's must equal the one-by-one tables' exactly, or the run fails.
+2. **Speed.** In async mode, samples per second of each variant, rounds of a few steps
+   interleaved in an order that rotates every round (medians), with the CPU seconds per step
+   summed over the three processes (every thread) over the same rounds.
+3. **Messages per step**, counted at the trainer's ``torch.distributed.rpc.rpc_async`` over a
+   few steps, per server.
+
+Prints a table with the issue's targets and writes JSON (bench-dlrm-results.json by default).
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+
+from rpc_backend import current_worker, run_local
+from tests.benchmarks import _dlrm_model as dlrm
+from tests.benchmarks._common import cpu_cell, cpu_per_op, one_thread_per_rank, parse_args, publish, rounds
+from tests.benchmarks._cpu import world_meter
+from tests.benchmarks.bench_remote_module import _verdict
+
+FULL = {"tables": [100000, 40000, 20000, 10000, 4000, 2000, 1000, 100], "dim": 16, "bottom": [13, 512, 256, 64, 16],
+        "top": [512, 256, 1], "batch": 128, "ids_per_bag": 10, "lr": 0.1, "sync_steps": 5, "steps_per_round": 10,
+        "rounds": 15, "warmup_steps": 5, "message_steps": 5, "seed": 123}
+QUICK = {**FULL, "tables": [1000, 400, 200, 100], "bottom": [13, 64, 16], "top": [64, 1], "batch": 32,
+         "sync_steps": 3, "steps_per_round": 2, "rounds": 2, "warmup_steps": 1, "message_steps": 2}
+
+
+def _sync_check(cfg: dict, servers: list[str]) -> dict[str, list[float]]:
+    data = dlrm.batches(cfg, cfg["sync_steps"], cfg["seed"])
+    losses = {}
+    for variant in dlrm.VARIANTS:
+        model, opt = dlrm.build(cfg, variant, servers, f"dlrm-sync-{variant}", "sync", cfg["seed"])
+        losses[variant] = [dlrm.train_step(model, opt, batch) for batch in data]
+    ref = losses["local"]
+    for variant in ("collection", "tables"):
+        worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses[variant], ref))
+        if worst > 1e-5:
+            raise AssertionError(f"sync losses of {variant} differ from the local model's by up to {worst:.3g} "
+                                 f"(relative; expected within 1e-5): {losses[variant]} against {ref}")
+    if losses["collection"] != losses["tables"]:
+        raise AssertionError(f"the collection's losses {losses['collection']} are not the one-by-one tables' "
+                             f"{losses['tables']} exactly")
+    return losses
+
+
+def _messages(model: Any, opt: Any, data: list, steps: int) -> dict[str, float]:
+    """Messages per training step to each worker, counted at rpc_async."""
+    counted: collections.Counter = collections.Counter()
+    real = rpc.rpc_async
+
+    def counting(to: Any, *args: Any, **kwargs: Any) -> Any:
+        counted[to.name if isinstance(to, rpc.WorkerInfo) else str(to)] += 1
+        return real(to, *args, **kwargs)
+
+    rpc.rpc_async = counting
+    try:
+        for batch in data[:steps]:
+            dlrm.train_step(model, opt, batch)
+    finally:
+        rpc.rpc_async = real
+    return {name: n / steps for name, n in sorted(counted.items())}
+
+
+def trainer_main(cfg: dict) -> dict:
+    servers = current_worker().workers("ps")
+    results: dict[str, Any] = {"config": cfg, "torch": torch.__version__}
+    results["sync_losses"] = _sync_check(cfg, servers)
+    data = dlrm.batches(cfg, cfg["steps_per_round"], cfg["seed"] + 1)
+    built = {v: dlrm.build(cfg, v, servers, f"dlrm-async-{v}", "async", cfg["seed"]) for v in dlrm.VARIANTS}
+
+    def round_of(variant: str) -> Any:
+        model, opt = built[variant]
+
+        def run() -> None:
+            for batch in data:
+                dlrm.train_step(model, opt, batch)
+        return run
+
+    for variant in dlrm.VARIANTS:  # warm up every path
+        model, opt = built[variant]
+        for batch in data[: cfg["warmup_steps"]]:
+            dlrm.train_step(model, opt, batch)
+    samples, cpu = rounds({v: round_of(v) for v in dlrm.VARIANTS}, cfg["rounds"], 0, world_meter())
+    steps = cfg["steps_per_round"]
+    results["samples_per_s"] = {v: statistics.median(cfg["batch"] * steps / t for t in s) for v, s in samples.items()}
+    results["samples_per_s_rounds"] = {v: [cfg["batch"] * steps / t for t in s] for v, s in samples.items()}
+    results["cpu_s_per_step"] = cpu_per_op(cpu, steps)
+    # the servers holding some table's rows (a small table is one block, on the first server)
+    results["servers_with_rows"] = sorted({s for bag in built["collection"][0].tables.bags for _, _, s in bag._ranges})
+    results["messages_per_step"] = {
+        v: _messages(*built[v], data, cfg["message_steps"]) for v in ("collection", "tables")
+    }
+    return results
+
+
+def rank_main(cfg: dict) -> dict | None:
+    if current_worker().role == "trainer":
+        return trainer_main(cfg)
+    return None  # the servers only serve
+
+
+def ratios(r: dict) -> dict[str, float]:
+    rate = r["samples_per_s"]
+    return {
+        "collection / local tables, samples/s (target >= 0.4)": rate["collection"] / rate["local"],
+        "tables one by one / local tables, samples/s": rate["tables"] / rate["local"],
+        "collection / tables one by one, samples/s": rate["collection"] / rate["tables"],
+    }
+
+
+def report(r: dict) -> str:
+    cfg = r["config"]
+    lines = ["", f"DLRM-style model: tables {'-'.join(map(str, cfg['tables']))} x {cfg['dim']}, batch {cfg['batch']}, "
+             "2 servers, 1 trainer, async",
+             "cpu: CPU seconds per training step summed over the 3 processes (every thread)",
+             f"{'variant':<34}{'samples/s':>11}{'cpu ms/step':>13}", "-" * 58]
+    for v, rate in r["samples_per_s"].items():
+        lines.append(f"  {v:<32}{rate:>11.0f}{cpu_cell(r['cpu_s_per_step'][v], 1e3, 13, 2)}")
+    lines += ["", "messages per training step, by worker (lookups and pushes together)"]
+    for v, per in r["messages_per_step"].items():
+        lines.append(f"  {v:<32}{', '.join(f'{w}: {n:g}' for w, n in per.items())}")
+    collection = r["messages_per_step"]["collection"]
+    one_each = collection == {s: 2 for s in r["servers_with_rows"]}
+    lines += ["", f"sync losses agree (local / collection / one by one): {r['sync_losses']['collection'][:3]} ...",
+              "", "ratios of medians (same run)", "-" * 70]
+    for name, v in r["ratios"].items():
+        lines.append(f"  {name:<58}{v:>6.2f}{_verdict(name, v)}")
+    lines.append(f"  {'collection: one lookup + one push per server per step':<58}"
+                 f"{'  met' if one_each else '  NOT MET'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args("remote_module DLRM-style benchmark", "bench-dlrm-results.json", argv)
+    cfg = dict(QUICK if args.quick else FULL)
+    cfg["transport"] = args.transport
+    with one_thread_per_rank():
+        results = run_local(rank_main, 3, roles={"ps": 2, "trainer": 1}, args=(cfg,), transport=cfg["transport"],
+                            timeout=1200)[2]
+    results["ratios"] = ratios(results)
+    return publish(results, report(results), args.json)
+
+
+if __name__ == "__main__":
+    main()
