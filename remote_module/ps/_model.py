@@ -15,7 +15,14 @@ import torch.distributed.rpc as rpc
 from torch import nn
 from torch.func import functional_call
 
-from remote_module._core import call_all, is_rpc_initialized, nested_seconds, positive_int, timeout_seconds
+from remote_module._core import (
+    call_all,
+    call_grouped_each,
+    is_rpc_initialized,
+    nested_seconds,
+    positive_int,
+    timeout_seconds,
+)
 from remote_module.ps import _dense_server
 from remote_module.ps._checkpoints import PSCheckpoints
 from remote_module.ps._dispatch import RoundRobin
@@ -354,7 +361,9 @@ class PSModel(PSCheckpoints, nn.Module):
     def step(self) -> None:
         """Push this step's gradients (geo: step the local copy; every ``geo_push_every``
         optimizer steps push the deltas and take the merged parameters) and clear the local
-        gradients. Parameters without a gradient are left alone, as torch's optimizers leave them.
+        gradients, and push every table's gradients: the dense pushes and the tables' to one
+        server travel in one message. Parameters without a gradient are left alone, as torch's
+        optimizers leave them.
         A step that raised part-way (a server timed out) is completed by calling ``step()``
         again: the dense part and the tables that were stepped already are not stepped twice
         (after a ``forward`` or ``zero_grad()``, the next ``step()`` is a whole one again).
@@ -368,13 +377,37 @@ class PSModel(PSCheckpoints, nn.Module):
         # timed out) is retried by calling step() again, which does only the parts left, so no
         # part pushes a second step (sync: it would be taken for the next round)
         done = self.__dict__.setdefault("_step_done", set())
+        parts: list[tuple[Any, list, Callable[[], None], Callable[[], None]]] = []  # (part, calls, done, failed)
         if None not in done:
-            self._step_dense()
-            done.add(None)
+            if self.ps_mode == "geo":
+                self._step_dense()
+                done.add(None)
+            else:
+                calls, dense_done = self._dense_push_plan()
+                parts.append((None, calls, dense_done, lambda: None))
         for qual, table in self._tables.items():
             if qual not in done:
-                table.step()
-                done.add(qual)
+                plan = table._push_plan()
+                if plan is None:  # geo: the table stepped (and pushed its deltas) itself
+                    done.add(qual)
+                else:
+                    parts.append((qual, *plan))
+        # every part's pushes to one server in one message; each part succeeds or fails alone
+        outcomes = call_grouped_each([call for _, calls, _, _ in parts for call in calls], timeout=self.timeout)
+        first: BaseException | None = None
+        at = 0
+        for part, calls, part_done, part_failed in parts:
+            mine = outcomes[at:at + len(calls)]
+            at += len(calls)
+            failure = next((value for ok, value in mine if not ok), None)
+            if failure is None:
+                part_done()
+                done.add(part)
+            else:
+                part_failed()
+                first = first if first is not None else failure
+        if first is not None:
+            raise first
         done.clear()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -398,6 +431,14 @@ class PSModel(PSCheckpoints, nn.Module):
             if self._step % self.geo_push_every == 0:
                 self._push_deltas()
             return
+        calls, finish = self._dense_push_plan()
+        call_all(calls, timeout=self.timeout)
+        finish()
+
+    def _dense_push_plan(self) -> tuple[list, Callable[[], None]]:
+        """The dense part of a step (not geo): the pushes to the servers, and what to do once
+        they all succeeded (clear the gradients, count the step)."""
+        params = self._params()
         calls = []
         for server, slots in self._by_server().items():
             # a parameter without a gradient (frozen, or unused this step) is not pushed: as in
@@ -408,10 +449,13 @@ class PSModel(PSCheckpoints, nn.Module):
             if grads or (slots and self.ps_mode == "sync"):
                 sent = self._sent(sel, grads)
                 calls.append((server, _dense_server._push, (self.name, self._trainer, self._step, sent)))
-        call_all(calls, timeout=self.timeout)
-        for p in params.values():
-            p.grad = None
-        self._step += 1
+
+        def finish() -> None:
+            for p in params.values():
+                p.grad = None
+            self._step += 1
+
+        return calls, finish
 
     def _push_deltas(self) -> None:
         calls, sent = [], []

@@ -192,3 +192,45 @@ def partial_failure(job: str) -> dict:
         "as_if_nothing_failed": all(torch.equal(final[k], reference.state_dict()[k]) for k in final),
     }
 
+
+class Ranker(nn.Module):
+    """A collection under a dense layer: a PSModel's model."""
+
+    def __init__(self, collection) -> None:
+        super().__init__()
+        self.tables = collection
+        self.dense = nn.Linear(4, 1)
+
+    def forward(self, feats):
+        got = self.tables(feats)
+        return sum(self.dense(v).sum() for v in got.values())
+
+
+def psmodel_step_messages(job: str) -> dict:
+    """Messages a PSModel (dense blocks on both servers, a collection of three tables) sends
+    to each server in one step(), counted at rpc_async; and that the step trained everything."""
+    import collections
+
+    import torch.distributed.rpc as rpc
+
+    from remote_module.ps import PSModel
+
+    model = PSModel(Ranker(make(job)), ["ps0", "ps1"], name=job, num_trainers=1, ps_mode="async", min_block_size=1)
+    feats, _ = features(6, 1)[0]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model(feats).backward()
+    counted: collections.Counter = collections.Counter()
+    real = rpc.rpc_async
+
+    def counting(to, *args, **kwargs):
+        counted[to.name if isinstance(to, rpc.WorkerInfo) else to] += 1
+        return real(to, *args, **kwargs)
+
+    rpc.rpc_async = counting
+    try:
+        model.step()
+    finally:
+        rpc.rpc_async = real
+    after = model.state_dict()
+    return {"messages": dict(counted), "changed": sorted(k for k in after if not torch.equal(after[k], before[k]))}
+

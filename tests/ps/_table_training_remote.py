@@ -329,6 +329,10 @@ def copied_sync_table(name: str) -> dict:
 # ---- a PSModel step that failed in a table, retried --------------------------------------------------------
 
 
+def refuse_push(*args) -> None:
+    raise TimeoutError("ps1 did not answer (injected)")
+
+
 def psmodel_step_retried(name: str) -> dict:
     """A sync PSModel holding a sync bag (SGD lr 0.5) and a Linear (SGD lr 0.1), 3 steps; the
     table's first push of step 1 fails (as a timed-out server fails it) and step() is called
@@ -337,15 +341,18 @@ def psmodel_step_retried(name: str) -> dict:
 
     bag = table(name + "-bag", bag="sum", ps_mode="sync", optimizer=(torch.optim.SGD, {"lr": 0.5}))
     model = PSModel(Clicks(bag), ["ps0", "ps1"], name=name, num_trainers=1, ps_mode="sync", min_block_size=1)
-    step, failed = bag.step, []
+    plan, failed = bag._push_plan, []
 
-    def failing_once() -> None:
-        if failed and not failed[-1]:
-            failed[-1] = True
-            raise TimeoutError("ps1 did not answer (injected)")
-        step()
+    def failing_once():
+        # the table's pushes of this step fail on its servers, as a timed-out server fails them
+        got = plan()
+        if got is None or not failed or failed[-1]:
+            return got
+        failed[-1] = True
+        calls, done, fail = got
+        return [(server, refuse_push, ()) for server, _, _ in calls], done, fail
 
-    bag.step = failing_once
+    bag._push_plan = failing_once
     for i, ids in enumerate(BAGS):
         model(ids).pow(2).sum().backward()
         if i == 1:

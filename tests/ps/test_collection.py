@@ -88,3 +88,10 @@ def test_a_step_whose_pushes_of_one_table_fail_keeps_that_tables_gradients_only(
     assert "push refused" in got["error"] and "ps0" in got["error"]
     assert got["others_stepped_once"] and got["users_stepped_by_retry"] and got["as_if_nothing_failed"]
 
+
+def test_a_psmodel_step_sends_its_dense_blocks_and_tables_in_one_message_per_server(world):
+    got = world.run({"trainer0": (r.psmodel_step_messages, name("psmodel"))})["trainer0"]
+    assert got["messages"] == {"ps0": 1, "ps1": 1}
+    assert got["changed"] == ["dense.bias", "dense.weight", "tables.items.weight", "tables.tags.weight",
+                              "tables.users.weight"]
+
