@@ -293,14 +293,19 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
     def _unique(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``input`` flattened (checked: integer ids in range), its unique ids, and each
         position's index among them."""
+        flat = self._checked_ids(input)
+        uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+        return flat, uniq, inverse
+
+    def _checked_ids(self, input: torch.Tensor) -> torch.Tensor:
+        """``input`` flattened as int64 ids, checked: an integer tensor, ids in range."""
         if not isinstance(input, torch.Tensor) or input.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"{type(self).__name__} takes a tensor of integer ids, got "
                             f"{getattr(input, 'dtype', type(input).__name__)}")
         flat = input.reshape(-1).long()
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
             raise IndexError(f"ids must be in [0, {self.num_embeddings}), got {int(flat.min())}..{int(flat.max())}")
-        uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)
-        return flat, uniq, inverse
+        return flat
 
     def _rows_of(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Unique ids of ``input``, each id's index among them, and their rows (fetched from

@@ -96,21 +96,30 @@ class ShardedEmbeddingBag(ShardedEmbedding):
             per_sample_weights is not None and per_sample_weights.requires_grad and torch.is_grad_enabled())
         if needs_rows:
             return self._pool_here_plan(input, offsets, per_sample_weights, wait_s)
-        flat, uniq, inverse = self._unique(input)
-        grad = self._records()
-        # zero rows standing for the unique ids: torch's own embedding_bag on them checks the
-        # arguments as nn.EmbeddingBag does and gives the output's shape; backward puts each
-        # row's gradient into them (_BagRows for sum and mean, an index_put for max)
         dtype = self._dtype()  # the model's (e.g. after model.double()); the servers pool float32
-        holder = torch.zeros(uniq.numel(), self.embedding_dim, dtype=dtype)
-        if grad:
-            holder = self._recorded(uniq, holder)
-        pad = None
-        if self.padding_idx is not None:
-            hit = (uniq == self.padding_idx).nonzero().reshape(-1)
-            pad = int(hit[0]) if hit.numel() else None
+        if torch.is_grad_enabled() and self.grad_marker.requires_grad:
+            flat, uniq, inverse = self._unique(input)
+            grad = self._records()
+            # zero rows standing for the unique ids: torch's own embedding_bag on them checks the
+            # arguments as nn.EmbeddingBag does and gives the output's shape; backward puts each
+            # row's gradient into them (_BagRows for sum and mean, an index_put for max)
+            holder = torch.zeros(uniq.numel(), self.embedding_dim, dtype=dtype)
+            if grad:
+                holder = self._recorded(uniq, holder)
+            pad = None
+            if self.padding_idx is not None:
+                hit = (uniq == self.padding_idx).nonzero().reshape(-1)
+                pad = int(hit[0]) if hit.numel() else None
+            index = inverse.reshape(input.shape)
+        else:
+            # nothing recorded: no unique ids needed (the servers pool every position); one zero
+            # row still lets torch's embedding_bag check the arguments and give the shape
+            flat, grad = self._checked_ids(input), False
+            uniq = inverse = None
+            holder = torch.zeros(1, self.embedding_dim, dtype=dtype)
+            pad, index = None, torch.zeros(input.shape, dtype=torch.long)
         with torch.no_grad():
-            zero = nn.functional.embedding_bag(inverse.reshape(input.shape), holder, offsets, mode=self.bag_mode,
+            zero = nn.functional.embedding_bag(index, holder, offsets, mode=self.bag_mode,
                                                per_sample_weights=per_sample_weights, padding_idx=pad)
         num_bags = zero.shape[0]
         if input.dim() == 2:

@@ -241,11 +241,13 @@ def test_a_checkpoint_loaded_while_another_trainer_trains_leaves_a_consistent_ta
 # ---- inputs of every odd shape ------------------------------------------------------------------------------
 
 
-def test_odd_inputs_give_torchs_outputs_dtype_and_refusals(world):
+@pytest.mark.parametrize("grad", [True, False])
+def test_odd_inputs_give_torchs_outputs_dtype_and_refusals(world, grad):
     """Empty inputs and bags, 0-d input, int32 ids and offsets, huge bags, duplicate ids, ids on
-    the block boundary, padding_idx=-1, and per_sample_weights / offsets torch refuses."""
-    got = on_trainer0(world, inputs.odd_lookups, job("odd"))
-    expected = inputs.odd_lookups(None)
+    the block boundary, padding_idx=-1, and per_sample_weights / offsets torch refuses; with
+    grad on, and under no_grad (a shorter path on the trainer)."""
+    got = on_trainer0(world, inputs.odd_lookups, job("odd"), grad)
+    expected = inputs.odd_lookups(None, grad)
     assert list(got) == list(expected)
     # torch refuses decreasing offsets only when it runs on several threads (on one, as the
     # trainers and, under tests/conftest.py, this process, it returns uninitialised memory): the
