@@ -23,7 +23,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from remote_module._core import HostStore
+from remote_module._core import HostStore, embedding_bag_parts
 from remote_module.ps._modes import HalfAsyncMerges, SyncSteps, read_when_applied, settle
 from remote_module.ps._rows import TableSpec, _Rows, pool_rows, row_key
 from remote_module.ps._rowwise import coalesce
@@ -98,6 +98,16 @@ class Table:
         """A lookup's answer: the rows of ``ids``, or with ``pool`` = ``(offsets, weights,
         kind)`` those rows pooled (:func:`pool_rows`)."""
         ids = ids.long()
+        if pool is not None and pool[2] == "sum":
+            parts = self._split(ids)
+            block = parts[0][0]
+            if len(parts) == 1 and parts[0][1] is ALL and block.slot_of is None:
+                # one eager block holds every id: pool straight from it (the same sums, in the
+                # same order, as pooling the rows read out first), without copying them out
+                offsets, weights, _ = pool
+                with block.lock:
+                    return embedding_bag_parts(block.values, ids - block.first, offsets.long(), "sum",
+                                               None if weights is None else weights.to(block.values.dtype))[0]
         rows = self.lookup(ids)
         return rows if pool is None else pool_rows(rows, ids, *pool)
 
