@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from remote_module.ps._rows import SlotIndex, TableSpec, _Rows, initial_rows, mix64, row_init, row_key
+from remote_module.ps._rows import SlotIndex, TableSpec, _Rows, initial_rows, mix64, pool_rows, row_init, row_key
 from remote_module.ps._rowwise import row_optimizer
 from remote_module.ps._table_server import Table
 from tests.ps import _table_rows_remote as r
@@ -331,4 +331,19 @@ def test_lazy_rows_created_in_any_order_and_with_repeats_read_as_eager_ones():
     stored, _ = lazy.stored()
     assert stored.tolist() == [100, 105, 333, 450, 451, 900, 999]
     assert lazy.stored(stepped_only=True)[0].tolist() == stored.tolist()
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_a_one_block_lookup_pooled_from_the_block_equals_pooling_the_rows_read_out(weighted):
+    # the server's shortcut for an eager block (no copy of the rows) must give the same bits
+    table = Table("bits", spec(rows=500, dim=8, init="eager", seed=3), [(100, 400)])
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(100, 500, (40,), generator=gen)
+    offsets = torch.tensor([0, 3, 3, 17, 39])  # an empty bag, a bag of one
+    weights = torch.rand(40, generator=gen) if weighted else None
+    got = table.answer(ids.to(torch.int32), (offsets, weights, "sum"))
+    want = pool_rows(table.lookup(ids), ids, offsets, weights, "sum")
+    assert torch.equal(got, want)
+    lazy = Table("bits", spec(rows=500, dim=8, init="lazy", seed=3), [(100, 400)])  # same name: same rows
+    assert torch.equal(lazy.answer(ids, (offsets, weights, "sum")), got)  # lazy rows: the same values
 
