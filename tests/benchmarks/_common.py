@@ -142,3 +142,28 @@ def cpu_per_op(cpu: dict[str, list[float | None]], ops: float = 1) -> dict[str, 
 def cpu_cell(cpu: float | None, scale: float, width: int, decimals: int = 1) -> str:
     """``cpu * scale`` right-aligned in ``width`` columns, or ``-`` when unknown (off Linux)."""
     return f"{'-':>{width}}" if cpu is None else f"{cpu * scale:>{width}.{decimals}f}"
+
+
+def messages_per_call(fn: Callable[[], Any], times: int) -> dict[str, float]:
+    """Messages this process sends to each worker per call of ``fn`` (``times`` calls),
+    counted at ``torch.distributed.rpc.rpc_async`` (what this package's calls go through;
+    torch's own C++ messages, e.g. distributed autograd's, are not seen)."""
+    import collections
+
+    import torch.distributed.rpc as rpc
+
+    counted: collections.Counter = collections.Counter()
+    real = rpc.rpc_async
+
+    def counting(to: Any, *args: Any, **kwargs: Any) -> Any:
+        counted[to.name if isinstance(to, rpc.WorkerInfo) else str(to)] += 1
+        return real(to, *args, **kwargs)
+
+    rpc.rpc_async = counting
+    try:
+        for _ in range(times):
+            fn()
+    finally:
+        rpc.rpc_async = real
+    return {name: n / times for name, n in sorted(counted.items())}
+

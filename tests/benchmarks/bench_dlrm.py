@@ -25,16 +25,22 @@ Prints a table with the issue's targets and writes JSON (bench-dlrm-results.json
 
 from __future__ import annotations
 
-import collections
 import statistics
 from typing import Any
 
 import torch
-import torch.distributed.rpc as rpc
 
 from rpc_backend import current_worker, run_local
 from tests.benchmarks import _dlrm_model as dlrm
-from tests.benchmarks._common import cpu_cell, cpu_per_op, one_thread_per_rank, parse_args, publish, rounds
+from tests.benchmarks._common import (
+    cpu_cell,
+    cpu_per_op,
+    messages_per_call,
+    one_thread_per_rank,
+    parse_args,
+    publish,
+    rounds,
+)
 from tests.benchmarks._cpu import world_meter
 from tests.benchmarks.bench_remote_module import _verdict
 
@@ -63,24 +69,6 @@ def _sync_check(cfg: dict, servers: list[str]) -> dict[str, list[float]]:
     return losses
 
 
-def _messages(model: Any, opt: Any, data: list, steps: int) -> dict[str, float]:
-    """Messages per training step to each worker, counted at rpc_async."""
-    counted: collections.Counter = collections.Counter()
-    real = rpc.rpc_async
-
-    def counting(to: Any, *args: Any, **kwargs: Any) -> Any:
-        counted[to.name if isinstance(to, rpc.WorkerInfo) else str(to)] += 1
-        return real(to, *args, **kwargs)
-
-    rpc.rpc_async = counting
-    try:
-        for batch in data[:steps]:
-            dlrm.train_step(model, opt, batch)
-    finally:
-        rpc.rpc_async = real
-    return {name: n / steps for name, n in sorted(counted.items())}
-
-
 def trainer_main(cfg: dict) -> dict:
     servers = current_worker().workers("ps")
     results: dict[str, Any] = {"config": cfg, "torch": torch.__version__}
@@ -107,8 +95,10 @@ def trainer_main(cfg: dict) -> dict:
     results["cpu_s_per_step"] = cpu_per_op(cpu, steps)
     # the servers holding some table's rows (a small table is one block, on the first server)
     results["servers_with_rows"] = sorted({s for bag in built["collection"][0].tables.bags for _, _, s in bag._ranges})
+    batch = iter(data * cfg["message_steps"])
     results["messages_per_step"] = {
-        v: _messages(*built[v], data, cfg["message_steps"]) for v in ("collection", "tables")
+        v: messages_per_call(lambda v=v: dlrm.train_step(*built[v], next(batch)), cfg["message_steps"])
+        for v in ("collection", "tables")
     }
     return results
 

@@ -23,7 +23,10 @@ Compared:
   the run tries it and says which form it used and why.
 
 Figures: training steps/s, and lookups/s (ids looked up per second, repeats counted, in forward
-passes under ``no_grad``). A round runs ``steps_per_round`` steps (or forwards) of one variant;
+passes under ``no_grad``); per server core (each server computes on one): rows looked up and
+rows stepped (the unique rows a step pushes) per second; messages the trainer sends per
+training step and per lookup, counted at ``rpc_async`` after the timed rounds. A round runs
+``steps_per_round`` steps (or forwards) of one variant;
 variants and both kinds are interleaved in an order that rotates every round; figures are
 medians over rounds and every ratio compares medians of this one run. Beside each rate: the
 CPU seconds per training step and per lookup (per id) summed over the three processes (every
@@ -50,7 +53,16 @@ from torch import nn
 
 from rpc_backend import current_worker, run_local
 from tests.benchmarks import _embedding_hosts as hosts
-from tests.benchmarks._common import Window, cpu_cell, cpu_per_op, one_thread_per_rank, parse_args, publish, rounds
+from tests.benchmarks._common import (
+    Window,
+    cpu_cell,
+    cpu_per_op,
+    messages_per_call,
+    one_thread_per_rank,
+    parse_args,
+    publish,
+    rounds,
+)
 from tests.benchmarks._cpu import world_meter
 from tests.benchmarks.bench_remote_module import _verdict
 
@@ -178,6 +190,22 @@ def trainer_main(cfg: dict) -> dict:
                 raise AssertionError(f"{name}: after {steps_done[name]} identical steps its table differs from the "
                                      f"anchor's by {diff:.3g} (allowed {cfg['end_atol']})")
     results["steps_each"] = steps_done[ANCHOR]
+    # per server core (each server computes on one): rows looked up, and rows stepped (the
+    # unique rows a step pushes), per second; and messages per step and per lookup
+    unique_rows = statistics.mean(int(torch.unique(b[0]).numel()) for b in batches)
+    results["unique_rows_per_step"] = unique_rows
+    results["per_server_core"] = {
+        sharded_name(n): {"rows_looked_up_per_s": results["lookups_per_s"][sharded_name(n)] / n,
+                          "rows_stepped_per_s": unique_rows * results["train_steps_per_s"][sharded_name(n)] / n}
+        for n in cfg["server_counts"]
+    }
+    results["messages_per_step"], results["messages_per_lookup"] = {}, {}
+    for n in cfg["server_counts"]:
+        v, at = variants[sharded_name(n)], iter(range(10**9))  # after the checks: these steps move the rows
+        results["messages_per_step"][sharded_name(n)] = messages_per_call(
+            lambda v=v, at=at: v.train(batches[next(at) % len(batches)]), 4)
+        results["messages_per_lookup"][sharded_name(n)] = messages_per_call(
+            lambda v=v, at=at: v.lookup(batches[next(at) % len(batches)]), 4)
     # for scale, not the target: the example as written (sparse=False: DistributedOptimizer steps
     # the whole table's dense gradient every step), timed after the interleaved rounds
     dense = hosts.Anchor(cfg, SERVERS[0], sparse=False)
@@ -242,6 +270,14 @@ def report(r: dict) -> str:
                      f"{r['lookups_per_s'][name]:>12,.0f}{cpu_cell(r['lookup_cpu_s'][name], 1e9, 15, 0)}{pushed_text}")
     lines.append(f"  {'the example as written (sparse=False), after':<44}{r['dense_example_steps_per_s']:>9.1f}"
                  f"{1e3 / r['dense_example_steps_per_s']:>9.2f}{cpu_cell(r['dense_example_step_cpu_s'], 1e3, 13, 2)}")
+    lines += ["", f"per server core (each server computes on one; {r['unique_rows_per_step']:.0f} unique rows per "
+              "step), and messages sent by the trainer (counted at rpc_async)",
+              f"{'':<46}{'rows looked up/s':>18}{'rows stepped/s':>16}   messages per step; per lookup"]
+    for name, per in r["per_server_core"].items():
+        msgs = ", ".join(f"{w}: {k:g}" for w, k in r["messages_per_step"][name].items())
+        look = ", ".join(f"{w}: {k:g}" for w, k in r["messages_per_lookup"][name].items())
+        lines.append(f"  {name:<44}{per['rows_looked_up_per_s']:>18,.0f}{per['rows_stepped_per_s']:>16,.0f}   "
+                     f"{msgs}; {look}")
     lines += ["", "ratios of medians (same run)", "-" * 119]
     width = max(map(len, r["ratios"]))
     for name, v in r["ratios"].items():

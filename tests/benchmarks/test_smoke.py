@@ -204,6 +204,13 @@ def test_quick_embedding_benchmark_runs(tmp_path, capsys):
     _cpu_beside({"dense": saved["dense_example_steps_per_s"]}, {"dense": saved["dense_example_step_cpu_s"]})
     assert {k: len(v) for k, v in saved["round_cpu_samples_s"].items()} == {
         k: len(v) for k, v in saved["round_samples_s"].items()}
+    # per server core, and the messages: one lookup per server, and one push with it per step
+    sharded = {f"ShardedEmbeddingBag servers={n}": [f"ps{i}" for i in range(n)] for n in (1, 2)}
+    for name, servers in sharded.items():
+        per = saved["per_server_core"][name]
+        assert per["rows_looked_up_per_s"] > 0 and per["rows_stepped_per_s"] > 0
+        assert saved["messages_per_lookup"][name] == dict.fromkeys(servers, 1.0)
+        assert saved["messages_per_step"][name] == dict.fromkeys(servers, 2.0)
     # the same computation: equal to the local reference after the first steps, equal to each other at the end
     assert saved["check_rows_changed"] > 0
     assert set(saved["check_max_abs_diff_vs_local"]) == variants
