@@ -393,7 +393,12 @@ class PSModel(PSCheckpoints, nn.Module):
                 else:
                     parts.append((qual, *plan))
         # every part's pushes to one server in one message; each part succeeds or fails alone
-        outcomes = call_grouped_each([call for _, calls, _, _ in parts for call in calls], timeout=self.timeout)
+        try:
+            outcomes = call_grouped_each([call for _, calls, _, _ in parts for call in calls], timeout=self.timeout)
+        except BaseException:  # nothing was sent (a push that cannot be sent, RPC down): all kept
+            for _, _, _, part_failed in parts:
+                part_failed()
+            raise
         first: BaseException | None = None
         at = 0
         for part, calls, part_done, part_failed in parts:

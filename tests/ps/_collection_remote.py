@@ -234,3 +234,40 @@ def psmodel_step_messages(job: str) -> dict:
     after = model.state_dict()
     return {"messages": dict(counted), "changed": sorted(k for k in after if not torch.equal(after[k], before[k]))}
 
+
+def psmodel_unsendable_step(job: str) -> dict:
+    """A PSModel step whose pushes cannot even be sent (an argument that does not pickle) keeps
+    every part's gradients: the next step() pushes them, and the model ends as a reference
+    model that stepped once."""
+    import threading
+
+    from remote_module.ps import PSModel
+
+    def model_of(suffix: str):
+        return PSModel(Ranker(make(job + suffix)), ["ps0", "ps1"], name=job + suffix, num_trainers=1,
+                       ps_mode="async", min_block_size=1)
+
+    model, reference = model_of(""), model_of("-ref")
+    feats, _ = features(7, 1)[0]
+    for m in (model, reference):
+        m(feats).backward()
+    reference.step()
+    users = model.module.tables.table("users")
+    real = users._push_plan
+
+    def unsendable():
+        calls, done, failed = real()
+        return [(server, handler, (*args, threading.Lock())) for server, handler, args in calls], done, failed
+
+    users._push_plan = unsendable
+    try:
+        model.step()
+        error = "no error"
+    except TypeError as exc:
+        error = str(exc)
+    finally:
+        del users._push_plan
+    model.step()
+    got, want = model.state_dict(), reference.state_dict()
+    return {"error": error, "same": sorted(k for k in got if torch.equal(got[k], want[k])), "keys": sorted(got)}
+

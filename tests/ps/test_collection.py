@@ -95,3 +95,9 @@ def test_a_psmodel_step_sends_its_dense_blocks_and_tables_in_one_message_per_ser
     assert got["changed"] == ["dense.bias", "dense.weight", "tables.items.weight", "tables.tags.weight",
                               "tables.users.weight"]
 
+
+def test_a_psmodel_step_that_cannot_be_sent_keeps_every_parts_gradients(world):
+    got = world.run({"trainer0": (r.psmodel_unsendable_step, name("unsendable"))})["trainer0"]
+    assert "could not be sent" in got["error"]
+    assert got["same"] == got["keys"]  # the retry pushed everything once: as a model that stepped once
+
