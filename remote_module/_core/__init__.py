@@ -70,6 +70,7 @@ from remote_module._core.fanout import (
     nested_seconds,
     send_and_forget,
     send_to_each,
+    wait_plain,
 )
 from remote_module._core.settling import (
     WATCH_TICK_S,
@@ -149,6 +150,7 @@ __all__ = [
     "unwarned_state",
     "user_stacklevel",
     "uses_device_map",
+    "wait_plain",
     "warn_untrained",
     "watched_run",
     "worker_names",

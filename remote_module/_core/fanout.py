@@ -303,12 +303,10 @@ def call_async(
         raise TypeError(f"{label}: the handler must be a module-level function, got {handler!r}")
     seconds = timeout_seconds(timeout)
     name = _worker_name(worker, label)
-    body = _run_async if is_async_execution(handler) else _run_handler
-    if dist_autograd_contexts_exist():  # parameters must travel as graph tensors there
-        args, kwargs = parameters_as_views((tuple(args), kwargs))
+    wire = _wire(handler, args, kwargs, dist_autograd_contexts_exist())
     made = _clock()
     try:
-        sent = rpc.rpc_async(name, body, (handler, tuple(args), dict(kwargs or {})), timeout=_NO_RPC_TIMEOUT)
+        sent = rpc.rpc_async(name, _body(handler), wire, timeout=_NO_RPC_TIMEOUT)
     except Exception as exc:  # nothing was sent
         raise _unsent(exc, label, name) from exc
     result: Future = Future()
@@ -366,53 +364,48 @@ class _Batch:
     def label(self, index: int) -> str:
         return _call_label(index, len(self.names), self.handlers[index])
 
-    def answered(self, index: int, sent: Future) -> None:
-        try:
-            ok, value = sent.value()  # read even when late: RRefs in it are confirmed, then dropped
-        except BaseException as exc:  # the RPC itself failed: dead host, shutdown
-            # its traceback holds this frame's ``sent``, which holds ``exc`` out of the cycle
-            # collector's sight (see call_all)
-            exc.__traceback__ = None
-            self._fail(_rpc_failure(exc, self.label(index), self.names[index]))
-            return
-        if not ok:
-            self._fail(to_exception(value, f"on worker {self.names[index]!r} in {self.label(index)}"))
-            return
-        with self.lock:
-            if self.combined is None:
-                return  # failed or timed out before: dropped
-            self.results[index] = value
-            self.left -= 1
-            if self.left:
-                return
-            combined, self.combined = self.combined, None
-        combined.set_result(self.results)  # outside the lock: callbacks may run here
-
     def group_label(self, indices: list[int]) -> str:
         """The calls that shared one message, for an error that concerns them all."""
         if len(indices) == 1:
             return self.label(indices[0])
         return " and ".join(self.label(i) for i in indices) + " (one message)"
 
+    def answered(self, index: int, sent: Future) -> None:
+        """The answer of one call's own message: ``(ok, value)``."""
+        self._take(self._outcomes([index], sent, False))
+
     def answered_group(self, indices: list[int], sent: Future) -> None:
         """The answer of one message that carried the calls ``indices`` (see
         :func:`call_grouped_async`): a list of ``(ok, value)``, one per call."""
+        self._take(self._outcomes(indices, sent, True))
+
+    def _outcomes(self, indices: list[int], sent: Future, grouped: bool) -> list[tuple[int, bool, Any]]:
+        """``(index, ok, result or exception)`` for each call a message carried."""
         try:
-            answers = sent.value()
-        except BaseException as exc:  # the RPC itself failed: every call in it did
+            answer = sent.value()  # read even when late: RRefs in it are confirmed, then dropped
+        except BaseException as exc:  # the RPC itself failed (dead host, shutdown): every call in it did
+            # its traceback holds this frame's ``sent``, which holds ``exc`` out of the cycle
+            # collector's sight (see call_all)
             exc.__traceback__ = None
-            self._fail(_rpc_failure(exc, self.group_label(indices), self.names[indices[0]]))
-            return
-        for index, (ok, value) in zip(indices, answers):
+            failure = _rpc_failure(exc, self.group_label(indices), self.names[indices[0]])
+            return [(index, False, failure) for index in indices]
+        answers = answer if grouped else [answer]
+        return [(index, True, value) if ok else
+                (index, False, to_exception(value, f"on worker {self.names[index]!r} in {self.label(index)}"))
+                for index, (ok, value) in zip(indices, answers)]
+
+    def _take(self, outcomes: list[tuple[int, bool, Any]]) -> None:
+        """The first failure settles the combined future at once; results fill their slots."""
+        for _, ok, value in outcomes:
             if not ok:
-                self._fail(to_exception(value, f"on worker {self.names[index]!r} in {self.label(index)}"))
+                self._fail(value)
                 return
         with self.lock:
             if self.combined is None:
                 return  # failed or timed out before: dropped
-            for index, (_, value) in zip(indices, answers):
+            for index, _, value in outcomes:
                 self.results[index] = value
-            self.left -= len(indices)
+            self.left -= len(outcomes)
             if self.left:
                 return
             combined, self.combined = self.combined, None
@@ -447,44 +440,19 @@ class _EachBatch(_Batch):
 
     __slots__ = ()
 
-    def _settle(self, index: int, outcome: tuple[bool, Any]) -> None:
+    def _take(self, outcomes: list[tuple[int, bool, Any]]) -> None:
+        """Every outcome fills its slot; the combined future settles once all are in."""
         with self.lock:
-            if self.combined is None or self.results[index] is not _UNANSWERED:
-                return
-            self.results[index] = outcome
-            self.left -= 1
+            if self.combined is None:
+                return  # timed out before: dropped
+            for index, ok, value in outcomes:
+                if self.results[index] is _UNANSWERED:
+                    self.results[index] = (ok, value)
+                    self.left -= 1
             if self.left:
                 return
             combined, self.combined = self.combined, None
         combined.set_result(self.results)
-
-    def answered(self, index: int, sent: Future) -> None:
-        try:
-            ok, value = sent.value()
-        except BaseException as exc:
-            exc.__traceback__ = None
-            self._settle(index, (False, _rpc_failure(exc, self.label(index), self.names[index])))
-            return
-        if ok:
-            self._settle(index, (True, value))
-        else:
-            self._settle(index, (False, to_exception(value, f"on worker {self.names[index]!r} in {self.label(index)}")))
-
-    def answered_group(self, indices: list[int], sent: Future) -> None:
-        try:
-            answers = sent.value()
-        except BaseException as exc:
-            exc.__traceback__ = None
-            failure = _rpc_failure(exc, self.group_label(indices), self.names[indices[0]])
-            for index in indices:
-                self._settle(index, (False, failure))
-            return
-        for index, (ok, value) in zip(indices, answers):
-            if ok:
-                self._settle(index, (True, value))
-            else:
-                failure = to_exception(value, f"on worker {self.names[index]!r} in {self.label(index)}")
-                self._settle(index, (False, failure))
 
     def expire(self, now: float) -> None:
         """At the deadline: every call not answered gets a ``CallTimeout`` naming it, and the
@@ -506,6 +474,53 @@ def _call_label(index: int, n: int, handler: Any) -> str:
     return f"calls[{index}] of {n} ({_handler_name(handler)})"
 
 
+def _checked_calls(calls: Iterable[HostCall | tuple], timeout: float | None
+                   ) -> tuple[list[HostCall], list[rpc.WorkerInfo], float]:
+    """``calls`` checked (shape, worker, handler), their ``WorkerInfo``s and the timeout in
+    seconds; nothing is sent. RPC must be running when there is a call to send."""
+    checked = [_as_call(i, call) for i, call in enumerate(calls)]
+    seconds = timeout_seconds(timeout)
+    n = len(checked)
+    infos = [_worker_info(c.worker, partial(_call_label, i, n, c.handler)) for i, c in enumerate(checked)]
+    if n and not is_rpc_initialized():
+        raise RuntimeError(
+            "call_async needs torch.distributed.rpc: call rpc.init_rpc(name, rank=..., world_size=...) first"
+        )
+    return checked, infos, seconds
+
+
+def _wire(handler: Callable[..., Any], args: Any, kwargs: dict | None, recorded: bool) -> tuple:
+    """``(handler, args, kwargs)`` as a host call travels: parameters as views of themselves
+    where a dist autograd context records (torch RPC would send them detached)."""
+    args, kwargs = tuple(args), dict(kwargs or {})
+    if recorded:
+        args, kwargs = parameters_as_views((args, kwargs))
+    return handler, args, kwargs
+
+
+def _body(handler: Callable[..., Any]) -> Callable[..., Any]:
+    """The host-side wrapper that runs ``handler`` and answers ``(ok, value)``."""
+    return _run_async if is_async_execution(handler) else _run_handler
+
+
+def _watch(batch: _Batch, seconds: float) -> None:
+    """One deadline for the batch, counted from the last send (each call gets at least its
+    ``timeout``; the watcher visits deadlines every WATCH_TICK_S anyway)."""
+    if seconds != math.inf:
+        schedule(_clock() + seconds, batch)
+
+
+def wait_plain(future: Future) -> Any:
+    """``future.wait()``, raising a failure without torch's ``wait`` frame: that frame's future
+    holds the exception out of the cycle collector's sight, and the caller's frames would be
+    kept with it for good (see :meth:`_Batch._outcomes`)."""
+    try:
+        return future.wait()
+    except BaseException as exc:
+        del future  # this frame, in the traceback from here on, must not hold it either
+        raise exc.with_traceback(None)
+
+
 def call_all_async(calls: Iterable[HostCall | tuple], timeout: float | None = None) -> Future:
     """Send every call now; a Future of their results in order, or of the first failure.
 
@@ -517,41 +532,28 @@ def call_all_async(calls: Iterable[HostCall | tuple], timeout: float | None = No
         fut = call_all_async([(f"worker{r}", make_table, (100,)) for r in (1, 2, 3)], timeout=10)
         keys = fut.wait()          # [key on worker1, key on worker2, key on worker3]
     """
-    checked = [_as_call(i, call) for i, call in enumerate(calls)]
-    seconds = timeout_seconds(timeout)
-    n = len(checked)
-    infos = [_worker_info(c.worker, partial(_call_label, i, n, c.handler)) for i, c in enumerate(checked)]
-    combined: Future = Future()
-    if n == 0:
-        combined.set_result([])
-        return combined
-    if not is_rpc_initialized():
-        raise RuntimeError(
-            "call_async needs torch.distributed.rpc: call rpc.init_rpc(name, rank=..., world_size=...) first"
-        )
-    return _send(combined, infos, [c.handler for c in checked], [(c.args, c.kwargs) for c in checked], seconds)
+    checked, infos, seconds = _checked_calls(calls, timeout)
+    return _send(Future(), infos, [c.handler for c in checked], [(c.args, c.kwargs) for c in checked], seconds)
 
 
 def _send(combined: Future, infos: Sequence[rpc.WorkerInfo], handlers: Sequence[Any],
           arguments: Sequence[tuple[Any, Any]], seconds: float) -> Future:
     """Send checked calls (``arguments``: ``(args, kwargs)`` per call) as one :class:`_Batch`
     settling ``combined``."""
+    if not infos:
+        combined.set_result([])
+        return combined
     batch = _Batch(combined, [info.name for info in infos], handlers, seconds)
     recorded = dist_autograd_contexts_exist()  # parameters must travel as graph tensors there
     for index, (info, handler, (args, kwargs)) in enumerate(zip(infos, handlers, arguments)):
-        if recorded:
-            args, kwargs = parameters_as_views((tuple(args), kwargs))
-        body = _run_async if is_async_execution(handler) else _run_handler
         try:
-            sent = rpc.rpc_async(info, body, (handler, tuple(args), dict(kwargs or {})), timeout=_NO_RPC_TIMEOUT)
+            sent = rpc.rpc_async(info, _body(handler), _wire(handler, args, kwargs, recorded),
+                                 timeout=_NO_RPC_TIMEOUT)
         except Exception as exc:  # nothing was sent for this call (earlier ones were: dropped)
             batch.combined = None
             raise _unsent(exc, batch.label(index), info.name) from exc
         sent.add_done_callback(partial(batch.answered, index))  # holds ``batch`` until answered
-    if seconds != math.inf:
-        # one deadline for the batch, counted from the last send (each call gets at least its
-        # ``timeout``; the watcher visits deadlines every WATCH_TICK_S anyway)
-        schedule(_clock() + seconds, batch)
+    _watch(batch, seconds)
     return combined
 
 
@@ -568,11 +570,7 @@ def send_to_each(infos: Sequence[rpc.WorkerInfo], handler: Callable[..., Any], a
         infos = [rpc.get_worker_info(w) for w in mesh]            # once
         fut = send_to_each(infos, handler, [(x,), (y,)], timeout_seconds(None))
     """
-    combined: Future = Future()
-    if not infos:
-        combined.set_result([])
-        return combined
-    return _send(combined, infos, [handler] * len(infos), [(a, None) for a in args], seconds)
+    return _send(Future(), infos, [handler] * len(infos), [(a, None) for a in args], seconds)
 
 
 def call_grouped_async(calls: Iterable[HostCall | tuple], timeout: float | None = None) -> Future:
@@ -610,36 +608,22 @@ def call_grouped_each(calls: Iterable[HostCall | tuple], timeout: float | None =
 
 
 def _send_grouped(calls: Iterable[HostCall | tuple], timeout: float | None, batch_type: type) -> Future:
-    checked = [_as_call(i, call) for i, call in enumerate(calls)]
-    seconds = timeout_seconds(timeout)
-    n = len(checked)
-    infos = [_worker_info(c.worker, partial(_call_label, i, n, c.handler)) for i, c in enumerate(checked)]
+    checked, infos, seconds = _checked_calls(calls, timeout)
     combined: Future = Future()
-    if n == 0:
+    if not checked:
         combined.set_result([])
         return combined
-    if not is_rpc_initialized():
-        raise RuntimeError(
-            "call_async needs torch.distributed.rpc: call rpc.init_rpc(name, rank=..., world_size=...) first"
-        )
     groups: dict[str, list[int]] = {}
     for index, info in enumerate(infos):
         groups.setdefault(info.name, []).append(index)
     batch = batch_type(combined, [info.name for info in infos], [c.handler for c in checked], seconds)
     recorded = dist_autograd_contexts_exist()  # parameters must travel as graph tensors there
     for indices in groups.values():
-        sub = []
-        for index in indices:
-            call = checked[index]
-            args, kwargs = tuple(call.args), dict(call.kwargs or {})
-            if recorded:
-                args, kwargs = parameters_as_views((args, kwargs))
-            sub.append((call.handler, args, kwargs))
+        sub = [_wire(checked[i].handler, checked[i].args, checked[i].kwargs, recorded) for i in indices]
         info = infos[indices[0]]
         try:
             if len(sub) == 1:
-                body = _run_async if is_async_execution(sub[0][0]) else _run_handler
-                sent = rpc.rpc_async(info, body, sub[0], timeout=_NO_RPC_TIMEOUT)
+                sent = rpc.rpc_async(info, _body(sub[0][0]), sub[0], timeout=_NO_RPC_TIMEOUT)
                 sent.add_done_callback(partial(batch.answered, indices[0]))
             else:
                 sent = rpc.rpc_async(info, _run_many, (sub,), timeout=_NO_RPC_TIMEOUT)
@@ -647,18 +631,14 @@ def _send_grouped(calls: Iterable[HostCall | tuple], timeout: float | None, batc
         except Exception as exc:  # nothing was sent for these calls (earlier ones were: dropped)
             batch.combined = None
             raise _unsent(exc, batch.group_label(indices), info.name) from exc
-    if seconds != math.inf:
-        schedule(_clock() + seconds, batch)
+    _watch(batch, seconds)
     return combined
 
 
 def call_grouped(calls: Iterable[HostCall | tuple], timeout: float | None = None) -> list[Any]:
     """:func:`call_grouped_async`, waited for: the results in order, or the first failure
     with its original type, naming the worker and the call's index."""
-    try:
-        return call_grouped_async(calls, timeout).wait()
-    except BaseException as exc:
-        raise exc.with_traceback(None)  # (see call_all)
+    return wait_plain(call_grouped_async(calls, timeout))
 
 
 def call_all(calls: Iterable[HostCall | tuple], timeout: float | None = None) -> list[Any]:
@@ -670,9 +650,4 @@ def call_all(calls: Iterable[HostCall | tuple], timeout: float | None = None) ->
 
         outs = call_all([("worker1", handler, (x,)), ("worker2", handler, (y,), {"scale": 2})], timeout=5)
     """
-    try:
-        return call_all_async(calls, timeout).wait()
-    except BaseException as exc:
-        # raised without torch's ``wait`` frame, whose future holds ``exc`` out of the cycle
-        # collector's sight (see _Batch.answered): the caller's frames would be kept with it for good
-        raise exc.with_traceback(None)
+    return wait_plain(call_all_async(calls, timeout))

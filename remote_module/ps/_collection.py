@@ -10,12 +10,12 @@ from torch import nn
 
 from remote_module._core import (
     call_grouped,
-    call_grouped_each,
     nested_seconds,
     positive_seconds,
     retyped,
     timeout_seconds,
 )
+from remote_module.ps._embedding import run_push_plans
 from remote_module.ps._embedding_bag import ShardedEmbeddingBag
 
 
@@ -170,26 +170,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         others count as stepped; the first failure is raised once every call was answered."""
         timeout_seconds(self.timeout)  # checked before anything is taken
         plans = [plan for plan in (self._modules[name]._push_plan() for name in self._names) if plan is not None]
-        calls = [call for table_calls, _, _ in plans for call in table_calls]
-        try:
-            outcomes = call_grouped_each(calls, timeout=self.timeout)
-        except BaseException:  # nothing was sent (a call that cannot be sent, RPC down)
-            for _, _, failed in plans:
-                failed()
-            raise
-        first: BaseException | None = None
-        at = 0
-        for table_calls, done, failed in plans:
-            mine = outcomes[at:at + len(table_calls)]
-            at += len(table_calls)
-            failure = next((value for ok, value in mine if not ok), None)
-            if failure is None:
-                done()
-            else:
-                failed()
-                first = first if first is not None else failure
-        if first is not None:
-            raise first
+        run_push_plans(plans, self.timeout)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Every table's ``zero_grad`` (the gradients recorded since the last step are dropped)."""

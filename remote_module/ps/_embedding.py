@@ -20,6 +20,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from remote_module._core import (
     backward_accumulates,
     call_all,
+    call_grouped_each,
     nested_seconds,
     positive_int,
     timeout_seconds,
@@ -79,6 +80,35 @@ class _Recorded(torch.autograd.Function):
             ctx.record(ctx.uniq, grad.to(torch.float32))  # the servers' rows are float32, whatever the model's dtype
         dtype, device = ctx.marker
         return None, torch.zeros(0, dtype=dtype, device=device), None, None, None
+
+
+PushPlan = tuple  # (host calls, done: () -> None, failed: () -> None), as _push_plan() gives it
+
+
+def run_push_plans(plans: Sequence[PushPlan], timeout: float | None) -> None:
+    """Send the pushes of several plans (tables', a PSModel's dense part), the calls to one
+    server in one message, and settle each plan by its own calls: ``done()`` when they all
+    succeeded, ``failed()`` (keep the gradients for a retry) when one did not, as a plan sent
+    alone would be. The first failure is raised once every call was answered; when nothing
+    could be sent, every plan is failed."""
+    try:
+        outcomes = call_grouped_each([call for calls, _, _ in plans for call in calls], timeout=timeout)
+    except BaseException:  # nothing was sent (a call that cannot be sent, RPC down)
+        for _, _, failed in plans:
+            failed()
+        raise
+    first: BaseException | None = None
+    at = 0
+    for calls, done, failed in plans:
+        failure = next((value for ok, value in outcomes[at:at + len(calls)] if not ok), None)
+        at += len(calls)
+        if failure is None:
+            done()
+        else:
+            failed()
+            first = first if first is not None else failure
+    if first is not None:
+        raise first
 
 
 class ShardedEmbedding(TableCheckpoints, nn.Module):

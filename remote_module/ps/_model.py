@@ -8,6 +8,7 @@ import threading
 import warnings
 import weakref
 from collections import OrderedDict
+from functools import partial
 from typing import Any, Callable, Sequence
 
 import torch
@@ -17,7 +18,6 @@ from torch.func import functional_call
 
 from remote_module._core import (
     call_all,
-    call_grouped_each,
     is_rpc_initialized,
     nested_seconds,
     positive_int,
@@ -27,7 +27,7 @@ from remote_module.ps import _dense_server
 from remote_module.ps._checkpoints import PSCheckpoints
 from remote_module.ps._dispatch import RoundRobin
 from remote_module.ps._dispatch import check_servers as _check_servers
-from remote_module.ps._embedding import ShardedEmbedding
+from remote_module.ps._embedding import ShardedEmbedding, run_push_plans
 from remote_module.ps._modes import PS_MODES
 from remote_module.ps._slicing import Block, block_name, block_of, slice_blocks
 from rpc_backend.options import positive_seconds
@@ -84,6 +84,13 @@ class _Slot:
     def __init__(self, param: str, block: Block, server: str) -> None:
         self.pname, self.block, self.server = param, block, server
         self.name = block_name(param, block.index)
+
+
+def _finished(done: set, part: Any, finish: Callable[[], None]) -> None:
+    """A part of a PSModel step whose pushes succeeded: ``finish()``, and remember it, so a
+    retried ``step()`` does not push it again."""
+    finish()
+    done.add(part)
 
 
 class PSModel(PSCheckpoints, nn.Module):
@@ -377,42 +384,23 @@ class PSModel(PSCheckpoints, nn.Module):
         # timed out) is retried by calling step() again, which does only the parts left, so no
         # part pushes a second step (sync: it would be taken for the next round)
         done = self.__dict__.setdefault("_step_done", set())
-        parts: list[tuple[Any, list, Callable[[], None], Callable[[], None]]] = []  # (part, calls, done, failed)
+        plans = []  # each part's pushes; a part that succeeds is marked done
         if None not in done:
             if self.ps_mode == "geo":
                 self._step_dense()
                 done.add(None)
             else:
-                calls, dense_done = self._dense_push_plan()
-                parts.append((None, calls, dense_done, lambda: None))
+                calls, finish = self._dense_push_plan()
+                plans.append((calls, partial(_finished, done, None, finish), lambda: None))
         for qual, table in self._tables.items():
             if qual not in done:
                 plan = table._push_plan()
                 if plan is None:  # geo: the table stepped (and pushed its deltas) itself
                     done.add(qual)
                 else:
-                    parts.append((qual, *plan))
-        # every part's pushes to one server in one message; each part succeeds or fails alone
-        try:
-            outcomes = call_grouped_each([call for _, calls, _, _ in parts for call in calls], timeout=self.timeout)
-        except BaseException:  # nothing was sent (a push that cannot be sent, RPC down): all kept
-            for _, _, _, part_failed in parts:
-                part_failed()
-            raise
-        first: BaseException | None = None
-        at = 0
-        for part, calls, part_done, part_failed in parts:
-            mine = outcomes[at:at + len(calls)]
-            at += len(calls)
-            failure = next((value for ok, value in mine if not ok), None)
-            if failure is None:
-                part_done()
-                done.add(part)
-            else:
-                part_failed()
-                first = first if first is not None else failure
-        if first is not None:
-            raise first
+                    calls, table_done, failed = plan
+                    plans.append((calls, partial(_finished, done, qual, table_done), failed))
+        run_push_plans(plans, self.timeout)  # one message per server; each part settles alone
         done.clear()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -423,22 +411,19 @@ class PSModel(PSCheckpoints, nn.Module):
             table.zero_grad()
 
     def _step_dense(self) -> None:
+        """geo: step the local copy; every ``geo_push_every`` steps push the deltas and take
+        the merged parameters (the other modes push through :meth:`_dense_push_plan`)."""
         params = self._params()
-        if self.ps_mode == "geo":
-            # a step() without any gradient is no optimizer step (torch's optimizer leaves every
-            # parameter alone): it does not count towards the next push either
-            if all(p.grad is None for p in params.values()):
-                return
-            self._local_opt.step()
-            self._local_opt.zero_grad(set_to_none=True)
-            self.__dict__.pop("_geo_restored", None)  # trained on since a restore
-            self._step += 1
-            if self._step % self.geo_push_every == 0:
-                self._push_deltas()
+        # a step() without any gradient is no optimizer step (torch's optimizer leaves every
+        # parameter alone): it does not count towards the next push either
+        if all(p.grad is None for p in params.values()):
             return
-        calls, finish = self._dense_push_plan()
-        call_all(calls, timeout=self.timeout)
-        finish()
+        self._local_opt.step()
+        self._local_opt.zero_grad(set_to_none=True)
+        self.__dict__.pop("_geo_restored", None)  # trained on since a restore
+        self._step += 1
+        if self._step % self.geo_push_every == 0:
+            self._push_deltas()
 
     def _dense_push_plan(self) -> tuple[list, Callable[[], None]]:
         """The dense part of a step (not geo): the pushes to the servers, and what to do once

@@ -350,12 +350,11 @@ class LocalModule(nn.Module):
                 want = pl.normalized(placement, len(shape), "placement")
                 pl.check_op_dtype(want, dtype)
                 found = cache[(j, len(shape), dtype_name)] = (placement, want, dtype)
-            for r, m in enumerate(metas):
-                if m[1] != dtype_name:
-                    raise ValueError(
-                        "every worker's shard must have one dtype, got "
-                        + ", ".join(f"{w}: {_host.dtype_named(m[1])}" for w, m in zip(self.mesh, metas))
-                    )
+            if any(m[1] != dtype_name for m in metas):
+                raise ValueError(
+                    "every worker's shard must have one dtype, got "
+                    + ", ".join(f"{w}: {_host.dtype_named(m[1])}" for w, m in zip(self.mesh, metas))
+                )
             return RemoteTensor._of_shards(self.mesh, found[1], [m[0] for m in metas], found[2],
                                            any(m[2] for m in metas), sids, self.timeout)
         except ValueError as exc:  # the caller releases this output's shards with the rest

@@ -14,7 +14,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from remote_module._core import call_all, nested_seconds, send_and_forget, send_to_each, timeout_seconds
+from remote_module._core import call_all, nested_seconds, send_and_forget, send_to_each, timeout_seconds, wait_plain
 from remote_module.sharded import _host
 from remote_module.sharded import _placements as pl
 from remote_module.sharded._host import Meta, ShardId
@@ -103,32 +103,34 @@ class _Releaser:
 _releaser = _Releaser()
 
 
-def call_carrying_releases(calls: list[tuple], timeout: float | None) -> list[Any]:
-    """``call_all(calls)`` where each call's last argument is the releases queued for its
-    worker (see :meth:`_Releaser.take`); they are queued again when the calls fail."""
-    names = [w.name if isinstance(w, rpc.WorkerInfo) else w for w, _, _ in calls]
+def _carrying_releases(names: Sequence[str], send: Callable[[list], list[Any]]) -> list[Any]:
+    """``send(taken)`` with ``taken[i]`` the releases queued for worker ``names[i]`` (see
+    :meth:`_Releaser.take`), for each call to carry as its last argument; they are queued again
+    when the calls fail."""
     taken = [_releaser.take(name) for name in names]
     try:
-        return call_all([(w, h, (*args, t)) for (w, h, args), t in zip(calls, taken)], timeout=timeout)
+        return send(taken)
     except BaseException:
         for name, t in zip(names, taken):
             _releaser.give_back(name, t)
         raise
 
 
+def call_carrying_releases(calls: list[tuple], timeout: float | None) -> list[Any]:
+    """``call_all(calls)`` where each call's last argument is the releases queued for its
+    worker."""
+    names = [w.name if isinstance(w, rpc.WorkerInfo) else w for w, _, _ in calls]
+    return _carrying_releases(
+        names, lambda taken: call_all([(w, h, (*args, t)) for (w, h, args), t in zip(calls, taken)], timeout=timeout))
+
+
 def each_carrying_releases(infos: Sequence[rpc.WorkerInfo], handler: Callable[..., Any], args: list[tuple],
                            seconds: float) -> list[Any]:
     """:func:`call_carrying_releases` for one handler and checked ``WorkerInfo``s (see
     ``send_to_each``): ``handler(*args[r], releases for infos[r])`` on every ``infos[r]``."""
-    taken = [_releaser.take(info.name) for info in infos]
-    try:
-        return send_to_each(infos, handler, [(*a, t) for a, t in zip(args, taken)], seconds).wait()
-    except BaseException as exc:
-        for info, t in zip(infos, taken):
-            _releaser.give_back(info.name, t)
-        # raised without torch's ``wait`` frame, whose future holds ``exc`` out of the cycle
-        # collector's sight (as call_all does)
-        raise exc.with_traceback(None)
+    return _carrying_releases(
+        [info.name for info in infos],
+        lambda taken: wait_plain(send_to_each(infos, handler, [(*a, t) for a, t in zip(args, taken)], seconds)))
 
 
 def release_later(mesh: Sequence[str], sids: Sequence[Sequence[ShardId]], unsure: bool = False) -> None:
