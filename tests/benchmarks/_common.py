@@ -45,6 +45,24 @@ def one_thread_per_rank() -> Iterator[None]:
             os.environ["OMP_NUM_THREADS"] = saved
 
 
+def run_world(argv: list[str] | None, description: str, default_json: str, quick: dict, full: dict,
+              rank_main: Callable[[dict], dict | None], roles: dict[str, int], timeout: float = 900
+              ) -> tuple[dict, str]:
+    """What a benchmark's ``main`` does before its figures: parse the command line, take the
+    ``quick`` or ``full`` config (with the chosen transport), run ``rank_main(cfg)`` on a
+    ``run_local`` world of ``roles`` with one OpenMP thread per rank, and return the one rank's
+    results that is not None, with the path to publish them to."""
+    from rpc_backend import run_local
+
+    args = parse_args(description, default_json, argv)
+    cfg = dict(quick if args.quick else full)
+    cfg["transport"] = args.transport
+    with one_thread_per_rank():
+        out = run_local(rank_main, sum(roles.values()), roles=roles, args=(cfg,), transport=cfg["transport"],
+                        timeout=timeout)
+    return next(r for r in out if r is not None), args.json
+
+
 def publish(results: dict, report: str, path: str) -> dict:
     """Print ``report`` (after the world's transport, when the config names one), write
     ``results`` to ``path`` as JSON; ``results``."""

@@ -30,16 +30,15 @@ from typing import Any
 
 import torch
 
-from rpc_backend import current_worker, run_local
+from rpc_backend import current_worker
 from tests.benchmarks import _dlrm_model as dlrm
 from tests.benchmarks._common import (
     cpu_cell,
     cpu_per_op,
     messages_per_call,
-    one_thread_per_rank,
-    parse_args,
     publish,
     rounds,
+    run_world,
 )
 from tests.benchmarks._cpu import world_meter
 from tests.benchmarks.bench_remote_module import _verdict
@@ -141,14 +140,10 @@ def report(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args("remote_module DLRM-style benchmark", "bench-dlrm-results.json", argv)
-    cfg = dict(QUICK if args.quick else FULL)
-    cfg["transport"] = args.transport
-    with one_thread_per_rank():
-        results = run_local(rank_main, 3, roles={"ps": 2, "trainer": 1}, args=(cfg,), transport=cfg["transport"],
-                            timeout=1200)[2]
+    results, path = run_world(argv, "remote_module DLRM-style benchmark", "bench-dlrm-results.json", QUICK, FULL,
+                              rank_main, {"ps": 2, "trainer": 1}, timeout=1200)
     results["ratios"] = ratios(results)
-    return publish(results, report(results), args.json)
+    return publish(results, report(results), path)
 
 
 if __name__ == "__main__":

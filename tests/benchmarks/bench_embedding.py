@@ -51,17 +51,16 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import nn
 
-from rpc_backend import current_worker, run_local
+from rpc_backend import current_worker
 from tests.benchmarks import _embedding_hosts as hosts
 from tests.benchmarks._common import (
     Window,
     cpu_cell,
     cpu_per_op,
     messages_per_call,
-    one_thread_per_rank,
-    parse_args,
     publish,
     rounds,
+    run_world,
 )
 from tests.benchmarks._cpu import world_meter
 from tests.benchmarks.bench_remote_module import _verdict
@@ -286,15 +285,10 @@ def report(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args("remote_module sharded embedding benchmark", "bench-embedding-results.json", argv)
-    cfg = dict(QUICK if args.quick else FULL)
-    cfg["transport"] = args.transport
-    with one_thread_per_rank():
-        out = run_local(rank_main, 3, roles={"trainer": 1, "ps": 2}, args=(cfg,),
-                            transport=cfg["transport"], timeout=900)
-    results = next(r for r in out if r is not None)
+    results, path = run_world(argv, "remote_module sharded embedding benchmark", "bench-embedding-results.json",
+                              QUICK, FULL, rank_main, {"trainer": 1, "ps": 2})
     results["ratios"] = ratios(results)
-    return publish(results, report(results), args.json)
+    return publish(results, report(results), path)
 
 
 if __name__ == "__main__":

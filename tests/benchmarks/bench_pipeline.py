@@ -43,9 +43,9 @@ import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 
-from rpc_backend import current_worker, init_role_process_group, run_local
+from rpc_backend import current_worker, init_role_process_group
 from tests.benchmarks import _pipeline_hosts as hosts
-from tests.benchmarks._common import cpu_cell, cpu_per_op, one_thread_per_rank, parse_args, publish, rounds
+from tests.benchmarks._common import cpu_cell, cpu_per_op, publish, rounds, run_world
 from tests.benchmarks._cpu import world_meter
 from tests.benchmarks.bench_remote_module import _verdict
 
@@ -217,16 +217,12 @@ def report(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args("remote_module pipeline benchmark", "bench-pipeline-results.json", argv)
-    cfg = dict(QUICK if args.quick else FULL)
-    cfg["transport"] = args.transport
-    with one_thread_per_rank():
-        results = run_local(rank_main, 3, roles={"caller": 1, "stage": 2}, args=(cfg,),
-                            transport=cfg["transport"], timeout=900)[0]
+    results, path = run_world(argv, "remote_module pipeline benchmark", "bench-pipeline-results.json", QUICK, FULL,
+                              rank_main, {"caller": 1, "stage": 2})
     results["ratios"] = ratios(results)
     alone = results["fwd_no_grad_samples_s"]["stage 0 + stage 1 compute alone"]
     results["compute_alone_median_over_fastest"] = statistics.median(alone) / min(alone)  # > 1.15: busy
-    return publish(results, report(results), args.json)
+    return publish(results, report(results), path)
 
 
 if __name__ == "__main__":

@@ -37,9 +37,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed.rpc as rpc
 
-from rpc_backend import current_worker, run_local
+from rpc_backend import current_worker
 from tests.benchmarks import _ps_hosts as hosts
-from tests.benchmarks._common import cpu_cell, cpu_per_op, one_thread_per_rank, parse_args, publish, rounds
+from tests.benchmarks._common import cpu_cell, cpu_per_op, publish, rounds, run_world
 from tests.benchmarks._cpu import world_meter
 from tests.benchmarks.bench_remote_module import _verdict
 
@@ -154,14 +154,10 @@ def report(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args("remote_module parameter-server benchmark", "bench-ps-results.json", argv)
-    cfg = dict(QUICK if args.quick else FULL)
-    cfg["transport"] = args.transport
-    with one_thread_per_rank():
-        results = run_local(rank_main, 5, roles={"driver": 1, "ps": 2, "trainer": 2}, args=(cfg,),
-                            transport=cfg["transport"], timeout=900)[0]
+    results, path = run_world(argv, "remote_module parameter-server benchmark", "bench-ps-results.json", QUICK, FULL,
+                              rank_main, {"driver": 1, "ps": 2, "trainer": 2})
     results["ratios"] = ratios(results)
-    return publish(results, report(results), args.json)
+    return publish(results, report(results), path)
 
 
 if __name__ == "__main__":

@@ -55,17 +55,15 @@ import torch.distributed.rpc as rpc
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from rpc_backend import run_local
 from tests.benchmarks import _sharded_hosts as hosts
 from tests.benchmarks._caller_bytes import CallerBytes
 from tests.benchmarks._common import (
     cpu_cell,
     cpu_per_op,
-    one_thread_per_rank,
-    parse_args,
     publish,
     repeated,
     rounds,
+    run_world,
 )
 from tests.benchmarks._cpu import CpuMeter, world_meter
 from tests.benchmarks.bench_remote_module import _verdict
@@ -326,14 +324,10 @@ def report(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args("remote_module sharded-module benchmark", "bench-sharded-results.json", argv)
-    cfg = dict(QUICK if args.quick else FULL)
-    cfg["transport"] = args.transport
-    with one_thread_per_rank():
-        results = run_local(rank_main, 1 + len(HOSTS), roles={"caller": 1, "host": len(HOSTS)}, args=(cfg,),
-                            transport=cfg["transport"], timeout=900)[0]
+    results, path = run_world(argv, "remote_module sharded-module benchmark", "bench-sharded-results.json", QUICK, FULL,
+                              rank_main, {"caller": 1, "host": len(HOSTS)})
     results["ratios"] = ratios(results)
-    return publish(results, report(results), args.json)
+    return publish(results, report(results), path)
 
 
 if __name__ == "__main__":

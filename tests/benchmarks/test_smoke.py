@@ -15,6 +15,15 @@ from tests.benchmarks._caller_bytes import sized
 _OMP_BEFORE = os.environ.get("OMP_NUM_THREADS")
 
 
+def quick_run(benchmark, path):
+    """``benchmark.main`` in its quick form, writing ``path``: what it saved, checked to carry
+    the ratios it returned."""
+    results = benchmark.main(["--quick", "--json", str(path)])
+    saved = json.loads(path.read_text())
+    assert saved["ratios"] == results["ratios"]
+    return saved
+
+
 def _cpu_beside(times: dict, cpu: dict) -> None:
     """CPU seconds per operation, keyed like the times beside it: positive on Linux (where the
     processes' CPU clocks are read), None elsewhere."""
@@ -26,10 +35,7 @@ def _cpu_beside(times: dict, cpu: dict) -> None:
 
 
 def test_quick_benchmark_runs(tmp_path, capsys):
-    out = tmp_path / "bench.json"
-    results = bench.main(["--quick", "--json", str(out)])
-    saved = json.loads(out.read_text())
-    assert saved["ratios"] == results["ratios"]
+    saved = quick_run(bench, tmp_path / "bench.json")
     assert set(saved["small_forward_no_grad_s"]) == {
         "raw rpc_sync no-op", "raw RRef call", "raw call of a held module", "torch RemoteModule", "remote_module"
     }
@@ -56,10 +62,7 @@ def test_verdicts():
 @pytest.mark.slow
 def test_quick_pipeline_benchmark_runs(tmp_path, capsys):
     # the run itself checks every variant's output (and fwd+bwd loss) against the local model
-    out = tmp_path / "bench-pipeline.json"
-    results = bench_pipeline.main(["--quick", "--json", str(out)])
-    saved = json.loads(out.read_text())
-    assert saved["ratios"] == results["ratios"]
+    saved = quick_run(bench_pipeline, tmp_path / "bench-pipeline.json")
     chunks = (1, 4, 8)
     assert set(saved["fwd_no_grad_s"]) == {"stage 0 + stage 1 compute alone"} | {
         f"{v} chunks={c}" for v in ("RemotePipeline", "tutorial pattern") for c in chunks
@@ -96,10 +99,7 @@ def test_pipeline_ratios_compare_medians():
 @pytest.mark.slow
 def test_quick_sharded_benchmark_runs(tmp_path, capsys):
     # the run itself checks both MLP variants against the local model (atol 1e-4)
-    out = tmp_path / "bench-sharded.json"
-    results = bench_sharded.main(["--quick", "--json", str(out)])
-    saved = json.loads(out.read_text())
-    assert saved["ratios"] == results["ratios"]
+    saved = quick_run(bench_sharded, tmp_path / "bench-sharded.json")
     assert set(saved["small_s"]) == {
         f"N={n}: {v}" for n in (1, 2, 3)
         for v in (f"{n} concurrent rpc_async no-ops", "the Linear's work by hand (raw rpc_async)",
@@ -152,10 +152,7 @@ def test_caller_bytes_sizes_tensors_apart_from_the_pickle():
 @pytest.mark.slow
 def test_quick_ps_benchmark_runs(tmp_path, capsys):
     # the run itself checks every variant's server-side update counts and that its loss fell
-    out = tmp_path / "bench-ps.json"
-    results = bench_ps.main(["--quick", "--json", str(out)])
-    saved = json.loads(out.read_text())
-    assert saved["ratios"] == results["ratios"]
+    saved = quick_run(bench_ps, tmp_path / "bench-ps.json")
     variants = {"tutorial pattern"} | {
         f"{m} servers={n}" for n in (1, 2) for m in ("sync", "async", "half_async", "geo")
     }
@@ -187,10 +184,7 @@ def test_ps_ratios_compare_medians():
 def test_quick_embedding_benchmark_runs(tmp_path, capsys):
     # the run itself checks that every variant's table equals a local nn.EmbeddingBag(sparse=True)
     # + torch.optim.SGD after the first steps, and the anchor's at the end
-    out = tmp_path / "bench-embedding.json"
-    results = bench_embedding.main(["--quick", "--json", str(out)])
-    saved = json.loads(out.read_text())
-    assert saved["ratios"] == results["ratios"]
+    saved = quick_run(bench_embedding, tmp_path / "bench-embedding.json")
     cfg = saved["config"]
     variants = {bench_embedding.ANCHOR} | {f"ShardedEmbeddingBag servers={n}" for n in (1, 2)}
     assert set(saved["train_steps_per_s"]) == set(saved["lookups_per_s"]) == variants
@@ -260,10 +254,7 @@ def test_quick_transport_benchmark_runs(tmp_path, capsys):
 def test_quick_dlrm_benchmark_runs(tmp_path, capsys):
     # the run itself checks that the three variants' sync losses agree (the collection's and the
     # one-by-one tables' exactly)
-    out = tmp_path / "bench-dlrm.json"
-    results = bench_dlrm.main(["--quick", "--json", str(out)])
-    saved = json.loads(out.read_text())
-    assert saved["ratios"] == results["ratios"]
+    saved = quick_run(bench_dlrm, tmp_path / "bench-dlrm.json")
     assert set(saved["samples_per_s"]) == {"local", "collection", "tables"}
     _cpu_beside(saved["samples_per_s"], saved["cpu_s_per_step"])
     assert saved["messages_per_step"]["collection"] == {s: 2 for s in saved["servers_with_rows"]}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -75,31 +77,15 @@ def train(job: str, steps: int, ps_mode: str = "async", collect: bool = True) ->
 def messages(job: str, ps_mode: str) -> dict:
     """Messages this trainer sends to each worker in one forward and in one step of a
     collection of three tables on two servers (counted at torch.distributed.rpc.rpc_async)."""
-    import collections
-
-    import torch.distributed.rpc as rpc
+    from tests.benchmarks._common import messages_per_call
 
     model = make(job, ps_mode)
     feats, targets = features(2, 1)[0]
     model(feats)  # a first step outside the count (sync: the servers wait for it)
-    counted: collections.Counter = collections.Counter()
-    real = rpc.rpc_async
-
-    def counting(to, *args, **kwargs):
-        counted[to.name if isinstance(to, rpc.WorkerInfo) else to] += 1
-        return real(to, *args, **kwargs)
-
-    out = {}
-    rpc.rpc_async = counting
-    try:
-        got = model(feats)
-        out["forward"] = dict(counted)
-        sum(((got[k] - targets[k]) ** 2).sum() for k in got).backward()
-        counted.clear()
-        model.step()
-        out["step"] = dict(counted)
-    finally:
-        rpc.rpc_async = real
+    got: dict = {}
+    out = {"forward": messages_per_call(lambda: got.update(model(feats)), 1)}
+    sum(((got[k] - targets[k]) ** 2).sum() for k in got).backward()
+    out["step"] = messages_per_call(model.step, 1)
     return out
 
 
@@ -152,6 +138,23 @@ def checkpoints(job: str) -> dict:
     return {"keys": sorted(model.state_dict()), "same_state": same_state, "same_optimizer_state": same_opt}
 
 
+@contextlib.contextmanager
+def pushes_replaced(table, rewrite):
+    """Within the block, ``table``'s push plans send ``rewrite(calls)`` instead of their calls
+    (their done / failed callbacks kept): a failure injected where the servers receive it."""
+    real = table._push_plan
+
+    def replaced():
+        calls, done, failed = real()
+        return rewrite(calls), done, failed
+
+    table._push_plan = replaced
+    try:
+        yield
+    finally:
+        del table._push_plan
+
+
 def refuse_push(*args) -> None:
     """A server-side push that fails (standing for a server that refused or was down)."""
     raise ValueError("push refused")
@@ -167,21 +170,12 @@ def partial_failure(job: str) -> dict:
         got = m(feats)
         sum(((got[k] - targets[k]) ** 2).sum() for k in got).backward()
     reference.step()
-    users = model.table("users")
-    real = users._push_plan
-
-    def failing():
-        calls, done, failed = real()
-        return [(server, refuse_push, ()) for server, _, _ in calls], done, failed
-
-    users._push_plan = failing
-    try:
-        model.step()
-        error = "no error"
-    except ValueError as exc:
-        error = str(exc)
-    finally:
-        del users._push_plan
+    with pushes_replaced(model.table("users"), lambda calls: [(server, refuse_push, ()) for server, _, _ in calls]):
+        try:
+            model.step()
+            error = "no error"
+        except ValueError as exc:
+            error = str(exc)
     after_failure = {k: v.clone() for k, v in model.state_dict().items()}
     model.step()  # the retry
     final = model.state_dict()
@@ -209,30 +203,16 @@ class Ranker(nn.Module):
 def psmodel_step_messages(job: str) -> dict:
     """Messages a PSModel (dense blocks on both servers, a collection of three tables) sends
     to each server in one step(), counted at rpc_async; and that the step trained everything."""
-    import collections
-
-    import torch.distributed.rpc as rpc
-
     from remote_module.ps import PSModel
+    from tests.benchmarks._common import messages_per_call
 
     model = PSModel(Ranker(make(job)), ["ps0", "ps1"], name=job, num_trainers=1, ps_mode="async", min_block_size=1)
     feats, _ = features(6, 1)[0]
     before = {k: v.clone() for k, v in model.state_dict().items()}
     model(feats).backward()
-    counted: collections.Counter = collections.Counter()
-    real = rpc.rpc_async
-
-    def counting(to, *args, **kwargs):
-        counted[to.name if isinstance(to, rpc.WorkerInfo) else to] += 1
-        return real(to, *args, **kwargs)
-
-    rpc.rpc_async = counting
-    try:
-        model.step()
-    finally:
-        rpc.rpc_async = real
+    counted = messages_per_call(model.step, 1)
     after = model.state_dict()
-    return {"messages": dict(counted), "changed": sorted(k for k in after if not torch.equal(after[k], before[k]))}
+    return {"messages": counted, "changed": sorted(k for k in after if not torch.equal(after[k], before[k]))}
 
 
 def psmodel_unsendable_step(job: str) -> dict:
@@ -252,21 +232,15 @@ def psmodel_unsendable_step(job: str) -> dict:
     for m in (model, reference):
         m(feats).backward()
     reference.step()
-    users = model.module.tables.table("users")
-    real = users._push_plan
+    def unsendable(calls):
+        return [(server, handler, (*args, threading.Lock())) for server, handler, args in calls]
 
-    def unsendable():
-        calls, done, failed = real()
-        return [(server, handler, (*args, threading.Lock())) for server, handler, args in calls], done, failed
-
-    users._push_plan = unsendable
-    try:
-        model.step()
-        error = "no error"
-    except TypeError as exc:
-        error = str(exc)
-    finally:
-        del users._push_plan
+    with pushes_replaced(model.module.tables.table("users"), unsendable):
+        try:
+            model.step()
+            error = "no error"
+        except TypeError as exc:
+            error = str(exc)
     model.step()
     got, want = model.state_dict(), reference.state_dict()
     return {"error": error, "same": sorted(k for k in got if torch.equal(got[k], want[k])), "keys": sorted(got)}
