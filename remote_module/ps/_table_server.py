@@ -84,9 +84,10 @@ class Table:
                 out.append((rows, mine))
         return out
 
-    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        """The rows of ``ids`` (any order, repeats allowed), as stored now."""
-        parts = self._split(ids)
+    def lookup(self, ids: torch.Tensor, parts: list | None = None) -> torch.Tensor:
+        """The rows of ``ids`` (any order, repeats allowed), as stored now (``parts``:
+        :meth:`_split` of ``ids``, when the caller has it)."""
+        parts = self._split(ids) if parts is None else parts
         if len(parts) == 1 and parts[0][1] is ALL:
             return parts[0][0].read(ids)
         out = torch.empty(ids.numel(), self.spec.dim, dtype=self.spec.dtype)
@@ -98,17 +99,17 @@ class Table:
         """A lookup's answer: the rows of ``ids``, or with ``pool`` = ``(offsets, weights,
         kind)`` those rows pooled (:func:`pool_rows`)."""
         ids = ids.long()
-        if pool is not None and pool[2] == "sum":
-            parts = self._split(ids)
+        parts = self._split(ids)
+        if pool is not None and pool[2] == "sum" and len(parts) == 1 and parts[0][1] is ALL \
+                and parts[0][0].slot_of is None:
+            # one eager block holds every id: pool straight from it (the same sums, in the same
+            # order, as pooling the rows read out first), without copying them out
             block = parts[0][0]
-            if len(parts) == 1 and parts[0][1] is ALL and block.slot_of is None:
-                # one eager block holds every id: pool straight from it (the same sums, in the
-                # same order, as pooling the rows read out first), without copying them out
-                offsets, weights, _ = pool
-                with block.lock:
-                    return embedding_bag_parts(block.values, ids - block.first, offsets.long(), "sum",
-                                               None if weights is None else weights.to(block.values.dtype))[0]
-        rows = self.lookup(ids)
+            offsets, weights, _ = pool
+            with block.lock:
+                return embedding_bag_parts(block.values, ids - block.first, offsets.long(), "sum",
+                                           None if weights is None else weights.to(block.values.dtype))[0]
+        rows = self.lookup(ids, parts)
         return rows if pool is None else pool_rows(rows, ids, *pool)
 
     def apply(self, ids: torch.Tensor, grad: torch.Tensor, scale: float = 1.0) -> None:

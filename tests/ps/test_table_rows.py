@@ -347,3 +347,11 @@ def test_a_one_block_lookup_pooled_from_the_block_equals_pooling_the_rows_read_o
     lazy = Table("bits", spec(rows=500, dim=8, init="lazy", seed=3), [(100, 400)])  # same name: same rows
     assert torch.equal(lazy.answer(ids, (offsets, weights, "sum")), got)  # lazy rows: the same values
 
+
+def test_a_server_with_several_blocks_answers_an_empty_lookup():
+    # (the sync settle before a checkpoint sends no ids; a pooled lookup may too)
+    table = Table("empty", spec(rows=100, dim=4), [(0, 40), (60, 40)])
+    nothing = torch.empty(0, dtype=torch.long)
+    assert table.answer(nothing, None).shape == (0, 4)
+    assert torch.equal(table.answer(nothing, (torch.tensor([0]), None, "sum")), torch.zeros(1, 4, dtype=torch.float64))
+
