@@ -258,6 +258,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
                           for s, rs in by_server.items()], timeout=timeout)
         self._step = min(steps) if steps else 0
         self._pending_lock = threading.Lock()
+        self._marker_lock = threading.Lock()  # see _recorded
         self._reset_gradients()
         self._group_lrs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._warned_lr = False
@@ -389,7 +390,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         """As nn.Module's, less the lock and the gradients not pushed yet (a copy, e.g.
         ``copy.deepcopy(model)`` for an averaged model, shares the servers' rows, not them)."""
         state = self.__dict__.copy()
-        for key in ("_pending_lock", "_fresh", "_held", "_hooked", "_group_lrs"):
+        for key in ("_pending_lock", "_marker_lock", "_fresh", "_held", "_hooked", "_group_lrs"):
             state.pop(key, None)
         return state
 
@@ -399,6 +400,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         # one object), never taken as retries of the original's (which would drop them silently)
         self._token = uuid.uuid4().hex
         self._pending_lock = threading.Lock()
+        self._marker_lock = threading.Lock()
         self._reset_gradients()
         self._group_lrs = weakref.WeakKeyDictionary()
         _live_tables.add(self)
@@ -430,11 +432,16 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         module: a lookup that is never backpropagated (an eval loop without ``no_grad``) is
         gone with its output."""
         marker = self.grad_marker
-        if self._hooked is None or self._hooked() is not marker:  # (a copy, or the marker replaced)
-            marker.register_post_accumulate_grad_hook(self._seal)
-            self._hooked = weakref.ref(marker)
-        accumulator = marker.view_as(marker).grad_fn.next_functions[0][0]  # the marker's AccumulateGrad
-        return _Recorded.apply(rows, marker, self._record, uniq, accumulator)
+        # one thread at a time: torch takes a leaf's autograd lock, then the GIL, to find its
+        # AccumulateGrad in an op (view_as, which runs without the GIL), but the GIL, then
+        # that lock, in a Function's apply; two threads of one table doing both at once
+        # deadlocked (waiting on this lock releases the GIL)
+        with self._marker_lock:
+            if self._hooked is None or self._hooked() is not marker:  # (a copy, or the marker replaced)
+                marker.register_post_accumulate_grad_hook(self._seal)
+                self._hooked = weakref.ref(marker)
+            accumulator = marker.view_as(marker).grad_fn.next_functions[0][0]  # the marker's AccumulateGrad
+            return _Recorded.apply(rows, marker, self._record, uniq, accumulator)
 
     def _record(self, uniq: torch.Tensor, grad: torch.Tensor) -> None:
         """In backward, before the marker accumulates: keep ``grad``; gradients of finished
