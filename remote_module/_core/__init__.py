@@ -9,7 +9,8 @@ never from its modules: what is listed in ``__all__`` is the internal API, and
   argument written once (:func:`rpc_timeout_argument`);
 - ``fanout``: N host calls at once (:func:`call_all`, :func:`call_all_async`,
   :func:`call_async`; :func:`send_to_each` for calls a layer checked once; :func:`call_grouped`:
-  one message per worker), nested budgets
+  one message per worker; :func:`call_one`: one call whose answer holds no RRef, waited for in
+  the calling thread), nested budgets
   (:func:`nested_seconds`, :func:`answer_margin`), :func:`send_and_forget`;
 - ``settling``: settling futures off the RPC threads and the one deadline watcher;
 - ``errors``: :class:`RemoteModuleError`, :class:`CallTimeout`, remote tracebacks, retyping;
@@ -67,6 +68,7 @@ from remote_module._core.fanout import (
     call_grouped,
     call_grouped_async,
     call_grouped_each,
+    call_one,
     nested_seconds,
     send_and_forget,
     send_to_each,
@@ -101,6 +103,7 @@ __all__ = [
     "backward_accumulates",
     "before_rref_deletion_at_shutdown",
     "call_all",
+    "call_one",
     "call_all_async",
     "call_async",
     "call_grouped",

@@ -641,6 +641,43 @@ def call_grouped(calls: Iterable[HostCall | tuple], timeout: float | None = None
     return wait_plain(call_grouped_async(calls, timeout))
 
 
+def call_one(call: HostCall | tuple, timeout: float | None = None) -> Any:
+    """``call_all([call], timeout)[0]``, waited for in the calling thread, for a handler whose
+    answer holds no RRef (a lookup's tensors): the same checks, result, errors and timeout
+    (:class:`CallTimeout` naming the worker, ``timeout`` after sending), with no future or
+    callback of its own on the caller. RPC keeps the deadline here, and drops an answer that
+    comes after it unread: harmless without an RRef in it (see the module docstring).
+
+    Example::
+
+        rows = call_one(("ps0", lookup_rows, (ids,)), timeout=5)
+    """
+    checked, infos, seconds = _checked_calls([call], timeout)
+    (handler, args, kwargs), info = checked[0][1:], infos[0]
+    try:
+        sent = rpc.rpc_async(info, _body(handler), _wire(handler, args, kwargs, dist_autograd_contexts_exist()),
+                             timeout=0 if seconds == math.inf else seconds)
+    except Exception as exc:  # nothing was sent
+        raise _unsent(exc, _call_label(0, 1, handler), info.name) from exc
+    try:
+        ok, value = sent.wait()
+    except BaseException as exc:  # the RPC itself failed (timed out, dead host, shutdown)
+        del sent  # its frame in the traceback must not hold the future (see wait_plain)
+        exc.__traceback__ = None
+        label = _call_label(0, 1, handler)
+        if is_rpc_initialized() and _TORCH_TIMEOUT in str(exc):
+            raise CallTimeout(f"{label} on worker {info.name!r} failed: {timeout_message(seconds, info.name)}") \
+                from None
+        raise _rpc_failure(exc, label, info.name)  # noqa: B904 - its __cause__ is exc
+    if not ok:
+        raise to_exception(value, f"on worker {info.name!r} in {_call_label(0, 1, handler)}")
+    return value
+
+
+#: how torch's RPC agent says that a call ran past its timeout
+_TORCH_TIMEOUT = "RPC ran for more than set timeout"
+
+
 def call_all(calls: Iterable[HostCall | tuple], timeout: float | None = None) -> list[Any]:
     """Run every call concurrently and return their results in order (see :func:`call_all_async`).
 

@@ -15,6 +15,7 @@ from remote_module._core.fanout import (
     call_all_async,
     call_grouped,
     call_grouped_each,
+    call_one,
     send_to_each,
 )
 from tests._faults import gates
@@ -159,6 +160,48 @@ def test_send_to_each_keeps_the_contract_of_call_all():
     assert "calls[0] of 2" in text and "worker2" in text and "0.5 s" in text
     with pytest.raises(TypeError, match=r"calls\[0\] of 1 .*could not be sent to worker 'worker1'"):
         send_to_each([rpc.get_worker_info("worker1")], echo, [(threading.Lock(),)], 10.0)
+
+
+def _outcome(run):
+    """What ``run()`` gave: ("ok", result) or (exception type, its message without the remote
+    traceback)."""
+    try:
+        return "ok", run()
+    except BaseException as exc:  # noqa: BLE001 - compared below
+        return type(exc), str(exc).split("Remote traceback")[0]
+
+
+def test_call_one_keeps_the_contract_of_call_all_for_one_call():
+    # waited for in the calling thread, with RPC's own deadline: every outcome as call_all's
+    cases = [
+        ("worker1", echo, ("x",)),
+        ("worker2", gates.fail, ("no table 7",)),  # the handler's own error, its type kept
+        ("worker1", gates.add_later, (2, 3)),  # async_execution
+        ("worker2", gates.fail_later, ("later",)),
+        ("worker1", gates.exit_now),  # SystemExit on the host: that call's failure
+        ("nobody", echo, (1,)),  # refused before sending
+        ("worker1", echo, (threading.Lock(),)),  # cannot be sent
+        HostCall(1, echo, (), {"obj": "by rank, kwargs"}),
+    ]
+    for call in cases:
+        one, alone = _outcome(lambda: call_one(call, timeout=10)), _outcome(lambda: call_all([call], timeout=10)[0])
+        assert one == alone, (call, one, alone)
+    assert _outcome(lambda: call_one(("worker1", echo, (1,)), timeout=0)) == _outcome(
+        lambda: call_all([("worker1", echo, (1,))], timeout=0))
+    timed_out = []
+    for key, run in (("call-one-timeout", lambda k: call_one(("worker1", gates.hold, (k,)), timeout=0.5)),
+                     ("call-all-timeout", lambda k: call_all([("worker1", gates.hold, (k,))], timeout=0.5))):
+        start = time.monotonic()
+        try:
+            timed_out.append(_outcome(lambda: run(key)))
+            elapsed = time.monotonic() - start
+        finally:
+            rpc.rpc_sync("worker1", gates.release, (key,))
+        assert elapsed < 0.5 + 2.0
+    assert timed_out[0] == timed_out[1]
+    kind, text = timed_out[0]
+    assert kind is CallTimeout and "calls[0] of 1" in text and "'worker1'" in text and "0.5 s" in text
+    assert call_one(("worker2", echo, ("after a timeout",))) == "after a timeout"
 
 
 def test_call_grouped_sends_one_message_per_worker_and_keeps_the_contract(monkeypatch):
