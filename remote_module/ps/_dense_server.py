@@ -187,7 +187,7 @@ def _push(name: str, trainer: str, step: int, grads: Any) -> None:
             job.sync.push(trainer, step, grads, None, job.apply_step, lambda: RuntimeError(
                 f"parameter-server job {name!r}: trainer {trainer!r} pushed gradients for step {step}, but the "
                 f"servers are at step {job.sync.done}; in sync mode every trainer pushes once per step, in step"))
-            ready = job.sync.ready(job.snapshot)
+            ready = job.sync.ready()
     settle(ready)
 
 

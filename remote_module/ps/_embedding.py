@@ -21,6 +21,7 @@ from remote_module._core import (
     backward_accumulates,
     call_all,
     call_grouped_each,
+    call_one,
     nested_seconds,
     positive_int,
     timeout_seconds,
@@ -31,6 +32,7 @@ from remote_module.ps._dispatch import RoundRobin, check_servers
 from remote_module.ps._embedding_checkpoints import TableCheckpoints
 from remote_module.ps._geo_cache import GeoCache
 from remote_module.ps._modes import PS_MODES
+from remote_module.ps._rows import check_ids
 from remote_module.ps._rowwise import coalesce, row_optimizer
 from remote_module.ps._slicing import _index, block_name, slice_blocks
 from rpc_backend.options import positive_seconds
@@ -80,6 +82,14 @@ class _Recorded(torch.autograd.Function):
             ctx.record(ctx.uniq, grad.to(torch.float32))  # the servers' rows are float32, whatever the model's dtype
         dtype, device = ctx.marker
         return None, torch.zeros(0, dtype=dtype, device=device), None, None, None
+
+
+def lookup_calls(calls: list, timeout: float | None) -> list:
+    """The answers of a lookup's host calls (:func:`call_all`; one call waited for in this
+    thread, :func:`call_one`: a lookup's answer holds tensors only)."""
+    if len(calls) == 1:
+        return [call_one(calls[0], timeout)]
+    return call_all(calls, timeout=timeout)
 
 
 PushPlan = tuple  # (host calls, done: () -> None, failed: () -> None), as _push_plan() gives it
@@ -334,15 +344,14 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
             raise TypeError(f"{type(self).__name__} takes a tensor of integer ids, got "
                             f"{getattr(input, 'dtype', type(input).__name__)}")
         flat = input.reshape(-1).long()
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
-            raise IndexError(f"ids must be in [0, {self.num_embeddings}), got {int(flat.min())}..{int(flat.max())}")
+        check_ids(flat, self.num_embeddings)
         return flat
 
     def _rows_of(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Unique ids of ``input``, each id's index among them, and their rows (fetched from
         the owning servers concurrently; recorded for :meth:`step` when grad is on)."""
         calls, finish = self._rows_plan(input)
-        return finish(call_all(calls, timeout=self.timeout))
+        return finish(lookup_calls(calls, self.timeout))
 
     def _rows_plan(self, input: torch.Tensor, wait_s: float | None = None) -> tuple[list, Callable[[list], tuple]]:
         """:meth:`_rows_of` in two halves: the host calls that fetch the rows, and what makes

@@ -7,9 +7,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from remote_module._core import call_all
 from remote_module.ps import _table_server
-from remote_module.ps._embedding import ShardedEmbedding
+from remote_module.ps._embedding import ShardedEmbedding, lookup_calls
+from remote_module.ps._rows import check_offsets
 
 
 class _BagRows(torch.autograd.Function):
@@ -74,7 +74,7 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         needs a gradient (which needs the rows), the rows are fetched and pooled here instead.
         """
         calls, finish = self._lookup_plan(input, offsets, per_sample_weights)
-        return finish(call_all(calls, timeout=self.timeout))
+        return finish(lookup_calls(calls, self.timeout))
 
     def _lookup_plan(self, input: torch.Tensor, offsets: torch.Tensor | None,
                      per_sample_weights: torch.Tensor | None,
@@ -84,20 +84,18 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         server in one message). Arguments are checked here, before anything is sent.
         ``wait_s``: as for :meth:`_rows_plan`."""
         wait_s = self._wait_s() if wait_s is None else wait_s
-        if isinstance(offsets, torch.Tensor) and offsets.dim() == 1 and offsets.numel() > 1:
-            # torch checks this only when it pools on several threads (on one it reads past the
-            # input and returns uninitialised memory)
-            down = (offsets[1:] < offsets[:-1]).nonzero()
-            if down.numel():
-                i = int(down[0]) + 1
-                raise ValueError(f"offsets must not decrease (bag i starts at offsets[i]), got offsets[{i}]="
-                                 f"{int(offsets[i])} after offsets[{i - 1}]={int(offsets[i - 1])}")
+        records = torch.is_grad_enabled() and self.grad_marker.requires_grad
         needs_rows = self.ps_mode == "geo" or (
             per_sample_weights is not None and per_sample_weights.requires_grad and torch.is_grad_enabled())
+        if not records and not needs_rows and len(self._server_names) == 1 and (
+                per_sample_weights is None or getattr(per_sample_weights, "dtype", None) == self._dtype()):
+            # (weights of another dtype than the module's are refused here, as torch refuses them)
+            return self._whole_plan(input, offsets, per_sample_weights, wait_s)
+        check_offsets(offsets)
         if needs_rows:
             return self._pool_here_plan(input, offsets, per_sample_weights, wait_s)
         dtype = self._dtype()  # the model's (e.g. after model.double()); the servers pool float32
-        if torch.is_grad_enabled() and self.grad_marker.requires_grad:
+        if records:
             flat, uniq, inverse = self._unique(input)
             grad = self._records()
             # zero rows standing for the unique ids: torch's own embedding_bag on them checks the
@@ -144,6 +142,21 @@ class ShardedEmbeddingBag(ShardedEmbedding):
             called.append(k)
         return calls, lambda got: self._pooled(got, kind, called, flat, uniq, inverse, bags, weights, keep, holder,
                                                 zero, server_of, num_bags, grad, dtype)
+
+    def _whole_plan(self, input: torch.Tensor, offsets: torch.Tensor | None, per_sample_weights: torch.Tensor | None,
+                    wait_s: float) -> tuple[list, Callable[[list], torch.Tensor]]:
+        """A lookup that records nothing, of a table one server holds whole: the arguments
+        travel as given and the server pools them as ``nn.EmbeddingBag`` would
+        (:meth:`Table.bags`: the same checks, errors and sums), so the trainer does no work."""
+        if not isinstance(input, torch.Tensor) or input.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{type(self).__name__} takes a tensor of integer ids, got "
+                            f"{getattr(input, 'dtype', type(input).__name__)}")
+        weights = None if per_sample_weights is None else per_sample_weights.detach()
+        handler = _table_server._bags_when_applied if self.ps_mode == "sync" else _table_server._bags_now
+        calls = [(self._server_names[0], handler,
+                  (self.name, input, offsets, weights, self.bag_mode, self._step, wait_s))]
+        dtype = self._dtype()
+        return calls, lambda got: got[0].to(dtype)
 
     def _pooled(self, got: list, kind: str, called: list[int], flat: torch.Tensor, uniq: torch.Tensor,
                 inverse: torch.Tensor, bags: torch.Tensor, weights: torch.Tensor | None, keep: torch.Tensor | None,

@@ -25,7 +25,7 @@ Example (an owner's push handler, lock held; ``apply`` steps the optimizers)::
     with self.lock:
         self.sync.push(trainer, step, grads, None, apply=lambda pushes: self.apply(total(pushes)),
                        refused=lambda: RuntimeError("wrong step"))
-        answers = self.sync.ready(self.snapshot)
+        answers = self.sync.ready()
     settle(answers)
 """
 
@@ -72,10 +72,10 @@ def settle(answers: list[tuple[Future, Any, bool]]) -> None:
 class _Waiting:
     """A sync read waiting for its step, failed at its deadline with who has not pushed."""
 
-    __slots__ = ("sync", "step", "future", "args", "__weakref__")
+    __slots__ = ("sync", "step", "future", "read", "__weakref__")
 
-    def __init__(self, sync: SyncSteps, step: int, future: Future, args: tuple) -> None:
-        self.sync, self.step, self.future, self.args = sync, step, future, args
+    def __init__(self, sync: SyncSteps, step: int, future: Future, read: Callable[[], Any]) -> None:
+        self.sync, self.step, self.future, self.read = sync, step, future, read
 
     def expire(self, now: float) -> None:
         sync = self.sync
@@ -126,19 +126,20 @@ class SyncSteps:
             self.done += 1
             self.pushed = self.ahead.pop(self.done, {})
 
-    def wait(self, step: int, future: Future, args: tuple, seconds: float) -> bool:
+    def wait(self, step: int, future: Future, read: Callable[[], Any], seconds: float) -> bool:
         """Whether a read for ``step`` must wait (lock held); if so it is queued and answered
-        by :meth:`ready` once step ``step - 1`` is applied, or failed after ``seconds``."""
+        with ``read()`` by :meth:`ready` once step ``step - 1`` is applied, or failed after
+        ``seconds``."""
         if self.done >= step:
             return False
-        waiting = _Waiting(self, step, future, args)
+        waiting = _Waiting(self, step, future, read)
         self.waiters.append(waiting)  # holds it: the watcher holds it only weakly
         if seconds != math.inf:
             schedule(_clock() + seconds, waiting)
         return True
 
-    def ready(self, answer: Callable[..., Any]) -> list[tuple[Future, Any, bool]]:
-        """The waiting reads whose step is applied, with their values ``answer(*args)`` or the
+    def ready(self) -> list[tuple[Future, Any, bool]]:
+        """The waiting reads whose step is applied, with their values (each read's ``read()``) or the
         error it raised (that read's own: a read of blocks or rows not held here fails alone,
         never the push that completed the step nor the other reads) (lock held); :func:`settle`
         them outside the lock."""
@@ -149,7 +150,7 @@ class SyncSteps:
         answers = []
         for w in ready:
             try:
-                answers.append((w.future, answer(*w.args), False))
+                answers.append((w.future, w.read(), False))
             except Exception as exc:
                 answers.append((w.future, exc, True))
         return answers
@@ -161,7 +162,7 @@ def read_when_applied(owner: Any, step: int, seconds: float, answer: Callable[..
     failed with what ``answer`` raises, if it raises)."""
     future: Future = Future()
     with owner.lock:
-        if owner.spec.mode == "sync" and owner.sync.wait(step, future, args, seconds):
+        if owner.spec.mode == "sync" and owner.sync.wait(step, future, lambda: answer(*args), seconds):
             return future
         value = answer(*args)
     future.set_result(value)

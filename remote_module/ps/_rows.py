@@ -306,6 +306,26 @@ class _Rows:
         return self.used * row + self.state_used * row * len(self.state)
 
 
+def check_offsets(offsets: object) -> None:
+    """``ValueError`` if 1-d ``offsets`` decrease (bag ``i`` starts at ``offsets[i]``): torch
+    checks this only when it pools on several threads (on one it reads past the input and
+    returns uninitialised memory)."""
+    if isinstance(offsets, torch.Tensor) and offsets.dim() == 1 and offsets.numel() > 1:
+        down = (offsets[1:] < offsets[:-1]).nonzero()
+        if down.numel():
+            i = int(down[0]) + 1
+            raise ValueError(f"offsets must not decrease (bag i starts at offsets[i]), got offsets[{i}]="
+                             f"{int(offsets[i])} after offsets[{i - 1}]={int(offsets[i - 1])}")
+
+
+def check_ids(ids: torch.Tensor, num_embeddings: int) -> None:
+    """``IndexError`` unless every one of ``ids`` (int64) is in ``[0, num_embeddings)``."""
+    if ids.numel():
+        low, high = torch.aminmax(ids)
+        if int(low) < 0 or int(high) >= num_embeddings:
+            raise IndexError(f"ids must be in [0, {num_embeddings}), got {int(low)}..{int(high)}")
+
+
 def pool_rows(rows: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
               kind: str) -> object:
     """Pool ``rows`` (row ``j`` is id ``ids[j]``) into bags: bag ``b`` holds rows

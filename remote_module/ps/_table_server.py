@@ -21,11 +21,12 @@ import threading
 
 import torch
 import torch.distributed.rpc as rpc
+from torch import nn
 from torch.futures import Future
 
 from remote_module._core import HostStore, embedding_bag_parts
 from remote_module.ps._modes import HalfAsyncMerges, SyncSteps, read_when_applied, settle
-from remote_module.ps._rows import TableSpec, _Rows, pool_rows, row_key
+from remote_module.ps._rows import TableSpec, _Rows, check_ids, check_offsets, pool_rows, row_key
 from remote_module.ps._rowwise import coalesce
 
 ALL = slice(None)  # "every position": indexes a tensor without a copy
@@ -112,6 +113,32 @@ class Table:
         rows = self.lookup(ids, parts)
         return rows if pool is None else pool_rows(rows, ids, *pool)
 
+    def bags(self, input: torch.Tensor, offsets: torch.Tensor | None, weights: torch.Tensor | None,
+             mode: str) -> torch.Tensor:
+        """``nn.EmbeddingBag(mode=mode)``'s forward on this table's rows, for a server that holds
+        the whole table: the same checks (ids in range, offsets that do not decrease, then
+        torch's own), errors and sums, bit for bit. ``weights``: ``per_sample_weights``."""
+        flat = input.reshape(-1).long()
+        check_ids(flat, self.spec.num_embeddings)
+        check_offsets(offsets)
+        if weights is not None:
+            weights = weights.to(self.spec.dtype)
+        if len(self.blocks) == 1 and self.blocks[0].slot_of is None:
+            # one eager block holds every row: pool straight from it, as the local module does
+            block = self.blocks[0]
+            with block.lock:
+                return nn.functional.embedding_bag(input, block.values, offsets, mode=mode,
+                                                   per_sample_weights=weights, padding_idx=self.spec.padding_idx)
+        # lazy (or several blocks): pool the rows of the unique ids, read out first
+        uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+        rows = self.lookup(uniq)
+        pad = None
+        if self.spec.padding_idx is not None:
+            hit = (uniq == self.spec.padding_idx).nonzero().reshape(-1)
+            pad = int(hit[0]) if hit.numel() else None
+        return nn.functional.embedding_bag(inverse.reshape(input.shape), rows, offsets, mode=mode,
+                                           per_sample_weights=weights, padding_idx=pad)
+
     def apply(self, ids: torch.Tensor, grad: torch.Tensor, scale: float = 1.0) -> None:
         """One optimizer step of the table with the sparse gradient ``(ids, grad)`` (lock held)."""
         uniq, summed = coalesce(ids, grad)
@@ -160,7 +187,7 @@ class Table:
                 self._check_push(trainer, ids, grad)  # before it counts: it would fail its step forever
             self.sync.push(trainer, step, (ids, grad), token, self._apply_step, lambda: RuntimeError(
                 f"table {self.name!r}: trainer {trainer!r} pushed step {step}, the table is at step {self.sync.done}"))
-            answers = self.sync.ready(self.answer)
+            answers = self.sync.ready()
         settle(answers)
 
     def _check_push(self, trainer: str, ids: torch.Tensor, grad: torch.Tensor) -> None:
@@ -267,6 +294,26 @@ def _rows_for(name: str, ids: torch.Tensor, step: int = 0, pool: tuple | None = 
     after ``seconds`` fails naming the trainers that have not pushed)."""
     table = _table(name)
     return read_when_applied(table, step, seconds, table.answer, ids, pool)
+
+
+@rpc.functions.async_execution
+def _bags_when_applied(name: str, input: torch.Tensor, offsets: torch.Tensor | None, weights: torch.Tensor | None,
+                       mode: str, step: int = 0, seconds: float = math.inf) -> Future:
+    """:meth:`Table.bags` of a table this server holds whole; in sync mode once step ``step -
+    1`` is applied (as :func:`_rows_for`)."""
+    table = _table(name)
+    return read_when_applied(table, step, seconds, table.bags, input, offsets, weights, mode)
+
+
+def _bags_now(name: str, input: torch.Tensor, offsets: torch.Tensor | None, weights: torch.Tensor | None,
+              mode: str, step: int = 0, seconds: float = math.inf) -> torch.Tensor:
+    """:func:`_bags_when_applied` for a table that never waits (not sync), answered without a
+    Future: the same read, under the table's lock."""
+    table = _table(name)
+    if table.spec.mode == "sync":
+        raise ValueError(f"table {name!r} is in sync mode: its lookups wait for the step (_bags_when_applied)")
+    with table.lock:
+        return table.bags(input, offsets, weights, mode)
 
 
 def _push_rows(name: str, trainer: str, step: int, ids: torch.Tensor, grad: torch.Tensor,

@@ -34,7 +34,7 @@ def weights(seed: int, rows: int = 20, dim: int = 3) -> torch.Tensor:
 def table(name: str, rows: int = 20, dim: int = 3, *, bag: str | None = None, seed: int | None = 0,
           keep: bool = True, **kwargs: Any):
     """A ShardedEmbedding (or, with ``bag``, a ShardedEmbeddingBag of that mode) over ps0, ps1
-    in two blocks, loaded with ``weights(seed)`` unless ``seed`` is None."""
+    in two blocks, loaded with ``weights(seed)`` unless ``seed`` is None (every row, lazy too)."""
     from remote_module.ps import ShardedEmbedding, ShardedEmbeddingBag
 
     kwargs.setdefault("min_block_size", 1)
@@ -44,7 +44,9 @@ def table(name: str, rows: int = 20, dim: int = 3, *, bag: str | None = None, se
         t = ShardedEmbedding(rows, dim, servers, name=name, **kwargs)
     else:
         t = ShardedEmbeddingBag(rows, dim, servers, name=name, mode=bag, **kwargs)
-    if seed is not None:
+    if seed is not None and kwargs.get("init") == "lazy":
+        t.load_state_dict({"weight.ids": torch.arange(rows), "weight.rows": weights(seed, rows, dim)})
+    elif seed is not None:
         t.load_state_dict({"weight": weights(seed, rows, dim)})
     if keep:
         _objects[name] = t

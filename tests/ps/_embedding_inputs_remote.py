@@ -79,8 +79,25 @@ def odd_inputs() -> dict:
     }
 
 
-def odd_modules(name: str | None) -> dict:
-    """The modules odd_inputs() name: sharded (``name``) or, with None, local ones."""
+def _one_server(names: list, servers: list) -> list:
+    """A split_method putting every block on the first server."""
+    return [servers[0]] * len(names)
+
+
+#: how odd_modules() lays a sharded table out: over ps0 and ps1 (two blocks), or held whole
+#: by ps0 (a lookup that records nothing is then pooled there in one step), eager, lazy, or in
+#: two blocks on ps0
+LAYOUTS = {
+    "two servers": {},
+    "one server": {"servers": ["ps0"]},
+    "one server, lazy": {"servers": ["ps0"], "init": "lazy"},
+    "one server, two blocks": {"split_method": _one_server},
+}
+
+
+def odd_modules(name: str | None, layout: str = "two servers") -> dict:
+    """The modules odd_inputs() name: sharded (``name``, laid out as ``LAYOUTS[layout]``) or,
+    with None, local ones."""
     w = weights(0)
     if name is None:
         local = {"emb": nn.Embedding(20, 3, _weight=w.clone()),
@@ -88,17 +105,19 @@ def odd_modules(name: str | None) -> dict:
         local.update({m: nn.EmbeddingBag(20, 3, mode=m, _weight=w.clone()) for m in ("sum", "mean", "max")})
         local["max-pad"] = nn.EmbeddingBag(20, 3, mode="max", padding_idx=-1, _weight=w.clone())
         return local  # the padding row as loaded (non-zero): nn.Embedding returns it as stored
-    out = {"emb": table(f"{name}-emb", keep=False), "pad": table(f"{name}-pad", padding_idx=-1, keep=False)}
-    out.update({m: table(f"{name}-{m}", bag=m, keep=False) for m in ("sum", "mean", "max")})
-    out["max-pad"] = table(f"{name}-max-pad", bag="max", padding_idx=-1, keep=False)
+    kw = LAYOUTS[layout]
+    out = {"emb": table(f"{name}-emb", keep=False, **kw), "pad": table(f"{name}-pad", padding_idx=-1, keep=False, **kw)}
+    out.update({m: table(f"{name}-{m}", bag=m, keep=False, **kw) for m in ("sum", "mean", "max")})
+    out["max-pad"] = table(f"{name}-max-pad", bag="max", padding_idx=-1, keep=False, **kw)
     return out
 
 
-def odd_lookups(name: str | None, grad: bool = True) -> dict:
-    """Each of odd_inputs() on odd_modules(name): the output and the stepped gradient's rows, or
-    the refusal's type and message; with ``grad=False`` under ``torch.no_grad()`` (a lookup
-    that records nothing takes a shorter path on the trainer)."""
-    modules = odd_modules(name)
+def odd_lookups(name: str | None, grad: bool = True, layout: str = "two servers") -> dict:
+    """Each of odd_inputs() on odd_modules(name, layout): the output and the stepped gradient's
+    rows, or the refusal's type and message; with ``grad=False`` under ``torch.no_grad()`` (a
+    lookup that records nothing takes a shorter path on the trainer, and of a table one server
+    holds, none: that server checks and pools the arguments as given)."""
+    modules = odd_modules(name, layout)
     out = {}
     for case, (kind, args) in odd_inputs().items():
         module = modules[kind]

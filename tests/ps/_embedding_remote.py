@@ -31,21 +31,24 @@ def batches(seed: int, n: int, with_weights: bool, pad: int | None = None):
 
 
 def bag_run(name: str, mode: str, padding_idx, optimizer: tuple, steps: int, ps_mode: str = "async",
-            num_trainers: int = 1, data_seed: int = 1) -> dict:
+            num_trainers: int = 1, data_seed: int = 1, servers: tuple = ("ps0", "ps1")) -> dict:
     """Create a sharded bag loaded with local_bag(0, ...)'s weights, run ``steps`` training steps
-    on batches(data_seed), return every output and the final weights."""
+    on batches(data_seed), return every output, the output of a lookup of the same batch under
+    ``no_grad`` after each step, and the final weights."""
     from remote_module.ps import ShardedEmbeddingBag
 
-    bag = ShardedEmbeddingBag(200, 4, ["ps0", "ps1"], name=name, mode=mode, padding_idx=padding_idx,
+    bag = ShardedEmbeddingBag(200, 4, list(servers), name=name, mode=mode, padding_idx=padding_idx,
                               optimizer=optimizer, min_block_size=200, ps_mode=ps_mode, num_trainers=num_trainers)
     bag.load_state_dict(local_bag(0, mode, padding_idx).state_dict())
-    outs = []
+    outs, evals = [], []
     for ids, offsets, psw, target in batches(data_seed, steps, mode == "sum", padding_idx):
         out = bag(ids, offsets, psw)
         outs.append(out.detach())
         ((out - target) ** 2).sum().backward()
         bag.step()
-    return {"outs": outs, "weight": bag.state_dict()["weight"], "pushed": bag.pushed_bytes}
+        with torch.no_grad():  # sync: waits for the step every trainer pushed
+            evals.append(bag(ids, offsets, psw))
+    return {"outs": outs, "evals": evals, "weight": bag.state_dict()["weight"], "pushed": bag.pushed_bytes}
 
 
 def sparsity(name: str) -> dict:

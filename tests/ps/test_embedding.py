@@ -78,6 +78,33 @@ def test_sync_two_trainers_equal_one_process_on_the_global_batch(world):
         torch.testing.assert_close(got[t]["weight"], weight, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("ps_mode,trainers", [("sync", 2), ("async", 1)])
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_a_table_one_server_holds_pools_there_and_an_eval_lookup_sees_each_step(world, ps_mode, trainers, mode):
+    """A table held whole by ps0: a lookup under no_grad travels as given and ps0 pools it as
+    nn.EmbeddingBag does (sync: once the step every trainer pushed is applied), equal to the
+    local module after each step; training through it equals the local module too."""
+    n, opt, padding = name(f"whole-{ps_mode}-{mode}"), (torch.optim.SGD, {"lr": 0.1}), 3 if mode == "mean" else None
+    got = world.run({f"trainer{i}": (r.bag_run, n, mode, padding, opt, 3, ps_mode, trainers, 1 + i, ("ps0",))
+                     for i in range(trainers)})
+    seeds = tuple(range(1, trainers + 1))
+    local = r.local_bag(0, mode, padding)
+    local = torch.nn.EmbeddingBag(200, 4, mode=mode, padding_idx=padding, _weight=local.weight.detach().clone())
+    sgd = torch.optim.SGD(local.parameters(), lr=0.1)
+    data = [r.batches(s, 3, mode == "sum", padding) for s in seeds]
+    for step in range(3):
+        sgd.zero_grad()
+        loss = sum(((local(*batch[step][:3]) - batch[step][3]) ** 2).sum() for batch in data)
+        (loss / trainers).backward()
+        sgd.step()
+        with torch.no_grad():
+            for i, batch in enumerate(data):
+                evaluated = got[f"trainer{i}"]["evals"][step]
+                torch.testing.assert_close(evaluated, local(*batch[step][:3]), atol=1e-6, rtol=1e-5)
+    for i in range(trainers):
+        torch.testing.assert_close(got[f"trainer{i}"]["weight"], local.weight.detach(), atol=1e-6, rtol=1e-5)
+
+
 def test_bytes_pushed_per_step_are_under_one_percent_of_the_table(world):
     got = world.run({"trainer0": (r.sparsity, name("sparse"))})["trainer0"]
     for sent in got["per_step"]:

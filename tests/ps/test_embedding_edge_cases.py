@@ -241,12 +241,16 @@ def test_a_checkpoint_loaded_while_another_trainer_trains_leaves_a_consistent_ta
 # ---- inputs of every odd shape ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("grad", [True, False])
-def test_odd_inputs_give_torchs_outputs_dtype_and_refusals(world, grad):
+@pytest.mark.parametrize("grad,layout", [(True, "two servers"), (False, "two servers"), (True, "one server"),
+                                         (False, "one server"), (False, "one server, lazy"),
+                                         (False, "one server, two blocks")])
+def test_odd_inputs_give_torchs_outputs_dtype_and_refusals(world, grad, layout):
     """Empty inputs and bags, 0-d input, int32 ids and offsets, huge bags, duplicate ids, ids on
     the block boundary, padding_idx=-1, and per_sample_weights / offsets torch refuses; with
-    grad on, and under no_grad (a shorter path on the trainer)."""
-    got = on_trainer0(world, inputs.odd_lookups, job("odd"), grad)
+    grad on, and under no_grad (a shorter path on the trainer; none at all for a table held
+    whole by one server, whose server checks and pools the arguments as given: eager, lazy,
+    in two blocks)."""
+    got = on_trainer0(world, inputs.odd_lookups, job("odd"), grad, layout)
     expected = inputs.odd_lookups(None, grad)
     assert list(got) == list(expected)
     # torch refuses decreasing offsets only when it runs on several threads (on one, as the

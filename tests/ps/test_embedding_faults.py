@@ -51,17 +51,25 @@ def test_a_frozen_server_is_named_in_time_other_tables_work_and_training_continu
     name, healthy = job(f"frozen-{mode}"), job(f"healthy-{mode}")
     faulty.run({"trainer0": (_prepare_kw, name, [1, 15], {"ps_mode": mode})})
     faulty.run({"trainer0": (_prepare_kw, healthy, [1], {"ps_mode": mode, "servers": ["ps0"]})})
+    # a bag ps1 holds whole: its lookups are one call each (an eval lookup: the arguments as given)
+    lone = job(f"lone-{mode}")
+    faulty.run({"trainer0": (_prepare_kw, lone, None, {"ps_mode": mode, "servers": ["ps1"], "bag": "sum"})})
     # stopped before the first call is sent (os.kill returns before the stop takes effect)
     faulty.freeze("ps1")
     try:
         step = timed(faulty, "trainer0", name, "step")
         lookup = timed(faulty, "trainer0", name, "lookup")
-        others = [timed(faulty, "trainer0", healthy, what, [1]) for what in ("step", "lookup")]
+        lone_lookups = {what: timed(faulty, "trainer0", lone, what, [1, 15]) for what in ("eval", "lookup")}
+        others = [timed(faulty, "trainer0", healthy, what, [1]) for what in ("step", "lookup", "eval")]
     finally:
         faulty.thaw("ps1")
     assert_named_in_time(step, "ps1", f"{mode} step")
     assert_named_in_time(lookup, "ps1", f"{mode} lookup")
+    for what, outcome in lone_lookups.items():
+        assert_named_in_time(outcome, "ps1", f"{mode} {what} of a table ps1 holds whole")
+        assert outcome["type"] == "CallTimeout", outcome
     assert all(o["ok"] and o["seconds"] < TIMEOUT for o in others), f"a table on ps0 alone, ps1 frozen: {others}"
+    assert timed(faulty, "trainer0", lone, "eval", [1, 15])["ok"]  # thawed: answered again
     if mode == "sync":
         retried = timed(faulty, "trainer0", name, "step")
         assert retried["ok"], f"step() retried after ps1 thawed: {retried}"

@@ -193,8 +193,8 @@ def test_sync_a_waiting_lookup_that_fails_fails_alone():
     t = Table("t", spec(mode="sync", trainers=2), BLOCKS)
     bad, good = Future(), Future()
     with t.lock:
-        assert t.sync.wait(1, bad, (torch.tensor([99]), None), math.inf)
-        assert t.sync.wait(1, good, (torch.tensor([1, 2]), None), math.inf)
+        assert t.sync.wait(1, bad, lambda: t.answer(torch.tensor([99]), None), math.inf)
+        assert t.sync.wait(1, good, lambda: t.answer(torch.tensor([1, 2]), None), math.inf)
     t.push("trainer0", 0, None, None)
     t.push("trainer1", 0, None, None)  # completes step 0: answers both
     assert t.sync.done == 1 and not t.sync.waiters
