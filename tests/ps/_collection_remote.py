@@ -41,12 +41,13 @@ def _args(value):
     return value if isinstance(value, tuple) else (value,)
 
 
-def make(job: str, ps_mode: str = "async", num_trainers: int = 1, collect: bool = True):
+def make(job: str, ps_mode: str = "async", num_trainers: int = 1, collect: bool = True,
+         servers: tuple = ("ps0", "ps1")):
     from remote_module.ps import ShardedEmbeddingBag, ShardedEmbeddingBagCollection
 
     tables = {}
     for name, (rows, mode, pad) in SPECS.items():
-        tables[name] = ShardedEmbeddingBag(rows, 4, ["ps0", "ps1"], name=f"{job}-{name}", mode=mode, padding_idx=pad,
+        tables[name] = ShardedEmbeddingBag(rows, 4, list(servers), name=f"{job}-{name}", mode=mode, padding_idx=pad,
                                            optimizer=(torch.optim.Adagrad, {"lr": 0.2}), min_block_size=40,
                                            ps_mode=ps_mode, num_trainers=num_trainers)
         tables[name].load_state_dict(local_tables()[name].state_dict())
@@ -123,7 +124,9 @@ def refusals(job: str) -> list[str]:
 
 
 def checkpoints(job: str) -> dict:
-    """A collection's state_dict keys, and that its state and optimizer state load into another."""
+    """A collection's state_dict keys; that its state and optimizer state load into another, into
+    local ``nn.EmbeddingBag``s by name (same outputs), and into one on three servers (the same
+    next step)."""
     model = make(job)
     feats, targets = features(4, 1)[0]
     got = model(feats)
@@ -135,7 +138,30 @@ def checkpoints(job: str) -> dict:
     same_state = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
     opt_a, opt_b = model.optimizer_state_dict(), other.optimizer_state_dict()
     same_opt = all(torch.equal(opt_a[t]["sum"], opt_b[t]["sum"]) for t in opt_a)
-    return {"keys": sorted(model.state_dict()), "same_state": same_state, "same_optimizer_state": same_opt}
+    # into local nn.EmbeddingBags by name (a module holding them under the tables' names has the
+    # collection's keys; nn.ModuleDict refuses the name "items", its method's): same outputs
+    local = nn.Module()
+    for k, bag in local_tables(seed=5).items():
+        local.add_module(k, bag)
+    local.load_state_dict(model.state_dict())
+    later, later_targets = features(9, 1)[0]
+    with torch.no_grad():
+        want = {k: getattr(local, k)(*_args(v)) for k, v in later.items()}
+        got = model(later)
+    local_outputs = all(torch.allclose(got[k], want[k], atol=1e-6, rtol=0) for k in want)
+    # re-sliced onto three servers: the same next step, the same weights after it
+    three = make(job + "-three", servers=("ps0", "ps1", "ps2"))
+    three.load_state_dict(model.state_dict())
+    three.load_optimizer_state_dict(model.optimizer_state_dict())
+    for m in (model, three):
+        out = m(later)
+        sum(((out[k] - later_targets[k]) ** 2).sum() for k in out).backward()
+        m.step()
+    resliced = all(torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+                   for a, b in zip(model.state_dict().values(), three.state_dict().values()))
+    moved = not all(torch.equal(a, local.state_dict()[k]) for k, a in model.state_dict().items())
+    return {"keys": sorted(model.state_dict()), "same_state": same_state, "same_optimizer_state": same_opt,
+            "local_outputs": local_outputs, "resliced": resliced, "moved": moved}
 
 
 @contextlib.contextmanager

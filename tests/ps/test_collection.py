@@ -76,10 +76,12 @@ def test_bad_collections_and_inputs_are_refused_naming_the_table(world):
     assert mapping == "3 ['items', 'users', 'tags'] True True"
 
 
-def test_checkpoints_use_the_table_names_and_load_into_another_collection(world):
+def test_checkpoints_use_the_table_names_and_load_into_another_collection_local_bags_and_three_servers(world):
     got = world.run({"trainer0": (r.checkpoints, name("ckpt"))})["trainer0"]
     assert got["keys"] == ["items.weight", "tags.weight", "users.weight"]
     assert got["same_state"] and got["same_optimizer_state"]
+    assert got["local_outputs"], "a collection's state_dict loaded into local nn.EmbeddingBags gives other outputs"
+    assert got["resliced"] and got["moved"], "re-sliced onto three servers, the next step differs"
 
 
 def test_a_step_whose_pushes_of_one_table_fail_keeps_that_tables_gradients_only(world):
