@@ -15,6 +15,7 @@ from remote_module._core import (
     retyped,
     timeout_seconds,
 )
+from remote_module.ps import _packed
 from remote_module.ps._embedding import run_push_plans
 from remote_module.ps._embedding_bag import ShardedEmbeddingBag
 
@@ -47,6 +48,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
     :meth:`step` steps every table as its own ``step()`` would: a table whose push failed on
     some server (a server down or late) keeps its gradients for a retry, as alone, and the
     others count as stepped; the first failure is raised once all have been answered.
+
+    The lookups of sum and mean tables with plain inputs (int64 ids, 2-d or 1-d with offsets;
+    no ``per_sample_weights`` or ``padding_idx``) are planned together: the ids of all of them
+    are checked, deduplicated and split by server in a few whole-batch tensor ops, and each
+    server gets their shares packed in two tensors (``ps._packed``); outputs and gradients are
+    each table's own, bit for bit. Other tables plan their lookups alone, in the same message.
 
     Hooks registered on a table do not run: the collection calls the tables' lookups, not
     their ``forward``.
@@ -92,6 +99,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                     )
             self.add_module(name, table)  # torch's own checks of the name (no '.', no attribute clash)
         self._names = tuple(tables)
+        self._layouts: dict = {}  # the last batch layout of the tables planned together (ps._packed)
 
     @property
     def ps_mode(self) -> str:
@@ -139,7 +147,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             if name not in features:
                 raise KeyError(f"ShardedEmbeddingBagCollection: no input for table {name!r}")
         wait_s = nested_seconds(timeout_seconds(self.timeout))  # a sync server's answer arrives in time
-        plans = []
+        arguments = {}
         for name in self._names:
             value = features[name]
             if isinstance(value, (tuple, list)):
@@ -148,20 +156,36 @@ class ShardedEmbeddingBagCollection(nn.Module):
                         f"ShardedEmbeddingBagCollection: table {name!r}'s input must be a tensor or a tuple "
                         f"(input, offsets=None, per_sample_weights=None), got a {type(value).__name__} of {len(value)}"
                     )
-                args = tuple(value) + (None,) * (3 - len(value))
+                arguments[name] = tuple(value) + (None,) * (3 - len(value))
             else:
-                args = (value, None, None)
+                arguments[name] = (value, None, None)
+        # the plain sum / mean lookups planned together, in a few whole-batch ops (ps._packed)
+        together = [name for name in self._names if _packed.packable(self._modules[name], *arguments[name])]
+        packed = None
+        if len(together) > 1:
+            packed = _packed.plan(self.__dict__.setdefault("_layouts", {}),
+                                  [(self._modules[n], *arguments[n][:2]) for n in together], wait_s)
+        if packed is None:
+            together = []
+        plans = {}
+        for name in self._names:
+            if name in together:
+                continue
             try:
-                plans.append(self._modules[name]._lookup_plan(*args, wait_s))
+                plans[name] = self._modules[name]._lookup_plan(*arguments[name], wait_s)
             except (TypeError, ValueError, IndexError, RuntimeError) as exc:  # the table's own checks
                 raise retyped(exc, f"ShardedEmbeddingBagCollection table {name!r}: {exc}") from exc
-        calls = [call for table_calls, _ in plans for call in table_calls]
+        calls = [call for table_calls, _ in plans.values() for call in table_calls]
+        if packed is not None:
+            calls += packed[0]
         got = call_grouped(calls, timeout=self.timeout)
         out, at = {}, 0
-        for name, (table_calls, finish) in zip(self._names, plans):
+        for name, (table_calls, finish) in plans.items():
             out[name] = finish(got[at:at + len(table_calls)])
             at += len(table_calls)
-        return out
+        if packed is not None:
+            out.update(zip(together, packed[1](got[at:])))
+        return {name: out[name] for name in self._names}
 
     def step(self) -> None:
         """Push every table's gradients, one message per server (see the tables' ``step``:

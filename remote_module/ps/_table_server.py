@@ -316,6 +316,45 @@ def _bags_now(name: str, input: torch.Tensor, offsets: torch.Tensor | None, weig
         return table.bags(input, offsets, weights, mode)
 
 
+@rpc.functions.async_execution
+def _pool_tables(names: list[str], steps: list[int], ids: torch.Tensor, first: torch.Tensor, bag_base: list[int],
+                 bag_counts: list[int], seconds: float = math.inf) -> Future:
+    """A collection's sum-pooled lookups of several tables in one call (``_packed``): ``ids``
+    holds this server's ids of every table, table after table, and ``first`` every bag of the
+    whole batch's first id at or after it in ``ids``; table ``names[j]``'s bags are the batch's
+    ``bag_base[j]`` to ``bag_base[j] + bag_counts[j]``. The answer is their pooled bags, packed
+    in the same order (zeros for a bag with no row here); sync: each table's once its step
+    ``steps[j] - 1`` is applied (as :func:`_rows_for`)."""
+    pending = []
+    for name, step, base, count in zip(names, steps, bag_base, bag_counts):
+        table = _table(name)
+        lo = int(first[base]) if count else 0
+        hi = int(first[base + count]) if base + count < first.numel() else ids.numel()
+        pool = (first[base:base + count] - lo, None, "sum")
+        pending.append(read_when_applied(table, step, seconds, table.answer, ids[lo:hi], pool))
+    if len(pending) == 1:
+        return pending[0]
+    answer: Future = Future()
+    left = [len(pending)]
+    lock = threading.Lock()
+
+    def arrived(_: Future) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        try:  # every table's answer, or the first table's error as it was raised
+            value = torch.cat([f.wait() for f in pending])
+        except BaseException as exc:
+            answer.set_exception(exc)
+            return
+        answer.set_result(value)
+
+    for f in pending:
+        f.add_done_callback(arrived)
+    return answer
+
+
 def _push_rows(name: str, trainer: str, step: int, ids: torch.Tensor, grad: torch.Tensor,
                token: str | None = None) -> None:
     _table(name).push(trainer, step, ids, grad, token)

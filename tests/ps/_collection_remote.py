@@ -271,3 +271,110 @@ def psmodel_unsendable_step(job: str) -> dict:
     got, want = model.state_dict(), reference.state_dict()
     return {"error": error, "same": sorted(k for k in got if torch.equal(got[k], want[k])), "keys": sorted(got)}
 
+
+
+# ---- plain sum / mean tables, planned together (remote_module/ps/_packed.py) ----------------------
+
+PLAIN = {  # name -> (rows, mode, servers, min_block_size)
+    "clicks": (1000, "sum", ("ps0", "ps1"), 400),
+    "views": (300, "mean", ("ps0", "ps1"), 200),
+    "small": (50, "sum", ("ps1",), 8192),
+    "ranked": (80, "max", ("ps0", "ps1"), 100),  # not planned with them: its own path, same message
+    "frozen": (200, "sum", ("ps1", "ps0"), 200),  # requires_grad_(False); servers in the other order
+}
+
+
+def plain_features(seed: int, steps: int) -> list[tuple[dict, dict]]:
+    """Per step: 1-d ids with offsets (an empty bag in "clicks"), 2-d ids, and targets."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        feats = {"clicks": (torch.randint(0, 1000, (12,), generator=g), torch.tensor([0, 4, 4, 9])),
+                 "views": torch.randint(0, 300, (4, 3), generator=g),
+                 "small": (torch.randint(0, 50, (6,), generator=g), torch.tensor([0, 1, 2, 5])),
+                 "ranked": (torch.randint(0, 80, (8,), generator=g), torch.tensor([0, 3, 3, 6])),
+                 "frozen": torch.randint(0, 200, (4, 2), generator=g)}
+        out.append((feats, {k: torch.randn(4, 4, generator=g) for k in feats}))
+    return out
+
+
+def plain_make(job: str, ps_mode: str, num_trainers: int = 1):
+    from remote_module.ps import ShardedEmbeddingBag
+
+    torch.manual_seed(3)
+    tables = {}
+    for name, (rows, mode, servers, block) in PLAIN.items():
+        t = ShardedEmbeddingBag(rows, 4, list(servers), name=f"{job}-{name}", mode=mode, min_block_size=block,
+                                optimizer=(torch.optim.SGD, {"lr": 0.3}), ps_mode=ps_mode, num_trainers=num_trainers,
+                                half_async_merge_every=2, half_async_merge_s=600.0)  # merges by count only
+        t.load_state_dict(nn.EmbeddingBag(rows, 4, mode=mode).state_dict())
+        tables[name] = t
+    tables["frozen"].requires_grad_(False)
+    return tables
+
+
+def plain_train(job: str, steps: int, ps_mode: str, collect: bool, num_trainers: int = 1, seed: int = 1) -> dict:
+    """``steps`` steps of PLAIN's tables in a collection (or one by one): outputs, outputs under
+    no_grad after each step, the final weights, and the messages of a forward (collection)."""
+    from remote_module.ps import ShardedEmbeddingBagCollection, _packed
+    from tests.benchmarks._common import messages_per_call
+
+    tables = plain_make(job, ps_mode, num_trainers)
+    model = ShardedEmbeddingBagCollection(tables) if collect else None
+    outs, evals, planned = [], [], []
+    real_plan = _packed.plan
+
+    def plan(owner, entries, wait_s):  # which tables each forward planned together
+        made = real_plan(owner, entries, wait_s)
+        planned.append(sorted(t.name.rsplit("-", 1)[1] for t, _, _ in entries) if made else None)
+        return made
+
+    _packed.plan = plan
+
+    def forward(feats):
+        if collect:
+            return model(feats)
+        return {name: tables[name](*_args(value)) for name, value in feats.items()}
+
+    for feats, targets in plain_features(seed, steps):
+        got = forward(feats)
+        outs.append({k: v.detach() for k, v in got.items()})
+        sum(((got[k] - targets[k]) ** 2).sum() for k in got).backward()
+        if collect:
+            model.step()
+        else:
+            for t in tables.values():
+                t.step()
+        with torch.no_grad():
+            evals.append(forward(feats))
+    messages = None
+    if collect and num_trainers == 1:
+        feats = plain_features(seed + 10, 1)[0][0]
+        messages = messages_per_call(lambda: model(feats), 1)
+        model.zero_grad()
+    _packed.plan = real_plan
+    return {"outs": outs, "evals": evals, "weights": {k: t.state_dict()["weight"] for k, t in tables.items()},
+            "messages": messages, "planned": planned}
+
+
+def plain_refusals(job: str) -> list[str]:
+    """A bad input of a plain table: the collection's error, and the table's alone."""
+    from remote_module.ps import ShardedEmbeddingBagCollection
+
+    tables = plain_make(job, "async")
+    model = ShardedEmbeddingBagCollection(tables)
+    feats = plain_features(5, 1)[0][0]
+    bad = {"out of range": {**feats, "clicks": (torch.tensor([1, 1000]), torch.tensor([0, 1]))},
+           "negative": {**feats, "views": torch.tensor([[1, -1]])},
+           "decreasing": {**feats, "clicks": (torch.tensor([1, 2, 3]), torch.tensor([0, 2, 1]))},
+           "not from 0": {**feats, "small": (torch.tensor([1, 2]), torch.tensor([1]))},
+           "past the end": {**feats, "clicks": (torch.tensor([1, 2]), torch.tensor([0, 3]))}}
+    texts = []
+    for case, f in bad.items():
+        for run in (lambda: model(f), lambda: {k: tables[k](*_args(v)) for k, v in f.items()}):
+            try:
+                run()
+                texts.append(f"{case}: no error")
+            except Exception as exc:  # noqa: BLE001 - the text is the point
+                texts.append(f"{case}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+    return texts

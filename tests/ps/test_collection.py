@@ -103,3 +103,46 @@ def test_a_psmodel_step_that_cannot_be_sent_keeps_every_parts_gradients(world):
     assert "could not be sent" in got["error"]
     assert got["same"] == got["keys"]  # the retry pushed everything once: as a model that stepped once
 
+
+
+# ---- plain sum / mean tables, planned together ---------------------------------------------------
+
+
+@pytest.mark.parametrize("ps_mode", ["async", "half_async", "sync"])
+def test_plain_tables_planned_together_equal_the_tables_alone_bit_for_bit(world, ps_mode):
+    """Sum and mean tables with plain inputs (1-d ids with offsets, an empty bag, 2-d ids) are
+    checked, deduplicated and split by server together (ps._packed), beside a max table and a
+    frozen one: outputs, no_grad outputs after each step and weights equal the same tables used
+    one by one, bit for bit; still one message per server for a forward."""
+    got = world.run({"trainer0": (r.plain_train, name(f"plain-{ps_mode}"), 3, ps_mode, True),
+                     "trainer1": (r.plain_train, name(f"plain-alone-{ps_mode}"), 3, ps_mode, False)})
+    together, alone = got["trainer0"], got["trainer1"]
+    for step in range(3):
+        for k in r.PLAIN:
+            assert torch.equal(together["outs"][step][k], alone["outs"][step][k]), (step, k)
+            assert torch.equal(together["evals"][step][k], alone["evals"][step][k]), (step, k)
+    for k in r.PLAIN:
+        assert torch.equal(together["weights"][k], alone["weights"][k]), k
+    assert together["messages"] == {"ps0": 1, "ps1": 1}
+    # with grad: the three sum / mean tables that record (and the frozen one, on two servers);
+    # under no_grad: the ones on two servers (the one on ps1 alone sends its arguments as given)
+    assert together["planned"][:2] == [["clicks", "frozen", "small", "views"], ["clicks", "frozen", "views"]]
+
+
+def test_plain_tables_planned_together_in_sync_with_two_trainers_equal_them_alone(world):
+    n = name("plain-sync-two")
+    got = world.run({f"trainer{i}": (r.plain_train, n, 2, "sync", True, 2, 1 + i) for i in range(2)})
+    alone = world.run({f"trainer{i}": (r.plain_train, n + "-alone", 2, "sync", False, 2, 1 + i) for i in range(2)})
+    for t in ("trainer0", "trainer1"):
+        for k in r.PLAIN:
+            assert torch.equal(got[t]["weights"][k], alone[t]["weights"][k]), (t, k)
+            assert torch.equal(got[t]["evals"][-1][k], alone[t]["evals"][-1][k]), (t, k)
+
+
+def test_bad_plain_inputs_are_refused_as_the_table_alone_refuses_them(world):
+    texts = world.run({"trainer0": (r.plain_refusals, name("plain-bad"))})["trainer0"]
+    for together, alone in zip(texts[::2], texts[1::2]):
+        case, _, error = alone.partition(": ")
+        assert "no error" not in error, alone
+        kind, _, message = error.partition(": ")
+        assert together.startswith(f"{case}: {kind}: ") and message in together, (together, alone)

@@ -1,0 +1,170 @@
+"""A collection's lookups planned together: for the tables of a
+:class:`ShardedEmbeddingBagCollection` that pool by sum or mean, the trainer checks the ids,
+deduplicates them and splits them (and their bags) by server for all those tables at once, in
+a few whole-batch tensor ops, and sends each server one call carrying every table's share
+packed into two tensors; the server answers every table's pooled bags packed into one.
+
+The outputs, gradients and pushes are those of each table's own lookup, bit for bit: every
+server pools its rows of a bag in position order, as alone, and the trainer adds the servers'
+partial sums in each table's own server order. Inputs outside the plain forms (int32 ids,
+``per_sample_weights``, ``padding_idx``, max pooling, geo mode, bags given wrongly) take each
+table's own path, which checks and refuses them as the table does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from remote_module.ps import _table_server
+from remote_module.ps._embedding_bag import ShardedEmbeddingBag, _BagRows
+
+
+def packable(table: Any, input: Any, offsets: Any, per_sample_weights: Any) -> bool:
+    """Whether a lookup of ``table`` can be planned with the others (plain Python checks):
+    a sum or mean bag, not geo, no padding row, no ``per_sample_weights``, int64 ids as a
+    2-d tensor, or 1-d with 1-d int64 offsets of at least one bag; and it records its
+    gradients or needs more than one server (else the table's own path sends nothing but
+    the arguments)."""
+    if not (isinstance(table, ShardedEmbeddingBag) and table.bag_mode in ("sum", "mean")
+            and table.ps_mode != "geo" and table.padding_idx is None and per_sample_weights is None
+            and isinstance(input, torch.Tensor) and input.dtype == torch.int64):
+        return False
+    if input.dim() == 2:
+        if offsets is not None:
+            return False
+    elif not (input.dim() == 1 and isinstance(offsets, torch.Tensor) and offsets.dim() == 1
+              and offsets.dtype == torch.int64 and offsets.numel() > 0):
+        return False
+    return len(table._server_names) > 1 or (torch.is_grad_enabled() and table.grad_marker.requires_grad)
+
+
+class Layout:
+    """What a set of tables and batch sizes fixes (kept while they stay the same): where each
+    table's ids and bags sit in the batch, the id range each table takes in one global id
+    space, every block's start in it and its server, and the checks' bounds."""
+
+    def __init__(self, tables: Sequence[ShardedEmbeddingBag], sizes: Sequence[int], bags: Sequence[int]) -> None:
+        self.tables = list(tables)
+        self.servers: list[str] = []
+        for t in tables:
+            self.servers += [s for s in t._server_names if s not in self.servers]
+        # every table's servers in the order of self.servers: then adding the servers' parts in
+        # that order adds each table's in its own order, as its own lookup does
+        self.in_order = all([s for s in self.servers if s in t._server_names] == t._server_names for t in tables)
+        self.pos_base, self.bag_base, self.id_base = [0], [0], [0]
+        for t, n, b in zip(tables, sizes, bags):
+            self.pos_base.append(self.pos_base[-1] + n)
+            self.bag_base.append(self.bag_base[-1] + b)
+            self.id_base.append(self.id_base[-1] + t.num_embeddings)
+        n_all, b_all = self.pos_base[-1], self.bag_base[-1]
+        counts = torch.tensor(list(sizes))
+        self.limit = torch.repeat_interleave(torch.tensor([t.num_embeddings for t in tables]), counts)
+        self.id_base_at = torch.repeat_interleave(torch.tensor(self.id_base[:-1]), counts)
+        self.pos_base_at_bag = torch.repeat_interleave(torch.tensor(self.pos_base[:-1]), torch.tensor(list(bags)))
+        self.first_bag = torch.tensor(self.bag_base[:-1])
+        self.first_offset = torch.tensor(self.pos_base[:-1])
+        self.last_bag = torch.tensor(self.bag_base[1:]) - 1
+        self.last_offset = torch.tensor(self.pos_base[1:])
+        self.positions = torch.arange(n_all)
+        self.bag_positions = torch.arange(b_all)
+        starts, owners = [], []
+        for t, base in zip(tables, self.id_base):
+            for first, _, server in t._ranges:
+                starts.append(base + first)
+                owners.append(self.servers.index(server))
+        self.block_starts, self.block_server = torch.tensor(starts), torch.tensor(owners)
+        self.mean_bags = torch.repeat_interleave(torch.tensor([t.bag_mode == "mean" for t in tables]),
+                                                 torch.tensor(list(bags)))
+        self.any_mean = any(t.bag_mode == "mean" for t in tables)
+        # per server: its tables (index in ``tables``) and, packed, the rows of their bags
+        self.served: list[list[int]] = []
+        self.rows: list[torch.Tensor | None] = []
+        for server in self.servers:
+            mine = [i for i, t in enumerate(tables) if server in t._server_names]
+            self.served.append(mine)
+            rows = [torch.arange(self.bag_base[i], self.bag_base[i + 1]) for i in mine]
+            whole = len(mine) == len(tables)
+            self.rows.append(None if whole else torch.cat(rows) if rows else torch.empty(0, dtype=torch.long))
+        self.wire = torch.int32 if all(t.num_embeddings <= 2**31 for t in tables) else torch.int64
+
+
+def plan(owner: Any, entries: Sequence[tuple[ShardedEmbeddingBag, torch.Tensor, torch.Tensor | None]],
+         wait_s: float) -> tuple[list, Callable[[list], list[torch.Tensor]]] | None:
+    """The host calls (one per server) of the lookups ``entries`` (``(table, input, offsets)``,
+    each :func:`packable`), and what makes the tables' outputs of their answers; None when the
+    batch does not pass the checks (ids out of range, bags given wrongly): each table's own
+    path then refuses it as the table does. ``owner`` keeps the last :class:`Layout`."""
+    tables = [t for t, _, _ in entries]
+    flats, offsets, sizes, bags = [], [], [], []
+    for _, x, off in entries:
+        flat = x.reshape(-1)
+        if x.dim() == 2:
+            off = torch.arange(x.shape[0]) * x.shape[1]
+        flats.append(flat)
+        offsets.append(off)
+        sizes.append(flat.numel())
+        bags.append(off.numel())
+    key = (tuple(sizes), tuple(bags))
+    layout = owner.get(key)
+    if layout is None or len(layout.tables) != len(tables) or any(a is not b for a, b in zip(layout.tables, tables)):
+        layout = Layout(tables, sizes, bags)
+        owner.clear()
+        owner[key] = layout
+    flat = torch.cat(flats)
+    starts = torch.cat(offsets) + layout.pos_base_at_bag  # every bag's first position in the batch
+    bad = ((starts[1:] < starts[:-1]).any() | (starts[layout.first_bag] != layout.first_offset).any()
+           | (starts[layout.last_bag] > layout.last_offset).any())
+    if flat.numel():
+        bad = bad | (flat < 0).any() | (flat >= layout.limit).any()
+    if bool(bad):
+        return None
+    records = [t._records() for t in tables]  # (warns, as a table's own lookup does, of gradients never pushed)
+    gid = flat + layout.id_base_at  # one id space: table k's ids from id_base[k]
+    if any(records):
+        uniq, inverse = torch.unique(gid, sorted=True, return_inverse=True)
+        cuts = torch.searchsorted(uniq, torch.tensor(layout.id_base)).tolist()
+    bag_of = torch.searchsorted(starts, layout.positions, right=True) - 1
+    server_of = layout.block_server[torch.searchsorted(layout.block_starts, gid, right=True) - 1]
+    calls = []
+    for k, server in enumerate(layout.servers):
+        at = (server_of == k).nonzero().reshape(-1) if len(layout.servers) > 1 else layout.positions
+        first = torch.searchsorted(bag_of[at], layout.bag_positions)  # each bag's first id here
+        served = layout.served[k]
+        calls.append((server, _table_server._pool_tables,
+                      ([tables[i].name for i in served], [tables[i]._step for i in served], flat[at].to(layout.wire),
+                       first, [layout.bag_base[i] for i in served], [bags[i] for i in served], wait_s)))
+
+    def finish(got: list) -> list[torch.Tensor]:
+        dim = tables[0].embedding_dim
+        total = torch.zeros(layout.bag_base[-1], dim)
+        if layout.in_order:
+            for part, rows in zip(got, layout.rows):
+                total = total + part if rows is None else total.index_add(0, rows, part)
+        else:  # each table's parts in its own server order
+            for i, t in enumerate(tables):
+                lo, hi = layout.bag_base[i], layout.bag_base[i + 1]
+                for server in t._server_names:
+                    k = layout.servers.index(server)
+                    at = sum(bags[j] for j in layout.served[k] if j < i)
+                    total[lo:hi] = total[lo:hi] + got[k][at:at + hi - lo]
+        sizes_all = None
+        if layout.any_mean:
+            ends = torch.cat([starts[1:], starts.new_tensor([flat.numel()])])
+            sizes_all = (ends - starts).clamp(min=1).unsqueeze(1).to(total.dtype)
+            total = torch.where(layout.mean_bags.unsqueeze(1), total / sizes_all, total)
+        out = []
+        for i, t in enumerate(tables):
+            lo, hi = layout.bag_base[i], layout.bag_base[i + 1]
+            value = total[lo:hi].to(t._dtype())
+            if records[i]:
+                p0, p1 = layout.pos_base[i], layout.pos_base[i + 1]
+                t_uniq = uniq[cuts[i]:cuts[i + 1]] - layout.id_base[i]
+                holder = t._recorded(t_uniq, torch.zeros(t_uniq.numel(), dim, dtype=t._dtype()))
+                value = _BagRows.apply(holder, value, inverse[p0:p1] - cuts[i], bag_of[p0:p1] - lo, None,
+                                       sizes_all[lo:hi] if t.bag_mode == "mean" else None)
+            out.append(value)
+        return out
+
+    return calls, finish
