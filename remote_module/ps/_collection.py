@@ -159,6 +159,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 arguments[name] = tuple(value) + (None,) * (3 - len(value))
             else:
                 arguments[name] = (value, None, None)
+            try:  # include_last_offset: its offsets as the other tables'
+                arguments[name] = self._modules[name]._bag_args(*arguments[name])
+            except (TypeError, ValueError, RuntimeError) as exc:
+                raise retyped(exc, f"ShardedEmbeddingBagCollection table {name!r}: {exc}") from exc
         # the plain sum / mean lookups planned together, in a few whole-batch ops (ps._packed)
         together = [name for name in self._names if _packed.packable(self._modules[name], *arguments[name])]
         packed = None

@@ -40,7 +40,8 @@ class _BagRows(torch.autograd.Function):
 
 class ShardedEmbeddingBag(ShardedEmbedding):
     """An ``nn.EmbeddingBag`` (``forward(input, offsets=None, per_sample_weights=None)``,
-    ``mode="sum" | "mean" | "max"``, ``padding_idx``) whose rows live on parameter servers, as
+    ``mode="sum" | "mean" | "max"``, ``padding_idx``, ``include_last_offset``; ``max_norm``
+    and ``scale_grad_by_freq`` are refused) whose rows live on parameter servers, as
     :class:`ShardedEmbedding` (every other keyword is its; the PS mode is ``ps_mode``, since
     ``mode`` is the bag's pooling, as torch names it).
 
@@ -54,15 +55,46 @@ class ShardedEmbeddingBag(ShardedEmbedding):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, servers: Sequence[str], *,
-                 mode: str = "mean", ps_mode: str = "async", padding_idx: int | None = None, **kwargs: Any) -> None:
+                 mode: str = "mean", ps_mode: str = "async", padding_idx: int | None = None,
+                 include_last_offset: bool = False, max_norm: float | None = None, norm_type: float = 2.0,
+                 scale_grad_by_freq: bool = False, **kwargs: Any) -> None:
         if mode not in ("sum", "mean", "max"):
             raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
+        if max_norm is not None:
+            raise ValueError("max_norm is not supported by sharded tables (torch renormalises the looked-up rows "
+                             "in place at every lookup; the rows live on the servers): leave it None")
+        if scale_grad_by_freq:
+            raise ValueError("scale_grad_by_freq=True is not supported by sharded tables: leave it False")
+        if not isinstance(include_last_offset, bool):
+            raise TypeError(f"include_last_offset must be a bool, as torch's, got {include_last_offset!r}")
         super().__init__(num_embeddings, embedding_dim, servers, ps_mode=ps_mode, padding_idx=padding_idx, **kwargs)
         self.bag_mode = mode
+        #: torch's: 1-d offsets carry one more element, the end of the last bag (CSR form)
+        self.include_last_offset = include_last_offset
 
     def _repr_parts(self) -> list[str]:
         parts = super()._repr_parts()
-        return parts[:1] + [f"mode={self.bag_mode!r}"] + parts[1:]
+        extra = [f"mode={self.bag_mode!r}"] + (["include_last_offset=True"] if self._last_offset() else [])
+        return parts[:1] + extra + parts[1:]
+
+    def _last_offset(self) -> bool:
+        return getattr(self, "include_last_offset", False)  # (a table pickled before the keyword)
+
+    def _bag_args(self, input: Any, offsets: Any, per_sample_weights: Any) -> tuple:
+        """The arguments as a table without ``include_last_offset`` takes them: 1-d offsets of
+        ``B + 1`` elements (the last one the input's length, as torch documents it) become the
+        ``B`` bags' starts. torch refuses no offsets, as here; a last offset other than the
+        input's length is refused (torch's mean divides the last bag by the rest of the input)."""
+        if not (self._last_offset() and isinstance(input, torch.Tensor) and input.dim() == 1
+                and isinstance(offsets, torch.Tensor) and offsets.dim() == 1):
+            return input, offsets, per_sample_weights  # 2-d input: torch ignores it too
+        if not offsets.numel():
+            raise RuntimeError("include_last_offset: number of offset should be at least 1")
+        end = int(offsets[-1])
+        if end != input.numel():
+            raise ValueError(f"include_last_offset=True: the last offset must be the input's length {input.numel()} "
+                             f"(the end of the last bag, as torch documents it), got {end}")
+        return input, offsets[:-1], per_sample_weights
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -73,7 +105,7 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         ``(bags, dim)`` partial results travel. In geo mode, and when ``per_sample_weights``
         needs a gradient (which needs the rows), the rows are fetched and pooled here instead.
         """
-        calls, finish = self._lookup_plan(input, offsets, per_sample_weights)
+        calls, finish = self._lookup_plan(*self._bag_args(input, offsets, per_sample_weights))
         return finish(lookup_calls(calls, self.timeout))
 
     def _lookup_plan(self, input: torch.Tensor, offsets: torch.Tensor | None,
@@ -81,7 +113,8 @@ class ShardedEmbeddingBag(ShardedEmbedding):
                      wait_s: float | None = None) -> tuple[list, Callable[[list], torch.Tensor]]:
         """:meth:`forward` in two halves: the host calls of this lookup, and what makes the
         output of their answers (so that a collection can send several tables' calls to a
-        server in one message). Arguments are checked here, before anything is sent.
+        server in one message). Arguments are checked here, before anything is sent; offsets
+        given with ``include_last_offset`` are converted first (:meth:`_bag_args`).
         ``wait_s``: as for :meth:`_rows_plan`."""
         wait_s = self._wait_s() if wait_s is None else wait_s
         records = torch.is_grad_enabled() and self.grad_marker.requires_grad

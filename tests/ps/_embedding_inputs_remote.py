@@ -129,3 +129,42 @@ def odd_lookups(name: str | None, grad: bool = True, layout: str = "two servers"
             continue
         out[case] = (got.dtype, got.detach())
     return out
+
+
+def last_offset_lookups(name: str | None) -> dict:
+    """Bags given with ``include_last_offset=True`` (torch's CSR form), alone and in a
+    collection: each mode's output and, after one SGD step (lr 1), the rows; the refusals'
+    type and message; with None, local ``nn.EmbeddingBag``s (pytest compares)."""
+    ids, offsets = torch.tensor([1, 15, 2, 2, 9, 19]), torch.tensor([0, 2, 2, 5, 6])
+    out: dict = {}
+    for mode in ("sum", "mean", "max"):
+        if name is None:
+            module = nn.EmbeddingBag(20, 3, mode=mode, include_last_offset=True, _weight=weights(0).clone())
+            opt = torch.optim.SGD(module.parameters(), lr=1.0)
+            got = module(ids, offsets)
+            got.pow(2).sum().backward()
+            opt.step()
+            out[mode] = (got.detach(), module.weight.detach().clone())
+        else:
+            from remote_module.ps import ShardedEmbeddingBagCollection
+
+            module = table(f"{name}-{mode}", bag=mode, include_last_offset=True, keep=False)
+            other = table(f"{name}-{mode}-other", bag="sum", keep=False)
+            together = ShardedEmbeddingBagCollection({"t": module, "o": other})({"t": (ids, offsets),
+                                                                                 "o": (ids, offsets[:-1])})
+            got = module(ids, offsets)
+            assert torch.equal(got, together["t"]), mode
+            got.pow(2).sum().backward()
+            other.zero_grad()
+            module.step()
+            out[mode] = (got.detach(), module.state_dict()["weight"])
+    refusals = {"no offsets": (ids, torch.tensor([], dtype=torch.long)), "last not the end": (ids, offsets[:-1])}
+    module = (nn.EmbeddingBag(20, 3, mode="sum", include_last_offset=True) if name is None
+              else table(f"{name}-refusals", bag="sum", include_last_offset=True, keep=False))
+    for case, args in refusals.items():
+        try:
+            module(*args)
+            out[case] = "no error"
+        except Exception as exc:  # noqa: BLE001 - compared with torch's
+            out[case] = (type(exc).__name__, str(exc).split("\n")[0])
+    return out

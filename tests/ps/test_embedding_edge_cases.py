@@ -286,3 +286,25 @@ def test_torchs_sparse_keyword_is_taken_and_print_shows_the_tables_sizes(world):
     assert got["bag"].startswith("ShardedEmbeddingBag(20, 3, mode='sum', sparse=True, name='ported-"), got["bag"]
     assert "servers=['ps0', 'ps1'], ps_mode='async'" in got["bag"], got["bag"]
     assert got["emb"].startswith("ShardedEmbedding(20, 3, padding_idx=2, name='ported-"), got["emb"]
+
+
+def test_include_last_offset_bags_equal_torchs_and_other_keywords_are_refused_clearly(world):
+    """torch's CSR offsets (``include_last_offset=True``), as a port from torchrec-style code
+    passes them: outputs and one SGD step equal nn.EmbeddingBag's in every mode, alone and in a
+    collection; no offsets refused as torch refuses them; a last offset that is not the
+    input's length refused, saying so (torch's mean then divides the last bag by the rest of
+    the input). max_norm and scale_grad_by_freq are refused, naming them."""
+    got = on_trainer0(world, inputs.last_offset_lookups, job("last-offset"))
+    want = inputs.last_offset_lookups(None)
+    for mode in ("sum", "mean", "max"):
+        torch.testing.assert_close(got[mode][0], want[mode][0], atol=1e-6, rtol=0, msg=mode)
+        torch.testing.assert_close(got[mode][1], want[mode][1], atol=1e-6, rtol=0, msg=mode)
+    assert got["no offsets"] == want["no offsets"]
+    assert got["last not the end"][0] == "ValueError" and "the last offset must be the input's length 6" in \
+        got["last not the end"][1], got
+    from remote_module.ps import ShardedEmbeddingBag
+
+    for kwargs, words in (({"max_norm": 1.0}, "max_norm is not supported"),
+                          ({"scale_grad_by_freq": True}, "scale_grad_by_freq=True is not supported")):
+        with pytest.raises(ValueError, match=words):
+            ShardedEmbeddingBag(10, 2, ["ps0"], name="never-made", **kwargs)
