@@ -25,6 +25,7 @@ from remote_module._core import (
     nested_seconds,
     positive_int,
     timeout_seconds,
+    to_exception,
     user_stacklevel,
 )
 from remote_module.ps import _table_server
@@ -102,7 +103,7 @@ def run_push_plans(plans: Sequence[PushPlan], timeout: float | None) -> None:
     alone would be. The first failure is raised once every call was answered; when nothing
     could be sent, every plan is failed."""
     try:
-        outcomes = call_grouped_each([call for calls, _, _ in plans for call in calls], timeout=timeout)
+        outcomes = _packed_pushes([call for calls, _, _ in plans for call in calls], timeout)
     except BaseException:  # nothing was sent (a call that cannot be sent, RPC down)
         for _, _, failed in plans:
             failed()
@@ -119,6 +120,44 @@ def run_push_plans(plans: Sequence[PushPlan], timeout: float | None) -> None:
             first = first if first is not None else failure
     if first is not None:
         raise first
+
+
+def _packed_pushes(calls: list, timeout: float | None) -> list[tuple[bool, Any]]:
+    """:func:`call_grouped_each` of ``calls``, the tables' pushes (``_push_rows``) to one
+    server packed into one call (``_push_tables``: their ids and gradient rows in one tensor
+    each, per row width) that runs them in order and answers each one's outcome, as the
+    grouped calls would be run and answered."""
+    packs: dict[tuple, list[int]] = {}
+    for i, (server, handler, args) in enumerate(calls):
+        if handler is _table_server._push_rows and len(args) == 6 and args[3] is not None:
+            packs.setdefault((server, args[4].shape[1], args[4].dtype, args[3].dtype), []).append(i)
+    packs = {key: members for key, members in packs.items() if len(members) > 1}
+    if not packs:
+        return call_grouped_each(calls, timeout=timeout)
+    packed = {i for members in packs.values() for i in members}
+    sent = [call for i, call in enumerate(calls) if i not in packed]
+    for (server, _, _, _), members in packs.items():
+        entries = [(calls[i][2][0], calls[i][2][1], calls[i][2][2], calls[i][2][3].numel(), calls[i][2][5])
+                   for i in members]
+        sent.append((server, _table_server._push_tables,
+                     (entries, torch.cat([calls[i][2][3] for i in members]),
+                      torch.cat([calls[i][2][4] for i in members]))))
+    got = call_grouped_each(sent, timeout=timeout)
+    outcomes: list[Any] = [None] * len(calls)
+    alone = iter(got[:len(sent) - len(packs)])
+    for i in range(len(calls)):
+        if i not in packed:
+            outcomes[i] = next(alone)
+    for ((server, _, _, _), members), (ok, value) in zip(packs.items(), got[len(sent) - len(packs):]):
+        for j, i in enumerate(members):
+            if not ok:  # the message failed (a server down or late): every push it carried did
+                outcomes[i] = (False, value)
+            elif value[j][0]:
+                outcomes[i] = (True, None)
+            else:
+                outcomes[i] = (False, to_exception(value[j][1], f"on worker {server!r} in the push of table "
+                                                                 f"{calls[i][2][0]!r}"))
+    return outcomes
 
 
 class ShardedEmbedding(TableCheckpoints, nn.Module):

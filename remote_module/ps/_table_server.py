@@ -24,7 +24,7 @@ import torch.distributed.rpc as rpc
 from torch import nn
 from torch.futures import Future
 
-from remote_module._core import HostStore, embedding_bag_parts
+from remote_module._core import HostStore, capture, embedding_bag_parts
 from remote_module.ps._modes import HalfAsyncMerges, SyncSteps, read_when_applied, settle
 from remote_module.ps._rows import TableSpec, _Rows, check_ids, check_offsets, pool_rows, row_key
 from remote_module.ps._rowwise import coalesce
@@ -358,6 +358,23 @@ def _pool_tables(names: list[str], steps: list[int], ids: torch.Tensor, first: t
 def _push_rows(name: str, trainer: str, step: int, ids: torch.Tensor, grad: torch.Tensor,
                token: str | None = None) -> None:
     _table(name).push(trainer, step, ids, grad, token)
+
+
+def _push_tables(entries: list[tuple], ids: torch.Tensor, grads: torch.Tensor) -> list[tuple[bool, object]]:
+    """Several tables' :func:`_push_rows` in one call (a collection's or a PSModel's step):
+    ``entries`` are ``(name, trainer, step, rows, token)`` in order, their ids and gradient
+    rows packed in ``ids`` and ``grads``. Each runs as its own call would, in order, and its
+    outcome is answered alone: ``(True, None)``, or ``(False, RemoteFailure)``."""
+    outcomes: list[tuple[bool, object]] = []
+    at = 0
+    for name, trainer, step, rows, token in entries:
+        try:
+            _push_rows(name, trainer, step, ids[at:at + rows], grads[at:at + rows], token)
+            outcomes.append((True, None))
+        except BaseException as exc:  # that push's own failure, answered alone
+            outcomes.append((False, capture(exc)))
+        at += rows
+    return outcomes
 
 
 def _push_row_deltas(name: str, ids: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:

@@ -186,22 +186,33 @@ def refuse_push(*args) -> None:
     raise ValueError("push refused")
 
 
-def partial_failure(job: str) -> dict:
-    """A step whose pushes of one table all fail: that table keeps its gradients, the others
-    count as stepped; a retry pushes that table only, and the weights end as in a run where
-    nothing failed."""
+def _misnamed(calls):
+    """The same pushes for a table no server has: they travel packed with the other tables'
+    pushes (the same handler and arguments) and fail on the servers."""
+    return [(server, handler, (args[0] + "-missing", *args[1:])) for server, handler, args in calls]
+
+
+def _refused(calls):
+    return [(server, refuse_push, ()) for server, _, _ in calls]
+
+
+def partial_failure(job: str, how: str = "refused") -> dict:
+    """A step whose pushes of one table all fail (``how``: "refused" by a handler of their
+    own; "packed": inside the servers' packed push of every table): that table keeps its
+    gradients, the others count as stepped; a retry pushes that table only, and the weights
+    end as in a run where nothing failed."""
     model, reference = make(job), make(job + "-ref")
     feats, targets = features(5, 1)[0]
     for m in (model, reference):
         got = m(feats)
         sum(((got[k] - targets[k]) ** 2).sum() for k in got).backward()
     reference.step()
-    with pushes_replaced(model.table("users"), lambda calls: [(server, refuse_push, ()) for server, _, _ in calls]):
+    with pushes_replaced(model.table("users"), {"refused": _refused, "packed": _misnamed}[how]):
         try:
             model.step()
             error = "no error"
-        except ValueError as exc:
-            error = str(exc)
+        except (ValueError, LookupError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
     after_failure = {k: v.clone() for k, v in model.state_dict().items()}
     model.step()  # the retry
     final = model.state_dict()

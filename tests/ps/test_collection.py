@@ -84,10 +84,16 @@ def test_checkpoints_use_the_table_names_and_load_into_another_collection_local_
     assert got["resliced"] and got["moved"], "re-sliced onto three servers, the next step differs"
 
 
-def test_a_step_whose_pushes_of_one_table_fail_keeps_that_tables_gradients_only(world):
+@pytest.mark.parametrize("how", ["refused", "packed"])
+def test_a_step_whose_pushes_of_one_table_fail_keeps_that_tables_gradients_only(world, how):
     # each table succeeds or fails as its own step() would: a retry pushes the failed one only
-    got = world.run({"trainer0": (r.partial_failure, name("partial"))})["trainer0"]
-    assert "push refused" in got["error"] and "ps0" in got["error"]
+    # ("packed": the failing pushes travel in one call per server with the other tables')
+    got = world.run({"trainer0": (r.partial_failure, name(f"partial-{how}"), how)})["trainer0"]
+    if how == "refused":
+        assert "push refused" in got["error"] and "ps0" in got["error"]
+    else:
+        assert got["error"].startswith("LookupError: no sharded table") and "-missing'" in got["error"], got
+        assert "'ps0'" in got["error"] or "'ps1'" in got["error"], got
     assert got["others_stepped_once"] and got["users_stepped_by_retry"] and got["as_if_nothing_failed"]
 
 
