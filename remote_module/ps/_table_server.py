@@ -134,8 +134,12 @@ class Table:
         rows = self.lookup(uniq)
         pad = None
         if self.spec.padding_idx is not None:
+            # the padding id's index among the unique ids, or a zero row no input uses: torch
+            # pools with another kernel when padding_idx is None, whose sums differ in the last bit
             hit = (uniq == self.spec.padding_idx).nonzero().reshape(-1)
-            pad = int(hit[0]) if hit.numel() else None
+            pad = int(hit[0]) if hit.numel() else uniq.numel()
+            if not hit.numel():
+                rows = torch.cat([rows, rows.new_zeros(1, self.spec.dim)])
         return nn.functional.embedding_bag(inverse.reshape(input.shape), rows, offsets, mode=mode,
                                            per_sample_weights=weights, padding_idx=pad)
 

@@ -64,6 +64,9 @@ def odd_inputs() -> dict:
         "sum int32": ("sum", (torch.tensor([9, 10, 10], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32))),
         "sum duplicates": ("sum", (torch.tensor([[3, 3, 3, 3]]),)),
         "sum psw": ("sum", (torch.tensor([9, 10, 10]), torch.tensor([0, 1]), torch.tensor([0.5, 2.0, -1.0]))),
+        # (torch pools with another kernel when a module has a padding_idx, even one no input uses)
+        "sum psw padding unused": ("sum-pad", (torch.tensor([[1, 2], [3, 4]]), None,
+                                               torch.tensor([[0.5, 2.0], [1.0, 3.0]]))),
         "mean huge bag": ("mean", (huge, torch.tensor([0, 1]))),
         "mean empty bags": ("mean", (torch.tensor([1, 15]), torch.tensor([0, 0, 2]))),
         "max huge bag": ("max", (huge, torch.tensor([0]))),
@@ -104,11 +107,13 @@ def odd_modules(name: str | None, layout: str = "two servers") -> dict:
                  "pad": nn.Embedding(20, 3, padding_idx=-1, _weight=w.clone())}
         local.update({m: nn.EmbeddingBag(20, 3, mode=m, _weight=w.clone()) for m in ("sum", "mean", "max")})
         local["max-pad"] = nn.EmbeddingBag(20, 3, mode="max", padding_idx=-1, _weight=w.clone())
+        local["sum-pad"] = nn.EmbeddingBag(20, 3, mode="sum", padding_idx=-1, _weight=w.clone())
         return local  # the padding row as loaded (non-zero): nn.Embedding returns it as stored
     kw = LAYOUTS[layout]
     out = {"emb": table(f"{name}-emb", keep=False, **kw), "pad": table(f"{name}-pad", padding_idx=-1, keep=False, **kw)}
     out.update({m: table(f"{name}-{m}", bag=m, keep=False, **kw) for m in ("sum", "mean", "max")})
     out["max-pad"] = table(f"{name}-max-pad", bag="max", padding_idx=-1, keep=False, **kw)
+    out["sum-pad"] = table(f"{name}-sum-pad", bag="sum", padding_idx=-1, keep=False, **kw)
     return out
 
 

@@ -249,7 +249,7 @@ def test_odd_inputs_give_torchs_outputs_dtype_and_refusals(world, grad, layout):
     the block boundary, padding_idx=-1, and per_sample_weights / offsets torch refuses; with
     grad on, and under no_grad (a shorter path on the trainer; none at all for a table held
     whole by one server, whose server checks and pools the arguments as given: eager, lazy,
-    in two blocks)."""
+    in two blocks; its outputs then equal torch's bit for bit)."""
     got = on_trainer0(world, inputs.odd_lookups, job("odd"), grad, layout)
     expected = inputs.odd_lookups(None, grad)
     assert list(got) == list(expected)
@@ -263,6 +263,8 @@ def test_odd_inputs_give_torchs_outputs_dtype_and_refusals(world, grad, layout):
             assert got[case] == want, f"{case}: torch refuses with {want}, the table with {got[case]}"
         else:
             assert got[case][0] == want[0] == torch.float32, (case, got[case][0], want[0])
+            if not grad and layout != "two servers":  # pooled by the server as torch pools
+                assert torch.equal(got[case][1], want[1]), (case, got[case][1], want[1])
             torch.testing.assert_close(got[case][1], want[1], atol=1e-5, rtol=1e-6, msg=case)
 
 
