@@ -3,7 +3,8 @@ server, and their gradients pushed together, one message per server."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from functools import partial
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -18,6 +19,13 @@ from remote_module._core import (
 from remote_module.ps import _packed
 from remote_module.ps._embedding import run_push_plans
 from remote_module.ps._embedding_bag import ShardedEmbeddingBag
+
+
+def _finished(done: set, name: str, finish: Callable[[], None]) -> None:
+    """A table of a collection's step whose pushes succeeded: ``finish()``, and remember it, so
+    a retried ``step()`` does not push it again."""
+    finish()
+    done.add(name)
 
 
 class ShardedEmbeddingBagCollection(nn.Module):
@@ -47,7 +55,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     :meth:`step` steps every table as its own ``step()`` would: a table whose push failed on
     some server (a server down or late) keeps its gradients for a retry, as alone, and the
-    others count as stepped; the first failure is raised once all have been answered.
+    others count as stepped; the first failure is raised once all have been answered. Calling
+    ``step()`` again retries the failed tables only (after a forward or ``zero_grad()``, the
+    next ``step()`` steps every table again).
 
     The lookups of sum and mean tables with plain inputs (int64 ids, 2-d or 1-d with offsets;
     no ``per_sample_weights`` or ``padding_idx``) are planned together: the ids of all of them
@@ -147,6 +157,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             if name not in features:
                 raise KeyError(f"ShardedEmbeddingBagCollection: no input for table {name!r}")
         wait_s = nested_seconds(timeout_seconds(self.timeout))  # a sync server's answer arrives in time
+        self.__dict__.pop("_step_done", None)  # a failed step() not retried: the next one is whole
         arguments = {}
         for name in self._names:
             value = features[name]
@@ -195,13 +206,29 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """Push every table's gradients, one message per server (see the tables' ``step``:
         what is pushed, retries, sync). Each table succeeds or fails as its own ``step()``
         would: one whose push failed keeps its gradients for a retry (or ``zero_grad()``), the
-        others count as stepped; the first failure is raised once every call was answered."""
+        others count as stepped; the first failure is raised once every call was answered. A
+        ``step()`` after one that failed part-way steps only the tables that failed."""
         timeout_seconds(self.timeout)  # checked before anything is taken
-        plans = [plan for plan in (self._modules[name]._push_plan() for name in self._names) if plan is not None]
+        # the tables stepped already by a step() that failed part-way: its retry steps only the
+        # others (sync: a second push of a stepped table would be taken for its next round, and
+        # put this trainer a step ahead of the others for good), as PSModel.step() does
+        done = self.__dict__.setdefault("_step_done", set())
+        plans = []
+        for name in self._names:
+            if name in done:
+                continue
+            plan = self._modules[name]._push_plan()
+            if plan is None:  # geo: the table stepped (and pushed its deltas) itself
+                done.add(name)
+            else:
+                calls, table_done, failed = plan
+                plans.append((calls, partial(_finished, done, name, table_done), failed))
         run_push_plans(plans, self.timeout)
+        done.clear()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Every table's ``zero_grad`` (the gradients recorded since the last step are dropped)."""
+        self.__dict__.pop("_step_done", None)  # a failed step() dropped, not retried
         for table in self.tables().values():
             table.zero_grad(set_to_none)
 

@@ -224,6 +224,40 @@ def partial_failure(job: str, how: str = "refused") -> dict:
     }
 
 
+def sync_retry(job: str, fail: bool, steps: int = 3) -> dict:
+    """Trainer ``trainer0`` or ``trainer1`` of a sync collection (num_trainers=2, the same
+    batches on both): with ``fail``, trainer0's first step fails for table ``users`` only and
+    is retried. Each table's step count and, once both trainers ended, the final weights."""
+    from remote_module.ps import ShardedEmbeddingBagCollection
+
+    tables = make(job, "sync", num_trainers=2, collect=False)
+    for table in tables.values():
+        table.timeout = 5.0  # a table whose trainers fell out of step fails fast, not at the RPC timeout
+    model = ShardedEmbeddingBagCollection(tables, timeout=5.0)
+    me = rpc_name()
+    for step, (feats, targets) in enumerate(features(8, steps)):
+        got = model(feats)
+        sum(((got[k] - targets[k]) ** 2).sum() for k in got).backward()
+        if fail and step == 0 and me == "trainer0":
+            with pushes_replaced(model.table("users"),
+                                 lambda calls: [(server, refuse_push, ()) for server, _, _ in calls]):
+                with contextlib.suppress(ValueError):
+                    model.step()
+        model.step()  # (the retry)
+    out: dict = {"steps": {name: t._step for name, t in model.tables().items()}}
+    try:
+        out["weights"] = model.state_dict()
+    except Exception as exc:  # noqa: BLE001 - reported to pytest
+        out["weights"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+    return out
+
+
+def rpc_name() -> str:
+    import torch.distributed.rpc as rpc
+
+    return rpc.get_worker_info().name
+
+
 class Ranker(nn.Module):
     """A collection under a dense layer: a PSModel's model."""
 

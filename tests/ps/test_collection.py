@@ -97,6 +97,20 @@ def test_a_step_whose_pushes_of_one_table_fail_keeps_that_tables_gradients_only(
     assert got["others_stepped_once"] and got["users_stepped_by_retry"] and got["as_if_nothing_failed"]
 
 
+def test_a_sync_step_retried_after_one_table_failed_keeps_the_trainers_in_step(world):
+    # the retry pushes the failed table only: a second push of a table stepped already would be
+    # taken for its next round, one step ahead of the other trainer for good (lookups stall)
+    trainers = ("trainer0", "trainer1")
+    failed_job, clean_job = name("sync-retry"), name("sync-clean")
+    failed = world.run({t: (r.sync_retry, failed_job, True) for t in trainers})
+    clean = world.run({t: (r.sync_retry, clean_job, False) for t in trainers})
+    for t in trainers:
+        assert failed[t]["steps"] == clean[t]["steps"] == {k: 3 for k in r.SPECS}, (t, failed[t]["steps"])
+        assert not isinstance(failed[t]["weights"], str), failed[t]["weights"]
+        for k, w in clean[t]["weights"].items():
+            assert torch.equal(failed[t]["weights"][k], w), k
+
+
 def test_a_psmodel_step_sends_its_dense_blocks_and_tables_in_one_message_per_server(world):
     got = world.run({"trainer0": (r.psmodel_step_messages, name("psmodel"))})["trainer0"]
     assert got["messages"] == {"ps0": 1, "ps1": 1}
