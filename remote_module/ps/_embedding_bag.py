@@ -264,7 +264,14 @@ class ShardedEmbeddingBag(ShardedEmbedding):
                         wait_s: float | None = None) -> tuple[list, Callable[[list], torch.Tensor]]:
         """Fetch the unique rows and pool them here with torch's ``embedding_bag`` (in two
         halves, as :meth:`_lookup_plan`)."""
-        calls, rows_of = self._rows_plan(input, wait_s)
+        calls, rows_of = self._rows_plan(input, wait_s)  # (checks the ids)
+        # torch's own checks of the other arguments, on one zero row, before anything is sent
+        # (as the other paths check them): not after a round trip, nor in a collection without
+        # the table's name
+        with torch.no_grad():
+            nn.functional.embedding_bag(torch.zeros(input.shape, dtype=torch.long),
+                                        torch.zeros(1, self.embedding_dim, dtype=self._dtype()), offsets,
+                                        mode=self.bag_mode, per_sample_weights=per_sample_weights)
         return calls, lambda got: self._pool_rows_here(rows_of(got), input, offsets, per_sample_weights)
 
     def _pool_rows_here(self, fetched: tuple, input: torch.Tensor, offsets: torch.Tensor | None,

@@ -123,6 +123,36 @@ def refusals(job: str) -> list[str]:
     return texts
 
 
+def pooled_here_refusals(job: str) -> dict:
+    """Arguments torch refuses, for tables whose bags are pooled on the trainer (per_sample_weights
+    that need a gradient, geo mode): ``{case: (TypeName: message, messages sent)}``."""
+    from remote_module.ps import ShardedEmbeddingBagCollection
+    from tests.benchmarks._common import messages_per_call
+
+    ids, offsets = torch.tensor([1, 2, 100]), torch.tensor([0, 1])
+    weights = torch.rand(3, requires_grad=True)
+    cases = {
+        "weights with mean": ("async", {"users": (ids, offsets, weights)}),
+        "weights too short": ("async", {"items": (ids, offsets, weights[:2])}),
+        "geo 2-d input with offsets": ("geo", {"users": (ids.view(1, 3), offsets)}),
+    }
+    out = {}
+    for case, (ps_mode, bad) in cases.items():
+        model = ShardedEmbeddingBagCollection(make(f"{job}-{ps_mode}", ps_mode, collect=False))
+        feats = {**features(3, 1)[0][0], **bad}
+        text = []
+
+        def call(model=model, feats=feats, text=text):
+            try:
+                model(feats)
+            except Exception as exc:  # noqa: BLE001 - the text is the point
+                text.append(f"{type(exc).__name__}: {exc}")
+
+        sent = messages_per_call(call, 1)
+        out[case] = (text[0] if text else "no error", sent)
+    return out
+
+
 def checkpoints(job: str) -> dict:
     """A collection's state_dict keys; that its state and optimizer state load into another, into
     local ``nn.EmbeddingBag``s by name (same outputs), and into one on three servers (the same

@@ -76,6 +76,18 @@ def test_bad_collections_and_inputs_are_refused_naming_the_table(world):
     assert mapping == "3 ['items', 'users', 'tags'] True True"
 
 
+def test_arguments_of_bags_pooled_on_the_trainer_are_refused_before_sending_naming_the_table(world):
+    # per_sample_weights needing a gradient, and geo mode, fetch the rows and pool them here:
+    # torch's refusals come before anything is sent, as on the other paths, naming the table
+    got = world.run({"trainer0": (r.pooled_here_refusals, name("pooled-here"))})["trainer0"]
+    for case, (kind, table) in {"weights with mean": ("NotImplementedError", "users"),
+                                "weights too short": ("ValueError", "items"),
+                                "geo 2-d input with offsets": ("ValueError", "users")}.items():
+        text, sent = got[case]
+        assert text.startswith(f"{kind}: ShardedEmbeddingBagCollection table {table!r}: "), (case, text)
+        assert sent == {}, (case, sent)
+
+
 def test_checkpoints_use_the_table_names_and_load_into_another_collection_local_bags_and_three_servers(world):
     got = world.run({"trainer0": (r.checkpoints, name("ckpt"))})["trainer0"]
     assert got["keys"] == ["items.weight", "tags.weight", "users.weight"]
