@@ -72,12 +72,19 @@ class _Job:
     def values(self, blocks: list[str]) -> list[torch.Tensor]:
         return [self.params[b].detach().clone() for b in blocks]
 
-    def snapshot(self, blocks: list[str], packed: bool) -> Any:
-        """The blocks' values (lock held): a list of tensors, or ``packed``: one flat tensor,
-        the blocks concatenated in order (one tensor per message: each tensor a message
-        carries costs the RPC agent as much as a few hundred KB of data)."""
-        if packed:
+    def snapshot(self, blocks: list[str], packed: bool | list[int]) -> Any:
+        """The blocks' values (lock held): a list of tensors; or ``packed``: ``True``, one
+        flat tensor, the blocks concatenated in order (one tensor per message: each tensor a
+        message carries costs the RPC agent as much as a few hundred KB of data), or a list of
+        block counts, one flat tensor per run of that many blocks (blocks of one dtype each)."""
+        if packed is True:
             return torch.cat([self.params[b].detach() for b in blocks])
+        if isinstance(packed, list):
+            out, at = [], 0
+            for n in packed:
+                out.append(torch.cat([self.params[b].detach() for b in blocks[at:at + n]]))
+                at += n
+            return out
         return self.values(blocks)
 
     def _apply_queued(self) -> None:
@@ -152,9 +159,15 @@ def _pull(name: str, blocks: list[str], step: int, seconds: float = math.inf, pa
 
 
 def unpacked(blocks: Any) -> dict[str, torch.Tensor]:
-    """Blocks as sent: a dict by block name, or packed as ``(names, sizes, flat)``."""
+    """Blocks as sent: a dict by block name, packed as ``(names, sizes, flat)``, or a list of
+    those (blocks of several dtypes: one flat tensor per dtype)."""
     if isinstance(blocks, dict):
         return blocks
+    if isinstance(blocks, list):
+        out: dict[str, torch.Tensor] = {}
+        for part in blocks:
+            out.update(unpacked(part))
+        return out
     names, sizes, flat = blocks
     return dict(zip(names, torch.split(flat, list(sizes))))
 

@@ -227,10 +227,10 @@ class PSModel(PSCheckpoints, nn.Module):
             for slot in self._slots:
                 grouped[slot.server].append(slot)
             params = self._params()
+            for slots in grouped.values():  # a server's blocks of one dtype together (they travel packed)
+                order: dict = {}
+                slots.sort(key=lambda s: order.setdefault(params[s.pname].dtype, len(order)))
             self.__dict__["_grouped"] = grouped
-            self.__dict__["_one_dtype"] = {
-                server: len({params[s.pname].dtype for s in slots}) == 1 for server, slots in grouped.items()
-            }
         return grouped
 
     def _block_values(self, slot: _Slot, tensor: torch.Tensor | None = None) -> torch.Tensor:
@@ -289,25 +289,49 @@ class PSModel(PSCheckpoints, nn.Module):
 
     # ---- one tensor per message ----------------------------------------------------------
 
-    def _packable(self, slots: list[_Slot]) -> bool:
-        """Whether a server's blocks travel as one flat tensor (they share a dtype)."""
-        if not slots:
-            return True
-        self._by_server()
-        return self.__dict__["_one_dtype"][slots[0].server]
+    def _packable(self, slots: list[_Slot]) -> bool | list[int]:
+        """How a server's blocks ``slots`` (a server's, in :meth:`_by_server` order: those of one
+        dtype together) travel: ``True``, one flat tensor (they share a dtype); else the number
+        of blocks of each dtype in turn, one flat tensor per dtype."""
+        params = self._params()
+        runs: list[int] = []
+        last = None
+        for s in slots:
+            dtype = params[s.pname].dtype
+            if runs and dtype == last:
+                runs[-1] += 1
+            else:
+                runs.append(1)
+                last = dtype
+        return True if len(runs) <= 1 else runs
 
     def _sent(self, slots: list[_Slot], tensors: list[torch.Tensor]) -> Any:
         """Blocks as a message carries them: packed ``(names, sizes, flat)`` (one tensor per
-        message, which the RPC agent sends far faster than several), or a dict by name."""
-        if tensors and self._packable(slots):
-            return ([s.name for s in slots], [s.block.size for s in slots], torch.cat([t.reshape(-1) for t in tensors]))
-        return {s.name: t.clone() for s, t in zip(slots, tensors)}
+        message, which the RPC agent sends far faster than several), or, for blocks of several
+        dtypes, a list of those, one per dtype."""
+        def pack(part: list[_Slot], values: list[torch.Tensor]) -> tuple:
+            return [s.name for s in part], [s.block.size for s in part], torch.cat([t.reshape(-1) for t in values])
+
+        packed = self._packable(slots)
+        if packed is True:
+            return pack(slots, tensors) if tensors else {}
+        out, at = [], 0
+        for n in packed:
+            out.append(pack(slots[at:at + n], tensors[at:at + n]))
+            at += n
+        return out
 
     def _received(self, slots: list[_Slot], got: Any) -> dict[str, torch.Tensor]:
-        """A server's answer (one flat tensor, or a list in block order) by block name."""
-        if isinstance(got, torch.Tensor):
-            got = torch.split(got, [s.block.size for s in slots])
-        return dict(zip([s.name for s in slots], got))
+        """A server's answer for ``slots`` (one flat tensor, or one per dtype: see
+        :meth:`_packable`) by block name."""
+        packed = self._packable(slots)
+        flats = [got] if isinstance(got, torch.Tensor) else got
+        values: list[torch.Tensor] = []
+        at = 0
+        for n, flat in zip([len(slots)] if packed is True else packed, flats):
+            values += torch.split(flat, [s.block.size for s in slots[at:at + n]])
+            at += n
+        return dict(zip([s.name for s in slots], values))
 
     def pull(self) -> None:
         """Fetch the parameters from the servers into the local model (in sync mode, waiting

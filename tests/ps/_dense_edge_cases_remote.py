@@ -14,14 +14,14 @@ from tests.ps import _dense_remote as base
 
 
 class Mixed(nn.Module):
-    """``p`` (8), scalar ``s``, ``q`` used only when asked, frozen ``f``; optionally an integer
-    parameter ``i`` and ``head`` tied to ``tail``."""
+    """``p`` (8), scalar ``s``, ``q`` used only when asked (float64 with ``double_q``), frozen
+    ``f``; optionally an integer parameter ``i`` and ``head`` tied to ``tail``."""
 
-    def __init__(self, int_param: bool = False, tied: bool = False) -> None:
+    def __init__(self, int_param: bool = False, tied: bool = False, double_q: bool = False) -> None:
         super().__init__()
         self.p = nn.Parameter(torch.randn(8))
         self.s = nn.Parameter(torch.tensor(1.5))
-        self.q = nn.Parameter(torch.randn(4))
+        self.q = nn.Parameter(torch.randn(4, dtype=torch.float64 if double_q else torch.float32))
         self.f = nn.Parameter(torch.ones(4), requires_grad=False)
         if int_param:
             self.i = nn.Parameter(torch.arange(4), requires_grad=False)
@@ -138,3 +138,37 @@ def threads_push(job: str, threads: int, steps: int, **kwargs: Any) -> int:
 
     base.in_threads(run, threads)
     return threads * steps
+
+
+def messages(job: str) -> dict:
+    """Messages a PSModel sends to each server for a forward (its pull) and for a step,
+    counted at rpc_async, and the tensors a step's pushes carry (gradients), per server."""
+    import torch.distributed.rpc as rpc
+
+    from tests.benchmarks._common import messages_per_call
+
+    ps = base._models[job]
+    out: dict = {"tensors": {}}
+    out["forward"] = messages_per_call(lambda: out.update(loss=ps(x_of(0), True)), 1)
+    (out.pop("loss") ** 2).backward()
+    real = rpc.rpc_async
+
+    def tensors(value: Any) -> int:
+        if isinstance(value, torch.Tensor):
+            return 1
+        if isinstance(value, (list, tuple)):
+            return sum(map(tensors, value))
+        if isinstance(value, dict):
+            return sum(map(tensors, value.values()))
+        return 0
+
+    def counting(to: Any, fn: Any, args: tuple = (), *rest: Any, **kwargs: Any) -> Any:
+        out["tensors"][str(to.name if isinstance(to, rpc.WorkerInfo) else to)] = tensors(args)
+        return real(to, fn, args, *rest, **kwargs)
+
+    rpc.rpc_async = counting
+    try:
+        out["step"] = messages_per_call(ps.step, 1)
+    finally:
+        rpc.rpc_async = real
+    return out

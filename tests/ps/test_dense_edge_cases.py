@@ -76,6 +76,44 @@ def test_an_integer_parameter_is_kept_not_trained(world):
     assert_close(got, reference((torch.optim.SGD, {"lr": 0.1}), 2, int_param=True), "with an integer parameter")
 
 
+@pytest.mark.parametrize("mode", ["sync", "async", "half_async", "geo"])
+def test_blocks_of_two_dtypes_travel_in_one_message_per_server_and_train_as_torch(world, mode):
+    """float32 and float64 parameters on both servers: a server's blocks travel packed, one
+    flat tensor per dtype, in one message (a pull, a push); the model trains as plain torch."""
+    name = job(f"two-dtypes-{mode}")
+    kwargs = dict(ps_mode=mode, model_kwargs={"double_q": True})
+    if mode == "half_async":
+        kwargs.update(half_async_merge_every=1)
+    if mode == "geo":
+        kwargs.update(geo_push_every=1)
+    layout = world.run({"trainer0": (_create_small_blocks, name, kwargs)})["trainer0"]
+    per_server = [[b for b, srv in layout if srv == s] for s in ("ps0", "ps1")]
+    assert all(len(blocks) >= 3 for blocks in per_server), layout  # several blocks of a dtype on each
+    world.run({"trainer0": (h.train, name, 3)})
+    got = world.run({"trainer0": (r.state, name)})["trainer0"]
+    # the values grow to ~3e2 in 3 steps; geo adds deltas (float32 rounding of another order)
+    assert_close(got, reference((torch.optim.SGD, {"lr": 0.1}), 3, double_q=True), f"{mode}, float32 and float64",
+                 atol=1e-3 if mode == "geo" else 1e-6)
+    assert got["q"].dtype == torch.float64
+    if mode in ("sync", "async"):
+        counted = world.run({"trainer0": (h.messages, name)})["trainer0"]
+        tensors = counted.pop("tensors")
+        assert counted == {"forward": {"ps0": 1, "ps1": 1}, "step": {"ps0": 1, "ps1": 1}}, counted
+        # a push carries one flat tensor per dtype its server holds, not one per block
+        dtypes = {s: len({str(p) for p, srv in layout_dtypes(layout) if srv == s}) for s in ("ps0", "ps1")}
+        assert tensors == dtypes, (tensors, dtypes, layout)
+
+
+def _create_small_blocks(name, kwargs):  # on trainer0: blocks of 2 elements
+    model_kwargs = kwargs.pop("model_kwargs", None)
+    return h.create(name, 1, SERVERS, model_kwargs, num_trainers=1, min_block_size=2, **kwargs)
+
+
+def layout_dtypes(layout: list) -> list[tuple[torch.dtype, str]]:
+    """Each block's dtype (q is float64 with ``double_q``) and server, from a create() layout."""
+    return [(torch.float64 if block.startswith("q") else torch.float32, server) for block, server in layout]
+
+
 def _try_create_kw(name, kwargs):  # on trainer0
     return r._attempt(lambda: _create_kw(name, kwargs))
 
