@@ -109,7 +109,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                     )
             self.add_module(name, table)  # torch's own checks of the name (no '.', no attribute clash)
         self._names = tuple(tables)
-        self._layouts: dict = {}  # the last batch layout of the tables planned together (ps._packed)
+        self._layouts: dict = {}  # per embedding_dim, the last batch layout of the tables planned together
 
     @property
     def ps_mode(self) -> str:
@@ -175,13 +175,20 @@ class ShardedEmbeddingBagCollection(nn.Module):
             except (TypeError, ValueError, RuntimeError) as exc:
                 raise retyped(exc, f"ShardedEmbeddingBagCollection table {name!r}: {exc}") from exc
         # the plain sum / mean lookups planned together, in a few whole-batch ops (ps._packed)
-        together = [name for name in self._names if _packed.packable(self._modules[name], *arguments[name])]
-        packed = None
-        if len(together) > 1:
-            packed = _packed.plan(self.__dict__.setdefault("_layouts", {}),
-                                  [(self._modules[n], *arguments[n][:2]) for n in together], wait_s)
-        if packed is None:
-            together = []
+        # (one plan per embedding_dim: a server answers a plan's bags packed in one tensor)
+        by_dim: dict[int, list[str]] = {}
+        for name in self._names:
+            if _packed.packable(self._modules[name], *arguments[name]):
+                by_dim.setdefault(self._modules[name].embedding_dim, []).append(name)
+        layouts = self.__dict__.setdefault("_layouts", {})
+        packs = []
+        for dim, names in by_dim.items():
+            if len(names) > 1:
+                made = _packed.plan(layouts.setdefault(dim, {}),
+                                    [(self._modules[n], *arguments[n][:2]) for n in names], wait_s)
+                if made is not None:
+                    packs.append((names, made))
+        together = {name for names, _ in packs for name in names}
         plans = {}
         for name in self._names:
             if name in together:
@@ -191,15 +198,16 @@ class ShardedEmbeddingBagCollection(nn.Module):
             except (TypeError, ValueError, IndexError, RuntimeError) as exc:  # the table's own checks
                 raise retyped(exc, f"ShardedEmbeddingBagCollection table {name!r}: {exc}") from exc
         calls = [call for table_calls, _ in plans.values() for call in table_calls]
-        if packed is not None:
-            calls += packed[0]
+        for _, (pack_calls, _) in packs:
+            calls += pack_calls
         got = call_grouped(calls, timeout=self.timeout)
         out, at = {}, 0
         for name, (table_calls, finish) in plans.items():
             out[name] = finish(got[at:at + len(table_calls)])
             at += len(table_calls)
-        if packed is not None:
-            out.update(zip(together, packed[1](got[at:])))
+        for names, (pack_calls, finish) in packs:
+            out.update(zip(names, finish(got[at:at + len(pack_calls)])))
+            at += len(pack_calls)
         return {name: out[name] for name in self._names}
 
     def step(self) -> None:

@@ -32,7 +32,7 @@ def packable(table: Any, input: Any, offsets: Any, per_sample_weights: Any) -> b
             and isinstance(input, torch.Tensor) and input.dtype == torch.int64):
         return False
     if input.dim() == 2:
-        if offsets is not None:
+        if offsets is not None or input.shape[1] == 0:  # (torch refuses 0 columns: "step must be nonzero")
             return False
     elif not (input.dim() == 1 and isinstance(offsets, torch.Tensor) and offsets.dim() == 1
               and offsets.dtype == torch.int64 and offsets.numel() > 0):
@@ -63,10 +63,12 @@ class Layout:
         self.limit = torch.repeat_interleave(torch.tensor([t.num_embeddings for t in tables]), counts)
         self.id_base_at = torch.repeat_interleave(torch.tensor(self.id_base[:-1]), counts)
         self.pos_base_at_bag = torch.repeat_interleave(torch.tensor(self.pos_base[:-1]), torch.tensor(list(bags)))
-        self.first_bag = torch.tensor(self.bag_base[:-1])
-        self.first_offset = torch.tensor(self.pos_base[:-1])
-        self.last_bag = torch.tensor(self.bag_base[1:]) - 1
-        self.last_offset = torch.tensor(self.pos_base[1:])
+        # the bounds of the tables with bags (a 2-d input of 0 rows has none, and no ids)
+        has = [i for i, b in enumerate(bags) if b]
+        self.first_bag = torch.tensor([self.bag_base[i] for i in has], dtype=torch.long)
+        self.first_offset = torch.tensor([self.pos_base[i] for i in has], dtype=torch.long)
+        self.last_bag = torch.tensor([self.bag_base[i + 1] - 1 for i in has], dtype=torch.long)
+        self.last_offset = torch.tensor([self.pos_base[i + 1] for i in has], dtype=torch.long)
         self.positions = torch.arange(n_all)
         self.bag_positions = torch.arange(b_all)
         starts, owners = [], []
@@ -127,9 +129,14 @@ def plan(owner: Any, entries: Sequence[tuple[ShardedEmbeddingBag, torch.Tensor, 
         cuts = torch.searchsorted(uniq, torch.tensor(layout.id_base)).tolist()
     bag_of = torch.searchsorted(starts, layout.positions, right=True) - 1
     server_of = layout.block_server[torch.searchsorted(layout.block_starts, gid, right=True) - 1]
-    calls = []
+    calls, called = [], []
     for k, server in enumerate(layout.servers):
         at = (server_of == k).nonzero().reshape(-1) if len(layout.servers) > 1 else layout.positions
+        if not at.numel():
+            # none of the batch's ids here: no call, as no table alone calls a server without
+            # its ids (so a server down or waiting for a sync step holds up only what needs it)
+            continue
+        called.append(k)
         first = torch.searchsorted(bag_of[at], layout.bag_positions)  # each bag's first id here
         served = layout.served[k]
         calls.append((server, _table_server._pool_tables,
@@ -139,16 +146,21 @@ def plan(owner: Any, entries: Sequence[tuple[ShardedEmbeddingBag, torch.Tensor, 
     def finish(got: list) -> list[torch.Tensor]:
         dim = tables[0].embedding_dim
         total = torch.zeros(layout.bag_base[-1], dim)
+        # (a server not called has no id of the batch: its part is zeros, which adding leaves as is)
         if layout.in_order:
-            for part, rows in zip(got, layout.rows):
+            for k, part in zip(called, got):
+                rows = layout.rows[k]
                 total = total + part if rows is None else total.index_add(0, rows, part)
         else:  # each table's parts in its own server order
+            parts = dict(zip(called, got))
             for i, t in enumerate(tables):
                 lo, hi = layout.bag_base[i], layout.bag_base[i + 1]
                 for server in t._server_names:
                     k = layout.servers.index(server)
+                    if k not in parts:
+                        continue
                     at = sum(bags[j] for j in layout.served[k] if j < i)
-                    total[lo:hi] = total[lo:hi] + got[k][at:at + hi - lo]
+                    total[lo:hi] = total[lo:hi] + parts[k][at:at + hi - lo]
         sizes_all = None
         if layout.any_mean:
             ends = torch.cat([starts[1:], starts.new_tensor([flat.numel()])])

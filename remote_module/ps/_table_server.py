@@ -333,7 +333,12 @@ def _pool_tables(names: list[str], steps: list[int], ids: torch.Tensor, first: t
     for name, step, base, count in zip(names, steps, bag_base, bag_counts):
         table = _table(name)
         lo = int(first[base]) if count else 0
-        hi = int(first[base + count]) if base + count < first.numel() else ids.numel()
+        hi = lo if not count else int(first[base + count]) if base + count < first.numel() else ids.numel()
+        if lo == hi:  # none of its ids here: zeros, without waiting (its own lookup sends nothing here)
+            done: Future = Future()
+            done.set_result(torch.zeros(count, table.spec.dim))
+            pending.append(done)
+            continue
         pool = (first[base:base + count] - lo, None, "sum")
         pending.append(read_when_applied(table, step, seconds, table.answer, ids[lo:hi], pool))
     if len(pending) == 1:

@@ -453,3 +453,69 @@ def plain_refusals(job: str) -> list[str]:
             except Exception as exc:  # noqa: BLE001 - the text is the point
                 texts.append(f"{case}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
     return texts
+
+
+EDGES = {  # name -> (rows, dim, mode, servers, min_block_size): two embedding_dims
+    "wide": (100, 8, "sum", ("ps0", "ps1"), 50),
+    "clicks": (100, 4, "sum", ("ps0", "ps1"), 50),
+    "deep": (60, 8, "mean", ("ps1", "ps0"), 30),
+    "views": (60, 4, "mean", ("ps0", "ps1"), 30),
+}
+
+
+def edge_features() -> list[dict]:
+    """Inputs the plans must take as the tables alone do: a table with no bag (2-d, 0 rows)
+    last; ids of the first server's blocks only (the second server is not called)."""
+    none = torch.zeros(0, 3, dtype=torch.long)
+    return [{"wide": (torch.tensor([1, 70, 3]), torch.tensor([0, 2])), "clicks": torch.tensor([[5, 99], [50, 2]]),
+             "deep": torch.tensor([[1, 59]]), "views": none},
+            {"wide": (torch.tensor([1, 7]), torch.tensor([0, 1])), "clicks": torch.tensor([[5, 9], [0, 2]]),
+             "deep": (torch.tensor([31, 40]), torch.tensor([0, 0])), "views": torch.tensor([[0, 29, 3]])}]
+
+
+def plain_edges(job: str, collect: bool) -> dict:
+    """EDGES' tables through edge_features() in a collection (or one by one): outputs, weights,
+    which tables were planned together, each forward's messages (collection), and the error
+    of a 2-d input of 0 columns (torch's "step must be nonzero")."""
+    from remote_module.ps import ShardedEmbeddingBag, ShardedEmbeddingBagCollection, _packed
+    from tests.benchmarks._common import messages_per_call
+
+    torch.manual_seed(5)
+    tables = {}
+    for key, (rows, dim, mode, servers, block) in EDGES.items():
+        tables[key] = ShardedEmbeddingBag(rows, dim, list(servers), name=f"{job}-{key}", mode=mode,
+                                          min_block_size=block, optimizer=(torch.optim.SGD, {"lr": 0.3}))
+        tables[key].load_state_dict(nn.EmbeddingBag(rows, dim, mode=mode).state_dict())
+    model = ShardedEmbeddingBagCollection(tables)
+    planned, real_plan = [], _packed.plan
+
+    def plan(owner, entries, wait_s):
+        made = real_plan(owner, entries, wait_s)
+        planned.append(sorted(t.name.rsplit("-", 1)[1] for t, _, _ in entries) if made else None)
+        return made
+
+    def forward(feats):
+        return model(feats) if collect else {k: tables[k](*_args(v)) for k, v in feats.items()}
+
+    _packed.plan = plan
+    outs, messages = [], []
+    try:
+        for feats in edge_features():
+            got = {}
+            messages.append(messages_per_call(lambda feats=feats: got.update(forward(feats)), 1))
+            outs.append({k: v.detach() for k, v in got.items()})
+            sum((v * (i + 1)).pow(2).sum() for i, v in enumerate(got.values())).backward()
+            if collect:
+                model.step()
+            else:
+                for t in tables.values():
+                    t.step()
+        try:
+            forward({**edge_features()[1], "views": torch.zeros(2, 0, dtype=torch.long)})
+            refusal = "no error"
+        except RuntimeError as exc:
+            refusal = str(exc)
+    finally:
+        _packed.plan = real_plan
+    return {"outs": outs, "weights": {k: t.state_dict()["weight"] for k, t in tables.items()},
+            "planned": planned, "messages": messages, "refusal": refusal}

@@ -178,3 +178,23 @@ def test_bad_plain_inputs_are_refused_as_the_table_alone_refuses_them(world):
         assert "no error" not in error, alone
         kind, _, message = error.partition(": ")
         assert together.startswith(f"{case}: {kind}: ") and message in together, (together, alone)
+
+
+def test_plain_tables_of_two_dims_no_bags_or_one_server_equal_the_tables_alone(world):
+    """Tables of two embedding_dims are planned in two groups (each server answers a group's
+    bags packed in one tensor); a table with no bag (2-d ids of 0 rows) last, and ids on one
+    server only (the other is not called, as by the tables alone), give what the tables alone
+    give; 2-d ids of 0 columns are refused as torch refuses them (not pooled as empty bags)."""
+    got = world.run({"trainer0": (r.plain_edges, name("edges"), True),
+                     "trainer1": (r.plain_edges, name("edges-alone"), False)})
+    together, alone = got["trainer0"], got["trainer1"]
+    for step, (a, b) in enumerate(zip(together["outs"], alone["outs"])):
+        for k in r.EDGES:
+            assert torch.equal(a[k], b[k]), (step, k)
+    assert together["outs"][0]["views"].shape == (0, 4)
+    for k in r.EDGES:
+        assert torch.equal(together["weights"][k], alone["weights"][k]), k
+    assert together["planned"][:2] == [["deep", "wide"], ["clicks", "views"]]
+    assert together["messages"][1] == {"ps0": 1}  # every id of the second batch is on ps0
+    assert "step must be nonzero" in together["refusal"] and "'views'" in together["refusal"]
+    assert "step must be nonzero" in alone["refusal"]
