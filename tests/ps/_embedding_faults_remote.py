@@ -84,3 +84,27 @@ def shutdown_during_lookups(name: str, path: str) -> bool:
 
     threading.Thread(target=run, daemon=True).start()
     return True
+
+
+def prepare_collection(name: str, **kwargs: Any) -> bool:
+    """A collection of two plain sum bags over ps0 and ps1 (planned and pushed packed), kept
+    here, with a lookup backpropagated (its gradients wait for a step)."""
+    from remote_module.ps import ShardedEmbeddingBagCollection
+
+    ebc = ShardedEmbeddingBagCollection({k: table(f"{name}-{k}", bag="sum", keep=False, **kwargs) for k in "ab"})
+    _objects[name] = ebc
+    ebc({"a": torch.tensor([[1, 15]]), "b": torch.tensor([[2, 16]])})["a"].sum().backward()
+    return True
+
+
+def timed_collection(name: str, what: str, timeout: float) -> dict:
+    """``what`` ("forward", "eval", "step") on collection ``name`` with ``timeout``: how it ended."""
+    ebc = _objects[name]
+    ebc.timeout = timeout
+    feats = {"a": torch.tensor([[1, 15]]), "b": torch.tensor([[2, 16]])}
+
+    def evaluate() -> dict:
+        with torch.no_grad():
+            return ebc(feats)
+
+    return attempt({"forward": lambda: ebc(feats)["a"].sum().backward(), "eval": evaluate, "step": ebc.step}[what])

@@ -54,12 +54,17 @@ def test_a_frozen_server_is_named_in_time_other_tables_work_and_training_continu
     # a bag ps1 holds whole: its lookups are one call each (an eval lookup: the arguments as given)
     lone = job(f"lone-{mode}")
     faulty.run({"trainer0": (_prepare_kw, lone, None, {"ps_mode": mode, "servers": ["ps1"], "bag": "sum"})})
+    # a collection of plain bags: its lookups planned together, its pushes packed
+    packed = job(f"packed-{mode}")
+    faulty.run({"trainer0": (_prepare_collection_kw, packed, {"ps_mode": mode})})
     # stopped before the first call is sent (os.kill returns before the stop takes effect)
     faulty.freeze("ps1")
     try:
         step = timed(faulty, "trainer0", name, "step")
         lookup = timed(faulty, "trainer0", name, "lookup")
         lone_lookups = {what: timed(faulty, "trainer0", lone, what, [1, 15]) for what in ("eval", "lookup")}
+        collection = {what: faulty.run({"trainer0": (f.timed_collection, packed, what, TIMEOUT)})["trainer0"]
+                      for what in ("step", "forward", "eval")}
         others = [timed(faulty, "trainer0", healthy, what, [1]) for what in ("step", "lookup", "eval")]
     finally:
         faulty.thaw("ps1")
@@ -70,6 +75,11 @@ def test_a_frozen_server_is_named_in_time_other_tables_work_and_training_continu
         assert outcome["type"] == "CallTimeout", outcome
     assert all(o["ok"] and o["seconds"] < TIMEOUT for o in others), f"a table on ps0 alone, ps1 frozen: {others}"
     assert timed(faulty, "trainer0", lone, "eval", [1, 15])["ok"]  # thawed: answered again
+    for what, outcome in collection.items():
+        assert_named_in_time(outcome, "ps1", f"{mode} collection {what} (packed)")
+    for what in ("step", "forward", "step", "eval"):  # the failed step retried, then training goes on
+        out = faulty.run({"trainer0": (f.timed_collection, packed, what, 20.0)})["trainer0"]
+        assert out["ok"], f"{mode}: collection {what} after ps1 thawed: {out}"
     if mode == "sync":
         retried = timed(faulty, "trainer0", name, "step")
         assert retried["ok"], f"step() retried after ps1 thawed: {retried}"
@@ -82,6 +92,10 @@ def test_a_frozen_server_is_named_in_time_other_tables_work_and_training_continu
     else:  # async: the frozen push arrived after the thaw; the table trains on
         assert timed(faulty, "trainer0", name, "backward")["ok"]
         assert timed(faulty, "trainer0", name, "step")["ok"]
+
+
+def _prepare_collection_kw(name, kwargs):  # on a trainer
+    return f.prepare_collection(name, **kwargs)
 
 
 def _prepare_kw(name, ids, kwargs):  # on a trainer
