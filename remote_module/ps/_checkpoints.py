@@ -19,7 +19,9 @@ class PSCheckpoints:
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
         """The local model's ``state_dict`` (its own keys) with the servers' current parameters
         (sync: once this trainer's last step is applied; half_async: after applying what is
-        queued; geo: the local copy is left as it is)."""
+        queued; geo: the local copy is left as it is). The next forward pulls again (a
+        checkpoint is where a trainer catches up with the others' pushes)."""
+        self.__dict__.pop("_ready", None)
         if self.ps_mode == "half_async":
             self.flush()
         values = self._server_values()
@@ -37,6 +39,7 @@ class PSCheckpoints:
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load the local model's ``state_dict`` and send its parameters to the servers."""
         result = self.module.load_state_dict(state_dict, strict=strict)
+        self.__dict__.pop("_ready", None)  # the next forward pulls the values loaded
         # only the parameters the checkpoint has: with strict=False, the others keep the servers'
         # values (the local copy may be stale, e.g. one step behind after step())
         loaded = {id(p) for key, p in self.module.named_parameters(remove_duplicate=False) if key in state_dict}
@@ -82,6 +85,7 @@ class PSCheckpoints:
             ps.load_state_dict(ckpt["model"])
             ps.load_optimizer_state_dict(ckpt["optim"])
         """
+        self.__dict__.pop("_ready", None)  # (as state_dict: the next forward pulls again)
         tables = {qual: table.optimizer_state_dict() for qual, table in self._tables.items()}
         if self.ps_mode == "geo":
             state, per_element = self._trainer_optimizer_state()

@@ -172,8 +172,10 @@ def unpacked(blocks: Any) -> dict[str, torch.Tensor]:
     return dict(zip(names, torch.split(flat, list(sizes))))
 
 
-def _push(name: str, trainer: str, step: int, grads: Any) -> None:
-    """Gradients of this server's blocks from ``trainer`` for ``step``, applied by the job's mode."""
+def _push(name: str, trainer: str, step: int, grads: Any, answer: tuple | None = None) -> Any:
+    """Gradients of this server's blocks from ``trainer`` for ``step``, applied by the job's
+    mode. ``answer`` ``(blocks, packed)`` (async, half_async): answer with those blocks'
+    values right after this push, as a pull then would (:meth:`Job.snapshot`)."""
     job = _job(name)
     grads = unpacked(grads)
     ready: list[tuple[Future, Any, bool]] = []
@@ -192,16 +194,19 @@ def _push(name: str, trainer: str, step: int, grads: Any) -> None:
                 )
         if mode == "async":
             job.apply(grads)
+            return None if answer is None else job.snapshot(*answer)
         elif mode == "half_async":
             for b, g in grads.items():
                 job.queued[b] = job.queued[b] + g if b in job.queued else g.clone()
             job.merges.queued()
+            return None if answer is None else job.snapshot(*answer)
         else:  # sync
             job.sync.push(trainer, step, grads, None, job.apply_step, lambda: RuntimeError(
                 f"parameter-server job {name!r}: trainer {trainer!r} pushed gradients for step {step}, but the "
                 f"servers are at step {job.sync.done}; in sync mode every trainer pushes once per step, in step"))
             ready = job.sync.ready()
     settle(ready)
+    return None
 
 
 def _push_delta(name: str, deltas: Any, packed: bool = False) -> Any:

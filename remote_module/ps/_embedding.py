@@ -93,7 +93,9 @@ def lookup_calls(calls: list, timeout: float | None) -> list:
     return call_all(calls, timeout=timeout)
 
 
-PushPlan = tuple  # (host calls, done: () -> None, failed: () -> None), as _push_plan() gives it
+# (host calls, done: () -> None, failed: () -> None[, answered: (answers) -> None]), as _push_plan()
+# gives it; ``answered`` (optional) gets the calls' answers before ``done()``
+PushPlan = tuple
 
 
 def run_push_plans(plans: Sequence[PushPlan], timeout: float | None) -> None:
@@ -103,17 +105,21 @@ def run_push_plans(plans: Sequence[PushPlan], timeout: float | None) -> None:
     alone would be. The first failure is raised once every call was answered; when nothing
     could be sent, every plan is failed."""
     try:
-        outcomes = _packed_pushes([call for calls, _, _ in plans for call in calls], timeout)
+        outcomes = _packed_pushes([call for plan in plans for call in plan[0]], timeout)
     except BaseException:  # nothing was sent (a call that cannot be sent, RPC down)
-        for _, _, failed in plans:
-            failed()
+        for plan in plans:
+            plan[2]()
         raise
     first: BaseException | None = None
     at = 0
-    for calls, done, failed in plans:
-        failure = next((value for ok, value in outcomes[at:at + len(calls)] if not ok), None)
+    for plan in plans:
+        calls, done, failed = plan[:3]
+        mine = outcomes[at:at + len(calls)]
+        failure = next((value for ok, value in mine if not ok), None)
         at += len(calls)
         if failure is None:
+            if len(plan) > 3:  # a plan that wants its calls' answers
+                plan[3]([value for _, value in mine])
             done()
         else:
             failed()

@@ -342,6 +342,7 @@ class PSModel(PSCheckpoints, nn.Module):
             model.pull()
             print(model.module.weight)       # the servers' current values
         """
+        self.__dict__.pop("_ready", None)
         values = self._server_values()
         self._write(values)
         if self.ps_mode == "geo":
@@ -366,6 +367,12 @@ class PSModel(PSCheckpoints, nn.Module):
         """Pull the parameters (not in geo mode, which trains its local copy), then run the
         model on the values pulled.
 
+        In async and half_async mode the last ``step()``'s pushes were answered with the
+        servers' values right after them: the next forward runs on those, without pulling
+        (one round trip per step), so it misses what other trainers pushed in between, as any
+        async read may; ``pull()``, ``state_dict()``, ``optimizer_state_dict()``,
+        ``load_state_dict()`` and ``flush()`` make it pull again.
+
         Each forward runs on values of its own: the pulled values are copied into the local
         parameters (``model.module.weight`` shows them) and the model runs on a separate copy
         whose gradient flows into those same parameter objects. So a later forward, whose pull
@@ -379,7 +386,11 @@ class PSModel(PSCheckpoints, nn.Module):
         self.__dict__.pop("_step_done", None)  # a failed step() not retried: the next one is whole
         if self.ps_mode == "geo":
             return self.module(*args, **kwargs)
-        values = self._server_values()
+        # async / half_async: the values the last step's answers brought (a pull right after
+        # that push), once; else pull
+        values = self.__dict__.pop("_ready", None)
+        if values is None:
+            values = self._server_values()
         with _forward_lock(self):
             pulled = self._write(values)
             if not torch.is_grad_enabled():
@@ -408,14 +419,15 @@ class PSModel(PSCheckpoints, nn.Module):
         # timed out) is retried by calling step() again, which does only the parts left, so no
         # part pushes a second step (sync: it would be taken for the next round)
         done = self.__dict__.setdefault("_step_done", set())
+        self.__dict__.pop("_ready", None)  # what the last step's answers brought: this step's replace them
         plans = []  # each part's pushes; a part that succeeds is marked done
         if None not in done:
             if self.ps_mode == "geo":
                 self._step_dense()
                 done.add(None)
             else:
-                calls, finish = self._dense_push_plan()
-                plans.append((calls, partial(_finished, done, None, finish), lambda: None))
+                calls, finish, answered = self._dense_push_plan()
+                plans.append((calls, partial(_finished, done, None, finish), lambda: None, answered))
         for qual, table in self._tables.items():
             if qual not in done:
                 plan = table._push_plan()
@@ -449,12 +461,17 @@ class PSModel(PSCheckpoints, nn.Module):
         if self._step % self.geo_push_every == 0:
             self._push_deltas()
 
-    def _dense_push_plan(self) -> tuple[list, Callable[[], None]]:
-        """The dense part of a step (not geo): the pushes to the servers, and what to do once
-        they all succeeded (clear the gradients, count the step)."""
+    def _dense_push_plan(self) -> tuple[list, Callable[[], None], Callable[[list], None]]:
+        """The dense part of a step (not geo): the pushes to the servers, what to do once they
+        all succeeded (clear the gradients, count the step), and what to do with their answers:
+        in async and half_async each push is answered with its server's blocks as a pull right
+        after it would see them, which the next forward uses instead of pulling (one round
+        trip per step), when every server holding blocks answered."""
         params = self._params()
         calls = []
-        for server, slots in self._by_server().items():
+        answer = self.ps_mode in ("async", "half_async")
+        by_server = self._by_server()
+        for server, slots in by_server.items():
             # a parameter without a gradient (frozen, or unused this step) is not pushed: as in
             # torch, its optimizer leaves it alone (no weight decay, no momentum)
             sel = [s for s in slots if params[s.pname].grad is not None]
@@ -462,14 +479,25 @@ class PSModel(PSCheckpoints, nn.Module):
             # sync: every server with blocks hears from every trainer every step, grads or not
             if grads or (slots and self.ps_mode == "sync"):
                 sent = self._sent(sel, grads)
-                calls.append((server, _dense_server._push, (self.name, self._trainer, self._step, sent)))
+                args = (self.name, self._trainer, self._step, sent)
+                if answer:
+                    args += (([s.name for s in slots], self._packable(slots)),)
+                calls.append((server, _dense_server._push, args))
+
+        def answered(got: list) -> None:
+            servers = [server for server, _, _ in calls]
+            if answer and set(servers) == {server for server, slots in by_server.items() if slots}:
+                values: dict[str, torch.Tensor] = {}
+                for server, value in zip(servers, got):
+                    values.update(self._received(by_server[server], value))
+                self.__dict__["_ready"] = values
 
         def finish() -> None:
             for p in params.values():
                 p.grad = None
             self._step += 1
 
-        return calls, finish
+        return calls, finish, answered
 
     def _push_deltas(self) -> None:
         calls, sent = [], []
@@ -491,6 +519,7 @@ class PSModel(PSCheckpoints, nn.Module):
 
     def flush(self) -> None:
         """half_async: have the servers apply what they have queued now (no-op in other modes)."""
+        self.__dict__.pop("_ready", None)  # the next forward pulls what the merge made
         call_all([(s, _dense_server._flush, (self.name,)) for s in self.servers], timeout=self.timeout)
         for table in self._tables.values():
             table.flush()

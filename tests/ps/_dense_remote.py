@@ -243,3 +243,42 @@ def in_threads(target: Callable[[], Any], count: int) -> None:
         w.join()
     if errors:
         raise errors[0]
+
+
+_captured: dict[str, dict] = {}
+
+
+def step_and_capture(job: str, trainer: int, step: int = 0) -> bool:
+    """A training step, then (without taking them) the servers' values as a pull right after
+    that push sees them, kept for :func:`forward_seen`."""
+    ps = _models[job]
+    x, y = batch(trainer, step)
+    nn.functional.mse_loss(ps(x), y).backward()
+    ps.step()
+    _captured[job] = ps._server_values()
+    return True
+
+
+def forward_seen(job: str, trainer: int, checkpoint_first: bool = False) -> dict:
+    """The next forward (after ``state_dict()`` with ``checkpoint_first``): the messages it sent
+    per server, and whether its output is the model's at the values captured right after this
+    trainer's last push, or at the servers' values now."""
+    from torch.func import functional_call
+
+    from tests.benchmarks._common import messages_per_call
+
+    ps = _models[job]
+    if checkpoint_first:
+        ps.state_dict()
+    now = ps._server_values()
+    x, _ = batch(trainer, 99)
+    got: dict = {}
+    messages = messages_per_call(lambda: got.update(out=ps(x).detach()), 1)
+    ps.zero_grad()
+
+    def at(values: dict) -> torch.Tensor:
+        with torch.no_grad():
+            return functional_call(ps.module, ps._assembled(values), (x,))
+
+    return {"messages": messages, "right_after_push": torch.equal(got["out"], at(_captured[job])),
+            "servers_now": torch.equal(got["out"], at(now))}

@@ -120,6 +120,25 @@ def test_async_loses_no_update(world):
     assert {s: st["applied"] for s, st in stats.items()} == {s: n * k for s in SERVERS}, stats
 
 
+@pytest.mark.parametrize("mode", ["async", "half_async"])
+def test_an_async_step_is_one_round_trip_whose_answer_brings_the_next_forwards_values(world, mode):
+    """async / half_async: each push is answered with its server's blocks as a pull right after
+    it sees them, and the next forward runs on those, without pulling. So it misses another
+    trainer's push made in between (an async read, as documented); a checkpoint (state_dict())
+    makes the next forward pull again."""
+    name = job(f"one-trip-{mode}")
+    kwargs = dict(num_trainers=2, ps_mode=mode, min_block_size=MIN_BLOCK, half_async_merge_every=1)
+    world.call(_create_on, trainers(2), name, ("net", 1, SERVERS), kwargs)
+    world.run({"trainer0": (r.step_and_capture, name, 0)})
+    world.run({"trainer1": (r.step_and_capture, name, 1)})  # after trainer0's push, before its next forward
+    seen = world.run({"trainer0": (r.forward_seen, name, 0)})["trainer0"]
+    assert seen["messages"] == {} and seen["right_after_push"] and not seen["servers_now"], seen
+    world.run({"trainer0": (r.step_and_capture, name, 0, 1)})
+    world.run({"trainer1": (r.step_and_capture, name, 1, 1)})
+    seen = world.run({"trainer0": (r.forward_seen, name, 0, True)})["trainer0"]
+    assert seen["messages"] == {"ps0": 1, "ps1": 1} and seen["servers_now"], seen
+
+
 # ---- geo ---------------------------------------------------------------------------------------------
 
 
