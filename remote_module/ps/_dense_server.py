@@ -175,7 +175,9 @@ def unpacked(blocks: Any) -> dict[str, torch.Tensor]:
 def _push(name: str, trainer: str, step: int, grads: Any, answer: tuple | None = None) -> Any:
     """Gradients of this server's blocks from ``trainer`` for ``step``, applied by the job's
     mode. ``answer`` ``(blocks, packed)`` (async, half_async): answer with those blocks'
-    values right after this push, as a pull then would (:meth:`Job.snapshot`)."""
+    values right after this push, as a pull then would (:meth:`Job.snapshot`), and for how
+    many seconds at least a pull would read the same but for other trainers' pushes
+    (half_async: until the timer merges what is queued, this push among it; else ``inf``)."""
     job = _job(name)
     grads = unpacked(grads)
     ready: list[tuple[Future, Any, bool]] = []
@@ -194,12 +196,12 @@ def _push(name: str, trainer: str, step: int, grads: Any, answer: tuple | None =
                 )
         if mode == "async":
             job.apply(grads)
-            return None if answer is None else job.snapshot(*answer)
+            return None if answer is None else (job.snapshot(*answer), math.inf)
         elif mode == "half_async":
             for b, g in grads.items():
                 job.queued[b] = job.queued[b] + g if b in job.queued else g.clone()
             job.merges.queued()
-            return None if answer is None else job.snapshot(*answer)
+            return None if answer is None else (job.snapshot(*answer), job.merges.left())
         else:  # sync
             job.sync.push(trainer, step, grads, None, job.apply_step, lambda: RuntimeError(
                 f"parameter-server job {name!r}: trainer {trainer!r} pushed gradients for step {step}, but the "

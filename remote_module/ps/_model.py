@@ -4,7 +4,9 @@ parameter servers."""
 from __future__ import annotations
 
 import hashlib
+import math
 import threading
+import time
 import warnings
 import weakref
 from collections import OrderedDict
@@ -371,7 +373,9 @@ class PSModel(PSCheckpoints, nn.Module):
         servers' values right after them: the next forward runs on those, without pulling
         (one round trip per step), so it misses what other trainers pushed in between, as any
         async read may; ``pull()``, ``state_dict()``, ``optimizer_state_dict()``,
-        ``load_state_dict()`` and ``flush()`` make it pull again.
+        ``load_state_dict()`` and ``flush()`` make it pull again, and so does the
+        ``half_async_merge_s`` timer of a server that had this push queued, once it may have
+        merged it.
 
         Each forward runs on values of its own: the pulled values are copied into the local
         parameters (``model.module.weight`` shows them) and the model runs on a separate copy
@@ -387,8 +391,9 @@ class PSModel(PSCheckpoints, nn.Module):
         if self.ps_mode == "geo":
             return self.module(*args, **kwargs)
         # async / half_async: the values the last step's answers brought (a pull right after
-        # that push), once; else pull
-        values = self.__dict__.pop("_ready", None)
+        # that push), once, unless a half_async timer has merged what was queued since; else pull
+        ready = self.__dict__.pop("_ready", None)
+        values = ready[0] if ready is not None and time.monotonic() < ready[1] else None
         if values is None:
             values = self._server_values()
         with _forward_lock(self):
@@ -466,9 +471,11 @@ class PSModel(PSCheckpoints, nn.Module):
         all succeeded (clear the gradients, count the step), and what to do with their answers:
         in async and half_async each push is answered with its server's blocks as a pull right
         after it would see them, which the next forward uses instead of pulling (one round
-        trip per step), when every server holding blocks answered."""
+        trip per step), when every server holding blocks answered, until a half_async server's
+        timer merges what it had queued (this push among it)."""
         params = self._params()
         calls = []
+        sent = time.monotonic()  # before the pushes leave: the servers' timers run out no sooner
         answer = self.ps_mode in ("async", "half_async")
         by_server = self._by_server()
         for server, slots in by_server.items():
@@ -478,8 +485,7 @@ class PSModel(PSCheckpoints, nn.Module):
             grads = [self._block_values(s, params[s.pname].grad) for s in sel]
             # sync: every server with blocks hears from every trainer every step, grads or not
             if grads or (slots and self.ps_mode == "sync"):
-                sent = self._sent(sel, grads)
-                args = (self.name, self._trainer, self._step, sent)
+                args = (self.name, self._trainer, self._step, self._sent(sel, grads))
                 if answer:
                     args += (([s.name for s in slots], self._packable(slots)),)
                 calls.append((server, _dense_server._push, args))
@@ -488,9 +494,11 @@ class PSModel(PSCheckpoints, nn.Module):
             servers = [server for server, _, _ in calls]
             if answer and set(servers) == {server for server, slots in by_server.items() if slots}:
                 values: dict[str, torch.Tensor] = {}
-                for server, value in zip(servers, got):
+                until = math.inf
+                for server, (value, left) in zip(servers, got):
                     values.update(self._received(by_server[server], value))
-                self.__dict__["_ready"] = values
+                    until = min(until, sent + left)
+                self.__dict__["_ready"] = (values, until)
 
         def finish() -> None:
             for p in params.values():

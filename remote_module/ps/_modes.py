@@ -179,6 +179,7 @@ class HalfAsyncMerges:
         self.lock, self.every, self.seconds, self.apply_queued = lock, every, seconds, apply_queued
         self.count = 0  # pushes queued since the last merge
         self.timer: threading.Timer | None = None
+        self.due = math.inf  # when the timer merges (no sooner): its start plus ``seconds``
 
     def queued(self) -> None:
         """The owner queued one more push (lock held)."""
@@ -186,10 +187,16 @@ class HalfAsyncMerges:
         if self.count >= self.every:
             self.merge()
         elif self.timer is None:
+            self.due = _clock() + self.seconds
             self.timer = threading.Timer(self.seconds, merge_later)
             self.timer.args = (self, self.timer)
             self.timer.daemon = True
             self.timer.start()
+
+    def left(self) -> float:
+        """Seconds at least until what is queued is merged unless more pushes come (lock held):
+        ``inf`` when nothing is queued."""
+        return max(0.0, self.due - _clock()) if self.count else math.inf
 
     def merge(self) -> None:
         """Apply what is queued now (lock held)."""

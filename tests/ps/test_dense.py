@@ -8,6 +8,7 @@ references are computed here, on the same models and batches."""
 
 from __future__ import annotations
 
+import time
 import zlib
 
 import pytest
@@ -137,6 +138,24 @@ def test_an_async_step_is_one_round_trip_whose_answer_brings_the_next_forwards_v
     world.run({"trainer1": (r.step_and_capture, name, 1, 1)})
     seen = world.run({"trainer0": (r.forward_seen, name, 0, True)})["trainer0"]
     assert seen["messages"] == {"ps0": 1, "ps1": 1} and seen["servers_now"], seen
+
+
+def test_a_half_async_forward_after_the_merge_timer_pulls_what_it_merged(world):
+    """half_async: a push still queued when answered is merged by the server's timer
+    (half_async_merge_s) later; a forward after that pulls (it would otherwise miss this
+    trainer's own push), one before it runs on the answer without pulling."""
+    short, long = job("merge-timer-short"), job("merge-timer-long")
+    for name, seconds in ((short, 0.05), (long, 60.0)):
+        kwargs = dict(num_trainers=1, ps_mode="half_async", min_block_size=MIN_BLOCK,
+                      half_async_merge_every=1000, half_async_merge_s=seconds)
+        world.call(_create_on, trainers(1), name, ("net", 1, SERVERS), kwargs)
+        world.run({"trainer0": (r.step_and_capture, name, 0)})
+    time.sleep(0.5)  # the short job's timers merged the queued pushes
+    seen = world.run({"trainer0": (r.forward_seen, short, 0)})["trainer0"]
+    assert seen["messages"] == {"ps0": 1, "ps1": 1} and seen["servers_now"], seen
+    assert not seen["right_after_push"], seen  # the merge changed the values
+    seen = world.run({"trainer0": (r.forward_seen, long, 0)})["trainer0"]
+    assert seen["messages"] == {} and seen["right_after_push"] and seen["servers_now"], seen
 
 
 # ---- geo ---------------------------------------------------------------------------------------------
