@@ -62,7 +62,7 @@ def train(args: argparse.Namespace) -> list[float]:
     )
     losses = []
     for x, y in batches(me.role_rank, args.steps):
-        loss = nn.functional.cross_entropy(model(x), y)  # forward pulls the parameters first (not in geo)
+        loss = nn.functional.cross_entropy(model(x), y)  # forward gets the parameters first (not in geo)
         loss.backward()
         model.step()  # pushes the gradients (geo: steps the local copy, pushes deltas every k steps)
         losses.append(loss.item())
