@@ -2,7 +2,9 @@
 
 Three sparse features (a user, an ad and a site id per click, three ids each) look up
 ``ShardedEmbeddingBag`` tables of 1,000,000, 100,000 and 10,000 rows sliced over the parameter
-servers; only the rows a batch touches travel, both ways. The dense part (bottom and top MLPs)
+servers, grouped in a ``ShardedEmbeddingBagCollection``: a step's lookups of all three tables
+travel in one message per server, and so do their pushes; only the rows a batch touches travel,
+both ways. The dense part (bottom and top MLPs)
 trains on every trainer under ``DistributedDataParallel`` (gloo, among the trainers only).
 Clicks are synthetic, drawn from a hidden ground truth: a weight for every table row plus a
 dense weight vector. Ids follow a Zipf-like popularity curve (a few ids are frequent, most are
@@ -137,7 +139,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     the summary prints (see :func:`summary`) plus the loss and progressive-AUC curves."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from remote_module.ps import ShardedEmbeddingBag
+    from remote_module.ps import ShardedEmbeddingBag, ShardedEmbeddingBagCollection
 
     me = current_worker()
     say(f"{me.name}: forming the trainers' DDP group ({me.role_size} trainers)")
@@ -145,14 +147,14 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     servers = me.workers("ps")
     torch.manual_seed(0)  # the same dense initialisation on every trainer (DDP checks it anyway)
     # geo: a trainer pushes every cached row's delta each geo_push_every steps
-    tables = []
+    tables = {}
     for t, (name, rows) in enumerate(TABLES.items()):
         with still(f"{me.name}: creating table {name} ({rows:,} rows x {DIM}) on {len(servers)} server(s)"):
-            tables.append(
-                ShardedEmbeddingBag(rows, DIM, servers, name=f"dlrm.{name}", mode="mean", ps_mode=args.mode,
-                                    num_trainers=me.role_size, optimizer=(torch.optim.Adagrad, {"lr": 0.3}),
-                                    min_block_size=4096, geo_push_every=20, seed=t)
-            )
+            tables[name] = ShardedEmbeddingBag(
+                rows, DIM, servers, name=f"dlrm.{name}", mode="mean", ps_mode=args.mode, num_trainers=me.role_size,
+                optimizer=(torch.optim.Adagrad, {"lr": 0.3}), min_block_size=4096, geo_push_every=20, seed=t)
+    # the tables looked up together (one message per server) and stepped together
+    ebc = ShardedEmbeddingBagCollection(tables)
     with still(f"{me.name}: building the dense model (DDP over the trainers) and the click generator"):
         dense = DDP(Dense())
         opt = torch.optim.Adam(dense.parameters(), lr=0.003)
@@ -171,18 +173,15 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
         batch = truth.batch(gen)
-        pooled = []
-        for table, ids in zip(tables, batch.ids):
-            t0 = time.perf_counter()
-            pooled.append(table(ids))
-            latencies.append(time.perf_counter() - t0)
-        scores = dense(batch.dense, pooled)
+        t0 = time.perf_counter()
+        out = ebc(dict(zip(TABLES, batch.ids)))
+        latencies.append(time.perf_counter() - t0)
+        scores = dense(batch.dense, [out[name] for name in TABLES])
         loss = nn.functional.binary_cross_entropy_with_logits(scores, batch.clicks)
         opt.zero_grad()
         loss.backward()
         opt.step()
-        for table in tables:
-            table.step()
+        ebc.step()  # every table's touched rows, one message per server
         losses.append(loss.item())
         recent.append((scores.detach(), batch.clicks))
         if step % 5 == 0 or step == args.steps:
@@ -198,7 +197,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     say(f"{me.name}: {args.steps} steps done; scoring {EVAL} held-out clicks")
     held_out = truth.batch(torch.Generator().manual_seed(999), EVAL)
     with torch.no_grad():
-        scores = dense.module(held_out.dense, [t(ids) for t, ids in zip(tables, held_out.ids)])
+        out = ebc(dict(zip(TABLES, held_out.ids)))
+        scores = dense.module(held_out.dense, [out[name] for name in TABLES])
     lat = torch.tensor(latencies, dtype=torch.float64)
     k = max(1, len(losses) // 10)
     return {
@@ -211,7 +211,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "auc_truth_dense_only": auc(truth.logit(held_out.ids, held_out.dense, sparse=False), held_out.clicks),
         "steps_per_s": args.steps / elapsed,
         "lookups_per_s": args.steps * BATCH * BAG * len(TABLES) / float(lat.sum()),
-        "bytes_pushed_per_step": sum(t.pushed_bytes for t in tables) / args.steps,
+        "bytes_pushed_per_step": sum(t.pushed_bytes for t in tables.values()) / args.steps,
         "lookup_p50_ms": float(lat.quantile(0.5)) * 1e3,
         "lookup_p99_ms": float(lat.quantile(0.99)) * 1e3,
         "losses": losses,
@@ -303,8 +303,8 @@ def summary(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
             "",
             f"AUC: on {EVAL} held-out clicks; the hidden truth scores {r['auc_truth']:.3f} on them, "
             f"its dense features alone {r['auc_truth_dense_only']:.3f}.",
-            f"lookups/s: ids looked up per second spent looking up; p50/p99: one table's lookup of "
-            f"{BATCH} bags of {BAG} ids.",
+            f"lookups/s: ids looked up per second spent looking up; p50/p99: one lookup of the {len(TABLES)} "
+            f"tables together (one message per server), {BATCH} bags of {BAG} ids each.",
             "pushed B/step: bytes of row ids and gradient rows (geo: row deltas) sent to the servers per step.",
         ]
     return "\n".join(lines)
