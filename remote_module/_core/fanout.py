@@ -53,7 +53,7 @@ from functools import partial
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import torch.distributed.rpc as rpc
-from torch.futures import Future
+from torch.futures import Future, collect_all
 
 from remote_module._core._torch_private import (
     dist_autograd_contexts_exist,
@@ -136,22 +136,16 @@ def _run_many(calls: list[tuple[Callable[..., Any], tuple, dict]]) -> Future:
     if not waiting:
         done.set_result(answers)
         return done
-    left = [len(waiting)]
-    lock = threading.Lock()
 
-    def settle(i: int, fut: Future) -> None:
-        try:
-            answers[i] = (True, fut.value())
-        except BaseException as exc:
-            answers[i] = (False, capture(exc))
-        with lock:
-            left[0] -= 1
-            last = not left[0]
-        if last:
-            done.set_result(answers)
+    def settle(_: Future) -> None:
+        for i, fut in waiting:
+            try:
+                answers[i] = (True, fut.value())
+            except BaseException as exc:
+                answers[i] = (False, capture(exc))
+        done.set_result(answers)
 
-    for i, fut in waiting:
-        fut.add_done_callback(partial(settle, i))
+    collect_all([fut for _, fut in waiting]).add_done_callback(settle)  # once every one is done
     return done
 
 

@@ -383,11 +383,15 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)
         return flat, uniq, inverse
 
-    def _checked_ids(self, input: torch.Tensor) -> torch.Tensor:
-        """``input`` flattened as int64 ids, checked: an integer tensor, ids in range."""
+    def _check_id_tensor(self, input: Any) -> None:
+        """``TypeError`` unless ``input`` is a tensor of integer ids (int32 or int64)."""
         if not isinstance(input, torch.Tensor) or input.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"{type(self).__name__} takes a tensor of integer ids, got "
                             f"{getattr(input, 'dtype', type(input).__name__)}")
+
+    def _checked_ids(self, input: torch.Tensor) -> torch.Tensor:
+        """``input`` flattened as int64 ids, checked: an integer tensor, ids in range."""
+        self._check_id_tensor(input)
         flat = input.reshape(-1).long()
         check_ids(flat, self.num_embeddings)
         return flat

@@ -9,7 +9,7 @@ from torch import nn
 
 from remote_module.ps import _table_server
 from remote_module.ps._embedding import ShardedEmbedding, lookup_calls
-from remote_module.ps._rows import check_offsets
+from remote_module.ps._rows import check_offsets, with_padding_row
 
 
 class _BagRows(torch.autograd.Function):
@@ -118,11 +118,8 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         ``wait_s``: as for :meth:`_rows_plan`."""
         wait_s = self._wait_s() if wait_s is None else wait_s
         records = torch.is_grad_enabled() and self.grad_marker.requires_grad
-        needs_rows = self.ps_mode == "geo" or (
-            per_sample_weights is not None and per_sample_weights.requires_grad and torch.is_grad_enabled())
-        if not records and not needs_rows and len(self._server_names) == 1 and (
-                per_sample_weights is None or getattr(per_sample_weights, "dtype", None) == self._dtype()):
-            # (weights of another dtype than the module's are refused here, as torch refuses them)
+        needs_rows = self._needs_rows(per_sample_weights)
+        if self._sent_as_given(per_sample_weights):
             return self._whole_plan(input, offsets, per_sample_weights, wait_s)
         check_offsets(offsets)
         if needs_rows:
@@ -176,14 +173,26 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         return calls, lambda got: self._pooled(got, kind, called, flat, uniq, inverse, bags, weights, keep, holder,
                                                 zero, server_of, num_bags, grad, dtype)
 
+    def _needs_rows(self, per_sample_weights: Any) -> bool:
+        """Whether a lookup pools the fetched rows here: geo mode (the cached rows are the
+        values), or ``per_sample_weights`` that need a gradient (which needs the rows)."""
+        return self.ps_mode == "geo" or (
+            per_sample_weights is not None and per_sample_weights.requires_grad and torch.is_grad_enabled())
+
+    def _sent_as_given(self, per_sample_weights: Any) -> bool:
+        """Whether a lookup goes to the server as given (:meth:`_whole_plan`): it records
+        nothing, one server holds the table and the rows are pooled there (weights of another
+        dtype than the module's are refused here instead, as torch refuses them)."""
+        return (not (torch.is_grad_enabled() and self.grad_marker.requires_grad)
+                and not self._needs_rows(per_sample_weights) and len(self._server_names) == 1
+                and (per_sample_weights is None or getattr(per_sample_weights, "dtype", None) == self._dtype()))
+
     def _whole_plan(self, input: torch.Tensor, offsets: torch.Tensor | None, per_sample_weights: torch.Tensor | None,
                     wait_s: float) -> tuple[list, Callable[[list], torch.Tensor]]:
         """A lookup that records nothing, of a table one server holds whole: the arguments
         travel as given and the server pools them as ``nn.EmbeddingBag`` would
         (:meth:`Table.bags`: the same checks, errors and sums), so the trainer does no work."""
-        if not isinstance(input, torch.Tensor) or input.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"{type(self).__name__} takes a tensor of integer ids, got "
-                            f"{getattr(input, 'dtype', type(input).__name__)}")
+        self._check_id_tensor(input)
         weights = None if per_sample_weights is None else per_sample_weights.detach()
         handler = _table_server._bags_when_applied if self.ps_mode == "sync" else _table_server._bags_now
         calls = [(self._server_names[0], handler,
@@ -277,13 +286,7 @@ class ShardedEmbeddingBag(ShardedEmbedding):
     def _pool_rows_here(self, fetched: tuple, input: torch.Tensor, offsets: torch.Tensor | None,
                         per_sample_weights: torch.Tensor | None) -> torch.Tensor:
         uniq, inverse, rows = fetched
-        pad = None
-        if self.padding_idx is not None:
-            hit = (uniq == self.padding_idx).nonzero().reshape(-1)
-            # the padding id's index among the unique ids (or one no input uses)
-            pad = int(hit[0]) if hit.numel() else uniq.numel()
-            if not hit.numel():
-                rows = torch.cat([rows, rows.new_zeros(1, self.embedding_dim)])
+        rows, pad = with_padding_row(uniq, rows, self.padding_idx)
         return nn.functional.embedding_bag(
             inverse.reshape(input.shape), rows, offsets, mode=self.bag_mode,
             per_sample_weights=per_sample_weights, padding_idx=pad,

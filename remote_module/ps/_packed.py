@@ -37,7 +37,7 @@ def packable(table: Any, input: Any, offsets: Any, per_sample_weights: Any) -> b
     elif not (input.dim() == 1 and isinstance(offsets, torch.Tensor) and offsets.dim() == 1
               and offsets.dtype == torch.int64 and offsets.numel() > 0):
         return False
-    return len(table._server_names) > 1 or (torch.is_grad_enabled() and table.grad_marker.requires_grad)
+    return not table._sent_as_given(None)
 
 
 class Layout:

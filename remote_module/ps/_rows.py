@@ -318,6 +318,21 @@ def check_offsets(offsets: object) -> None:
                              f"{int(offsets[i])} after offsets[{i - 1}]={int(offsets[i - 1])}")
 
 
+def with_padding_row(uniq: torch.Tensor, rows: torch.Tensor, padding_idx: int | None
+                     ) -> tuple[torch.Tensor, int | None]:
+    """``rows`` (row ``j`` is id ``uniq[j]``) and the ``padding_idx`` to pool them with
+    torch's ``embedding_bag`` for a table whose padding row is ``padding_idx``: the padding
+    id's index among ``uniq``, or, when no input holds it, a zero row appended that no input
+    uses (with ``padding_idx=None`` torch pools with another kernel, whose sums differ in the
+    last bit); ``None`` for a table without one."""
+    if padding_idx is None:
+        return rows, None
+    hit = (uniq == padding_idx).nonzero().reshape(-1)
+    if hit.numel():
+        return rows, int(hit[0])
+    return torch.cat([rows, rows.new_zeros(1, rows.shape[1])]), uniq.numel()
+
+
 def check_ids(ids: torch.Tensor, num_embeddings: int) -> None:
     """``IndexError`` unless every one of ``ids`` (int64) is in ``[0, num_embeddings)``."""
     if ids.numel():

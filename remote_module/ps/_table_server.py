@@ -26,7 +26,15 @@ from torch.futures import Future
 
 from remote_module._core import HostStore, capture, embedding_bag_parts
 from remote_module.ps._modes import HalfAsyncMerges, SyncSteps, read_when_applied, settle
-from remote_module.ps._rows import TableSpec, _Rows, check_ids, check_offsets, pool_rows, row_key
+from remote_module.ps._rows import (
+    TableSpec,
+    _Rows,
+    check_ids,
+    check_offsets,
+    pool_rows,
+    row_key,
+    with_padding_row,
+)
 from remote_module.ps._rowwise import coalesce
 
 ALL = slice(None)  # "every position": indexes a tensor without a copy
@@ -131,15 +139,7 @@ class Table:
                                                    per_sample_weights=weights, padding_idx=self.spec.padding_idx)
         # lazy (or several blocks): pool the rows of the unique ids, read out first
         uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)
-        rows = self.lookup(uniq)
-        pad = None
-        if self.spec.padding_idx is not None:
-            # the padding id's index among the unique ids, or a zero row no input uses: torch
-            # pools with another kernel when padding_idx is None, whose sums differ in the last bit
-            hit = (uniq == self.spec.padding_idx).nonzero().reshape(-1)
-            pad = int(hit[0]) if hit.numel() else uniq.numel()
-            if not hit.numel():
-                rows = torch.cat([rows, rows.new_zeros(1, self.spec.dim)])
+        rows, pad = with_padding_row(uniq, self.lookup(uniq), self.spec.padding_idx)
         return nn.functional.embedding_bag(inverse.reshape(input.shape), rows, offsets, mode=mode,
                                            per_sample_weights=weights, padding_idx=pad)
 
@@ -344,23 +344,16 @@ def _pool_tables(names: list[str], steps: list[int], ids: torch.Tensor, first: t
     if len(pending) == 1:
         return pending[0]
     answer: Future = Future()
-    left = [len(pending)]
-    lock = threading.Lock()
 
     def arrived(_: Future) -> None:
-        with lock:
-            left[0] -= 1
-            if left[0]:
-                return
         try:  # every table's answer, or the first table's error as it was raised
             value = torch.cat([f.wait() for f in pending])
-        except BaseException as exc:
+        except BaseException as exc:  # (set here: torch's then() would retype it)
             answer.set_exception(exc)
             return
         answer.set_result(value)
 
-    for f in pending:
-        f.add_done_callback(arrived)
+    torch.futures.collect_all(pending).add_done_callback(arrived)  # once every table's is done
     return answer
 
 
