@@ -9,7 +9,8 @@ never from its modules: what is listed in ``__all__`` is the internal API, and
   argument written once (:func:`rpc_timeout_argument`);
 - ``fanout``: N host calls at once (:func:`call_all`, :func:`call_all_async`,
   :func:`call_async`; :func:`send_to_each` for calls a layer checked once; :func:`call_grouped`:
-  one message per worker; :func:`call_one`: one call whose answer holds no RRef, waited for in
+  one message per worker, :func:`call_grouped_each_async` with each call's outcome, later;
+  :func:`call_one`: one call whose answer holds no RRef, waited for in
   the calling thread), nested budgets
   (:func:`nested_seconds`, :func:`answer_margin`), :func:`send_and_forget`;
 - ``settling``: settling futures off the RPC threads and the one deadline watcher;
@@ -68,6 +69,7 @@ from remote_module._core.fanout import (
     call_grouped,
     call_grouped_async,
     call_grouped_each,
+    call_grouped_each_async,
     call_one,
     nested_seconds,
     send_and_forget,
@@ -109,6 +111,7 @@ __all__ = [
     "call_grouped",
     "call_grouped_async",
     "call_grouped_each",
+    "call_grouped_each_async",
     "capture",
     "complete",
     "device_map_to",

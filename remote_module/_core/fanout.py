@@ -601,6 +601,14 @@ def call_grouped_each(calls: Iterable[HostCall | tuple], timeout: float | None =
     return _send_grouped(calls, timeout, _EachBatch).wait()
 
 
+def call_grouped_each_async(calls: Iterable[HostCall | tuple], timeout: float | None = None) -> Future:
+    """:func:`call_grouped_each` without waiting: a Future of each call's outcome, ``(True,
+    result)`` or ``(False, exception)``, in the order of ``calls`` (it never fails as a whole
+    once sent). Raises at once (nothing sent) as :func:`call_grouped_async` does. For callers
+    that send now and settle later (a step whose pushes stay in flight)."""
+    return _send_grouped(calls, timeout, _EachBatch)
+
+
 def _send_grouped(calls: Iterable[HostCall | tuple], timeout: float | None, batch_type: type) -> Future:
     checked, infos, seconds = _checked_calls(calls, timeout)
     combined: Future = Future()
