@@ -108,7 +108,10 @@ def _no_more(cls: Any, kwargs: dict) -> None:
 
 
 def coalesce(ids: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sorted unique ``ids`` and their rows summed (a sparse gradient's ``coalesce()``)."""
+    """Sorted unique ``ids`` and their rows summed (a sparse gradient's ``coalesce()``);
+    ``ids`` already sorted and unique (a step's single lookup) are returned as they are."""
+    if ids.numel() < 2 or bool((ids[1:] > ids[:-1]).all()):
+        return ids, rows
     unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
     summed = torch.zeros((unique.numel(),) + tuple(rows.shape[1:]), dtype=rows.dtype)
     summed.index_add_(0, inverse, rows)

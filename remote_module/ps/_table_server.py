@@ -82,8 +82,10 @@ class Table:
         all of them, the common case of one block per server, taken without a copy)."""
         if len(self.blocks) == 1:
             rows = self.blocks[0]
-            if ids.numel() and (int(ids.min()) < rows.first or int(ids.max()) >= rows.first + rows.count):
-                self._owner(ids)  # raises, naming the ids
+            if ids.numel():
+                low, high = torch.aminmax(ids)
+                if int(low) < rows.first or int(high) >= rows.first + rows.count:
+                    self._owner(ids)  # raises, naming the ids
             return [(rows, ALL)]
         owner = self._owner(ids)
         out = []
@@ -298,6 +300,17 @@ def _rows_for(name: str, ids: torch.Tensor, step: int = 0, pool: tuple | None = 
     after ``seconds`` fails naming the trainers that have not pushed)."""
     table = _table(name)
     return read_when_applied(table, step, seconds, table.answer, ids, pool)
+
+
+def _rows_now(name: str, ids: torch.Tensor, step: int = 0, pool: tuple | None = None,
+              seconds: float = math.inf) -> object:
+    """:func:`_rows_for` of a table that never waits (not sync), answered without a Future:
+    the same read, under the table's lock."""
+    table = _table(name)
+    if table.spec.mode == "sync":
+        raise ValueError(f"table {name!r} is in sync mode: its lookups wait for the step (_rows_for)")
+    with table.lock:
+        return table.answer(ids, pool)
 
 
 @rpc.functions.async_execution
