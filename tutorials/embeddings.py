@@ -19,7 +19,7 @@ import sys
 import torch
 from torch import nn
 
-from remote_module.ps import ShardedEmbeddingBag
+from remote_module.ps import ShardedEmbeddingBag, prefetching
 from rpc_backend import current_worker, run_local
 
 ROWS, DIM, BAG, BATCH = 1_000, 8, 4, 64
@@ -56,13 +56,14 @@ def train(steps: int) -> dict:
     print(model.items, flush=True)
     opt = torch.optim.SGD(model.head.parameters(), lr=0.05)  # the local part
     losses = []
-    for ids, target in batches(steps):
+    # each step also sends the next batch's lookup (one message to ps0 per step)
+    for ids, target in prefetching(batches(steps), model.items, features=lambda batch: batch[0]):
         loss = nn.functional.mse_loss(model(ids), target)
         opt.zero_grad()
         model.items.zero_grad()
         loss.backward()
         opt.step()  # the head, locally
-        model.items.step()  # pushes the touched rows' gradients to ps0
+        model.items.step()  # pushes the touched rows' gradients to ps0 (and returns)
         losses.append(loss.item())
 
     # the checkpoint has the local module's key: it loads into a plain nn.EmbeddingBag

@@ -7,7 +7,8 @@ server-side optimizers, and sync / async / half-async / geo training.
 :class:`ShardedEmbeddingBag` are embedding tables sliced into row blocks over the servers, with
 sparse lookups and sparse updates (inside a PSModel or on their own);
 :class:`ShardedEmbeddingBagCollection` looks up and pushes several tables together, one
-message per server. Servers run no code of their own.
+message per server; their ``prefetch`` (or :func:`prefetching` over a batch iterator) sends the
+next batch's lookups with a step's pushes. Servers run no code of their own.
 """
 
 from remote_module.ps._collection import ShardedEmbeddingBagCollection
@@ -15,9 +16,10 @@ from remote_module.ps._dispatch import HashName, RoundRobin
 from remote_module.ps._embedding import ShardedEmbedding
 from remote_module.ps._embedding_bag import ShardedEmbeddingBag
 from remote_module.ps._model import PSModel
+from remote_module.ps._prefetching import prefetching
 from remote_module.ps._slicing import Block, slice_blocks
 
 __all__ = [
     "slice_blocks", "Block", "RoundRobin", "HashName", "PSModel", "ShardedEmbedding", "ShardedEmbeddingBag",
-    "ShardedEmbeddingBagCollection",
+    "ShardedEmbeddingBagCollection", "prefetching",
 ]

@@ -16,8 +16,8 @@ from remote_module._core import (
     retyped,
     timeout_seconds,
 )
-from remote_module.ps import _packed
-from remote_module.ps._embedding import run_push_plans
+from remote_module.ps import _packed, _table_server
+from remote_module.ps._embedding import Flight, Prefetch, at_step, send_push_plans
 from remote_module.ps._embedding_bag import ShardedEmbeddingBag
 
 
@@ -109,7 +109,19 @@ class ShardedEmbeddingBagCollection(nn.Module):
                     )
             self.add_module(name, table)  # torch's own checks of the name (no '.', no attribute clash)
         self._names = tuple(tables)
+        #: per server: messages this collection sent it, ids it asked it to look up, and rows it
+        #: pushed to it (see :meth:`_count`), since construction
+        self.traffic: dict[str, dict[str, int]] = {}
         self._layouts: dict = {}  # per embedding_dim, the last batch layout of the tables planned together
+
+    def __getstate__(self) -> dict:
+        """As nn.Module's, once the pushes in flight landed, less the prefetch (a copy shares
+        the servers' rows, not this trainer's lookups ahead)."""
+        self._wait_pushes()
+        state = self.__dict__.copy()
+        for key in ("_flight", "_prefetched", "_next_prefetch"):
+            state.pop(key, None)
+        return state
 
     @property
     def ps_mode(self) -> str:
@@ -145,7 +157,75 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return f"tables={list(self._names)}, ps_mode={self.ps_mode!r}"
 
     def forward(self, features: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        """``{name: pooled bags}`` for every table (see the class docstring)."""
+        """``{name: pooled bags}`` for every table (see the class docstring); of the
+        :meth:`prefetch` of equal features when there is one."""
+        arguments = self._arguments(features)
+        key = tuple(v for name in self._names for v in arguments[name])
+        records = torch.is_grad_enabled() and any(t.grad_marker.requires_grad for t in self.tables().values())
+        self._wait_pushes()
+        self.__dict__.pop("_step_done", None)  # a failed step() not retried: the next one is whole
+        handle = self.__dict__.pop("_prefetched", None)
+        after = self.__dict__.pop("_next_prefetch", None)
+        if handle is not None and not handle.failed and not handle.replan and handle.matches(key, records):
+            if handle.got is not None:
+                out = handle.finish(handle.answers())
+            else:
+                out = handle.finish(call_grouped(self._count(at_step(handle.calls, self._step_of)),
+                                                 timeout=self.timeout))
+        else:
+            calls, finish = self._plan(arguments)
+            out = finish(call_grouped(self._count(calls), timeout=self.timeout))
+        if after is not None:
+            after()
+        return out
+
+    def prefetch(self, features: Mapping[str, Any]) -> Prefetch:
+        """Plan the lookups of ``features`` now (checked as :meth:`forward` checks them) for the
+        next forward: sent with the next :meth:`step`'s pushes (one message per server; the
+        servers answer once they applied them, so results are those without prefetch, in every
+        mode), or by that forward when no step comes first. The next forward with equal
+        features (by value) consumes it; any other forward drops it; a new prefetch replaces
+        it. Returns the handle."""
+        arguments = self._arguments(features)
+        key = tuple(v for name in self._names for v in arguments[name])
+        records = torch.is_grad_enabled() and any(t.grad_marker.requires_grad for t in self.tables().values())
+        self._wait_pushes()
+        calls, finish = self._plan(arguments)
+        handle = Prefetch(key, records, calls, finish, replan=self.ps_mode == "geo")
+        self._prefetched = handle
+        return handle
+
+    def _step_of(self, name: str) -> int:
+        return self._by_name()[name]._step
+
+    def _count(self, calls: list) -> list:
+        """Add ``calls`` (one send: one message per server) to :attr:`traffic`; ``calls``."""
+        traffic = self.__dict__.setdefault("traffic", {})
+        for server in {call[0] for call in calls}:
+            traffic.setdefault(server, {"messages": 0, "ids_looked_up": 0, "rows_pushed": 0})["messages"] += 1
+        for server, handler, args in calls:
+            if handler is _table_server._pool_tables:
+                traffic[server]["ids_looked_up"] += args[2].numel()
+            elif handler is _table_server._push_rows and len(args) > 3:
+                traffic[server]["rows_pushed"] += 0 if args[3] is None else args[3].numel()
+            elif len(args) > 1 and isinstance(args[1], torch.Tensor):  # a table's lookup: its ids (or input) second
+                traffic[server]["ids_looked_up"] += args[1].numel()
+        return calls
+
+    def _by_name(self) -> dict[str, ShardedEmbeddingBag]:
+        """The tables by their job-wide names (as the servers know them)."""
+        return {t.name: t for t in self.tables().values()}
+
+    def _wait_pushes(self) -> None:
+        """Wait for the pushes in flight of this collection's step and of its tables'."""
+        flight = self.__dict__.pop("_flight", None)
+        if flight is not None:
+            flight.land()
+        for table in self.tables().values():
+            table._wait_pushes()
+
+    def _arguments(self, features: Mapping[str, Any]) -> dict[str, tuple]:
+        """Each table's ``(input, offsets, per_sample_weights)`` of ``features``, checked."""
         if not isinstance(features, Mapping):
             raise TypeError(f"ShardedEmbeddingBagCollection takes a mapping of table name -> input, got "
                             f"{type(features).__name__}")
@@ -156,8 +236,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
         for name in self._names:
             if name not in features:
                 raise KeyError(f"ShardedEmbeddingBagCollection: no input for table {name!r}")
-        wait_s = nested_seconds(timeout_seconds(self.timeout))  # a sync server's answer arrives in time
-        self.__dict__.pop("_step_done", None)  # a failed step() not retried: the next one is whole
         arguments = {}
         for name in self._names:
             value = features[name]
@@ -174,6 +252,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 arguments[name] = self._modules[name]._bag_args(*arguments[name])
             except (TypeError, ValueError, RuntimeError) as exc:
                 raise retyped(exc, f"ShardedEmbeddingBagCollection table {name!r}: {exc}") from exc
+        return arguments
+
+    def _plan(self, arguments: dict[str, tuple]) -> tuple[list, Callable[[list], dict[str, torch.Tensor]]]:
+        """The host calls of a forward of ``arguments`` and what makes its output of their answers."""
+        wait_s = nested_seconds(timeout_seconds(self.timeout))  # a sync server's answer arrives in time
         # the plain sum / mean lookups planned together, in a few whole-batch ops (ps._packed)
         # (one plan per embedding_dim: a server answers a plan's bags packed in one tensor)
         by_dim: dict[int, list[str]] = {}
@@ -200,28 +283,36 @@ class ShardedEmbeddingBagCollection(nn.Module):
         calls = [call for table_calls, _ in plans.values() for call in table_calls]
         for _, (pack_calls, _) in packs:
             calls += pack_calls
-        got = call_grouped(calls, timeout=self.timeout)
-        out, at = {}, 0
-        for name, (table_calls, finish) in plans.items():
-            out[name] = finish(got[at:at + len(table_calls)])
-            at += len(table_calls)
-        for names, (pack_calls, finish) in packs:
-            out.update(zip(names, finish(got[at:at + len(pack_calls)])))
-            at += len(pack_calls)
-        return {name: out[name] for name in self._names}
+
+        def finish(got: list) -> dict[str, torch.Tensor]:
+            out, at = {}, 0
+            for name, (table_calls, table_finish) in plans.items():
+                out[name] = table_finish(got[at:at + len(table_calls)])
+                at += len(table_calls)
+            for names, (pack_calls, pack_finish) in packs:
+                out.update(zip(names, pack_finish(got[at:at + len(pack_calls)])))
+                at += len(pack_calls)
+            return {name: out[name] for name in self._names}
+
+        return calls, finish
 
     def step(self) -> None:
         """Push every table's gradients, one message per server (see the tables' ``step``:
         what is pushed, retries, sync). Each table succeeds or fails as its own ``step()``
         would: one whose push failed keeps its gradients for a retry (or ``zero_grad()``), the
         others count as stepped; the first failure is raised once every call was answered. A
-        ``step()`` after one that failed part-way steps only the tables that failed."""
+        ``step()`` after one that failed part-way steps only the tables that failed.
+
+        Except in sync mode without a :meth:`prefetch`, the pushes are sent and ``step()``
+        returns with them in flight; the next call on the collection or one of its tables waits
+        for them first, and a failure raises there (once), as above."""
         timeout_seconds(self.timeout)  # checked before anything is taken
+        self._wait_pushes()
         # the tables stepped already by a step() that failed part-way: its retry steps only the
         # others (sync: a second push of a stepped table would be taken for its next round, and
         # put this trainer a step ahead of the others for good), as PSModel.step() does
         done = self.__dict__.setdefault("_step_done", set())
-        plans = []
+        plans, pushing = [], set()
         for name in self._names:
             if name in done:
                 continue
@@ -231,22 +322,49 @@ class ShardedEmbeddingBagCollection(nn.Module):
             else:
                 calls, table_done, failed = plan
                 plans.append((calls, partial(_finished, done, name, table_done), failed))
-        run_push_plans(plans, self.timeout)
-        done.clear()
+                pushing.add(self._modules[name].name)
+        handle = self.__dict__.get("_prefetched")
+        if handle is not None and handle.sent:  # sent with an earlier step, never consumed: stale now
+            self._prefetched = handle = None
+        by_name = self._by_name()
+        reads = [] if handle is None or handle.replan else at_step(
+            handle.calls, lambda n: by_name[n]._step + (n in pushing))  # sync: the step these pushes complete
+        self._count([call for plan in plans for call in plan[0]] + reads)
+        settle = send_push_plans(plans, self.timeout, reads)
+
+        def landed() -> list:
+            got = settle()
+            done.clear()
+            return got
+
+        if reads:
+            handle.sent = True
+        elif self.ps_mode == "sync":
+            landed()
+            return
+        flight = Flight(landed, handle if reads else None)
+        self._flight = flight
+        for name in self._names:  # a table used on its own lands it first
+            self._modules[name]._flight = flight
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Every table's ``zero_grad`` (the gradients recorded since the last step are dropped)."""
+        """Every table's ``zero_grad`` (the gradients recorded since the last step are dropped),
+        once the pushes in flight landed."""
+        self._wait_pushes()
         self.__dict__.pop("_step_done", None)  # a failed step() dropped, not retried
         for table in self.tables().values():
             table.zero_grad(set_to_none)
 
     def flush(self) -> None:
-        """Every table's ``flush`` (half_async: the servers apply what they queued)."""
+        """Wait for the pushes in flight; every table's ``flush`` (half_async: the servers apply
+        what they queued)."""
+        self._wait_pushes()
         for table in self.tables().values():
             table.flush()
 
     def optimizer_state_dict(self) -> dict[str, dict]:
         """``{name: that table's optimizer_state_dict()}``."""
+        self._wait_pushes()
         return {name: table.optimizer_state_dict() for name, table in self.tables().items()}
 
     def load_optimizer_state_dict(self, state: Mapping[str, dict]) -> None:

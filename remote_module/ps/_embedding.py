@@ -20,7 +20,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from remote_module._core import (
     backward_accumulates,
     call_all,
-    call_grouped_each,
+    call_grouped_each_async,
     call_one,
     nested_seconds,
     positive_int,
@@ -104,66 +104,178 @@ def run_push_plans(plans: Sequence[PushPlan], timeout: float | None) -> None:
     succeeded, ``failed()`` (keep the gradients for a retry) when one did not, as a plan sent
     alone would be. The first failure is raised once every call was answered; when nothing
     could be sent, every plan is failed."""
+    send_push_plans(plans, timeout)()
+
+
+def send_push_plans(plans: Sequence[PushPlan], timeout: float | None, reads: Sequence[tuple] = ()
+                    ) -> Callable[[], list]:
+    """:func:`run_push_plans` without waiting: send the pushes now, and after them ``reads``
+    (lookups, in the same message as the pushes to their server: a server runs the calls of a
+    message in order, so each read sees those pushes), and return ``settle()``, which waits,
+    settles each plan as :func:`run_push_plans` does (raising the first push failure) and
+    returns the reads' outcomes, ``(True, answer)`` or ``(False, exception)``. When nothing
+    could be sent every plan is failed and this raises."""
     try:
-        outcomes = _packed_pushes([call for plan in plans for call in plan[0]], timeout)
+        future, unpack = _send_packed([call for plan in plans for call in plan[0]], list(reads), timeout)
     except BaseException:  # nothing was sent (a call that cannot be sent, RPC down)
         for plan in plans:
             plan[2]()
         raise
-    first: BaseException | None = None
-    at = 0
-    for plan in plans:
-        calls, done, failed = plan[:3]
-        mine = outcomes[at:at + len(calls)]
-        failure = next((value for ok, value in mine if not ok), None)
-        at += len(calls)
-        if failure is None:
-            if len(plan) > 3:  # a plan that wants its calls' answers
-                plan[3]([value for _, value in mine])
-            done()
-        else:
-            failed()
-            first = first if first is not None else failure
-    if first is not None:
-        raise first
+
+    def settle() -> list:
+        outcomes, read_outcomes = unpack(future.wait())
+        first: BaseException | None = None
+        at = 0
+        for plan in plans:
+            calls, done, failed = plan[:3]
+            mine = outcomes[at:at + len(calls)]
+            failure = next((value for ok, value in mine if not ok), None)
+            at += len(calls)
+            if failure is None:
+                if len(plan) > 3:  # a plan that wants its calls' answers
+                    plan[3]([value for _, value in mine])
+                done()
+            else:
+                failed()
+                first = first if first is not None else failure
+        if first is not None:
+            raise first
+        return read_outcomes
+
+    return settle
 
 
-def _packed_pushes(calls: list, timeout: float | None) -> list[tuple[bool, Any]]:
-    """:func:`call_grouped_each` of ``calls``, the tables' pushes (``_push_rows``) to one
-    server packed into one call (``_push_tables``: their ids and gradient rows in one tensor
-    each, per row width) that runs them in order and answers each one's outcome, as the
-    grouped calls would be run and answered."""
+def _send_packed(calls: list, reads: list, timeout: float | None) -> tuple[Any, Callable[[list], tuple]]:
+    """Send ``calls`` (pushes) and then ``reads`` with :func:`call_grouped_each_async`, the
+    tables' pushes (``_push_rows``) to one server packed into one call (``_push_tables``: their
+    ids and gradient rows in one tensor each, per row width) that runs them in order and
+    answers each one's outcome, as the grouped calls would be run and answered. Returns the
+    future and ``unpack(answers) -> (each push's outcome, each read's outcome)``."""
     packs: dict[tuple, list[int]] = {}
     for i, (server, handler, args) in enumerate(calls):
         if handler is _table_server._push_rows and len(args) == 6 and args[3] is not None:
             packs.setdefault((server, args[4].shape[1], args[4].dtype, args[3].dtype), []).append(i)
     packs = {key: members for key, members in packs.items() if len(members) > 1}
-    if not packs:
-        return call_grouped_each(calls, timeout=timeout)
     packed = {i for members in packs.values() for i in members}
     sent = [call for i, call in enumerate(calls) if i not in packed]
+    alone = len(sent)
     for (server, _, _, _), members in packs.items():
         entries = [(calls[i][2][0], calls[i][2][1], calls[i][2][2], calls[i][2][3].numel(), calls[i][2][5])
                    for i in members]
         sent.append((server, _table_server._push_tables,
                      (entries, torch.cat([calls[i][2][3] for i in members]),
                       torch.cat([calls[i][2][4] for i in members]))))
-    got = call_grouped_each(sent, timeout=timeout)
-    outcomes: list[Any] = [None] * len(calls)
-    alone = iter(got[:len(sent) - len(packs)])
-    for i in range(len(calls)):
-        if i not in packed:
-            outcomes[i] = next(alone)
-    for ((server, _, _, _), members), (ok, value) in zip(packs.items(), got[len(sent) - len(packs):]):
-        for j, i in enumerate(members):
-            if not ok:  # the message failed (a server down or late): every push it carried did
-                outcomes[i] = (False, value)
-            elif value[j][0]:
-                outcomes[i] = (True, None)
-            else:
-                outcomes[i] = (False, to_exception(value[j][1], f"on worker {server!r} in the push of table "
-                                                                 f"{calls[i][2][0]!r}"))
-    return outcomes
+    pushes = len(sent)
+    future = call_grouped_each_async(sent + reads, timeout=timeout)
+
+    def unpack(got: list) -> tuple[list, list]:
+        outcomes: list[Any] = [None] * len(calls)
+        single = iter(got[:alone])
+        for i in range(len(calls)):
+            if i not in packed:
+                outcomes[i] = next(single)
+        for ((server, _, _, _), members), (ok, value) in zip(packs.items(), got[alone:pushes]):
+            for j, i in enumerate(members):
+                if not ok:  # the message failed (a server down or late): every push it carried did
+                    outcomes[i] = (False, value)
+                elif value[j][0]:
+                    outcomes[i] = (True, None)
+                else:
+                    outcomes[i] = (False, to_exception(value[j][1], f"on worker {server!r} in the push of table "
+                                                                     f"{calls[i][2][0]!r}"))
+        return outcomes, list(got[pushes:])
+
+    return future, unpack
+
+
+class Flight:
+    """A step's pushes in flight (sent, not yet answered), and the prefetched lookups sent
+    after them: :meth:`land` waits for them once, settles the step (its tables' gradients are
+    kept for a retry where a push failed) and hands the lookups' answers to the prefetch; a
+    push failure is raised by the first :meth:`land` only (a collection's step is landed by
+    whichever of its tables is used first, and each failed table has kept its gradients)."""
+
+    def __init__(self, settle: Callable[[], list], prefetch: "Prefetch | None" = None) -> None:
+        self._settle, self.prefetch = settle, prefetch
+        self._lock = threading.Lock()
+
+    def land(self) -> None:
+        with self._lock:
+            settle, self._settle = self._settle, None
+            if settle is None:
+                return
+            try:
+                reads = settle()
+            except BaseException:
+                if self.prefetch is not None:
+                    self.prefetch.failed = True
+                raise
+            if self.prefetch is not None:
+                self.prefetch.got = reads
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
+    return False
+
+
+def _kept(value: Any) -> Any:
+    """A prefetch's copy of an argument, compared by value with the forward's (the caller may
+    change its tensor in place meanwhile)."""
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+class Prefetch:
+    """A lookup planned ahead by ``prefetch()``: the next forward with equal arguments (by
+    value) consumes it; it is sent with the next ``step()``'s pushes (one message per server:
+    the servers answer it once they applied them), or at that forward.
+
+    ``ready()``: whether its answer has arrived (or it is planned only); the forward waits
+    otherwise. A prefetch not consumed by the next forward is dropped."""
+
+    def __init__(self, key: tuple, records: bool, calls: list, finish: Callable[[list], Any],
+                 replan: bool = False) -> None:
+        self.key = tuple(_kept(v) for v in key)
+        self.records, self.calls, self.finish, self.replan = records, calls, finish, replan
+        self.sent = False  # with a step's pushes
+        self.got: list | None = None  # the answers' outcomes, once that step landed
+        self.failed = False  # that step's push failed: dropped
+        self.after_forward: Callable[[], Any] | None = None  # (prefetching(): the next batch's prefetch)
+
+    def matches(self, key: tuple, records: bool) -> bool:
+        return (records == self.records and len(key) == len(self.key)
+                and all(_same_value(a, b) for a, b in zip(key, self.key)))
+
+    def answers(self) -> list:
+        """The answers of its calls (raising the first failure)."""
+        out = []
+        for ok, value in self.got:
+            if not ok:
+                raise value
+            out.append(value)
+        return out
+
+
+#: where a lookup handler takes the table's step (sync: the lookup waits for step - 1)
+_STEP_AT = {_table_server._rows_for: 2, _table_server._rows_now: 2, _table_server._bags_when_applied: 5,
+            _table_server._bags_now: 5}
+
+
+def at_step(calls: list, step_of: Callable[[str], int]) -> list:
+    """``calls`` (a lookup's) reading the steps ``step_of(table name)`` gives now (a lookup
+    planned ahead is sent after a step, or at its forward)."""
+    out = []
+    for server, handler, args in calls:
+        if handler is _table_server._pool_tables:
+            args = (args[0], [step_of(n) for n in args[0]], *args[2:])
+        elif handler in _STEP_AT:
+            at = _STEP_AT[handler]
+            args = (*args[:at], step_of(args[0]), *args[at + 1:])
+        out.append((server, handler, args))
+    return out
 
 
 class ShardedEmbedding(TableCheckpoints, nn.Module):
@@ -314,18 +426,27 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         self._step = min(steps) if steps else 0
         self._pending_lock = threading.Lock()
         self._marker_lock = threading.Lock()  # see _recorded
+        self._flight_lock = threading.RLock()  # a step's pushes in flight (_flight) are landed once
+        self._flight: Flight | None = None
+        self._prefetched: Prefetch | None = None
         self._reset_gradients()
         self._group_lrs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._warned_lr = False
         _live_tables.add(self)
         _watch_optimizer_steps()
-        #: tensor bytes (ids and gradient rows) this module has pushed so far
-        self.pushed_bytes = 0
+        self._pushed_bytes = 0  # (pushed_bytes)
         starts = torch.tensor([first for first, _, _ in self._ranges])
         self.register_buffer("_starts", starts, persistent=False)
         self._server_names = list(by_server)
         # each block's server, as an index into _server_names
         self._block_server = torch.tensor([self._server_names.index(s) for _, _, s in self._ranges], dtype=torch.long)
+
+    @property
+    def pushed_bytes(self) -> int:
+        """Tensor bytes (ids and gradient rows) this module has pushed so far (once the pushes
+        in flight landed)."""
+        self._wait_pushes()
+        return self._pushed_bytes
 
     def extra_repr(self) -> str:
         """As torch's (sizes, ``padding_idx``), then where the rows live: ``print(model)``."""
@@ -373,8 +494,72 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         return dtype if dtype.is_floating_point else torch.float32
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        uniq, inverse, rows = self._rows_of(input)
-        return rows[inverse].reshape(*input.shape, self.embedding_dim)
+        return self._looked_up((input,), self._forward_plan)
+
+    def _forward_plan(self, input: torch.Tensor) -> tuple[list, Callable[[list], torch.Tensor]]:
+        calls, finish = self._rows_plan(input)
+
+        def output(got: list) -> torch.Tensor:
+            _, inverse, rows = finish(got)
+            return rows[inverse].reshape(*input.shape, self.embedding_dim)
+
+        return calls, output
+
+    def prefetch(self, input: torch.Tensor) -> Prefetch:
+        """Plan the lookup of ``input`` now (checked as :meth:`forward` checks it) for the next
+        forward: sent with the next :meth:`step`'s pushes, one message per server, whose
+        servers answer it once they applied them (what a lookup right after the step would
+        see: results are those without prefetch, in every mode), or sent by that forward when
+        no step comes first. The next forward with an equal ``input`` (by value) consumes it;
+        any other forward drops it; a new prefetch replaces it. Returns the handle."""
+        return self._prefetch((input,), self._forward_plan)
+
+    def _prefetch(self, key: tuple, plan: Callable) -> Prefetch:
+        records = torch.is_grad_enabled() and self.grad_marker.requires_grad
+        with self._flight_lock:
+            calls, finish = plan(*key)  # (the checks of the forward's arguments, now)
+            # geo: the lookup depends on the rows this trainer caches, which its step changes
+            handle = Prefetch(key, records, calls, finish, replan=self.ps_mode == "geo")
+            self._prefetched = handle
+            return handle
+
+    def _looked_up(self, key: tuple, plan: Callable) -> Any:
+        """A forward's output: of the prefetch of ``key`` when there is one (any other is
+        dropped), else of a lookup planned and sent now; after a step's pushes landed."""
+        records = torch.is_grad_enabled() and self.grad_marker.requires_grad
+        with self._flight_lock:
+            self._wait_pushes()
+            handle = self.__dict__.pop("_prefetched", None)
+            after = self.__dict__.pop("_next_prefetch", None)
+        if handle is not None and not handle.failed and not handle.replan and handle.matches(key, records):
+            if handle.got is not None:
+                out = handle.finish(handle.answers())
+            else:
+                out = handle.finish(lookup_calls(at_step(handle.calls, self._step_of), self.timeout))
+        else:
+            calls, finish = plan(*key)
+            out = finish(lookup_calls(calls, self.timeout))
+        if after is not None:
+            after()
+        return out
+
+    def _reader(self) -> Callable:
+        """The handler of this table's row and bag lookups: one that waits for the step in sync
+        mode, else one answered at once (no Future on the server)."""
+        return _table_server._rows_for if self.ps_mode == "sync" else _table_server._rows_now
+
+    def _step_of(self, name: str) -> int:
+        return self._step
+
+    def _wait_pushes(self) -> None:
+        """Wait for this table's pushes in flight (its last step's, or a collection's step's),
+        raising a failed push's error (once; the gradients are kept for a retry)."""
+        if self.__dict__.get("_flight") is None:
+            return
+        with self._flight_lock:
+            flight = self.__dict__.pop("_flight", None)
+            if flight is not None:
+                flight.land()
 
     def _unique(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``input`` flattened (checked: integer ids in range), its unique ids, and each
@@ -407,6 +592,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         its result of their answers (so that a collection can send several tables' calls to a
         server in one message). ``wait_s``: how long a sync lookup may wait on a server for
         the step (default :meth:`_wait_s`; a collection's budget is its own)."""
+        self._wait_pushes()
         wait_s = self._wait_s() if wait_s is None else wait_s
         _, uniq, inverse = self._unique(input)
         # geo: cached rows are this trainer's; only the others are fetched
@@ -415,7 +601,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         for _, server, mine in self._by_owner(uniq, wanted):
             ids = uniq[mine]
             if ids.numel():
-                calls.append((server, _table_server._rows_for, (self.name, ids, self._step, None, wait_s)))
+                calls.append((server, self._reader(), (self.name, ids, self._step, None, wait_s)))
                 taken.append(mine)
 
         def finish(got: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -447,8 +633,10 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
     def __getstate__(self) -> dict:
         """As nn.Module's, less the lock and the gradients not pushed yet (a copy, e.g.
         ``copy.deepcopy(model)`` for an averaged model, shares the servers' rows, not them)."""
+        self._wait_pushes()
         state = self.__dict__.copy()
-        for key in ("_pending_lock", "_marker_lock", "_fresh", "_held", "_hooked", "_group_lrs"):
+        for key in ("_pending_lock", "_marker_lock", "_fresh", "_held", "_hooked", "_group_lrs", "_flight_lock",
+                    "_flight", "_prefetched", "_next_prefetch"):
             state.pop(key, None)
         return state
 
@@ -459,6 +647,8 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         self._token = uuid.uuid4().hex
         self._pending_lock = threading.Lock()
         self._marker_lock = threading.Lock()
+        self._flight_lock = threading.RLock()
+        self._flight, self._prefetched = None, None
         self._reset_gradients()
         self._group_lrs = weakref.WeakKeyDictionary()
         _live_tables.add(self)
@@ -567,13 +757,17 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         return taken
 
     def flush(self) -> None:
-        """half_async: have the servers apply the queued pushes now (no-op in other modes)."""
+        """Wait for this table's pushes in flight; half_async: have the servers apply the queued
+        pushes now."""
+        self._wait_pushes()
         if self.ps_mode == "half_async":
             call_all([(s, _table_server._flush_table, (self.name,)) for s in self._by_server], timeout=self.timeout)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients accumulated since the last :meth:`step` (nothing is pushed); as
-        torch's ``zero_grad``, a backward after it (of a forward before it) counts."""
+        torch's ``zero_grad``, a backward after it (of a forward before it) counts. Waits for
+        the pushes in flight first (a failed one raises here, as at any call on the table)."""
+        self._wait_pushes()
         super().zero_grad(set_to_none)
         with self._pending_lock:
             self._held, self._fresh = [], []
@@ -609,7 +803,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
             if ids[mine].numel():
                 calls.append((server, _table_server._push_row_deltas, (self.name, ids[mine], deltas[mine])))
         call_all(calls, timeout=self.timeout)
-        self.pushed_bytes += sum(i.numel() * i.element_size() + d.numel() * d.element_size()
+        self._pushed_bytes += sum(i.numel() * i.element_size() + d.numel() * d.element_size()
                                  for _, _, (_, i, d) in calls)
         geo.drop(ids)
 
@@ -624,23 +818,35 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         A step that fails (a server did not answer in time) keeps the gradients, as a failed
         ``optimizer.step()`` keeps ``.grad``: call ``step()`` again to retry it (in sync mode a
         server that already has this step's push takes the retry as a no-op; in async and
-        half_async a server that had it applies it again), or ``zero_grad()`` to drop them."""
-        plan = self._push_plan()
-        if plan is None:
-            return
-        calls, done, failed = plan
-        try:
-            call_all(calls, timeout=self.timeout)
-        except BaseException:
-            failed()
-            raise
-        done()
+        half_async a server that had it applies it again), or ``zero_grad()`` to drop them.
+
+        In async and half_async modes (and in sync mode after a :meth:`prefetch`) the pushes are
+        sent and ``step()`` returns with them in flight; the next call on the table waits for
+        them first (a lookup is sent once they were applied), and a push that failed raises
+        there, naming its server, keeping the gradients for a retry as above."""
+        with self._flight_lock:
+            self._wait_pushes()  # the last step's (a failure raises here: call step() again to retry)
+            plan = self._push_plan()
+            if plan is None:
+                return
+            handle = self.__dict__.get("_prefetched")
+            if handle is not None and handle.sent:  # sent with an earlier step, never consumed: stale now
+                self._prefetched = handle = None
+            reads = [] if handle is None or handle.replan else at_step(handle.calls, lambda name: self._step + 1)
+            settle = send_push_plans([plan], self.timeout, reads)
+            if reads:
+                handle.sent = True
+            elif self.ps_mode == "sync":
+                settle()  # (sync waits for its push to be taken; a prefetch's lookup waits for the step)
+                return
+            self._flight = Flight(settle, handle if reads else None)
 
     def _push_plan(self) -> tuple[list, Callable[[], None], Callable[[], None]] | None:
         """:meth:`step` in parts: the host calls that push this step's gradients, what to do
         once they all succeeded, and what to do when they failed (keep the gradients for a
         retry); None in geo mode, where it steps the cached rows here (and pushes their deltas
         every ``geo_push_every`` calls) itself."""
+        self._wait_pushes()
         with self._pending_lock:
             taken = self._take_gradients()
             self._backwards, self._stepped_past = 0, False
@@ -677,7 +883,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
                 self._held = taken + self._held
 
         def done() -> None:
-            self.pushed_bytes += sum(i.numel() * i.element_size() + g.numel() * g.element_size()
+            self._pushed_bytes += sum(i.numel() * i.element_size() + g.numel() * g.element_size()
                                      for _, _, (_, _, _, i, g, _) in calls if i is not None)
             self._step += 1
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from remote_module.ps import _table_server
-from remote_module.ps._embedding import ShardedEmbedding, lookup_calls
+from remote_module.ps._embedding import Prefetch, ShardedEmbedding
 from remote_module.ps._rows import check_offsets, with_padding_row
 
 
@@ -105,8 +105,13 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         ``(bags, dim)`` partial results travel. In geo mode, and when ``per_sample_weights``
         needs a gradient (which needs the rows), the rows are fetched and pooled here instead.
         """
-        calls, finish = self._lookup_plan(*self._bag_args(input, offsets, per_sample_weights))
-        return finish(lookup_calls(calls, self.timeout))
+        return self._looked_up(self._bag_args(input, offsets, per_sample_weights), self._lookup_plan)
+
+    def prefetch(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
+                 per_sample_weights: torch.Tensor | None = None) -> Prefetch:
+        """:meth:`ShardedEmbedding.prefetch` of a bag lookup: the next :meth:`forward` with
+        equal arguments (by value) consumes it."""
+        return self._prefetch(self._bag_args(input, offsets, per_sample_weights), self._lookup_plan)
 
     def _lookup_plan(self, input: torch.Tensor, offsets: torch.Tensor | None,
                      per_sample_weights: torch.Tensor | None,
@@ -116,6 +121,7 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         server in one message). Arguments are checked here, before anything is sent; offsets
         given with ``include_last_offset`` are converted first (:meth:`_bag_args`).
         ``wait_s``: as for :meth:`_rows_plan`."""
+        self._wait_pushes()
         wait_s = self._wait_s() if wait_s is None else wait_s
         records = torch.is_grad_enabled() and self.grad_marker.requires_grad
         needs_rows = self._needs_rows(per_sample_weights)
@@ -127,13 +133,11 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         dtype = self._dtype()  # the model's (e.g. after model.double()); the servers pool float32
         if records:
             flat, uniq, inverse = self._unique(input)
-            grad = self._records()
+            grad = True  # recorded when the output is made (_pooled): a prefetch's, at its forward
             # zero rows standing for the unique ids: torch's own embedding_bag on them checks the
             # arguments as nn.EmbeddingBag does and gives the output's shape; backward puts each
             # row's gradient into them (_BagRows for sum and mean, an index_put for max)
             holder = torch.zeros(uniq.numel(), self.embedding_dim, dtype=dtype)
-            if grad:
-                holder = self._recorded(uniq, holder)
             pad = None
             if self.padding_idx is not None:
                 hit = (uniq == self.padding_idx).nonzero().reshape(-1)
@@ -168,7 +172,7 @@ class ShardedEmbeddingBag(ShardedEmbedding):
             in_bags, w = bags[mine], None if weights is None else weights[mine]
             # this server's share of each bag starts where its positions reach that bag
             pool = (torch.searchsorted(in_bags, positions), w, kind)
-            calls.append((server, _table_server._rows_for, (self.name, ids.to(wire), self._step, pool, wait_s)))
+            calls.append((server, self._reader(), (self.name, ids.to(wire), self._step, pool, wait_s)))
             called.append(k)
         return calls, lambda got: self._pooled(got, kind, called, flat, uniq, inverse, bags, weights, keep, holder,
                                                 zero, server_of, num_bags, grad, dtype)
@@ -205,6 +209,10 @@ class ShardedEmbeddingBag(ShardedEmbedding):
                 holder: torch.Tensor, zero: torch.Tensor, server_of: torch.Tensor, num_bags: int, grad: bool,
                 dtype: torch.dtype) -> torch.Tensor:
         """The output of a lookup from the servers' answers ``got`` (see :meth:`_lookup_plan`)."""
+        if grad:
+            grad = self._records()  # (warns of gradients never pushed, as every recording lookup)
+            if grad:
+                holder = self._recorded(uniq, holder)
         if kind == "sum":
             total = torch.zeros(num_bags, self.embedding_dim)
             for part in got:  # in server order

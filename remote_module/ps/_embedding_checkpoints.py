@@ -21,7 +21,9 @@ class TableCheckpoints:
     def _settle(self) -> None:
         """Before reading the servers' rows for a checkpoint: sync waits until this trainer's
         last step is applied on every server; half_async applies what is queued; geo pushes
-        this trainer's deltas (so the checkpoint holds what it trained since its last push)."""
+        this trainer's deltas (so the checkpoint holds what it trained since its last push).
+        Every mode first waits for this trainer's pushes in flight."""
+        self._wait_pushes()
         if self.ps_mode == "geo":
             self._geo_push()
         elif self.ps_mode == "sync":
@@ -31,6 +33,14 @@ class TableCheckpoints:
                      timeout=self.timeout)
         elif self.ps_mode == "half_async":
             self.flush()
+
+    def _before_rows_change(self) -> None:
+        """Before a load: the pushes in flight land first, and a prefetch sent with them (which
+        read the rows before the load) is dropped."""
+        self._wait_pushes()
+        handle = self.__dict__.get("_prefetched")
+        if handle is not None and handle.sent:
+            self._prefetched = None
 
     def _stored(self) -> tuple[torch.Tensor, torch.Tensor]:
         self._settle()
@@ -51,6 +61,7 @@ class TableCheckpoints:
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any, strict: bool,
                               missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+        self._before_rows_change()
         keys = ("weight.ids", "weight.rows") if self.init == "lazy" else ("weight",)
         if strict:  # as torch's: every key under this module's prefix is one of its own
             unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k[len(prefix):] not in keys
@@ -127,6 +138,7 @@ class TableCheckpoints:
         if misfit:
             raise ValueError(f"optimizer state for table {self.name!r} does not fit it: {misfit}")
         ids = state["ids"].long()
+        self._before_rows_change()
         if self._geo is not None:
             calls = state.get("geo_step_calls")
             self._geo.load_state_dict(int(state["step"]), ids, {k: state[k] for k in keys},

@@ -122,7 +122,8 @@ def plan(owner: Any, entries: Sequence[tuple[ShardedEmbeddingBag, torch.Tensor, 
         bad = bad | (flat < 0).any() | (flat >= layout.limit).any()
     if bool(bad):
         return None
-    records = [t._records() for t in tables]  # (warns, as a table's own lookup does, of gradients never pushed)
+    # which tables record gradients (recorded when the outputs are made: a prefetch's at its forward)
+    records = [torch.is_grad_enabled() and t.grad_marker.requires_grad for t in tables]
     gid = flat + layout.id_base_at  # one id space: table k's ids from id_base[k]
     if any(records):
         uniq, inverse = torch.unique(gid, sorted=True, return_inverse=True)
@@ -170,7 +171,7 @@ def plan(owner: Any, entries: Sequence[tuple[ShardedEmbeddingBag, torch.Tensor, 
         for i, t in enumerate(tables):
             lo, hi = layout.bag_base[i], layout.bag_base[i + 1]
             value = total[lo:hi].to(t._dtype())
-            if records[i]:
+            if records[i] and t._records():  # (warns, as a table's own lookup does, of gradients never pushed)
                 p0, p1 = layout.pos_base[i], layout.pos_base[i + 1]
                 t_uniq = uniq[cuts[i]:cuts[i + 1]] - layout.id_base[i]
                 holder = t._recorded(t_uniq, torch.zeros(t_uniq.numel(), dim, dtype=t._dtype()))

@@ -240,6 +240,7 @@ def partial_failure(job: str, how: str = "refused") -> dict:
     with pushes_replaced(model.table("users"), {"refused": _refused, "packed": _misnamed}[how]):
         try:
             model.step()
+            model.flush()  # (async: the step returns with its pushes in flight; the failure surfaces here)
             error = "no error"
         except (ValueError, LookupError) as exc:
             error = f"{type(exc).__name__}: {exc}"
@@ -339,6 +340,7 @@ def psmodel_unsendable_step(job: str) -> dict:
     with pushes_replaced(model.module.tables.table("users"), unsendable):
         try:
             model.step()
+            model.flush()  # (async: the step returns with its pushes in flight; the failure surfaces here)
             error = "no error"
         except TypeError as exc:
             error = str(exc)

@@ -32,7 +32,7 @@ def timed(name: str, what: str, timeout: float, ids: list[int] | None = None) ->
     return attempt({
         "lookup": lambda: t(ids_t.reshape(1, -1)).detach(),
         "eval": evaluate,  # records nothing: of a table one server holds, one call waited for here
-        "step": t.step,
+        "step": lambda: (t.step(), t.flush()),  # (async: the step returns with its pushes in flight; flush lands them)
         "backward": lambda: t(ids_t).pow(2).sum().backward(),
         "rows": lambda: t.state_dict()["weight"],
     }[what])
@@ -107,4 +107,5 @@ def timed_collection(name: str, what: str, timeout: float) -> dict:
         with torch.no_grad():
             return ebc(feats)
 
-    return attempt({"forward": lambda: ebc(feats)["a"].sum().backward(), "eval": evaluate, "step": ebc.step}[what])
+    return attempt({"forward": lambda: ebc(feats)["a"].sum().backward(), "eval": evaluate,
+                    "step": lambda: (ebc.step(), ebc.flush())}[what])

@@ -13,6 +13,7 @@ import torch
 
 from tests.ps import _embedding_edge_cases_remote as h
 from tests.ps import _embedding_faults_remote as f
+from tests.ps import _prefetch_remote as pf
 from tests.ps._world import job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -100,6 +101,39 @@ def _prepare_collection_kw(name, kwargs):  # on a trainer
 
 def _prepare_kw(name, ids, kwargs):  # on a trainer
     return f.prepare(name, ids, **kwargs)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_server_frozen_with_a_step_in_flight_is_named_at_the_next_call_and_the_retry_applies_once(faulty, mode):
+    """A step sent with the next batch's prefetch (one message per server) while ps1 is stopped:
+    step() returns at once with its pushes in flight; the next forward fails within the timeout
+    naming ps1 (and the step's gradients are kept). After SIGCONT, step() again retries it and
+    training goes on; in sync mode the servers that had the push take the retry as a no-op, so
+    the rows equal torch's (nothing applied twice)."""
+    name = job(f"flight-frozen-{mode}")
+    faulty.run({"trainer0": (pf.prepare_in_flight, name, mode, TIMEOUT)})
+    faulty.freeze("ps1")
+    try:
+        step = faulty.run({"trainer0": (pf.on_table, name, "step")})["trainer0"]
+        forward = faulty.run({"trainer0": (pf.on_table, name, "forward")})["trainer0"]
+    finally:
+        faulty.thaw("ps1")
+    assert step["ok"] and step["seconds"] < TIMEOUT, f"{mode}: step() with ps1 frozen did not return at once: {step}"
+    assert_named_in_time(forward, "ps1", f"{mode} forward after a step in flight")
+    retried = faulty.run({"trainer0": (pf.on_table, name, "step")}, timeout=30)["trainer0"]
+    assert retried["ok"], f"{mode}: the step retried after the thaw: {retried}"
+    for _ in range(2):
+        trained = faulty.run({"trainer0": (pf.on_table, name, "train")}, timeout=30)["trainer0"]
+        assert trained["ok"], f"{mode}: training after the thaw: {trained}"
+    if mode == "sync":
+        rows = faulty.run({"trainer0": (pf.on_table, name, "rows")})["trainer0"]["value"]
+        bag = pf.local_bag()
+        opt = torch.optim.SGD(bag.parameters(), lr=1.0)
+        for ids in ([[1, 15]], [[2, 16]], [[2, 16]]):
+            opt.zero_grad()
+            bag(torch.tensor(ids)).pow(2).sum().backward()
+            opt.step()
+        torch.testing.assert_close(rows, bag.weight.detach(), atol=1e-6, rtol=1e-5)
 
 
 def test_a_trainer_killed_in_a_sync_step_is_named_by_the_others_next_lookup_in_time(faulty):

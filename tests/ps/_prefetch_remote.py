@@ -1,0 +1,213 @@
+"""What tests/ps/test_prefetch.py runs on its trainers: tables and collections trained with and
+without prefetch (and with steps left in flight), returning their outputs, rows and the
+messages they sent, which pytest compares."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tests.benchmarks._common import messages_per_call
+from tests.ps._embedding_edge_cases_remote import _objects, attempt, table, weights
+
+ROWS, DIM = 20, 3
+
+
+def batches(seed: int, steps: int, bags: int = 3, per_bag: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``steps`` batches of ``bags`` bags (1-d ids, offsets; bag sizes vary, one may be empty),
+    ids over both servers' rows (0-9 on ps0, 10-19 on ps1), from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        sizes = torch.randint(0, per_bag + 1, (bags,), generator=g)
+        sizes[0] = max(int(sizes[0]), 2)
+        ids = torch.randint(0, ROWS, (int(sizes.sum()),), generator=g)
+        ids[0], ids[1] = 1, 15  # both servers, every step
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)[:-1]])
+        out.append((ids, offsets))
+    return out
+
+
+def target(batch: tuple, dim: int = DIM) -> torch.Tensor:
+    return torch.full((batch[1].numel(), dim), 0.5)
+
+
+def _loop(model: Any, data: list, forward: Any, step: Any, prefetch: Any) -> list[torch.Tensor]:
+    from remote_module.ps import prefetching
+
+    outs = []
+    source = prefetching(data, model, features=prefetch) if prefetch is not None else data
+    for batch in source:
+        out = forward(batch)
+        value = out if isinstance(out, torch.Tensor) else torch.cat([out[k] for k in sorted(out)], 1)
+        outs.append(value.detach().clone())
+        ((value - 0.5) ** 2).sum().backward()
+        step()
+    return outs
+
+
+def train_bag(name: str, mode: str, prefetched: bool, steps: int = 6, seed: int = 1, bag: str = "sum",
+              **kwargs: Any) -> dict:
+    """A bag table trained ``steps`` steps in ``mode``, with ``prefetching`` or without: each
+    step's output, the rows after, and the messages sent to each server over the loop."""
+    t = table(name, bag=bag, ps_mode=mode, half_async_merge_every=1, half_async_merge_s=3600.0, geo_push_every=2,
+              **kwargs)
+    data = batches(seed, steps)
+    outs: list = []
+
+    def run() -> None:
+        outs.extend(_loop(t, data, lambda b: t(b[0], b[1]), t.step, (lambda b: b) if prefetched else None))
+
+    messages = messages_per_call(run, 1)
+    t.flush()
+    return {"outs": outs, "rows": t.state_dict()["weight"], "messages": messages}
+
+
+def train_embedding(name: str, mode: str, prefetched: bool, steps: int = 6, seed: int = 2) -> dict:
+    """A ShardedEmbedding trained with or without ``prefetching``."""
+    t = table(name, ps_mode=mode, half_async_merge_every=1, half_async_merge_s=3600.0, geo_push_every=2)
+    data = [torch.cat([ids, ids])[:4].reshape(2, 2) for ids, _ in batches(seed, steps, bags=2, per_bag=4)]
+    outs = _loop(t, data, t, t.step, (lambda b: b) if prefetched else None)
+    t.flush()
+    return {"outs": outs, "rows": t.state_dict()["weight"]}
+
+
+def collection(name: str, mode: str, **kwargs: Any) -> Any:
+    """A collection of a sum and a mean bag (planned together), a max bag and a bag with a
+    padding row (each planned alone), over ps0 and ps1."""
+    from remote_module.ps import ShardedEmbeddingBagCollection
+
+    common = {"ps_mode": mode, "half_async_merge_every": 1, "half_async_merge_s": 3600.0, "geo_push_every": 2,
+              "keep": False, **kwargs}
+    return ShardedEmbeddingBagCollection({
+        "s": table(f"{name}-s", bag="sum", **common),
+        "m": table(f"{name}-m", bag="mean", **common),
+        "x": table(f"{name}-x", bag="max", **common),
+        "p": table(f"{name}-p", bag="sum", padding_idx=3, **common),
+    })
+
+
+def train_collection(name: str, mode: str, prefetched: bool, steps: int = 5, seed: int = 3) -> dict:
+    ebc = collection(name, mode)
+    data = [{k: batches(seed + i, steps)[j] for i, k in enumerate("smxp")} for j in range(steps)]
+    outs: list = []
+
+    def run() -> None:
+        outs.extend(_loop(ebc, data, ebc, ebc.step, (lambda b: b) if prefetched else None))
+
+    messages = messages_per_call(run, 1)
+    ebc.flush()
+    return {"outs": outs, "rows": {k: v for k, v in ebc.state_dict().items()}, "messages": messages}
+
+
+def sync_pair(name: str, prefetched: bool, rank: int, steps: int = 5) -> dict:
+    """One of two trainers of a sync bag, each on its own batches."""
+    t = table(name, bag="mean", ps_mode="sync", num_trainers=2, seed=None)
+    data = batches(10 + rank, steps)
+    outs = _loop(t, data, lambda b: t(b[0], b[1]), t.step, (lambda b: b) if prefetched else None)
+    return {"outs": outs, "rows": t.state_dict()["weight"]}
+
+
+def load(name: str) -> bool:
+    """Create the sync pair's table with ``weights(0)`` loaded, before its trainers use it."""
+    table(name, bag="mean", ps_mode="sync", num_trainers=2, keep=False)
+    return True
+
+
+# ---- handles -----------------------------------------------------------------------------------------
+
+
+def handles(name: str, mode: str) -> dict:
+    """What a forward gets after prefetches that do not match it, and the errors a prefetch of
+    bad arguments raises (beside the forward's)."""
+    t = table(name, bag="sum", ps_mode=mode)
+    a, b = torch.tensor([[1, 15], [2, 16]]), torch.tensor([[3, 17]])
+    out: dict[str, Any] = {}
+    with torch.no_grad():
+        out["plain_b"] = t(b)
+        t.prefetch(a)
+        out["other"] = t(b)           # drops the prefetch of a
+        out["after_drop"] = t(a)      # a fresh lookup of a
+        t.prefetch(a)
+        t.prefetch(b)                 # replaces it
+        out["replaced"] = t(a)
+        ids = a.clone()
+        t.prefetch(ids)
+        ids[0, 0] = 3                 # changed in place after the prefetch
+        out["changed"] = t(ids)
+        out["changed_plain"] = t(ids)
+    bad = torch.tensor([[1, 99]])
+    out["forward_error"] = attempt(lambda: t(bad))
+    out["prefetch_error"] = attempt(lambda: t.prefetch(bad))
+    out["offsets_error"] = attempt(lambda: t.prefetch(torch.tensor([1, 2]), torch.tensor([1, 0])))
+    return out
+
+
+def no_grad_then_grad(name: str) -> dict:
+    """A prefetch made under no_grad is not consumed by a forward that records (and the
+    gradient that forward records is pushed as without a prefetch)."""
+    t = table(name, bag="sum", ps_mode="async")
+    a = torch.tensor([[1, 15]])
+    with torch.no_grad():
+        t.prefetch(a)
+    t(a).sum().backward()
+    t.step()
+    return {"rows": t.state_dict()["weight"]}
+
+
+def in_flight(name: str, mode: str, what: str) -> dict:
+    """A step left in flight, then ``what``: its rows (a checkpoint), a flush, a zero_grad, a
+    load, or a forward (of the prefetched batch); what the servers hold after."""
+    t = table(name, bag="sum", ps_mode=mode)
+    a, b = torch.tensor([[1, 15], [2, 16]]), torch.tensor([[3, 17]])
+    t(a).pow(2).sum().backward()
+    t.prefetch(b)
+    t.step()
+    got: dict[str, Any] = {}
+    if what == "state_dict":
+        got["state"] = t.state_dict()["weight"]
+    elif what == "flush":
+        t.flush()
+    elif what == "zero_grad":
+        t.zero_grad()
+    elif what == "load":
+        t.load_state_dict({"weight": weights(5)})
+        with torch.no_grad():
+            got["after_load"] = t(b)
+    elif what == "forward":
+        with torch.enable_grad():
+            got["out"] = t(b).detach()
+    elif what == "optimizer_state_dict":
+        got["state"] = t.optimizer_state_dict()
+    got["rows"] = t.state_dict()["weight"]
+    return got
+
+
+def local_bag(mode: str = "sum", padding_idx: int | None = None, seed: int = 0) -> nn.EmbeddingBag:
+    return nn.EmbeddingBag(ROWS, DIM, mode=mode, sparse=True, padding_idx=padding_idx, _weight=weights(seed))
+
+
+# ---- faults -------------------------------------------------------------------------------------------
+
+
+def prepare_in_flight(name: str, mode: str, timeout: float) -> bool:
+    """A table (rows on ps0 and ps1) with a backward done and the next batch prefetched."""
+    t = table(name, bag="sum", ps_mode=mode, timeout=timeout)
+    t(torch.tensor([[1, 15]])).pow(2).sum().backward()
+    t.prefetch(torch.tensor([[2, 16]]))
+    return True
+
+
+def on_table(name: str, what: str) -> dict:
+    """``what`` on table ``name``: "step" (timed: returns with its pushes in flight), "forward"
+    (of the prefetched batch, with backward), "retry" (step), "train" (a plain step), "rows"."""
+    t = _objects[name]
+    ids = torch.tensor([[2, 16]])
+    return attempt({
+        "step": t.step,
+        "forward": lambda: t(ids).pow(2).sum().backward(),
+        "train": lambda: (t(ids).pow(2).sum().backward(), t.step(), t.flush()),
+        "rows": lambda: t.state_dict()["weight"],
+    }[what])

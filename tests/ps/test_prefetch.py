@@ -1,0 +1,167 @@
+"""The one-round-trip step and prefetch (issue 25): a table's or collection's ``step()`` sends its
+pushes and returns with them in flight (async, half_async; sync after a prefetch); a prefetch
+(or ``prefetching`` over the batches) sends the next batch's lookups with those pushes, one
+message per server per step, answered once the servers applied them. Results are those of the
+same loop without prefetch, bit for bit, in every mode (one trainer, and two sync trainers);
+every call on the table waits for the pushes in flight first (checkpoints, flush, zero_grad,
+loads), and a server frozen with a step in flight is named in time, with nothing applied
+twice after the retry in sync mode."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.ps import _prefetch_remote as r
+from tests.ps._world import job
+
+pytestmark = pytest.mark.slow
+
+MODES = ["sync", "async", "half_async", "geo"]
+
+
+@pytest.fixture
+def world(ps_world):  # shared with the other PS tests (tests/conftest.py)
+    return ps_world
+
+
+def on(world, trainer, fn, *args, timeout: float = 90.0):
+    return world.run({trainer: (fn, *args)}, timeout=timeout)[trainer]
+
+
+def equal(a, b, what: str) -> None:
+    assert len(a) == len(b), what
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert torch.equal(x, y), f"{what}: step {i} differs by {(x - y).abs().max():.3g}"
+
+
+def local_rows(data: list, mode: str = "sum") -> torch.Tensor:
+    bag = r.local_bag(mode)
+    opt = torch.optim.SGD(bag.parameters(), lr=1.0)
+    for ids, offsets in data:
+        opt.zero_grad()
+        ((bag(ids, offsets) - 0.5) ** 2).sum().backward()
+        opt.step()
+    return bag.weight.detach()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_bag_trained_with_prefetching_equals_the_same_loop_without(world, mode):
+    """Outputs of every step and the rows after are bit-equal; outside geo a step is one message
+    per server (the first batch's lookup, then one per step), where without prefetch it is two."""
+    steps = 6
+    plain = on(world, "trainer0", r.train_bag, job(f"pf-plain-{mode}"), mode, False, steps)
+    ahead = on(world, "trainer0", r.train_bag, job(f"pf-ahead-{mode}"), mode, True, steps)
+    equal(ahead["outs"], plain["outs"], f"{mode}: outputs with prefetch")
+    assert torch.equal(ahead["rows"], plain["rows"]), mode
+    if mode in ("sync", "async"):
+        torch.testing.assert_close(plain["rows"], local_rows(r.batches(1, steps)), atol=1e-6, rtol=1e-5)
+    if mode != "geo":
+        assert plain["messages"] == {"ps0": 2 * steps, "ps1": 2 * steps}, plain["messages"]
+        assert ahead["messages"] == {"ps0": steps + 1, "ps1": steps + 1}, ahead["messages"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_embedding_trained_with_prefetching_equals_the_same_loop_without(world, mode):
+    plain = on(world, "trainer0", r.train_embedding, job(f"pfe-plain-{mode}"), mode, False)
+    ahead = on(world, "trainer0", r.train_embedding, job(f"pfe-ahead-{mode}"), mode, True)
+    equal(ahead["outs"], plain["outs"], f"{mode}: outputs with prefetch")
+    assert torch.equal(ahead["rows"], plain["rows"]), mode
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_collection_trained_with_prefetching_equals_the_same_loop_without(world, mode):
+    """Sum and mean bags planned together, a max bag and a bag with a padding row planned alone:
+    bit-equal outputs and rows; outside geo one message per server per step."""
+    steps = 5
+    plain = on(world, "trainer0", r.train_collection, job(f"pfc-plain-{mode}"), mode, False, steps)
+    ahead = on(world, "trainer0", r.train_collection, job(f"pfc-ahead-{mode}"), mode, True, steps)
+    equal(ahead["outs"], plain["outs"], f"{mode}: collection outputs with prefetch")
+    assert plain["rows"].keys() == ahead["rows"].keys()
+    for key in plain["rows"]:
+        assert torch.equal(ahead["rows"][key], plain["rows"][key]), (mode, key)
+    if mode != "geo":
+        assert ahead["messages"] == {"ps0": steps + 1, "ps1": steps + 1}, ahead["messages"]
+
+
+
+def test_two_sync_trainers_prefetching_get_the_outputs_and_rows_they_get_without(world):
+    got = {}
+    for prefetched in (False, True):
+        name = job(f"pf-pair-{prefetched}")
+        on(world, "trainer0", r.load, name)
+        got[prefetched] = world.run({f"trainer{k}": (r.sync_pair, name, prefetched, k) for k in (0, 1)},
+                                    timeout=120)
+    for k in (0, 1):
+        equal(got[True][f"trainer{k}"]["outs"], got[False][f"trainer{k}"]["outs"], f"sync trainer{k}")
+        assert torch.equal(got[True][f"trainer{k}"]["rows"], got[False][f"trainer{k}"]["rows"])
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_prefetch_is_consumed_only_by_a_forward_of_equal_arguments(world, mode):
+    """A forward of other ids drops it (and gets its own rows); a later prefetch replaces it; ids
+    changed in place after the prefetch are looked up as they are now; bad arguments raise at
+    prefetch() as at forward()."""
+    got = on(world, "trainer0", r.handles, job(f"pf-handles-{mode}"), mode)
+    table = r.local_bag()
+    with torch.no_grad():
+        assert torch.equal(got["plain_b"], got["other"])
+        torch.testing.assert_close(got["after_drop"], table(torch.tensor([[1, 15], [2, 16]])))
+        torch.testing.assert_close(got["replaced"], table(torch.tensor([[1, 15], [2, 16]])))
+        torch.testing.assert_close(got["changed"], table(torch.tensor([[3, 15], [2, 16]])))
+    assert torch.equal(got["changed"], got["changed_plain"])
+    assert not got["forward_error"]["ok"] and not got["prefetch_error"]["ok"]
+    assert got["prefetch_error"]["type"] == got["forward_error"]["type"], got
+    assert got["prefetch_error"]["message"] == got["forward_error"]["message"], got
+    assert not got["offsets_error"]["ok"] and "offsets" in got["offsets_error"]["message"], got
+
+
+def test_a_prefetch_under_no_grad_does_not_feed_a_forward_that_records(world):
+    got = on(world, "trainer0", r.no_grad_then_grad, job("pf-nograd"))
+    bag = r.local_bag()
+    bag(torch.tensor([[1, 15]])).sum().backward()
+    torch.optim.SGD(bag.parameters(), lr=1.0).step()
+    torch.testing.assert_close(got["rows"], bag.weight.detach())
+
+
+@pytest.mark.parametrize("what", ["state_dict", "flush", "zero_grad", "forward", "optimizer_state_dict"])
+@pytest.mark.parametrize("mode", ["sync", "async", "half_async"])
+def test_calls_after_a_step_in_flight_see_its_pushes(world, mode, what):
+    """A step left in flight (with a prefetch), then a checkpoint, flush, zero_grad or forward:
+    nothing is lost (the rows are stepped once) and a checkpoint holds the step."""
+    got = on(world, "trainer0", r.in_flight, job(f"pf-flight-{mode}-{what}"), mode, what)
+    bag = r.local_bag()
+    bag(torch.tensor([[1, 15], [2, 16]])).pow(2).sum().backward()
+    torch.optim.SGD(bag.parameters(), lr=1.0).step()
+    stepped = bag.weight.detach()
+    torch.testing.assert_close(got["rows"], stepped, atol=1e-6, rtol=1e-5)
+    if what == "state_dict":
+        torch.testing.assert_close(got["state"], stepped, atol=1e-6, rtol=1e-5)
+    if what == "forward":
+        with torch.no_grad():
+            torch.testing.assert_close(got["out"], torch.nn.functional.embedding_bag(torch.tensor([[3, 17]]), stepped,
+                                                                                     mode="sum"))
+
+
+def test_a_load_after_a_step_in_flight_drops_the_prefetch_that_read_before_it(world):
+    got = on(world, "trainer0", r.in_flight, job("pf-flight-load"), "async", "load")
+    loaded = r.weights(5)
+    torch.testing.assert_close(got["rows"], loaded)
+    torch.testing.assert_close(got["after_load"],
+                               torch.nn.functional.embedding_bag(torch.tensor([[3, 17]]), loaded, mode="sum"))
+
+
+def test_a_trainer_leaving_with_a_step_in_flight_loses_nothing():
+    """trainer0 steps an async table three times and shuts RPC down (graceful) with the last
+    step's pushes in flight; trainer1 sees the table hold all three steps (its own process:
+    the world ends)."""
+    proc = subprocess.run([sys.executable, "-m", "tests.ps._shutdown_script"], capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["trainer0"]["left_in_flight"], got
+    assert got["trainer1"]["seen"], got
