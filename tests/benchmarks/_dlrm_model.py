@@ -22,7 +22,7 @@ from torch import nn
 
 from remote_module.ps import ShardedEmbeddingBag, ShardedEmbeddingBagCollection
 
-VARIANTS = ("local", "collection", "tables")
+VARIANTS = ("local", "collection", "tables", "collection prefetch")
 
 
 def interaction_width(num_tables: int, dim: int) -> int:
@@ -87,18 +87,23 @@ class Tables(nn.Module):
             )
         for bag, w in zip(self.bags, rows):
             bag.load_state_dict({"weight": w})
-        if variant == "collection":
+        if variant.startswith("collection"):
             # the same table objects, grouped: the collection sends their calls
             self.collection = ShardedEmbeddingBagCollection({f"t{k}": bag for k, bag in enumerate(self.bags)})
 
     def forward(self, offsets: list[torch.Tensor], ids: list[torch.Tensor]) -> list[torch.Tensor]:
-        if self.variant == "collection":
+        if self.variant.startswith("collection"):
             out = self.collection({f"t{k}": (i, o) for k, (i, o) in enumerate(zip(ids, offsets))})
             return [out[f"t{k}"] for k in range(len(ids))]
         return [bag(i, o) for bag, i, o in zip(self.bags, ids, offsets)]
 
+    def prefetch(self, offsets: list[torch.Tensor], ids: list[torch.Tensor]) -> None:
+        """"collection prefetch": the next batch's lookups, sent with the coming step's pushes."""
+        if self.variant == "collection prefetch":
+            self.collection.prefetch({f"t{k}": (i, o) for k, (i, o) in enumerate(zip(ids, offsets))})
+
     def step(self) -> None:
-        if self.variant == "collection":
+        if self.variant.startswith("collection"):
             self.collection.step()
         elif self.variant == "tables":
             for bag in self.bags:
@@ -131,9 +136,11 @@ def build(cfg: dict, variant: str, servers: list[str], name: str, ps_mode: str, 
     return model, torch.optim.SGD(model.parameters(), lr=cfg["lr"])
 
 
-def train_step(model: DLRM, opt: torch.optim.Optimizer, batch: tuple) -> float:
+def train_step(model: DLRM, opt: torch.optim.Optimizer, batch: tuple, upcoming: tuple | None = None) -> float:
     dense, offsets, ids, target = batch
     loss = nn.functional.mse_loss(model(dense, offsets, ids), target)
+    if upcoming is not None:
+        model.tables.prefetch(upcoming[1], upcoming[2])
     opt.zero_grad()
     loss.backward()
     opt.step()

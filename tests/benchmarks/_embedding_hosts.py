@@ -99,19 +99,25 @@ class Anchor:
 
 class Sharded:
     """``ShardedEmbeddingBag`` (async mode) over ``servers``; a step is ``loss.backward()`` +
-    ``bag.step()``."""
+    ``bag.step()`` (which returns with its pushes in flight). With ``prefetch``, the next
+    batch's lookup is prefetched after the forward, so the step sends it with the pushes (one
+    message per server per step)."""
 
-    def __init__(self, cfg: dict, servers: list[str]) -> None:
+    def __init__(self, cfg: dict, servers: list[str], prefetch: bool = False) -> None:
         from remote_module.ps import ShardedEmbeddingBag
 
+        self.prefetch = prefetch
         self.bag = ShardedEmbeddingBag(
-            cfg["rows"], cfg["dim"], servers, name=f"bench-embedding-{len(servers)}", mode="sum",
-            ps_mode="async", optimizer=(torch.optim.SGD, {"lr": cfg["lr"]}), seed=cfg["seed"], timeout=120,
+            cfg["rows"], cfg["dim"], servers, name=f"bench-embedding-{len(servers)}{'-prefetch' * prefetch}",
+            mode="sum", ps_mode="async", optimizer=(torch.optim.SGD, {"lr": cfg["lr"]}), seed=cfg["seed"], timeout=120,
         )
 
-    def train(self, batch: Batch) -> float:
+    def train(self, batch: Batch, upcoming: Batch | None = None) -> float:
         ids, offsets, target = batch
-        loss = loss_of(self.bag(ids, offsets), target)
+        out = self.bag(ids, offsets)
+        if self.prefetch and upcoming is not None:
+            self.bag.prefetch(upcoming[0], upcoming[1])
+        loss = loss_of(out, target)
         loss.backward()
         self.bag.step()
         return loss.item()

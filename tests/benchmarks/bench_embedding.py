@@ -73,8 +73,8 @@ FULL = {"rows": 1_000_000, "dim": 16, "bags": 256, "ids_per_bag": 8, "lr": 0.1, 
 QUICK = {**FULL, "rows": 100_000, "steps_per_round": 3, "rounds": 2, "dense_example_steps": 2}
 
 
-def sharded_name(n: int) -> str:
-    return f"ShardedEmbeddingBag servers={n}"
+def sharded_name(n: int, prefetch: bool = False) -> str:
+    return f"ShardedEmbeddingBag servers={n}{' prefetch' if prefetch else ''}"
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -101,7 +101,8 @@ def _anchor(cfg: dict, batch: hosts.Batch, start: torch.Tensor) -> tuple[hosts.A
 def setup(cfg: dict, batches: list[hosts.Batch]) -> tuple[dict[str, Any], dict]:
     """Every variant from the same rows, checked equal to a local reference after
     ``check_steps`` identical steps. ``(variants by name, facts for the results)``."""
-    variants: dict[str, Any] = {sharded_name(n): hosts.Sharded(cfg, SERVERS[:n]) for n in cfg["server_counts"]}
+    variants: dict[str, Any] = {sharded_name(n, p): hosts.Sharded(cfg, SERVERS[:n], prefetch=p)
+                                for n in cfg["server_counts"] for p in (False, True)}
     first = variants[sharded_name(cfg["server_counts"][0])]
     start = first.weight()
     for v in variants.values():
@@ -147,7 +148,11 @@ def trainer_main(cfg: dict) -> dict:
         def run() -> None:
             v = variants[name]
             for _ in range(cfg["steps_per_round"]):
-                v.train(batches[steps_done[name] % len(batches)])
+                at = steps_done[name]
+                if name == ANCHOR:
+                    v.train(batches[at % len(batches)])
+                else:  # (prefetch variants: the next batch's lookup goes with this step's pushes)
+                    v.train(batches[at % len(batches)], batches[(at + 1) % len(batches)])
                 steps_done[name] += 1
         return run
 
@@ -158,7 +163,8 @@ def trainer_main(cfg: dict) -> dict:
                 v.lookup(batches[i % len(batches)])
         return run
 
-    timed = {f"train: {n}": train(n) for n in variants} | {f"lookup: {n}": lookup(n) for n in variants}
+    timed = {f"train: {n}": train(n) for n in variants} | {f"lookup: {n}": lookup(n) for n in variants
+                                                           if not n.endswith(" prefetch")}
     meter = world_meter()  # CPU of all three processes, every thread, over the same rounds as the clock
     samples, cpu = rounds(timed, cfg["rounds"], cfg["warmup_rounds"], meter)
     results["round_samples_s"] = samples
@@ -167,13 +173,14 @@ def trainer_main(cfg: dict) -> dict:
     results["train_steps_per_s"] = {
         n: cfg["steps_per_round"] / statistics.median(samples[f"train: {n}"]) for n in variants
     }
+    looked = [n for n in variants if f"lookup: {n}" in samples]  # (a prefetch variant's lookup is the plain one's)
     results["lookups_per_s"] = {
-        n: ids_per_batch * cfg["steps_per_round"] / statistics.median(samples[f"lookup: {n}"]) for n in variants
+        n: ids_per_batch * cfg["steps_per_round"] / statistics.median(samples[f"lookup: {n}"]) for n in looked
     }
     train_cpu = cpu_per_op(cpu, cfg["steps_per_round"])
     lookup_cpu = cpu_per_op(cpu, ids_per_batch * cfg["steps_per_round"])
     results["train_step_cpu_s"] = {n: train_cpu[f"train: {n}"] for n in variants}  # per training step
-    results["lookup_cpu_s"] = {n: lookup_cpu[f"lookup: {n}"] for n in variants}  # per id looked up
+    results["lookup_cpu_s"] = {n: lookup_cpu[f"lookup: {n}"] for n in looked}  # per id looked up
     timed_steps = (cfg["rounds"] + cfg["warmup_rounds"]) * cfg["steps_per_round"]
     results["pushed_bytes_per_step"] = {
         n: (variants[n].bag.pushed_bytes - before) / timed_steps for n, before in pushed_before.items()
@@ -200,9 +207,16 @@ def trainer_main(cfg: dict) -> dict:
     }
     results["messages_per_step"], results["messages_per_lookup"] = {}, {}
     for n in cfg["server_counts"]:
-        v, at = variants[sharded_name(n)], iter(range(10**9))  # after the checks: these steps move the rows
-        results["messages_per_step"][sharded_name(n)] = messages_per_call(
-            lambda v=v, at=at: v.train(batches[next(at) % len(batches)]), 4)
+        for p in (False, True):
+            v, at = variants[sharded_name(n, p)], iter(range(10**9))  # after the checks: these steps move the rows
+
+            def step(v: Any = v, at: Any = at) -> None:
+                k = next(at)
+                v.train(batches[k % len(batches)], batches[(k + 1) % len(batches)])
+
+            step()  # (a prefetch variant's first step sends its lookup alone)
+            results["messages_per_step"][sharded_name(n, p)] = messages_per_call(step, 4)
+        v = variants[sharded_name(n)]
         results["messages_per_lookup"][sharded_name(n)] = messages_per_call(
             lambda v=v, at=at: v.lookup(batches[next(at) % len(batches)]), 4)
     # for scale, not the target: the example as written (sparse=False: DistributedOptimizer steps
@@ -227,9 +241,16 @@ def ratios(r: dict) -> dict[str, float]:
     sps, lps = r["train_steps_per_s"], r["lookups_per_s"]
     counts = r["config"]["server_counts"]
     out = {}
-    for n in counts:  # the targets of the one-round-trip step (issue 25)
+    cpu = r["train_step_cpu_s"]
+    for n in counts:  # the targets of the one-round-trip step (issue 25), met with prefetch or without
         target = {1: " (target >= 1.5)", 2: " (target >= 1.2)"}.get(n, "")
-        out[f"train steps/s: {sharded_name(n)} / anchor{target}"] = sps[sharded_name(n)] / sps[ANCHOR]
+        for p in (False, True):
+            out[f"train steps/s: {sharded_name(n, p)} / anchor{target}"] = sps[sharded_name(n, p)] / sps[ANCHOR]
+    for n in counts:
+        for p in (False, True):
+            if cpu.get(sharded_name(n, p)) and cpu.get(ANCHOR):
+                out[f"train CPU s/step: {sharded_name(n, p)} / anchor (target <= 0.6)"] = (
+                    cpu[sharded_name(n, p)] / cpu[ANCHOR])
     for n in counts:  # a one-server table's lookup under no_grad (issue 24)
         target = " (target >= 1.0)" if n == 1 else ""
         out[f"lookups/s: {sharded_name(n)} / anchor{target}"] = lps[sharded_name(n)] / lps[ANCHOR]
@@ -266,8 +287,10 @@ def report(r: dict) -> str:
     for name, sps in r["train_steps_per_s"].items():
         pushed = r["pushed_bytes_per_step"].get(name)
         pushed_text = f"{pushed:>15,.0f}" if pushed is not None else f"{'-':>15}"
+        looked = (f"{r['lookups_per_s'][name]:>12,.0f}{cpu_cell(r['lookup_cpu_s'][name], 1e9, 15, 0)}"
+                  if name in r["lookups_per_s"] else f"{'-':>12}{'-':>15}")
         lines.append(f"  {name:<44}{sps:>9.1f}{1e3 / sps:>9.2f}{cpu_cell(r['train_step_cpu_s'][name], 1e3, 13, 2)}"
-                     f"{r['lookups_per_s'][name]:>12,.0f}{cpu_cell(r['lookup_cpu_s'][name], 1e9, 15, 0)}{pushed_text}")
+                     f"{looked}{pushed_text}")
     lines.append(f"  {'the example as written (sparse=False), after':<44}{r['dense_example_steps_per_s']:>9.1f}"
                  f"{1e3 / r['dense_example_steps_per_s']:>9.2f}{cpu_cell(r['dense_example_step_cpu_s'], 1e3, 13, 2)}")
     lines += ["", f"per server core (each server computes on one; {r['unique_rows_per_step']:.0f} unique rows per "
@@ -278,6 +301,9 @@ def report(r: dict) -> str:
         look = ", ".join(f"{w}: {k:g}" for w, k in r["messages_per_lookup"][name].items())
         lines.append(f"  {name:<44}{per['rows_looked_up_per_s']:>18,.0f}{per['rows_stepped_per_s']:>16,.0f}   "
                      f"{msgs}; {look}")
+    for name, msgs in r["messages_per_step"].items():
+        if name.endswith(" prefetch"):
+            lines.append(f"  {name:<44}{'':>34}   " + ", ".join(f"{w}: {k:g}" for w, k in msgs.items()))
     lines += ["", "ratios of medians (same run)", "-" * 119]
     width = max(map(len, r["ratios"]))
     for name, v in r["ratios"].items():
