@@ -138,7 +138,12 @@ def test_dlrm_demo_under_torchrun_prints_one_summary(tmp_path):
     for row in rows:
         first, last, auc, steps_per_s = float(row[1]), float(row[3]), float(row[4]), float(row[5])
         assert last < first and auc > 0.6 and steps_per_s > 0, row
-    assert "ps0" not in out.stdout and "ps1" not in out.stdout
+    assert not any(line.startswith(("ps0:", "ps1:")) for line in lines), out.stdout  # nothing from the servers
+    # the per-server table (trainer0's traffic): one message per server per step (the pushes and
+    # the next batch's lookups together), and one line per server
+    served = [line.split() for line in lines if re.match(r"ps\d +\d", line)]
+    assert [row[0] for row in served] == ["ps0", "ps1"], out.stdout
+    assert all(float(row[1]) <= 1.1 for row in served), out.stdout
     # one PNG, from trainer0 (or, without matplotlib, one hint instead)
     if png.exists():
         assert [p.name for p in tmp_path.iterdir()] == ["curves.png"]

@@ -139,7 +139,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     the summary prints (see :func:`summary`) plus the loss and progressive-AUC curves."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from remote_module.ps import ShardedEmbeddingBag, ShardedEmbeddingBagCollection
+    from remote_module.ps import ShardedEmbeddingBag, ShardedEmbeddingBagCollection, prefetching
 
     me = current_worker()
     say(f"{me.name}: forming the trainers' DDP group ({me.role_size} trainers)")
@@ -171,8 +171,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     recent: deque = deque(maxlen=WINDOW)
     auc_curve: list[tuple[int, float]] = []
     start = time.perf_counter()
-    for step in range(1, args.steps + 1):
-        batch = truth.batch(gen)
+    # batch k + 1's lookups are planned during batch k and sent with its ebc.step(): one message
+    # per server per step, answered once the servers applied the step (the same results)
+    batches = prefetching((truth.batch(gen) for _ in range(args.steps)), ebc,
+                          features=lambda b: dict(zip(TABLES, b.ids)))
+    for step, batch in enumerate(batches, 1):
         t0 = time.perf_counter()
         out = ebc(dict(zip(TABLES, batch.ids)))
         latencies.append(time.perf_counter() - t0)
@@ -181,7 +184,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         opt.zero_grad()
         loss.backward()
         opt.step()
-        ebc.step()  # every table's touched rows, one message per server
+        ebc.step()  # every table's touched rows (and the next batch's lookups), one message per server
         losses.append(loss.item())
         recent.append((scores.detach(), batch.clicks))
         if step % 5 == 0 or step == args.steps:
@@ -192,7 +195,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             last_line = time.monotonic()
             auc_text = f", AUC {auc_curve[-1][1]:.3f}" if auc_curve else ""
             say(f"{me.name}: step {step}/{args.steps}, loss {losses[-1]:.3f}{auc_text}")
+    ebc.flush()  # the last step's pushes landed
     elapsed = time.perf_counter() - start
+    traffic = {server: dict(t) for server, t in sorted(ebc.traffic.items())}
     _close_in_order(bar, me)
     say(f"{me.name}: {args.steps} steps done; scoring {EVAL} held-out clicks")
     held_out = truth.batch(torch.Generator().manual_seed(999), EVAL)
@@ -214,6 +219,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "bytes_pushed_per_step": sum(t.pushed_bytes for t in tables.values()) / args.steps,
         "lookup_p50_ms": float(lat.quantile(0.5)) * 1e3,
         "lookup_p99_ms": float(lat.quantile(0.99)) * 1e3,
+        # per server: messages per training step, and ids looked up / rows pushed per second
+        "per_server": {server: {"messages_per_step": t["messages"] / args.steps,
+                                "ids_per_s": t["ids_looked_up"] / elapsed,
+                                "rows_pushed_per_s": t["rows_pushed"] / elapsed}
+                       for server, t in traffic.items()},
         "losses": losses,
         "auc_curve": auc_curve,
     }
@@ -303,10 +313,16 @@ def summary(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
             "",
             f"AUC: on {EVAL} held-out clicks; the hidden truth scores {r['auc_truth']:.3f} on them, "
             f"its dense features alone {r['auc_truth_dense_only']:.3f}.",
-            f"lookups/s: ids looked up per second spent looking up; p50/p99: one lookup of the {len(TABLES)} "
-            f"tables together (one message per server), {BATCH} bags of {BAG} ids each.",
+            f"lookups/s: ids looked up per second spent in the forward of the {len(TABLES)} tables; p50/p99: that "
+            f"forward ({BATCH} bags of {BAG} ids per table), which waits for the lookups the last step sent.",
             "pushed B/step: bytes of row ids and gradient rows (geo: row deltas) sent to the servers per step.",
+            "",
+            f"per server ({r['trainer']}'s traffic; a step sends its pushes and the next batch's lookups together):",
+            f"{'server':<10}{'messages/step':>15}{'ids looked up/s':>17}{'rows pushed/s':>15}",
         ]
+        for server, t in r.get("per_server", {}).items():
+            lines.append(f"{server:<10}{t['messages_per_step']:>15.2f}{t['ids_per_s']:>17,.0f}"
+                         f"{t['rows_pushed_per_s']:>15,.0f}")
     return "\n".join(lines)
 
 
