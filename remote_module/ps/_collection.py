@@ -161,18 +161,21 @@ class ShardedEmbeddingBagCollection(nn.Module):
         :meth:`prefetch` of equal features when there is one."""
         arguments = self._arguments(features)
         key = tuple(v for name in self._names for v in arguments[name])
-        records = torch.is_grad_enabled() and any(t.grad_marker.requires_grad for t in self.tables().values())
+        records = tuple(t._plan_state() for t in self.tables().values())
         self._wait_pushes()
         self.__dict__.pop("_step_done", None)  # a failed step() not retried: the next one is whole
         handle = self.__dict__.pop("_prefetched", None)
         after = self.__dict__.pop("_next_prefetch", None)
         if handle is not None and not handle.failed and not handle.replan and handle.matches(key, records):
             if handle.got is not None:
-                out = handle.finish(handle.answers())
+                got = handle.answers()  # (None if a lookup failed: looked up again, as without prefetch)
+                out = None if got is None else handle.finish(got)
             else:
                 out = handle.finish(call_grouped(self._count(at_step(handle.calls, self._step_of)),
                                                  timeout=self.timeout))
         else:
+            out = None
+        if out is None:
             calls, finish = self._plan(arguments)
             out = finish(call_grouped(self._count(calls), timeout=self.timeout))
         if after is not None:
@@ -188,10 +191,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
         it. Returns the handle."""
         arguments = self._arguments(features)
         key = tuple(v for name in self._names for v in arguments[name])
-        records = torch.is_grad_enabled() and any(t.grad_marker.requires_grad for t in self.tables().values())
+        records = tuple(t._plan_state() for t in self.tables().values())
         self._wait_pushes()
         calls, finish = self._plan(arguments)
-        handle = Prefetch(key, records, calls, finish, replan=self.ps_mode == "geo")
+        handle = Prefetch(key, records, calls, finish, replan=self.ps_mode == "geo",
+                          tables=list(self.tables().values()))
         self._prefetched = handle
         return handle
 

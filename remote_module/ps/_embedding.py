@@ -236,27 +236,37 @@ class Prefetch:
     ``ready()``: whether its answer has arrived (or it is planned only); the forward waits
     otherwise. A prefetch not consumed by the next forward is dropped."""
 
-    def __init__(self, key: tuple, records: bool, calls: list, finish: Callable[[list], Any],
-                 replan: bool = False) -> None:
+    def __init__(self, key: tuple, records: Any, calls: list, finish: Callable[[list], Any],
+                 replan: bool = False, tables: Sequence = ()) -> None:
         self.key = tuple(_kept(v) for v in key)
+        # the tables it reads, and how often their rows changed on the servers other than by a
+        # step (loads, half_async merges): a change after it was sent makes it stale
+        self.tables = [(t, t.__dict__.get("_changes", 0)) for t in tables]
+        # a forward whose arguments need a gradient (per_sample_weights) plans its own: the
+        # output must be a function of its tensors, not of the prefetch's copies
+        replan = replan or any(isinstance(v, torch.Tensor) and v.requires_grad for v in key)
+        # (what the plan depends on besides the arguments: whether each table records, its dtype)
         self.records, self.calls, self.finish, self.replan = records, calls, finish, replan
         self.sent = False  # with a step's pushes
         self.got: list | None = None  # the answers' outcomes, once that step landed
         self.failed = False  # that step's push failed: dropped
         self.after_forward: Callable[[], Any] | None = None  # (prefetching(): the next batch's prefetch)
 
-    def matches(self, key: tuple, records: bool) -> bool:
+    def matches(self, key: tuple, records: Any) -> bool:
+        """Whether a forward of ``key`` (``records``: as given at construction) may use it."""
+        if self.sent and any(t.__dict__.get("_changes", 0) != n for t, n in self.tables):
+            return False  # a table's rows changed since (a load, a half_async merge): what it read is gone
+        if any(isinstance(v, torch.Tensor) and v.requires_grad for v in key):
+            return False
         return (records == self.records and len(key) == len(self.key)
                 and all(_same_value(a, b) for a, b in zip(key, self.key)))
 
-    def answers(self) -> list:
-        """The answers of its calls (raising the first failure)."""
-        out = []
-        for ok, value in self.got:
-            if not ok:
-                raise value
-            out.append(value)
-        return out
+    def answers(self) -> list | None:
+        """The answers of its calls; None if one failed (the step's pushes went through: the
+        forward looks up again, so a lookup's failure is raised by a lookup, as without prefetch)."""
+        if not all(ok for ok, _ in self.got):
+            return None
+        return [value for _, value in self.got]
 
 
 #: where a lookup handler takes the table's step (sync: the lookup waits for step - 1)
@@ -443,10 +453,13 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
 
     @property
     def pushed_bytes(self) -> int:
-        """Tensor bytes (ids and gradient rows) this module has pushed so far (once the pushes
-        in flight landed)."""
-        self._wait_pushes()
+        """Tensor bytes (ids and gradient rows, geo: row deltas) this module has sent the servers
+        so far (a push retried after a failure counts again; assignable, to reset it)."""
         return self._pushed_bytes
+
+    @pushed_bytes.setter
+    def pushed_bytes(self, value: int) -> None:
+        self._pushed_bytes = value
 
     def extra_repr(self) -> str:
         """As torch's (sizes, ``padding_idx``), then where the rows live: ``print(model)``."""
@@ -515,33 +528,40 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         return self._prefetch((input,), self._forward_plan)
 
     def _prefetch(self, key: tuple, plan: Callable) -> Prefetch:
-        records = torch.is_grad_enabled() and self.grad_marker.requires_grad
+        records = self._plan_state()
         with self._flight_lock:
             calls, finish = plan(*key)  # (the checks of the forward's arguments, now)
             # geo: the lookup depends on the rows this trainer caches, which its step changes
-            handle = Prefetch(key, records, calls, finish, replan=self.ps_mode == "geo")
+            handle = Prefetch(key, records, calls, finish, replan=self.ps_mode == "geo", tables=[self])
             self._prefetched = handle
             return handle
 
     def _looked_up(self, key: tuple, plan: Callable) -> Any:
         """A forward's output: of the prefetch of ``key`` when there is one (any other is
         dropped), else of a lookup planned and sent now; after a step's pushes landed."""
-        records = torch.is_grad_enabled() and self.grad_marker.requires_grad
+        records = self._plan_state()
         with self._flight_lock:
             self._wait_pushes()
             handle = self.__dict__.pop("_prefetched", None)
             after = self.__dict__.pop("_next_prefetch", None)
+        out = None
         if handle is not None and not handle.failed and not handle.replan and handle.matches(key, records):
             if handle.got is not None:
-                out = handle.finish(handle.answers())
+                got = handle.answers()
+                out = None if got is None else handle.finish(got)
             else:
                 out = handle.finish(lookup_calls(at_step(handle.calls, self._step_of), self.timeout))
-        else:
+        if out is None:
             calls, finish = plan(*key)
             out = finish(lookup_calls(calls, self.timeout))
         if after is not None:
             after()
         return out
+
+    def _plan_state(self) -> tuple:
+        """What a lookup's plan depends on besides its arguments: whether it records gradients,
+        and the output dtype."""
+        return torch.is_grad_enabled() and self.grad_marker.requires_grad, self._dtype()
 
     def _reader(self) -> Callable:
         """The handler of this table's row and bag lookups: one that waits for the step in sync
@@ -762,6 +782,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         self._wait_pushes()
         if self.ps_mode == "half_async":
             call_all([(s, _table_server._flush_table, (self.name,)) for s in self._by_server], timeout=self.timeout)
+            self._changes = self.__dict__.get("_changes", 0) + 1  # a prefetch sent before reads stale rows
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients accumulated since the last :meth:`step` (nothing is pushed); as
@@ -882,9 +903,11 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
             with self._pending_lock:  # kept for a retry (or zero_grad), with any recorded meanwhile
                 self._held = taken + self._held
 
+        # counted as sent (a push retried after a failure is counted again)
+        self._pushed_bytes += sum(i.numel() * i.element_size() + g.numel() * g.element_size()
+                                  for _, _, (_, _, _, i, g, _) in calls if i is not None)
+
         def done() -> None:
-            self._pushed_bytes += sum(i.numel() * i.element_size() + g.numel() * g.element_size()
-                                     for _, _, (_, _, _, i, g, _) in calls if i is not None)
             self._step += 1
 
         return calls, done, failed

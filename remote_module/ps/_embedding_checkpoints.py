@@ -36,11 +36,13 @@ class TableCheckpoints:
 
     def _before_rows_change(self) -> None:
         """Before a load: the pushes in flight land first, and a prefetch sent with them (which
-        read the rows before the load) is dropped."""
+        read the rows before the load) is dropped, this table's or a collection's."""
         self._wait_pushes()
         handle = self.__dict__.get("_prefetched")
         if handle is not None and handle.sent:
             self._prefetched = None
+        # (a collection's prefetch that read this table before the load is dropped by it: Prefetch.matches)
+        self._changes = self.__dict__.get("_changes", 0) + 1
 
     def _stored(self) -> tuple[torch.Tensor, torch.Tensor]:
         self._settle()

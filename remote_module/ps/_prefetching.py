@@ -73,6 +73,11 @@ def prefetching(batches: Iterable, tables: Any, features: Callable[[Any], Any] |
                 upcoming, more = next(it), True
             except StopIteration:
                 upcoming, more = None, False
+            except BaseException:  # the loader failed: this batch still trains, then its error
+                for table in targets:
+                    table.__dict__.pop("_next_prefetch", None)
+                yield current
+                raise
             for table, value in zip(targets, inputs(upcoming) if more else [None] * len(targets)):
                 if more:  # run by the table's next forward (of this batch), once it consumed its prefetch
                     table._next_prefetch = partial(_start, table, value)

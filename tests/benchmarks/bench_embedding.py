@@ -241,7 +241,7 @@ def ratios(r: dict) -> dict[str, float]:
     sps, lps = r["train_steps_per_s"], r["lookups_per_s"]
     counts = r["config"]["server_counts"]
     out = {}
-    cpu = r["train_step_cpu_s"]
+    cpu = r.get("train_step_cpu_s", {})
     for n in counts:  # the targets of the one-round-trip step (issue 25), met with prefetch or without
         target = {1: " (target >= 1.5)", 2: " (target >= 1.2)"}.get(n, "")
         for p in (False, True):

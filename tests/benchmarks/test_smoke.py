@@ -187,9 +187,10 @@ def test_quick_embedding_benchmark_runs(tmp_path, capsys):
     # + torch.optim.SGD after the first steps, and the anchor's at the end
     saved = quick_run(bench_embedding, tmp_path / "bench-embedding.json")
     cfg = saved["config"]
-    variants = {bench_embedding.ANCHOR} | {f"ShardedEmbeddingBag servers={n}" for n in (1, 2)}
-    assert set(saved["train_steps_per_s"]) == set(saved["lookups_per_s"]) == variants
-    assert set(saved["round_samples_s"]) == {f"{k}: {v}" for k in ("train", "lookup") for v in variants}
+    looked = {bench_embedding.ANCHOR} | {f"ShardedEmbeddingBag servers={n}" for n in (1, 2)}
+    variants = looked | {f"ShardedEmbeddingBag servers={n} prefetch" for n in (1, 2)}
+    assert set(saved["train_steps_per_s"]) == variants and set(saved["lookups_per_s"]) == looked
+    assert set(saved["round_samples_s"]) == ({f"train: {v}" for v in variants} | {f"lookup: {v}" for v in looked})
     assert all(len(s) == cfg["rounds"] for s in saved["round_samples_s"].values())
     assert (all(v > 0 for v in saved["train_steps_per_s"].values())
             and all(v > 0 for v in saved["lookups_per_s"].values()))
@@ -206,6 +207,8 @@ def test_quick_embedding_benchmark_runs(tmp_path, capsys):
         assert per["rows_looked_up_per_s"] > 0 and per["rows_stepped_per_s"] > 0
         assert saved["messages_per_lookup"][name] == dict.fromkeys(servers, 1.0)
         assert saved["messages_per_step"][name] == dict.fromkeys(servers, 2.0)
+        # with prefetch: the pushes and the next batch's lookup in one message per server
+        assert saved["messages_per_step"][name + " prefetch"] == dict.fromkeys(servers, 1.0)
     # the same computation: equal to the local reference after the first steps, equal to each other at the end
     assert saved["check_rows_changed"] > 0
     assert set(saved["check_max_abs_diff_vs_local"]) == variants
@@ -220,15 +223,21 @@ def test_quick_embedding_benchmark_runs(tmp_path, capsys):
     assert os.environ.get("OMP_NUM_THREADS") == _OMP_BEFORE
     printed = capsys.readouterr().out
     assert "ratios of medians" in printed and "(target >= 1.2)" in printed and "anchor: sparse=True" in printed
+    assert "(target <= 0.6)" in printed
     assert "cpu ms/step" in printed and "cpu ns/lookup" in printed
 
 
 def test_embedding_ratios_compare_medians():
     anchor = bench_embedding.ANCHOR
-    sps = {anchor: 400.0, "ShardedEmbeddingBag servers=1": 200.0, "ShardedEmbeddingBag servers=2": 900.0}
+    sps = {anchor: 400.0, "ShardedEmbeddingBag servers=1": 200.0, "ShardedEmbeddingBag servers=2": 900.0,
+           "ShardedEmbeddingBag servers=1 prefetch": 800.0, "ShardedEmbeddingBag servers=2 prefetch": 1000.0}
     lps = {anchor: 2e6, "ShardedEmbeddingBag servers=1": 1e6, "ShardedEmbeddingBag servers=2": 1.5e6}
+    cpu = {anchor: 0.004, "ShardedEmbeddingBag servers=1 prefetch": 0.002}
     r = bench_embedding.ratios({"config": {"server_counts": [1, 2]}, "train_steps_per_s": sps, "lookups_per_s": lps,
-                                "dense_example_steps_per_s": 10.0})
+                                "dense_example_steps_per_s": 10.0, "train_step_cpu_s": cpu})
+    assert r["train steps/s: ShardedEmbeddingBag servers=1 prefetch / anchor (target >= 1.5)"] == pytest.approx(2.0)
+    assert r["train CPU s/step: ShardedEmbeddingBag servers=1 prefetch / anchor (target <= 0.6)"] == pytest.approx(0.5)
+    assert "train CPU s/step: ShardedEmbeddingBag servers=2 / anchor (target <= 0.6)" not in r  # (no CPU figure)
     assert r["train steps/s: ShardedEmbeddingBag servers=2 / anchor (target >= 1.2)"] == pytest.approx(2.25)
     assert r["train steps/s: ShardedEmbeddingBag servers=1 / anchor (target >= 1.5)"] == pytest.approx(0.5)
     assert r["lookups/s: ShardedEmbeddingBag servers=1 / anchor (target >= 1.0)"] == pytest.approx(0.5)
@@ -257,9 +266,10 @@ def test_quick_dlrm_benchmark_runs(tmp_path, capsys):
     # the run itself checks that the three variants' sync losses agree (the collection's and the
     # one-by-one tables' exactly)
     saved = quick_run(bench_dlrm, tmp_path / "bench-dlrm.json")
-    assert set(saved["samples_per_s"]) == {"local", "collection", "tables"}
+    assert set(saved["samples_per_s"]) == {"local", "collection", "tables", "collection prefetch"}
     _cpu_beside(saved["samples_per_s"], saved["cpu_s_per_step"])
     assert saved["messages_per_step"]["collection"] == {s: 2 for s in saved["servers_with_rows"]}
+    assert saved["messages_per_step"]["collection prefetch"] == {s: 1 for s in saved["servers_with_rows"]}
     assert sum(saved["messages_per_step"]["tables"].values()) == 2 * len(saved["config"]["tables"])
     printed = capsys.readouterr().out
     assert "ratios of medians" in printed and "messages per training step" in printed

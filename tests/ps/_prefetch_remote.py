@@ -185,6 +185,25 @@ def in_flight(name: str, mode: str, what: str) -> dict:
     return got
 
 
+def collection_load(name: str, mode: str, alone: bool) -> dict:
+    """A collection's step sent with a prefetch, then a load (of the collection, or of one of
+    its tables alone when ``alone``): the next forward of the prefetched features reads the
+    loaded rows, not those the prefetch read before the load."""
+    ebc = collection(name, mode)
+    feats = {k: torch.tensor([[1, 15], [2, 16]]) for k in "smxp"}
+    sum(v.sum() for v in ebc(feats).values()).backward()
+    ebc.prefetch(feats)
+    ebc.step()
+    zeros = torch.zeros(ROWS, DIM)
+    if alone:
+        ebc["s"].load_state_dict({"weight": zeros})
+    else:
+        ebc.load_state_dict({f"{k}.weight": zeros for k in "smxp"})
+    with torch.enable_grad():
+        out = ebc(feats)
+    return {k: v.detach() for k, v in out.items()}
+
+
 def local_bag(mode: str = "sum", padding_idx: int | None = None, seed: int = 0) -> nn.EmbeddingBag:
     return nn.EmbeddingBag(ROWS, DIM, mode=mode, sparse=True, padding_idx=padding_idx, _weight=weights(seed))
 
@@ -211,3 +230,94 @@ def on_table(name: str, what: str) -> dict:
         "train": lambda: (t(ids).pow(2).sum().backward(), t.step(), t.flush()),
         "rows": lambda: t.state_dict()["weight"],
     }[what])
+
+
+# ---- what the hostile review found ---------------------------------------------------------------------
+
+
+def between(name: str, mode: str, what: str, prefetched: bool) -> torch.Tensor:
+    """A step (with the next lookup prefetched, or not), then ``what`` ("flush", "state_dict",
+    "double"), then the forward of that lookup: its output."""
+    t = table(name, bag="sum", ps_mode=mode, half_async_merge_every=100, half_async_merge_s=3600.0)
+    a, b = torch.tensor([[1, 15], [2, 16]]), torch.tensor([[1, 16]])
+    t(a).pow(2).sum().backward()
+    if prefetched:
+        t.prefetch(b)
+    t.step()
+    if what == "flush":
+        t.flush()
+    elif what == "state_dict":
+        t.state_dict()
+    elif what == "double":
+        t.double()
+    return t(b).detach()
+
+
+def weights_grad(name: str, prefetched: bool) -> dict:
+    """per_sample_weights that need a gradient, after a prefetch of equal (plain) weights: the
+    forward's own weights get it."""
+    t = table(name, bag="sum", ps_mode="async")
+    ids, offsets = torch.tensor([1, 15, 2, 16]), torch.tensor([0, 2])
+    w = torch.tensor([0.5, 2.0, 1.0, -1.0])
+    if prefetched:
+        t.prefetch(ids, offsets, w.clone())
+    mine = w.clone().requires_grad_()
+    t(ids, offsets, mine).pow(2).sum().backward()
+    return {"grad": mine.grad}
+
+
+def unfrozen(name: str, prefetched: bool) -> dict:
+    """A collection table frozen at the prefetch and unfrozen before the forward trains."""
+    ebc = collection(name, "async")
+    feats = {k: torch.tensor([[1, 15]]) for k in "smxp"}
+    ebc["s"].requires_grad_(False)
+    if prefetched:
+        ebc.prefetch(feats)
+    ebc["s"].requires_grad_(True)
+    sum(v.sum() for v in ebc(feats).values()).backward()
+    ebc.step()
+    return {k: v.clone() for k, v in ebc.state_dict().items()}
+
+
+def failing_loader(name: str, prefetched: bool) -> dict:
+    """A loader that yields two batches and then raises: both train, then its error."""
+    from remote_module.ps import prefetching
+
+    t = table(name, bag="sum", ps_mode="async")
+
+    def loader():
+        yield torch.tensor([[1, 15]])
+        yield torch.tensor([[2, 16]])
+        raise OSError("the loader broke")
+
+    trained, error = 0, None
+    try:
+        for ids in (prefetching(loader(), t) if prefetched else loader()):
+            t(ids).sum().backward()
+            t.step()
+            trained += 1
+    except OSError as exc:
+        error = str(exc)
+    t.pushed_bytes = 0  # assignable, to reset it
+    return {"trained": trained, "error": error, "rows": t.state_dict()["weight"], "reset": t.pushed_bytes}
+
+
+def sync_late_attach(name: str) -> bool:
+    table(name, bag="sum", ps_mode="sync", num_trainers=2, timeout=2.0)
+    return True
+
+
+def sync_late(name: str, what: str) -> dict:
+    """Two sync trainers, trainer1 late: trainer0's prefetched lookup times out waiting for it
+    (raised by a lookup, as without prefetch, and not a push failure: its push went through);
+    once trainer1 steps, trainer0's next forward works and the two stay in step."""
+    t = _objects[name]
+    ids = torch.tensor([[1, 15]])
+    if what == "first":
+        t(ids).sum().backward()
+        t.prefetch(ids)
+        t.step()
+        return attempt(lambda: t(ids).detach())
+    if what == "step":  # (trainer1)
+        return attempt(lambda: (t(ids).sum().backward(), t.step()))
+    return attempt(lambda: (t(ids).sum().backward(), t.step(), t.state_dict()["weight"])[2])

@@ -155,6 +155,15 @@ def test_a_load_after_a_step_in_flight_drops_the_prefetch_that_read_before_it(wo
                                torch.nn.functional.embedding_bag(torch.tensor([[3, 17]]), loaded, mode="sum"))
 
 
+@pytest.mark.parametrize("alone", [False, True])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_load_drops_a_collections_prefetch_that_read_before_it(world, mode, alone):
+    got = on(world, "trainer0", r.collection_load, job(f"pf-cload-{mode}-{alone}"), mode, alone)
+    loaded = ["s"] if alone else list("smxp")
+    for k in loaded:
+        assert torch.equal(got[k], torch.zeros(2, r.DIM)), (k, got[k])
+
+
 def test_a_trainer_leaving_with_a_step_in_flight_loses_nothing():
     """trainer0 steps an async table three times and shuts RPC down (graceful) with the last
     step's pushes in flight; trainer1 sees the table hold all three steps (its own process:
@@ -165,3 +174,48 @@ def test_a_trainer_leaving_with_a_step_in_flight_loses_nothing():
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["trainer0"]["left_in_flight"], got
     assert got["trainer1"]["seen"], got
+
+
+@pytest.mark.parametrize("what", ["flush", "state_dict", "double"])
+@pytest.mark.parametrize("mode", ["async", "half_async"])
+def test_a_merge_or_a_cast_between_step_and_forward_gives_what_it_gives_without_prefetch(world, mode, what):
+    """half_async merging 100 pushes at a time: a flush (or a checkpoint, which flushes) after
+    the step merges its push, so the prefetch that read before is dropped; ``model.double()``
+    after a prefetch gives float64 outputs."""
+    got = {p: on(world, "trainer0", r.between, job(f"pf-between-{mode}-{what}-{p}"), mode, what, p)
+           for p in (False, True)}
+    assert got[True].dtype == got[False].dtype
+    assert torch.equal(got[True], got[False]), (got[True], got[False])
+
+
+def test_weights_that_need_a_gradient_get_it_after_a_prefetch_of_equal_weights(world):
+    got = {p: on(world, "trainer0", r.weights_grad, job(f"pf-wgrad-{p}"), p) for p in (False, True)}
+    assert got[True]["grad"] is not None and torch.equal(got[True]["grad"], got[False]["grad"])
+
+
+def test_a_collection_table_unfrozen_after_the_prefetch_trains(world):
+    got = {p: on(world, "trainer0", r.unfrozen, job(f"pf-unfrozen-{p}"), p) for p in (False, True)}
+    for key, value in got[False].items():
+        assert torch.equal(got[True][key], value), key
+
+
+def test_prefetching_trains_every_batch_a_failing_loader_gave_then_raises(world):
+    got = {p: on(world, "trainer0", r.failing_loader, job(f"pf-loader-{p}"), p) for p in (False, True)}
+    assert got[True]["trained"] == got[False]["trained"] == 2
+    assert got[True]["error"] == got[False]["error"] == "the loader broke"
+    assert torch.equal(got[True]["rows"], got[False]["rows"])
+    assert got[True]["reset"] == 0
+
+
+def test_a_sync_prefetched_lookup_that_times_out_is_a_lookup_failure_and_the_trainers_stay_in_step(world):
+    name = job("pf-sync-late")
+    for trainer in ("trainer1", "trainer0"):
+        on(world, trainer, r.sync_late_attach, name)
+    first = on(world, "trainer0", r.sync_late, name, "first")
+    assert not first["ok"] and first["type"] == "CallTimeout" and "'trainer1'" in first["message"], first
+    late = on(world, "trainer1", r.sync_late, name, "step")
+    assert late["ok"], late
+    # trainer0 goes on as after a lookup failure without prefetch: a forward, then its step
+    got = world.run({"trainer0": (r.sync_late, name, "next"), "trainer1": (r.sync_late, name, "next")}, timeout=60)
+    assert got["trainer0"]["ok"] and got["trainer1"]["ok"], got
+    assert torch.equal(got["trainer0"]["value"], got["trainer1"]["value"])
