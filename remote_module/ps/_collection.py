@@ -119,7 +119,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         the servers' rows, not this trainer's lookups ahead)."""
         self._wait_pushes()
         state = self.__dict__.copy()
-        for key in ("_flight", "_prefetched", "_next_prefetch"):
+        for key in ("_flight", "_prefetched", "_queued", "_after_step"):
             state.pop(key, None)
         return state
 
@@ -165,7 +165,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._wait_pushes()
         self.__dict__.pop("_step_done", None)  # a failed step() not retried: the next one is whole
         handle = self.__dict__.pop("_prefetched", None)
-        after = self.__dict__.pop("_next_prefetch", None)
+        self._prefetched = self.__dict__.pop("_queued", None)  # the next forward's, if planned ahead
         if handle is not None and not handle.failed and not handle.replan and handle.matches(key, records):
             if handle.got is not None:
                 got = handle.answers()  # (None if a lookup failed: looked up again, as without prefetch)
@@ -178,8 +178,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if out is None:
             calls, finish = self._plan(arguments)
             out = finish(call_grouped(self._count(calls), timeout=self.timeout))
-        if after is not None:
-            after()
         return out
 
     def prefetch(self, features: Mapping[str, Any]) -> Prefetch:
@@ -189,14 +187,20 @@ class ShardedEmbeddingBagCollection(nn.Module):
         mode), or by that forward when no step comes first. The next forward with equal
         features (by value) consumes it; any other forward drops it; a new prefetch replaces
         it. Returns the handle."""
+        return self._prefetch_input(features)
+
+    def _prefetch_input(self, features: Mapping[str, Any], queued: bool = False) -> Prefetch:
+        """A prefetch of ``features``; ``queued``: as a table's (``prefetching``)."""
         arguments = self._arguments(features)
         key = tuple(v for name in self._names for v in arguments[name])
         records = tuple(t._plan_state() for t in self.tables().values())
-        self._wait_pushes()
-        calls, finish = self._plan(arguments)
+        calls, finish = self._plan(arguments)  # (the steps it reads are set when it is sent)
         handle = Prefetch(key, records, calls, finish, replan=self.ps_mode == "geo",
                           tables=list(self.tables().values()))
-        self._prefetched = handle
+        if queued:
+            self._queued = handle
+        else:
+            self._prefetched, self._queued = handle, None
         return handle
 
     def _step_of(self, name: str) -> int:
@@ -343,13 +347,16 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
         if reads:
             handle.sent = True
-        elif self.ps_mode == "sync":
+        if reads or self.ps_mode != "sync":
+            flight = Flight(landed, handle if reads else None)
+            self._flight = flight
+            for name in self._names:  # a table used on its own lands it first
+                self._modules[name]._flight = flight
+        after = self.__dict__.pop("_after_step", None)
+        if after is not None:  # (prefetching: the batch after the next, planned while the servers work)
+            after()
+        if not reads and self.ps_mode == "sync":
             landed()
-            return
-        flight = Flight(landed, handle if reads else None)
-        self._flight = flight
-        for name in self._names:  # a table used on its own lands it first
-            self._modules[name]._flight = flight
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Every table's ``zero_grad`` (the gradients recorded since the last step are dropped),

@@ -527,14 +527,24 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         any other forward drops it; a new prefetch replaces it. Returns the handle."""
         return self._prefetch((input,), self._forward_plan)
 
-    def _prefetch(self, key: tuple, plan: Callable) -> Prefetch:
+    def _prefetch(self, key: tuple, plan: Callable, queued: bool = False) -> Prefetch:
+        """A prefetch of ``key``; ``queued`` (``prefetching``: the batch after the next, planned
+        while a step's answer is awaited): kept until the next forward, which makes it the
+        prefetch (the lookup planned here waits for no push: it is sent after them)."""
         records = self._plan_state()
+        calls, finish = plan(*key)  # (the checks of the forward's arguments, now)
+        # geo: the lookup depends on the rows this trainer caches, which its step changes
+        handle = Prefetch(key, records, calls, finish, replan=self.ps_mode == "geo", tables=[self])
         with self._flight_lock:
-            calls, finish = plan(*key)  # (the checks of the forward's arguments, now)
-            # geo: the lookup depends on the rows this trainer caches, which its step changes
-            handle = Prefetch(key, records, calls, finish, replan=self.ps_mode == "geo", tables=[self])
-            self._prefetched = handle
-            return handle
+            if queued:
+                self._queued = handle
+            else:
+                self._prefetched, self._queued = handle, None
+        return handle
+
+    def _prefetch_input(self, value: Any, queued: bool = False) -> Prefetch:
+        """(``prefetching``) a prefetch of a batch's input: the ids."""
+        return self._prefetch((value,), self._forward_plan, queued)
 
     def _looked_up(self, key: tuple, plan: Callable) -> Any:
         """A forward's output: of the prefetch of ``key`` when there is one (any other is
@@ -543,7 +553,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         with self._flight_lock:
             self._wait_pushes()
             handle = self.__dict__.pop("_prefetched", None)
-            after = self.__dict__.pop("_next_prefetch", None)
+            self._prefetched = self.__dict__.pop("_queued", None)  # the next forward's, if planned ahead
         out = None
         if handle is not None and not handle.failed and not handle.replan and handle.matches(key, records):
             if handle.got is not None:
@@ -554,8 +564,6 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         if out is None:
             calls, finish = plan(*key)
             out = finish(lookup_calls(calls, self.timeout))
-        if after is not None:
-            after()
         return out
 
     def _plan_state(self) -> tuple:
@@ -612,7 +620,6 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         its result of their answers (so that a collection can send several tables' calls to a
         server in one message). ``wait_s``: how long a sync lookup may wait on a server for
         the step (default :meth:`_wait_s`; a collection's budget is its own)."""
-        self._wait_pushes()
         wait_s = self._wait_s() if wait_s is None else wait_s
         _, uniq, inverse = self._unique(input)
         # geo: cached rows are this trainer's; only the others are fetched
@@ -656,7 +663,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         self._wait_pushes()
         state = self.__dict__.copy()
         for key in ("_pending_lock", "_marker_lock", "_fresh", "_held", "_hooked", "_group_lrs", "_flight_lock",
-                    "_flight", "_prefetched", "_next_prefetch"):
+                    "_flight", "_prefetched", "_queued", "_after_step"):
             state.pop(key, None)
         return state
 
@@ -857,10 +864,13 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
             settle = send_push_plans([plan], self.timeout, reads)
             if reads:
                 handle.sent = True
-            elif self.ps_mode == "sync":
-                settle()  # (sync waits for its push to be taken; a prefetch's lookup waits for the step)
-                return
-            self._flight = Flight(settle, handle if reads else None)
+            if reads or self.ps_mode != "sync":
+                self._flight = Flight(settle, handle if reads else None)
+            after = self.__dict__.pop("_after_step", None)
+        if after is not None:  # (prefetching: the batch after the next, planned while the servers work)
+            after()
+        if not reads and self.ps_mode == "sync":
+            settle()  # (sync waits for its push to be taken; a prefetch's lookup waits for the step)
 
     def _push_plan(self) -> tuple[list, Callable[[], None], Callable[[], None]] | None:
         """:meth:`step` in parts: the host calls that push this step's gradients, what to do

@@ -113,6 +113,12 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         equal arguments (by value) consumes it."""
         return self._prefetch(self._bag_args(input, offsets, per_sample_weights), self._lookup_plan)
 
+    def _prefetch_input(self, value: Any, queued: bool = False) -> Prefetch:
+        """(``prefetching``) a prefetch of a batch's input: the ids, or ``(input, offsets,
+        per_sample_weights)``."""
+        args = tuple(value) + (None,) * (3 - len(value)) if isinstance(value, (tuple, list)) else (value, None, None)
+        return self._prefetch(self._bag_args(*args), self._lookup_plan, queued)
+
     def _lookup_plan(self, input: torch.Tensor, offsets: torch.Tensor | None,
                      per_sample_weights: torch.Tensor | None,
                      wait_s: float | None = None) -> tuple[list, Callable[[list], torch.Tensor]]:
@@ -121,7 +127,6 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         server in one message). Arguments are checked here, before anything is sent; offsets
         given with ``include_last_offset`` are converted first (:meth:`_bag_args`).
         ``wait_s``: as for :meth:`_rows_plan`."""
-        self._wait_pushes()
         wait_s = self._wait_s() if wait_s is None else wait_s
         records = torch.is_grad_enabled() and self.grad_marker.requires_grad
         needs_rows = self._needs_rows(per_sample_weights)

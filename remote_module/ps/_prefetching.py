@@ -3,6 +3,7 @@ and sent with its step's pushes (one message per server per step)."""
 
 from __future__ import annotations
 
+from collections import deque
 from functools import partial
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -12,29 +13,29 @@ from remote_module.ps._embedding import ShardedEmbedding
 _PREFETCHERS = (ShardedEmbedding, ShardedEmbeddingBagCollection)
 
 
-def _start(table: Any, value: Any) -> None:
-    """Prefetch ``value`` (a table's input, or a collection's features) on ``table``. A batch
-    the prefetch refuses is left alone: its own forward raises, naming what is wrong."""
+def _start(table: Any, features: Callable[[Any], Any], batch: Any, queued: bool) -> None:
+    """Prefetch ``table``'s input of ``batch`` (``features(batch)``): as the next forward's
+    prefetch, or ``queued`` for the one after. A batch the prefetch refuses (or whose features
+    fail) is left alone: its own forward raises, naming what is wrong."""
     try:
-        if isinstance(table, ShardedEmbeddingBagCollection) or not isinstance(value, (tuple, list)):
-            table.prefetch(value)
-        else:
-            table.prefetch(*value)
+        table._prefetch_input(features(batch), queued)
     except Exception:  # noqa: BLE001 - the forward of that batch reports it
         pass
 
 
 def prefetching(batches: Iterable, tables: Any, features: Callable[[Any], Any] | None = None) -> Iterator:
-    """Yield the batches of ``batches`` as they are, and prefetch every batch's lookups one
-    batch ahead: the first batch's at once; batch ``k + 1``'s when a table's forward of batch
-    ``k`` is done, so they are sent with batch ``k``'s ``step()`` (one message per server) and
-    answered once the servers applied it. Results are those of the same loop without it.
+    """Yield the batches of ``batches`` as they are, with every batch's lookups prefetched: a
+    step sends its pushes and the next batch's lookups in one message per server, answered once
+    the servers applied the pushes (results are those of the same loop without it). The batch
+    after the next is planned while that answer is awaited (right after the step is sent), so
+    the trainer's planning overlaps the servers' work; the iterator reads two batches ahead.
 
     ``tables``: a :class:`ShardedEmbedding` / :class:`ShardedEmbeddingBag`, a
     :class:`ShardedEmbeddingBagCollection`, or a sequence of them. ``features(batch)`` gives
     the input of each (for one: its input; for a sequence: a sequence in the same order): a
     table's ids tensor or ``(input, offsets, per_sample_weights)`` tuple, a collection's
-    features mapping. Without ``features`` the batch itself is that input.
+    features mapping. Without ``features`` the batch itself is that input. An error of
+    ``batches`` is raised after the batches read before it.
 
     Example::
 
@@ -51,42 +52,50 @@ def prefetching(batches: Iterable, tables: Any, features: Callable[[Any], Any] |
     if features is not None and not callable(features):
         raise TypeError(f"features must be a function of a batch, got {features!r:.100}")
 
-    def inputs(batch: Any) -> list:
-        value = batch if features is None else features(batch)
-        if single:
-            return [value]
-        value = list(value)
-        if len(value) != len(targets):
-            raise ValueError(f"prefetching: features(batch) gave {len(value)} inputs for {len(targets)} tables")
-        return value
+    def feature_of(k: int) -> Callable[[Any], Any]:
+        def pick(batch: Any) -> Any:
+            value = batch if features is None else features(batch)
+            if single:
+                return value
+            value = list(value)
+            if len(value) != len(targets):
+                raise ValueError(f"prefetching: features(batch) gave {len(value)} inputs for {len(targets)} tables")
+            return value[k]
+        return pick
 
+    picks = [feature_of(k) for k in range(len(targets))]
     it = iter(batches)
-    try:
-        current = next(it)
-    except StopIteration:
-        return
-    for table, value in zip(targets, inputs(current)):
-        _start(table, value)
-    try:
-        while True:
+    ahead: deque = deque()  # read, not yet yielded
+    failure: list[BaseException] = []
+
+    def read(n: int) -> None:
+        while len(ahead) < n and not failure:
             try:
-                upcoming, more = next(it), True
+                ahead.append(next(it))
             except StopIteration:
-                upcoming, more = None, False
-            except BaseException:  # the loader failed: this batch still trains, then its error
-                for table in targets:
-                    table.__dict__.pop("_next_prefetch", None)
-                yield current
-                raise
-            for table, value in zip(targets, inputs(upcoming) if more else [None] * len(targets)):
-                if more:  # run by the table's next forward (of this batch), once it consumed its prefetch
-                    table._next_prefetch = partial(_start, table, value)
+                failure.append(StopIteration())
+            except BaseException as exc:  # raised once the batches read before it were yielded
+                failure.append(exc)
+
+    try:
+        read(2)
+        for table, pick in zip(targets, picks):
+            if ahead:
+                _start(table, pick, ahead[0], False)
+            if len(ahead) > 1:
+                _start(table, pick, ahead[1], True)
+        while ahead:
+            current = ahead.popleft()
+            read(2)
+            for table, pick in zip(targets, picks):  # after this batch's step: the batch after the next
+                if len(ahead) > 1:
+                    table._after_step = partial(_start, table, pick, ahead[1], True)
                 else:
-                    table.__dict__.pop("_next_prefetch", None)
+                    table.__dict__.pop("_after_step", None)
             yield current
-            if not more:
-                return
-            current = upcoming
-    finally:  # (a loop left early: no later forward prefetches a batch that never comes)
+        if failure and not isinstance(failure[0], StopIteration):
+            raise failure[0]
+    finally:  # (a loop left early: nothing planned ahead stays behind)
         for table in targets:
-            table.__dict__.pop("_next_prefetch", None)
+            table.__dict__.pop("_after_step", None)
+            table.__dict__.pop("_queued", None)

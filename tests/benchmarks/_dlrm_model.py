@@ -16,11 +16,13 @@ Three ways to hold the tables, the rest of the model the same:
 
 from __future__ import annotations
 
+from typing import Iterable, Iterator
+
 import numpy as np
 import torch
 from torch import nn
 
-from remote_module.ps import ShardedEmbeddingBag, ShardedEmbeddingBagCollection
+from remote_module.ps import ShardedEmbeddingBag, ShardedEmbeddingBagCollection, prefetching
 
 VARIANTS = ("local", "collection", "tables", "collection prefetch")
 
@@ -97,11 +99,6 @@ class Tables(nn.Module):
             return [out[f"t{k}"] for k in range(len(ids))]
         return [bag(i, o) for bag, i, o in zip(self.bags, ids, offsets)]
 
-    def prefetch(self, offsets: list[torch.Tensor], ids: list[torch.Tensor]) -> None:
-        """"collection prefetch": the next batch's lookups, sent with the coming step's pushes."""
-        if self.variant == "collection prefetch":
-            self.collection.prefetch({f"t{k}": (i, o) for k, (i, o) in enumerate(zip(ids, offsets))})
-
     def step(self) -> None:
         if self.variant.startswith("collection"):
             self.collection.step()
@@ -136,11 +133,23 @@ def build(cfg: dict, variant: str, servers: list[str], name: str, ps_mode: str, 
     return model, torch.optim.SGD(model.parameters(), lr=cfg["lr"])
 
 
-def train_step(model: DLRM, opt: torch.optim.Optimizer, batch: tuple, upcoming: tuple | None = None) -> float:
+def features(batch: tuple) -> dict[str, tuple]:
+    """A batch's input of the collection (``prefetching(batches, collection, features=features)``)."""
+    _, offsets, ids, _ = batch
+    return {f"t{k}": (i, o) for k, (i, o) in enumerate(zip(ids, offsets))}
+
+
+def feed(model: DLRM, batches: Iterable) -> Iterator:
+    """``batches`` as a variant trains them: "collection prefetch" through
+    ``remote_module.ps.prefetching`` (a step sends the next batch's lookups with its pushes)."""
+    if model.tables.variant != "collection prefetch":
+        return iter(batches)
+    return prefetching(batches, model.tables.collection, features=features)
+
+
+def train_step(model: DLRM, opt: torch.optim.Optimizer, batch: tuple) -> float:
     dense, offsets, ids, target = batch
     loss = nn.functional.mse_loss(model(dense, offsets, ids), target)
-    if upcoming is not None:
-        model.tables.prefetch(upcoming[1], upcoming[2])
     opt.zero_grad()
     loss.backward()
     opt.step()

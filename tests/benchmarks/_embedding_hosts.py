@@ -17,6 +17,8 @@ Every variant offers ``train(batch)`` (forward, loss, backward, optimizer step),
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
@@ -99,14 +101,14 @@ class Anchor:
 
 class Sharded:
     """``ShardedEmbeddingBag`` (async mode) over ``servers``; a step is ``loss.backward()`` +
-    ``bag.step()`` (which returns with its pushes in flight). With ``prefetch``, the next
-    batch's lookup is prefetched after the forward, so the step sends it with the pushes (one
-    message per server per step)."""
+    ``bag.step()`` (which returns with its pushes in flight). With ``prefetch``, the steps run
+    through ``remote_module.ps.prefetching`` over the cycle of ``batches``, so a step sends the
+    next batch's lookup with its pushes (one message per server per step)."""
 
-    def __init__(self, cfg: dict, servers: list[str], prefetch: bool = False) -> None:
+    def __init__(self, cfg: dict, servers: list[str], prefetch: bool = False, batches: list | None = None) -> None:
         from remote_module.ps import ShardedEmbeddingBag
 
-        self.prefetch = prefetch
+        self.prefetch, self.batches, self.feed, self.next = prefetch, batches, None, None
         self.bag = ShardedEmbeddingBag(
             cfg["rows"], cfg["dim"], servers, name=f"bench-embedding-{len(servers)}{'-prefetch' * prefetch}",
             mode="sum", ps_mode="async", optimizer=(torch.optim.SGD, {"lr": cfg["lr"]}), seed=cfg["seed"], timeout=120,
@@ -114,9 +116,21 @@ class Sharded:
 
     def train(self, batch: Batch, upcoming: Batch | None = None) -> float:
         ids, offsets, target = batch
+        if self.prefetch and self.batches is not None:
+            from remote_module.ps import prefetching
+
+            # prefetching() over the batch cycle from this batch on (a new one where the caller
+            # jumped elsewhere in the cycle): the next batches' lookups go with the steps
+            at = next(i for i, b in enumerate(self.batches) if b is batch)
+            if self.next != at:
+                if self.feed is not None:
+                    self.feed.close()
+                cycle = (self.batches[(at + j) % len(self.batches)] for j in itertools.count())
+                self.feed = prefetching(cycle, self.bag, features=lambda b: (b[0], b[1]))
+            got = next(self.feed)
+            assert got is batch
+            self.next = (at + 1) % len(self.batches)
         out = self.bag(ids, offsets)
-        if self.prefetch and upcoming is not None:
-            self.bag.prefetch(upcoming[0], upcoming[1])
         loss = loss_of(out, target)
         loss.backward()
         self.bag.step()

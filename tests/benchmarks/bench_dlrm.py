@@ -25,6 +25,7 @@ Prints a table with the issue's targets and writes JSON (bench-dlrm-results.json
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from typing import Any
 
@@ -55,8 +56,7 @@ def _sync_check(cfg: dict, servers: list[str]) -> dict[str, list[float]]:
     losses = {}
     for variant in dlrm.VARIANTS:
         model, opt = dlrm.build(cfg, variant, servers, f"dlrm-sync-{variant}", "sync", cfg["seed"])
-        losses[variant] = [dlrm.train_step(model, opt, batch, data[k + 1] if k + 1 < len(data) else None)
-                           for k, batch in enumerate(data)]
+        losses[variant] = [dlrm.train_step(model, opt, batch) for batch in dlrm.feed(model, data)]
     ref = losses["local"]
     for variant in ("collection", "tables", "collection prefetch"):
         worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses[variant], ref))
@@ -78,19 +78,21 @@ def trainer_main(cfg: dict) -> dict:
     results["sync_losses"] = _sync_check(cfg, servers)
     data = dlrm.batches(cfg, cfg["steps_per_round"], cfg["seed"] + 1)
     built = {v: dlrm.build(cfg, v, servers, f"dlrm-async-{v}", "async", cfg["seed"]) for v in dlrm.VARIANTS}
+    # each variant's batches: the cycle of ``data`` (the prefetch variant's through prefetching())
+    feeds = {v: dlrm.feed(built[v][0], itertools.cycle(data)) for v in dlrm.VARIANTS}
 
     def round_of(variant: str) -> Any:
         model, opt = built[variant]
 
         def run() -> None:
-            for k, batch in enumerate(data):
-                dlrm.train_step(model, opt, batch, data[(k + 1) % len(data)])
+            for _ in data:
+                dlrm.train_step(model, opt, next(feeds[variant]))
         return run
 
     for variant in dlrm.VARIANTS:  # warm up every path
         model, opt = built[variant]
-        for batch in data[: cfg["warmup_steps"]]:
-            dlrm.train_step(model, opt, batch)
+        for _ in range(cfg["warmup_steps"]):
+            dlrm.train_step(model, opt, next(feeds[variant]))
     samples, cpu = rounds({v: round_of(v) for v in dlrm.VARIANTS}, cfg["rounds"], 0, world_meter())
     steps = cfg["steps_per_round"]
     results["samples_per_s"] = {v: statistics.median(cfg["batch"] * steps / t for t in s) for v, s in samples.items()}
@@ -100,14 +102,8 @@ def trainer_main(cfg: dict) -> dict:
     results["servers_with_rows"] = sorted({s for bag in built["collection"][0].tables.bags for _, _, s in bag._ranges})
     results["messages_per_step"] = {}
     for v in ("collection", "tables", "collection prefetch"):
-        at = iter(range(10**9))
-
-        def step(v: str = v, at: Any = at) -> None:
-            k = next(at)
-            dlrm.train_step(*built[v], data[k % len(data)], data[(k + 1) % len(data)])
-
-        step()  # (the prefetch variant's first step after the rounds sends its lookups alone)
-        results["messages_per_step"][v] = messages_per_call(step, cfg["message_steps"])
+        results["messages_per_step"][v] = messages_per_call(
+            lambda v=v: dlrm.train_step(*built[v], next(feeds[v])), cfg["message_steps"])
     return results
 
 

@@ -101,7 +101,7 @@ def _anchor(cfg: dict, batch: hosts.Batch, start: torch.Tensor) -> tuple[hosts.A
 def setup(cfg: dict, batches: list[hosts.Batch]) -> tuple[dict[str, Any], dict]:
     """Every variant from the same rows, checked equal to a local reference after
     ``check_steps`` identical steps. ``(variants by name, facts for the results)``."""
-    variants: dict[str, Any] = {sharded_name(n, p): hosts.Sharded(cfg, SERVERS[:n], prefetch=p)
+    variants: dict[str, Any] = {sharded_name(n, p): hosts.Sharded(cfg, SERVERS[:n], prefetch=p, batches=batches)
                                 for n in cfg["server_counts"] for p in (False, True)}
     first = variants[sharded_name(cfg["server_counts"][0])]
     start = first.weight()
