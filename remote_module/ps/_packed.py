@@ -13,7 +13,7 @@ table's own path, which checks and refuses them as the table does.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
@@ -40,12 +40,26 @@ def packable(table: Any, input: Any, offsets: Any, per_sample_weights: Any) -> b
     return not table._sent_as_given(None)
 
 
-class Layout:
-    """What a set of tables and batch sizes fixes (kept while they stay the same): where each
-    table's ids and bags sit in the batch, the id range each table takes in one global id
-    space, every block's start in it and its server, and the checks' bounds."""
+class Sized(NamedTuple):
+    """What a batch's numbers of ids per table fix (:meth:`Layout.sized`): where each table's
+    ids sit in the batch, and the checks' bounds."""
 
-    def __init__(self, tables: Sequence[ShardedEmbeddingBag], sizes: Sequence[int], bags: Sequence[int]) -> None:
+    pos_base: list[int]  # table k's ids start at pos_base[k]
+    limit: torch.Tensor  # per id: its table's num_embeddings
+    id_base_at: torch.Tensor  # per id: its table's base in the global id space
+    pos_base_at_bag: torch.Tensor  # per bag: its table's pos_base
+    first_offset: torch.Tensor  # per table with bags: where its first bag must start
+    last_offset: torch.Tensor  # ... and the end its last bag may not pass
+    positions: torch.Tensor  # arange over the batch's ids
+
+
+class Layout:
+    """What a set of tables and their numbers of bags fix (kept while they stay the same): where
+    each table's bags sit in the batch, the id range each table takes in one global id space,
+    every block's start in it and its server; :meth:`sized` adds what the numbers of ids fix
+    (they change from batch to batch when bags have different sizes)."""
+
+    def __init__(self, tables: Sequence[ShardedEmbeddingBag], bags: Sequence[int]) -> None:
         self.tables = list(tables)
         self.servers: list[str] = []
         for t in tables:
@@ -53,24 +67,21 @@ class Layout:
         # every table's servers in the order of self.servers: then adding the servers' parts in
         # that order adds each table's in its own order, as its own lookup does
         self.in_order = all([s for s in self.servers if s in t._server_names] == t._server_names for t in tables)
-        self.pos_base, self.bag_base, self.id_base = [0], [0], [0]
-        for t, n, b in zip(tables, sizes, bags):
-            self.pos_base.append(self.pos_base[-1] + n)
+        self.bags = list(bags)
+        self.bag_base, self.id_base = [0], [0]
+        for t, b in zip(tables, bags):
             self.bag_base.append(self.bag_base[-1] + b)
             self.id_base.append(self.id_base[-1] + t.num_embeddings)
-        n_all, b_all = self.pos_base[-1], self.bag_base[-1]
-        counts = torch.tensor(list(sizes))
-        self.limit = torch.repeat_interleave(torch.tensor([t.num_embeddings for t in tables]), counts)
-        self.id_base_at = torch.repeat_interleave(torch.tensor(self.id_base[:-1]), counts)
-        self.pos_base_at_bag = torch.repeat_interleave(torch.tensor(self.pos_base[:-1]), torch.tensor(list(bags)))
+        b_all = self.bag_base[-1]
+        self.num_embeddings = torch.tensor([t.num_embeddings for t in tables])
+        self.id_bases = torch.tensor(self.id_base[:-1])
+        self.bag_counts = torch.tensor(self.bags)
         # the bounds of the tables with bags (a 2-d input of 0 rows has none, and no ids)
-        has = [i for i, b in enumerate(bags) if b]
-        self.first_bag = torch.tensor([self.bag_base[i] for i in has], dtype=torch.long)
-        self.first_offset = torch.tensor([self.pos_base[i] for i in has], dtype=torch.long)
-        self.last_bag = torch.tensor([self.bag_base[i + 1] - 1 for i in has], dtype=torch.long)
-        self.last_offset = torch.tensor([self.pos_base[i + 1] for i in has], dtype=torch.long)
-        self.positions = torch.arange(n_all)
+        self.has = [i for i, b in enumerate(bags) if b]
+        self.first_bag = torch.tensor([self.bag_base[i] for i in self.has], dtype=torch.long)
+        self.last_bag = torch.tensor([self.bag_base[i + 1] - 1 for i in self.has], dtype=torch.long)
         self.bag_positions = torch.arange(b_all)
+        self._sized: tuple[tuple, Sized] | None = None
         starts, owners = [], []
         for t, base in zip(tables, self.id_base):
             for first, _, server in t._ranges:
@@ -91,6 +102,24 @@ class Layout:
             self.rows.append(None if whole else torch.cat(rows) if rows else torch.empty(0, dtype=torch.long))
         self.wire = torch.int32 if all(t.num_embeddings <= 2**31 for t in tables) else torch.int64
 
+    def sized(self, sizes: Sequence[int]) -> Sized:
+        """:class:`Sized` of a batch with ``sizes[k]`` ids for table k (the last one kept)."""
+        key = tuple(sizes)
+        if self._sized is not None and self._sized[0] == key:
+            return self._sized[1]
+        pos_base = [0]
+        for n in sizes:
+            pos_base.append(pos_base[-1] + n)
+        counts = torch.tensor(key)
+        sized = Sized(pos_base, torch.repeat_interleave(self.num_embeddings, counts),
+                      torch.repeat_interleave(self.id_bases, counts),
+                      torch.repeat_interleave(torch.tensor(pos_base[:-1]), self.bag_counts),
+                      torch.tensor([pos_base[i] for i in self.has], dtype=torch.long),
+                      torch.tensor([pos_base[i + 1] for i in self.has], dtype=torch.long),
+                      torch.arange(pos_base[-1]))
+        self._sized = (key, sized)
+        return sized
+
 
 def plan(owner: Any, entries: Sequence[tuple[ShardedEmbeddingBag, torch.Tensor, torch.Tensor | None]],
          wait_s: float) -> tuple[list, Callable[[list], list[torch.Tensor]]] | None:
@@ -108,31 +137,32 @@ def plan(owner: Any, entries: Sequence[tuple[ShardedEmbeddingBag, torch.Tensor, 
         offsets.append(off)
         sizes.append(flat.numel())
         bags.append(off.numel())
-    key = (tuple(sizes), tuple(bags))
+    key = tuple(bags)
     layout = owner.get(key)
     if layout is None or len(layout.tables) != len(tables) or any(a is not b for a, b in zip(layout.tables, tables)):
-        layout = Layout(tables, sizes, bags)
+        layout = Layout(tables, bags)
         owner.clear()
         owner[key] = layout
+    sized = layout.sized(sizes)
     flat = torch.cat(flats)
-    starts = torch.cat(offsets) + layout.pos_base_at_bag  # every bag's first position in the batch
-    bad = ((starts[1:] < starts[:-1]).any() | (starts[layout.first_bag] != layout.first_offset).any()
-           | (starts[layout.last_bag] > layout.last_offset).any())
+    starts = torch.cat(offsets) + sized.pos_base_at_bag  # every bag's first position in the batch
+    bad = ((starts[1:] < starts[:-1]).any() | (starts[layout.first_bag] != sized.first_offset).any()
+           | (starts[layout.last_bag] > sized.last_offset).any())
     if flat.numel():
-        bad = bad | (flat < 0).any() | (flat >= layout.limit).any()
+        bad = bad | (flat < 0).any() | (flat >= sized.limit).any()
     if bool(bad):
         return None
     # which tables record gradients (recorded when the outputs are made: a prefetch's at its forward)
     records = [torch.is_grad_enabled() and t.grad_marker.requires_grad for t in tables]
-    gid = flat + layout.id_base_at  # one id space: table k's ids from id_base[k]
+    gid = flat + sized.id_base_at  # one id space: table k's ids from id_base[k]
     if any(records):
         uniq, inverse = torch.unique(gid, sorted=True, return_inverse=True)
         cuts = torch.searchsorted(uniq, torch.tensor(layout.id_base)).tolist()
-    bag_of = torch.searchsorted(starts, layout.positions, right=True) - 1
+    bag_of = torch.searchsorted(starts, sized.positions, right=True) - 1
     server_of = layout.block_server[torch.searchsorted(layout.block_starts, gid, right=True) - 1]
     calls, called = [], []
     for k, server in enumerate(layout.servers):
-        at = (server_of == k).nonzero().reshape(-1) if len(layout.servers) > 1 else layout.positions
+        at = (server_of == k).nonzero().reshape(-1) if len(layout.servers) > 1 else sized.positions
         if not at.numel():
             # none of the batch's ids here: no call, as no table alone calls a server without
             # its ids (so a server down or waiting for a sync step holds up only what needs it)
@@ -172,7 +202,7 @@ def plan(owner: Any, entries: Sequence[tuple[ShardedEmbeddingBag, torch.Tensor, 
             lo, hi = layout.bag_base[i], layout.bag_base[i + 1]
             value = total[lo:hi].to(t._dtype())
             if records[i] and t._records():  # (warns, as a table's own lookup does, of gradients never pushed)
-                p0, p1 = layout.pos_base[i], layout.pos_base[i + 1]
+                p0, p1 = sized.pos_base[i], sized.pos_base[i + 1]
                 t_uniq = uniq[cuts[i]:cuts[i + 1]] - layout.id_base[i]
                 holder = t._recorded(t_uniq, torch.zeros(t_uniq.numel(), dim, dtype=t._dtype()))
                 value = _BagRows.apply(holder, value, inverse[p0:p1] - cuts[i], bag_of[p0:p1] - lo, None,
