@@ -292,10 +292,6 @@ class _Rows:
                 where = self.state_slots(slots)
                 before = {k: v.index_select(0, where) for k, v in self.state.items()}
             g = grad * scale if scale != 1.0 else grad
-            if opt.kind == "sgd":  # in place, as step_rows computes it (the same add, bit for bit)
-                self.values.index_add_(0, slots, -g if opt.maximize else g, alpha=-opt.lr)
-                self.touched.index_fill_(0, slots, True)
-                return
             new_values, after = step_rows(opt, self.values.index_select(0, slots), g, before, step)
             self.values.index_copy_(0, slots, new_values)
             for k, v in after.items():
