@@ -17,7 +17,7 @@ from remote_module._core import (
     timeout_seconds,
 )
 from remote_module.ps import _packed, _table_server
-from remote_module.ps._embedding import Flight, Prefetch, at_step, send_push_plans
+from remote_module.ps._embedding import Ahead, Flight, Prefetch, at_step, send_push_plans
 from remote_module.ps._embedding_bag import ShardedEmbeddingBag
 
 
@@ -119,7 +119,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         the servers' rows, not this trainer's lookups ahead)."""
         self._wait_pushes()
         state = self.__dict__.copy()
-        for key in ("_flight", "_prefetched", "_queued", "_after_step"):
+        for key in ("_flight", "_ahead", "_after_step"):
             state.pop(key, None)
         return state
 
@@ -162,19 +162,21 @@ class ShardedEmbeddingBagCollection(nn.Module):
         arguments = self._arguments(features)
         key = tuple(v for name in self._names for v in arguments[name])
         records = tuple(t._plan_state() for t in self.tables().values())
-        self._wait_pushes()
+        ahead = self._lookahead()
+        handle = ahead.next()
+        use = (handle is not None and not handle.failed and not handle.replan and ahead.fresh(handle)
+               and handle.matches(key, records))
+        if not use or handle.got is None:  # (as a table's forward)
+            self._wait_pushes()
         self.__dict__.pop("_step_done", None)  # a failed step() not retried: the next one is whole
-        handle = self.__dict__.pop("_prefetched", None)
-        self._prefetched = self.__dict__.pop("_queued", None)  # the next forward's, if planned ahead
-        if handle is not None and not handle.failed and not handle.replan and handle.matches(key, records):
+        out = None
+        if use and not handle.failed:
             if handle.got is not None:
                 got = handle.answers()  # (None if a lookup failed: looked up again, as without prefetch)
                 out = None if got is None else handle.finish(got)
-            else:
+            elif not handle.sent:
                 out = handle.finish(call_grouped(self._count(at_step(handle.calls, self._step_of)),
                                                  timeout=self.timeout))
-        else:
-            out = None
         if out is None:
             calls, finish = self._plan(arguments)
             out = finish(call_grouped(self._count(calls), timeout=self.timeout))
@@ -189,18 +191,21 @@ class ShardedEmbeddingBagCollection(nn.Module):
         it. Returns the handle."""
         return self._prefetch_input(features)
 
-    def _prefetch_input(self, features: Mapping[str, Any], queued: bool = False) -> Prefetch:
-        """A prefetch of ``features``; ``queued``: as a table's (``prefetching``)."""
+    def _lookahead(self) -> Ahead:
+        return self.__dict__.setdefault("_ahead", Ahead())
+
+    def _prefetch_input(self, features: Mapping[str, Any], queued: bool = False, overlap: bool = False) -> Prefetch:
+        """A prefetch of ``features``; ``queued``, ``overlap``: as a table's (``prefetching``)."""
         arguments = self._arguments(features)
         key = tuple(v for name in self._names for v in arguments[name])
         records = tuple(t._plan_state() for t in self.tables().values())
         calls, finish = self._plan(arguments)  # (the steps it reads are set when it is sent)
         handle = Prefetch(key, records, calls, finish, replan=self.ps_mode == "geo",
-                          tables=list(self.tables().values()))
+                          tables=list(self.tables().values()), overlap=overlap)
         if queued:
-            self._queued = handle
+            self._lookahead().queue(handle)
         else:
-            self._prefetched, self._queued = handle, None
+            self._lookahead().replace(handle)
         return handle
 
     def _step_of(self, name: str) -> int:
@@ -331,24 +336,22 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 calls, table_done, failed = plan
                 plans.append((calls, partial(_finished, done, name, table_done), failed))
                 pushing.add(self._modules[name].name)
-        handle = self.__dict__.get("_prefetched")
-        if handle is not None and handle.sent:  # sent with an earlier step, never consumed: stale now
-            self._prefetched = handle = None
+        ahead = self._lookahead()
+        joined = ahead.to_send(self.ps_mode == "sync")
         by_name = self._by_name()
-        reads = [] if handle is None or handle.replan else at_step(
-            handle.calls, lambda n: by_name[n]._step + (n in pushing))  # sync: the step these pushes complete
+        reads = [call for handle in joined for call in at_step(
+            handle.calls, lambda n: by_name[n]._step + (n in pushing))]  # sync: the step these pushes complete
         self._count([call for plan in plans for call in plan[0]] + reads)
         settle = send_push_plans(plans, self.timeout, reads)
+        ahead.stepped(joined)
 
         def landed() -> list:
             got = settle()
             done.clear()
             return got
 
-        if reads:
-            handle.sent = True
         if reads or self.ps_mode != "sync":
-            flight = Flight(landed, handle if reads else None)
+            flight = Flight(landed, joined)
             self._flight = flight
             for name in self._names:  # a table used on its own lands it first
                 self._modules[name]._flight = flight

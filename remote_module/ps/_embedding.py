@@ -195,8 +195,8 @@ class Flight:
     push failure is raised by the first :meth:`land` only (a collection's step is landed by
     whichever of its tables is used first, and each failed table has kept its gradients)."""
 
-    def __init__(self, settle: Callable[[], list], prefetch: "Prefetch | None" = None) -> None:
-        self._settle, self.prefetch = settle, prefetch
+    def __init__(self, settle: Callable[[], list], prefetches: Sequence["Prefetch"] = ()) -> None:
+        self._settle, self.prefetches = settle, list(prefetches)  # (their calls, in order, are the reads)
         self._lock = threading.Lock()
 
     def land(self) -> None:
@@ -207,11 +207,13 @@ class Flight:
             try:
                 reads = settle()
             except BaseException:
-                if self.prefetch is not None:
-                    self.prefetch.failed = True
+                for prefetch in self.prefetches:
+                    prefetch.failed = True
                 raise
-            if self.prefetch is not None:
-                self.prefetch.got = reads
+            at = 0
+            for prefetch in self.prefetches:
+                prefetch.got = reads[at:at + len(prefetch.calls)]
+                at += len(prefetch.calls)
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -233,11 +235,12 @@ class Prefetch:
     value) consumes it; it is sent with the next ``step()``'s pushes (one message per server:
     the servers answer it once they applied them), or at that forward.
 
-    ``ready()``: whether its answer has arrived (or it is planned only); the forward waits
-    otherwise. A prefetch not consumed by the next forward is dropped."""
+    With ``overlap`` (``prefetching(..., overlap=True)``, async modes) it may be sent one step
+    earlier, with the step before the next forward's: it then misses that forward's last push.
+    A prefetch not consumed by the forward it was planned for is dropped."""
 
     def __init__(self, key: tuple, records: Any, calls: list, finish: Callable[[list], Any],
-                 replan: bool = False, tables: Sequence = ()) -> None:
+                 replan: bool = False, tables: Sequence = (), overlap: bool = False) -> None:
         self.key = tuple(_kept(v) for v in key)
         # the tables it reads, and how often their rows changed on the servers other than by a
         # step (loads, half_async merges): a change after it was sent makes it stale
@@ -247,10 +250,11 @@ class Prefetch:
         replan = replan or any(isinstance(v, torch.Tensor) and v.requires_grad for v in key)
         # (what the plan depends on besides the arguments: whether each table records, its dtype)
         self.records, self.calls, self.finish, self.replan = records, calls, finish, replan
+        self.overlap = overlap
         self.sent = False  # with a step's pushes
+        self.sent_at = 0  # (Ahead.sends once that step was sent)
         self.got: list | None = None  # the answers' outcomes, once that step landed
         self.failed = False  # that step's push failed: dropped
-        self.after_forward: Callable[[], Any] | None = None  # (prefetching(): the next batch's prefetch)
 
     def matches(self, key: tuple, records: Any) -> bool:
         """Whether a forward of ``key`` (``records``: as given at construction) may use it."""
@@ -267,6 +271,44 @@ class Prefetch:
         if not all(ok for ok, _ in self.got):
             return None
         return [value for _, value in self.got]
+
+
+class Ahead:
+    """The prefetches of a table or collection, in the order of the forwards they are for, and
+    the count of its steps sent: a prefetch sent with a step that is consumed after later steps
+    would miss their pushes, so it is used only if at most ``overlap`` (0, or 1) came since."""
+
+    def __init__(self) -> None:
+        self.handles: list[Prefetch] = []
+        self.sends = 0
+
+    def replace(self, handle: Prefetch) -> None:
+        self.handles = [handle]
+
+    def queue(self, handle: Prefetch) -> None:
+        self.handles.append(handle)
+
+    def next(self) -> Prefetch | None:
+        """The prefetch for the forward now (taken: a forward uses it or drops it)."""
+        return self.handles.pop(0) if self.handles else None
+
+    def fresh(self, handle: Prefetch) -> bool:
+        return not handle.sent or self.sends - handle.sent_at <= (1 if handle.overlap else 0)
+
+    def to_send(self, sync: bool) -> list[Prefetch]:
+        """What a step sends with its pushes: the next forward's prefetch, if not sent yet; with
+        overlap (not in sync mode), the one after it too."""
+        out = []
+        for k, handle in enumerate(self.handles[:2]):
+            if not handle.sent and not handle.replan and (k == 0 or (handle.overlap and not sync)):
+                out.append(handle)
+        return out
+
+    def stepped(self, sent: Sequence[Prefetch]) -> None:
+        """A step was sent, and ``sent`` with it."""
+        self.sends += 1
+        for handle in sent:
+            handle.sent, handle.sent_at = True, self.sends
 
 
 #: where a lookup handler takes the table's step (sync: the lookup waits for step - 1)
@@ -438,7 +480,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         self._marker_lock = threading.Lock()  # see _recorded
         self._flight_lock = threading.RLock()  # a step's pushes in flight (_flight) are landed once
         self._flight: Flight | None = None
-        self._prefetched: Prefetch | None = None
+        self._ahead = Ahead()
         self._reset_gradients()
         self._group_lrs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._warned_lr = False
@@ -527,39 +569,47 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         any other forward drops it; a new prefetch replaces it. Returns the handle."""
         return self._prefetch((input,), self._forward_plan)
 
-    def _prefetch(self, key: tuple, plan: Callable, queued: bool = False) -> Prefetch:
-        """A prefetch of ``key``; ``queued`` (``prefetching``: the batch after the next, planned
-        while a step's answer is awaited): kept until the next forward, which makes it the
-        prefetch (the lookup planned here waits for no push: it is sent after them)."""
+    def _prefetch(self, key: tuple, plan: Callable, queued: bool = False, overlap: bool = False) -> Prefetch:
+        """A prefetch of ``key``; ``queued`` (``prefetching``: a batch after the next, planned
+        while a step's answer is awaited): after the others, for a later forward (the lookup
+        planned here waits for no push: it is sent after them)."""
         records = self._plan_state()
         calls, finish = plan(*key)  # (the checks of the forward's arguments, now)
         # geo: the lookup depends on the rows this trainer caches, which its step changes
-        handle = Prefetch(key, records, calls, finish, replan=self.ps_mode == "geo", tables=[self])
+        handle = Prefetch(key, records, calls, finish, replan=self.ps_mode == "geo", tables=[self], overlap=overlap)
         with self._flight_lock:
             if queued:
-                self._queued = handle
+                self._lookahead().queue(handle)
             else:
-                self._prefetched, self._queued = handle, None
+                self._lookahead().replace(handle)
         return handle
 
-    def _prefetch_input(self, value: Any, queued: bool = False) -> Prefetch:
+    def _lookahead(self) -> Ahead:
+        return self.__dict__.setdefault("_ahead", Ahead())  # (a table pickled before prefetch)
+
+    def _prefetch_input(self, value: Any, queued: bool = False, overlap: bool = False) -> Prefetch:
         """(``prefetching``) a prefetch of a batch's input: the ids."""
-        return self._prefetch((value,), self._forward_plan, queued)
+        return self._prefetch((value,), self._forward_plan, queued, overlap)
 
     def _looked_up(self, key: tuple, plan: Callable) -> Any:
         """A forward's output: of the prefetch of ``key`` when there is one (any other is
         dropped), else of a lookup planned and sent now; after a step's pushes landed."""
         records = self._plan_state()
         with self._flight_lock:
-            self._wait_pushes()
-            handle = self.__dict__.pop("_prefetched", None)
-            self._prefetched = self.__dict__.pop("_queued", None)  # the next forward's, if planned ahead
+            ahead = self._lookahead()
+            handle = ahead.next()
+            use = (handle is not None and not handle.failed and not handle.replan and ahead.fresh(handle)
+                   and handle.matches(key, records))
+            if not use or handle.got is None:
+                # after the pushes in flight (a prefetch sent with them is answered once they landed);
+                # only a prefetch sent a step earlier, with overlap, is used without waiting for them
+                self._wait_pushes()
         out = None
-        if handle is not None and not handle.failed and not handle.replan and handle.matches(key, records):
+        if use and not handle.failed:
             if handle.got is not None:
                 got = handle.answers()
                 out = None if got is None else handle.finish(got)
-            else:
+            elif not handle.sent:
                 out = handle.finish(lookup_calls(at_step(handle.calls, self._step_of), self.timeout))
         if out is None:
             calls, finish = plan(*key)
@@ -663,7 +713,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         self._wait_pushes()
         state = self.__dict__.copy()
         for key in ("_pending_lock", "_marker_lock", "_fresh", "_held", "_hooked", "_group_lrs", "_flight_lock",
-                    "_flight", "_prefetched", "_queued", "_after_step"):
+                    "_flight", "_ahead", "_after_step"):
             state.pop(key, None)
         return state
 
@@ -675,7 +725,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         self._pending_lock = threading.Lock()
         self._marker_lock = threading.Lock()
         self._flight_lock = threading.RLock()
-        self._flight, self._prefetched = None, None
+        self._flight, self._ahead = None, Ahead()
         self._reset_gradients()
         self._group_lrs = weakref.WeakKeyDictionary()
         _live_tables.add(self)
@@ -857,15 +907,13 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
             plan = self._push_plan()
             if plan is None:
                 return
-            handle = self.__dict__.get("_prefetched")
-            if handle is not None and handle.sent:  # sent with an earlier step, never consumed: stale now
-                self._prefetched = handle = None
-            reads = [] if handle is None or handle.replan else at_step(handle.calls, lambda name: self._step + 1)
+            ahead = self._lookahead()
+            joined = ahead.to_send(self.ps_mode == "sync")
+            reads = [call for handle in joined for call in at_step(handle.calls, lambda name: self._step + 1)]
             settle = send_push_plans([plan], self.timeout, reads)
-            if reads:
-                handle.sent = True
+            ahead.stepped(joined)
             if reads or self.ps_mode != "sync":
-                self._flight = Flight(settle, handle if reads else None)
+                self._flight = Flight(settle, joined)
             after = self.__dict__.pop("_after_step", None)
         if after is not None:  # (prefetching: the batch after the next, planned while the servers work)
             after()

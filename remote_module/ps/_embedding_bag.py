@@ -113,11 +113,11 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         equal arguments (by value) consumes it."""
         return self._prefetch(self._bag_args(input, offsets, per_sample_weights), self._lookup_plan)
 
-    def _prefetch_input(self, value: Any, queued: bool = False) -> Prefetch:
+    def _prefetch_input(self, value: Any, queued: bool = False, overlap: bool = False) -> Prefetch:
         """(``prefetching``) a prefetch of a batch's input: the ids, or ``(input, offsets,
         per_sample_weights)``."""
         args = tuple(value) + (None,) * (3 - len(value)) if isinstance(value, (tuple, list)) else (value, None, None)
-        return self._prefetch(self._bag_args(*args), self._lookup_plan, queued)
+        return self._prefetch(self._bag_args(*args), self._lookup_plan, queued, overlap)
 
     def _lookup_plan(self, input: torch.Tensor, offsets: torch.Tensor | None,
                      per_sample_weights: torch.Tensor | None,

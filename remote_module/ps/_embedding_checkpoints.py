@@ -38,10 +38,7 @@ class TableCheckpoints:
         """Before a load: the pushes in flight land first, and a prefetch sent with them (which
         read the rows before the load) is dropped, this table's or a collection's."""
         self._wait_pushes()
-        handle = self.__dict__.get("_prefetched")
-        if handle is not None and handle.sent:
-            self._prefetched = None
-        # (a collection's prefetch that read this table before the load is dropped by it: Prefetch.matches)
+        # (a prefetch, this table's or a collection's, that read its rows before is dropped: Prefetch.matches)
         self._changes = self.__dict__.get("_changes", 0) + 1
 
     def _stored(self) -> tuple[torch.Tensor, torch.Tensor]:

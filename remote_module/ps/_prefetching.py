@@ -13,22 +13,30 @@ from remote_module.ps._embedding import ShardedEmbedding
 _PREFETCHERS = (ShardedEmbedding, ShardedEmbeddingBagCollection)
 
 
-def _start(table: Any, features: Callable[[Any], Any], batch: Any, queued: bool) -> None:
+def _start(table: Any, features: Callable[[Any], Any], batch: Any, queued: bool, overlap: bool) -> None:
     """Prefetch ``table``'s input of ``batch`` (``features(batch)``): as the next forward's
-    prefetch, or ``queued`` for the one after. A batch the prefetch refuses (or whose features
+    prefetch, or ``queued`` for a later one. A batch the prefetch refuses (or whose features
     fail) is left alone: its own forward raises, naming what is wrong."""
     try:
-        table._prefetch_input(features(batch), queued)
+        table._prefetch_input(features(batch), queued, overlap)
     except Exception:  # noqa: BLE001 - the forward of that batch reports it
         pass
 
 
-def prefetching(batches: Iterable, tables: Any, features: Callable[[Any], Any] | None = None) -> Iterator:
+def prefetching(batches: Iterable, tables: Any, features: Callable[[Any], Any] | None = None, *,
+                overlap: bool = False) -> Iterator:
     """Yield the batches of ``batches`` as they are, with every batch's lookups prefetched: a
     step sends its pushes and the next batch's lookups in one message per server, answered once
     the servers applied the pushes (results are those of the same loop without it). The batch
     after the next is planned while that answer is awaited (right after the step is sent), so
     the trainer's planning overlaps the servers' work; the iterator reads two batches ahead.
+
+    ``overlap=True`` (async and half_async only; ``ValueError`` for a sync table) goes one
+    batch further: a step sends the lookups of the batch after the next, so their round trip
+    overlaps the next batch's compute and a forward never waits for the servers. Each of those
+    lookups then misses exactly one push of this trainer, the last one before its forward (as
+    an async read may miss other trainers' pushes); every earlier push is in it. The iterator
+    then reads three batches ahead.
 
     ``tables``: a :class:`ShardedEmbedding` / :class:`ShardedEmbeddingBag`, a
     :class:`ShardedEmbeddingBagCollection`, or a sequence of them. ``features(batch)`` gives
@@ -51,6 +59,13 @@ def prefetching(batches: Iterable, tables: Any, features: Callable[[Any], Any] |
                         f"or a sequence of them, got {tables!r:.200}")
     if features is not None and not callable(features):
         raise TypeError(f"features must be a function of a batch, got {features!r:.100}")
+    if not isinstance(overlap, bool):
+        raise TypeError(f"overlap must be a bool, got {overlap!r}")
+    if overlap and any(t.ps_mode == "sync" for t in targets):
+        raise ValueError("prefetching(overlap=True) is for async and half_async tables: a sync table's lookups wait "
+                         "for every trainer's step, so a lookup sent a step early cannot be answered before its "
+                         "forward needs it; use overlap=False (the default) in sync mode")
+    depth = 2 if overlap else 1  # steps a lookup is sent ahead of its forward
 
     def feature_of(k: int) -> Callable[[Any], Any]:
         def pick(batch: Any) -> Any:
@@ -78,18 +93,16 @@ def prefetching(batches: Iterable, tables: Any, features: Callable[[Any], Any] |
                 failure.append(exc)
 
     try:
-        read(2)
+        read(depth + 1)
         for table, pick in zip(targets, picks):
-            if ahead:
-                _start(table, pick, ahead[0], False)
-            if len(ahead) > 1:
-                _start(table, pick, ahead[1], True)
+            for k, batch in enumerate(ahead):
+                _start(table, pick, batch, k > 0, overlap)
         while ahead:
             current = ahead.popleft()
-            read(2)
-            for table, pick in zip(targets, picks):  # after this batch's step: the batch after the next
-                if len(ahead) > 1:
-                    table._after_step = partial(_start, table, pick, ahead[1], True)
+            read(depth + 1)
+            for table, pick in zip(targets, picks):  # after this batch's step: depth + 1 batches on
+                if len(ahead) > depth:
+                    table._after_step = partial(_start, table, pick, ahead[depth], True, overlap)
                 else:
                     table.__dict__.pop("_after_step", None)
             yield current
@@ -98,4 +111,4 @@ def prefetching(batches: Iterable, tables: Any, features: Callable[[Any], Any] |
     finally:  # (a loop left early: nothing planned ahead stays behind)
         for table in targets:
             table.__dict__.pop("_after_step", None)
-            table.__dict__.pop("_queued", None)
+            table._lookahead().handles.clear()

@@ -105,18 +105,21 @@ class Sharded:
     through ``remote_module.ps.prefetching`` over the cycle of ``batches``, so a step sends the
     next batch's lookup with its pushes (one message per server per step)."""
 
-    def __init__(self, cfg: dict, servers: list[str], prefetch: bool = False, batches: list | None = None) -> None:
+    def __init__(self, cfg: dict, servers: list[str], prefetch: bool = False, batches: list | None = None,
+                 overlap: bool = False) -> None:
         from remote_module.ps import ShardedEmbeddingBag
 
-        self.prefetch, self.batches, self.feed, self.next = prefetch, batches, None, None
+        self.prefetch, self.batches, self.feed, self.next, self.overlap = prefetch, batches, None, None, overlap
         self.bag = ShardedEmbeddingBag(
-            cfg["rows"], cfg["dim"], servers, name=f"bench-embedding-{len(servers)}{'-prefetch' * prefetch}",
+            cfg["rows"], cfg["dim"], servers,
+            name=f"bench-embedding-{len(servers)}{'-prefetch' * prefetch}{'-overlap' * overlap}",
             mode="sum", ps_mode="async", optimizer=(torch.optim.SGD, {"lr": cfg["lr"]}), seed=cfg["seed"], timeout=120,
         )
 
-    def train(self, batch: Batch, upcoming: Batch | None = None) -> float:
+    def train(self, batch: Batch, upcoming: Batch | None = None, plain: bool = False) -> float:
+        """One step on ``batch`` (``plain``: without prefetch, as the checks train)."""
         ids, offsets, target = batch
-        if self.prefetch and self.batches is not None:
+        if self.prefetch and self.batches is not None and not plain:
             from remote_module.ps import prefetching
 
             # prefetching() over the batch cycle from this batch on (a new one where the caller
@@ -126,7 +129,7 @@ class Sharded:
                 if self.feed is not None:
                     self.feed.close()
                 cycle = (self.batches[(at + j) % len(self.batches)] for j in itertools.count())
-                self.feed = prefetching(cycle, self.bag, features=lambda b: (b[0], b[1]))
+                self.feed = prefetching(cycle, self.bag, features=lambda b: (b[0], b[1]), overlap=self.overlap)
             got = next(self.feed)
             assert got is batch
             self.next = (at + 1) % len(self.batches)

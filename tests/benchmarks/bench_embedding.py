@@ -73,8 +73,15 @@ FULL = {"rows": 1_000_000, "dim": 16, "bags": 256, "ids_per_bag": 8, "lr": 0.1, 
 QUICK = {**FULL, "rows": 100_000, "steps_per_round": 3, "rounds": 2, "dense_example_steps": 2}
 
 
-def sharded_name(n: int, prefetch: bool = False) -> str:
-    return f"ShardedEmbeddingBag servers={n}{' prefetch' if prefetch else ''}"
+def sharded_name(n: int, prefetch: bool | str = False) -> str:
+    """A variant's name; ``prefetch``: False, True, or "overlap" (prefetching(overlap=True))."""
+    form = {False: "", True: " prefetch", "overlap": " prefetch overlap"}[prefetch]
+    return f"ShardedEmbeddingBag servers={n}{form}"
+
+
+#: the prefetch forms timed: none, prefetching() (exact), prefetching(overlap=True) (a read
+#: may miss this trainer's last push: its table is not compared with the others at the end)
+FORMS = (False, True, "overlap")
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -101,8 +108,9 @@ def _anchor(cfg: dict, batch: hosts.Batch, start: torch.Tensor) -> tuple[hosts.A
 def setup(cfg: dict, batches: list[hosts.Batch]) -> tuple[dict[str, Any], dict]:
     """Every variant from the same rows, checked equal to a local reference after
     ``check_steps`` identical steps. ``(variants by name, facts for the results)``."""
-    variants: dict[str, Any] = {sharded_name(n, p): hosts.Sharded(cfg, SERVERS[:n], prefetch=p, batches=batches)
-                                for n in cfg["server_counts"] for p in (False, True)}
+    variants: dict[str, Any] = {sharded_name(n, p): hosts.Sharded(cfg, SERVERS[:n], prefetch=bool(p), batches=batches,
+                                                                  overlap=p == "overlap")
+                                for n in cfg["server_counts"] for p in FORMS}
     first = variants[sharded_name(cfg["server_counts"][0])]
     start = first.weight()
     for v in variants.values():
@@ -115,8 +123,8 @@ def setup(cfg: dict, batches: list[hosts.Batch]) -> tuple[dict[str, Any], dict]:
         opt.zero_grad()
         hosts.loss_of(local(b[0], b[1]), b[2]).backward()
         opt.step()
-        for v in variants.values():
-            v.train(b)
+        for name, v in variants.items():
+            v.train(b) if name == ANCHOR else v.train(b, plain=True)
     want = local.weight.detach()
     changed = int((want != start).any(dim=1).sum())
     if changed == 0:
@@ -164,7 +172,7 @@ def trainer_main(cfg: dict) -> dict:
         return run
 
     timed = {f"train: {n}": train(n) for n in variants} | {f"lookup: {n}": lookup(n) for n in variants
-                                                           if not n.endswith(" prefetch")}
+                                                           if "prefetch" not in n}
     meter = world_meter()  # CPU of all three processes, every thread, over the same rounds as the clock
     samples, cpu = rounds(timed, cfg["rounds"], cfg["warmup_rounds"], meter)
     results["round_samples_s"] = samples
@@ -192,7 +200,7 @@ def trainer_main(cfg: dict) -> dict:
     for name, v in variants.items():
         if name != ANCHOR:
             diff = results["end_max_abs_diff_vs_anchor"][name] = _max_diff(v.weight(), reference)
-            if not diff <= cfg["end_atol"]:
+            if not diff <= cfg["end_atol"] and not name.endswith(" overlap"):
                 raise AssertionError(f"{name}: after {steps_done[name]} identical steps its table differs from the "
                                      f"anchor's by {diff:.3g} (allowed {cfg['end_atol']})")
     results["steps_each"] = steps_done[ANCHOR]
@@ -207,7 +215,7 @@ def trainer_main(cfg: dict) -> dict:
     }
     results["messages_per_step"], results["messages_per_lookup"] = {}, {}
     for n in cfg["server_counts"]:
-        for p in (False, True):
+        for p in FORMS:
             v, at = variants[sharded_name(n, p)], iter(range(10**9))  # after the checks: these steps move the rows
 
             def step(v: Any = v, at: Any = at) -> None:
@@ -244,10 +252,11 @@ def ratios(r: dict) -> dict[str, float]:
     cpu = r.get("train_step_cpu_s", {})
     for n in counts:  # the targets of the one-round-trip step (issue 25), met with prefetch or without
         target = {1: " (target >= 1.5)", 2: " (target >= 1.2)"}.get(n, "")
-        for p in (False, True):
-            out[f"train steps/s: {sharded_name(n, p)} / anchor{target}"] = sps[sharded_name(n, p)] / sps[ANCHOR]
+        for p in FORMS:
+            if sharded_name(n, p) in sps:
+                out[f"train steps/s: {sharded_name(n, p)} / anchor{target}"] = sps[sharded_name(n, p)] / sps[ANCHOR]
     for n in counts:
-        for p in (False, True):
+        for p in FORMS:
             if cpu.get(sharded_name(n, p)) and cpu.get(ANCHOR):
                 out[f"train CPU s/step: {sharded_name(n, p)} / anchor (target <= 0.6)"] = (
                     cpu[sharded_name(n, p)] / cpu[ANCHOR])
@@ -302,7 +311,7 @@ def report(r: dict) -> str:
         lines.append(f"  {name:<44}{per['rows_looked_up_per_s']:>18,.0f}{per['rows_stepped_per_s']:>16,.0f}   "
                      f"{msgs}; {look}")
     for name, msgs in r["messages_per_step"].items():
-        if name.endswith(" prefetch"):
+        if "prefetch" in name:
             lines.append(f"  {name:<44}{'':>34}   " + ", ".join(f"{w}: {k:g}" for w, k in msgs.items()))
     lines += ["", "ratios of medians (same run)", "-" * 119]
     width = max(map(len, r["ratios"]))

@@ -188,7 +188,7 @@ def test_quick_embedding_benchmark_runs(tmp_path, capsys):
     saved = quick_run(bench_embedding, tmp_path / "bench-embedding.json")
     cfg = saved["config"]
     looked = {bench_embedding.ANCHOR} | {f"ShardedEmbeddingBag servers={n}" for n in (1, 2)}
-    variants = looked | {f"ShardedEmbeddingBag servers={n} prefetch" for n in (1, 2)}
+    variants = looked | {f"ShardedEmbeddingBag servers={n} prefetch{o}" for n in (1, 2) for o in ("", " overlap")}
     assert set(saved["train_steps_per_s"]) == variants and set(saved["lookups_per_s"]) == looked
     assert set(saved["round_samples_s"]) == ({f"train: {v}" for v in variants} | {f"lookup: {v}" for v in looked})
     assert all(len(s) == cfg["rounds"] for s in saved["round_samples_s"].values())
@@ -209,11 +209,14 @@ def test_quick_embedding_benchmark_runs(tmp_path, capsys):
         assert saved["messages_per_step"][name] == dict.fromkeys(servers, 2.0)
         # with prefetch: the pushes and the next batch's lookup in one message per server
         assert saved["messages_per_step"][name + " prefetch"] == dict.fromkeys(servers, 1.0)
+        assert saved["messages_per_step"][name + " prefetch overlap"] == dict.fromkeys(servers, 1.0)
     # the same computation: equal to the local reference after the first steps, equal to each other at the end
     assert saved["check_rows_changed"] > 0
     assert set(saved["check_max_abs_diff_vs_local"]) == variants
     assert all(d <= 1e-6 for d in saved["check_max_abs_diff_vs_local"].values()), saved["check_max_abs_diff_vs_local"]
-    assert all(d <= 1e-5 for d in saved["end_max_abs_diff_vs_anchor"].values()), saved["end_max_abs_diff_vs_anchor"]
+    # (overlap: a read may miss this trainer's last push, a computation of its own: tests/ps/test_prefetch.py)
+    assert all(d <= 1e-5 for n, d in saved["end_max_abs_diff_vs_anchor"].items() if not n.endswith(" overlap")), (
+        saved["end_max_abs_diff_vs_anchor"])
     # on torch 2.13 DistributedOptimizer's SGD takes sparse gradients: the anchor is in its stronger form
     assert saved["anchor_form"].startswith("sparse=True"), saved["anchor_form"]
     # sparse pushes: at most the batch's ids (int64) and one gradient row (float32) per id

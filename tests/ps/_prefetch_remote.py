@@ -34,11 +34,11 @@ def target(batch: tuple, dim: int = DIM) -> torch.Tensor:
     return torch.full((batch[1].numel(), dim), 0.5)
 
 
-def _loop(model: Any, data: list, forward: Any, step: Any, prefetch: Any) -> list[torch.Tensor]:
+def _loop(model: Any, data: list, forward: Any, step: Any, prefetch: Any, overlap: bool = False) -> list[torch.Tensor]:
     from remote_module.ps import prefetching
 
     outs = []
-    source = prefetching(data, model, features=prefetch) if prefetch is not None else data
+    source = prefetching(data, model, features=prefetch, overlap=overlap) if prefetch is not None else data
     for batch in source:
         out = forward(batch)
         value = out if isinstance(out, torch.Tensor) else torch.cat([out[k] for k in sorted(out)], 1)
@@ -49,7 +49,7 @@ def _loop(model: Any, data: list, forward: Any, step: Any, prefetch: Any) -> lis
 
 
 def train_bag(name: str, mode: str, prefetched: bool, steps: int = 6, seed: int = 1, bag: str = "sum",
-              **kwargs: Any) -> dict:
+              overlap: bool = False, **kwargs: Any) -> dict:
     """A bag table trained ``steps`` steps in ``mode``, with ``prefetching`` or without: each
     step's output, the rows after, and the messages sent to each server over the loop."""
     t = table(name, bag=bag, ps_mode=mode, half_async_merge_every=1, half_async_merge_s=3600.0, geo_push_every=2,
@@ -58,11 +58,18 @@ def train_bag(name: str, mode: str, prefetched: bool, steps: int = 6, seed: int 
     outs: list = []
 
     def run() -> None:
-        outs.extend(_loop(t, data, lambda b: t(b[0], b[1]), t.step, (lambda b: b) if prefetched else None))
+        outs.extend(_loop(t, data, lambda b: t(b[0], b[1]), t.step, (lambda b: b) if prefetched else None, overlap))
 
     messages = messages_per_call(run, 1)
     t.flush()
     return {"outs": outs, "rows": t.state_dict()["weight"], "messages": messages}
+
+
+def overlap_refused(name: str) -> dict:
+    from remote_module.ps import prefetching
+
+    t = table(name, bag="sum", ps_mode="sync")
+    return attempt(lambda: next(prefetching([torch.tensor([[1, 15]])], t, overlap=True)))
 
 
 def train_embedding(name: str, mode: str, prefetched: bool, steps: int = 6, seed: int = 2) -> dict:

@@ -65,6 +65,44 @@ def test_a_bag_trained_with_prefetching_equals_the_same_loop_without(world, mode
         assert ahead["messages"] == {"ps0": steps + 1, "ps1": steps + 1}, ahead["messages"]
 
 
+def stale_reference(data: list, steps: int) -> tuple[list, torch.Tensor]:
+    """A local bag trained as ``prefetching(overlap=True)`` trains the table: forward k (k >= 2)
+    reads the rows as they were before the last step (after steps 0..k-2); forwards 0 and 1 the
+    current ones; each gradient is applied to the current rows (SGD, lr 1.0, as async)."""
+    weight = r.weights(0)
+    history, outs = [weight], []
+    for k, (ids, offsets) in enumerate(data[:steps]):
+        used = history[k - 1] if k >= 2 else history[k]
+        leaf = used.clone().requires_grad_()
+        out = torch.nn.functional.embedding_bag(ids, leaf, offsets, mode="sum")
+        outs.append(out.detach())
+        (grad,) = torch.autograd.grad(((out - 0.5) ** 2).sum(), leaf)
+        weight = weight - grad
+        history.append(weight)
+    return outs, weight
+
+
+@pytest.mark.parametrize("mode", ["async", "half_async"])
+def test_overlap_reads_miss_exactly_the_last_push_and_send_one_message_per_step(world, mode):
+    """prefetching(overlap=True): every forward from the third on reads the rows before this
+    trainer's last step (the documented bound), each earlier step in them; a step is still one
+    message per server."""
+    steps = 7
+    got = on(world, "trainer0", r.train_bag, job(f"pf-overlap-{mode}"), mode, True, steps, 1, "sum", True)
+    outs, rows = stale_reference(r.batches(1, steps), steps)
+    for k, (a, b) in enumerate(zip(got["outs"], outs)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"{mode}: forward {k}")
+    torch.testing.assert_close(got["rows"], rows, atol=1e-5, rtol=1e-5)
+    assert got["messages"] == {"ps0": steps + 1, "ps1": steps + 1}, got["messages"]
+    exact = on(world, "trainer0", r.train_bag, job(f"pf-overlap-exact-{mode}"), mode, True, steps)
+    assert not torch.equal(exact["outs"][2], got["outs"][2])  # (the bound is reached: not the exact reads)
+
+
+def test_overlap_is_refused_for_a_sync_table(world):
+    got = on(world, "trainer0", r.overlap_refused, job("pf-overlap-sync"))
+    assert got["type"] == "ValueError" and "sync" in got["message"], got
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_an_embedding_trained_with_prefetching_equals_the_same_loop_without(world, mode):
     plain = on(world, "trainer0", r.train_embedding, job(f"pfe-plain-{mode}"), mode, False)
