@@ -163,9 +163,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         key = tuple(v for name in self._names for v in arguments[name])
         records = tuple(t._plan_state() for t in self.tables().values())
         ahead = self._lookahead()
-        handle = ahead.next()
-        use = (handle is not None and not handle.failed and not handle.replan and ahead.fresh(handle)
-               and handle.matches(key, records))
+        handle = ahead.take(key, records)
+        use = handle is not None and not handle.failed and not handle.replan and ahead.fresh(handle)
         if not use or handle.got is None:  # (as a table's forward)
             self._wait_pushes()
         self.__dict__.pop("_step_done", None)  # a failed step() not retried: the next one is whole
@@ -355,9 +354,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
             self._flight = flight
             for name in self._names:  # a table used on its own lands it first
                 self._modules[name]._flight = flight
-        after = self.__dict__.pop("_after_step", None)
-        if after is not None:  # (prefetching: the batch after the next, planned while the servers work)
-            after()
+        after = self.__dict__.pop("_after_step", [])
+        for planned in after:  # (prefetching: later batches, planned while the servers work)
+            planned()
         if not reads and self.ps_mode == "sync":
             landed()
 

@@ -252,7 +252,8 @@ class Prefetch:
         self.records, self.calls, self.finish, self.replan = records, calls, finish, replan
         self.overlap = overlap
         self.sent = False  # with a step's pushes
-        self.sent_at = 0  # (Ahead.sends once that step was sent)
+        self.pushes_at: list[int] = []  # each table's pushes sent, once that step was sent
+        self.planned = False  # by prefetching() (a forward of other arguments leaves it for its own)
         self.got: list | None = None  # the answers' outcomes, once that step landed
         self.failed = False  # that step's push failed: dropped
 
@@ -273,14 +274,18 @@ class Prefetch:
         return [value for _, value in self.got]
 
 
+def _pushes(table: Any) -> int:
+    return table.__dict__.get("_pushes", 0)
+
+
 class Ahead:
-    """The prefetches of a table or collection, in the order of the forwards they are for, and
-    the count of its steps sent: a prefetch sent with a step that is consumed after later steps
-    would miss their pushes, so it is used only if at most ``overlap`` (0, or 1) came since."""
+    """The prefetches of a table or collection, in the order of the forwards they are for. A
+    prefetch sent with a step, consumed after later pushes of its tables (by any object: the
+    table, a collection, a PSModel), would miss them: it is used only if at most ``overlap``
+    (0, or 1) came since."""
 
     def __init__(self) -> None:
         self.handles: list[Prefetch] = []
-        self.sends = 0
 
     def replace(self, handle: Prefetch) -> None:
         self.handles = [handle]
@@ -288,12 +293,25 @@ class Ahead:
     def queue(self, handle: Prefetch) -> None:
         self.handles.append(handle)
 
-    def next(self) -> Prefetch | None:
-        """The prefetch for the forward now (taken: a forward uses it or drops it)."""
-        return self.handles.pop(0) if self.handles else None
+    def take(self, key: tuple, records: Any) -> Prefetch | None:
+        """The prefetch for a forward of ``key``: the first that matches it, the ones before it
+        dropped. With none, a ``prefetch()`` is dropped (any other forward drops it), while
+        ``prefetching``'s stay for the forwards they were planned for (an eval forward, say)."""
+        for k, handle in enumerate(self.handles):
+            if handle.matches(key, records):
+                del self.handles[:k + 1]
+                return handle
+        if self.handles and not self.handles[0].planned:
+            self.handles.pop(0)
+        return None
 
-    def fresh(self, handle: Prefetch) -> bool:
-        return not handle.sent or self.sends - handle.sent_at <= (1 if handle.overlap else 0)
+    @staticmethod
+    def fresh(handle: Prefetch) -> bool:
+        """Whether ``handle`` misses at most the pushes it may (none; with overlap, one)."""
+        if not handle.sent:
+            return True
+        allowed = 1 if handle.overlap else 0
+        return all(_pushes(t) - n <= allowed for (t, _), n in zip(handle.tables, handle.pushes_at))
 
     def to_send(self, sync: bool) -> list[Prefetch]:
         """What a step sends with its pushes: the next forward's prefetch, if not sent yet; with
@@ -304,11 +322,11 @@ class Ahead:
                 out.append(handle)
         return out
 
-    def stepped(self, sent: Sequence[Prefetch]) -> None:
-        """A step was sent, and ``sent`` with it."""
-        self.sends += 1
+    @staticmethod
+    def stepped(sent: Sequence[Prefetch]) -> None:
+        """A step was sent (its tables' pushes counted), and ``sent`` with it."""
         for handle in sent:
-            handle.sent, handle.sent_at = True, self.sends
+            handle.sent, handle.pushes_at = True, [_pushes(t) for t, _ in handle.tables]
 
 
 #: where a lookup handler takes the table's step (sync: the lookup waits for step - 1)
@@ -597,9 +615,8 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         records = self._plan_state()
         with self._flight_lock:
             ahead = self._lookahead()
-            handle = ahead.next()
-            use = (handle is not None and not handle.failed and not handle.replan and ahead.fresh(handle)
-                   and handle.matches(key, records))
+            handle = ahead.take(key, records)
+            use = handle is not None and not handle.failed and not handle.replan and ahead.fresh(handle)
             if not use or handle.got is None:
                 # after the pushes in flight (a prefetch sent with them is answered once they landed);
                 # only a prefetch sent a step earlier, with overlap, is used without waiting for them
@@ -914,9 +931,9 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
             ahead.stepped(joined)
             if reads or self.ps_mode != "sync":
                 self._flight = Flight(settle, joined)
-            after = self.__dict__.pop("_after_step", None)
-        if after is not None:  # (prefetching: the batch after the next, planned while the servers work)
-            after()
+            after = self.__dict__.pop("_after_step", [])
+        for planned in after:  # (prefetching: later batches, planned while the servers work)
+            planned()
         if not reads and self.ps_mode == "sync":
             settle()  # (sync waits for its push to be taken; a prefetch's lookup waits for the step)
 
@@ -961,6 +978,8 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
             with self._pending_lock:  # kept for a retry (or zero_grad), with any recorded meanwhile
                 self._held = taken + self._held
 
+        if calls and (self.ps_mode == "sync" or any(i is not None for _, _, (_, _, _, i, _, _) in calls)):
+            self._pushes = self.__dict__.get("_pushes", 0) + 1  # (a prefetch sent before misses it: Ahead.fresh)
         # counted as sent (a push retried after a failure is counted again)
         self._pushed_bytes += sum(i.numel() * i.element_size() + g.numel() * g.element_size()
                                   for _, _, (_, _, _, i, g, _) in calls if i is not None)

@@ -18,7 +18,7 @@ def _start(table: Any, features: Callable[[Any], Any], batch: Any, queued: bool,
     prefetch, or ``queued`` for a later one. A batch the prefetch refuses (or whose features
     fail) is left alone: its own forward raises, naming what is wrong."""
     try:
-        table._prefetch_input(features(batch), queued, overlap)
+        table._prefetch_input(features(batch), queued, overlap).planned = True
     except Exception:  # noqa: BLE001 - the forward of that batch reports it
         pass
 
@@ -100,11 +100,10 @@ def prefetching(batches: Iterable, tables: Any, features: Callable[[Any], Any] |
         while ahead:
             current = ahead.popleft()
             read(depth + 1)
-            for table, pick in zip(targets, picks):  # after this batch's step: depth + 1 batches on
-                if len(ahead) > depth:
-                    table._after_step = partial(_start, table, pick, ahead[depth], True, overlap)
-                else:
-                    table.__dict__.pop("_after_step", None)
+            for table, pick in zip(targets, picks):  # after the next step: depth + 1 batches on
+                if len(ahead) > depth:  # (a list: a batch trained without a step leaves its plan to the next)
+                    table.__dict__.setdefault("_after_step", []).append(
+                        partial(_start, table, pick, ahead[depth], True, overlap))
             yield current
         if failure and not isinstance(failure[0], StopIteration):
             raise failure[0]

@@ -328,3 +328,24 @@ def sync_late(name: str, what: str) -> dict:
     if what == "step":  # (trainer1)
         return attempt(lambda: (t(ids).sum().backward(), t.step()))
     return attempt(lambda: (t(ids).sum().backward(), t.step(), t.state_dict()["weight"])[2])
+
+
+def mixed(name: str, prefetched: bool, steps: int = 5) -> dict:
+    """A table prefetched on its own (prefetching) and also stepped through a collection that
+    holds it, every iteration: the pushes made through the collection count for the table's
+    prefetches (a prefetch that would miss one is not used)."""
+    from remote_module.ps import prefetching
+
+    ebc = collection(name, "async")
+    t = ebc["s"]
+    data = [torch.cat([ids[:2], ids[-1:]]).reshape(1, 3) for ids, _ in batches(7, steps)]  # (rows 1, 15 every time)
+    outs = []
+    for ids in (prefetching(data, t) if prefetched else data):
+        out = t(ids)
+        outs.append(out.detach().clone())
+        out.pow(2).sum().backward()
+        t.step()
+        sum(v.sum() for v in ebc({k: ids for k in "smxp"}).values()).backward()  # (the same rows of t)
+        ebc.step()
+    ebc.flush()
+    return {"outs": outs, "rows": t.state_dict()["weight"]}

@@ -257,3 +257,11 @@ def test_a_sync_prefetched_lookup_that_times_out_is_a_lookup_failure_and_the_tra
     got = world.run({"trainer0": (r.sync_late, name, "next"), "trainer1": (r.sync_late, name, "next")}, timeout=60)
     assert got["trainer0"]["ok"] and got["trainer1"]["ok"], got
     assert torch.equal(got["trainer0"]["value"], got["trainer1"]["value"])
+
+
+def test_a_table_prefetched_alone_and_stepped_in_a_collection_too_gets_what_it_gets_without(world):
+    """Found by the second hostile review: a prefetch counted only its own object's steps, so a
+    push of the same table through a collection went unseen and the prefetch was used stale."""
+    got = {p: on(world, "trainer0", r.mixed, job(f"pf-mixed-{p}"), p) for p in (False, True)}
+    equal(got[True]["outs"], got[False]["outs"], "a table also stepped through a collection")
+    assert torch.equal(got[True]["rows"], got[False]["rows"])
