@@ -173,8 +173,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     # batch k + 1's lookups are planned during batch k and sent with its ebc.step(): one message
     # per server per step, answered once the servers applied the step (the same results)
+    # (--overlap: async modes, lookups one step further ahead: a read misses this trainer's last push)
     batches = prefetching((truth.batch(gen) for _ in range(args.steps)), ebc,
-                          features=lambda b: dict(zip(TABLES, b.ids)))
+                          features=lambda b: dict(zip(TABLES, b.ids)),
+                          overlap=getattr(args, "overlap", False))
     for step, batch in enumerate(batches, 1):
         t0 = time.perf_counter()
         out = ebc(dict(zip(TABLES, batch.ids)))
@@ -377,10 +379,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--transport", choices=TRANSPORTS, default=DEFAULT_TRANSPORT,
                         help="TensorPipe transport: uv sleeps when idle, shm (torch's defaults) busy-polls "
                              "(default: %(default)s)")
+    parser.add_argument("--overlap", action="store_true",
+                        help="async and half_async: send each batch's lookups one step earlier, so they overlap the "
+                             "previous batch's compute (a read then misses this trainer's last push)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     parser.add_argument("--plot", default="dlrm-demo.png", metavar="PNG",
                         help="where to write the loss/AUC curves (needs matplotlib; '' for none; default: %(default)s)")
     args = parser.parse_args(argv)
+    if args.overlap and args.mode not in ("async", "half_async"):
+        parser.error(f"--overlap is for --mode async or half_async (a {args.mode} lookup cannot be sent a step early)")
     args.torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if args.torchrun:
         world = read_env()["world_size"]

@@ -85,6 +85,7 @@ def test_auc_is_the_pairwise_rank_statistic():
         (["--steps", "ten"], "argument --steps: expected a whole number, got 'ten'"),
         (["--mode", "hogwild"], "argument --mode: invalid choice: 'hogwild'"),
         (["--transport", "tcp"], "argument --transport: invalid choice: 'tcp'"),
+        (["--mode", "sync", "--overlap"], "--overlap is for --mode async or half_async"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(argv, message, capsys, monkeypatch):
