@@ -21,6 +21,7 @@ class PSCheckpoints:
         (sync: once this trainer's last step is applied; half_async: after applying what is
         queued; geo: the local copy is left as it is). The next forward pulls again (a
         checkpoint is where a trainer catches up with the others' pushes)."""
+        self._wait_pushes()
         self.__dict__.pop("_ready", None)
         if self.ps_mode == "half_async":
             self.flush()
@@ -38,6 +39,7 @@ class PSCheckpoints:
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load the local model's ``state_dict`` and send its parameters to the servers."""
+        self._wait_pushes()
         result = self.module.load_state_dict(state_dict, strict=strict)
         self.__dict__.pop("_ready", None)  # the next forward pulls the values loaded
         # only the parameters the checkpoint has: with strict=False, the others keep the servers'
@@ -85,6 +87,7 @@ class PSCheckpoints:
             ps.load_state_dict(ckpt["model"])
             ps.load_optimizer_state_dict(ckpt["optim"])
         """
+        self._wait_pushes()
         self.__dict__.pop("_ready", None)  # (as state_dict: the next forward pulls again)
         tables = {qual: table.optimizer_state_dict() for qual, table in self._tables.items()}
         if self.ps_mode == "geo":
@@ -122,6 +125,7 @@ class PSCheckpoints:
         before the next step or pull, keeps that progress)."""
         if not isinstance(state_dict, dict) or "state" not in state_dict:
             raise TypeError("load_optimizer_state_dict takes what optimizer_state_dict() returned")
+        self._wait_pushes()
         if state_dict.get("optimizer") != self.optimizer[0].__name__:
             raise ValueError(
                 f"the optimizer state is for {state_dict.get('optimizer')!r}, "

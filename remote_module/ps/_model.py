@@ -29,7 +29,7 @@ from remote_module.ps import _dense_server
 from remote_module.ps._checkpoints import PSCheckpoints
 from remote_module.ps._dispatch import RoundRobin
 from remote_module.ps._dispatch import check_servers as _check_servers
-from remote_module.ps._embedding import ShardedEmbedding, run_push_plans
+from remote_module.ps._embedding import Flight, ShardedEmbedding, send_push_plans
 from remote_module.ps._modes import PS_MODES
 from remote_module.ps._slicing import Block, block_name, block_of, slice_blocks
 from rpc_backend.options import positive_seconds
@@ -344,6 +344,7 @@ class PSModel(PSCheckpoints, nn.Module):
             model.pull()
             print(model.module.weight)       # the servers' current values
         """
+        self._wait_pushes()
         self.__dict__.pop("_ready", None)
         values = self._server_values()
         self._write(values)
@@ -387,6 +388,7 @@ class PSModel(PSCheckpoints, nn.Module):
         on the parameters themselves. Threads calling one PSModel pull concurrently and run the
         module one at a time (each on the values it pulled).
         """
+        self._wait_pushes()  # (a failure of the last step's pushes raises here, once)
         self.__dict__.pop("_step_done", None)  # a failed step() not retried: the next one is whole
         if self.ps_mode == "geo":
             return self.module(*args, **kwargs)
@@ -415,24 +417,32 @@ class PSModel(PSCheckpoints, nn.Module):
         again: the dense part and the tables that were stepped already are not stepped twice
         (after a ``forward`` or ``zero_grad()``, the next ``step()`` is a whole one again).
 
+        In async and half_async mode ``step()`` returns with its pushes in flight (the local
+        gradients cleared as they are sent); the next call on the model waits for them, and a
+        failure raises there, naming the server, with the gradients of the parts that failed
+        put back (added to any computed since) for that retry.
+
         Example::
 
             loss.backward()
             model.step()
         """
+        self._wait_pushes()  # the last step's (a failure raises here: call step() again to retry it)
         # the parts of this step done already: a step() that failed part-way (a table's server
         # timed out) is retried by calling step() again, which does only the parts left, so no
         # part pushes a second step (sync: it would be taken for the next round)
         done = self.__dict__.setdefault("_step_done", set())
         self.__dict__.pop("_ready", None)  # what the last step's answers brought: this step's replace them
+        in_flight = self.ps_mode in ("async", "half_async")
         plans = []  # each part's pushes; a part that succeeds is marked done
         if None not in done:
             if self.ps_mode == "geo":
                 self._step_dense()
                 done.add(None)
             else:
-                calls, finish, answered = self._dense_push_plan()
-                plans.append((calls, partial(_finished, done, None, finish), lambda: None, answered))
+                calls, finish, answered = self._dense_push_plan(clear=not in_flight)
+                restore = self._clear_sent_gradients() if in_flight else (lambda: None)
+                plans.append((calls, partial(_finished, done, None, finish), restore, answered))
         for qual, table in self._tables.items():
             if qual not in done:
                 plan = table._push_plan()
@@ -441,11 +451,52 @@ class PSModel(PSCheckpoints, nn.Module):
                 else:
                     calls, table_done, failed = plan
                     plans.append((calls, partial(_finished, done, qual, table_done), failed))
-        run_push_plans(plans, self.timeout)  # one message per server; each part settles alone
-        done.clear()
+        settle = send_push_plans(plans, self.timeout)  # one message per server; each part settles alone
+
+        def landed() -> list:
+            got = settle()
+            done.clear()
+            return got
+
+        if not in_flight:
+            landed()
+            return
+        # async, half_async: returns with the pushes in flight; the next call on the model (or on
+        # one of its tables) waits for them, and a failure raises there, the parts that failed
+        # kept for a retry as above
+        flight = Flight(landed)
+        self._flight = flight
+        for table in self._tables.values():
+            table._flight = flight
+
+    def _clear_sent_gradients(self) -> Callable[[], None]:
+        """(A step sent with its pushes in flight) clear the local gradients now, as ``step()``
+        does, and return what puts them back if the push fails (added to any computed since)."""
+        params = self._params()
+        sent = {name: p.grad for name, p in params.items() if p.grad is not None}
+        for p in params.values():
+            p.grad = None
+
+        def restore() -> None:
+            for name, grad in sent.items():
+                p = params[name]
+                p.grad = grad if p.grad is None else p.grad + grad
+
+        return restore
+
+    def _wait_pushes(self) -> None:
+        """Wait for the last step's pushes in flight (async, half_async), raising its failure
+        once; and for its tables' own."""
+        flight = self.__dict__.pop("_flight", None)
+        if flight is not None:
+            flight.land()
+        for table in self._tables.values():
+            table._wait_pushes()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the local gradients, and the tables' gradients since their last step."""
+        """Clear the local gradients, and the tables' gradients since their last step (once the
+        last step's pushes landed)."""
+        self._wait_pushes()
         self.__dict__.pop("_step_done", None)  # a failed step() dropped, not retried
         super().zero_grad(set_to_none)
         for table in self._tables.values():
@@ -466,7 +517,7 @@ class PSModel(PSCheckpoints, nn.Module):
         if self._step % self.geo_push_every == 0:
             self._push_deltas()
 
-    def _dense_push_plan(self) -> tuple[list, Callable[[], None], Callable[[list], None]]:
+    def _dense_push_plan(self, clear: bool = True) -> tuple[list, Callable[[], None], Callable[[list], None]]:
         """The dense part of a step (not geo): the pushes to the servers, what to do once they
         all succeeded (clear the gradients, count the step), and what to do with their answers:
         in async and half_async each push is answered with its server's blocks as a pull right
@@ -501,8 +552,9 @@ class PSModel(PSCheckpoints, nn.Module):
                 self.__dict__["_ready"] = (values, until)
 
         def finish() -> None:
-            for p in params.values():
-                p.grad = None
+            if clear:  # (a step in flight cleared them when it was sent)
+                for p in params.values():
+                    p.grad = None
             self._step += 1
 
         return calls, finish, answered
@@ -526,14 +578,18 @@ class PSModel(PSCheckpoints, nn.Module):
         self._pulled = {k: v.clone() for k, v in values.items()}
 
     def flush(self) -> None:
-        """half_async: have the servers apply what they have queued now (no-op in other modes)."""
+        """Wait for the last step's pushes in flight; half_async: have the servers apply what
+        they have queued now."""
+        self._wait_pushes()
         self.__dict__.pop("_ready", None)  # the next forward pulls what the merge made
         call_all([(s, _dense_server._flush, (self.name,)) for s in self.servers], timeout=self.timeout)
         for table in self._tables.values():
             table.flush()
 
     def stats(self) -> dict[str, dict]:
-        """Per server: steps applied (sync), pushes applied, attached trainers, queued pushes."""
+        """Per server: steps applied (sync), pushes applied, attached trainers, queued pushes
+        (once the last step's pushes landed)."""
+        self._wait_pushes()
         return dict(zip(self.servers, call_all([(s, _dense_server._stats, (self.name,)) for s in self.servers],
                                                 timeout=self.timeout)))
 

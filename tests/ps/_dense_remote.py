@@ -116,6 +116,7 @@ def train(job: str, trainer: int, steps: int, start: int = 0) -> int:
         x, y = batch(trainer, step)
         nn.functional.mse_loss(ps(x), y).backward()
         ps.step()
+    ps._wait_pushes()  # (async: landed before returning, so another trainer's next read sees them)
     return steps
 
 
@@ -125,6 +126,7 @@ def push_linear(job: str, steps: int, c: list[float] | None = None) -> int:
     for _ in range(steps):
         ps(None if c is None else torch.tensor(c)).backward()
         ps.step()
+    ps._wait_pushes()  # (as train)
     return steps
 
 
@@ -181,9 +183,10 @@ def forward_backward(job: str, trainer: int, step: int = 0) -> bool:
 
 
 def attempt(job: str, what: str) -> dict:
-    """How ``pull`` / ``step`` of ``job`` ends here (type, message, seconds)."""
+    """How ``pull`` / ``step`` of ``job`` ends here (type, message, seconds); an async step
+    returns with its pushes in flight: ``flush()`` lands them (a failure raises there)."""
     ps = _models[job]
-    return _attempt({"pull": ps.pull, "step": ps.step}[what])
+    return _attempt({"pull": ps.pull, "step": lambda: (ps.step(), ps.flush())}[what])
 
 
 def half_async_timed(job: str, c: list[float], seconds: float) -> dict:
@@ -255,6 +258,7 @@ def step_and_capture(job: str, trainer: int, step: int = 0) -> bool:
     x, y = batch(trainer, step)
     nn.functional.mse_loss(ps(x), y).backward()
     ps.step()
+    ps._wait_pushes()  # (the step returns with its pushes in flight: landed, keeping their answers)
     _captured[job] = ps._server_values()
     return True
 

@@ -338,6 +338,7 @@ def train_while_loaded(name: str, steps: int) -> dict:
     for _ in range(steps):
         t(torch.tensor([2, 12])).sum().backward()
         t.step()
+    t.flush()  # (the last step's pushes landed before returning)
     return {"steps": steps}
 
 

@@ -76,6 +76,7 @@ def lazy_train(name: str, steps: int) -> int:
         out = emb(torch.randint(0, 100_000_000, (512,), generator=g))
         out.pow(2).sum().backward()
         emb.step()
+    emb.flush()  # (the last step's pushes landed before the servers are measured)
     return steps
 
 
@@ -213,6 +214,7 @@ def ddp_run(name: str, mode: str, rank: int, store_path: str, steps: int) -> dic
             ((model(ids, offsets) - target) ** 2).mean().backward()
             opt.step()
             model.bag.step()
+        model.bag.flush()  # (the last step returned with its pushes in flight: landed before the barrier)
         dist.barrier()  # both trainers' last pushes are in before the rows are read
         return {"rows": model.bag.state_dict()["weight"], "dense": model.dense.module.state_dict()}
     finally:

@@ -349,3 +349,31 @@ def mixed(name: str, prefetched: bool, steps: int = 5) -> dict:
         ebc.step()
     ebc.flush()
     return {"outs": outs, "rows": t.state_dict()["weight"]}
+
+
+# ---- a PSModel's step in flight -----------------------------------------------------------------------
+
+
+def psmodel_prepare(name: str, timeout: float) -> bool:
+    """An async PSModel of a Linear(4, 2) over ps0 and ps1 (a block on each), its gradients ready."""
+    from remote_module.ps import PSModel
+
+    torch.manual_seed(0)
+    ps = PSModel(nn.Linear(4, 2), ["ps0", "ps1"], name=name, ps_mode="async", num_trainers=1, timeout=timeout,
+                 min_block_size=1,
+                 optimizer=(torch.optim.SGD, {"lr": 0.1}))
+    _objects[name] = ps
+    ps(torch.ones(3, 4)).pow(2).sum().backward()
+    return True
+
+
+def psmodel_do(name: str, what: str) -> dict:
+    """``what`` on PSModel ``name``: "step" (returns with its pushes in flight), "forward" (and
+    backward), "grads" (whether the local gradients are set), "retry" (step, then flush)."""
+    ps = _objects[name]
+    return attempt({
+        "step": ps.step,
+        "forward": lambda: ps(torch.ones(3, 4)).pow(2).sum().backward(),
+        "grads": lambda: all(p.grad is not None for p in ps.module.parameters()),
+        "retry": lambda: (ps.step(), ps.flush()),
+    }[what])

@@ -160,6 +160,7 @@ def ddp_inside_run(name: str, rank: int, store_path: str) -> dict:
             model(ids // 2 * 2 + rank).pow(2).sum().backward()
             opt.step()
             bag.step()
+        bag.flush()  # (the last step returned with its pushes in flight: landed before the barrier)
         dist.barrier()  # both trainers' pushes are in
         return {"rows": bag.state_dict()["weight"], "dense": model.module.dense.state_dict()}
     finally:
