@@ -17,15 +17,8 @@ from remote_module._core import (
     timeout_seconds,
 )
 from remote_module.ps import _packed, _table_server
-from remote_module.ps._embedding import Ahead, Flight, Prefetch, at_step, send_push_plans
+from remote_module.ps._embedding import Ahead, Prefetch, at_step, finished, fly, land
 from remote_module.ps._embedding_bag import ShardedEmbeddingBag
-
-
-def _finished(done: set, name: str, finish: Callable[[], None]) -> None:
-    """A table of a collection's step whose pushes succeeded: ``finish()``, and remember it, so
-    a retried ``step()`` does not push it again."""
-    finish()
-    done.add(name)
 
 
 class ShardedEmbeddingBagCollection(nn.Module):
@@ -162,24 +155,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
         arguments = self._arguments(features)
         key = tuple(v for name in self._names for v in arguments[name])
         records = tuple(t._plan_state() for t in self.tables().values())
-        ahead = self._lookahead()
-        handle = ahead.take(key, records)
-        use = handle is not None and not handle.failed and not handle.replan and ahead.fresh(handle)
-        if not use or handle.got is None:  # (as a table's forward)
-            self._wait_pushes()
+        handle = self._lookahead().claim(key, records, self._wait_pushes)
         self.__dict__.pop("_step_done", None)  # a failed step() not retried: the next one is whole
-        out = None
-        if use and not handle.failed:
-            if handle.got is not None:
-                got = handle.answers()  # (None if a lookup failed: looked up again, as without prefetch)
-                out = None if got is None else handle.finish(got)
-            elif not handle.sent:
-                out = handle.finish(call_grouped(self._count(at_step(handle.calls, self._step_of)),
-                                                 timeout=self.timeout))
-        if out is None:
-            calls, finish = self._plan(arguments)
-            out = finish(call_grouped(self._count(calls), timeout=self.timeout))
-        return out
+        return Ahead.output(
+            handle, lambda calls: call_grouped(self._count(at_step(calls, self._step_of)), timeout=self.timeout),
+            lambda: self._plan(arguments))
 
     def prefetch(self, features: Mapping[str, Any]) -> Prefetch:
         """Plan the lookups of ``features`` now (checked as :meth:`forward` checks them) for the
@@ -201,10 +181,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         calls, finish = self._plan(arguments)  # (the steps it reads are set when it is sent)
         handle = Prefetch(key, records, calls, finish, replan=self.ps_mode == "geo",
                           tables=list(self.tables().values()), overlap=overlap)
-        if queued:
-            self._lookahead().queue(handle)
-        else:
-            self._lookahead().replace(handle)
+        self._lookahead().add(handle, queued)
         return handle
 
     def _step_of(self, name: str) -> int:
@@ -230,11 +207,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     def _wait_pushes(self) -> None:
         """Wait for the pushes in flight of this collection's step and of its tables'."""
-        flight = self.__dict__.pop("_flight", None)
-        if flight is not None:
-            flight.land()
-        for table in self.tables().values():
-            table._wait_pushes()
+        land(self, self.tables().values())
 
     def _arguments(self, features: Mapping[str, Any]) -> dict[str, tuple]:
         """Each table's ``(input, offsets, per_sample_weights)`` of ``features``, checked."""
@@ -333,32 +306,20 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 done.add(name)
             else:
                 calls, table_done, failed = plan
-                plans.append((calls, partial(_finished, done, name, table_done), failed))
+                plans.append((calls, partial(finished, done, name, table_done), failed))
                 pushing.add(self._modules[name].name)
-        ahead = self._lookahead()
-        joined = ahead.to_send(self.ps_mode == "sync")
-        by_name = self._by_name()
-        reads = [call for handle in joined for call in at_step(
-            handle.calls, lambda n: by_name[n]._step + (n in pushing))]  # sync: the step these pushes complete
-        self._count([call for plan in plans for call in plan[0]] + reads)
-        settle = send_push_plans(plans, self.timeout, reads)
-        ahead.stepped(joined)
-
-        def landed() -> list:
-            got = settle()
-            done.clear()
-            return got
-
-        if reads or self.ps_mode != "sync":
-            flight = Flight(landed, joined)
-            self._flight = flight
-            for name in self._names:  # a table used on its own lands it first
-                self._modules[name]._flight = flight
+        by_name, sync = self._by_name(), self.ps_mode == "sync"
+        settle, joined = self._lookahead().send(  # sync: a prefetch reads the step these pushes complete
+            plans, self.timeout, sync, lambda n: by_name[n]._step + (n in pushing))
+        self._count([call for plan in plans for call in plan[0]] + [call for h in joined for call in h.calls])
+        if joined or not sync:
+            fly(self, self.tables().values(), settle, done, joined)
         after = self.__dict__.pop("_after_step", [])
         for planned in after:  # (prefetching: later batches, planned while the servers work)
             planned()
-        if not reads and self.ps_mode == "sync":
-            landed()
+        if not joined and sync:
+            settle()
+            done.clear()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Every table's ``zero_grad`` (the gradients recorded since the last step are dropped),

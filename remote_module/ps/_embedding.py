@@ -10,7 +10,7 @@ import threading
 import uuid
 import warnings
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed.rpc as rpc
@@ -143,6 +143,39 @@ def send_push_plans(plans: Sequence[PushPlan], timeout: float | None, reads: Seq
         return read_outcomes
 
     return settle
+
+
+def finished(done: set, part: Any, finish: Callable[[], None]) -> None:
+    """A part of a step (a table, a PSModel's dense part) whose pushes succeeded: ``finish()``,
+    and remember it, so a retried ``step()`` does not push it again."""
+    finish()
+    done.add(part)
+
+
+def fly(owner: Any, tables: Iterable, settle: Callable[[], list], done: set,
+        prefetches: Sequence["Prefetch"] = ()) -> None:
+    """A step of ``owner`` (a collection, a PSModel) with its pushes in flight: landed by the
+    next call on ``owner`` or on one of its ``tables``; once its pushes succeeded, ``done`` (the
+    parts stepped, see :func:`finished`) is cleared."""
+    def landed() -> list:
+        got = settle()
+        done.clear()
+        return got
+
+    flight = Flight(landed, prefetches)
+    owner._flight = flight
+    for table in tables:  # a table used on its own lands it first
+        table._flight = flight
+
+
+def land(owner: Any, tables: Iterable) -> None:
+    """Wait for the pushes in flight of ``owner``'s last step (a collection's, a PSModel's)
+    and of its ``tables``' own, raising a failure once."""
+    flight = owner.__dict__.pop("_flight", None)
+    if flight is not None:
+        flight.land()
+    for table in tables:
+        table._wait_pushes()
 
 
 def _send_packed(calls: list, reads: list, timeout: float | None) -> tuple[Any, Callable[[list], tuple]]:
@@ -287,11 +320,13 @@ class Ahead:
     def __init__(self) -> None:
         self.handles: list[Prefetch] = []
 
-    def replace(self, handle: Prefetch) -> None:
-        self.handles = [handle]
-
-    def queue(self, handle: Prefetch) -> None:
-        self.handles.append(handle)
+    def add(self, handle: Prefetch, queued: bool) -> None:
+        """A new prefetch: after the others when ``queued`` (``prefetching``'s later batches),
+        else instead of them (``prefetch()``: one at a time)."""
+        if queued:
+            self.handles.append(handle)
+        else:
+            self.handles = [handle]
 
     def take(self, key: tuple, records: Any) -> Prefetch | None:
         """The prefetch for a forward of ``key``: the first that matches it, the ones before it
@@ -304,6 +339,42 @@ class Ahead:
         if self.handles and not self.handles[0].planned:
             self.handles.pop(0)
         return None
+
+    def claim(self, key: tuple, records: Any, land: Callable[[], None]) -> Prefetch | None:
+        """The prefetch a forward of ``key`` uses (:meth:`take`, :meth:`fresh`), or None; ``land()``
+        (the pushes in flight) first, unless it was answered already (sent a step earlier, with
+        overlap: used without waiting for them)."""
+        handle = self.take(key, records)
+        use = handle is not None and not handle.failed and not handle.replan and self.fresh(handle)
+        if not use or handle.got is None:
+            land()  # (answers the prefetch sent with those pushes)
+        return handle if use and not handle.failed else None
+
+    @staticmethod
+    def output(handle: Prefetch | None, send: Callable[[list], list], plan: Callable[[], tuple]) -> Any:
+        """A forward's output: of ``handle``'s answers, or of its calls sent now (``send`` reads
+        the steps of now: :func:`at_step`); else, or if one of its lookups failed (looked up
+        again, so a lookup's failure is raised by a lookup), of ``plan()``'s calls."""
+        if handle is not None:
+            if handle.got is not None:
+                got = handle.answers()
+                if got is not None:
+                    return handle.finish(got)
+            elif not handle.sent:
+                return handle.finish(send(handle.calls))
+        calls, finish = plan()
+        return finish(send(calls))
+
+    def send(self, plans: Sequence[PushPlan], timeout: float | None, sync: bool,
+             step_after: Callable[[str], int]) -> tuple[Callable[[], list], list[Prefetch]]:
+        """Send a step's ``plans`` (:func:`send_push_plans`) with the prefetches it carries
+        (:meth:`to_send`, reading the steps ``step_after`` gives a table's name once these pushes
+        are applied): ``(settle, those prefetches)``."""
+        joined = self.to_send(sync)
+        reads = [call for handle in joined for call in at_step(handle.calls, step_after)]
+        settle = send_push_plans(plans, timeout, reads)
+        self.stepped(joined)
+        return settle, joined
 
     @staticmethod
     def fresh(handle: Prefetch) -> bool:
@@ -596,10 +667,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         # geo: the lookup depends on the rows this trainer caches, which its step changes
         handle = Prefetch(key, records, calls, finish, replan=self.ps_mode == "geo", tables=[self], overlap=overlap)
         with self._flight_lock:
-            if queued:
-                self._lookahead().queue(handle)
-            else:
-                self._lookahead().replace(handle)
+            self._lookahead().add(handle, queued)
         return handle
 
     def _lookahead(self) -> Ahead:
@@ -614,24 +682,9 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         dropped), else of a lookup planned and sent now; after a step's pushes landed."""
         records = self._plan_state()
         with self._flight_lock:
-            ahead = self._lookahead()
-            handle = ahead.take(key, records)
-            use = handle is not None and not handle.failed and not handle.replan and ahead.fresh(handle)
-            if not use or handle.got is None:
-                # after the pushes in flight (a prefetch sent with them is answered once they landed);
-                # only a prefetch sent a step earlier, with overlap, is used without waiting for them
-                self._wait_pushes()
-        out = None
-        if use and not handle.failed:
-            if handle.got is not None:
-                got = handle.answers()
-                out = None if got is None else handle.finish(got)
-            elif not handle.sent:
-                out = handle.finish(lookup_calls(at_step(handle.calls, self._step_of), self.timeout))
-        if out is None:
-            calls, finish = plan(*key)
-            out = finish(lookup_calls(calls, self.timeout))
-        return out
+            handle = self._lookahead().claim(key, records, self._wait_pushes)
+        return Ahead.output(handle, lambda calls: lookup_calls(at_step(calls, self._step_of), self.timeout),
+                            lambda: plan(*key))
 
     def _plan_state(self) -> tuple:
         """What a lookup's plan depends on besides its arguments: whether it records gradients,
@@ -924,17 +977,14 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
             plan = self._push_plan()
             if plan is None:
                 return
-            ahead = self._lookahead()
-            joined = ahead.to_send(self.ps_mode == "sync")
-            reads = [call for handle in joined for call in at_step(handle.calls, lambda name: self._step + 1)]
-            settle = send_push_plans([plan], self.timeout, reads)
-            ahead.stepped(joined)
-            if reads or self.ps_mode != "sync":
+            sync = self.ps_mode == "sync"
+            settle, joined = self._lookahead().send([plan], self.timeout, sync, lambda name: self._step + 1)
+            if joined or not sync:
                 self._flight = Flight(settle, joined)
             after = self.__dict__.pop("_after_step", [])
         for planned in after:  # (prefetching: later batches, planned while the servers work)
             planned()
-        if not reads and self.ps_mode == "sync":
+        if not joined and sync:
             settle()  # (sync waits for its push to be taken; a prefetch's lookup waits for the step)
 
     def _push_plan(self) -> tuple[list, Callable[[], None], Callable[[], None]] | None:

@@ -29,7 +29,7 @@ from remote_module.ps import _dense_server
 from remote_module.ps._checkpoints import PSCheckpoints
 from remote_module.ps._dispatch import RoundRobin
 from remote_module.ps._dispatch import check_servers as _check_servers
-from remote_module.ps._embedding import Flight, ShardedEmbedding, send_push_plans
+from remote_module.ps._embedding import ShardedEmbedding, finished, fly, land, send_push_plans
 from remote_module.ps._modes import PS_MODES
 from remote_module.ps._slicing import Block, block_name, block_of, slice_blocks
 from rpc_backend.options import positive_seconds
@@ -86,13 +86,6 @@ class _Slot:
     def __init__(self, param: str, block: Block, server: str) -> None:
         self.pname, self.block, self.server = param, block, server
         self.name = block_name(param, block.index)
-
-
-def _finished(done: set, part: Any, finish: Callable[[], None]) -> None:
-    """A part of a PSModel step whose pushes succeeded: ``finish()``, and remember it, so a
-    retried ``step()`` does not push it again."""
-    finish()
-    done.add(part)
 
 
 class PSModel(PSCheckpoints, nn.Module):
@@ -442,7 +435,7 @@ class PSModel(PSCheckpoints, nn.Module):
             else:
                 calls, finish, answered = self._dense_push_plan(clear=not in_flight)
                 restore = self._clear_sent_gradients() if in_flight else (lambda: None)
-                plans.append((calls, partial(_finished, done, None, finish), restore, answered))
+                plans.append((calls, partial(finished, done, None, finish), restore, answered))
         for qual, table in self._tables.items():
             if qual not in done:
                 plan = table._push_plan()
@@ -450,24 +443,16 @@ class PSModel(PSCheckpoints, nn.Module):
                     done.add(qual)
                 else:
                     calls, table_done, failed = plan
-                    plans.append((calls, partial(_finished, done, qual, table_done), failed))
+                    plans.append((calls, partial(finished, done, qual, table_done), failed))
         settle = send_push_plans(plans, self.timeout)  # one message per server; each part settles alone
-
-        def landed() -> list:
-            got = settle()
-            done.clear()
-            return got
-
-        if not in_flight:
-            landed()
+        if in_flight:
+            # async, half_async: returns with the pushes in flight; the next call on the model (or
+            # on one of its tables) waits for them, and a failure raises there, the parts that
+            # failed kept for a retry as above
+            fly(self, self._tables.values(), settle, done)
             return
-        # async, half_async: returns with the pushes in flight; the next call on the model (or on
-        # one of its tables) waits for them, and a failure raises there, the parts that failed
-        # kept for a retry as above
-        flight = Flight(landed)
-        self._flight = flight
-        for table in self._tables.values():
-            table._flight = flight
+        settle()
+        done.clear()
 
     def _clear_sent_gradients(self) -> Callable[[], None]:
         """(A step sent with its pushes in flight) clear the local gradients now, as ``step()``
@@ -487,11 +472,7 @@ class PSModel(PSCheckpoints, nn.Module):
     def _wait_pushes(self) -> None:
         """Wait for the last step's pushes in flight (async, half_async), raising its failure
         once; and for its tables' own."""
-        flight = self.__dict__.pop("_flight", None)
-        if flight is not None:
-            flight.land()
-        for table in self._tables.values():
-            table._wait_pushes()
+        land(self, self._tables.values())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the local gradients, and the tables' gradients since their last step (once the

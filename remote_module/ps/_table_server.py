@@ -302,13 +302,20 @@ def _rows_for(name: str, ids: torch.Tensor, step: int = 0, pool: tuple | None = 
     return read_when_applied(table, step, seconds, table.answer, ids, pool)
 
 
+def _unwaiting(name: str, waiting: str) -> Table:
+    """Table ``name``, for a read answered without a Future: ``ValueError`` for a sync table,
+    whose lookups wait for the step (through handler ``waiting``)."""
+    table = _table(name)
+    if table.spec.mode == "sync":
+        raise ValueError(f"table {name!r} is in sync mode: its lookups wait for the step ({waiting})")
+    return table
+
+
 def _rows_now(name: str, ids: torch.Tensor, step: int = 0, pool: tuple | None = None,
               seconds: float = math.inf) -> object:
     """:func:`_rows_for` of a table that never waits (not sync), answered without a Future:
     the same read, under the table's lock."""
-    table = _table(name)
-    if table.spec.mode == "sync":
-        raise ValueError(f"table {name!r} is in sync mode: its lookups wait for the step (_rows_for)")
+    table = _unwaiting(name, "_rows_for")
     with table.lock:
         return table.answer(ids, pool)
 
@@ -326,9 +333,7 @@ def _bags_now(name: str, input: torch.Tensor, offsets: torch.Tensor | None, weig
               mode: str, step: int = 0, seconds: float = math.inf) -> torch.Tensor:
     """:func:`_bags_when_applied` for a table that never waits (not sync), answered without a
     Future: the same read, under the table's lock."""
-    table = _table(name)
-    if table.spec.mode == "sync":
-        raise ValueError(f"table {name!r} is in sync mode: its lookups wait for the step (_bags_when_applied)")
+    table = _unwaiting(name, "_bags_when_applied")
     with table.lock:
         return table.bags(input, offsets, weights, mode)
 
