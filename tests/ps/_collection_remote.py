@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,23 +55,29 @@ def make(job: str, ps_mode: str = "async", num_trainers: int = 1, collect: bool 
     return ShardedEmbeddingBagCollection(tables) if collect else tables
 
 
+def _forward(model: Any, feats: dict) -> dict:
+    """A forward of a collection, or of the same tables one by one (a dict of them)."""
+    if isinstance(model, dict):
+        return {name: model[name](*_args(value)) for name, value in feats.items()}
+    return model(feats)
+
+
+def _step(model: Any) -> None:
+    """A collection's step, or each table's (a dict of them)."""
+    for table in model.values() if isinstance(model, dict) else [model]:
+        table.step()
+
+
 def train(job: str, steps: int, ps_mode: str = "async", collect: bool = True) -> dict:
     """``steps`` training steps of a collection (or of the same tables one by one); every
     output and the final weights."""
     model = make(job, ps_mode, collect=collect)
     outs = []
     for feats, targets in features(1, steps):
-        if collect:
-            got = model(feats)
-        else:
-            got = {name: model[name](*_args(value)) for name, value in feats.items()}
+        got = _forward(model, feats)
         outs.append({k: v.detach() for k, v in got.items()})
         sum(((got[k] - targets[k]) ** 2).sum() for k in got).backward()
-        if collect:
-            model.step()
-        else:
-            for table in model.values():
-                table.step()
+        _step(model)
     weights = model.state_dict() if collect else {f"{k}.weight": t.state_dict()["weight"] for k, t in model.items()}
     return {"outs": outs, "weights": weights}
 
@@ -408,22 +415,14 @@ def plain_train(job: str, steps: int, ps_mode: str, collect: bool, num_trainers:
 
     _packed.plan = plan
 
-    def forward(feats):
-        if collect:
-            return model(feats)
-        return {name: tables[name](*_args(value)) for name, value in feats.items()}
-
+    used = model if collect else tables
     for feats, targets in plain_features(seed, steps):
-        got = forward(feats)
+        got = _forward(used, feats)
         outs.append({k: v.detach() for k, v in got.items()})
         sum(((got[k] - targets[k]) ** 2).sum() for k in got).backward()
-        if collect:
-            model.step()
-        else:
-            for t in tables.values():
-                t.step()
+        _step(used)
         with torch.no_grad():
-            evals.append(forward(feats))
+            evals.append(_forward(used, feats))
     messages = None
     if collect and num_trainers == 1:
         feats = plain_features(seed + 10, 1)[0][0]
