@@ -62,7 +62,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
     their ``forward``.
 
     In geo mode a table steps its cached rows locally and pushes their deltas every
-    ``geo_push_every`` steps in messages of its own (as it does alone).
+    ``geo_push_every`` steps, in the step's message to each server.
 
     Example::
 

@@ -21,7 +21,7 @@ import torch.distributed.rpc as rpc
 from torch import nn
 from torch.futures import Future
 
-from remote_module._core import HostStore
+from remote_module._core import CallTimeout, HostStore
 from remote_module.ps._modes import HalfAsyncMerges, SyncSteps, read_when_applied, settle
 
 
@@ -209,6 +209,34 @@ def _push(name: str, trainer: str, step: int, grads: Any, answer: tuple | None =
             ready = job.sync.ready()
     settle(ready)
     return None
+
+
+@rpc.functions.async_execution
+def _push_applied(name: str, trainer: str, step: int, grads: Any, answer: tuple, seconds: float = math.inf
+                  ) -> Future:
+    """sync: :func:`_push`, answered once ``step`` is applied (every trainer pushed it) with
+    ``answer``'s blocks' values then, as a pull for the next step would see them, and
+    ``inf`` (no other push changes them before this trainer's next one): ``(values, inf)``.
+    If the step is not applied within ``seconds`` the push still counts (the step is applied
+    once the missing trainers push) and the answer is ``(None, message)``, the message naming
+    those trainers, for the trainer to raise as a read that timed out: pushing again would be
+    a retry, which changes nothing."""
+    job = _job(name)
+    if job.spec.mode != "sync":
+        raise ValueError(f"parameter-server job {name!r} is in {job.spec.mode} mode: _push_applied is sync's")
+    _push(name, trainer, step, grads)
+    return read_when_applied(job, step + 1, seconds, _applied_values, job, answer).then(_stalled_as_answer)
+
+
+def _applied_values(job: _Job, answer: tuple) -> tuple[Any, float]:
+    return job.snapshot(*answer), math.inf
+
+
+def _stalled_as_answer(fut: Future) -> tuple[Any, Any]:
+    try:
+        return fut.value()
+    except CallTimeout as exc:  # the step not applied in time (the push itself counted)
+        return None, str(exc)
 
 
 def _push_delta(name: str, deltas: Any, packed: bool = False) -> Any:

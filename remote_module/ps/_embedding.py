@@ -921,12 +921,13 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
             self._held, self._fresh = [], []
             self._backwards, self._stepped_past = 0, False
 
-    def _geo_step(self, ids: torch.Tensor, grad: torch.Tensor, has_grad: bool) -> None:
+    def _geo_step(self, ids: torch.Tensor, grad: torch.Tensor, has_grad: bool) -> PushPlan | None:
         """geo: step the cached rows locally (an optimizer step only with a gradient:
         ``has_grad``); every ``geo_push_every`` calls push ``row - row when fetched`` for the
         rows cached since the last push, and drop them: a later lookup fetches the merged rows,
         so a push carries only the rows touched in its interval. Each row's local optimizer
-        state stays (as a local sparse optimizer keeps it)."""
+        state stays (as a local sparse optimizer keeps it). Returns the push's plan
+        (:meth:`_geo_push_plan`) when this call pushes, else None."""
         geo = self._geo
         geo.calls += 1
         if has_grad:
@@ -937,23 +938,31 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
                     self._rows_of(uniq[evicted])
             geo.step(uniq, summed)
         if geo.calls % self.geo_push_every == 0:
-            self._geo_push()
+            return self._geo_push_plan()
+        return None
 
     def _geo_push(self) -> None:
-        """geo: push the deltas of every cached row and drop them (their next lookup fetches
-        the merged rows)."""
+        """geo: push the deltas of every cached row now and drop them (their next lookup
+        fetches the merged rows)."""
+        plan = self._geo_push_plan()
+        if plan is not None:
+            run_push_plans([plan], self.timeout)
+
+    def _geo_push_plan(self) -> PushPlan | None:
+        """geo: the push of every cached row's delta (None with none cached), which drops those
+        rows once the servers took it; a failed push keeps them (the next push carries their
+        deltas again)."""
         geo = self._geo
         ids, deltas = geo.deltas()
         if not ids.numel():
-            return
+            return None
         calls = []
         for _, server, mine in self._by_owner(ids):
             if ids[mine].numel():
                 calls.append((server, _table_server._push_row_deltas, (self.name, ids[mine], deltas[mine])))
-        call_all(calls, timeout=self.timeout)
         self._pushed_bytes += sum(i.numel() * i.element_size() + d.numel() * d.element_size()
                                  for _, _, (_, i, d) in calls)
-        geo.drop(ids)
+        return calls, lambda: geo.drop(ids), lambda: None
 
     def step(self) -> None:
         """Push the touched rows' gradients (only those rows) and forget them (geo: step the
@@ -968,8 +977,9 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         server that already has this step's push takes the retry as a no-op; in async and
         half_async a server that had it applies it again), or ``zero_grad()`` to drop them.
 
-        In async and half_async modes (and in sync mode after a :meth:`prefetch`) the pushes are
-        sent and ``step()`` returns with them in flight; the next call on the table waits for
+        In async, half_async and geo modes (and in sync mode after a :meth:`prefetch`) the
+        pushes are sent and ``step()`` returns with them in flight (geo: the deltas' pushes,
+        whose rows are dropped from the cache once they land); the next call on the table waits for
         them first (a lookup is sent once they were applied), and a push that failed raises
         there, naming its server, keeping the gradients for a retry as above."""
         with self._flight_lock:
@@ -1008,9 +1018,8 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         has_grad = bool(taken)
         ids = torch.cat(ids_parts) if ids_parts else torch.empty(0, dtype=torch.long)
         grad = torch.cat(grad_parts) if grad_parts else torch.empty(0, self.embedding_dim)
-        if self.ps_mode == "geo":
-            self._geo_step(ids, grad, has_grad)
-            return None
+        if self.ps_mode == "geo":  # (a plan only when this step pushes the deltas)
+            return self._geo_step(ids, grad, has_grad)
         calls = []
         for _, server, mine in self._by_owner(ids):
             # every server hears of a step with a gradient (an empty push where it holds none of

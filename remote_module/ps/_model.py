@@ -19,6 +19,7 @@ from torch import nn
 from torch.func import functional_call
 
 from remote_module._core import (
+    CallTimeout,
     call_all,
     is_rpc_initialized,
     nested_seconds,
@@ -68,6 +69,10 @@ class _Pulled(torch.autograd.Function):
 #: Kept outside the object, which stays picklable and deep-copyable as a module.
 _forward_locks: "weakref.WeakKeyDictionary[nn.Module, threading.RLock]" = weakref.WeakKeyDictionary()
 _forward_locks_guard = threading.Lock()
+
+
+def _nothing() -> None:
+    pass
 
 
 def _forward_lock(model: nn.Module) -> threading.RLock:
@@ -363,13 +368,13 @@ class PSModel(PSCheckpoints, nn.Module):
         """Pull the parameters (not in geo mode, which trains its local copy), then run the
         model on the values pulled.
 
-        In async and half_async mode the last ``step()``'s pushes were answered with the
-        servers' values right after them: the next forward runs on those, without pulling
-        (one round trip per step), so it misses what other trainers pushed in between, as any
-        async read may; ``pull()``, ``state_dict()``, ``optimizer_state_dict()``,
-        ``load_state_dict()`` and ``flush()`` make it pull again, and so does the
-        ``half_async_merge_s`` timer of a server that had this push queued, once it may have
-        merged it.
+        The last ``step()``'s pushes were answered with the servers' values right after them
+        (sync: once that step was applied): the next forward runs on those, without pulling
+        (one round trip per step); in async and half_async mode it so misses what other
+        trainers pushed in between, as any async read may; ``pull()``, ``state_dict()``,
+        ``optimizer_state_dict()``, ``load_state_dict()`` and ``flush()`` make it pull again,
+        and so does the ``half_async_merge_s`` timer of a server that had this push queued,
+        once it may have merged it.
 
         Each forward runs on values of its own: the pulled values are copied into the local
         parameters (``model.module.weight`` shows them) and the model runs on a separate copy
@@ -410,10 +415,17 @@ class PSModel(PSCheckpoints, nn.Module):
         again: the dense part and the tables that were stepped already are not stepped twice
         (after a ``forward`` or ``zero_grad()``, the next ``step()`` is a whole one again).
 
-        In async and half_async mode ``step()`` returns with its pushes in flight (the local
-        gradients cleared as they are sent); the next call on the model waits for them, and a
-        failure raises there, naming the server, with the gradients of the parts that failed
-        put back (added to any computed since) for that retry.
+        ``step()`` returns with its pushes in flight (the local gradients cleared as they are
+        sent); the next call on the model waits for them, and a failure raises there, naming
+        the server, with the gradients of the parts that failed put back (added to any computed
+        since) for that retry. In sync mode each push is answered once its step is applied on
+        that server (every trainer pushed it), so the next call on the model (a forward,
+        ``zero_grad()``, ``flush()``, a checkpoint) waits for the other trainers, as the pull of
+        the next forward did; if they do not push in time it raises a ``CallTimeout`` naming
+        them, but the push counted (the step is applied once they push) and the gradients stay
+        cleared: the next call waits again, and ``step()`` again pushes nothing twice. In geo
+        mode the deltas' pushes (every ``geo_push_every`` steps) are in flight the same way:
+        the next call on the model writes the merged values into the local copy first.
 
         Example::
 
@@ -426,16 +438,14 @@ class PSModel(PSCheckpoints, nn.Module):
         # part pushes a second step (sync: it would be taken for the next round)
         done = self.__dict__.setdefault("_step_done", set())
         self.__dict__.pop("_ready", None)  # what the last step's answers brought: this step's replace them
-        in_flight = self.ps_mode in ("async", "half_async")
         plans = []  # each part's pushes; a part that succeeds is marked done
         if None not in done:
-            if self.ps_mode == "geo":
-                self._step_dense()
+            if self.ps_mode == "geo":  # the local step; every geo_push_every steps the deltas' pushes
+                plans += self._step_dense()
                 done.add(None)
             else:
-                calls, finish, answered = self._dense_push_plan(clear=not in_flight)
-                restore = self._clear_sent_gradients() if in_flight else (lambda: None)
-                plans.append((calls, partial(finished, done, None, finish), restore, answered))
+                calls, finish, answered = self._dense_push_plan()
+                plans.append((calls, partial(finished, done, None, finish), self._clear_sent_gradients(), answered))
         for qual, table in self._tables.items():
             if qual not in done:
                 plan = table._push_plan()
@@ -445,14 +455,10 @@ class PSModel(PSCheckpoints, nn.Module):
                     calls, table_done, failed = plan
                     plans.append((calls, partial(finished, done, qual, table_done), failed))
         settle = send_push_plans(plans, self.timeout)  # one message per server; each part settles alone
-        if in_flight:
-            # async, half_async: returns with the pushes in flight; the next call on the model (or
-            # on one of its tables) waits for them, and a failure raises there, the parts that
-            # failed kept for a retry as above
-            fly(self, self._tables.values(), settle, done)
-            return
-        settle()
-        done.clear()
+        # returns with the pushes in flight; the next call on the model (or on one of its tables)
+        # waits for them (sync: for the step to be applied on every server), and a failure raises
+        # there, the parts that failed kept for a retry as above
+        fly(self, self._tables.values(), settle, done)
 
     def _clear_sent_gradients(self) -> Callable[[], None]:
         """(A step sent with its pushes in flight) clear the local gradients now, as ``step()``
@@ -470,9 +476,14 @@ class PSModel(PSCheckpoints, nn.Module):
         return restore
 
     def _wait_pushes(self) -> None:
-        """Wait for the last step's pushes in flight (async, half_async), raising its failure
-        once; and for its tables' own."""
+        """Wait for the last step's pushes in flight (not geo), raising its failure once; and
+        for its tables' own. sync: a step that counted on the servers but was not applied in
+        time (a trainer missing) raises its ``CallTimeout`` here once, as a pull would; the
+        next read waits for it again."""
         land(self, self._tables.values())
+        stalled = self.__dict__.pop("_stalled", None)
+        if stalled is not None:
+            raise stalled
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the local gradients, and the tables' gradients since their last step (once the
@@ -483,32 +494,35 @@ class PSModel(PSCheckpoints, nn.Module):
         for table in self._tables.values():
             table.zero_grad()
 
-    def _step_dense(self) -> None:
-        """geo: step the local copy; every ``geo_push_every`` steps push the deltas and take
-        the merged parameters (the other modes push through :meth:`_dense_push_plan`)."""
+    def _step_dense(self) -> list:
+        """geo: step the local copy; every ``geo_push_every`` steps, the plans that push the
+        deltas and take the merged parameters (:meth:`_delta_push_plans`; the other modes push
+        through :meth:`_dense_push_plan`)."""
         params = self._params()
         # a step() without any gradient is no optimizer step (torch's optimizer leaves every
         # parameter alone): it does not count towards the next push either
         if all(p.grad is None for p in params.values()):
-            return
+            return []
         self._local_opt.step()
         self._local_opt.zero_grad(set_to_none=True)
         self.__dict__.pop("_geo_restored", None)  # trained on since a restore
         self._step += 1
         if self._step % self.geo_push_every == 0:
-            self._push_deltas()
+            return self._delta_push_plans()
+        return []
 
-    def _dense_push_plan(self, clear: bool = True) -> tuple[list, Callable[[], None], Callable[[list], None]]:
+    def _dense_push_plan(self) -> tuple[list, Callable[[], None], Callable[[list], None]]:
         """The dense part of a step (not geo): the pushes to the servers, what to do once they
-        all succeeded (clear the gradients, count the step), and what to do with their answers:
-        in async and half_async each push is answered with its server's blocks as a pull right
-        after it would see them, which the next forward uses instead of pulling (one round
-        trip per step), when every server holding blocks answered, until a half_async server's
-        timer merges what it had queued (this push among it)."""
+        all succeeded (count the step; ``step()`` cleared the gradients as it sent them), and
+        what to do with their answers: each push is answered with its server's blocks as a pull
+        right after it would see them (sync: once the step is applied there), which the next
+        forward uses instead of pulling (one round trip per step), when every server holding
+        blocks answered, until a half_async server's timer merges what it had queued (this
+        push among it)."""
         params = self._params()
         calls = []
         sent = time.monotonic()  # before the pushes leave: the servers' timers run out no sooner
-        answer = self.ps_mode in ("async", "half_async")
+        sync = self.ps_mode == "sync"
         by_server = self._by_server()
         for server, slots in by_server.items():
             # a parameter without a gradient (frozen, or unused this step) is not pushed: as in
@@ -517,14 +531,18 @@ class PSModel(PSCheckpoints, nn.Module):
             grads = [self._block_values(s, params[s.pname].grad) for s in sel]
             # sync: every server with blocks hears from every trainer every step, grads or not
             if grads or (slots and self.ps_mode == "sync"):
-                args = (self.name, self._trainer, self._step, self._sent(sel, grads))
-                if answer:
-                    args += (([s.name for s in slots], self._packable(slots)),)
-                calls.append((server, _dense_server._push, args))
+                args = (self.name, self._trainer, self._step, self._sent(sel, grads),
+                        ([s.name for s in slots], self._packable(slots)))
+                if sync:  # answered once the step is applied, or at the servers' deadline
+                    args += (nested_seconds(self._seconds()),)
+                calls.append((server, _dense_server._push_applied if sync else _dense_server._push, args))
 
         def answered(got: list) -> None:
             servers = [server for server, _, _ in calls]
-            if answer and set(servers) == {server for server, slots in by_server.items() if slots}:
+            stalled = [left for value, left in got if value is None and isinstance(left, str)]
+            if stalled:  # sync: the push counted, its step not applied in time: a read's timeout
+                self.__dict__["_stalled"] = CallTimeout(stalled[0])
+            elif set(servers) == {server for server, slots in by_server.items() if slots}:
                 values: dict[str, torch.Tensor] = {}
                 until = math.inf
                 for server, (value, left) in zip(servers, got):
@@ -533,15 +551,16 @@ class PSModel(PSCheckpoints, nn.Module):
                 self.__dict__["_ready"] = (values, until)
 
         def finish() -> None:
-            if clear:  # (a step in flight cleared them when it was sent)
-                for p in params.values():
-                    p.grad = None
             self._step += 1
 
         return calls, finish, answered
 
-    def _push_deltas(self) -> None:
-        calls, sent = [], []
+    def _delta_push_plans(self) -> list:
+        """geo: one plan per server pushing its blocks' deltas (local value minus the value
+        last taken from it); its answer, the merged values, is written into the local copy
+        and becomes the new base of its deltas, server by server: a server that failed keeps
+        its deltas for the next push (its blocks train on locally meanwhile)."""
+        plans = []
         params = self._params()
         for server, slots in self._by_server().items():
             # only trainable (floating) parameters move: an integer one has no delta to average
@@ -549,14 +568,20 @@ class PSModel(PSCheckpoints, nn.Module):
             deltas = [self._block_values(s) - self._pulled[s.name] for s in sel]
             if deltas:
                 packed = self._packable(sel)
-                calls.append((server, _dense_server._push_delta, (self.name, self._sent(sel, deltas), packed)))
-                sent.append(sel)
-        results = call_all(calls, timeout=self.timeout)
-        values = {}
-        for sel, got in zip(sent, results):
-            values.update(self._received(sel, got))
-        self._write(values)
-        self._pulled = {k: v.clone() for k, v in values.items()}
+                calls = [(server, _dense_server._push_delta, (self.name, self._sent(sel, deltas), packed))]
+                plans.append((calls, _nothing, _nothing, partial(self._merged, sel)))
+        return plans
+
+    def _merged(self, slots: list[_Slot], got: list) -> None:
+        """geo: a server's answer to a delta push (its blocks merged): into the local copy, and
+        the base of the next deltas."""
+        values = self._received(slots, got[0])
+        params = self._params()
+        with torch.no_grad():  # block by block (a parameter's other blocks may be another server's)
+            for slot in slots:
+                part = block_of(params[slot.pname], slot.block)
+                part.copy_(values[slot.name].view(part.shape))
+        self._pulled.update({k: v.clone() for k, v in values.items()})
 
     def flush(self) -> None:
         """Wait for the last step's pushes in flight; half_async: have the servers apply what

@@ -92,11 +92,12 @@ def try_train(job: str, steps: int, start: int = 0) -> dict:
 
 
 def timed(job: str, what: str) -> dict:
-    """``pull`` or ``step`` (after a forward and backward) of ``job``: its outcome."""
+    """``pull`` or ``step`` (after a forward and backward) of ``job``: its outcome. A step
+    returns with its pushes in flight: ``flush()`` lands them (a failure raises there)."""
     ps = base._models[job]
     if what == "step":
         (ps.module(x_of(0), uses_q(0)) ** 2).backward()  # step 0's gradients (the first pull was at creation)
-    return base._attempt({"pull": ps.pull, "step": ps.step}[what])
+    return base._attempt({"pull": ps.pull, "step": lambda: (ps.step(), ps.flush())}[what])
 
 
 def wait_for(fn, seconds: float) -> Any:

@@ -120,6 +120,13 @@ def train(job: str, trainer: int, steps: int, start: int = 0) -> int:
     return steps
 
 
+def train_counted(job: str, trainer: int, steps: int) -> dict:
+    """:func:`train`, counting the messages this trainer sent to each server meanwhile."""
+    from tests.benchmarks._common import messages_per_call
+
+    return messages_per_call(lambda: train(job, trainer, steps), 1)
+
+
 def push_linear(job: str, steps: int, c: list[float] | None = None) -> int:
     """``steps`` steps of a ``linear`` job: each pushes the gradient ``c`` (ones without it)."""
     ps = _models[job]
@@ -183,10 +190,11 @@ def forward_backward(job: str, trainer: int, step: int = 0) -> bool:
 
 
 def attempt(job: str, what: str) -> dict:
-    """How ``pull`` / ``step`` of ``job`` ends here (type, message, seconds); an async step
-    returns with its pushes in flight: ``flush()`` lands them (a failure raises there)."""
+    """How ``pull`` / ``step`` / ``send`` of ``job`` ends here (type, message, seconds); a
+    step returns with its pushes in flight (``send``): ``flush()`` lands them (a failure
+    raises there)."""
     ps = _models[job]
-    return _attempt({"pull": ps.pull, "step": lambda: (ps.step(), ps.flush())}[what])
+    return _attempt({"pull": ps.pull, "step": lambda: (ps.step(), ps.flush()), "send": ps.step}[what])
 
 
 def half_async_timed(job: str, c: list[float], seconds: float) -> dict:

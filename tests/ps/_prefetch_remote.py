@@ -354,13 +354,14 @@ def mixed(name: str, prefetched: bool, steps: int = 5) -> dict:
 # ---- a PSModel's step in flight -----------------------------------------------------------------------
 
 
-def psmodel_prepare(name: str, timeout: float) -> bool:
-    """An async PSModel of a Linear(4, 2) over ps0 and ps1 (a block on each), its gradients ready."""
+def psmodel_prepare(name: str, timeout: float, mode: str = "async") -> bool:
+    """A PSModel of a Linear(4, 2) over ps0 and ps1 (a block on each; geo: pushing every step),
+    its gradients ready."""
     from remote_module.ps import PSModel
 
     torch.manual_seed(0)
-    ps = PSModel(nn.Linear(4, 2), ["ps0", "ps1"], name=name, ps_mode="async", num_trainers=1, timeout=timeout,
-                 min_block_size=1,
+    ps = PSModel(nn.Linear(4, 2), ["ps0", "ps1"], name=name, ps_mode=mode, num_trainers=1, timeout=timeout,
+                 min_block_size=1, geo_push_every=1,
                  optimizer=(torch.optim.SGD, {"lr": 0.1}))
     _objects[name] = ps
     ps(torch.ones(3, 4)).pow(2).sum().backward()

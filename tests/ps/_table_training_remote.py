@@ -359,7 +359,8 @@ def psmodel_step_retried(name: str) -> dict:
         if i == 1:
             failed.append(False)
             try:
-                model.step()
+                model.step()  # (returns with its pushes in flight: flush() lands them, raising)
+                model.flush()
             except TimeoutError:
                 pass
         model.step()  # (i == 1: the retry)
@@ -371,6 +372,7 @@ def psmodel_step_retried(name: str) -> dict:
     failed.append(False)
     try:
         model.step()
+        model.flush()
     except TimeoutError:
         pass
     model.zero_grad()

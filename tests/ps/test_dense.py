@@ -93,6 +93,23 @@ def test_sync_training_equals_one_process_on_the_global_batch(world, n, opt):
     assert all((states["trainer0"][k] - initial[k]).abs().max() > 1e-3 for k in initial), "did not train"
 
 
+def test_a_sync_step_is_one_round_trip_answered_once_the_step_is_applied(world):
+    """sync: each push is answered once its step is applied on the server, with the values a
+    pull for the next step would get, and the next forward runs on those: the first forward
+    pulls, then one message per server per step (a pull as well before), and the result is
+    still one process's on the global batch."""
+    name = job("sync-one-trip")
+    world.call(_create_on, trainers(2), name, ("net", 1, SERVERS),
+               dict(num_trainers=2, optimizer=OPTIMIZERS["sgd"], min_block_size=MIN_BLOCK))
+    counted = world.run({t: (r.train_counted, name, i, STEPS) for i, t in enumerate(trainers(2))})
+    for t, messages in counted.items():
+        assert messages == {"ps0": STEPS + 1, "ps1": STEPS + 1}, (t, messages)
+    expected, _ = reference(2, OPTIMIZERS["sgd"], STEPS, seed=1)
+    for t in trainers(2):
+        got = world.run({t: (r.state, name)})[t]
+        assert_close(got, expected.state_dict(), 1e-6, f"{t}'s state_dict after {STEPS} one-trip sync steps")
+
+
 def test_a_sync_checkpoint_right_after_a_step_waits_for_that_step(world):
     """trainer0 pushes step 0 and asks for the state at once; trainer1 pushes 0.5 s later: the
     state has step 0 applied on every server (not the values before it, nor a mix)."""
@@ -381,12 +398,16 @@ def test_bad_modes_and_intervals_are_value_errors_naming_the_value(world, kwargs
         assert word in outcome["message"], (word, outcome["message"])
 
 
-def test_a_sync_trainer_pushing_twice_for_one_step_is_refused(world):
+def test_a_sync_trainer_stepping_twice_for_one_step_waits_for_the_others(world):
+    """The second step() waits for step 0 to be applied (its push in flight is answered then),
+    so a trainer cannot push twice in one step: it times out naming the trainer missing, the
+    push of step 0 counted and nothing applied."""
     name = job("twice")
     world.call(_create_on, trainers(2), name, ("net", 5, SERVERS), dict(num_trainers=2, min_block_size=MIN_BLOCK))
+    world.run({"trainer0": (r.set_timeout, name, 2.0)})
     outcome = world.run({"trainer0": (r.step_twice, name, 0)})["trainer0"]
-    assert not outcome["ok"], outcome
-    assert "'trainer0'" in outcome["message"] and "step" in outcome["message"], outcome["message"]
+    assert not outcome["ok"] and outcome["type"] == "CallTimeout", outcome
+    assert "'trainer1'" in outcome["message"] and "step 0" in outcome["message"], outcome["message"]
     stats = world.run({"trainer1": (r.stats, name)})["trainer1"]
     assert [st["version"] for st in stats.values()] == [0, 0], stats  # nothing applied: trainer1 never pushed
 

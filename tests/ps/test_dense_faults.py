@@ -38,21 +38,25 @@ def assert_failed_naming(outcome: dict, worker: str, what: str) -> None:
 
 @pytest.fixture(scope="module")
 def trainer_killed(world):
-    """Sync job on both trainers; trainer1 killed; trainer0 pushes step 0, then pulls for step 1."""
+    """Sync job on both trainers; trainer1 killed; trainer0 pushes step 0 (in flight), then
+    pulls for step 1: the pull lands the push, whose answer waits for step 0 to be applied
+    (it times out naming trainer1), and a second pull waits for it again."""
     name = "sync-trainer-killed"
     world.call(_create_on, ["trainer0", "trainer1"], name, ("net", 1, SERVERS),
                dict(num_trainers=2, min_block_size=4))
     world.run({"trainer0": (r.set_timeout, name, TIMEOUT)})
     world.kill("trainer1")
     world.run({"trainer0": (r.forward_backward, name, 0)})
-    step = world.run({"trainer0": (r.attempt, name, "step")})["trainer0"]
+    step = world.run({"trainer0": (r.attempt, name, "send")})["trainer0"]
     pull = world.run({"trainer0": (r.attempt, name, "pull")})["trainer0"]
-    return {"step": step, "pull": pull}
+    again = world.run({"trainer0": (r.attempt, name, "pull")})["trainer0"]
+    return {"step": step, "pull": pull, "again": again}
 
 
-def test_a_trainer_killed_in_sync_mode_fails_the_others_pull_naming_it(trainer_killed):
+@pytest.mark.parametrize("which", ["pull", "again"])
+def test_a_trainer_killed_in_sync_mode_fails_the_others_pull_naming_it(trainer_killed, which):
     assert trainer_killed["step"]["ok"], f"pushing step 0 needs no other trainer: {trainer_killed['step']}"
-    pull = trainer_killed["pull"]
+    pull = trainer_killed[which]
     assert_failed_naming(pull, "trainer1", "the pull waiting for step 0")
     assert "'trainer0'" not in pull["message"].split("waiting for gradients from")[-1], pull["message"]
     assert pull["type"] == "CallTimeout", pull
