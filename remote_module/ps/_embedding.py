@@ -777,6 +777,18 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         self._forward_thread: int | None = None
         self._warned_unpushed = False
 
+    #: bookkeeping set at every lookup, backward and step (never a tensor, parameter or module):
+    #: stored without ``nn.Module.__setattr__``'s checks, which cost a collection of 8 tables
+    #: about 100 calls per training step
+    _PLAIN_ATTRIBUTES = frozenset({"_forward_thread", "_fresh", "_held", "_backwards", "_stepped_past", "_pushes",
+                                   "_pushed_bytes", "_step", "_flight", "_changes"})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ShardedEmbedding._PLAIN_ATTRIBUTES:
+            self.__dict__[name] = value
+        else:
+            super().__setattr__(name, value)
+
     def __getstate__(self) -> dict:
         """As nn.Module's, less the lock and the gradients not pushed yet (a copy, e.g.
         ``copy.deepcopy(model)`` for an averaged model, shares the servers' rows, not them)."""
