@@ -838,17 +838,22 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         is kept once backward reaches them. Nothing is held before that, as with a local
         module: a lookup that is never backpropagated (an eval loop without ``no_grad``) is
         gone with its output."""
-        marker = self.grad_marker
         # one thread at a time: torch takes a leaf's autograd lock, then the GIL, to find its
         # AccumulateGrad in an op (view_as, which runs without the GIL), but the GIL, then
         # that lock, in a Function's apply; two threads of one table doing both at once
         # deadlocked (waiting on this lock releases the GIL)
         with self._marker_lock:
-            if self._hooked is None or self._hooked() is not marker:  # (a copy, or the marker replaced)
-                marker.register_post_accumulate_grad_hook(self._seal)
-                self._hooked = weakref.ref(marker)
-            accumulator = marker.view_as(marker).grad_fn.next_functions[0][0]  # the marker's AccumulateGrad
+            marker, accumulator = self._recorder()
             return _Recorded.apply(rows, marker, self._record, uniq, accumulator)
+
+    def _recorder(self) -> tuple[torch.Tensor, Any]:
+        """(``_marker_lock`` held) the grad marker, hooked to seal what backward records, and its
+        ``AccumulateGrad`` node."""
+        marker = self.grad_marker
+        if self._hooked is None or self._hooked() is not marker:  # (a copy, or the marker replaced)
+            marker.register_post_accumulate_grad_hook(self._seal)
+            self._hooked = weakref.ref(marker)
+        return marker, marker.view_as(marker).grad_fn.next_functions[0][0]  # the marker's AccumulateGrad
 
     def _record(self, uniq: torch.Tensor, grad: torch.Tensor) -> None:
         """In backward, before the marker accumulates: keep ``grad``; gradients of finished

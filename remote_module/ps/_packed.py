@@ -6,7 +6,9 @@ packed into two tensors; the server answers every table's pooled bags packed int
 
 The outputs, gradients and pushes are those of each table's own lookup, bit for bit: every
 server pools its rows of a bag in position order, as alone, and the trainer adds the servers'
-partial sums in each table's own server order. Inputs outside the plain forms (int32 ids,
+partial sums in each table's own server order. The float32 tables that record gradients are
+recorded by one autograd node (:class:`_TogetherRecorded`), whose backward computes all
+their rows' gradients in one pass and hands each table its part. Inputs outside the plain forms (int32 ids,
 ``per_sample_weights``, ``padding_idx``, max pooling, geo mode, bags given wrongly) take each
 table's own path, which checks and refuses them as the table does.
 """
@@ -17,8 +19,59 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
+from remote_module._core import backward_accumulates
 from remote_module.ps import _table_server
 from remote_module.ps._embedding_bag import ShardedEmbeddingBag, _BagRows
+
+
+class _TogetherRecorded(torch.autograd.Function):
+    """The pooled bags of several float32 tables (one tensor: the tables' bags in turn),
+    recorded for their ``step()`` in one autograd node. Backward computes every unique row's
+    gradient at once, as ``_BagRows`` does for one table (the sum, over the positions holding
+    the row, of its bag's gradient, divided by the bag's size for mean), and hands each table
+    its rows' part, as its own ``_Recorded`` would; every table's zero-size grad marker gets
+    a zero-size gradient. Each row's sum is taken in the same order as alone: the same bits."""
+
+    @staticmethod
+    def forward(ctx: Any, pooled: torch.Tensor, inverse: torch.Tensor, bag_of: torch.Tensor,
+                divisor: torch.Tensor | None, rows: int, parts: list, *markers: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse, bag_of, divisor)
+        ctx.rows, ctx.parts = rows, parts  # per table: (record, its unique ids, its AccumulateGrad, lo, hi)
+        ctx.markers = [(m.dtype, m.device) for m in markers]
+        return pooled.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        inverse, bag_of, divisor = ctx.saved_tensors
+        if divisor is not None:
+            grad = grad / divisor
+        per_position = grad.index_select(0, bag_of)
+        rows = torch.zeros(ctx.rows, grad.shape[1], dtype=grad.dtype).index_add_(0, inverse, per_position)
+        for record, uniq, accumulator, lo, hi in ctx.parts:
+            # as a parameter's .grad: only a backward that accumulates into the marker records
+            if backward_accumulates(accumulator):
+                record(uniq, rows[lo:hi])
+        return (None,) * 6 + tuple(torch.zeros(0, dtype=d, device=v) for d, v in ctx.markers)
+
+
+def _record_together(tables: list, pooled: torch.Tensor, uniq: torch.Tensor, inverse: torch.Tensor,
+                     bag_of: torch.Tensor, divisor: torch.Tensor | None, ranges: list) -> torch.Tensor:
+    """``pooled`` recorded for ``tables`` (``ranges``: each one's unique ids and where they sit
+    in ``uniq``) by one :class:`_TogetherRecorded` node, under every table's marker lock (see
+    ``ShardedEmbedding._recorded``), taken in one order."""
+    locks = sorted({id(t): t for t in tables}.values(), key=id)
+    for t in locks:
+        t._marker_lock.acquire()
+    try:
+        parts, markers = [], []
+        for t, (t_uniq, lo, hi) in zip(tables, ranges):
+            marker, accumulator = t._recorder()
+            parts.append((t._record, t_uniq, accumulator, lo, hi))
+            markers.append(marker)
+        return _TogetherRecorded.apply(pooled, inverse, bag_of, divisor, uniq.numel(), parts, *markers)
+    finally:
+        for t in locks:
+            t._marker_lock.release()
 
 
 def packable(table: Any, input: Any, offsets: Any, per_sample_weights: Any) -> bool:
@@ -197,11 +250,20 @@ def plan(owner: Any, entries: Sequence[tuple[ShardedEmbeddingBag, torch.Tensor, 
             ends = torch.cat([starts[1:], starts.new_tensor([flat.numel()])])
             sizes_all = (ends - starts).clamp(min=1).unsqueeze(1).to(total.dtype)
             total = torch.where(layout.mean_bags.unsqueeze(1), total / sizes_all, total)
+        # (warns, as a table's own lookup does, of gradients never pushed)
+        recording = [i for i, t in enumerate(tables) if records[i] and t._records()]
+        together = total
+        if recording and all(tables[i]._dtype() == torch.float32 for i in recording):
+            divisor = torch.where(layout.mean_bags.unsqueeze(1), sizes_all, 1.0) if layout.any_mean else None
+            together = _record_together([tables[i] for i in recording], total, uniq, inverse, bag_of, divisor,
+                                        [(uniq[cuts[i]:cuts[i + 1]] - layout.id_base[i], cuts[i], cuts[i + 1])
+                                         for i in recording])
+            recording = []
         out = []
         for i, t in enumerate(tables):
             lo, hi = layout.bag_base[i], layout.bag_base[i + 1]
-            value = total[lo:hi].to(t._dtype())
-            if records[i] and t._records():  # (warns, as a table's own lookup does, of gradients never pushed)
+            value = (together if together is not total and records[i] else total)[lo:hi].to(t._dtype())
+            if i in recording:  # (a table of another dtype: its own rows' node, as alone)
                 p0, p1 = sized.pos_base[i], sized.pos_base[i + 1]
                 t_uniq = uniq[cuts[i]:cuts[i + 1]] - layout.id_base[i]
                 holder = t._recorded(t_uniq, torch.zeros(t_uniq.numel(), dim, dtype=t._dtype()))

@@ -520,3 +520,41 @@ def plain_edges(job: str, collect: bool) -> dict:
         _packed.plan = real_plan
     return {"outs": outs, "weights": {k: t.state_dict()["weight"] for k, t in tables.items()},
             "planned": planned, "messages": messages, "refusal": refusal}
+
+
+def plain_grad_idioms(job: str, collect: bool) -> dict:
+    """torch's gradient idioms on PLAIN's tables (in a collection, planned together, or one by
+    one) under a local Linear: ``torch.autograd.grad`` of the dense weights and
+    ``backward(inputs=dense)`` record nothing for the tables (a step after them pushes
+    nothing); two forwards then one backward accumulate both. The weights after each, and
+    which outputs require grad."""
+    from remote_module.ps import ShardedEmbeddingBagCollection
+
+    tables = plain_make(job, "async")
+    initial = {k: t.state_dict()["weight"] for k, t in tables.items()}
+    used = ShardedEmbeddingBagCollection(tables) if collect else tables
+    torch.manual_seed(5)
+    lin = nn.Linear(4, 1)
+    batches = [feats for feats, _ in plain_features(7, 3)]
+
+    def loss_of(feats: dict) -> tuple[torch.Tensor, dict]:
+        got = _forward(used, feats)
+        return sum(lin(v).pow(2).sum() for v in got.values()), got
+
+    def weights() -> dict:
+        _step(used)
+        return {k: t.state_dict()["weight"] for k, t in tables.items()}
+
+    loss, got = loss_of(batches[0])
+    requires = {k: v.requires_grad for k, v in got.items()}
+    markers = [t.grad_marker for k, t in tables.items() if k != "frozen"]
+    torch.autograd.grad(loss, list(lin.parameters()) + markers)  # (runs the tables' nodes, sets no .grad)
+    after_grad = weights()
+    loss, _ = loss_of(batches[1])
+    loss.backward(inputs=list(lin.parameters()))
+    after_inputs = weights()
+    first, _ = loss_of(batches[1])
+    second, _ = loss_of(batches[2])
+    (first + second).backward()
+    return {"initial": initial, "requires": requires, "after_grad": after_grad, "after_inputs": after_inputs,
+            "after_two": weights()}

@@ -171,6 +171,22 @@ def test_plain_tables_planned_together_in_sync_with_two_trainers_equal_them_alon
             assert torch.equal(got[t]["evals"][-1][k], alone[t]["evals"][-1][k]), (t, k)
 
 
+def test_plain_tables_planned_together_follow_torchs_gradient_idioms_as_alone(world):
+    """Tables recorded together (one autograd node for the plan) as one by one: nothing is
+    recorded by ``torch.autograd.grad`` or ``backward(inputs=dense)`` (their steps push
+    nothing), two forwards and one backward push both, bit for bit as alone; a frozen
+    table's output needs no gradient."""
+    got = world.run({"trainer0": (r.plain_grad_idioms, name("idioms"), True),
+                     "trainer1": (r.plain_grad_idioms, name("idioms-alone"), False)})
+    together, alone = got["trainer0"], got["trainer1"]
+    assert together["requires"] == alone["requires"] == {k: k != "frozen" for k in r.PLAIN}, together["requires"]
+    for k in r.PLAIN:
+        assert torch.equal(together["after_grad"][k], together["initial"][k]), k
+        assert torch.equal(together["after_inputs"][k], together["initial"][k]), k
+        assert torch.equal(together["after_two"][k], alone["after_two"][k]), k
+    assert not torch.equal(together["after_two"]["clicks"], together["initial"]["clicks"])
+
+
 def test_bad_plain_inputs_are_refused_as_the_table_alone_refuses_them(world):
     texts = world.run({"trainer0": (r.plain_refusals, name("plain-bad"))})["trainer0"]
     for together, alone in zip(texts[::2], texts[1::2]):
