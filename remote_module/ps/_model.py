@@ -98,9 +98,10 @@ class PSModel(PSCheckpoints, nn.Module):
     (:func:`slice_blocks`) spread over ``servers`` (by ``split_method``), where a
     ``torch.optim`` optimizer per block applies the trainers' gradients.
 
-    Before each ``forward`` (or on :meth:`pull`) the parameters are fetched from the servers;
-    after ``loss.backward()``, :meth:`step` pushes the gradients, block by block (blocks for
-    different servers concurrently), and clears the local ones. ``ps_mode``: ``"sync"`` (each step
+    Before each ``forward`` the parameters are fetched from the servers (the last step's
+    answers brought them: one round trip per step; or :meth:`pull`); after
+    ``loss.backward()``, :meth:`step` pushes the gradients, block by block (blocks for different
+    servers concurrently), and clears the local ones. ``ps_mode``: ``"sync"`` (each step
     averages all ``num_trainers`` trainers' gradients, applied once), ``"async"`` (each push
     applied on arrival), ``"half_async"`` (pushes summed and applied every
     ``half_async_merge_every`` pushes or ``half_async_merge_s`` seconds), ``"geo"`` (each trainer
@@ -424,8 +425,10 @@ class PSModel(PSCheckpoints, nn.Module):
         the next forward did; if they do not push in time it raises a ``CallTimeout`` naming
         them, but the push counted (the step is applied once they push) and the gradients stay
         cleared: the next call waits again, and ``step()`` again pushes nothing twice. In geo
-        mode the deltas' pushes (every ``geo_push_every`` steps) are in flight the same way:
-        the next call on the model writes the merged values into the local copy first.
+        mode a step that pushes the deltas (every ``geo_push_every`` steps) returns once the
+        merged values are in the local copy, as a local optimizer's step leaves its parameters
+        (an edit right after ``step()``, a clamp say, applies to them); its tables' pushes go in
+        the same message.
 
         Example::
 
@@ -439,9 +442,11 @@ class PSModel(PSCheckpoints, nn.Module):
         done = self.__dict__.setdefault("_step_done", set())
         self.__dict__.pop("_ready", None)  # what the last step's answers brought: this step's replace them
         plans = []  # each part's pushes; a part that succeeds is marked done
+        merging = False  # geo: this step pushes the dense deltas
         if None not in done:
             if self.ps_mode == "geo":  # the local step; every geo_push_every steps the deltas' pushes
                 plans += self._step_dense()
+                merging = bool(plans)
                 done.add(None)
             else:
                 calls, finish, answered = self._dense_push_plan()
@@ -459,6 +464,8 @@ class PSModel(PSCheckpoints, nn.Module):
         # waits for them (sync: for the step to be applied on every server), and a failure raises
         # there, the parts that failed kept for a retry as above
         fly(self, self._tables.values(), settle, done)
+        if merging:  # geo: the merged values are the local copy's when step() returns, as torch's
+            self._wait_pushes()  # optimizer leaves its parameters (an edit after step() keeps them)
 
     def _clear_sent_gradients(self) -> Callable[[], None]:
         """(A step sent with its pushes in flight) clear the local gradients now, as ``step()``

@@ -127,6 +127,20 @@ def train_counted(job: str, trainer: int, steps: int) -> dict:
     return messages_per_call(lambda: train(job, trainer, steps), 1)
 
 
+def train_clamped(job: str, trainer: int, steps: int, bound: float) -> dict:
+    """:func:`train`, clamping every parameter to ``[-bound, bound]`` right after each
+    ``step()`` (WGAN's weight clipping): the servers' state after."""
+    ps = _models[job]
+    for step in range(steps):
+        x, y = batch(trainer, step)
+        nn.functional.mse_loss(ps(x), y).backward()
+        ps.step()
+        with torch.no_grad():
+            for p in ps.module.parameters():
+                p.clamp_(-bound, bound)
+    return state(job)
+
+
 def push_linear(job: str, steps: int, c: list[float] | None = None) -> int:
     """``steps`` steps of a ``linear`` job: each pushes the gradient ``c`` (ones without it)."""
     ps = _models[job]

@@ -198,6 +198,30 @@ def geo_reference(seed: int, k: int, rounds: int, lr: float) -> tuple[dict, list
     return server, took
 
 
+def test_a_geo_edit_right_after_a_pushing_step_applies_to_the_merged_values(world):
+    """geo, one trainer, a push every step: the local copy holds the merged values when step()
+    returns, as torch's optimizer leaves its parameters, so a clamp right after step() (WGAN's
+    clipping) applies to them and the servers follow local torch doing the same."""
+    name = job("geo-clamp")
+    lr, bound, steps = 0.5, 0.05, 4
+    world.call(_create_on, trainers(1), name, ("net", 3, SERVERS),
+               dict(num_trainers=1, ps_mode="geo", geo_push_every=1, optimizer=(torch.optim.SGD, {"lr": lr}),
+                    min_block_size=MIN_BLOCK))
+    got = world.run({"trainer0": (r.train_clamped, name, 0, steps, bound)})["trainer0"]
+    model = r.build("net", 3)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for step in range(steps):
+        x, y = r.batch(0, step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        pushed = {k: v.clone() for k, v in model.state_dict().items()}  # what this step's push merges
+        with torch.no_grad():
+            for p in model.parameters():
+                p.clamp_(-bound, bound)
+    assert_close(got, pushed, 1e-6, "geo with a clamp right after each step")
+
+
 def test_geo_follows_the_rule_in_a_fixed_order(world):
     k, rounds, lr = 3, 2, 0.1
     name = job("geo")
