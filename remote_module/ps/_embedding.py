@@ -10,6 +10,7 @@ import threading
 import uuid
 import warnings
 import weakref
+from functools import partial
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -142,7 +143,37 @@ def send_push_plans(plans: Sequence[PushPlan], timeout: float | None, reads: Seq
             raise first
         return read_outcomes
 
+    settle.failure = partial(_failure_of, future, unpack)  # type: ignore[attr-defined]  (Flight's)
     return settle
+
+
+def _failure_of(future: Any, unpack: Callable[[list], tuple]) -> Any:
+    """What went wrong with a step's message, once answered, without settling it: the first
+    push's failure, or a sync push answered as not applied in time (``(None, message)``, see
+    ``_dense_server._push_applied``); None if all went through or no answer came yet."""
+    if not future.done():
+        return None
+    try:
+        outcomes, _ = unpack(future.value())
+    except BaseException as exc:
+        return exc
+    for ok, value in outcomes:
+        if not ok:
+            return value
+        if isinstance(value, tuple) and len(value) == 2 and value[0] is None and isinstance(value[1], str):
+            return value[1]
+    return None
+
+
+def _report_unlanded(failure: Callable[[], Any]) -> None:
+    """A step's pushes never waited for (the last call on a table or model was that step(),
+    and the process is ending, or the object is gone): warn if they failed, as local torch
+    would have raised at that step."""
+    what = failure()
+    if what is not None:
+        warnings.warn(f"the pushes of a last step() failed and nothing waited for them (no call on the table or "
+                      f"model came after that step; call flush() after the last step() to get its outcome): "
+                      f"{what}", RuntimeWarning)
 
 
 def finished(done: set, part: Any, finish: Callable[[], None]) -> None:
@@ -162,6 +193,7 @@ def fly(owner: Any, tables: Iterable, settle: Callable[[], list], done: set,
         done.clear()
         return got
 
+    landed.failure = getattr(settle, "failure", None)  # type: ignore[attr-defined]
     flight = Flight(landed, prefetches)
     owner._flight = flight
     for table in tables:  # a table used on its own lands it first
@@ -231,12 +263,18 @@ class Flight:
     def __init__(self, settle: Callable[[], list], prefetches: Sequence["Prefetch"] = ()) -> None:
         self._settle, self.prefetches = settle, list(prefetches)  # (their calls, in order, are the reads)
         self._lock = threading.Lock()
+        failure = getattr(settle, "failure", None)
+        # never landed (the process ends, or the table is dropped, right after a step): a failed
+        # push is still reported, as a warning
+        self._unlanded = weakref.finalize(self, _report_unlanded, failure) if failure is not None else None
 
     def land(self) -> None:
         with self._lock:
             settle, self._settle = self._settle, None
             if settle is None:
                 return
+            if self._unlanded is not None:
+                self._unlanded.detach()
             try:
                 reads = settle()
             except BaseException:

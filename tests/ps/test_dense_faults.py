@@ -4,6 +4,9 @@ trainer1), since ranks die in it; the trainer is killed first, then the server."
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from tests.ps import _dense_remote as r
@@ -80,3 +83,17 @@ def server_killed(world):
 @pytest.mark.parametrize("what", ["step", "pull"])
 def test_a_killed_server_is_named_by_step_and_pull_within_the_timeout(trainer_killed, server_killed, mode, what):
     assert_failed_naming(server_killed[(mode, what)], "ps1", f"{what} in {mode} mode")
+
+
+def test_a_last_step_whose_pushes_fail_unawaited_is_reported_when_the_process_ends():
+    """trainer0's last call on two PSModels is a step() whose pushes fail (a server-side
+    optimizer refusing NaN gradients; a sync step the other trainer never pushes) and nothing
+    waits for them: local torch would have raised at that step, so the process warns of each
+    as it ends (its own process: the world ends)."""
+    proc = subprocess.run([sys.executable, "-m", "tests.ps._unlanded_script"], capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warned = [line for line in proc.stderr.splitlines() if "RuntimeWarning: the pushes of a last step() failed" in line]
+    assert len(warned) == 2, proc.stderr[-3000:]
+    assert "to get its outcome): RefusingSGD: a NaN gradient" in proc.stderr, proc.stderr[-3000:]
+    assert any("'unlanded-sync'" in line and "not applied in time" in line for line in warned), warned
