@@ -41,10 +41,39 @@ class PSCheckpoints:
         """Load the local model's ``state_dict`` and send its parameters to the servers."""
         self._wait_pushes()
         result = self.module.load_state_dict(state_dict, strict=strict)
+        self._loaded(set(state_dict))
+        return result
+
+    def _nested_load(self, module: Any, state_dict: Any, prefix: str, *args: Any) -> None:
+        """(A pre-hook of ``load_state_dict``) a model holding this PSModel loads a checkpoint:
+        this PSModel's part is the local model's keys under ``prefix``, as :meth:`state_dict`
+        wrote them, which torch then looks for under ``prefix + "module."``: they are moved
+        there, and noted for :meth:`_nested_loaded`."""
+        self._wait_pushes()
+        own = prefix + "module."
+        keys = set()
+        for key in list(state_dict):
+            if key.startswith(own):
+                keys.add(key[len(own):])
+            elif key.startswith(prefix):
+                keys.add(key[len(prefix):])
+                state_dict[own + key[len(prefix):]] = state_dict.pop(key)
+        self.__dict__["_nested_keys"] = keys
+
+    def _nested_loaded(self, module: Any, incompatible: Any) -> None:
+        """(A post-hook of ``load_state_dict``) the local model loaded its part of a holding
+        model's checkpoint: send it to the servers, as :meth:`load_state_dict` does."""
+        keys = self.__dict__.pop("_nested_keys", None)
+        if keys is not None:
+            self._loaded(keys)
+
+    def _loaded(self, keys: set) -> None:
+        """The local model loaded the checkpoint's ``keys`` (its own): send those parameters to
+        the servers; the next forward pulls them (geo: the local copy takes them)."""
         self.__dict__.pop("_ready", None)  # the next forward pulls the values loaded
         # only the parameters the checkpoint has: with strict=False, the others keep the servers'
         # values (the local copy may be stale, e.g. one step behind after step())
-        loaded = {id(p) for key, p in self.module.named_parameters(remove_duplicate=False) if key in state_dict}
+        loaded = {id(p) for key, p in self.module.named_parameters(remove_duplicate=False) if key in keys}
         params = self._params()
         calls = []
         for server, slots in self._by_server().items():
@@ -64,7 +93,6 @@ class PSCheckpoints:
                 with torch.no_grad():
                     for pname, p in self._params().items():
                         p.copy_(restored[pname])
-        return result
 
     def optimizer_state_dict(self) -> dict:
         """The optimizer state: ``{"state": {parameter: {key: value}}, "optimizer": the class

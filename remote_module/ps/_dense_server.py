@@ -181,6 +181,7 @@ def _push(name: str, trainer: str, step: int, grads: Any, answer: tuple | None =
     job = _job(name)
     grads = unpacked(grads)
     ready: list[tuple[Future, Any, bool]] = []
+    error: BaseException | None = None
     with job.lock:
         mode = job.spec.mode
         if mode == "geo":
@@ -203,11 +204,16 @@ def _push(name: str, trainer: str, step: int, grads: Any, answer: tuple | None =
             job.merges.queued()
             return None if answer is None else (job.snapshot(*answer), job.merges.left())
         else:  # sync
-            job.sync.push(trainer, step, grads, None, job.apply_step, lambda: RuntimeError(
-                f"parameter-server job {name!r}: trainer {trainer!r} pushed gradients for step {step}, but the "
-                f"servers are at step {job.sync.done}; in sync mode every trainer pushes once per step, in step"))
+            try:
+                job.sync.push(trainer, step, grads, None, job.apply_step, lambda: RuntimeError(
+                    f"parameter-server job {name!r}: trainer {trainer!r} pushed gradients for step {step}, but the "
+                    f"servers are at step {job.sync.done}; in sync mode every trainer pushes once per step, in step"))
+            except BaseException as exc:  # (reads failed by a step not applied are answered all the same)
+                error = exc
             ready = job.sync.ready()
     settle(ready)
+    if error is not None:
+        raise error
     return None
 
 

@@ -200,6 +200,9 @@ class PSModel(PSCheckpoints, nn.Module):
         self._local_opt = optimizer[0](self._params().values(), **optimizer[1]) if ps_mode == "geo" else None
         self._pulled: dict[str, torch.Tensor] = {}
         self.pull()
+        # a model holding this one: its load_state_dict() reaches the local model through these
+        self.register_load_state_dict_pre_hook(self._nested_load)
+        self.register_load_state_dict_post_hook(self._nested_loaded)
 
     # ---- layout ---------------------------------------------------------------------
 

@@ -104,6 +104,7 @@ class SyncSteps:
         self.ahead: dict[int, dict[str, Any]] = {}  # pushes for later steps, by step
         self.last_push: dict[str, tuple[int, Any]] = {}  # each trainer's last (step, token)
         self.waiters: list[_Waiting] = []  # reads for a later step
+        self.failed: list[tuple[Future, Any, bool]] = []  # reads failed by a step that could not be applied
 
     def push(self, trainer: str, step: int, payload: Any, token: Any,
              apply: Callable[[list[tuple[str, Any]]], None], refused: Callable[[], Exception]) -> None:
@@ -122,9 +123,32 @@ class SyncSteps:
             return
         self.pushed[trainer] = payload
         while len(self.pushed) == self.num_trainers:
-            apply([(t, self.pushed[t]) for t in sorted(self.pushed)])
+            try:
+                apply([(t, self.pushed[t]) for t in sorted(self.pushed)])
+            except BaseException as exc:
+                raise self._not_applied(exc) from exc
             self.done += 1
             self.pushed = self.ahead.pop(self.done, {})
+
+    def _not_applied(self, exc: BaseException) -> RuntimeError:
+        """Step ``done`` could not be applied (``apply`` raised: the optimizer refused it): its
+        pushes are dropped, so every trainer may push it again (a retry is not taken for a
+        repeat), and the reads waiting for it fail with the error, as the pusher that completed
+        it does, instead of waiting for a step that would never come (lock held; :meth:`ready`
+        hands those failures out)."""
+        step = self.done
+        error = RuntimeError(
+            f"{self.owner.label}: applying step {step} failed ({type(exc).__name__}: {exc}); its pushes are "
+            f"dropped (the optimizer may have applied part of it, as a local optimizer.step() that raises may): "
+            f"every trainer's step() pushes it again")
+        for trainer in self.pushed:
+            if self.last_push.get(trainer, (None,))[0] == step:
+                del self.last_push[trainer]
+        self.pushed = {}
+        waiting = [w for w in self.waiters if w.step == step + 1]
+        self.waiters = [w for w in self.waiters if w.step != step + 1]
+        self.failed += [(w.future, error, True) for w in waiting]
+        return error
 
     def wait(self, step: int, future: Future, read: Callable[[], Any], seconds: float) -> bool:
         """Whether a read for ``step`` must wait (lock held); if so it is queued and answered
@@ -143,11 +167,12 @@ class SyncSteps:
         error it raised (that read's own: a read of blocks or rows not held here fails alone,
         never the push that completed the step nor the other reads) (lock held); :func:`settle`
         them outside the lock."""
+        failed, self.failed = self.failed, []
         ready = [w for w in self.waiters if self.done >= w.step]
         if not ready:
-            return []
+            return failed
         self.waiters = [w for w in self.waiters if self.done < w.step]
-        answers = []
+        answers = failed
         for w in ready:
             try:
                 answers.append((w.future, w.read(), False))

@@ -170,6 +170,7 @@ class Table:
         pushed last again (the retry of a ``step()`` that failed on another server after this
         push arrived) is a no-op."""
         answers: list = []
+        error: BaseException | None = None
         with self.lock:
             if ids is None and self.spec.mode != "sync":
                 return
@@ -191,10 +192,16 @@ class Table:
                 )
             if ids is not None:
                 self._check_push(trainer, ids, grad)  # before it counts: it would fail its step forever
-            self.sync.push(trainer, step, (ids, grad), token, self._apply_step, lambda: RuntimeError(
-                f"table {self.name!r}: trainer {trainer!r} pushed step {step}, the table is at step {self.sync.done}"))
+            try:
+                self.sync.push(trainer, step, (ids, grad), token, self._apply_step, lambda: RuntimeError(
+                    f"table {self.name!r}: trainer {trainer!r} pushed step {step}, the table is at step "
+                    f"{self.sync.done}"))
+            except BaseException as exc:  # (reads failed by a step not applied are answered all the same)
+                error = exc
             answers = self.sync.ready()
         settle(answers)
+        if error is not None:
+            raise error
 
     def _check_push(self, trainer: str, ids: torch.Tensor, grad: torch.Tensor) -> None:
         """``ValueError`` unless ``grad`` has one row of ``dim`` values per id and every id

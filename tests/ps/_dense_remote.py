@@ -141,6 +141,57 @@ def train_clamped(job: str, trainer: int, steps: int, bound: float) -> dict:
     return state(job)
 
 
+def wrapped_checkpoint(job: str) -> dict:
+    """A PSModel inside a user's module (beside a local head), trained a step, saved with the
+    holder's ``state_dict()`` and loaded strictly into a holder of another job: the keys, the
+    second job's servers' state and head, and the first's."""
+    from remote_module.ps import PSModel
+
+    def holder(name: str, seed: int) -> nn.Module:
+        model = nn.Module()
+        model.ps = PSModel(build("net", seed), ["ps0", "ps1"], name=name, num_trainers=1, ps_mode="async",
+                           min_block_size=1)
+        torch.manual_seed(seed)
+        model.head = nn.Linear(OUT, 1)
+        return model
+
+    first = holder(job + "-a", 1)
+    x, y = batch(0, 0)
+    nn.functional.mse_loss(first.ps(x), y).backward()
+    first.ps.step()
+    saved = first.state_dict()
+    second = holder(job + "-b", 2)
+    result = second.load_state_dict(saved)
+    return {"keys": sorted(saved), "missing": list(result.missing_keys), "unexpected": list(result.unexpected_keys),
+            "loaded": second.ps.state_dict(), "saved": first.ps.state_dict(),
+            "head": torch.equal(second.head.weight, first.head.weight)}
+
+
+class RefusingSGD(torch.optim.SGD):
+    """SGD that refuses (raises at) a step with a NaN gradient, on the server."""
+
+    def step(self, closure=None):  # noqa: ANN001, ANN201
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and bool(torch.isnan(p.grad).any()):
+                    raise ValueError("RefusingSGD: a NaN gradient")
+        return super().step(closure)
+
+
+def refused_then_retried(job: str, trainer: int, nan: bool) -> dict:
+    """sync: step 0 with this trainer's batch (NaN inputs with ``nan``), which the servers'
+    optimizer refuses; the outcome of landing it; then ``zero_grad()`` and step 0 again with
+    the true batch (the retry the error asks for). The servers' state after."""
+    ps = _models[job]
+    x, y = batch(trainer, 0)
+    nn.functional.mse_loss(ps(x * float("nan") if nan else x), y).backward()
+    ps.step()
+    first = _attempt(ps.flush)
+    ps.zero_grad()
+    train(job, trainer, 1)
+    return {"first": first, "state": state(job)}
+
+
 def push_linear(job: str, steps: int, c: list[float] | None = None) -> int:
     """``steps`` steps of a ``linear`` job: each pushes the gradient ``c`` (ones without it)."""
     ps = _models[job]

@@ -110,6 +110,36 @@ def test_a_sync_step_is_one_round_trip_answered_once_the_step_is_applied(world):
         assert_close(got, expected.state_dict(), 1e-6, f"{t}'s state_dict after {STEPS} one-trip sync steps")
 
 
+def test_a_sync_step_the_servers_optimizer_refuses_fails_every_trainer_and_can_be_pushed_again(world):
+    """sync: trainer0 pushes NaN gradients, which the servers' optimizer refuses when the step
+    is complete: both trainers get that error at once (not a timeout, not a stalled job), the
+    step's pushes are dropped, and pushing step 0 again with true gradients trains on as one
+    process on the global batch."""
+    name = job("sync-refused")
+    world.call(_create_on, trainers(2), name, ("net", 1, SERVERS),
+               dict(num_trainers=2, optimizer=(r.RefusingSGD, {"lr": 0.1}), min_block_size=MIN_BLOCK, timeout=20.0))
+    got = world.run({"trainer0": (r.refused_then_retried, name, 0, True),
+                     "trainer1": (r.refused_then_retried, name, 1, False)})
+    for t, out in got.items():
+        first = out["first"]
+        assert not first["ok"] and first["seconds"] < 15, (t, first)
+        assert "applying step 0 failed" in first["message"] and "RefusingSGD" in first["message"], (t, first)
+    expected, _ = reference(2, (torch.optim.SGD, {"lr": 0.1}), 1, seed=1)
+    for t, out in got.items():
+        assert_close(out["state"], expected.state_dict(), 1e-6, f"{t}: step 0 pushed again after the refusal")
+
+
+def test_a_psmodel_inside_a_users_module_round_trips_the_holders_checkpoint(world):
+    """The holder's state_dict() has the PSModel's part under its own keys (the local model's,
+    no ``module.``); the holder's load_state_dict(strict=True) takes them and sends them to the
+    servers of the PSModel it holds, as PSModel.load_state_dict() does."""
+    got = world.run({"trainer0": (r.wrapped_checkpoint, job("wrapped"))})["trainer0"]
+    assert not any(".module." in k for k in got["keys"]) and "ps.fc1.weight" in got["keys"], got["keys"]
+    assert got["missing"] == [] and got["unexpected"] == [], got
+    assert_close(got["loaded"], got["saved"], 0.0, "the second job's servers after the holder's load")
+    assert got["head"]
+
+
 def test_a_sync_checkpoint_right_after_a_step_waits_for_that_step(world):
     """trainer0 pushes step 0 and asks for the state at once; trainer1 pushes 0.5 s later: the
     state has step 0 applied on every server (not the values before it, nor a mix)."""
