@@ -203,9 +203,16 @@ def fly(owner: Any, tables: Iterable, settle: Callable[[], list], done: set,
 def land(owner: Any, tables: Iterable) -> None:
     """Wait for the pushes in flight of ``owner``'s last step (a collection's, a PSModel's)
     and of its ``tables``' own, raising a failure once."""
-    flight = owner.__dict__.pop("_flight", None)
+    # taken off only once landed: a second thread's call meanwhile waits for the landing (on
+    # the flight's lock) instead of going on as if nothing were in flight (a sync forward would
+    # pull at the step before this one and run on the values before it)
+    flight = owner.__dict__.get("_flight")
     if flight is not None:
-        flight.land()
+        try:
+            flight.land()
+        finally:
+            if owner.__dict__.get("_flight") is flight:
+                owner.__dict__.pop("_flight", None)
     for table in tables:
         table._wait_pushes()
 
