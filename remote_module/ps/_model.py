@@ -493,7 +493,23 @@ class PSModel(PSCheckpoints, nn.Module):
         land(self, self._tables.values())
         stalled = self.__dict__.pop("_stalled", None)
         if stalled is not None:
+            # every part of that step counted on the servers: a step() now (the retry a failed
+            # push asks for) pushes none of them again, as after a step that raised part-way; a
+            # forward or zero_grad() makes the next step() a whole one. (Without this, step()
+            # pushed the next step, without gradients: refused while the stalled step was not
+            # applied, else taken as this trainer's next step, one step ahead of the others.)
+            self.__dict__["_step_done"] = {None, *self._tables}
             raise stalled
+
+    def __getstate__(self) -> dict:
+        """As nn.Module's, once the pushes in flight landed (a failure raises here, as at any
+        call), less the step in flight and its bookkeeping (a copy, e.g. ``copy.deepcopy``,
+        shares the servers' values, not this trainer's step under way)."""
+        self._wait_pushes()
+        state = dict(super().__getstate__())
+        for key in ("_flight", "_stalled"):
+            state.pop(key, None)
+        return state
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the local gradients, and the tables' gradients since their last step (once the
