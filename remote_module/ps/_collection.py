@@ -305,8 +305,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             if plan is None:  # geo: the table stepped (and pushed its deltas) itself
                 done.add(name)
             else:
-                calls, table_done, failed = plan
-                plans.append((calls, partial(finished, done, name, table_done), failed))
+                plans.append((plan[0], partial(finished, done, name, plan[1]), *plan[2:]))
                 pushing.add(self._modules[name].name)
         by_name, sync = self._by_name(), self.ps_mode == "sync"
         settle, joined = self._lookahead().send(  # sync: a prefetch reads the step these pushes complete

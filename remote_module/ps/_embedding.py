@@ -94,8 +94,10 @@ def lookup_calls(calls: list, timeout: float | None) -> list:
     return call_all(calls, timeout=timeout)
 
 
-# (host calls, done: () -> None, failed: () -> None[, answered: (answers) -> None]), as _push_plan()
-# gives it; ``answered`` (optional) gets the calls' answers before ``done()``
+# (host calls, done: () -> None, failed: () -> None[, answered: (answers) -> None[, partly: (oks) ->
+# None]]), as _push_plan() gives it; ``answered`` (optional, may be None) gets the calls' answers
+# before ``done()``; ``partly`` (optional) gets, before ``failed()``, which of the calls succeeded
+# (a geo push: the rows a server took are pushed, whatever the others did)
 PushPlan = tuple
 
 
@@ -133,10 +135,12 @@ def send_push_plans(plans: Sequence[PushPlan], timeout: float | None, reads: Seq
             failure = next((value for ok, value in mine if not ok), None)
             at += len(calls)
             if failure is None:
-                if len(plan) > 3:  # a plan that wants its calls' answers
+                if len(plan) > 3 and plan[3] is not None:  # a plan that wants its calls' answers
                     plan[3]([value for _, value in mine])
                 done()
             else:
+                if len(plan) > 4 and plan[4] is not None:  # a plan that settles call by call
+                    plan[4]([ok for ok, _ in mine])
                 failed()
                 first = first if first is not None else failure
         if first is not None:
@@ -1013,18 +1017,26 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
     def _geo_push_plan(self) -> PushPlan | None:
         """geo: the push of every cached row's delta (None with none cached), which drops those
         rows once the servers took it; a failed push keeps them (the next push carries their
-        deltas again)."""
+        deltas again), server by server: the rows of a server that took its push are dropped
+        (their deltas were added there: pushing them again would add them twice)."""
         geo = self._geo
         ids, deltas = geo.deltas()
         if not ids.numel():
             return None
-        calls = []
+        calls, sent = [], []
         for _, server, mine in self._by_owner(ids):
             if ids[mine].numel():
                 calls.append((server, _table_server._push_row_deltas, (self.name, ids[mine], deltas[mine])))
+                sent.append(ids[mine])
         self._pushed_bytes += sum(i.numel() * i.element_size() + d.numel() * d.element_size()
                                  for _, _, (_, i, d) in calls)
-        return calls, lambda: geo.drop(ids), lambda: None
+
+        def partly(oks: list[bool]) -> None:
+            taken = [i for i, ok in zip(sent, oks) if ok]
+            if taken:
+                geo.drop(torch.cat(taken))
+
+        return calls, lambda: geo.drop(ids), lambda: None, None, partly
 
     def step(self) -> None:
         """Push the touched rows' gradients (only those rows) and forget them (geo: step the

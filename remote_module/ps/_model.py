@@ -460,8 +460,7 @@ class PSModel(PSCheckpoints, nn.Module):
                 if plan is None:  # geo: the table stepped (and pushed its deltas) itself
                     done.add(qual)
                 else:
-                    calls, table_done, failed = plan
-                    plans.append((calls, partial(finished, done, qual, table_done), failed))
+                    plans.append((plan[0], partial(finished, done, qual, plan[1]), *plan[2:]))
         settle = send_push_plans(plans, self.timeout)  # one message per server; each part settles alone
         # returns with the pushes in flight; the next call on the model (or on one of its tables)
         # waits for them (sync: for the step to be applied on every server), and a failure raises
