@@ -273,7 +273,7 @@ class Flight:
 
     def __init__(self, settle: Callable[[], list], prefetches: Sequence["Prefetch"] = ()) -> None:
         self._settle, self.prefetches = settle, list(prefetches)  # (their calls, in order, are the reads)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # (a landing that lands again, in its callbacks, returns at once)
         failure = getattr(settle, "failure", None)
         # never landed (the process ends, or the table is dropped, right after a step): a failed
         # push is still reported, as a warning
