@@ -71,6 +71,18 @@ _forward_locks: "weakref.WeakKeyDictionary[nn.Module, threading.RLock]" = weakre
 _forward_locks_guard = threading.Lock()
 
 
+def _call_names(module: nn.Module) -> dict[str, nn.Parameter]:
+    """Every parameter of ``module`` by each name it has, but a module registered under several
+    names counted once (under its first name)."""
+    seen, out = set(), {}
+    for mname, m in module.named_modules(remove_duplicate=False):
+        for pname, p in m._parameters.items():
+            if p is not None and (id(m), pname) not in seen:
+                seen.add((id(m), pname))
+                out[f"{mname}.{pname}" if mname else pname] = p
+    return out
+
+
 def _nothing() -> None:
     pass
 
@@ -405,9 +417,13 @@ class PSModel(PSCheckpoints, nn.Module):
             if not torch.is_grad_enabled():
                 return self.module(*args, **kwargs)
             params = self._params()
-            own = {pname: _Pulled.apply(params[pname], value) if params[pname].requires_grad else value
+            own = {id(params[pname]): _Pulled.apply(params[pname], value) if params[pname].requires_grad else value
                    for pname, value in pulled.items()}
-            return functional_call(self.module, own, args, kwargs)
+            # each (module, attribute) once: torch's tie_weights leaves the copies installed on a
+            # module registered under two names; a parameter two modules share (tied weights)
+            # is given under both names, the same copy
+            return functional_call(self.module, {name: own[id(p)] for name, p in _call_names(self.module).items()
+                                                 if id(p) in own}, args, kwargs, tie_weights=False)
 
     def step(self) -> None:
         """Push this step's gradients (geo: step the local copy; every ``geo_push_every``

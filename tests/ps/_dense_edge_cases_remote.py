@@ -15,9 +15,11 @@ from tests.ps import _dense_remote as base
 
 class Mixed(nn.Module):
     """``p`` (8), scalar ``s``, ``q`` used only when asked (float64 with ``double_q``), frozen
-    ``f``; optionally an integer parameter ``i`` and ``head`` tied to ``tail``."""
+    ``f``; optionally an integer parameter ``i``, ``head`` tied to ``tail``, and a module
+    registered under two names (``twice`` and ``again``, a weight-shared layer)."""
 
-    def __init__(self, int_param: bool = False, tied: bool = False, double_q: bool = False) -> None:
+    def __init__(self, int_param: bool = False, tied: bool = False, double_q: bool = False,
+                 shared: bool = False) -> None:
         super().__init__()
         self.p = nn.Parameter(torch.randn(8))
         self.s = nn.Parameter(torch.tensor(1.5))
@@ -29,6 +31,9 @@ class Mixed(nn.Module):
             self.head = nn.Linear(4, 4, bias=False)
             self.tail = nn.Linear(4, 4, bias=False)
             self.tail.weight = self.head.weight
+        if shared:
+            self.twice = nn.Linear(4, 4)
+            self.again = self.twice
 
     def forward(self, x: torch.Tensor, use_q: bool) -> torch.Tensor:
         out = (self.p * x).sum() * self.s + self.f.sum()
@@ -36,6 +41,8 @@ class Mixed(nn.Module):
             out = out + (self.q ** 2).sum()
         if hasattr(self, "head"):
             out = out + self.tail(self.head(x[:4])).sum()
+        if hasattr(self, "twice"):
+            out = out + self.again(torch.tanh(self.twice(x[:4]))).sum()
         return out
 
 

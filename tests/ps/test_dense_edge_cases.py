@@ -126,6 +126,19 @@ def test_tied_parameters_train_as_one(world):
     assert_close(got, reference(ADAM, 3, tied=True), "tied head/tail, Adam, 3 steps")
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_module_registered_under_two_names_trains_as_one(world, mode):
+    """A layer used twice (the same module under two names) beside tied weights: each forward
+    runs on its own copy of the values, installed once per module, so both uses give their
+    gradient and training equals torch's (torch's tie_weights left the copies installed)."""
+    name = job(f"shared-module-{mode}")
+    world.run({"trainer0": (_create_kw, name, dict(optimizer=ADAM, ps_mode=mode,
+                                                    model_kwargs={"tied": True, "shared": True}))})
+    world.run({"trainer0": (h.train, name, 3)})
+    got = world.run({"trainer0": (r.state, name)})["trainer0"]
+    assert_close(got, reference(ADAM, 3, tied=True, shared=True), f"{mode}: a layer used twice, Adam, 3 steps")
+
+
 # ---- checkpoints -------------------------------------------------------------------------------------
 
 
