@@ -228,6 +228,8 @@ class PSCheckpoints:
         """``state`` (by parameter name, checked) into this trainer's optimizer, through torch's
         own ``load_state_dict`` (which casts to each parameter's dtype and device)."""
         opt = self._local_opt
+        if opt is None:  # (no dense parameter)
+            return
         index = {id(p): i for i, p in enumerate(p for group in opt.param_groups for p in group["params"])}
         loaded = {}
         for pname, p in self._params().items():

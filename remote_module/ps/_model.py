@@ -209,7 +209,9 @@ class PSModel(PSCheckpoints, nn.Module):
         self._spec = _dense_server.JobSpec(ps_mode, num_trainers, (optimizer[0], dict(optimizer[1])),
                                      half_async_merge_every, merge_s, layout)
         self._attach()
-        self._local_opt = optimizer[0](self._params().values(), **optimizer[1]) if ps_mode == "geo" else None
+        # geo: the trainer's own optimizer (none for a model whose parameters are all tables')
+        self._local_opt = (optimizer[0](self._params().values(), **optimizer[1])
+                           if ps_mode == "geo" and self._params() else None)
         self._pulled: dict[str, torch.Tensor] = {}
         self.pull()
         # a model holding this one: its load_state_dict() reaches the local model through these

@@ -433,3 +433,35 @@ def grads_not_accumulated_local() -> dict:
 
     grads_not_accumulated(model, model.bag, table_step)
     return {"rows": model.bag.weight.detach(), "dense": model.dense.state_dict()}
+
+
+class OnlyTables(nn.Module):
+    """A model whose only parameters are a sharded table's (its grad marker)."""
+
+    def __init__(self, bag: nn.Module) -> None:
+        super().__init__()
+        self.bag = bag
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.bag(ids)
+
+
+def geo_only_tables(name: str) -> dict:
+    """A geo PSModel over a model that holds a geo bag and nothing else (no dense parameter):
+    BAGS trained (one trainer: geo is local training), its optimizer state saved and loaded;
+    the rows, and the same as a local sparse bag with SGD."""
+    from remote_module.ps import PSModel
+
+    bag = table(name + "-bag", bag="sum", ps_mode="geo", geo_push_every=1, optimizer=(torch.optim.SGD, {"lr": 0.5}))
+    model = PSModel(OnlyTables(bag), ["ps0", "ps1"], name=name, num_trainers=1, ps_mode="geo")
+    for ids in BAGS:
+        model(ids).pow(2).sum().backward()
+        model.step()
+    model.load_optimizer_state_dict(model.optimizer_state_dict())
+    local = nn.EmbeddingBag(20, 3, mode="sum", sparse=True, _weight=weights(0))
+    opt = torch.optim.SGD(local.parameters(), lr=0.5)
+    for ids in BAGS:
+        opt.zero_grad()
+        local(ids).pow(2).sum().backward()
+        opt.step()
+    return {"rows": bag.state_dict()["weight"], "local": local.weight.detach()}

@@ -252,6 +252,13 @@ def test_a_psmodel_step_that_failed_in_a_table_is_completed_by_calling_it_again(
         close(got["dense"][key], value, key)
 
 
+def test_a_geo_psmodel_of_tables_alone_trains_and_checkpoints(world):
+    """A geo PSModel whose model has no dense parameter (only a table's) is built (no local
+    optimizer of nothing), trains as local torch and round-trips its optimizer state."""
+    got = on_trainer0(world, r.geo_only_tables, job("geo-only-tables"))
+    close(got["rows"], got["local"])
+
+
 def test_autograd_grad_and_backward_inputs_without_the_table_record_nothing(world):
     """As a parameter's ``.grad``: ``torch.autograd.grad(loss, model.parameters())`` returns
     the gradients and sets no ``.grad`` (the table must not push them at its next step), and
