@@ -197,6 +197,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 traffic[server]["ids_looked_up"] += args[2].numel()
             elif handler is _table_server._push_rows and len(args) > 3:
                 traffic[server]["rows_pushed"] += 0 if args[3] is None else args[3].numel()
+            elif handler is _table_server._push_tables:
+                traffic[server]["rows_pushed"] += args[1].numel()
             elif len(args) > 1 and isinstance(args[1], torch.Tensor):  # a table's lookup: its ids (or input) second
                 traffic[server]["ids_looked_up"] += args[1].numel()
         return calls
@@ -298,15 +300,29 @@ class ShardedEmbeddingBagCollection(nn.Module):
         # put this trainer a step ahead of the others for good), as PSModel.step() does
         done = self.__dict__.setdefault("_step_done", set())
         plans, pushing = [], set()
+        together: dict[int, tuple] = {}  # tables whose gradients were recorded together, by that record
         for name in self._names:
             if name in done:
                 continue
-            plan = self._modules[name]._push_plan()
+            table = self._modules[name]
+            hint = table.__dict__.pop("_together", None)
+            if hint is None:
+                plan = table._push_plan()
+            else:
+                table._wait_pushes()
+                taken = table._take_for_step()
+                if len(taken) == 1 and taken[0][1] is hint[0]:  # exactly that record since its last step
+                    together.setdefault(id(hint[1]), (hint[1], []))[1].append((name, table, taken))
+                    pushing.add(table.name)
+                    continue
+                plan = table._push_plan(taken)
             if plan is None:  # geo: the table stepped (and pushed its deltas) itself
                 done.add(name)
             else:
                 plans.append((plan[0], partial(finished, done, name, plan[1]), *plan[2:]))
                 pushing.add(self._modules[name].name)
+        for record, members in together.values():  # their pushes to a server in one call, at once
+            plans.append(_packed.push_together(record, members, done))
         by_name, sync = self._by_name(), self.ps_mode == "sync"
         settle, joined = self._lookahead().send(  # sync: a prefetch reads the step these pushes complete
             plans, self.timeout, sync, lambda n: by_name[n]._step + (n in pushing))

@@ -96,8 +96,10 @@ def lookup_calls(calls: list, timeout: float | None) -> list:
 
 # (host calls, done: () -> None, failed: () -> None[, answered: (answers) -> None[, partly: (oks) ->
 # None]]), as _push_plan() gives it; ``answered`` (optional, may be None) gets the calls' answers
-# before ``done()``; ``partly`` (optional) gets, before ``failed()``, which of the calls succeeded
-# (a geo push: the rows a server took are pushed, whatever the others did)
+# before ``done()`` (an ``answered`` marked ``settles_parts`` gets every call's outcome instead,
+# settles the plan's parts itself and returns the first failure: _packed.push_together);
+# ``partly`` (optional) gets, before ``failed()``, which of the calls succeeded (a geo push: the
+# rows a server took are pushed, whatever the others did)
 PushPlan = tuple
 
 
@@ -132,8 +134,15 @@ def send_push_plans(plans: Sequence[PushPlan], timeout: float | None, reads: Seq
         for plan in plans:
             calls, done, failed = plan[:3]
             mine = outcomes[at:at + len(calls)]
-            failure = next((value for ok, value in mine if not ok), None)
             at += len(calls)
+            if len(plan) > 3 and getattr(plan[3], "settles_parts", False):
+                # a plan of several parts (a collection's tables pushed together): it settles each
+                # part by the outcomes of its calls, and returns the first part's failure
+                failure = plan[3](mine)
+                if failure is not None:
+                    first = first if first is not None else failure
+                continue
+            failure = next((value for ok, value in mine if not ok), None)
             if failure is None:
                 if len(plan) > 3 and plan[3] is not None:  # a plan that wants its calls' answers
                     plan[3]([value for _, value in mine])
@@ -166,6 +175,11 @@ def _failure_of(future: Any, unpack: Callable[[list], tuple]) -> Any:
             return value
         if isinstance(value, tuple) and len(value) == 2 and value[0] is None and isinstance(value[1], str):
             return value[1]
+        if isinstance(value, list):  # several tables' pushes in one call: each one's outcome
+            failed = next((v for o, v in value if isinstance(o, bool) and not o), None) if all(
+                isinstance(e, tuple) and len(e) == 2 for e in value) else None
+            if failed is not None:
+                return to_exception(failed, "in the push of a table")
     return None
 
 
@@ -844,7 +858,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         self._wait_pushes()
         state = self.__dict__.copy()
         for key in ("_pending_lock", "_marker_lock", "_fresh", "_held", "_hooked", "_group_lrs", "_flight_lock",
-                    "_flight", "_ahead", "_after_step"):
+                    "_flight", "_ahead", "_after_step", "_together"):
             state.pop(key, None)
         return state
 
@@ -983,6 +997,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         the pushes in flight first (a failed one raises here, as at any call on the table)."""
         self._wait_pushes()
         super().zero_grad(set_to_none)
+        self.__dict__.pop("_together", None)
         with self._pending_lock:
             self._held, self._fresh = [], []
             self._backwards, self._stepped_past = 0, False
@@ -1071,15 +1086,15 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         if not joined and sync:
             settle()  # (sync waits for its push to be taken; a prefetch's lookup waits for the step)
 
-    def _push_plan(self) -> tuple[list, Callable[[], None], Callable[[], None]] | None:
+    def _push_plan(self, taken: list | None = None) -> tuple[list, Callable[[], None], Callable[[], None]] | None:
         """:meth:`step` in parts: the host calls that push this step's gradients, what to do
         once they all succeeded, and what to do when they failed (keep the gradients for a
         retry); None in geo mode, where it steps the cached rows here (and pushes their deltas
-        every ``geo_push_every`` calls) itself."""
+        every ``geo_push_every`` calls) itself. ``taken``: the gradients, taken already
+        (:meth:`_take_for_step`)."""
         self._wait_pushes()
-        with self._pending_lock:
-            taken = self._take_gradients()
-            self._backwards, self._stepped_past = 0, False
+        if taken is None:
+            taken = self._take_for_step()
         ids_parts, grad_parts = [], []
         for uniq, g in taken:
             if self.padding_idx is None:
@@ -1106,18 +1121,33 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
             elif self.ps_mode == "sync":
                 calls.append((server, _table_server._push_rows, (self.name, self._trainer, self._step, None, None,
                                                            self._token)))
+        pushing = bool(calls) and (self.ps_mode == "sync" or any(i is not None for _, _, (_, _, _, i, _, _) in calls))
+        # counted as sent (a push retried after a failure is counted again)
+        sent = sum(i.numel() * i.element_size() + g.numel() * g.element_size()
+                   for _, _, (_, _, _, i, g, _) in calls if i is not None)
+        return (calls, *self._pushed(taken, pushing, sent))
 
+    def _take_for_step(self) -> list:
+        """The gradients recorded since the last step, taken for a push (the warnings' counts
+        restart)."""
+        with self._pending_lock:
+            taken = self._take_gradients()
+            self._backwards, self._stepped_past = 0, False
+        return taken
+
+    def _pushed(self, taken: list, pushing: bool, sent: int) -> tuple[Callable[[], None], Callable[[], None]]:
+        """A push of ``taken`` planned (``pushing``: it is a step of the table; ``sent``: its
+        bytes): what to do once it succeeded (count the step) and when it failed (keep the
+        gradients for a retry)."""
         def failed() -> None:
             with self._pending_lock:  # kept for a retry (or zero_grad), with any recorded meanwhile
                 self._held = taken + self._held
 
-        if calls and (self.ps_mode == "sync" or any(i is not None for _, _, (_, _, _, i, _, _) in calls)):
+        if pushing:
             self._pushes = self.__dict__.get("_pushes", 0) + 1  # (a prefetch sent before misses it: Ahead.fresh)
-        # counted as sent (a push retried after a failure is counted again)
-        self._pushed_bytes += sum(i.numel() * i.element_size() + g.numel() * g.element_size()
-                                  for _, _, (_, _, _, i, g, _) in calls if i is not None)
+        self._pushed_bytes += sent
 
         def done() -> None:
             self._step += 1
 
-        return calls, done, failed
+        return done, failed

@@ -8,7 +8,9 @@ The outputs, gradients and pushes are those of each table's own lookup, bit for 
 server pools its rows of a bag in position order, as alone, and the trainer adds the servers'
 partial sums in each table's own server order. The float32 tables that record gradients are
 recorded by one autograd node (:class:`_TogetherRecorded`), whose backward computes all
-their rows' gradients in one pass and hands each table its part. Inputs outside the plain forms (int32 ids,
+their rows' gradients in one pass and hands each table its part; the collection's next step
+pushes those gradients in one call per server, selected from the whole batch's arrays at once
+(:func:`push_together`), each table's push and outcome its own. Inputs outside the plain forms (int32 ids,
 ``per_sample_weights``, ``padding_idx``, max pooling, geo mode, bags given wrongly) take each
 table's own path, which checks and refuses them as the table does.
 """
@@ -19,8 +21,9 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from remote_module._core import backward_accumulates
+from remote_module._core import backward_accumulates, to_exception
 from remote_module.ps import _table_server
+from remote_module.ps._embedding import finished
 from remote_module.ps._embedding_bag import ShardedEmbeddingBag, _BagRows
 
 
@@ -34,9 +37,10 @@ class _TogetherRecorded(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, pooled: torch.Tensor, inverse: torch.Tensor, bag_of: torch.Tensor,
-                divisor: torch.Tensor | None, rows: int, parts: list, *markers: torch.Tensor) -> torch.Tensor:
+                divisor: torch.Tensor | None, together: "Together", parts: list, *markers: torch.Tensor
+                ) -> torch.Tensor:
         ctx.save_for_backward(inverse, bag_of, divisor)
-        ctx.rows, ctx.parts = rows, parts  # per table: (record, its unique ids, its AccumulateGrad, lo, hi)
+        ctx.together, ctx.parts = together, parts  # per table: (table, its unique ids, its AccumulateGrad, lo, hi)
         ctx.markers = [(m.dtype, m.device) for m in markers]
         return pooled.clone()
 
@@ -46,15 +50,90 @@ class _TogetherRecorded(torch.autograd.Function):
         if divisor is not None:
             grad = grad / divisor
         per_position = grad.index_select(0, bag_of)
-        rows = torch.zeros(ctx.rows, grad.shape[1], dtype=grad.dtype).index_add_(0, inverse, per_position)
-        for record, uniq, accumulator, lo, hi in ctx.parts:
+        together = ctx.together
+        rows = torch.zeros(together.uniq.numel(), grad.shape[1], dtype=grad.dtype).index_add_(0, inverse, per_position)
+        together = Together(together.layout, together.uniq, rows)
+        for table, uniq, accumulator, lo, hi in ctx.parts:
             # as a parameter's .grad: only a backward that accumulates into the marker records
             if backward_accumulates(accumulator):
-                record(uniq, rows[lo:hi])
+                part = rows[lo:hi]
+                table._record(uniq, part)
+                # (a collection's step pushes it with the others recorded here: push_together)
+                table.__dict__["_together"] = (part, together)
         return (None,) * 6 + tuple(torch.zeros(0, dtype=d, device=v) for d, v in ctx.markers)
 
 
-def _record_together(tables: list, pooled: torch.Tensor, uniq: torch.Tensor, inverse: torch.Tensor,
+class Together(NamedTuple):
+    """Gradients that tables planned together recorded in one backward: the plan's
+    :class:`Layout`, the batch's unique ids in its global id space, and their gradient rows."""
+
+    layout: "Layout"
+    uniq: torch.Tensor
+    rows: torch.Tensor | None
+
+
+def push_together(together: Together, members: list, done: set) -> tuple:
+    """One push plan for tables whose gradients since their last step are exactly what they
+    recorded in ``together`` (``members``: ``(name, table, taken)``, taken by
+    ``_take_for_step``): one ``_push_tables`` call per server, its ids and rows selected from
+    the global arrays at once, each table's entry as its own push would be (every server of
+    the table hears of the step, an empty push where it holds none of its rows; ids ascending;
+    the same rows). The plan settles each table by its entries' outcomes, as alone: done (in
+    ``done``) or its gradients kept for a retry; the first failure is raised."""
+    layout, uniq, rows = together
+    index = {id(t): i for i, t in enumerate(layout.tables)}
+    mine = sorted(((index[id(table)], name, table, taken) for name, table, taken in members), key=lambda m: m[0])
+    member = torch.zeros(len(layout.tables), dtype=torch.bool)
+    member[[i for i, _, _, _ in mine]] = True
+    table_of = torch.searchsorted(layout.id_bases, uniq, right=True) - 1
+    keep = member[table_of]
+    owner = layout.block_server[torch.searchsorted(layout.block_starts, uniq, right=True) - 1]
+    local = uniq - layout.id_bases[table_of]
+    parts = []
+    for _, name, table, taken in mine:
+        n = taken[0][0].numel()
+        parts.append((name, table, *table._pushed(taken, True, n * (8 + rows.shape[1] * rows.element_size()))))
+    calls, at = [], []
+    for k, server in enumerate(layout.servers):
+        served = [j for j, (i, _, table, _) in enumerate(mine) if server in table._server_names]
+        if not served:
+            continue
+        sel = ((owner == k) & keep).nonzero().reshape(-1)
+        counts = torch.bincount(table_of[sel], minlength=len(layout.tables)).tolist()
+        entries = [(t.name, t._trainer, t._step, counts[i], t._token) for i, _, t, _ in (mine[j] for j in served)]
+        calls.append((server, _table_server._push_tables, (entries, local[sel], rows[sel])))
+        at.append(served)
+
+    def failed() -> None:  # the message failed (a server down or late): every table keeps its gradients
+        for _, _, _, table_failed in parts:
+            table_failed()
+
+    def answered(got: list) -> BaseException | None:
+        """Each call's outcome: a call that failed (its server down or late) fails the tables it
+        carried, as their own pushes to that server would have; else each entry's own."""
+        failures: dict[int, BaseException] = {}
+        for (server, _, _), served, (sent, value) in zip(calls, at, got):
+            outcomes = value if sent else [(False, value)] * len(served)
+            for j, (ok, outcome) in zip(served, outcomes):
+                if not ok and j not in failures:
+                    failures[j] = outcome if not sent else to_exception(
+                        outcome, f"on worker {server!r} in the push of table {parts[j][1].name!r}")
+        for j, (name, _, table_done, table_failed) in enumerate(parts):
+            if j in failures:
+                table_failed()
+            else:
+                finished(done, name, table_done)
+        return next(iter(failures.values()), None)
+
+    answered.settles_parts = True  # type: ignore[attr-defined]
+    return calls, _nothing, failed, answered
+
+
+def _nothing() -> None:
+    pass
+
+
+def _record_together(layout: "Layout", tables: list, pooled: torch.Tensor, uniq: torch.Tensor, inverse: torch.Tensor,
                      bag_of: torch.Tensor, divisor: torch.Tensor | None, ranges: list) -> torch.Tensor:
     """``pooled`` recorded for ``tables`` (``ranges``: each one's unique ids and where they sit
     in ``uniq``) by one :class:`_TogetherRecorded` node, under every table's marker lock (see
@@ -66,9 +145,9 @@ def _record_together(tables: list, pooled: torch.Tensor, uniq: torch.Tensor, inv
         parts, markers = [], []
         for t, (t_uniq, lo, hi) in zip(tables, ranges):
             marker, accumulator = t._recorder()
-            parts.append((t._record, t_uniq, accumulator, lo, hi))
+            parts.append((t, t_uniq, accumulator, lo, hi))
             markers.append(marker)
-        return _TogetherRecorded.apply(pooled, inverse, bag_of, divisor, uniq.numel(), parts, *markers)
+        return _TogetherRecorded.apply(pooled, inverse, bag_of, divisor, Together(layout, uniq, None), parts, *markers)
     finally:
         for t in locks:
             t._marker_lock.release()
@@ -255,7 +334,7 @@ def plan(owner: Any, entries: Sequence[tuple[ShardedEmbeddingBag, torch.Tensor, 
         together = total
         if recording and all(tables[i]._dtype() == torch.float32 for i in recording):
             divisor = torch.where(layout.mean_bags.unsqueeze(1), sizes_all, 1.0) if layout.any_mean else None
-            together = _record_together([tables[i] for i in recording], total, uniq, inverse, bag_of, divisor,
+            together = _record_together(layout, [tables[i] for i in recording], total, uniq, inverse, bag_of, divisor,
                                         [(uniq[cuts[i]:cuts[i + 1]] - layout.id_base[i], cuts[i], cuts[i + 1])
                                          for i in recording])
             recording = []

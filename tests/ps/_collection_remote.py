@@ -558,3 +558,46 @@ def plain_grad_idioms(job: str, collect: bool) -> dict:
     (first + second).backward()
     return {"initial": initial, "requires": requires, "after_grad": after_grad, "after_inputs": after_inputs,
             "after_two": weights()}
+
+
+def together_failure(job: str, how: str) -> dict:
+    """sync, one trainer: PLAIN's tables in a collection, two steps; the first step's pushes of
+    the tables recorded together fail in part: ``how`` "message", ps0's call refused (as a
+    server down would fail it); "entry", the clicks table's entry on ps1 refused by that server
+    (a name it does not hold). Which tables kept their gradients, the error, then step() again
+    (the retry) and a second step; the weights, and those of the same two steps without a
+    failure."""
+    from remote_module.ps import ShardedEmbeddingBagCollection, _packed
+
+    tables = plain_make(job, "sync")
+    model = ShardedEmbeddingBagCollection(tables)
+    real = _packed.push_together
+
+    def broken(together, members, done):
+        calls, *rest = real(together, members, done)
+        for k, (server, handler, args) in enumerate(calls):
+            if how == "message" and server == "ps0":
+                calls[k] = (server, refuse_push, ())
+            elif how == "entry" and server == "ps1":
+                args[0][:] = [(name + "-not-here" if name.endswith("-clicks") else name, *rest_)
+                              for name, *rest_ in args[0]]
+        return (calls, *rest)
+
+    out: dict = {}
+    for step, (feats, targets) in enumerate(plain_features(1, 2)):
+        got = _forward(model, feats)
+        sum(((got[k] - targets[k]) ** 2).sum() for k in got).backward()
+        if step == 0:
+            _packed.push_together = broken
+            try:
+                model.step()
+                out["error"] = None
+            except Exception as exc:  # noqa: BLE001  (the outcome is the test's)
+                out["error"] = f"{type(exc).__name__}: {exc}"
+            finally:
+                _packed.push_together = real
+            out["kept"] = sorted(k for k, t in tables.items() if t._held)
+        model.step()
+    out["weights"] = {k: t.state_dict()["weight"] for k, t in tables.items()}
+    out["reference"] = plain_train(job + "-reference", 2, "sync", True)["weights"]
+    return out

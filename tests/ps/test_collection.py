@@ -187,6 +187,24 @@ def test_plain_tables_planned_together_follow_torchs_gradient_idioms_as_alone(wo
     assert not torch.equal(together["after_two"]["clicks"], together["initial"]["clicks"])
 
 
+@pytest.mark.parametrize("how", ["message", "entry"])
+def test_tables_pushed_together_settle_each_table_as_alone_when_a_push_fails(world, how):
+    """The tables recorded together push in one call per server; a call that fails (ps0's)
+    fails the tables it carried, a table's entry refused fails that table only, as their own
+    pushes would: those keep their gradients, the others count as stepped, and step() again
+    pushes only those (sync: nothing applied twice), so two steps equal the run without it."""
+    got = world.run({"trainer0": (r.together_failure, name(f"together-fail-{how}"), how)})["trainer0"]
+    assert got["error"] is not None, got["error"]
+    if how == "message":
+        assert "push refused" in got["error"], got["error"]
+        assert got["kept"] == ["clicks", "views"], got["kept"]  # "small" is on ps1 only
+    else:
+        assert "-clicks-not-here" in got["error"] and "'ps1'" in got["error"], got["error"]
+        assert got["kept"] == ["clicks"], got["kept"]
+    for k in r.PLAIN:
+        assert torch.equal(got["weights"][k], got["reference"][k]), k
+
+
 def test_bad_plain_inputs_are_refused_as_the_table_alone_refuses_them(world):
     texts = world.run({"trainer0": (r.plain_refusals, name("plain-bad"))})["trainer0"]
     for together, alone in zip(texts[::2], texts[1::2]):
