@@ -38,29 +38,44 @@ class _TogetherRecorded(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, pooled: torch.Tensor, inverse: torch.Tensor, bag_of: torch.Tensor,
                 divisor: torch.Tensor | None, together: "Together", parts: list, *markers: torch.Tensor
-                ) -> torch.Tensor:
+                ) -> tuple[torch.Tensor, ...]:
         ctx.save_for_backward(inverse, bag_of, divisor)
-        ctx.together, ctx.parts = together, parts  # per table: (table, its unique ids, its AccumulateGrad, lo, hi)
+        # per table: (table, its unique ids, its AccumulateGrad, lo, hi, its first bag, its bags' end)
+        ctx.together, ctx.parts = together, parts
         ctx.markers = [(m.dtype, m.device) for m in markers]
-        return pooled.clone()
+        ctx.shape = pooled.shape
+        # one output per table: a table whose output backward never reaches gets None in backward
+        # and records nothing, as its own node would not run (torch: its .grad stays None)
+        ctx.set_materialize_grads(False)
+        return tuple(pooled[b0:b1].clone() for _, _, _, _, _, b0, b1 in parts)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
         inverse, bag_of, divisor = ctx.saved_tensors
+        reached = [g is not None for g in grads]
+        markers = tuple(torch.zeros(0, dtype=d, device=v) if r else None for (d, v), r in zip(ctx.markers, reached))
+        if not any(reached):
+            return (None,) * 6 + markers
+        first = next(g for g in grads if g is not None)
+        grad = torch.zeros(ctx.shape, dtype=first.dtype, device=first.device)
+        for (_, _, _, _, _, b0, b1), g in zip(ctx.parts, grads):
+            if g is not None:
+                grad[b0:b1] = g
         if divisor is not None:
             grad = grad / divisor
         per_position = grad.index_select(0, bag_of)
         together = ctx.together
         rows = torch.zeros(together.uniq.numel(), grad.shape[1], dtype=grad.dtype).index_add_(0, inverse, per_position)
         together = Together(together.layout, together.uniq, rows)
-        for table, uniq, accumulator, lo, hi in ctx.parts:
-            # as a parameter's .grad: only a backward that accumulates into the marker records
-            if backward_accumulates(accumulator):
+        for (table, uniq, accumulator, lo, hi, _, _), r in zip(ctx.parts, reached):
+            # as a parameter's .grad: only a backward that reaches the table's output and
+            # accumulates into its marker records
+            if r and backward_accumulates(accumulator):
                 part = rows[lo:hi]
                 table._record(uniq, part)
                 # (a collection's step pushes it with the others recorded here: push_together)
                 table.__dict__["_together"] = (part, together)
-        return (None,) * 6 + tuple(torch.zeros(0, dtype=d, device=v) for d, v in ctx.markers)
+        return (None,) * 6 + markers
 
 
 class Together(NamedTuple):
@@ -134,20 +149,22 @@ def _nothing() -> None:
 
 
 def _record_together(layout: "Layout", tables: list, pooled: torch.Tensor, uniq: torch.Tensor, inverse: torch.Tensor,
-                     bag_of: torch.Tensor, divisor: torch.Tensor | None, ranges: list) -> torch.Tensor:
+                     bag_of: torch.Tensor, divisor: torch.Tensor | None, ranges: list) -> tuple[torch.Tensor, ...]:
     """``pooled`` recorded for ``tables`` (``ranges``: each one's unique ids and where they sit
-    in ``uniq``) by one :class:`_TogetherRecorded` node, under every table's marker lock (see
-    ``ShardedEmbedding._recorded``), taken in one order."""
+    in ``uniq``, and its bags in ``pooled``) by one :class:`_TogetherRecorded` node, under every
+    table's marker lock (see ``ShardedEmbedding._recorded``), taken in one order: each table's
+    pooled bags."""
     locks = sorted({id(t): t for t in tables}.values(), key=id)
     for t in locks:
         t._marker_lock.acquire()
     try:
         parts, markers = [], []
-        for t, (t_uniq, lo, hi) in zip(tables, ranges):
+        for t, (t_uniq, lo, hi, b0, b1) in zip(tables, ranges):
             marker, accumulator = t._recorder()
-            parts.append((t, t_uniq, accumulator, lo, hi))
+            parts.append((t, t_uniq, accumulator, lo, hi, b0, b1))
             markers.append(marker)
-        return _TogetherRecorded.apply(pooled, inverse, bag_of, divisor, Together(layout, uniq, None), parts, *markers)
+        out = _TogetherRecorded.apply(pooled, inverse, bag_of, divisor, Together(layout, uniq, None), parts, *markers)
+        return out if isinstance(out, tuple) else (out,)
     finally:
         for t in locks:
             t._marker_lock.release()
@@ -331,17 +348,18 @@ def plan(owner: Any, entries: Sequence[tuple[ShardedEmbeddingBag, torch.Tensor, 
             total = torch.where(layout.mean_bags.unsqueeze(1), total / sizes_all, total)
         # (warns, as a table's own lookup does, of gradients never pushed)
         recording = [i for i, t in enumerate(tables) if records[i] and t._records()]
-        together = total
+        together: dict[int, torch.Tensor] = {}  # per table recorded together: its pooled bags
         if recording and all(tables[i]._dtype() == torch.float32 for i in recording):
             divisor = torch.where(layout.mean_bags.unsqueeze(1), sizes_all, 1.0) if layout.any_mean else None
-            together = _record_together(layout, [tables[i] for i in recording], total, uniq, inverse, bag_of, divisor,
-                                        [(uniq[cuts[i]:cuts[i + 1]] - layout.id_base[i], cuts[i], cuts[i + 1])
-                                         for i in recording])
+            made = _record_together(layout, [tables[i] for i in recording], total, uniq, inverse, bag_of, divisor,
+                                    [(uniq[cuts[i]:cuts[i + 1]] - layout.id_base[i], cuts[i], cuts[i + 1],
+                                      layout.bag_base[i], layout.bag_base[i + 1]) for i in recording])
+            together = dict(zip(recording, made))
             recording = []
         out = []
         for i, t in enumerate(tables):
             lo, hi = layout.bag_base[i], layout.bag_base[i + 1]
-            value = (together if together is not total and records[i] else total)[lo:hi].to(t._dtype())
+            value = (together[i] if i in together else total[lo:hi]).to(t._dtype())
             if i in recording:  # (a table of another dtype: its own rows' node, as alone)
                 p0, p1 = sized.pos_base[i], sized.pos_base[i + 1]
                 t_uniq = uniq[cuts[i]:cuts[i + 1]] - layout.id_base[i]

@@ -601,3 +601,27 @@ def together_failure(job: str, how: str) -> dict:
     out["weights"] = {k: t.state_dict()["weight"] for k, t in tables.items()}
     out["reference"] = plain_train(job + "-reference", 2, "sync", True)["weights"]
     return out
+
+
+def plain_unused_output(job: str, collect: bool) -> dict:
+    """Two steps of PLAIN's tables with a SparseAdam (per-row moments: a zero gradient still
+    moves a row): the first loss uses every output, the second only "clicks"'s. As torch, a
+    table whose output is not in the loss gets no gradient and is not stepped. The weights."""
+    from remote_module.ps import ShardedEmbeddingBag, ShardedEmbeddingBagCollection
+
+    torch.manual_seed(3)
+    tables = {}
+    for name, (rows, mode, servers, block) in PLAIN.items():
+        if name in ("ranked", "frozen"):
+            continue
+        t = ShardedEmbeddingBag(rows, 4, list(servers), name=f"{job}-{name}", mode=mode, min_block_size=block,
+                                optimizer=(torch.optim.SparseAdam, {"lr": 0.1}))
+        t.load_state_dict(nn.EmbeddingBag(rows, 4, mode=mode).state_dict())
+        tables[name] = t
+    used = ShardedEmbeddingBagCollection(tables) if collect else tables
+    for step, (feats, targets) in enumerate(plain_features(1, 2)):
+        got = _forward(used, {k: v for k, v in feats.items() if k in tables})
+        keys = list(got) if step == 0 else ["clicks"]
+        sum(((got[k] - targets[k]) ** 2).sum() for k in keys).backward()
+        _step(used)
+    return {k: t.state_dict()["weight"] for k, t in tables.items()}

@@ -187,6 +187,16 @@ def test_plain_tables_planned_together_follow_torchs_gradient_idioms_as_alone(wo
     assert not torch.equal(together["after_two"]["clicks"], together["initial"]["clicks"])
 
 
+def test_a_table_planned_together_whose_output_is_not_in_the_loss_is_not_stepped(world):
+    """Tables recorded together: a loss of one table's output steps that table only (torch:
+    the other tables' weights get no gradient), bit for bit as the tables alone; with
+    SparseAdam a zero gradient pushed would move the rows."""
+    got = world.run({"trainer0": (r.plain_unused_output, name("unused"), True),
+                     "trainer1": (r.plain_unused_output, name("unused-alone"), False)})
+    for k in ("clicks", "views", "small"):
+        assert torch.equal(got["trainer0"][k], got["trainer1"][k]), k
+
+
 @pytest.mark.parametrize("how", ["message", "entry"])
 def test_tables_pushed_together_settle_each_table_as_alone_when_a_push_fails(world, how):
     """The tables recorded together push in one call per server; a call that fails (ps0's)
