@@ -316,7 +316,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                     pushing.add(table.name)
                     continue
                 plan = table._push_plan(taken)
-            if plan is None:  # geo: the table stepped (and pushed its deltas) itself
+            if plan is None:  # geo: the table stepped its cached rows, and pushes nothing this step
                 done.add(name)
             else:
                 plans.append((plan[0], partial(finished, done, name, plan[1]), *plan[2:]))

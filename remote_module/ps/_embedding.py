@@ -103,6 +103,15 @@ def lookup_calls(calls: list, timeout: float | None) -> list:
 PushPlan = tuple
 
 
+def nothing() -> None:
+    """A push plan's part that has nothing to do (its ``done`` or ``failed``)."""
+
+
+def table_push_failure(server: str, table: str, failure: Any) -> BaseException:
+    """The failure of one table's push among several in one ``_push_tables`` call, as raised."""
+    return to_exception(failure, f"on worker {server!r} in the push of table {table!r}")
+
+
 def run_push_plans(plans: Sequence[PushPlan], timeout: float | None) -> None:
     """Send the pushes of several plans (tables', a PSModel's dense part), the calls to one
     server in one message, and settle each plan by its own calls: ``done()`` when they all
@@ -271,8 +280,7 @@ def _send_packed(calls: list, reads: list, timeout: float | None) -> tuple[Any, 
                 elif value[j][0]:
                     outcomes[i] = (True, None)
                 else:
-                    outcomes[i] = (False, to_exception(value[j][1], f"on worker {server!r} in the push of table "
-                                                                     f"{calls[i][2][0]!r}"))
+                    outcomes[i] = (False, table_push_failure(server, calls[i][2][0], value[j][1]))
         return outcomes, list(got[pushes:])
 
     return future, unpack
@@ -1038,20 +1046,20 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         ids, deltas = geo.deltas()
         if not ids.numel():
             return None
-        calls, sent = [], []
+        calls = []
         for _, server, mine in self._by_owner(ids):
-            if ids[mine].numel():
-                calls.append((server, _table_server._push_row_deltas, (self.name, ids[mine], deltas[mine])))
-                sent.append(ids[mine])
+            part = ids[mine]
+            if part.numel():
+                calls.append((server, _table_server._push_row_deltas, (self.name, part, deltas[mine])))
         self._pushed_bytes += sum(i.numel() * i.element_size() + d.numel() * d.element_size()
                                  for _, _, (_, i, d) in calls)
 
         def partly(oks: list[bool]) -> None:
-            taken = [i for i, ok in zip(sent, oks) if ok]
+            taken = [args[1] for (_, _, args), ok in zip(calls, oks) if ok]
             if taken:
                 geo.drop(torch.cat(taken))
 
-        return calls, lambda: geo.drop(ids), lambda: None, None, partly
+        return calls, lambda: geo.drop(ids), nothing, None, partly
 
     def step(self) -> None:
         """Push the touched rows' gradients (only those rows) and forget them (geo: step the
@@ -1089,9 +1097,9 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
     def _push_plan(self, taken: list | None = None) -> tuple[list, Callable[[], None], Callable[[], None]] | None:
         """:meth:`step` in parts: the host calls that push this step's gradients, what to do
         once they all succeeded, and what to do when they failed (keep the gradients for a
-        retry); None in geo mode, where it steps the cached rows here (and pushes their deltas
-        every ``geo_push_every`` calls) itself. ``taken``: the gradients, taken already
-        (:meth:`_take_for_step`)."""
+        retry); in geo mode it steps the cached rows here, and is the plan of their deltas'
+        push every ``geo_push_every`` calls (:meth:`_geo_push_plan`), None otherwise. ``taken``:
+        the gradients, taken already (:meth:`_take_for_step`)."""
         self._wait_pushes()
         if taken is None:
             taken = self._take_for_step()

@@ -30,7 +30,7 @@ from remote_module.ps import _dense_server
 from remote_module.ps._checkpoints import PSCheckpoints
 from remote_module.ps._dispatch import RoundRobin
 from remote_module.ps._dispatch import check_servers as _check_servers
-from remote_module.ps._embedding import ShardedEmbedding, finished, fly, land, send_push_plans
+from remote_module.ps._embedding import ShardedEmbedding, finished, fly, land, nothing, send_push_plans
 from remote_module.ps._modes import PS_MODES
 from remote_module.ps._slicing import Block, block_name, block_of, slice_blocks
 from rpc_backend.options import positive_seconds
@@ -81,10 +81,6 @@ def _call_names(module: nn.Module) -> dict[str, nn.Parameter]:
                 seen.add((id(m), pname))
                 out[f"{mname}.{pname}" if mname else pname] = p
     return out
-
-
-def _nothing() -> None:
-    pass
 
 
 def _forward_lock(model: nn.Module) -> threading.RLock:
@@ -475,7 +471,7 @@ class PSModel(PSCheckpoints, nn.Module):
         for qual, table in self._tables.items():
             if qual not in done:
                 plan = table._push_plan()
-                if plan is None:  # geo: the table stepped (and pushed its deltas) itself
+                if plan is None:  # geo: the table stepped its cached rows, and pushes nothing this step
                     done.add(qual)
                 else:
                     plans.append((plan[0], partial(finished, done, qual, plan[1]), *plan[2:]))
@@ -612,7 +608,7 @@ class PSModel(PSCheckpoints, nn.Module):
             if deltas:
                 packed = self._packable(sel)
                 calls = [(server, _dense_server._push_delta, (self.name, self._sent(sel, deltas), packed))]
-                plans.append((calls, _nothing, _nothing, partial(self._merged, sel)))
+                plans.append((calls, nothing, nothing, partial(self._merged, sel)))
         return plans
 
     def _merged(self, slots: list[_Slot], got: list) -> None:

@@ -21,19 +21,20 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from remote_module._core import backward_accumulates, to_exception
+from remote_module._core import backward_accumulates
 from remote_module.ps import _table_server
-from remote_module.ps._embedding import finished
+from remote_module.ps._embedding import finished, nothing, table_push_failure
 from remote_module.ps._embedding_bag import ShardedEmbeddingBag, _BagRows
 
 
 class _TogetherRecorded(torch.autograd.Function):
-    """The pooled bags of several float32 tables (one tensor: the tables' bags in turn),
-    recorded for their ``step()`` in one autograd node. Backward computes every unique row's
-    gradient at once, as ``_BagRows`` does for one table (the sum, over the positions holding
-    the row, of its bag's gradient, divided by the bag's size for mean), and hands each table
-    its rows' part, as its own ``_Recorded`` would; every table's zero-size grad marker gets
-    a zero-size gradient. Each row's sum is taken in the same order as alone: the same bits."""
+    """The pooled bags of several float32 tables (given as one tensor, the tables' bags in
+    turn; one output per table), recorded for their ``step()`` in one autograd node. Backward
+    computes every unique row's gradient at once, as ``_BagRows`` does for one table (the sum,
+    over the positions holding the row, of its bag's gradient, divided by the bag's size for
+    mean), and hands each table whose output it reached its rows' part, as its own
+    ``_Recorded`` would, with a zero-size gradient for its grad marker. Each row's sum is taken
+    in the same order as alone: the same bits."""
 
     @staticmethod
     def forward(ctx: Any, pooled: torch.Tensor, inverse: torch.Tensor, bag_of: torch.Tensor,
@@ -131,8 +132,7 @@ def push_together(together: Together, members: list, done: set) -> tuple:
             outcomes = value if sent else [(False, value)] * len(served)
             for j, (ok, outcome) in zip(served, outcomes):
                 if not ok and j not in failures:
-                    failures[j] = outcome if not sent else to_exception(
-                        outcome, f"on worker {server!r} in the push of table {parts[j][1].name!r}")
+                    failures[j] = table_push_failure(server, parts[j][1].name, outcome) if sent else outcome
         for j, (name, _, table_done, table_failed) in enumerate(parts):
             if j in failures:
                 table_failed()
@@ -141,11 +141,7 @@ def push_together(together: Together, members: list, done: set) -> tuple:
         return next(iter(failures.values()), None)
 
     answered.settles_parts = True  # type: ignore[attr-defined]
-    return calls, _nothing, failed, answered
-
-
-def _nothing() -> None:
-    pass
+    return calls, nothing, failed, answered
 
 
 def _record_together(layout: "Layout", tables: list, pooled: torch.Tensor, uniq: torch.Tensor, inverse: torch.Tensor,
