@@ -86,6 +86,15 @@ def create(job: str, kind: str, seed: int, servers: list[str], model_kwargs: dic
     return [(s.name, s.server) for s in ps._slots]
 
 
+def create_on(names: list[str], job: str, args: tuple, kwargs: dict) -> dict:
+    """(On the driver) every trainer of ``names`` creates its PSModel of ``job`` at once
+    (:func:`create`); their layouts by trainer."""
+    import torch.distributed.rpc as rpc
+
+    futs = [rpc.rpc_async(t, create, (job, *args), kwargs) for t in names]
+    return {t: f.wait() for t, f in zip(names, futs)}
+
+
 def try_create(*args: Any, **kwargs: Any) -> dict:
     """:func:`create`, its outcome (an expected error as type and message)."""
     return _attempt(lambda: create(*args, **kwargs))

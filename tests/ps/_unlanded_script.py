@@ -10,16 +10,7 @@ import sys
 
 import torch
 
-
-class RefusingSGD(torch.optim.SGD):
-    """SGD that refuses a step with a NaN gradient (on the server)."""
-
-    def step(self, closure=None):  # noqa: ANN001, ANN201
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None and bool(torch.isnan(p.grad).any()):
-                    raise ValueError("RefusingSGD: a NaN gradient")
-        return super().step(closure)
+from tests.ps._dense_remote import RefusingSGD  # (importable by the servers, which unpickle it)
 
 
 def body() -> bool | None:

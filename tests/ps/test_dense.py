@@ -37,13 +37,6 @@ def trainers(n: int) -> list[str]:
     return [f"trainer{i}" for i in range(n)]
 
 
-def _create_on(names, name, args, kwargs):  # on the driver: every trainer creates its PSModel at once
-    import torch.distributed.rpc as rpc
-
-    futs = [rpc.rpc_async(t, r.create, (name, *args), kwargs) for t in names]
-    return {t: f.wait() for t, f in zip(names, futs)}
-
-
 def train_all(world: PSWorld, name: str, n: int, steps: int, start: int = 0) -> None:
     world.run({t: (r.train, name, i, steps, start) for i, t in enumerate(trainers(n))})
 
@@ -77,7 +70,7 @@ OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.1}), "adam": (torch.optim.Adam, 
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
 def test_sync_training_equals_one_process_on_the_global_batch(world, n, opt):
     name = job(f"sync-{opt}-{n}")
-    layouts = world.call(_create_on, trainers(n), name, ("net", 1, SERVERS),
+    layouts = world.call(r.create_on, trainers(n), name, ("net", 1, SERVERS),
                          dict(num_trainers=n, optimizer=OPTIMIZERS[opt], min_block_size=MIN_BLOCK))
     layout = layouts["trainer0"]
     assert all(lay == layout for lay in layouts.values()), layouts
@@ -99,7 +92,7 @@ def test_a_sync_step_is_one_round_trip_answered_once_the_step_is_applied(world):
     pulls, then one message per server per step (a pull as well before), and the result is
     still one process's on the global batch."""
     name = job("sync-one-trip")
-    world.call(_create_on, trainers(2), name, ("net", 1, SERVERS),
+    world.call(r.create_on, trainers(2), name, ("net", 1, SERVERS),
                dict(num_trainers=2, optimizer=OPTIMIZERS["sgd"], min_block_size=MIN_BLOCK))
     counted = world.run({t: (r.train_counted, name, i, STEPS) for i, t in enumerate(trainers(2))})
     for t, messages in counted.items():
@@ -116,7 +109,7 @@ def test_a_sync_step_the_servers_optimizer_refuses_fails_every_trainer_and_can_b
     step's pushes are dropped, and pushing step 0 again with true gradients trains on as one
     process on the global batch."""
     name = job("sync-refused")
-    world.call(_create_on, trainers(2), name, ("net", 1, SERVERS),
+    world.call(r.create_on, trainers(2), name, ("net", 1, SERVERS),
                dict(num_trainers=2, optimizer=(r.RefusingSGD, {"lr": 0.1}), min_block_size=MIN_BLOCK, timeout=20.0))
     got = world.run({"trainer0": (r.refused_then_retried, name, 0, True),
                      "trainer1": (r.refused_then_retried, name, 1, False)})
@@ -145,7 +138,7 @@ def test_a_sync_checkpoint_right_after_a_step_waits_for_that_step(world):
     state has step 0 applied on every server (not the values before it, nor a mix)."""
     name = job("sync-ckpt")
     sgd = OPTIMIZERS["sgd"]
-    world.call(_create_on, trainers(2), name, ("net", 1, SERVERS),
+    world.call(r.create_on, trainers(2), name, ("net", 1, SERVERS),
                dict(num_trainers=2, optimizer=sgd, min_block_size=MIN_BLOCK))
     got = world.run({"trainer0": (r.train_then_state, name, 0, 1), "trainer1": (r.later, 0.5, r.train, name, 1, 1)})
     expected, _ = reference(2, sgd, 1, seed=1)
@@ -158,7 +151,7 @@ def test_a_sync_checkpoint_right_after_a_step_waits_for_that_step(world):
 def test_async_loses_no_update(world):
     n, k = 3, 10
     name = job("async")
-    world.call(_create_on, trainers(n), name, ("linear", 0, SERVERS),
+    world.call(r.create_on, trainers(n), name, ("linear", 0, SERVERS),
                dict(num_trainers=n, ps_mode="async", optimizer=(torch.optim.SGD, {"lr": 1.0}),
                     min_block_size=MIN_BLOCK))
     world.run({t: (r.push_linear, name, k) for t in trainers(n)})  # concurrently, gradient 1 each
@@ -176,7 +169,7 @@ def test_an_async_step_is_one_round_trip_whose_answer_brings_the_next_forwards_v
     makes the next forward pull again."""
     name = job(f"one-trip-{mode}")
     kwargs = dict(num_trainers=2, ps_mode=mode, min_block_size=MIN_BLOCK, half_async_merge_every=1)
-    world.call(_create_on, trainers(2), name, ("net", 1, SERVERS), kwargs)
+    world.call(r.create_on, trainers(2), name, ("net", 1, SERVERS), kwargs)
     world.run({"trainer0": (r.step_and_capture, name, 0)})
     world.run({"trainer1": (r.step_and_capture, name, 1)})  # after trainer0's push, before its next forward
     seen = world.run({"trainer0": (r.forward_seen, name, 0)})["trainer0"]
@@ -195,7 +188,7 @@ def test_a_half_async_forward_after_the_merge_timer_pulls_what_it_merged(world):
     for name, seconds in ((short, 0.05), (long, 60.0)):
         kwargs = dict(num_trainers=1, ps_mode="half_async", min_block_size=MIN_BLOCK,
                       half_async_merge_every=1000, half_async_merge_s=seconds)
-        world.call(_create_on, trainers(1), name, ("net", 1, SERVERS), kwargs)
+        world.call(r.create_on, trainers(1), name, ("net", 1, SERVERS), kwargs)
         world.run({"trainer0": (r.step_and_capture, name, 0)})
     time.sleep(0.5)  # the short job's timers merged the queued pushes
     seen = world.run({"trainer0": (r.forward_seen, short, 0)})["trainer0"]
@@ -234,7 +227,7 @@ def test_a_geo_edit_right_after_a_pushing_step_applies_to_the_merged_values(worl
     clipping) applies to them and the servers follow local torch doing the same."""
     name = job("geo-clamp")
     lr, bound, steps = 0.5, 0.05, 4
-    world.call(_create_on, trainers(1), name, ("net", 3, SERVERS),
+    world.call(r.create_on, trainers(1), name, ("net", 3, SERVERS),
                dict(num_trainers=1, ps_mode="geo", geo_push_every=1, optimizer=(torch.optim.SGD, {"lr": lr}),
                     min_block_size=MIN_BLOCK))
     got = world.run({"trainer0": (r.train_clamped, name, 0, steps, bound)})["trainer0"]
@@ -255,7 +248,7 @@ def test_a_geo_edit_right_after_a_pushing_step_applies_to_the_merged_values(worl
 def test_geo_follows_the_rule_in_a_fixed_order(world):
     k, rounds, lr = 3, 2, 0.1
     name = job("geo")
-    world.call(_create_on, trainers(2), name, ("net", 2, SERVERS),
+    world.call(r.create_on, trainers(2), name, ("net", 2, SERVERS),
                dict(num_trainers=2, ps_mode="geo", geo_push_every=k, optimizer=(torch.optim.SGD, {"lr": lr}),
                     min_block_size=MIN_BLOCK))
     for rnd in range(rounds):
@@ -275,7 +268,7 @@ def test_geo_follows_the_rule_in_a_fixed_order(world):
 
 
 def _create_linear(world, name, n, mode, **kw):
-    world.call(_create_on, trainers(n), name, ("linear", 0, SERVERS),
+    world.call(r.create_on, trainers(n), name, ("linear", 0, SERVERS),
                dict(num_trainers=n, ps_mode=mode, optimizer=(torch.optim.SGD, {"lr": 1.0}),
                     min_block_size=MIN_BLOCK, **kw))
 
@@ -350,7 +343,7 @@ def test_half_async_a_timer_that_fired_during_a_count_merge_does_not_merge_the_n
 def test_checkpoint_from_two_servers_continues_identically_on_three(world):
     adam = OPTIMIZERS["adam"]
     two, three = job("ckpt-2"), job("ckpt-3")
-    world.call(_create_on, trainers(2), two, ("net", 3, SERVERS),
+    world.call(r.create_on, trainers(2), two, ("net", 3, SERVERS),
                dict(num_trainers=2, optimizer=adam, min_block_size=MIN_BLOCK))
     train_all(world, two, 2, 5)
     sd = world.run({"trainer0": (r.state, two)})["trainer0"]
@@ -360,7 +353,7 @@ def test_checkpoint_from_two_servers_continues_identically_on_three(world):
     reference_model, _ = reference(2, adam, 5, seed=3)
     assert_close(sd, reference_model.state_dict(), ADAM_ATOL, "state_dict after 5 steps")
 
-    layouts = world.call(_create_on, trainers(2), three, ("net", 4, ["ps0", "ps1", "ps2"]),
+    layouts = world.call(r.create_on, trainers(2), three, ("net", 4, ["ps0", "ps1", "ps2"]),
                          dict(num_trainers=2, optimizer=adam, min_block_size=MIN_BLOCK))
     assert {s for _, s in layouts["trainer0"]} == {"ps0", "ps1", "ps2"}, layouts
     world.run({"trainer0": (r.load, three, sd, osd)})
@@ -390,7 +383,7 @@ def test_checkpoint_from_two_servers_continues_identically_on_three(world):
 def test_a_trainer_that_disagrees_with_the_job_fails_at_start_naming_the_mismatch(world, theirs, words):
     name = job("mismatch")
     mine = dict(num_trainers=2, min_block_size=MIN_BLOCK)
-    world.call(_create_on, ["trainer0"], name, ("net", 5, SERVERS), mine)
+    world.call(r.create_on, ["trainer0"], name, ("net", 5, SERVERS), mine)
     outcome = world.call(_try_on, "trainer1", name, ("net", 5, SERVERS), {**mine, **theirs})
     assert not outcome["ok"] and outcome["type"] == "ValueError", outcome
     for word in words:
@@ -432,7 +425,7 @@ def _try_on(trainer, name, args, kwargs):  # on the driver
 
 def test_a_trainer_beyond_num_trainers_is_refused(world):
     name = job("extra")
-    world.call(_create_on, trainers(2), name, ("net", 5, SERVERS), dict(num_trainers=2, min_block_size=MIN_BLOCK))
+    world.call(r.create_on, trainers(2), name, ("net", 5, SERVERS), dict(num_trainers=2, min_block_size=MIN_BLOCK))
     outcome = world.call(_try_on, "trainer2", name, ("net", 5, SERVERS), dict(num_trainers=2, min_block_size=MIN_BLOCK))
     assert not outcome["ok"] and outcome["type"] == "ValueError", outcome
     assert "num_trainers=2" in outcome["message"] and "'trainer2'" in outcome["message"], outcome["message"]
@@ -457,7 +450,7 @@ def test_a_sync_trainer_stepping_twice_for_one_step_waits_for_the_others(world):
     so a trainer cannot push twice in one step: it times out naming the trainer missing, the
     push of step 0 counted and nothing applied."""
     name = job("twice")
-    world.call(_create_on, trainers(2), name, ("net", 5, SERVERS), dict(num_trainers=2, min_block_size=MIN_BLOCK))
+    world.call(r.create_on, trainers(2), name, ("net", 5, SERVERS), dict(num_trainers=2, min_block_size=MIN_BLOCK))
     world.run({"trainer0": (r.set_timeout, name, 2.0)})
     outcome = world.run({"trainer0": (r.step_twice, name, 0)})["trainer0"]
     assert not outcome["ok"] and outcome["type"] == "CallTimeout", outcome
@@ -469,7 +462,7 @@ def test_a_sync_trainer_stepping_twice_for_one_step_waits_for_the_others(world):
 def test_hash_name_dispatch_is_the_same_on_every_trainer_and_here(world):
     name = job("hash")
     servers = ["ps0", "ps1", "ps2"]
-    layouts = world.call(_create_on, trainers(2), name, ("net", 5, servers),
+    layouts = world.call(r.create_on, trainers(2), name, ("net", 5, servers),
                          dict(num_trainers=2, min_block_size=MIN_BLOCK, split_method=HashName()))
     blocks = [b for b, _ in layouts["trainer0"]]
     here = HashName()(blocks, servers)

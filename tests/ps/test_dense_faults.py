@@ -26,13 +26,6 @@ def world():
         yield w
 
 
-def _create_on(names, name, args, kwargs):  # on the driver: every trainer creates its PSModel at once
-    import torch.distributed.rpc as rpc
-
-    futs = [rpc.rpc_async(t, r.create, (name, *args), kwargs) for t in names]
-    return {t: f.wait() for t, f in zip(names, futs)}
-
-
 def assert_failed_naming(outcome: dict, worker: str, what: str) -> None:
     assert not outcome["ok"], f"{what} succeeded although {worker} is dead: {outcome}"
     assert outcome["seconds"] < TIMEOUT + SLACK, f"{what}: the failure came too late: {outcome}"
@@ -45,7 +38,7 @@ def trainer_killed(world):
     pulls for step 1: the pull lands the push, whose answer waits for step 0 to be applied
     (it times out naming trainer1), and a second pull waits for it again."""
     name = "sync-trainer-killed"
-    world.call(_create_on, ["trainer0", "trainer1"], name, ("net", 1, SERVERS),
+    world.call(r.create_on, ["trainer0", "trainer1"], name, ("net", 1, SERVERS),
                dict(num_trainers=2, min_block_size=4))
     world.run({"trainer0": (r.set_timeout, name, TIMEOUT)})
     world.kill("trainer1")
@@ -70,7 +63,7 @@ def server_killed(world):
     """One-trainer jobs in every pushing mode, gradients ready; ps1 killed; then step and pull."""
     modes = ("sync", "async", "half_async")
     for mode in modes:
-        world.call(_create_on, ["trainer0"], f"server-killed-{mode}", ("net", 1, SERVERS),
+        world.call(r.create_on, ["trainer0"], f"server-killed-{mode}", ("net", 1, SERVERS),
                    dict(num_trainers=1, mode=mode, min_block_size=4))
         world.run({"trainer0": (r.forward_backward, f"server-killed-{mode}", 0)})
         world.run({"trainer0": (r.set_timeout, f"server-killed-{mode}", TIMEOUT)})

@@ -24,16 +24,9 @@ def world():
         yield w
 
 
-def _create_on(names, name, args, kwargs):  # on the driver: every trainer creates its PSModel at once
-    import torch.distributed.rpc as rpc
-
-    futs = [rpc.rpc_async(t, r.create, (name, *args), kwargs) for t in names]
-    return {t: f.wait() for t, f in zip(names, futs)}
-
-
 def _sync_job(world, what: str) -> str:
     name = job(what)
-    world.call(_create_on, ["trainer0", "trainer1"], name, ("net", 1, SERVERS),
+    world.call(r.create_on, ["trainer0", "trainer1"], name, ("net", 1, SERVERS),
                dict(num_trainers=2, optimizer=OPTIMIZERS["sgd"], min_block_size=4))
     return name
 
