@@ -11,7 +11,12 @@ Three ways to hold the tables, the rest of the model the same:
 - ``local``: ``nn.EmbeddingBag(mode="sum", sparse=True)``s, stepped by the model's optimizer;
 - ``collection``: ``ShardedEmbeddingBag``s in one ``ShardedEmbeddingBagCollection`` (one
   message per server for a lookup, one for a push);
-- ``tables``: the same sharded tables called and stepped one by one.
+- ``tables``: the same sharded tables called and stepped one by one;
+- ``collection prefetch``: the collection fed through ``remote_module.ps.prefetching`` (a
+  step sends the next batch's lookups with its pushes, answered once they are applied);
+- ``collection prefetch overlap``: ``prefetching(..., overlap=True)`` (async only): a step
+  sends the lookups of the batch after the next, so their round trip overlaps the next
+  batch's compute; each lookup misses exactly this trainer's last push before its forward.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from torch import nn
 
 from remote_module.ps import ShardedEmbeddingBag, ShardedEmbeddingBagCollection, prefetching
 
-VARIANTS = ("local", "collection", "tables", "collection prefetch")
+VARIANTS = ("local", "collection", "tables", "collection prefetch", "collection prefetch overlap")
+SYNC_VARIANTS = VARIANTS[:4]  # (overlap is for async tables)
 
 
 def interaction_width(num_tables: int, dim: int) -> int:
@@ -140,11 +146,13 @@ def features(batch: tuple) -> dict[str, tuple]:
 
 
 def feed(model: DLRM, batches: Iterable) -> Iterator:
-    """``batches`` as a variant trains them: "collection prefetch" through
-    ``remote_module.ps.prefetching`` (a step sends the next batch's lookups with its pushes)."""
-    if model.tables.variant != "collection prefetch":
+    """``batches`` as a variant trains them: the "collection prefetch" variants through
+    ``remote_module.ps.prefetching`` (a step sends the next batch's lookups with its pushes;
+    with ``overlap=True``, those of the batch after the next)."""
+    variant = model.tables.variant
+    if not variant.startswith("collection prefetch"):
         return iter(batches)
-    return prefetching(batches, model.tables.collection, features=features)
+    return prefetching(batches, model.tables.collection, features=features, overlap=variant.endswith("overlap"))
 
 
 def train_step(model: DLRM, opt: torch.optim.Optimizer, batch: tuple) -> float:

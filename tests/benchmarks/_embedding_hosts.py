@@ -50,6 +50,17 @@ def handler_threads() -> int:
     return torch.get_num_threads()
 
 
+def echo(x: torch.Tensor) -> torch.Tensor:
+    """The empty call of the floor (bench_embedding): its argument back."""
+    return x
+
+
+def round_trips(servers: list[str], payload: torch.Tensor) -> None:
+    """One Python call to each of ``servers`` at once, doing nothing: what one message per
+    server per step costs by itself over torch.distributed.rpc."""
+    torch.futures.wait_all([rpc.rpc_async(s, echo, args=(payload,)) for s in servers])
+
+
 # ---- the anchor: PyTorch's hybrid-model example pattern ---------------------------------------
 
 

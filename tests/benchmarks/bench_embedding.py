@@ -84,6 +84,11 @@ def sharded_name(n: int, prefetch: bool | str = False) -> str:
 FORMS = (False, True, "overlap")
 
 
+def floor_name(n: int) -> str:
+    """The timed entry of the floor with ``n`` servers: one empty call to each per step."""
+    return f"floor: an empty call to each of {n} server(s)"
+
+
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max())
 
@@ -171,8 +176,17 @@ def trainer_main(cfg: dict) -> dict:
                 v.lookup(batches[i % len(batches)])
         return run
 
-    timed = {f"train: {n}": train(n) for n in variants} | {f"lookup: {n}": lookup(n) for n in variants
-                                                           if "prefetch" not in n}
+    def floor(n: int) -> Callable[[], None]:
+        payload = torch.zeros(16)
+
+        def run() -> None:
+            for _ in range(cfg["steps_per_round"]):
+                hosts.round_trips(SERVERS[:n], payload)
+        return run
+
+    timed = ({f"train: {n}": train(n) for n in variants} | {f"lookup: {n}": lookup(n) for n in variants
+                                                            if "prefetch" not in n}
+             | {floor_name(n): floor(n) for n in cfg["server_counts"]})
     meter = world_meter()  # CPU of all three processes, every thread, over the same rounds as the clock
     samples, cpu = rounds(timed, cfg["rounds"], cfg["warmup_rounds"], meter)
     results["round_samples_s"] = samples
@@ -188,6 +202,11 @@ def trainer_main(cfg: dict) -> dict:
     train_cpu = cpu_per_op(cpu, cfg["steps_per_round"])
     lookup_cpu = cpu_per_op(cpu, ids_per_batch * cfg["steps_per_round"])
     results["train_step_cpu_s"] = {n: train_cpu[f"train: {n}"] for n in variants}  # per training step
+    # the floor: one empty call to each server per step, the least a step of one message per
+    # server can cost (CPU summed over the processes, per step)
+    results["floor_step_cpu_s"] = {str(n): train_cpu[floor_name(n)] for n in cfg["server_counts"]}
+    results["floor_steps_per_s"] = {str(n): cfg["steps_per_round"] / statistics.median(samples[floor_name(n)])
+                                    for n in cfg["server_counts"]}
     results["lookup_cpu_s"] = {n: lookup_cpu[f"lookup: {n}"] for n in looked}  # per id looked up
     timed_steps = (cfg["rounds"] + cfg["warmup_rounds"]) * cfg["steps_per_round"]
     results["pushed_bytes_per_step"] = {
@@ -260,6 +279,10 @@ def ratios(r: dict) -> dict[str, float]:
             if cpu.get(sharded_name(n, p)) and cpu.get(ANCHOR):
                 out[f"train CPU s/step: {sharded_name(n, p)} / anchor (target <= 0.6)"] = (
                     cpu[sharded_name(n, p)] / cpu[ANCHOR])
+    floor = r.get("floor_step_cpu_s", {})
+    for n in counts:  # what one message per server per step costs alone, against the target
+        if floor.get(str(n)) and cpu.get(ANCHOR):
+            out[f"floor CPU s/step: an empty call to each of {n} server(s) / anchor"] = floor[str(n)] / cpu[ANCHOR]
     for n in counts:  # a one-server table's lookup under no_grad (issue 24)
         target = " (target >= 1.0)" if n == 1 else ""
         out[f"lookups/s: {sharded_name(n)} / anchor{target}"] = lps[sharded_name(n)] / lps[ANCHOR]
@@ -300,6 +323,9 @@ def report(r: dict) -> str:
                   if name in r["lookups_per_s"] else f"{'-':>12}{'-':>15}")
         lines.append(f"  {name:<44}{sps:>9.1f}{1e3 / sps:>9.2f}{cpu_cell(r['train_step_cpu_s'][name], 1e3, 13, 2)}"
                      f"{looked}{pushed_text}")
+    for n, fps in r.get("floor_steps_per_s", {}).items():
+        lines.append(f"  {'floor: an empty call to each of ' + n + ' server(s)':<44}{fps:>9.1f}{1e3 / fps:>9.2f}"
+                     f"{cpu_cell(r['floor_step_cpu_s'][n], 1e3, 13, 2)}")
     lines.append(f"  {'the example as written (sparse=False), after':<44}{r['dense_example_steps_per_s']:>9.1f}"
                  f"{1e3 / r['dense_example_steps_per_s']:>9.2f}{cpu_cell(r['dense_example_step_cpu_s'], 1e3, 13, 2)}")
     lines += ["", f"per server core (each server computes on one; {r['unique_rows_per_step']:.0f} unique rows per "

@@ -190,7 +190,12 @@ def test_quick_embedding_benchmark_runs(tmp_path, capsys):
     looked = {bench_embedding.ANCHOR} | {f"ShardedEmbeddingBag servers={n}" for n in (1, 2)}
     variants = looked | {f"ShardedEmbeddingBag servers={n} prefetch{o}" for n in (1, 2) for o in ("", " overlap")}
     assert set(saved["train_steps_per_s"]) == variants and set(saved["lookups_per_s"]) == looked
-    assert set(saved["round_samples_s"]) == ({f"train: {v}" for v in variants} | {f"lookup: {v}" for v in looked})
+    floors = {bench_embedding.floor_name(n) for n in (1, 2)}
+    assert set(saved["round_samples_s"]) == ({f"train: {v}" for v in variants} | {f"lookup: {v}" for v in looked}
+                                             | floors)
+    # the floor: an empty call to each server per step, timed and metered as the variants
+    assert set(saved["floor_step_cpu_s"]) == set(saved["floor_steps_per_s"]) == {"1", "2"}
+    assert all(v > 0 for v in saved["floor_step_cpu_s"].values())
     assert all(len(s) == cfg["rounds"] for s in saved["round_samples_s"].values())
     assert (all(v > 0 for v in saved["train_steps_per_s"].values())
             and all(v > 0 for v in saved["lookups_per_s"].values()))
@@ -226,7 +231,7 @@ def test_quick_embedding_benchmark_runs(tmp_path, capsys):
     assert os.environ.get("OMP_NUM_THREADS") == _OMP_BEFORE
     printed = capsys.readouterr().out
     assert "ratios of medians" in printed and "(target >= 1.2)" in printed and "anchor: sparse=True" in printed
-    assert "(target <= 0.6)" in printed
+    assert "(target <= 0.6)" in printed and "floor CPU s/step: an empty call to each of 2 server(s)" in printed
     assert "cpu ms/step" in printed and "cpu ns/lookup" in printed
 
 
@@ -237,7 +242,9 @@ def test_embedding_ratios_compare_medians():
     lps = {anchor: 2e6, "ShardedEmbeddingBag servers=1": 1e6, "ShardedEmbeddingBag servers=2": 1.5e6}
     cpu = {anchor: 0.004, "ShardedEmbeddingBag servers=1 prefetch": 0.002}
     r = bench_embedding.ratios({"config": {"server_counts": [1, 2]}, "train_steps_per_s": sps, "lookups_per_s": lps,
-                                "dense_example_steps_per_s": 10.0, "train_step_cpu_s": cpu})
+                                "dense_example_steps_per_s": 10.0, "train_step_cpu_s": cpu,
+                                "floor_step_cpu_s": {"1": 0.001, "2": 0.003}})
+    assert r["floor CPU s/step: an empty call to each of 2 server(s) / anchor"] == pytest.approx(0.75)
     assert r["train steps/s: ShardedEmbeddingBag servers=1 prefetch / anchor (target >= 1.5)"] == pytest.approx(2.0)
     assert r["train CPU s/step: ShardedEmbeddingBag servers=1 prefetch / anchor (target <= 0.6)"] == pytest.approx(0.5)
     assert "train CPU s/step: ShardedEmbeddingBag servers=2 / anchor (target <= 0.6)" not in r  # (no CPU figure)
@@ -269,10 +276,14 @@ def test_quick_dlrm_benchmark_runs(tmp_path, capsys):
     # the run itself checks that the three variants' sync losses agree (the collection's and the
     # one-by-one tables' exactly)
     saved = quick_run(bench_dlrm, tmp_path / "bench-dlrm.json")
-    assert set(saved["samples_per_s"]) == {"local", "collection", "tables", "collection prefetch"}
+    assert set(saved["samples_per_s"]) == {"local", "collection", "tables", "collection prefetch",
+                                           "collection prefetch overlap"} == set(saved["mean_loss_timed"])
     _cpu_beside(saved["samples_per_s"], saved["cpu_s_per_step"])
     assert saved["messages_per_step"]["collection"] == {s: 2 for s in saved["servers_with_rows"]}
-    assert saved["messages_per_step"]["collection prefetch"] == {s: 1 for s in saved["servers_with_rows"]}
+    for v in ("collection prefetch", "collection prefetch overlap"):
+        assert saved["messages_per_step"][v] == {s: 1 for s in saved["servers_with_rows"]}
+    # one trainer, async: the tables on servers compute what the local ones do
+    assert saved["mean_loss_timed"]["collection"] == pytest.approx(saved["mean_loss_timed"]["local"], rel=1e-4)
     assert sum(saved["messages_per_step"]["tables"].values()) == 2 * len(saved["config"]["tables"])
     printed = capsys.readouterr().out
     assert "ratios of medians" in printed and "messages per training step" in printed
