@@ -358,6 +358,7 @@ class Prefetch:
         self.sent = False  # with a step's pushes
         self.pushes_at: list[int] = []  # each table's pushes sent, once that step was sent
         self.planned = False  # by prefetching() (a forward of other arguments leaves it for its own)
+        self.owner: object = None  # the prefetching() loop that planned it (one nested in another keeps apart)
         self.got: list | None = None  # the answers' outcomes, once that step landed
         self.failed = False  # that step's push failed: dropped
 
@@ -401,11 +402,15 @@ class Ahead:
 
     def take(self, key: tuple, records: Any) -> Prefetch | None:
         """The prefetch for a forward of ``key``: the first that matches it, the ones before it
-        dropped. With none, a ``prefetch()`` is dropped (any other forward drops it), while
-        ``prefetching``'s stay for the forwards they were planned for (an eval forward, say)."""
+        dropped, except those another ``prefetching`` loop planned (an evaluation loop's inside
+        the training loop's, or the other way round: each keeps its own). With none, a
+        ``prefetch()`` is dropped (any other forward drops it), while ``prefetching``'s stay for
+        the forwards they were planned for (an eval forward, say)."""
         for k, handle in enumerate(self.handles):
             if handle.matches(key, records):
-                del self.handles[:k + 1]
+                owner = handle.owner
+                self.handles = [h for h in self.handles[:k] if owner is not None and h.owner is not None
+                                and h.owner is not owner] + self.handles[k + 1:]
                 return handle
         if self.handles and not self.handles[0].planned:
             self.handles.pop(0)

@@ -13,14 +13,17 @@ from remote_module.ps._embedding import ShardedEmbedding
 _PREFETCHERS = (ShardedEmbedding, ShardedEmbeddingBagCollection)
 
 
-def _start(table: Any, features: Callable[[Any], Any], batch: Any, queued: bool, overlap: bool) -> None:
+def _start(table: Any, features: Callable[[Any], Any], batch: Any, queued: bool, overlap: bool,
+           owner: object = None) -> None:
     """Prefetch ``table``'s input of ``batch`` (``features(batch)``): as the next forward's
-    prefetch, or ``queued`` for a later one. A batch the prefetch refuses (or whose features
-    fail) is left alone: its own forward raises, naming what is wrong."""
+    prefetch, or ``queued`` for a later one; ``owner``: the loop planning it. A batch the
+    prefetch refuses (or whose features fail) is left alone: its own forward raises, naming
+    what is wrong."""
     try:
-        table._prefetch_input(features(batch), queued, overlap).planned = True
+        handle = table._prefetch_input(features(batch), queued, overlap)
     except Exception:  # noqa: BLE001 - the forward of that batch reports it
-        pass
+        return
+    handle.planned, handle.owner = True, owner
 
 
 def prefetching(batches: Iterable, tables: Any, features: Callable[[Any], Any] | None = None, *,
@@ -79,6 +82,9 @@ def prefetching(batches: Iterable, tables: Any, features: Callable[[Any], Any] |
         return pick
 
     picks = [feature_of(k) for k in range(len(targets))]
+    # this loop's prefetches and planned calls: a loop nested in another on the same tables (an
+    # evaluation loop inside the training loop) takes and drops only its own
+    owner = object()
     it = iter(batches)
     ahead: deque = deque()  # read, not yet yielded
     failure: list[BaseException] = []
@@ -95,19 +101,23 @@ def prefetching(batches: Iterable, tables: Any, features: Callable[[Any], Any] |
     try:
         read(depth + 1)
         for table, pick in zip(targets, picks):
+            queued = any(h.owner is not None for h in table._lookahead().handles)
             for k, batch in enumerate(ahead):
-                _start(table, pick, batch, k > 0, overlap)
+                _start(table, pick, batch, queued or k > 0, overlap, owner)
         while ahead:
             current = ahead.popleft()
             read(depth + 1)
             for table, pick in zip(targets, picks):  # after the next step: depth + 1 batches on
                 if len(ahead) > depth:  # (a list: a batch trained without a step leaves its plan to the next)
                     table.__dict__.setdefault("_after_step", []).append(
-                        partial(_start, table, pick, ahead[depth], True, overlap))
+                        partial(_start, table, pick, ahead[depth], True, overlap, owner))
             yield current
         if failure and not isinstance(failure[0], StopIteration):
             raise failure[0]
-    finally:  # (a loop left early: nothing planned ahead stays behind)
+    finally:  # (a loop left early: nothing it planned ahead stays behind; another loop's stays)
         for table in targets:
-            table.__dict__.pop("_after_step", None)
-            table._lookahead().handles.clear()
+            kept = [p for p in table.__dict__.pop("_after_step", []) if p.args[-1] is not owner]
+            if kept:
+                table.__dict__["_after_step"] = kept
+            lookahead = table._lookahead()
+            lookahead.handles = [h for h in lookahead.handles if h.owner is not owner]

@@ -378,3 +378,39 @@ def psmodel_do(name: str, what: str) -> dict:
         "grads": lambda: all(p.grad is not None for p in ps.module.parameters()),
         "retry": lambda: (ps.step(), ps.flush()),
     }[what])
+
+
+def nested_eval(name: str, mode: str, overlap: bool, evaluated: str) -> dict:
+    """A training loop over ``prefetching`` with, every other step, an evaluation under no_grad
+    of two test batches (``evaluated``: ``"plain"`` batches, or their own ``prefetching`` on the
+    same collection, left early as facebookresearch/dlrm's ``inference()`` leaves its loader at
+    ``nbatches``): outputs, evaluation outputs, rows and the messages per server."""
+    ebc = collection(name, mode)
+    data = [{k: batches(3 + i, 6)[j] for i, k in enumerate("smxp")} for j in range(6)]
+    tests = [{k: batches(30 + i, 3)[j] for i, k in enumerate("smxp")} for j in range(3)]
+    outs: list = []
+    evals: list = []
+
+    def run() -> None:
+        from remote_module.ps import prefetching
+
+        for j, batch in enumerate(prefetching(data, ebc, features=lambda b: b, overlap=overlap)):
+            out = ebc(batch)
+            value = torch.cat([out[k] for k in sorted(out)], 1)
+            outs.append(value.detach().clone())
+            ebc.zero_grad()
+            ((value - 0.5) ** 2).sum().backward()
+            ebc.step()
+            if j % 2 == 1:
+                with torch.no_grad():  # (the loop over a temporary: left, it is closed, as in dlrm)
+                    for i, test in enumerate(prefetching(tests, ebc, features=lambda b: b)
+                                             if evaluated == "prefetched" else tests):
+                        if i >= 2:
+                            break
+                        got = ebc(test)
+                        evals.append(torch.cat([got[k] for k in sorted(got)], 1))
+
+    messages = messages_per_call(run, 1)
+    ebc.flush()
+    return {"outs": outs, "evals": evals, "rows": {k: v for k, v in ebc.state_dict().items()},
+            "messages": messages}

@@ -127,6 +127,23 @@ def test_a_collection_trained_with_prefetching_equals_the_same_loop_without(worl
 
 
 
+@pytest.mark.parametrize("mode,overlap", [("sync", False), ("async", False), ("async", True)])
+def test_an_evaluation_loop_prefetching_inside_the_training_loop_leaves_its_prefetches(world, mode, overlap):
+    """facebookresearch/dlrm's loop: every few steps an evaluation under no_grad, its own loader
+    fed through prefetching on the same tables and left early. Its forwards and its end drop
+    only its own prefetches: the training loop's next forward still uses the one sent with the
+    last step (as with a plain evaluation loop), and every result is the plain loop's."""
+    plain = on(world, "trainer0", r.nested_eval, job(f"nested-plain-{mode}-{overlap}"), mode, overlap, "plain")
+    ahead = on(world, "trainer0", r.nested_eval, job(f"nested-pf-{mode}-{overlap}"), mode, overlap, "prefetched")
+    equal(ahead["outs"], plain["outs"], "training outputs")
+    equal(ahead["evals"], plain["evals"], "evaluation outputs")
+    for key in plain["rows"]:
+        assert torch.equal(ahead["rows"][key], plain["rows"][key]), key
+    # 6 steps, each with the next batch's lookups, the first lookup, and 3 evaluations of 2
+    # batches: the evaluation's prefetching sends what its plain forwards send, nothing more
+    assert ahead["messages"] == plain["messages"] == {"ps0": 6 + 1 + 6, "ps1": 6 + 1 + 6}, (ahead, plain)
+
+
 def test_two_sync_trainers_prefetching_get_the_outputs_and_rows_they_get_without(world):
     got = {}
     for prefetched in (False, True):
