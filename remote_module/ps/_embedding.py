@@ -1155,6 +1155,11 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         def failed() -> None:
             with self._pending_lock:  # kept for a retry (or zero_grad), with any recorded meanwhile
                 self._held = taken + self._held
+                # back "on the parameter", as PSModel puts them: a zero_grad() that ran while the
+                # push was in flight (a local optimizer's, which does not wait for it) came before
+                # the failure was known, and must not drop them; a later one does
+                if taken and self.grad_marker.grad is None:
+                    self.grad_marker.grad = torch.zeros_like(self.grad_marker)
 
         if pushing:
             self._pushes = self.__dict__.get("_pushes", 0) + 1  # (a prefetch sent before misses it: Ahead.fresh)

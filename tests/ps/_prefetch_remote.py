@@ -239,6 +239,47 @@ def on_table(name: str, what: str) -> dict:
     }[what])
 
 
+def zero_grad_prepare(name: str, timeout: float) -> bool:
+    """A collection of two plain sum bags (async, rows on ps0 and ps1) trained through
+    ``prefetching(overlap=True)`` with a local optimizer of its parameters (the grad markers,
+    as an optimizer of ``model.parameters()`` holds them) zeroed before each forward: two steps,
+    landed."""
+    from remote_module.ps import ShardedEmbeddingBagCollection, prefetching
+
+    ebc = ShardedEmbeddingBagCollection({k: table(f"{name}-{k}", bag="sum", ps_mode="async", keep=False)
+                                         for k in "ab"}, timeout=timeout)
+    opt = torch.optim.SGD(ebc.parameters(), lr=0.1)
+    data = [{"a": torch.tensor([[1, 15], [i, 10 + i]]), "b": torch.tensor([[2, 16, i]])} for i in range(8)]
+    _objects[name] = (ebc, opt, iter(prefetching(data, ebc, overlap=True)), data)
+    for _ in range(2):
+        zero_grad_do(name, "train")
+    ebc.flush()  # (answered before ps1 is stopped)
+    return True
+
+
+def zero_grad_do(name: str, what: str) -> dict:
+    """``what`` on ``zero_grad_prepare``'s loop: "train" (an iteration: zero_grad, forward,
+    backward, step), "eval" (the optimizer's zero_grad, then a forward under no_grad), "retry"
+    (step, flush); with the rows each pushed."""
+    ebc, opt, batches_left, data = _objects[name]
+
+    def train() -> None:
+        batch = next(batches_left)
+        opt.zero_grad()
+        sum(v.pow(2).sum() for v in ebc(batch).values()).backward()
+        ebc.step()
+
+    def evaluate() -> None:
+        opt.zero_grad()
+        with torch.no_grad():
+            ebc(data[0])
+
+    before = sum(v["rows_pushed"] for v in ebc.traffic.values())
+    out = attempt({"train": train, "eval": evaluate, "retry": lambda: (ebc.step(), ebc.flush())}[what])
+    out["pushed"] = sum(v["rows_pushed"] for v in ebc.traffic.values()) - before
+    return out
+
+
 # ---- what the hostile review found ---------------------------------------------------------------------
 
 

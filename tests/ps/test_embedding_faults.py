@@ -165,6 +165,26 @@ def test_a_psmodel_step_in_flight_to_a_frozen_server_is_named_at_the_next_call_a
         assert faulty.run({"trainer0": (pf.psmodel_do, name, "forward")}, timeout=30)["trainer0"]["ok"]
 
 
+def test_a_step_failing_after_an_optimizers_zero_grad_is_pushed_again_by_the_retry(faulty):
+    """Found by the third hostile review: a collection trained through prefetching(overlap=True),
+    its grad markers zeroed by a local optimizer before each forward (an optimizer of
+    model.parameters()); a step in flight to a frozen ps1 fails at the next call (an eval
+    forward, after that zero_grad). The zero_grad ran before the failure was known, so the
+    gradients kept for the retry count: step() again pushes them (it pushed nothing)."""
+    name = job("zero-grad-retry")
+    faulty.run({"trainer0": (pf.zero_grad_prepare, name, TIMEOUT)})
+    faulty.freeze("ps1")
+    try:
+        step = faulty.run({"trainer0": (pf.zero_grad_do, name, "train")})["trainer0"]
+        evaluated = faulty.run({"trainer0": (pf.zero_grad_do, name, "eval")})["trainer0"]
+    finally:
+        faulty.thaw("ps1")
+    assert step["ok"] and step["pushed"] > 0, step
+    assert_named_in_time(evaluated, "ps1", "an eval forward after a step in flight")
+    retried = faulty.run({"trainer0": (pf.zero_grad_do, name, "retry")}, timeout=30)["trainer0"]
+    assert retried["ok"] and retried["pushed"] == step["pushed"], (step, retried)
+
+
 def test_a_trainer_killed_in_a_sync_step_is_named_by_the_others_next_lookup_in_time(faulty):
     """Both trainers attached and looked up; trainer1 is killed before its push: trainer0's push
     goes through, its next lookup fails within the timeout naming trainer1 (not itself), the
