@@ -358,7 +358,10 @@ class Prefetch:
         self.sent = False  # with a step's pushes
         self.pushes_at: list[int] = []  # each table's pushes sent, once that step was sent
         self.planned = False  # by prefetching() (a forward of other arguments leaves it for its own)
-        self.owner: object = None  # the prefetching() loop that planned it (one nested in another keeps apart)
+        # the prefetching() loop that planned it (one nested in another keeps apart), and the
+        # index of its batch in that loop
+        self.loop: object = None
+        self.batch = 0
         self.got: list | None = None  # the answers' outcomes, once that step landed
         self.failed = False  # that step's push failed: dropped
 
@@ -408,9 +411,9 @@ class Ahead:
         the forwards they were planned for (an eval forward, say)."""
         for k, handle in enumerate(self.handles):
             if handle.matches(key, records):
-                owner = handle.owner
-                self.handles = [h for h in self.handles[:k] if owner is not None and h.owner is not None
-                                and h.owner is not owner] + self.handles[k + 1:]
+                loop = handle.loop
+                self.handles = [h for h in self.handles[:k] if loop is not None and h.loop is not None
+                                and h.loop is not loop] + self.handles[k + 1:]
                 return handle
         if self.handles and not self.handles[0].planned:
             self.handles.pop(0)

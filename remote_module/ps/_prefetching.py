@@ -13,17 +13,29 @@ from remote_module.ps._embedding import ShardedEmbedding
 _PREFETCHERS = (ShardedEmbedding, ShardedEmbeddingBagCollection)
 
 
-def _start(table: Any, features: Callable[[Any], Any], batch: Any, queued: bool, overlap: bool,
-           owner: object = None) -> None:
-    """Prefetch ``table``'s input of ``batch`` (``features(batch)``): as the next forward's
-    prefetch, or ``queued`` for a later one; ``owner``: the loop planning it. A batch the
-    prefetch refuses (or whose features fail) is left alone: its own forward raises, naming
-    what is wrong."""
+def _start(table: Any, features: Callable[[Any], Any], batch: Any, queued: bool, overlap: bool, *, loop: object,
+           index: int) -> None:
+    """Prefetch ``table``'s input of ``batch`` (``features(batch)``, the ``index``-th batch of
+    the prefetching loop ``loop``): as the next forward's prefetch, or ``queued`` for a later
+    one. A batch the prefetch refuses (or whose features fail) is left alone: its own forward
+    raises, naming what is wrong."""
     try:
         handle = table._prefetch_input(features(batch), queued, overlap)
     except Exception:  # noqa: BLE001 - the forward of that batch reports it
         return
-    handle.planned, handle.owner = True, owner
+    handle.planned, handle.loop, handle.batch = True, loop, index
+
+
+def _prune(table: Any, loop: object, index: int, behind: int) -> None:
+    """Drop ``loop``'s plans of the batches yielded before its ``index``-th: those not sent yet
+    (a batch trained without a step leaves its plan to the next step; a loop without steps, an
+    evaluation, would keep every batch in them), and the prefetches more than ``behind`` batches
+    back, which no forward used (forwards of other arguments would keep them all)."""
+    after = table.__dict__.get("_after_step")
+    if after:
+        after[:] = [p for p in after if p.keywords["loop"] is not loop or p.keywords["index"] > index]
+    ahead = table._lookahead()
+    ahead.handles = [h for h in ahead.handles if h.loop is not loop or h.batch >= index - behind]
 
 
 def prefetching(batches: Iterable, tables: Any, features: Callable[[Any], Any] | None = None, *,
@@ -84,7 +96,7 @@ def prefetching(batches: Iterable, tables: Any, features: Callable[[Any], Any] |
     picks = [feature_of(k) for k in range(len(targets))]
     # this loop's prefetches and planned calls: a loop nested in another on the same tables (an
     # evaluation loop inside the training loop) takes and drops only its own
-    owner = object()
+    loop = object()
     it = iter(batches)
     ahead: deque = deque()  # read, not yet yielded
     failure: list[BaseException] = []
@@ -101,23 +113,26 @@ def prefetching(batches: Iterable, tables: Any, features: Callable[[Any], Any] |
     try:
         read(depth + 1)
         for table, pick in zip(targets, picks):
-            queued = any(h.owner is not None for h in table._lookahead().handles)
+            queued = any(h.loop is not None for h in table._lookahead().handles)
             for k, batch in enumerate(ahead):
-                _start(table, pick, batch, queued or k > 0, overlap, owner)
+                _start(table, pick, batch, queued or k > 0, overlap, loop=loop, index=k)
+        index = 0
         while ahead:
             current = ahead.popleft()
             read(depth + 1)
             for table, pick in zip(targets, picks):  # after the next step: depth + 1 batches on
+                _prune(table, loop, index, depth + 1)
                 if len(ahead) > depth:  # (a list: a batch trained without a step leaves its plan to the next)
                     table.__dict__.setdefault("_after_step", []).append(
-                        partial(_start, table, pick, ahead[depth], True, overlap, owner))
+                        partial(_start, table, pick, ahead[depth], True, overlap, loop=loop, index=index + depth + 1))
+            index += 1
             yield current
         if failure and not isinstance(failure[0], StopIteration):
             raise failure[0]
     finally:  # (a loop left early: nothing it planned ahead stays behind; another loop's stays)
         for table in targets:
-            kept = [p for p in table.__dict__.pop("_after_step", []) if p.args[-1] is not owner]
+            kept = [p for p in table.__dict__.pop("_after_step", []) if p.keywords["loop"] is not loop]
             if kept:
                 table.__dict__["_after_step"] = kept
             lookahead = table._lookahead()
-            lookahead.handles = [h for h in lookahead.handles if h.owner is not owner]
+            lookahead.handles = [h for h in lookahead.handles if h.loop is not loop]

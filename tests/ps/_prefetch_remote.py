@@ -392,6 +392,46 @@ def mixed(name: str, prefetched: bool, steps: int = 5) -> dict:
     return {"outs": outs, "rows": t.state_dict()["weight"]}
 
 
+def batches_held(name: str, steps: int = 12) -> int:
+    """``prefetching(overlap=True)`` over batches made one at a time, evaluated under no_grad
+    without a step (an epoch function shared by training and evaluation, say): the most of them
+    alive at once."""
+    import weakref
+
+    from remote_module.ps import prefetching
+
+    t = table(name, bag="sum", ps_mode="async")
+    made: list = []
+
+    def loader():
+        for i in range(steps):
+            ids = torch.tensor([[1, 15], [i % 10, 19 - i % 10]])
+            made.append(weakref.ref(ids))
+            yield ids
+
+    most = 0
+    with torch.no_grad():
+        for ids in prefetching(loader(), t, overlap=True):
+            t(ids)
+            most = max(most, sum(ref() is not None for ref in made))
+    return most
+
+
+def prefetches_kept(name: str, steps: int = 30) -> int:
+    """``prefetching(overlap=True)`` given int32 ids while the model looks up int64 ones (it
+    casts them): no prefetch matches a forward. The most prefetches the table kept at once."""
+    from remote_module.ps import prefetching
+
+    t = table(name, bag="sum", ps_mode="async")
+    data = [torch.tensor([[1, 15], [i % 10, 19 - i % 10]], dtype=torch.int32) for i in range(steps)]
+    most = 0
+    for ids in prefetching(data, t, overlap=True):
+        t(ids.long()).pow(2).sum().backward()
+        t.step()
+        most = max(most, len(t._lookahead().handles))
+    return most
+
+
 # ---- a PSModel's step in flight -----------------------------------------------------------------------
 
 

@@ -282,3 +282,18 @@ def test_a_table_prefetched_alone_and_stepped_in_a_collection_too_gets_what_it_g
     got = {p: on(world, "trainer0", r.mixed, job(f"pf-mixed-{p}"), p) for p in (False, True)}
     equal(got[True]["outs"], got[False]["outs"], "a table also stepped through a collection")
     assert torch.equal(got[True]["rows"], got[False]["rows"])
+
+
+def test_prefetching_a_loop_without_steps_holds_no_more_batches_than_it_reads_ahead(world):
+    """Found by the third hostile review: every batch's plan waited for a step, so a loop with
+    none (an evaluation through the training loop's code) held every batch until its end."""
+    most = on(world, "trainer0", r.batches_held, job("pf-held"))
+    assert most <= 5, f"{most} batches alive at once (it reads three ahead of the current one)"
+
+
+def test_prefetches_no_forward_uses_are_not_kept_for_good(world):
+    """Found by the third hostile review: features that do not give the forward's arguments
+    (int32 ids to a model that casts them to int64) left one more prefetch behind every step."""
+    most = on(world, "trainer0", r.prefetches_kept, job("pf-kept"))
+    assert most <= 8, f"{most} prefetches kept after 30 steps"
+
