@@ -365,10 +365,15 @@ class Prefetch:
         self.got: list | None = None  # the answers' outcomes, once that step landed
         self.failed = False  # that step's push failed: dropped
 
+    def changed(self) -> bool:
+        """Whether a table's rows changed since it was sent (a load, a half_async merge): what
+        it read is gone."""
+        return self.sent and any(t.__dict__.get("_changes", 0) != n for t, n in self.tables)
+
     def matches(self, key: tuple, records: Any) -> bool:
         """Whether a forward of ``key`` (``records``: as given at construction) may use it."""
-        if self.sent and any(t.__dict__.get("_changes", 0) != n for t, n in self.tables):
-            return False  # a table's rows changed since (a load, a half_async merge): what it read is gone
+        if self.changed():
+            return False
         if any(isinstance(v, torch.Tensor) and v.requires_grad for v in key):
             return False
         return (records == self.records and len(key) == len(self.key)
@@ -417,6 +422,10 @@ class Ahead:
                 return handle
         if self.handles and not self.handles[0].planned:
             self.handles.pop(0)
+        # prefetching's that no forward can use any more (their step failed, or a push or a load
+        # since made them stale) are dropped: else they hold up the sending of those after them
+        # (to_send sends the first two) until a forward matches one of those
+        self.handles = [h for h in self.handles if not h.sent or not (h.failed or h.changed() or not self.fresh(h))]
         return None
 
     def claim(self, key: tuple, records: Any, land: Callable[[], None]) -> Prefetch | None:
@@ -477,6 +486,8 @@ class Ahead:
         """A step was sent (its tables' pushes counted), and ``sent`` with it."""
         for handle in sent:
             handle.sent, handle.pushes_at = True, [_pushes(t) for t, _ in handle.tables]
+            # (what it reads is the rows as of now: a load or a merge before now does not make it stale)
+            handle.tables = [(t, t.__dict__.get("_changes", 0)) for t, _ in handle.tables]
 
 
 #: where a lookup handler takes the table's step (sync: the lookup waits for step - 1)

@@ -432,6 +432,26 @@ def prefetches_kept(name: str, steps: int = 30) -> int:
     return most
 
 
+def load_in_loop(name: str, steps: int = 9, at: int = 3) -> dict:
+    """A collection trained through ``prefetching(overlap=True)``, its own checkpoint loaded
+    after step ``at``: the messages each step sent (both servers)."""
+    from remote_module.ps import prefetching
+
+    ebc = collection(name, "async")
+    data = [{k: batches(3 + i, steps)[j] for i, k in enumerate("smxp")} for j in range(steps)]
+    sent = []
+    for k, batch in enumerate(prefetching(data, ebc, overlap=True)):
+        before = sum(v["messages"] for v in ebc.traffic.values())
+        out = ebc(batch)
+        sum(((v - 0.5) ** 2).sum() for v in out.values()).backward()
+        ebc.step()
+        sent.append(sum(v["messages"] for v in ebc.traffic.values()) - before)
+        if k == at:
+            ebc.load_state_dict(ebc.state_dict())
+    ebc.flush()
+    return {"sent": sent}
+
+
 # ---- a PSModel's step in flight -----------------------------------------------------------------------
 
 

@@ -297,3 +297,12 @@ def test_prefetches_no_forward_uses_are_not_kept_for_good(world):
     most = on(world, "trainer0", r.prefetches_kept, job("pf-kept"))
     assert most <= 8, f"{most} prefetches kept after 30 steps"
 
+
+def test_a_load_in_the_loop_costs_only_the_lookups_it_made_stale(world):
+    """Found by the third hostile review: a lookup planned before a load (or a half_async
+    flush) and sent after it was taken for stale, and the stale ones sent before it held up
+    the sending of the next: three forwards after the load looked up again, not two."""
+    got = on(world, "trainer0", r.load_in_loop, job("pf-load-loop"))
+    assert got["sent"][:4] == [4] + [2] * 3, got["sent"]
+    assert got["sent"][4:6] == [4, 4], got["sent"]  # (the lookups sent before the load: looked up again)
+    assert got["sent"][6:] == [2] * 3, got["sent"]
