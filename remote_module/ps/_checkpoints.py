@@ -276,5 +276,8 @@ class PSCheckpoints:
         self._pulled = {s.name: self._block_values(s, geo["pulled"][s.pname].to(params[s.pname].dtype)).clone()
                         for s in self._slots if s.pname in geo["pulled"]}
         self._step = geo["steps"]
+        # (training not pushed yet, as saved: flush() pushes it)
+        self._geo_unpushed[0] = int(any(not torch.equal(self._block_values(s), self._pulled[s.name])
+                                        for s in self._slots if s.name in self._pulled))
         # a load_state_dict() before the next step or pull keeps this progress (see there)
         self.__dict__["_geo_restored"] = {pname: p.detach().clone() for pname, p in params.items()}

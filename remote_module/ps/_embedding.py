@@ -203,6 +203,19 @@ def _report_unlanded(failure: Callable[[], Any]) -> None:
                       f"{what}", RuntimeWarning)
 
 
+def report_unpushed(what: str, left: Callable[[], int]) -> None:
+    """geo: a table or model gone (or the process ending) with local training never pushed
+    (``left()``: how much, 0 for none): warn, as those steps are lost to the servers."""
+    try:
+        n = left()
+    except Exception:  # noqa: BLE001 - a warning at exit must not raise
+        return
+    if n:
+        warnings.warn(f"{what} (geo) ended with {n} never pushed: the local steps since its last push (every "
+                      f"geo_push_every steps) did not reach the servers; call flush() after the last step() to "
+                      f"push them", RuntimeWarning)
+
+
 def finished(done: set, part: Any, finish: Callable[[], None]) -> None:
     """A part of a step (a table, a PSModel's dense part) whose pushes succeeded: ``finish()``,
     and remember it, so a retried ``step()`` does not push it again."""
@@ -385,6 +398,11 @@ class Prefetch:
         if not all(ok for ok, _ in self.got):
             return None
         return [value for _, value in self.got]
+
+
+def _trained_rows(geo: GeoCache) -> str | int:
+    n = geo.trained()
+    return f"{n} trained row(s)" if n else 0
 
 
 def _pushes(table: Any) -> int:
@@ -644,6 +662,8 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
                                  self._row_opt, half_async_merge_every, merge_s, self.padding_idx)
         # geo: the rows this trainer touched, trained locally: id -> [row, row when pulled, state]
         self._geo = GeoCache(embedding_dim, self._row_opt) if ps_mode == "geo" else None
+        if self._geo is not None:  # (warns of rows trained here and never pushed: flush() pushes them)
+            weakref.finalize(self, report_unpushed, f"table {self.name!r}", partial(_trained_rows, self._geo))
         by_server: dict[str, list[tuple[int, int]]] = {}
         for first, count, server in self._ranges:
             by_server.setdefault(server, []).append((first, count))
@@ -1012,8 +1032,12 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
 
     def flush(self) -> None:
         """Wait for this table's pushes in flight; half_async: have the servers apply the queued
-        pushes now."""
+        pushes now; geo: push the deltas of the rows trained since the last push now (the end
+        of training: the local steps after the last ``geo_push_every`` boundary), as a push
+        every ``geo_push_every`` steps does."""
         self._wait_pushes()
+        if self._geo is not None and self._geo.trained():
+            self._geo_push()
         if self.ps_mode == "half_async":
             call_all([(s, _table_server._flush_table, (self.name,)) for s in self._by_server], timeout=self.timeout)
             self._changes = self.__dict__.get("_changes", 0) + 1  # a prefetch sent before reads stale rows

@@ -79,6 +79,11 @@ class GeoCache:
             for k, v in after.items():
                 self.state[k][where] = v
 
+    def trained(self) -> int:
+        """How many cached rows moved since they were fetched: training not pushed yet."""
+        with self.lock:
+            return int((self.rows != self.fetched).any(dim=1).sum()) if self.ids.numel() else 0
+
     def deltas(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(ids, value - value when fetched)`` of every cached row."""
         with self.lock:

@@ -30,7 +30,15 @@ from remote_module.ps import _dense_server
 from remote_module.ps._checkpoints import PSCheckpoints
 from remote_module.ps._dispatch import RoundRobin
 from remote_module.ps._dispatch import check_servers as _check_servers
-from remote_module.ps._embedding import ShardedEmbedding, finished, fly, land, nothing, send_push_plans
+from remote_module.ps._embedding import (
+    ShardedEmbedding,
+    finished,
+    fly,
+    land,
+    nothing,
+    report_unpushed,
+    send_push_plans,
+)
 from remote_module.ps._modes import PS_MODES
 from remote_module.ps._slicing import Block, block_name, block_of, slice_blocks
 from rpc_backend.options import positive_seconds
@@ -99,6 +107,10 @@ class _Slot:
     def __init__(self, param: str, block: Block, server: str) -> None:
         self.pname, self.block, self.server = param, block, server
         self.name = block_name(param, block.index)
+
+
+def _steps_left(unpushed: list[int]) -> str | int:
+    return f"{unpushed[0]} local optimizer step(s)" if unpushed[0] else 0
 
 
 class PSModel(PSCheckpoints, nn.Module):
@@ -209,6 +221,11 @@ class PSModel(PSCheckpoints, nn.Module):
         self._local_opt = (optimizer[0](self._params().values(), **optimizer[1])
                            if ps_mode == "geo" and self._params() else None)
         self._pulled: dict[str, torch.Tensor] = {}
+        # geo: local optimizer steps whose deltas were not pushed yet (flush() pushes them; a
+        # model gone with some warns)
+        self.__dict__["_geo_unpushed"] = unpushed = [0]
+        if self._local_opt is not None:
+            weakref.finalize(self, report_unpushed, f"PSModel {name!r}", partial(_steps_left, unpushed))
         self.pull()
         # a model holding this one: its load_state_dict() reaches the local model through these
         self.register_load_state_dict_pre_hook(self._nested_load)
@@ -363,6 +380,7 @@ class PSModel(PSCheckpoints, nn.Module):
         if self.ps_mode == "geo":
             self._pulled = {k: v.clone() for k, v in values.items()}
             self.__dict__.pop("_geo_restored", None)  # the local copy is the servers' now
+            self._geo_unpushed[0] = 0
 
     def _server_values(self) -> dict[str, torch.Tensor]:
         """Every block's value on its server, by block name (nothing written locally). In sync
@@ -546,7 +564,9 @@ class PSModel(PSCheckpoints, nn.Module):
         self._local_opt.zero_grad(set_to_none=True)
         self.__dict__.pop("_geo_restored", None)  # trained on since a restore
         self._step += 1
+        self._geo_unpushed[0] += 1
         if self._step % self.geo_push_every == 0:
+            self._geo_unpushed[0] = 0  # (a push that fails raises: its deltas go with the next push)
             return self._delta_push_plans()
         return []
 
@@ -624,8 +644,17 @@ class PSModel(PSCheckpoints, nn.Module):
 
     def flush(self) -> None:
         """Wait for the last step's pushes in flight; half_async: have the servers apply what
-        they have queued now."""
+        they have queued now; geo: push the deltas of the local steps since the last push now
+        (the end of training: the steps after the last ``geo_push_every`` boundary) and take
+        the merged values, as a push every ``geo_push_every`` steps does (the next one still
+        comes at the next multiple of ``geo_push_every`` steps); its tables push theirs too."""
         self._wait_pushes()
+        if self._geo_unpushed[0]:
+            plans = self._delta_push_plans()
+            if plans:
+                fly(self, self._tables.values(), send_push_plans(plans, self.timeout), set())
+                self._wait_pushes()
+            self._geo_unpushed[0] = 0
         self.__dict__.pop("_ready", None)  # the next forward pulls what the merge made
         call_all([(s, _dense_server._flush, (self.name,)) for s in self.servers], timeout=self.timeout)
         for table in self._tables.values():

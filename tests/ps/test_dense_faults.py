@@ -4,6 +4,7 @@ trainer1), since ranks die in it; the trainer is killed first, then the server."
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 
@@ -90,3 +91,24 @@ def test_a_last_step_whose_pushes_fail_unawaited_is_reported_when_the_process_en
     assert len(warned) == 2, proc.stderr[-3000:]
     assert "to get its outcome): RefusingSGD: a NaN gradient" in proc.stderr, proc.stderr[-3000:]
     assert any("'unlanded-sync'" in line and "not applied in time" in line for line in warned), warned
+
+
+def test_geo_flush_pushes_the_last_local_steps_and_steps_never_pushed_are_reported():
+    """geo: 5 steps with geo_push_every=3 leave 2 local steps after the last push. flush()
+    pushes them: the servers then hold what one local process trained (a PSModel with a table,
+    and a table alone), which they did not before. Two jobs that end with local steps never
+    pushed (no flush) are warned of as the process ends (a user who forgets the step only the
+    distributed version needs is told), and the flushed ones are not."""
+    proc = subprocess.run([sys.executable, "-m", "tests.ps._geo_flush_script"], capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("geo-flush "))
+    got = ast.literal_eval(line[len("geo-flush "):])
+    assert got["before"]["dense"] > 1e-3 and got["before"]["alone"] > 1e-3, got  # the last 2 steps not pushed yet
+    assert got["after"]["dense"] <= 1e-6 and got["after"]["alone"] <= 1e-6, got  # flush() pushed them
+    assert got["model"] <= 1e-6, got  # pulled back: the dense part and its table equal the local process
+    warned = [x for x in proc.stderr.splitlines() if "RuntimeWarning:" in x and "never pushed" in x]
+    assert len(warned) == 2, proc.stderr[-3000:]
+    for what in ("PSModel 'geo-left' (geo) ended with 2 local optimizer step(s) never pushed",
+                 "table 'geo-left-bag' (geo) ended with 2 trained row(s) never pushed"):
+        assert any(what in x for x in warned), warned
