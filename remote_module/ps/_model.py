@@ -566,7 +566,6 @@ class PSModel(PSCheckpoints, nn.Module):
         self._step += 1
         self._geo_unpushed[0] += 1
         if self._step % self.geo_push_every == 0:
-            self._geo_unpushed[0] = 0  # (a push that fails raises: its deltas go with the next push)
             return self._delta_push_plans()
         return []
 
@@ -618,9 +617,17 @@ class PSModel(PSCheckpoints, nn.Module):
         """geo: one plan per server pushing its blocks' deltas (local value minus the value
         last taken from it); its answer, the merged values, is written into the local copy
         and becomes the new base of its deltas, server by server: a server that failed keeps
-        its deltas for the next push (its blocks train on locally meanwhile)."""
+        its deltas for the next push (its blocks train on locally meanwhile), and the steps
+        since the last push count as not pushed until every server took its deltas (so
+        ``flush()`` pushes them, and a model left so warns)."""
         plans = []
         params = self._params()
+        unpushed = self._geo_unpushed
+        steps = unpushed[0]
+
+        def failed() -> None:  # that server kept its blocks' deltas: still to be pushed
+            unpushed[0] = max(unpushed[0], steps)
+
         for server, slots in self._by_server().items():
             # only trainable (floating) parameters move: an integer one has no delta to average
             sel = [s for s in slots if params[s.pname].is_floating_point() or params[s.pname].is_complex()]
@@ -628,7 +635,8 @@ class PSModel(PSCheckpoints, nn.Module):
             if deltas:
                 packed = self._packable(sel)
                 calls = [(server, _dense_server._push_delta, (self.name, self._sent(sel, deltas), packed))]
-                plans.append((calls, nothing, nothing, partial(self._merged, sel)))
+                plans.append((calls, nothing, failed, partial(self._merged, sel)))
+        unpushed[0] = 0
         return plans
 
     def _merged(self, slots: list[_Slot], got: list) -> None:
@@ -654,7 +662,6 @@ class PSModel(PSCheckpoints, nn.Module):
             if plans:
                 fly(self, self._tables.values(), send_push_plans(plans, self.timeout), set())
                 self._wait_pushes()
-            self._geo_unpushed[0] = 0
         self.__dict__.pop("_ready", None)  # the next forward pulls what the merge made
         call_all([(s, _dense_server._flush, (self.name,)) for s in self.servers], timeout=self.timeout)
         for table in self._tables.values():

@@ -112,3 +112,19 @@ def test_geo_flush_pushes_the_last_local_steps_and_steps_never_pushed_are_report
     for what in ("PSModel 'geo-left' (geo) ended with 2 local optimizer step(s) never pushed",
                  "table 'geo-left-bag' (geo) ended with 2 trained row(s) never pushed"):
         assert any(what in x for x in warned), warned
+
+
+def test_geo_flush_pushes_the_deltas_a_failed_boundary_push_kept():
+    """geo: the push at a geo_push_every boundary fails on one server, whose blocks keep their
+    deltas for the next push (documented). flush() after the last step must push them, as it
+    pushes the steps since the last push: the servers then hold what one local process
+    trained. A job left so, never flushed, is warned of as the process ends."""
+    proc = subprocess.run([sys.executable, "-m", "tests.ps._geo_flush_failed_script"], capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("geo-flush-failed "))
+    got = ast.literal_eval(line[len("geo-flush-failed "):])
+    assert got["geo-flush-failed"]["raised"] and got["geo-flush-failed-left"]["raised"], got
+    assert got["geo-flush-failed"]["after"] <= 1e-6, got
+    warned = [x for x in proc.stderr.splitlines() if "RuntimeWarning:" in x and "never pushed" in x]
+    assert len(warned) == 1 and "PSModel 'geo-flush-failed-left' (geo)" in warned[0], proc.stderr[-3000:]
