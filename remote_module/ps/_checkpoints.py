@@ -105,8 +105,9 @@ class PSCheckpoints:
         geo: the optimizer is this trainer's own, so this is its state, plus ``"geo"``: this
         trainer's progress since its last push (``"steps"``: its optimizer steps so far, which
         time the pushes; ``"local"``: its local copy; ``"pulled"``: the values it last took from
-        the servers). Each trainer saves and loads its own: restored after the model's
-        ``load_state_dict``, training continues exactly as it would have.
+        the servers; ``"unpushed"``: its local steps not pushed yet). Each trainer saves and
+        loads its own: restored after the model's ``load_state_dict``, training continues
+        exactly as it would have.
 
         Example::
 
@@ -245,7 +246,8 @@ class PSCheckpoints:
         params = self._params()
         return {"steps": self._step,
                 "local": {pname: p.detach().clone() for pname, p in params.items()},
-                "pulled": self._assembled(self._pulled)}
+                "pulled": self._assembled(self._pulled),
+                "unpushed": self._geo_unpushed[0]}
 
     def _check_geo_progress(self, geo: Any) -> None:
         """A ``"geo"`` entry as :meth:`_geo_progress` made it for this model (checked before
@@ -276,8 +278,11 @@ class PSCheckpoints:
         self._pulled = {s.name: self._block_values(s, geo["pulled"][s.pname].to(params[s.pname].dtype)).clone()
                         for s in self._slots if s.pname in geo["pulled"]}
         self._step = geo["steps"]
-        # (training not pushed yet, as saved: flush() pushes it)
-        self._geo_unpushed[0] = int(any(not torch.equal(self._block_values(s), self._pulled[s.name])
-                                        for s in self._slots if s.name in self._pulled))
+        # (the local steps not pushed yet, as saved: flush() pushes them; a state saved before
+        # this count was kept says whether there are any)
+        moved = any(not torch.equal(self._block_values(s), self._pulled[s.name])
+                    for s in self._slots if s.name in self._pulled)
+        saved = geo.get("unpushed")
+        self._geo_unpushed[0] = saved if isinstance(saved, int) and saved >= 0 else int(moved)
         # a load_state_dict() before the next step or pull keeps this progress (see there)
         self.__dict__["_geo_restored"] = {pname: p.detach().clone() for pname, p in params.items()}

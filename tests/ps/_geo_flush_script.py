@@ -89,6 +89,7 @@ def body() -> dict | None:
     for _ in range(2):
         left(torch.ones(2, 4)).sum().backward()
         left.step()
+    out["unpushed_saved"] = left.optimizer_state_dict()["geo"]["unpushed"]  # (a checkpoint keeps the count)
     left_bag = ShardedEmbeddingBag(50, 4, servers, name="geo-left-bag", ps_mode="geo", geo_push_every=EVERY,
                                    optimizer=opt)
     left_bag(torch.tensor([[1, 2]])).sum().backward()

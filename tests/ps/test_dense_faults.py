@@ -107,6 +107,7 @@ def test_geo_flush_pushes_the_last_local_steps_and_steps_never_pushed_are_report
     assert got["before"]["dense"] > 1e-3 and got["before"]["alone"] > 1e-3, got  # the last 2 steps not pushed yet
     assert got["after"]["dense"] <= 1e-6 and got["after"]["alone"] <= 1e-6, got  # flush() pushed them
     assert got["model"] <= 1e-6, got  # pulled back: the dense part and its table equal the local process
+    assert got["unpushed_saved"] == 2, got
     warned = [x for x in proc.stderr.splitlines() if "RuntimeWarning:" in x and "never pushed" in x]
     assert len(warned) == 2, proc.stderr[-3000:]
     for what in ("PSModel 'geo-left' (geo) ended with 2 local optimizer step(s) never pushed",
