@@ -1049,6 +1049,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         self._wait_pushes()
         super().zero_grad(set_to_none)
         self.__dict__.pop("_together", None)
+        self.__dict__.pop("_took", None)  # (a failed step dropped: the next one is whole)
         with self._pending_lock:
             self._held, self._fresh = [], []
             self._backwards, self._stepped_past = 0, False
@@ -1161,11 +1162,14 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         if self.ps_mode == "geo":  # (a plan only when this step pushes the deltas)
             return self._geo_step(ids, grad, has_grad)
         calls = []
+        took = self.__dict__.get("_took", ())  # (the retry of a step these servers applied already)
         for _, server, mine in self._by_owner(ids):
             # every server hears of a step with a gradient (an empty push where it holds none of
             # its rows): it is one optimizer step of the whole table, as torch counts steps per
             # parameter (Adagrad's lr_decay, SparseAdam's bias correction); sync: every step,
             # without a gradient as None (the servers' step waits for every trainer)
+            if server in took and not (has_grad and ids[mine].numel()):
+                continue  # it applied this step: nothing to push there again (no step twice)
             if has_grad:
                 calls.append((server, _table_server._push_rows,
                               (self.name, self._trainer, self._step, ids[mine], grad[mine], self._token)))
@@ -1176,7 +1180,13 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         # counted as sent (a push retried after a failure is counted again)
         sent = sum(i.numel() * i.element_size() + g.numel() * g.element_size()
                    for _, _, (_, _, _, i, g, _) in calls if i is not None)
-        return (calls, *self._pushed(taken, pushing, sent))
+        done, failed = self._pushed(taken, pushing, sent)
+        took: list[str] = []
+
+        def partly(oks: list[bool]) -> None:  # (before failed(): the servers that applied theirs)
+            took[:] = [server for (server, _, _), ok in zip(calls, oks) if ok]
+
+        return calls, done, lambda: failed(took), None, partly
 
     def _take_for_step(self) -> list:
         """The gradients recorded since the last step, taken for a push (the warnings' counts
@@ -1186,13 +1196,23 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
             self._backwards, self._stepped_past = 0, False
         return taken
 
-    def _pushed(self, taken: list, pushing: bool, sent: int) -> tuple[Callable[[], None], Callable[[], None]]:
+    def _pushed(self, taken: list, pushing: bool, sent: int) -> tuple[Callable[[], None], Callable[..., None]]:
         """A push of ``taken`` planned (``pushing``: it is a step of the table; ``sent``: its
-        bytes): what to do once it succeeded (count the step) and when it failed (keep the
-        gradients for a retry)."""
-        def failed() -> None:
+        bytes): what to do once it succeeded (count the step) and when it failed, ``failed(took)``
+        (keep the gradients for a retry; ``took``: the servers that answered that they applied
+        their part, whose rows are not kept and which the retry leaves out: their step is done,
+        so it is not applied there twice)."""
+        def failed(took: Any = ()) -> None:
+            kept = taken
+            if took:
+                owner = [self._server_names.index(s) for s in took]
+                kept = []
+                for uniq, rows in taken:
+                    stay = ~torch.isin(self._server_of(uniq), torch.tensor(owner))
+                    kept.append((uniq[stay], rows[stay]))
+                self.__dict__["_took"] = set(self.__dict__.get("_took", ())) | set(took)
             with self._pending_lock:  # kept for a retry (or zero_grad), with any recorded meanwhile
-                self._held = taken + self._held
+                self._held = kept + self._held
                 # back "on the parameter", as PSModel puts them: a zero_grad() that ran while the
                 # push was in flight (a local optimizer's, which does not wait for it) came before
                 # the failure was known, and must not drop them; a later one does
@@ -1205,5 +1225,6 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
 
         def done() -> None:
             self._step += 1
+            self.__dict__.pop("_took", None)
 
         return done, failed

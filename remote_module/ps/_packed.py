@@ -128,14 +128,17 @@ def push_together(together: Together, members: list, done: set) -> tuple:
         """Each call's outcome: a call that failed (its server down or late) fails the tables it
         carried, as their own pushes to that server would have; else each entry's own."""
         failures: dict[int, BaseException] = {}
+        took: dict[int, list[str]] = {}  # per table: the servers that applied its entry
         for (server, _, _), served, (sent, value) in zip(calls, at, got):
             outcomes = value if sent else [(False, value)] * len(served)
             for j, (ok, outcome) in zip(served, outcomes):
-                if not ok and j not in failures:
+                if ok:
+                    took.setdefault(j, []).append(server)
+                elif j not in failures:
                     failures[j] = table_push_failure(server, parts[j][1].name, outcome) if sent else outcome
         for j, (name, _, table_done, table_failed) in enumerate(parts):
-            if j in failures:
-                table_failed()
+            if j in failures:  # (kept for the retry: its rows on the servers that did not apply them)
+                table_failed(took.get(j, ()))
             else:
                 finished(done, name, table_done)
         return next(iter(failures.values()), None)

@@ -208,8 +208,8 @@ def pushes_replaced(table, rewrite):
     real = table._push_plan
 
     def replaced():
-        calls, done, failed = real()
-        return rewrite(calls), done, failed
+        calls, done, failed, *rest = real()
+        return (rewrite(calls), done, failed, *rest)
 
     table._push_plan = replaced
     try:

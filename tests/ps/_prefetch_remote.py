@@ -228,7 +228,8 @@ def prepare_in_flight(name: str, mode: str, timeout: float) -> bool:
 
 def on_table(name: str, what: str) -> dict:
     """``what`` on table ``name``: "step" (timed: returns with its pushes in flight), "forward"
-    (of the prefetched batch, with backward), "retry" (step), "train" (a plain step), "rows"."""
+    (of the prefetched batch, with backward), "retry" (step), "train" (a plain step), "rows",
+    "owners" (each row's server)."""
     t = _objects[name]
     ids = torch.tensor([[2, 16]])
     return attempt({
@@ -236,6 +237,7 @@ def on_table(name: str, what: str) -> dict:
         "forward": lambda: t(ids).pow(2).sum().backward(),
         "train": lambda: (t(ids).pow(2).sum().backward(), t.step(), t.flush()),
         "rows": lambda: t.state_dict()["weight"],
+        "owners": lambda: [t._server_names[int(k)] for k in t._server_of(torch.arange(ROWS))],
     }[what])
 
 

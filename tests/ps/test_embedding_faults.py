@@ -125,15 +125,24 @@ def test_a_server_frozen_with_a_step_in_flight_is_named_at_the_next_call_and_the
     for _ in range(2):
         trained = faulty.run({"trainer0": (pf.on_table, name, "train")}, timeout=30)["trainer0"]
         assert trained["ok"], f"{mode}: training after the thaw: {trained}"
-    if mode == "sync":
-        rows = faulty.run({"trainer0": (pf.on_table, name, "rows")})["trainer0"]["value"]
-        bag = pf.local_bag()
-        opt = torch.optim.SGD(bag.parameters(), lr=1.0)
-        for ids in ([[1, 15]], [[2, 16]], [[2, 16]]):
-            opt.zero_grad()
-            bag(torch.tensor(ids)).pow(2).sum().backward()
-            opt.step()
-        torch.testing.assert_close(rows, bag.weight.detach(), atol=1e-6, rtol=1e-5)
+    rows = faulty.run({"trainer0": (pf.on_table, name, "rows")})["trainer0"]["value"]
+    bag = pf.local_bag()
+    opt = torch.optim.SGD(bag.parameters(), lr=1.0)
+    for ids in ([[1, 15]], [[2, 16]], [[2, 16]]):
+        opt.zero_grad()
+        bag(torch.tensor(ids)).pow(2).sum().backward()
+        opt.step()
+    if mode == "async":
+        # ps0 answered that it applied its part of the step: the retry leaves it out (its rows
+        # equal torch's, not stepped twice); ps1, frozen, may have applied it before the thaw
+        # (an async push carries no step identity: documented), so its rows are not compared
+        owners = faulty.run({"trainer0": (pf.on_table, name, "owners")})["trainer0"]["value"]
+        mine = torch.tensor([o == "ps0" for o in owners])
+        assert owners[1] == owners[2] == "ps0" and owners[15] == owners[16] == "ps1", owners
+        rows, want = rows[mine], bag.weight.detach()[mine]
+    else:
+        want = bag.weight.detach()
+    torch.testing.assert_close(rows, want, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["async", "sync", "geo"])
@@ -182,7 +191,8 @@ def test_a_step_failing_after_an_optimizers_zero_grad_is_pushed_again_by_the_ret
     assert step["ok"] and step["pushed"] > 0, step
     assert_named_in_time(evaluated, "ps1", "an eval forward after a step in flight")
     retried = faulty.run({"trainer0": (pf.zero_grad_do, name, "retry")}, timeout=30)["trainer0"]
-    assert retried["ok"] and retried["pushed"] == step["pushed"], (step, retried)
+    # (ps0 answered that it applied its part: the retry pushes ps1's rows only, not ps0's twice)
+    assert retried["ok"] and 0 < retried["pushed"] < step["pushed"], (step, retried)
 
 
 def test_a_trainer_killed_in_a_sync_step_is_named_by_the_others_next_lookup_in_time(faulty):
