@@ -485,7 +485,15 @@ class PSModel(PSCheckpoints, nn.Module):
                 done.add(None)
             else:
                 calls, finish, answered = self._dense_push_plan()
-                plans.append((calls, partial(finished, done, None, finish), self._clear_sent_gradients(), answered))
+                # (a retry: the servers it leaves out applied their part already)
+                left_out = self.__dict__.pop("_left_out", set())
+                restore, took = self._clear_sent_gradients(), list(left_out)
+
+                def partly(oks: list[bool], calls: list = calls, took: list = took) -> None:
+                    took += [server for (server, _, _), ok in zip(calls, oks) if ok]  # (before failed())
+
+                plans.append((calls, partial(finished, done, None, finish), lambda: restore(took), answered,
+                              partly))
         for qual, table in self._tables.items():
             if qual not in done:
                 plan = table._push_plan()
@@ -501,18 +509,32 @@ class PSModel(PSCheckpoints, nn.Module):
         if merging:  # geo: the merged values are the local copy's when step() returns, as torch's
             self._wait_pushes()  # optimizer leaves its parameters (an edit after step() keeps them)
 
-    def _clear_sent_gradients(self) -> Callable[[], None]:
+    def _clear_sent_gradients(self) -> Callable[..., None]:
         """(A step sent with its pushes in flight) clear the local gradients now, as ``step()``
-        does, and return what puts them back if the push fails (added to any computed since)."""
+        does, and return what puts them back if the push fails (added to any computed since),
+        ``restore(took)``: ``took``, the servers that answered that they applied their blocks'
+        part, get none of it back (their part of the step is done: the retry leaves them out
+        while no gradient came since, :meth:`_dense_push_plan`, and never pushes it twice)."""
         params = self._params()
         sent = {name: p.grad for name, p in params.items() if p.grad is not None}
         for p in params.values():
             p.grad = None
 
-        def restore() -> None:
+        def restore(took: Any = ()) -> None:
+            done = [s for s in self._slots if s.server in took]
             for name, grad in sent.items():
+                mine = [s for s in done if s.pname == name]
+                if mine:
+                    grad = grad.clone()
+                    for slot in mine:
+                        block_of(grad, slot.block).zero_()
                 p = params[name]
                 p.grad = grad if p.grad is None else p.grad + grad
+            if took:
+                # the gradients as put back: a server of ``took`` is left out of the retry while
+                # its parameters' gradients are these (no backward since)
+                self.__dict__["_took"] = (set(took), {name: (p.grad, p.grad._version) for name, p in params.items()
+                                                      if p.grad is not None})
 
         return restore
 
@@ -547,6 +569,7 @@ class PSModel(PSCheckpoints, nn.Module):
         last step's pushes landed)."""
         self._wait_pushes()
         self.__dict__.pop("_step_done", None)  # a failed step() dropped, not retried
+        self.__dict__.pop("_took", None)
         super().zero_grad(set_to_none)
         for table in self._tables.values():
             table.zero_grad()
@@ -582,7 +605,10 @@ class PSModel(PSCheckpoints, nn.Module):
         sent = time.monotonic()  # before the pushes leave: the servers' timers run out no sooner
         sync = self.ps_mode == "sync"
         by_server = self._by_server()
+        left_out = self.__dict__["_left_out"] = self._applied_already(params, by_server)
         for server, slots in by_server.items():
+            if server in left_out:
+                continue
             # a parameter without a gradient (frozen, or unused this step) is not pushed: as in
             # torch, its optimizer leaves it alone (no weight decay, no momentum)
             sel = [s for s in slots if params[s.pname].grad is not None]
@@ -612,6 +638,24 @@ class PSModel(PSCheckpoints, nn.Module):
             self._step += 1
 
         return calls, finish, answered
+
+    def _applied_already(self, params: dict, by_server: dict) -> set[str]:
+        """The servers that applied their part of the failed step this one retries, when no
+        gradient came since for their blocks' parameters (:meth:`_clear_sent_gradients`): the
+        retry leaves them out (async: no step applied twice there; sync: they counted it)."""
+        took = self.__dict__.pop("_took", None)
+        if took is None:
+            return set()
+        servers, put_back = took
+
+        def unchanged(name: str) -> bool:
+            grad = params[name].grad
+            if name not in put_back:
+                return grad is None
+            was, version = put_back[name]
+            return grad is was and grad._version == version
+
+        return {server for server in servers if all(unchanged(s.pname) for s in by_server.get(server, ()))}
 
     def _delta_push_plans(self) -> list:
         """geo: one plan per server pushing its blocks' deltas (local value minus the value

@@ -473,14 +473,33 @@ def psmodel_prepare(name: str, timeout: float, mode: str = "async") -> bool:
 
 def psmodel_do(name: str, what: str) -> dict:
     """``what`` on PSModel ``name``: "step" (returns with its pushes in flight), "forward" (and
-    backward), "grads" (whether the local gradients are set), "retry" (step, then flush)."""
+    backward), "grads" (whether the local gradients are set), "retry" (step, then flush),
+    "ps0_vs_torch" (:func:`_ps0_vs_torch`)."""
     ps = _objects[name]
     return attempt({
         "step": ps.step,
         "forward": lambda: ps(torch.ones(3, 4)).pow(2).sum().backward(),
         "grads": lambda: all(p.grad is not None for p in ps.module.parameters()),
         "retry": lambda: (ps.step(), ps.flush()),
+        "ps0_vs_torch": lambda: _ps0_vs_torch(ps),
     }[what])
+
+
+def _ps0_vs_torch(ps: Any) -> float:
+    """How far ps0's blocks are from torch's Linear after two SGD steps (of psmodel_prepare's
+    model and batch): the servers' values read, nothing written."""
+    from remote_module.ps._slicing import block_of
+
+    torch.manual_seed(0)
+    ref = nn.Linear(4, 2)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        ref(torch.ones(3, 4)).pow(2).sum().backward()
+        opt.step()
+    values, params = ps._server_values(), dict(ref.named_parameters())
+    return max(float((values[s.name].reshape(-1) - block_of(params[s.pname].detach(), s.block).reshape(-1)).abs().max())
+               for s in ps._slots if s.server == "ps0")
 
 
 def nested_eval(name: str, mode: str, overlap: bool, evaluated: str) -> dict:
