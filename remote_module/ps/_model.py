@@ -485,15 +485,15 @@ class PSModel(PSCheckpoints, nn.Module):
                 done.add(None)
             else:
                 calls, finish, answered = self._dense_push_plan()
-                # (a retry: the servers it leaves out applied their part already)
+                # (a retry: the blocks it leaves out were applied already)
                 left_out = self.__dict__.pop("_left_out", set())
-                restore, took = self._clear_sent_gradients(), list(left_out)
+                restore, took = self._clear_sent_gradients(), []
 
                 def partly(oks: list[bool], calls: list = calls, took: list = took) -> None:
                     took += [server for (server, _, _), ok in zip(calls, oks) if ok]  # (before failed())
 
-                plans.append((calls, partial(finished, done, None, finish), lambda: restore(took), answered,
-                              partly))
+                plans.append((calls, partial(finished, done, None, finish),
+                              lambda: restore(took, left_out), answered, partly))
         for qual, table in self._tables.items():
             if qual not in done:
                 plan = table._push_plan()
@@ -512,16 +512,18 @@ class PSModel(PSCheckpoints, nn.Module):
     def _clear_sent_gradients(self) -> Callable[..., None]:
         """(A step sent with its pushes in flight) clear the local gradients now, as ``step()``
         does, and return what puts them back if the push fails (added to any computed since),
-        ``restore(took)``: ``took``, the servers that answered that they applied their blocks'
-        part, get none of it back (their part of the step is done: the retry leaves them out
-        while no gradient came since, :meth:`_dense_push_plan`, and never pushes it twice)."""
+        ``restore(took, left_out)``: the blocks of ``took``, the servers that answered that they
+        applied their part, and ``left_out``, the blocks this push left out as applied already,
+        get none of it back (their part of the step is done: the retry leaves each out while no
+        gradient came since for its parameter, :meth:`_dense_push_plan`, and never pushes it
+        twice, nor a zero gradient in its place: a momentum step torch would not take)."""
         params = self._params()
         sent = {name: p.grad for name, p in params.items() if p.grad is not None}
         for p in params.values():
             p.grad = None
 
-        def restore(took: Any = ()) -> None:
-            done = [s for s in self._slots if s.server in took]
+        def restore(took: Any = (), left_out: Any = ()) -> None:
+            done = [s for s in self._slots if s.server in took or s.name in left_out]
             for name, grad in sent.items():
                 mine = [s for s in done if s.pname == name]
                 if mine:
@@ -530,11 +532,12 @@ class PSModel(PSCheckpoints, nn.Module):
                         block_of(grad, slot.block).zero_()
                 p = params[name]
                 p.grad = grad if p.grad is None else p.grad + grad
-            if took:
-                # the gradients as put back: a server of ``took`` is left out of the retry while
-                # its parameters' gradients are these (no backward since)
-                self.__dict__["_took"] = (set(took), {name: (p.grad, p.grad._version) for name, p in params.items()
-                                                      if p.grad is not None})
+            if done:
+                # the gradients as put back: a block of ``done`` is left out of the retry while
+                # its parameter's gradient is this (no backward since)
+                self.__dict__["_took"] = ({s.name for s in done},
+                                          {name: (p.grad, p.grad._version) for name, p in params.items()
+                                           if p.grad is not None})
 
         return restore
 
@@ -605,13 +608,14 @@ class PSModel(PSCheckpoints, nn.Module):
         sent = time.monotonic()  # before the pushes leave: the servers' timers run out no sooner
         sync = self.ps_mode == "sync"
         by_server = self._by_server()
-        left_out = self.__dict__["_left_out"] = self._applied_already(params, by_server)
+        left_out = self.__dict__["_left_out"] = self._applied_already(params)
         for server, slots in by_server.items():
-            if server in left_out:
-                continue
+            mine = [s for s in slots if s.name not in left_out]
+            if slots and not mine:
+                continue  # it applied its part of the step this one retries
             # a parameter without a gradient (frozen, or unused this step) is not pushed: as in
             # torch, its optimizer leaves it alone (no weight decay, no momentum)
-            sel = [s for s in slots if params[s.pname].grad is not None]
+            sel = [s for s in mine if params[s.pname].grad is not None]
             grads = [self._block_values(s, params[s.pname].grad) for s in sel]
             # sync: every server with blocks hears from every trainer every step, grads or not
             if grads or (slots and self.ps_mode == "sync"):
@@ -639,14 +643,15 @@ class PSModel(PSCheckpoints, nn.Module):
 
         return calls, finish, answered
 
-    def _applied_already(self, params: dict, by_server: dict) -> set[str]:
-        """The servers that applied their part of the failed step this one retries, when no
-        gradient came since for their blocks' parameters (:meth:`_clear_sent_gradients`): the
-        retry leaves them out (async: no step applied twice there; sync: they counted it)."""
+    def _applied_already(self, params: dict) -> set[str]:
+        """The blocks (names) whose servers applied them in the failed step this one retries,
+        when no gradient came since for their parameters (:meth:`_clear_sent_gradients`): the
+        retry leaves them out (async: no step applied twice there, and no zero gradient's step
+        either; sync: they counted it), and a server whose blocks are all left out."""
         took = self.__dict__.pop("_took", None)
         if took is None:
             return set()
-        servers, put_back = took
+        done, put_back = took
 
         def unchanged(name: str) -> bool:
             grad = params[name].grad
@@ -655,7 +660,7 @@ class PSModel(PSCheckpoints, nn.Module):
             was, version = put_back[name]
             return grad is was and grad._version == version
 
-        return {server for server in servers if all(unchanged(s.pname) for s in by_server.get(server, ()))}
+        return {s.name for s in self._slots if s.name in done and unchanged(s.pname)}
 
     def _delta_push_plans(self) -> list:
         """geo: one plan per server pushing its blocks' deltas (local value minus the value
