@@ -981,6 +981,9 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
             self._held.extend(self._fresh)
             self._fresh = []
             self._backwards += 1
+            # a gradient since a failed step: its retry is a step for every server again (those
+            # that applied the failed one get the new rows, or an empty push: a step counted)
+            self.__dict__.pop("_took", None)
 
     def _local_optimizer_stepped(self, thread: int, optimizer: torch.optim.Optimizer) -> None:
         """A local torch.optim optimizer stepped in ``thread``: note it if this table holds
@@ -1116,7 +1119,9 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         A step that fails (a server did not answer in time) keeps the gradients, as a failed
         ``optimizer.step()`` keeps ``.grad``: call ``step()`` again to retry it (in sync mode a
         server that already has this step's push takes the retry as a no-op; in async and
-        half_async a server that had it applies it again), or ``zero_grad()`` to drop them.
+        half_async the retry leaves out a server that answered that it applied its rows, unless
+        a backward since recorded gradients: then it is a step there too, of the new rows or
+        an empty one), or ``zero_grad()`` to drop them.
 
         In async, half_async and geo modes (and in sync mode after a :meth:`prefetch`) the
         pushes are sent and ``step()`` returns with them in flight (geo: the deltas' pushes,
@@ -1210,8 +1215,9 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
                 for uniq, rows in taken:
                     stay = ~torch.isin(self._server_of(uniq), torch.tensor(owner))
                     kept.append((uniq[stay], rows[stay]))
-                self.__dict__["_took"] = set(self.__dict__.get("_took", ())) | set(took)
             with self._pending_lock:  # kept for a retry (or zero_grad), with any recorded meanwhile
+                if took and not self._held:  # (a backward since makes the retry a step everywhere)
+                    self.__dict__["_took"] = set(self.__dict__.get("_took", ())) | set(took)
                 self._held = kept + self._held
                 # back "on the parameter", as PSModel puts them: a zero_grad() that ran while the
                 # push was in flight (a local optimizer's, which does not wait for it) came before
