@@ -3,8 +3,6 @@ a frozen ps1 after ps0 applied its part, compared with torch."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
