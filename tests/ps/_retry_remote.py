@@ -1,5 +1,5 @@
-"""What tests/ps/test_retry_faults.py runs on its trainer: async retries of a step that failed on
-a frozen ps1 after ps0 applied its part, compared with torch."""
+"""What the retry tests of tests/ps/test_embedding_faults.py run on trainer0: async retries of
+a step that failed on a frozen ps1 after ps0 applied its part, compared with torch."""
 
 from __future__ import annotations
 

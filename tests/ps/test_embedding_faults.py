@@ -14,6 +14,7 @@ import torch
 from tests.ps import _embedding_edge_cases_remote as h
 from tests.ps import _embedding_faults_remote as f
 from tests.ps import _prefetch_remote as pf
+from tests.ps import _retry_remote as rr
 from tests.ps._world import job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -41,6 +42,16 @@ def assert_named_in_time(outcome: dict, worker: str, what: str) -> None:
 
 def timed(world, trainer, name, what, ids=None):
     return world.run({trainer: (f.timed, name, what, TIMEOUT, ids)})[trainer]
+
+
+def while_ps1_frozen(world, *calls):
+    """Run each ``(fn, *args)`` on trainer0 in turn with ps1 stopped (SIGSTOP), and continue ps1
+    after them, whatever happened; their outcomes, in order."""
+    world.freeze("ps1")
+    try:
+        return [world.run({"trainer0": call})["trainer0"] for call in calls]
+    finally:
+        world.thaw("ps1")
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -112,12 +123,7 @@ def test_a_server_frozen_with_a_step_in_flight_is_named_at_the_next_call_and_the
     the rows equal torch's (nothing applied twice)."""
     name = job(f"flight-frozen-{mode}")
     faulty.run({"trainer0": (pf.prepare_in_flight, name, mode, TIMEOUT)})
-    faulty.freeze("ps1")
-    try:
-        step = faulty.run({"trainer0": (pf.on_table, name, "step")})["trainer0"]
-        forward = faulty.run({"trainer0": (pf.on_table, name, "forward")})["trainer0"]
-    finally:
-        faulty.thaw("ps1")
+    step, forward = while_ps1_frozen(faulty, (pf.on_table, name, "step"), (pf.on_table, name, "forward"))
     assert step["ok"] and step["seconds"] < TIMEOUT, f"{mode}: step() with ps1 frozen did not return at once: {step}"
     assert_named_in_time(forward, "ps1", f"{mode} forward after a step in flight")
     retried = faulty.run({"trainer0": (pf.on_table, name, "step")}, timeout=30)["trainer0"]
@@ -154,13 +160,8 @@ def test_a_psmodel_step_in_flight_to_a_frozen_server_is_named_at_the_next_call_a
     merged, ps1's deltas kept for the next push), and the next forward runs."""
     name = job(f"psmodel-flight-{mode}")
     faulty.run({"trainer0": (pf.psmodel_prepare, name, TIMEOUT, mode)})
-    faulty.freeze("ps1")
-    try:
-        step = faulty.run({"trainer0": (pf.psmodel_do, name, "step")})["trainer0"]
-        forward = faulty.run({"trainer0": (pf.psmodel_do, name, "forward")})["trainer0"]
-        grads = faulty.run({"trainer0": (pf.psmodel_do, name, "grads")})["trainer0"]
-    finally:
-        faulty.thaw("ps1")
+    step, forward, grads = while_ps1_frozen(faulty, *((pf.psmodel_do, name, what)
+                                                      for what in ("step", "forward", "grads")))
     if mode == "geo":
         assert_named_in_time(step, "ps1", "a geo PSModel's step() pushing its deltas")
         assert forward["ok"], forward
@@ -187,12 +188,7 @@ def test_a_psmodel_retry_after_a_new_backward_gives_the_server_that_applied_the_
     the failed step is done), so ps0's blocks equal torch's two steps."""
     name = job("psmodel-retry-new-grads")
     faulty.run({"trainer0": (pf.psmodel_prepare, name, TIMEOUT, "async")})
-    faulty.freeze("ps1")
-    try:
-        step = faulty.run({"trainer0": (pf.psmodel_do, name, "step")})["trainer0"]
-        forward = faulty.run({"trainer0": (pf.psmodel_do, name, "forward")})["trainer0"]
-    finally:
-        faulty.thaw("ps1")
+    step, forward = while_ps1_frozen(faulty, (pf.psmodel_do, name, "step"), (pf.psmodel_do, name, "forward"))
     assert step["ok"], step
     assert_named_in_time(forward, "ps1", "a PSModel's forward after a step in flight")
     assert faulty.run({"trainer0": (pf.psmodel_do, name, "forward")}, timeout=30)["trainer0"]["ok"]
@@ -209,17 +205,57 @@ def test_a_step_failing_after_an_optimizers_zero_grad_is_pushed_again_by_the_ret
     gradients kept for the retry count: step() again pushes them (it pushed nothing)."""
     name = job("zero-grad-retry")
     faulty.run({"trainer0": (pf.zero_grad_prepare, name, TIMEOUT)})
-    faulty.freeze("ps1")
-    try:
-        step = faulty.run({"trainer0": (pf.zero_grad_do, name, "train")})["trainer0"]
-        evaluated = faulty.run({"trainer0": (pf.zero_grad_do, name, "eval")})["trainer0"]
-    finally:
-        faulty.thaw("ps1")
+    step, evaluated = while_ps1_frozen(faulty, (pf.zero_grad_do, name, "train"), (pf.zero_grad_do, name, "eval"))
     assert step["ok"] and step["pushed"] > 0, step
     assert_named_in_time(evaluated, "ps1", "an eval forward after a step in flight")
     retried = faulty.run({"trainer0": (pf.zero_grad_do, name, "retry")}, timeout=30)["trainer0"]
     # (ps0 answered that it applied its part: the retry pushes ps1's rows only, not ps0's twice)
     assert retried["ok"] and 0 < retried["pushed"] < step["pushed"], (step, retried)
+
+
+def _on(world, fn, *args):
+    return world.run({"trainer0": (fn, *args)}, timeout=30)["trainer0"]
+
+
+def _fail_on_frozen_ps1(world, do, name, after):
+    """step() with ps1 frozen (returns in flight), then ``after`` fails naming ps1; thawed."""
+    step, later = while_ps1_frozen(world, (do, name, "step"), (do, name, *after))
+    assert step["ok"], step
+    assert not later["ok"] and "'ps1'" in later["message"], later
+
+
+def test_a_table_retry_after_a_backward_with_no_rows_on_ps0_still_counts_a_step_there(faulty):
+    """SparseAdam counts one step of the whole table per step (an empty push where a server
+    holds none of the rows). Step 1 ([1, 15]) applied on ps0, failed on ps1; a backward of [16]
+    (ps1's) since; the retry is a step for ps0 too (as a PSModel's, whose retry after a new
+    backward pushes ps0 again), so after a third step ([1]) ps0's rows equal torch's three
+    steps (its bias correction counts 3)."""
+    opt = (torch.optim.SparseAdam, {"lr": 0.1})
+    name = job("table-retry-count")
+    _on(faulty, rr.table_prepare, name, opt, TIMEOUT)
+    _fail_on_frozen_ps1(faulty, rr.table_do, name, ("flush",))
+    assert _on(faulty, rr.table_do, name, "backward", [16])["ok"]
+    assert _on(faulty, rr.table_do, name, "retry")["ok"]
+    assert _on(faulty, rr.table_do, name, "train", [1])["ok"]
+    rows = _on(faulty, rr.table_do, name, "rows")["value"]
+    ref = rr.table_torch(opt, [[1, 15], [16], [1]])
+    torch.testing.assert_close(rows[:10], ref[:10])
+
+
+def test_a_psmodel_retry_pushes_no_zero_gradient_to_ps0_for_a_parameter_the_new_backward_left_out(faulty):
+    """SGD with momentum: step 1 applied on ps0 (a, c), failed on ps1 (b); a new forward and
+    backward that does not use c; the retry pushes ps0 the new gradient of a, and nothing of c
+    (torch leaves a parameter without a gradient alone: no momentum step on a zero one)."""
+    opt = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
+    name = job("model-retry-unused")
+    _on(faulty, rr.model_prepare, name, TIMEOUT, opt)
+    _fail_on_frozen_ps1(faulty, rr.model_do, name, ("forward",))
+    assert _on(faulty, rr.model_do, name, "forward", False)["ok"]
+    assert _on(faulty, rr.model_do, name, "retry")["ok"]
+    values = _on(faulty, rr.model_do, name, "values")["value"]
+    ref = rr.model_torch(opt, [True, False])
+    for pname in ("a.weight", "a.bias", "c"):
+        torch.testing.assert_close(values[pname].reshape(ref[pname].shape), ref[pname], msg=pname)
 
 
 def test_a_trainer_killed_in_a_sync_step_is_named_by_the_others_next_lookup_in_time(faulty):
