@@ -280,9 +280,11 @@ class PSCheckpoints:
         self._step = geo["steps"]
         # (the local steps not pushed yet, as saved: flush() pushes them; a state saved before
         # this count was kept says whether there are any)
-        moved = any(not torch.equal(self._block_values(s), self._pulled[s.name])
-                    for s in self._slots if s.name in self._pulled)
         saved = geo.get("unpushed")
-        self._geo_unpushed[0] = saved if isinstance(saved, int) and saved >= 0 else int(moved)
+        if isinstance(saved, int) and saved >= 0:
+            self._geo_unpushed[0] = saved
+        else:
+            self._geo_unpushed[0] = int(any(not torch.equal(self._block_values(s), self._pulled[s.name])
+                                            for s in self._slots if s.name in self._pulled))
         # a load_state_dict() before the next step or pull keeps this progress (see there)
         self.__dict__["_geo_restored"] = {pname: p.detach().clone() for pname, p in params.items()}

@@ -37,6 +37,7 @@ from remote_module.ps._embedding import (
     land,
     nothing,
     report_unpushed,
+    run_push_plans,
     send_push_plans,
 )
 from remote_module.ps._modes import PS_MODES
@@ -484,13 +485,12 @@ class PSModel(PSCheckpoints, nn.Module):
                 merging = bool(plans)
                 done.add(None)
             else:
-                calls, finish, answered = self._dense_push_plan()
-                # (a retry: the blocks it leaves out were applied already)
-                left_out = self.__dict__.pop("_left_out", set())
+                # (left_out: the blocks a retry leaves out, applied already)
+                calls, finish, answered, left_out = self._dense_push_plan()
                 restore, took = self._clear_sent_gradients(), []
 
-                def partly(oks: list[bool], calls: list = calls, took: list = took) -> None:
-                    took += [server for (server, _, _), ok in zip(calls, oks) if ok]  # (before failed())
+                def partly(oks: list[bool]) -> None:
+                    took.extend(server for (server, _, _), ok in zip(calls, oks) if ok)  # (before failed())
 
                 plans.append((calls, partial(finished, done, None, finish),
                               lambda: restore(took, left_out), answered, partly))
@@ -595,20 +595,20 @@ class PSModel(PSCheckpoints, nn.Module):
             return self._delta_push_plans()
         return []
 
-    def _dense_push_plan(self) -> tuple[list, Callable[[], None], Callable[[list], None]]:
+    def _dense_push_plan(self) -> tuple[list, Callable[[], None], Callable[[list], None], set[str]]:
         """The dense part of a step (not geo): the pushes to the servers, what to do once they
         all succeeded (count the step; ``step()`` cleared the gradients as it sent them), and
         what to do with their answers: each push is answered with its server's blocks as a pull
         right after it would see them (sync: once the step is applied there), which the next
         forward uses instead of pulling (one round trip per step), when every server holding
         blocks answered, until a half_async server's timer merges what it had queued (this
-        push among it)."""
+        push among it); and the blocks it leaves out (:meth:`_applied_already`)."""
         params = self._params()
         calls = []
         sent = time.monotonic()  # before the pushes leave: the servers' timers run out no sooner
         sync = self.ps_mode == "sync"
         by_server = self._by_server()
-        left_out = self.__dict__["_left_out"] = self._applied_already(params)
+        left_out = self._applied_already(params)
         for server, slots in by_server.items():
             mine = [s for s in slots if s.name not in left_out]
             if slots and not mine:
@@ -641,7 +641,7 @@ class PSModel(PSCheckpoints, nn.Module):
         def finish() -> None:
             self._step += 1
 
-        return calls, finish, answered
+        return calls, finish, answered, left_out
 
     def _applied_already(self, params: dict) -> set[str]:
         """The blocks (names) whose servers applied them in the failed step this one retries,
@@ -709,8 +709,7 @@ class PSModel(PSCheckpoints, nn.Module):
         if self._geo_unpushed[0]:
             plans = self._delta_push_plans()
             if plans:
-                fly(self, self._tables.values(), send_push_plans(plans, self.timeout), set())
-                self._wait_pushes()
+                run_push_plans(plans, self.timeout)
         self.__dict__.pop("_ready", None)  # the next forward pulls what the merge made
         call_all([(s, _dense_server._flush, (self.name,)) for s in self.servers], timeout=self.timeout)
         for table in self._tables.values():
