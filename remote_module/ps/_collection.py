@@ -102,8 +102,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
                     )
             self.add_module(name, table)  # torch's own checks of the name (no '.', no attribute clash)
         self._names = tuple(tables)
-        #: per server: messages this collection sent it, ids it asked it to look up, and rows it
-        #: pushed to it (see :meth:`_count`), since construction
+        #: per server: messages this collection sent it, ids it asked it to look up, and gradient
+        #: rows it pushed to it (a sum-pooled lookup's gradient counts its ids there, whose rows
+        #: the server sums; see :meth:`_count`), since construction
         self.traffic: dict[str, dict[str, int]] = {}
         self._layouts: dict = {}  # per embedding_dim, the last batch layout of the tables planned together
 
@@ -199,6 +200,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 traffic[server]["rows_pushed"] += 0 if args[3] is None else args[3].numel()
             elif handler is _table_server._push_tables:
                 traffic[server]["rows_pushed"] += args[1].numel()
+            elif handler is _table_server._push_bags:  # (the lookup's ids: the rows are summed there)
+                traffic[server]["rows_pushed"] += args[3].numel()
+            elif handler is _table_server._push_bag_tables:
+                traffic[server]["rows_pushed"] += 0 if args[1] is None else args[1].numel()
             elif len(args) > 1 and isinstance(args[1], torch.Tensor):  # a table's lookup: its ids (or input) second
                 traffic[server]["ids_looked_up"] += args[1].numel()
         return calls
@@ -311,7 +316,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             else:
                 table._wait_pushes()
                 taken = table._take_for_step()
-                if len(taken) == 1 and taken[0][1] is hint[0]:  # exactly that record since its last step
+                if len(taken) == 1 and taken[0] is hint[0]:  # exactly that record since its last step
                     together.setdefault(id(hint[1]), (hint[1], []))[1].append((name, table, taken))
                     pushing.add(table.name)
                     continue

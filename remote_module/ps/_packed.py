@@ -1,16 +1,17 @@
 """A collection's lookups planned together: for the tables of a
-:class:`ShardedEmbeddingBagCollection` that pool by sum or mean, the trainer checks the ids,
-deduplicates them and splits them (and their bags) by server for all those tables at once, in
+:class:`ShardedEmbeddingBagCollection` that pool by sum or mean, the trainer checks the ids
+and splits them (and their bags) by server for all those tables at once, in
 a few whole-batch tensor ops, and sends each server one call carrying every table's share
 packed into two tensors; the server answers every table's pooled bags packed into one.
 
 The outputs, gradients and pushes are those of each table's own lookup, bit for bit: every
 server pools its rows of a bag in position order, as alone, and the trainer adds the servers'
 partial sums in each table's own server order. The float32 tables that record gradients are
-recorded by one autograd node (:class:`_TogetherRecorded`), whose backward computes all
-their rows' gradients in one pass and hands each table its part; the collection's next step
-pushes those gradients in one call per server, selected from the whole batch's arrays at once
-(:func:`push_together`), each table's push and outcome its own. Inputs outside the plain forms (int32 ids,
+recorded by one autograd node (:class:`_TogetherRecorded`), whose backward keeps the gradient
+of the batch's pooled bags as it is and hands each table its part; the collection's next step
+sends each server, in one call, that gradient with the server's share of the lookup as it was
+sent (:func:`push_together`), and the server computes each table's rows' gradients, each
+table's push and outcome its own. Inputs outside the plain forms (int32 ids,
 ``per_sample_weights``, ``padding_idx``, max pooling, geo mode, bags given wrongly) take each
 table's own path, which checks and refuses them as the table does.
 """
@@ -25,100 +26,118 @@ from remote_module._core import backward_accumulates
 from remote_module.ps import _table_server
 from remote_module.ps._embedding import finished, nothing, table_push_failure
 from remote_module.ps._embedding_bag import ShardedEmbeddingBag, _BagRows
+from remote_module.ps._rowwise import PooledGradient
 
 
 class _TogetherRecorded(torch.autograd.Function):
     """The pooled bags of several float32 tables (given as one tensor, the tables' bags in
     turn; one output per table), recorded for their ``step()`` in one autograd node. Backward
-    computes every unique row's gradient at once, as ``_BagRows`` does for one table (the sum,
-    over the positions holding the row, of its bag's gradient, divided by the bag's size for
-    mean), and hands each table whose output it reached its rows' part, as its own
-    ``_Recorded`` would, with a zero-size gradient for its grad marker. Each row's sum is taken
-    in the same order as alone: the same bits."""
+    puts the tables' gradients into one gradient of every bag of the batch (divided by the
+    bag's size for mean) and hands each table whose output it reached its part, as its own
+    ``_PooledRecorded`` would (a :class:`TogetherGradient`: the rows' gradients are computed
+    by the servers at the push, or here by ``rows()`` for another path), with a zero-size
+    gradient for its grad marker."""
 
     @staticmethod
-    def forward(ctx: Any, pooled: torch.Tensor, inverse: torch.Tensor, bag_of: torch.Tensor,
-                divisor: torch.Tensor | None, together: "Together", parts: list, *markers: torch.Tensor
-                ) -> tuple[torch.Tensor, ...]:
-        ctx.save_for_backward(inverse, bag_of, divisor)
-        # per table: (table, its unique ids, its AccumulateGrad, lo, hi, its first bag, its bags' end)
-        ctx.together, ctx.parts = together, parts
+    def forward(ctx: Any, pooled: torch.Tensor, divisor: torch.Tensor | None, together: "Together", parts: list,
+                *markers: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # per table: (table, its index in the layout, its AccumulateGrad, its first bag, its bags' end)
+        ctx.together, ctx.parts, ctx.divisor = together, parts, divisor
         ctx.markers = [(m.dtype, m.device) for m in markers]
         ctx.shape = pooled.shape
         # one output per table: a table whose output backward never reaches gets None in backward
         # and records nothing, as its own node would not run (torch: its .grad stays None)
         ctx.set_materialize_grads(False)
-        return tuple(pooled[b0:b1].clone() for _, _, _, _, _, b0, b1 in parts)
+        return tuple(pooled[b0:b1].clone() for _, _, _, b0, b1 in parts)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
-        inverse, bag_of, divisor = ctx.saved_tensors
         reached = [g is not None for g in grads]
         markers = tuple(torch.zeros(0, dtype=d, device=v) if r else None for (d, v), r in zip(ctx.markers, reached))
         if not any(reached):
-            return (None,) * 6 + markers
-        first = next(g for g in grads if g is not None)
-        grad = torch.zeros(ctx.shape, dtype=first.dtype, device=first.device)
-        for (_, _, _, _, _, b0, b1), g in zip(ctx.parts, grads):
+            return (None,) * 4 + markers
+        grad = torch.zeros(ctx.shape, dtype=torch.float32)
+        for (_, _, _, b0, b1), g in zip(ctx.parts, grads):
             if g is not None:
                 grad[b0:b1] = g
-        if divisor is not None:
-            grad = grad / divisor
-        per_position = grad.index_select(0, bag_of)
-        together = ctx.together
-        rows = torch.zeros(together.uniq.numel(), grad.shape[1], dtype=grad.dtype).index_add_(0, inverse, per_position)
-        together = Together(together.layout, together.uniq, rows)
-        for (table, uniq, accumulator, lo, hi, _, _), r in zip(ctx.parts, reached):
+        if ctx.divisor is not None:
+            grad = grad / ctx.divisor
+        together = ctx.together._replace(grad=grad)
+        for (table, index, accumulator, _, _), r in zip(ctx.parts, reached):
             # as a parameter's .grad: only a backward that reaches the table's output and
             # accumulates into its marker records
             if r and backward_accumulates(accumulator):
-                part = rows[lo:hi]
-                table._record(uniq, part)
+                entry = TogetherGradient(together, index)
+                table._keep(entry)
                 # (a collection's step pushes it with the others recorded here: push_together)
-                table.__dict__["_together"] = (part, together)
-        return (None,) * 6 + markers
+                table.__dict__["_together"] = (entry, together)
+        return (None,) * 4 + markers
 
 
 class Together(NamedTuple):
     """Gradients that tables planned together recorded in one backward: the plan's
-    :class:`Layout`, the batch's unique ids in its global id space, and their gradient rows."""
+    :class:`Layout`, each called server's share of the lookup as it was sent (``(server
+    index, ids, first)``, the arrays of its ``_pool_tables`` call), and the gradient of every
+    bag of the batch."""
 
     layout: "Layout"
-    uniq: torch.Tensor
-    rows: torch.Tensor | None
+    shares: list
+    grad: torch.Tensor | None
+
+
+class TogetherGradient:
+    """One table's gradient recorded in a :class:`Together`: ``rows()`` computes its rows'
+    gradients, as the servers would (``_push_bag_tables``), for the paths that need them here."""
+
+    __slots__ = ("together", "index")
+
+    def __init__(self, together: Together, index: int) -> None:
+        self.together, self.index = together, index
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        layout, shares, grad = self.together
+        i = self.index
+        b0, b1 = layout.bag_base[i], layout.bag_base[i + 1]
+        parts = []
+        for k, ids, first in shares:
+            if i not in layout.served[k]:
+                continue
+            lo = int(first[b0]) if b1 > b0 else 0
+            hi = lo if b1 == b0 else int(first[b1]) if b1 < first.numel() else ids.numel()
+            if hi > lo:
+                parts.append((k, ids[lo:hi], first[b0:b1] - lo, None))
+        return PooledGradient(grad[b0:b1], parts).rows()
 
 
 def push_together(together: Together, members: list, done: set) -> tuple:
     """One push plan for tables whose gradients since their last step are exactly what they
     recorded in ``together`` (``members``: ``(name, table, taken)``, taken by
-    ``_take_for_step``): one ``_push_tables`` call per server, its ids and rows selected from
-    the global arrays at once, each table's entry as its own push would be (every server of
-    the table hears of the step, an empty push where it holds none of its rows; ids ascending;
-    the same rows). The plan settles each table by its entries' outcomes, as alone: done (in
+    ``_take_for_step``): one ``_push_bag_tables`` call per server, carrying the gradient of the
+    batch's bags and that server's share of the lookup as it was sent, with one entry per
+    table it serves (an empty push where it has none of the table's ids: a step all the same,
+    as alone). The server computes each table's rows' gradients, the same rows and bits as the
+    table's own push. The plan settles each table by its entries' outcomes, as alone: done (in
     ``done``) or its gradients kept for a retry; the first failure is raised."""
-    layout, uniq, rows = together
+    layout, shares, grad = together
     index = {id(t): i for i, t in enumerate(layout.tables)}
     mine = sorted(((index[id(table)], name, table, taken) for name, table, taken in members), key=lambda m: m[0])
-    member = torch.zeros(len(layout.tables), dtype=torch.bool)
-    member[[i for i, _, _, _ in mine]] = True
-    table_of = torch.searchsorted(layout.id_bases, uniq, right=True) - 1
-    keep = member[table_of]
-    owner = layout.block_server[torch.searchsorted(layout.block_starts, uniq, right=True) - 1]
-    local = uniq - layout.id_bases[table_of]
+    by_server = {k: (ids, first) for k, ids, first in shares}
     parts = []
     for _, name, table, taken in mine:
-        n = taken[0][0].numel()
-        parts.append((name, table, *table._pushed(taken, True, n * (8 + rows.shape[1] * rows.element_size()))))
-    calls, at = [], []
+        parts.append((name, table, *table._pushed(taken, True, 0)))
+    calls, at, sent = [], [], grad.numel() * grad.element_size()
     for k, server in enumerate(layout.servers):
-        served = [j for j, (i, _, table, _) in enumerate(mine) if server in table._server_names]
+        served = [j for j, (_, _, table, _) in enumerate(mine) if server in table._server_names]
         if not served:
             continue
-        sel = ((owner == k) & keep).nonzero().reshape(-1)
-        counts = torch.bincount(table_of[sel], minlength=len(layout.tables)).tolist()
-        entries = [(t.name, t._trainer, t._step, counts[i], t._token) for i, _, t, _ in (mine[j] for j in served)]
-        calls.append((server, _table_server._push_tables, (entries, local[sel], rows[sel])))
+        ids, first = by_server.get(k, (None, None))
+        entries = [(t.name, t._trainer, t._step, layout.bag_base[i], layout.bags[i], t._token)
+                   for i, _, t, _ in (mine[j] for j in served)]
+        calls.append((server, _table_server._push_bag_tables, (entries, ids, first, grad)))
         at.append(served)
+        if ids is not None:
+            sent += ids.numel() * ids.element_size() + first.numel() * first.element_size()
+    parts[0][1]._pushed_bytes += sent  # (the message's bytes, counted once, on its first table)
 
     def failed() -> None:  # the message failed (a server down or late): every table keeps its gradients
         for _, _, _, table_failed in parts:
@@ -129,13 +148,13 @@ def push_together(together: Together, members: list, done: set) -> tuple:
         carried, as their own pushes to that server would have; else each entry's own."""
         failures: dict[int, BaseException] = {}
         took: dict[int, list[str]] = {}  # per table: the servers that applied its entry
-        for (server, _, _), served, (sent, value) in zip(calls, at, got):
-            outcomes = value if sent else [(False, value)] * len(served)
+        for (server, _, _), served, (ok_sent, value) in zip(calls, at, got):
+            outcomes = value if ok_sent else [(False, value)] * len(served)
             for j, (ok, outcome) in zip(served, outcomes):
                 if ok:
                     took.setdefault(j, []).append(server)
                 elif j not in failures:
-                    failures[j] = table_push_failure(server, parts[j][1].name, outcome) if sent else outcome
+                    failures[j] = table_push_failure(server, parts[j][1].name, outcome) if ok_sent else outcome
         for j, (name, _, table_done, table_failed) in enumerate(parts):
             if j in failures:  # (kept for the retry: its rows on the servers that did not apply them)
                 table_failed(took.get(j, ()))
@@ -147,22 +166,21 @@ def push_together(together: Together, members: list, done: set) -> tuple:
     return calls, nothing, failed, answered
 
 
-def _record_together(layout: "Layout", tables: list, pooled: torch.Tensor, uniq: torch.Tensor, inverse: torch.Tensor,
-                     bag_of: torch.Tensor, divisor: torch.Tensor | None, ranges: list) -> tuple[torch.Tensor, ...]:
-    """``pooled`` recorded for ``tables`` (``ranges``: each one's unique ids and where they sit
-    in ``uniq``, and its bags in ``pooled``) by one :class:`_TogetherRecorded` node, under every
-    table's marker lock (see ``ShardedEmbedding._recorded``), taken in one order: each table's
-    pooled bags."""
+def _record_together(layout: "Layout", tables: list, indices: list[int], pooled: torch.Tensor,
+                     divisor: torch.Tensor | None, shares: list) -> tuple[torch.Tensor, ...]:
+    """``pooled`` recorded for ``tables`` (``indices``: theirs in ``layout``) by one
+    :class:`_TogetherRecorded` node, under every table's marker lock (see
+    ``ShardedEmbedding._recorded``), taken in one order: each table's pooled bags."""
     locks = sorted({id(t): t for t in tables}.values(), key=id)
     for t in locks:
         t._marker_lock.acquire()
     try:
         parts, markers = [], []
-        for t, (t_uniq, lo, hi, b0, b1) in zip(tables, ranges):
+        for t, i in zip(tables, indices):
             marker, accumulator = t._recorder()
-            parts.append((t, t_uniq, accumulator, lo, hi, b0, b1))
+            parts.append((t, i, accumulator, layout.bag_base[i], layout.bag_base[i + 1]))
             markers.append(marker)
-        out = _TogetherRecorded.apply(pooled, inverse, bag_of, divisor, Together(layout, uniq, None), parts, *markers)
+        out = _TogetherRecorded.apply(pooled, divisor, Together(layout, shares, None), parts, *markers)
         return out if isinstance(out, tuple) else (out,)
     finally:
         for t in locks:
@@ -303,12 +321,9 @@ def plan(owner: Any, entries: Sequence[tuple[ShardedEmbeddingBag, torch.Tensor, 
     # which tables record gradients (recorded when the outputs are made: a prefetch's at its forward)
     records = [torch.is_grad_enabled() and t.grad_marker.requires_grad for t in tables]
     gid = flat + sized.id_base_at  # one id space: table k's ids from id_base[k]
-    if any(records):
-        uniq, inverse = torch.unique(gid, sorted=True, return_inverse=True)
-        cuts = torch.searchsorted(uniq, torch.tensor(layout.id_base)).tolist()
     bag_of = torch.searchsorted(starts, sized.positions, right=True) - 1
     server_of = layout.block_server[torch.searchsorted(layout.block_starts, gid, right=True) - 1]
-    calls, called = [], []
+    calls, called, shares = [], [], []
     for k, server in enumerate(layout.servers):
         at = (server_of == k).nonzero().reshape(-1) if len(layout.servers) > 1 else sized.positions
         if not at.numel():
@@ -318,9 +333,11 @@ def plan(owner: Any, entries: Sequence[tuple[ShardedEmbeddingBag, torch.Tensor, 
         called.append(k)
         first = torch.searchsorted(bag_of[at], layout.bag_positions)  # each bag's first id here
         served = layout.served[k]
+        ids = flat[at].to(layout.wire)
         calls.append((server, _table_server._pool_tables,
-                      ([tables[i].name for i in served], [tables[i]._step for i in served], flat[at].to(layout.wire),
+                      ([tables[i].name for i in served], [tables[i]._step for i in served], ids,
                        first, [layout.bag_base[i] for i in served], [bags[i] for i in served], wait_s)))
+        shares.append((k, ids, first))
 
     def finish(got: list) -> list[torch.Tensor]:
         dim = tables[0].embedding_dim
@@ -350,11 +367,12 @@ def plan(owner: Any, entries: Sequence[tuple[ShardedEmbeddingBag, torch.Tensor, 
         together: dict[int, torch.Tensor] = {}  # per table recorded together: its pooled bags
         if recording and all(tables[i]._dtype() == torch.float32 for i in recording):
             divisor = torch.where(layout.mean_bags.unsqueeze(1), sizes_all, 1.0) if layout.any_mean else None
-            made = _record_together(layout, [tables[i] for i in recording], total, uniq, inverse, bag_of, divisor,
-                                    [(uniq[cuts[i]:cuts[i + 1]] - layout.id_base[i], cuts[i], cuts[i + 1],
-                                      layout.bag_base[i], layout.bag_base[i + 1]) for i in recording])
+            made = _record_together(layout, [tables[i] for i in recording], recording, total, divisor, shares)
             together = dict(zip(recording, made))
             recording = []
+        elif recording:  # (a table of another dtype: each its own rows' node, as alone)
+            uniq, inverse = torch.unique(gid, sorted=True, return_inverse=True)
+            cuts = torch.searchsorted(uniq, torch.tensor(layout.id_base)).tolist()
         out = []
         for i, t in enumerate(tables):
             lo, hi = layout.bag_base[i], layout.bag_base[i + 1]
