@@ -103,8 +103,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
             self.add_module(name, table)  # torch's own checks of the name (no '.', no attribute clash)
         self._names = tuple(tables)
         #: per server: messages this collection sent it, ids it asked it to look up, and gradient
-        #: rows it pushed to it (a sum-pooled lookup's gradient counts its ids there, whose rows
-        #: the server sums; see :meth:`_count`), since construction
+        #: rows it pushed to it (a packed push counts the lookup's ids there, whose rows the
+        #: server sums; see :meth:`_count`), since construction
         self.traffic: dict[str, dict[str, int]] = {}
         self._layouts: dict = {}  # per embedding_dim, the last batch layout of the tables planned together
 
@@ -200,9 +200,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 traffic[server]["rows_pushed"] += 0 if args[3] is None else args[3].numel()
             elif handler is _table_server._push_tables:
                 traffic[server]["rows_pushed"] += args[1].numel()
-            elif handler is _table_server._push_bags:  # (the lookup's ids: the rows are summed there)
-                traffic[server]["rows_pushed"] += args[3].numel()
-            elif handler is _table_server._push_bag_tables:
+            elif handler is _table_server._push_bag_tables:  # (the lookup's ids: the rows are summed there)
                 traffic[server]["rows_pushed"] += 0 if args[1] is None else args[1].numel()
             elif len(args) > 1 and isinstance(args[1], torch.Tensor):  # a table's lookup: its ids (or input) second
                 traffic[server]["ids_looked_up"] += args[1].numel()

@@ -35,7 +35,7 @@ from remote_module.ps._embedding_checkpoints import TableCheckpoints
 from remote_module.ps._geo_cache import GeoCache
 from remote_module.ps._modes import PS_MODES
 from remote_module.ps._rows import check_ids
-from remote_module.ps._rowwise import PooledGradient, coalesce, row_gradients, row_optimizer
+from remote_module.ps._rowwise import coalesce, row_gradients, row_optimizer
 from remote_module.ps._slicing import _index, block_name, slice_blocks
 from rpc_backend.options import positive_seconds
 
@@ -84,30 +84,6 @@ class _Recorded(torch.autograd.Function):
             ctx.record(ctx.uniq, grad.to(torch.float32))  # the servers' rows are float32, whatever the model's dtype
         dtype, device = ctx.marker
         return None, torch.zeros(0, dtype=dtype, device=device), None, None, None
-
-
-class _PooledRecorded(torch.autograd.Function):
-    """The pooled bags of a float32 sum or mean lookup, unchanged, recorded for
-    :meth:`ShardedEmbedding.step`: backward keeps their gradient as it is (over each bag's size
-    for a mean), with each server's share of the lookup, as a :class:`PooledGradient` (the
-    servers compute the rows' gradients at the push), and gives the grad marker a zero-size
-    gradient, as :class:`_Recorded` does."""
-
-    @staticmethod
-    def forward(ctx: Any, pooled: torch.Tensor, marker: torch.Tensor, record: Callable, parts: list,
-                sizes: torch.Tensor | None, accumulator: Any) -> torch.Tensor:
-        ctx.record, ctx.parts, ctx.sizes, ctx.accumulator = record, parts, sizes, accumulator
-        ctx.marker = (marker.dtype, marker.device)
-        return pooled.view_as(pooled)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        if backward_accumulates(ctx.accumulator):  # (as _Recorded)
-            # its own copy: the gradient may be a view of a larger one, which would travel whole
-            grad = grad.to(torch.float32, copy=True) if ctx.sizes is None else (grad / ctx.sizes).to(torch.float32)
-            ctx.record(PooledGradient(grad, ctx.parts))
-        dtype, device = ctx.marker
-        return None, torch.zeros(0, dtype=dtype, device=device), None, None, None, None
 
 
 def lookup_calls(calls: list, timeout: float | None) -> list:
@@ -718,10 +694,10 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
 
     @property
     def pushed_bytes(self) -> int:
-        """Tensor bytes (ids and gradient rows; a sum-pooled lookup's gradient: the pooled bags'
-        gradient, with the lookup's ids and bag starts; geo: row deltas) this module has pushed
-        to the servers so far (a push retried after a failure counts again; assignable, to
-        reset it)."""
+        """Tensor bytes (ids and gradient rows; a collection's push: the pooled bags' gradient,
+        with the lookup's ids and bag starts, counted on its first table; geo: row deltas) this
+        module has pushed to the servers so far (a push retried after a failure counts again;
+        assignable, to reset it)."""
         return self._pushed_bytes
 
     @pushed_bytes.setter
@@ -982,14 +958,6 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
             marker, accumulator = self._recorder()
             return _Recorded.apply(rows, marker, self._record, uniq, accumulator)
 
-    def _recorded_bags(self, pooled: torch.Tensor, parts: list, sizes: torch.Tensor | None) -> torch.Tensor:
-        """``pooled`` (float32 bags pooled by sum, over ``sizes`` for a mean) recorded for
-        :meth:`step` as a :class:`PooledGradient` of the lookup's ``parts`` (see
-        :meth:`_recorded`)."""
-        with self._marker_lock:
-            marker, accumulator = self._recorder()
-            return _PooledRecorded.apply(pooled, marker, self._keep, parts, sizes, accumulator)
-
     def _recorder(self) -> tuple[torch.Tensor, Any]:
         """(``_marker_lock`` held) the grad marker, hooked to seal what backward records, and its
         ``AccumulateGrad`` node."""
@@ -1006,7 +974,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
 
     def _keep(self, entry: Any) -> None:
         """:meth:`_record` of a gradient ``entry``: ``(ids, rows)``, or an object whose
-        ``rows()`` gives them (:class:`PooledGradient`)."""
+        ``rows()`` gives them (a collection's: ``_packed.TogetherGradient``)."""
         with self._pending_lock:
             self._drop_discarded()
             self._fresh.append(entry)
@@ -1191,9 +1159,6 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         self._wait_pushes()
         if taken is None:
             taken = self._take_for_step()
-        took = self.__dict__.get("_took", ())  # (the retry of a step these servers applied already)
-        if len(taken) == 1 and isinstance(taken[0], PooledGradient) and not took and self.ps_mode != "geo":
-            return self._pooled_push_plan(taken)
         ids_parts, grad_parts = [], []
         for uniq, g in map(row_gradients, taken):
             if self.padding_idx is None:
@@ -1209,6 +1174,7 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         if self.ps_mode == "geo":  # (a plan only when this step pushes the deltas)
             return self._geo_step(ids, grad, has_grad)
         calls = []
+        took = self.__dict__.get("_took", ())  # (the retry of a step these servers applied already)
         for _, server, mine in self._by_owner(ids):
             # every server hears of a step with a gradient (an empty push where it holds none of
             # its rows): it is one optimizer step of the whole table, as torch counts steps per
@@ -1227,33 +1193,6 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         sent = sum(i.numel() * i.element_size() + g.numel() * g.element_size()
                    for _, _, (_, _, _, i, g, _) in calls if i is not None)
         done, failed = self._pushed(taken, pushing, sent)
-        took: list[str] = []
-
-        def partly(oks: list[bool]) -> None:  # (before failed(): the servers that applied theirs)
-            took[:] = [server for (server, _, _), ok in zip(calls, oks) if ok]
-
-        return calls, done, lambda: failed(took), None, partly
-
-    def _pooled_push_plan(self, taken: list) -> PushPlan:
-        """:meth:`_push_plan` of one lookup's :class:`PooledGradient`: each server that had a
-        share of the lookup gets the bags' gradient with that share, as its lookup sent it, and
-        computes its rows' gradients (``_push_bags``: the same rows, bit for bit); every other
-        server of the table gets an empty push (a step there all the same)."""
-        pooled = taken[0]
-        shares = {k: (ids, starts, weights) for k, ids, starts, weights in pooled.parts}
-        calls = []
-        for k, server in enumerate(self._server_names):
-            if k in shares:
-                ids, starts, weights = shares[k]
-                calls.append((server, _table_server._push_bags,
-                              (self.name, self._trainer, self._step, ids, starts, weights, pooled.grad, self._token)))
-            else:
-                calls.append((server, _table_server._push_rows,
-                              (self.name, self._trainer, self._step, torch.empty(0, dtype=torch.long),
-                               torch.zeros(0, self.embedding_dim), self._token)))
-        sent = sum(t.numel() * t.element_size() for _, _, args in calls for t in args[3:-1]
-                   if isinstance(t, torch.Tensor))
-        done, failed = self._pushed(taken, True, sent)
         took: list[str] = []
 
         def partly(oks: list[bool]) -> None:  # (before failed(): the servers that applied theirs)

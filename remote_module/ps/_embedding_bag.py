@@ -136,11 +136,7 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         if needs_rows:
             return self._pool_here_plan(input, offsets, per_sample_weights, wait_s)
         dtype = self._dtype()  # the model's (e.g. after model.double()); the servers pool float32
-        # a float32 sum or mean that records: backward keeps the pooled bags' gradient as it is,
-        # and the step pushes it with each server's share of the lookup (the servers compute the
-        # rows' gradients: PooledGradient); no unique ids needed here
-        pooled_grad = records and self.bag_mode != "max" and dtype == torch.float32
-        if records and not pooled_grad:
+        if records:
             flat, uniq, inverse = self._unique(input)
             grad = True  # recorded when the output is made (_pooled): a prefetch's, at its forward
             # zero rows standing for the unique ids: torch's own embedding_bag on them checks the
@@ -155,7 +151,7 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         else:
             # nothing recorded: no unique ids needed (the servers pool every position); one zero
             # row still lets torch's embedding_bag check the arguments and give the shape
-            flat, grad = self._checked_ids(input), pooled_grad
+            flat, grad = self._checked_ids(input), False
             uniq = inverse = None
             holder = torch.zeros(1, self.embedding_dim, dtype=dtype)
             pad, index = None, torch.zeros(input.shape, dtype=torch.long)
@@ -170,7 +166,7 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         weights = None if per_sample_weights is None else per_sample_weights.reshape(-1).detach()
         keep = flat != self.padding_idx if self.padding_idx is not None else None
         server_of = self._server_of(flat)
-        calls, called, parts = [], [], []
+        calls, called = [], []
         kind = "max" if self.bag_mode == "max" else "sum"
         wire = torch.int32 if self.num_embeddings <= 2**31 else torch.int64  # ids travel as int32 when they fit
         positions = torch.arange(num_bags)
@@ -181,13 +177,10 @@ class ShardedEmbeddingBag(ShardedEmbedding):
             in_bags, w = bags[mine], None if weights is None else weights[mine]
             # this server's share of each bag starts where its positions reach that bag
             pool = (torch.searchsorted(in_bags, positions), w, kind)
-            sent = ids.to(wire)
-            calls.append((server, self._reader(), (self.name, sent, self._step, pool, wait_s)))
+            calls.append((server, self._reader(), (self.name, ids.to(wire), self._step, pool, wait_s)))
             called.append(k)
-            parts.append((k, sent, pool[0], w))
         return calls, lambda got: self._pooled(got, kind, called, flat, uniq, inverse, bags, weights, keep, holder,
-                                                zero, server_of, num_bags, grad, dtype,
-                                                parts if pooled_grad else None)
+                                                zero, server_of, num_bags, grad, dtype)
 
     def _needs_rows(self, per_sample_weights: Any) -> bool:
         """Whether a lookup pools the fetched rows here: geo mode (the cached rows are the
@@ -219,13 +212,11 @@ class ShardedEmbeddingBag(ShardedEmbedding):
     def _pooled(self, got: list, kind: str, called: list[int], flat: torch.Tensor, uniq: torch.Tensor,
                 inverse: torch.Tensor, bags: torch.Tensor, weights: torch.Tensor | None, keep: torch.Tensor | None,
                 holder: torch.Tensor, zero: torch.Tensor, server_of: torch.Tensor, num_bags: int, grad: bool,
-                dtype: torch.dtype, parts: list | None = None) -> torch.Tensor:
-        """The output of a lookup from the servers' answers ``got`` (see :meth:`_lookup_plan`);
-        ``parts``: each server's share of the lookup, when backward keeps the pooled bags'
-        gradient (:class:`PooledGradient`)."""
+                dtype: torch.dtype) -> torch.Tensor:
+        """The output of a lookup from the servers' answers ``got`` (see :meth:`_lookup_plan`)."""
         if grad:
             grad = self._records()  # (warns of gradients never pushed, as every recording lookup)
-            if grad and parts is None:
+            if grad:
                 holder = self._recorded(uniq, holder)
         if kind == "sum":
             total = torch.zeros(num_bags, self.embedding_dim)
@@ -239,8 +230,6 @@ class ShardedEmbeddingBag(ShardedEmbedding):
             total = total.to(dtype)
             if not grad:
                 return total
-            if parts is not None:
-                return self._recorded_bags(total, parts, sizes)
             if keep is not None:
                 inverse, bags, weights = inverse[keep], bags[keep], None if weights is None else weights[keep]
             return _BagRows.apply(holder, total, inverse, bags, weights, sizes)

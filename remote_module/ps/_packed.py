@@ -26,7 +26,7 @@ from remote_module._core import backward_accumulates
 from remote_module.ps import _table_server
 from remote_module.ps._embedding import finished, nothing, table_push_failure
 from remote_module.ps._embedding_bag import ShardedEmbeddingBag, _BagRows
-from remote_module.ps._rowwise import PooledGradient
+from remote_module.ps._rowwise import bag_index, coalesce, pooled_rows
 
 
 class _TogetherRecorded(torch.autograd.Function):
@@ -34,7 +34,7 @@ class _TogetherRecorded(torch.autograd.Function):
     turn; one output per table), recorded for their ``step()`` in one autograd node. Backward
     puts the tables' gradients into one gradient of every bag of the batch (divided by the
     bag's size for mean) and hands each table whose output it reached its part, as its own
-    ``_PooledRecorded`` would (a :class:`TogetherGradient`: the rows' gradients are computed
+    ``_Recorded`` would, but as a :class:`TogetherGradient` (the rows' gradients are computed
     by the servers at the push, or here by ``rows()`` for another path), with a zero-size
     gradient for its grad marker."""
 
@@ -98,15 +98,17 @@ class TogetherGradient:
         layout, shares, grad = self.together
         i = self.index
         b0, b1 = layout.bag_base[i], layout.bag_base[i + 1]
-        parts = []
+        ids_parts, rows_parts = [torch.empty(0, dtype=torch.long)], [torch.zeros(0, grad.shape[1])]
         for k, ids, first in shares:
             if i not in layout.served[k]:
                 continue
             lo = int(first[b0]) if b1 > b0 else 0
             hi = lo if b1 == b0 else int(first[b1]) if b1 < first.numel() else ids.numel()
-            if hi > lo:
-                parts.append((k, ids[lo:hi], first[b0:b1] - lo, None))
-        return PooledGradient(grad[b0:b1], parts).rows()
+            if hi > lo:  # (an id's positions are all on its server: each row's sum as the server's)
+                uniq, rows = pooled_rows(ids[lo:hi], bag_index(first[b0:b1] - lo, hi - lo), grad[b0:b1])
+                ids_parts.append(uniq)
+                rows_parts.append(rows)
+        return coalesce(torch.cat(ids_parts), torch.cat(rows_parts))
 
 
 def push_together(together: Together, members: list, done: set) -> tuple:

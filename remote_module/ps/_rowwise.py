@@ -118,63 +118,31 @@ def coalesce(ids: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch
     return unique, summed
 
 
-def position_gradients(ids: torch.Tensor, starts: torch.Tensor, weights: torch.Tensor | None,
-                       grad: torch.Tensor) -> torch.Tensor:
-    """The gradient of each position of bags pooled by sum from the gradient ``grad`` of the
-    pooled bags (one row per bag): bag ``b`` holds positions ``starts[b]`` to ``starts[b + 1]``
-    of ``ids`` (the last bag: to the end), and a position's gradient is its bag's, times its
-    weight (``per_sample_weights``) when given; what torch's ``embedding_bag`` backward gives
-    each position before the rows are summed. ``ValueError`` for arguments that do not fit."""
-    n, bags = ids.numel(), starts.numel()
-    if ids.dim() != 1 or starts.dim() != 1 or grad.dim() != 2 or grad.shape[0] != bags \
-            or (weights is not None and tuple(weights.shape) != (n,)):
-        raise ValueError(f"a pooled gradient of shape {tuple(grad.shape)} for {bags} bag start(s) and ids of shape "
-                         f"{tuple(ids.shape)} (weights {None if weights is None else tuple(weights.shape)}) do not fit")
-    if not n:
-        return grad.new_zeros(0, grad.shape[1])
+def bag_index(starts: torch.Tensor, n: int) -> torch.Tensor:
+    """Each of ``n`` positions' bag, for bags starting at ``starts`` (bag ``b`` holds positions
+    ``starts[b]`` to ``starts[b + 1]``, the last one to the end); ``ValueError`` unless they
+    start at 0 and do not decrease."""
     counts = torch.diff(starts.long(), append=torch.tensor([n]))
-    if bags and (int(starts[0]) != 0 or bool((counts < 0).any())):
-        raise ValueError("bag starts must begin at 0 and not decrease")
-    per_position = grad.index_select(0, torch.repeat_interleave(torch.arange(bags), counts))
-    if weights is not None:
-        per_position = per_position * weights.to(per_position.dtype).unsqueeze(1)
-    return per_position
+    if starts.numel() and (int(starts[0]) != 0 or bool((counts < 0).any())):
+        raise ValueError(f"bag starts must begin at 0, not decrease, and not pass the {n} positions")
+    return torch.repeat_interleave(torch.arange(starts.numel()), counts)
 
 
-def pooled_rows(ids: torch.Tensor, starts: torch.Tensor, weights: torch.Tensor | None,
-                grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pooled_rows(ids: torch.Tensor, bag_of: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The sparse row gradient (sorted unique ids, their summed rows) of bags pooled by sum,
-    from the gradient of the pooled bags (:func:`position_gradients`): each row's sum taken in
-    position order, as torch's backward takes it, so the same bits."""
-    return coalesce(ids.long(), position_gradients(ids, starts, weights, grad))
-
-
-class PooledGradient:
-    """A sum-pooled lookup's gradient as backward leaves it (the trainer does no more work on
-    it): the gradient of its pooled bags (float32, divided by each bag's size for a mean), and
-    each server's share of its positions as its lookup sent them: ``(server index, ids, bag
-    starts, weights)``. A table's step pushes these to the servers, which compute the rows'
-    gradients (:func:`pooled_rows`); :meth:`rows` computes them here, for the other paths."""
-
-    __slots__ = ("grad", "parts")
-
-    def __init__(self, grad: torch.Tensor, parts: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]]
-                 ) -> None:
-        self.grad, self.parts = grad, parts
-
-    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sorted unique ids, their gradient rows), as the servers would compute them: an id's
-        positions are all on its server, in their order, so each row's sum is the same."""
-        if not self.parts:
-            return torch.empty(0, dtype=torch.long), self.grad.new_zeros(0, self.grad.shape[1])
-        ids = torch.cat([i.long() for _, i, _, _ in self.parts])
-        per_position = torch.cat([position_gradients(i, s, w, self.grad) for _, i, s, w in self.parts])
-        return coalesce(ids, per_position)
+    from the gradient ``grad`` of the pooled bags (one row per bag; ``bag_of``: each
+    position's bag): each position's gradient is its bag's, as torch's ``embedding_bag``
+    backward gives it, and each row's sum is taken in position order, so the same bits.
+    ``ValueError`` for arguments that do not fit."""
+    if ids.dim() != 1 or tuple(bag_of.shape) != (ids.numel(),) or grad.dim() != 2:
+        raise ValueError(f"a pooled gradient of shape {tuple(grad.shape)} for ids of shape {tuple(ids.shape)} in bags "
+                         f"of shape {tuple(bag_of.shape)} do not fit")
+    return coalesce(ids.long(), grad.index_select(0, bag_of))
 
 
 def row_gradients(entry: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """A recorded gradient as (ids, rows): a :class:`PooledGradient`'s (or any object with
-    ``rows()``) computed, an ``(ids, rows)`` pair as it is."""
+    """A recorded gradient as (ids, rows): an ``(ids, rows)`` pair as it is, else its
+    ``rows()`` (a collection's, computed from its pooled bags' gradient)."""
     return entry if isinstance(entry, tuple) else entry.rows()
 
 

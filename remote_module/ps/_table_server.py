@@ -35,7 +35,7 @@ from remote_module.ps._rows import (
     row_key,
     with_padding_row,
 )
-from remote_module.ps._rowwise import coalesce, pooled_rows
+from remote_module.ps._rowwise import bag_index, coalesce, pooled_rows
 
 ALL = slice(None)  # "every position": indexes a tensor without a copy
 
@@ -404,21 +404,14 @@ def _push_tables(entries: list[tuple], ids: torch.Tensor, grads: torch.Tensor) -
     return outcomes
 
 
-def _push_bags(name: str, trainer: str, step: int, ids: torch.Tensor, starts: torch.Tensor,
-               weights: torch.Tensor | None, grad: torch.Tensor, token: str | None = None) -> None:
-    """:func:`_push_rows` of a sum-pooled lookup's gradient as the trainer's backward left it:
-    ``grad`` for its pooled bags, and this server's share of the lookup (``ids``, bag
-    ``starts`` and ``weights``, as the lookup sent them); the rows' gradients are computed here
-    (:func:`pooled_rows`: the sums the trainer would compute, bit for bit), then pushed."""
-    uniq, rows = pooled_rows(ids, starts, weights, grad)
-    _push_rows(name, trainer, step, uniq, rows, token)
-
-
 def _push_bag_tables(entries: list[tuple], ids: torch.Tensor | None, first: torch.Tensor | None,
                      grads: torch.Tensor) -> list[tuple[bool, object]]:
-    """:func:`_push_bags` of several tables looked up together (a collection's packed lookup,
-    :func:`_pool_tables`), in one call: ``ids`` and ``first`` as that lookup sent them (None:
-    it had none of the batch's ids here), ``grads`` the gradient of every bag of the batch;
+    """:func:`_push_rows` of several tables looked up together (a collection's packed lookup,
+    :func:`_pool_tables`) from the gradient of their pooled bags, as the trainer's backward
+    left it, in one call: ``ids`` and ``first`` as that lookup sent them (None: it had none of
+    the batch's ids here), ``grads`` the gradient of every bag of the batch. The rows'
+    gradients are computed here (:func:`pooled_rows`: the sums the trainer would compute, in
+    position order, bit for bit), then pushed;
     ``entries`` are ``(name, trainer, step, bag_base, bag_count, token)``, each table's bags
     ``bag_base`` to ``bag_base + bag_count``. Each runs as its own call would, in order, and its
     outcome is answered alone, as :func:`_push_tables`'s."""
@@ -431,7 +424,8 @@ def _push_bag_tables(entries: list[tuple], ids: torch.Tensor | None, first: torc
             if lo == hi:  # none of its ids here: an empty push (a step of the table all the same)
                 uniq, rows = torch.empty(0, dtype=torch.long), torch.zeros(0, grads.shape[1])
             else:
-                uniq, rows = pooled_rows(ids[lo:hi], first[base:base + count] - lo, None, grads[base:base + count])
+                uniq, rows = pooled_rows(ids[lo:hi], bag_index(first[base:base + count] - lo, hi - lo),
+                                         grads[base:base + count])
             _push_rows(name, trainer, step, uniq, rows, token)
             outcomes.append((True, None))
         except BaseException as exc:  # that push's own failure, answered alone
