@@ -35,7 +35,7 @@ from remote_module.ps._rows import (
     row_key,
     with_padding_row,
 )
-from remote_module.ps._rowwise import bag_index, coalesce, pooled_rows
+from remote_module.ps._rowwise import bag_index, coalesce, pooled_rows_of_ranges
 
 ALL = slice(None)  # "every position": indexes a tensor without a copy
 
@@ -409,24 +409,31 @@ def _push_bag_tables(entries: list[tuple], ids: torch.Tensor | None, first: torc
     """:func:`_push_rows` of several tables looked up together (a collection's packed lookup,
     :func:`_pool_tables`) from the gradient of their pooled bags, as the trainer's backward
     left it, in one call: ``ids`` and ``first`` as that lookup sent them (None: it had none of
-    the batch's ids here), ``grads`` the gradient of every bag of the batch. The rows'
-    gradients are computed here (:func:`pooled_rows`: the sums the trainer would compute, in
-    position order, bit for bit), then pushed;
-    ``entries`` are ``(name, trainer, step, bag_base, bag_count, token)``, each table's bags
-    ``bag_base`` to ``bag_base + bag_count``. Each runs as its own call would, in order, and its
-    outcome is answered alone, as :func:`_push_tables`'s."""
-    outcomes: list[tuple[bool, object]] = []
+    the batch's ids here), ``grads`` the gradient of every bag of the batch; ``entries`` are
+    ``(name, trainer, step, bag_base, bag_count, token)``, each table's bags ``bag_base`` to
+    ``bag_base + bag_count``. The rows' gradients of every table are computed here at once
+    (:func:`pooled_rows_of_ranges`: the sums the trainer would compute, in position order, bit
+    for bit); then each table's push runs as its own call would, in order, and its outcome is
+    answered alone, as :func:`_push_tables`'s."""
     n = 0 if ids is None else ids.numel()
-    for name, trainer, step, base, count, token in entries:
+    ranges = []
+    for _, _, _, base, count, _ in entries:
+        if not (count and n):
+            ranges.append((0, 0))
+            continue
+        lo = int(first[base])
+        ranges.append((lo, int(first[base + count]) if base + count < first.numel() else n))
+    try:
+        rows = pooled_rows_of_ranges(ids, bag_index(first, n), grads, ranges) if n else None
+    except BaseException as exc:  # (arguments that do not fit: every table's push fails)
+        return [(False, capture(exc))] * len(entries)
+    outcomes: list[tuple[bool, object]] = []
+    for j, (name, trainer, step, _, _, token) in enumerate(entries):
         try:
-            lo = int(first[base]) if count and n else 0
-            hi = lo if not (count and n) else int(first[base + count]) if base + count < first.numel() else n
-            if lo == hi:  # none of its ids here: an empty push (a step of the table all the same)
-                uniq, rows = torch.empty(0, dtype=torch.long), torch.zeros(0, grads.shape[1])
-            else:
-                uniq, rows = pooled_rows(ids[lo:hi], bag_index(first[base:base + count] - lo, hi - lo),
-                                         grads[base:base + count])
-            _push_rows(name, trainer, step, uniq, rows, token)
+            # (none of its ids here: an empty push, a step of the table all the same)
+            uniq, grad = rows[j] if rows is not None else (torch.empty(0, dtype=torch.long),
+                                                            torch.zeros(0, grads.shape[1]))
+            _push_rows(name, trainer, step, uniq, grad, token)
             outcomes.append((True, None))
         except BaseException as exc:  # that push's own failure, answered alone
             outcomes.append((False, capture(exc)))

@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from remote_module.ps._rowwise import coalesce, new_state, row_optimizer, step_rows
+from remote_module.ps._rowwise import (
+    bag_index,
+    coalesce,
+    new_state,
+    pooled_rows,
+    pooled_rows_of_ranges,
+    row_optimizer,
+    step_rows,
+)
 
 CASES = [
     (torch.optim.SGD, {"lr": 0.5}),
@@ -90,3 +98,63 @@ def test_sgd_momentum_is_refused_saying_why():
     touched on every step; a row-wise table cannot, so it refuses, saying so."""
     with pytest.raises(ValueError, match="momentum.*every row ever touched"):
         row_optimizer(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
+
+
+def _bags(g: torch.Generator, num_bags: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ids (repeats included, some bags empty) and each bag's start."""
+    sizes = torch.randint(0, 5, (num_bags,), generator=g)
+    return torch.randint(0, rows, (int(sizes.sum()),), generator=g), torch.cumsum(sizes, 0) - sizes
+
+
+def test_pooled_rows_are_torchs_embedding_bag_gradient_and_the_trainers_sums_bit_for_bit():
+    """A server computes a collection's row gradients from the pooled bags' gradient: the same
+    rows, summed in the same order, as torch's sparse embedding_bag backward coalesced."""
+    g = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        ids, starts = _bags(g, 9, 6)
+        weight = torch.randn(6, 3, generator=g, requires_grad=True)
+        pooled = torch.nn.functional.embedding_bag(ids, weight, starts, mode="sum", sparse=True)
+        grad = torch.randn(pooled.shape, generator=g)
+        pooled.backward(grad)
+        expected = weight.grad.coalesce()
+        uniq, rows = pooled_rows(ids.to(torch.int32), bag_index(starts, ids.numel()), grad)
+        assert torch.equal(uniq, expected.indices()[0])
+        torch.testing.assert_close(rows, expected.values(), rtol=0, atol=1e-6)
+        # the order of the old trainer-side computation: one index_add over the unique ids
+        u, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+        old = torch.zeros(u.numel(), 3).index_add_(0, inverse, grad.index_select(0, bag_index(starts, ids.numel())))
+        assert torch.equal(rows, old)
+
+
+def test_pooled_rows_of_ranges_equal_each_range_alone():
+    g = torch.Generator().manual_seed(4)
+    for trial in range(50):
+        ids, starts = _bags(g, 12, 7)
+        grad = torch.randn(12, 2, generator=g)
+        cuts = [0, *sorted(torch.randint(0, 13, (3,), generator=g).tolist()), 12]
+        ranges, bags = [], []
+        for a, b in zip(cuts, cuts[1:]):
+            lo = int(starts[a]) if a < 12 else ids.numel()
+            hi = int(starts[b]) if b < 12 else ids.numel()
+            ranges.append((lo, hi))
+            bags.append((a, b))
+        if trial % 2:
+            ranges[1] = (0, 0)  # a table pushed without its ids here (or left out): nothing for it
+        if not ids.numel():
+            continue
+        got = pooled_rows_of_ranges(ids, bag_index(starts, ids.numel()), grad, ranges)
+        for (lo, hi), (a, b), (uniq, rows) in zip(ranges, bags, got):
+            if hi == lo:
+                assert uniq.numel() == 0 and rows.shape == (0, 2)
+                continue
+            alone = pooled_rows(ids[lo:hi], bag_index(starts[a:b] - lo, hi - lo), grad[a:b])
+            assert torch.equal(uniq, alone[0]) and torch.equal(rows, alone[1])
+
+
+def test_bags_that_do_not_fit_are_a_value_error():
+    with pytest.raises(ValueError, match="bag starts must begin at 0"):
+        bag_index(torch.tensor([1, 2]), 4)
+    with pytest.raises(ValueError, match="bag starts must begin at 0"):
+        bag_index(torch.tensor([0, 3, 2]), 4)
+    with pytest.raises(ValueError, match="do not fit"):
+        pooled_rows(torch.tensor([1, 2, 3]), torch.tensor([0, 1]), torch.zeros(2, 4))
