@@ -481,12 +481,20 @@ def _row_state(name: str, first: int) -> tuple[int, torch.Tensor, dict[str, torc
 
 
 def _set_row_state(name: str, optimizer_steps: int, ids: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
-    """Set the table's optimizer step count and the optimizer state of rows ``ids`` (they count
-    as touched). A sync table's step (its trainers' round) is left alone: it is not optimizer
-    state, and trainers already attached wait on it."""
+    """Replace this server's optimizer state of the table, as a torch optimizer's
+    ``load_state_dict`` replaces its whole state: the step count, and the state of rows ``ids``
+    (they count as touched); every other row here is left with none (its next step starts
+    from the optimizer's initial state). A trainer sends every server of the table its share.
+    A sync table's step (its trainers' round) is left alone: it is not optimizer state, and
+    trainers already attached wait on it."""
     table = _table(name)
     with table.lock:
         table.optimizer_steps = optimizer_steps
+        for rows in table.blocks:  # (rows stepped since the checkpoint keep no state of their own)
+            with rows.lock:
+                rows.touched.zero_()
+                rows.state_slot.fill_(-1)
+                rows.state_used = 0
         if not ids.numel():
             return
         for rows, mine in table._split(ids):

@@ -201,6 +201,32 @@ def checkpoints(job: str) -> dict:
             "local_outputs": local_outputs, "resliced": resliced, "moved": moved}
 
 
+def rollback(job: str) -> list[tuple[dict, dict]]:
+    """State and optimizer state after steps 0 and 3 of a collection, once with steps 1 and 2
+    taken in between and then rolled back (the checkpoint of step 0 loaded into the live
+    tables, as "restore the best model" does), once without them."""
+    feats = features(6, 4)
+    out = []
+    for run, detour in ((f"{job}-rolled", True), (f"{job}-straight", False)):
+        model = make(run)
+
+        def train_on(k: int) -> None:
+            got = model(feats[k][0])
+            sum(((got[n] - feats[k][1][n]) ** 2).sum() for n in got).backward()
+            model.step()
+
+        train_on(0)
+        saved = model.state_dict(), model.optimizer_state_dict()
+        if detour:
+            train_on(1)
+            train_on(2)
+            model.load_state_dict(saved[0])
+            model.load_optimizer_state_dict(saved[1])
+        train_on(3)
+        out.append((model.state_dict(), model.optimizer_state_dict()))
+    return out
+
+
 @contextlib.contextmanager
 def pushes_replaced(table, rewrite):
     """Within the block, ``table``'s push plans send ``rewrite(calls)`` instead of their calls

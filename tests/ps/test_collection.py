@@ -96,6 +96,19 @@ def test_checkpoints_use_the_table_names_and_load_into_another_collection_local_
     assert got["resliced"] and got["moved"], "re-sliced onto three servers, the next step differs"
 
 
+def test_an_optimizer_state_loaded_into_live_tables_replaces_theirs_as_torch_does(world):
+    # rows stepped after the checkpoint have no state in it: loading it leaves them none, as a
+    # torch optimizer's load_state_dict replaces its whole state (Adagrad: the next step of such
+    # a row starts from the initial accumulator again)
+    rolled, straight = world.run({"trainer0": (r.rollback, name("rollback"))})["trainer0"]
+    for k in straight[0]:
+        assert torch.equal(rolled[0][k], straight[0][k]), k
+    for table, state in straight[1].items():
+        assert rolled[1][table]["step"] == state["step"]
+        assert torch.equal(rolled[1][table]["ids"], state["ids"]), table
+        assert torch.equal(rolled[1][table]["sum"], state["sum"]), table
+
+
 @pytest.mark.parametrize("how", ["refused", "packed"])
 def test_a_step_whose_pushes_of_one_table_fail_keeps_that_tables_gradients_only(world, how):
     # each table succeeds or fails as its own step() would: a retry pushes the failed one only
