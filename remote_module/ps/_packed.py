@@ -127,7 +127,7 @@ def push_together(together: Together, members: list, done: set) -> tuple:
     parts = []
     for _, name, table, taken in mine:
         parts.append((name, table, *table._pushed(taken, True, 0)))
-    calls, at, sent = [], [], grad.numel() * grad.element_size()
+    calls, at, sent = [], [], 0
     for k, server in enumerate(layout.servers):
         served = [j for j, (_, _, table, _) in enumerate(mine) if server in table._server_names]
         if not served:
@@ -137,9 +137,10 @@ def push_together(together: Together, members: list, done: set) -> tuple:
                    for i, _, t, _ in (mine[j] for j in served)]
         calls.append((server, _table_server._push_bag_tables, (entries, ids, first, grad)))
         at.append(served)
+        sent += grad.numel() * grad.element_size()  # (every server's call carries its own copy)
         if ids is not None:
             sent += ids.numel() * ids.element_size() + first.numel() * first.element_size()
-    parts[0][1]._pushed_bytes += sent  # (the message's bytes, counted once, on its first table)
+    parts[0][1]._pushed_bytes += sent  # (the calls' bytes, counted once, on its first table)
 
     def failed() -> None:  # the message failed (a server down or late): every table keeps its gradients
         for _, _, _, table_failed in parts:

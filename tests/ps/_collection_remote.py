@@ -651,3 +651,33 @@ def plain_unused_output(job: str, collect: bool) -> dict:
         sum(((got[k] - targets[k]) ** 2).sum() for k in keys).backward()
         _step(used)
     return {k: t.state_dict()["weight"] for k, t in tables.items()}
+
+
+def pushed_bytes_counted(job: str) -> dict:
+    """Two steps of PLAIN's tables in a collection (the sum / mean ones pushed together, one
+    call per server): per step, the sum of the tables' ``pushed_bytes`` added, and the tensor
+    bytes of the push calls the step sent (every server's call carries its own copy)."""
+    from remote_module.ps import ShardedEmbeddingBagCollection, _table_server
+
+    tables = plain_make(job, "async")
+    model = ShardedEmbeddingBagCollection(tables)
+    pushes = (_table_server._push_bag_tables, _table_server._push_tables, _table_server._push_rows)
+    sent: list[int] = []
+    real_count = model._count
+
+    def count(calls: list) -> list:
+        sent.append(sum(a.numel() * a.element_size() for _, handler, args in calls if handler in pushes
+                        for a in args if isinstance(a, torch.Tensor)))
+        return real_count(calls)
+
+    model._count = count
+    counted, steps = [], []
+    for feats, targets in plain_features(1, 2):
+        got = model(feats)
+        sum(((got[k] - targets[k]) ** 2).sum() for k in got).backward()
+        before, mark = sum(t.pushed_bytes for t in tables.values()), len(sent)
+        model.step()
+        counted.append(sum(t.pushed_bytes for t in tables.values()) - before)
+        steps.append(sum(sent[mark:]))
+    model.flush()
+    return {"counted": counted, "sent": steps}

@@ -228,6 +228,14 @@ def test_tables_pushed_together_settle_each_table_as_alone_when_a_push_fails(wor
         assert torch.equal(got["weights"][k], got["reference"][k]), k
 
 
+def test_pushed_bytes_count_every_servers_copy_of_a_packed_push(world):
+    """``pushed_bytes`` counts what was sent: a push of tables recorded together sends every
+    server the pooled bags' gradient in its own call, so the tables' counts add up to the
+    tensor bytes of all the step's push calls, as they did when each server got its rows."""
+    got = world.run({"trainer0": (r.pushed_bytes_counted, name("pushed-bytes"))})["trainer0"]
+    assert got["counted"] == got["sent"], got
+    assert all(b > 0 for b in got["sent"]), got
+
 def test_bad_plain_inputs_are_refused_as_the_table_alone_refuses_them(world):
     texts = world.run({"trainer0": (r.plain_refusals, name("plain-bad"))})["trainer0"]
     for together, alone in zip(texts[::2], texts[1::2]):
