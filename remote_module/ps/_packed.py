@@ -9,8 +9,8 @@ server pools its rows of a bag in position order, as alone, and the trainer adds
 partial sums in each table's own server order. The float32 tables that record gradients are
 recorded by one autograd node (:class:`_TogetherRecorded`), whose backward keeps the gradient
 of the batch's pooled bags as it is and hands each table its part; the collection's next step
-sends each server, in one call, that gradient with the server's share of the lookup as it was
-sent (:func:`push_together`), and the server computes each table's rows' gradients, each
+sends each server, in one call, the server's share of the lookup as it was sent with the
+gradient of the bags it holds ids of (:func:`push_together`), and the server computes each table's rows' gradients, each
 table's push and outcome its own. Inputs outside the plain forms (int32 ids,
 ``per_sample_weights``, ``padding_idx``, max pooling, geo mode, bags given wrongly) take each
 table's own path, which checks and refuses them as the table does.
@@ -114,9 +114,10 @@ class TogetherGradient:
 def push_together(together: Together, members: list, done: set) -> tuple:
     """One push plan for tables whose gradients since their last step are exactly what they
     recorded in ``together`` (``members``: ``(name, table, taken)``, taken by
-    ``_take_for_step``): one ``_push_bag_tables`` call per server, carrying the gradient of the
-    batch's bags and that server's share of the lookup as it was sent, with one entry per
-    table it serves (an empty push where it has none of the table's ids: a step all the same,
+    ``_take_for_step``): one ``_push_bag_tables`` call per server, carrying that server's share
+    of the lookup as it was sent and the gradient of the bags with ids there (the starts of
+    those bags in its ids: its traffic does not grow with the number of servers), with one
+    entry per table it serves (an empty push where it has none of the table's ids: a step all the same,
     as alone). The server computes each table's rows' gradients, the same rows and bits as the
     table's own push. The plan settles each table by its entries' outcomes, as alone: done (in
     ``done``) or its gradients kept for a retry; the first failure is raised."""
@@ -133,13 +134,19 @@ def push_together(together: Together, members: list, done: set) -> tuple:
         if not served:
             continue
         ids, first = by_server.get(k, (None, None))
-        entries = [(t.name, t._trainer, t._step, layout.bag_base[i], layout.bags[i], t._token)
+        if ids is None:  # none of the batch's ids here: empty pushes
+            spans, starts, part = [0] * len(layout.bag_base), None, grad[:0]
+        else:  # the gradient of the bags with ids here only, and each table's positions in ids
+            ends = torch.cat([first, first.new_tensor([ids.numel()])])
+            spans = ends[layout.bag_base].tolist()
+            has = (ends[1:] > first).nonzero().reshape(-1)
+            starts, part = first[has], grad.index_select(0, has)
+            sent += ids.numel() * ids.element_size() + starts.numel() * starts.element_size()
+        entries = [(t.name, t._trainer, t._step, spans[i], spans[i + 1], t._token)
                    for i, _, t, _ in (mine[j] for j in served)]
-        calls.append((server, _table_server._push_bag_tables, (entries, ids, first, grad)))
+        calls.append((server, _table_server._push_bag_tables, (entries, ids, starts, part)))
         at.append(served)
-        sent += grad.numel() * grad.element_size()  # (every server's call carries its own copy)
-        if ids is not None:
-            sent += ids.numel() * ids.element_size() + first.numel() * first.element_size()
+        sent += part.numel() * part.element_size()
     parts[0][1]._pushed_bytes += sent  # (the calls' bytes, counted once, on its first table)
 
     def failed() -> None:  # the message failed (a server down or late): every table keeps its gradients

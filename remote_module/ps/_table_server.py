@@ -408,21 +408,15 @@ def _push_bag_tables(entries: list[tuple], ids: torch.Tensor | None, first: torc
                      grads: torch.Tensor) -> list[tuple[bool, object]]:
     """:func:`_push_rows` of several tables looked up together (a collection's packed lookup,
     :func:`_pool_tables`) from the gradient of their pooled bags, as the trainer's backward
-    left it, in one call: ``ids`` and ``first`` as that lookup sent them (None: it had none of
-    the batch's ids here), ``grads`` the gradient of every bag of the batch; ``entries`` are
-    ``(name, trainer, step, bag_base, bag_count, token)``, each table's bags ``bag_base`` to
-    ``bag_base + bag_count``. The rows' gradients of every table are computed here at once
-    (:func:`pooled_rows_of_ranges`: the sums the trainer would compute, in position order, bit
-    for bit); then each table's push runs as its own call would, in order, and its outcome is
-    answered alone, as :func:`_push_tables`'s."""
+    left it, in one call: ``ids`` as that lookup sent them (None: it had none of the batch's
+    ids here), ``grads`` the gradient of each bag holding ids here, in batch order, and
+    ``first`` each such bag's first position in ``ids``; ``entries`` are ``(name, trainer,
+    step, lo, hi, token)``, each table's ids ``ids[lo:hi]``. The rows' gradients of every
+    table are computed here at once (:func:`pooled_rows_of_ranges`: the sums the trainer
+    would compute, in position order, bit for bit); then each table's push runs as its own
+    call would, in order, and its outcome is answered alone, as :func:`_push_tables`'s."""
     n = 0 if ids is None else ids.numel()
-    ranges = []
-    for _, _, _, base, count, _ in entries:
-        if not (count and n):
-            ranges.append((0, 0))
-            continue
-        lo = int(first[base])
-        ranges.append((lo, int(first[base + count]) if base + count < first.numel() else n))
+    ranges = [(lo, hi) if n else (0, 0) for _, _, _, lo, hi, _ in entries]
     try:
         rows = pooled_rows_of_ranges(ids, bag_index(first, n), grads, ranges) if n else None
     except BaseException as exc:  # (arguments that do not fit: every table's push fails)

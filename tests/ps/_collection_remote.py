@@ -681,3 +681,34 @@ def pushed_bytes_counted(job: str) -> dict:
         steps.append(sum(sent[mark:]))
     model.flush()
     return {"counted": counted, "sent": steps}
+
+
+def packed_push_rows(job: str) -> dict:
+    """A step of PLAIN's tables in a collection, their sum / mean lookups planned together: per
+    server, the bags with ids there in the forward's call, and the rows of pooled-bag gradient
+    the step's call to it carries."""
+    from remote_module.ps import ShardedEmbeddingBagCollection, _table_server
+
+    tables = plain_make(job, "async")
+    model = ShardedEmbeddingBagCollection(tables)
+    bags: dict[str, int] = {}
+    rows: dict[str, int] = {}
+    real_count = model._count
+
+    def count(calls: list) -> list:
+        for server, handler, args in calls:
+            if handler is _table_server._pool_tables:
+                ids, first = args[2], args[3]
+                ends = torch.cat([first[1:], first.new_tensor([ids.numel()])])
+                bags[server] = int((ends > first).sum())
+            elif handler is _table_server._push_bag_tables:
+                rows[server] = max(a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.is_floating_point())
+        return real_count(calls)
+
+    model._count = count
+    feats, targets = plain_features(1, 1)[0]
+    got = model(feats)
+    sum(((got[k] - targets[k]) ** 2).sum() for k in got).backward()
+    model.step()
+    model.flush()
+    return {"bags": bags, "rows": rows, "all_bags": sum(v.shape[0] for v in got.values())}

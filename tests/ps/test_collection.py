@@ -236,6 +236,15 @@ def test_pushed_bytes_count_every_servers_copy_of_a_packed_push(world):
     assert got["counted"] == got["sent"], got
     assert all(b > 0 for b in got["sent"]), got
 
+def test_a_packed_push_sends_each_server_the_gradient_of_its_bags_only(world):
+    """A push of tables recorded together sends each server the pooled gradient of the bags
+    holding ids there, not every bag of the batch: traffic that does not grow with the
+    number of servers (a table on ps1 alone, an empty bag: ps0 has none of their bags)."""
+    got = world.run({"trainer0": (r.packed_push_rows, name("packed-rows"))})["trainer0"]
+    assert set(got["rows"]) == set(got["bags"]) == {"ps0", "ps1"}, got
+    for server, bags in got["bags"].items():
+        assert got["rows"][server] == bags < got["all_bags"], got
+
 def test_bad_plain_inputs_are_refused_as_the_table_alone_refuses_them(world):
     texts = world.run({"trainer0": (r.plain_refusals, name("plain-bad"))})["trainer0"]
     for together, alone in zip(texts[::2], texts[1::2]):
