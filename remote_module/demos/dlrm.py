@@ -317,7 +317,8 @@ def summary(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
             f"its dense features alone {r['auc_truth_dense_only']:.3f}.",
             f"lookups/s: ids looked up per second spent in the forward of the {len(TABLES)} tables; p50/p99: that "
             f"forward ({BATCH} bags of {BAG} ids per table), which waits for the lookups the last step sent.",
-            "pushed B/step: bytes of row ids and gradient rows (geo: row deltas) sent to the servers per step.",
+            "pushed B/step: bytes of gradients sent to the servers per step (the tables' pooled bags' gradient "
+            "with the lookup's ids, which the servers sum into rows; geo: row deltas).",
             "",
             f"per server ({r['trainer']}'s traffic; a step sends its pushes and the next batch's lookups together):",
             f"{'server':<10}{'messages/step':>15}{'ids looked up/s':>17}{'rows pushed/s':>15}",
