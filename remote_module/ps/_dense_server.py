@@ -34,6 +34,7 @@ class JobSpec(NamedTuple):
     merge_every: int
     merge_s: float
     layout: str  # digest of every block's name, offset, size and server
+    dc_asgd: float | None = None  # async: delay compensation's lambda (None: off)
 
 
 class _Job:
@@ -56,6 +57,9 @@ class _Job:
         self.queued: dict[str, torch.Tensor] = {}  # half_async: summed pushes not yet applied
         self.merges = HalfAsyncMerges(self.lock, spec.merge_every, spec.merge_s, self._apply_queued)
         self.applied = 0  # pushes (or merges) applied, for tests and stats
+        # dc_asgd: per trainer, each block's value as this server last sent it to that trainer
+        # (a pull's or a push's answer): one copy of the blocks here per trainer
+        self.sent: dict[str, dict[str, torch.Tensor]] = {}
 
     # ---- applying -------------------------------------------------------------------
 
@@ -86,6 +90,32 @@ class _Job:
                 at += n
             return out
         return self.values(blocks)
+
+    def answer(self, trainer: str | None, blocks: list[str], packed: bool | list[int]) -> Any:
+        """:meth:`snapshot` sent to ``trainer`` (lock held); with ``dc_asgd``, what it was sent
+        is kept for its next push's compensation."""
+        if self.spec.dc_asgd is not None and trainer is not None:
+            mine = self.sent.setdefault(trainer, {})
+            for b in blocks:
+                mine[b] = self.params[b].detach().clone()
+        return self.snapshot(blocks, packed)
+
+    def compensated(self, trainer: str, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """DC-ASGD (lock held): each gradient ``g`` of ``trainer`` as ``g + lambda * g * g * (w_now -
+        w_sent)``, ``w_sent`` the block's value this server last sent that trainer (the values
+        its gradient was computed at, unless it changed them since), ``w_now`` the block's value
+        now; a block never sent to it is left as it is."""
+        lam, mine = self.spec.dc_asgd, self.sent.get(trainer, {})
+        out = {}
+        for b, g in grads.items():
+            w_sent = mine.get(b)
+            if w_sent is None:
+                out[b] = g
+                continue
+            p = self.params[b].detach()
+            g = g.reshape(-1).to(p.dtype)
+            out[b] = g + lam * g * g * (p - w_sent)
+        return out
 
     def _apply_queued(self) -> None:
         queued, self.queued = self.queued, {}
@@ -132,7 +162,7 @@ def _attach(name: str, spec: JobSpec, trainer: str, blocks: dict[str, torch.Tens
     created, and the step the job is at (sync: a trainer that attaches again starts there)."""
     job, created = _jobs.setdefault(name, lambda: _Job(name, spec, blocks))
     if not created:
-        for field in ("mode", "num_trainers", "merge_every", "merge_s"):
+        for field in ("mode", "num_trainers", "merge_every", "merge_s", "dc_asgd"):
             if getattr(job.spec, field) != getattr(spec, field):
                 raise _mismatch(name, field, getattr(job.spec, field), getattr(spec, field))
         if job.spec.layout != spec.layout:
@@ -151,11 +181,13 @@ def _attach(name: str, spec: JobSpec, trainer: str, blocks: dict[str, torch.Tens
 
 
 @rpc.functions.async_execution
-def _pull(name: str, blocks: list[str], step: int, seconds: float = math.inf, packed: bool = False) -> Future:
+def _pull(name: str, blocks: list[str], step: int, seconds: float = math.inf, packed: bool = False,
+          trainer: str | None = None) -> Future:
     """The current values of ``blocks``; in sync mode, once step ``step - 1`` is applied (a
-    pull still waiting after ``seconds`` fails naming the trainers that have not pushed)."""
+    pull still waiting after ``seconds`` fails naming the trainers that have not pushed).
+    ``trainer``: who pulls (DC-ASGD keeps what it was sent)."""
     job = _job(name)
-    return read_when_applied(job, step, seconds, job.snapshot, blocks, packed)
+    return read_when_applied(job, step, seconds, job.answer, trainer, blocks, packed)
 
 
 def unpacked(blocks: Any) -> dict[str, torch.Tensor]:
@@ -196,8 +228,8 @@ def _push(name: str, trainer: str, step: int, grads: Any, answer: tuple | None =
                     f"block {b!r}, which holds {job.params[b].numel()} on this server"
                 )
         if mode == "async":
-            job.apply(grads)
-            return None if answer is None else (job.snapshot(*answer), math.inf)
+            job.apply(grads if job.spec.dc_asgd is None else job.compensated(trainer, grads))
+            return None if answer is None else (job.answer(trainer, *answer), math.inf)
         elif mode == "half_async":
             for b, g in grads.items():
                 job.queued[b] = job.queued[b] + g if b in job.queued else g.clone()

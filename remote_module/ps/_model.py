@@ -45,6 +45,18 @@ from remote_module.ps._slicing import Block, block_name, block_of, slice_blocks
 from rpc_backend.options import positive_seconds
 
 
+def _dc_asgd_lambda(value: Any, ps_mode: str) -> float | None:
+    """``dc_asgd`` checked: None (off), or a finite number >= 0 with ``ps_mode="async"``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"dc_asgd must be a finite number >= 0 (DC-ASGD's lambda) or None, got {value!r}")
+    if ps_mode != "async":
+        raise ValueError(f"dc_asgd={value!r} needs ps_mode='async' (it compensates the delay of an async "
+                         f"gradient), got ps_mode={ps_mode!r}")
+    return float(value)
+
+
 def _tables_in(model: nn.Module, ps_mode: str, num_trainers: int) -> dict[str, ShardedEmbedding]:
     """The sharded tables inside ``model`` by qualified name, checked to train in ``ps_mode``
     with ``num_trainers`` (their rows live on their own servers; the PSModel steps them)."""
@@ -132,6 +144,10 @@ class PSModel(PSCheckpoints, nn.Module):
     no momentum, no weight decay, no step count; a ``step()`` without any gradient is no
     optimizer step (geo: it does not count towards a push).
 
+    ``dc_asgd`` (async only; None: off): DC-ASGD's ``lambda``; each server applies a trainer's
+    gradient ``g`` as ``g + lambda * g * g * (w_now - w_sent)``, ``w_sent`` the block's value it
+    last sent that trainer (it keeps one copy of its blocks per trainer).
+
     ``forward`` runs the model on the values it pulled, kept for its own graph: a later pull
     (another trainer's update arriving in async mode) never changes what an earlier forward's
     graph saved, so two forwards before one ``backward()`` give torch's gradients at the values
@@ -176,6 +192,7 @@ class PSModel(PSCheckpoints, nn.Module):
         half_async_merge_s: float = 0.1,
         timeout: float | None = None,
         mode: str | None = None,
+        dc_asgd: float | None = None,
     ) -> None:
         super().__init__()
         if mode is not None:  # the keyword's old name (ShardedEmbeddingBag's mode= is the bag's)
@@ -191,6 +208,7 @@ class PSModel(PSCheckpoints, nn.Module):
             raise ValueError(f"name must be a non-empty str naming the job, got {name!r}")
         if ps_mode not in PS_MODES:
             raise ValueError(f"{keyword} must be one of {', '.join(PS_MODES)}, got {ps_mode!r}")
+        dc_asgd = _dc_asgd_lambda(dc_asgd, ps_mode)
         if not is_rpc_initialized():
             raise RuntimeError("PSModel needs torch.distributed.rpc: call rpc.init_rpc(...) first")
         # as ShardedEmbedding takes them: any integer operator.index takes, kept as an int
@@ -215,8 +233,10 @@ class PSModel(PSCheckpoints, nn.Module):
             (s.name, tuple(self._params()[s.pname].shape), str(self._params()[s.pname].dtype), s.block.offset,
              s.block.size, s.server) for s in self._slots
         ]).encode()).hexdigest()
+        #: DC-ASGD's lambda (None: off; async only)
+        self.dc_asgd = dc_asgd
         self._spec = _dense_server.JobSpec(ps_mode, num_trainers, (optimizer[0], dict(optimizer[1])),
-                                     half_async_merge_every, merge_s, layout)
+                                           half_async_merge_every, merge_s, layout, dc_asgd)
         self._attach()
         # geo: the trainer's own optimizer (none for a model whose parameters are all tables')
         self._local_opt = (optimizer[0](self._params().values(), **optimizer[1])
@@ -390,7 +410,8 @@ class PSModel(PSCheckpoints, nn.Module):
         seconds = self._seconds()
         by_server = self._by_server()
         calls = [(server, _dense_server._pull,
-                  (self.name, [s.name for s in slots], self._step, nested_seconds(seconds), self._packable(slots)))
+                  (self.name, [s.name for s in slots], self._step, nested_seconds(seconds), self._packable(slots),
+                   self._trainer))
                  for server, slots in by_server.items() if slots]
         values = {}
         for (server, _, _), got in zip(calls, call_all(calls, timeout=self.timeout)):

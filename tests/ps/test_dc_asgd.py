@@ -1,0 +1,65 @@
+"""DC-ASGD (issue 26): ``PSModel(..., ps_mode="async", dc_asgd=lambda_)`` applies ``g + lambda_ *
+g * g * (w_now - w_sent)`` on the servers, ``w_sent`` what a server last sent that trainer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from remote_module.ps import PSModel
+from tests.ps import _dc_asgd_remote as r
+from tests.ps._world import job
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def world(ps_world):  # shared with the other PS tests (tests/conftest.py)
+    return ps_world
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.5])
+def test_the_applied_update_is_the_formula_for_two_trainers_in_a_fixed_order(world, lam):
+    """trainer1 computes its gradient at w0; trainer0 steps (w0 -> w1); then trainer1's push is
+    compensated with w_now - w_sent = w1 - w0. SGD, so each update is exact to float32."""
+    name, lr = job("dc"), 0.3
+    built = world.run({"trainer0": (r.build, name, lam, lr), "trainer1": (r.build, name, lam, lr)})
+    w0 = built["trainer0"]
+    late = world.run({"trainer1": (r.backward, name, 1, 0)})["trainer1"]  # at w0, pushed later
+    first = world.run({"trainer0": (r.backward, name, 0, 0)})["trainer0"]
+    world.run({"trainer0": (r.step, name)})
+    w1 = world.run({"trainer0": (r.values, name)})["trainer0"]
+    world.run({"trainer1": (r.step, name)})
+    w2 = world.run({"trainer0": (r.values, name)})["trainer0"]
+    for k in w0:
+        assert torch.equal(late["used"][k], w0[k]) and torch.equal(first["used"][k], w0[k])
+        # trainer0's push: sent w0, w_now w0: no compensation
+        torch.testing.assert_close(w1[k], w0[k] - lr * first["grads"][k], rtol=0, atol=1e-6)
+        g = late["grads"][k]
+        compensated = g + lam * g * g * (w1[k] - w0[k])
+        torch.testing.assert_close(w2[k], w1[k] - lr * compensated, rtol=0, atol=1e-6)
+    if lam:  # the compensation changed the update (else this test would not tell)
+        plain = {k: w1[k] - lr * late["grads"][k] for k in w0}
+        assert max(float((w2[k] - plain[k]).abs().max()) for k in w0) > 1e-5
+
+
+def test_async_training_of_the_tutorial_model_with_dc_asgd_halves_its_loss_with_two_trainers(world):
+    name = job("dc-tutorial")
+    got = world.run({"trainer0": (r.train_tutorial, name, 0, 60, 0.04),
+                     "trainer1": (r.train_tutorial, name, 1, 60, 0.04)})
+    for who, losses in got.items():
+        assert losses["after"] <= 0.5 * losses["before"], (who, losses)
+
+
+@pytest.mark.parametrize("ps_mode", ["sync", "half_async", "geo"])
+def test_dc_asgd_with_another_mode_is_a_value_error_naming_it(ps_mode):
+    # (checked before anything is sent: no RPC world needed)
+    with pytest.raises(ValueError, match=f"dc_asgd=0.1 needs ps_mode='async'.*got ps_mode='{ps_mode}'"):
+        PSModel(nn.Linear(2, 2), ["ps0"], name="dc-bad", num_trainers=1, ps_mode=ps_mode, dc_asgd=0.1)
+
+
+@pytest.mark.parametrize("value", [-0.1, float("nan"), float("inf"), True, "0.1"])
+def test_a_bad_dc_asgd_is_a_value_error_naming_the_value(value):
+    with pytest.raises(ValueError, match=f"dc_asgd must be a finite number >= 0.*got {value!r}"):
+        PSModel(nn.Linear(2, 2), ["ps0"], name="dc-bad", num_trainers=1, ps_mode="async", dc_asgd=value)
