@@ -60,11 +60,14 @@ def train(args: argparse.Namespace) -> list[float]:
         mlp(), me.workers("ps"), name="mnist-mlp", num_trainers=me.role_size, ps_mode=args.mode,
         optimizer=(torch.optim.SGD, {"lr": args.lr}), geo_push_every=args.geo_push_every,
     )
+    # torch's LR schedulers drive the servers' optimizer through model.ps_optimizer
+    scheduler = torch.optim.lr_scheduler.StepLR(model.ps_optimizer, step_size=args.lr_step_size, gamma=0.5)
     losses = []
     for x, y in batches(me.role_rank, args.steps):
         loss = nn.functional.cross_entropy(model(x), y)  # forward gets the parameters first (not in geo)
         loss.backward()
         model.step()  # pushes the gradients (geo: steps the local copy, pushes deltas every k steps)
+        scheduler.step()  # the next push carries the new lr (model.step() called ps_optimizer.step())
         losses.append(loss.item())
     k = max(1, len(losses) // 10)
     first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
@@ -84,6 +87,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mode", choices=["sync", "async", "half_async", "geo"], default="sync")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--lr-step-size", type=int, default=20, help="halve the lr every k steps (StepLR)")
     parser.add_argument("--geo-push-every", type=int, default=5, help="geo: push deltas every k steps")
     parser.add_argument("--servers", type=int, default=2)
     parser.add_argument("--trainers", type=int, default=2, help="without torchrun (with it: world size - servers)")

@@ -96,7 +96,8 @@ class PSCheckpoints:
 
     def optimizer_state_dict(self) -> dict:
         """The optimizer state: ``{"state": {parameter: {key: value}}, "optimizer": the class
-        name, "per_element": {parameter: [keys]}, "tables": {table: its state}}``. Per-element
+        name, "per_element": {parameter: [keys]}, "tables": {table: its state}, "ps_optimizer":
+        :attr:`ps_optimizer`'s ``state_dict()`` (its current settings)}``. Per-element
         state (e.g. Adam's moments) is in the parameter's shape, and ``per_element`` names those
         keys (a scalar parameter's look like ``step``); scalars such as ``step`` are kept as they
         are. Loadable by :meth:`load_optimizer_state_dict` onto any number of servers.
@@ -119,10 +120,11 @@ class PSCheckpoints:
         self._wait_pushes()
         self.__dict__.pop("_ready", None)  # (as state_dict: the next forward pulls again)
         tables = {qual: table.optimizer_state_dict() for qual, table in self._tables.items()}
+        settings = self.ps_optimizer.state_dict()  # (its current lr and the rest, as a scheduler left them)
         if self.ps_mode == "geo":
             state, per_element = self._trainer_optimizer_state()
             return {"state": state, "optimizer": self.optimizer[0].__name__, "per_element": per_element,
-                    "tables": tables, "geo": self._geo_progress()}
+                    "tables": tables, "geo": self._geo_progress(), "ps_optimizer": settings}
         calls = [(server, _dense_server._optimizer_state, (self.name, [s.name for s in slots]))
                  for server, slots in self._by_server().items() if slots]
         by_block: dict[str, dict] = {}
@@ -145,7 +147,8 @@ class PSCheckpoints:
                 else:
                     entry[key] = values[0]
             state[pname] = entry
-        return {"state": state, "optimizer": self.optimizer[0].__name__, "per_element": per_element, "tables": tables}
+        return {"state": state, "optimizer": self.optimizer[0].__name__, "per_element": per_element, "tables": tables,
+                "ps_optimizer": settings}
 
     def load_optimizer_state_dict(self, state_dict: dict) -> None:
         """Load optimizer state from :meth:`optimizer_state_dict`: sent to the servers,
@@ -182,6 +185,9 @@ class PSCheckpoints:
         geo = state_dict.get("geo") if self.ps_mode == "geo" else None
         if geo is not None:
             self._check_geo_progress(geo)
+        if "ps_optimizer" in state_dict:  # (a checkpoint from before it had none: the settings stay)
+            self.ps_optimizer.load_state_dict(state_dict["ps_optimizer"])
+            self.__dict__["_sent_settings"] = None  # the next step sends them
         if self.ps_mode == "geo":
             self._load_trainer_optimizer_state(state_dict["state"])
             if geo is not None:

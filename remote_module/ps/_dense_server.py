@@ -60,11 +60,23 @@ class _Job:
         # dc_asgd: per trainer, each block's value as this server last sent it to that trainer
         # (a pull's or a push's answer): one copy of the blocks here per trainer
         self.sent: dict[str, dict[str, torch.Tensor]] = {}
+        # each trainer's optimizer settings (its ps_optimizer's lr, momentum, betas, weight_decay),
+        # as it last sent them, and the latest sent by any trainer (None: the job's own)
+        self.settings: dict[str, dict] = {}
+        self.latest: dict | None = None
 
     # ---- applying -------------------------------------------------------------------
 
-    def apply(self, grads: dict[str, torch.Tensor], scale: float = 1.0) -> None:
-        """One optimizer step per block with ``grads * scale`` (lock held)."""
+    def apply(self, grads: dict[str, torch.Tensor], scale: float = 1.0, settings: dict | None = None) -> None:
+        """One optimizer step per block with ``grads * scale`` (lock held), with ``settings``
+        (default: the latest a trainer sent) in each block's optimizer."""
+        settings = self.latest if settings is None else settings
+        if settings:
+            for block in grads:
+                group = self.optimizers[block].param_groups[0]
+                for key, value in settings.items():
+                    if key in group:
+                        group[key] = value
         with torch.no_grad():
             for block, g in grads.items():
                 p = self.params[block]
@@ -129,7 +141,22 @@ class _Job:
             parts = [grads[b] for _, grads in pushes if b in grads]
             if parts:
                 total[b] = sum(parts[1:], parts[0].clone())
-        self.apply(total, 1.0 / self.spec.num_trainers)
+        self.apply(total, 1.0 / self.spec.num_trainers, self.agreed([t for t, _ in pushes]))
+
+    def agreed(self, trainers: list[str]) -> dict | None:
+        """sync: the optimizer settings every trainer of the step sent (the same, else
+        ``ValueError`` naming the setting and the trainers)."""
+        sent = {t: self.settings.get(t) for t in trainers}
+        first = next(iter(sent.values()), None)
+        for t, mine in sent.items():
+            if mine == first:
+                continue
+            keys = sorted(set(mine or {}) | set(first or {}))
+            key = next(k for k in keys if (mine or {}).get(k) != (first or {}).get(k))
+            values = ", ".join(f"{who}: {(s or {}).get(key, 'the job default')!r}" for who, s in sorted(sent.items()))
+            raise ValueError(f"{self.label}: in sync mode every trainer must step with the same optimizer "
+                             f"settings, but the trainers' ps_optimizer {key!r} differ ({values})")
+        return first
 
 
 #: This server's jobs by name (created by the first trainer to attach; they live as long as the
@@ -263,7 +290,19 @@ def _push_applied(name: str, trainer: str, step: int, grads: Any, answer: tuple,
     if job.spec.mode != "sync":
         raise ValueError(f"parameter-server job {name!r} is in {job.spec.mode} mode: _push_applied is sync's")
     _push(name, trainer, step, grads)
-    return read_when_applied(job, step + 1, seconds, _applied_values, job, answer).then(_stalled_as_answer)
+    applied = read_when_applied(job, step + 1, seconds, _applied_values, job, answer)
+    out: Future = Future()
+
+    def arrived(fut: Future) -> None:
+        try:
+            value = _stalled_as_answer(fut)
+        except BaseException as exc:  # (set here, as it was raised: torch's then() would retype it)
+            out.set_exception(exc)
+            return
+        out.set_result(value)
+
+    applied.add_done_callback(arrived)
+    return out
 
 
 def _applied_values(job: _Job, answer: tuple) -> tuple[Any, float]:
@@ -286,6 +325,16 @@ def _push_delta(name: str, deltas: Any, packed: bool = False) -> Any:
             job.params[b].add_(d.reshape(-1).to(job.params[b].dtype) / job.spec.num_trainers)
         job.applied += 1
         return job.snapshot(list(deltas), packed)
+
+
+def _set_settings(name: str, trainer: str, settings: dict) -> None:
+    """``trainer``'s optimizer settings (its ``ps_optimizer``'s), for its pushes from now on:
+    async and half_async apply the latest any trainer sent; sync, those every trainer of the
+    step sent, which must agree."""
+    job = _job(name)
+    with job.lock:
+        job.settings[trainer] = dict(settings)
+        job.latest = dict(settings)
 
 
 def _flush(name: str) -> None:

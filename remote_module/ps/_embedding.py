@@ -34,6 +34,7 @@ from remote_module.ps._dispatch import RoundRobin, check_servers
 from remote_module.ps._embedding_checkpoints import TableCheckpoints
 from remote_module.ps._geo_cache import GeoCache
 from remote_module.ps._modes import PS_MODES
+from remote_module.ps._ps_optimizer import PSOptimizer
 from remote_module.ps._rows import check_ids
 from remote_module.ps._rowwise import coalesce, row_gradients, row_optimizer
 from remote_module.ps._slicing import _index, block_name, slice_blocks
@@ -50,6 +51,8 @@ _optimizer_hook: Any = None
 
 def _on_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """torch.optim's global post-step hook: tell every table that a local optimizer stepped."""
+    if isinstance(optimizer, PSOptimizer):  # (the servers' optimizer's stand-in: its owner pushed)
+        return
     thread = threading.get_ident()
     for table in list(_live_tables):
         table._local_optimizer_stepped(thread, optimizer)

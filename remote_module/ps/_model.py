@@ -41,6 +41,7 @@ from remote_module.ps._embedding import (
     send_push_plans,
 )
 from remote_module.ps._modes import PS_MODES
+from remote_module.ps._ps_optimizer import PSOptimizer, class_defaults
 from remote_module.ps._slicing import Block, block_name, block_of, slice_blocks
 from rpc_backend.options import positive_seconds
 
@@ -238,6 +239,11 @@ class PSModel(PSCheckpoints, nn.Module):
         self._spec = _dense_server.JobSpec(ps_mode, num_trainers, (optimizer[0], dict(optimizer[1])),
                                            half_async_merge_every, merge_s, layout, dc_asgd)
         self._attach()
+        #: the servers' optimizer as a torch.optim.Optimizer: LR schedulers drive it, and the next
+        #: push carries its lr, momentum, betas and weight_decay (geo: it drives the local optimizer)
+        self.ps_optimizer = PSOptimizer(self._params().values(), class_defaults(*self._spec.optimizer),
+                                        f"PSModel {name!r}")
+        self._sent_settings: dict | None = None  # what the servers last took (None: send at the next step)
         # geo: the trainer's own optimizer (none for a model whose parameters are all tables')
         self._local_opt = (optimizer[0](self._params().values(), **optimizer[1])
                            if ps_mode == "geo" and self._params() else None)
@@ -500,6 +506,8 @@ class PSModel(PSCheckpoints, nn.Module):
         self.__dict__.pop("_ready", None)  # what the last step's answers brought: this step's replace them
         plans = []  # each part's pushes; a part that succeeds is marked done
         merging = False  # geo: this step pushes the dense deltas
+        if None not in done and self.ps_mode != "geo":
+            plans += self._settings_plan()
         if None not in done:
             if self.ps_mode == "geo":  # the local step; every geo_push_every steps the deltas' pushes
                 plans += self._step_dense()
@@ -527,8 +535,26 @@ class PSModel(PSCheckpoints, nn.Module):
         # waits for them (sync: for the step to be applied on every server), and a failure raises
         # there, the parts that failed kept for a retry as above
         fly(self, self._tables.values(), settle, done)
+        self.ps_optimizer.step()  # (as a local loop's optimizer.step(): what LR schedulers count)
         if merging:  # geo: the merged values are the local copy's when step() returns, as torch's
             self._wait_pushes()  # optimizer leaves its parameters (an edit after step() keeps them)
+
+    def _settings_plan(self) -> list:
+        """The plan that tells the servers :attr:`ps_optimizer`'s settings, when they changed
+        since the servers last took them (sent ahead of the step's pushes, in the same message
+        to each server, which applies them before the push)."""
+        settings = self.ps_optimizer.settings()
+        if settings == self.__dict__.get("_sent_settings"):
+            return []
+        calls = [(server, _dense_server._set_settings, (self.name, self._trainer, settings))
+                 for server, slots in self._by_server().items() if slots]
+        if not calls:
+            return []
+
+        def done() -> None:
+            self.__dict__["_sent_settings"] = settings
+
+        return [(calls, done, nothing)]
 
     def _clear_sent_gradients(self) -> Callable[..., None]:
         """(A step sent with its pushes in flight) clear the local gradients now, as ``step()``
@@ -607,6 +633,10 @@ class PSModel(PSCheckpoints, nn.Module):
         # parameter alone): it does not count towards the next push either
         if all(p.grad is None for p in params.values()):
             return []
+        group = self._local_opt.param_groups[0]
+        for key, value in self.ps_optimizer.settings().items():  # (a scheduler's, on ps_optimizer)
+            if key in group:
+                group[key] = value
         self._local_opt.step()
         self._local_opt.zero_grad(set_to_none=True)
         self.__dict__.pop("_geo_restored", None)  # trained on since a restore

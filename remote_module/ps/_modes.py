@@ -130,14 +130,15 @@ class SyncSteps:
             self.done += 1
             self.pushed = self.ahead.pop(self.done, {})
 
-    def _not_applied(self, exc: BaseException) -> RuntimeError:
+    def _not_applied(self, exc: BaseException) -> Exception:
         """Step ``done`` could not be applied (``apply`` raised: the optimizer refused it): its
         pushes are dropped, so every trainer may push it again (a retry is not taken for a
         repeat), and the reads waiting for it fail with the error, as the pusher that completed
         it does, instead of waiting for a step that would never come (lock held; :meth:`ready`
-        hands those failures out)."""
+        hands those failures out). A ``ValueError`` (a bad value: the trainers' optimizer
+        settings disagree, say) stays one; anything else is a ``RuntimeError``."""
         step = self.done
-        error = RuntimeError(
+        error = (ValueError if isinstance(exc, ValueError) else RuntimeError)(
             f"{self.owner.label}: applying step {step} failed ({type(exc).__name__}: {exc}); its pushes are "
             f"dropped (the optimizer may have applied part of it, as a local optimizer.step() that raises may): "
             f"every trainer's step() pushes it again")

@@ -1,0 +1,78 @@
+"""PSOptimizer: the optimizer the parameter servers run, as a ``torch.optim.Optimizer`` on the
+trainer, so that torch's LR schedulers (and a hand-set ``group["lr"]``) drive it.
+
+Its ``step()`` does no update (the servers apply it): the owner's ``step()`` (a ``PSModel``'s)
+calls it, as a local training loop calls its optimizer's. What the servers use is its one
+param group's ``lr``, ``momentum``, ``betas`` and ``weight_decay``, sent with the owner's next
+push whenever they changed (in the same message: no extra round trip).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable
+
+import torch
+
+#: the settings a PSOptimizer's group carries to the servers
+SETTINGS = ("lr", "momentum", "betas", "weight_decay")
+
+
+def class_defaults(cls: type, kwargs: dict) -> dict:
+    """``cls(params, **kwargs).defaults``: every setting of the optimizer the servers build,
+    given or default (built once on a one-element stand-in)."""
+    return dict(cls([torch.zeros(1, requires_grad=True)], **kwargs).defaults)
+
+
+class PSOptimizer(torch.optim.Optimizer):
+    """The servers' optimizer as LR schedulers see it: one param group over ``params`` (the
+    owner's parameters) with ``defaults`` (the settings of the optimizer the servers run).
+
+    Example (``model`` a ``PSModel``)::
+
+        scheduler = torch.optim.lr_scheduler.StepLR(model.ps_optimizer, step_size=10, gamma=0.5)
+        for x, y in batches:
+            loss_fn(model(x), y).backward()
+            model.step()          # pushes, and calls model.ps_optimizer.step()
+            scheduler.step()      # the next push carries the new lr
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor], defaults: dict, owner: str) -> None:
+        params = list(params) or [torch.zeros(0, requires_grad=True)]  # (a model with no dense parameter)
+        super().__init__(params, defaults)
+        self.owner = owner
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """No update here: the servers apply it at the owner's ``step()``, which calls this.
+        ``closure`` (torch's form) is run, with gradients on, and its loss returned."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "param_groups", None):
+            raise ValueError(f"{self.owner}'s ps_optimizer has one param group (the servers run one optimizer "
+                             "setting for the whole model): set its settings in param_groups[0]")
+        super().add_param_group(param_group)
+
+    def settings(self) -> dict[str, Any]:
+        """The group's settings the servers use, checked: ``ValueError`` naming one torch would
+        refuse (a negative or non-finite lr, say)."""
+        group = self.param_groups[0]
+        out: dict[str, Any] = {}
+        for key in SETTINGS:
+            if key not in group:
+                continue
+            value = group[key]
+            if key == "betas":
+                value = tuple(float(b) for b in value)
+                ok = len(value) == 2 and all(0.0 <= b < 1.0 for b in value)
+            else:
+                value = float(value.item() if isinstance(value, torch.Tensor) else value)
+                ok = math.isfinite(value) and value >= 0.0
+            if not ok:
+                raise ValueError(f"{self.owner}'s ps_optimizer has {key}={group[key]!r}, which the servers' "
+                                 "optimizer would refuse")
+            out[key] = value
+        return out

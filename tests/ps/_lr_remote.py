@@ -1,0 +1,80 @@
+"""What the LR-schedule tests run on their trainers (tests/ps/test_lr_schedules.py): a PSModel
+whose ``ps_optimizer`` a torch LR scheduler drives, trained on the batches pytest rebuilds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tests.ps._dense_remote import Net, batch
+
+#: fixed "validation losses" for ReduceLROnPlateau (every trainer steps it on the same ones)
+METRICS = [1.0, 0.9, 0.95, 0.97, 0.8, 0.85, 0.9, 0.7]
+LR, MOMENTUM = 0.2, 0.9
+
+
+def scheduler(kind: str, opt: torch.optim.Optimizer, steps: int) -> Any:
+    sched = torch.optim.lr_scheduler
+    if kind == "step":
+        return sched.StepLR(opt, step_size=2, gamma=0.5)
+    if kind == "lambda":
+        return sched.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    if kind == "plateau":
+        return sched.ReduceLROnPlateau(opt, factor=0.5, patience=0)
+    if kind == "onecycle":  # (momentum cycles too: the servers' SGD has momentum)
+        return sched.OneCycleLR(opt, max_lr=0.5, total_steps=steps, base_momentum=0.8, max_momentum=0.9)
+    raise ValueError(kind)
+
+
+def advance(kind: str, sched: Any, step: int) -> None:
+    if kind == "plateau":
+        sched.step(METRICS[step])
+    else:
+        sched.step()
+
+
+def train(name: str, kind: str, trainer: int, num_trainers: int, steps: int, start: int = 0,
+          state: dict | None = None) -> dict:
+    """``steps`` sync steps of trainer ``trainer``'s batches from ``start`` on; ``state``: a
+    checkpoint to load first (model, optimizer, scheduler). The weights after, the lrs used,
+    and a checkpoint."""
+    from remote_module.ps import PSModel
+
+    torch.manual_seed(0)
+    model = PSModel(Net(), ["ps0", "ps1"], name=name, num_trainers=num_trainers, ps_mode="sync",
+                    optimizer=(torch.optim.SGD, {"lr": LR, "momentum": MOMENTUM}), min_block_size=4)
+    sched = scheduler(kind, model.ps_optimizer, 8)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        model.load_optimizer_state_dict(state["optim"])
+        sched.load_state_dict(state["sched"])
+    lrs = []
+    for k in range(start, start + steps):
+        x, y = batch(trainer, k)
+        ((model(x) - y) ** 2).mean().backward()
+        lrs.append(model.ps_optimizer.param_groups[0]["lr"])
+        model.step()
+        advance(kind, sched, k)
+    checkpoint = {"model": model.state_dict(), "optim": model.optimizer_state_dict(), "sched": sched.state_dict()}
+    return {"weights": {k: v.detach().clone() for k, v in model.module.state_dict().items()}, "lrs": lrs,
+            "checkpoint": checkpoint}
+
+
+def disagree(name: str, trainer: int) -> str:
+    """Two sync trainers whose ps_optimizer lrs differ: what the step after raises."""
+    from remote_module.ps import PSModel
+
+    torch.manual_seed(0)
+    model = PSModel(Net(), ["ps0", "ps1"], name=name, num_trainers=2, ps_mode="sync",
+                    optimizer=(torch.optim.SGD, {"lr": LR}), min_block_size=4, timeout=10)
+    if trainer == 1:
+        model.ps_optimizer.param_groups[0]["lr"] = LR / 2
+    x, y = batch(trainer, 0)
+    ((model(x) - y) ** 2).mean().backward()
+    try:
+        model.step()
+        model.pull()
+    except Exception as exc:  # noqa: BLE001 (its type is what the test checks)
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"

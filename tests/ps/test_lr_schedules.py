@@ -1,0 +1,69 @@
+"""LR schedules (issue 26): a PSModel's ``ps_optimizer`` is a torch.optim.Optimizer that torch's
+LR schedulers drive; the next push carries its settings to the servers. In sync mode N trainers
+equal one process on the global batch with the same scheduler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.ps import _dense_remote as d
+from tests.ps import _lr_remote as r
+from tests.ps._world import job
+
+pytestmark = pytest.mark.timeout(120)
+
+STEPS = 6
+
+
+@pytest.fixture
+def world(ps_world):  # shared with the other PS tests (tests/conftest.py)
+    return ps_world
+
+
+def local_reference(kind: str, steps: int) -> tuple[dict, list]:
+    torch.manual_seed(0)
+    net = d.Net()
+    opt = torch.optim.SGD(net.parameters(), lr=r.LR, momentum=r.MOMENTUM)
+    sched = r.scheduler(kind, opt, 8)
+    lrs = []
+    for k in range(steps):
+        x = torch.cat([d.batch(t, k)[0] for t in range(2)])
+        y = torch.cat([d.batch(t, k)[1] for t in range(2)])
+        opt.zero_grad()
+        ((net(x) - y) ** 2).mean().backward()
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        r.advance(kind, sched, k)
+    return {k: v.detach() for k, v in net.state_dict().items()}, lrs
+
+
+@pytest.mark.parametrize("kind", ["step", "lambda", "plateau", "onecycle"])
+def test_a_scheduler_on_ps_optimizer_trains_as_locally_in_sync_mode(world, kind):
+    name = job(f"lr-{kind}")
+    got = world.run({f"trainer{t}": (r.train, name, kind, t, 2, STEPS) for t in range(2)})
+    weights, lrs = local_reference(kind, STEPS)
+    assert len(set(lrs)) > 1  # the schedule changed the lr (else this would not tell)
+    for t in range(2):
+        assert got[f"trainer{t}"]["lrs"] == pytest.approx(lrs, rel=1e-12)
+        for k, w in weights.items():
+            torch.testing.assert_close(got[f"trainer{t}"]["weights"][k], w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["step", "onecycle"])
+def test_a_checkpoint_with_the_schedulers_state_continues_as_uninterrupted(world, kind):
+    whole = world.run({"trainer0": (r.train, job(f"lr-whole-{kind}"), kind, 0, 1, STEPS)})["trainer0"]
+    first = world.run({"trainer0": (r.train, job(f"lr-first-{kind}"), kind, 0, 1, 3)})["trainer0"]
+    rest = world.run({"trainer0": (r.train, job(f"lr-rest-{kind}"), kind, 0, 1, STEPS - 3, 3,
+                                   first["checkpoint"])})["trainer0"]
+    assert first["lrs"] + rest["lrs"] == pytest.approx(whole["lrs"], rel=1e-12)
+    for k, w in whole["weights"].items():
+        torch.testing.assert_close(rest["weights"][k], w, rtol=1e-6, atol=1e-7)
+
+
+def test_sync_trainers_whose_settings_differ_get_a_value_error_naming_the_setting(world):
+    name = job("lr-disagree")
+    got = world.run({"trainer0": (r.disagree, name, 0), "trainer1": (r.disagree, name, 1)})
+    for t in ("trainer0", "trainer1"):
+        assert got[t].startswith("ValueError") and "'lr' differ" in got[t], got
+        assert "trainer0: 0.2" in got[t] and "trainer1: 0.1" in got[t], got
