@@ -147,7 +147,9 @@ class PSModel(PSCheckpoints, nn.Module):
 
     ``dc_asgd`` (async only; None: off): DC-ASGD's ``lambda``; each server applies a trainer's
     gradient ``g`` as ``g + lambda * g * g * (w_now - w_sent)``, ``w_sent`` the block's value it
-    last sent that trainer (it keeps one copy of its blocks per trainer).
+    last sent that trainer to compute gradients at, by a forward's pull or a push's answer (it
+    keeps one copy of its blocks per trainer; ``pull()``, ``state_dict()`` and forwards under
+    no_grad leave it).
 
     ``forward`` runs the model on the values it pulled, kept for its own graph: a later pull
     (another trainer's update arriving in async mode) never changes what an earlier forward's
@@ -253,7 +255,7 @@ class PSModel(PSCheckpoints, nn.Module):
         self.__dict__["_geo_unpushed"] = unpushed = [0]
         if self._local_opt is not None:
             weakref.finalize(self, report_unpushed, f"PSModel {name!r}", partial(_steps_left, unpushed))
-        self.pull()
+        self._pull(record=True)  # (DC-ASGD: even a first push has the values it ran on)
         # a model holding this one: its load_state_dict() reaches the local model through these
         self.register_load_state_dict_pre_hook(self._nested_load)
         self.register_load_state_dict_post_hook(self._nested_loaded)
@@ -400,24 +402,33 @@ class PSModel(PSCheckpoints, nn.Module):
             model.pull()
             print(model.module.weight)       # the servers' current values
         """
+        self._pull()
+
+    def _pull(self, record: bool = False) -> None:
+        """:meth:`pull`; ``record``: as a forward's pull, the values DC-ASGD's servers
+        compensate this trainer's next push against (:meth:`_server_values`)."""
         self._wait_pushes()
         self.__dict__.pop("_ready", None)
-        values = self._server_values()
+        values = self._server_values(record)
         self._write(values)
         if self.ps_mode == "geo":
             self._pulled = {k: v.clone() for k, v in values.items()}
             self.__dict__.pop("_geo_restored", None)  # the local copy is the servers' now
             self._geo_unpushed[0] = 0
 
-    def _server_values(self) -> dict[str, torch.Tensor]:
+    def _server_values(self, record: bool = False) -> dict[str, torch.Tensor]:
         """Every block's value on its server, by block name (nothing written locally). In sync
         mode a server answers once this trainer's last step is applied there; the other modes
-        answer at once."""
+        answer at once. ``record`` (a forward that computes gradients, or the model's first
+        pull): with DC-ASGD the servers keep what they sent, the values this trainer's next
+        push is compensated against; a read that computes no gradient (``pull()``, a
+        checkpoint, a forward under no_grad) leaves them, so a gradient computed before it is
+        still compensated from the values it was computed at."""
         seconds = self._seconds()
         by_server = self._by_server()
         calls = [(server, _dense_server._pull,
                   (self.name, [s.name for s in slots], self._step, nested_seconds(seconds), self._packable(slots),
-                   self._trainer))
+                   self._trainer if record else None))
                  for server, slots in by_server.items() if slots]
         values = {}
         for (server, _, _), got in zip(calls, call_all(calls, timeout=self.timeout)):
@@ -455,7 +466,7 @@ class PSModel(PSCheckpoints, nn.Module):
         ready = self.__dict__.pop("_ready", None)
         values = ready[0] if ready is not None and time.monotonic() < ready[1] else None
         if values is None:
-            values = self._server_values()
+            values = self._server_values(record=torch.is_grad_enabled())
         with _forward_lock(self):
             pulled = self._write(values)
             if not torch.is_grad_enabled():

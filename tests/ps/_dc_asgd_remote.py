@@ -48,6 +48,23 @@ def values(name: str) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.module.named_parameters()}
 
 
+def between(name: str, what: str) -> None:
+    """What a trainer may do between its backward and its step: a checkpoint, a pull, an
+    evaluation forward (no_grad)."""
+    model = _models[name]
+    if what == "state_dict":
+        model.state_dict()
+    elif what == "pull":
+        model.pull()
+    elif what == "optimizer_state_dict":
+        model.optimizer_state_dict()
+    elif what == "eval":
+        with torch.no_grad():
+            model(batch(0, 0)[0])
+    else:
+        raise ValueError(what)
+
+
 # ---- the tutorial model, trained by two trainers at once -----------------------------------------
 
 HIDDEN, CLASSES, FEATURES = 32, 10, 64

@@ -44,6 +44,27 @@ def test_the_applied_update_is_the_formula_for_two_trainers_in_a_fixed_order(wor
         assert max(float((w2[k] - plain[k]).abs().max()) for k in w0) > 1e-5
 
 
+@pytest.mark.parametrize("what", ["state_dict", "pull", "eval", "optimizer_state_dict"])
+def test_a_read_between_backward_and_step_keeps_w_sent_the_values_the_gradient_was_computed_at(world, what):
+    """Found by the DC-ASGD hostile review: trainer1's gradient is computed at w0, trainer0 then
+    steps (w0 -> w1), and trainer1 takes a checkpoint (state_dict()), pulls, or evaluates under
+    no_grad before its step. Its gradient is still w0's, so its push is compensated with w1 -
+    w0 (before, those reads reset w_sent to w1: no compensation at all)."""
+    name, lam, lr = job("dc-read"), 0.5, 0.3
+    built = world.run({"trainer0": (r.build, name, lam, lr), "trainer1": (r.build, name, lam, lr)})
+    w0 = built["trainer0"]
+    late = world.run({"trainer1": (r.backward, name, 1, 0)})["trainer1"]
+    world.run({"trainer0": (r.backward, name, 0, 0)})
+    world.run({"trainer0": (r.step, name)})
+    w1 = world.run({"trainer0": (r.values, name)})["trainer0"]
+    world.run({"trainer1": (r.between, name, what)})
+    world.run({"trainer1": (r.step, name)})
+    w2 = world.run({"trainer0": (r.values, name)})["trainer0"]
+    for k in w0:
+        g = late["grads"][k]
+        torch.testing.assert_close(w2[k], w1[k] - lr * (g + lam * g * g * (w1[k] - w0[k])), rtol=0, atol=1e-6)
+
+
 def test_async_training_of_the_tutorial_model_with_dc_asgd_halves_its_loss_with_two_trainers(world):
     name = job("dc-tutorial")
     got = world.run({"trainer0": (r.train_tutorial, name, 0, 60, 0.04),
