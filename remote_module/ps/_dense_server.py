@@ -346,10 +346,17 @@ def _flush(name: str) -> None:
 
 
 def _set_values(name: str, values: dict[str, torch.Tensor]) -> None:
+    """Load ``values`` (a checkpoint). DC-ASGD: each trainer's ``w_sent`` of those blocks
+    becomes the loaded value, so a gradient computed before the load is applied to the loaded
+    values as it is (as torch's optimizer after a load), then compensated only for what other
+    trainers change after the load."""
     job = _job(name)
     with job.lock, torch.no_grad():
         for b, v in values.items():
             job.params[b].copy_(v.reshape(-1))
+            for mine in job.sent.values():
+                if b in mine:
+                    mine[b] = job.params[b].detach().clone()
 
 
 def _optimizer_state(name: str, blocks: list[str]) -> dict[str, dict]:

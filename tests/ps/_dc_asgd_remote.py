@@ -65,6 +65,10 @@ def between(name: str, what: str) -> None:
         raise ValueError(what)
 
 
+def load(name: str, state: dict[str, torch.Tensor]) -> None:
+    _models[name].load_state_dict(state)
+
+
 # ---- the tutorial model, trained by two trainers at once -----------------------------------------
 
 HIDDEN, CLASSES, FEATURES = 32, 10, 64

@@ -65,6 +65,26 @@ def test_a_read_between_backward_and_step_keeps_w_sent_the_values_the_gradient_w
         torch.testing.assert_close(w2[k], w1[k] - lr * (g + lam * g * g * (w1[k] - w0[k])), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("who", ["the loading trainer", "another trainer"])
+def test_a_gradient_from_before_a_load_is_applied_to_the_loaded_values_as_torch_does(world, who):
+    """Found by the DC-ASGD hostile review: a trainer's gradient is computed at w0, then a
+    trainer loads a checkpoint w_L (load_state_dict), then the first trainer steps. As torch's
+    optimizer after a load, the step applies g to w_L (a load is no other trainer's update to
+    compensate); before, w_sent stayed w0, and the push was "compensated" by
+    lambda * g * g * (w_L - w0), however far the checkpoint was."""
+    name, lam, lr = job("dc-load"), 0.5, 0.3
+    built = world.run({"trainer0": (r.build, name, lam, lr), "trainer1": (r.build, name, lam, lr)})
+    w0 = built["trainer0"]
+    loaded = {k: v + 1.0 for k, v in w0.items()}
+    steps = "trainer0" if who == "the loading trainer" else "trainer1"
+    got = world.run({steps: (r.backward, name, 1, 0)})[steps]
+    world.run({"trainer0": (r.load, name, loaded)})
+    world.run({steps: (r.step, name)})
+    after = world.run({"trainer0": (r.values, name)})["trainer0"]
+    for k in w0:
+        torch.testing.assert_close(after[k], loaded[k] - lr * got["grads"][k], rtol=0, atol=1e-6)
+
+
 def test_async_training_of_the_tutorial_model_with_dc_asgd_halves_its_loss_with_two_trainers(world):
     name = job("dc-tutorial")
     got = world.run({"trainer0": (r.train_tutorial, name, 0, 60, 0.04),
