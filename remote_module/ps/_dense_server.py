@@ -125,8 +125,11 @@ class _Job:
                 out[b] = g
                 continue
             p = self.params[b].detach()
-            g = g.reshape(-1).to(p.dtype)
-            out[b] = g + lam * g * g * (p - w_sent)
+            # in float32 at least (float16's lambda * g * g overflows from |g| ~ 256), and g * (w_now
+            # - w_sent) first: where nothing changed it is 0, never inf * 0 (NaN)
+            work = torch.promote_types(p.dtype, torch.float32)
+            g = g.reshape(-1).to(p.dtype).to(work)
+            out[b] = (g + lam * (g * (g * (p.to(work) - w_sent.to(work))))).to(p.dtype)
         return out
 
     def _apply_queued(self) -> None:

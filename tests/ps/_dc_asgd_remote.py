@@ -48,6 +48,30 @@ def values(name: str) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.module.named_parameters()}
 
 
+def build_with(name: str, lam: float, lr: float, num_trainers: int, kind: str = "net",
+               dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """:func:`build` with ``num_trainers`` trainers, a ``Net`` or a ``Linear`` (``kind``), in
+    ``dtype``: its values as pulled."""
+    from remote_module.ps import PSModel
+    from tests.ps._dense_remote import build as build_module
+
+    module = build_module(kind, 0)
+    if dtype is not None:
+        module = module.to(dtype)
+    model = PSModel(module, ["ps0", "ps1"], name=name, num_trainers=num_trainers, ps_mode="async",
+                    dc_asgd=lam, optimizer=(torch.optim.SGD, {"lr": lr}), min_block_size=4)
+    _models[name] = model
+    return {k: v.clone() for k, v in model.module.state_dict().items()}
+
+
+def backward_linear(name: str, c: float) -> dict[str, torch.Tensor]:
+    """A ``Linear`` model's forward and backward of ``(p * c).sum()`` (its gradient: ``c``)."""
+    model = _models[name]
+    p = model.module.p
+    model(torch.full(p.shape, c, dtype=p.dtype)).backward()
+    return {"p": p.grad.clone()}
+
+
 def between(name: str, what: str) -> None:
     """What a trainer may do between its backward and its step: a checkpoint, a pull, an
     evaluation forward (no_grad)."""

@@ -85,6 +85,19 @@ def test_a_gradient_from_before_a_load_is_applied_to_the_loaded_values_as_torch_
         torch.testing.assert_close(after[k], loaded[k] - lr * got["grads"][k], rtol=0, atol=1e-6)
 
 
+def test_a_half_precision_gradient_whose_square_overflows_is_applied_when_nothing_changed(world):
+    """Found by the DC-ASGD hostile review: float16 parameters, one trainer (w_now == w_sent:
+    nothing to compensate), a gradient of 3000 (lambda * g * g overflows float16). The update is
+    torch's, p - lr * g; before, lambda * g * g * 0 was inf * 0, NaN."""
+    name, lam, lr = job("dc-half"), 0.5, 1e-4
+    w0 = world.run({"trainer0": (r.build_with, name, lam, lr, 1, "linear", torch.float16)})["trainer0"]
+    g = world.run({"trainer0": (r.backward_linear, name, 3000.0)})["trainer0"]
+    world.run({"trainer0": (r.step, name)})
+    after = world.run({"trainer0": (r.values, name)})["trainer0"]
+    assert after["p"].dtype == torch.float16
+    torch.testing.assert_close(after["p"], w0["p"] - lr * g["p"], rtol=0, atol=1e-3)
+
+
 def test_async_training_of_the_tutorial_model_with_dc_asgd_halves_its_loss_with_two_trainers(world):
     name = job("dc-tutorial")
     got = world.run({"trainer0": (r.train_tutorial, name, 0, 60, 0.04),
