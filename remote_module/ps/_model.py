@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import numbers
 import threading
 import time
 import warnings
@@ -47,15 +48,20 @@ from rpc_backend.options import positive_seconds
 
 
 def _dc_asgd_lambda(value: Any, ps_mode: str) -> float | None:
-    """``dc_asgd`` checked: None (off), or a finite number >= 0 with ``ps_mode="async"``."""
+    """``dc_asgd`` checked: None (off), or a finite real number >= 0 (any ``numbers.Real`` but
+    bool, as the other numeric settings: numpy's scalars too) with ``ps_mode="async"``."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    try:
+        lam = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else None
+    except OverflowError:  # an int too large for a float
+        lam = None
+    if lam is None or not math.isfinite(lam) or lam < 0:
         raise ValueError(f"dc_asgd must be a finite number >= 0 (DC-ASGD's lambda) or None, got {value!r}")
     if ps_mode != "async":
         raise ValueError(f"dc_asgd={value!r} needs ps_mode='async' (it compensates the delay of an async "
                          f"gradient), got ps_mode={ps_mode!r}")
-    return float(value)
+    return lam
 
 
 def _tables_in(model: nn.Module, ps_mode: str, num_trainers: int) -> dict[str, ShardedEmbedding]:

@@ -3,6 +3,10 @@ g * g * (w_now - w_sent)`` on the servers, ``w_sent`` what a server last sent th
 
 from __future__ import annotations
 
+import re
+from fractions import Fraction
+
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -113,7 +117,22 @@ def test_dc_asgd_with_another_mode_is_a_value_error_naming_it(ps_mode):
         PSModel(nn.Linear(2, 2), ["ps0"], name="dc-bad", num_trainers=1, ps_mode=ps_mode, dc_asgd=0.1)
 
 
-@pytest.mark.parametrize("value", [-0.1, float("nan"), float("inf"), True, "0.1"])
+@pytest.mark.parametrize("value", [-0.1, float("nan"), float("inf"), True, "0.1",
+                                   pytest.param(10 ** 400, id="10**400"), np.float32(-1), torch.tensor(0.1)])
 def test_a_bad_dc_asgd_is_a_value_error_naming_the_value(value):
-    with pytest.raises(ValueError, match=f"dc_asgd must be a finite number >= 0.*got {value!r}"):
+    # (10 ** 400: found by the DC-ASGD hostile review, an OverflowError before)
+    with pytest.raises(ValueError, match=f"dc_asgd must be a finite number >= 0.*got {re.escape(repr(value))}"):
         PSModel(nn.Linear(2, 2), ["ps0"], name="dc-bad", num_trainers=1, ps_mode="async", dc_asgd=value)
+
+
+@pytest.mark.parametrize("value", [np.float32(0.25), np.float64(0.25), np.int64(1), Fraction(1, 4)])
+def test_dc_asgd_takes_any_real_number_as_the_other_numeric_settings(value):
+    """Found by the DC-ASGD hostile review: numpy's float32 and int64 (a lambda read from a
+    config array) were refused as "must be a finite number, got np.float32(0.25)", numpy's
+    float64 taken; any numbers.Real is taken now, as timeouts are (positive_seconds)."""
+    from remote_module.ps._model import _dc_asgd_lambda
+
+    got = _dc_asgd_lambda(value, "async")
+    assert type(got) is float and got == float(value)
+    with pytest.raises(ValueError, match=re.escape(f"dc_asgd={value!r} needs ps_mode='async'")):
+        _dc_asgd_lambda(value, "sync")
