@@ -128,8 +128,11 @@ class _Job:
             # in float32 at least (float16's lambda * g * g overflows from |g| ~ 256), and g * (w_now
             # - w_sent) first: where nothing changed it is 0, never inf * 0 (NaN)
             work = torch.promote_types(p.dtype, torch.float32)
-            g = g.reshape(-1).to(p.dtype).to(work)
-            out[b] = (g + lam * (g * (g * (p.to(work) - w_sent.to(work))))).to(p.dtype)
+            g, d = g.reshape(-1).to(p.dtype).to(work), p.to(work) - w_sent.to(work)
+            if g.is_complex():  # as torch's optimizers step it: its real and imaginary parts
+                g, d = torch.view_as_real(g), torch.view_as_real(d)
+            c = g + lam * (g * (g * d))
+            out[b] = (torch.view_as_complex(c) if p.is_complex() else c).to(p.dtype)
         return out
 
     def _apply_queued(self) -> None:

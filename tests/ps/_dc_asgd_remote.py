@@ -72,6 +72,31 @@ def backward_linear(name: str, c: float) -> dict[str, torch.Tensor]:
     return {"p": p.grad.clone()}
 
 
+def build_complex(name: str, lam: float, lr: float) -> dict[str, torch.Tensor]:
+    """:func:`build` with complex64 parameters (nonzero imaginary parts): its values as pulled."""
+    from remote_module.ps import PSModel
+
+    torch.manual_seed(0)
+    net = Net().to(torch.complex64)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(1j * torch.randn(p.shape))
+    model = PSModel(net, ["ps0", "ps1"], name=name, num_trainers=2, ps_mode="async", dc_asgd=lam,
+                    optimizer=(torch.optim.SGD, {"lr": lr}), min_block_size=4)
+    _models[name] = model
+    return {k: v.clone() for k, v in model.module.state_dict().items()}
+
+
+def backward_complex(name: str, trainer: int, step: int) -> dict[str, torch.Tensor]:
+    """:func:`backward` of a complex model: a real loss, ``|model(x) - y| ** 2`` averaged."""
+    model = _models[name]
+    x, y = batch(trainer, step)
+    x2, y2 = batch(trainer + 10, step)
+    loss = (model(torch.complex(x, x2)) - torch.complex(y, y2)).abs().pow(2).mean()
+    loss.backward()
+    return {"grads": {k: v.grad.clone() for k, v in model.module.named_parameters()}}
+
+
 def between(name: str, what: str) -> None:
     """What a trainer may do between its backward and its step: a checkpoint, a pull, an
     evaluation forward (no_grad)."""

@@ -102,6 +102,27 @@ def test_a_half_precision_gradient_whose_square_overflows_is_applied_when_nothin
     torch.testing.assert_close(after["p"], w0["p"] - lr * g["p"], rtol=0, atol=1e-3)
 
 
+def test_complex_parameters_are_compensated_as_pairs_of_reals_as_torchs_optimizers_step_them(world):
+    """Found by the DC-ASGD hostile review: torch's optimizers step a complex parameter as its
+    real and imaginary parts (view_as_real), and DC-ASGD's g * g is the diagonal of the
+    gradient's outer product, per real coordinate. The compensation took the complex square
+    instead: for a gradient i*a, g * g = -a**2, compensating the wrong way."""
+    name, lam, lr = job("dc-complex"), 0.5, 0.1
+    built = world.run({"trainer0": (r.build_complex, name, lam, lr), "trainer1": (r.build_complex, name, lam, lr)})
+    w0 = built["trainer0"]
+    late = world.run({"trainer1": (r.backward_complex, name, 1, 0)})["trainer1"]
+    world.run({"trainer0": (r.backward_complex, name, 0, 0)})
+    world.run({"trainer0": (r.step, name)})
+    w1 = world.run({"trainer0": (r.values, name)})["trainer0"]
+    world.run({"trainer1": (r.step, name)})
+    w2 = world.run({"trainer0": (r.values, name)})["trainer0"]
+    for k in w0:
+        g, d = torch.view_as_real(late["grads"][k]), torch.view_as_real(w1[k] - w0[k])
+        compensated = torch.view_as_complex((g + lam * g * g * d).contiguous())
+        assert float(d.abs().max()) > 1e-3  # (trainer0's step moved it: something to compensate)
+        torch.testing.assert_close(w2[k], w1[k] - lr * compensated, rtol=0, atol=1e-5)
+
+
 def test_async_training_of_the_tutorial_model_with_dc_asgd_halves_its_loss_with_two_trainers(world):
     name = job("dc-tutorial")
     got = world.run({"trainer0": (r.train_tutorial, name, 0, 60, 0.04),
