@@ -303,11 +303,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
         # put this trainer a step ahead of the others for good), as PSModel.step() does
         done = self.__dict__.setdefault("_step_done", set())
         plans, pushing = [], set()
+        pushing_names = [name for name in self._names if name not in done]
         together: dict[int, tuple] = {}  # tables whose gradients were recorded together, by that record
         for name in self._names:
             if name in done:
                 continue
             table = self._modules[name]
+            plans += table._settings_plans()  # (ahead of its push, in the same message)
             hint = table.__dict__.pop("_together", None)
             if hint is None:
                 plan = table._push_plan()
@@ -332,6 +334,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._count([call for plan in plans for call in plan[0]] + [call for h in joined for call in h.calls])
         if joined or not sync:
             fly(self, self.tables().values(), settle, done, joined)
+        for name in pushing_names:  # (as a local loop's optimizer.step(): what LR schedulers count)
+            self._modules[name].ps_optimizer.step()
         after = self.__dict__.pop("_after_step", [])
         for planned in after:  # (prefetching: later batches, planned while the servers work)
             planned()

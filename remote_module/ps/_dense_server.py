@@ -22,7 +22,7 @@ from torch import nn
 from torch.futures import Future
 
 from remote_module._core import CallTimeout, HostStore
-from remote_module.ps._modes import HalfAsyncMerges, SyncSteps, read_when_applied, settle
+from remote_module.ps._modes import HalfAsyncMerges, SyncSteps, agreed_settings, read_when_applied, settle
 
 
 class JobSpec(NamedTuple):
@@ -150,19 +150,8 @@ class _Job:
         self.apply(total, 1.0 / self.spec.num_trainers, self.agreed([t for t, _ in pushes]))
 
     def agreed(self, trainers: list[str]) -> dict | None:
-        """sync: the optimizer settings every trainer of the step sent (the same, else
-        ``ValueError`` naming the setting and the trainers)."""
-        sent = {t: self.settings.get(t) for t in trainers}
-        first = next(iter(sent.values()), None)
-        for t, mine in sent.items():
-            if mine == first:
-                continue
-            keys = sorted(set(mine or {}) | set(first or {}))
-            key = next(k for k in keys if (mine or {}).get(k) != (first or {}).get(k))
-            values = ", ".join(f"{who}: {(s or {}).get(key, 'the job default')!r}" for who, s in sorted(sent.items()))
-            raise ValueError(f"{self.label}: in sync mode every trainer must step with the same optimizer "
-                             f"settings, but the trainers' ps_optimizer {key!r} differ ({values})")
-        return first
+        """sync: the optimizer settings every trainer of the step sent (:func:`agreed_settings`)."""
+        return agreed_settings(self.settings, trainers, self.label)
 
 
 #: This server's jobs by name (created by the first trainer to attach; they live as long as the

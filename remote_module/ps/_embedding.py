@@ -34,7 +34,7 @@ from remote_module.ps._dispatch import RoundRobin, check_servers
 from remote_module.ps._embedding_checkpoints import TableCheckpoints
 from remote_module.ps._geo_cache import GeoCache
 from remote_module.ps._modes import PS_MODES
-from remote_module.ps._ps_optimizer import PSOptimizer
+from remote_module.ps._ps_optimizer import PSOptimizer, class_defaults
 from remote_module.ps._rows import check_ids
 from remote_module.ps._rowwise import coalesce, row_gradients, row_optimizer
 from remote_module.ps._slicing import _index, block_name, slice_blocks
@@ -661,6 +661,10 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
             )
         self._ranges = [(b.offset // embedding_dim, b.size // embedding_dim, s) for b, s in zip(blocks, chosen)]
         self._row_opt = row_optimizer(*optimizer)
+        #: the servers' row-wise optimizer as a torch.optim.Optimizer (over grad_marker): LR
+        #: schedulers drive it; the next push carries its lr (and SparseAdam's betas)
+        self.ps_optimizer = PSOptimizer([self.grad_marker], class_defaults(*optimizer), f"table {name!r}")
+        self._sent_settings: dict | None = None  # what the servers last took (None: send at the next step)
         spec = _table_server.TableSpec(num_embeddings, embedding_dim, torch.float32, init, seed, ps_mode, num_trainers,
                                  self._row_opt, half_async_merge_every, merge_s, self.padding_idx)
         # geo: the rows this trainer touched, trained locally: id -> [row, row when pulled, state]
@@ -1024,8 +1028,9 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         warnings.warn(
             f"{type(self).__name__} {self.name!r}: the lr of the {type(optimizer).__name__} param group holding its "
             f"grad_marker changed from {first:g} to {float(group['lr']):g} (an LR scheduler?), but the table's rows "
-            "step on the servers with the lr given at construction (optimizer=(cls, {'lr': ...})), which local "
-            "optimizers and schedulers do not change; to silence this, build the scheduled optimizer over the "
+            "step on the servers with its ps_optimizer's lr, which local optimizers do not change: schedule "
+            "table.ps_optimizer (a PSModel: its tables' ps_optimizer) for the rows; to silence this, build the "
+            "scheduled optimizer over the "
             "dense parameters only", UserWarning, stacklevel=user_stacklevel())
 
     def _drop_discarded(self) -> None:
@@ -1118,6 +1123,36 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
 
         return calls, lambda: geo.drop(ids), nothing, None, partly
 
+    def _settings_plans(self) -> list:
+        """:attr:`ps_optimizer`'s settings for this step: geo, set in the local optimizer; else,
+        when they changed since the servers last took them, the plan that tells every server
+        (sent ahead of the step's pushes, in the same message, so they apply to it)."""
+        settings = self._row_settings()
+        if self._geo is not None:
+            self._geo.optimizer = self._geo.optimizer._replace(**settings)
+            return []
+        if settings == self.__dict__.get("_sent_settings"):
+            return []
+        calls = [(server, _table_server._set_settings, (self.name, self._trainer, settings))
+                 for server in self._server_names]
+
+        def done() -> None:
+            self.__dict__["_sent_settings"] = settings
+
+        return [(calls, done, nothing)]
+
+    def _row_settings(self) -> dict:
+        """The settings of :attr:`ps_optimizer` a row-wise optimizer takes (``lr``, and
+        SparseAdam's ``betas``); ``ValueError`` for a momentum or weight decay a scheduler set,
+        which the rows' optimizer cannot apply (as construction refuses them)."""
+        settings = self.ps_optimizer.settings()
+        for key in ("momentum", "weight_decay"):
+            if settings.get(key, 0.0) != 0.0:
+                raise ValueError(f"table {self.name!r}: its ps_optimizer has {key}={settings[key]!r}, which a "
+                                 f"sparse table's row-wise optimizer cannot apply; keep it 0 (OneCycleLR: "
+                                 "cycle_momentum=False, or SparseAdam, whose betas cycle)")
+        return {key: settings[key] for key in ("lr", "betas") if key in settings}
+
     def step(self) -> None:
         """Push the touched rows' gradients (only those rows) and forget them (geo: step the
         cached rows locally, push their deltas every ``geo_push_every`` steps).
@@ -1140,11 +1175,14 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         there, naming its server, keeping the gradients for a retry as above."""
         with self._flight_lock:
             self._wait_pushes()  # the last step's (a failure raises here: call step() again to retry)
+            settings = self._settings_plans()
             plan = self._push_plan()
+            self.ps_optimizer.step()  # (as a local loop's optimizer.step(): what LR schedulers count)
             if plan is None:
                 return
             sync = self.ps_mode == "sync"
-            settle, joined = self._lookahead().send([plan], self.timeout, sync, lambda name: self._step + 1)
+            settle, joined = self._lookahead().send([*settings, plan], self.timeout, sync,
+                                                    lambda name: self._step + 1)
             if joined or not sync:
                 self._flight = Flight(settle, joined)
             after = self.__dict__.pop("_after_step", [])

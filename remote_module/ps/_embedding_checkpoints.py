@@ -107,13 +107,13 @@ class TableCheckpoints:
 
     def optimizer_state_dict(self) -> dict:
         """The optimizer state for the rows ever touched: ``{"step": the table's optimizer step
-        count, "ids": row ids, <state key>: rows}``; loads onto any number of servers. The
-        servers' state, or in geo mode the trainer's (its rows are stepped locally), with
-        ``"geo_step_calls"``, the ``step()`` calls that set when deltas are pushed (pushed
-        first, as :meth:`state_dict` does)."""
+        count, "ids": row ids, <state key>: rows, "ps_optimizer": ps_optimizer's state_dict()}``;
+        loads onto any number of servers. The servers' state, or in geo mode the trainer's (its
+        rows are stepped locally), with ``"geo_step_calls"``, the ``step()`` calls that set when
+        deltas are pushed (pushed first, as :meth:`state_dict` does)."""
         self._settle()
         if self._geo is not None:
-            return self._geo.state_dict()
+            return {**self._geo.state_dict(), "ps_optimizer": self.ps_optimizer.state_dict()}
         got = call_all([(server, _table_server._row_state, (self.name, first)) for first, _, server in self._ranges],
                        timeout=self.timeout)
         ids = torch.cat([i for _, i, _ in got]) if got else torch.empty(0, dtype=torch.long)
@@ -124,6 +124,7 @@ class TableCheckpoints:
         empty = torch.empty(0, self.embedding_dim)
         for key in keys:
             out[key] = torch.cat([state.get(key, empty) for _, _, state in got])[order]
+        out["ps_optimizer"] = self.ps_optimizer.state_dict()  # (its current settings, as a scheduler left them)
         return out
 
     def load_optimizer_state_dict(self, state: dict) -> None:
@@ -132,12 +133,15 @@ class TableCheckpoints:
         if not isinstance(state, dict) or "step" not in state:
             raise TypeError(f"load_optimizer_state_dict takes what optimizer_state_dict() returned, got "
                             f"{type(state).__name__}{' without a step' if isinstance(state, dict) else ''}")
-        keys = [k for k in state if k not in ("step", "ids", "geo_step_calls")]
+        keys = [k for k in state if k not in ("step", "ids", "geo_step_calls", "ps_optimizer")]
         misfit = self._misfit(state.get("ids"), {k: state[k] for k in keys})
         if misfit:
             raise ValueError(f"optimizer state for table {self.name!r} does not fit it: {misfit}")
         ids = state["ids"].long()
         self._before_rows_change()
+        if "ps_optimizer" in state:  # (a checkpoint from before it had none: the settings stay)
+            self.ps_optimizer.load_state_dict(state["ps_optimizer"])
+            self.__dict__["_sent_settings"] = None  # the next step sends them
         if self._geo is not None:
             calls = state.get("geo_step_calls")
             self._geo.load_state_dict(int(state["step"]), ids, {k: state[k] for k in keys},

@@ -542,6 +542,7 @@ class PSModel(PSCheckpoints, nn.Module):
                               lambda: restore(took, left_out), answered, partly))
         for qual, table in self._tables.items():
             if qual not in done:
+                plans += table._settings_plans()  # (ahead of its push, in the same message)
                 plan = table._push_plan()
                 if plan is None:  # geo: the table stepped its cached rows, and pushes nothing this step
                     done.add(qual)
@@ -552,7 +553,8 @@ class PSModel(PSCheckpoints, nn.Module):
         # waits for them (sync: for the step to be applied on every server), and a failure raises
         # there, the parts that failed kept for a retry as above
         fly(self, self._tables.values(), settle, done)
-        self.ps_optimizer.step()  # (as a local loop's optimizer.step(): what LR schedulers count)
+        for opt in [self.ps_optimizer, *(t.ps_optimizer for t in self._tables.values())]:
+            opt.step()  # (as a local loop's optimizer.step(): what LR schedulers count)
         if merging:  # geo: the merged values are the local copy's when step() returns, as torch's
             self._wait_pushes()  # optimizer leaves its parameters (an edit after step() keeps them)
 

@@ -239,3 +239,20 @@ def merge_later(merges: HalfAsyncMerges, timer: threading.Timer) -> None:
     with merges.lock:
         if merges.timer is timer:  # not cancelled (by a count merge) while it waited for the lock
             merges.merge()
+
+
+def agreed_settings(sent: dict[str, dict], trainers: list[str], label: str) -> dict | None:
+    """sync: the optimizer settings (a ``ps_optimizer``'s) that ``trainers`` last sent, by
+    trainer in ``sent``, which must be the same: ``ValueError`` naming the first setting that
+    differs and every trainer's value."""
+    mine = {t: sent.get(t) for t in trainers}
+    first = next(iter(mine.values()), None)
+    for values in mine.values():
+        if values == first:
+            continue
+        keys = sorted(set(values or {}) | set(first or {}))
+        key = next(k for k in keys if (values or {}).get(k) != (first or {}).get(k))
+        each = ", ".join(f"{who}: {(v or {}).get(key, 'the default')!r}" for who, v in sorted(mine.items()))
+        raise ValueError(f"{label}: in sync mode every trainer must step with the same optimizer settings, but "
+                         f"the trainers' ps_optimizer {key!r} differ ({each})")
+    return first

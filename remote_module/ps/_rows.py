@@ -280,9 +280,11 @@ class _Rows:
             self.state_used = need
         return found
 
-    def step(self, ids: torch.Tensor, grad: torch.Tensor, step: int, scale: float = 1.0) -> None:
-        """One row-wise optimizer step on coalesced ``ids`` / ``grad`` (``grad * scale``)."""
-        opt = self.spec.optimizer
+    def step(self, ids: torch.Tensor, grad: torch.Tensor, step: int, scale: float = 1.0,
+             opt: RowOptimizer | None = None) -> None:
+        """One row-wise optimizer step on coalesced ``ids`` / ``grad`` (``grad * scale``), with
+        the table's optimizer or ``opt`` (its settings as a trainer's ps_optimizer set them)."""
+        opt = self.spec.optimizer if opt is None else opt
         if not ids.numel():
             return
         with self.lock:

@@ -25,7 +25,7 @@ from torch import nn
 from torch.futures import Future
 
 from remote_module._core import HostStore, capture, embedding_bag_parts
-from remote_module.ps._modes import HalfAsyncMerges, SyncSteps, read_when_applied, settle
+from remote_module.ps._modes import HalfAsyncMerges, SyncSteps, agreed_settings, read_when_applied, settle
 from remote_module.ps._rows import (
     TableSpec,
     _Rows,
@@ -62,6 +62,10 @@ class Table:
         self.tokens: dict[str, str | None] = {}
         self.queued: list[tuple[torch.Tensor, torch.Tensor]] = []  # half_async pushes not applied yet
         self.merges = HalfAsyncMerges(self.lock, spec.merge_every, spec.merge_s, self._apply_queued)
+        # each trainer's row-wise optimizer settings, as it last sent them, and the latest sent by
+        # any trainer (None: the table's own)
+        self.settings: dict[str, dict] = {}
+        self.latest: dict | None = None
 
     def _owner(self, ids: torch.Tensor) -> torch.Tensor:
         """For each id, the index of the block that holds it (``ValueError`` for an id no block here holds)."""
@@ -145,8 +149,11 @@ class Table:
         return nn.functional.embedding_bag(inverse.reshape(input.shape), rows, offsets, mode=mode,
                                            per_sample_weights=weights, padding_idx=pad)
 
-    def apply(self, ids: torch.Tensor, grad: torch.Tensor, scale: float = 1.0) -> None:
-        """One optimizer step of the table with the sparse gradient ``(ids, grad)`` (lock held)."""
+    def apply(self, ids: torch.Tensor, grad: torch.Tensor, scale: float = 1.0, settings: dict | None = None) -> None:
+        """One optimizer step of the table with the sparse gradient ``(ids, grad)`` (lock held),
+        with ``settings`` (default: the latest a trainer sent) in the row-wise optimizer."""
+        settings = self.latest if settings is None else settings
+        opt = self.spec.optimizer._replace(**settings) if settings else None
         uniq, summed = coalesce(ids, grad)
         if self.spec.padding_idx is not None:  # never trained (trainers leave it out; so does the server)
             keep = uniq != self.spec.padding_idx
@@ -154,7 +161,7 @@ class Table:
         parts = self._split(uniq)  # checked before anything changes
         self.optimizer_steps += 1
         for rows, mine in parts:
-            rows.step(uniq[mine], summed[mine], self.optimizer_steps, scale)
+            rows.step(uniq[mine], summed[mine], self.optimizer_steps, scale, opt)
 
     def push(self, trainer: str, step: int, ids: torch.Tensor | None, grad: torch.Tensor | None,
              token: str | None = None) -> None:
@@ -219,10 +226,16 @@ class Table:
     def _apply_step(self, pushes: list[tuple[str, tuple]]) -> None:
         """sync: one step's pushes (in trainer-name order) as one optimizer step of their sum /
         num_trainers; none when no trainer had a gradient (lock held)."""
+        settings = self.agreed([t for t, _ in pushes])
         pushes = [(ids, grad) for _, (ids, grad) in pushes if ids is not None]
         if pushes:
             self.apply(torch.cat([i for i, _ in pushes]), torch.cat([g for _, g in pushes]),
-                       1.0 / self.spec.num_trainers)
+                       1.0 / self.spec.num_trainers, settings)
+
+    def agreed(self, trainers: list[str]) -> dict | None:
+        """sync: the optimizer settings every trainer of the step sent (the same, else
+        ``ValueError`` naming the setting and the trainers)."""
+        return agreed_settings(self.settings, trainers, f"table {self.name!r}")
 
     def _apply_queued(self) -> None:
         queued, self.queued = self.queued, []
@@ -436,6 +449,16 @@ def _push_bag_tables(entries: list[tuple], ids: torch.Tensor | None, first: torc
 
 def _push_row_deltas(name: str, ids: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
     return _table(name).add_deltas(ids, deltas)
+
+
+def _set_settings(name: str, trainer: str, settings: dict) -> None:
+    """``trainer``'s row-wise optimizer settings (its ``ps_optimizer``'s ``lr``, ``betas``) for its
+    pushes from now on: async and half_async apply the latest any trainer sent; sync, those
+    every trainer of the step sent, which must agree."""
+    table = _table(name)
+    with table.lock:
+        table.settings[trainer] = dict(settings)
+        table.latest = dict(settings)
 
 
 def _flush_table(name: str) -> None:

@@ -78,3 +78,45 @@ def disagree(name: str, trainer: int) -> str:
     except Exception as exc:  # noqa: BLE001 (its type is what the test checks)
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+# ---- a ShardedEmbeddingBag's ps_optimizer ---------------------------------------------------------
+
+ROWS, DIM = 40, 4
+
+
+def bag_batch(trainer: int, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Trainer ``trainer``'s bags for ``step``: 6 bags of 3 ids (repeats included) and targets."""
+    g = torch.Generator().manual_seed(5000 + 100 * trainer + step)
+    return torch.randint(0, ROWS, (18,), generator=g), torch.arange(6) * 3, torch.randn(6, DIM, generator=g)
+
+
+def table_optimizer(kind: str) -> tuple[type, dict]:
+    # OneCycleLR cycles SparseAdam's betas (row-wise SGD has no momentum to cycle)
+    return (torch.optim.SparseAdam, {"lr": 0.05}) if kind == "onecycle" else (torch.optim.SGD, {"lr": 0.5})
+
+
+def initial_rows() -> torch.Tensor:
+    return torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(7))
+
+
+def train_bag(name: str, kind: str, trainer: int, num_trainers: int, steps: int) -> dict:
+    """``steps`` sync steps of a sum ShardedEmbeddingBag on ps0 and ps1 whose ps_optimizer a
+    scheduler drives: its rows after, and the lrs used."""
+    from remote_module.ps import ShardedEmbeddingBag
+
+    bag = ShardedEmbeddingBag(ROWS, DIM, ["ps0", "ps1"], name=name, mode="sum", ps_mode="sync",
+                              num_trainers=num_trainers, optimizer=table_optimizer(kind),
+                              min_block_size=ROWS // 2 * DIM)
+    bag.load_state_dict({"weight": initial_rows()})
+    sched = scheduler(kind, bag.ps_optimizer, 8)
+    lrs = []
+    for k in range(steps):
+        ids, offsets, target = bag_batch(trainer, k)
+        ((bag(ids, offsets) - target) ** 2).mean().backward()
+        lrs.append(bag.ps_optimizer.param_groups[0]["lr"])
+        bag.step()
+        advance(kind, sched, k)
+    with torch.no_grad():
+        bag(*bag_batch(trainer, 0)[:2])  # (sync: waits for the last step)
+    return {"rows": bag.state_dict()["weight"], "lrs": lrs}

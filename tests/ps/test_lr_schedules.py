@@ -67,3 +67,35 @@ def test_sync_trainers_whose_settings_differ_get_a_value_error_naming_the_settin
     for t in ("trainer0", "trainer1"):
         assert got[t].startswith("ValueError") and "'lr' differ" in got[t], got
         assert "trainer0: 0.2" in got[t] and "trainer1: 0.1" in got[t], got
+
+
+def local_bag_reference(kind: str, steps: int) -> tuple[torch.Tensor, list]:
+    bag = torch.nn.EmbeddingBag(r.ROWS, r.DIM, mode="sum", sparse=True)
+    with torch.no_grad():
+        bag.weight.copy_(r.initial_rows())
+    cls, kwargs = r.table_optimizer(kind)
+    opt = cls(bag.parameters(), **kwargs)
+    sched = r.scheduler(kind, opt, 8)
+    lrs = []
+    for k in range(steps):
+        parts = [r.bag_batch(t, k) for t in range(2)]
+        ids = torch.cat([p[0] for p in parts])
+        offsets = torch.cat([parts[0][1], parts[1][1] + parts[0][0].numel()])
+        target = torch.cat([p[2] for p in parts])
+        opt.zero_grad()
+        ((bag(ids, offsets) - target) ** 2).mean().backward()
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        r.advance(kind, sched, k)
+    return bag.weight.detach(), lrs
+
+
+@pytest.mark.parametrize("kind", ["step", "lambda", "plateau", "onecycle"])
+def test_a_scheduler_on_a_tables_ps_optimizer_trains_as_locally_in_sync_mode(world, kind):
+    name = job(f"lr-bag-{kind}")
+    got = world.run({f"trainer{t}": (r.train_bag, name, kind, t, 2, STEPS) for t in range(2)})
+    rows, lrs = local_bag_reference(kind, STEPS)
+    assert len(set(lrs)) > 1
+    for t in range(2):
+        assert got[f"trainer{t}"]["lrs"] == pytest.approx(lrs, rel=1e-12)
+        torch.testing.assert_close(got[f"trainer{t}"]["rows"], rows, rtol=1e-5, atol=1e-6)
