@@ -19,6 +19,7 @@ from remote_module._core import (
 from remote_module.ps import _packed, _table_server
 from remote_module.ps._embedding import Ahead, Prefetch, at_step, finished, fly, land
 from remote_module.ps._embedding_bag import ShardedEmbeddingBag
+from remote_module.ps._ps_optimizer import GroupedPSOptimizer
 
 
 class ShardedEmbeddingBagCollection(nn.Module):
@@ -107,6 +108,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
         #: server sums; see :meth:`_count`), since construction
         self.traffic: dict[str, dict[str, int]] = {}
         self._layouts: dict = {}  # per embedding_dim, the last batch layout of the tables planned together
+        #: the tables' ps_optimizers as one torch.optim.Optimizer, a param group per table (each the
+        #: table's own): an LR scheduler on it drives every table's (see ShardedEmbedding.ps_optimizer)
+        self.ps_optimizer = GroupedPSOptimizer([t.ps_optimizer for t in self._modules.values()],
+                                               "ShardedEmbeddingBagCollection")
 
     def __getstate__(self) -> dict:
         """As nn.Module's, once the pushes in flight landed, less the prefetch (a copy shares
@@ -336,6 +341,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             fly(self, self.tables().values(), settle, done, joined)
         for name in pushing_names:  # (as a local loop's optimizer.step(): what LR schedulers count)
             self._modules[name].ps_optimizer.step()
+        self.ps_optimizer.step()
         after = self.__dict__.pop("_after_step", [])
         for planned in after:  # (prefetching: later batches, planned while the servers work)
             planned()

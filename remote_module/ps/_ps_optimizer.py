@@ -76,3 +76,45 @@ class PSOptimizer(torch.optim.Optimizer):
                                  "optimizer would refuse")
             out[key] = value
         return out
+
+
+class GroupedPSOptimizer(torch.optim.Optimizer):
+    """Several owners' :class:`PSOptimizer` as one optimizer (a collection's tables): one param
+    group per member, the member's own (the same dict, read anew each time), so a scheduler on
+    this one sets what each member sends."""
+
+    def __init__(self, members: list[PSOptimizer], owner: str) -> None:
+        self._members: list[PSOptimizer] = []  # (empty while torch's constructor checks the groups)
+        super().__init__([{"params": list(m.param_groups[0]["params"])} for m in members], {})
+        self._members, self.owner = list(members), owner
+
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict]:
+        return [m.param_groups[0] for m in self._members]
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict]) -> None:  # (torch's constructor: the groups are the members')
+        pass
+
+    def add_param_group(self, param_group: dict) -> None:
+        if self._members:
+            raise ValueError(f"{self.owner}'s ps_optimizer has one param group per table, which are the tables' "
+                             "own: add a table to the collection instead")
+        super().add_param_group(param_group)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """No update here (the servers apply it at the owner's ``step()``, which calls this)."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Each member's settings from ``state_dict``'s groups, in order (as torch's, but into
+        the members' own groups)."""
+        groups = state_dict.get("param_groups", [])
+        if len(groups) != len(self._members):
+            raise ValueError(f"{self.owner}'s ps_optimizer has {len(self._members)} param groups (one per table), "
+                             f"the state has {len(groups)}")
+        for member, saved in zip(self._members, groups):
+            member.param_groups[0].update({k: v for k, v in saved.items() if k != "params"})

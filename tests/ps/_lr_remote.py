@@ -120,3 +120,34 @@ def train_bag(name: str, kind: str, trainer: int, num_trainers: int, steps: int)
     with torch.no_grad():
         bag(*bag_batch(trainer, 0)[:2])  # (sync: waits for the last step)
     return {"rows": bag.state_dict()["weight"], "lrs": lrs}
+
+
+def train_collection(name: str, trainer: int, steps: int) -> dict:
+    """Two sum bags in a collection, 2 sync trainers, a StepLR on the collection's ps_optimizer:
+    each table's rows after, the lrs used, and a table's lr after its ps_optimizer was loaded."""
+    from remote_module.ps import ShardedEmbeddingBag, ShardedEmbeddingBagCollection
+
+    tables = {}
+    for k in ("a", "b"):
+        bag = ShardedEmbeddingBag(ROWS, DIM, ["ps0", "ps1"], name=f"{name}-{k}", mode="sum", ps_mode="sync",
+                                  num_trainers=2, optimizer=(torch.optim.SGD, {"lr": 0.5}),
+                                  min_block_size=ROWS // 2 * DIM)
+        bag.load_state_dict({"weight": initial_rows()})
+        tables[k] = bag
+    ebc = ShardedEmbeddingBagCollection(tables)
+    sched = torch.optim.lr_scheduler.StepLR(ebc.ps_optimizer, step_size=2, gamma=0.5)
+    lrs = []
+    for k in range(steps):
+        ids, offsets, target = bag_batch(trainer, k)
+        out = ebc({"a": (ids, offsets), "b": (ids.flip(0), offsets)})
+        ((out["a"] - target) ** 2 + (out["b"] + target) ** 2).mean().backward()
+        lrs.append([g["lr"] for g in ebc.ps_optimizer.param_groups])
+        ebc.step()
+        sched.step()
+    with torch.no_grad():
+        ebc({"a": bag_batch(trainer, 0)[:2], "b": bag_batch(trainer, 0)[:2]})  # (sync: the last step)
+    saved = ebc.ps_optimizer.state_dict()
+    tables["a"].ps_optimizer.param_groups[0]["lr"] = 9.0
+    ebc.ps_optimizer.load_state_dict(saved)
+    return {"rows": {k: t.state_dict()["weight"] for k, t in tables.items()}, "lrs": lrs,
+            "restored": tables["a"].ps_optimizer.param_groups[0]["lr"]}

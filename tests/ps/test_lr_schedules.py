@@ -99,3 +99,34 @@ def test_a_scheduler_on_a_tables_ps_optimizer_trains_as_locally_in_sync_mode(wor
     for t in range(2):
         assert got[f"trainer{t}"]["lrs"] == pytest.approx(lrs, rel=1e-12)
         torch.testing.assert_close(got[f"trainer{t}"]["rows"], rows, rtol=1e-5, atol=1e-6)
+
+
+def test_a_scheduler_on_a_collections_ps_optimizer_drives_every_table(world):
+    name = job("lr-ebc")
+    got = world.run({f"trainer{t}": (r.train_collection, name, t, STEPS) for t in range(2)})
+    local = {k: torch.nn.EmbeddingBag(r.ROWS, r.DIM, mode="sum", sparse=True) for k in ("a", "b")}
+    for bag in local.values():
+        with torch.no_grad():
+            bag.weight.copy_(r.initial_rows())
+    opt = torch.optim.SGD([{"params": local["a"].parameters()}, {"params": local["b"].parameters()}], lr=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    lrs = []
+    for k in range(STEPS):
+        parts = [r.bag_batch(t, k) for t in range(2)]
+        n = parts[0][0].numel()
+        opt.zero_grad()
+        loss = 0
+        for t, (ids, offsets, target) in enumerate(parts):  # each trainer's mean loss, averaged
+            loss = loss + (((local["a"](ids, offsets) - target) ** 2
+                            + (local["b"](ids.flip(0), offsets) + target) ** 2).mean()) / 2
+        assert n == parts[1][0].numel()
+        loss.backward()
+        lrs.append([g["lr"] for g in opt.param_groups])
+        opt.step()
+        sched.step()
+    for t in range(2):
+        out = got[f"trainer{t}"]
+        assert out["lrs"] == lrs  # (powers of two: exact)
+        for k in ("a", "b"):
+            torch.testing.assert_close(out["rows"][k], local[k].weight.detach(), rtol=1e-5, atol=1e-6)
+        assert out["restored"] == opt.param_groups[0]["lr"]  # the loaded state went into the table's own group
