@@ -61,7 +61,8 @@ class _Job:
         # (a pull's or a push's answer): one copy of the blocks here per trainer
         self.sent: dict[str, dict[str, torch.Tensor]] = {}
         # each trainer's optimizer settings (its ps_optimizer's lr, momentum, betas, weight_decay),
-        # as it last sent them, and the latest sent by any trainer (None: the job's own)
+        # as it last sent them, and those of the latest push (async, half_async: its trainer's;
+        # None: the job's own)
         self.settings: dict[str, dict] = {}
         self.latest: dict | None = None
 
@@ -69,7 +70,7 @@ class _Job:
 
     def apply(self, grads: dict[str, torch.Tensor], scale: float = 1.0, settings: dict | None = None) -> None:
         """One optimizer step per block with ``grads * scale`` (lock held), with ``settings``
-        (default: the latest a trainer sent) in each block's optimizer."""
+        (default: the latest push's) in each block's optimizer."""
         settings = self.latest if settings is None else settings
         if settings:
             for block in grads:
@@ -249,6 +250,8 @@ def _push(name: str, trainer: str, step: int, grads: Any, answer: tuple | None =
                     f"parameter-server job {name!r}: trainer {trainer!r} pushed {g.numel()} gradient values for "
                     f"block {b!r}, which holds {job.params[b].numel()} on this server"
                 )
+        if mode != "sync" and trainer in job.settings:  # (async, half_async: the latest push's settings,
+            job.latest = job.settings[trainer]       # its trainer's, sent only when they changed)
         if mode == "async":
             job.apply(grads if job.spec.dc_asgd is None else job.compensated(trainer, grads))
             return None if answer is None else (job.answer(trainer, *answer), math.inf)
@@ -324,12 +327,12 @@ def _push_delta(name: str, deltas: Any, packed: bool = False) -> Any:
 
 def _set_settings(name: str, trainer: str, settings: dict) -> None:
     """``trainer``'s optimizer settings (its ``ps_optimizer``'s), for its pushes from now on:
-    async and half_async apply the latest any trainer sent; sync, those every trainer of the
-    step sent, which must agree."""
+    async and half_async apply each push with its trainer's (a half_async merge with the latest
+    push's), another trainer's never; sync, those every trainer of the step sent, which must
+    agree."""
     job = _job(name)
     with job.lock:
-        job.settings[trainer] = dict(settings)
-        job.latest = dict(settings)
+        job.settings[trainer] = dict(settings)  # (its next push makes them the latest: async)
 
 
 def _flush(name: str) -> None:

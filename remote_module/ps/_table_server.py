@@ -62,8 +62,8 @@ class Table:
         self.tokens: dict[str, str | None] = {}
         self.queued: list[tuple[torch.Tensor, torch.Tensor]] = []  # half_async pushes not applied yet
         self.merges = HalfAsyncMerges(self.lock, spec.merge_every, spec.merge_s, self._apply_queued)
-        # each trainer's row-wise optimizer settings, as it last sent them, and the latest sent by
-        # any trainer (None: the table's own)
+        # each trainer's row-wise optimizer settings, as it last sent them, and those of the latest
+        # push (async, half_async: its trainer's; None: the table's own)
         self.settings: dict[str, dict] = {}
         self.latest: dict | None = None
 
@@ -151,7 +151,7 @@ class Table:
 
     def apply(self, ids: torch.Tensor, grad: torch.Tensor, scale: float = 1.0, settings: dict | None = None) -> None:
         """One optimizer step of the table with the sparse gradient ``(ids, grad)`` (lock held),
-        with ``settings`` (default: the latest a trainer sent) in the row-wise optimizer."""
+        with ``settings`` (default: the latest push's) in the row-wise optimizer."""
         settings = self.latest if settings is None else settings
         opt = self.spec.optimizer._replace(**settings) if settings else None
         uniq, summed = coalesce(ids, grad)
@@ -182,10 +182,12 @@ class Table:
             if ids is None and self.spec.mode != "sync":
                 return
             if self.spec.mode == "async":
+                self._latest_is(trainer)
                 self.apply(ids, grad)
                 return
             if self.spec.mode == "half_async":
                 self._check_push(trainer, ids, grad)  # before it is queued: it would fail the merge
+                self._latest_is(trainer)
                 self.queued.append((ids, grad))
                 self.merges.queued()
                 return
@@ -209,6 +211,12 @@ class Table:
         settle(answers)
         if error is not None:
             raise error
+
+    def _latest_is(self, trainer: str) -> None:
+        """async, half_async: the settings of ``trainer``'s push, arriving, are the latest push's
+        (it sends them only when they changed; lock held)."""
+        if trainer in self.settings:
+            self.latest = self.settings[trainer]
 
     def _check_push(self, trainer: str, ids: torch.Tensor, grad: torch.Tensor) -> None:
         """``ValueError`` unless ``grad`` has one row of ``dim`` values per id and every id
@@ -453,12 +461,12 @@ def _push_row_deltas(name: str, ids: torch.Tensor, deltas: torch.Tensor) -> torc
 
 def _set_settings(name: str, trainer: str, settings: dict) -> None:
     """``trainer``'s row-wise optimizer settings (its ``ps_optimizer``'s ``lr``, ``betas``) for its
-    pushes from now on: async and half_async apply the latest any trainer sent; sync, those
-    every trainer of the step sent, which must agree."""
+    pushes from now on: async and half_async apply each push with its trainer's (a half_async
+    merge with the latest push's), another trainer's never; sync, those every trainer of the
+    step sent, which must agree."""
     table = _table(name)
     with table.lock:
-        table.settings[trainer] = dict(settings)
-        table.latest = dict(settings)
+        table.settings[trainer] = dict(settings)  # (its next push makes them the latest: async)
 
 
 def _flush_table(name: str) -> None:

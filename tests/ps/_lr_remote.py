@@ -151,3 +151,66 @@ def train_collection(name: str, trainer: int, steps: int) -> dict:
     ebc.ps_optimizer.load_state_dict(saved)
     return {"rows": {k: t.state_dict()["weight"] for k, t in tables.items()}, "lrs": lrs,
             "restored": tables["a"].ps_optimizer.param_groups[0]["lr"]}
+
+
+# ---- async: each push is applied with its own trainer's settings ---------------------------------
+
+
+def _wait_for(path: str, seconds: float = 60.0) -> None:
+    import os
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear")
+        time.sleep(0.02)
+
+
+def async_own_settings(name: str, trainer: int, flags: str, table: bool) -> float | None:
+    """Two async trainers of a PSModel (``table``: a ShardedEmbeddingBag) on ps0 and ps1:
+    trainer0 steps once with lr 0.1 (sent), then trainer1 hand-sets lr 0 and steps once, then
+    trainer0 steps again, its lr unchanged (not sent again). What trainer0's second step moved
+    (its push is the latest: lr 0.1, not trainer1's 0)."""
+    from remote_module.ps import PSModel, ShardedEmbeddingBag
+
+    torch.manual_seed(0)
+    if table:
+        model = ShardedEmbeddingBag(ROWS, DIM, ["ps0", "ps1"], name=name, mode="sum", ps_mode="async",
+                                    num_trainers=2, optimizer=(torch.optim.SGD, {"lr": 0.1}),
+                                    min_block_size=ROWS // 2 * DIM)
+        ids, offsets, target = bag_batch(0, 0)
+
+        def train() -> None:
+            ((model(ids, offsets) - target) ** 2).mean().backward()
+            model.step()
+            model.flush()
+
+        def values() -> torch.Tensor:
+            return model.state_dict()["weight"].clone()
+    else:
+        model = PSModel(Net(), ["ps0", "ps1"], name=name, num_trainers=2, ps_mode="async",
+                        optimizer=(torch.optim.SGD, {"lr": 0.1}), min_block_size=4)
+        x, y = batch(trainer, 0)
+
+        def train() -> None:
+            ((model(x) - y) ** 2).mean().backward()
+            model.step()
+            model.flush()
+
+        def values() -> torch.Tensor:
+            with torch.no_grad():
+                model(x)  # (pulls)
+            return torch.cat([p.detach().reshape(-1) for p in model.module.parameters()])
+    if trainer == 1:
+        _wait_for(flags + ".0")
+        model.ps_optimizer.param_groups[0]["lr"] = 0.0
+        train()
+        open(flags + ".1", "w").close()
+        return None
+    train()
+    open(flags + ".0", "w").close()
+    _wait_for(flags + ".1")
+    before = values()
+    train()
+    return float((values() - before).abs().max())

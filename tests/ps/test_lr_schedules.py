@@ -130,3 +130,15 @@ def test_a_scheduler_on_a_collections_ps_optimizer_drives_every_table(world):
         for k in ("a", "b"):
             torch.testing.assert_close(out["rows"][k], local[k].weight.detach(), rtol=1e-5, atol=1e-6)
         assert out["restored"] == opt.param_groups[0]["lr"]  # the loaded state went into the table's own group
+
+
+@pytest.mark.parametrize("table", [False, True], ids=["psmodel", "table"])
+def test_async_applies_each_push_with_its_own_trainers_settings(world, table, tmp_path):
+    """async: the latest push's settings, i.e. its trainer's (sent only when they changed).
+    trainer1 hand-sets lr 0 and pushes once; trainer0's next push, its lr 0.1 unchanged (so not
+    sent again), still moves the values (before: the servers used trainer1's lr 0 for it)."""
+    name = job(f"lr-async-own-{'table' if table else 'psmodel'}")
+    flags = str(tmp_path / "flag")
+    got = world.run({f"trainer{t}": (r.async_own_settings, name, t, flags, table) for t in range(2)})
+    assert got["trainer0"] > 1e-3, got
+
