@@ -42,6 +42,11 @@ class PSOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.owner = owner
 
+    def __getstate__(self) -> dict:
+        """torch's (defaults, state, param_groups) and :attr:`owner`, which its errors name (a
+        copy of the owner, ``copy.deepcopy`` or pickle, copies this too)."""
+        return {**super().__getstate__(), "owner": self.owner}
+
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """No update here: the servers apply it at the owner's ``step()``, which calls this.
         ``closure`` (torch's form) is run, with gradients on, and its loss returned."""

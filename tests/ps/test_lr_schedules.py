@@ -142,3 +142,23 @@ def test_async_applies_each_push_with_its_own_trainers_settings(world, table, tm
     got = world.run({f"trainer{t}": (r.async_own_settings, name, t, flags, table) for t in range(2)})
     assert got["trainer0"] > 1e-3, got
 
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_ps_optimizer_still_names_its_owner_in_its_errors(how):
+    """A copy of a PSModel or table (copy.deepcopy, pickle) copies its ps_optimizer, which kept
+    torch's state only: its checks then failed with AttributeError ('owner') instead of the
+    ValueError naming the model."""
+    import copy
+    import pickle
+
+    from remote_module.ps._ps_optimizer import PSOptimizer
+
+    opt = PSOptimizer([torch.zeros(2, requires_grad=True)], {"lr": 0.1, "momentum": 0.0}, "PSModel 'm'")
+    torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # (patches opt.step, as an attached scheduler does)
+    twin = copy.deepcopy(opt) if how == "deepcopy" else pickle.loads(pickle.dumps(opt))
+    assert twin.owner == "PSModel 'm'"
+    twin.param_groups[0]["lr"] = -1.0
+    with pytest.raises(ValueError, match="PSModel 'm''s ps_optimizer has lr=-1.0"):
+        twin.settings()
+    with pytest.raises(ValueError, match="PSModel 'm''s ps_optimizer has one param group"):
+        twin.add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
