@@ -309,6 +309,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         done = self.__dict__.setdefault("_step_done", set())
         plans, pushing = [], set()
         pushing_names = [name for name in self._names if name not in done]
+        for name in pushing_names:  # (checked first: a ValueError raises before any table takes its gradients)
+            self._modules[name]._row_settings()
         together: dict[int, tuple] = {}  # tables whose gradients were recorded together, by that record
         for name in self._names:
             if name in done:

@@ -521,6 +521,13 @@ class PSModel(PSCheckpoints, nn.Module):
         # part pushes a second step (sync: it would be taken for the next round)
         done = self.__dict__.setdefault("_step_done", set())
         self.__dict__.pop("_ready", None)  # what the last step's answers brought: this step's replace them
+        # every part's ps_optimizer settings checked first (a ValueError, a table's momentum say,
+        # raises before any part takes its gradients, steps locally or advances its step)
+        if None not in done:
+            self.ps_optimizer.settings()
+        for qual, table in self._tables.items():
+            if qual not in done:
+                table._row_settings()
         plans = []  # each part's pushes; a part that succeeds is marked done
         merging = False  # geo: this step pushes the dense deltas
         if None not in done and self.ps_mode != "geo":

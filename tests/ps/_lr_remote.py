@@ -214,3 +214,54 @@ def async_own_settings(name: str, trainer: int, flags: str, table: bool) -> floa
     before = values()
     train()
     return float((values() - before).abs().max())
+
+
+# ---- a setting the rows cannot take raises before anything is taken -------------------------------
+
+
+def bad_table_setting(name: str, mode: str, where: str) -> dict:
+    """Two sum tables, in a PSModel (with a Linear after them) or a collection, trained one
+    step; run "bad": table b's ps_optimizer has momentum 0.5 at the first step() (a
+    ValueError), then 0 and step() again; run "clean": one step(). Each run's error and values
+    after (the tables' rows; a PSModel's Linear too)."""
+    from torch import nn
+
+    from remote_module.ps import PSModel, ShardedEmbeddingBag, ShardedEmbeddingBagCollection
+
+    out = {}
+    for run in ("bad", "clean"):
+        torch.manual_seed(0)
+        tables = {t: ShardedEmbeddingBag(ROWS, DIM, ["ps0", "ps1"], name=f"{name}-{run}-{t}", mode="sum",
+                                         ps_mode=mode, num_trainers=1, optimizer=(torch.optim.SGD, {"lr": 0.5}),
+                                         min_block_size=ROWS // 2 * DIM) for t in ("a", "b")}
+        for table in tables.values():
+            table.load_state_dict({"weight": initial_rows()})
+        ids, offsets, target = bag_batch(0, 0)
+        if where == "psmodel":
+            module = nn.Module()
+            module.a, module.b, module.lin = tables["a"], tables["b"], nn.Linear(DIM, DIM)
+            module.forward = lambda i, o: module.lin(module.a(i, o) + module.b(i, o))  # type: ignore[method-assign]
+            model = PSModel(module, ["ps0", "ps1"], name=f"{name}-{run}-m", num_trainers=1, ps_mode=mode,
+                            optimizer=(torch.optim.SGD, {"lr": 0.1}), min_block_size=4)
+            ((model(ids, offsets) - target) ** 2).mean().backward()
+        else:
+            model = ShardedEmbeddingBagCollection(tables)
+            pooled = model({"a": (ids, offsets), "b": (ids, offsets)})
+            ((pooled["a"] + pooled["b"] - target) ** 2).mean().backward()
+        error = None
+        if run == "bad":
+            tables["b"].ps_optimizer.param_groups[0]["momentum"] = 0.5
+            try:
+                model.step()
+            except ValueError as exc:
+                error = str(exc)
+            tables["b"].ps_optimizer.param_groups[0]["momentum"] = 0.0
+        model.step()
+        model.flush()
+        values = {t: table.state_dict()["weight"].clone() for t, table in tables.items()}
+        if where == "psmodel":
+            with torch.no_grad():
+                model(ids, offsets)  # (pulls)
+            values.update({k: v.detach().clone() for k, v in module.lin.state_dict().items()})
+        out[run] = (error, values)
+    return out

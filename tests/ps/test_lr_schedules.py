@@ -162,3 +162,18 @@ def test_a_copied_ps_optimizer_still_names_its_owner_in_its_errors(how):
         twin.settings()
     with pytest.raises(ValueError, match="PSModel 'm''s ps_optimizer has one param group"):
         twin.add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+@pytest.mark.parametrize("where", ["psmodel", "collection"])
+def test_a_tables_setting_its_rows_cannot_take_raises_before_any_gradient_is_taken(world, mode, where):
+    """A momentum on table b's ps_optimizer is a ValueError at the step; raised once table a
+    (and a PSModel's dense part) had taken their gradients for the push, it lost them. Now
+    every setting is checked first: with b's momentum back at 0, step() again trains as one
+    clean step."""
+    name = job(f"lr-bad-{mode}-{where}")
+    got = world.run({"trainer0": (r.bad_table_setting, name, mode, where)})["trainer0"]
+    error, values = got["bad"]
+    assert error is not None and "table" in error and "momentum=0.5" in error, got["bad"][0]
+    for key, want in got["clean"][1].items():
+        torch.testing.assert_close(values[key], want, rtol=0, atol=0, msg=key)
