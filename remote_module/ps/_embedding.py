@@ -45,6 +45,8 @@ from rpc_backend.options import positive_seconds
 UNPUSHED_BACKWARDS = 10
 
 _live_tables: "weakref.WeakSet[ShardedEmbedding]" = weakref.WeakSet()
+#: other owners of server-side parameters told of local optimizer steps (PSModels)
+_live_watchers: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _hook_lock = threading.Lock()
 _optimizer_hook: Any = None
 
@@ -56,6 +58,8 @@ def _on_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
     thread = threading.get_ident()
     for table in list(_live_tables):
         table._local_optimizer_stepped(thread, optimizer)
+    for owner in list(_live_watchers):
+        owner._local_optimizer_stepped(thread, optimizer)
 
 
 def _watch_optimizer_steps() -> None:
@@ -64,6 +68,31 @@ def _watch_optimizer_steps() -> None:
     with _hook_lock:
         if _optimizer_hook is None:
             _optimizer_hook = register_optimizer_step_post_hook(_on_optimizer_step)
+
+
+def watch_local_optimizers(owner: Any) -> None:
+    """Call ``owner._local_optimizer_stepped(thread, optimizer)`` after every local torch.optim
+    step (not a PSOptimizer's) while ``owner`` lives (a PSModel, whose dense parameters, as a
+    table's rows, step on the servers)."""
+    _live_watchers.add(owner)
+    _watch_optimizer_steps()
+
+
+def changed_group_lr(seen: "weakref.WeakKeyDictionary", optimizer: torch.optim.Optimizer,
+                     params: Any) -> tuple[float, float] | None:
+    """``(first, now)`` when the lr of ``optimizer``'s param group holding any of ``params``
+    (tensors) changed since ``optimizer``'s first step seen (``seen`` keeps the baselines; a
+    group added later starts a new one), else None."""
+    entry = seen.get(optimizer)
+    if entry is None or entry[0] != len(optimizer.param_groups):
+        ids = {id(p) for p in params}
+        group = next((g for g in optimizer.param_groups if any(id(p) in ids for p in g["params"])), None)
+        entry = (len(optimizer.param_groups), group, None if group is None else float(group["lr"]))
+        seen[optimizer] = entry
+    _, group, first = entry
+    if group is None or float(group["lr"]) == first:
+        return None
+    return first, float(group["lr"])
 
 
 class _Recorded(torch.autograd.Function):
@@ -1015,23 +1044,18 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         (an optimizer over ``model.parameters()``, as facebookresearch/dlrm schedules it) does
         not reach them, so warn once. A group's lr at the optimizer's first step seen is the
         baseline; a group added later starts a new one."""
-        marker = self.grad_marker
-        entry = self._group_lrs.get(optimizer)
-        if entry is None or entry[0] != len(optimizer.param_groups):
-            group = next((g for g in optimizer.param_groups if any(p is marker for p in g["params"])), None)
-            entry = (len(optimizer.param_groups), group, None if group is None else float(group["lr"]))
-            self._group_lrs[optimizer] = entry
-        _, group, first = entry
-        if group is None or float(group["lr"]) == first:
+        changed = changed_group_lr(self._group_lrs, optimizer, [self.grad_marker])
+        if changed is None:
             return
+        first, now = changed
         self._warned_lr = True
         warnings.warn(
             f"{type(self).__name__} {self.name!r}: the lr of the {type(optimizer).__name__} param group holding its "
-            f"grad_marker changed from {first:g} to {float(group['lr']):g} (an LR scheduler?), but the table's rows "
+            f"grad_marker changed from {first:g} to {now:g} (an LR scheduler?), but the table's rows "
             "step on the servers with its ps_optimizer's lr, which local optimizers do not change: schedule "
             "table.ps_optimizer (a PSModel: its tables' ps_optimizer) for the rows; to silence this, build the "
-            "scheduled optimizer over the "
-            "dense parameters only", UserWarning, stacklevel=user_stacklevel())
+            "scheduled optimizer over the local parameters only (a PSModel's own step on the servers too: schedule "
+            "its ps_optimizer)", UserWarning, stacklevel=user_stacklevel())
 
     def _drop_discarded(self) -> None:
         """(Lock held.) If ``zero_grad()`` (of the table, a container or an optimizer) cleared the

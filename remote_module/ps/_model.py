@@ -26,6 +26,7 @@ from remote_module._core import (
     nested_seconds,
     positive_int,
     timeout_seconds,
+    user_stacklevel,
 )
 from remote_module.ps import _dense_server
 from remote_module.ps._checkpoints import PSCheckpoints
@@ -33,6 +34,7 @@ from remote_module.ps._dispatch import RoundRobin
 from remote_module.ps._dispatch import check_servers as _check_servers
 from remote_module.ps._embedding import (
     ShardedEmbedding,
+    changed_group_lr,
     finished,
     fly,
     land,
@@ -40,6 +42,7 @@ from remote_module.ps._embedding import (
     report_unpushed,
     run_push_plans,
     send_push_plans,
+    watch_local_optimizers,
 )
 from remote_module.ps._modes import PS_MODES
 from remote_module.ps._ps_optimizer import PSOptimizer, class_defaults
@@ -262,6 +265,11 @@ class PSModel(PSCheckpoints, nn.Module):
         if self._local_opt is not None:
             weakref.finalize(self, report_unpushed, f"PSModel {name!r}", partial(_steps_left, unpushed))
         self._pull(record=True)  # (DC-ASGD: even a first push has the values it ran on)
+        # a local optimizer over the parameters whose lr a scheduler changes warns once (the
+        # servers step them with ps_optimizer's settings): see _local_optimizer_stepped
+        self.__dict__["_group_lrs"] = weakref.WeakKeyDictionary()
+        self.__dict__["_warned_lr"] = False
+        watch_local_optimizers(self)
         # a model holding this one: its load_state_dict() reaches the local model through these
         self.register_load_state_dict_pre_hook(self._nested_load)
         self.register_load_state_dict_post_hook(self._nested_loaded)
@@ -565,6 +573,23 @@ class PSModel(PSCheckpoints, nn.Module):
         if merging:  # geo: the merged values are the local copy's when step() returns, as torch's
             self._wait_pushes()  # optimizer leaves its parameters (an edit after step() keeps them)
 
+    def _local_optimizer_stepped(self, thread: int, optimizer: torch.optim.Optimizer) -> None:
+        """A local torch.optim optimizer stepped (not :attr:`ps_optimizer`, nor geo's own): warn
+        once if the lr of its param group holding this model's parameters changed since its
+        first step seen (an LR scheduler on an optimizer over ``model.parameters()``, kept from
+        a local script), since the servers step them with :attr:`ps_optimizer`'s lr."""
+        if self.__dict__.get("_warned_lr", True) or optimizer is self.__dict__.get("_local_opt"):
+            return
+        changed = changed_group_lr(self.__dict__["_group_lrs"], optimizer, self._params().values())
+        if changed is None:
+            return
+        self.__dict__["_warned_lr"] = True
+        warnings.warn(
+            f"PSModel {self.name!r}: the lr of the {type(optimizer).__name__} param group holding its parameters "
+            f"changed from {changed[0]:g} to {changed[1]:g} (an LR scheduler?), but the servers step them with "
+            "model.ps_optimizer's settings, which local optimizers do not change: schedule model.ps_optimizer (and "
+            "each table's ps_optimizer) instead of a local optimizer", UserWarning, stacklevel=user_stacklevel())
+
     def _settings_plan(self) -> list:
         """The plan that tells the servers :attr:`ps_optimizer`'s settings, when they changed
         since the servers last took them (sent ahead of the step's pushes, in the same message
@@ -636,9 +661,14 @@ class PSModel(PSCheckpoints, nn.Module):
         shares the servers' values, not this trainer's step under way)."""
         self._wait_pushes()
         state = dict(super().__getstate__())
-        for key in ("_flight", "_stalled"):
+        for key in ("_flight", "_stalled", "_group_lrs"):
             state.pop(key, None)
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.__dict__["_group_lrs"] = weakref.WeakKeyDictionary()
+        watch_local_optimizers(self)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the local gradients, and the tables' gradients since their last step (once the

@@ -265,3 +265,34 @@ def bad_table_setting(name: str, mode: str, where: str) -> dict:
             values.update({k: v.detach().clone() for k, v in module.lin.state_dict().items()})
         out[run] = (error, values)
     return out
+
+
+# ---- a local optimizer over a PSModel's parameters ------------------------------------------------
+
+def local_optimizer(name: str, model_step: bool = True) -> dict:
+    """A port that keeps its script's own optimizer: ``SGD(model.parameters())`` with a StepLR
+    on it (``model.step()`` after its step, or, ``model_step=False``, forgotten). The warnings
+    raised, and whether the servers' values moved."""
+    import warnings
+
+    from remote_module.ps import PSModel
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = PSModel(Net(), ["ps0", "ps1"], name=name, num_trainers=1, ps_mode="async",
+                        optimizer=(torch.optim.SGD, {"lr": LR}), min_block_size=4)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        for k in range(3):
+            x, y = batch(0, k)
+            opt.zero_grad()
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+            if model_step:
+                model.step()
+            sched.step()
+        after = model.state_dict()
+    moved = any(not torch.equal(before[k], after[k]) for k in before)
+    return {"warnings": [f"{w.category.__name__}: {w.message}" for w in caught], "moved": moved}

@@ -177,3 +177,14 @@ def test_a_tables_setting_its_rows_cannot_take_raises_before_any_gradient_is_tak
     assert error is not None and "table" in error and "momentum=0.5" in error, got["bad"][0]
     for key, want in got["clean"][1].items():
         torch.testing.assert_close(values[key], want, rtol=0, atol=0, msg=key)
+
+
+def test_a_scheduler_on_a_local_optimizer_over_a_psmodels_parameters_warns(world):
+    # a port that keeps its script's optimizer (facebookresearch/dlrm: SGD(model.parameters()) and
+    # its LRPolicyScheduler) and calls model.step() too: the servers step with ps_optimizer's lr,
+    # which the scheduler never changes, so the schedule is lost; say so, as a table does
+    got = world.run({"trainer0": (r.local_optimizer, job("lr-local-opt"))})["trainer0"]
+    assert got["moved"]
+    lr_warnings = [w for w in got["warnings"] if "ps_optimizer" in w and "changed from" in w]
+    assert len(lr_warnings) == 1, got["warnings"]
+    assert lr_warnings[0].startswith("UserWarning") and "'lr-local-opt" in lr_warnings[0], lr_warnings
