@@ -10,6 +10,7 @@ push whenever they changed (in the same message: no extra round trip).
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Callable, Iterable
 
 import torch
@@ -41,6 +42,7 @@ class PSOptimizer(torch.optim.Optimizer):
         params = list(params) or [torch.zeros(0, requires_grad=True)]  # (a model with no dense parameter)
         super().__init__(params, defaults)
         self.owner = owner
+        self._unpushed_steps = 0  # calls in a row that found gradients the owner's step() never pushed
 
     def __getstate__(self) -> dict:
         """torch's (defaults, state, param_groups) and :attr:`owner`, which its errors name (a
@@ -49,11 +51,24 @@ class PSOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """No update here: the servers apply it at the owner's ``step()``, which calls this.
-        ``closure`` (torch's form) is run, with gradients on, and its loss returned."""
-        if closure is None:
-            return None
-        with torch.enable_grad():
-            return closure()
+        ``closure`` (torch's form) is run, with gradients on, and its loss returned. Called
+        twice in a row with gradients on the parameters (the owner's ``step()`` clears them
+        before it calls this), as a ported loop that kept ``optimizer.step()`` and has no
+        ``model.step()`` does, it warns once: nothing was trained."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if any(p.grad is not None and p.numel() for g in self.param_groups for p in g["params"]):
+            # (getattr: a copy, pickled as torch pickles an optimizer, has no count)
+            self._unpushed_steps = getattr(self, "_unpushed_steps", 0) + 1
+            if self._unpushed_steps == 2:
+                warnings.warn(f"{self.owner}'s ps_optimizer.step() does no update and pushes nothing: the "
+                              "servers train only at the owner's step() (model.step()), which pushes the "
+                              "gradients and calls this", UserWarning, stacklevel=2)
+        elif getattr(self, "_unpushed_steps", 0) < 2:
+            self._unpushed_steps = 0
+        return loss
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "param_groups", None):

@@ -296,3 +296,27 @@ def local_optimizer(name: str, model_step: bool = True) -> dict:
         after = model.state_dict()
     moved = any(not torch.equal(before[k], after[k]) for k in before)
     return {"warnings": [f"{w.category.__name__}: {w.message}" for w in caught], "moved": moved}
+
+
+def ps_optimizer_step_only(name: str) -> dict:
+    """A port that made ``optimizer = model.ps_optimizer`` and kept the script's
+    ``optimizer.step()``, without ``model.step()``: the warnings, and whether the servers moved."""
+    import warnings
+
+    from remote_module.ps import PSModel
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = PSModel(Net(), ["ps0", "ps1"], name=name, num_trainers=1, ps_mode="async",
+                        optimizer=(torch.optim.SGD, {"lr": LR}), min_block_size=4)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        optimizer = model.ps_optimizer
+        for k in range(4):
+            x, y = batch(0, k)
+            optimizer.zero_grad()
+            ((model(x) - y) ** 2).mean().backward()
+            optimizer.step()
+        after = model.state_dict()
+    moved = any(not torch.equal(before[k], after[k]) for k in before)
+    return {"warnings": [f"{w.category.__name__}: {w.message}" for w in caught], "moved": moved}

@@ -188,3 +188,12 @@ def test_a_scheduler_on_a_local_optimizer_over_a_psmodels_parameters_warns(world
     lr_warnings = [w for w in got["warnings"] if "ps_optimizer" in w and "changed from" in w]
     assert len(lr_warnings) == 1, got["warnings"]
     assert lr_warnings[0].startswith("UserWarning") and "'lr-local-opt" in lr_warnings[0], lr_warnings
+
+
+def test_ps_optimizer_step_without_model_step_warns_that_nothing_trains(world):
+    # ``optimizer = model.ps_optimizer`` with the script's optimizer.step() kept and no
+    # model.step(): nothing is pushed, so nothing trains; say so once
+    got = world.run({"trainer0": (r.ps_optimizer_step_only, job("lr-ps-opt-only"))})["trainer0"]
+    assert not got["moved"]
+    mine = [w for w in got["warnings"] if "pushes nothing" in w]
+    assert len(mine) == 1 and mine[0].startswith("UserWarning") and "model.step()" in mine[0], got["warnings"]
