@@ -119,8 +119,7 @@ def two_forwards(job: str, seed: int, servers: list[str], kwargs: dict) -> dict:
     first = _params(ps.module)
     nn.functional.mse_loss(other(x2), y1).backward()
     other.step()
-    if ps.ps_mode == "half_async":
-        other.flush()
+    other.flush()  # (its push landed, and half_async applied it, before ps pulls in another message)
     out2 = ps(x2)
     second = _params(ps.module)
     (nn.functional.mse_loss(out1, y1) + (out2 * 3.0).tanh().sum()).backward()
