@@ -22,7 +22,7 @@ from torch import nn
 from torch.futures import Future
 
 from remote_module._core import CallTimeout, HostStore
-from remote_module.ps._modes import HalfAsyncMerges, SyncSteps, agreed_settings, read_when_applied, settle
+from remote_module.ps._modes import HalfAsyncMerges, SyncSteps, TrainerSettings, read_when_applied, settle
 
 
 class JobSpec(NamedTuple):
@@ -60,18 +60,15 @@ class _Job:
         # dc_asgd: per trainer, each block's value as this server last sent it to that trainer
         # (a pull's or a push's answer): one copy of the blocks here per trainer
         self.sent: dict[str, dict[str, torch.Tensor]] = {}
-        # each trainer's optimizer settings (its ps_optimizer's lr, momentum, betas, weight_decay),
-        # as it last sent them, and those of the latest push (async, half_async: its trainer's;
-        # None: the job's own)
-        self.settings: dict[str, dict] = {}
-        self.latest: dict | None = None
+        # the trainers' optimizer settings (their ps_optimizer's lr, momentum, betas, weight_decay)
+        self.settings = TrainerSettings(self.label)
 
     # ---- applying -------------------------------------------------------------------
 
     def apply(self, grads: dict[str, torch.Tensor], scale: float = 1.0, settings: dict | None = None) -> None:
         """One optimizer step per block with ``grads * scale`` (lock held), with ``settings``
         (default: the latest push's) in each block's optimizer."""
-        settings = self.latest if settings is None else settings
+        settings = self.settings.latest if settings is None else settings
         if settings:
             for block in grads:
                 group = self.optimizers[block].param_groups[0]
@@ -148,11 +145,7 @@ class _Job:
             parts = [grads[b] for _, grads in pushes if b in grads]
             if parts:
                 total[b] = sum(parts[1:], parts[0].clone())
-        self.apply(total, 1.0 / self.spec.num_trainers, self.agreed([t for t, _ in pushes]))
-
-    def agreed(self, trainers: list[str]) -> dict | None:
-        """sync: the optimizer settings every trainer of the step sent (:func:`agreed_settings`)."""
-        return agreed_settings(self.settings, trainers, self.label)
+        self.apply(total, 1.0 / self.spec.num_trainers, self.settings.agreed([t for t, _ in pushes]))
 
 
 #: This server's jobs by name (created by the first trainer to attach; they live as long as the
@@ -250,8 +243,8 @@ def _push(name: str, trainer: str, step: int, grads: Any, answer: tuple | None =
                     f"parameter-server job {name!r}: trainer {trainer!r} pushed {g.numel()} gradient values for "
                     f"block {b!r}, which holds {job.params[b].numel()} on this server"
                 )
-        if mode != "sync" and trainer in job.settings:  # (async, half_async: the latest push's settings,
-            job.latest = job.settings[trainer]       # its trainer's, sent only when they changed)
+        if mode != "sync":
+            job.settings.pushed(trainer)
         if mode == "async":
             job.apply(grads if job.spec.dc_asgd is None else job.compensated(trainer, grads))
             return None if answer is None else (job.answer(trainer, *answer), math.inf)
@@ -332,7 +325,7 @@ def _set_settings(name: str, trainer: str, settings: dict) -> None:
     agree."""
     job = _job(name)
     with job.lock:
-        job.settings[trainer] = dict(settings)  # (its next push makes them the latest: async)
+        job.settings.sent(trainer, settings)  # (its next push makes them the latest: async)
 
 
 def _flush(name: str) -> None:

@@ -241,18 +241,37 @@ def merge_later(merges: HalfAsyncMerges, timer: threading.Timer) -> None:
             merges.merge()
 
 
-def agreed_settings(sent: dict[str, dict], trainers: list[str], label: str) -> dict | None:
-    """sync: the optimizer settings (a ``ps_optimizer``'s) that ``trainers`` last sent, by
-    trainer in ``sent``, which must be the same: ``ValueError`` naming the first setting that
-    differs and every trainer's value."""
-    mine = {t: sent.get(t) for t in trainers}
-    first = next(iter(mine.values()), None)
-    for values in mine.values():
-        if values == first:
-            continue
-        keys = sorted(set(values or {}) | set(first or {}))
-        key = next(k for k in keys if (values or {}).get(k) != (first or {}).get(k))
-        each = ", ".join(f"{who}: {(v or {}).get(key, 'the default')!r}" for who, v in sorted(mine.items()))
-        raise ValueError(f"{label}: in sync mode every trainer must step with the same optimizer settings, but "
-                         f"the trainers' ps_optimizer {key!r} differ ({each})")
-    return first
+class TrainerSettings:
+    """The optimizer settings (a trainer's ``ps_optimizer``'s) a server's job or table applies
+    its pushes with, written once for both: each trainer's as it last sent them (it sends them
+    only when they changed), and :attr:`latest`, those of the latest push (async, half_async:
+    its trainer's, never another's; None: the owner's own). All under the owner's lock."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.by_trainer: dict[str, dict] = {}
+        self.latest: dict | None = None
+
+    def sent(self, trainer: str, settings: dict) -> None:
+        """``trainer``'s settings, for its pushes from now on."""
+        self.by_trainer[trainer] = dict(settings)
+
+    def pushed(self, trainer: str) -> None:
+        """async, half_async: a push of ``trainer`` arrived; its settings are the latest."""
+        if trainer in self.by_trainer:
+            self.latest = self.by_trainer[trainer]
+
+    def agreed(self, trainers: list[str]) -> dict | None:
+        """sync: the settings ``trainers`` (a step's) last sent, which must be the same:
+        ``ValueError`` naming the first setting that differs and every trainer's value."""
+        mine = {t: self.by_trainer.get(t) for t in trainers}
+        first = next(iter(mine.values()), None)
+        for values in mine.values():
+            if values == first:
+                continue
+            keys = sorted(set(values or {}) | set(first or {}))
+            key = next(k for k in keys if (values or {}).get(k) != (first or {}).get(k))
+            each = ", ".join(f"{who}: {(v or {}).get(key, 'the default')!r}" for who, v in sorted(mine.items()))
+            raise ValueError(f"{self.label}: in sync mode every trainer must step with the same optimizer settings, "
+                             f"but the trainers' ps_optimizer {key!r} differ ({each})")
+        return first

@@ -25,7 +25,7 @@ from torch import nn
 from torch.futures import Future
 
 from remote_module._core import HostStore, capture, embedding_bag_parts
-from remote_module.ps._modes import HalfAsyncMerges, SyncSteps, agreed_settings, read_when_applied, settle
+from remote_module.ps._modes import HalfAsyncMerges, SyncSteps, TrainerSettings, read_when_applied, settle
 from remote_module.ps._rows import (
     TableSpec,
     _Rows,
@@ -62,10 +62,8 @@ class Table:
         self.tokens: dict[str, str | None] = {}
         self.queued: list[tuple[torch.Tensor, torch.Tensor]] = []  # half_async pushes not applied yet
         self.merges = HalfAsyncMerges(self.lock, spec.merge_every, spec.merge_s, self._apply_queued)
-        # each trainer's row-wise optimizer settings, as it last sent them, and those of the latest
-        # push (async, half_async: its trainer's; None: the table's own)
-        self.settings: dict[str, dict] = {}
-        self.latest: dict | None = None
+        # the trainers' row-wise optimizer settings (their ps_optimizer's lr, betas)
+        self.settings = TrainerSettings(f"table {name!r}")
 
     def _owner(self, ids: torch.Tensor) -> torch.Tensor:
         """For each id, the index of the block that holds it (``ValueError`` for an id no block here holds)."""
@@ -152,7 +150,7 @@ class Table:
     def apply(self, ids: torch.Tensor, grad: torch.Tensor, scale: float = 1.0, settings: dict | None = None) -> None:
         """One optimizer step of the table with the sparse gradient ``(ids, grad)`` (lock held),
         with ``settings`` (default: the latest push's) in the row-wise optimizer."""
-        settings = self.latest if settings is None else settings
+        settings = self.settings.latest if settings is None else settings
         opt = self.spec.optimizer._replace(**settings) if settings else None
         uniq, summed = coalesce(ids, grad)
         if self.spec.padding_idx is not None:  # never trained (trainers leave it out; so does the server)
@@ -182,12 +180,12 @@ class Table:
             if ids is None and self.spec.mode != "sync":
                 return
             if self.spec.mode == "async":
-                self._latest_is(trainer)
+                self.settings.pushed(trainer)
                 self.apply(ids, grad)
                 return
             if self.spec.mode == "half_async":
                 self._check_push(trainer, ids, grad)  # before it is queued: it would fail the merge
-                self._latest_is(trainer)
+                self.settings.pushed(trainer)
                 self.queued.append((ids, grad))
                 self.merges.queued()
                 return
@@ -212,12 +210,6 @@ class Table:
         if error is not None:
             raise error
 
-    def _latest_is(self, trainer: str) -> None:
-        """async, half_async: the settings of ``trainer``'s push, arriving, are the latest push's
-        (it sends them only when they changed; lock held)."""
-        if trainer in self.settings:
-            self.latest = self.settings[trainer]
-
     def _check_push(self, trainer: str, ids: torch.Tensor, grad: torch.Tensor) -> None:
         """``ValueError`` unless ``grad`` has one row of ``dim`` values per id and every id
         (but the padding row) is held here: what :meth:`apply` would refuse later, when the push
@@ -234,16 +226,11 @@ class Table:
     def _apply_step(self, pushes: list[tuple[str, tuple]]) -> None:
         """sync: one step's pushes (in trainer-name order) as one optimizer step of their sum /
         num_trainers; none when no trainer had a gradient (lock held)."""
-        settings = self.agreed([t for t, _ in pushes])
+        settings = self.settings.agreed([t for t, _ in pushes])
         pushes = [(ids, grad) for _, (ids, grad) in pushes if ids is not None]
         if pushes:
             self.apply(torch.cat([i for i, _ in pushes]), torch.cat([g for _, g in pushes]),
                        1.0 / self.spec.num_trainers, settings)
-
-    def agreed(self, trainers: list[str]) -> dict | None:
-        """sync: the optimizer settings every trainer of the step sent (the same, else
-        ``ValueError`` naming the setting and the trainers)."""
-        return agreed_settings(self.settings, trainers, f"table {self.name!r}")
 
     def _apply_queued(self) -> None:
         queued, self.queued = self.queued, []
@@ -466,7 +453,7 @@ def _set_settings(name: str, trainer: str, settings: dict) -> None:
     step sent, which must agree."""
     table = _table(name)
     with table.lock:
-        table.settings[trainer] = dict(settings)  # (its next push makes them the latest: async)
+        table.settings.sent(trainer, settings)  # (its next push makes them the latest: async)
 
 
 def _flush_table(name: str) -> None:
