@@ -62,6 +62,23 @@ def complete(future: Future, value: Any, is_error: bool) -> None:
         _log.exception("settling a remote call's future failed")
 
 
+def followed(future: Future, then: Callable[[Future], Any]) -> Future:
+    """A new future set to ``then(future)`` once ``future`` is done, or to what ``then`` raises,
+    as raised (torch's ``Future.then`` would retype it as a ``RuntimeError``)."""
+    out: Future = Future()
+
+    def arrived(done: Future) -> None:
+        try:
+            value = then(done)
+        except BaseException as exc:
+            out.set_exception(exc)
+            return
+        out.set_result(value)
+
+    future.add_done_callback(arrived)
+    return out
+
+
 def _run_job(job: Callable[[], None]) -> None:
     try:
         job()

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch.futures import Future
 
-from remote_module._core import call_async
+from remote_module._core import call_async, followed
 from remote_module._proxy import _host
 from remote_module._proxy.codegen import forward_signature, render_scriptable_module
 from remote_module._proxy.shipping import pack_constructor
@@ -76,17 +76,11 @@ def create_on_host(proxy: Any, module_cls: Any, args: tuple, kwargs: dict) -> Fu
         timeout=None if proxy.timeout == AGENT_DEFAULT_TIMEOUT else proxy.timeout,
         label=f"RemoteModule creation of {name!r}",
     )
-    ready: Future = Future()
 
-    def finish(fut: Future) -> None:
-        try:
-            info, rref = fut.value()
-            proxy.module_rref = rref
-            proxy._finish(info, local_sig)
-        except BaseException as exc:
-            ready.set_exception(exc)
-            return
-        ready.set_result(proxy)
+    def finish(fut: Future) -> Any:
+        info, rref = fut.value()
+        proxy.module_rref = rref
+        proxy._finish(info, local_sig)
+        return proxy
 
-    created.add_done_callback(finish)
-    return ready
+    return followed(created, finish)

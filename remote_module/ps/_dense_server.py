@@ -21,7 +21,7 @@ import torch.distributed.rpc as rpc
 from torch import nn
 from torch.futures import Future
 
-from remote_module._core import CallTimeout, HostStore
+from remote_module._core import CallTimeout, HostStore, followed
 from remote_module.ps._modes import HalfAsyncMerges, SyncSteps, TrainerSettings, read_when_applied, settle
 
 
@@ -281,19 +281,8 @@ def _push_applied(name: str, trainer: str, step: int, grads: Any, answer: tuple,
     if job.spec.mode != "sync":
         raise ValueError(f"parameter-server job {name!r} is in {job.spec.mode} mode: _push_applied is sync's")
     _push(name, trainer, step, grads)
-    applied = read_when_applied(job, step + 1, seconds, _applied_values, job, answer)
-    out: Future = Future()
-
-    def arrived(fut: Future) -> None:
-        try:
-            value = _stalled_as_answer(fut)
-        except BaseException as exc:  # (set here, as it was raised: torch's then() would retype it)
-            out.set_exception(exc)
-            return
-        out.set_result(value)
-
-    applied.add_done_callback(arrived)
-    return out
+    # (followed, not then(): a step's ValueError, the trainers' settings disagreeing, stays one)
+    return followed(read_when_applied(job, step + 1, seconds, _applied_values, job, answer), _stalled_as_answer)
 
 
 def _applied_values(job: _Job, answer: tuple) -> tuple[Any, float]:

@@ -24,7 +24,7 @@ import torch.distributed.rpc as rpc
 from torch import nn
 from torch.futures import Future
 
-from remote_module._core import HostStore, capture, embedding_bag_parts
+from remote_module._core import HostStore, capture, embedding_bag_parts, followed
 from remote_module.ps._modes import HalfAsyncMerges, SyncSteps, TrainerSettings, read_when_applied, settle
 from remote_module.ps._rows import (
     TableSpec,
@@ -376,18 +376,8 @@ def _pool_tables(names: list[str], steps: list[int], ids: torch.Tensor, first: t
         pending.append(read_when_applied(table, step, seconds, table.answer, ids[lo:hi], pool))
     if len(pending) == 1:
         return pending[0]
-    answer: Future = Future()
-
-    def arrived(_: Future) -> None:
-        try:  # every table's answer, or the first table's error as it was raised
-            value = torch.cat([f.wait() for f in pending])
-        except BaseException as exc:  # (set here: torch's then() would retype it)
-            answer.set_exception(exc)
-            return
-        answer.set_result(value)
-
-    torch.futures.collect_all(pending).add_done_callback(arrived)  # once every table's is done
-    return answer
+    # once every table's is done: every table's answer, or the first table's error as it was raised
+    return followed(torch.futures.collect_all(pending), lambda _: torch.cat([f.wait() for f in pending]))
 
 
 def _push_rows(name: str, trainer: str, step: int, ids: torch.Tensor, grad: torch.Tensor,
