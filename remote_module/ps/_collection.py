@@ -309,14 +309,14 @@ class ShardedEmbeddingBagCollection(nn.Module):
         done = self.__dict__.setdefault("_step_done", set())
         plans, pushing = [], set()
         pushing_names = [name for name in self._names if name not in done]
-        for name in pushing_names:  # (checked first: a ValueError raises before any table takes its gradients)
-            self._modules[name]._row_settings()
+        # (checked first: a ValueError raises before any table takes its gradients)
+        settings = {name: self._modules[name]._row_settings() for name in pushing_names}
         together: dict[int, tuple] = {}  # tables whose gradients were recorded together, by that record
         for name in self._names:
             if name in done:
                 continue
             table = self._modules[name]
-            plans += table._settings_plans()  # (ahead of its push, in the same message)
+            plans += table._settings_plans(settings[name])  # (ahead of its push, in the same message)
             hint = table.__dict__.pop("_together", None)
             if hint is None:
                 plan = table._push_plan()

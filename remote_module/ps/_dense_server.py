@@ -23,6 +23,7 @@ from torch.futures import Future
 
 from remote_module._core import CallTimeout, HostStore, followed
 from remote_module.ps._modes import HalfAsyncMerges, SyncSteps, TrainerSettings, read_when_applied, settle
+from remote_module.ps._ps_optimizer import set_group
 
 
 class JobSpec(NamedTuple):
@@ -71,10 +72,7 @@ class _Job:
         settings = self.settings.latest if settings is None else settings
         if settings:
             for block in grads:
-                group = self.optimizers[block].param_groups[0]
-                for key, value in settings.items():
-                    if key in group:
-                        group[key] = value
+                set_group(self.optimizers[block].param_groups[0], settings)
         with torch.no_grad():
             for block, g in grads.items():
                 p = self.params[block]

@@ -248,6 +248,21 @@ def report_unpushed(what: str, left: Callable[[], int]) -> None:
                       f"push them", RuntimeWarning)
 
 
+def settings_plans(owner: Any, settings: dict, servers: Sequence[str], handler: Callable) -> list:
+    """The plan that tells ``servers`` the settings of ``owner``'s ``ps_optimizer`` (a table's
+    or a PSModel's: ``handler``, its servers' ``_set_settings``), when they changed since the
+    servers last took them (``owner._sent_settings``); sent ahead of the step's pushes, in the
+    same message, so the servers apply them to those pushes."""
+    if settings == owner.__dict__.get("_sent_settings") or not servers:
+        return []
+    calls = [(server, handler, (owner.name, owner._trainer, settings)) for server in servers]
+
+    def done() -> None:
+        owner.__dict__["_sent_settings"] = settings
+
+    return [(calls, done, nothing)]
+
+
 def finished(done: set, part: Any, finish: Callable[[], None]) -> None:
     """A part of a step (a table, a PSModel's dense part) whose pushes succeeded: ``finish()``,
     and remember it, so a retried ``step()`` does not push it again."""
@@ -1147,23 +1162,15 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
 
         return calls, lambda: geo.drop(ids), nothing, None, partly
 
-    def _settings_plans(self) -> list:
-        """:attr:`ps_optimizer`'s settings for this step: geo, set in the local optimizer; else,
-        when they changed since the servers last took them, the plan that tells every server
-        (sent ahead of the step's pushes, in the same message, so they apply to it)."""
-        settings = self._row_settings()
+    def _settings_plans(self, settings: dict | None = None) -> list:
+        """:attr:`ps_optimizer`'s settings for this step (``settings``: :meth:`_row_settings`,
+        when the caller checked them already): geo, set in the local optimizer; else the plan
+        that tells every server, when they changed (:func:`settings_plans`)."""
+        settings = self._row_settings() if settings is None else settings
         if self._geo is not None:
             self._geo.optimizer = self._geo.optimizer._replace(**settings)
             return []
-        if settings == self.__dict__.get("_sent_settings"):
-            return []
-        calls = [(server, _table_server._set_settings, (self.name, self._trainer, settings))
-                 for server in self._server_names]
-
-        def done() -> None:
-            self.__dict__["_sent_settings"] = settings
-
-        return [(calls, done, nothing)]
+        return settings_plans(self, settings, self._server_names, _table_server._set_settings)
 
     def _row_settings(self) -> dict:
         """The settings of :attr:`ps_optimizer` a row-wise optimizer takes (``lr``, and

@@ -42,10 +42,11 @@ from remote_module.ps._embedding import (
     report_unpushed,
     run_push_plans,
     send_push_plans,
+    settings_plans,
     watch_local_optimizers,
 )
 from remote_module.ps._modes import PS_MODES
-from remote_module.ps._ps_optimizer import PSOptimizer, class_defaults
+from remote_module.ps._ps_optimizer import PSOptimizer, class_defaults, set_group
 from remote_module.ps._slicing import Block, block_name, block_of, slice_blocks
 from rpc_backend.options import positive_seconds
 
@@ -531,18 +532,16 @@ class PSModel(PSCheckpoints, nn.Module):
         self.__dict__.pop("_ready", None)  # what the last step's answers brought: this step's replace them
         # every part's ps_optimizer settings checked first (a ValueError, a table's momentum say,
         # raises before any part takes its gradients, steps locally or advances its step)
-        if None not in done:
-            self.ps_optimizer.settings()
-        for qual, table in self._tables.items():
-            if qual not in done:
-                table._row_settings()
+        settings = {None: self.ps_optimizer.settings()} if None not in done else {}
+        settings.update((qual, table._row_settings()) for qual, table in self._tables.items() if qual not in done)
         plans = []  # each part's pushes; a part that succeeds is marked done
         merging = False  # geo: this step pushes the dense deltas
         if None not in done and self.ps_mode != "geo":
-            plans += self._settings_plan()
+            plans += settings_plans(self, settings[None], [s for s, slots in self._by_server().items() if slots],
+                                    _dense_server._set_settings)
         if None not in done:
             if self.ps_mode == "geo":  # the local step; every geo_push_every steps the deltas' pushes
-                plans += self._step_dense()
+                plans += self._step_dense(settings[None])
                 merging = bool(plans)
                 done.add(None)
             else:
@@ -557,7 +556,7 @@ class PSModel(PSCheckpoints, nn.Module):
                               lambda: restore(took, left_out), answered, partly))
         for qual, table in self._tables.items():
             if qual not in done:
-                plans += table._settings_plans()  # (ahead of its push, in the same message)
+                plans += table._settings_plans(settings[qual])  # (ahead of its push, in the same message)
                 plan = table._push_plan()
                 if plan is None:  # geo: the table stepped its cached rows, and pushes nothing this step
                     done.add(qual)
@@ -589,23 +588,6 @@ class PSModel(PSCheckpoints, nn.Module):
             f"changed from {changed[0]:g} to {changed[1]:g} (an LR scheduler?), but the servers step them with "
             "model.ps_optimizer's settings, which local optimizers do not change: schedule model.ps_optimizer (and "
             "each table's ps_optimizer) instead of a local optimizer", UserWarning, stacklevel=user_stacklevel())
-
-    def _settings_plan(self) -> list:
-        """The plan that tells the servers :attr:`ps_optimizer`'s settings, when they changed
-        since the servers last took them (sent ahead of the step's pushes, in the same message
-        to each server, which applies them before the push)."""
-        settings = self.ps_optimizer.settings()
-        if settings == self.__dict__.get("_sent_settings"):
-            return []
-        calls = [(server, _dense_server._set_settings, (self.name, self._trainer, settings))
-                 for server, slots in self._by_server().items() if slots]
-        if not calls:
-            return []
-
-        def done() -> None:
-            self.__dict__["_sent_settings"] = settings
-
-        return [(calls, done, nothing)]
 
     def _clear_sent_gradients(self) -> Callable[..., None]:
         """(A step sent with its pushes in flight) clear the local gradients now, as ``step()``
@@ -680,19 +662,16 @@ class PSModel(PSCheckpoints, nn.Module):
         for table in self._tables.values():
             table.zero_grad()
 
-    def _step_dense(self) -> list:
-        """geo: step the local copy; every ``geo_push_every`` steps, the plans that push the
-        deltas and take the merged parameters (:meth:`_delta_push_plans`; the other modes push
-        through :meth:`_dense_push_plan`)."""
+    def _step_dense(self, settings: dict) -> list:
+        """geo: step the local copy, with ``settings`` (:attr:`ps_optimizer`'s, checked); every
+        ``geo_push_every`` steps, the plans that push the deltas and take the merged parameters
+        (:meth:`_delta_push_plans`; the other modes push through :meth:`_dense_push_plan`)."""
         params = self._params()
         # a step() without any gradient is no optimizer step (torch's optimizer leaves every
         # parameter alone): it does not count towards the next push either
         if all(p.grad is None for p in params.values()):
             return []
-        group = self._local_opt.param_groups[0]
-        for key, value in self.ps_optimizer.settings().items():  # (a scheduler's, on ps_optimizer)
-            if key in group:
-                group[key] = value
+        set_group(self._local_opt.param_groups[0], settings)  # (ps_optimizer's: a scheduler's)
         self._local_opt.step()
         self._local_opt.zero_grad(set_to_none=True)
         self.__dict__.pop("_geo_restored", None)  # trained on since a restore

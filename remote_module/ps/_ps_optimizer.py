@@ -25,6 +25,13 @@ def class_defaults(cls: type, kwargs: dict) -> dict:
     return dict(cls([torch.zeros(1, requires_grad=True)], **kwargs).defaults)
 
 
+def set_group(group: dict, settings: dict) -> None:
+    """Put ``settings`` (a ps_optimizer's) into an optimizer's param ``group``: those it has."""
+    for key, value in settings.items():
+        if key in group:
+            group[key] = value
+
+
 class PSOptimizer(torch.optim.Optimizer):
     """The servers' optimizer as LR schedulers see it: one param group over ``params`` (the
     owner's parameters) with ``defaults`` (the settings of the optimizer the servers run).
