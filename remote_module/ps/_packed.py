@@ -85,6 +85,12 @@ class Together(NamedTuple):
     grad: torch.Tensor | None
 
 
+def _ends(first: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Where each bag of the batch starts among a server's ``ids`` (``first``, as its lookup
+    sent it), then their end: bags ``b0`` to ``b1`` (a table's) hold ``ids[ends[b0]:ends[b1]]``."""
+    return torch.cat([first, first.new_tensor([ids.numel()])])
+
+
 class TogetherGradient:
     """One table's gradient recorded in a :class:`Together`: ``rows()`` computes its rows'
     gradients, as the servers would (``_push_bag_tables``), for the paths that need them here."""
@@ -102,8 +108,7 @@ class TogetherGradient:
         for k, ids, first in shares:
             if i not in layout.served[k]:
                 continue
-            lo = int(first[b0]) if b1 > b0 else 0
-            hi = lo if b1 == b0 else int(first[b1]) if b1 < first.numel() else ids.numel()
+            lo, hi = _ends(first, ids)[[b0, b1]].tolist()
             if hi > lo:  # (an id's positions are all on its server: each row's sum as the server's)
                 uniq, rows = pooled_rows(ids[lo:hi], bag_index(first[b0:b1] - lo, hi - lo), grad[b0:b1])
                 ids_parts.append(uniq)
@@ -137,7 +142,7 @@ def push_together(together: Together, members: list, done: set) -> tuple:
         if ids is None:  # none of the batch's ids here: empty pushes
             spans, starts, part = [0] * len(layout.bag_base), None, grad[:0]
         else:  # the gradient of the bags with ids here only, and each table's positions in ids
-            ends = torch.cat([first, first.new_tensor([ids.numel()])])
+            ends = _ends(first, ids)
             spans = ends[layout.bag_base].tolist()
             has = (ends[1:] > first).nonzero().reshape(-1)
             starts, part = first[has], grad.index_select(0, has)
