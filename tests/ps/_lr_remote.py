@@ -3,7 +3,7 @@ whose ``ps_optimizer`` a torch LR scheduler drives, trained on the batches pytes
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -269,10 +269,9 @@ def bad_table_setting(name: str, mode: str, where: str) -> dict:
 
 # ---- a local optimizer over a PSModel's parameters ------------------------------------------------
 
-def local_optimizer(name: str, model_step: bool = True) -> dict:
-    """A port that keeps its script's own optimizer: ``SGD(model.parameters())`` with a StepLR
-    on it (``model.step()`` after its step, or, ``model_step=False``, forgotten). The warnings
-    raised, and whether the servers' values moved."""
+def _watched_port(name: str, loop: Callable[[Any], None]) -> dict:
+    """An async PSModel (Net on ps0 and ps1) trained by ``loop(model)``, a ported script's
+    loop: the warnings raised meanwhile, and whether the servers' values moved."""
     import warnings
 
     from remote_module.ps import PSModel
@@ -283,6 +282,18 @@ def local_optimizer(name: str, model_step: bool = True) -> dict:
         model = PSModel(Net(), ["ps0", "ps1"], name=name, num_trainers=1, ps_mode="async",
                         optimizer=(torch.optim.SGD, {"lr": LR}), min_block_size=4)
         before = {k: v.clone() for k, v in model.state_dict().items()}
+        loop(model)
+        after = model.state_dict()
+    moved = any(not torch.equal(before[k], after[k]) for k in before)
+    return {"warnings": [f"{w.category.__name__}: {w.message}" for w in caught], "moved": moved}
+
+
+def local_optimizer(name: str, model_step: bool = True) -> dict:
+    """A port that keeps its script's own optimizer: ``SGD(model.parameters())`` with a StepLR
+    on it (``model.step()`` after its step, or, ``model_step=False``, forgotten). The warnings
+    raised, and whether the servers' values moved."""
+
+    def loop(model: Any) -> None:
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
         for k in range(3):
@@ -293,30 +304,20 @@ def local_optimizer(name: str, model_step: bool = True) -> dict:
             if model_step:
                 model.step()
             sched.step()
-        after = model.state_dict()
-    moved = any(not torch.equal(before[k], after[k]) for k in before)
-    return {"warnings": [f"{w.category.__name__}: {w.message}" for w in caught], "moved": moved}
+
+    return _watched_port(name, loop)
 
 
 def ps_optimizer_step_only(name: str) -> dict:
     """A port that made ``optimizer = model.ps_optimizer`` and kept the script's
     ``optimizer.step()``, without ``model.step()``: the warnings, and whether the servers moved."""
-    import warnings
 
-    from remote_module.ps import PSModel
-
-    torch.manual_seed(0)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model = PSModel(Net(), ["ps0", "ps1"], name=name, num_trainers=1, ps_mode="async",
-                        optimizer=(torch.optim.SGD, {"lr": LR}), min_block_size=4)
-        before = {k: v.clone() for k, v in model.state_dict().items()}
+    def loop(model: Any) -> None:
         optimizer = model.ps_optimizer
         for k in range(4):
             x, y = batch(0, k)
             optimizer.zero_grad()
             ((model(x) - y) ** 2).mean().backward()
             optimizer.step()
-        after = model.state_dict()
-    moved = any(not torch.equal(before[k], after[k]) for k in before)
-    return {"warnings": [f"{w.category.__name__}: {w.message}" for w in caught], "moved": moved}
+
+    return _watched_port(name, loop)

@@ -23,19 +23,30 @@ def world(ps_world):  # shared with the other PS tests (tests/conftest.py)
     return ps_world
 
 
+def interleaved(world, name: str, build, backward, between: str | None = None) -> dict:  # noqa: ANN001
+    """The fixed interleaving of two trainers the formula tests use: both build (``build``: the
+    remote builder and its arguments), trainer1 computes its gradient at w0 (``backward``),
+    trainer0 computes its own and steps (w0 -> w1), trainer1 does ``between`` (a read, see
+    ``r.between``) and steps (w1 -> w2). The values and each trainer's backward."""
+    w0 = world.run({"trainer0": build, "trainer1": build})["trainer0"]
+    late = world.run({"trainer1": (backward, name, 1, 0)})["trainer1"]  # at w0, pushed later
+    first = world.run({"trainer0": (backward, name, 0, 0)})["trainer0"]
+    world.run({"trainer0": (r.step, name)})
+    w1 = world.run({"trainer0": (r.values, name)})["trainer0"]
+    if between is not None:
+        world.run({"trainer1": (r.between, name, between)})
+    world.run({"trainer1": (r.step, name)})
+    w2 = world.run({"trainer0": (r.values, name)})["trainer0"]
+    return {"w0": w0, "w1": w1, "w2": w2, "late": late, "first": first}
+
+
 @pytest.mark.parametrize("lam", [0.0, 0.5])
 def test_the_applied_update_is_the_formula_for_two_trainers_in_a_fixed_order(world, lam):
     """trainer1 computes its gradient at w0; trainer0 steps (w0 -> w1); then trainer1's push is
     compensated with w_now - w_sent = w1 - w0. SGD, so each update is exact to float32."""
     name, lr = job("dc"), 0.3
-    built = world.run({"trainer0": (r.build, name, lam, lr), "trainer1": (r.build, name, lam, lr)})
-    w0 = built["trainer0"]
-    late = world.run({"trainer1": (r.backward, name, 1, 0)})["trainer1"]  # at w0, pushed later
-    first = world.run({"trainer0": (r.backward, name, 0, 0)})["trainer0"]
-    world.run({"trainer0": (r.step, name)})
-    w1 = world.run({"trainer0": (r.values, name)})["trainer0"]
-    world.run({"trainer1": (r.step, name)})
-    w2 = world.run({"trainer0": (r.values, name)})["trainer0"]
+    got = interleaved(world, name, (r.build, name, lam, lr), r.backward)
+    w0, w1, w2, late, first = got["w0"], got["w1"], got["w2"], got["late"], got["first"]
     for k in w0:
         assert torch.equal(late["used"][k], w0[k]) and torch.equal(first["used"][k], w0[k])
         # trainer0's push: sent w0, w_now w0: no compensation
@@ -55,15 +66,8 @@ def test_a_read_between_backward_and_step_keeps_w_sent_the_values_the_gradient_w
     no_grad before its step. Its gradient is still w0's, so its push is compensated with w1 -
     w0 (before, those reads reset w_sent to w1: no compensation at all)."""
     name, lam, lr = job("dc-read"), 0.5, 0.3
-    built = world.run({"trainer0": (r.build, name, lam, lr), "trainer1": (r.build, name, lam, lr)})
-    w0 = built["trainer0"]
-    late = world.run({"trainer1": (r.backward, name, 1, 0)})["trainer1"]
-    world.run({"trainer0": (r.backward, name, 0, 0)})
-    world.run({"trainer0": (r.step, name)})
-    w1 = world.run({"trainer0": (r.values, name)})["trainer0"]
-    world.run({"trainer1": (r.between, name, what)})
-    world.run({"trainer1": (r.step, name)})
-    w2 = world.run({"trainer0": (r.values, name)})["trainer0"]
+    got = interleaved(world, name, (r.build, name, lam, lr), r.backward, between=what)
+    w0, w1, w2, late = got["w0"], got["w1"], got["w2"], got["late"]
     for k in w0:
         g = late["grads"][k]
         torch.testing.assert_close(w2[k], w1[k] - lr * (g + lam * g * g * (w1[k] - w0[k])), rtol=0, atol=1e-6)
@@ -108,14 +112,8 @@ def test_complex_parameters_are_compensated_as_pairs_of_reals_as_torchs_optimize
     gradient's outer product, per real coordinate. The compensation took the complex square
     instead: for a gradient i*a, g * g = -a**2, compensating the wrong way."""
     name, lam, lr = job("dc-complex"), 0.5, 0.1
-    built = world.run({"trainer0": (r.build_complex, name, lam, lr), "trainer1": (r.build_complex, name, lam, lr)})
-    w0 = built["trainer0"]
-    late = world.run({"trainer1": (r.backward_complex, name, 1, 0)})["trainer1"]
-    world.run({"trainer0": (r.backward_complex, name, 0, 0)})
-    world.run({"trainer0": (r.step, name)})
-    w1 = world.run({"trainer0": (r.values, name)})["trainer0"]
-    world.run({"trainer1": (r.step, name)})
-    w2 = world.run({"trainer0": (r.values, name)})["trainer0"]
+    got = interleaved(world, name, (r.build_complex, name, lam, lr), r.backward_complex)
+    w0, w1, w2, late = got["w0"], got["w1"], got["w2"], got["late"]
     for k in w0:
         g, d = torch.view_as_real(late["grads"][k]), torch.view_as_real(w1[k] - w0[k])
         compensated = torch.view_as_complex((g + lam * g * g * d).contiguous())
