@@ -747,8 +747,8 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
     def pushed_bytes(self) -> int:
         """Tensor bytes (ids and gradient rows; a collection's push: the pooled bags' gradient,
         sent to each server, with the lookup's ids and bag starts, counted on its first table;
-        geo: row deltas) this module has pushed to the servers so far (a push retried after a failure counts again;
-        assignable, to reset it)."""
+        geo: row deltas) this module has pushed to the servers so far (a push retried after a
+        failure counts again; assignable, to reset it)."""
         return self._pushed_bytes
 
     @pushed_bytes.setter
