@@ -30,6 +30,7 @@ from remote_module._core import (
     user_stacklevel,
 )
 from remote_module.ps import _table_server
+from remote_module.ps._admission import DEFAULT_SKETCH_BYTES, counter_bits
 from remote_module.ps._dispatch import RoundRobin, check_servers
 from remote_module.ps._embedding_checkpoints import TableCheckpoints
 from remote_module.ps._geo_cache import GeoCache
@@ -656,6 +657,9 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         geo_push_every: int = 100,
         half_async_merge_every: int = 4,
         half_async_merge_s: float = 0.1,
+        admit_after: int = 1,
+        admit_sketch_bytes: int = DEFAULT_SKETCH_BYTES,
+        evict_after_steps: int | None = None,
     ) -> None:
         super().__init__()
         #: zero-size: backward sets its ``.grad``, ``zero_grad()`` clears it (see the class docstring)
@@ -689,6 +693,26 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
             if not -num_embeddings <= padding_idx < num_embeddings:
                 raise ValueError(f"padding_idx must be within num_embeddings: in [-{num_embeddings}, "
                                  f"{num_embeddings}), got {padding_idx}")
+        admit_after = positive_int(admit_after, "admit_after", message="admit_after must be a positive int "
+                                   "(the steps an id is counted in before its row is stored), got {value!r}")
+        admit_sketch_bytes = positive_int(admit_sketch_bytes, "admit_sketch_bytes")
+        if admit_after > 1:
+            if init != "lazy":
+                raise ValueError(f"admit_after={admit_after} needs init='lazy' (an eager table stores every row "
+                                 f"from the start), got init={init!r}")
+            counter_bits(admit_after)  # (ValueError above the widest counters' limit)
+        if evict_after_steps is not None:
+            evict_after_steps = positive_int(evict_after_steps, "evict_after_steps", message=(
+                "evict_after_steps must be None (never evict) or a positive int, got {value!r}"))
+        if ps_mode == "geo" and (admit_after > 1 or evict_after_steps is not None):
+            raise ValueError(f"admit_after={admit_after} and evict_after_steps={evict_after_steps!r} need a mode in "
+                             "which the servers step the rows (sync, async, half_async); geo trainers train rows "
+                             "locally and push deltas: leave them at 1 and None")
+        #: an id's row is stored once the id was looked up in this many training steps (lazy tables)
+        self.admit_after = admit_after
+        self.admit_sketch_bytes = admit_sketch_bytes
+        #: a row not stepped in this many of the table's steps is dropped (None: never)
+        self.evict_after_steps = evict_after_steps
         self.geo_push_every = geo_push_every
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = None if padding_idx is None else padding_idx % num_embeddings
@@ -710,7 +734,8 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         self.ps_optimizer = PSOptimizer([self.grad_marker], class_defaults(*optimizer), f"table {name!r}")
         self._sent_settings: dict | None = None  # what the servers last took (None: send at the next step)
         spec = _table_server.TableSpec(num_embeddings, embedding_dim, torch.float32, init, seed, ps_mode, num_trainers,
-                                 self._row_opt, half_async_merge_every, merge_s, self.padding_idx)
+                                 self._row_opt, half_async_merge_every, merge_s, self.padding_idx,
+                                 admit_after, admit_sketch_bytes if admit_after > 1 else 0, evict_after_steps)
         # geo: the rows this trainer touched, trained locally: id -> [row, row when pulled, state]
         self._geo = GeoCache(embedding_dim, self._row_opt) if ps_mode == "geo" else None
         if self._geo is not None:  # (warns of rows trained here and never pushed: flush() pushes them)
@@ -766,7 +791,27 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         if getattr(self, "sparse", False):  # (a table pickled before the keyword)
             parts.append("sparse=True")
         parts.append(f"name={self.name!r}, servers={list(self.servers)!r}, ps_mode={self.ps_mode!r}")
+        if getattr(self, "admit_after", 1) > 1:
+            parts.append(f"admit_after={self.admit_after}")
+        if getattr(self, "evict_after_steps", None) is not None:
+            parts.append(f"evict_after_steps={self.evict_after_steps}")
         return parts
+
+    def table_stats(self) -> dict:
+        """The table's rows on its servers: ``{"rows_held", "rows_admitted", "rows_evicted",
+        "bytes", "longest_eviction_pause_s", "per_server": {server: the same of that server's
+        share, with its "steps"}}``. Rows held: stored now (lazy: the rows created and not
+        evicted, evicted ones until a sweep frees them; eager: all); admitted: rows created so
+        far (a lazy table's first step of an id admitted, and each re-creation of an evicted row);
+        evicted: rows dropped so far; bytes: the rows, their optimizer state, the bookkeeping and
+        the admission sketch (storage grows by doubling: up to twice that may be allocated)."""
+        self._wait_pushes()
+        got = call_all([(s, _table_server._table_stats, (self.name,)) for s in self._by_server], timeout=self.timeout)
+        per_server = dict(zip(self._by_server, got))
+        out: dict = {k: sum(g[k] for g in got) for k in ("rows_held", "rows_admitted", "rows_evicted", "bytes")}
+        out["longest_eviction_pause_s"] = max((g["longest_eviction_pause_s"] for g in got), default=0.0)
+        out["per_server"] = per_server
+        return out
 
     def _wait_s(self) -> float:
         """How long a sync lookup may wait on a server for the step: a little less than this

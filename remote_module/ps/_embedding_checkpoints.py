@@ -12,6 +12,13 @@ from remote_module._core import call_all
 from remote_module.ps import _table_server
 
 
+def _in_held(ids: torch.Tensor, held: list[tuple[int, int]]) -> torch.Tensor:
+    inside = torch.zeros(ids.shape, dtype=torch.bool)
+    for first, count in held:
+        inside |= (ids >= first) & (ids < first + count)
+    return inside
+
+
 class TableCheckpoints:
     """Checkpoint methods of :class:`remote_module.ps.ShardedEmbedding` (which provides
     ``name``, ``ps_mode``, ``init``, ``timeout``, the layout ``_ranges`` / ``_by_server`` /
@@ -41,30 +48,51 @@ class TableCheckpoints:
         # (a prefetch, this table's or a collection's, that read its rows before is dropped: Prefetch.matches)
         self._changes = self.__dict__.get("_changes", 0) + 1
 
-    def _stored(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _tracks(self) -> bool:
+        """Whether the servers keep admission counts or eviction clocks (checkpointed too)."""
+        return getattr(self, "admit_after", 1) > 1 or getattr(self, "evict_after_steps", None) is not None
+
+    def _stored(self) -> tuple:
+        """``(ids, rows, last, clock)``: the rows stored (sorted by id) and, with eviction, each
+        one's clock and the table's step (the highest of its servers'; each row's clock moved
+        by its server's lag, so its age is kept), else ``None``s."""
         self._settle()
-        calls = [(server, _table_server._block_rows, (self.name, first)) for first, _, server in self._ranges]
+        evicting = getattr(self, "evict_after_steps", None) is not None
+        calls = [(server, _table_server._block_rows, (self.name, first) + ((True,) if evicting else ()))
+                 for first, _, server in self._ranges]
         got = call_all(calls, timeout=self.timeout)
-        ids = torch.cat([i for i, _ in got])
-        rows = torch.cat([r for _, r in got])
+        ids = torch.cat([g[0] for g in got])
+        rows = torch.cat([g[1] for g in got])
         order = torch.argsort(ids)
-        return ids[order], rows[order]
+        last = clock = None
+        if evicting:
+            clock = max(g[3] for g in got)
+            last = torch.cat([g[2] + (clock - g[3]) for g in got])[order]
+        return ids[order], rows[order], last, clock
 
     def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
-        ids, rows = self._stored()
+        ids, rows, last, clock = self._stored()
         if self.init == "lazy":
             destination[prefix + "weight.ids"] = ids
             destination[prefix + "weight.rows"] = rows
         else:
             destination[prefix + "weight"] = rows
+        if last is not None:
+            destination[prefix + "weight.last_step"] = last
+        if self._tracks():
+            admission = call_all([(s, _table_server._admission_state, (self.name,)) for s in self._by_server],
+                                 timeout=self.timeout)
+            destination[prefix + "_extra_state"] = {"eviction_clock": clock,
+                                                    "admission": [a for a in admission if a is not None]}
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any, strict: bool,
                               missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
         self._before_rows_change()
         keys = ("weight.ids", "weight.rows") if self.init == "lazy" else ("weight",)
+        optional = ("weight.last_step",)
         if strict:  # as torch's: every key under this module's prefix is one of its own
             unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k[len(prefix):] not in keys
-                                   and not k.endswith("_extra_state"))
+                                   and k[len(prefix):] not in optional and not k.endswith("_extra_state"))
         if any(prefix + k not in state_dict for k in keys):
             missing_keys.extend(prefix + k for k in keys if prefix + k not in state_dict)
             return
@@ -84,13 +112,128 @@ class TableCheckpoints:
                 )
                 return
             ids = torch.arange(self.num_embeddings)
+        last = state_dict.get(prefix + "weight.last_step")
+        extra = state_dict.get(prefix + "_extra_state") or {}
+        if last is not None and (not isinstance(last, torch.Tensor) or tuple(last.shape) != (ids.numel(),)):
+            error_msgs.append(f"size mismatch for {prefix}weight.last_step: expected one clock per row "
+                              f"({ids.numel()}), got {tuple(getattr(last, 'shape', ()))}")
+            return
+        if getattr(self, "evict_after_steps", None) is None:
+            last = None
+        clock = extra.get("eviction_clock") if last is not None else None
         calls = []
         for _, server, mine in self._by_owner(ids):
-            if ids[mine].numel():
-                calls.append((server, _table_server._set_rows, (self.name, ids[mine], rows[mine].detach().clone())))
+            held = tuple((first, count) for first, count in self._by_server[server])
+            # a lazy table's checkpoint holds all its rows: rows stored since and not in it are dropped
+            calls.append((server, _table_server._set_rows,
+                          (self.name, ids[mine], rows[mine].detach().clone(), None if last is None else last[mine],
+                           clock, held if self.init == "lazy" else ())))
         call_all(calls, timeout=self.timeout)
+        admission = extra.get("admission")
+        if admission and getattr(self, "admit_after", 1) > 1:
+            parts = [(blocks, data, None) for blocks, data in admission]
+            call_all([(s, _table_server._set_admission, (self.name, parts)) for s in self._by_server],
+                     timeout=self.timeout)
         if self._geo is not None:  # cached rows are stale now: the next lookups fetch the loaded ones
             self._geo.drop(ids.unique())
+
+    def delta_state_dict(self, token: str) -> dict:
+        """What changed on the servers since the last call with the same ``token``: the rows
+        stepped or loaded since (``"ids"``, ``"rows"``), their optimizer state (``"has_state"``
+        and one tensor per state key, for those rows), the ids evicted meanwhile
+        (``"evicted"``: tombstones), the eviction clocks and the admission sketch's changed
+        parts, the table's step count and ``ps_optimizer``'s settings; in geo mode also this
+        trainer's local optimizer state (``"geo"``).
+
+        Each token has its own baseline on the servers: callers with different tokens never
+        reset each other's. A token's first call (or one whose baseline is older than the
+        tombstones a server keeps, ``Table.TOMBSTONES_KEPT`` ids) returns the whole table on
+        that server (its ranges under ``"whole"``): loading it replaces those rows.
+
+        :meth:`load_delta_state_dict` applies one: a checkpoint (``state_dict()`` and
+        ``optimizer_state_dict()``) loaded, then the deltas taken after it in order, give the
+        rows, optimizer state and clocks a checkpoint at the end would, on any number of servers.
+
+        Example::
+
+            full = (emb.state_dict(), emb.optimizer_state_dict())
+            emb.delta_state_dict("ckpt")          # the baseline (the whole table)
+            ...train...
+            delta = emb.delta_state_dict("ckpt")  # only the rows changed since
+        """
+        if not isinstance(token, str) or not token:
+            raise ValueError(f"token must be a non-empty str naming the caller's baseline, got {token!r}")
+        self._settle()
+        got = call_all([(s, _table_server._table_delta, (self.name, token)) for s in self._by_server],
+                       timeout=self.timeout)
+        ids = torch.cat([g["ids"] for g in got])
+        order = torch.argsort(ids)
+        has_state = torch.cat([g["has_state"] for g in got])
+        out: dict[str, Any] = {
+            "whole": [tuple(r) for g in got for r in g["whole"]],
+            "ids": ids[order], "rows": torch.cat([g["rows"] for g in got])[order],
+            "stepped": torch.cat([g["stepped"] for g in got])[order], "has_state": has_state[order],
+            "evicted": torch.cat([g["evicted"] for g in got]).unique(),
+            "step": max(g["step"] for g in got),
+            "clock": max(g["clock"] for g in got),
+            "admission": [g["sketch"] for g in got if g["sketch"] is not None],
+            "ps_optimizer": self.ps_optimizer.state_dict(),
+        }
+        if got[0]["last"] is not None:
+            clock = out["clock"]
+            out["last"] = torch.cat([g["last"] + (clock - g["clock"]) for g in got])[order]
+        # each state row's position among the rows with state, in the sorted order
+        state_order = torch.argsort(ids[has_state])
+        keys = list(dict.fromkeys(k for g in got for k in g["state"]))
+        empty = torch.empty(0, self.embedding_dim)
+        out["state"] = {k: torch.cat([g["state"].get(k, empty) for g in got])[state_order] for k in keys}
+        if self._geo is not None:
+            out["geo"] = self._geo.state_dict()
+        return out
+
+    def load_delta_state_dict(self, delta: dict) -> None:
+        """Apply :meth:`delta_state_dict`'s ``delta`` to the servers (any number of them)."""
+        if not isinstance(delta, dict) or not {"ids", "rows", "evicted", "whole"} <= set(delta):
+            raise TypeError(f"load_delta_state_dict takes what delta_state_dict() returned, got "
+                            f"{type(delta).__name__}")
+        ids = delta["ids"]
+        misfit = self._misfit(ids, {"rows": delta["rows"]})
+        if misfit:
+            raise ValueError(f"delta for table {self.name!r} does not fit it: {misfit}")
+        ids = ids.long()
+        self._before_rows_change()
+        if "ps_optimizer" in delta:
+            self.ps_optimizer.load_state_dict(delta["ps_optimizer"])
+            self.__dict__["_sent_settings"] = None
+        has_state = delta["has_state"].bool()
+        state_at = torch.cumsum(has_state.long(), 0) - 1
+        last = delta.get("last") if getattr(self, "evict_after_steps", None) is not None else None
+        evicted = delta["evicted"].long()
+        calls = []
+        for _, server, mine in self._by_owner(ids):
+            held = [(f, c) for f, c in self._by_server[server]]
+            whole = tuple((max(f, wf), min(f + c, wf + wc) - max(f, wf)) for f, c in held for wf, wc in delta["whole"]
+                          if max(f, wf) < min(f + c, wf + wc))
+            mine_has = has_state[mine]
+            pick = state_at[mine][mine_has]
+            state = {k: v.index_select(0, pick) for k, v in delta["state"].items()}
+            mine_evicted = evicted[_in_held(evicted, held)]
+            calls.append((server, _table_server._apply_delta,
+                          (self.name, whole, mine_evicted, ids[mine], delta["rows"][mine], delta["stepped"][mine],
+                           state, mine_has, None if last is None else last[mine], int(delta["step"]),
+                           int(delta["clock"]))))
+        call_all(calls, timeout=self.timeout)
+        if delta.get("admission") and getattr(self, "admit_after", 1) > 1:
+            parts = [(blocks, data, chunks) for blocks, data, chunks in delta["admission"]]
+            call_all([(s, _table_server._set_admission, (self.name, parts)) for s in self._by_server],
+                     timeout=self.timeout)
+        if self._geo is not None:
+            if "geo" in delta:
+                g = delta["geo"]
+                keys = [k for k in g if k not in ("step", "ids", "geo_step_calls")]
+                self._geo.load_state_dict(int(g["step"]), g["ids"].long(), {k: g[k] for k in keys},
+                                          int(g["geo_step_calls"]))
+            self._geo.drop(torch.cat([ids, evicted]).unique())
 
     def _misfit(self, ids: Any, rows: dict[str, Any]) -> str | None:
         """What makes ``ids`` and their ``rows`` (by name) not fit this table (``None`` if they do)."""

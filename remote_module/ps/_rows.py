@@ -178,6 +178,23 @@ class TableSpec(NamedTuple):
     merge_every: int = 4  # half_async
     merge_s: float = 0.1  # half_async
     padding_idx: int | None = None  # in [0, num_embeddings): created as zeros, never stepped
+    admit_after: int = 1  # lazy: a row is stored once its id was counted in this many steps
+    sketch_bytes: int = 0  # the admission sketch's size per server (admit_after > 1)
+    evict_after: int | None = None  # a row not stepped for this many of the table's steps is dropped
+
+
+class Clocks:
+    """A table's counters on one server, shared by its blocks: ``step`` (the table's steps
+    here: what eviction counts) and ``version`` (bumped by every change: what a delta
+    checkpoint compares against)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.version = 0
+
+    def bump(self) -> int:
+        self.version += 1
+        return self.version
 
 
 def row_init(spec: TableSpec, name: str, ids: torch.Tensor) -> torch.Tensor:
@@ -189,10 +206,14 @@ class _Rows:
     """Rows ``[first, first + count)`` of a table, held eagerly or lazily, with optimizer state
     for the rows ever stepped."""
 
-    def __init__(self, spec: TableSpec, first: int, count: int, key: int) -> None:
-        """``key``: the table's :func:`row_key`, which (with the row id) gives each row's first value."""
+    def __init__(self, spec: TableSpec, first: int, count: int, key: int, clocks: Clocks | None = None) -> None:
+        """``key``: the table's :func:`row_key`, which (with the row id) gives each row's first
+        value; ``clocks``: the table's (:class:`Clocks`)."""
         self.spec, self.first, self.count, self.key = spec, first, count, key
+        self.clocks = Clocks() if clocks is None else clocks
         self.lock = threading.Lock()
+        self.created = 0  # rows created (admitted) so far, a stale row's re-creation included
+        self.evicted = 0  # rows dropped so far by eviction
         if spec.init == "eager":
             self.values = self.initial(torch.arange(first, first + count))
             self.slot_of: SlotIndex | None = None
@@ -206,6 +227,30 @@ class _Rows:
         self.state_slot = torch.full((count if spec.init == "eager" else 0,), -1, dtype=torch.long)
         self.state_used = 0
         self.state: dict[str, torch.Tensor] = {}
+        size = count if spec.init == "eager" else 0
+        # each slot's version when it last changed (delta checkpoints), and with eviction the
+        # table's step when it was last stepped
+        self.changed = torch.zeros(size, dtype=torch.long)
+        self.last = None if spec.evict_after is None else torch.zeros(size, dtype=torch.long)
+
+    def stale(self, slots: torch.Tensor) -> torch.Tensor:
+        """Which of ``slots`` (stored, ``-1`` for none) hold a row evicted by now: not stepped
+        in ``evict_after`` of the table's steps (swept later, read and stepped as absent now)."""
+        if self.last is None:
+            return torch.zeros(slots.shape, dtype=torch.bool)
+        out = slots >= 0
+        if bool(out.any()):
+            out[out.clone()] = self.last.index_select(0, slots[out]) <= self.clocks.step - self.spec.evict_after
+        return out
+
+    def _renew(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
+        """Rows ``ids`` at ``slots`` (unique) start again: their first values, no optimizer state."""
+        self.values[slots] = self.initial(ids)
+        self.state_slot[slots] = -1
+        self.touched[slots] = False
+        self.changed[slots] = self.clocks.version
+        if self.last is not None:
+            self.last[slots] = self.clocks.step
 
     def initial(self, ids: torch.Tensor) -> torch.Tensor:
         """The first values of rows ``ids`` (:func:`initial_rows`)."""
@@ -214,10 +259,19 @@ class _Rows:
     def slots(self, ids: torch.Tensor, create: bool) -> torch.Tensor:
         """Storage slots of global row ``ids`` (all inside this block); lazy rows are created
         when ``create`` (else a row never touched reads as its initial value, not stored)."""
-        if self.slot_of is None:
-            return ids - self.first
         ids = ids.long()
-        found = self.slot_of.find(ids)
+        found = ids - self.first if self.slot_of is None else self.slot_of.find(ids)
+        if self.last is not None:  # evicted rows not swept yet: absent, or created again
+            stale = self.stale(found)
+            if bool(stale.any()):
+                if not create:
+                    return torch.where(stale, -1, found)
+                again, inverse = torch.unique(found[stale], return_inverse=True)
+                self._renew(torch.empty_like(again).scatter_(0, inverse, ids[stale]), again)
+                self.created += again.numel()
+                self.evicted += again.numel()
+        if self.slot_of is None:
+            return found
         if create:
             absent = found < 0
             if bool(absent.any()):
@@ -228,12 +282,54 @@ class _Rows:
                     self.values = _grown(self.values, capacity)
                     self.touched = _grown(self.touched, capacity)
                     self.state_slot = _grown(self.state_slot, capacity, -1)
+                    self.changed = _grown(self.changed, capacity)
+                    if self.last is not None:
+                        self.last = _grown(self.last, capacity)
                 self.values[start:need] = self.initial(missing)
+                self.changed[start:need] = self.clocks.version
+                if self.last is not None:
+                    self.last[start:need] = self.clocks.step
                 self.used = need
+                self.created += missing.numel()
                 new_slots = torch.arange(start, need)
                 self.slot_of.add(missing, new_slots)
                 found[absent] = new_slots[torch.searchsorted(missing, ids[absent])]
         return found
+
+    def sweep(self) -> torch.Tensor:
+        """Drop the evicted rows (lock held): a lazy block frees their storage and optimizer
+        state, an eager one sets them to their first values; the ids dropped."""
+        if self.last is None:
+            return torch.empty(0, dtype=torch.long)
+        ids, slots = self.stored()
+        gone = self.stale(slots)
+        if not bool(gone.any()):
+            return torch.empty(0, dtype=torch.long)
+        self.evicted += int(gone.sum())
+        return self.drop(ids, slots, gone)
+
+    def drop(self, ids: torch.Tensor, slots: torch.Tensor, gone: torch.Tensor) -> torch.Tensor:
+        """Drop the rows ``ids[gone]`` (``ids``, ``slots``: :meth:`stored`'s; lock held): a lazy
+        block frees their storage and optimizer state, an eager one sets them to their first
+        values; the ids dropped."""
+        if self.slot_of is None:
+            self._renew(ids[gone], slots[gone])
+        else:
+            keep = slots[~gone]
+            self.values = self.values.index_select(0, keep)
+            self.touched = self.touched.index_select(0, keep)
+            self.changed = self.changed.index_select(0, keep)
+            self.last = self.last.index_select(0, keep)
+            self.state_slot = self.state_slot.index_select(0, keep)
+            self.slot_of = SlotIndex()
+            self.slot_of.ids, self.slot_of.slots = ids[~gone], torch.arange(keep.numel())
+            self.used = keep.numel()
+        # the optimizer state of the rows kept only, in the order of their slots
+        has = (self.state_slot >= 0).nonzero().reshape(-1)
+        self.state = {k: v.index_select(0, self.state_slot[has]) for k, v in self.state.items()}
+        self.state_slot[has] = torch.arange(has.numel())
+        self.state_used = has.numel()
+        return ids[gone]
 
     def stored(self, stepped_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(ids, slots)`` of the rows stored here, sorted by id: every row of an eager block,
@@ -250,7 +346,7 @@ class _Rows:
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows of ``ids`` (lazy rows never touched: their initial values, not stored)."""
         with self.lock:
-            if self.slot_of is None:  # eager: every row is stored
+            if self.slot_of is None and self.last is None:  # eager: every row is stored
                 return self.values.index_select(0, ids - self.first)
             slots = self.slots(ids, create=False)
             out = torch.empty(ids.numel(), self.spec.dim, dtype=self.spec.dtype)
@@ -299,6 +395,9 @@ class _Rows:
             for k, v in after.items():
                 self.state[k].index_copy_(0, where, v)
             self.touched.index_fill_(0, slots, True)
+            self.changed.index_fill_(0, slots, self.clocks.version)
+            if self.last is not None:  # (the step being applied: the table counts it once all blocks stepped)
+                self.last.index_fill_(0, slots, self.clocks.step + 1)
 
     def memory_bytes(self) -> int:
         """Bytes of the rows stored and of the optimizer state of the rows ever stepped (lazy
@@ -306,6 +405,12 @@ class _Rows:
         allocated)."""
         row = self.values.shape[1] * self.values.element_size()
         return self.used * row + self.state_used * row * len(self.state)
+
+    def bookkeeping_bytes(self) -> int:
+        """Bytes per row stored besides its values and state: whether it was stepped, its state
+        slot, its version, its eviction clock, a lazy block's id-to-slot index."""
+        per_slot = 1 + 8 + 8 + (8 if self.last is not None else 0) + (16 if self.slot_of is not None else 0)
+        return self.used * per_slot
 
 
 def check_offsets(offsets: object) -> None:

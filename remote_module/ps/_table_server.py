@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import torch
 import torch.distributed.rpc as rpc
@@ -25,8 +26,10 @@ from torch import nn
 from torch.futures import Future
 
 from remote_module._core import HostStore, capture, embedding_bag_parts, followed
+from remote_module.ps._admission import CountingSketch
 from remote_module.ps._modes import HalfAsyncMerges, SyncSteps, TrainerSettings, read_when_applied, settle
 from remote_module.ps._rows import (
+    Clocks,
     TableSpec,
     _Rows,
     check_ids,
@@ -46,7 +49,17 @@ class Table:
     def __init__(self, name: str, spec: TableSpec, blocks: list[tuple[int, int]]) -> None:
         self.name, self.spec = name, spec
         key = row_key(spec.seed, name)
-        self.blocks = [_Rows(spec, first, count, key) for first, count in sorted(blocks)]
+        self.clocks = Clocks()
+        self.blocks = [_Rows(spec, first, count, key, self.clocks) for first, count in sorted(blocks)]
+        # admission: how many steps each id not stored yet was counted in (admit_after > 1)
+        self.sketch = CountingSketch(spec.sketch_bytes, spec.admit_after, key) if spec.admit_after > 1 else None
+        # eviction: the table's step of the last sweep, the longest sweep (seconds)
+        self.swept_at, self.longest_sweep_s = 0, 0.0
+        # delta checkpoints: each caller's baseline (the version its last delta reached), the
+        # ids evicted after each version (tombstones), and the version before which none are kept
+        self.baselines: dict[str, int] = {}
+        self.tombstones: list[tuple[int, torch.Tensor]] = []
+        self.tombstones_from = 0
         self.starts = torch.tensor([r.first for r in self.blocks], dtype=torch.long)
         self.ends = torch.tensor([r.first + r.count for r in self.blocks], dtype=torch.long)
         self.lock = threading.Condition()
@@ -147,9 +160,11 @@ class Table:
         return nn.functional.embedding_bag(inverse.reshape(input.shape), rows, offsets, mode=mode,
                                            per_sample_weights=weights, padding_idx=pad)
 
-    def apply(self, ids: torch.Tensor, grad: torch.Tensor, scale: float = 1.0, settings: dict | None = None) -> None:
+    def apply(self, ids: torch.Tensor, grad: torch.Tensor, scale: float = 1.0, settings: dict | None = None,
+              admit: bool = True) -> None:
         """One optimizer step of the table with the sparse gradient ``(ids, grad)`` (lock held),
-        with ``settings`` (default: the latest push's) in the row-wise optimizer."""
+        with ``settings`` (default: the latest push's) in the row-wise optimizer; ``admit``: the
+        ids are counted for admission (half_async counts each push as it arrives instead)."""
         settings = self.settings.latest if settings is None else settings
         opt = self.spec.optimizer._replace(**settings) if settings else None
         uniq, summed = coalesce(ids, grad)
@@ -157,9 +172,64 @@ class Table:
             keep = uniq != self.spec.padding_idx
             uniq, summed = uniq[keep], summed[keep]
         parts = self._split(uniq)  # checked before anything changes
+        self.clocks.bump()
+        if admit and self.sketch is not None:
+            uniq, summed = self.admitted(uniq, summed)
+            parts = self._split(uniq)
         self.optimizer_steps += 1
         for rows, mine in parts:
             rows.step(uniq[mine], summed[mine], self.optimizer_steps, scale, opt)
+        self.ticked()
+
+    def admitted(self, uniq: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Count this step's ids (unique, held here) that have no stored row, and keep the
+        gradient of the ids with one or counted in ``admit_after`` steps by now (lock held)."""
+        stored = torch.zeros(uniq.numel(), dtype=torch.bool)
+        for rows, mine in self._split(uniq):
+            with rows.lock:
+                found = rows.slot_of.find(uniq[mine])
+                stored[mine] = (found >= 0) & ~rows.stale(found)
+        counted = ~stored
+        keep = stored.clone()
+        if bool(counted.any()):
+            keep[counted] = self.sketch.count(uniq[counted], self.clocks.version) >= self.spec.admit_after
+        return uniq[keep], grad[keep]
+
+    def ticked(self) -> None:
+        """One of the table's steps is done here (lock held): eviction counts it, and sweeps the
+        evicted rows every ``evict_after / 4`` steps (they read as absent meanwhile)."""
+        self.clocks.step += 1
+        n = self.spec.evict_after
+        if n is not None and self.clocks.step - self.swept_at >= max(1, n // 4):
+            self.sweep()
+
+    def sweep(self) -> None:
+        """Drop the evicted rows now (lock held); their ids are kept as tombstones for deltas."""
+        if self.spec.evict_after is None:
+            return
+        began = time.perf_counter()
+        self.swept_at = self.clocks.step
+        gone = []
+        for rows in self.blocks:
+            with rows.lock:
+                gone.append(rows.sweep())
+        gone_ids = torch.cat(gone)
+        if gone_ids.numel():
+            self.tombstones.append((self.clocks.bump(), gone_ids))
+            self._trim_tombstones()
+        self.longest_sweep_s = max(self.longest_sweep_s, time.perf_counter() - began)
+
+    #: tombstones kept per table per server at most (ids); callers whose baseline is older get a
+    #: whole table instead of a delta
+    TOMBSTONES_KEPT = 1 << 22
+
+    def _trim_tombstones(self) -> None:
+        """Drop tombstones no caller needs (older than every baseline), and the oldest beyond
+        ``TOMBSTONES_KEPT``."""
+        oldest = min(self.baselines.values(), default=self.clocks.version)
+        while self.tombstones and (self.tombstones[0][0] <= oldest or
+                                   sum(t.numel() for _, t in self.tombstones) > self.TOMBSTONES_KEPT):
+            self.tombstones_from = self.tombstones.pop(0)[0]
 
     def push(self, trainer: str, step: int, ids: torch.Tensor | None, grad: torch.Tensor | None,
              token: str | None = None) -> None:
@@ -186,6 +256,13 @@ class Table:
             if self.spec.mode == "half_async":
                 self._check_push(trainer, ids, grad)  # before it is queued: it would fail the merge
                 self.settings.pushed(trainer)
+                if self.sketch is not None:  # (each push is a trainer's step: counted as it arrives)
+                    ids, grad = coalesce(ids, grad)
+                    if self.spec.padding_idx is not None:
+                        keep = ids != self.spec.padding_idx
+                        ids, grad = ids[keep], grad[keep]
+                    self.clocks.bump()
+                    ids, grad = self.admitted(ids, grad)
                 self.queued.append((ids, grad))
                 self.merges.queued()
                 return
@@ -234,7 +311,7 @@ class Table:
 
     def _apply_queued(self) -> None:
         queued, self.queued = self.queued, []
-        self.apply(torch.cat([i for i, _ in queued]), torch.cat([g for _, g in queued]))
+        self.apply(torch.cat([i for i, _ in queued]), torch.cat([g for _, g in queued]), admit=False)
 
     def add_deltas(self, ids: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
         """geo: add ``deltas / num_trainers`` to rows ``ids`` (unique; the padding row is left
@@ -244,14 +321,29 @@ class Table:
             keep = ids != self.spec.padding_idx
             moved, deltas = ids[keep], deltas[keep]
         with self.lock:
+            version = self.clocks.bump()
             for rows, mine in self._split(moved):
                 with rows.lock:
                     slots = rows.slots(moved[mine], create=True)
                     rows.values[slots] += deltas[mine].to(rows.values.dtype) / self.spec.num_trainers
+                    rows.changed[slots] = version
+                    if rows.last is not None:
+                        rows.last[slots] = self.clocks.step + 1
+            self.ticked()
             return self.lookup(ids)
 
     def memory_bytes(self) -> int:
         return sum(rows.memory_bytes() for rows in self.blocks)
+
+    def stats(self) -> dict:
+        """:func:`_table_stats`'s answer for this server."""
+        with self.lock:
+            return {"rows_held": sum(r.used if r.slot_of is not None else r.count for r in self.blocks),
+                    "rows_admitted": sum(r.created for r in self.blocks),
+                    "rows_evicted": sum(r.evicted for r in self.blocks),
+                    "bytes": self.memory_bytes() + sum(r.bookkeeping_bytes() for r in self.blocks)
+                    + (0 if self.sketch is None else self.sketch.nbytes()), "steps": self.clocks.step,
+                    "longest_eviction_pause_s": self.longest_sweep_s}
 
     def block(self, first: int) -> _Rows:
         """The block starting at row ``first`` (``LookupError`` if this server has none)."""
@@ -452,29 +544,187 @@ def _flush_table(name: str) -> None:
         table.merges.merge()
 
 
-def _block_rows(name: str, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _block_rows(name: str, first: int, clocks: bool = False) -> tuple:
     """``(ids, rows)`` the block starting at row ``first`` stores: every row of an eager block,
-    the touched rows of a lazy one (sorted by id)."""
-    rows = _table(name).block(first)
-    with rows.lock:
-        ids, slots = rows.stored()
-        return ids, rows.values.index_select(0, slots)
-
-
-def _set_rows(name: str, ids: torch.Tensor, values: torch.Tensor) -> None:
-    """Overwrite rows ``ids`` (lazy rows are created); optimizer state is kept."""
+    the touched rows of a lazy one (sorted by id; evicted rows swept first); with ``clocks``
+    also each row's eviction clock (its step when last stepped, or None without eviction) and
+    the table's step here."""
     table = _table(name)
     with table.lock:
+        table.sweep()
+        rows = table.block(first)
+        with rows.lock:
+            ids, slots = rows.stored()
+            out = (ids, rows.values.index_select(0, slots))
+            if clocks:
+                last = None if rows.last is None else rows.last.index_select(0, slots)
+                out += (last, table.clocks.step)
+            return out
+
+
+def _set_rows(name: str, ids: torch.Tensor, values: torch.Tensor, last: torch.Tensor | None = None,
+              clock: int | None = None, replace: tuple[tuple[int, int], ...] = ()) -> None:
+    """Overwrite rows ``ids`` (lazy rows are created); optimizer state is kept. ``replace``:
+    row ranges ``(first, count)`` loaded whole: the rows stored here in them and not in
+    ``ids`` are dropped first (a lazy table's checkpoint holds all its rows). With eviction,
+    ``last`` are the rows' clocks and ``clock`` the table's step."""
+    table = _table(name)
+    with table.lock:
+        version = table.clocks.bump()
+        if clock is not None:
+            table.clocks.step = table.swept_at = int(clock)
+        if replace:
+            _drop_where(table, lambda held: _in_ranges(held, replace) & ~torch.isin(held, ids))
         for rows, mine in table._split(ids):
             with rows.lock:
                 slots = rows.slots(ids[mine], create=True)
                 rows.values[slots] = values[mine].to(rows.values.dtype)
+                rows.changed[slots] = version
+                if rows.last is not None:
+                    rows.last[slots] = table.clocks.step if last is None else last[mine].long()
+
+
+def _in_ranges(ids: torch.Tensor, ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    inside = torch.zeros(ids.shape, dtype=torch.bool)
+    for first, count in ranges:
+        inside |= (ids >= first) & (ids < first + count)
+    return inside
+
+
+def _drop_where(table: Table, which: object) -> None:
+    """Drop the stored rows whose ids ``which(ids)`` selects (lock held; tombstones kept)."""
+    gone_ids = []
+    for rows in table.blocks:
+        with rows.lock:
+            ids, slots = rows.stored()
+            gone = which(ids)
+            if bool(gone.any()):
+                gone_ids.append(rows.drop(ids, slots, gone))
+    if gone_ids:
+        table.tombstones.append((table.clocks.bump(), torch.cat(gone_ids)))
+        table._trim_tombstones()
+
+
+def _table_stats(name: str) -> dict:
+    """This server's rows of the table: held, created (admitted) and evicted so far, bytes."""
+    return _table(name).stats()
+
+
+def _admission_state(name: str) -> tuple[list[tuple[int, int]], torch.Tensor] | None:
+    """The blocks held here and the admission sketch's counters (None without admission)."""
+    table = _table(name)
+    with table.lock:
+        if table.sketch is None:
+            return None
+        return [(r.first, r.count) for r in table.blocks], table.sketch.data.clone()
+
+
+def _set_admission(name: str, parts: list[tuple[list[tuple[int, int]], torch.Tensor, torch.Tensor | None]]) -> None:
+    """Load admission sketches ``(blocks, counters, chunks)``: one saved by a server that held
+    the same blocks is taken as it is (``chunks``: only those chunks, a delta's; None: all);
+    others (another number of servers) are merged (:meth:`CountingSketch.merge`)."""
+    table = _table(name)
+    with table.lock:
+        if table.sketch is None:
+            return
+        mine = [(r.first, r.count) for r in table.blocks]
+        version = table.clocks.bump()
+        exact = [p for p in parts if [tuple(b) for b in p[0]] == mine]
+        for blocks, data, chunks in (exact or parts):
+            if tuple(data.shape) != (table.sketch.data.numel(),) and chunks is None:
+                raise ValueError(f"table {name!r}: an admission sketch of {data.numel()} bytes, this table's has "
+                                 f"{table.sketch.data.numel()} (admit_sketch_bytes must be the same)")
+            if exact and chunks is None:
+                table.sketch.load(data, version)
+            elif exact:
+                table.sketch.set_chunks(chunks, data, version)
+            else:
+                table.sketch.merge(data, version, chunks)
+
+
+def _table_delta(name: str, token: str) -> dict:
+    """The rows (and their optimizer state and clocks) changed since ``token``'s last delta
+    here, the ids evicted meanwhile and the admission sketch's chunks changed; the whole table
+    here (``"whole"``: these blocks replace what a loader holds in them) at ``token``'s first
+    call, or when its baseline is older than the tombstones kept."""
+    table = _table(name)
+    with table.lock:
+        table.sweep()
+        base = table.baselines.get(token)
+        whole = base is None or base < table.tombstones_from
+        since = -1 if whole else base
+        parts = []
+        for rows in table.blocks:
+            with rows.lock:
+                ids, slots = rows.stored()
+                if not whole:
+                    keep = rows.changed.index_select(0, slots) > since
+                    ids, slots = ids[keep], slots[keep]
+                where = rows.state_slot.index_select(0, slots)
+                has = where >= 0
+                parts.append((ids, rows.values.index_select(0, slots), rows.touched.index_select(0, slots),
+                              {k: v.index_select(0, where[has]) for k, v in rows.state.items()}, has,
+                              None if rows.last is None else rows.last.index_select(0, slots)))
+        tombs = [t for v, t in table.tombstones if v > since] if not whole else []
+        sketch = None
+        if table.sketch is not None:
+            sketch = (table.sketch.data.clone(), None) if whole else tuple(reversed(table.sketch.changed_since(since)))
+        out = {
+            "whole": [(r.first, r.count) for r in table.blocks] if whole else [],
+            "ids": torch.cat([p[0] for p in parts]), "rows": torch.cat([p[1] for p in parts]),
+            "stepped": torch.cat([p[2] for p in parts]), "has_state": torch.cat([p[4] for p in parts]),
+            "state": {k: torch.cat([p[3][k] for p in parts if k in p[3]]) for k in
+                      dict.fromkeys(k for p in parts for k in p[3])},
+            "last": None if table.spec.evict_after is None else torch.cat([p[5] for p in parts]),
+            "evicted": torch.cat(tombs) if tombs else torch.empty(0, dtype=torch.long),
+            "step": table.optimizer_steps, "clock": table.clocks.step,
+            "sketch": None if sketch is None else ([(r.first, r.count) for r in table.blocks],) + sketch,
+        }
+        table.baselines[token] = table.clocks.version
+        table._trim_tombstones()
+        return out
+
+
+def _apply_delta(name: str, whole: tuple[tuple[int, int], ...], evicted: torch.Tensor, ids: torch.Tensor,
+                 rows_: torch.Tensor, stepped: torch.Tensor, state: dict[str, torch.Tensor], has_state: torch.Tensor,
+                 last: torch.Tensor | None, step: int, clock: int) -> None:
+    """Load this server's share of a delta (:func:`_table_delta`'s, merged over servers and
+    split by the trainer): rows in the ``whole`` ranges not in ``ids`` and the ``evicted`` ids
+    are dropped, then ``ids`` are set with their optimizer state (``state`` holds the rows
+    where ``has_state``; the others have none) and clocks."""
+    table = _table(name)
+    with table.lock:
+        if whole or evicted.numel():
+            _drop_where(table, lambda held: (_in_ranges(held, whole) & ~torch.isin(held, ids))
+                        | torch.isin(held, evicted))
+        version = table.clocks.bump()
+        table.optimizer_steps = int(step)
+        table.clocks.step = table.swept_at = int(clock)
+        state_at = torch.cumsum(has_state.long(), 0) - 1  # each id's row in state
+        for rows, mine in table._split(ids):
+            with rows.lock:
+                mine_ids = ids[mine]
+                slots = rows.slots(mine_ids, create=True)
+                rows.values[slots] = rows_[mine].to(rows.values.dtype)
+                rows.changed[slots] = version
+                rows.touched[slots] = stepped[mine]
+                if rows.last is not None:
+                    rows.last[slots] = table.clocks.step if last is None else last[mine].long()
+                rows.state_slot[slots] = -1  # (rows without state in the delta have none)
+                with_state = has_state[mine]
+                if state and bool(with_state.any()):
+                    where = rows.state_slots(slots[with_state])
+                    pick = state_at[mine][with_state]
+                    for k, v in state.items():
+                        rows.state[k].index_copy_(0, where, v.index_select(0, pick).to(table.spec.dtype))
 
 
 def _row_state(name: str, first: int) -> tuple[int, torch.Tensor, dict[str, torch.Tensor]]:
     """The table's optimizer step count and, for the block starting at row ``first``, the ids
     of the rows with optimizer state and that state (sorted by id)."""
     table = _table(name)
+    with table.lock:
+        table.sweep()
     rows = table.block(first)
     with rows.lock:
         ids, slots = rows.stored(stepped_only=True)
@@ -492,11 +742,13 @@ def _set_row_state(name: str, optimizer_steps: int, ids: torch.Tensor, state: di
     table = _table(name)
     with table.lock:
         table.optimizer_steps = optimizer_steps
+        version = table.clocks.bump()
         for rows in table.blocks:  # (rows stepped since the checkpoint keep no state of their own)
             with rows.lock:
                 rows.touched.zero_()
                 rows.state_slot.fill_(-1)
                 rows.state_used = 0
+                rows.changed[:rows.used] = version
         if not ids.numel():
             return
         for rows, mine in table._split(ids):
@@ -507,3 +759,4 @@ def _set_row_state(name: str, optimizer_steps: int, ids: torch.Tensor, state: di
                     for k, v in state.items():
                         rows.state[k].index_copy_(0, where, v[mine].to(table.spec.dtype))
                 rows.touched[slots] = True
+                rows.changed[slots] = version

@@ -1,0 +1,155 @@
+"""What the long-lived-table tests run on their trainers (tests/ps/test_table_lifetime.py):
+lazy tables with row admission and eviction, trained on batches pytest rebuilds, and their
+full and delta checkpoints."""
+
+from __future__ import annotations
+
+import torch
+
+ROWS, DIM, LR = 4096, 4, 0.5
+
+
+def batch(step: int, trainer: int = 0) -> torch.Tensor:
+    """Step ``step``'s ids of trainer ``trainer``: hot ids every step, ids seen once, ids seen
+    at two steps two apart (the same for every trainer: distinct steps, not trainers, count),
+    and a trainer's own ids; repeats inside the batch."""
+    hot = torch.arange(0, 12)
+    once = 1000 + step * 20 + trainer * 10 + torch.arange(10)
+    twice = 3000 + (step // 2) * 6 + torch.arange(6) if step % 4 < 2 else 3000 + ((step - 2) // 2) * 6 + torch.arange(6)
+    return torch.cat([hot, once, twice, hot[:3]])
+
+
+def weights(step: int, trainer: int, n: int) -> torch.Tensor:
+    return torch.randn(n, DIM, generator=torch.Generator().manual_seed(100 * step + trainer))
+
+
+def table(name: str, servers: list[str], **kwargs):
+    from remote_module.ps import ShardedEmbedding
+
+    kwargs = {"optimizer": (torch.optim.SGD, {"lr": LR}), "init": "lazy", **kwargs}
+    return ShardedEmbedding(ROWS, DIM, servers, name=name, min_block_size=ROWS // 2 * DIM, **kwargs)
+
+
+def train(name: str, steps: int, kwargs: dict, trainer: int = 0, num_trainers: int = 1, ps_mode: str = "async",
+          eval_every: int = 3) -> dict:
+    """``steps`` steps of a lazy table on ps0, ps1 (an eval lookup under ``no_grad`` every
+    ``eval_every`` steps, which must not count); every row looked up, as read after, and the
+    table's stats."""
+    emb = table(name, ["ps0", "ps1"], ps_mode=ps_mode, num_trainers=num_trainers, **kwargs)
+    for s in range(steps):
+        ids = batch(s, trainer)
+        (emb(ids) * weights(s, trainer, ids.numel())).sum().backward()
+        emb.step()
+        if s % eval_every == 0:
+            with torch.no_grad():
+                emb(batch(s + 1, trainer))
+    seen = torch.arange(ROWS)
+    with torch.no_grad():
+        rows = emb(seen)
+    return {"rows": rows, "stats": emb.table_stats()}
+
+
+def initial(name: str, ids: torch.Tensor) -> torch.Tensor:
+    from remote_module.ps._rows import initial_rows, row_key
+
+    return initial_rows(row_key(0, name), ids, DIM)
+
+
+def checkpoint(emb) -> dict:
+    return {"model": emb.state_dict(), "optim": emb.optimizer_state_dict()}
+
+
+def restore_and_continue(name: str, before: int, after: int, kwargs: dict) -> dict:
+    """Train ``before`` steps on ps0, checkpoint, train ``after`` more: the end; and the same
+    table (same name, so the same initial rows) on ps1 loaded from the checkpoint, trained the
+    same ``after`` steps: its end."""
+    ends = {}
+    first = table(name, ["ps0"], **kwargs)
+    for s in range(before):
+        ids = batch(s)
+        (first(ids) * weights(s, 0, ids.numel())).sum().backward()
+        first.step()
+    saved = checkpoint(first)
+    second = table(name, ["ps1"], **kwargs)
+    second.load_state_dict(saved["model"])
+    second.load_optimizer_state_dict(saved["optim"])
+    for label, emb in (("continued", first), ("restored", second)):
+        for s in range(before, before + after):
+            ids = batch(s)
+            (emb(ids) * weights(s, 0, ids.numel())).sum().backward()
+            emb.step()
+        with torch.no_grad():
+            rows = emb(torch.arange(ROWS))
+        ends[label] = {"rows": rows, **checkpoint(emb), "stats": emb.table_stats()}
+    return ends
+
+
+def deltas(name: str, rounds: int, per_round: int, kwargs: dict) -> dict:
+    """A table on ps0, ps1 trained ``rounds`` x ``per_round`` steps with a delta after each
+    round (token "a"; token "b" takes deltas at other times, which must not disturb "a"'s), its
+    checkpoint before and at the end; then a table of the same rows on ps0, ps1, ps2 loaded
+    from the first checkpoint and the deltas in order: its checkpoint."""
+    emb = table(name, ["ps0", "ps1"], **kwargs)
+    step = 0
+
+    def train_for(n: int) -> None:
+        nonlocal step
+        for _ in range(n):
+            ids = batch(step)
+            (emb(ids) * weights(step, 0, ids.numel())).sum().backward()
+            emb.step()
+            step += 1
+
+    train_for(per_round)
+    full = checkpoint(emb)
+    emb.delta_state_dict("a")  # (the baseline: the whole table)
+    taken = []
+    for r in range(rounds):
+        train_for(per_round)
+        if r % 2 == 0:
+            emb.delta_state_dict("b")
+        taken.append(emb.delta_state_dict("a"))
+    end = checkpoint(emb)
+    other = table(name + "-3", ["ps0", "ps1", "ps2"], **kwargs)
+    other.load_state_dict(full["model"])
+    other.load_optimizer_state_dict(full["optim"])
+    for d in taken:
+        other.load_delta_state_dict(d)
+    return {"end": end, "loaded": checkpoint(other), "sizes": [d["ids"].numel() for d in taken],
+            "evicted": [d["evicted"].numel() for d in taken]}
+
+
+def delta_bytes(name: str) -> dict:
+    """An eager 1,000,000 x 16 table on ps0, ps1: the bytes of a full checkpoint and of a delta
+    after a step touching 1,000 rows."""
+    from remote_module.ps import ShardedEmbedding
+
+    emb = ShardedEmbedding(1_000_000, 16, ["ps0", "ps1"], name=name, optimizer=(torch.optim.Adagrad, {"lr": 0.1}))
+    ids = torch.arange(0, 1_000_000, 1000)
+    emb(ids).sum().backward()
+    emb.step()
+    full = checkpoint(emb)
+    emb.delta_state_dict("t")
+    ids = torch.arange(1, 1_000_000, 1000)  # another 1,000 rows
+    emb(ids).sum().backward()
+    emb.step()
+    delta = emb.delta_state_dict("t")
+    return {"full": _nbytes(full), "delta": _nbytes(delta), "rows": delta["ids"].numel()}
+
+
+def _nbytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_nbytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def bad(kwargs: dict) -> str:
+    try:
+        table("bad", ["ps0"], **kwargs)
+    except (ValueError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
