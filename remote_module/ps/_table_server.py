@@ -127,7 +127,7 @@ class Table:
         ids = ids.long()
         parts = self._split(ids)
         if pool is not None and pool[2] == "sum" and len(parts) == 1 and parts[0][1] is ALL \
-                and parts[0][0].slot_of is None:
+                and parts[0][0].slot_of is None and parts[0][0].last is None:
             # one eager block holds every id: pool straight from it (the same sums, in the same
             # order, as pooling the rows read out first), without copying them out
             block = parts[0][0]
@@ -148,7 +148,7 @@ class Table:
         check_offsets(offsets)
         if weights is not None:
             weights = weights.to(self.spec.dtype)
-        if len(self.blocks) == 1 and self.blocks[0].slot_of is None:
+        if len(self.blocks) == 1 and self.blocks[0].slot_of is None and self.blocks[0].last is None:
             # one eager block holds every row: pool straight from it, as the local module does
             block = self.blocks[0]
             with block.lock:
