@@ -609,6 +609,14 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
     ``state_dict()`` has the local module's key ``weight`` (a lazy table: ``weight.ids`` and
     ``weight.rows``, the touched rows only, which a local module cannot load).
 
+    Long-lived tables (see tutorials/embeddings.md): ``admit_after=k`` (lazy tables) stores an
+    id's row only once the id was looked up in ``k`` distinct training steps (counted at the
+    push; ``no_grad`` lookups do not count), reading it as its init and dropping its gradients
+    until then, counted in a sketch of ``admit_sketch_bytes`` per server; ``evict_after_steps=n``
+    drops a row and its optimizer state not stepped in ``n`` of the table's steps (a later
+    lookup reads its init again). :meth:`table_stats` reports rows held, admitted, evicted and
+    bytes; :meth:`delta_state_dict` / :meth:`load_delta_state_dict` checkpoint only what changed.
+
     Gradients as a parameter's: the table has one zero-size parameter, ``grad_marker`` (no
     values, never in ``state_dict()``), whose ``.grad`` backward sets. ``zero_grad()`` of any
     module holding the table, or of an optimizer built from its ``parameters()``, sets it to
