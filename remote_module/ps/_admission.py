@@ -64,9 +64,17 @@ class CountingSketch:
         self.chunk_version = torch.zeros(-(-sketch_bytes // CHUNK_BYTES), dtype=torch.long)
 
     def _cells(self, ids: torch.Tensor) -> torch.Tensor:
-        """``(n, HASHES)`` counter indices of ``ids``."""
-        h = mix64(ids.reshape(-1, 1) * _GAMMA ^ self.keys)
+        """``(HASHES, n)`` counter indices of ``ids``."""
+        h = mix64(ids.reshape(1, -1) * _GAMMA ^ self.keys.reshape(-1, 1))
         return _shr(h, 1) % self.cells
+
+    @staticmethod
+    def _least(values: torch.Tensor) -> torch.Tensor:
+        """Per id (column), the least of its counters' ``values`` (``(HASHES, n)``)."""
+        out = values[0]
+        for row in values[1:]:
+            out = torch.minimum(out, row)
+        return out
 
     def _read(self, cells: torch.Tensor) -> torch.Tensor:
         byte = self.data[cells // self.per_byte].long()
@@ -76,7 +84,7 @@ class CountingSketch:
         """Each id's count (at most ``threshold``; never below its true count)."""
         if not ids.numel():
             return torch.zeros(0, dtype=torch.long)
-        return self._read(self._cells(ids)).amin(dim=1)
+        return self._least(self._read(self._cells(ids)))
 
     def count(self, ids: torch.Tensor, version: int = 0) -> torch.Tensor:
         """Count ``ids`` (unique) once each; their estimates after. ``version``: the chunks
@@ -84,14 +92,16 @@ class CountingSketch:
         if not ids.numel():
             return torch.zeros(0, dtype=torch.long)
         cells = self._cells(ids)
+        old = self._read(cells)
         # conservative update: raise each of an id's counters to (its least counter + 1) at least,
         # the whole batch at once (two ids sharing a counter: the higher target; never an undercount)
-        target = (self._read(cells).amin(dim=1) + 1).clamp_(max=self.threshold)
-        flat = cells.reshape(-1)
-        uniq, inverse = torch.unique(flat, return_inverse=True)
+        target = (self._least(old) + 1).clamp_(max=self.threshold)
+        uniq, inverse = torch.unique(cells.reshape(-1), return_inverse=True)
         want = torch.zeros(uniq.numel(), dtype=torch.long).scatter_reduce_(
-            0, inverse, target.repeat_interleave(HASHES), "amax", include_self=False)
-        raise_by = (want - self._read(uniq)).clamp_(min=0)
+            0, inverse, target.repeat(HASHES), "amax", include_self=False)
+        before = torch.zeros(uniq.numel(), dtype=torch.long).scatter_(0, inverse, old.reshape(-1))
+        after = torch.maximum(before, want)
+        raise_by = after - before
         moved = raise_by > 0
         if bool(moved.any()):
             uniq, raise_by = uniq[moved], raise_by[moved]
@@ -102,7 +112,7 @@ class CountingSketch:
             summed = torch.zeros(bytes_.numel(), dtype=torch.long).index_add_(0, at, add)
             self.data[bytes_] = (self.data[bytes_].long() + summed).to(torch.uint8)
             self.chunk_version[torch.unique(bytes_ // CHUNK_BYTES)] = version
-        return self._read(cells).amin(dim=1)
+        return self._least(after[inverse].reshape(HASHES, -1))
 
     def nbytes(self) -> int:
         return self.data.numel() + self.chunk_version.numel() * 8
