@@ -384,3 +384,25 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 raise KeyError(f"ShardedEmbeddingBagCollection: no optimizer state for table {name!r}")
         for name in self._names:
             self._modules[name].load_optimizer_state_dict(state[name])
+
+    def table_stats(self) -> dict[str, dict]:
+        """``{name: that table's table_stats()}`` (rows held, admitted, evicted, bytes)."""
+        self._wait_pushes()
+        return {name: table.table_stats() for name, table in self.tables().items()}
+
+    def delta_state_dict(self, token: str) -> dict[str, dict]:
+        """``{name: that table's delta_state_dict(token)}``: what changed since this token's last call."""
+        self._wait_pushes()
+        return {name: table.delta_state_dict(token) for name, table in self.tables().items()}
+
+    def load_delta_state_dict(self, delta: Mapping[str, dict]) -> None:
+        """Load :meth:`delta_state_dict`'s deltas into their tables (``KeyError`` naming a name
+        that is not a table; a table without one in ``delta`` is left as it is)."""
+        if not isinstance(delta, Mapping):
+            raise TypeError(f"load_delta_state_dict takes what delta_state_dict() returned, got "
+                            f"{type(delta).__name__}")
+        for name in delta:
+            self.table(name)
+        for name in self._names:
+            if name in delta:
+                self._modules[name].load_delta_state_dict(delta[name])

@@ -153,3 +153,32 @@ def bad(kwargs: dict) -> str:
     except (ValueError, TypeError) as exc:
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+def collection_train(name: str, steps: int, collect: bool) -> dict:
+    """A sum and a mean lazy bag table with admission and eviction, trained in a collection
+    (its packed lookups and pushes; on ps0 and ps1) or one by one (the same tables on ps2):
+    outputs, rows after and stats."""
+    from remote_module.ps import ShardedEmbeddingBag, ShardedEmbeddingBagCollection
+
+    placed = (("sum", ["ps0", "ps1"]), ("mean", ["ps1"])) if collect else (("sum", ["ps2"]), ("mean", ["ps2"]))
+    tables = {mode: ShardedEmbeddingBag(ROWS, DIM, servers, name=f"{name}-{mode}", mode=mode, init="lazy",
+                                        admit_after=2, evict_after_steps=3, min_block_size=ROWS // 2 * DIM,
+                                        optimizer=(torch.optim.SGD, {"lr": LR}))
+              for mode, servers in placed}
+    model = ShardedEmbeddingBagCollection(tables) if collect else None
+    outs = []
+    for s in range(steps):
+        feats = {"sum": batch(s)[:28].reshape(7, 4), "mean": batch(s + 1)[:28].reshape(7, 4)}
+        got = model(feats) if collect else {k: t(feats[k]) for k, t in tables.items()}
+        outs.append({k: v.detach() for k, v in got.items()})
+        sum((v * weights(s, 0, 7)).sum() for v in got.values()).backward()
+        if collect:
+            model.step()
+        else:
+            for t in tables.values():
+                t.step()
+    with torch.no_grad():
+        rows = {k: t(torch.arange(ROWS).reshape(-1, 1)) for k, t in tables.items()}
+    stats = model.table_stats() if collect else {k: t.table_stats() for k, t in tables.items()}
+    return {"outs": outs, "rows": rows, "stats": stats}

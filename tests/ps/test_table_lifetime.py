@@ -168,3 +168,18 @@ def test_a_delta_after_a_step_of_1000_rows_is_at_most_2_percent_of_a_full_checkp
 def test_bad_values_raise_value_errors_naming_them(world, kwargs, words):
     got = world.run({"trainer0": (r.bad, kwargs)})["trainer0"]
     assert got.startswith("ValueError") and words in got, got
+
+
+def test_a_collection_admits_and_evicts_as_its_tables_one_by_one(world):
+    name = job("lifetime-collection")
+    got = world.run({"trainer0": (r.collection_train, name, 10, True),
+                     "trainer1": (r.collection_train, name, 10, False)})
+    together, alone = got["trainer0"], got["trainer1"]
+    for a, b in zip(together["outs"], alone["outs"]):
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-6)
+    for k in together["rows"]:
+        torch.testing.assert_close(together["rows"][k], alone["rows"][k], rtol=1e-6, atol=1e-6)
+        stats = together["stats"][k]
+        assert stats["rows_evicted"] > 0 and stats["rows_held"] < 28 * 3, stats
+        assert stats["rows_admitted"] == alone["stats"][k]["rows_admitted"]
