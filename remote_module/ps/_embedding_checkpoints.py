@@ -188,7 +188,7 @@ class TableCheckpoints:
         empty = torch.empty(0, self.embedding_dim)
         out["state"] = {k: torch.cat([g["state"].get(k, empty) for g in got])[state_order] for k in keys}
         if self._geo is not None:
-            out["geo"] = self._geo.state_dict()
+            out["geo"] = self._geo.delta(token)
         return out
 
     def load_delta_state_dict(self, delta: dict) -> None:
@@ -229,10 +229,7 @@ class TableCheckpoints:
                      timeout=self.timeout)
         if self._geo is not None:
             if "geo" in delta:
-                g = delta["geo"]
-                keys = [k for k in g if k not in ("step", "ids", "geo_step_calls")]
-                self._geo.load_state_dict(int(g["step"]), g["ids"].long(), {k: g[k] for k in keys},
-                                          int(g["geo_step_calls"]))
+                self._geo.load_delta(delta["geo"])
             self._geo.drop(torch.cat([ids, evicted]).unique())
 
     def _misfit(self, ids: Any, rows: dict[str, Any]) -> str | None:

@@ -36,6 +36,9 @@ class GeoCache:
         self.state = new_state(optimizer, 0, dim, dtype)
         self.steps = 0
         self.calls = 0
+        # delta checkpoints: each state row's step when it last changed, and each caller's baseline
+        self.state_changed = torch.empty(0, dtype=torch.long)
+        self.baselines: dict[str, int] = {}
 
     def missing(self, ids: torch.Tensor) -> torch.Tensor:
         """Which of ``ids`` are not cached."""
@@ -68,16 +71,21 @@ class GeoCache:
                 where, known = _find(self.state_ids, ids)
                 if not bool(known.all()):
                     fresh = new_state(self.optimizer, int((~known).sum()), self.dim, self.dtype)
+                    changed = torch.cat([self._changed(), torch.zeros(int((~known).sum()), dtype=torch.long)])
                     merged = torch.cat([self.state_ids, ids[~known]])
                     order = torch.argsort(merged)
                     self.state_ids = merged[order]
                     self.state = {k: torch.cat([v, fresh[k]])[order] for k, v in self.state.items()}
+                    self.state_changed = changed[order]
                     where = torch.searchsorted(self.state_ids, ids)
                 before = {k: v[where] for k, v in self.state.items()}
             new_rows, after = step_rows(self.optimizer, self.rows[at], grad, before, self.steps)
             self.rows[at] = new_rows
             for k, v in after.items():
                 self.state[k][where] = v
+            if self.state:
+                self.state_changed = self._changed()
+                self.state_changed[where] = self.steps
 
     def trained(self) -> int:
         """How many cached rows moved since they were fetched: training not pushed yet."""
@@ -104,6 +112,49 @@ class GeoCache:
             out["geo_step_calls"] = self.calls
             return out
 
+    def _changed(self) -> torch.Tensor:
+        """``state_changed``, as long as ``state_ids`` (rows loaded count as changed at step 0)."""
+        if self.state_changed.numel() != self.state_ids.numel():
+            self.state_changed = torch.zeros(self.state_ids.numel(), dtype=torch.long)
+        return self.state_changed
+
+    def delta(self, token: str) -> dict:
+        """The local optimizer's state of the rows stepped since ``token``'s last call (all at
+        its first: ``"whole"``), in :meth:`state_dict`'s form."""
+        with self.lock:
+            base = self.baselines.get(token)
+            pick = slice(None) if base is None else self._changed() > base
+            out: dict = {"whole": base is None, "step": self.steps, "ids": self.state_ids[pick].clone()}
+            out.update({k: v[pick].clone() for k, v in self.state.items()})
+            out["geo_step_calls"] = self.calls
+            self.baselines[token] = self.steps
+            return out
+
+    def load_delta(self, delta: dict) -> None:
+        """Apply :meth:`delta`'s: a whole one replaces the state, another updates its rows."""
+        keys = {k: v for k, v in delta.items() if k not in ("whole", "step", "ids", "geo_step_calls")}
+        ids = delta["ids"].long()
+        if delta["whole"]:
+            self.load_state_dict(int(delta["step"]), ids, keys, int(delta["geo_step_calls"]))
+            return
+        expected = sorted(new_state(self.optimizer, 0, self.dim, self.dtype))
+        if sorted(keys) != expected:
+            raise ValueError(f"optimizer state keys {sorted(keys)} do not fit this table's {self.optimizer.kind} "
+                             f"optimizer, which keeps {expected}")
+        with self.lock:
+            where, known = _find(self.state_ids, ids)
+            for k, v in keys.items():
+                self.state[k][where[known]] = v[known].to(self.dtype)
+            if not bool(known.all()):
+                changed = torch.cat([self._changed(), torch.zeros(int((~known).sum()), dtype=torch.long)])
+                merged = torch.cat([self.state_ids, ids[~known]])
+                order = torch.argsort(merged)
+                self.state_ids = merged[order]
+                self.state = {k: torch.cat([v, keys[k][~known].to(self.dtype)])[order] for k, v in self.state.items()}
+                self.state_changed = changed[order]
+            self.steps = int(delta["step"])
+            self.calls = int(delta["geo_step_calls"])
+
     def load_state_dict(self, steps: int, ids: torch.Tensor, state: dict[str, torch.Tensor],
                         calls: int | None) -> None:
         """Replace the local optimizer's state (``ids`` unique and checked by the caller; their
@@ -117,6 +168,7 @@ class GeoCache:
         with self.lock:
             self.state_ids = ids[order].clone()
             self.state = {k: v[order].to(self.dtype).clone() for k, v in state.items()}
+            self.state_changed = torch.zeros(ids.numel(), dtype=torch.long)
             self.steps = steps
             if calls is not None:
                 self.calls = calls

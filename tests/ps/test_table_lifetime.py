@@ -129,7 +129,8 @@ def test_a_checkpoint_restores_and_continues_identically(world, options):
 @pytest.mark.parametrize("options", [
     {"optimizer": (torch.optim.Adagrad, {"lr": 0.3}), "admit_after": 2, "evict_after_steps": 3},
     {"optimizer": (torch.optim.SparseAdam, {"lr": 0.05})},
-], ids=["adagrad-admit-evict", "sparseadam"])
+    {"optimizer": (torch.optim.Adagrad, {"lr": 0.3}), "ps_mode": "geo", "geo_push_every": 2},
+], ids=["adagrad-admit-evict", "sparseadam", "geo-adagrad"])
 def test_a_full_checkpoint_and_its_deltas_equal_the_full_one_at_the_end_on_other_servers(world, options):
     got = world.run({"trainer0": (r.deltas, job("deltas"), 4, 3, options)})["trainer0"]
     end, loaded = got["end"], got["loaded"]
