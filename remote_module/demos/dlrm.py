@@ -16,6 +16,7 @@ Run it on a local world (every rank a process on this machine, loopback only)::
 
     python -m remote_module.demos.dlrm [--mode async|sync|half_async|geo] [--servers 2]
                                        [--trainers 2] [--steps 150]
+                                       [--stream] [--admit-after K] [--evict-after-steps N]
 
 or under torchrun, one rank per process, the first ``--servers`` ranks serving the tables::
 
@@ -24,6 +25,14 @@ or under torchrun, one rank per process, the first ``--servers`` ranks serving t
 Each trainer shows a progress bar (when tqdm is installed and stderr is a terminal); at the end
 one summary table is printed (by trainer0 under torchrun) and, when matplotlib is installed, a
 PNG of the loss and AUC curves is written.
+
+The rows' lifetime on the servers: ``--stream`` makes the ids drift (each table keeps a popular
+head of ids all run long; its other ids come from a window of the id space that slides with the
+step, so new ids appear, popular at first, fade, and stop); ``--admit-after K`` stores an id's row
+only once the id was looked up in K of its table's steps; ``--evict-after-steps N`` drops a row
+not stepped in N of its table's steps. With any of them the tables are ``init="lazy"`` (rows
+created as they are admitted), trainer0 samples ``table_stats()`` a few dozen times over the run,
+and the summary and PNG show the rows each server holds over time.
 """
 
 from __future__ import annotations
@@ -62,6 +71,16 @@ EVAL = 4096  # held-out clicks for the final AUC
 PLAIN_PROGRESS_EVERY = 2.0  # seconds between a trainer's progress lines when no bar is shown
 WINDOW = 20  # steps in the progressive AUC (each batch scored before it is trained on)
 MODES = ("async", "sync", "half_async", "geo")
+# --stream: each table's STREAM_HEAD most popular ids are drawn all run long; its other ids from
+# a window of STREAM_WINDOW ids (the same Zipf-like curve over head and window) that slides by
+# STREAM_DRIFT ids a step: an id enters at the window's popular end and fades out of its tail
+STREAM_HEAD = 64
+STREAM_WINDOW = 4096
+STREAM_DRIFT = 32
+STATS_SAMPLES = 30  # table_stats() samples per run (each a round trip per table per server)
+# --admit-after: the admission sketch per table per server (the library's default is 32 MiB):
+# about 1e-4 of the ids seen once are admitted early with 100,000 such ids on a server
+ADMIT_SKETCH_BYTES = 1 << 20
 
 
 class Batch(NamedTuple):
@@ -84,15 +103,34 @@ class Truth:
             p = torch.arange(1, rows + 1, dtype=torch.float64).pow(-ZIPF).cumsum(0)
             self.cdf.append(p / p[-1])
         self.dense = torch.randn(DENSE, generator=g) * 0.2
+        p = torch.arange(1, STREAM_HEAD + STREAM_WINDOW + 1, dtype=torch.float64).pow(-ZIPF).cumsum(0)
+        self.stream_cdf = p / p[-1]
 
-    def batch(self, gen: torch.Generator, size: int = BATCH) -> Batch:
+    def batch(self, gen: torch.Generator, size: int = BATCH, step: int | None = None) -> Batch:
+        """``size`` clicks; with ``step``, drawn from that step's stream (see :meth:`stream_ids`)."""
         ids = []
         for by_rank, cdf in zip(self.ids_by_rank, self.cdf):
-            rank = torch.searchsorted(cdf, torch.rand(size * BAG, generator=gen, dtype=torch.float64))
-            ids.append(by_rank[rank.clamp_(max=len(cdf) - 1)].view(size, BAG))
+            u = torch.rand(size * BAG, generator=gen, dtype=torch.float64)
+            if step is None:
+                rank = torch.searchsorted(cdf, u).clamp_(max=len(cdf) - 1)
+            else:
+                rank = self.stream_ids(torch.searchsorted(self.stream_cdf, u), step, len(by_rank))
+            ids.append(by_rank[rank].view(size, BAG))
         dense = torch.randn(size, DENSE, generator=gen)
         clicks = torch.bernoulli(torch.sigmoid(2.0 * self.logit(ids, dense)), generator=gen)
         return Batch(ids, dense, clicks)
+
+    @staticmethod
+    def stream_ids(rank: torch.Tensor, step: int, rows: int) -> torch.Tensor:
+        """--stream: the popularity ``rank`` (0: the most popular) of a draw at ``step`` as a
+        position in a table's ids by popularity: the head's ranks are themselves; window rank j
+        is position ``STREAM_HEAD + (step * STREAM_DRIFT + STREAM_WINDOW - 1 - j) % (rows -
+        STREAM_HEAD)``, so a position enters the window as its rank 0 and leaves it
+        ``STREAM_WINDOW / STREAM_DRIFT`` steps later (after wrapping round, it comes back)."""
+        rank = rank.clamp(max=STREAM_HEAD + STREAM_WINDOW - 1)
+        j = rank - STREAM_HEAD
+        moved = STREAM_HEAD + (step * STREAM_DRIFT + STREAM_WINDOW - 1 - j) % (rows - STREAM_HEAD)
+        return torch.where(j >= 0, moved, rank)
 
     def logit(self, ids: list[torch.Tensor], dense: torch.Tensor, sparse: bool = True) -> torch.Tensor:
         out = dense @ self.dense
@@ -147,12 +185,21 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     servers = me.workers("ps")
     torch.manual_seed(0)  # the same dense initialisation on every trainer (DDP checks it anyway)
     # geo: a trainer pushes every cached row's delta each geo_push_every steps
+    # --stream, --admit-after, --evict-after-steps: lazy tables (a row stored once admitted)
+    lifetime = rows_lifetime(args)
+    kwargs: dict[str, Any] = {}
+    if lifetime:
+        kwargs = {"init": "lazy", "admit_after": args.admit_after, "evict_after_steps": args.evict_after_steps}
+        if args.admit_after > 1:
+            kwargs["admit_sketch_bytes"] = ADMIT_SKETCH_BYTES
     tables = {}
     for t, (name, rows) in enumerate(TABLES.items()):
-        with still(f"{me.name}: creating table {name} ({rows:,} rows x {DIM}) on {len(servers)} server(s)"):
+        lazy = " (lazy)" if lifetime else ""
+        with still(f"{me.name}: creating table {name} ({rows:,} rows x {DIM}){lazy} on {len(servers)} server(s)"):
             tables[name] = ShardedEmbeddingBag(
                 rows, DIM, servers, name=f"dlrm.{name}", mode="mean", ps_mode=args.mode, num_trainers=me.role_size,
-                optimizer=(torch.optim.Adagrad, {"lr": 0.3}), min_block_size=4096, geo_push_every=20, seed=t)
+                optimizer=(torch.optim.Adagrad, {"lr": 0.3}), min_block_size=4096, geo_push_every=20, seed=t,
+                **kwargs)
     # the tables looked up together (one message per server) and stepped together
     ebc = ShardedEmbeddingBagCollection(tables)
     with still(f"{me.name}: building the dense model (DDP over the trainers) and the click generator"):
@@ -170,17 +217,25 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     losses: list[float] = []
     recent: deque = deque(maxlen=WINDOW)
     auc_curve: list[tuple[int, float]] = []
+    # trainer0 samples the servers' rows every `every` steps (none in a plain run)
+    held = RowsHeld(tables.values(), args.steps) if lifetime and me.role_rank == 0 else None
+    drawn: list[list[torch.Tensor]] = [[] for _ in TABLES] if lifetime else []  # ids drawn, per table
+    stream = getattr(args, "stream", False)
     start = time.perf_counter()
     # batch k + 1's lookups are planned during batch k and sent with its ebc.step(): one message
     # per server per step, answered once the servers applied the step (the same results)
     # (--overlap: async modes, lookups one step further ahead: a read misses this trainer's last push)
-    batches = prefetching((truth.batch(gen) for _ in range(args.steps)), ebc,
+    batches = prefetching((truth.batch(gen, step=k if stream else None) for k in range(args.steps)), ebc,
                           features=lambda b: dict(zip(TABLES, b.ids)),
                           overlap=getattr(args, "overlap", False))
     for step, batch in enumerate(batches, 1):
         t0 = time.perf_counter()
         out = ebc(dict(zip(TABLES, batch.ids)))
         latencies.append(time.perf_counter() - t0)
+        if held is not None and (step - 1) % held.every == 0 and step > 1:
+            held.sample(step - 1)  # (the last step landed: the forward waited for its answer)
+        for seen, ids in zip(drawn, batch.ids):
+            seen.append(ids.unique())
         scores = dense(batch.dense, [out[name] for name in TABLES])
         loss = nn.functional.binary_cross_entropy_with_logits(scores, batch.clicks)
         opt.zero_grad()
@@ -198,11 +253,14 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             auc_text = f", AUC {auc_curve[-1][1]:.3f}" if auc_curve else ""
             say(f"{me.name}: step {step}/{args.steps}, loss {losses[-1]:.3f}{auc_text}")
     ebc.flush()  # the last step's pushes landed
-    elapsed = time.perf_counter() - start
+    if held is not None:
+        held.sample(args.steps)
+    elapsed = time.perf_counter() - start - (held.seconds if held is not None else 0.0)
     traffic = {server: dict(t) for server, t in sorted(ebc.traffic.items())}
     _close_in_order(bar, me)
     say(f"{me.name}: {args.steps} steps done; scoring {EVAL} held-out clicks")
-    held_out = truth.batch(torch.Generator().manual_seed(999), EVAL)
+    # --stream: held-out clicks of the step after the last (the ids in use now)
+    held_out = truth.batch(torch.Generator().manual_seed(999), EVAL, step=args.steps if stream else None)
     with torch.no_grad():
         out = ebc(dict(zip(TABLES, held_out.ids)))
         scores = dense.module(held_out.dense, [out[name] for name in TABLES])
@@ -228,7 +286,62 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                        for server, t in traffic.items()},
         "losses": losses,
         "auc_curve": auc_curve,
+        # with --stream, --admit-after or --evict-after-steps: the distinct ids this trainer drew
+        # (all tables); trainer0 also: the rows on the servers (see RowsHeld.figures)
+        **({"distinct_ids": sum(int(torch.cat(seen).unique().numel()) for seen in drawn)} if lifetime else {}),
+        **(held.figures() if held is not None else {}),
     }
+
+
+def rows_lifetime(args: argparse.Namespace) -> bool:
+    """Whether the run watches its rows' lifetime (--stream, --admit-after > 1 or
+    --evict-after-steps): lazy tables, table_stats() samples."""
+    return (getattr(args, "stream", False) or getattr(args, "admit_after", 1) > 1
+            or getattr(args, "evict_after_steps", None) is not None)
+
+
+class RowsHeld:
+    """The rows the servers hold, sampled with ``table_stats()`` every ``every`` steps (about
+    ``STATS_SAMPLES`` samples a run, each a round trip per table per server), summed over the
+    tables per server."""
+
+    def __init__(self, tables: Any, steps: int) -> None:
+        self.tables = list(tables)
+        self.every = max(1, steps // STATS_SAMPLES)
+        self.curve: list[tuple[int, dict[str, int]]] = []  # (steps done, {server: rows held})
+        self.last: dict[str, dict[str, float]] = {}  # per server: the last sample's figures
+        self.seconds = 0.0  # spent sampling
+
+    def sample(self, step: int) -> None:
+        t0 = time.perf_counter()
+        per_server: dict[str, dict[str, float]] = {}
+        for table in self.tables:
+            for server, got in table.table_stats()["per_server"].items():
+                mine = per_server.setdefault(server, dict.fromkeys(
+                    ("rows_held", "rows_admitted", "rows_evicted", "bytes", "steps", "longest_eviction_pause_s"), 0))
+                for key in ("rows_held", "rows_admitted", "rows_evicted", "bytes"):
+                    mine[key] += got[key]
+                mine["steps"] = max(mine["steps"], got["steps"])  # (each table's own steps; the most)
+                mine["longest_eviction_pause_s"] = max(mine["longest_eviction_pause_s"],
+                                                       got["longest_eviction_pause_s"])
+        self.seconds += time.perf_counter() - t0
+        self.curve.append((step, {server: int(f["rows_held"]) for server, f in sorted(per_server.items())}))
+        self.last = dict(sorted(per_server.items()))
+
+    def figures(self) -> dict[str, Any]:
+        """``rows_held_curve``: [(steps done, {server: rows held})]; ``rows``: per server, rows
+        held first, last and max, rows admitted and evicted, bytes, the table's steps and the
+        longest eviction pause (seconds) at the last sample; ``stats_every`` and
+        ``stats_ms``: the steps between samples, the mean milliseconds a sample took."""
+        rows = {}
+        for server, last in self.last.items():
+            held = [h[server] for _, h in self.curve if server in h]
+            rows[server] = {"held_first": held[0], "held_last": held[-1], "held_max": max(held),
+                            "admitted": int(last["rows_admitted"]), "evicted": int(last["rows_evicted"]),
+                            "bytes": int(last["bytes"]), "steps": int(last["steps"]),
+                            "longest_eviction_pause_s": float(last["longest_eviction_pause_s"])}
+        return {"rows_held_curve": self.curve, "rows": rows, "stats_every": self.every,
+                "stats_ms": self.seconds / max(1, len(self.curve)) * 1e3}
 
 
 def _progress(total: int, me: Worker, enabled: bool) -> Any:
@@ -299,6 +412,7 @@ def summary(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         f"DLRM click model: {args.servers} parameter server(s), {len(results)} trainer(s), mode {args.mode}, "
         f"{args.steps} steps of {BATCH} clicks per trainer",
         f"tables: {sizes} rows x {DIM} floats ({table_mb:.1f} MB), sliced over the servers",
+        *_lifetime_lines(args),
         "",
         f"{'trainer':<10}{'loss first -> last':>19}{'AUC':>7}{'steps/s':>9}{'lookups/s':>11}"
         f"{'pushed B/step':>15}{'p50 ms':>8}{'p99 ms':>8}",
@@ -326,11 +440,58 @@ def summary(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         for server, t in r.get("per_server", {}).items():
             lines.append(f"{server:<10}{t['messages_per_step']:>15.2f}{t['ids_per_s']:>17,.0f}"
                          f"{t['rows_pushed_per_s']:>15,.0f}")
+    lines += _rows_held_lines(results)
     return "\n".join(lines)
 
 
+def _lifetime_lines(args: argparse.Namespace) -> list[str]:
+    """The summary's lines on --stream, --admit-after and --evict-after-steps (none without)."""
+    if not rows_lifetime(args):
+        return []
+    lines = []
+    if getattr(args, "stream", False):
+        lines.append(f"ids: --stream: each table's {STREAM_HEAD} most popular ids all run long, the others from a "
+                     f"window of {STREAM_WINDOW:,} ids sliding {STREAM_DRIFT} ids a step (new ids enter popular, "
+                     "fade, stop)")
+    admit_after, evict_after = getattr(args, "admit_after", 1), getattr(args, "evict_after_steps", None)
+    admit = (f"a row stored once its id was looked up in {admit_after} of its table's steps"
+             if admit_after > 1 else "a row stored at its id's first step")
+    evict = ("never evicted" if evict_after is None else f"evicted after {evict_after} of its table's steps unstepped")
+    lines.append(f"rows: lazy tables, {admit}, {evict}")
+    return lines
+
+
+def _rows_held_lines(results: list[dict[str, Any]]) -> list[str]:
+    """The summary's rows held per server (from the trainer that sampled them; none without)."""
+    r = next((r for r in results if "rows" in r), None)
+    if r is None:
+        return []
+    rows = r["rows"]
+    lines = [
+        "",
+        f"rows held per server, all {len(TABLES)} tables (table_stats() sampled by {r['trainer']} every "
+        f"{r['stats_every']} step(s), {r['stats_ms']:.1f} ms a sample; steps: the tables' steps on the server; "
+        "MB: rows, optimizer state, bookkeeping and admission sketch):",
+        f"{'server':<10}{'steps':>7}{'held first':>12}{'last':>9}{'max':>9}{'admitted':>10}{'evicted':>9}"
+        f"{'MB':>7}{'longest eviction pause ms':>27}",
+    ]
+    for server, f in rows.items():
+        lines.append(f"{server:<10}{f['steps']:>7,}{f['held_first']:>12,}{f['held_last']:>9,}{f['held_max']:>9,}"
+                     f"{f['admitted']:>10,}{f['evicted']:>9,}{f['bytes'] / 1e6:>7.2f}"
+                     f"{f['longest_eviction_pause_s'] * 1e3:>27.2f}")
+    curve = r["rows_held_curve"]
+    first, last = (sum(curve[i][1].values()) for i in (0, -1))
+    lines.append(f"{'total':<10}{'':>7}{first:>12,}{last:>9,}{max(sum(h.values()) for _, h in curve):>9,}"
+                 f"{sum(f['admitted'] for f in rows.values()):>10,}{sum(f['evicted'] for f in rows.values()):>9,}"
+                 f"{sum(f['bytes'] for f in rows.values()) / 1e6:>7.2f}")
+    drawn = "; ".join(f"{x['trainer']} {x['distinct_ids']:,}" for x in results if "distinct_ids" in x)
+    lines.append(f"distinct ids drawn over the run, all tables: {drawn}")
+    return lines
+
+
 def plot(results: list[dict[str, Any]], path: str) -> str | None:
-    """Write the loss and progressive-AUC curves to ``path`` (PNG); None without matplotlib."""
+    """Write the loss and progressive-AUC curves to ``path`` (PNG), and the rows held per
+    server over the run when they were sampled; None without matplotlib."""
     try:
         import matplotlib
 
@@ -338,7 +499,17 @@ def plot(results: list[dict[str, Any]], path: str) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, (loss_ax, auc_ax) = plt.subplots(1, 2, figsize=(10, 3.8))
+    curve = next((r["rows_held_curve"] for r in results if r.get("rows_held_curve")), None)
+    if curve is None:
+        fig, (loss_ax, auc_ax) = plt.subplots(1, 2, figsize=(10, 3.8))
+    else:
+        fig, (loss_ax, auc_ax, rows_ax) = plt.subplots(1, 3, figsize=(15, 3.8))
+        steps = [step for step, _ in curve]
+        for server in curve[-1][1]:
+            rows_ax.plot(steps, [held.get(server, 0) for _, held in curve], label=server, marker=".")
+        rows_ax.set(xlabel="step", ylabel="rows held (all tables)", title="rows held per server")
+        rows_ax.set_ylim(bottom=0)
+        rows_ax.legend()
     for r in results:
         loss_ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=r["trainer"], linewidth=0.8)
         steps, aucs = zip(*r["auc_curve"]) if r["auc_curve"] else ((), ())
@@ -383,10 +554,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--overlap", action="store_true",
                         help="async and half_async: send each batch's lookups one step earlier, so they overlap the "
                              "previous batch's compute (a read then misses this trainer's last push)")
+    parser.add_argument("--stream", action="store_true",
+                        help=f"ids drift over time: each table's {STREAM_HEAD} most popular ids stay, the others come "
+                             f"from a window of {STREAM_WINDOW:,} ids sliding {STREAM_DRIFT} ids a step (new ids "
+                             "appear, old ones stop); the held-out clicks are drawn where the stream ends")
+    parser.add_argument("--admit-after", type=_at_least_one, default=1, metavar="K",
+                        help="store a row only once its id was looked up in K of its table's steps (default: 1, "
+                             "the first)")
+    parser.add_argument("--evict-after-steps", type=_at_least_one, default=None, metavar="N",
+                        help="drop a row not stepped in N of its table's steps (a table's step: sync, one per "
+                             "training step; async, one per trainer's push; half_async, one per merge; default: never)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     parser.add_argument("--plot", default="dlrm-demo.png", metavar="PNG",
-                        help="where to write the loss/AUC curves (needs matplotlib; '' for none; default: %(default)s)")
+                        help="where to write the loss/AUC curves, and rows held (needs matplotlib; '' for none; "
+                             "default: %(default)s)")
+    parser.epilog = ("With --stream, --admit-after above 1 or --evict-after-steps the tables are lazy "
+                     "(init='lazy': a row is created when admitted, not up front), and trainer0 samples "
+                     f"table_stats() about {STATS_SAMPLES} times: the summary and PNG show the rows each server "
+                     "holds over the run.")
     args = parser.parse_args(argv)
+    if args.mode == "geo" and (args.admit_after > 1 or args.evict_after_steps is not None):
+        parser.error("--admit-after and --evict-after-steps are for --mode sync, async or half_async (geo trainers "
+                     "train their rows locally and push deltas)")
+    from remote_module.ps._admission import MAX_THRESHOLD
+
+    if args.admit_after > MAX_THRESHOLD:
+        parser.error(f"argument --admit-after: must be at most {MAX_THRESHOLD}, got {args.admit_after}")
     if args.overlap and args.mode not in ("async", "half_async"):
         parser.error(f"--overlap is for --mode async or half_async (a {args.mode} lookup cannot be sent a step early)")
     args.torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -433,7 +626,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     print("\n" + summary(results, args), flush=True)
     if args.plot:
         written = plot(results, args.plot)
-        print(f"loss and AUC curves: {written}" if written
+        rows = ", rows held per server" if any("rows_held_curve" in r for r in results) else ""
+        print(f"loss and AUC curves{rows}: {written}" if written
               else "(install matplotlib, e.g. the project's `plot` extra, for a PNG of the loss and AUC curves)")
     return results
 

@@ -1,6 +1,7 @@
 """`make demo`'s main job (remote_module/demos/dlrm.py), shortened: the summary's figures are
 present and sane, and the command line refuses what it cannot run."""
 
+import importlib.util
 import itertools
 import math
 
@@ -38,6 +39,77 @@ def test_short_run_learns_and_reports_sane_figures(capfd):
         line = next(line for line in out.splitlines() if line.startswith(r["trainer"] + " "))
         assert f"{r['auc']:.3f}" in line and f"{r['steps_per_s']:.1f}" in line, line
     assert "mode async, 40 steps" in out and "the hidden truth scores" in out
+    # a plain run samples no table_stats() and keeps eager tables
+    assert all("rows" not in r and "distinct_ids" not in r for r in results)
+    assert "rows held per server" not in out and "(lazy)" not in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_stream_with_admission_and_eviction_holds_a_bounded_number_of_rows(capfd, tmp_path):
+    # 2 servers + 1 trainer: one trainer's async pushes step the tables once per training step
+    png = tmp_path / "demo.png"
+    results = dlrm_demo.main(["--servers", "2", "--trainers", "1", "--steps", "30", "--stream", "--admit-after", "2",
+                              "--evict-after-steps", "6", "--no-progress", "--plot", str(png)])
+    (r,) = results
+    assert r["auc_truth_dense_only"] < r["auc"], r  # the tables still learn the popular head
+    rows, curve = r["rows"], r["rows_held_curve"]
+    assert list(rows) == ["ps0", "ps1"], rows
+    assert r["stats_every"] == 1 and [step for step, _ in curve] == list(range(1, 31)), curve
+    totals = [sum(held.values()) for _, held in curve]
+    for server, f in rows.items():
+        assert f["steps"] == 30, f
+        assert f["held_first"] == 0, f  # after one step no id was looked up in 2 steps yet
+        assert 0 < f["held_last"] <= f["held_max"] <= f["admitted"], f
+        assert f["evicted"] > 0, f
+    # the drifting ids' rows are dropped once unused: the servers hold far fewer rows than the
+    # distinct ids drawn (about a fifth when written), and no more at the end than midway on
+    assert 0 < totals[-1] <= r["distinct_ids"] / 2, (totals, r["distinct_ids"])
+    assert max(totals) <= r["distinct_ids"] / 2, (totals, r["distinct_ids"])
+    assert totals[-1] <= 1.5 * totals[len(totals) // 2], totals
+    out = capfd.readouterr().out
+    lines = out.splitlines()
+    assert "ids: --stream:" in out and "evicted after 6 of its table's steps unstepped" in out, out
+    at = next(i for i, line in enumerate(lines) if line.startswith("rows held per server, all 3 tables"))
+    assert lines[at + 1].split()[:5] == ["server", "steps", "held", "first", "last"], lines[at + 1]
+    for k, (server, f) in enumerate(rows.items(), at + 2):
+        assert lines[k].split()[:6] == [server, "30", f"{f['held_first']:,}", f"{f['held_last']:,}",
+                                        f"{f['held_max']:,}", f"{f['admitted']:,}"], lines[k]
+    assert lines[at + 4].startswith("total") and f"{totals[-1]:,}" in lines[at + 4], lines[at + 4]
+    assert f"trainer0 {r['distinct_ids']:,}" in lines[at + 5], lines[at + 5]
+    if importlib.util.find_spec("matplotlib") is None:  # (the `plot` extra; `make test` leaves it out)
+        assert "install matplotlib" in out
+    else:
+        assert f"loss and AUC curves, rows held per server: {png}" in out
+        assert png.read_bytes().startswith(b"\x89PNG"), png
+
+
+def test_stream_ids_drift_and_keep_a_popular_head():
+    truth = dlrm_demo.Truth()
+    gen = torch.Generator().manual_seed(0)
+    drift = dlrm_demo.STREAM_WINDOW // dlrm_demo.STREAM_DRIFT  # steps an id stays in the window
+    for k, rows in enumerate(dlrm_demo.TABLES.values()):
+        head = set(truth.ids_by_rank[k][:dlrm_demo.STREAM_HEAD].tolist())
+        early, late = ({*truth.batch(gen, 2048, step=step).ids[k].flatten().tolist()} for step in (0, drift))
+        # the head is drawn throughout; the window's ids then are all gone a window's slide later
+        assert len(head & early) > dlrm_demo.STREAM_HEAD // 2 and len(head & late) > dlrm_demo.STREAM_HEAD // 2
+        assert not (early - head) & (late - head), rows
+        window = {*truth.ids_by_rank[k][dlrm_demo.STREAM_HEAD:dlrm_demo.STREAM_HEAD + dlrm_demo.STREAM_WINDOW].tolist()}
+        assert early - head <= window
+    # a plain batch draws as before the stream existed (the same generator calls)
+    a, b = truth.batch(torch.Generator().manual_seed(1)), truth.batch(torch.Generator().manual_seed(1), step=None)
+    assert all(torch.equal(x, y) for x, y in zip(a.ids, b.ids))
+
+
+def test_the_png_gets_a_rows_held_panel_when_rows_were_sampled(tmp_path):
+    pytest.importorskip("matplotlib")
+    result = {"trainer": "trainer0", "losses": [0.7, 0.6], "auc_curve": [(2, 0.6)], "auc": 0.6, "auc_truth": 0.8,
+              "auc_truth_dense_only": 0.7, "rows_held_curve": [(1, {"ps0": 0, "ps1": 0}), (2, {"ps0": 5, "ps1": 7})]}
+    assert dlrm_demo.plot([result], str(tmp_path / "rows.png")) == str(tmp_path / "rows.png")
+    import matplotlib.image
+
+    height, width = matplotlib.image.imread(tmp_path / "rows.png").shape[:2]
+    assert width > 3 * height  # three panels side by side: 15 x 3.8 inches (two: 10 x 3.8)
 
 
 def _check_progress_lines(lines: list[str], steps: int) -> None:
@@ -86,6 +158,10 @@ def test_auc_is_the_pairwise_rank_statistic():
         (["--mode", "hogwild"], "argument --mode: invalid choice: 'hogwild'"),
         (["--transport", "tcp"], "argument --transport: invalid choice: 'tcp'"),
         (["--mode", "sync", "--overlap"], "--overlap is for --mode async or half_async"),
+        (["--evict-after-steps", "0"], "argument --evict-after-steps: must be at least 1, got 0"),
+        (["--admit-after", "256"], "argument --admit-after: must be at most 255, got 256"),
+        (["--mode", "geo", "--admit-after", "2"], "--admit-after and --evict-after-steps are for --mode sync, async"),
+        (["--mode", "geo", "--evict-after-steps", "9"], "--admit-after and --evict-after-steps are for --mode sync"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(argv, message, capsys, monkeypatch):
