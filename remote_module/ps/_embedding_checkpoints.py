@@ -10,6 +10,8 @@ import torch
 
 from remote_module._core import call_all
 from remote_module.ps import _table_server
+from remote_module.ps._admission import counter_bits
+from remote_module.ps._rows import AT_INIT
 
 
 def _in_held(ids: torch.Tensor, held: list[tuple[int, int]]) -> torch.Tensor:
@@ -17,6 +19,12 @@ def _in_held(ids: torch.Tensor, held: list[tuple[int, int]]) -> torch.Tensor:
     for first, count in held:
         inside |= (ids >= first) & (ids < first + count)
     return inside
+
+
+def _aged(last: torch.Tensor, lag: int) -> torch.Tensor:
+    """A server's eviction clocks ``last`` moved by its ``lag`` behind the table's highest
+    step (an eager row at its first value, ``AT_INIT``, stays so)."""
+    return torch.where(last == AT_INIT, last, last + lag)
 
 
 class TableCheckpoints:
@@ -67,7 +75,7 @@ class TableCheckpoints:
         last = clock = None
         if evicting:
             clock = max(g[3] for g in got)
-            last = torch.cat([g[2] + (clock - g[3]) for g in got])[order]
+            last = torch.cat([_aged(g[2], clock - g[3]) for g in got])[order]
         return ids[order], rows[order], last, clock
 
     def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
@@ -83,7 +91,8 @@ class TableCheckpoints:
             admission = call_all([(s, _table_server._admission_state, (self.name,)) for s in self._by_server],
                                  timeout=self.timeout)
             destination[prefix + "_extra_state"] = {"eviction_clock": clock,
-                                                    "admission": [a for a in admission if a is not None]}
+                                                    "admission": [a for a in admission if a is not None],
+                                                    "admission_bits": self._admission_bits()}
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any, strict: bool,
                               missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
@@ -118,6 +127,10 @@ class TableCheckpoints:
             error_msgs.append(f"size mismatch for {prefix}weight.last_step: expected one clock per row "
                               f"({ids.numel()}), got {tuple(getattr(last, 'shape', ()))}")
             return
+        refused = self._admission_misfit(extra.get("admission"), extra.get("admission_bits"))
+        if refused:
+            error_msgs.append(f"admission sketch of {prefix or 'the table'}: {refused}")
+            return
         if getattr(self, "evict_after_steps", None) is None:
             last = None
         clock = extra.get("eviction_clock") if last is not None else None
@@ -136,6 +149,29 @@ class TableCheckpoints:
                      timeout=self.timeout)
         if self._geo is not None:  # cached rows are stale now: the next lookups fetch the loaded ones
             self._geo.drop(ids.unique())
+
+    def _admission_bits(self) -> int | None:
+        """The width of the admission sketch's counters (None without admission): sketches of
+        other widths hash ids to other counters, so they cannot be loaded."""
+        admit_after = getattr(self, "admit_after", 1)
+        return counter_bits(admit_after) if admit_after > 1 else None
+
+    def _admission_misfit(self, parts: Any, bits: Any, chunked: bool = False) -> str | None:
+        """Why saved admission sketches ``parts`` (``bits`` wide, None: not recorded) do not fit
+        this table's (None if they do, or if it keeps none)."""
+        mine = self._admission_bits()
+        if not parts or mine is None:
+            return None
+        if bits is not None and bits != mine:
+            return (f"its counters are {bits} bits wide, this table's {mine} (admit_after={self.admit_after}): a "
+                    "sketch loads only into a table whose admit_after needs counters as wide (2 bits: 2-3, 4 bits: "
+                    "4-15, 8 bits: 16-255)")
+        for part in parts:
+            data, chunks = part[1], part[2] if chunked else None
+            if chunks is None and data.numel() != self.admit_sketch_bytes:
+                return (f"it has {data.numel()} bytes, this table's {self.admit_sketch_bytes} (admit_sketch_bytes "
+                        "must be the same)")
+        return None
 
     def delta_state_dict(self, token: str) -> dict:
         """What changed on the servers since the last call with the same ``token``: the rows
@@ -177,11 +213,12 @@ class TableCheckpoints:
             "step": max(g["step"] for g in got),
             "clock": max(g["clock"] for g in got),
             "admission": [g["sketch"] for g in got if g["sketch"] is not None],
+            "admission_bits": self._admission_bits(),
             "ps_optimizer": self.ps_optimizer.state_dict(),
         }
         if got[0]["last"] is not None:
             clock = out["clock"]
-            out["last"] = torch.cat([g["last"] + (clock - g["clock"]) for g in got])[order]
+            out["last"] = torch.cat([_aged(g["last"], clock - g["clock"]) for g in got])[order]
         # each state row's position among the rows with state, in the sorted order
         state_order = torch.argsort(ids[has_state])
         keys = list(dict.fromkeys(k for g in got for k in g["state"]))
@@ -193,11 +230,14 @@ class TableCheckpoints:
 
     def load_delta_state_dict(self, delta: dict) -> None:
         """Apply :meth:`delta_state_dict`'s ``delta`` to the servers (any number of them)."""
-        if not isinstance(delta, dict) or not {"ids", "rows", "evicted", "whole"} <= set(delta):
+        needed = {"ids", "rows", "evicted", "whole", "stepped", "has_state", "state", "step", "clock"}
+        if not isinstance(delta, dict) or not needed <= set(delta):
+            missing = f" without {sorted(needed - set(delta))}" if isinstance(delta, dict) else ""
             raise TypeError(f"load_delta_state_dict takes what delta_state_dict() returned, got "
-                            f"{type(delta).__name__}")
+                            f"{type(delta).__name__}{missing}")
         ids = delta["ids"]
-        misfit = self._misfit(ids, {"rows": delta["rows"]})
+        misfit = self._misfit(ids, {"rows": delta["rows"]}) or self._admission_misfit(
+            delta.get("admission"), delta.get("admission_bits"), chunked=True)
         if misfit:
             raise ValueError(f"delta for table {self.name!r} does not fit it: {misfit}")
         ids = ids.long()

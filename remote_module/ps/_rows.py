@@ -183,6 +183,10 @@ class TableSpec(NamedTuple):
     evict_after: int | None = None  # a row not stepped for this many of the table's steps is dropped
 
 
+#: an eviction clock meaning "an eager row at its first value": never stale (see _Rows.stale)
+AT_INIT = -1
+
+
 class Clocks:
     """A table's counters on one server, shared by its blocks: ``step`` (the table's steps
     here: what eviction counts) and ``version`` (bumped by every change: what a delta
@@ -229,9 +233,11 @@ class _Rows:
         self.state: dict[str, torch.Tensor] = {}
         size = count if spec.init == "eager" else 0
         # each slot's version when it last changed (delta checkpoints), and with eviction the
-        # table's step when it was last stepped
+        # table's step when it was last stepped (AT_INIT: an eager row at its first value, which
+        # eviction leaves alone: nothing to drop, and it must not be counted or tombstoned again
+        # every evict_after steps)
         self.changed = torch.zeros(size, dtype=torch.long)
-        self.last = None if spec.evict_after is None else torch.zeros(size, dtype=torch.long)
+        self.last = None if spec.evict_after is None else torch.full((size,), AT_INIT, dtype=torch.long)
 
     def stale(self, slots: torch.Tensor) -> torch.Tensor:
         """Which of ``slots`` (stored, ``-1`` for none) hold a row evicted by now: not stepped
@@ -240,17 +246,20 @@ class _Rows:
             return torch.zeros(slots.shape, dtype=torch.bool)
         out = slots >= 0
         if bool(out.any()):
-            out[out.clone()] = self.last.index_select(0, slots[out]) <= self.clocks.step - self.spec.evict_after
+            last = self.last.index_select(0, slots[out])
+            out[out.clone()] = (last != AT_INIT) & (last <= self.clocks.step - self.spec.evict_after)
         return out
 
-    def _renew(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
-        """Rows ``ids`` at ``slots`` (unique) start again: their first values, no optimizer state."""
+    def _renew(self, ids: torch.Tensor, slots: torch.Tensor, swept: bool = False) -> None:
+        """Rows ``ids`` at ``slots`` (unique) start again: their first values, no optimizer state
+        (``swept``: an eager block's rows dropped by a sweep, left at their first values; else
+        rows about to be stepped or set)."""
         self.values[slots] = self.initial(ids)
         self.state_slot[slots] = -1
         self.touched[slots] = False
         self.changed[slots] = self.clocks.version
-        if self.last is not None:
-            self.last[slots] = self.clocks.step
+        if self.last is not None:  # (an eager row back at its first value: nothing to evict until it changes)
+            self.last[slots] = AT_INIT if swept else self.clocks.step
 
     def initial(self, ids: torch.Tensor) -> torch.Tensor:
         """The first values of rows ``ids`` (:func:`initial_rows`)."""
@@ -313,7 +322,7 @@ class _Rows:
         block frees their storage and optimizer state, an eager one sets them to their first
         values; the ids dropped."""
         if self.slot_of is None:
-            self._renew(ids[gone], slots[gone])
+            self._renew(ids[gone], slots[gone], swept=True)
         else:
             keep = slots[~gone]
             self.values = self.values.index_select(0, keep)

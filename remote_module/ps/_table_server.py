@@ -29,6 +29,7 @@ from remote_module._core import HostStore, capture, embedding_bag_parts, followe
 from remote_module.ps._admission import CountingSketch
 from remote_module.ps._modes import HalfAsyncMerges, SyncSteps, TrainerSettings, read_when_applied, settle
 from remote_module.ps._rows import (
+    AT_INIT,
     Clocks,
     TableSpec,
     _Rows,
@@ -571,8 +572,6 @@ def _set_rows(name: str, ids: torch.Tensor, values: torch.Tensor, last: torch.Te
     table = _table(name)
     with table.lock:
         version = table.clocks.bump()
-        if clock is not None:
-            table.clocks.step = table.swept_at = int(clock)
         if replace:
             _drop_where(table, lambda held: _in_ranges(held, replace) & ~torch.isin(held, ids))
         for rows, mine in table._split(ids):
@@ -581,7 +580,20 @@ def _set_rows(name: str, ids: torch.Tensor, values: torch.Tensor, last: torch.Te
                 rows.values[slots] = values[mine].to(rows.values.dtype)
                 rows.changed[slots] = version
                 if rows.last is not None:
-                    rows.last[slots] = table.clocks.step if last is None else last[mine].long()
+                    rows.last[slots] = _clocks(rows, table.clocks.step if clock is None else int(clock), last, mine)
+        if clock is not None:  # (after the rows: rows held here are judged stale by this server's clock, not
+            # the checkpoint's, so the optimizer state loaded before them is kept)
+            table.clocks.step = table.swept_at = int(clock)
+
+
+def _clocks(rows: _Rows, step: int, last: torch.Tensor | None, mine: object) -> torch.Tensor | int:
+    """The eviction clocks of rows being set in block ``rows``: ``last[mine]`` as loaded (a lazy
+    block's rows are never at their first value, ``AT_INIT``: they start at ``step``), or
+    ``step`` without them."""
+    if last is None:
+        return step
+    last = last[mine].long()
+    return last if rows.slot_of is None else torch.where(last == AT_INIT, step, last)
 
 
 def _in_ranges(ids: torch.Tensor, ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:
@@ -630,6 +642,10 @@ def _set_admission(name: str, parts: list[tuple[list[tuple[int, int]], torch.Ten
         mine = [(r.first, r.count) for r in table.blocks]
         version = table.clocks.bump()
         exact = [p for p in parts if [tuple(b) for b in p[0]] == mine]
+        if not exact and all(chunks is None for _, _, chunks in parts):
+            # whole sketches saved by other servers replace this one's counts (merged from zero):
+            # counts kept from before the load would admit ids earlier than the saved table does
+            table.sketch.data.zero_()
         for blocks, data, chunks in (exact or parts):
             if tuple(data.shape) != (table.sketch.data.numel(),) and chunks is None:
                 raise ValueError(f"table {name!r}: an admission sketch of {data.numel()} bytes, this table's has "
@@ -709,7 +725,7 @@ def _apply_delta(name: str, whole: tuple[tuple[int, int], ...], evicted: torch.T
                 rows.changed[slots] = version
                 rows.touched[slots] = stepped[mine]
                 if rows.last is not None:
-                    rows.last[slots] = table.clocks.step if last is None else last[mine].long()
+                    rows.last[slots] = _clocks(rows, table.clocks.step, last, mine)
                 rows.state_slot[slots] = -1  # (rows without state in the delta have none)
                 with_state = has_state[mine]
                 if state and bool(with_state.any()):

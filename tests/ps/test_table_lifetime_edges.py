@@ -1,0 +1,53 @@
+"""Edges of long-lived tables (issue 26) a hostile user reaches: an eager table with eviction
+whose rows were never stepped, admission sketches loaded onto other layouts or counter widths,
+and a checkpoint's optimizer state loaded before its rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from remote_module.ps._rows import initial_rows, row_key
+from tests.ps import _lifetime_edges_remote as r
+from tests.ps._world import job
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture
+def world(ps_world):  # shared with the other PS tests (tests/conftest.py)
+    return ps_world
+
+
+def test_an_eager_table_evicts_only_rows_that_left_their_first_values(world):
+    name = job("eager-evict")
+    got = world.run({"trainer0": (r.eager_eviction, name)})["trainer0"]
+    # row 7 was stepped once and evicted once; the 96 rows never stepped were never "evicted"
+    assert got["evicted"] == 1, got["evicted"]
+    # a delta of 8 steps of rows 1, 2, 50: those rows, no tombstones of rows at their first values
+    assert got["delta_ids"] == [1, 2, 50] and got["delta_evicted"] == [], (got["delta_ids"][:10],
+                                                                            got["delta_evicted"][:10])
+    init = initial_rows(row_key(0, name), torch.arange(100), 2)
+    untouched = torch.ones(100, dtype=torch.bool)
+    untouched[[1, 2, 50]] = False
+    assert torch.equal(got["rows"][untouched], init[untouched])  # row 7 included: evicted, back at its init
+
+
+def test_a_whole_sketch_loaded_onto_another_layout_replaces_the_counts(world):
+    got = world.run({"trainer0": (r.sketch_onto_another_layout, job("sketch-layout"))})["trainer0"]
+    assert got == {"saved": 0, "loader": 0}, got
+
+
+def test_a_sketch_of_another_counter_width_is_refused(world):
+    got = world.run({"trainer0": (r.sketch_of_another_width, job("sketch-width"))})["trainer0"]
+    assert got["state_dict"].startswith("RuntimeError") and "2 bits wide, this table's 4" in got["state_dict"], got
+    assert got["delta"].startswith("ValueError") and "2 bits wide, this table's 4" in got["delta"], got
+    assert got["held"] == 0  # (refused before any row was set)
+
+
+@pytest.mark.parametrize("optimizer_first", [True, False], ids=["optimizer-first", "rows-first"])
+def test_optimizer_state_loads_in_either_order_with_eviction(world, optimizer_first):
+    got = world.run({"trainer0": (r.optimizer_state_loaded_first, job("load-order"), optimizer_first)})["trainer0"]
+    saved, loaded = got["saved"], got["loaded"]
+    assert saved["ids"].tolist() == loaded["ids"].tolist() == [4, 5, 6, 50, 51]
+    assert torch.equal(saved["sum"], loaded["sum"])
