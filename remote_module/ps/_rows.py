@@ -248,6 +248,10 @@ class _Rows:
         if bool(out.any()):
             last = self.last.index_select(0, slots[out])
             out[out.clone()] = (last != AT_INIT) & (last <= self.clocks.step - self.spec.evict_after)
+            pad = self.spec.padding_idx  # never stepped, so never evicted: it keeps what a load set
+            if pad is not None and self.first <= pad < self.first + self.count and bool(out.any()):
+                pad_slot = pad - self.first if self.slot_of is None else int(self.slot_of.find(torch.tensor([pad]))[0])
+                out &= slots != pad_slot
         return out
 
     def _renew(self, ids: torch.Tensor, slots: torch.Tensor, swept: bool = False) -> None:

@@ -51,3 +51,23 @@ def test_optimizer_state_loads_in_either_order_with_eviction(world, optimizer_fi
     saved, loaded = got["saved"], got["loaded"]
     assert saved["ids"].tolist() == loaded["ids"].tolist() == [4, 5, 6, 50, 51]
     assert torch.equal(saved["sum"], loaded["sum"])
+
+
+@pytest.mark.parametrize("init", ["eager", "lazy"])
+def test_a_loaded_padding_row_is_never_evicted(init):
+    # nn.Embedding never changes its padding row, a loaded one included: eviction (of rows not
+    # stepped) must not reset it to zeros
+    from remote_module.ps import _table_server
+    from remote_module.ps._rows import TableSpec
+    from remote_module.ps._rowwise import row_optimizer
+
+    name = job(f"evict-padding-{init}")
+    spec = TableSpec(10, 2, torch.float32, init, 0, "async", 1, row_optimizer(torch.optim.SGD, {"lr": 0.5}),
+                     padding_idx=0, evict_after=2)
+    table, _ = _table_server._tables.setdefault(name, lambda: _table_server.Table(name, spec, [(0, 10)]))
+    _table_server._set_rows(name, torch.tensor([0]), torch.full((1, 2), 5.0))
+    for _ in range(4):
+        with table.lock:
+            table.apply(torch.tensor([3]), torch.ones(1, 2))
+    assert torch.equal(table.lookup(torch.tensor([0])), torch.full((1, 2), 5.0))
+    assert table.stats()["rows_evicted"] == 0
