@@ -143,8 +143,8 @@ class TableCheckpoints:
                            clock, held if self.init == "lazy" else ())))
         call_all(calls, timeout=self.timeout)
         admission = extra.get("admission")
-        if admission and getattr(self, "admit_after", 1) > 1:
-            parts = [(blocks, data, None) for blocks, data in admission]
+        if getattr(self, "admit_after", 1) > 1:  # (a checkpoint without counts: counts start from zero)
+            parts = [(blocks, data, None) for blocks, data in admission or ()]
             call_all([(s, _table_server._set_admission, (self.name, parts)) for s in self._by_server],
                      timeout=self.timeout)
         if self._geo is not None:  # cached rows are stale now: the next lookups fetch the loaded ones
@@ -215,6 +215,9 @@ class TableCheckpoints:
             "admission": [g["sketch"] for g in got if g["sketch"] is not None],
             "admission_bits": self._admission_bits(),
             "ps_optimizer": self.ps_optimizer.state_dict(),
+            # which deltas it follows and reaches, per server: loads check that deltas come in order
+            "chain": {"table": self.name, "token": token,
+                      "versions": {s: g["versions"] for s, g in zip(self._by_server, got)}},
         }
         if got[0]["last"] is not None:
             clock = out["clock"]
@@ -240,6 +243,7 @@ class TableCheckpoints:
             delta.get("admission"), delta.get("admission_bits"), chunked=True)
         if misfit:
             raise ValueError(f"delta for table {self.name!r} does not fit it: {misfit}")
+        self._check_chain(delta.get("chain"))
         ids = ids.long()
         self._before_rows_change()
         if "ps_optimizer" in delta:
@@ -271,6 +275,27 @@ class TableCheckpoints:
             if "geo" in delta:
                 self._geo.load_delta(delta["geo"])
             self._geo.drop(torch.cat([ids, evicted]).unique())
+        chain = delta.get("chain")
+        if chain is not None:
+            self.__dict__.setdefault("_delta_chains", {})[(chain["table"], chain["token"])] = chain["versions"]
+
+    def _check_chain(self, chain: Any) -> None:
+        """``ValueError`` unless a delta of the same table and token loaded into this table
+        before (if any) is the one this delta follows, on each server (or this delta itself,
+        loaded again): deltas loaded out of order would move rows back in time."""
+        if chain is None:
+            return
+        last = self.__dict__.get("_delta_chains", {}).get((chain["table"], chain["token"]))
+        if last is None:
+            return
+        follows = {s: v[0] for s, v in chain["versions"].items() if v[0] >= 0}  # (-1: a whole table there)
+        again = chain["versions"] == last
+        if not again and any(last.get(s, (None, None))[1] != v for s, v in follows.items()):
+            raise ValueError(
+                f"delta of table {chain['table']!r} (token {chain['token']!r}) does not follow the last one of "
+                f"that table and token loaded here: load deltas in the order delta_state_dict() returned them "
+                f"(it follows versions {follows}, the last loaded reached "
+                f"{ {s: v[1] for s, v in last.items()} })")
 
     def _misfit(self, ids: Any, rows: dict[str, Any]) -> str | None:
         """What makes ``ids`` and their ``rows`` (by name) not fit this table (``None`` if they do)."""

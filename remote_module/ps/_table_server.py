@@ -695,6 +695,7 @@ def _table_delta(name: str, token: str) -> dict:
             "evicted": torch.cat(tombs) if tombs else torch.empty(0, dtype=torch.long),
             "step": table.optimizer_steps, "clock": table.clocks.step,
             "sketch": None if sketch is None else ([(r.first, r.count) for r in table.blocks],) + sketch,
+            "versions": (since, table.clocks.version),  # (what it follows, what it reaches)
         }
         table.baselines[token] = table.clocks.version
         table._trim_tombstones()

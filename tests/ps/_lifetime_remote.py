@@ -182,3 +182,30 @@ def collection_train(name: str, steps: int, collect: bool) -> dict:
         rows = {k: t(torch.arange(ROWS).reshape(-1, 1)) for k, t in tables.items()}
     stats = model.table_stats() if collect else {k: t.table_stats() for k, t in tables.items()}
     return {"outs": outs, "rows": rows, "stats": stats}
+
+
+def delta_order(name: str) -> list[str]:
+    """Deltas loaded out of order are refused; in order (one loaded twice) they load."""
+    emb = table(name, ["ps0", "ps1"])
+    out = []
+
+    def train_step(s: int) -> None:
+        ids = batch(s)
+        (emb(ids) * weights(s, 0, ids.numel())).sum().backward()
+        emb.step()
+
+    train_step(0)
+    base = emb.delta_state_dict("t")
+    train_step(1)
+    first = emb.delta_state_dict("t")
+    train_step(2)
+    second = emb.delta_state_dict("t")
+    other = table(name + "-copy", ["ps2"])
+    for label, delta in (("base", base), ("second", second), ("first", first), ("first again", first),
+                         ("second", second)):
+        try:
+            other.load_delta_state_dict(delta)
+            out.append(f"{label}: ok")
+        except ValueError as exc:
+            out.append(f"{label}: ValueError: {exc}")
+    return out

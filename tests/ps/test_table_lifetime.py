@@ -184,3 +184,10 @@ def test_a_collection_admits_and_evicts_as_its_tables_one_by_one(world):
         stats = together["stats"][k]
         assert stats["rows_evicted"] > 0 and stats["rows_held"] < 28 * 3, stats
         assert stats["rows_admitted"] == alone["stats"][k]["rows_admitted"]
+
+
+def test_deltas_loaded_out_of_order_are_refused(world):
+    got = world.run({"trainer0": (r.delta_order, job("delta-order"))})["trainer0"]
+    assert got[0] == "base: ok"
+    assert got[1].startswith("second: ValueError") and "in the order delta_state_dict() returned" in got[1], got
+    assert got[2:] == ["first: ok", "first again: ok", "second: ok"], got
