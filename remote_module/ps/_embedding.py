@@ -35,7 +35,7 @@ from remote_module.ps._dispatch import RoundRobin, check_servers
 from remote_module.ps._embedding_checkpoints import TableCheckpoints
 from remote_module.ps._geo_cache import GeoCache
 from remote_module.ps._modes import PS_MODES
-from remote_module.ps._ps_optimizer import PSOptimizer, class_defaults
+from remote_module.ps._ps_optimizer import GroupedPSOptimizer, PSOptimizer, class_defaults
 from remote_module.ps._rows import check_ids
 from remote_module.ps._rowwise import coalesce, row_gradients, row_optimizer
 from remote_module.ps._slicing import _index, block_name, slice_blocks
@@ -54,7 +54,9 @@ _optimizer_hook: Any = None
 
 def _on_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """torch.optim's global post-step hook: tell every table that a local optimizer stepped."""
-    if isinstance(optimizer, PSOptimizer):  # (the servers' optimizer's stand-in: its owner pushed)
+    # (the servers' optimizer's stand-in, or a collection's group of them: its owner pushed, and a
+    # scheduler on it is how the tables' lr is meant to change)
+    if isinstance(optimizer, (PSOptimizer, GroupedPSOptimizer)):
         return
     thread = threading.get_ident()
     for table in list(_live_tables):

@@ -153,6 +153,27 @@ def train_collection(name: str, trainer: int, steps: int) -> dict:
             "restored": tables["a"].ps_optimizer.param_groups[0]["lr"]}
 
 
+def collection_scheduled_warnings(name: str) -> list[str]:
+    """A StepLR on a collection's ps_optimizer (the documented way to schedule its tables),
+    stepped after each ``ebc.step()``: the warnings raised."""
+    import warnings
+
+    from remote_module.ps import ShardedEmbeddingBag, ShardedEmbeddingBagCollection
+
+    bag = ShardedEmbeddingBag(ROWS, DIM, ["ps0"], name=name, mode="sum", optimizer=(torch.optim.SGD, {"lr": 0.5}))
+    ebc = ShardedEmbeddingBagCollection({"a": bag})
+    sched = torch.optim.lr_scheduler.StepLR(ebc.ps_optimizer, step_size=1, gamma=0.5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for k in range(3):
+            ids, offsets, target = bag_batch(0, k)
+            ((ebc({"a": (ids, offsets)})["a"] - target) ** 2).mean().backward()
+            ebc.step()
+            sched.step()
+        ebc.flush()
+    return [f"{w.category.__name__}: {w.message}" for w in caught]
+
+
 # ---- async: each push is applied with its own trainer's settings ---------------------------------
 
 

@@ -179,6 +179,13 @@ def test_a_tables_setting_its_rows_cannot_take_raises_before_any_gradient_is_tak
         torch.testing.assert_close(values[key], want, rtol=0, atol=0, msg=key)
 
 
+def test_a_scheduler_on_a_collections_ps_optimizer_does_not_warn(world):
+    # the collection's ps_optimizer is where its tables' lr is scheduled (embeddings.md): the
+    # warning about a local optimizer's lr that does not reach the rows is not for it
+    got = world.run({"trainer0": (r.collection_scheduled_warnings, job("lr-ebc-quiet"))})["trainer0"]
+    assert not [w for w in got if "changed from" in w], got
+
+
 def test_a_scheduler_on_a_local_optimizer_over_a_psmodels_parameters_warns(world):
     # a port that keeps its script's optimizer (facebookresearch/dlrm: SGD(model.parameters()) and
     # its LRPolicyScheduler) and calls model.step() too: the servers step with ps_optimizer's lr,
