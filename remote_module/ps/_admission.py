@@ -23,7 +23,7 @@ DEFAULT_SKETCH_BYTES = 32 << 20
 #: the highest threshold the widest counters (8 bits) hold
 MAX_THRESHOLD = 255
 #: bytes per change-tracking chunk (delta checkpoints send the chunks changed since a baseline)
-CHUNK_BYTES = 1 << 14
+CHUNK_BYTES = 1 << 8
 
 
 def counter_bits(threshold: int) -> int:

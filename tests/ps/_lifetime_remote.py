@@ -137,6 +137,20 @@ def delta_bytes(name: str) -> dict:
     return {"full": _nbytes(full), "delta": _nbytes(delta), "rows": delta["ids"].numel()}
 
 
+def admission_delta_bytes(name: str) -> dict:
+    """A lazy 1,000,000 x 16 table with admit_after=2 (the default sketch) on ps0: the bytes of
+    a full checkpoint and of a delta after a step counting 1,000 new ids (none admitted)."""
+    from remote_module.ps import ShardedEmbedding
+
+    emb = ShardedEmbedding(1_000_000, 16, ["ps0"], name=name, init="lazy", admit_after=2)
+    full = checkpoint(emb)
+    emb.delta_state_dict("t")
+    emb(torch.arange(1, 1_000_000, 1000)).sum().backward()
+    emb.step()
+    delta = emb.delta_state_dict("t")
+    return {"full": _nbytes(full), "delta": _nbytes(delta), "rows": delta["ids"].numel()}
+
+
 def _nbytes(value) -> int:
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()

@@ -155,6 +155,14 @@ def test_a_delta_after_a_step_of_1000_rows_is_at_most_2_percent_of_a_full_checkp
     assert got["delta"] <= 0.02 * got["full"], got
 
 
+def test_a_delta_after_counting_1000_ids_carries_a_small_part_of_the_sketch(world):
+    # each counted id raises 4 counters spread over the whole sketch: the chunks a delta sends
+    # must be small, or every delta of an admit_after table is most of its 32 MiB sketch
+    got = world.run({"trainer0": (r.admission_delta_bytes, job("delta-sketch"))}, timeout=120)["trainer0"]
+    assert got["rows"] == 0  # (counted once: not admitted)
+    assert got["delta"] <= 0.05 * got["full"], got
+
+
 @pytest.mark.parametrize("kwargs, words", [
     ({"admit_after": 0}, "admit_after must be a positive int"),
     ({"admit_after": -2}, "got -2"),
