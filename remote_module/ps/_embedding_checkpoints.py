@@ -14,6 +14,14 @@ from remote_module.ps._admission import counter_bits
 from remote_module.ps._rows import AT_INIT
 
 
+def _compact(counters: torch.Tensor) -> torch.Tensor:
+    """An admission sketch's counters as a checkpoint keeps them: a sparse tensor while few
+    bytes are nonzero (a sketch that counted few ids), else as they are."""
+    if int(torch.count_nonzero(counters)) * 9 < counters.numel():
+        return counters.to_sparse()
+    return counters
+
+
 def _in_held(ids: torch.Tensor, held: list[tuple[int, int]]) -> torch.Tensor:
     inside = torch.zeros(ids.shape, dtype=torch.bool)
     for first, count in held:
@@ -91,7 +99,8 @@ class TableCheckpoints:
             admission = call_all([(s, _table_server._admission_state, (self.name,)) for s in self._by_server],
                                  timeout=self.timeout)
             destination[prefix + "_extra_state"] = {"eviction_clock": clock,
-                                                    "admission": [a for a in admission if a is not None],
+                                                    "admission": [(blocks, _compact(data)) for blocks, data in
+                                                                  (a for a in admission if a is not None)],
                                                     "admission_bits": self._admission_bits()}
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any, strict: bool,
@@ -144,7 +153,7 @@ class TableCheckpoints:
         call_all(calls, timeout=self.timeout)
         admission = extra.get("admission")
         if getattr(self, "admit_after", 1) > 1:  # (a checkpoint without counts: counts start from zero)
-            parts = [(blocks, data, None) for blocks, data in admission or ()]
+            parts = [(blocks, data.to_dense() if data.is_sparse else data, None) for blocks, data in admission or ()]
             call_all([(s, _table_server._set_admission, (self.name, parts)) for s in self._by_server],
                      timeout=self.timeout)
         if self._geo is not None:  # cached rows are stale now: the next lookups fetch the loaded ones
