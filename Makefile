@@ -49,3 +49,4 @@ bench: .install-stamp
 	$(PYTHON) -m tests.benchmarks.bench_ps
 	$(PYTHON) -m tests.benchmarks.bench_embedding
 	$(PYTHON) -m tests.benchmarks.bench_dlrm
+	$(PYTHON) -m tests.benchmarks.bench_admission

@@ -16,9 +16,11 @@ from tests.benchmarks._cpu import CpuMeter
 
 
 def parse_args(description: str, default_json: str, argv: list[str] | None,
-               transport: bool = True) -> argparse.Namespace:
+               transport: bool = True, extra: Callable[[argparse.ArgumentParser], Any] | None = None
+               ) -> argparse.Namespace:
     """``--quick`` (small sizes, for a smoke run), ``--json PATH`` and ``--transport`` (the
-    world's TensorPipe transport, ``rpc_backend``'s default unless given)."""
+    world's TensorPipe transport, ``rpc_backend``'s default unless given); ``extra(parser)``
+    adds a benchmark's own options."""
     from rpc_backend import DEFAULT_TRANSPORT, TRANSPORTS
 
     parser = argparse.ArgumentParser(description=description)
@@ -27,6 +29,8 @@ def parse_args(description: str, default_json: str, argv: list[str] | None,
     if transport:  # (not for a benchmark that compares the transports itself)
         parser.add_argument("--transport", choices=TRANSPORTS, default=DEFAULT_TRANSPORT,
                             help=f"the world's transport (default {DEFAULT_TRANSPORT})")
+    if extra is not None:
+        extra(parser)
     return parser.parse_args(argv)
 
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from tests.benchmarks import bench_dlrm, bench_embedding, bench_pipeline, bench_ps, bench_sharded
+from tests.benchmarks import bench_admission, bench_dlrm, bench_embedding, bench_pipeline, bench_ps, bench_sharded
 from tests.benchmarks import bench_remote_module as bench
 from tests.benchmarks._caller_bytes import sized
 
@@ -288,3 +288,54 @@ def test_quick_dlrm_benchmark_runs(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "ratios of medians" in printed and "messages per training step" in printed
 
+
+
+@pytest.mark.slow
+def test_quick_admission_benchmark_runs(tmp_path, capsys):
+    # the run itself checks the hot rows against the reference (their first admit_after - 1
+    # counted steps' gradients dropped) and that eviction bounds the drifting tables' rows
+    saved = quick_run(bench_admission, tmp_path / "bench-admission.json")
+    cfg, a, d = saved["config"], saved["admission"], saved["drift"]
+    assert a["steps"] == -(-cfg["distinct"] // cfg["fresh_per_step"]) and a["steps_per_s"] > 0
+    assert a["hot_max_abs_diff"] <= cfg["hot_atol"] and a["hot_max_moved"] > 0
+    # every hot id admitted; the rows beyond them are false admissions (fresh ids seen once)
+    assert a["false_admissions"] == a["table_stats"]["rows_admitted"] - cfg["hot"] >= 0
+    assert a["table_stats"]["rows_held"] == a["table_stats"]["rows_admitted"]  # (no eviction in part 1)
+    assert a["false_admissions_by_the_bound"] >= 0 and 0 <= a["false_admission_rate_at_end"] < 1
+    assert 0 < a["rss_table_created_MB"] and 0 < a["rss_after_MB"] and a["rss_series_MB"][0][0] == 0
+    assert set(d["steps_per_s"]) == set(bench_admission.DRIFT_VARIANTS) == set(d["longest_eviction_pause_s"])
+    _cpu_beside(d["steps_per_s"], d["step_cpu_s"])
+    assert all(len(s) == cfg["drift_rounds"] for s in d["round_samples_s"].values())
+    assert len(set(d["steps_each"].values())) == 1  # the same stream, as far, for every variant
+    for v, stats in d["table_stats"].items():
+        if "eviction" in v:
+            assert stats["rows_evicted"] > 0 and d["longest_eviction_pause_s"][v] > 0, (v, stats)
+            assert max(n for _, n in d["rows_held_series"][v]) <= d["rows_held_bound"]
+        else:
+            assert stats["rows_evicted"] == 0 and d["longest_eviction_pause_s"][v] == 0, (v, stats)
+    held = [n for _, n in d["rows_held_series"]["lazy"]]
+    assert held == sorted(held)  # without eviction the table only grows
+    assert d["table_stats"]["admission"]["rows_held"] < d["table_stats"]["lazy"]["rows_held"]
+    assert saved["threads_in_rpc_handlers"] == {"ps0": 1}
+    assert os.environ.get("OMP_NUM_THREADS") == _OMP_BEFORE
+    printed = capsys.readouterr().out
+    assert "ratios of medians" in printed and "(target <= 100)" in printed and "longest pause ms" in printed
+
+
+def test_admission_figures():
+    cfg = {**bench_admission.FULL}
+    r = bench_admission.ratios({"drift": {"steps_per_s": {"lazy": 100.0, "admission": 50.0, "eviction": 125.0,
+                                                          "admission + eviction": 80.0}}})
+    assert r == {"drift steps/s: admission / lazy": 0.5, "drift steps/s: eviction / lazy": 1.25,
+                 "drift steps/s: admission + eviction / lazy": 0.8}
+    # an evicting table holds the ids of the last evict_after + evict_after // 4 + 1 windows at most
+    assert bench_admission.drift_bound(cfg) == 65_536 + (50 + 12 + 1) * 1024
+    # the documented bound, summed over the stream: below its end rate times every id
+    expected = bench_admission.expected_false_admissions({**cfg, "distinct": 2_000_000})
+    from remote_module.ps._admission import false_admission_rate
+    assert 0 < expected < 2_000_000 * false_admission_rate(cfg["sketch_bytes"], 2, 2_010_000)
+    # positions to ids: a bijection of the table's rows
+    from tests.benchmarks._admission_hosts import spread
+    ids = spread(torch.arange(1000), 1000)
+    assert sorted(ids.tolist()) == list(range(1000))
+    assert torch.unique(spread(torch.arange(100_000), 10**9)).numel() == 100_000
