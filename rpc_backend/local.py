@@ -193,7 +193,11 @@ def run_local(
     the process ends); the ranks also exit by themselves if the caller dies outright. The ranks
     keep two unactionable torch warnings off the console (see ``rpc_backend/_quiet.py``).
     As torchrun does, ranks start with ``OMP_NUM_THREADS=1`` (one intra-op thread each: they
-    share the machine's cores) unless the caller's environment sets it.
+    share the machine's cores) unless the caller's environment sets it. They also start with
+    ``MALLOC_ARENA_MAX=2`` unless it is set: glibc gives each thread that allocates its own
+    memory arena, and each of an RPC server's handler threads kept the freed temporaries of
+    the calls it ran (a long-lived table server's memory grew 2.3x as much over a stream of
+    lookups and pushes: tests/benchmarks/bench_admission.py).
     MASTER_ADDR / MASTER_PORT name a store the launcher hosts on 127.0.0.1 (as torchrun's agent
     does), so :func:`~rpc_backend.init_role_process_group` and ``init_process_group`` work in
     ``fn``. Returns the ranks' return values ordered by rank, copied by value with plain pickle
@@ -264,7 +268,8 @@ def run_local(
         ]
         try:
             stop.raise_if_received()
-            with _environment_lock, _one_thread_unless_set(world_size):  # read by the zygote as it starts
+            with _environment_lock, _one_thread_unless_set(world_size), \
+                    _unless_set("MALLOC_ARENA_MAX", "2"):  # read by the zygote as it starts
                 ranks = start_world(rank_args, names)  # raises for e.g. an fn that cannot be pickled
             if progress is not None:
                 progress(f"started {world_size} processes ({', '.join(names)}), forked from one that imports "
@@ -288,14 +293,24 @@ def _one_thread_unless_set(world_size: int) -> Iterator[None]:
     """``OMP_NUM_THREADS=1`` in this process's environment while the ranks start (a spawned
     process gets the environment as it is at its start), as torchrun sets it for more than one
     process per machine, unless the caller has set it; the caller's environment afterwards."""
-    if world_size < 2 or "OMP_NUM_THREADS" in os.environ:
+    if world_size < 2:
         yield
         return
-    os.environ["OMP_NUM_THREADS"] = "1"
+    with _unless_set("OMP_NUM_THREADS", "1"):
+        yield
+
+
+@contextlib.contextmanager
+def _unless_set(name: str, value: str) -> Iterator[None]:
+    """``name=value`` in this process's environment meanwhile, unless the caller has set it."""
+    if name in os.environ:
+        yield
+        return
+    os.environ[name] = value
     try:
         yield
     finally:
-        os.environ.pop("OMP_NUM_THREADS", None)
+        os.environ.pop(name, None)
 
 
 def _collect(

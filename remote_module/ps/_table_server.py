@@ -16,6 +16,8 @@ of trainers). Bags can be pooled here (:func:`pool_rows`), so only pooled rows t
 
 from __future__ import annotations
 
+import ctypes
+import itertools
 import math
 import threading
 import time
@@ -200,6 +202,8 @@ class Table:
         """One of the table's steps is done here (lock held): eviction counts it, and sweeps the
         evicted rows every ``evict_after / 4`` steps (they read as absent meanwhile)."""
         self.clocks.step += 1
+        if self.spec.init == "lazy":
+            _release_freed_memory()
         n = self.spec.evict_after
         if n is not None and self.clocks.step - self.swept_at >= max(1, n // 4):
             self.sweep()
@@ -352,6 +356,28 @@ class Table:
             if rows.first == first:
                 return rows
         raise LookupError(f"table {self.name!r} has no block starting at row {first} here")
+
+
+def _malloc_trim() -> object:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc
+    except (OSError, AttributeError):
+        return None
+
+
+_trim = _malloc_trim()
+#: lazy tables' steps on this server between two returns of freed memory to the system
+TRIM_EVERY = 64
+_lazy_steps = itertools.count(1)
+
+
+def _release_freed_memory() -> None:
+    """Every ``TRIM_EVERY`` steps of lazy tables here, hand the memory malloc holds freed back
+    to the system (glibc's ``malloc_trim``): a server's lookups and pushes free temporaries of
+    every size, which glibc otherwise keeps per arena, so a long-lived server's memory would
+    grow by far more than its rows."""
+    if _trim is not None and next(_lazy_steps) % TRIM_EVERY == 0:
+        _trim(0)
 
 
 # ---- handlers ------------------------------------------------------------------------------

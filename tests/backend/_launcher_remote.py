@@ -66,5 +66,6 @@ def what_a_rank_sees(mark_name: str) -> dict:
         "launcher": parent_of(os.getppid()),
         "threads": torch.get_num_threads(),
         "omp_env": os.environ.get("OMP_NUM_THREADS"),
+        "arenas_env": os.environ.get("MALLOC_ARENA_MAX"),
     }
 

@@ -124,8 +124,10 @@ def test_ranks_see_the_callers_environment_cwd_stdout_and_transport_as_of_each_c
         monkeypatch.setenv(mark, f"call{i}")  # changed after the first call: the second sees it
         if i == 0:
             monkeypatch.setenv("OMP_NUM_THREADS", str(THREADS[i]))
+            monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
         else:
             monkeypatch.delenv("OMP_NUM_THREADS")
+            monkeypatch.delenv("MALLOC_ARENA_MAX")
         transport = TRANSPORT_OF_CALL[i]
         seen[i] = run_local(_launcher_remote.what_a_rank_sees, 2, args=(mark,), timeout=90, **transport)
     me = os.getpid()
@@ -134,6 +136,7 @@ def test_ranks_see_the_callers_environment_cwd_stdout_and_transport_as_of_each_c
             assert got["mark"] == f"call{i}" and got["cwd"] == str(tmp_path), got
             assert got["threads"] == THREADS[i], got  # OMP_NUM_THREADS as the call saw it, else 1
             assert got["omp_env"] == str(THREADS[i]), got
+            assert got["arenas_env"] == ("4", "2")[i], got  # the caller's, else 2 (glibc arenas per rank)
             # forked by one process per world (the zygote), which this process spawned
             assert got["launcher"] == me and got["parent"] == got["mp_parent"] != me, got
             if got["thread_names"] is not None:  # Linux: the transport asked for, and only it
@@ -146,7 +149,7 @@ def test_ranks_see_the_callers_environment_cwd_stdout_and_transport_as_of_each_c
     # their prints reach the caller's stdout (here: pytest's capture)
     out = capfd.readouterr().out
     assert out.count("rank 0 prints") == 2 and out.count("rank 1 prints") == 2, out
-    assert "OMP_NUM_THREADS" not in os.environ  # the caller's environment, as it was
+    assert "OMP_NUM_THREADS" not in os.environ and "MALLOC_ARENA_MAX" not in os.environ  # as it was
 
 
 
