@@ -309,15 +309,22 @@ class _Rows:
                 found[absent] = new_slots[torch.searchsorted(missing, ids[absent])]
         return found
 
-    def sweep(self) -> torch.Tensor:
+    def sweep(self, force: bool = True) -> torch.Tensor:
         """Drop the evicted rows (lock held): a lazy block frees their storage and optimizer
-        state, an eager one sets them to their first values; the ids dropped."""
+        state, an eager one sets them to their first values; the ids dropped. Not ``force``:
+        only when they are at least an eighth of the rows stored."""
+        nothing = torch.empty(0, dtype=torch.long)
         if self.last is None:
-            return torch.empty(0, dtype=torch.long)
+            return nothing
+        # (one pass over the clocks first: most sweeps find nothing, or too little, to drop)
+        last = self.last[:self.used]
+        stale = int(((last != AT_INIT) & (last <= self.clocks.step - self.spec.evict_after)).sum())
+        if not stale or (not force and stale < max(1, self.used // 8)):
+            return nothing
         ids, slots = self.stored()
         gone = self.stale(slots)
         if not bool(gone.any()):
-            return torch.empty(0, dtype=torch.long)
+            return nothing
         self.evicted += int(gone.sum())
         return self.drop(ids, slots, gone)
 

@@ -206,10 +206,12 @@ class Table:
             _release_freed_memory()
         n = self.spec.evict_after
         if n is not None and self.clocks.step - self.swept_at >= max(1, n // 4):
-            self.sweep()
+            self.sweep(force=False)
 
-    def sweep(self) -> None:
-        """Drop the evicted rows now (lock held); their ids are kept as tombstones for deltas."""
+    def sweep(self, force: bool = True) -> None:
+        """Drop the evicted rows now (lock held); their ids are kept as tombstones for deltas.
+        Not ``force``: only in blocks where they are at least an eighth of the rows (compacting
+        costs a pass over all the rows; evicted rows read as absent until then)."""
         if self.spec.evict_after is None:
             return
         began = time.perf_counter()
@@ -217,7 +219,7 @@ class Table:
         gone = []
         for rows in self.blocks:
             with rows.lock:
-                gone.append(rows.sweep())
+                gone.append(rows.sweep(force))
         gone_ids = torch.cat(gone)
         if gone_ids.numel():
             self.tombstones.append((self.clocks.bump(), gone_ids))
@@ -341,8 +343,9 @@ class Table:
         return sum(rows.memory_bytes() for rows in self.blocks)
 
     def stats(self) -> dict:
-        """:func:`_table_stats`'s answer for this server."""
+        """:func:`_table_stats`'s answer for this server (evicted rows swept first)."""
         with self.lock:
+            self.sweep()
             return {"rows_held": sum(r.used if r.slot_of is not None else r.count for r in self.blocks),
                     "rows_admitted": sum(r.created for r in self.blocks),
                     "rows_evicted": sum(r.evicted for r in self.blocks),
