@@ -51,6 +51,8 @@ class Table:
 
     def __init__(self, name: str, spec: TableSpec, blocks: list[tuple[int, int]]) -> None:
         self.name, self.spec = name, spec
+        if spec.init == "lazy":
+            _fix_mmap_threshold()
         key = row_key(spec.seed, name)
         self.clocks = Clocks()
         self.blocks = [_Rows(spec, first, count, key, self.clocks) for first, count in sorted(blocks)]
@@ -361,14 +363,30 @@ class Table:
         raise LookupError(f"table {self.name!r} has no block starting at row {first} here")
 
 
-def _malloc_trim() -> object:
+def _glibc(name: str) -> object:
     try:
-        return ctypes.CDLL(None).malloc_trim  # glibc
-    except (OSError, AttributeError):
+        return getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError):  # (not glibc)
         return None
 
 
-_trim = _malloc_trim()
+_trim = _glibc("malloc_trim")
+_mallopt = _glibc("mallopt")
+#: glibc's mallopt parameter: allocations of at least this many bytes are mapped on their own
+#: and unmapped when freed
+_M_MMAP_THRESHOLD = -3
+_fixed_threshold = False
+
+
+def _fix_mmap_threshold() -> None:
+    """Once a lazy table lives here: allocations of 1 MiB or more are mapped on their own (and
+    returned to the system when freed), always. glibc's default threshold moves up to each
+    large block freed (up to 32 MiB), after which the blocks a lazy table grows into and drops
+    stay in its heap, fragmented."""
+    global _fixed_threshold
+    if _mallopt is not None and not _fixed_threshold:
+        _fixed_threshold = True
+        _mallopt(_M_MMAP_THRESHOLD, 1 << 20)
 #: lazy tables' steps on this server between two returns of freed memory to the system
 TRIM_EVERY = 64
 _lazy_steps = itertools.count(1)
