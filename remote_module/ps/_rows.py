@@ -161,6 +161,20 @@ class SlotIndex:
             self.ids, self.slots = self._merged(self.ids, self.slots, self.recent_ids, self.recent_slots)
             self.recent_ids = self.recent_slots = torch.empty(0, dtype=torch.long)
 
+    def remove_slots(self, dead: torch.Tensor) -> torch.Tensor:
+        """Remove the ids whose slot ``s`` has ``dead[s]`` (a bool per slot, covering every slot
+        held); the ids removed, ascending."""
+        removed = []
+        for run in ("", "recent_"):
+            ids, slots = getattr(self, run + "ids"), getattr(self, run + "slots")
+            if not ids.numel():
+                continue
+            gone = dead.index_select(0, slots)
+            removed.append(ids[gone])
+            setattr(self, run + "ids", ids[~gone])
+            setattr(self, run + "slots", slots[~gone])
+        return torch.sort(torch.cat(removed))[0] if removed else torch.empty(0, dtype=torch.long)
+
     def pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every ``(ids, slots)``, ids ascending."""
         return self._merged(self.ids, self.slots, self.recent_ids, self.recent_slots)
@@ -231,6 +245,9 @@ class _Rows:
         self.state_slot = torch.full((count if spec.init == "eager" else 0,), -1, dtype=torch.long)
         self.state_used = 0
         self.state: dict[str, torch.Tensor] = {}
+        # slots and state slots freed by eviction or a load (lazy), which new rows take first
+        self.free = torch.empty(0, dtype=torch.long)
+        self.state_free = torch.empty(0, dtype=torch.long)
         size = count if spec.init == "eager" else 0
         # each slot's version when it last changed (delta checkpoints), and with eviction the
         # table's step when it was last stepped (AT_INIT: an eager row at its first value, which
@@ -259,11 +276,23 @@ class _Rows:
         (``swept``: an eager block's rows dropped by a sweep, left at their first values; else
         rows about to be stepped or set)."""
         self.values[slots] = self.initial(ids)
-        self.state_slot[slots] = -1
+        self._free_state(slots)
         self.touched[slots] = False
         self.changed[slots] = self.clocks.version
         if self.last is not None:  # (an eager row back at its first value: nothing to evict until it changes)
             self.last[slots] = AT_INIT if swept else self.clocks.step
+
+    def _free_state(self, slots: torch.Tensor) -> None:
+        """Storage ``slots`` keep no optimizer state: their state rows are free for others."""
+        held = self.state_slot.index_select(0, slots)
+        held = held[held >= 0]
+        if held.numel():
+            self.state_free = torch.cat([self.state_free, held])
+        self.state_slot[slots] = -1
+
+    def held(self) -> int:
+        """Rows stored (a lazy block's slots in use, less the free ones)."""
+        return self.used - self.free.numel()
 
     def initial(self, ids: torch.Tensor) -> torch.Tensor:
         """The first values of rows ``ids`` (:func:`initial_rows`)."""
@@ -289,7 +318,8 @@ class _Rows:
             absent = found < 0
             if bool(absent.any()):
                 missing = torch.unique(ids[absent])  # sorted
-                start, need = self.used, self.used + missing.numel()
+                reused, self.free = self.free[:missing.numel()], self.free[missing.numel():]
+                start, need = self.used, self.used + missing.numel() - reused.numel()
                 if need > self.values.shape[0]:  # grow by doubling: appending rows stays cheap on average
                     capacity = max(need, 2 * self.values.shape[0], 64)
                     self.values = _grown(self.values, capacity)
@@ -298,13 +328,13 @@ class _Rows:
                     self.changed = _grown(self.changed, capacity)
                     if self.last is not None:
                         self.last = _grown(self.last, capacity)
-                self.values[start:need] = self.initial(missing)
-                self.changed[start:need] = self.clocks.version
+                new_slots = torch.cat([reused, torch.arange(start, need)])
+                self.values[new_slots] = self.initial(missing)
+                self.changed[new_slots] = self.clocks.version
                 if self.last is not None:
-                    self.last[start:need] = self.clocks.step
+                    self.last[new_slots] = self.clocks.step
                 self.used = need
                 self.created += missing.numel()
-                new_slots = torch.arange(start, need)
                 self.slot_of.add(missing, new_slots)
                 found[absent] = new_slots[torch.searchsorted(missing, ids[absent])]
         return found
@@ -318,9 +348,18 @@ class _Rows:
             return nothing
         # (one pass over the clocks first: most sweeps find nothing, or too little, to drop)
         last = self.last[:self.used]
-        stale = int(((last != AT_INIT) & (last <= self.clocks.step - self.spec.evict_after)).sum())
-        if not stale or (not force and stale < max(1, self.used // 8)):
+        dead = (last != AT_INIT) & (last <= self.clocks.step - self.spec.evict_after)
+        pad = self.spec.padding_idx  # never stepped, so never evicted: it keeps what a load set
+        if pad is not None and self.first <= pad < self.first + self.count:
+            pad_slot = pad - self.first if self.slot_of is None else int(self.slot_of.find(torch.tensor([pad]))[0])
+            if pad_slot >= 0:
+                dead[pad_slot] = False
+        stale = int(dead.sum())
+        if not stale or (not force and stale < max(1, self.held() // 8)):
             return nothing
+        if self.slot_of is not None:  # (no pass over the rows' values: their slots are freed)
+            self.evicted += stale
+            return self._free_slots(dead)
         ids, slots = self.stored()
         gone = self.stale(slots)
         if not bool(gone.any()):
@@ -334,22 +373,22 @@ class _Rows:
         values; the ids dropped."""
         if self.slot_of is None:
             self._renew(ids[gone], slots[gone], swept=True)
-        else:
-            keep = slots[~gone]
-            self.values = self.values.index_select(0, keep)
-            self.touched = self.touched.index_select(0, keep)
-            self.changed = self.changed.index_select(0, keep)
-            self.last = self.last.index_select(0, keep)
-            self.state_slot = self.state_slot.index_select(0, keep)
-            self.slot_of = SlotIndex()
-            self.slot_of.ids, self.slot_of.slots = ids[~gone], torch.arange(keep.numel())
-            self.used = keep.numel()
-        # the optimizer state of the rows kept only, in the order of their slots
-        has = (self.state_slot >= 0).nonzero().reshape(-1)
-        self.state = {k: v.index_select(0, self.state_slot[has]) for k, v in self.state.items()}
-        self.state_slot[has] = torch.arange(has.numel())
-        self.state_used = has.numel()
-        return ids[gone]
+            return ids[gone]
+        dead = torch.zeros(self.used, dtype=torch.bool)
+        dead[slots[gone]] = True
+        return self._free_slots(dead)
+
+    def _free_slots(self, dead: torch.Tensor) -> torch.Tensor:
+        """A lazy block drops the rows in the slots ``dead`` marks (a bool per used slot): their
+        slots and state rows are free for new rows; the ids dropped."""
+        gone_ids = self.slot_of.remove_slots(dead)
+        freed = dead.nonzero().reshape(-1)
+        self._free_state(freed)
+        self.touched[freed] = False
+        if self.last is not None:
+            self.last[freed] = AT_INIT  # (free: nothing to evict there)
+        self.free = torch.cat([self.free, freed])
+        return gone_ids
 
     def stored(self, stepped_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(ids, slots)`` of the rows stored here, sorted by id: every row of an eager block,
@@ -381,6 +420,15 @@ class _Rows:
         state where a row has none yet (lock held)."""
         found = self.state_slot.index_select(0, slots)
         new = (found < 0).nonzero().reshape(-1)
+        if new.numel() and self.state_free.numel():  # state rows freed by eviction first
+            k = min(new.numel(), self.state_free.numel())
+            reused, self.state_free = self.state_free[:k], self.state_free[k:]
+            fresh = new_state(self.spec.optimizer, k, self.spec.dim, self.spec.dtype)
+            for key, v in fresh.items():
+                self.state[key][reused] = v
+            found[new[:k]] = reused
+            self.state_slot.index_copy_(0, slots[new[:k]], reused)
+            new = new[k:]
         if new.numel():
             start, need = self.state_used, self.state_used + new.numel()
             fresh = new_state(self.spec.optimizer, new.numel(), self.spec.dim, self.spec.dtype)
@@ -424,13 +472,13 @@ class _Rows:
         rows and all state grow by doubling, so up to twice that, and at least 64 rows, may be
         allocated)."""
         row = self.values.shape[1] * self.values.element_size()
-        return self.used * row + self.state_used * row * len(self.state)
+        return self.held() * row + (self.state_used - self.state_free.numel()) * row * len(self.state)
 
     def bookkeeping_bytes(self) -> int:
         """Bytes per row stored besides its values and state: whether it was stepped, its state
         slot, its version, its eviction clock, a lazy block's id-to-slot index."""
         per_slot = 1 + 8 + 8 + (8 if self.last is not None else 0) + (16 if self.slot_of is not None else 0)
-        return self.used * per_slot
+        return self.held() * per_slot
 
 
 def check_offsets(offsets: object) -> None:

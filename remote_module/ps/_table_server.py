@@ -348,7 +348,7 @@ class Table:
         """:func:`_table_stats`'s answer for this server (evicted rows swept first)."""
         with self.lock:
             self.sweep()
-            return {"rows_held": sum(r.used if r.slot_of is not None else r.count for r in self.blocks),
+            return {"rows_held": sum(r.held() for r in self.blocks),
                     "rows_admitted": sum(r.created for r in self.blocks),
                     "rows_evicted": sum(r.evicted for r in self.blocks),
                     "bytes": self.memory_bytes() + sum(r.bookkeeping_bytes() for r in self.blocks)
@@ -812,6 +812,7 @@ def _set_row_state(name: str, optimizer_steps: int, ids: torch.Tensor, state: di
                 rows.touched.zero_()
                 rows.state_slot.fill_(-1)
                 rows.state_used = 0
+                rows.state_free = torch.empty(0, dtype=torch.long)
                 rows.changed[:rows.used] = version
         if not ids.numel():
             return

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from remote_module.ps._rows import initial_rows, row_key
+from remote_module.ps._rows import TableSpec, initial_rows, row_key
 from tests.ps import _lifetime_edges_remote as r
 from tests.ps._world import job
 
@@ -71,3 +71,41 @@ def test_a_loaded_padding_row_is_never_evicted(init):
             table.apply(torch.tensor([3]), torch.ones(1, 2))
     assert torch.equal(table.lookup(torch.tensor([0])), torch.full((1, 2), 5.0))
     assert table.stats()["rows_evicted"] == 0
+
+
+@pytest.mark.parametrize("init", ["lazy", "eager"])
+def test_eviction_with_adagrad_state_equals_a_reference_over_many_sweeps(init):
+    """A table's rows (on this process, no RPC) under a random stream with eviction every 3
+    steps and Adagrad: freed slots and state rows are reused by new rows, and every row and
+    its state equal a reference that resets an evicted row and its state (1e-6)."""
+    from remote_module.ps._rowwise import row_optimizer
+    from remote_module.ps._table_server import Table
+
+    rows_n, dim, lr, n = 64, 3, 0.5, 3
+    spec = TableSpec(rows_n, dim, torch.float32, init, 0, "async", 1, row_optimizer(torch.optim.Adagrad, {"lr": lr}),
+                     evict_after=n)
+    table = Table(job("free-list"), spec, [(0, rows_n)])
+    init_rows = table.blocks[0].initial(torch.arange(rows_n))
+    ref, acc = init_rows.clone(), torch.zeros(rows_n, dim)
+    last = torch.full((rows_n,), -1)  # -1: at its first value
+    gen = torch.Generator().manual_seed(0)
+    for clock in range(60):
+        ids = torch.randint(0, rows_n, (int(torch.randint(1, 20, (1,), generator=gen)),), generator=gen)
+        grad = torch.randn(ids.numel(), dim, generator=gen)
+        stale = (last >= 0) & (clock - last >= n)
+        ref[stale], acc[stale], last[stale] = init_rows[stale], 0, -1
+        uniq, inverse = torch.unique(ids, return_inverse=True)
+        g = torch.zeros(uniq.numel(), dim).index_add_(0, inverse, grad)
+        acc[uniq] += g * g
+        ref[uniq] -= lr * g / (acc[uniq].sqrt() + 1e-10)
+        last[uniq] = clock + 1
+        with table.lock:
+            table.apply(ids, grad)
+        got = table.lookup(torch.arange(rows_n))
+        live = ~((last >= 0) & (clock + 1 - last >= n))
+        torch.testing.assert_close(got[live], ref[live], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got[~live], init_rows[~live], rtol=0, atol=0)
+    block = table.blocks[0]
+    assert block.evicted > 0
+    if init == "lazy":  # storage and state bounded by the rows live within n steps (plus the sweep's lag)
+        assert block.values.shape[0] <= 2 * 20 * (n + 1) and block.state_used <= 2 * 20 * (n + 1)
