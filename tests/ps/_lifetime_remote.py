@@ -223,3 +223,19 @@ def delta_order(name: str) -> list[str]:
         except ValueError as exc:
             out.append(f"{label}: ValueError: {exc}")
     return out
+
+
+def load_replaces(name: str) -> dict:
+    """A lazy table (no admission, no eviction) trained on rows 1-3, saved, trained on 4-5,
+    loaded back: as a local module's load, the rows are the saved ones (4, 5 at their init)."""
+    emb = table(name, ["ps0", "ps1"])
+    for ids in ([1, 2, 3], [4, 5, 3000]):
+        emb(torch.tensor(ids)).sum().backward()
+        emb.step()
+        if ids[0] == 1:
+            saved = {k: v.clone() for k, v in emb.state_dict().items()}
+    emb.load_state_dict(saved)
+    with torch.no_grad():
+        rows = emb(torch.arange(6))
+    return {"ids": emb.state_dict()["weight.ids"].tolist(), "rows": rows, "saved": saved["weight.rows"],
+            "stats": emb.table_stats()}

@@ -200,3 +200,12 @@ def test_deltas_loaded_out_of_order_are_refused(world):
     assert got[0] == "base: ok"
     assert got[1].startswith("second: ValueError") and "in the order delta_state_dict() returned" in got[1], got
     assert got[2:] == ["first: ok", "first again: ok", "second: ok"], got
+
+
+def test_loading_a_lazy_tables_checkpoint_replaces_its_rows(world):
+    name = job("lazy-load-replaces")
+    got = world.run({"trainer0": (r.load_replaces, name)})["trainer0"]
+    assert got["ids"] == [1, 2, 3]
+    assert torch.equal(got["rows"][1:4], got["saved"])
+    assert torch.equal(got["rows"][4:6], r.initial(name, torch.tensor([4, 5])))
+    assert got["stats"]["rows_held"] == 3
