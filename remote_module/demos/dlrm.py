@@ -576,10 +576,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.mode == "geo" and (args.admit_after > 1 or args.evict_after_steps is not None):
         parser.error("--admit-after and --evict-after-steps are for --mode sync, async or half_async (geo trainers "
                      "train their rows locally and push deltas)")
-    from remote_module.ps._admission import MAX_THRESHOLD
+    from remote_module.ps import MAX_ADMIT_AFTER
 
-    if args.admit_after > MAX_THRESHOLD:
-        parser.error(f"argument --admit-after: must be at most {MAX_THRESHOLD}, got {args.admit_after}")
+    if args.admit_after > MAX_ADMIT_AFTER:
+        parser.error(f"argument --admit-after: must be at most {MAX_ADMIT_AFTER}, got {args.admit_after}")
     if args.overlap and args.mode not in ("async", "half_async"):
         parser.error(f"--overlap is for --mode async or half_async (a {args.mode} lookup cannot be sent a step early)")
     args.torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ

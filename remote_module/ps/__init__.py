@@ -9,8 +9,12 @@ sparse lookups and sparse updates (inside a PSModel or on their own);
 :class:`ShardedEmbeddingBagCollection` looks up and pushes several tables together, one
 message per server; their ``prefetch`` (or :func:`prefetching` over a batch iterator) sends the
 next batch's lookups with a step's pushes. Servers run no code of their own.
+A lazy table's row admission (``admit_after``, at most :data:`MAX_ADMIT_AFTER`) counts ids in a
+sketch whose false admissions :func:`false_admission_rate` estimates.
 """
 
+from remote_module.ps._admission import MAX_THRESHOLD as MAX_ADMIT_AFTER
+from remote_module.ps._admission import false_admission_rate
 from remote_module.ps._collection import ShardedEmbeddingBagCollection
 from remote_module.ps._dispatch import HashName, RoundRobin
 from remote_module.ps._embedding import ShardedEmbedding
@@ -21,5 +25,5 @@ from remote_module.ps._slicing import Block, slice_blocks
 
 __all__ = [
     "slice_blocks", "Block", "RoundRobin", "HashName", "PSModel", "ShardedEmbedding", "ShardedEmbeddingBag",
-    "ShardedEmbeddingBagCollection", "prefetching",
+    "ShardedEmbeddingBagCollection", "prefetching", "MAX_ADMIT_AFTER", "false_admission_rate",
 ]
