@@ -774,7 +774,7 @@ def _apply_delta(name: str, whole: tuple[tuple[int, int], ...], evicted: torch.T
                 rows.touched[slots] = stepped[mine]
                 if rows.last is not None:
                     rows.last[slots] = _clocks(rows, table.clocks.step, last, mine)
-                rows.state_slot[slots] = -1  # (rows without state in the delta have none)
+                rows._free_state(slots)  # (rows without state in the delta have none; theirs is free)
                 with_state = has_state[mine]
                 if state and bool(with_state.any()):
                     where = rows.state_slots(slots[with_state])

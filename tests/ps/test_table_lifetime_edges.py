@@ -109,3 +109,32 @@ def test_eviction_with_adagrad_state_equals_a_reference_over_many_sweeps(init):
     assert block.evicted > 0
     if init == "lazy":  # storage and state bounded by the rows live within n steps (plus the sweep's lag)
         assert block.values.shape[0] <= 2 * 20 * (n + 1) and block.state_used <= 2 * 20 * (n + 1)
+
+
+@pytest.mark.parametrize("init", ["lazy", "eager"])
+def test_loading_deltas_frees_the_state_rows_it_replaces(init):
+    """A replica loading delta after delta of the same rows (their Adagrad state in each)
+    reuses their state rows: its state stays the source's size, memory_bytes and
+    table_stats() count only the rows with state (a load set each row's state slot to none
+    and left its old state row neither used nor free: a leak per row per delta)."""
+    from remote_module.ps import _table_server
+    from remote_module.ps._rowwise import row_optimizer
+
+    name = job(f"delta-state-{init}")
+    spec = TableSpec(32, 2, torch.float32, init, 0, "async", 1, row_optimizer(torch.optim.Adagrad, {"lr": 0.1}))
+    source, _ = _table_server._tables.setdefault(name, lambda: _table_server.Table(name, spec, [(0, 32)]))
+    replica = _table_server.Table(name, spec, [(0, 32)])  # (the same name: the same first rows)
+    _table_server._tables.setdefault(name + "-replica", lambda: replica)
+    for _ in range(20):
+        with source.lock:
+            source.apply(torch.tensor([1, 5, 9, 30]), torch.ones(4, 2))
+        d = _table_server._table_delta(name, "replica")
+        _table_server._apply_delta(name + "-replica", tuple(d["whole"]), d["evicted"], d["ids"], d["rows"],
+                                   d["stepped"], d["state"], d["has_state"], d["last"], d["step"], d["clock"])
+    block, mine = replica.blocks[0], source.blocks[0]
+    assert torch.equal(replica.lookup(torch.arange(32)), source.lookup(torch.arange(32)))
+    held = block.state_slot[block.state_slot >= 0]
+    assert held.numel() == 4 and block.state_used - block.state_free.numel() == 4, (block.state_used,
+                                                                                   block.state_free.numel())
+    assert replica.memory_bytes() == source.memory_bytes() == mine.memory_bytes()
+    assert block.state_used <= 8  # (its state rows reused, not one more set per delta)
