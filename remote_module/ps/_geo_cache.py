@@ -36,7 +36,10 @@ class GeoCache:
         self.state = new_state(optimizer, 0, dim, dtype)
         self.steps = 0
         self.calls = 0
-        # delta checkpoints: each state row's step when it last changed, and each caller's baseline
+        # delta checkpoints: a counter of the state's changes (steps and loads; never goes back,
+        # as ``steps`` does when a checkpoint is loaded), each state row's count when it last
+        # changed, and each caller's baseline
+        self.changes = 0
         self.state_changed = torch.empty(0, dtype=torch.long)
         self.baselines: dict[str, int] = {}
 
@@ -65,6 +68,7 @@ class GeoCache:
         """One local optimizer step of the cached rows ``ids`` (sorted, unique, all cached)."""
         with self.lock:
             self.steps += 1
+            self.changes += 1
             at = torch.searchsorted(self.ids, ids)
             before = {}
             if self.state:
@@ -85,7 +89,7 @@ class GeoCache:
                 self.state[k][where] = v
             if self.state:
                 self.state_changed = self._changed()
-                self.state_changed[where] = self.steps
+                self.state_changed[where] = self.changes
 
     def trained(self) -> int:
         """How many cached rows moved since they were fetched: training not pushed yet."""
@@ -113,7 +117,7 @@ class GeoCache:
             return out
 
     def _changed(self) -> torch.Tensor:
-        """``state_changed``, as long as ``state_ids`` (rows loaded count as changed at step 0)."""
+        """``state_changed``, as long as ``state_ids``."""
         if self.state_changed.numel() != self.state_ids.numel():
             self.state_changed = torch.zeros(self.state_ids.numel(), dtype=torch.long)
         return self.state_changed
@@ -127,7 +131,7 @@ class GeoCache:
             out: dict = {"whole": base is None, "step": self.steps, "ids": self.state_ids[pick].clone()}
             out.update({k: v[pick].clone() for k, v in self.state.items()})
             out["geo_step_calls"] = self.calls
-            self.baselines[token] = self.steps
+            self.baselines[token] = self.changes
             return out
 
     def load_delta(self, delta: dict) -> None:
@@ -142,11 +146,13 @@ class GeoCache:
             raise ValueError(f"optimizer state keys {sorted(keys)} do not fit this table's {self.optimizer.kind} "
                              f"optimizer, which keeps {expected}")
         with self.lock:
+            self.changes += 1  # (the rows loaded changed: the next delta of every token holds them)
             where, known = _find(self.state_ids, ids)
             for k, v in keys.items():
                 self.state[k][where[known]] = v[known].to(self.dtype)
+            self._changed()[where[known]] = self.changes
             if not bool(known.all()):
-                changed = torch.cat([self._changed(), torch.zeros(int((~known).sum()), dtype=torch.long)])
+                changed = torch.cat([self._changed(), torch.full((int((~known).sum()),), self.changes)])
                 merged = torch.cat([self.state_ids, ids[~known]])
                 order = torch.argsort(merged)
                 self.state_ids = merged[order]
@@ -168,7 +174,8 @@ class GeoCache:
         with self.lock:
             self.state_ids = ids[order].clone()
             self.state = {k: v[order].to(self.dtype).clone() for k, v in state.items()}
-            self.state_changed = torch.zeros(ids.numel(), dtype=torch.long)
+            self.changes += 1  # (every row changed: the next delta of every token holds them all)
+            self.state_changed = torch.full((ids.numel(),), self.changes, dtype=torch.long)
             self.steps = steps
             if calls is not None:
                 self.calls = calls
@@ -180,4 +187,6 @@ class GeoCache:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        if "changes" not in state:  # (pickled before the counter: its marks and baselines counted steps)
+            self.changes = max([self.steps, *self.baselines.values()])
         self.lock = threading.Lock()

@@ -138,3 +138,38 @@ def test_loading_deltas_frees_the_state_rows_it_replaces(init):
                                                                                    block.state_free.numel())
     assert replica.memory_bytes() == source.memory_bytes() == mine.memory_bytes()
     assert block.state_used <= 8  # (its state rows reused, not one more set per delta)
+
+
+def test_geo_deltas_after_a_load_into_the_source_hold_the_loaded_state():
+    """A geo trainer's local optimizer state, followed by a replica through deltas: after the
+    source loads a checkpoint (its step count goes back) and steps one row, the next delta
+    holds every row the load changed, so the replica equals the source. Rows changed were
+    marked with the step count, which the load moved back below the delta's baseline: the
+    delta was empty and the replica kept the state from before the load, silently."""
+    from remote_module.ps._geo_cache import GeoCache
+    from remote_module.ps._rowwise import row_optimizer
+
+    opt = row_optimizer(torch.optim.Adagrad, {"lr": 0.1})
+    source, replica, second = GeoCache(2, opt), GeoCache(2, opt), GeoCache(2, opt)
+    ids = torch.tensor([1, 2, 3])
+    source.add(ids, torch.zeros(3, 2))
+    for _ in range(5):
+        source.step(ids, torch.ones(3, 2))
+    replica.load_delta(source.delta("t"))  # whole
+    second.load_delta(replica.delta("u"))  # (a replica of the replica)
+    saved = source.state_dict()
+    for _ in range(5):
+        source.step(ids, torch.ones(3, 2))
+    replica.load_delta(source.delta("t"))
+    second.load_delta(replica.delta("u"))
+    source.load_state_dict(saved["step"], saved["ids"], {"sum": saved["sum"]}, saved["geo_step_calls"])
+    source.step(torch.tensor([1]), torch.ones(1, 2))
+    delta = source.delta("t")
+    assert delta["ids"].tolist() == [1, 2, 3] and not delta["whole"]
+    replica.load_delta(delta)
+    second.load_delta(replica.delta("u"))
+    for copy in (replica, second):
+        got, want = copy.state_dict(), source.state_dict()
+        assert got["step"] == want["step"] == 6
+        assert torch.equal(got["ids"], want["ids"]) and torch.equal(got["sum"], want["sum"]), got["sum"]
+    assert source.delta("t")["ids"].numel() == 0  # (nothing changed since)
