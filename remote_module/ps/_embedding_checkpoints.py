@@ -151,6 +151,9 @@ class TableCheckpoints:
                           (self.name, ids[mine], rows[mine].detach().clone(), None if last is None else last[mine],
                            clock, held if self.init == "lazy" else ())))
         call_all(calls, timeout=self.timeout)
+        # the rows are the checkpoint's now: the deltas loaded before are no chain for the next
+        # one (which follows a delta of before the checkpoint, taken or not by this loader)
+        self.__dict__.pop("_delta_chains", None)
         admission = extra.get("admission")
         if getattr(self, "admit_after", 1) > 1:  # (a checkpoint without counts: counts start from zero)
             parts = [(blocks, data.to_dense() if data.is_sparse else data, None) for blocks, data in admission or ()]
@@ -291,7 +294,8 @@ class TableCheckpoints:
     def _check_chain(self, chain: Any) -> None:
         """``ValueError`` unless a delta of the same table and token loaded into this table
         before (if any) is the one this delta follows, on each server (or this delta itself,
-        loaded again): deltas loaded out of order would move rows back in time."""
+        loaded again): deltas loaded out of order would move rows back in time. A full checkpoint
+        (``load_state_dict``) loaded since starts again: the delta after it is taken unchecked."""
         if chain is None:
             return
         last = self.__dict__.get("_delta_chains", {}).get((chain["table"], chain["token"]))

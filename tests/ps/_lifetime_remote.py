@@ -239,3 +239,33 @@ def load_replaces(name: str) -> dict:
         rows = emb(torch.arange(6))
     return {"ids": emb.state_dict()["weight.ids"].tolist(), "rows": rows, "saved": saved["weight.rows"],
             "stats": emb.table_stats()}
+
+
+def delta_after_a_checkpoint(name: str) -> dict:
+    """A loader follows deltas, then loads a full checkpoint taken after its last delta, then
+    the delta taken after that checkpoint: what it holds then, and the source's."""
+    emb = table(name, ["ps0", "ps1"])
+
+    def train_step(s: int) -> None:
+        ids = batch(s)
+        (emb(ids) * weights(s, 0, ids.numel())).sum().backward()
+        emb.step()
+
+    train_step(0)
+    base = emb.delta_state_dict("t")
+    train_step(1)
+    emb.delta_state_dict("t")  # (a delta the loader never sees: the checkpoint below holds its changes)
+    train_step(2)
+    full = checkpoint(emb)
+    train_step(3)
+    after = emb.delta_state_dict("t")
+    loader = table(name + "-copy", ["ps2"])
+    loader.load_delta_state_dict(base)
+    loader.load_state_dict(full["model"])
+    loader.load_optimizer_state_dict(full["optim"])
+    try:
+        loader.load_delta_state_dict(after)
+        error = None
+    except ValueError as exc:
+        error = f"ValueError: {exc}"
+    return {"error": error, "source": emb.state_dict(), "loader": loader.state_dict()}

@@ -209,3 +209,14 @@ def test_loading_a_lazy_tables_checkpoint_replaces_its_rows(world):
     assert torch.equal(got["rows"][1:4], got["saved"])
     assert torch.equal(got["rows"][4:6], r.initial(name, torch.tensor([4, 5])))
     assert got["stats"]["rows_held"] == 3
+
+
+def test_a_delta_after_a_full_checkpoint_loads_after_older_deltas(world):
+    # a loader that followed deltas and then loaded a full checkpoint starts again from it: the
+    # delta taken after that checkpoint loads (it was refused: it did not follow the loader's
+    # last delta, whose changes the checkpoint had replaced), and the loader equals the source
+    got = world.run({"trainer0": (r.delta_after_a_checkpoint, job("delta-after-full"))})["trainer0"]
+    assert got["error"] is None, got["error"]
+    source, loader = got["source"], got["loader"]
+    assert torch.equal(source["weight.ids"], loader["weight.ids"])
+    assert torch.equal(source["weight.rows"], loader["weight.rows"])
