@@ -309,7 +309,10 @@ class _Rows:
                 if not create:
                     return torch.where(stale, -1, found)
                 again, inverse = torch.unique(found[stale], return_inverse=True)
-                self._renew(torch.empty_like(again).scatter_(0, inverse, ids[stale]), again)
+                # (an eager row as a sweep leaves it, AT_INIT: what the caller sets next, a step or
+                # loaded state, must not depend on whether a sweep ran first)
+                self._renew(torch.empty_like(again).scatter_(0, inverse, ids[stale]), again,
+                            swept=self.slot_of is None)
                 self.created += again.numel()
                 self.evicted += again.numel()
         if self.slot_of is None:

@@ -173,3 +173,30 @@ def test_geo_deltas_after_a_load_into_the_source_hold_the_loaded_state():
         assert got["step"] == want["step"] == 6
         assert torch.equal(got["ids"], want["ids"]) and torch.equal(got["sum"], want["sum"]), got["sum"]
     assert source.delta("t")["ids"].numel() == 0  # (nothing changed since)
+
+
+@pytest.mark.parametrize("swept_first", [True, False], ids=["swept", "not-swept"])
+def test_optimizer_state_loaded_onto_an_evicted_eager_row_does_not_depend_on_sweeps(swept_first):
+    """An eager row evicted (stale) gets optimizer state loaded, then its table steps other
+    rows: whether a sweep had run (table_stats() sweeps) must not change what the row's next
+    step uses. Unswept, the load renewed the row with a clock of now, so it was evicted again
+    (its loaded state dropped); swept, it sat at its first value with the state kept."""
+    from remote_module.ps import _table_server
+    from remote_module.ps._rowwise import row_optimizer
+
+    name = job(f"eager-state-{swept_first}")
+    spec = TableSpec(64, 2, torch.float32, "eager", 0, "async", 1, row_optimizer(torch.optim.Adagrad, {"lr": 0.1}),
+                     evict_after=4)
+    table, _ = _table_server._tables.setdefault(name, lambda: _table_server.Table(name, spec, [(0, 64)]))
+    with table.lock:
+        table.apply(torch.tensor([5]), torch.ones(1, 2))
+        for _ in range(5):
+            table.apply(torch.tensor([10]), torch.ones(1, 2))
+    if swept_first:
+        table.stats()
+    _table_server._set_row_state(name, 6, torch.tensor([5]), {"sum": torch.full((1, 2), 9.0)})
+    with table.lock:
+        for _ in range(5):
+            table.apply(torch.tensor([10]), torch.ones(1, 2))
+    _, ids, state = _table_server._row_state(name, 0)
+    assert ids.tolist() == [5, 10] and state["sum"][0].tolist() == [9.0, 9.0], (ids, state)
