@@ -36,7 +36,8 @@ def interleaved(world, name: str, build, backward, between: str | None = None) -
     if between is not None:
         world.run({"trainer1": (r.between, name, between)})
     world.run({"trainer1": (r.step, name)})
-    w2 = world.run({"trainer0": (r.values, name)})["trainer0"]
+    # (read by trainer1: its pull waits for its own push in flight, which trainer0's would not)
+    w2 = world.run({"trainer1": (r.values, name)})["trainer1"]
     return {"w0": w0, "w1": w1, "w2": w2, "late": late, "first": first}
 
 
@@ -88,7 +89,7 @@ def test_a_gradient_from_before_a_load_is_applied_to_the_loaded_values_as_torch_
     got = world.run({steps: (r.backward, name, 1, 0)})[steps]
     world.run({"trainer0": (r.load, name, loaded)})
     world.run({steps: (r.step, name)})
-    after = world.run({"trainer0": (r.values, name)})["trainer0"]
+    after = world.run({steps: (r.values, name)})[steps]  # (its pull waits for its push in flight)
     for k in w0:
         torch.testing.assert_close(after[k], loaded[k] - lr * got["grads"][k], rtol=0, atol=1e-6)
 
