@@ -23,6 +23,13 @@ def weights(step: int, trainer: int, n: int) -> torch.Tensor:
     return torch.randn(n, DIM, generator=torch.Generator().manual_seed(100 * step + trainer))
 
 
+def train_step(emb, step: int, trainer: int = 0) -> None:
+    """One step of ``emb`` on trainer ``trainer``'s batch of step ``step``."""
+    ids = batch(step, trainer)
+    (emb(ids) * weights(step, trainer, ids.numel())).sum().backward()
+    emb.step()
+
+
 def table(name: str, servers: list[str], **kwargs):
     from remote_module.ps import ShardedEmbedding
 
@@ -37,9 +44,7 @@ def train(name: str, steps: int, kwargs: dict, trainer: int = 0, num_trainers: i
     table's stats."""
     emb = table(name, ["ps0", "ps1"], ps_mode=ps_mode, num_trainers=num_trainers, **kwargs)
     for s in range(steps):
-        ids = batch(s, trainer)
-        (emb(ids) * weights(s, trainer, ids.numel())).sum().backward()
-        emb.step()
+        train_step(emb, s, trainer)
         if s % eval_every == 0:
             with torch.no_grad():
                 emb(batch(s + 1, trainer))
@@ -66,18 +71,14 @@ def restore_and_continue(name: str, before: int, after: int, kwargs: dict) -> di
     ends = {}
     first = table(name, ["ps0"], **kwargs)
     for s in range(before):
-        ids = batch(s)
-        (first(ids) * weights(s, 0, ids.numel())).sum().backward()
-        first.step()
+        train_step(first, s)
     saved = checkpoint(first)
     second = table(name, ["ps1"], **kwargs)
     second.load_state_dict(saved["model"])
     second.load_optimizer_state_dict(saved["optim"])
     for label, emb in (("continued", first), ("restored", second)):
         for s in range(before, before + after):
-            ids = batch(s)
-            (emb(ids) * weights(s, 0, ids.numel())).sum().backward()
-            emb.step()
+            train_step(emb, s)
         with torch.no_grad():
             rows = emb(torch.arange(ROWS))
         ends[label] = {"rows": rows, **checkpoint(emb), "stats": emb.table_stats()}
@@ -95,9 +96,7 @@ def deltas(name: str, rounds: int, per_round: int, kwargs: dict) -> dict:
     def train_for(n: int) -> None:
         nonlocal step
         for _ in range(n):
-            ids = batch(step)
-            (emb(ids) * weights(step, 0, ids.numel())).sum().backward()
-            emb.step()
+            train_step(emb, step)
             step += 1
 
     train_for(per_round)
@@ -203,16 +202,11 @@ def delta_order(name: str) -> list[str]:
     emb = table(name, ["ps0", "ps1"])
     out = []
 
-    def train_step(s: int) -> None:
-        ids = batch(s)
-        (emb(ids) * weights(s, 0, ids.numel())).sum().backward()
-        emb.step()
-
-    train_step(0)
+    train_step(emb, 0)
     base = emb.delta_state_dict("t")
-    train_step(1)
+    train_step(emb, 1)
     first = emb.delta_state_dict("t")
-    train_step(2)
+    train_step(emb, 2)
     second = emb.delta_state_dict("t")
     other = table(name + "-copy", ["ps2"])
     for label, delta in (("base", base), ("second", second), ("first", first), ("first again", first),
@@ -246,18 +240,13 @@ def delta_after_a_checkpoint(name: str) -> dict:
     the delta taken after that checkpoint: what it holds then, and the source's."""
     emb = table(name, ["ps0", "ps1"])
 
-    def train_step(s: int) -> None:
-        ids = batch(s)
-        (emb(ids) * weights(s, 0, ids.numel())).sum().backward()
-        emb.step()
-
-    train_step(0)
+    train_step(emb, 0)
     base = emb.delta_state_dict("t")
-    train_step(1)
+    train_step(emb, 1)
     emb.delta_state_dict("t")  # (a delta the loader never sees: the checkpoint below holds its changes)
-    train_step(2)
+    train_step(emb, 2)
     full = checkpoint(emb)
-    train_step(3)
+    train_step(emb, 3)
     after = emb.delta_state_dict("t")
     loader = table(name + "-copy", ["ps2"])
     loader.load_delta_state_dict(base)
