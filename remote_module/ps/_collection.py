@@ -374,11 +374,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def load_optimizer_state_dict(self, state: Mapping[str, dict]) -> None:
         """Load :meth:`optimizer_state_dict`'s state into every table (``KeyError`` naming a
         table it has no state for, or a name that is not a table)."""
-        if not isinstance(state, Mapping):
-            raise TypeError(f"load_optimizer_state_dict takes what optimizer_state_dict() returned, got "
-                            f"{type(state).__name__}")
-        for name in state:
-            self.table(name)
+        self._check_per_table(state, "optimizer_state_dict")
         for name in self._names:
             if name not in state:
                 raise KeyError(f"ShardedEmbeddingBagCollection: no optimizer state for table {name!r}")
@@ -398,11 +394,15 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def load_delta_state_dict(self, delta: Mapping[str, dict]) -> None:
         """Load :meth:`delta_state_dict`'s deltas into their tables (``KeyError`` naming a name
         that is not a table; a table without one in ``delta`` is left as it is)."""
-        if not isinstance(delta, Mapping):
-            raise TypeError(f"load_delta_state_dict takes what delta_state_dict() returned, got "
-                            f"{type(delta).__name__}")
-        for name in delta:
-            self.table(name)
+        self._check_per_table(delta, "delta_state_dict")
         for name in self._names:
             if name in delta:
                 self._modules[name].load_delta_state_dict(delta[name])
+
+    def _check_per_table(self, given: Any, saved_by: str) -> None:
+        """``TypeError`` unless ``given`` is a mapping (what ``saved_by`` returned), ``KeyError``
+        naming a key of it that is not a table."""
+        if not isinstance(given, Mapping):
+            raise TypeError(f"load_{saved_by} takes what {saved_by}() returned, got {type(given).__name__}")
+        for name in given:
+            self.table(name)
