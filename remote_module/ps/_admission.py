@@ -117,26 +117,23 @@ class CountingSketch:
     def nbytes(self) -> int:
         return self.data.numel() + self.chunk_version.numel() * 8
 
-    def state(self) -> dict:
-        """Its counters (a copy), for a checkpoint."""
-        return {"bytes": self.data.clone(), "threshold": self.threshold}
-
     def changed_since(self, version: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(chunk indices, their bytes)`` of the chunks changed after ``version``."""
         chunks = (self.chunk_version > version).nonzero().reshape(-1)
         if not chunks.numel():
             return chunks, torch.empty(0, dtype=torch.uint8)
-        at = (chunks.unsqueeze(1) * CHUNK_BYTES + torch.arange(CHUNK_BYTES)).reshape(-1)
-        at = at[at < self.data.numel()]
-        return chunks, self.data[at].clone()
+        return chunks, self.data[self._bytes_of(chunks)].clone()
+
+    def _bytes_of(self, chunks: torch.Tensor) -> torch.Tensor:
+        """The byte positions of ``chunks``, in order (the last chunk may be short)."""
+        at = (chunks.long().unsqueeze(1) * CHUNK_BYTES + torch.arange(CHUNK_BYTES)).reshape(-1)
+        return at[at < self.data.numel()]
 
     def set_chunks(self, chunks: torch.Tensor, data: torch.Tensor, version: int) -> None:
         """Overwrite ``chunks`` with ``data`` (:meth:`changed_since`'s)."""
         if not chunks.numel():
             return
-        at = (chunks.long().unsqueeze(1) * CHUNK_BYTES + torch.arange(CHUNK_BYTES)).reshape(-1)
-        at = at[at < self.data.numel()]
-        self.data[at] = data.to(torch.uint8)
+        self.data[self._bytes_of(chunks)] = data.to(torch.uint8)
         self.chunk_version[chunks.long()] = version
 
     def load(self, data: torch.Tensor, version: int) -> None:
@@ -149,11 +146,7 @@ class CountingSketch:
         sketch of a table whose rows moved here from other servers. Each id's counters stay at
         least its true count, so its estimate does too. ``chunks``: ``data`` holds only these
         chunks (:meth:`changed_since`'s), else the whole sketch."""
-        if chunks is not None:
-            at = (chunks.long().unsqueeze(1) * CHUNK_BYTES + torch.arange(CHUNK_BYTES)).reshape(-1)
-            at = at[at < self.data.numel()]
-        else:
-            at = torch.arange(self.data.numel())
+        at = torch.arange(self.data.numel()) if chunks is None else self._bytes_of(chunks)
         mask = (1 << self.bits) - 1
         step = 1 << 20
         for start in range(0, at.numel(), step):  # (temporaries of 8 MB)

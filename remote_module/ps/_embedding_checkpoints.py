@@ -22,13 +22,6 @@ def _compact(counters: torch.Tensor) -> torch.Tensor:
     return counters
 
 
-def _in_held(ids: torch.Tensor, held: list[tuple[int, int]]) -> torch.Tensor:
-    inside = torch.zeros(ids.shape, dtype=torch.bool)
-    for first, count in held:
-        inside |= (ids >= first) & (ids < first + count)
-    return inside
-
-
 def _aged(last: torch.Tensor, lag: int) -> torch.Tensor:
     """A server's eviction clocks ``last`` moved by its ``lag`` behind the table's highest
     step (an eager row at its first value, ``AT_INIT``, stays so)."""
@@ -145,7 +138,7 @@ class TableCheckpoints:
         clock = extra.get("eviction_clock") if last is not None else None
         calls = []
         for _, server, mine in self._by_owner(ids):
-            held = tuple((first, count) for first, count in self._by_server[server])
+            held = tuple(self._by_server[server])
             # a lazy table's checkpoint holds all its rows: rows stored since and not in it are dropped
             calls.append((server, _table_server._set_rows,
                           (self.name, ids[mine], rows[mine].detach().clone(), None if last is None else last[mine],
@@ -156,11 +149,16 @@ class TableCheckpoints:
         self.__dict__.pop("_delta_chains", None)
         admission = extra.get("admission")
         if getattr(self, "admit_after", 1) > 1:  # (a checkpoint without counts: counts start from zero)
-            parts = [(blocks, data.to_dense() if data.is_sparse else data, None) for blocks, data in admission or ()]
-            call_all([(s, _table_server._set_admission, (self.name, parts)) for s in self._by_server],
-                     timeout=self.timeout)
+            self._set_admission([(blocks, data.to_dense() if data.is_sparse else data, None)
+                                 for blocks, data in admission or ()])
         if self._geo is not None:  # cached rows are stale now: the next lookups fetch the loaded ones
             self._geo.drop(ids.unique())
+
+    def _set_admission(self, parts: list) -> None:
+        """Every server of the table loads the saved sketches ``parts`` (``(blocks, counters,
+        chunks)``: :func:`_table_server._set_admission`)."""
+        call_all([(s, _table_server._set_admission, (self.name, parts)) for s in self._by_server],
+                 timeout=self.timeout)
 
     def _admission_bits(self) -> int | None:
         """The width of the admission sketch's counters (None without admission): sketches of
@@ -267,22 +265,20 @@ class TableCheckpoints:
         evicted = delta["evicted"].long()
         calls = []
         for _, server, mine in self._by_owner(ids):
-            held = [(f, c) for f, c in self._by_server[server]]
+            held = self._by_server[server]
             whole = tuple((max(f, wf), min(f + c, wf + wc) - max(f, wf)) for f, c in held for wf, wc in delta["whole"]
                           if max(f, wf) < min(f + c, wf + wc))
             mine_has = has_state[mine]
             pick = state_at[mine][mine_has]
             state = {k: v.index_select(0, pick) for k, v in delta["state"].items()}
-            mine_evicted = evicted[_in_held(evicted, held)]
+            mine_evicted = evicted[_table_server._in_ranges(evicted, held)]
             calls.append((server, _table_server._apply_delta,
                           (self.name, whole, mine_evicted, ids[mine], delta["rows"][mine], delta["stepped"][mine],
                            state, mine_has, None if last is None else last[mine], int(delta["step"]),
                            int(delta["clock"]))))
         call_all(calls, timeout=self.timeout)
         if delta.get("admission") and getattr(self, "admit_after", 1) > 1:
-            parts = [(blocks, data, chunks) for blocks, data, chunks in delta["admission"]]
-            call_all([(s, _table_server._set_admission, (self.name, parts)) for s in self._by_server],
-                     timeout=self.timeout)
+            self._set_admission(list(delta["admission"]))
         if self._geo is not None:
             if "geo" in delta:
                 self._geo.load_delta(delta["geo"])

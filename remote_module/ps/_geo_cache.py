@@ -74,13 +74,8 @@ class GeoCache:
             if self.state:
                 where, known = _find(self.state_ids, ids)
                 if not bool(known.all()):
-                    fresh = new_state(self.optimizer, int((~known).sum()), self.dim, self.dtype)
-                    changed = torch.cat([self._changed(), torch.zeros(int((~known).sum()), dtype=torch.long)])
-                    merged = torch.cat([self.state_ids, ids[~known]])
-                    order = torch.argsort(merged)
-                    self.state_ids = merged[order]
-                    self.state = {k: torch.cat([v, fresh[k]])[order] for k, v in self.state.items()}
-                    self.state_changed = changed[order]
+                    self._insert_state(ids[~known], new_state(self.optimizer, int((~known).sum()), self.dim,
+                                                              self.dtype))
                     where = torch.searchsorted(self.state_ids, ids)
                 before = {k: v[where] for k, v in self.state.items()}
             new_rows, after = step_rows(self.optimizer, self.rows[at], grad, before, self.steps)
@@ -115,6 +110,16 @@ class GeoCache:
             out.update({k: v.clone() for k, v in self.state.items()})
             out["geo_step_calls"] = self.calls
             return out
+
+    def _insert_state(self, ids: torch.Tensor, state: dict[str, torch.Tensor], changed: int = 0) -> None:
+        """Add the state rows ``state`` of ``ids`` (none held yet), marked changed at ``changed``
+        (lock held)."""
+        marks = torch.cat([self._changed(), torch.full((ids.numel(),), changed, dtype=torch.long)])
+        merged = torch.cat([self.state_ids, ids])
+        order = torch.argsort(merged)
+        self.state_ids = merged[order]
+        self.state = {k: torch.cat([v, state[k]])[order] for k, v in self.state.items()}
+        self.state_changed = marks[order]
 
     def _changed(self) -> torch.Tensor:
         """``state_changed``, as long as ``state_ids``."""
@@ -152,12 +157,7 @@ class GeoCache:
                 self.state[k][where[known]] = v[known].to(self.dtype)
             self._changed()[where[known]] = self.changes
             if not bool(known.all()):
-                changed = torch.cat([self._changed(), torch.full((int((~known).sum()),), self.changes)])
-                merged = torch.cat([self.state_ids, ids[~known]])
-                order = torch.argsort(merged)
-                self.state_ids = merged[order]
-                self.state = {k: torch.cat([v, keys[k][~known].to(self.dtype)])[order] for k, v in self.state.items()}
-                self.state_changed = changed[order]
+                self._insert_state(ids[~known], {k: v[~known].to(self.dtype) for k, v in keys.items()}, self.changes)
             self.steps = int(delta["step"])
             self.calls = int(delta["geo_step_calls"])
 

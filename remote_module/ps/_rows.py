@@ -349,26 +349,17 @@ class _Rows:
         nothing = torch.empty(0, dtype=torch.long)
         if self.last is None:
             return nothing
-        # (one pass over the clocks first: most sweeps find nothing, or too little, to drop)
-        last = self.last[:self.used]
-        dead = (last != AT_INIT) & (last <= self.clocks.step - self.spec.evict_after)
-        pad = self.spec.padding_idx  # never stepped, so never evicted: it keeps what a load set
-        if pad is not None and self.first <= pad < self.first + self.count:
-            pad_slot = pad - self.first if self.slot_of is None else int(self.slot_of.find(torch.tensor([pad]))[0])
-            if pad_slot >= 0:
-                dead[pad_slot] = False
+        # (one pass over the clocks: every slot in use, a lazy block's free ones never stale)
+        dead = self.stale(torch.arange(self.used))
         stale = int(dead.sum())
         if not stale or (not force and stale < max(1, self.held() // 8)):
             return nothing
+        self.evicted += stale
         if self.slot_of is not None:  # (no pass over the rows' values: their slots are freed)
-            self.evicted += stale
             return self._free_slots(dead)
-        ids, slots = self.stored()
-        gone = self.stale(slots)
-        if not bool(gone.any()):
-            return nothing
-        self.evicted += int(gone.sum())
-        return self.drop(ids, slots, gone)
+        slots = dead.nonzero().reshape(-1)
+        self._renew(slots + self.first, slots, swept=True)
+        return slots + self.first
 
     def drop(self, ids: torch.Tensor, slots: torch.Tensor, gone: torch.Tensor) -> torch.Tensor:
         """Drop the rows ``ids[gone]`` (``ids``, ``slots``: :meth:`stored`'s; lock held): a lazy

@@ -172,10 +172,7 @@ class Table:
         ids are counted for admission (half_async counts each push as it arrives instead)."""
         settings = self.settings.latest if settings is None else settings
         opt = self.spec.optimizer._replace(**settings) if settings else None
-        uniq, summed = coalesce(ids, grad)
-        if self.spec.padding_idx is not None:  # never trained (trainers leave it out; so does the server)
-            keep = uniq != self.spec.padding_idx
-            uniq, summed = uniq[keep], summed[keep]
+        uniq, summed = self._coalesced(ids, grad)
         parts = self._split(uniq)  # checked before anything changes
         self.clocks.bump()
         if admit and self.sketch is not None:
@@ -186,14 +183,22 @@ class Table:
             rows.step(uniq[mine], summed[mine], self.optimizer_steps, scale, opt)
         self.ticked()
 
+    def _coalesced(self, ids: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A push's gradient summed per id (ids unique, ascending), without the padding row's
+        (never trained: trainers leave it out; so does the server)."""
+        uniq, summed = coalesce(ids, grad)
+        if self.spec.padding_idx is not None:
+            keep = uniq != self.spec.padding_idx
+            uniq, summed = uniq[keep], summed[keep]
+        return uniq, summed
+
     def admitted(self, uniq: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Count this step's ids (unique, held here) that have no stored row, and keep the
         gradient of the ids with one or counted in ``admit_after`` steps by now (lock held)."""
         stored = torch.zeros(uniq.numel(), dtype=torch.bool)
         for rows, mine in self._split(uniq):
             with rows.lock:
-                found = rows.slot_of.find(uniq[mine])
-                stored[mine] = (found >= 0) & ~rows.stale(found)
+                stored[mine] = rows.slots(uniq[mine], create=False) >= 0  # (an evicted row: -1)
         counted = ~stored
         keep = stored.clone()
         if bool(counted.any()):
@@ -266,10 +271,7 @@ class Table:
                 self._check_push(trainer, ids, grad)  # before it is queued: it would fail the merge
                 self.settings.pushed(trainer)
                 if self.sketch is not None:  # (each push is a trainer's step: counted as it arrives)
-                    ids, grad = coalesce(ids, grad)
-                    if self.spec.padding_idx is not None:
-                        keep = ids != self.spec.padding_idx
-                        ids, grad = ids[keep], grad[keep]
+                    ids, grad = self._coalesced(ids, grad)
                     self.clocks.bump()
                     ids, grad = self.admitted(ids, grad)
                 self.queued.append((ids, grad))
@@ -344,6 +346,10 @@ class Table:
     def memory_bytes(self) -> int:
         return sum(rows.memory_bytes() for rows in self.blocks)
 
+    def layout(self) -> list[tuple[int, int]]:
+        """The blocks held here, ``(first row, count)`` each."""
+        return [(r.first, r.count) for r in self.blocks]
+
     def stats(self) -> dict:
         """:func:`_table_stats`'s answer for this server (evicted rows swept first)."""
         with self.lock:
@@ -387,6 +393,8 @@ def _fix_mmap_threshold() -> None:
     if _mallopt is not None and not _fixed_threshold:
         _fixed_threshold = True
         _mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+
+
 #: lazy tables' steps on this server between two returns of freed memory to the system
 TRIM_EVERY = 64
 _lazy_steps = itertools.count(1)
@@ -430,7 +438,7 @@ def _attach_table(name: str, spec: TableSpec, blocks: list[tuple[int, int]], tra
                            f"{getattr(spec, f)!r}" for f in spec._fields if getattr(table.spec, f) != getattr(spec, f))
         raise ValueError(f"sharded table {name!r} on server {rpc.get_worker_info().name!r} exists with {differ}: "
                          "every trainer of a table must build it with the same arguments")
-    held = [(r.first, r.count) for r in table.blocks]
+    held = table.layout()
     if held != list(blocks):
         raise ValueError(
             f"sharded table {name!r}: server {rpc.get_worker_info().name!r} holds its rows (first, count) {held}, this "
@@ -621,26 +629,31 @@ def _set_rows(name: str, ids: torch.Tensor, values: torch.Tensor, last: torch.Te
         version = table.clocks.bump()
         if replace:
             _drop_where(table, lambda held: _in_ranges(held, replace) & ~torch.isin(held, ids))
+        step = table.clocks.step if clock is None else int(clock)
         for rows, mine in table._split(ids):
             with rows.lock:
-                slots = rows.slots(ids[mine], create=True)
-                rows.values[slots] = values[mine].to(rows.values.dtype)
-                rows.changed[slots] = version
-                if rows.last is not None:
-                    rows.last[slots] = _clocks(rows, table.clocks.step if clock is None else int(clock), last, mine)
+                _write_rows(rows, ids[mine], values[mine], version, step, None if last is None else last[mine])
         if clock is not None:  # (after the rows: rows held here are judged stale by this server's clock, not
             # the checkpoint's, so the optimizer state loaded before them is kept)
             table.clocks.step = table.swept_at = int(clock)
 
 
-def _clocks(rows: _Rows, step: int, last: torch.Tensor | None, mine: object) -> torch.Tensor | int:
-    """The eviction clocks of rows being set in block ``rows``: ``last[mine]`` as loaded (a lazy
-    block's rows are never at their first value, ``AT_INIT``: they start at ``step``), or
-    ``step`` without them."""
-    if last is None:
-        return step
-    last = last[mine].long()
-    return last if rows.slot_of is None else torch.where(last == AT_INIT, step, last)
+def _write_rows(rows: _Rows, ids: torch.Tensor, values: torch.Tensor, version: int, step: int,
+                last: torch.Tensor | None) -> torch.Tensor:
+    """Set loaded rows ``ids`` of block ``rows`` (lazy ones created) to ``values``, changed at
+    ``version``; with eviction their clocks ``last`` as loaded (a lazy block's rows are never at
+    their first value, ``AT_INIT``: they start at ``step``), or ``step`` without them (lock
+    held); their slots."""
+    slots = rows.slots(ids, create=True)
+    rows.values[slots] = values.to(rows.values.dtype)
+    rows.changed[slots] = version
+    if rows.last is not None:
+        if last is None:
+            rows.last[slots] = step
+        else:
+            last = last.long()
+            rows.last[slots] = last if rows.slot_of is None else torch.where(last == AT_INIT, step, last)
+    return slots
 
 
 def _in_ranges(ids: torch.Tensor, ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:
@@ -675,7 +688,7 @@ def _admission_state(name: str) -> tuple[list[tuple[int, int]], torch.Tensor] | 
     with table.lock:
         if table.sketch is None:
             return None
-        return [(r.first, r.count) for r in table.blocks], table.sketch.data.clone()
+        return table.layout(), table.sketch.data.clone()
 
 
 def _set_admission(name: str, parts: list[tuple[list[tuple[int, int]], torch.Tensor, torch.Tensor | None]]) -> None:
@@ -686,7 +699,7 @@ def _set_admission(name: str, parts: list[tuple[list[tuple[int, int]], torch.Ten
     with table.lock:
         if table.sketch is None:
             return
-        mine = [(r.first, r.count) for r in table.blocks]
+        mine = table.layout()
         version = table.clocks.bump()
         exact = [p for p in parts if [tuple(b) for b in p[0]] == mine]
         if not exact and all(chunks is None for _, _, chunks in parts):
@@ -733,7 +746,7 @@ def _table_delta(name: str, token: str) -> dict:
         if table.sketch is not None:
             sketch = (table.sketch.data.clone(), None) if whole else tuple(reversed(table.sketch.changed_since(since)))
         out = {
-            "whole": [(r.first, r.count) for r in table.blocks] if whole else [],
+            "whole": table.layout() if whole else [],
             "ids": torch.cat([p[0] for p in parts]), "rows": torch.cat([p[1] for p in parts]),
             "stepped": torch.cat([p[2] for p in parts]), "has_state": torch.cat([p[4] for p in parts]),
             "state": {k: torch.cat([p[3][k] for p in parts if k in p[3]]) for k in
@@ -741,7 +754,7 @@ def _table_delta(name: str, token: str) -> dict:
             "last": None if table.spec.evict_after is None else torch.cat([p[5] for p in parts]),
             "evicted": torch.cat(tombs) if tombs else torch.empty(0, dtype=torch.long),
             "step": table.optimizer_steps, "clock": table.clocks.step,
-            "sketch": None if sketch is None else ([(r.first, r.count) for r in table.blocks],) + sketch,
+            "sketch": None if sketch is None else (table.layout(),) + sketch,
             "versions": (since, table.clocks.version),  # (what it follows, what it reaches)
         }
         table.baselines[token] = table.clocks.version
@@ -767,13 +780,9 @@ def _apply_delta(name: str, whole: tuple[tuple[int, int], ...], evicted: torch.T
         state_at = torch.cumsum(has_state.long(), 0) - 1  # each id's row in state
         for rows, mine in table._split(ids):
             with rows.lock:
-                mine_ids = ids[mine]
-                slots = rows.slots(mine_ids, create=True)
-                rows.values[slots] = rows_[mine].to(rows.values.dtype)
-                rows.changed[slots] = version
+                slots = _write_rows(rows, ids[mine], rows_[mine], version, table.clocks.step,
+                                    None if last is None else last[mine])
                 rows.touched[slots] = stepped[mine]
-                if rows.last is not None:
-                    rows.last[slots] = _clocks(rows, table.clocks.step, last, mine)
                 rows._free_state(slots)  # (rows without state in the delta have none; theirs is free)
                 with_state = has_state[mine]
                 if state and bool(with_state.any()):
@@ -824,4 +833,3 @@ def _set_row_state(name: str, optimizer_steps: int, ids: torch.Tensor, state: di
                     for k, v in state.items():
                         rows.state[k].index_copy_(0, where, v[mine].to(table.spec.dtype))
                 rows.touched[slots] = True
-                rows.changed[slots] = version
