@@ -7,6 +7,7 @@ bags on the servers; the servers' side is ``_table_server``."""
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 import warnings
 import weakref
@@ -378,9 +379,11 @@ class Flight:
                     prefetch.failed = True
                 raise
             at = 0
-            for prefetch in self.prefetches:
-                prefetch.got = reads[at:at + len(prefetch.calls)]
-                at += len(prefetch.calls)
+            for prefetch in self.prefetches:  # (each one's merge state reads, then its lookups)
+                n = len(prefetch.merge_calls)
+                prefetch.merge_state = reads[at:at + n]
+                prefetch.got = reads[at + n:at + n + len(prefetch.calls)]
+                at += n + len(prefetch.calls)
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -402,9 +405,13 @@ class Prefetch:
     value) consumes it; it is sent with the next ``step()``'s pushes (one message per server:
     the servers answer it once they applied them), or at that forward.
 
-    With ``overlap`` (``prefetching(..., overlap=True)``, async modes) it may be sent one step
+    With ``overlap`` (``prefetching(..., overlap=True)``, async mode) it may be sent one step
     earlier, with the step before the next forward's: it then misses that forward's last push.
-    A prefetch not consumed by the forward it was planned for is dropped."""
+    A prefetch not consumed by the forward it was planned for is dropped.
+
+    half_async: the forward uses it only if it reflects every merge the servers finished before
+    that forward began (:meth:`Ahead.claim`); each server answers, ahead of its lookups, its
+    merge count and how long at least before its timer merges (:func:`_table_server._merge_state`)."""
 
     def __init__(self, key: tuple, records: Any, calls: list, finish: Callable[[list], Any],
                  replan: bool = False, tables: Sequence = (), overlap: bool = False) -> None:
@@ -427,6 +434,55 @@ class Prefetch:
         self.batch = 0
         self.got: list | None = None  # the answers' outcomes, once that step landed
         self.failed = False  # that step's push failed: dropped
+        # half_async: the merge state reads sent ahead of its lookups, (server, table names) each,
+        # their outcomes once landed, when the step was sent, and what its forward checks on
+        # each server ({server: [(name, merges read)]}; None: nothing to check)
+        self.merge_calls: list[tuple[str, list[str]]] = []
+        self.merge_state: list = []
+        self.sent_at = 0.0
+        self.checks: dict[str, list[tuple[str, int]]] | None = None
+
+    def merging(self) -> list:
+        """Its half_async tables (whose servers merge on their own: by count, or on a timer)."""
+        return [t for t, _ in self.tables if t.ps_mode == "half_async"]
+
+    def merge_reads(self) -> list:
+        """The reads of each server's merge state to send ahead of its lookups (half_async),
+        remembered as :attr:`merge_calls`."""
+        merging = self.merging()
+        self.merge_calls = []
+        for server in dict.fromkeys(server for server, _, _ in self.calls):
+            names = [t.name for t in merging if server in t._by_server]
+            if names:
+                self.merge_calls.append((server, names))
+        return [(server, _table_server._merge_state, (names,)) for server, names in self.merge_calls]
+
+    def merges_checked(self, began: float) -> bool:
+        """(half_async, answered) Set :attr:`checks`: what the forward that began at ``began``
+        (``time.monotonic()``) must ask the servers before using the answers, or None when it
+        knows that no merge finished since they were read: every table has this trainer alone
+        (``num_trainers=1``: no other pushes merge), none of their pushes came since, and no
+        server's timer was due yet. False when a merge state read failed (not to be used)."""
+        self.checks = None
+        if not self.merge_calls or not self.sent:
+            return True
+        if not all(ok for ok, _ in self.merge_state):
+            return False
+        states = [(server, names, state) for (server, names), (_, state) in zip(self.merge_calls, self.merge_state)]
+        alone = all(t.num_trainers == 1 for t in self.merging())
+        pushed = any(_pushes(t) != n for (t, _), n in zip(self.tables, self.pushes_at))
+        due = min(left for _, _, state in states for _, left in state)
+        if alone and not pushed and began < self.sent_at + due:
+            return True
+        self.checks = {server: list(zip(names, (n for n, _ in state))) for server, names, state in states}
+        return True
+
+    def checked(self, got: list, send: Callable[[list], list]) -> list:
+        """The answers ``got``, each replaced by a fresh lookup where its server merged since it
+        was read (one message per server: :func:`_table_server._read_unless_merged`)."""
+        calls = [(server, _table_server._read_unless_merged, (self.checks[server], handler, args))
+                 for server, handler, args in self.calls]
+        return [old if new is None else new for old, new in zip(got, send(calls))]
 
     def changed(self) -> bool:
         """Whether a table's rows changed since it was sent (a load, a half_async merge): what
@@ -500,10 +556,13 @@ class Ahead:
         """The prefetch a forward of ``key`` uses (:meth:`take`, :meth:`fresh`), or None; ``land()``
         (the pushes in flight) first, unless it was answered already (sent a step earlier, with
         overlap: used without waiting for them)."""
+        began = time.monotonic()  # (half_async: the merges finished before now must be in what it uses)
         handle = self.take(key, records)
         use = handle is not None and not handle.failed and not handle.replan and self.fresh(handle)
         if not use or handle.got is None:
             land()  # (answers the prefetch sent with those pushes)
+        if use and not handle.failed and handle.got is not None:
+            use = handle.merges_checked(began)
         return handle if use and not handle.failed else None
 
     @staticmethod
@@ -515,7 +574,7 @@ class Ahead:
             if handle.got is not None:
                 got = handle.answers()
                 if got is not None:
-                    return handle.finish(got)
+                    return handle.finish(got if handle.checks is None else handle.checked(got, send))
             elif not handle.sent:
                 return handle.finish(send(handle.calls))
         calls, finish = plan()
@@ -527,10 +586,21 @@ class Ahead:
         (:meth:`to_send`, reading the steps ``step_after`` gives a table's name once these pushes
         are applied): ``(settle, those prefetches)``."""
         joined = self.to_send(sync)
-        reads = [call for handle in joined for call in at_step(handle.calls, step_after)]
-        settle = send_push_plans(plans, timeout, reads)
+        settle = send_push_plans(plans, timeout, self.reads(joined, step_after))
         self.stepped(joined)
         return settle, joined
+
+    @staticmethod
+    def reads(joined: Sequence[Prefetch], step_after: Callable[[str], int]) -> list:
+        """The reads a step sends for the prefetches ``joined`` (:meth:`send`): each one's merge
+        state reads (half_async) and lookups, reading the steps ``step_after`` gives."""
+        now = time.monotonic()  # (before the message leaves: a server's timer runs out no sooner)
+        reads = []
+        for handle in joined:
+            handle.sent_at = now
+            reads += handle.merge_reads()
+            reads += at_step(handle.calls, step_after)
+        return reads
 
     @staticmethod
     def fresh(handle: Prefetch) -> bool:
@@ -542,10 +612,12 @@ class Ahead:
 
     def to_send(self, sync: bool) -> list[Prefetch]:
         """What a step sends with its pushes: the next forward's prefetch, if not sent yet; with
-        overlap (not in sync mode), the one after it too."""
+        overlap (not in sync mode, nor half_async: the step in between may merge, which a read
+        sent before it cannot reflect), the one after it too."""
         out = []
         for k, handle in enumerate(self.handles[:2]):
-            if not handle.sent and not handle.replan and (k == 0 or (handle.overlap and not sync)):
+            if not handle.sent and not handle.replan and (
+                    k == 0 or (handle.overlap and not sync and not handle.merging())):
                 out.append(handle)
         return out
 
@@ -809,16 +881,19 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
 
     def table_stats(self) -> dict:
         """The table's rows on its servers: ``{"rows_held", "rows_admitted", "rows_evicted",
-        "bytes", "longest_eviction_pause_s", "per_server": {server: the same of that server's
-        share, with its "steps"}}``. Rows held: stored now (lazy: the rows created and not
-        evicted, evicted ones until a sweep frees them; eager: all); admitted: rows created so
-        far (a lazy table's first step of an id admitted, and each re-creation of an evicted row);
-        evicted: rows dropped so far; bytes: the rows, their optimizer state, the bookkeeping and
-        the admission sketch (storage grows by doubling: up to twice that may be allocated)."""
+        "bytes", "merges", "longest_eviction_pause_s", "per_server": {server: the same of that
+        server's share, with its "steps"}}``. Rows held: stored now (lazy: the rows created and
+        not evicted, evicted ones until a sweep frees them; eager: all); admitted: rows created
+        so far (a lazy table's first step of an id admitted, and each re-creation of an evicted
+        row); evicted: rows dropped so far; bytes: the rows, their optimizer state, the
+        bookkeeping and the admission sketch (storage grows by doubling: up to twice that may be
+        allocated); merges: half_async merges applied so far (each server merges its share on
+        its own: by count, by its ``half_async_merge_s`` timer, or at a ``flush()``)."""
         self._wait_pushes()
         got = call_all([(s, _table_server._table_stats, (self.name,)) for s in self._by_server], timeout=self.timeout)
         per_server = dict(zip(self._by_server, got))
-        out: dict = {k: sum(g[k] for g in got) for k in ("rows_held", "rows_admitted", "rows_evicted", "bytes")}
+        out: dict = {k: sum(g[k] for g in got)
+                     for k in ("rows_held", "rows_admitted", "rows_evicted", "bytes", "merges")}
         out["longest_eviction_pause_s"] = max((g["longest_eviction_pause_s"] for g in got), default=0.0)
         out["per_server"] = per_server
         return out

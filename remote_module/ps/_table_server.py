@@ -80,6 +80,9 @@ class Table:
         self.tokens: dict[str, str | None] = {}
         self.queued: list[tuple[torch.Tensor, torch.Tensor]] = []  # half_async pushes not applied yet
         self.merges = HalfAsyncMerges(self.lock, spec.merge_every, spec.merge_s, self._apply_queued)
+        # half_async merges applied so far (by count, timer or flush): a prefetched lookup read
+        # before one is stale (:func:`_merge_state`, :func:`_read_unless_merged`)
+        self.merged = 0
         # the trainers' row-wise optimizer settings (their ps_optimizer's lr, betas)
         self.settings = TrainerSettings(f"table {name!r}")
 
@@ -322,6 +325,7 @@ class Table:
 
     def _apply_queued(self) -> None:
         queued, self.queued = self.queued, []
+        self.merged += 1
         self.apply(torch.cat([i for i, _ in queued]), torch.cat([g for _, g in queued]), admit=False)
 
     def add_deltas(self, ids: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
@@ -359,7 +363,7 @@ class Table:
                     "rows_evicted": sum(r.evicted for r in self.blocks),
                     "bytes": self.memory_bytes() + sum(r.bookkeeping_bytes() for r in self.blocks)
                     + (0 if self.sketch is None else self.sketch.nbytes()), "steps": self.clocks.step,
-                    "longest_eviction_pause_s": self.longest_sweep_s}
+                    "merges": self.merged, "longest_eviction_pause_s": self.longest_sweep_s}
 
     def block(self, first: int) -> _Rows:
         """The block starting at row ``first`` (``LookupError`` if this server has none)."""
@@ -598,6 +602,36 @@ def _flush_table(name: str) -> None:
     table = _table(name)
     with table.lock:
         table.merges.merge()
+
+
+def _merge_state(names: list[str]) -> list[tuple[int, float]]:
+    """Each half_async table of ``names``: the merges applied here so far, and the seconds at
+    least before its timer merges what is queued now (``inf``: nothing queued). A prefetch reads
+    it ahead of its lookups, in the same message: what they read reflects those merges (or
+    later ones), and no timer merges before those seconds pass unless more pushes come."""
+    out = []
+    for name in names:
+        table = _table(name)
+        with table.lock:
+            out.append((table.merged, table.merges.left()))
+    return out
+
+
+@rpc.functions.async_execution
+def _read_unless_merged(merged: list[tuple[str, int]], handler: object, args: tuple) -> Future:
+    """A prefetched lookup's check at its forward (half_async): None when no table of
+    ``merged`` (``(name, merges read with the prefetch)``) merged since, so the prefetch's
+    answer holds; else the lookup ``handler(*args)`` again (its answer, or its Future)."""
+    if all(_table(name).merged == n for name, n in merged):
+        done: Future = Future()
+        done.set_result(None)
+        return done
+    got = handler(*args)  # type: ignore[operator]
+    if isinstance(got, Future):
+        return got
+    answered: Future = Future()
+    answered.set_result(got)
+    return answered
 
 
 def _block_rows(name: str, first: int, clocks: bool = False) -> tuple:

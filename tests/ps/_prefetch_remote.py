@@ -4,6 +4,7 @@ messages they sent, which pytest compares."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -536,3 +537,93 @@ def nested_eval(name: str, mode: str, overlap: bool, evaluated: str) -> dict:
     ebc.flush()
     return {"outs": outs, "evals": evals, "rows": {k: v for k, v in ebc.state_dict().items()},
             "messages": messages}
+
+
+# ---- half_async merges between a prefetch and its forward (issue 41, item 2) ----------------------------
+
+
+def _tables_of(t: Any) -> list:
+    return list(t.tables().values()) if hasattr(t, "tables") else [t]
+
+
+def _merges(t: Any) -> int:
+    """The merges the servers of ``t`` (a table or a collection's tables) finished so far."""
+    return sum(table.table_stats()["merges"] for table in _tables_of(t))
+
+
+def wait_merges(t: Any, at_least: int, seconds: float = 120.0) -> int:
+    """Poll ``t``'s merge count until it reaches ``at_least`` (``AssertionError`` after
+    ``seconds``, a guard against a hang, not a time limit); the count."""
+    deadline = time.monotonic() + seconds
+    while True:
+        n = _merges(t)
+        if n >= at_least:
+            return n
+        assert time.monotonic() < deadline, f"{n} merges after {seconds} s, waiting for {at_least}"
+        time.sleep(0.01)
+
+
+def timer_merges(name: str, prefetched: bool, overlap: bool = False, steps: int = 4,
+                 collection_of: bool = False) -> dict:
+    """A half_async bag (or collection) that merges only on its timer (``half_async_merge_s``):
+    after each step, wait until the servers merged it (their merge count), so the prefetch sent
+    with that step read the rows before the merge; then the next forward. Outputs, rows and the
+    merge counts seen."""
+    common = {"ps_mode": "half_async", "half_async_merge_every": 1000, "half_async_merge_s": 0.5}
+    if collection_of:
+        model = collection(name, "half_async", **{k: v for k, v in common.items() if k != "ps_mode"})
+        data = [{k: batches(40 + i, steps)[j] for i, k in enumerate("smxp")} for j in range(steps)]
+        forward = model
+    else:
+        model = table(name, bag="sum", keep=False, **common)
+        data = batches(4, steps)
+        forward = lambda b: model(b[0], b[1])  # noqa: E731
+    from remote_module.ps import prefetching
+
+    source = prefetching(data, model, features=lambda b: b, overlap=overlap) if prefetched else data
+    outs, merges = [], []
+    for k, batch in enumerate(source):
+        out = forward(batch)
+        value = out if isinstance(out, torch.Tensor) else torch.cat([out[n] for n in sorted(out)], 1)
+        outs.append(value.detach().clone())
+        ((value - 0.5) ** 2).sum().backward()
+        model.step()
+        # each step merges once on each server of each table (a server holding none of a step's
+        # rows has an empty push queued: a step of the table all the same), on its timer
+        merges.append(wait_merges(model, (k + 1) * sum(len(t._server_names) for t in _tables_of(model))))
+    model.flush()
+    rows = {k: v for k, v in model.state_dict().items()} if collection_of else model.state_dict()["weight"]
+    return {"outs": outs, "rows": rows, "merges": merges}
+
+
+def pair_start(name: str, rank: int, prefetched: bool, steps: int = 3) -> bool:
+    """One of two half_async trainers of a bag that merges every 2 pushes (never on its timer):
+    trainer0 creates it loaded, trainer1 attaches; each keeps its batch iterator (with or
+    without ``prefetching``) for :func:`pair_step`."""
+    from remote_module.ps import prefetching
+
+    t = table(name, bag="sum", ps_mode="half_async", num_trainers=2, half_async_merge_every=2,
+              half_async_merge_s=3600.0, seed=0 if rank == 0 else None, keep=False)
+    data = batches(20 + rank, steps)
+    source = prefetching(data, t, features=lambda b: b) if prefetched else data
+    _objects[name] = (t, iter(source))
+    return True
+
+
+def pair_step(name: str) -> dict:
+    """This trainer's next batch: forward, backward, step, and the step landed (its prefetch,
+    if any, answered), so that the other trainer's push comes after it: the output and the
+    merges the servers finished."""
+    t, it = _objects[name]
+    ids, offsets = next(it)
+    out = t(ids, offsets)
+    ((out - 0.5) ** 2).sum().backward()
+    t.step()
+    return {"out": out.detach().clone(), "merges": _merges(t)}
+
+
+def pair_rows(name: str) -> torch.Tensor:
+    t, _ = _objects.pop(name)
+    t.flush()
+    return t.state_dict()["weight"]
+
