@@ -33,6 +33,7 @@ from remote_module.ps._checkpoints import PSCheckpoints
 from remote_module.ps._dispatch import RoundRobin
 from remote_module.ps._dispatch import check_servers as _check_servers
 from remote_module.ps._embedding import (
+    Ahead,
     ShardedEmbedding,
     changed_group_lr,
     finished,
@@ -499,8 +500,9 @@ class PSModel(PSCheckpoints, nn.Module):
         """Push this step's gradients (geo: step the local copy; every ``geo_push_every``
         optimizer steps push the deltas and take the merged parameters) and clear the local
         gradients, and push every table's gradients: the dense pushes and the tables' to one
-        server travel in one message. Parameters without a gradient are left alone, as torch's
-        optimizers leave them.
+        server travel in one message, with the next lookups prefetched on its tables and
+        collections (``prefetching`` over them), read once the pushes are applied. Parameters
+        without a gradient are left alone, as torch's optimizers leave them.
         A step that raised part-way (a server timed out) is completed by calling ``step()``
         again: the dense part and the tables that were stepped already are not stepped twice
         (after a ``forward`` or ``zero_grad()``, the next ``step()`` is a whole one again).
@@ -554,6 +556,7 @@ class PSModel(PSCheckpoints, nn.Module):
 
                 plans.append((calls, partial(finished, done, None, finish),
                               lambda: restore(took, left_out), answered, partly))
+        pushing: dict[int, list] = {}  # the tables pushing this step, by id: their calls
         for qual, table in self._tables.items():
             if qual not in done:
                 plans += table._settings_plans(settings[qual])  # (ahead of its push, in the same message)
@@ -561,14 +564,30 @@ class PSModel(PSCheckpoints, nn.Module):
                 if plan is None:  # geo: the table stepped its cached rows, and pushes nothing this step
                     done.add(qual)
                 else:
+                    pushing[id(table)] = plan[0]
                     plans.append((plan[0], partial(finished, done, qual, plan[1]), *plan[2:]))
-        settle = send_push_plans(plans, self.timeout)  # one message per server; each part settles alone
+        # the next lookups prefetched on the tables and collections inside (prefetching over
+        # them) go with these pushes, each read once they are applied (sync: their step)
+        owners = [m for m in self.module.modules() if hasattr(m, "_lookahead")]  # (tables, collections)
+        steps = {t.name: t._step + (id(t) in pushing) for t in self._tables.values()}
+        joined = [owner._lookahead().to_send(self.ps_mode == "sync") for owner in owners]
+        reads = [call for handles in joined for call in Ahead.reads(handles, lambda name: steps[name])]
+        settle = send_push_plans(plans, self.timeout, reads)  # one message per server; each part settles alone
+        for handles in joined:
+            Ahead.stepped(handles)
         # returns with the pushes in flight; the next call on the model (or on one of its tables)
         # waits for them (sync: for the step to be applied on every server), and a failure raises
         # there, the parts that failed kept for a retry as above
-        fly(self, self._tables.values(), settle, done)
+        fly(self, self._tables.values(), settle, done, [h for handles in joined for h in handles])
+        for owner, handles in zip(owners, joined):
+            if hasattr(owner, "_count"):  # a collection's traffic counts the messages carrying its calls
+                owner._count([call for t in owner.tables().values() for call in pushing.get(id(t), [])]
+                             + [call for h in handles for call in h.calls])
         for opt in [self.ps_optimizer, *(t.ps_optimizer for t in self._tables.values())]:
             opt.step()  # (as a local loop's optimizer.step(): what LR schedulers count)
+        for owner in owners:  # (prefetching: the batches after, planned while the servers work)
+            for planned in owner.__dict__.pop("_after_step", []):
+                planned()
         if merging:  # geo: the merged values are the local copy's when step() returns, as torch's
             self._wait_pushes()  # optimizer leaves its parameters (an edit after step() keeps them)
 

@@ -627,3 +627,56 @@ def pair_rows(name: str) -> torch.Tensor:
     t.flush()
     return t.state_dict()["weight"]
 
+
+# ---- prefetching over the tables of a PSModel (issue 41, item 8) --------------------------------------
+
+
+class _BagNet(nn.Module):
+    """A bag table (or a collection) under a Linear."""
+
+    def __init__(self, bags: nn.Module, width: int) -> None:
+        super().__init__()
+        self.bags = bags
+        self.top = nn.Linear(width, 1)
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        if isinstance(batch, dict):
+            out = self.bags(batch)
+            return self.top(torch.cat([out[k] for k in sorted(out)], 1))
+        return self.top(self.bags(batch[0], batch[1]))
+
+
+def psmodel_tables(name: str, mode: str, prefetched: bool, holds: str = "bag", steps: int = 5) -> dict:
+    """A PSModel over ps0 and ps1 holding a bag table (``holds="bag"``) or a collection of four
+    under a Linear, trained ``steps`` steps with ``prefetching`` over the table (collection) or
+    without: each output, the rows and dense values after, the messages sent to each server and
+    the collection's own traffic counter (its ``messages``)."""
+    from remote_module.ps import PSModel, prefetching
+
+    common = {"ps_mode": mode, "half_async_merge_every": 1, "half_async_merge_s": 3600.0}
+    if holds == "bag":
+        bags: Any = table(f"{name}-bag", bag="sum", keep=False, **common)
+        data: list = batches(5, steps)
+        width = DIM
+    else:
+        bags = collection(name, mode)
+        data = [{k: batches(50 + i, steps)[j] for i, k in enumerate("smxp")} for j in range(steps)]
+        width = 4 * DIM
+    torch.manual_seed(0)
+    model = PSModel(_BagNet(bags, width), ["ps0", "ps1"], name=name, ps_mode=mode, num_trainers=1, min_block_size=1,
+                    optimizer=(torch.optim.SGD, {"lr": 0.1}), half_async_merge_every=1, half_async_merge_s=3600.0)
+    outs: list = []
+
+    def run() -> None:
+        source = prefetching(data, bags, features=lambda b: b) if prefetched else data
+        for batch in source:
+            out = model(batch)
+            outs.append(out.detach().clone())
+            ((out - 0.5) ** 2).sum().backward()
+            model.step()
+
+    messages = messages_per_call(run, 1)
+    model.flush()
+    traffic = {s: t["messages"] for s, t in getattr(bags, "traffic", {}).items()}
+    return {"outs": outs, "rows": {k: v.clone() for k, v in model.state_dict().items()}, "messages": messages,
+            "traffic": traffic}

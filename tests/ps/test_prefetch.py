@@ -363,3 +363,23 @@ def test_a_merge_another_trainers_push_makes_before_a_prefetched_forward_is_seen
     equal([o["out"] for o in got[True]["outs"]], [o["out"] for o in got[False]["outs"]], "two trainers' outputs")
     assert torch.equal(got[True]["rows"], got[False]["rows"])
 
+
+@pytest.mark.parametrize("mode", ["sync", "async", "half_async"])
+@pytest.mark.parametrize("holds", ["bag", "collection"])
+def test_prefetching_over_a_psmodels_tables_sends_one_message_per_server_per_step(world, mode, holds):
+    """Issue 41, item 8: with ``prefetching`` over the tables inside a PSModel, its step sends
+    their next lookups with its pushes: one message per server per step (after the first
+    forward's pull and lookup), where without prefetch each forward looks up again; outputs,
+    rows and dense values bit-equal to the loop without. A collection's own counter (the
+    demo's messages/step) counts that message too."""
+    steps = 5
+    plain = on(world, "trainer0", r.psmodel_tables, job(f"pf-psm-plain-{mode}-{holds}"), mode, False, holds, steps)
+    ahead = on(world, "trainer0", r.psmodel_tables, job(f"pf-psm-{mode}-{holds}"), mode, True, holds, steps)
+    equal(ahead["outs"], plain["outs"], f"{mode}: a PSModel's outputs with prefetch")
+    assert plain["rows"].keys() == ahead["rows"].keys()
+    for key in plain["rows"]:
+        assert torch.equal(ahead["rows"][key], plain["rows"][key]), (mode, key)
+    assert plain["messages"] == {"ps0": 2 * steps + 1, "ps1": 2 * steps + 1}, plain["messages"]
+    assert ahead["messages"] == {"ps0": steps + 2, "ps1": steps + 2}, ahead["messages"]
+    if holds == "collection":  # (the first forward's lookup, then one message per step)
+        assert ahead["traffic"] == {"ps0": steps + 1, "ps1": steps + 1}, ahead["traffic"]
