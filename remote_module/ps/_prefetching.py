@@ -46,12 +46,22 @@ def prefetching(batches: Iterable, tables: Any, features: Callable[[Any], Any] |
     after the next is planned while that answer is awaited (right after the step is sent), so
     the trainer's planning overlaps the servers' work; the iterator reads two batches ahead.
 
+    half_async: a forward uses its prefetched lookup only if it holds every merge the servers
+    finished before the forward began (else it reads again); with several trainers, or a step
+    slower than ``half_async_merge_s``, that takes one small message per server at the forward
+    (see :class:`~remote_module.ps._embedding.Prefetch`).
+
     ``overlap=True`` (async and half_async only; ``ValueError`` for a sync table) goes one
-    batch further: a step sends the lookups of the batch after the next, so their round trip
-    overlaps the next batch's compute and a forward never waits for the servers. Each of those
-    lookups then misses exactly one push of this trainer, the last one before its forward (as
-    an async read may miss other trainers' pushes); every earlier push is in it. The iterator
-    then reads three batches ahead.
+    batch further in async mode: a step sends the lookups of the batch after the next, so their
+    round trip overlaps the next batch's compute and a forward never waits for the servers. Each
+    of those lookups then misses exactly one push of this trainer, the last one before its
+    forward (as an async read may miss other trainers' pushes); every earlier push is in it. In
+    half_async mode the step in between may merge, which such a lookup could not hold: each is
+    sent with the step right before its forward, as without overlap. The iterator then reads
+    three batches ahead.
+
+    Tables inside a :class:`PSModel`: pass them (or their collection) here and call the model's
+    ``step()``, which sends their next lookups with its pushes, one message per server.
 
     ``tables``: a :class:`ShardedEmbedding` / :class:`ShardedEmbeddingBag`, a
     :class:`ShardedEmbeddingBagCollection`, or a sequence of them. ``features(batch)`` gives
