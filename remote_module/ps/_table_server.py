@@ -60,9 +60,10 @@ class Table:
         self.sketch = CountingSketch(spec.sketch_bytes, spec.admit_after, key) if spec.admit_after > 1 else None
         # eviction: the table's step of the last sweep, the longest sweep (seconds)
         self.swept_at, self.longest_sweep_s = 0, 0.0
-        # delta checkpoints: each caller's baseline (the version its last delta reached), the
-        # ids evicted after each version (tombstones), and the version before which none are kept
-        self.baselines: dict[str, int] = {}
+        # delta checkpoints: each caller's baseline by (token, trainer) (the version its last
+        # delta reached), the ids evicted after each version (tombstones), and the version before
+        # which none are kept
+        self.baselines: dict[tuple[str, str | None], int] = {}
         self.tombstones: list[tuple[int, torch.Tensor]] = []
         self.tombstones_from = 0
         # a lazy table's rows that a weights-only load kept for their optimizer state alone (the
@@ -606,11 +607,12 @@ def _flush_table(name: str) -> None:
         table.merges.merge()
 
 
-def _block_rows(name: str, first: int, clocks: bool = False) -> tuple:
+def _block_rows(name: str, first: int, clocks: bool = False, version: bool = False) -> tuple:
     """``(ids, rows)`` the block starting at row ``first`` stores: every row of an eager block,
     the touched rows of a lazy one (sorted by id; evicted rows swept first); with ``clocks``
     also each row's eviction clock (its step when last stepped, or None without eviction) and
-    the table's step here."""
+    the table's step here; with ``version`` last the table's version here (what a delta taken
+    now would reach: a checkpoint's place in the delta chains)."""
     table = _table(name)
     with table.lock:
         table.sweep()
@@ -621,6 +623,8 @@ def _block_rows(name: str, first: int, clocks: bool = False) -> tuple:
             if clocks:
                 last = None if rows.last is None else rows.last.index_select(0, slots)
                 out += (last, table.clocks.step)
+            if version:
+                out += (table.clocks.version,)
             return out
 
 
@@ -758,15 +762,17 @@ def _set_admission(name: str, parts: list[tuple[list[tuple[int, int]], torch.Ten
                 table.sketch.merge(data, version, chunks)
 
 
-def _table_delta(name: str, token: str) -> dict:
-    """The rows (and their optimizer state and clocks) changed since ``token``'s last delta
-    here, the ids evicted meanwhile and the admission sketch's chunks changed; the whole table
-    here (``"whole"``: these blocks replace what a loader holds in them) at ``token``'s first
-    call, or when its baseline is older than the tombstones kept."""
+def _table_delta(name: str, token: str, trainer: str | None = None) -> dict:
+    """The rows (and their optimizer state and clocks) changed since the last delta of
+    ``token`` taken by ``trainer`` here, the ids evicted meanwhile and the admission sketch's
+    chunks changed; the whole table here (``"whole"``: these blocks replace what a loader holds
+    in them) at the first such call, or when its baseline is older than the tombstones kept.
+    Each trainer's deltas of a token are a chain of their own: another trainer's calls with the
+    same token leave its baseline alone."""
     table = _table(name)
     with table.lock:
         table.sweep()
-        base = table.baselines.get(token)
+        base = table.baselines.get((token, trainer))
         whole = base is None or base < table.tombstones_from
         since = -1 if whole else base
         parts = []
@@ -797,7 +803,7 @@ def _table_delta(name: str, token: str) -> dict:
             "sketch": None if sketch is None else (table.layout(),) + sketch,
             "versions": (since, table.clocks.version),  # (what it follows, what it reaches)
         }
-        table.baselines[token] = table.clocks.version
+        table.baselines[(token, trainer)] = table.clocks.version
         table._trim_tombstones()
         return out
 

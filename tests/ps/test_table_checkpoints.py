@@ -1,5 +1,7 @@
 """A table's checkpoints as a hostile user loads them (issue 41): a weights-only load keeps the
-optimizer state of rows stepped since, as torch's optimizer does."""
+optimizer state of rows stepped since, as torch's optimizer does; trainers sharing a delta
+token each get a complete chain, and a delta that does not follow what a table loaded is
+refused; another optimizer's state is refused before anything changes."""
 
 from __future__ import annotations
 
@@ -77,3 +79,93 @@ def test_a_full_load_weights_first_leaves_a_lazy_table_holding_the_checkpoints_r
     assert got["saved_ids"] == [1, 2, 3]
     assert got["ids"] == got["state_ids"] == [1, 2, 3], got
     assert got["held"] == 3, got
+
+
+# ---- delta chains of trainers sharing a token (item 4) ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chains(ps_world):
+    """Two trainers of one lazy Adagrad table (async), each taking deltas with the token
+    "ckpt" after each of its steps, interleaved: trainer0 steps, takes a delta, trainer1
+    steps, takes a delta. The full checkpoint (taken before the deltas' baselines), each
+    trainer's deltas in order, a second full checkpoint after round 2 and one at the end."""
+    world, name = ps_world, job("chains")
+    world.run({t: (r.chain_table, name) for t in ("trainer0", "trainer1")})
+    full = on(world, "trainer0", r.chain_checkpoint, name)
+    deltas = {t: [on(world, t, r.chain_delta, name)] for t in ("trainer0", "trainer1")}  # (baselines: whole)
+    mid = None
+    for k in range(3):
+        for i, t in enumerate(("trainer0", "trainer1")):
+            on(world, t, r.chain_step, name, k, i)
+            deltas[t].append(on(world, t, r.chain_delta, name))
+        if k == 1:
+            mid = on(world, "trainer0", r.chain_checkpoint, name)
+    for t in ("trainer0", "trainer1"):  # (the last: nothing changes between them and the end)
+        deltas[t].append(on(world, t, r.chain_delta, name))
+    end = on(world, "trainer0", r.chain_checkpoint, name)
+    return {"name": name, "full": full, "mid": mid, "deltas": deltas, "end": end}
+
+
+@pytest.mark.parametrize("trainer, saved", [("trainer0", False), ("trainer1", False), ("trainer1", True)],
+                         ids=["trainer0", "trainer1", "trainer1-through-a-file"])
+def test_a_full_checkpoint_and_one_trainers_deltas_restore_the_table_bit_for_bit(world, chains, trainer, saved):
+    got = on(world, "trainer2", r.restore, job("restored"), chains["full"], chains["deltas"][trainer], saved)
+    assert got["model"]["weight.ids"].tolist() == chains["end"]["model"]["weight.ids"].tolist()
+    same(got["model"], chains["end"]["model"], "model")
+    for key in ("step", "ids", "sum"):
+        same(got["optim"][key], chains["end"]["optim"][key], key)
+
+
+@pytest.mark.parametrize("case", ["skips one", "first skips one", "older than the checkpoint", "collection",
+                                  "metadata lost"])
+def test_a_delta_that_does_not_follow_what_a_table_loaded_is_refused_naming_its_token(world, chains, case):
+    a = chains["deltas"]["trainer0"]
+    full, loaded, delta, why = {
+        "skips one": (chains["full"], a[:2], a[3], "missing"),  # the baseline and round 0's, then round 2's
+        "first skips one": (chains["full"], [], a[2], "missing"),  # round 1's right after the full checkpoint
+        "older than the checkpoint": (chains["mid"], [], a[1], "back in time"),  # round 0's onto round 1's
+        "collection": (chains["full"], [], a[2], "missing"),
+        # round 0's after a full checkpoint copied key by key: it cannot tell what follows it
+        "metadata lost": (chains["full"], [], a[1], "lost its metadata"),
+    }[case]
+    got = on(world, "trainer2", r.refused, job("refused"), full, loaded, delta, case == "collection",
+             case == "metadata lost")
+    assert got["error"] is not None and got["error"].startswith("ValueError"), got["error"]
+    assert "token 'ckpt'" in got["error"] and "'trainer0'" in got["error"] and why in got["error"], got["error"]
+    same(got["after"], got["before"], "unchanged")
+
+
+def test_the_deltas_a_table_loads_in_order_after_its_checkpoint_are_taken(world, chains):
+    a, b = chains["deltas"]["trainer0"], chains["deltas"]["trainer1"]
+    # round 1's checkpoint, then both trainers' deltas from there, interleaved (trainer1's of
+    # round 1 reaches that checkpoint exactly; each later one follows the one loaded before it,
+    # of either trainer): the end's rows
+    got = on(world, "trainer2", r.restore, job("mixed"), chains["mid"], [b[2], a[3], b[3], a[4], b[4]])
+    same(got["model"], chains["end"]["model"], "model")
+
+
+# ---- another optimizer's state (item 7) -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["optimizer_state_dict", "geo", "delta"])
+def test_another_optimizers_state_is_refused_before_anything_changes(world, how):
+    got = on(world, "trainer0", r.foreign_optimizer_state, job(f"foreign-{how}"), how)
+    error = got["error"] or ""
+    assert error.startswith("ValueError"), error
+    assert "'sum'" in error and "SparseAdam" in error and "'exp_avg'" in error, error
+    same(got["after"], got["before"], "unchanged")
+
+
+def test_a_collection_refuses_another_optimizers_state_for_one_table_and_loads_none(world):
+    got = on(world, "trainer0", r.foreign_state_in_a_collection, job("foreign-collection"))
+    error = got["error"] or ""
+    assert error.startswith("ValueError") and "'sum'" in error and "SparseAdam" in error, error
+    same(got["after"], got["before"], "unchanged")
+
+
+def test_a_psmodel_refuses_another_optimizers_state_for_its_table_and_loads_none(world):
+    got = on(world, "trainer0", r.foreign_state_in_a_psmodel, job("foreign-psmodel"))
+    error = got["error"] or ""
+    assert error.startswith("ValueError") and "'sum'" in error and "SparseAdam" in error, error
+    same(got["after"], got["before"], "unchanged")
