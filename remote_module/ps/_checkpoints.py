@@ -182,6 +182,8 @@ class PSCheckpoints:
                         f"{tuple(getattr(value, 'shape', ()))}, but the parameter has shape {tuple(p.shape)}: load "
                         "optimizer state saved from the same model"
                     )
+        for qual, table in self._tables.items():  # (refused here, e.g. another optimizer's: nothing loaded)
+            table._check_optimizer_state(tables[qual])
         geo = state_dict.get("geo") if self.ps_mode == "geo" else None
         if geo is not None:
             self._check_geo_progress(geo)

@@ -373,11 +373,14 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     def load_optimizer_state_dict(self, state: Mapping[str, dict]) -> None:
         """Load :meth:`optimizer_state_dict`'s state into every table (``KeyError`` naming a
-        table it has no state for, or a name that is not a table)."""
+        table it has no state for, or a name that is not a table; a table's refusal, e.g. of
+        another optimizer's state, before any table is loaded)."""
         self._check_per_table(state, "optimizer_state_dict")
         for name in self._names:
             if name not in state:
                 raise KeyError(f"ShardedEmbeddingBagCollection: no optimizer state for table {name!r}")
+        for name in self._names:  # (every table's checked first: a refused one leaves every table as it was)
+            self._modules[name]._check_optimizer_state(state[name])
         for name in self._names:
             self._modules[name].load_optimizer_state_dict(state[name])
 
@@ -393,8 +396,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     def load_delta_state_dict(self, delta: Mapping[str, dict]) -> None:
         """Load :meth:`delta_state_dict`'s deltas into their tables (``KeyError`` naming a name
-        that is not a table; a table without one in ``delta`` is left as it is)."""
+        that is not a table; a table without one in ``delta`` is left as it is; a table's
+        refusal before any table is loaded)."""
         self._check_per_table(delta, "delta_state_dict")
+        for name in self._names:  # (every table's checked first: a refused one leaves every table as it was)
+            if name in delta:
+                self._modules[name]._check_delta(delta[name])
         for name in self._names:
             if name in delta:
                 self._modules[name].load_delta_state_dict(delta[name])

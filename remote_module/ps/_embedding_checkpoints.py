@@ -12,6 +12,16 @@ from remote_module._core import call_all
 from remote_module.ps import _table_server
 from remote_module.ps._admission import counter_bits
 from remote_module.ps._rows import AT_INIT
+from remote_module.ps._rowwise import new_state
+
+#: the optimizers' names, by row-wise kind (errors name them as torch does)
+_OPTIMIZER_NAMES = {"sgd": "SGD", "adagrad": "Adagrad", "sparse_adam": "SparseAdam"}
+#: settings of an optimizer's param group that tell which of them saved it
+_GROUP_MARKS = {"sgd": ("momentum", "dampening", "nesterov"), "adagrad": ("lr_decay", "initial_accumulator_value"),
+                "sparse_adam": ("betas",)}
+#: the key of a table's entry in a state_dict's ``_metadata`` that says where in the delta
+#: chains its rows were read: ``{"table": name, "versions": {server: (first, last)}}``
+CHAIN_METADATA = "delta_chain"
 
 
 def _compact(counters: torch.Tensor) -> torch.Tensor:
@@ -62,12 +72,13 @@ class TableCheckpoints:
         return getattr(self, "admit_after", 1) > 1 or getattr(self, "evict_after_steps", None) is not None
 
     def _stored(self) -> tuple:
-        """``(ids, rows, last, clock)``: the rows stored (sorted by id) and, with eviction, each
-        one's clock and the table's step (the highest of its servers'; each row's clock moved
-        by its server's lag, so its age is kept), else ``None``s."""
+        """``(ids, rows, last, clock, at)``: the rows stored (sorted by id) and, with eviction,
+        each one's clock and the table's step (the highest of its servers'; each row's clock
+        moved by its server's lag, so its age is kept), else ``None``s; ``at``: each server's
+        versions while its blocks were read (first, last), where they are in the delta chains."""
         self._settle()
         evicting = getattr(self, "evict_after_steps", None) is not None
-        calls = [(server, _table_server._block_rows, (self.name, first) + ((True,) if evicting else ()))
+        calls = [(server, _table_server._block_rows, (self.name, first, evicting, True))
                  for first, _, server in self._ranges]
         got = call_all(calls, timeout=self.timeout)
         ids = torch.cat([g[0] for g in got])
@@ -77,10 +88,20 @@ class TableCheckpoints:
         if evicting:
             clock = max(g[3] for g in got)
             last = torch.cat([_aged(g[2], clock - g[3]) for g in got])[order]
-        return ids[order], rows[order], last, clock
+        at: dict[str, tuple[int, int]] = {}
+        for (_, _, server), g in zip(self._ranges, got):
+            first, end = at.get(server, (g[-1], g[-1]))
+            at[server] = (min(first, g[-1]), max(end, g[-1]))
+        return ids[order], rows[order], last, clock, at
 
     def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
-        ids, rows, last, clock = self._stored()
+        ids, rows, last, clock, at = self._stored()
+        # where in the delta chains these rows are: a delta loaded after them must follow it.
+        # In the state_dict's metadata, which torch keeps with it (torch.save, load_state_dict)
+        # and a local module ignores, so the keys stay the local module's
+        metadata = getattr(destination, "_metadata", None)
+        if isinstance(metadata, dict) and isinstance(metadata.get(prefix[:-1]), dict):
+            metadata[prefix[:-1]][CHAIN_METADATA] = {"table": self.name, "versions": at}
         if self.init == "lazy":
             destination[prefix + "weight.ids"] = ids
             destination[prefix + "weight.rows"] = rows
@@ -144,9 +165,10 @@ class TableCheckpoints:
                           (self.name, ids[mine], rows[mine].detach().clone(), None if last is None else last[mine],
                            clock, held if self.init == "lazy" else ())))
         call_all(calls, timeout=self.timeout)
-        # the rows are the checkpoint's now: the deltas loaded before are no chain for the next
-        # one (which follows a delta of before the checkpoint, taken or not by this loader)
-        self.__dict__.pop("_delta_chains", None)
+        # the rows are the checkpoint's now: the next delta must follow it (unknown, None, for a
+        # state_dict without the metadata state_dict() gives it: then only a whole table loads)
+        self.__dict__["_rows_at"] = _chain_place(local_metadata.get(CHAIN_METADATA) if isinstance(
+            local_metadata, dict) else None)
         admission = extra.get("admission")
         if getattr(self, "admit_after", 1) > 1:  # (a checkpoint without counts: counts start from zero)
             self._set_admission([(blocks, data.to_dense() if data.is_sparse else data, None)
@@ -184,21 +206,24 @@ class TableCheckpoints:
         return None
 
     def delta_state_dict(self, token: str) -> dict:
-        """What changed on the servers since the last call with the same ``token``: the rows
+        """What changed on the servers since this trainer's last call with the same ``token``: the rows
         stepped or loaded since (``"ids"``, ``"rows"``), their optimizer state (``"has_state"``
         and one tensor per state key, for those rows), the ids evicted meanwhile
         (``"evicted"``: tombstones), the eviction clocks and the admission sketch's changed
         parts, the table's step count and ``ps_optimizer``'s settings; in geo mode also this
         trainer's local optimizer state (``"geo"``).
 
-        Each token has its own baseline on the servers: callers with different tokens never
-        reset each other's. A token's first call (or one whose baseline is older than the
-        tombstones a server keeps, ``Table.TOMBSTONES_KEPT`` ids) returns the whole table on
-        that server (its ranges under ``"whole"``): loading it replaces those rows.
+        Each token has its own baseline on the servers for each trainer: callers with different
+        tokens, or trainers calling with the same one, never reset each other's, so each
+        trainer's deltas of a token are a complete chain. A trainer's first call with a token
+        (or one whose baseline is older than the tombstones a server keeps,
+        ``Table.TOMBSTONES_KEPT`` ids) returns the whole table on that server (its ranges under
+        ``"whole"``): loading it replaces those rows.
 
         :meth:`load_delta_state_dict` applies one: a checkpoint (``state_dict()`` and
         ``optimizer_state_dict()``) loaded, then the deltas taken after it in order, give the
         rows, optimizer state and clocks a checkpoint at the end would, on any number of servers.
+        A delta that does not follow what the table loaded last is refused (see there).
 
         Example::
 
@@ -210,7 +235,7 @@ class TableCheckpoints:
         if not isinstance(token, str) or not token:
             raise ValueError(f"token must be a non-empty str naming the caller's baseline, got {token!r}")
         self._settle()
-        got = call_all([(s, _table_server._table_delta, (self.name, token)) for s in self._by_server],
+        got = call_all([(s, _table_server._table_delta, (self.name, token, self._trainer)) for s in self._by_server],
                        timeout=self.timeout)
         ids = torch.cat([g["ids"] for g in got])
         order = torch.argsort(ids)
@@ -226,7 +251,7 @@ class TableCheckpoints:
             "admission_bits": self._admission_bits(),
             "ps_optimizer": self.ps_optimizer.state_dict(),
             # which deltas it follows and reaches, per server: loads check that deltas come in order
-            "chain": {"table": self.name, "token": token,
+            "chain": {"table": self.name, "token": token, "trainer": self._trainer,
                       "versions": {s: g["versions"] for s, g in zip(self._by_server, got)}},
         }
         if got[0]["last"] is not None:
@@ -242,19 +267,17 @@ class TableCheckpoints:
         return out
 
     def load_delta_state_dict(self, delta: dict) -> None:
-        """Apply :meth:`delta_state_dict`'s ``delta`` to the servers (any number of them)."""
-        needed = {"ids", "rows", "evicted", "whole", "stepped", "has_state", "state", "step", "clock"}
-        if not isinstance(delta, dict) or not needed <= set(delta):
-            missing = f" without {sorted(needed - set(delta))}" if isinstance(delta, dict) else ""
-            raise TypeError(f"load_delta_state_dict takes what delta_state_dict() returned, got "
-                            f"{type(delta).__name__}{missing}")
-        ids = delta["ids"]
-        misfit = self._misfit(ids, {"rows": delta["rows"]}) or self._admission_misfit(
-            delta.get("admission"), delta.get("admission_bits"), chunked=True)
-        if misfit:
-            raise ValueError(f"delta for table {self.name!r} does not fit it: {misfit}")
-        self._check_chain(delta.get("chain"))
-        ids = ids.long()
+        """Apply :meth:`delta_state_dict`'s ``delta`` to the servers (any number of them).
+
+        ``ValueError`` naming its token and trainer, before anything changes, unless it follows
+        what this table loaded last (a full checkpoint's ``state_dict()``, or a delta of any
+        token or trainer): it must hold every change since then (taken at or before it) and
+        none older (taken at or after it). A whole table (a token's first delta) follows
+        anything. So a checkpoint, then one trainer's deltas of a token in order, load; a delta
+        skipped, one older than the checkpoint, or one of another trainer's chain that does not
+        overlap is refused. Loading the same delta again is harmless."""
+        self._check_delta(delta)
+        ids = delta["ids"].long()
         self._before_rows_change()
         if "ps_optimizer" in delta:
             self.ps_optimizer.load_state_dict(delta["ps_optimizer"])
@@ -284,27 +307,89 @@ class TableCheckpoints:
                 self._geo.load_delta(delta["geo"])
             self._geo.drop(torch.cat([ids, evicted]).unique())
         chain = delta.get("chain")
-        if chain is not None:
-            self.__dict__.setdefault("_delta_chains", {})[(chain["table"], chain["token"])] = chain["versions"]
+        # the rows are the source's as this delta reached them (unknown without its chain)
+        self.__dict__["_rows_at"] = None if chain is None else _chain_place(
+            {"table": chain["table"], "versions": {s: (v[1], v[1]) for s, v in chain["versions"].items()}})
+
+    def _check_delta(self, delta: Any) -> None:
+        """What :meth:`load_delta_state_dict` checks before anything changes: ``TypeError``
+        unless ``delta`` is what :meth:`delta_state_dict` returned, ``ValueError`` unless it fits
+        this table (sizes, admission sketch, optimizer) and follows what it loaded last."""
+        needed = {"ids", "rows", "evicted", "whole", "stepped", "has_state", "state", "step", "clock"}
+        if not isinstance(delta, dict) or not needed <= set(delta):
+            missing = f" without {sorted(needed - set(delta))}" if isinstance(delta, dict) else ""
+            raise TypeError(f"load_delta_state_dict takes what delta_state_dict() returned, got "
+                            f"{type(delta).__name__}{missing}")
+        misfit = self._misfit(delta["ids"], {"rows": delta["rows"]}) or self._admission_misfit(
+            delta.get("admission"), delta.get("admission_bits"), chunked=True)
+        if misfit:
+            raise ValueError(f"delta for table {self.name!r} does not fit it: {misfit}")
+        geo = delta.get("geo") if self._geo is not None else None
+        keys = [k for k in geo if k not in ("whole", "step", "ids", "geo_step_calls")] if isinstance(geo, dict) \
+            else list(delta["state"])
+        self._check_optimizer(keys, delta.get("ps_optimizer"), "delta", bool(delta["has_state"].any()))
+        self._check_chain(delta.get("chain"))
 
     def _check_chain(self, chain: Any) -> None:
-        """``ValueError`` unless a delta of the same table and token loaded into this table
-        before (if any) is the one this delta follows, on each server (or this delta itself,
-        loaded again): deltas loaded out of order would move rows back in time. A full checkpoint
-        (``load_state_dict``) loaded since starts again: the delta after it is taken unchecked."""
-        if chain is None:
+        """``ValueError`` naming the delta's token and trainer unless the delta whose ``chain``
+        this is follows what this table loaded last (``_rows_at``: a checkpoint's rows, or a
+        delta): on each server it holds every change since then (it follows a version at or
+        before it) and none older (it reaches a version at or after it); where it is a whole
+        table (it follows -1) anything. Deltas loaded out of order would move rows back in time,
+        or miss changes (another trainer's, say)."""
+        if chain is None:  # (a delta of before chains were kept)
             return
-        last = self.__dict__.get("_delta_chains", {}).get((chain["table"], chain["token"]))
-        if last is None:
+        follows = {s: v[0] for s, v in chain["versions"].items()}
+        if all(v < 0 for v in follows.values()):  # a whole table everywhere
             return
-        follows = {s: v[0] for s, v in chain["versions"].items() if v[0] >= 0}  # (-1: a whole table there)
-        again = chain["versions"] == last
-        if not again and any(last.get(s, (None, None))[1] != v for s, v in follows.items()):
+        place = self.__dict__.get("_rows_at")
+        which = (f"delta of table {chain['table']!r} (token {chain['token']!r}, trainer "
+                 f"{chain.get('trainer', 'not recorded')!r})")
+        if place is None:
             raise ValueError(
-                f"delta of table {chain['table']!r} (token {chain['token']!r}) does not follow the last one of "
-                f"that table and token loaded here: load deltas in the order delta_state_dict() returned them "
-                f"(it follows versions {follows}, the last loaded reached "
-                f"{ {s: v[1] for s, v in last.items()} })")
+                f"{which} follows an earlier state of the table, but this table loaded no checkpoint it could follow "
+                "(or one whose state_dict lost its metadata, which says where its rows are): load the full checkpoint "
+                "taken before it (state_dict() and optimizer_state_dict(), as returned or torch.save()d) and the "
+                "deltas taken after that in order, or a token's first delta (a whole table)")
+        if place["table"] != chain["table"] or set(place["versions"]) != set(follows):
+            raise ValueError(
+                f"{which} does not follow what this table loaded last, which was read from table {place['table']!r} "
+                f"on servers {sorted(place['versions'])}: load deltas of the table and layout the checkpoint was "
+                "taken from")
+        gap = {s: v for s, v in follows.items() if v >= 0 and v > place["versions"][s][0]}
+        older = {s: v[1] for s, v in chain["versions"].items() if v[1] < place["versions"][s][1]}
+        if gap or older:
+            why = (f"it follows versions {follows}, later than what it loaded last reached "
+                   f"{ {s: v[0] for s, v in place['versions'].items()} }: changes in between would be missing"
+                   if gap else f"it reaches versions { {s: v[1] for s, v in chain['versions'].items()} }, older "
+                   f"than what it loaded last { {s: v[1] for s, v in place['versions'].items()} }: rows would move "
+                   "back in time")
+            raise ValueError(
+                f"{which} does not follow what this table loaded last ({why}): load deltas in the order "
+                "delta_state_dict() returned them, each trainer's own chain, after the full checkpoint taken before "
+                "the first of them")
+
+    def _check_optimizer(self, keys: list, settings: Any, what: str, required: bool = True) -> None:
+        """``ValueError`` unless optimizer state with state ``keys`` (all of the optimizer's if
+        ``required``: some rows have state) and ``ps_optimizer`` ``settings`` (a state_dict)
+        was saved by a table with this table's optimizer: another's would fail on the servers."""
+        mine = self._row_opt.kind
+        expected = sorted(new_state(self._row_opt, 0, self.embedding_dim, torch.float32))
+        given = sorted(keys)
+        groups = settings.get("param_groups") if isinstance(settings, dict) else None
+        group = groups[0] if isinstance(groups, list) and groups and isinstance(groups[0], dict) else {}
+        saved_by = next((kind for kind, marks in _GROUP_MARKS.items() if all(m in group for m in marks)), None)
+        if saved_by is None:
+            saved_by = next((kind for kind in _OPTIMIZER_NAMES if given and given == sorted(
+                new_state(self._row_opt._replace(kind=kind), 0, 1, torch.float32))), None)
+        fits = set(given) <= set(expected) and (given == expected or not required)
+        if fits and saved_by in (None, mine):
+            return
+        theirs = f"{_OPTIMIZER_NAMES[saved_by]}'s" if saved_by is not None else "another optimizer's"
+        raise ValueError(
+            f"{what} for table {self.name!r} holds {theirs} state (state keys {given}), but this table's optimizer "
+            f"is {_OPTIMIZER_NAMES[mine]}, which keeps {expected}: load the state of a table with the same optimizer "
+            "(nothing was loaded)")
 
     def _misfit(self, ids: Any, rows: dict[str, Any]) -> str | None:
         """What makes ``ids`` and their ``rows`` (by name) not fit this table (``None`` if they do)."""
@@ -343,14 +428,10 @@ class TableCheckpoints:
 
     def load_optimizer_state_dict(self, state: dict) -> None:
         """Load :meth:`optimizer_state_dict`'s state: onto this table's servers, re-sliced, or in
-        geo mode into the trainer's local optimizer (a checkpoint of any mode loads into any)."""
-        if not isinstance(state, dict) or "step" not in state:
-            raise TypeError(f"load_optimizer_state_dict takes what optimizer_state_dict() returned, got "
-                            f"{type(state).__name__}{' without a step' if isinstance(state, dict) else ''}")
-        keys = [k for k in state if k not in ("step", "ids", "geo_step_calls", "ps_optimizer")]
-        misfit = self._misfit(state.get("ids"), {k: state[k] for k in keys})
-        if misfit:
-            raise ValueError(f"optimizer state for table {self.name!r} does not fit it: {misfit}")
+        geo mode into the trainer's local optimizer (a checkpoint of any mode loads into any).
+        ``ValueError`` before anything changes for state that does not fit the table (its
+        sizes, or another optimizer's state)."""
+        keys = self._check_optimizer_state(state)
         ids = state["ids"].long()
         self._before_rows_change()
         if "ps_optimizer" in state:  # (a checkpoint from before it had none: the settings stay)
@@ -365,3 +446,31 @@ class TableCheckpoints:
                   (self.name, int(state["step"]), ids[mine], {k: state[k][mine] for k in keys}))
                  for _, server, mine in self._by_owner(ids)]
         call_all(calls, timeout=self.timeout)
+
+    def _check_optimizer_state(self, state: Any) -> list[str]:
+        """What :meth:`load_optimizer_state_dict` checks before anything changes (``TypeError``
+        for what :meth:`optimizer_state_dict` does not return, ``ValueError`` for state that does
+        not fit this table); the state's per-row keys."""
+        if not isinstance(state, dict) or "step" not in state:
+            raise TypeError(f"load_optimizer_state_dict takes what optimizer_state_dict() returned, got "
+                            f"{type(state).__name__}{' without a step' if isinstance(state, dict) else ''}")
+        keys = [k for k in state if k not in ("step", "ids", "geo_step_calls", "ps_optimizer")]
+        misfit = self._misfit(state.get("ids"), {k: state[k] for k in keys})
+        if misfit:
+            raise ValueError(f"optimizer state for table {self.name!r} does not fit it: {misfit}")
+        self._check_optimizer(keys, state.get("ps_optimizer"), "optimizer state", bool(state["ids"].numel()))
+        return keys
+
+
+def _chain_place(marker: Any) -> dict | None:
+    """A table's place in its source's delta chains as a checkpoint's metadata or a delta
+    says it (``{"table": name, "versions": {server: (first, last)}}``), checked; None if
+    there is none, or it is not one."""
+    if not (isinstance(marker, dict) and isinstance(marker.get("table"), str)
+            and isinstance(marker.get("versions"), dict) and marker["versions"]):
+        return None
+    try:
+        versions = {str(s): (int(v[0]), int(v[1])) for s, v in marker["versions"].items()}
+    except (TypeError, ValueError, IndexError):
+        return None
+    return {"table": marker["table"], "versions": versions}

@@ -60,11 +60,16 @@ class Table:
         self.sketch = CountingSketch(spec.sketch_bytes, spec.admit_after, key) if spec.admit_after > 1 else None
         # eviction: the table's step of the last sweep, the longest sweep (seconds)
         self.swept_at, self.longest_sweep_s = 0, 0.0
-        # delta checkpoints: each caller's baseline (the version its last delta reached), the
-        # ids evicted after each version (tombstones), and the version before which none are kept
-        self.baselines: dict[str, int] = {}
+        # delta checkpoints: each caller's baseline by (token, trainer) (the version its last
+        # delta reached), the ids evicted after each version (tombstones), and the version before
+        # which none are kept
+        self.baselines: dict[tuple[str, str | None], int] = {}
         self.tombstones: list[tuple[int, torch.Tensor]] = []
         self.tombstones_from = 0
+        # a lazy table's rows that a weights-only load kept for their optimizer state alone (the
+        # checkpoint had no such row: they are back at their first values); an optimizer state
+        # load that gives them none drops them, so a full load leaves the checkpoint's rows only
+        self.kept_for_state = torch.empty(0, dtype=torch.long)
         self.starts = torch.tensor([r.first for r in self.blocks], dtype=torch.long)
         self.ends = torch.tensor([r.first + r.count for r in self.blocks], dtype=torch.long)
         self.lock = threading.Condition()
@@ -184,6 +189,8 @@ class Table:
         self.optimizer_steps += 1
         for rows, mine in parts:
             rows.step(uniq[mine], summed[mine], self.optimizer_steps, scale, opt)
+        if self.kept_for_state.numel():  # (stepped: trained rows now, whatever a load did before)
+            self.kept_for_state = self.kept_for_state[~torch.isin(self.kept_for_state, uniq)]
         self.ticked()
 
     def _coalesced(self, ids: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -634,11 +641,12 @@ def _read_unless_merged(merged: list[tuple[str, int]], handler: object, args: tu
     return answered
 
 
-def _block_rows(name: str, first: int, clocks: bool = False) -> tuple:
+def _block_rows(name: str, first: int, clocks: bool = False, version: bool = False) -> tuple:
     """``(ids, rows)`` the block starting at row ``first`` stores: every row of an eager block,
     the touched rows of a lazy one (sorted by id; evicted rows swept first); with ``clocks``
     also each row's eviction clock (its step when last stepped, or None without eviction) and
-    the table's step here."""
+    the table's step here; with ``version`` last the table's version here (what a delta taken
+    now would reach: a checkpoint's place in the delta chains)."""
     table = _table(name)
     with table.lock:
         table.sweep()
@@ -649,27 +657,63 @@ def _block_rows(name: str, first: int, clocks: bool = False) -> tuple:
             if clocks:
                 last = None if rows.last is None else rows.last.index_select(0, slots)
                 out += (last, table.clocks.step)
+            if version:
+                out += (table.clocks.version,)
             return out
 
 
 def _set_rows(name: str, ids: torch.Tensor, values: torch.Tensor, last: torch.Tensor | None = None,
               clock: int | None = None, replace: tuple[tuple[int, int], ...] = ()) -> None:
     """Overwrite rows ``ids`` (lazy rows are created); optimizer state is kept. ``replace``:
-    row ranges ``(first, count)`` loaded whole: the rows stored here in them and not in
-    ``ids`` are dropped first (a lazy table's checkpoint holds all its rows). With eviction,
-    ``last`` are the rows' clocks and ``clock`` the table's step."""
+    row ranges ``(first, count)`` loaded whole (a lazy table's checkpoint holds all its rows):
+    the rows stored here in them and not in ``ids`` go back to their first values first
+    (:func:`_unloaded_rows_reset`). With eviction, ``last`` are the rows' clocks and ``clock``
+    the table's step."""
     table = _table(name)
     with table.lock:
         version = table.clocks.bump()
-        if replace:
-            _drop_where(table, lambda held: _in_ranges(held, replace) & ~torch.isin(held, ids))
         step = table.clocks.step if clock is None else int(clock)
+        if replace:
+            _unloaded_rows_reset(table, replace, ids, version, step)
         for rows, mine in table._split(ids):
             with rows.lock:
                 _write_rows(rows, ids[mine], values[mine], version, step, None if last is None else last[mine])
         if clock is not None:  # (after the rows: rows held here are judged stale by this server's clock, not
             # the checkpoint's, so the optimizer state loaded before them is kept)
             table.clocks.step = table.swept_at = int(clock)
+
+
+def _unloaded_rows_reset(table: Table, ranges: tuple[tuple[int, int], ...], loaded: torch.Tensor, version: int,
+                         step: int) -> None:
+    """A lazy table's weights load of the row ``ranges`` (the rows ``loaded``): each row stored
+    here in them and not loaded reads as its first value from now on, as a local module's whole
+    weight is replaced. One with optimizer state stays stored, at its first value, and keeps
+    that state, as a torch optimizer keeps its state over ``load_state_dict`` of the weights
+    (its clock restarts at ``step``); the others are dropped (lock held; rows evicted by now are
+    swept first)."""
+    table.sweep()
+    gone_ids, kept = [], []
+    for rows in table.blocks:
+        with rows.lock:
+            held, slots = rows.stored()
+            out = _in_ranges(held, ranges) & ~torch.isin(held, loaded)
+            if not bool(out.any()):
+                continue
+            with_state = rows.state_slot.index_select(0, slots) >= 0
+            keep = out & with_state
+            if bool(keep.any()):
+                again = slots[keep]
+                rows.values[again] = rows.initial(held[keep])
+                rows.changed[again] = version
+                if rows.last is not None:
+                    rows.last[again] = step
+                kept.append(held[keep])
+            if bool((out & ~with_state).any()):
+                gone_ids.append(rows.drop(held, slots, out & ~with_state))
+    if gone_ids:
+        table.tombstones.append((table.clocks.bump(), torch.cat(gone_ids)))
+        table._trim_tombstones()
+    table.kept_for_state = torch.cat(kept) if kept else torch.empty(0, dtype=torch.long)
 
 
 def _write_rows(rows: _Rows, ids: torch.Tensor, values: torch.Tensor, version: int, step: int,
@@ -752,15 +796,17 @@ def _set_admission(name: str, parts: list[tuple[list[tuple[int, int]], torch.Ten
                 table.sketch.merge(data, version, chunks)
 
 
-def _table_delta(name: str, token: str) -> dict:
-    """The rows (and their optimizer state and clocks) changed since ``token``'s last delta
-    here, the ids evicted meanwhile and the admission sketch's chunks changed; the whole table
-    here (``"whole"``: these blocks replace what a loader holds in them) at ``token``'s first
-    call, or when its baseline is older than the tombstones kept."""
+def _table_delta(name: str, token: str, trainer: str | None = None) -> dict:
+    """The rows (and their optimizer state and clocks) changed since the last delta of
+    ``token`` taken by ``trainer`` here, the ids evicted meanwhile and the admission sketch's
+    chunks changed; the whole table here (``"whole"``: these blocks replace what a loader holds
+    in them) at the first such call, or when its baseline is older than the tombstones kept.
+    Each trainer's deltas of a token are a chain of their own: another trainer's calls with the
+    same token leave its baseline alone."""
     table = _table(name)
     with table.lock:
         table.sweep()
-        base = table.baselines.get(token)
+        base = table.baselines.get((token, trainer))
         whole = base is None or base < table.tombstones_from
         since = -1 if whole else base
         parts = []
@@ -791,7 +837,7 @@ def _table_delta(name: str, token: str) -> dict:
             "sketch": None if sketch is None else (table.layout(),) + sketch,
             "versions": (since, table.clocks.version),  # (what it follows, what it reaches)
         }
-        table.baselines[token] = table.clocks.version
+        table.baselines[(token, trainer)] = table.clocks.version
         table._trim_tombstones()
         return out
 
@@ -811,6 +857,9 @@ def _apply_delta(name: str, whole: tuple[tuple[int, int], ...], evicted: torch.T
         version = table.clocks.bump()
         table.optimizer_steps = int(step)
         table.clocks.step = table.swept_at = int(clock)
+        if table.kept_for_state.numel():  # (set by the delta now, or dropped: what it says)
+            kept = table.kept_for_state
+            table.kept_for_state = kept[~(torch.isin(kept, ids) | _in_ranges(kept, whole))]
         state_at = torch.cumsum(has_state.long(), 0) - 1  # each id's row in state
         for rows, mine in table._split(ids):
             with rows.lock:
@@ -843,12 +892,19 @@ def _set_row_state(name: str, optimizer_steps: int, ids: torch.Tensor, state: di
     """Replace this server's optimizer state of the table, as a torch optimizer's
     ``load_state_dict`` replaces its whole state: the step count, and the state of rows ``ids``
     (they count as touched); every other row here is left with none (its next step starts
-    from the optimizer's initial state). A trainer sends every server of the table its share.
-    A sync table's step (its trainers' round) is left alone: it is not optimizer state, and
-    trainers already attached wait on it."""
+    from the optimizer's initial state); a row a weights-only load kept for its state alone
+    (:func:`_unloaded_rows_reset`) and given none here is dropped, as that load would have. A
+    trainer sends every server of the table its share. A sync table's step (its trainers'
+    round) is left alone: it is not optimizer state, and trainers already attached wait on it."""
     table = _table(name)
     with table.lock:
         table.optimizer_steps = optimizer_steps
+        # rows a weights-only load kept for their state alone: given none now, they are dropped
+        kept = table.kept_for_state
+        orphans = kept[~torch.isin(kept, ids)]
+        table.kept_for_state = kept[torch.isin(kept, ids)]
+        if orphans.numel():
+            _drop_where(table, lambda held: torch.isin(held, orphans))
         version = table.clocks.bump()
         for rows in table.blocks:  # (rows stepped since the checkpoint keep no state of their own)
             with rows.lock:
