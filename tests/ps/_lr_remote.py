@@ -342,3 +342,64 @@ def ps_optimizer_step_only(name: str) -> dict:
             optimizer.step()
 
     return _watched_port(name, loop)
+
+
+# ---- cyclic schedulers on a collection's ps_optimizer ---------------------------------------------
+
+#: the row-wise optimizers a table takes, as the cyclic-scheduler tests build them
+CYCLIC_OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.5}), "adagrad": (torch.optim.Adagrad, {"lr": 0.5}),
+                     "sparseadam": (torch.optim.SparseAdam, {"lr": 0.05})}
+CYCLIC_STEPS = 4
+
+
+def cyclic_scheduler(kind: str, opt: torch.optim.Optimizer, cycle_momentum: bool) -> Any:
+    sched = torch.optim.lr_scheduler
+    if kind == "onecycle":
+        return sched.OneCycleLR(opt, max_lr=0.4, total_steps=2 * CYCLIC_STEPS, cycle_momentum=cycle_momentum)
+    return sched.CyclicLR(opt, base_lr=0.05, max_lr=0.4, step_size_up=2, cycle_momentum=cycle_momentum)
+
+
+def cyclic_batch(step: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    ids, offsets, _ = bag_batch(0, step)
+    return {"a": (ids, offsets), "b": (ids.flip(0), offsets)}
+
+
+def cyclic_loss(out: dict[str, torch.Tensor], step: int) -> torch.Tensor:
+    target = bag_batch(0, step)[2]
+    return ((out["a"] - target) ** 2 + (out["b"] + target) ** 2).mean()
+
+
+def cyclic_groups(opt: torch.optim.Optimizer) -> list[tuple]:
+    return [(g["lr"], g.get("momentum"), g.get("betas")) for g in opt.param_groups]
+
+
+def cyclic_collection(name: str, optimizer: str, kind: str, cycle_momentum: bool) -> dict:
+    """A collection of two sum bags (one sync trainer) whose ps_optimizer ``kind`` (OneCycleLR,
+    CyclicLR) drives: the error building the scheduler (``(type name, message)``) or, trained
+    ``CYCLIC_STEPS`` steps, the error of the first step() that raised, or the rows after and
+    each step's settings (lr, momentum, betas per table)."""
+    from remote_module.ps import ShardedEmbeddingBag, ShardedEmbeddingBagCollection
+
+    tables = {}
+    for k in ("a", "b"):
+        bag = ShardedEmbeddingBag(ROWS, DIM, ["ps0", "ps1"], name=f"{name}-{k}", mode="sum", ps_mode="sync",
+                                  num_trainers=1, optimizer=CYCLIC_OPTIMIZERS[optimizer],
+                                  min_block_size=ROWS // 2 * DIM)
+        bag.load_state_dict({"weight": initial_rows()})
+        tables[k] = bag
+    ebc = ShardedEmbeddingBagCollection(tables)
+    try:
+        sched = cyclic_scheduler(kind, ebc.ps_optimizer, cycle_momentum)
+    except Exception as exc:  # noqa: BLE001 (its type is what the test checks)
+        return {"scheduler_error": (type(exc).__name__, str(exc))}
+    settings = []
+    for k in range(CYCLIC_STEPS):
+        cyclic_loss(ebc(cyclic_batch(k)), k).backward()
+        settings.append(cyclic_groups(ebc.ps_optimizer))
+        try:
+            ebc.step()
+        except Exception as exc:  # noqa: BLE001
+            return {"step_error": (type(exc).__name__, str(exc)), "settings": settings}
+        sched.step()
+    ebc.flush()
+    return {"rows": {k: t.state_dict()["weight"] for k, t in tables.items()}, "settings": settings}

@@ -204,3 +204,56 @@ def test_ps_optimizer_step_without_model_step_warns_that_nothing_trains(world):
     assert not got["moved"]
     mine = [w for w in got["warnings"] if "pushes nothing" in w]
     assert len(mine) == 1 and mine[0].startswith("UserWarning") and "model.step()" in mine[0], got["warnings"]
+
+
+def local_cyclic(optimizer: str, kind: str, cycle_momentum: bool) -> dict:
+    """:func:`r.cyclic_collection` on local torch: two sparse EmbeddingBags, one optimizer with
+    a param group each."""
+    bags = {k: torch.nn.EmbeddingBag(r.ROWS, r.DIM, mode="sum", sparse=True) for k in ("a", "b")}
+    for bag in bags.values():
+        with torch.no_grad():
+            bag.weight.copy_(r.initial_rows())
+    cls, kwargs = r.CYCLIC_OPTIMIZERS[optimizer]
+    opt = cls([{"params": bags["a"].parameters()}, {"params": bags["b"].parameters()}], **kwargs)
+    try:
+        sched = r.cyclic_scheduler(kind, opt, cycle_momentum)
+    except Exception as exc:  # noqa: BLE001
+        return {"scheduler_error": (type(exc).__name__, str(exc))}
+    settings = []
+    for k in range(r.CYCLIC_STEPS):
+        opt.zero_grad()
+        r.cyclic_loss({name: bags[name](*args) for name, args in r.cyclic_batch(k).items()}, k).backward()
+        settings.append(r.cyclic_groups(opt))
+        opt.step()
+        sched.step()
+    return {"rows": {k: b.weight.detach() for k, b in bags.items()}, "settings": settings}
+
+
+@pytest.mark.parametrize("cycle_momentum", [True, False], ids=["cycle_momentum", "no_momentum"])
+@pytest.mark.parametrize("kind", ["onecycle", "cyclic"])
+@pytest.mark.parametrize("optimizer", sorted(r.CYCLIC_OPTIMIZERS))
+def test_cyclic_schedulers_on_a_collections_ps_optimizer_as_on_a_local_optimizer(world, optimizer, kind,
+                                                                                  cycle_momentum):
+    """OneCycleLR and CyclicLR read ``optimizer.defaults`` (momentum or betas, to cycle), which
+    a collection's ps_optimizer had empty: they refused it, for SGD and SparseAdam alike. Now
+    its defaults are the tables' common ones: each scheduler takes or refuses it as it takes or
+    refuses the same local optimizer (Adagrad, with no momentum to cycle, the same ValueError),
+    and trains the same rows. Where local torch steps SGD with the momentum the scheduler
+    cycles, the tables' row-wise SGD, which has none, refuses the step, naming it."""
+    name = job(f"lr-cyc-{optimizer}-{kind}-{int(cycle_momentum)}")
+    got = world.run({"trainer0": (r.cyclic_collection, name, optimizer, kind, cycle_momentum)})["trainer0"]
+    want = local_cyclic(optimizer, kind, cycle_momentum)
+    if "scheduler_error" in want:
+        assert optimizer == "adagrad" and cycle_momentum  # (what local torch refuses)
+        assert got.get("scheduler_error") == want["scheduler_error"], got
+        return
+    assert "scheduler_error" not in got, got
+    if optimizer == "sgd" and cycle_momentum:
+        error, message = got["step_error"]
+        assert error == "ValueError" and "momentum=" in message and "cycle_momentum=False" in message, got
+        assert got["settings"] == want["settings"][:1]  # the scheduler set the first step's as locally
+        return
+    assert got["settings"] == want["settings"]
+    for k in ("a", "b"):
+        # (the servers' row-wise steps round as torch's sparse ones but for the order of a sum)
+        torch.testing.assert_close(got["rows"][k], want["rows"][k], rtol=1e-5, atol=1e-6, msg=k)
