@@ -403,3 +403,82 @@ def cyclic_collection(name: str, optimizer: str, kind: str, cycle_momentum: bool
         sched.step()
     ebc.flush()
     return {"rows": {k: t.state_dict()["weight"] for k, t in tables.items()}, "settings": settings}
+
+
+# ---- a sync step refused: the trainers' lrs disagree for one step --------------------------------
+
+REFUSED_STEPS, REFUSED_AT = 5, 2  # steps trained, and the one whose lrs disagree (trainer1 halves its lr)
+REFUSED_LR = 0.5
+
+
+def refused_step(name: str, trainer: int, where: str) -> dict:
+    """Two sync trainers of a sum bag (``where``: alone, "collection": two in a collection,
+    "psmodel": one in a PSModel with a Linear after it) on ps0 and ps1; at batch REFUSED_AT
+    trainer1's table lr is half trainer0's, so the servers refuse that step. A forward that
+    raises a ValueError is retried (the trainer sets its lr back first); the errors, each with
+    the batch it came at, and the values after (with short timeouts: a stalled job fails in
+    seconds, as the error it is)."""
+    from torch import nn
+
+    from remote_module.ps import PSModel, ShardedEmbeddingBag, ShardedEmbeddingBagCollection
+
+    torch.manual_seed(0)
+    names = ("a", "b") if where == "collection" else ("a",)
+    tables = {}
+    for k in names:
+        tables[k] = ShardedEmbeddingBag(ROWS, DIM, ["ps0", "ps1"], name=f"{name}-{k}", mode="sum", ps_mode="sync",
+                                        num_trainers=2, optimizer=(torch.optim.SGD, {"lr": REFUSED_LR}),
+                                        min_block_size=ROWS // 2 * DIM, timeout=10)
+        tables[k].load_state_dict({"weight": initial_rows()})
+    if where == "collection":
+        model = ShardedEmbeddingBagCollection(tables)
+        groups = model.ps_optimizer.param_groups
+
+        def loss_of(k: int) -> torch.Tensor:
+            ids, offsets, target = bag_batch(trainer, k)
+            out = model({"a": (ids, offsets), "b": (ids.flip(0), offsets)})
+            return ((out["a"] - target) ** 2 + (out["b"] + target) ** 2).mean()
+    elif where == "psmodel":
+        module = nn.Module()
+        torch.manual_seed(1)
+        module.a, module.lin = tables["a"], nn.Linear(DIM, DIM)
+        module.forward = lambda i, o: module.lin(module.a(i, o))  # type: ignore[method-assign]
+        model = PSModel(module, ["ps0", "ps1"], name=f"{name}-m", num_trainers=2, ps_mode="sync",
+                        optimizer=(torch.optim.SGD, {"lr": 0.1}), min_block_size=4, timeout=10)
+        groups = tables["a"].ps_optimizer.param_groups
+
+        def loss_of(k: int) -> torch.Tensor:
+            ids, offsets, target = bag_batch(trainer, k)
+            return ((model(ids, offsets) - target) ** 2).mean()
+    else:
+        model = tables["a"]
+        groups = model.ps_optimizer.param_groups
+
+        def loss_of(k: int) -> torch.Tensor:
+            ids, offsets, target = bag_batch(trainer, k)
+            return ((model(ids, offsets) - target) ** 2).mean()
+
+    errors = []
+    k = 0
+    try:
+        while k < REFUSED_STEPS:
+            for group in groups:
+                group["lr"] = REFUSED_LR / 2 if (trainer == 1 and k == REFUSED_AT) else REFUSED_LR
+            try:
+                loss = loss_of(k)
+            except ValueError as exc:  # (its lr is set back above before the retry)
+                errors.append((k, str(exc)))
+                if len(errors) > 3:
+                    raise
+                continue
+            loss.backward()
+            model.step()
+            k += 1
+        with torch.no_grad():
+            loss_of(0)  # (sync: waits for the last step)
+    except Exception as exc:  # noqa: BLE001 (a stalled job: returned to the test, which fails)
+        return {"fatal": f"{type(exc).__name__}: {exc}", "errors": errors}
+    values = {k: t.state_dict()["weight"].clone() for k, t in tables.items()}
+    if where == "psmodel":
+        values.update({f"lin.{k}": v.detach().clone() for k, v in module.lin.state_dict().items()})
+    return {"errors": errors, "values": values}
