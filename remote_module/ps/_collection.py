@@ -17,8 +17,9 @@ from remote_module._core import (
     timeout_seconds,
 )
 from remote_module.ps import _packed, _table_server
-from remote_module.ps._embedding import Ahead, Prefetch, at_step, finished, fly, land
+from remote_module.ps._embedding import Ahead, Prefetch, at_step, finished, fly, land, told_refusals
 from remote_module.ps._embedding_bag import ShardedEmbeddingBag
+from remote_module.ps._modes import StepRefusal
 from remote_module.ps._ps_optimizer import GroupedPSOptimizer
 
 
@@ -163,9 +164,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
         records = tuple(t._plan_state() for t in self.tables().values())
         handle = self._lookahead().claim(key, records, self._wait_pushes)
         self.__dict__.pop("_step_done", None)  # a failed step() not retried: the next one is whole
-        return Ahead.output(
-            handle, lambda calls: call_grouped(self._count(at_step(calls, self._step_of)), timeout=self.timeout),
-            lambda: self._plan(arguments))
+        try:
+            return Ahead.output(
+                handle, lambda calls: call_grouped(self._count(at_step(calls, self._step_of)), timeout=self.timeout),
+                lambda: self._plan(arguments))
+        except StepRefusal as exc:  # (sync steps of its tables refused: raised here once)
+            told_refusals(exc, self._by_name())
+            raise
 
     def prefetch(self, features: Mapping[str, Any]) -> Prefetch:
         """Plan the lookups of ``features`` now (checked as :meth:`forward` checks them) for the

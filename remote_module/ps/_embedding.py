@@ -35,7 +35,7 @@ from remote_module.ps._admission import DEFAULT_SKETCH_BYTES, counter_bits
 from remote_module.ps._dispatch import RoundRobin, check_servers
 from remote_module.ps._embedding_checkpoints import TableCheckpoints
 from remote_module.ps._geo_cache import GeoCache
-from remote_module.ps._modes import PS_MODES
+from remote_module.ps._modes import PS_MODES, StepRefusal, refusals_told
 from remote_module.ps._ps_optimizer import GroupedPSOptimizer, PSOptimizer, class_defaults
 from remote_module.ps._rows import check_ids
 from remote_module.ps._rowwise import coalesce, row_gradients, row_optimizer
@@ -635,9 +635,30 @@ _STEP_AT = {_table_server._rows_for: 2, _table_server._rows_now: 2, _table_serve
             _table_server._bags_now: 5}
 
 
+#: where a sync lookup handler takes how many of the table's refused steps this trainer was told of
+_SEEN_AT = {_table_server._rows_for: 5, _table_server._bags_when_applied: 7, _table_server._pool_tables: 7}
+
+#: sync tables: how many of each table's refused steps (by name) this process was told of (the
+#: count its servers gave when it attached, then the count each refusal raised here named)
+_refusals_seen: dict[str, int] = {}
+
+
+def told_refusals(error: BaseException, names: Iterable[str]) -> None:
+    """``error``, raised by a lookup of tables ``names``, is the refusal of a sync step of some
+    of them (:class:`StepRefusal`): this trainer was told of it, and its next lookups of those
+    tables go on (each of their servers fails a lookup of a trainer not told of its last one)."""
+    if not isinstance(error, StepRefusal):
+        return
+    for name in names:
+        told = refusals_told(error, f"sharded table {name!r}")
+        if told > _refusals_seen.get(name, 0):
+            _refusals_seen[name] = told
+
+
 def at_step(calls: list, step_of: Callable[[str], int]) -> list:
     """``calls`` (a lookup's) reading the steps ``step_of(table name)`` gives now (a lookup
-    planned ahead is sent after a step, or at its forward)."""
+    planned ahead is sent after a step, or at its forward), and, in sync mode, how many of the
+    table's refused steps this trainer was told of now (:func:`told_refusals`)."""
     out = []
     for server, handler, args in calls:
         if handler is _table_server._pool_tables:
@@ -645,6 +666,11 @@ def at_step(calls: list, step_of: Callable[[str], int]) -> list:
         elif handler in _STEP_AT:
             at = _STEP_AT[handler]
             args = (*args[:at], step_of(args[0]), *args[at + 1:])
+        if handler in _SEEN_AT:
+            names = args[0] if handler is _table_server._pool_tables else [args[0]]
+            seen = [_refusals_seen.get(n, 0) for n in names]
+            at = _SEEN_AT[handler]
+            args = (*args[:at], seen if handler is _table_server._pool_tables else seen[0])
         out.append((server, handler, args))
     return out
 
@@ -830,9 +856,12 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         # which object of this trainer pushes (sync: the newest one attached; a retried push of
         # a step is recognised by it)
         self._token = uuid.uuid4().hex
-        steps = call_all([(s, _table_server._attach_table, (name, spec, rs, self._trainer, self._token))
-                          for s, rs in by_server.items()], timeout=timeout)
+        attached = call_all([(s, _table_server._attach_table, (name, spec, rs, self._trainer, self._token))
+                             for s, rs in by_server.items()], timeout=timeout)
+        steps = [step for step, _ in attached]
         self._step = min(steps) if steps else 0
+        # (sync: the steps refused before it attached are not this trainer's to be told of)
+        _refusals_seen[name] = max([_refusals_seen.get(name, 0), *(refused for _, refused in attached)])
         self._pending_lock = threading.Lock()
         self._marker_lock = threading.Lock()  # see _recorded
         self._flight_lock = threading.RLock()  # a step's pushes in flight (_flight) are landed once
@@ -976,8 +1005,12 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
         records = self._plan_state()
         with self._flight_lock:
             handle = self._lookahead().claim(key, records, self._wait_pushes)
-        return Ahead.output(handle, lambda calls: lookup_calls(at_step(calls, self._step_of), self.timeout),
-                            lambda: plan(*key))
+        try:
+            return Ahead.output(handle, lambda calls: lookup_calls(at_step(calls, self._step_of), self.timeout),
+                                lambda: plan(*key))
+        except StepRefusal as exc:  # (a sync step of the table refused: raised here once)
+            told_refusals(exc, [self.name])
+            raise
 
     def _plan_state(self) -> tuple:
         """What a lookup's plan depends on besides its arguments: whether it records gradients,

@@ -8,7 +8,10 @@ tables (``_table_server``).
   server after this push arrived) is a no-op; a push for another step is refused, or, where the
   owner allows it, a push for the step right after the trainer's last one waits for its step.
   Reads (pulls, lookups) for a later step wait, without holding an RPC thread, and fail at
-  their deadline naming the trainers that have not pushed (:func:`fail_stalled`).
+  their deadline naming the trainers that have not pushed (:func:`fail_stalled`). A step the
+  optimizer refuses (the trainers' settings disagree) fails every trainer: a job's at its push,
+  which waits for the step; a table's is skipped and each trainer is told at its next lookup
+  (``skip_refused``, :class:`StepRefusal`).
 - :class:`HalfAsyncMerges` (``half_async``): what the owner queued is applied together once
   ``merge_every`` pushes have arrived or ``merge_s`` seconds have passed since the first
   queued one.
@@ -32,6 +35,7 @@ Example (an owner's push handler, lock held; ``apply`` steps the optimizers)::
 from __future__ import annotations
 
 import math
+import re
 import threading
 import time
 from typing import Any, Callable
@@ -69,13 +73,35 @@ def settle(answers: list[tuple[Future, Any, bool]]) -> None:
         complete(future, value, is_error)
 
 
+class StepRefusal(Exception):
+    """A sync table step the servers refused (:class:`StepRefused`, :class:`StepNotApplied`):
+    raised at each trainer's next lookup of the table (see :meth:`SyncSteps.check_told`)."""
+
+
+class StepRefused(StepRefusal, ValueError):
+    """A sync table step refused for a bad value (the trainers' optimizer settings disagree)."""
+
+
+class StepNotApplied(StepRefusal, RuntimeError):
+    """A sync table step whose optimizer step raised something else than a ``ValueError``."""
+
+
+def refusals_told(error: BaseException, label: str) -> int:
+    """How many refusals of the table ``label`` names (``"sharded table 'x'"``) ``error`` (a
+    :class:`StepRefusal`, as the trainer re-raised it) tells of: the highest count one of its
+    servers gave; 0 if it names none of that table's."""
+    counts = re.findall(re.escape(label) + r" on server '[^']*': step \d+ was refused \(refusal (\d+)\)", str(error))
+    return max((int(n) for n in counts), default=0)
+
+
 class _Waiting:
     """A sync read waiting for its step, failed at its deadline with who has not pushed."""
 
-    __slots__ = ("sync", "step", "future", "read", "__weakref__")
+    __slots__ = ("sync", "step", "future", "read", "seen", "__weakref__")
 
-    def __init__(self, sync: SyncSteps, step: int, future: Future, read: Callable[[], Any]) -> None:
-        self.sync, self.step, self.future, self.read = sync, step, future, read
+    def __init__(self, sync: SyncSteps, step: int, future: Future, read: Callable[[], Any],
+                 seen: int | None = None) -> None:
+        self.sync, self.step, self.future, self.read, self.seen = sync, step, future, read, seen
 
     def expire(self, now: float) -> None:
         sync = self.sync
@@ -95,10 +121,22 @@ class SyncSteps:
     The owner provides ``lock``, ``trainers`` (the attached ones), ``label`` (``"sharded table
     'x'"``) and ``noun`` (``"table"``). ``allow_ahead``: a trainer's push for the step right
     after its last one, before the owner completed that last step, waits for its step (a table's
-    trainer that looked nothing up in between did not wait); otherwise it is refused."""
+    trainer that looked nothing up in between did not wait); otherwise it is refused.
 
-    def __init__(self, owner: Any, num_trainers: int, allow_ahead: bool) -> None:
+    ``skip_refused`` (a table's): a step whose ``apply`` raises (the trainers' settings
+    disagree, say) is skipped: its pushes are dropped, it is no optimizer step, and the next
+    step is the next one every trainer pushes (each trainer's step counts on as if it were
+    applied, so nothing waits for it); every trainer learns of it at its next read, which
+    carries how many refusals it was told of (``seen``) and fails with the refusal until it
+    was told of this one (:meth:`check_told`). Otherwise (a job's, whose pushes wait for their
+    step, so that every trainer hears of it then) the step's pushes are dropped and every
+    trainer pushes it again."""
+
+    def __init__(self, owner: Any, num_trainers: int, allow_ahead: bool, skip_refused: bool = False) -> None:
         self.owner, self.num_trainers, self.allow_ahead = owner, num_trainers, allow_ahead
+        self.skip_refused = skip_refused
+        self.refusals = 0  # steps skipped (skip_refused)
+        self.refusal = ""  # the message of the last one
         self.done = 0  # steps applied
         self.pushed: dict[str, Any] = {}  # this step's pushes by trainer
         self.ahead: dict[int, dict[str, Any]] = {}  # pushes for later steps, by step
@@ -126,9 +164,36 @@ class SyncSteps:
             try:
                 apply([(t, self.pushed[t]) for t in sorted(self.pushed)])
             except BaseException as exc:
-                raise self._not_applied(exc) from exc
+                if not self.skip_refused:
+                    raise self._not_applied(exc) from exc
+                self._skipped(exc)
             self.done += 1
             self.pushed = self.ahead.pop(self.done, {})
+
+    def _skipped(self, exc: BaseException) -> None:
+        """(``skip_refused``) step ``done`` could not be applied: count it as a refusal, and fail
+        the reads waiting that carry a count of refusals (every trainer's: none was told of this
+        one yet) with it (lock held; the caller drops the step's pushes and goes on to the next
+        step; :meth:`ready` hands those failures out)."""
+        self.refusals += 1
+        self.refusal = (
+            f"{self.owner.label} on server {rpc.get_worker_info().name!r}: step {self.done} was refused (refusal "
+            f"{self.refusals}): {type(exc).__name__}: {exc}. Its pushes are dropped and it is no optimizer step (as "
+            f"a local optimizer.step() that raised, then zero_grad()); every trainer gets this error at its next "
+            f"lookup of the table, and its next step() is the table's next step (fix what the error names first)")
+        told = [w for w in self.waiters if w.seen is not None]
+        self.waiters = [w for w in self.waiters if w.seen is None]
+        self.failed += [(w.future, self._refusal_error(), True) for w in told]
+
+    def _refusal_error(self) -> Exception:
+        return (StepRefused if "): ValueError: " in self.refusal else StepNotApplied)(self.refusal)
+
+    def check_told(self, seen: int | None) -> None:
+        """(``skip_refused``) a read of a trainer told of ``seen`` refusals (None: a read that
+        needs no telling, a checkpoint's): the last refusal, if it was not told of it (lock
+        held)."""
+        if seen is not None and seen < self.refusals:
+            raise self._refusal_error()
 
     def _not_applied(self, exc: BaseException) -> Exception:
         """Step ``done`` could not be applied (``apply`` raised: the optimizer refused it): its
@@ -151,13 +216,15 @@ class SyncSteps:
         self.failed += [(w.future, error, True) for w in waiting]
         return error
 
-    def wait(self, step: int, future: Future, read: Callable[[], Any], seconds: float) -> bool:
+    def wait(self, step: int, future: Future, read: Callable[[], Any], seconds: float, seen: int | None = None
+             ) -> bool:
         """Whether a read for ``step`` must wait (lock held); if so it is queued and answered
         with ``read()`` by :meth:`ready` once step ``step - 1`` is applied, or failed after
-        ``seconds``."""
+        ``seconds`` (``seen``: :meth:`check_told`'s, checked first)."""
+        self.check_told(seen)
         if self.done >= step:
             return False
-        waiting = _Waiting(self, step, future, read)
+        waiting = _Waiting(self, step, future, read, seen)
         self.waiters.append(waiting)  # holds it: the watcher holds it only weakly
         if seconds != math.inf:
             schedule(_clock() + seconds, waiting)
@@ -182,13 +249,14 @@ class SyncSteps:
         return answers
 
 
-def read_when_applied(owner: Any, step: int, seconds: float, answer: Callable[..., Any], *args: Any) -> Future:
+def read_when_applied(owner: Any, step: int, seconds: float, answer: Callable[..., Any], *args: Any,
+                      seen: int | None = None) -> Future:
     """A read of ``owner`` (a pull, a lookup): ``answer(*args)`` now, or in sync mode once step
     ``step - 1`` is applied (failed after ``seconds`` naming the trainers that have not pushed;
-    failed with what ``answer`` raises, if it raises)."""
+    failed with what ``answer`` raises, if it raises; ``seen``: see :meth:`SyncSteps.check_told`)."""
     future: Future = Future()
     with owner.lock:
-        if owner.spec.mode == "sync" and owner.sync.wait(step, future, lambda: answer(*args), seconds):
+        if owner.spec.mode == "sync" and owner.sync.wait(step, future, lambda: answer(*args), seconds, seen):
             return future
         value = answer(*args)
     future.set_result(value)

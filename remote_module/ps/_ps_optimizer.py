@@ -105,14 +105,25 @@ class PSOptimizer(torch.optim.Optimizer):
         return out
 
 
+def common_defaults(members: list[torch.optim.Optimizer]) -> dict:
+    """The settings every one of ``members`` has in its ``defaults`` (the first member's value
+    where theirs differ, as a local optimizer whose groups set their own keeps its constructor's)."""
+    if not members:
+        return {}
+    return {key: value for key, value in members[0].defaults.items() if all(key in m.defaults for m in members)}
+
+
 class GroupedPSOptimizer(torch.optim.Optimizer):
     """Several owners' :class:`PSOptimizer` as one optimizer (a collection's tables): one param
     group per member, the member's own (the same dict, read anew each time), so a scheduler on
-    this one sets what each member sends."""
+    this one sets what each member sends. Its ``defaults`` are the members' common ones
+    (:func:`common_defaults`): a scheduler that cycles the momentum or ``betas`` (``OneCycleLR``,
+    ``CyclicLR``) takes it where it takes a local optimizer of the tables' kind, and refuses it
+    where that one is refused (Adagrad, which has neither)."""
 
     def __init__(self, members: list[PSOptimizer], owner: str) -> None:
         self._members: list[PSOptimizer] = []  # (empty while torch's constructor checks the groups)
-        super().__init__([{"params": list(m.param_groups[0]["params"])} for m in members], {})
+        super().__init__([{"params": list(m.param_groups[0]["params"])} for m in members], common_defaults(members))
         self._members, self.owner = list(members), owner
 
     @property  # type: ignore[override]

@@ -21,6 +21,7 @@ import itertools
 import math
 import threading
 import time
+from functools import partial
 
 import torch
 import torch.distributed.rpc as rpc
@@ -29,7 +30,16 @@ from torch.futures import Future
 
 from remote_module._core import HostStore, capture, embedding_bag_parts, followed
 from remote_module.ps._admission import CountingSketch
-from remote_module.ps._modes import HalfAsyncMerges, SyncSteps, TrainerSettings, read_when_applied, settle
+from remote_module.ps._modes import (
+    HalfAsyncMerges,
+    StepNotApplied,
+    StepRefusal,
+    StepRefused,
+    SyncSteps,
+    TrainerSettings,
+    read_when_applied,
+    settle,
+)
 from remote_module.ps._rows import (
     AT_INIT,
     Clocks,
@@ -80,7 +90,9 @@ class Table:
         self.label, self.noun = f"sharded table {name!r}", "table"
         # sync: a trainer that looked nothing up since its last step did not wait for that step
         # to complete, so its push for the next one may arrive first: it waits for its step
-        self.sync = SyncSteps(self, spec.num_trainers, allow_ahead=True)
+        # a step the servers refuse (the trainers' settings disagree) is skipped, and each trainer
+        # is told at its next lookup
+        self.sync = SyncSteps(self, spec.num_trainers, allow_ahead=True, skip_refused=True)
         # each trainer's newest object of this table (sync: the one that pushes)
         self.tokens: dict[str, str | None] = {}
         self.queued: list[tuple[torch.Tensor, torch.Tensor]] = []  # half_async pushes not applied yet
@@ -439,10 +451,11 @@ _SPEC_ARGUMENTS = {"dim": "embedding_dim", "mode": "ps_mode", "merge_every": "ha
 
 
 def _attach_table(name: str, spec: TableSpec, blocks: list[tuple[int, int]], trainer: str,
-                  token: str | None = None) -> int:
+                  token: str | None = None) -> tuple[int, int]:
     """Create table ``name`` with ``blocks`` (row ranges) here, or attach ``trainer`` (its
     object ``token``, from now on the one that pushes for it) to it (the same spec and blocks,
-    else ``ValueError``); the table's step count."""
+    else ``ValueError``); the table's step count and how many of its sync steps were refused
+    (a trainer attaching now is told of none of them)."""
     table, _ = _tables.setdefault(name, lambda: Table(name, spec, blocks))
     if table.spec != spec:
         differ = "; ".join(f"{_SPEC_ARGUMENTS.get(f, f)}={getattr(table.spec, f)!r}, this trainer asks for "
@@ -463,17 +476,19 @@ def _attach_table(name: str, spec: TableSpec, blocks: list[tuple[int, int]], tra
             )
         table.trainers.add(trainer)
         table.tokens[trainer] = token
-        return table.sync.done
+        return table.sync.done, table.sync.refusals
 
 
 @rpc.functions.async_execution
 def _rows_for(name: str, ids: torch.Tensor, step: int = 0, pool: tuple | None = None,
-            seconds: float = math.inf) -> Future:
+              seconds: float = math.inf, seen: int | None = None) -> Future:
     """The rows of ``ids`` (or, with ``pool``, those rows pooled into bags: see
     :func:`pool_rows`); in sync mode once step ``step - 1`` is applied (a lookup still waiting
-    after ``seconds`` fails naming the trainers that have not pushed)."""
+    after ``seconds`` fails naming the trainers that have not pushed). ``seen``: how many of
+    the table's refused steps the trainer was told of; a lookup of a trainer not told of the
+    last one fails with it (:meth:`SyncSteps.check_told`)."""
     table = _table(name)
-    return read_when_applied(table, step, seconds, table.answer, ids, pool)
+    return read_when_applied(table, step, seconds, table.answer, ids, pool, seen=seen)
 
 
 def _unwaiting(name: str, waiting: str) -> Table:
@@ -486,7 +501,7 @@ def _unwaiting(name: str, waiting: str) -> Table:
 
 
 def _rows_now(name: str, ids: torch.Tensor, step: int = 0, pool: tuple | None = None,
-              seconds: float = math.inf) -> object:
+              seconds: float = math.inf, seen: int | None = None) -> object:
     """:func:`_rows_for` of a table that never waits (not sync), answered without a Future:
     the same read, under the table's lock."""
     table = _unwaiting(name, "_rows_for")
@@ -496,15 +511,15 @@ def _rows_now(name: str, ids: torch.Tensor, step: int = 0, pool: tuple | None = 
 
 @rpc.functions.async_execution
 def _bags_when_applied(name: str, input: torch.Tensor, offsets: torch.Tensor | None, weights: torch.Tensor | None,
-                       mode: str, step: int = 0, seconds: float = math.inf) -> Future:
+                       mode: str, step: int = 0, seconds: float = math.inf, seen: int | None = None) -> Future:
     """:meth:`Table.bags` of a table this server holds whole; in sync mode once step ``step -
     1`` is applied (as :func:`_rows_for`)."""
     table = _table(name)
-    return read_when_applied(table, step, seconds, table.bags, input, offsets, weights, mode)
+    return read_when_applied(table, step, seconds, table.bags, input, offsets, weights, mode, seen=seen)
 
 
 def _bags_now(name: str, input: torch.Tensor, offsets: torch.Tensor | None, weights: torch.Tensor | None,
-              mode: str, step: int = 0, seconds: float = math.inf) -> torch.Tensor:
+              mode: str, step: int = 0, seconds: float = math.inf, seen: int | None = None) -> torch.Tensor:
     """:func:`_bags_when_applied` for a table that never waits (not sync), answered without a
     Future: the same read, under the table's lock."""
     table = _unwaiting(name, "_bags_when_applied")
@@ -514,13 +529,26 @@ def _bags_now(name: str, input: torch.Tensor, offsets: torch.Tensor | None, weig
 
 @rpc.functions.async_execution
 def _pool_tables(names: list[str], steps: list[int], ids: torch.Tensor, first: torch.Tensor, bag_base: list[int],
-                 bag_counts: list[int], seconds: float = math.inf) -> Future:
+                 bag_counts: list[int], seconds: float = math.inf, seen: list[int] | None = None) -> Future:
     """A collection's sum-pooled lookups of several tables in one call (``_packed``): ``ids``
     holds this server's ids of every table, table after table, and ``first`` every bag of the
     whole batch's first id at or after it in ``ids``; table ``names[j]``'s bags are the batch's
     ``bag_base[j]`` to ``bag_base[j] + bag_counts[j]``. The answer is their pooled bags, packed
     in the same order (zeros for a bag with no row here); sync: each table's once its step
-    ``steps[j] - 1`` is applied (as :func:`_rows_for`)."""
+    ``steps[j] - 1`` is applied (as :func:`_rows_for`; ``seen``: each table's count of refused
+    steps the trainer was told of: the tables' refusals it was not told of fail it, in one
+    error naming them all)."""
+    if seen is not None:
+        refused = []
+        for name, told in zip(names, seen):
+            table = _table(name)
+            with table.lock:
+                try:
+                    table.sync.check_told(told)
+                except StepRefusal as exc:
+                    refused.append(exc)
+        if refused:
+            raise _refusals(refused)
     pending = []
     for name, step, base, count in zip(names, steps, bag_base, bag_counts):
         table = _table(name)
@@ -532,11 +560,36 @@ def _pool_tables(names: list[str], steps: list[int], ids: torch.Tensor, first: t
             pending.append(done)
             continue
         pool = (first[base:base + count] - lo, None, "sum")
-        pending.append(read_when_applied(table, step, seconds, table.answer, ids[lo:hi], pool))
+        pending.append(read_when_applied(table, step, seconds, table.answer, ids[lo:hi], pool,
+                                         seen=None if seen is None else seen[len(pending)]))
     if len(pending) == 1:
         return pending[0]
     # once every table's is done: every table's answer, or the first table's error as it was raised
-    return followed(torch.futures.collect_all(pending), lambda _: torch.cat([f.wait() for f in pending]))
+    # (the refusals of several tables' steps as one error naming them all)
+    return followed(torch.futures.collect_all(pending), partial(_pooled_answers, pending))
+
+
+def _pooled_answers(pending: list[Future], _: Future) -> torch.Tensor:
+    failures = []
+    for future in pending:
+        try:
+            future.wait()
+        except BaseException as exc:
+            failures.append(exc)
+    refused = [exc for exc in failures if isinstance(exc, StepRefusal)]
+    if refused:
+        raise _refusals(refused)
+    if failures:
+        raise failures[0]
+    return torch.cat([f.wait() for f in pending])
+
+
+def _refusals(errors: list[BaseException]) -> BaseException:
+    """Several tables' refused steps as one error (a ``ValueError`` if one of them is)."""
+    if len(errors) == 1:
+        return errors[0]
+    cls = StepRefused if any(isinstance(e, ValueError) for e in errors) else StepNotApplied
+    return cls("\n".join(str(e) for e in errors))
 
 
 def _push_rows(name: str, trainer: str, step: int, ids: torch.Tensor, grad: torch.Tensor,

@@ -342,3 +342,143 @@ def ps_optimizer_step_only(name: str) -> dict:
             optimizer.step()
 
     return _watched_port(name, loop)
+
+
+# ---- cyclic schedulers on a collection's ps_optimizer ---------------------------------------------
+
+#: the row-wise optimizers a table takes, as the cyclic-scheduler tests build them
+CYCLIC_OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.5}), "adagrad": (torch.optim.Adagrad, {"lr": 0.5}),
+                     "sparseadam": (torch.optim.SparseAdam, {"lr": 0.05})}
+CYCLIC_STEPS = 4
+
+
+def cyclic_scheduler(kind: str, opt: torch.optim.Optimizer, cycle_momentum: bool) -> Any:
+    sched = torch.optim.lr_scheduler
+    if kind == "onecycle":
+        return sched.OneCycleLR(opt, max_lr=0.4, total_steps=2 * CYCLIC_STEPS, cycle_momentum=cycle_momentum)
+    return sched.CyclicLR(opt, base_lr=0.05, max_lr=0.4, step_size_up=2, cycle_momentum=cycle_momentum)
+
+
+def cyclic_batch(step: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    ids, offsets, _ = bag_batch(0, step)
+    return {"a": (ids, offsets), "b": (ids.flip(0), offsets)}
+
+
+def cyclic_loss(out: dict[str, torch.Tensor], step: int) -> torch.Tensor:
+    target = bag_batch(0, step)[2]
+    return ((out["a"] - target) ** 2 + (out["b"] + target) ** 2).mean()
+
+
+def cyclic_groups(opt: torch.optim.Optimizer) -> list[tuple]:
+    return [(g["lr"], g.get("momentum"), g.get("betas")) for g in opt.param_groups]
+
+
+def cyclic_collection(name: str, optimizer: str, kind: str, cycle_momentum: bool) -> dict:
+    """A collection of two sum bags (one sync trainer) whose ps_optimizer ``kind`` (OneCycleLR,
+    CyclicLR) drives: the error building the scheduler (``(type name, message)``) or, trained
+    ``CYCLIC_STEPS`` steps, the error of the first step() that raised, or the rows after and
+    each step's settings (lr, momentum, betas per table)."""
+    from remote_module.ps import ShardedEmbeddingBag, ShardedEmbeddingBagCollection
+
+    tables = {}
+    for k in ("a", "b"):
+        bag = ShardedEmbeddingBag(ROWS, DIM, ["ps0", "ps1"], name=f"{name}-{k}", mode="sum", ps_mode="sync",
+                                  num_trainers=1, optimizer=CYCLIC_OPTIMIZERS[optimizer],
+                                  min_block_size=ROWS // 2 * DIM)
+        bag.load_state_dict({"weight": initial_rows()})
+        tables[k] = bag
+    ebc = ShardedEmbeddingBagCollection(tables)
+    try:
+        sched = cyclic_scheduler(kind, ebc.ps_optimizer, cycle_momentum)
+    except Exception as exc:  # noqa: BLE001 (its type is what the test checks)
+        return {"scheduler_error": (type(exc).__name__, str(exc))}
+    settings = []
+    for k in range(CYCLIC_STEPS):
+        cyclic_loss(ebc(cyclic_batch(k)), k).backward()
+        settings.append(cyclic_groups(ebc.ps_optimizer))
+        try:
+            ebc.step()
+        except Exception as exc:  # noqa: BLE001
+            return {"step_error": (type(exc).__name__, str(exc)), "settings": settings}
+        sched.step()
+    ebc.flush()
+    return {"rows": {k: t.state_dict()["weight"] for k, t in tables.items()}, "settings": settings}
+
+
+# ---- a sync step refused: the trainers' lrs disagree for one step --------------------------------
+
+REFUSED_STEPS, REFUSED_AT = 5, 2  # steps trained, and the one whose lrs disagree (trainer1 halves its lr)
+REFUSED_LR = 0.5
+
+
+def refused_step(name: str, trainer: int, where: str) -> dict:
+    """Two sync trainers of a sum bag (``where``: alone, "collection": two in a collection,
+    "psmodel": one in a PSModel with a Linear after it) on ps0 and ps1; at batch REFUSED_AT
+    trainer1's table lr is half trainer0's, so the servers refuse that step. A forward that
+    raises a ValueError is retried (the trainer sets its lr back first); the errors, each with
+    the batch it came at, and the values after (with short timeouts: a stalled job fails in
+    seconds, as the error it is)."""
+    from torch import nn
+
+    from remote_module.ps import PSModel, ShardedEmbeddingBag, ShardedEmbeddingBagCollection
+
+    torch.manual_seed(0)
+    names = ("a", "b") if where == "collection" else ("a",)
+    tables = {}
+    for k in names:
+        tables[k] = ShardedEmbeddingBag(ROWS, DIM, ["ps0", "ps1"], name=f"{name}-{k}", mode="sum", ps_mode="sync",
+                                        num_trainers=2, optimizer=(torch.optim.SGD, {"lr": REFUSED_LR}),
+                                        min_block_size=ROWS // 2 * DIM, timeout=10)
+        tables[k].load_state_dict({"weight": initial_rows()})
+    if where == "collection":
+        model = ShardedEmbeddingBagCollection(tables)
+        groups = model.ps_optimizer.param_groups
+
+        def loss_of(k: int) -> torch.Tensor:
+            ids, offsets, target = bag_batch(trainer, k)
+            out = model({"a": (ids, offsets), "b": (ids.flip(0), offsets)})
+            return ((out["a"] - target) ** 2 + (out["b"] + target) ** 2).mean()
+    elif where == "psmodel":
+        module = nn.Module()
+        torch.manual_seed(1)
+        module.a, module.lin = tables["a"], nn.Linear(DIM, DIM)
+        module.forward = lambda i, o: module.lin(module.a(i, o))  # type: ignore[method-assign]
+        model = PSModel(module, ["ps0", "ps1"], name=f"{name}-m", num_trainers=2, ps_mode="sync",
+                        optimizer=(torch.optim.SGD, {"lr": 0.1}), min_block_size=4, timeout=10)
+        groups = tables["a"].ps_optimizer.param_groups
+
+        def loss_of(k: int) -> torch.Tensor:
+            ids, offsets, target = bag_batch(trainer, k)
+            return ((model(ids, offsets) - target) ** 2).mean()
+    else:
+        model = tables["a"]
+        groups = model.ps_optimizer.param_groups
+
+        def loss_of(k: int) -> torch.Tensor:
+            ids, offsets, target = bag_batch(trainer, k)
+            return ((model(ids, offsets) - target) ** 2).mean()
+
+    errors = []
+    k = 0
+    try:
+        while k < REFUSED_STEPS:
+            for group in groups:
+                group["lr"] = REFUSED_LR / 2 if (trainer == 1 and k == REFUSED_AT) else REFUSED_LR
+            try:
+                loss = loss_of(k)
+            except ValueError as exc:  # (its lr is set back above before the retry)
+                errors.append((k, str(exc)))
+                if len(errors) > 3:
+                    raise
+                continue
+            loss.backward()
+            model.step()
+            k += 1
+        with torch.no_grad():
+            loss_of(0)  # (sync: waits for the last step)
+    except Exception as exc:  # noqa: BLE001 (a stalled job: returned to the test, which fails)
+        return {"fatal": f"{type(exc).__name__}: {exc}", "errors": errors}
+    values = {k: t.state_dict()["weight"].clone() for k, t in tables.items()}
+    if where == "psmodel":
+        values.update({f"lin.{k}": v.detach().clone() for k, v in module.lin.state_dict().items()})
+    return {"errors": errors, "values": values}

@@ -204,3 +204,118 @@ def test_ps_optimizer_step_without_model_step_warns_that_nothing_trains(world):
     assert not got["moved"]
     mine = [w for w in got["warnings"] if "pushes nothing" in w]
     assert len(mine) == 1 and mine[0].startswith("UserWarning") and "model.step()" in mine[0], got["warnings"]
+
+
+def local_cyclic(optimizer: str, kind: str, cycle_momentum: bool) -> dict:
+    """:func:`r.cyclic_collection` on local torch: two sparse EmbeddingBags, one optimizer with
+    a param group each."""
+    bags = {k: torch.nn.EmbeddingBag(r.ROWS, r.DIM, mode="sum", sparse=True) for k in ("a", "b")}
+    for bag in bags.values():
+        with torch.no_grad():
+            bag.weight.copy_(r.initial_rows())
+    cls, kwargs = r.CYCLIC_OPTIMIZERS[optimizer]
+    opt = cls([{"params": bags["a"].parameters()}, {"params": bags["b"].parameters()}], **kwargs)
+    try:
+        sched = r.cyclic_scheduler(kind, opt, cycle_momentum)
+    except Exception as exc:  # noqa: BLE001
+        return {"scheduler_error": (type(exc).__name__, str(exc))}
+    settings = []
+    for k in range(r.CYCLIC_STEPS):
+        opt.zero_grad()
+        r.cyclic_loss({name: bags[name](*args) for name, args in r.cyclic_batch(k).items()}, k).backward()
+        settings.append(r.cyclic_groups(opt))
+        opt.step()
+        sched.step()
+    return {"rows": {k: b.weight.detach() for k, b in bags.items()}, "settings": settings}
+
+
+@pytest.mark.parametrize("cycle_momentum", [True, False], ids=["cycle_momentum", "no_momentum"])
+@pytest.mark.parametrize("kind", ["onecycle", "cyclic"])
+@pytest.mark.parametrize("optimizer", sorted(r.CYCLIC_OPTIMIZERS))
+def test_cyclic_schedulers_on_a_collections_ps_optimizer_as_on_a_local_optimizer(world, optimizer, kind,
+                                                                                  cycle_momentum):
+    """OneCycleLR and CyclicLR read ``optimizer.defaults`` (momentum or betas, to cycle), which
+    a collection's ps_optimizer had empty: they refused it, for SGD and SparseAdam alike. Now
+    its defaults are the tables' common ones: each scheduler takes or refuses it as it takes or
+    refuses the same local optimizer (Adagrad, with no momentum to cycle, the same ValueError),
+    and trains the same rows. Where local torch steps SGD with the momentum the scheduler
+    cycles, the tables' row-wise SGD, which has none, refuses the step, naming it."""
+    name = job(f"lr-cyc-{optimizer}-{kind}-{int(cycle_momentum)}")
+    got = world.run({"trainer0": (r.cyclic_collection, name, optimizer, kind, cycle_momentum)})["trainer0"]
+    want = local_cyclic(optimizer, kind, cycle_momentum)
+    if "scheduler_error" in want:
+        assert optimizer == "adagrad" and cycle_momentum  # (what local torch refuses)
+        assert got.get("scheduler_error") == want["scheduler_error"], got
+        return
+    assert "scheduler_error" not in got, got
+    if optimizer == "sgd" and cycle_momentum:
+        error, message = got["step_error"]
+        assert error == "ValueError" and "momentum=" in message and "cycle_momentum=False" in message, got
+        assert got["settings"] == want["settings"][:1]  # the scheduler set the first step's as locally
+        return
+    assert got["settings"] == want["settings"]
+    for k in ("a", "b"):
+        # (the servers' row-wise steps round as torch's sparse ones but for the order of a sum)
+        torch.testing.assert_close(got["rows"][k], want["rows"][k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def local_skipping_a_step(where: str) -> dict:
+    """:func:`r.refused_step` as one process on the global batch that skips the optimizer step
+    of batch ``REFUSED_AT`` for the tables (zero_grad instead; a PSModel's Linear steps)."""
+    torch.manual_seed(0)
+    names = ("a", "b") if where == "collection" else ("a",)
+    bags = {k: torch.nn.EmbeddingBag(r.ROWS, r.DIM, mode="sum", sparse=True) for k in names}
+    for bag in bags.values():
+        with torch.no_grad():
+            bag.weight.copy_(r.initial_rows())
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(r.DIM, r.DIM) if where == "psmodel" else None
+    tables_opt = torch.optim.SGD([{"params": b.parameters()} for b in bags.values()], lr=r.REFUSED_LR)
+    dense_opt = torch.optim.SGD(lin.parameters(), lr=0.1) if lin is not None else None
+    for k in range(r.REFUSED_STEPS):
+        tables_opt.zero_grad()
+        if dense_opt is not None:
+            dense_opt.zero_grad()
+        loss = 0
+        for t in range(2):  # each trainer's mean loss, averaged
+            ids, offsets, target = r.bag_batch(t, k)
+            if where == "collection":
+                part = ((bags["a"](ids, offsets) - target) ** 2 + (bags["b"](ids.flip(0), offsets) + target) ** 2)
+            elif where == "psmodel":
+                part = (lin(bags["a"](ids, offsets)) - target) ** 2
+            else:
+                part = (bags["a"](ids, offsets) - target) ** 2
+            loss = loss + part.mean() / 2
+        loss.backward()
+        if k != r.REFUSED_AT:
+            tables_opt.step()
+        if dense_opt is not None:
+            dense_opt.step()
+    values = {k: b.weight.detach() for k, b in bags.items()}
+    if lin is not None:
+        values.update({f"lin.{k}": v.detach() for k, v in lin.state_dict().items()})
+    return values
+
+
+@pytest.mark.parametrize("where", ["table", "collection", "psmodel"])
+def test_a_refused_sync_step_is_told_to_every_trainer_and_training_goes_on_without_it(world, where):
+    """Sync tables whose trainers' lrs disagree for one step (as ReduceLROnPlateau on each
+    trainer's own loss makes them): the servers refuse that step. Before, trainer0 got the
+    ValueError at its next forward, trainer1's retry "succeeded", and every later call of both
+    timed out waiting for trainer0. Now each trainer gets the ValueError naming the lr and
+    both values at its next lookup (once), the step's pushes are dropped, and training goes on
+    as one process on the global batch that skipped that step."""
+    name = job(f"lr-refused-{where}")
+    got = world.run({f"trainer{t}": (r.refused_step, name, t, where) for t in range(2)})
+    for t in ("trainer0", "trainer1"):
+        assert "fatal" not in got[t], got[t]
+        errors = got[t]["errors"]
+        assert [k for k, _ in errors] == [r.REFUSED_AT + 1], (t, errors)
+        message = errors[0][1]
+        assert "'lr' differ" in message and "trainer0: 0.5" in message and "trainer1: 0.25" in message, message
+        if where == "collection":  # (one error names both tables' refused steps)
+            assert f"'{name}-a'" in message and f"'{name}-b'" in message, message
+    want = local_skipping_a_step(where)
+    for t in ("trainer0", "trainer1"):
+        for key, value in want.items():
+            torch.testing.assert_close(got[t]["values"][key], value, rtol=1e-5, atol=1e-6, msg=f"{t} {key}")
