@@ -209,8 +209,11 @@ def run_local(
     The ranks are forked from one fresh interpreter per call (the caller's environment, working
     directory and ``sys.path`` as of the call), which imports torch once and none of the
     caller's code; each rank then imports the caller's ``__main__`` as a spawned rank did, so
-    module-level code, seeds and threads are its own, and runs its ``atexit`` handlers when
-    done (see ``rpc_backend/_zygote.py``).
+    module-level code and threads are its own, and runs its ``atexit`` handlers when done (see
+    ``rpc_backend/_zygote.py``). Each rank draws its own random streams, as a fresh interpreter
+    does: Python's ``random``, NumPy's and torch's generators are seeded from the OS in every
+    rank (``torch.initial_seed()`` differs), before the script's top level runs there; a script
+    that seeds them at its top level or in ``fn`` gets exactly the seeded streams in every rank.
     A rank whose ``fn`` returned keeps serving the others until every rank is done, however
     long that takes; ``shutdown_timeout`` seconds bound that wait (a rank that hits the bound
     shuts down immediately and fails the world).

@@ -180,6 +180,50 @@ def test_forked_ranks_run_their_exit_handlers_and_keep_the_scripts_seeds_as_spaw
     assert [d["start_method"] for d in draws] == ["spawn"] * 3, draws
 
 
+def test_unseeded_ranks_draw_their_own_streams_as_fresh_interpreters_do():
+    # torch seeds a fresh interpreter from the OS (as Python and NumPy seed theirs): ranks
+    # forked from one process must not share its streams, or two trainers that generate their
+    # own batches (randn, randperm, dropout, a shuffled DataLoader) train on the same data
+    import torch
+
+    draws = run_local(_launcher_remote.draws, 3, args=(None,), timeout=90)
+    for key in ("initial_seed", "python", "numpy"):
+        assert len({d[key] for d in draws}) == 3, (key, [d[key] for d in draws])
+    for key in ("randn", "randperm", "dropout", "loader"):
+        for a in range(3):
+            for b in range(a + 1, 3):
+                assert not torch.equal(draws[a][key], draws[b][key]), (key, a, b, draws[a][key])
+    # a second world draws streams of its own too
+    again = run_local(_launcher_remote.draws, 3, args=(None,), timeout=90)
+    assert not {d["initial_seed"] for d in draws} & {d["initial_seed"] for d in again}
+
+
+def test_a_rank_that_seeds_torch_in_fn_draws_exactly_the_seeded_stream():
+    import torch
+
+    draws = run_local(_launcher_remote.draws, 2, args=(11,), timeout=90)
+    saved = torch.get_rng_state()
+    try:
+        want = _launcher_remote.draws(11)  # the same function, here, in a local process
+    finally:
+        torch.set_rng_state(saved)
+    for d in draws:
+        assert d["initial_seed"] == 11
+        for key in ("randn", "randperm", "dropout", "loader"):
+            assert torch.equal(d[key], want[key]), (key, d[key], want[key])
+
+
+@pytest.mark.slow
+def test_a_script_that_seeds_torch_at_its_top_level_seeds_every_rank():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "scripts" / "seeded_job.py"
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0 and "SEEDED True" in done.stdout, done.stdout + done.stderr[-3000:]
+
+
 def test_a_ranks_module_runs_in_the_rank_never_before_the_fork():
     # module-level code of fn's module (as of the caller's script) runs in each rank, as when
     # every rank was spawned: an OpenMP pool started there (forked after use, it would hang
