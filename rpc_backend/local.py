@@ -13,11 +13,13 @@ stops the world within seconds instead of hanging it.
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import pickle
 import queue
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -205,7 +207,11 @@ def run_local(
     pickled fails the world with :class:`LocalWorldError` naming the rank and the offending
     type. If a rank raises, its traceback is printed, the other ranks are stopped and
     :class:`LocalWorldError` is raised within ``stop_grace`` seconds. ``timeout`` bounds the
-    whole run (None: no bound). ``fn`` must be importable (module level).
+    whole run (None: no bound). ``fn`` must be importable: each rank imports it by module and
+    name, so it is defined at the top level of a module or of the script run as ``__main__``
+    (not a lambda or a nested function, nor in ``python -c`` or a notebook, which give the ranks
+    no file to import); otherwise, or when ``args`` cannot be pickled, ``TypeError`` names the
+    culprit before any process starts.
     The ranks are forked from one fresh interpreter per call (the caller's environment, working
     directory and ``sys.path`` as of the call), which imports torch once and none of the
     caller's code; each rank then imports the caller's ``__main__`` as a spawned rank did, so
@@ -238,6 +244,7 @@ def run_local(
     """
     if roles is not None and names is not None:
         raise ValueError("pass roles or names, not both")
+    _check_importable(fn)
     layout = placements(world_size, roles)
     if names is not None:
         names = list(names)
@@ -273,7 +280,11 @@ def run_local(
             stop.raise_if_received()
             with _environment_lock, _one_thread_unless_set(world_size), \
                     _unless_set("MALLOC_ARENA_MAX", "2"):  # read by the zygote as it starts
-                ranks = start_world(rank_args, names)  # raises for e.g. an fn that cannot be pickled
+                try:
+                    ranks = start_world(rank_args, names)  # pickles first: nothing started if that fails
+                except Exception as exc:
+                    _raise_if_unsendable(args, exc)
+                    raise
             if progress is not None:
                 progress(f"started {world_size} processes ({', '.join(names)}), forked from one that imports "
                          f"torch once; each then joins the RPC world")
@@ -284,6 +295,74 @@ def run_local(
                 ranks.close()
             del store
     return [values[r] for r in range(world_size)]
+
+
+_IMPORTABLE = (
+    "each rank imports the function by its module and name, so it must be defined at the top "
+    "level of a module the ranks can import (the script run as __main__ counts, with its "
+    "run_local call under `if __name__ == \"__main__\":`), not a lambda, a function nested in "
+    "another or a method of a local class; pass what it needs through args=(...)"
+)
+
+
+def _check_importable(fn: Any) -> None:
+    """Raise ``TypeError`` unless the ranks can import ``fn`` (it pickles by reference, and not
+    to ``__main__`` of a session that has no file for the ranks to run: ``python -c``, stdin, a
+    notebook). Checked in the caller, before any process starts."""
+    if not callable(fn):
+        raise TypeError(f"run_local's fn must be callable, got {fn!r}")
+    modules: set[str | None] = set()
+
+    class Recorder(pickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, type) or callable(obj) and hasattr(obj, "__qualname__"):
+                modules.add(getattr(obj, "__module__", None))
+            return NotImplemented
+
+    try:
+        Recorder(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL).dump(fn)
+    except Exception as exc:
+        raise TypeError(
+            f"run_local cannot send fn {_callable_name(fn)} to its ranks ({type(exc).__name__}: {exc}): "
+            f"{_IMPORTABLE}"
+        ) from None
+    main = sys.modules.get("__main__")
+    if "__main__" in modules and main is not None and not _main_importable(main):
+        raise TypeError(
+            f"run_local cannot send fn {_callable_name(fn)} to its ranks: it is (or refers to) code defined "
+            f"in __main__ of a session that has no file the ranks could import (python -c, stdin, a "
+            f"notebook); put it in a file, a module or the script you run, and import it from there"
+        )
+
+
+def _main_importable(main: Any) -> bool:
+    """Whether a rank can import ``main`` as ``__mp_main__``, as ``multiprocessing`` decides
+    (``-m`` module name or the script's file)."""
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    return name is not None or getattr(main, "__file__", None) is not None
+
+
+def _callable_name(fn: Any) -> str:
+    name = getattr(fn, "__qualname__", None)
+    module = getattr(fn, "__module__", None)
+    if name is None:
+        return repr(fn)
+    return f"{module}.{name}" if module else name
+
+
+def _raise_if_unsendable(args: tuple, exc: Exception) -> None:
+    """When ``args`` cannot be pickled (the reason ``exc`` was raised), a ``TypeError`` naming
+    the offending argument; otherwise nothing."""
+    try:
+        pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        where, culprit = _first_unpicklable(args, "args")
+        what = _callable_name(culprit) if callable(culprit) else f"of type {_type_name(culprit)}"
+        raise TypeError(
+            f"run_local cannot send {where} ({what}) to its ranks: it cannot be pickled "
+            f"({type(exc).__name__}: {exc}); a function or class passed in args must be defined at "
+            f"the top level of a module the ranks can import, and other values must be picklable"
+        ) from None
 
 
 #: Held while a world's zygote starts with the environment ``_one_thread_unless_set`` made

@@ -43,6 +43,57 @@ def test_a_rank_that_cannot_start_raises_its_own_error():
         run_local(_launcher_remote.rank_and_sum, 2, args=(threading.Lock(),), timeout=60)
 
 
+def _children() -> set:
+    import os
+
+    try:
+        with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as f:
+            return set(f.read().split())
+    except FileNotFoundError:  # not Linux: nothing to compare
+        return set()
+
+
+def _nested_function():
+    def inner() -> int:
+        return 1
+
+    return inner
+
+
+@pytest.mark.parametrize("fn, what", [
+    (lambda: 1, "<lambda>"),
+    (_nested_function(), "_nested_function.<locals>.inner"),
+])
+def test_a_function_the_ranks_cannot_import_is_refused_before_any_process_starts(fn, what):
+    before = _children()
+    with pytest.raises(TypeError) as info:
+        run_local(fn, 2, timeout=60)
+    text = str(info.value)
+    assert what in text and "top level of a module" in text and "lambda" in text, text
+    assert _children() == before  # nothing was started
+
+
+def test_a_function_of_a_main_module_the_ranks_cannot_import_is_refused():
+    # python -c, stdin or a notebook: the ranks have no file to import __main__ from (before,
+    # unpickling __main__.f in a rank found the variable of the process that forks the ranks)
+    import subprocess
+    import sys
+
+    code = ("from rpc_backend import run_local\n"
+            "def f():\n    return 1\n"
+            "try:\n    run_local(f, 2, timeout=60)\n"
+            "except TypeError as e:\n    print('REFUSED', e)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0 and "REFUSED" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert "__main__" in done.stdout and "f" in done.stdout and "file" in done.stdout, done.stdout
+
+
+def test_an_argument_that_cannot_be_sent_is_named():
+    with pytest.raises(TypeError) as info:
+        run_local(_launcher_remote.rank_and_sum, 2, args=(lambda: 1,), timeout=60)
+    assert "args[0]" in str(info.value) and "<lambda>" in str(info.value), str(info.value)
+
+
 def test_tensor_results_arrive_by_value_and_intact():
     import torch
 
