@@ -110,7 +110,7 @@ def _reseed() -> None:
 
 def _forked_rank(prep: dict, payload: bytes, rank: int, zygote_pid: int, messages: Messages) -> None:
     _reseed()  # before the caller's script runs: it may seed them
-    from rpc_backend.local import _rank_entry
+    from rpc_backend.local import _failure, _rank_entry
 
     me = mp.current_process()
     # While the script runs as __mp_main__, a run_local it reaches (no ``if __name__ ==
@@ -119,8 +119,8 @@ def _forked_rank(prep: dict, payload: bytes, rank: int, zygote_pid: int, message
     try:
         mp.spawn.prepare(prep)  # what a spawned process did first: sys.path, argv, cwd, __main__
         args = pickle.loads(payload)[rank]
-    except BaseException:
-        messages.put(("error", rank, traceback.format_exc()))
+    except BaseException as exc:
+        messages.put((_failure(exc), rank, traceback.format_exc()))
         os._exit(1)
     finally:
         del me._inheriting

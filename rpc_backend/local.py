@@ -41,13 +41,16 @@ _log = logging.getLogger("rpc_backend.run_local")
 
 
 class LocalWorldError(RuntimeError):
-    """A rank of a local world failed; ``rank`` names it and the message carries its traceback."""
+    """A rank of a local world failed; ``rank`` names it and the message carries its traceback.
+    ``interrupted``: it failed with ``KeyboardInterrupt`` (it got SIGINT)."""
 
-    def __init__(self, rank: int, name: str, text: str) -> None:
-        super().__init__(f"rank {rank} ({name}) failed:\n{text}")
+    def __init__(self, rank: int, name: str, text: str, interrupted: bool = False) -> None:
+        what = "was interrupted (KeyboardInterrupt: it received SIGINT)" if interrupted else "failed"
+        super().__init__(f"rank {rank} ({name}) {what}:\n{text}")
         self.rank = rank
         self.name = name
         self.text = text
+        self.interrupted = interrupted
 
 
 def _rank_entry(
@@ -93,16 +96,16 @@ def _rank_entry(
         results.put(("joined", rank, None))  # for the caller's progress messages
         value = fn(*args)
         results.put(("returned", rank, None))
-    except BaseException:
-        _send(results, ("error", rank, traceback.format_exc()))
+    except BaseException as exc:
+        _send(results, (_failure(exc), rank, traceback.format_exc()))
         # Skip the graceful barrier: the others may be waiting on this rank forever.
         os._exit(1)
     try:
         # Serve the other ranks until every one is done; the result goes out afterwards, so a
         # rank that could not finish its shutdown is reported as failed.
         worker.shutdown(graceful=True)
-    except BaseException:
-        _send(results, ("error", rank, traceback.format_exc()))
+    except BaseException as exc:
+        _send(results, (_failure(exc), rank, traceback.format_exc()))
         os._exit(1)
     try:
         payload = _result_bytes(value)
@@ -110,6 +113,12 @@ def _rank_entry(
         _send(results, ("error", rank, str(exc)))
         os._exit(1)
     _send(results, ("ok", rank, payload))
+
+
+def _failure(exc: BaseException) -> str:
+    """How a rank reports ``exc``: "interrupted" for a ``KeyboardInterrupt`` (the rank got
+    SIGINT, as every process of a terminal's foreground group does on Ctrl-C), else "error"."""
+    return "interrupted" if isinstance(exc, KeyboardInterrupt) else "error"
 
 
 class _UnpicklableResult(Exception):
@@ -192,7 +201,11 @@ def run_local(
     ROLE_WORLD_SIZE), and listens on loopback only. When the calling process gets SIGINT or
     SIGTERM (while ``run_local`` runs in the main thread), the ranks are stopped first
     (terminate, then kill) and then the signal has its usual effect (``KeyboardInterrupt``;
-    the process ends); the ranks also exit by themselves if the caller dies outright. The ranks
+    the process ends); the ranks also exit by themselves if the caller dies outright. A
+    terminal's Ctrl-C reaches the ranks as well: what they report then (their own
+    ``KeyboardInterrupt``, a peer gone) is not printed or raised, so the caller's
+    ``KeyboardInterrupt`` comes alone. A rank interrupted while the caller is not fails the
+    world with a :class:`LocalWorldError` whose ``interrupted`` is true. The ranks
     keep two unactionable torch warnings off the console (see ``rpc_backend/_quiet.py``).
     As torchrun does, ranks start with ``OMP_NUM_THREADS=1`` (one intra-op thread each: they
     share the machine's cores) unless the caller's environment sets it. They also start with
@@ -415,12 +428,18 @@ def _collect(
             try:  # a rank sends its result before it exits: read what is still in the pipe
                 status, rank, payload = ranks.get(timeout=0.5)
             except queue.Empty:
+                stop.raise_if_received()  # the ranks got the caller's Ctrl-C too: not a failure
                 r = gone[0]
                 raise LocalWorldError(r, names[r], ranks.exit_text(r)) from None
         if status in ("joined", "returned"):
             joins.mark(status, rank)
             continue
-        if status == "error":
+        if status in ("error", "interrupted"):
+            # A terminal's Ctrl-C reaches the caller and every rank at once: what the ranks
+            # report then (their KeyboardInterrupt, a peer gone) is the stop, not a failure.
+            stop.raise_if_received()
+            if status == "interrupted":
+                raise LocalWorldError(rank, names[rank], payload, interrupted=True)
             _log.error("rank %d (%s) failed:\n%s", rank, names[rank], payload)
             raise LocalWorldError(rank, names[rank], payload)
         joins.done(rank)
