@@ -20,7 +20,7 @@ are each rank's own. What differs from a spawned rank, and is taken care of:
   imports it) and torch's from the OS before the caller's script runs. So each rank draws its
   own streams unless the script seeds them (at its top level, which each rank runs, or in the
   rank's function), and then exactly the seeded ones; torch's accelerator generators are
-  created in the rank at first use (never in the zygote), seeded as in a fresh interpreter;
+  created in the rank at first use (the zygote starts no accelerator), as in a spawned rank;
 - **start method**: a rank's default ``multiprocessing`` start method is ``spawn``, as it was;
 - **lifetime**: a rank dies with its zygote (``PR_SET_PDEATHSIG`` and a watchdog thread), and
   the zygote with the launcher, so a launcher killed outright still takes every rank down;

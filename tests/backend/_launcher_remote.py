@@ -91,3 +91,12 @@ def draws(seed: int | None) -> dict:
         "python": random.random(),
         "numpy": float(numpy.random.random()),
     }
+
+
+def second_rank_interrupted() -> None:
+    """Rank 1 gets SIGINT (only it: the caller does not); the others wait for it."""
+    import signal
+
+    if rpc.get_worker_info().id == 1:
+        os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(3600)  # rank 1: KeyboardInterrupt here; the others until the launcher stops them

@@ -27,6 +27,14 @@ def test_a_failing_rank_stops_the_world_quickly():
     assert time.monotonic() - start < 30
 
 
+def test_a_rank_interrupted_alone_fails_the_world_as_interrupted():
+    with pytest.raises(LocalWorldError) as info:
+        run_local(_launcher_remote.second_rank_interrupted, 3, timeout=60)
+    assert info.value.rank == 1 and info.value.interrupted, info.value
+    assert "rank 1 (worker1) was interrupted (KeyboardInterrupt" in str(info.value)
+    assert "KeyboardInterrupt" in info.value.text  # the rank's traceback
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="world_size"):
         run_local(_launcher_remote.rank_and_sum, 0)
