@@ -97,7 +97,7 @@ def _rank_entry(
         value = fn(*args)
         results.put(("returned", rank, None))
     except BaseException as exc:
-        _send(results, (_failure(exc), rank, traceback.format_exc()))
+        _report_failure(results, rank, exc)
         # Skip the graceful barrier: the others may be waiting on this rank forever.
         os._exit(1)
     try:
@@ -105,7 +105,7 @@ def _rank_entry(
         # rank that could not finish its shutdown is reported as failed.
         worker.shutdown(graceful=True)
     except BaseException as exc:
-        _send(results, (_failure(exc), rank, traceback.format_exc()))
+        _report_failure(results, rank, exc)
         os._exit(1)
     try:
         payload = _result_bytes(value)
@@ -113,6 +113,19 @@ def _rank_entry(
         _send(results, ("error", rank, str(exc)))
         os._exit(1)
     _send(results, ("ok", rank, payload))
+
+
+def _report_failure(results: Any, rank: int, exc: BaseException) -> None:
+    """Send the launcher ``exc``'s traceback. A rank interrupted (``KeyboardInterrupt``) then
+    waits, its connections open, until the launcher stops the world: by then the launcher
+    stops every rank at once (or the same Ctrl-C has reached them all), whereas a rank that
+    exited alone made its peers' TensorPipe agents warn on the console that it was gone."""
+    status = _failure(exc)
+    _send(results, (status, rank, traceback.format_exc()))
+    if status == "interrupted":
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C: nothing more to say
+        while True:
+            signal.pause()  # SIGTERM (the launcher's _stop) ends the process
 
 
 def _failure(exc: BaseException) -> str:

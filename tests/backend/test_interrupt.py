@@ -78,6 +78,7 @@ def test_ctrl_c_stops_the_ranks_and_raises_keyboardinterrupt_alone(tmp_path):
     assert not any(line.startswith("RESULT") for line in everything.splitlines()), everything
 
 
+@pytest.mark.timeout(600)  # the demo creates a 1,000,000-row table first
 def test_ctrl_c_on_the_demo_prints_one_line_and_exits_130(tmp_path):
     # `make demo` runs this module; Ctrl-C once its trainers train (its ranks run their
     # functions; a server serves in its shutdown): one line, exit code 130, as a shell reports

@@ -78,7 +78,7 @@ def test_a_function_the_ranks_cannot_import_is_refused_before_any_process_starts
         run_local(fn, 2, timeout=60)
     text = str(info.value)
     assert what in text and "top level of a module" in text and "lambda" in text, text
-    assert _children() == before  # nothing was started
+    assert _children() <= before  # nothing was started
 
 
 def test_a_function_of_a_main_module_the_ranks_cannot_import_is_refused():
