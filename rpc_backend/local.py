@@ -117,8 +117,8 @@ def _rank_entry(
 
 def _report_failure(results: Any, rank: int, exc: BaseException) -> None:
     """Send the launcher ``exc``'s traceback. A rank interrupted (``KeyboardInterrupt``) then
-    waits, its connections open, until the launcher stops the world: by then the launcher
-    stops every rank at once (or the same Ctrl-C has reached them all), whereas a rank that
+    waits, its connections open, until the launcher stops the world: the launcher then stops
+    the ranks together (or the same Ctrl-C has reached them all), whereas a rank that
     exited alone made its peers' TensorPipe agents warn on the console that it was gone."""
     status = _failure(exc)
     _send(results, (status, rank, traceback.format_exc()))
