@@ -94,8 +94,10 @@ class StopSignals:
             try:
                 handler(signum, frame)  # default_int_handler raises KeyboardInterrupt
             except BaseException as raised:
-                if isinstance(exc, StopSignalReceived):
-                    raised.__suppress_context__ = True  # that was only the way out of the block
+                if isinstance(exc, StopSignalReceived) or getattr(exc, "interrupted", False):
+                    # that was only the way out of the block, or the same Ctrl-C seen by a rank
+                    # before this process's handler ran
+                    raised.__suppress_context__ = True
                 raise
             return  # the handler chose to carry on: a StopSignalReceived goes on up
         # SIG_DFL (or a handler set outside Python): the signal's own default action

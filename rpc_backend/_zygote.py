@@ -13,10 +13,14 @@ are each rank's own. What differs from a spawned rank, and is taken care of:
 
 - **exit**: a forked process ends with ``os._exit``; a rank runs the interpreter's ``atexit``
   handlers itself when its function is done (a spawned rank ran them at interpreter exit);
-- **randomness**: Python reseeds ``random`` in a forked child, and NumPy's global generator
-  (torch imports NumPy) is reseeded here from the OS before the caller's script runs, so each
-  rank draws its own stream unless the script seeds, as a fresh interpreter would; torch's
-  generator starts from its fixed default seed, as in a fresh interpreter;
+- **randomness**: a fresh interpreter seeds Python's ``random``, NumPy's global generator
+  and torch's default (CPU) generator from the OS, so every spawned rank drew its own streams
+  (``torch.initial_seed()`` differs); a forked rank would share the zygote's. Python reseeds
+  ``random`` in a forked child itself, and each rank reseeds NumPy's (when imported: torch
+  imports it) and torch's from the OS before the caller's script runs. So each rank draws its
+  own streams unless the script seeds them (at its top level, which each rank runs, or in the
+  rank's function), and then exactly the seeded ones; torch's accelerator generators are
+  created in the rank at first use (the zygote starts no accelerator), as in a spawned rank;
 - **start method**: a rank's default ``multiprocessing`` start method is ``spawn``, as it was;
 - **lifetime**: a rank dies with its zygote (``PR_SET_PDEATHSIG`` and a watchdog thread), and
   the zygote with the launcher, so a launcher killed outright still takes every rank down;
@@ -90,18 +94,23 @@ class _RankProcess(mp.context.ForkProcess):
     _start_method = "spawn"
 
 
-def _reseed_numpy() -> None:
+def _reseed() -> None:
+    """Seed NumPy's global generator and torch's default generator from the OS, as a fresh
+    interpreter seeds them (Python reseeds ``random`` in a forked child itself)."""
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         try:
             numpy.random.seed()
         except Exception:  # a stub or broken NumPy: nothing to reseed
             pass
+    import torch
+
+    torch.default_generator.seed()  # a non-deterministic seed, as torch's own at import
 
 
 def _forked_rank(prep: dict, payload: bytes, rank: int, zygote_pid: int, messages: Messages) -> None:
-    _reseed_numpy()  # before the caller's script runs: it may seed it
-    from rpc_backend.local import _rank_entry
+    _reseed()  # before the caller's script runs: it may seed them
+    from rpc_backend.local import _failure, _rank_entry
 
     me = mp.current_process()
     # While the script runs as __mp_main__, a run_local it reaches (no ``if __name__ ==
@@ -110,8 +119,8 @@ def _forked_rank(prep: dict, payload: bytes, rank: int, zygote_pid: int, message
     try:
         mp.spawn.prepare(prep)  # what a spawned process did first: sys.path, argv, cwd, __main__
         args = pickle.loads(payload)[rank]
-    except BaseException:
-        messages.put(("error", rank, traceback.format_exc()))
+    except BaseException as exc:
+        messages.put((_failure(exc), rank, traceback.format_exc()))
         os._exit(1)
     finally:
         del me._inheriting

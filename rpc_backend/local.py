@@ -13,11 +13,13 @@ stops the world within seconds instead of hanging it.
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import pickle
 import queue
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -39,13 +41,16 @@ _log = logging.getLogger("rpc_backend.run_local")
 
 
 class LocalWorldError(RuntimeError):
-    """A rank of a local world failed; ``rank`` names it and the message carries its traceback."""
+    """A rank of a local world failed; ``rank`` names it and the message carries its traceback.
+    ``interrupted``: it failed with ``KeyboardInterrupt`` (it got SIGINT)."""
 
-    def __init__(self, rank: int, name: str, text: str) -> None:
-        super().__init__(f"rank {rank} ({name}) failed:\n{text}")
+    def __init__(self, rank: int, name: str, text: str, interrupted: bool = False) -> None:
+        what = "was interrupted (KeyboardInterrupt: it received SIGINT)" if interrupted else "failed"
+        super().__init__(f"rank {rank} ({name}) {what}:\n{text}")
         self.rank = rank
         self.name = name
         self.text = text
+        self.interrupted = interrupted
 
 
 def _rank_entry(
@@ -91,16 +96,16 @@ def _rank_entry(
         results.put(("joined", rank, None))  # for the caller's progress messages
         value = fn(*args)
         results.put(("returned", rank, None))
-    except BaseException:
-        _send(results, ("error", rank, traceback.format_exc()))
+    except BaseException as exc:
+        _report_failure(results, rank, exc)
         # Skip the graceful barrier: the others may be waiting on this rank forever.
         os._exit(1)
     try:
         # Serve the other ranks until every one is done; the result goes out afterwards, so a
         # rank that could not finish its shutdown is reported as failed.
         worker.shutdown(graceful=True)
-    except BaseException:
-        _send(results, ("error", rank, traceback.format_exc()))
+    except BaseException as exc:
+        _report_failure(results, rank, exc)
         os._exit(1)
     try:
         payload = _result_bytes(value)
@@ -108,6 +113,25 @@ def _rank_entry(
         _send(results, ("error", rank, str(exc)))
         os._exit(1)
     _send(results, ("ok", rank, payload))
+
+
+def _report_failure(results: Any, rank: int, exc: BaseException) -> None:
+    """Send the launcher ``exc``'s traceback. A rank interrupted (``KeyboardInterrupt``) then
+    waits, its connections open, until the launcher stops the world: the launcher then stops
+    the ranks together (or the same Ctrl-C has reached them all), whereas a rank that
+    exited alone made its peers' TensorPipe agents warn on the console that it was gone."""
+    status = _failure(exc)
+    _send(results, (status, rank, traceback.format_exc()))
+    if status == "interrupted":
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C: nothing more to say
+        while True:
+            signal.pause()  # SIGTERM (the launcher's _stop) ends the process
+
+
+def _failure(exc: BaseException) -> str:
+    """How a rank reports ``exc``: "interrupted" for a ``KeyboardInterrupt`` (the rank got
+    SIGINT, as every process of a terminal's foreground group does on Ctrl-C), else "error"."""
+    return "interrupted" if isinstance(exc, KeyboardInterrupt) else "error"
 
 
 class _UnpicklableResult(Exception):
@@ -190,7 +214,11 @@ def run_local(
     ROLE_WORLD_SIZE), and listens on loopback only. When the calling process gets SIGINT or
     SIGTERM (while ``run_local`` runs in the main thread), the ranks are stopped first
     (terminate, then kill) and then the signal has its usual effect (``KeyboardInterrupt``;
-    the process ends); the ranks also exit by themselves if the caller dies outright. The ranks
+    the process ends); the ranks also exit by themselves if the caller dies outright. A
+    terminal's Ctrl-C reaches the ranks as well: what they report then (their own
+    ``KeyboardInterrupt``, a peer gone) is not printed or raised, so the caller's
+    ``KeyboardInterrupt`` comes alone. A rank interrupted while the caller is not fails the
+    world with a :class:`LocalWorldError` whose ``interrupted`` is true. The ranks
     keep two unactionable torch warnings off the console (see ``rpc_backend/_quiet.py``).
     As torchrun does, ranks start with ``OMP_NUM_THREADS=1`` (one intra-op thread each: they
     share the machine's cores) unless the caller's environment sets it. They also start with
@@ -205,12 +233,19 @@ def run_local(
     pickled fails the world with :class:`LocalWorldError` naming the rank and the offending
     type. If a rank raises, its traceback is printed, the other ranks are stopped and
     :class:`LocalWorldError` is raised within ``stop_grace`` seconds. ``timeout`` bounds the
-    whole run (None: no bound). ``fn`` must be importable (module level).
+    whole run (None: no bound). ``fn`` must be importable: each rank imports it by module and
+    name, so it is defined at the top level of a module or of the script run as ``__main__``
+    (not a lambda or a nested function, nor in ``python -c`` or a notebook, which give the ranks
+    no file to import); otherwise, or when ``args`` cannot be pickled, ``TypeError`` names the
+    culprit before any process starts.
     The ranks are forked from one fresh interpreter per call (the caller's environment, working
     directory and ``sys.path`` as of the call), which imports torch once and none of the
     caller's code; each rank then imports the caller's ``__main__`` as a spawned rank did, so
-    module-level code, seeds and threads are its own, and runs its ``atexit`` handlers when
-    done (see ``rpc_backend/_zygote.py``).
+    module-level code and threads are its own, and runs its ``atexit`` handlers when done (see
+    ``rpc_backend/_zygote.py``). Each rank draws its own random streams, as a fresh interpreter
+    does: Python's ``random``, NumPy's and torch's generators are seeded from the OS in every
+    rank (``torch.initial_seed()`` differs), before the script's top level runs there; a script
+    that seeds them at its top level or in ``fn`` gets exactly the seeded streams in every rank.
     A rank whose ``fn`` returned keeps serving the others until every rank is done, however
     long that takes; ``shutdown_timeout`` seconds bound that wait (a rank that hits the bound
     shuts down immediately and fails the world).
@@ -235,6 +270,7 @@ def run_local(
     """
     if roles is not None and names is not None:
         raise ValueError("pass roles or names, not both")
+    _check_importable(fn)
     layout = placements(world_size, roles)
     if names is not None:
         names = list(names)
@@ -270,7 +306,11 @@ def run_local(
             stop.raise_if_received()
             with _environment_lock, _one_thread_unless_set(world_size), \
                     _unless_set("MALLOC_ARENA_MAX", "2"):  # read by the zygote as it starts
-                ranks = start_world(rank_args, names)  # raises for e.g. an fn that cannot be pickled
+                try:
+                    ranks = start_world(rank_args, names)  # pickles first: nothing started if that fails
+                except Exception as exc:
+                    _raise_if_unsendable(args, exc)
+                    raise
             if progress is not None:
                 progress(f"started {world_size} processes ({', '.join(names)}), forked from one that imports "
                          f"torch once; each then joins the RPC world")
@@ -281,6 +321,74 @@ def run_local(
                 ranks.close()
             del store
     return [values[r] for r in range(world_size)]
+
+
+_IMPORTABLE = (
+    "each rank imports the function by its module and name, so it must be defined at the top "
+    "level of a module the ranks can import (the script run as __main__ counts, with its "
+    "run_local call under `if __name__ == \"__main__\":`), not a lambda, a function nested in "
+    "another or a method of a local class; pass what it needs through args=(...)"
+)
+
+
+def _check_importable(fn: Any) -> None:
+    """Raise ``TypeError`` unless the ranks can import ``fn`` (it pickles by reference, and not
+    to ``__main__`` of a session that has no file for the ranks to run: ``python -c``, stdin, a
+    notebook). Checked in the caller, before any process starts."""
+    if not callable(fn):
+        raise TypeError(f"run_local's fn must be callable, got {fn!r}")
+    modules: set[str | None] = set()
+
+    class Recorder(pickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, type) or callable(obj) and hasattr(obj, "__qualname__"):
+                modules.add(getattr(obj, "__module__", None))
+            return NotImplemented
+
+    try:
+        Recorder(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL).dump(fn)
+    except Exception as exc:
+        raise TypeError(
+            f"run_local cannot send fn {_callable_name(fn)} to its ranks ({type(exc).__name__}: {exc}): "
+            f"{_IMPORTABLE}"
+        ) from None
+    main = sys.modules.get("__main__")
+    if "__main__" in modules and main is not None and not _main_importable(main):
+        raise TypeError(
+            f"run_local cannot send fn {_callable_name(fn)} to its ranks: it is (or refers to) code defined "
+            f"in __main__ of a session that has no file the ranks could import (python -c, stdin, a "
+            f"notebook); put it in a file, a module or the script you run, and import it from there"
+        )
+
+
+def _main_importable(main: Any) -> bool:
+    """Whether a rank can import ``main`` as ``__mp_main__``, as ``multiprocessing`` decides
+    (``-m`` module name or the script's file)."""
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    return name is not None or getattr(main, "__file__", None) is not None
+
+
+def _callable_name(fn: Any) -> str:
+    name = getattr(fn, "__qualname__", None)
+    module = getattr(fn, "__module__", None)
+    if name is None:
+        return repr(fn)
+    return f"{module}.{name}" if module else name
+
+
+def _raise_if_unsendable(args: tuple, exc: Exception) -> None:
+    """When ``args`` cannot be pickled (the reason ``exc`` was raised), a ``TypeError`` naming
+    the offending argument; otherwise nothing."""
+    try:
+        pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        where, culprit = _first_unpicklable(args, "args")
+        what = _callable_name(culprit) if callable(culprit) else f"of type {_type_name(culprit)}"
+        raise TypeError(
+            f"run_local cannot send {where} ({what}) to its ranks: it cannot be pickled "
+            f"({type(exc).__name__}: {exc}); a function or class passed in args must be defined at "
+            f"the top level of a module the ranks can import, and other values must be picklable"
+        ) from None
 
 
 #: Held while a world's zygote starts with the environment ``_one_thread_unless_set`` made
@@ -333,12 +441,18 @@ def _collect(
             try:  # a rank sends its result before it exits: read what is still in the pipe
                 status, rank, payload = ranks.get(timeout=0.5)
             except queue.Empty:
+                stop.raise_if_received()  # the ranks got the caller's Ctrl-C too: not a failure
                 r = gone[0]
                 raise LocalWorldError(r, names[r], ranks.exit_text(r)) from None
         if status in ("joined", "returned"):
             joins.mark(status, rank)
             continue
-        if status == "error":
+        if status in ("error", "interrupted"):
+            # A terminal's Ctrl-C reaches the caller and every rank at once: what the ranks
+            # report then (their KeyboardInterrupt, a peer gone) is the stop, not a failure.
+            stop.raise_if_received()
+            if status == "interrupted":
+                raise LocalWorldError(rank, names[rank], payload, interrupted=True)
             _log.error("rank %d (%s) failed:\n%s", rank, names[rank], payload)
             raise LocalWorldError(rank, names[rank], payload)
         joins.done(rank)

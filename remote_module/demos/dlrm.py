@@ -645,4 +645,8 @@ def _gather(mine: dict[str, Any] | None) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C: run_local has stopped the ranks; one line, no traceback
+        print("\ninterrupted", file=sys.stderr, flush=True)
+        sys.exit(130)

@@ -12,6 +12,7 @@ table, so the loss has somewhere to go.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
@@ -107,4 +108,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C: run_local has stopped the ranks; one line, no traceback
+        print("\ninterrupted", file=sys.stderr, flush=True)
+        sys.exit(130)

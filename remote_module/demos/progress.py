@@ -3,6 +3,7 @@ nothing (tqdm comes with the optional ``demo`` extra)."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 
@@ -34,4 +35,9 @@ def progress_bar(total: int, enabled: bool, **tqdm_kwargs: Any) -> Any:
         from tqdm import tqdm
     except ImportError:
         return NoBar()
+    if not hasattr(tqdm, "_lock"):
+        # tqdm's default lock adds a multiprocessing lock (a named semaphore) for bars shared
+        # with forked children; a demo's bars are each in their own rank, and a rank stopped by
+        # Ctrl-C left that semaphore behind, for the resource tracker to warn about
+        tqdm.set_lock(threading.RLock())
     return tqdm(total=total, **tqdm_kwargs)

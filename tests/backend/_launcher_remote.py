@@ -69,3 +69,34 @@ def what_a_rank_sees(mark_name: str) -> dict:
         "arenas_env": os.environ.get("MALLOC_ARENA_MAX"),
     }
 
+
+
+def draws(seed: int | None) -> dict:
+    """The rank's first draws from each global generator, after ``torch.manual_seed(seed)``
+    when ``seed`` is given (else as the rank starts): torch's initial seed, a randn, a randperm,
+    a dropout mask, a shuffled DataLoader's order, and Python's and NumPy's generators."""
+    import random
+
+    import numpy
+    import torch
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    return {
+        "initial_seed": torch.initial_seed(),
+        "randn": torch.randn(8),
+        "randperm": torch.randperm(64),
+        "dropout": torch.nn.functional.dropout(torch.ones(64), 0.5) == 0,
+        "loader": torch.cat(list(torch.utils.data.DataLoader(torch.arange(64), batch_size=16, shuffle=True))),
+        "python": random.random(),
+        "numpy": float(numpy.random.random()),
+    }
+
+
+def second_rank_interrupted() -> None:
+    """Rank 1 gets SIGINT (only it: the caller does not); the others wait for it."""
+    import signal
+
+    if rpc.get_worker_info().id == 1:
+        os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(3600)  # rank 1: KeyboardInterrupt here; the others until the launcher stops them

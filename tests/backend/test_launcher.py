@@ -27,6 +27,14 @@ def test_a_failing_rank_stops_the_world_quickly():
     assert time.monotonic() - start < 30
 
 
+def test_a_rank_interrupted_alone_fails_the_world_as_interrupted():
+    with pytest.raises(LocalWorldError) as info:
+        run_local(_launcher_remote.second_rank_interrupted, 3, timeout=60)
+    assert info.value.rank == 1 and info.value.interrupted, info.value
+    assert "rank 1 (worker1) was interrupted (KeyboardInterrupt" in str(info.value)
+    assert "KeyboardInterrupt" in info.value.text  # the rank's traceback
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="world_size"):
         run_local(_launcher_remote.rank_and_sum, 0)
@@ -41,6 +49,57 @@ def test_a_rank_that_cannot_start_raises_its_own_error():
 
     with pytest.raises(TypeError, match="pickle"):
         run_local(_launcher_remote.rank_and_sum, 2, args=(threading.Lock(),), timeout=60)
+
+
+def _children() -> set:
+    import os
+
+    try:
+        with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as f:
+            return set(f.read().split())
+    except FileNotFoundError:  # not Linux: nothing to compare
+        return set()
+
+
+def _nested_function():
+    def inner() -> int:
+        return 1
+
+    return inner
+
+
+@pytest.mark.parametrize("fn, what", [
+    (lambda: 1, "<lambda>"),
+    (_nested_function(), "_nested_function.<locals>.inner"),
+])
+def test_a_function_the_ranks_cannot_import_is_refused_before_any_process_starts(fn, what):
+    before = _children()
+    with pytest.raises(TypeError) as info:
+        run_local(fn, 2, timeout=60)
+    text = str(info.value)
+    assert what in text and "top level of a module" in text and "lambda" in text, text
+    assert _children() <= before  # nothing was started
+
+
+def test_a_function_of_a_main_module_the_ranks_cannot_import_is_refused():
+    # python -c, stdin or a notebook: the ranks have no file to import __main__ from (before,
+    # unpickling __main__.f in a rank found the variable of the process that forks the ranks)
+    import subprocess
+    import sys
+
+    code = ("from rpc_backend import run_local\n"
+            "def f():\n    return 1\n"
+            "try:\n    run_local(f, 2, timeout=60)\n"
+            "except TypeError as e:\n    print('REFUSED', e)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0 and "REFUSED" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert "__main__" in done.stdout and "f" in done.stdout and "file" in done.stdout, done.stdout
+
+
+def test_an_argument_that_cannot_be_sent_is_named():
+    with pytest.raises(TypeError) as info:
+        run_local(_launcher_remote.rank_and_sum, 2, args=(lambda: 1,), timeout=60)
+    assert "args[0]" in str(info.value) and "<lambda>" in str(info.value), str(info.value)
 
 
 def test_tensor_results_arrive_by_value_and_intact():
@@ -178,6 +237,50 @@ def test_forked_ranks_run_their_exit_handlers_and_keep_the_scripts_seeds_as_spaw
         assert {k: d[k] for k in want} == want, (d, want)
     # a process a rank starts is spawned by default, as from a spawned rank
     assert [d["start_method"] for d in draws] == ["spawn"] * 3, draws
+
+
+def test_unseeded_ranks_draw_their_own_streams_as_fresh_interpreters_do():
+    # torch seeds a fresh interpreter from the OS (as Python and NumPy seed theirs): ranks
+    # forked from one process must not share its streams, or two trainers that generate their
+    # own batches (randn, randperm, dropout, a shuffled DataLoader) train on the same data
+    import torch
+
+    draws = run_local(_launcher_remote.draws, 3, args=(None,), timeout=90)
+    for key in ("initial_seed", "python", "numpy"):
+        assert len({d[key] for d in draws}) == 3, (key, [d[key] for d in draws])
+    for key in ("randn", "randperm", "dropout", "loader"):
+        for a in range(3):
+            for b in range(a + 1, 3):
+                assert not torch.equal(draws[a][key], draws[b][key]), (key, a, b, draws[a][key])
+    # a second world draws streams of its own too
+    again = run_local(_launcher_remote.draws, 3, args=(None,), timeout=90)
+    assert not {d["initial_seed"] for d in draws} & {d["initial_seed"] for d in again}
+
+
+def test_a_rank_that_seeds_torch_in_fn_draws_exactly_the_seeded_stream():
+    import torch
+
+    draws = run_local(_launcher_remote.draws, 2, args=(11,), timeout=90)
+    saved = torch.get_rng_state()
+    try:
+        want = _launcher_remote.draws(11)  # the same function, here, in a local process
+    finally:
+        torch.set_rng_state(saved)
+    for d in draws:
+        assert d["initial_seed"] == 11
+        for key in ("randn", "randperm", "dropout", "loader"):
+            assert torch.equal(d[key], want[key]), (key, d[key], want[key])
+
+
+@pytest.mark.slow
+def test_a_script_that_seeds_torch_at_its_top_level_seeds_every_rank():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "scripts" / "seeded_job.py"
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0 and "SEEDED True" in done.stdout, done.stdout + done.stderr[-3000:]
 
 
 def test_a_ranks_module_runs_in_the_rank_never_before_the_fork():

@@ -1,0 +1,92 @@
+"""Ctrl-C on a script that runs a local world (``make demo``): the ranks are stopped and the
+console gets the interrupt alone, not a traceback per rank, chained tracebacks or warnings of
+leaked semaphores."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def _interrupt_once(cmd: list[str], ready: callable, cwd: str | None = None) -> tuple[int, str, str]:
+    """Run ``cmd`` in a session of its own; once ``ready(stdout_line)`` holds for a line it
+    printed, send SIGINT to its process group, as a terminal's Ctrl-C does; returns its exit
+    code, the output it printed after the signal, and all its output. Every process of the
+    group has exited by then."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, cwd=cwd)
+    before = []
+    try:
+        for line in proc.stdout:
+            before.append(line)
+            if ready(line):
+                break
+        else:
+            proc.wait(60)
+            pytest.fail(f"exited ({proc.returncode}) before it was ready:\n{''.join(before)[-4000:]}")
+        os.killpg(proc.pid, signal.SIGINT)
+        after, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    deadline = time.monotonic() + 60  # the group's last processes (a rank's children) exit after it
+    while time.monotonic() < deadline and _group_alive(proc.pid):
+        time.sleep(0.05)
+    assert not _group_alive(proc.pid), "processes of the interrupted job are left"
+    return proc.returncode, after, "".join(before) + after
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_ctrl_c_stops_the_ranks_and_raises_keyboardinterrupt_alone(tmp_path):
+    gate = tmp_path / "gate"
+    gate.mkdir()
+
+    def ready(line: str) -> bool:
+        if line.startswith("STARTED"):  # then wait for every rank to be running its function
+            deadline = time.monotonic() + 240
+            while len(list(gate.glob("ready?"))) < 3:
+                assert time.monotonic() < deadline, "the ranks did not start"
+                time.sleep(0.02)
+            return True
+        return False
+
+    code, after, everything = _interrupt_once([sys.executable, str(SCRIPTS / "interrupted_job.py"), str(gate)], ready)
+    # the caller's KeyboardInterrupt, and nothing of the ranks: Python's one traceback (the
+    # call of run_local), ending with KeyboardInterrupt, and the process ends by SIGINT
+    assert code == -signal.SIGINT, everything
+    assert after.count("Traceback") == 1 and after.rstrip().endswith("KeyboardInterrupt"), everything
+    assert "During handling" not in after and "rank " not in after and "leaked" not in after, everything
+    assert len(after.splitlines()) <= 10, everything
+    assert not any(line.startswith("RESULT") for line in everything.splitlines()), everything
+
+
+@pytest.mark.timeout(600)  # the demo creates a 1,000,000-row table first
+def test_ctrl_c_on_the_demo_prints_one_line_and_exits_130(tmp_path):
+    # `make demo` runs this module; Ctrl-C once its trainers train (its ranks run their
+    # functions; a server serves in its shutdown): one line, exit code 130, as a shell reports
+    # a job stopped by SIGINT; no warnings of semaphores a rank left (tqdm's lock, made with
+    # each bar, even one a pipe disables)
+    cmd = [sys.executable, "-m", "remote_module.demos.dlrm", "--servers", "1", "--trainers", "2",
+           "--steps", "1000000", "--plot", ""]
+    code, after, everything = _interrupt_once(cmd, lambda line: line.startswith("trainer1: training 1000000 steps"),
+                                              cwd=str(tmp_path))
+    assert code == 130, everything
+    assert after.split() == ["interrupted"], everything
