@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import types
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed.rpc as rpc
@@ -17,6 +18,7 @@ from remote_module._core import (
     is_rpc_initialized,
     parse_remote_device,
     register_rpc_reducer,
+    retyped,
     worker_names,
 )
 from remote_module._proxy import _host
@@ -24,12 +26,14 @@ from remote_module._proxy.calls import RemoteCalls, _rpc_missing_message
 from remote_module._proxy.codegen import render_forward_methods, render_scriptable_module
 from remote_module._proxy.creation import AGENT_DEFAULT_TIMEOUT as _AGENT_DEFAULT_TIMEOUT
 from remote_module._proxy.creation import check_constructor_arguments, create_on_host
+from remote_module._proxy.idioms import HANDLE, RequiresGradHandle, dtype_casts, install_handle
 from remote_module._proxy.module_state import RemoteModuleState
 from remote_module._proxy.pickling import (
     PICKLED_ATTRIBUTES,
     check_attributes,
     check_declared_attributes,
     device_map_is_set,
+    pickled_attributes,
     reduce_proxy,
     reduce_script_module,
 )
@@ -58,13 +62,20 @@ class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
     local call (a sentinel default is the host's own object, a large default tensor is
     never sent).
 
-    In a model, the proxy is a leaf without local parameters or buffers: ``model.parameters()``
-    lists the local ones (remote ones come from :meth:`remote_parameters`), ``model.to()``,
-    ``cuda()``, ``half()`` and friends leave the remote module where ``remote_device`` put it,
-    ``model.train()``/``eval()`` reach the host (``proxy.training`` asks it, so every proxy
-    of one module agrees), ``model.state_dict()`` / ``load_state_dict()`` include the remote
-    entries (copied through the CPU; ``assign=True`` applies on the host), and
-    ``DistributedDataParallel(model)`` syncs the local parameters (the proxy lists none).
+    In a model, the proxy is a leaf without local buffers whose one local parameter is a
+    zero-element handle, ``remote_requires_grad`` (remote parameters come from
+    :meth:`remote_parameters`): ``model.requires_grad_(flag)`` reaches the handle and sets the
+    flag on the remote module's parameters on the host (as does ``proxy.requires_grad_(flag)``;
+    ``p.requires_grad = flag`` over ``model.parameters()`` applies at the next forward).
+    ``model.double()``, ``half()``, ``to(dtype)``, ``type(dtype)`` and friends cast the remote
+    module on its host as they cast a local module; moves (``model.to("cuda")``, ``cuda()``)
+    leave it where ``remote_device`` put it. ``copy.deepcopy(model)`` copies the remote module
+    on its host (see ``remote_module._proxy.idioms``). ``model.train()``/``eval()`` reach the
+    host (``proxy.training`` asks it, so every proxy of one module agrees),
+    ``model.state_dict()`` / ``load_state_dict()`` include the remote entries (copied through
+    the CPU; ``assign=True`` applies on the host), and ``DistributedDataParallel(model)`` syncs
+    the local parameters (the proxy lists none when asked alone, as DDP asks; the handle never
+    gets a gradient).
 
     When the remote device is not the CPU, CPU tensors in the arguments (at any depth of
     lists, tuples and dicts) are moved to it on the host. Outputs come back as they are when
@@ -105,8 +116,8 @@ class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
     out again wherever the proxy arrives), ``is_scriptable``, ``module_rref``,
     ``module_interface_cls``, ``forward_signature``, ``remote_type`` (qualified class name of
     the remote module), ``remote_repr`` (its ``repr`` when the proxy was made),
-    ``remote_trainable`` (whether the remote module had parameters that require grad when the
-    proxy was made), ``timeout``.
+    ``remote_trainable`` (whether the remote module has parameters that require grad, as this
+    proxy last saw: when it was made or its ``requires_grad_`` last ran), ``timeout``.
 
     Training: outside a ``dist_autograd.context()`` nothing is recorded across RPC, so
     ``loss.backward()`` never reaches the remote parameters (nor the inputs sent). A forward
@@ -285,13 +296,25 @@ class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
         self._install_generated_methods(local_sig)
         self.remote_repr = info["repr"]
         self.remote_trainable = bool(info["trainable"])
+        install_handle(self, self.remote_trainable)
         check_attributes(self)
 
     def _set_remote_requires_grad(self, requires_grad: bool) -> None:
-        """``requires_grad_(requires_grad)`` of the module on its host (for the layers that own
-        proxies: a pipeline's stages, a LocalModule's shards), and ``remote_trainable`` as it is
-        now. The proxy itself refuses ``requires_grad_`` (see ``remote_module._proxy.unsupported``)."""
+        """``requires_grad_(requires_grad)`` of the module on its host; ``remote_trainable`` and
+        the handle's flag as they are now (see ``remote_module._proxy.idioms``)."""
+        if not isinstance(requires_grad, bool):
+            raise TypeError(f"requires_grad must be a bool, got {requires_grad!r}")
         self.remote_trainable = self._rpc(_host._set_requires_grad, self.module_rref, requires_grad)
+        handle = self._parameters.get(HANDLE)
+        if handle is not None:
+            handle.requires_grad = self.remote_trainable
+
+    def _sync_requires_grad(self) -> None:
+        """Apply on the host a flag set on the handle as an attribute (``p.requires_grad = flag``
+        over ``model.parameters()``), which no method of the proxy saw (one message, only then)."""
+        handle = self._parameters.get(HANDLE)
+        if handle is not None and handle.requires_grad != self.remote_trainable:
+            self._set_remote_requires_grad(handle.requires_grad)
 
     def _install_generated_methods(self, sig: inspect.Signature | None = None) -> None:
         if self.is_scriptable:
@@ -303,6 +326,74 @@ class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
             fwd, fwd_async = render_forward_methods(sig if sig is not None else self.forward_signature, origin)
         self.forward = types.MethodType(fwd, self)
         self.forward_async = types.MethodType(fwd_async, self)
+
+    # ---- torch idioms: freezing, casting, copying (remote_module._proxy.idioms) ------------
+
+    def requires_grad_(self, requires_grad: bool = True) -> RemoteModule:
+        """Set ``requires_grad`` of every parameter of the remote module, on its host (as
+        ``nn.Module.requires_grad_`` does a local module's), and return this proxy. A model
+        holding the proxy reaches it the same way: ``model.requires_grad_(False)``.
+
+        Example::
+
+            proxy.requires_grad_(False)    # a frozen remote feature extractor
+        """
+        self._set_remote_requires_grad(requires_grad)
+        return self
+
+    def _apply(self, fn: Callable[[torch.Tensor], Any], recurse: bool = True) -> RemoteModule:
+        # Called by a model's to()/double()/half()/type()/cuda()...: the casts fn makes reach the
+        # remote module on its host; device moves stay here (the handle follows them).
+        handle = self._parameters.get(HANDLE)
+        casts = dtype_casts(fn, handle.device if handle is not None else torch.device("cpu"))
+        if casts and "module_rref" in self.__dict__:
+            self._rpc(_host._cast, self.module_rref, casts)
+        super()._apply(fn, recurse)
+        applied = self._parameters.get(HANDLE)
+        if applied is not None and not isinstance(applied, RequiresGradHandle):
+            install_handle(self, applied.requires_grad, like=applied)  # torch made a plain Parameter
+        return self
+
+    def __deepcopy__(self, memo: dict) -> RemoteModule:
+        """A proxy of a copy of the remote module, made on its host: ``copy.deepcopy(model)``
+        copies a model holding proxies as it copies a local model (an early-stopping snapshot,
+        ``AveragedModel``). Proxies of one remote module inside the copied object share one copy.
+        """
+        self._sync_requires_grad()
+        which = id(self.module_rref) if self.module_key is None else self.module_key  # scriptable: by RRef
+        key = ("remote_module.RemoteModule copy of", self.on, which)
+        made = memo.get(key)
+        if made is None:
+            try:
+                made = self._rpc(_host._deepcopy, self.module_rref, self.module_interface_cls)
+            except Exception as exc:
+                raise retyped(
+                    exc,
+                    f"copy.deepcopy of a RemoteModule copies its module ({self.remote_type}) on its host "
+                    f"{self.on!r}, as a local deepcopy copies a local module; that copy failed there: "
+                    f"{type(exc).__name__}: {exc}. Keep model.state_dict() as a snapshot instead, or make "
+                    f"{self.remote_type} deep-copyable.",
+                ) from exc
+            memo[key] = made
+        info, rref = made
+        clone = type(self).__new__(type(self))
+        nn.Module.__init__(clone)
+        memo[id(self)] = clone
+        own = {"module_rref", "module_key", "remote_type", "remote_repr", "remote_trainable"}
+        shared = {"forward_signature", "module_interface_cls"}  # the class's, as in a local copy
+        for name in pickled_attributes(type(self)):
+            if name in self.__dict__ and name not in own:
+                value = self.__dict__[name]
+                object.__setattr__(clone, name, value if name in shared else copy.deepcopy(value, memo))
+        clone.module_rref = rref
+        clone.module_key = info["key"]
+        clone.remote_type = info["type"]
+        clone.remote_repr = info["repr"]
+        clone.remote_trainable = bool(info["trainable"])
+        clone._install_generated_methods()
+        install_handle(clone, clone.remote_trainable, like=self._parameters.get(HANDLE))
+        check_attributes(clone)
+        return clone
 
     # ---- public API ----------------------------------------------------------------------
 

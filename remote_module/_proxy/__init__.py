@@ -5,8 +5,10 @@
 - ``channel``: the coalescing channel (several small calls in one message);
 - ``codegen``: rendering ``forward``/``forward_async`` from the module's real signature;
 - ``creation``: creating the module on its host;
+- ``idioms``: freezing, casting and deep-copying a proxy as torch does a local module (the
+  ``remote_requires_grad`` handle, the casts a model's ``_apply`` makes);
 - ``_host`` and ``_host_calls``: the handlers that run on the host (creation, description,
-  ``state_dict``, ``requires_grad``; the forward calls);
+  ``state_dict``, ``requires_grad``, casts, deep copies; the forward calls);
 - ``pickling``: what travels when a proxy is itself sent (``PICKLED_ATTRIBUTES``);
 - ``shipping``: sending classes defined in ``__main__`` or a script by value;
 - ``state_dict`` and ``module_state``: ``state_dict``/``load_state_dict`` plumbing;

@@ -7,6 +7,7 @@ nothing else imported beforehand (no generated code lives on the host for plain 
 
 from __future__ import annotations
 
+import copy
 import inspect
 import pickle
 from typing import Any
@@ -199,9 +200,28 @@ def _train(module_rref: rpc.RRef, mode: bool) -> None:
 
 def _set_requires_grad(module_rref: rpc.RRef, requires_grad: bool) -> bool:
     """``module.requires_grad_(requires_grad)``; whether it now has trainable parameters."""
-    module = module_rref.local_value()
-    module.requires_grad_(requires_grad)
+    module = as_python_module(module_rref.local_value())
+    if isinstance(module, torch.jit.ScriptModule):  # refuses requires_grad_; a model holding one
+        for p in module.parameters():  # sets its parameters' flags, as here
+            p.requires_grad_(requires_grad)
+    else:
+        module.requires_grad_(requires_grad)
     return has_trainable_parameters(module)
+
+
+def _cast(module_rref: rpc.RRef, casts: dict) -> None:
+    """Cast the module's tensors (and their grads) of each dtype in ``casts`` to the dtype it
+    maps to, as ``nn.Module._apply`` does a local module's (see remote_module._proxy.idioms)."""
+    module = as_python_module(module_rref.local_value())
+    module._apply(lambda t: t.to(casts[t.dtype]) if t.dtype in casts else t)
+
+
+def _deepcopy(module_rref: rpc.RRef, interface_cls: type | None) -> tuple[dict, rpc.RRef]:
+    """``copy.deepcopy`` of the module, here: its description and an RRef owned here (as
+    :func:`_create` returns for a new module)."""
+    copied = copy.deepcopy(as_python_module(module_rref.local_value()))
+    rref = rpc.RRef(copied) if interface_cls is None else rpc.RRef(copied, interface_cls)
+    return _description(copied), rref
 
 
 def _training(module_rref: rpc.RRef) -> bool:

@@ -182,6 +182,7 @@ class RemoteCalls:
 
     def _remote_call_sync(self, args: tuple, kwargs: dict) -> Any:
         """Used by the generated ``forward``."""
+        self._sync_requires_grad()
         made = _clock()
         call = self._make_call(args, kwargs)
         sent = (self._target().wire(), call.wire())
@@ -193,6 +194,7 @@ class RemoteCalls:
 
     def _remote_call_async(self, args: tuple, kwargs: dict) -> Future:
         """Used by the generated ``forward_async``."""
+        self._sync_requires_grad()
         made = _clock()
         call = self._make_call(args, kwargs)
         batchable = call.inline and not call.payload.side

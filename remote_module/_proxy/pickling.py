@@ -149,6 +149,9 @@ def rebuild_proxy(cls: type, state: dict) -> nn.Module:
     if "on" in state and "device" in state:
         object.__setattr__(proxy, "is_device_map_set", device_map_is_set(state["on"], state["device"]))
     proxy._install_generated_methods()
+    from remote_module._proxy.idioms import install_handle
+
+    install_handle(proxy, state.get("remote_trainable", True))
     return proxy
 
 

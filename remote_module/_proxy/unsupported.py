@@ -15,8 +15,9 @@ from torch import nn
 
 _MOVE = (
     "The remote module stays where remote_device put it: create the RemoteModule with the "
-    "device you want (e.g. 'worker1/cuda:0'). Moving or casting a model that holds this proxy "
-    "is fine and leaves the remote module alone."
+    "device you want (e.g. 'worker1/cuda:0'). Casting a model that holds this proxy "
+    "(model.double(), model.to(torch.float64)) casts the remote module on its host; moving "
+    "the model leaves the remote module where it is."
 )
 _REGISTER = (
     "A proxy holds no local state: register it on the module built by module_cls instead "
@@ -61,7 +62,6 @@ UNSUPPORTED_METHODS: dict[str, str] = {
     "named_parameters": "Please use ``remote_parameters`` (RRefs) or ``state_dict()`` (copies) instead.",
     "buffers": "Please use ``state_dict()`` to read copies of the remote buffers.",
     "named_buffers": "Please use ``state_dict()`` to read copies of the remote buffers.",
-    "requires_grad_": "Set requires_grad on the parameters inside module_cls instead.",
     "zero_grad": _GRADS,
     "share_memory": "The remote module is in another process; share_memory does not apply.",
 }

@@ -237,15 +237,14 @@ class RemotePipeline(nn.Module):
         """Set ``requires_grad`` of every stage's parameters on their hosts, as
         ``nn.Sequential.requires_grad_`` does for its layers, and return the pipeline.
 
-        (``nn.Module.requires_grad_`` only walks local parameters, and the stage proxies hold
-        none.) A model holding the pipeline does not reach it this way: call it on the pipeline.
+        ``nn.Module.requires_grad_`` walks ``parameters()``, which holds each stage proxy's
+        ``remote_requires_grad`` handle: that handle sets the stage's flag on its host, so a
+        model holding the pipeline reaches the stages too (one message per stage).
 
         Example::
 
             pipe.requires_grad_(False)     # freeze every stage (e.g. a frozen feature extractor)
         """
-        for stage in self.stages:
-            stage._set_remote_requires_grad(requires_grad)
         return super().requires_grad_(requires_grad)
 
     # ---- forward -----------------------------------------------------------------------
@@ -270,6 +269,8 @@ class RemotePipeline(nn.Module):
             raise ValueError(
                 f"every input must have the same size on dim 0 (the batch), got {[t.shape[0] for t in inputs]}"
             )
+        for stage in self.stages:  # a flag set as p.requires_grad = flag over parameters()
+            stage._sync_requires_grad()
         if records_outside_context(self, any(s.remote_trainable for s in self.stages), inputs):
             workers = ", ".join(repr(s.on) for s in self.stages)
             warn_untrained(self, f"RemotePipeline (stages on {workers})", "pipeline", "pipe")

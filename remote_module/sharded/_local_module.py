@@ -218,15 +218,14 @@ class LocalModule(nn.Module):
         """Set ``requires_grad`` of every shard's parameters on their workers, as
         ``nn.Module.requires_grad_`` does for a local module, and return this LocalModule.
 
-        (``nn.Module.requires_grad_`` only walks local parameters, and the shard proxies hold
-        none.) A model holding this LocalModule does not reach it this way: call it here.
+        ``nn.Module.requires_grad_`` walks ``parameters()``, which holds each shard proxy's
+        ``remote_requires_grad`` handle: that handle sets the shard's flag on its worker, so a
+        model holding this LocalModule reaches the shards too (one message per shard).
 
         Example::
 
             col.requires_grad_(False)      # freeze every shard
         """
-        for shard in self.shards:
-            shard._set_remote_requires_grad(requires_grad)
         return super().requires_grad_(requires_grad)
 
     # ---- forward -----------------------------------------------------------------------
@@ -292,6 +291,8 @@ class LocalModule(nn.Module):
         for k, v in kwargs.items():
             map_leaves(lambda rt, k=k: self._check_mesh(f"keyword argument {k!r}", rt), v, RemoteTensor)
         # after the checks: a call refused before any shard runs does not use up the one warning
+        for shard in self.shards:  # a flag set as p.requires_grad = flag over parameters()
+            shard._sync_requires_grad()
         grad = torch.is_grad_enabled()
         if grad and records_outside_context(self, any(s.remote_trainable for s in self.shards), inputs, kwargs):
             warn_untrained(self, f"LocalModule on mesh {list(self.mesh)}", "LocalModule", "local_module")

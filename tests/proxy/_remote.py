@@ -144,6 +144,8 @@ class Hybrid(nn.Module):
 def tensor_views(module_rref) -> dict:
     """(class name, dtype, requires_grad) of every parameter and buffer of the module on the host."""
     module = module_rref.local_value()
+    if isinstance(module, torch._C.ScriptModule):  # an RRef typed with a TorchScript interface
+        module = torch.jit._recursive.wrap_cpp_module(module)
     tensors = [*module.named_parameters(), *module.named_buffers()]
     return {name: (type(t).__name__, str(t.dtype), t.requires_grad) for name, t in tensors}
 
@@ -197,3 +199,27 @@ def untrained_warnings(thing, *args) -> int:
 def frozen_lstm(n_in: int, n_hidden: int) -> nn.Module:
     """An ``nn.LSTM`` whose parameters do not require grad: ``forward(x, (h0, c0))``."""
     return nn.LSTM(n_in, n_hidden).requires_grad_(False)
+
+
+class LinearNorm(nn.Module):
+    """``BatchNorm1d(Linear(x))``: floating parameters and buffers, and an int64 buffer
+    (``num_batches_tracked``), to compare casts with a local copy."""
+
+    def __init__(self, n_in: int = 4, n_out: int = 3, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.linear = nn.Linear(n_in, n_out)
+        self.norm = nn.BatchNorm1d(n_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.linear(x))
+
+
+class HoldsLock(nn.Linear):
+    """An ``nn.Linear`` holding a lock: ``copy.deepcopy`` of it fails (as locally)."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        import threading
+
+        super().__init__(n_in, n_out)
+        self.lock = threading.Lock()

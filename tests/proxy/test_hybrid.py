@@ -38,8 +38,13 @@ def test_proxy_is_a_leaf():
 def test_hybrid_model_traversal_and_casting():
     model = Hybrid(remote_bag())
     local = [p for _, p in model.mlp.named_parameters()]
-    assert [id(p) for p in model.parameters()] == [id(p) for p in local]
-    assert [n for n, _ in model.named_parameters()] == ["mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias"]
+    handle = model.embedding.remote_requires_grad  # the proxy's zero-element requires_grad handle
+    assert [id(p) for p in model.parameters()] == [id(handle)] + [id(p) for p in local]
+    assert handle.numel() == 0 and handle.requires_grad and handle.grad is None
+    assert [n for n, _ in model.named_parameters()] == [
+        "embedding.remote_requires_grad", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias"
+    ]
+    assert list(model.embedding.named_parameters(recurse=False)) == []  # what DDP asks each module
     assert [n for n, _ in model.named_buffers()] == ["scale"]
     assert ("embedding", model.embedding) in list(model.named_modules())
     out = model(IDS, OFFSETS)
@@ -58,8 +63,10 @@ def test_hybrid_model_traversal_and_casting():
     visited = []
     model.apply(lambda m: visited.append(type(m).__name__))
     assert "RemoteModule" in visited and visited[-1] == "Hybrid"
-    # the remote module stayed as it was: float32 embedding on worker1's cpu
+    # the casts reached the remote module on its host (float64, half, back to float32), and
+    # requires_grad_ froze it; it stayed on worker1's cpu (tests/proxy/test_freeze_cast_copy.py)
     assert model.embedding.state_dict()["weight"].dtype == torch.float32
+    assert model.embedding.device == "cpu" and not model.embedding.remote_trainable
     assert model(IDS, OFFSETS).dtype == torch.float32
 
 
