@@ -4,10 +4,12 @@ calls that record when they ran on their host. Module level: RPC runs them by re
     hold(key)       on a host: blocks until release(key) (at most ``limit`` seconds)
     release(key)    on the same host: lets it return
     holding(key)    True while a hold(key) is blocked there
+    release_at_shutdown(key)  on a host: release(key) once every worker is in rpc.shutdown()
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import weakref
@@ -42,6 +44,25 @@ def hold(key: str, limit: float = 30.0) -> str:
 
 def release(key: str) -> None:
     _event(key).set()
+
+
+def release_at_shutdown(key: str) -> None:
+    """On a host that waits in a graceful ``rpc.shutdown()``: :func:`release` ``key`` when the
+    shutdown's all-gather ends there (torch's leader broadcasts only once every worker, the
+    caller included, has called ``rpc.shutdown()``). A call held on ``key`` is then still
+    running when the caller's shutdown begins, however fast or slow the machine."""
+    import torch.distributed.rpc.api as api
+
+    original = api._broadcast_to_followers
+
+    @functools.wraps(original)  # same name: still pickled by reference
+    def broadcast(*args, **kwargs):
+        try:
+            return original(*args, **kwargs)
+        finally:
+            release(key)
+
+    api._broadcast_to_followers = broadcast
 
 
 def fails_while_held(call, key: str, expected: type[BaseException], within: float, worker: str = "worker1"):

@@ -19,8 +19,9 @@ Each phase reports how every call ended and how many shards each worker held bef
 (once the late work ran), so the test can tell leaks. The caller leaves without a graceful
 shutdown (a peer died).
 
-MODE ``shutdown`` (roles caller, w1, w2): a thread runs forwards (each 1 s on the hosts) and
-fetches while the caller calls ``rpc.shutdown()``, with RemoteTensors dropped just before.
+MODE ``shutdown`` (roles caller, w1, w2): a thread runs forwards and fetches while the caller
+calls ``rpc.shutdown()``, with RemoteTensors dropped just before; the hosts hold the second
+forward until that shutdown reaches them.
 
 The caller prints one ``REPORT`` line with what it measured; the test judges it.
 """
@@ -47,10 +48,11 @@ SLOW = 3.0
 THREADS, PER_THREAD = 4, 13
 #: the Step tag of the LocalModules here; rank r adds 10**r
 TAG = "sf"
-#: seconds each shutdown-world forward takes on its host: the window in which the caller, having
-#: seen a forward running there, drops RemoteTensors, collects them and calls rpc.shutdown();
-#: 0.3 s was too short with two test processes at once on 2 cores
-SHUTDOWN_PAUSE = 1.0
+#: the gate on which the hosts hold the shutdown world's second forward until the caller's
+#: rpc.shutdown() reaches them (tests._faults.gates.release_at_shutdown): it is still running
+#: when the shutdown begins, however long the caller takes to get there (a pause of 1 s was
+#: not enough at load 13)
+SHUTDOWN_GATE = "sharded-shutdown"
 
 _clock = time.monotonic
 
@@ -303,6 +305,7 @@ def shutdown_caller() -> dict:
     from torch.distributed.tensor import Shard
 
     from remote_module.sharded import LocalModule, _tensor, distribute
+    from tests._faults import gates
     from tests._faults import stages as pfr
 
     caught: list[str] = []
@@ -313,7 +316,7 @@ def shutdown_caller() -> dict:
     mesh = ["w1", "w2"]
     lm = LocalModule(mesh, pfr.Step, step_args, out_placements=Shard(0), timeout=60.0)
     for w in mesh:
-        rpc.rpc_sync(w, pfr.configure, (TAG,), {"pause": SHUTDOWN_PAUSE})
+        rpc.rpc_sync(w, gates.release_at_shutdown, (SHUTDOWN_GATE,))
     dropped_before = [distribute(torch.ones(4, 1), mesh, Shard(0)) for _ in range(20)]
     dropped_after = [distribute(torch.ones(4, 1), mesh, Shard(0)) for _ in range(5)]
     ops: list[dict] = []  # one per call made by the thread, in order
@@ -322,6 +325,9 @@ def shutdown_caller() -> dict:
     def run() -> None:
         i = 0
         while not stop.is_set() and i < 200:
+            if i == 1:  # the next forward is held until the shutdown (the first ran freely)
+                for w in mesh:
+                    rpc.rpc_sync(w, pfr.configure, (TAG,), {"gate": SHUTDOWN_GATE})
             x = torch.full((2, 1), float(i))
             op = {"kind": "forward", "made": _clock()}
             ops.append(op)
