@@ -87,11 +87,26 @@ def holding(key: str) -> bool:
         return key in _holding
 
 
-def timed(tag: int, seconds: float) -> tuple[int, str, float, float]:
-    """Sleep ``seconds`` on the host; ``(tag, host name, start, end)`` in wall-clock seconds."""
+def timed(tag: int, seconds: float, key: str | None = None) -> tuple[int, str, float, float]:
+    """Sleep ``seconds`` on the host (then :func:`hold` ``key``, if given); ``(tag, host name,
+    start, end)`` in wall-clock seconds. :func:`finished` lists the tags that returned."""
     start = time.time()
     time.sleep(seconds)
-    return tag, rpc.get_worker_info().name, start, time.time()
+    if key is not None:
+        hold(key)
+    end = time.time()
+    with _lock:
+        _finished.add(tag)
+    return tag, rpc.get_worker_info().name, start, end
+
+
+_finished: set[int] = set()
+
+
+def finished(tags: list[int]) -> list[int]:
+    """Those of ``tags`` whose :func:`timed` call returned on this host."""
+    with _lock:
+        return [t for t in tags if t in _finished]
 
 
 def fail(message: str) -> None:

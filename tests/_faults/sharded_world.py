@@ -317,8 +317,8 @@ def shutdown_caller() -> dict:
     lm = LocalModule(mesh, pfr.Step, step_args, out_placements=Shard(0), timeout=60.0)
     for w in mesh:
         rpc.rpc_sync(w, gates.release_at_shutdown, (SHUTDOWN_GATE,))
-    dropped_before = [distribute(torch.ones(4, 1), mesh, Shard(0)) for _ in range(20)]
-    dropped_after = [distribute(torch.ones(4, 1), mesh, Shard(0)) for _ in range(5)]
+    dropped_before = [distribute(torch.ones(4, 1), mesh, Shard(0), timeout=60.0) for _ in range(20)]
+    dropped_after = [distribute(torch.ones(4, 1), mesh, Shard(0), timeout=60.0) for _ in range(5)]
     ops: list[dict] = []  # one per call made by the thread, in order
     stop = threading.Event()
 
