@@ -146,12 +146,15 @@ def attribute_and_output(proxy, name: str, x):
 
 
 class SlowInit(torch.nn.Module):
-    """Takes ``seconds`` to construct and reports, from forward, when its constructor ran."""
+    """Takes ``seconds`` to construct (then holds on ``key``, if given, until released) and
+    reports, from forward, when its constructor ran."""
 
-    def __init__(self, seconds: float, tag: int = 0) -> None:
+    def __init__(self, seconds: float, tag: int = 0, key: str | None = None) -> None:
         super().__init__()
         self.started = time.time()
         time.sleep(seconds)
+        if key is not None:
+            hold(key)
         self.ended = time.time()
         self.tag = tag
 
