@@ -4,10 +4,12 @@ calls that record when they ran on their host. Module level: RPC runs them by re
     hold(key)       on a host: blocks until release(key) (at most ``limit`` seconds)
     release(key)    on the same host: lets it return
     holding(key)    True while a hold(key) is blocked there
+    release_at_shutdown(key)  on a host: release(key) once every worker is in rpc.shutdown()
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import weakref
@@ -44,6 +46,25 @@ def release(key: str) -> None:
     _event(key).set()
 
 
+def release_at_shutdown(key: str) -> None:
+    """On a host that waits in a graceful ``rpc.shutdown()``: :func:`release` ``key`` when the
+    shutdown's all-gather ends there (torch's leader broadcasts only once every worker, the
+    caller included, has called ``rpc.shutdown()``). A call held on ``key`` is then still
+    running when the caller's shutdown begins, however fast or slow the machine."""
+    import torch.distributed.rpc.api as api
+
+    original = api._broadcast_to_followers
+
+    @functools.wraps(original)  # same name: still pickled by reference
+    def broadcast(*args, **kwargs):
+        try:
+            return original(*args, **kwargs)
+        finally:
+            release(key)
+
+    api._broadcast_to_followers = broadcast
+
+
 def fails_while_held(call, key: str, expected: type[BaseException], within: float, worker: str = "worker1"):
     """Caller side: run ``call(key)`` against ``worker``, whose ``hold(key)`` keeps it waiting;
     return the ``expected`` error it raised, checking it came within ``within`` seconds. The
@@ -66,11 +87,26 @@ def holding(key: str) -> bool:
         return key in _holding
 
 
-def timed(tag: int, seconds: float) -> tuple[int, str, float, float]:
-    """Sleep ``seconds`` on the host; ``(tag, host name, start, end)`` in wall-clock seconds."""
+def timed(tag: int, seconds: float, key: str | None = None) -> tuple[int, str, float, float]:
+    """Sleep ``seconds`` on the host (then :func:`hold` ``key``, if given); ``(tag, host name,
+    start, end)`` in wall-clock seconds. :func:`finished` lists the tags that returned."""
     start = time.time()
     time.sleep(seconds)
-    return tag, rpc.get_worker_info().name, start, time.time()
+    if key is not None:
+        hold(key)
+    end = time.time()
+    with _lock:
+        _finished.add(tag)
+    return tag, rpc.get_worker_info().name, start, end
+
+
+_finished: set[int] = set()
+
+
+def finished(tags: list[int]) -> list[int]:
+    """Those of ``tags`` whose :func:`timed` call returned on this host."""
+    with _lock:
+        return [t for t in tags if t in _finished]
 
 
 def fail(message: str) -> None:
@@ -110,12 +146,15 @@ def attribute_and_output(proxy, name: str, x):
 
 
 class SlowInit(torch.nn.Module):
-    """Takes ``seconds`` to construct and reports, from forward, when its constructor ran."""
+    """Takes ``seconds`` to construct (then holds on ``key``, if given, until released) and
+    reports, from forward, when its constructor ran."""
 
-    def __init__(self, seconds: float, tag: int = 0) -> None:
+    def __init__(self, seconds: float, tag: int = 0, key: str | None = None) -> None:
         super().__init__()
         self.started = time.time()
         time.sleep(seconds)
+        if key is not None:
+            hold(key)
         self.ended = time.time()
         self.tag = tag
 

@@ -32,8 +32,11 @@ ROLES = {"faults": ("caller", "h1", "h2", "h3"), "shutdown": ("caller", "h1", "h
 TIMEOUT = 3.0
 #: the 2-stage pipeline's micro-batch (value) on which stage 0's host kills itself
 KILL_AT = 2.0
-#: seconds per micro-batch on each stage in the shutdown world
-SHUTDOWN_PAUSE = 0.3
+#: the gate on which stage 0 holds the shutdown world's micro-batches until the caller's
+#: rpc.shutdown() reaches its host (tests._faults.gates.release_at_shutdown): the forward is
+#: outstanding at the shutdown whatever the machine's speed (a pause of 0.3 s per micro-batch
+#: was a race on a loaded machine)
+SHUTDOWN_GATE = "pipeline-shutdown"
 
 _clock = time.monotonic
 
@@ -130,11 +133,13 @@ def faults_caller() -> None:
 
 def shutdown_caller() -> dict:
     """A forward in a thread; ``rpc.shutdown()`` once every micro-batch was sent and stage 0
-    started the first. The forward must answer, correctly."""
+    started the first (held there until the shutdown reaches h1). The forward must answer,
+    correctly."""
     import torch
     import torch.distributed.rpc as rpc
 
     from remote_module.pipeline import RemotePipeline, _pipeline
+    from tests._faults import gates
     from tests._faults import stages as pfr
 
     pipe = RemotePipeline(
@@ -142,8 +147,8 @@ def shutdown_caller() -> dict:
         chunks=4, timeout=60.0,
     )
     x = torch.arange(4.0).reshape(4, 1)
-    for host, tag in (("h1", "s-0"), ("h2", "s-1")):
-        rpc.rpc_sync(host, pfr.configure, (tag,), {"pause": SHUTDOWN_PAUSE})
+    rpc.rpc_sync("h1", gates.release_at_shutdown, (SHUTDOWN_GATE,))
+    rpc.rpc_sync("h1", pfr.configure, ("s-0",), {"gate": SHUTDOWN_GATE})
     sent = []
     send = _pipeline.call_async
 
@@ -172,7 +177,10 @@ def run_role(roles: tuple, role: str, init_method: str, mode: str, faults, shutd
     killed); the caller runs ``faults()`` (mode "faults") or prints ``shutdown()``'s report."""
     import torch.distributed.rpc as rpc
 
-    options = world_options(init_method=init_method, rpc_timeout=20, num_worker_threads=16)
+    # the shutdown worlds make no call that should fail: the default deadline only has to
+    # outlast a loaded machine (the fault worlds' calls to stopped hosts fail after 20 s)
+    options = world_options(init_method=init_method, rpc_timeout=60 if mode == "shutdown" else 20,
+                            num_worker_threads=16)
     rpc.init_rpc(role, rank=roles.index(role), world_size=len(roles), rpc_backend_options=options)
     if role != "caller":
         rpc.shutdown()  # serves until the caller is done (or is killed)

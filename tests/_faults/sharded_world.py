@@ -8,7 +8,7 @@ MODE ``faults`` (roles caller, w1, w2, w3), in turn on one world, every phase on
 [w1, w2, w3] with a ``LocalModule`` of :class:`tests._faults.stages.Step` (rank r adds
 10**r; per-host pauses and kills set by tag):
 
-- ``slow``: w2's shard sleeps past the timeout;
+- ``slow``: w2's shard is held (on a gate) past the timeout;
 - ``burst``: forwards and ``full_tensor`` from 4 caller threads at once;
 - ``frozen``: w2 stopped while a forward, ``full_tensor``, ``local_shards``, ``redistribute`` and a
   worker-to-worker fetch (w1 asking w2 for its piece) run concurrently; work on [w1, w3]
@@ -19,8 +19,9 @@ Each phase reports how every call ended and how many shards each worker held bef
 (once the late work ran), so the test can tell leaks. The caller leaves without a graceful
 shutdown (a peer died).
 
-MODE ``shutdown`` (roles caller, w1, w2): a thread runs forwards (each 1 s on the hosts) and
-fetches while the caller calls ``rpc.shutdown()``, with RemoteTensors dropped just before.
+MODE ``shutdown`` (roles caller, w1, w2): a thread runs forwards and fetches while the caller
+calls ``rpc.shutdown()``, with RemoteTensors dropped just before; the hosts hold the second
+forward until that shutdown reaches them.
 
 The caller prints one ``REPORT`` line with what it measured; the test judges it.
 """
@@ -41,16 +42,21 @@ from tests._faults.pipeline_world import attempt, run_role
 ROLES = {"faults": ("caller", "w1", "w2", "w3"), "shutdown": ("caller", "w1", "w2")}
 #: the timeout of every call in the fault phases
 TIMEOUT = 2.0
-#: what the slow shard sleeps
-SLOW = 3.0
+#: the gate on which the slow shard waits until the forward failed (it slept 3 s, 1 s past the
+#: timeout: a loaded machine could deliver it in time)
+SLOW_GATE = "sharded-slow"
 #: threads x forwards each in the burst
 THREADS, PER_THREAD = 4, 13
+#: the deadline of the world's own bookkeeping calls to live hosts (pids, counters, settings):
+#: they must not fail, only outlast a loaded machine
+BOOKKEEPING = 60.0
 #: the Step tag of the LocalModules here; rank r adds 10**r
 TAG = "sf"
-#: seconds each shutdown-world forward takes on its host: the window in which the caller, having
-#: seen a forward running there, drops RemoteTensors, collects them and calls rpc.shutdown();
-#: 0.3 s was too short with two test processes at once on 2 cores
-SHUTDOWN_PAUSE = 1.0
+#: the gate on which the hosts hold the shutdown world's second forward until the caller's
+#: rpc.shutdown() reaches them (tests._faults.gates.release_at_shutdown): it is still running
+#: when the shutdown begins, however long the caller takes to get there (a pause of 1 s was
+#: not enough at load 13)
+SHUTDOWN_GATE = "sharded-shutdown"
 
 _clock = time.monotonic
 
@@ -83,7 +89,7 @@ class World:
         from tests.proxy import _contract_remote as cr
 
         self.mesh = ["w1", "w2", "w3"]
-        self.pids = {w: rpc.rpc_sync(w, cr.pid) for w in self.mesh}
+        self.pids = {w: rpc.rpc_sync(w, cr.pid, timeout=BOOKKEEPING) for w in self.mesh}
 
     def module(self, mesh: list[str], timeout: float = TIMEOUT):
         from torch.distributed.tensor import Shard
@@ -98,21 +104,21 @@ class World:
 
         from tests.sharded import _remote as sr
 
-        return {w: rpc.rpc_sync(w, sr.held_count, timeout=10) for w in workers or self.mesh}
+        return {w: rpc.rpc_sync(w, sr.held_count, timeout=BOOKKEEPING) for w in workers or self.mesh}
 
     def counts(self, worker: str) -> dict:
         import torch.distributed.rpc as rpc
 
         from tests._faults import stages as pfr
 
-        return rpc.rpc_sync(worker, pfr.counts, (TAG,), timeout=10)
+        return rpc.rpc_sync(worker, pfr.counts, (TAG,), timeout=BOOKKEEPING)
 
     def configure(self, worker: str, **settings) -> None:
         import torch.distributed.rpc as rpc
 
         from tests._faults import stages as pfr
 
-        rpc.rpc_sync(worker, pfr.configure, (TAG,), settings, timeout=10)
+        rpc.rpc_sync(worker, pfr.configure, (TAG,), settings, timeout=BOOKKEEPING)
 
     def settled(self, workers: list[str], baseline: dict, ran: dict | None = None, seconds: float = 15.0) -> dict:
         """Every Step forward on ``workers`` finished (and at least ``ran[w]`` were started on
@@ -170,14 +176,19 @@ def sharded_input(mesh: list[str], rows: int, start: float = 0.0):
 
 
 def slow(world: World, baseline: dict) -> dict:
-    """w2's shard sleeps SLOW s, past the forward's TIMEOUT."""
+    """w2's shard is held on a gate until the forward failed: past its TIMEOUT at any speed."""
+    import torch.distributed.rpc as rpc
+
+    from tests._faults import gates
+
     lm = world.module(world.mesh)
     x, rt = sharded_input(world.mesh, 6)
-    world.configure("w2", pause=SLOW)
+    world.configure("w2", gate=SLOW_GATE)
     try:
         report = {"forward": attempt(lambda: lm(rt))}  # noqa: F821
     finally:
         world.configure("w2")
+        rpc.rpc_sync("w2", gates.release, (SLOW_GATE,), timeout=BOOKKEEPING)
     del rt  # ruff's F821 on the lambdas (here and below) comes from the del; they all ran before it
     report["held_after"] = world.settled(world.mesh, baseline)
     report["after"] = attempt(lambda: bool((lm(x).full_tensor() == expected(x, 3)).all()))
@@ -287,7 +298,7 @@ def killed(world: World, baseline: dict) -> dict:
 def faults_caller() -> None:
     world = World()
     baseline = world.held()
-    report = {"timeout": TIMEOUT, "slow_seconds": SLOW, "baseline": baseline}
+    report = {"timeout": TIMEOUT, "baseline": baseline}
     for name, run in (("slow", slow), ("burst", burst), ("frozen", frozen), ("killed", killed)):
         report[name] = phase(run, world, baseline)
         gc.collect()
@@ -303,6 +314,7 @@ def shutdown_caller() -> dict:
     from torch.distributed.tensor import Shard
 
     from remote_module.sharded import LocalModule, _tensor, distribute
+    from tests._faults import gates
     from tests._faults import stages as pfr
 
     caught: list[str] = []
@@ -313,15 +325,18 @@ def shutdown_caller() -> dict:
     mesh = ["w1", "w2"]
     lm = LocalModule(mesh, pfr.Step, step_args, out_placements=Shard(0), timeout=60.0)
     for w in mesh:
-        rpc.rpc_sync(w, pfr.configure, (TAG,), {"pause": SHUTDOWN_PAUSE})
-    dropped_before = [distribute(torch.ones(4, 1), mesh, Shard(0)) for _ in range(20)]
-    dropped_after = [distribute(torch.ones(4, 1), mesh, Shard(0)) for _ in range(5)]
+        rpc.rpc_sync(w, gates.release_at_shutdown, (SHUTDOWN_GATE,))
+    dropped_before = [distribute(torch.ones(4, 1), mesh, Shard(0), timeout=60.0) for _ in range(20)]
+    dropped_after = [distribute(torch.ones(4, 1), mesh, Shard(0), timeout=60.0) for _ in range(5)]
     ops: list[dict] = []  # one per call made by the thread, in order
     stop = threading.Event()
 
     def run() -> None:
         i = 0
         while not stop.is_set() and i < 200:
+            if i == 1:  # the next forward is held until the shutdown (the first ran freely)
+                for w in mesh:
+                    rpc.rpc_sync(w, pfr.configure, (TAG,), {"gate": SHUTDOWN_GATE})
             x = torch.full((2, 1), float(i))
             op = {"kind": "forward", "made": _clock()}
             ops.append(op)

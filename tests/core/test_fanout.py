@@ -32,10 +32,17 @@ def wait_until(predicate, seconds=10.0):
 
 
 def test_results_come_back_in_the_order_of_the_calls():
-    # the first call is the slowest, so the hosts answer in reverse order
+    # the first call is held (on a gate) until the calls to worker2 and worker0 returned, so the
+    # hosts answer out of order whatever the machine's speed
+    key = "fanout-order"
     workers = ["worker1", "worker2", "worker0", "worker1"]
-    calls = [HostCall(w, gates.timed, (i, 0.15 * (len(workers) - i))) for i, w in enumerate(workers)]
-    results = call_all(calls, timeout=10)
+    calls = [HostCall(w, gates.timed, (i, 0.0, key if i == 0 else None)) for i, w in enumerate(workers)]
+    fut = call_all_async(calls, timeout=60)
+    try:
+        wait_until(lambda: all(rpc.rpc_sync(workers[i], gates.finished, ([i],)) == [i] for i in (1, 2)), 30)
+    finally:
+        rpc.rpc_sync("worker1", gates.release, (key,))
+    results = fut.wait()
     assert [(tag, host) for tag, host, _, _ in results] == list(enumerate(workers))
     ends = [end for _, _, _, end in results]
     assert ends != sorted(ends)  # answered out of order, returned in order
@@ -43,9 +50,17 @@ def test_results_come_back_in_the_order_of_the_calls():
 
 
 def test_calls_on_different_workers_run_at_the_same_time():
-    calls = [(w, gates.timed, (i, 0.5)) for i, w in enumerate(["worker1", "worker2", "worker0"])]
-    fut = call_all_async(calls, timeout=10)
+    # each call holds on a gate until all three run at once: calls made one after another would
+    # never get there (the test fails at the deadline, whatever the speed)
+    key = "fanout-together"
+    workers = ["worker1", "worker2", "worker0"]
+    fut = call_all_async([(w, gates.timed, (100 + i, 0.0, key)) for i, w in enumerate(workers)], timeout=60)
     assert isinstance(fut, torch.futures.Future)
+    try:
+        wait_until(lambda: all(rpc.rpc_sync(w, gates.holding, (key,)) for w in workers), 30)
+    finally:
+        for w in workers:
+            rpc.rpc_sync(w, gates.release, (key,))
     results = fut.wait()
     starts = [start for _, _, start, _ in results]
     ends = [end for _, _, _, end in results]

@@ -114,17 +114,24 @@ class GradProbe(nn.Module):
 class Timed(nn.Module):
     """Passes ``x`` on after sleeping ``pause`` seconds; records per call
     ``(start, end, x[0, 0], rows)`` with ``time.monotonic`` (one clock for every process of a
-    machine), so a test can see which micro-batches ran when, in which order, and their sizes."""
+    machine), so a test can see which micro-batches ran when, in which order, and their sizes.
+    ``hold=(key, marker)``: the micro-batch whose ``x[0, 0]`` is ``marker`` waits on the gate
+    ``key`` until the test releases it (tests._faults.gates)."""
 
-    def __init__(self, pause: float) -> None:
+    def __init__(self, pause: float, hold: tuple[str, float] | None = None) -> None:
         super().__init__()
         self.pause = pause
+        self.hold = hold
         self.calls: list[tuple[float, float, float, int]] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         start = time.monotonic()
         if self.pause:
             time.sleep(self.pause)
+        if self.hold is not None and float(x[0, 0]) == self.hold[1]:
+            from tests._faults import gates
+
+            gates.hold(self.hold[0])
         out = x * 1.0
         self.calls.append((start, time.monotonic(), float(x[0, 0]), x.shape[0]))
         return out

@@ -188,12 +188,16 @@ def test_many_micro_batches_stay_within_the_window_and_a_failure_still_cancels_t
 def test_a_slow_last_stage_times_out_naming_it_and_late_answers_are_dropped(two):
     x = batch(2)
     two.pipe.timeout = 1.5
-    two.set(1, pause=2.0)
+    key = "pf-slow-last"
+    two.set(1, gate=key)  # held until the forward failed: slower than the timeout at any speed
     start = _clock()
-    with pytest.raises(CallTimeout) as info:
-        two.pipe(x)
-    elapsed = _clock() - start
-    two.reset()
+    try:
+        with pytest.raises(CallTimeout) as info:
+            two.pipe(x)
+        elapsed = _clock() - start
+    finally:
+        two.reset()
+        rpc.rpc_sync(two.workers[1], gates.release, (key,))
     assert elapsed < 1.5 + SLACK, elapsed
     # named by stage 0, which waited for it: not the caller's own timeout naming stage 0
     assert "pipeline stage 1 on worker 'worker2'" in str(info.value), str(info.value)
@@ -205,12 +209,16 @@ def test_a_micro_batch_queued_behind_a_slow_one_on_stage_0_times_out_too(two):
     x = batch(2)
     two.pipe.timeout = 1.0
     before = two.counts(0)["entered"]
-    two.set(0, pause=1.8)
+    key = "pf-slow-first"
+    two.set(0, gate=key)  # held until the forward failed: slower than the timeout at any speed
     start = _clock()
-    with pytest.raises(CallTimeout) as info:
-        two.pipe(x)
-    elapsed = _clock() - start
-    two.reset()
+    try:
+        with pytest.raises(CallTimeout) as info:
+            two.pipe(x)
+        elapsed = _clock() - start
+    finally:
+        two.reset()
+        rpc.rpc_sync(two.workers[0], gates.release, (key,))
     assert elapsed < 1.0 + SLACK, elapsed
     assert "pipeline stage 0 on worker 'worker1'" in str(info.value), str(info.value)
     wait_until(lambda: two.counts(0)["left"] == two.counts(0)["entered"], 10, "stage 0 finished micro-batch 0")

@@ -5,6 +5,7 @@ processes of a machine) and the tests compare the intervals."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -13,6 +14,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 
 from remote_module.pipeline import RemotePipeline
+from tests._faults import gates
 from tests._marks import GRAD_ON_WITHOUT_CONTEXT
 from tests.pipeline import _remote as remote
 from tests.pipeline._remote import Absorb, Emit, FailsOn, Timed, on_host, recorded, seeded_linear
@@ -96,9 +98,25 @@ def overlaps(a: tuple, b: tuple) -> bool:
 
 
 def test_micro_batches_overlap_across_stages_one_at_a_time_per_stage():
-    pipe = RemotePipeline([(W1, Timed, (0.05,), None), (W2, Timed, (0.05,), None)], chunks=4)
+    # stage 1 holds micro-batch 0 and stage 0 micro-batch 1 (on gates) until both are running
+    # at once: a pipeline that did not overlap them never gets there, whatever the speed
+    holds = {"worker2": "flow-overlap-1", "worker1": "flow-overlap-0"}
+    pipe = RemotePipeline([(W1, Timed, (0.0, (holds["worker1"], 4.0)), None),
+                           (W2, Timed, (0.0, (holds["worker2"], 0.0)), None)], chunks=4)
     x = torch.arange(16, dtype=torch.float32).reshape(8, 2)  # micro-batch i starts with row 2i: 4i
-    assert torch.equal(pipe(x), x)
+    box = {}
+    thread = threading.Thread(target=lambda: box.update(out=pipe(x)))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not all(rpc.rpc_sync(w, gates.holding, (key,)) for w, key in holds.items()):
+            assert time.monotonic() < deadline, "stage 0 never ran micro-batch 1 while stage 1 ran micro-batch 0"
+            time.sleep(0.01)
+    finally:
+        for w, key in holds.items():
+            rpc.rpc_sync(w, gates.release, (key,))
+        thread.join(30)
+    assert torch.equal(box["out"], x)
     first, second = (on_host(stage, recorded, "calls") for stage in pipe.stages)
     for calls in (first, second):
         assert [marker for _, _, marker, _ in calls] == [0.0, 4.0, 8.0, 12.0]  # micro-batch order

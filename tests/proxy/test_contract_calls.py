@@ -210,13 +210,22 @@ def test_calls_that_share_a_message_run_in_the_order_made():
 
 
 def test_other_threads_are_not_serialised():
-    # Program order is per thread: another thread's blocking call need not wait.
-    proxy = RemoteModule("worker2", cr.Slow, timeout=10)
-    slow = proxy.forward_async(1.5)
-    start = time.monotonic()
-    assert in_thread(lambda: proxy(0.0), 5) == 0.0
-    assert time.monotonic() - start < 1.0
-    assert slow.wait() == 1.5
+    # Program order is per thread: another thread's blocking call need not wait. The first call
+    # holds on a gate until the other thread's call came back (whatever the machine's speed).
+    import torch.distributed.rpc as rpc
+
+    from tests._faults import gates
+    from tests._faults.script_gate import Gate
+
+    proxy = RemoteModule("worker2", Gate, timeout=60)
+    key = "hold-other-threads"
+    held = proxy.forward_async(key)
+    try:
+        assert in_thread(lambda: proxy("free"), 30) == "free"
+        assert not held.done(), "the first call returned before its gate was released"
+    finally:
+        rpc.rpc_sync("worker2", gates.release, (key,))
+    assert held.wait() == key
 
 
 # ---- 7. what arrives is what was sent ---------------------------------------------------------

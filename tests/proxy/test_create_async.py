@@ -62,11 +62,22 @@ def test_the_constructor_sends_one_message(monkeypatch):
 def test_n_proxies_cost_n_messages_all_in_flight_together(monkeypatch):
     n = 4
     counter = MessageCounter(monkeypatch)
-    futures = [
-        RemoteModule.create_async(f"worker{1 + i % 2}/cpu", gates.SlowInit, (0.4,), {"tag": i}) for i in range(n)
-    ]
+    # each constructor holds on a gate of its own until all four are being built: one after
+    # another would never get there (the test fails at the deadline, whatever the speed)
+    hosts, keys = [f"worker{1 + i % 2}" for i in range(n)], [f"create-together-{i}" for i in range(n)]
+    futures = [RemoteModule.create_async(f"{hosts[i]}/cpu", gates.SlowInit, (0.0,), {"tag": i, "key": keys[i]})
+               for i in range(n)]
+    sent = dict(counter.counts)  # before the polls below (rpc_sync)
+    try:
+        deadline = time.monotonic() + 30
+        while not all(rpc.rpc_sync(h, gates.holding, (k,)) for h, k in zip(hosts, keys)):
+            assert time.monotonic() < deadline, "the four constructors never ran at the same time"
+            time.sleep(0.01)
+    finally:
+        for h, k in zip(hosts, keys):
+            rpc.rpc_sync(h, gates.release, (k,))
     proxies = [f.wait() for f in futures]
-    assert counter.counts == {"rpc_async": n, "rpc_sync": 0, "remote": 0}
+    assert sent == {"rpc_async": n, "rpc_sync": 0, "remote": 0}
     assert counter.max_in_flight == n
     monkeypatch.undo()
     assert all(type(p) is RemoteModule for p in proxies)

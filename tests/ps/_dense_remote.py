@@ -273,20 +273,23 @@ def attempt(job: str, what: str) -> dict:
 
 def half_async_timed(job: str, c: list[float], seconds: float) -> dict:
     """half_async: push ``c`` once, pull at once (nothing merged yet), then poll ``stats()``
-    until every server applied it (at most ``seconds``): when, measured from the push's return."""
+    until every server applied it (at most ``seconds``): when, measured from just before the
+    push was made (no server can have queued it earlier, however slow this trainer is)."""
     ps = _models[job]
     ps(torch.tensor(c)).backward()
-    ps.step()
     pushed = time.monotonic()
+    ps.step()
     before = pulled(job)["p"]
     queued_before = [st["queued"] for st in ps.stats().values()]
+    checked_at = time.monotonic() - pushed
     merged_after = None
     while time.monotonic() < pushed + seconds:
         if all(st["applied"] == 1 and st["queued"] == 0 for st in ps.stats().values()):
             merged_after = time.monotonic() - pushed
             break
         time.sleep(0.02)
-    return {"before": before, "queued_before": queued_before, "merged_after": merged_after, "after": pulled(job)["p"]}
+    return {"before": before, "queued_before": queued_before, "checked_at": checked_at, "merged_after": merged_after,
+            "after": pulled(job)["p"]}
 
 
 

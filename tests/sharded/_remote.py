@@ -195,11 +195,18 @@ class Received(nn.Module):
 
 
 class Stamped(nn.Module):
-    """Records its host's wall-clock start and end around a short sleep: ``[start, end]``."""
+    """Records its host's wall-clock start and end around a hold on the gate ``key`` (released
+    by the test, tests._faults.gates): ``[start, end]``."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__()
+        self.key = key
 
     def forward(self, x):
+        from tests._faults import gates
+
         start = time.time()
-        time.sleep(0.3)
+        gates.hold(self.key)
         return torch.tensor([[start, time.time()]], dtype=torch.float64)
 
 

@@ -5,6 +5,7 @@ an ordinary user would (gradients through redistribute, grad mode, redistribute'
 caller as a mesh member)."""
 
 import gc
+import threading
 import time
 
 import pytest
@@ -16,6 +17,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from remote_module.sharded import LocalModule, RemoteTensor, distribute, from_local
 from remote_module.sharded import _placements as pl
+from tests._faults import gates
 from tests._marks import GRAD_ON_WITHOUT_CONTEXT
 from tests.sharded import _remote as sr
 
@@ -308,8 +310,23 @@ def test_mesh_position_inside_forward_and_train_eval_reach_the_hosts(positioned)
 
 
 def test_shards_run_concurrently():
-    lm = LocalModule(MESH, sr.Stamped, out_placements=[Shard(0)])
-    (first, second) = lm(None).local_shards()  # [[start, end]] recorded on each host
+    # each shard's forward holds on a gate until both hosts are inside theirs: shards run one
+    # after the other would never get there (the test fails at the deadline, whatever the speed)
+    key = "sharded-concurrently"
+    lm = LocalModule(MESH, sr.Stamped, (key,), out_placements=[Shard(0)])
+    box = {}
+    thread = threading.Thread(target=lambda: box.update(out=lm(None)))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not all(rpc.rpc_sync(w, gates.holding, (key,)) for w in MESH):
+            assert time.monotonic() < deadline, "the two shards' forwards never ran at the same time"
+            time.sleep(0.01)
+    finally:
+        for w in MESH:
+            rpc.rpc_sync(w, gates.release, (key,))
+        thread.join(30)
+    (first, second) = box["out"].local_shards()  # [[start, end]] recorded on each host
     starts, ends = [first[0, 0], second[0, 0]], [first[0, 1], second[0, 1]]
     assert max(starts) < min(ends), (starts, ends)  # both had started before either ended
 
