@@ -390,7 +390,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             self._modules[name].load_optimizer_state_dict(state[name])
 
     def table_stats(self) -> dict[str, dict]:
-        """``{name: that table's table_stats()}`` (rows held, admitted, evicted, bytes)."""
+        """``{name: that table's table_stats()}`` (rows held, admitted, evicted, bytes, merges)."""
         self._wait_pushes()
         return {name: table.table_stats() for name, table in self.tables().items()}
 
