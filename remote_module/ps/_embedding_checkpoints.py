@@ -206,12 +206,12 @@ class TableCheckpoints:
         return None
 
     def delta_state_dict(self, token: str) -> dict:
-        """What changed on the servers since this trainer's last call with the same ``token``: the rows
-        stepped or loaded since (``"ids"``, ``"rows"``), their optimizer state (``"has_state"``
-        and one tensor per state key, for those rows), the ids evicted meanwhile
-        (``"evicted"``: tombstones), the eviction clocks and the admission sketch's changed
-        parts, the table's step count and ``ps_optimizer``'s settings; in geo mode also this
-        trainer's local optimizer state (``"geo"``).
+        """What changed on the servers since this trainer's last call with the same ``token``:
+        the rows stepped or loaded since (``"ids"``, ``"rows"``), their optimizer state
+        (``"has_state"`` and one tensor per state key, for those rows), the ids evicted
+        meanwhile (``"evicted"``: tombstones), the eviction clocks and the admission sketch's
+        changed parts, the table's step count and ``ps_optimizer``'s settings; in geo mode also
+        this trainer's local optimizer state (``"geo"``).
 
         Each token has its own baseline on the servers for each trainer: callers with different
         tokens, or trainers calling with the same one, never reset each other's, so each
