@@ -439,7 +439,10 @@ class TableCheckpoints:
             self.__dict__["_sent_settings"] = None  # the next step sends them
         if self._geo is not None:
             calls = state.get("geo_step_calls")
-            self._geo.load_state_dict(int(state["step"]), ids, {k: state[k] for k in keys},
+            # (a table never stepped saves no state key: its rows' state is empty)
+            empty = torch.empty(0, self.embedding_dim)
+            every = new_state(self._row_opt, 0, self.embedding_dim, torch.float32)
+            self._geo.load_state_dict(int(state["step"]), ids, {k: state.get(k, empty) for k in every},
                                       None if calls is None else int(calls))
             return
         calls = [(server, _table_server._set_row_state,

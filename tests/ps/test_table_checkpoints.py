@@ -168,3 +168,11 @@ def test_a_psmodel_refuses_another_optimizers_state_for_its_table_and_loads_none
     error = got["error"] or ""
     assert error.startswith("ValueError") and "'sum'" in error and "SparseAdam" in error, error
     same(got["after"], got["before"], "unchanged")
+
+
+def test_the_state_of_a_table_never_stepped_loads_into_a_geo_table(world):
+    # (it has no state key, as no row has state: the geo table's optimizer needs none either)
+    got = on(world, "trainer0", r.unstepped_state_into_geo, job("unstepped-geo"))
+    assert "sum" not in got["given"]
+    assert got["error"] is None, got["error"]
+    assert got["after"]["ids"].numel() == 0 and got["after"]["sum"].shape == (0, r.DIM)
