@@ -206,12 +206,12 @@ class TableCheckpoints:
         return None
 
     def delta_state_dict(self, token: str) -> dict:
-        """What changed on the servers since this trainer's last call with the same ``token``: the rows
-        stepped or loaded since (``"ids"``, ``"rows"``), their optimizer state (``"has_state"``
-        and one tensor per state key, for those rows), the ids evicted meanwhile
-        (``"evicted"``: tombstones), the eviction clocks and the admission sketch's changed
-        parts, the table's step count and ``ps_optimizer``'s settings; in geo mode also this
-        trainer's local optimizer state (``"geo"``).
+        """What changed on the servers since this trainer's last call with the same ``token``:
+        the rows stepped or loaded since (``"ids"``, ``"rows"``), their optimizer state
+        (``"has_state"`` and one tensor per state key, for those rows), the ids evicted
+        meanwhile (``"evicted"``: tombstones), the eviction clocks and the admission sketch's
+        changed parts, the table's step count and ``ps_optimizer``'s settings; in geo mode also
+        this trainer's local optimizer state (``"geo"``).
 
         Each token has its own baseline on the servers for each trainer: callers with different
         tokens, or trainers calling with the same one, never reset each other's, so each
@@ -439,7 +439,10 @@ class TableCheckpoints:
             self.__dict__["_sent_settings"] = None  # the next step sends them
         if self._geo is not None:
             calls = state.get("geo_step_calls")
-            self._geo.load_state_dict(int(state["step"]), ids, {k: state[k] for k in keys},
+            # (a table never stepped saves no state key: its rows' state is empty)
+            empty = torch.empty(0, self.embedding_dim)
+            every = new_state(self._row_opt, 0, self.embedding_dim, torch.float32)
+            self._geo.load_state_dict(int(state["step"]), ids, {k: state.get(k, empty) for k in every},
                                       None if calls is None else int(calls))
             return
         calls = [(server, _table_server._set_row_state,

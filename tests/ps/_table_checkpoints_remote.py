@@ -252,3 +252,13 @@ def foreign_state_in_a_psmodel(name: str) -> dict:
     before = state()
     error = _caught(lambda: model.load_optimizer_state_dict(given))
     return {"error": error, "before": before, "after": state()}
+
+
+def unstepped_state_into_geo(name: str) -> dict:
+    """The optimizer state of an Adagrad table never stepped (no state key: no row has any)
+    loaded into a geo Adagrad table: the error (None if it loaded) and its state after."""
+    source = bag(name + "-async", ["ps0"])
+    table = bag(name + "-geo", ["ps1"], ps_mode="geo", geo_push_every=1)
+    given = source.optimizer_state_dict()
+    error = _caught(lambda: table.load_optimizer_state_dict(given))
+    return {"error": error, "given": sorted(given), "after": table.optimizer_state_dict()}
