@@ -137,6 +137,7 @@ class SyncSteps:
         self.skip_refused = skip_refused
         self.refusals = 0  # steps skipped (skip_refused)
         self.refusal = ""  # the message of the last one
+        self.refusal_type: type = StepRefused  # its type: StepRefused for a ValueError, else StepNotApplied
         self.done = 0  # steps applied
         self.pushed: dict[str, Any] = {}  # this step's pushes by trainer
         self.ahead: dict[int, dict[str, Any]] = {}  # pushes for later steps, by step
@@ -176,17 +177,20 @@ class SyncSteps:
         one yet) with it (lock held; the caller drops the step's pushes and goes on to the next
         step; :meth:`ready` hands those failures out)."""
         self.refusals += 1
+        self.refusal_type = StepRefused if isinstance(exc, ValueError) else StepNotApplied
+        partly = "" if isinstance(exc, ValueError) else " (the optimizer may have applied part of it before it raised)"
         self.refusal = (
             f"{self.owner.label} on server {rpc.get_worker_info().name!r}: step {self.done} was refused (refusal "
-            f"{self.refusals}): {type(exc).__name__}: {exc}. Its pushes are dropped and it is no optimizer step (as "
-            f"a local optimizer.step() that raised, then zero_grad()); every trainer gets this error at its next "
-            f"lookup of the table, and its next step() is the table's next step (fix what the error names first)")
+            f"{self.refusals}): {type(exc).__name__}: {exc}. Its pushes are dropped and it is no optimizer "
+            f"step{partly} (as a local optimizer.step() that raised, then zero_grad()); every trainer gets this "
+            f"error at its next lookup of the table, and its next step() is the table's next step (fix what the "
+            f"error names first)")
         told = [w for w in self.waiters if w.seen is not None]
         self.waiters = [w for w in self.waiters if w.seen is None]
         self.failed += [(w.future, self._refusal_error(), True) for w in told]
 
     def _refusal_error(self) -> Exception:
-        return (StepRefused if "): ValueError: " in self.refusal else StepNotApplied)(self.refusal)
+        return self.refusal_type(self.refusal)
 
     def check_told(self, seen: int | None) -> None:
         """(``skip_refused``) a read of a trainer told of ``seen`` refusals (None: a read that
