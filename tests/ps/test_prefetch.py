@@ -350,7 +350,7 @@ def test_a_merge_another_trainers_push_makes_before_a_prefetched_forward_is_seen
     steps = 3
     got = {}
     for prefetched in (False, True):
-        name = job(f"pf-pair-{prefetched}")
+        name = job(f"pf-half-pair-{prefetched}")
         on(world, "trainer0", r.pair_start, name, 0, prefetched, steps)
         on(world, "trainer1", r.pair_start, name, 1, prefetched, steps)
         outs = []
