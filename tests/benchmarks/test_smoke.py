@@ -339,3 +339,22 @@ def test_admission_figures():
     ids = spread(torch.arange(1000), 1000)
     assert sorted(ids.tolist()) == list(range(1000))
     assert torch.unique(spread(torch.arange(100_000), 10**9)).numel() == 100_000
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_ps_report_grades_only_a_full_run(quick):
+    # a --quick run (2 rounds of 2 steps) is a smoke run: its ratios are shown, not graded
+    cfg = {**(bench_ps.QUICK if quick else bench_ps.FULL)}
+    names = ["tutorial pattern"] + [f"{m} servers={n}" for n in (1, 2) for m in bench_ps.MODES]
+    sps = {name: 100.0 for name in names}  # every ratio 1.0: below each target
+    r = {"config": cfg, "threads_in_rpc_handlers": {}, "steps_per_s": sps, "step_cpu_s": dict.fromkeys(names),
+         "losses": {name: (2.0, 1.0) for name in names}}
+    r["ratios"] = bench_ps.ratios(r)
+    text = bench_ps.report(r)
+    graded = [line for line in text.splitlines() if "(target >= " in line]
+    assert len(graded) == 3, text
+    if quick:
+        assert "NOT MET" not in text and all(line.endswith("  quick run: not graded") for line in graded), text
+        assert "quick run: not graded (2 rounds of 2 steps" in text, text
+    else:
+        assert all(line.endswith("  NOT MET") for line in graded) and "quick run" not in text, text
