@@ -111,6 +111,8 @@ def rank_main(cfg: dict) -> dict | None:
         return None  # servers and trainers only serve; the driver calls the trainers
     results = driver_main(cfg)
     results["checks"] = _check(results, cfg)
+    for name in results["steps_per_s"]:  # training ends as a job's does (after the checks: geo pushes again)
+        _on_trainers(hosts.flush, name)
     return results
 
 
