@@ -192,8 +192,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)  # the same dense initialisation on every trainer (DDP checks it anyway)
     # (the process's first torch.optim optimizer imports torch._dynamo, a few seconds once per
     # process: said here, not taken for the first table's creation, whose ps_optimizer makes one)
-    with still("building the dense model (DDP over the trainers), its optimizer (torch.optim imports "
-               "torch._dynamo once per process) and the click generator", quiet=not lead):
+    with still("building the dense model and its optimizer (torch.optim's first use imports torch._dynamo)",
+               quiet=not lead):
         dense = DDP(Dense())
         opt = torch.optim.Adam(dense.parameters(), lr=0.003)
         truth = Truth()

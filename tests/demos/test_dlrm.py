@@ -1,9 +1,16 @@
 """`make demo`'s main job (remote_module/demos/dlrm.py), shortened: the summary's figures are
 present and sane, and the command line refuses what it cannot run."""
 
+import fcntl
 import importlib.util
 import itertools
 import math
+import os
+import pty
+import re
+import struct
+import sys
+import termios
 
 import pytest
 import torch
@@ -257,3 +264,61 @@ def test_under_torchrun_impossible_splits_are_refused(argv, message, capsys, mon
     with pytest.raises(SystemExit):
         dlrm_demo.parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def _screen(raw: str) -> list[str]:
+    """What a terminal shows after ``raw``: text, carriage returns, newlines, cursor up."""
+    screen: list[list[str]] = [[]]
+    row = col = 0
+    at = 0
+    while at < len(raw):
+        escape = re.match(r"\x1b\[(\d*)([A-Za-z])", raw[at:])
+        if escape:
+            if escape.group(2) == "A":
+                row = max(0, row - int(escape.group(1) or 1))
+            elif escape.group(2) == "K":
+                del screen[row][col:]
+            at += escape.end()
+            continue
+        char, at = raw[at], at + 1
+        if char == "\r":
+            col = 0
+        elif char == "\n":
+            row += 1
+            screen.extend([] for _ in range(row + 1 - len(screen)))
+        else:
+            line = screen[row]
+            line.extend(" " * (col - len(line)))
+            line[col:col + 1] = [char]
+            col += 1
+    return ["".join(line).rstrip() for line in screen]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_on_a_terminal_the_setup_lines_and_the_bars_do_not_clobber_each_other():
+    # the trainers share the terminal: the setup is told once, then one bar per trainer, each
+    # on its own line (no half-drawn first frame left behind, no line overwritten)
+    pytest.importorskip("tqdm")
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: a 120 x 40 terminal, the demo on it
+        fcntl.ioctl(1, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+        os.execv(sys.executable, [sys.executable, "-m", "remote_module.demos.dlrm", "--servers", "1", "--trainers",
+                                  "2", "--steps", "20", "--plot", ""])
+    raw = b""
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        raw += chunk
+    _, status = os.waitpid(pid, 0)
+    screen = _screen(raw.decode("utf-8", "replace"))
+    assert os.waitstatus_to_exitcode(status) == 0, screen
+    start = next(i for i, line in enumerate(screen) if line.startswith("training 20 steps"))
+    end = next(i for i, line in enumerate(screen) if line.endswith("steps done; scoring 4096 held-out clicks"))
+    bars = screen[start + 1:end]
+    assert [line.split("|")[0].split() for line in bars] == [["trainer0:", "100%"], ["trainer1:", "100%"]], screen
+    assert sum(line.startswith("creating table user") for line in screen) == 1, screen
