@@ -31,13 +31,17 @@ $(STAMP): setup.cfg pyproject.toml
 
 install: $(STAMP)
 
+# The demo's own options, e.g. `make demo ARGS="--mode sync --steps 300"` (`make demo ARGS=--help`
+# lists them), or without make: python -m remote_module.demos.dlrm --mode sync
+ARGS ?=
+
 # The main job: a DLRM-style click model on 2 parameter servers + 2 trainers (remote_module/demos/dlrm.py).
 demo: $(STAMP)
-	$(PYTHON) -m remote_module.demos.dlrm
+	$(PYTHON) -m remote_module.demos.dlrm $(ARGS)
 
 # The first demo: a hybrid model (remote EmbeddingBag + local Linear) on a local 2-process world.
 demo-hybrid: $(STAMP)
-	$(PYTHON) -m remote_module.demos.hybrid
+	$(PYTHON) -m remote_module.demos.hybrid $(ARGS)
 
 # Two pytest processes (pytest-xdist; a file's tests stay in one process, the files that start
 # many processes first, see tests/conftest.py): on 2 cores 298 s against 463-508 s in one
