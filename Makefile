@@ -12,36 +12,50 @@ PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check
 CAN_BUILD := import setuptools, sys; sys.exit(tuple(int(p) for p in setuptools.__version__.split(".")[:2]) < (70, 1))
 BUILD_FLAGS = $$($(PYTHON) -c '$(CAN_BUILD)' 2>/dev/null && echo --no-build-isolation)
 
+# The install is recorded per interpreter, not per checkout: a stamp named after the hash of
+# the interpreter's sys.prefix (a second venv in the same clone gets its own install), made
+# again when that interpreter finds no torch or no installed remote_module (a venv deleted and
+# made again at the same path; the checkout's own directory does not count).
+STAMP := .install-stamp-$(shell $(PYTHON) -c 'import hashlib, sys; print(hashlib.sha256(sys.prefix.encode()).hexdigest()[:12])' 2>/dev/null)
+INSTALLED := import importlib.util as u, sys; sys.path[:] = [p for p in sys.path if p not in ("", ".")]; sys.exit(not (u.find_spec("torch") and u.find_spec("remote_module")))
+ifneq ($(shell $(PYTHON) -c '$(INSTALLED)' 2>/dev/null && echo yes),yes)
+.PHONY: $(STAMP)
+endif
+
 .PHONY: install demo demo-hybrid test lint bench
 
-.install-stamp: setup.cfg pyproject.toml
-	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) "$(TORCH)"
+$(STAMP): setup.cfg pyproject.toml
+	@$(PYTHON) -c "import torch" 2>/dev/null || { echo "installing $(TORCH) (once for this Python; a few minutes, quietly)..."; $(PIP) "$(TORCH)"; }
 	$(PIP) $(BUILD_FLAGS) -e ".[test,demo]"
 	touch $@
 
-install: .install-stamp
+install: $(STAMP)
+
+# The demo's own options, e.g. `make demo ARGS="--mode sync --steps 300"` (`make demo ARGS=--help`
+# lists them), or without make: python -m remote_module.demos.dlrm --mode sync
+ARGS ?=
 
 # The main job: a DLRM-style click model on 2 parameter servers + 2 trainers (remote_module/demos/dlrm.py).
-demo: .install-stamp
-	$(PYTHON) -m remote_module.demos.dlrm
+demo: $(STAMP)
+	$(PYTHON) -m remote_module.demos.dlrm $(ARGS)
 
 # The first demo: a hybrid model (remote EmbeddingBag + local Linear) on a local 2-process world.
-demo-hybrid: .install-stamp
-	$(PYTHON) -m remote_module.demos.hybrid
+demo-hybrid: $(STAMP)
+	$(PYTHON) -m remote_module.demos.hybrid $(ARGS)
 
 # Two pytest processes (pytest-xdist; a file's tests stay in one process, the files that start
 # many processes first, see tests/conftest.py): on 2 cores 298 s against 463-508 s in one
 # process, most of a test's time being waits (deadlines, worlds starting). One process:
 #   make TEST_FLAGS= test
 TEST_FLAGS ?= -n 2 --dist loadfile --no-loadscope-reorder
-test: .install-stamp
+test: $(STAMP)
 	$(PYTHON) -m pytest $(TEST_FLAGS)
 
 # Static checks with ruff (its rules: [tool.ruff] in pyproject.toml).
-lint: .install-stamp
+lint: $(STAMP)
 	$(PYTHON) -m ruff check .
 
-bench: .install-stamp
+bench: $(STAMP)
 	$(PYTHON) -m tests.benchmarks.bench_transport
 	$(PYTHON) -m tests.benchmarks.bench_remote_module
 	$(PYTHON) -m tests.benchmarks.bench_pipeline

@@ -12,6 +12,7 @@ environment (PyPI must be reachable then).
 """
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -217,3 +218,75 @@ def _probe_environment(python: Path, cwd: Path) -> dict:
     info = json.loads(_run([str(python), "-c", PROBE_ENVIRONMENT], cwd=cwd))
     assert info["remote_module"] is False, "the test venv sees an installed remote_module before installing it"
     return info
+
+
+#: stands in for pip in the Makefile's install (``PIP=...``): logs its arguments to
+#: $FAKE_PIP_LOG and makes what it was asked for importable in the interpreter that called it,
+#: as the real install would, through a .pth file in its site-packages: torch from the folders
+#: in $FAKE_TORCH_SITE, the project (an editable install) from the directory it runs in
+FAKE_PIP = r"""#!/bin/sh
+python="$1"; shift
+echo "$python $*" >> "$FAKE_PIP_LOG"
+site=$("$python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+case "$*" in
+  *torch==*) printf '%s\n' $FAKE_TORCH_SITE > "$site/_fake_torch.pth" ;;
+  *-e*) pwd > "$site/_fake_editable.pth" ;;
+esac
+"""
+
+
+def _bare_venv(env_dir: Path, views: list[Path]) -> Path:
+    """A venv without pip (quick to make), seeing ``views`` (torch, or nothing) through a .pth."""
+    venv.EnvBuilder(system_site_packages=False, with_pip=False).create(env_dir)
+    python = env_dir / "bin" / "python"
+    site_packages = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).strip())
+    (site_packages / "_test_dependencies.pth").write_text("".join(f"{view}\n" for view in views))
+    return python
+
+
+@pytest.mark.timeout(300)
+def test_the_makefile_installs_into_each_interpreter_that_lacks_the_project(tmp_path):
+    # The install stamp belongs to an interpreter, not to the checkout: a second venv in the
+    # same clone gets its own install (it used to find the first venv's stamp and skip it,
+    # and `make demo` failed with ModuleNotFoundError: torch), and so does a venv deleted and
+    # made again at the same path. pip is a fake that logs what it was asked to install.
+    project = _project_copy(tmp_path / "project")
+    fake_pip = tmp_path / "fake-pip"
+    fake_pip.write_text(FAKE_PIP)
+    fake_pip.chmod(0o755)
+    log = tmp_path / "pip.log"
+    with_torch = _dependency_view(tmp_path / "deps")
+    env = {**os.environ, "FAKE_PIP_LOG": str(log), "FAKE_TORCH_SITE": " ".join(map(str, with_torch))}
+    env.pop("PYTHONPATH", None)  # (the venvs must not see the checkout through it)
+
+    def make_install(python: Path) -> tuple[list[str], str]:
+        log.write_text("")
+        out = subprocess.run(["make", "-C", str(project), "install", f"PYTHON={python}", f"PIP={fake_pip} {python}"],
+                             cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return log.read_text().splitlines(), out.stdout
+
+    first = _bare_venv(tmp_path / "venv1", with_torch)
+    installs, _ = make_install(first)
+    assert len(installs) == 1 and installs[0].startswith(f"{first} ") and "-e .[test,demo]" in installs[0], installs
+    assert make_install(first)[0] == []  # installed: nothing to do
+
+    second = _bare_venv(tmp_path / "venv2", [])  # no torch here
+    installs, said = make_install(second)
+    assert [line.split()[-1] for line in installs] == ["torch==2.13.0", ".[test,demo]"], installs
+    assert "installing torch==2.13.0 (once" in said, said  # a line before the long quiet download
+    assert make_install(second)[0] == [] and make_install(first)[0] == []
+
+    shutil.rmtree(tmp_path / "venv1")  # the same path, a new venv: installed again
+    first = _bare_venv(tmp_path / "venv1", with_torch)
+    installs, _ = make_install(first)
+    assert len(installs) == 1 and "-e .[test,demo]" in installs[0], installs
+
+
+def test_make_demo_passes_args_to_the_demo(tmp_path):
+    # the README's `make demo ARGS="--mode sync"`: the demo's own options reach it
+    project = _project_copy(tmp_path / "project")
+    for target, module in (("demo", "remote_module.demos.dlrm"), ("demo-hybrid", "remote_module.demos.hybrid")):
+        out = _run(["make", "-n", "-C", str(project), target, f"PYTHON={sys.executable}", "ARGS=--mode sync --steps 7"],
+                   cwd=tmp_path)
+        assert f"{sys.executable} -m {module} --mode sync --steps 7" in out.splitlines(), out

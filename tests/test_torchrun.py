@@ -129,15 +129,15 @@ def test_dlrm_demo_under_torchrun_prints_one_summary(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     # trainer0 gathered every trainer's figures: one header, one line per trainer, nothing from the servers
-    assert sum(line.startswith("DLRM click model: 2 parameter server(s), 2 trainer(s)") for line in lines) == 1, (
+    assert sum(line.startswith("DLRM click model: 2 parameter servers, 2 trainers") for line in lines) == 1, (
         out.stdout
     )
     assert sum(line.startswith("trainer    loss first -> last") for line in lines) == 1, out.stdout
     rows = [line.split() for line in lines if re.match(r"trainer\d ", line)]
     assert [row[0] for row in rows] == ["trainer0", "trainer1"], out.stdout
     for row in rows:
-        first, last, auc, steps_per_s = float(row[1]), float(row[3]), float(row[4]), float(row[5])
-        assert last < first and auc > 0.6 and steps_per_s > 0, row
+        first, last, held_out_auc, steps_per_s = float(row[1]), float(row[3]), float(row[5]), float(row[6])
+        assert last < first and held_out_auc > 0.6 and steps_per_s > 0, row
     assert not any(line.startswith(("ps0:", "ps1:")) for line in lines), out.stdout  # nothing from the servers
     # the per-server table (trainer0's traffic): one message per server per step (the pushes and
     # the next batch's lookups together), and one line per server

@@ -56,6 +56,7 @@ def test_pipeline_trains_and_loss_goes_down():
     losses = [float(line.split("loss ")[1]) for line in lines]
     assert losses[-1] < 0.9 * losses[0], losses
     assert "on=worker1" in out.stdout and "on=worker2" in out.stdout, out.stdout  # two stages, two hosts
+    _says_the_world_starting(out.stdout, 3)
     no_avoidable_warnings(out.stderr)
 
 
@@ -72,6 +73,7 @@ def test_sharded_seed_example_and_megatron_step():
     mlp = [line for line in lines if line.startswith("Megatron MLP step:")]
     assert len(mlp) == 1, out.stdout
     assert float(mlp[0].rsplit(": ", 1)[1]) < 1e-5, mlp[0]  # equal to the local model after the SGD step
+    _says_the_world_starting(out.stdout, 3)
 
 
 @pytest.mark.slow
@@ -93,6 +95,19 @@ def test_embeddings_table_trains_and_its_checkpoint_loads_locally():
     check = [line for line in lines if line.startswith("checkpoint in nn.EmbeddingBag: max difference ")]
     assert len(check) == 1 and float(check[0].rsplit(" ", 1)[1]) < 1e-5, out.stdout  # float32 rounding at most
     no_avoidable_warnings(out.stderr)
+    # it says how it goes while it runs: the world starting, then a line every quarter of the steps
+    _says_the_world_starting(out.stdout, 2)
+    steps = [line.split(",")[0] for line in lines if line.startswith("trainer0: step ")]
+    assert steps == [f"trainer0: step {k}/100" for k in (25, 50, 75, 100)], out.stdout
+    assert lines.index(loss[0]) > max(i for i, line in enumerate(lines) if line.startswith("trainer0: step "))
+
+
+def _says_the_world_starting(stdout: str, ranks: int) -> None:
+    """A tutorial's first lines: what it starts, then run_local's progress, before any result."""
+    lines = stdout.splitlines()
+    assert lines[0].startswith(f"Starting {ranks} local processes"), stdout
+    joined = next(i for i, line in enumerate(lines) if line.startswith(f"  all {ranks} ranks joined the RPC world"))
+    assert all(line.startswith("  ") for line in lines[1:joined]), stdout
 
 
 # tutorials/parameter_server.py is run by tests/test_torchrun.py in both forms: as a script

@@ -65,6 +65,8 @@ def train(steps: int) -> dict:
         opt.step()  # the head, locally
         model.items.step()  # pushes the touched rows' gradients to ps0 (and returns)
         losses.append(loss.item())
+        if len(losses) % max(1, steps // 4) == 0:  # a line as it goes
+            print(f"{me.name}: step {len(losses)}/{steps}, loss {losses[-1]:.3f}", flush=True)
 
     # the checkpoint has the local module's key: it loads into a plain nn.EmbeddingBag
     local = nn.EmbeddingBag(ROWS, DIM, mode="sum")
@@ -85,7 +87,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100)
     steps = parser.parse_args().steps
-    result = run_local(main, 2, roles={"ps": 1, "trainer": 1}, args=(steps,), timeout=300)[1]
+    print(f"Starting 2 local processes (ps0, trainer0) for {steps} steps...", flush=True)
+    result = run_local(main, 2, roles={"ps": 1, "trainer": 1}, args=(steps,), timeout=300,
+                       progress=lambda message: print(f"  {message}", flush=True))[1]
     losses = result["losses"]
     k = max(1, len(losses) // 10)
     first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k

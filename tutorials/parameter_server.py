@@ -103,5 +103,7 @@ if __name__ == "__main__":
                 say(f"{me.name}: serving {world_size - args.servers} trainers")
             main(args)
     else:  # one machine: start the ranks here
+        say(f"Starting {args.servers + args.trainers} local processes (servers: {args.servers}, trainers: "
+            f"{args.trainers})...")
         run_local(main, args.servers + args.trainers, roles={"ps": args.servers, "trainer": args.trainers},
-                  args=(args,), timeout=600)
+                  args=(args,), timeout=600, progress=lambda message: say(f"  {message}"))

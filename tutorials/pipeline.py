@@ -56,7 +56,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=8)
     steps = parser.parse_args().steps
-    losses = run_local(main, 3, args=(steps,), timeout=300)[0]
+    print(f"Starting 3 local processes (worker0 trains, worker1 and worker2 host the stages) for {steps} steps...",
+          flush=True)
+    losses = run_local(main, 3, args=(steps,), timeout=300,
+                       progress=lambda message: print(f"  {message}", flush=True))[0]
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
     if not losses[-1] < losses[0]:
         sys.exit(f"the loss did not go down: {losses[0]:.4f} -> {losses[-1]:.4f}")

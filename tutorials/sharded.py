@@ -157,6 +157,7 @@ def main() -> tuple | None:
 
 
 if __name__ == "__main__":
-    local, total, diff = run_local(main, 3, timeout=300)[0]
+    print("Starting 3 local processes (worker0 runs the examples, worker1 and worker2 host the shards)...", flush=True)
+    local, total, diff = run_local(main, 3, timeout=300, progress=lambda message: print(f"  {message}", flush=True))[0]
     if local != [1.5, 6.0] or total != 7.5 or diff > 1e-5:
         raise SystemExit(f"unexpected results: local {local}, full {total}, MLP difference {diff}")

@@ -22,9 +22,10 @@ or under torchrun, one rank per process, the first ``--servers`` ranks serving t
 
     torchrun --standalone --nproc-per-node=4 -m remote_module.demos.dlrm --servers 2
 
-Each trainer shows a progress bar (when tqdm is installed and stderr is a terminal); at the end
+trainer0 tells the setup (the same on every trainer) once; then each trainer shows a progress
+bar (when tqdm is installed and stderr is a terminal; else a line every few seconds); at the end
 one summary table is printed (by trainer0 under torchrun) and, when matplotlib is installed, a
-PNG of the loss and AUC curves is written.
+PNG of the loss and AUC curves is written, titled with the run.
 
 The rows' lifetime on the servers: ``--stream`` makes the ids drift (each table keeps a popular
 head of ids all run long; its other ids come from a window of the id space that slides with the
@@ -40,6 +41,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -49,7 +51,7 @@ from typing import Any, Iterator, NamedTuple
 import torch
 from torch import nn
 
-from remote_module.demos.progress import NoBar, progress_bar
+from remote_module.demos.progress import bar_hidden, progress_bar
 from rpc_backend import (
     DEFAULT_TRANSPORT,
     TRANSPORTS,
@@ -71,6 +73,7 @@ EVAL = 4096  # held-out clicks for the final AUC
 PLAIN_PROGRESS_EVERY = 2.0  # seconds between a trainer's progress lines when no bar is shown
 WINDOW = 20  # steps in the progressive AUC (each batch scored before it is trained on)
 MODES = ("async", "sync", "half_async", "geo")
+GEO_PUSH_EVERY = 20  # geo: a trainer pushes its trained rows' deltas every this many steps
 # --stream: each table's STREAM_HEAD most popular ids are drawn all run long; its other ids from
 # a window of STREAM_WINDOW ids (the same Zipf-like curve over head and window) that slides by
 # STREAM_DRIFT ids a step: an id enters at the window's popular end and fades out of its tail
@@ -180,10 +183,20 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     from remote_module.ps import ShardedEmbeddingBag, ShardedEmbeddingBagCollection, prefetching
 
     me = current_worker()
-    say(f"{me.name}: forming the trainers' DDP group ({me.role_size} trainers)")
+    # the setup is the same on every trainer: trainer0 tells it, once
+    lead = me.role_rank == 0
+    if lead:
+        say(f"forming the trainers' DDP group ({plural(me.role_size, 'trainer')})")
     init_role_process_group(me)
     servers = me.workers("ps")
     torch.manual_seed(0)  # the same dense initialisation on every trainer (DDP checks it anyway)
+    # (the process's first torch.optim optimizer imports torch._dynamo, a few seconds once per
+    # process: said here, not taken for the first table's creation, whose ps_optimizer makes one)
+    with still("building the dense model and its optimizer (torch.optim's first use imports torch._dynamo)",
+               quiet=not lead):
+        dense = DDP(Dense())
+        opt = torch.optim.Adam(dense.parameters(), lr=0.003)
+        truth = Truth()
     # geo: a trainer pushes every cached row's delta each geo_push_every steps
     # --stream, --admit-after, --evict-after-steps: lazy tables (a row stored once admitted)
     lifetime = rows_lifetime(args)
@@ -195,23 +208,22 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     tables = {}
     for t, (name, rows) in enumerate(TABLES.items()):
         lazy = " (lazy)" if lifetime else ""
-        with still(f"{me.name}: creating table {name} ({rows:,} rows x {DIM}){lazy} on {len(servers)} server(s)"):
+        with still(f"creating table {name} ({rows:,} rows x {DIM}){lazy} on {plural(len(servers), 'server')}",
+                   quiet=not lead):
             tables[name] = ShardedEmbeddingBag(
                 rows, DIM, servers, name=f"dlrm.{name}", mode="mean", ps_mode=args.mode, num_trainers=me.role_size,
-                optimizer=(torch.optim.Adagrad, {"lr": 0.3}), min_block_size=4096, geo_push_every=20, seed=t,
+                optimizer=(torch.optim.Adagrad, {"lr": 0.3}), min_block_size=4096, geo_push_every=GEO_PUSH_EVERY,
+                seed=t,
                 **kwargs)
     # the tables looked up together (one message per server) and stepped together
     ebc = ShardedEmbeddingBagCollection(tables)
-    with still(f"{me.name}: building the dense model (DDP over the trainers) and the click generator"):
-        dense = DDP(Dense())
-        opt = torch.optim.Adam(dense.parameters(), lr=0.003)
-        truth = Truth()
     gen = torch.Generator().manual_seed(100 + me.role_rank)
-    bar = _progress(args.steps, me, args.progress)
-    say(f"{me.name}: training {args.steps} steps of {BATCH} clicks ({args.mode} mode)")
+    if lead:
+        say(f"training {args.steps} steps of {BATCH} clicks per trainer ({args.mode} mode)")
+    _trainers_barrier()  # every setup line is out before the bars draw (they share the terminal)
+    bar = _progress(args.steps, me, args.progress, getattr(args, "terminal_lock", None))
     # without a bar on screen (no terminal, --no-progress, no tqdm), a line every few seconds
-    shown = not isinstance(bar, NoBar) and not getattr(bar, "disable", False)  # tqdm off a terminal
-    plain_every = None if shown else PLAIN_PROGRESS_EVERY
+    plain_every = PLAIN_PROGRESS_EVERY if bar_hidden(bar) else None
     last_line = time.monotonic()
     latencies: list[float] = []
     losses: list[float] = []
@@ -246,11 +258,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         recent.append((scores.detach(), batch.clicks))
         if step % 5 == 0 or step == args.steps:
             auc_curve.append((step, auc(torch.cat([s for s, _ in recent]), torch.cat([c for _, c in recent]))))
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", auc=f"{auc_curve[-1][1]:.3f}", refresh=False)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", train_auc=f"{auc_curve[-1][1]:.3f}", refresh=False)
         bar.update(1)
         if plain_every is not None and time.monotonic() - last_line >= plain_every:
             last_line = time.monotonic()
-            auc_text = f", AUC {auc_curve[-1][1]:.3f}" if auc_curve else ""
+            auc_text = f", training AUC (last {WINDOW} batches) {auc_curve[-1][1]:.3f}" if auc_curve else ""
             say(f"{me.name}: step {step}/{args.steps}, loss {losses[-1]:.3f}{auc_text}")
     ebc.flush()  # the last step's pushes landed
     if held is not None:
@@ -271,7 +283,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "steps": args.steps,
         "loss_first": sum(losses[:k]) / k,  # mean of the first tenth of the steps
         "loss_last": sum(losses[-k:]) / k,  # ... and of the last tenth
-        "auc": auc(scores, held_out.clicks),
+        "auc": auc(scores, held_out.clicks),  # held out
+        "auc_train": auc_curve[-1][1],  # progressive: the last WINDOW batches, each scored before it trained
         "auc_truth": auc(truth.logit(held_out.ids, held_out.dense), held_out.clicks),
         "auc_truth_dense_only": auc(truth.logit(held_out.ids, held_out.dense, sparse=False), held_out.clicks),
         "steps_per_s": args.steps / elapsed,
@@ -344,13 +357,22 @@ class RowsHeld:
                 "stats_ms": self.seconds / max(1, len(self.curve)) * 1e3}
 
 
-def _progress(total: int, me: Worker, enabled: bool) -> Any:
+def _progress(total: int, me: Worker, enabled: bool, lock_path: str | None = None) -> Any:
     """A tqdm bar on this trainer's own line: the trainers on one machine share its terminal,
-    so the line is this trainer's index among them. None (or no tqdm) when stderr is no terminal."""
+    so the line is this trainer's index among them, and their bars write under one lock
+    (``lock_path``'s, see :class:`~remote_module.demos.progress.TerminalLock`). Off (or no
+    tqdm) when stderr is no terminal."""
     first_here = me.rank - me.local_rank  # launchers give a machine's ranks consecutive numbers
     line = sum(1 for p in me.layout[first_here:me.rank] if p.role == me.role)
-    return progress_bar(total, enabled, desc=me.name, position=line, unit="step", leave=True, disable=None,
+    return progress_bar(total, enabled, lock_path=lock_path, desc=me.name, position=line, unit="step", leave=True,
                         dynamic_ncols=True)
+
+
+def _trainers_barrier() -> None:
+    """Wait for every trainer (over the trainers' process group)."""
+    import torch.distributed as dist
+
+    dist.barrier()
 
 
 def _close_in_order(bar: Any, me: Worker) -> None:
@@ -384,9 +406,18 @@ def say(text: str) -> None:
     sys.stdout.flush()
 
 
+def plural(count: int, word: str) -> str:
+    """``"1 trainer"``, ``"2 trainers"``."""
+    return f"{count:,} {word}{'' if count == 1 else 's'}"
+
+
 @contextmanager
-def still(text: str, every: float = PLAIN_PROGRESS_EVERY) -> Iterator[None]:
-    """Say ``text`` now, then ``text (still, N s)`` every ``every`` seconds until the block ends."""
+def still(text: str, every: float = PLAIN_PROGRESS_EVERY, quiet: bool = False) -> Iterator[None]:
+    """Say ``text`` now, then ``text (still, N s)`` every ``every`` seconds until the block ends
+    (``quiet``: say nothing)."""
+    if quiet:
+        yield
+        return
     say(text)
     done = threading.Event()
     start = time.monotonic()
@@ -408,33 +439,49 @@ def summary(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
     """The table printed at the end: one line per trainer (the dict :func:`train` returns)."""
     sizes = " + ".join(f"{name} {rows:,}" for name, rows in TABLES.items())
     table_mb = sum(TABLES.values()) * DIM * 4 / 1e6
+    if rows_lifetime(args):  # lazy: what the servers held, not what eager tables would
+        held = next((r["rows"] for r in results if "rows" in r), None)
+        held_text = ("" if held is None else
+                     f"; at the end the servers held {sum(f['bytes'] for f in held.values()) / 1e6:.2f} MB: rows, "
+                     "their optimizer state and bookkeeping")
+        size = f"lazy: rows created as admitted{held_text}; eager, their weights alone would take {table_mb:.1f} MB"
+    else:
+        size = f"{table_mb:.1f} MB of weights"
     lines = [
-        f"DLRM click model: {args.servers} parameter server(s), {len(results)} trainer(s), mode {args.mode}, "
-        f"{args.steps} steps of {BATCH} clicks per trainer",
-        f"tables: {sizes} rows x {DIM} floats ({table_mb:.1f} MB), sliced over the servers",
+        run_title(args, len(results)),
+        f"tables: {sizes} rows x {DIM} floats ({size}), sliced over the servers",
         *_lifetime_lines(args),
         "",
-        f"{'trainer':<10}{'loss first -> last':>19}{'AUC':>7}{'steps/s':>9}{'lookups/s':>11}"
-        f"{'pushed B/step':>15}{'p50 ms':>8}{'p99 ms':>8}",
+        f"{'trainer':<10}{'loss first -> last':>19}{'train AUC':>11}{'held-out AUC':>14}{'steps/s':>9}"
+        f"{'lookups/s':>11}{'pushed B/step':>15}{'p50 ms':>8}{'p99 ms':>8}",
     ]
     for r in results:
         lines.append(
-            f"{r['trainer']:<10}{r['loss_first']:>10.3f} -> {r['loss_last']:<5.3f}{r['auc']:>7.3f}"
-            f"{r['steps_per_s']:>9.1f}{r['lookups_per_s']:>11,.0f}{r['bytes_pushed_per_step']:>15,.0f}"
-            f"{r['lookup_p50_ms']:>8.2f}{r['lookup_p99_ms']:>8.2f}"
+            f"{r['trainer']:<10}{r['loss_first']:>10.3f} -> {r['loss_last']:<5.3f}{r['auc_train']:>11.3f}"
+            f"{r['auc']:>14.3f}{r['steps_per_s']:>9.1f}{r['lookups_per_s']:>11,.0f}"
+            f"{r['bytes_pushed_per_step']:>15,.0f}{r['lookup_p50_ms']:>8.2f}{r['lookup_p99_ms']:>8.2f}"
         )
     if results:
         r = results[0]
+        if args.mode == "geo":
+            pushes = ("geo: a trainer trains its cached rows itself; its steps send the next batch's lookups of the "
+                      f"rows it has not cached, and every {GEO_PUSH_EVERY} steps (and at the end) the deltas of "
+                      "the rows it trained since")
+            pushed = "bytes of row deltas (ids and values) sent to the servers, per training step on average"
+        else:
+            pushes = "a step sends its pushes and the next batch's lookups together"
+            pushed = ("bytes of gradients sent to the servers per step (the tables' pooled bags' gradient with the "
+                      "lookup's ids, which the servers sum into rows)")
         lines += [
             "",
-            f"AUC: on {EVAL} held-out clicks; the hidden truth scores {r['auc_truth']:.3f} on them, "
+            f"train AUC: of the last {WINDOW} training batches, each scored before it was trained on. held-out AUC: "
+            f"on {EVAL} held-out clicks; the hidden truth scores {r['auc_truth']:.3f} on them, "
             f"its dense features alone {r['auc_truth_dense_only']:.3f}.",
             f"lookups/s: ids looked up per second spent in the forward of the {len(TABLES)} tables; p50/p99: that "
             f"forward ({BATCH} bags of {BAG} ids per table), which waits for the lookups the last step sent.",
-            "pushed B/step: bytes of gradients sent to the servers per step (the tables' pooled bags' gradient "
-            "with the lookup's ids, which the servers sum into rows; geo: row deltas).",
+            f"pushed B/step: {pushed}.",
             "",
-            f"per server ({r['trainer']}'s traffic; a step sends its pushes and the next batch's lookups together):",
+            f"per server ({r['trainer']}'s traffic; {pushes}):",
             f"{'server':<10}{'messages/step':>15}{'ids looked up/s':>17}{'rows pushed/s':>15}",
         ]
         for server, t in r.get("per_server", {}).items():
@@ -467,21 +514,23 @@ def _rows_held_lines(results: list[dict[str, Any]]) -> list[str]:
     if r is None:
         return []
     rows = r["rows"]
+    curve = r["rows_held_curve"]
     lines = [
         "",
         f"rows held per server, all {len(TABLES)} tables (table_stats() sampled by {r['trainer']} every "
-        f"{r['stats_every']} step(s), {r['stats_ms']:.1f} ms a sample; steps: the tables' steps on the server; "
-        "MB: rows, optimizer state, bookkeeping and admission sketch):",
-        f"{'server':<10}{'steps':>7}{'held first':>12}{'last':>9}{'max':>9}{'admitted':>10}{'evicted':>9}"
+        f"{plural(r['stats_every'], 'training step')}, from step {curve[0][0]} to {curve[-1][0]} as on the PNG's "
+        f"step axis, {r['stats_ms']:.1f} ms a sample; table steps: the tables' own steps on the server by the end, "
+        "which --evict-after-steps counts (sync: one per training step; async: one per trainer's push; "
+        "half_async: one per merge); MB: rows, optimizer state, bookkeeping and admission sketch):",
+        f"{'server':<10}{'table steps':>13}{'held first':>12}{'last':>9}{'max':>9}{'admitted':>10}{'evicted':>9}"
         f"{'MB':>7}{'longest eviction pause ms':>27}",
     ]
     for server, f in rows.items():
-        lines.append(f"{server:<10}{f['steps']:>7,}{f['held_first']:>12,}{f['held_last']:>9,}{f['held_max']:>9,}"
+        lines.append(f"{server:<10}{f['steps']:>13,}{f['held_first']:>12,}{f['held_last']:>9,}{f['held_max']:>9,}"
                      f"{f['admitted']:>10,}{f['evicted']:>9,}{f['bytes'] / 1e6:>7.2f}"
                      f"{f['longest_eviction_pause_s'] * 1e3:>27.2f}")
-    curve = r["rows_held_curve"]
     first, last = (sum(curve[i][1].values()) for i in (0, -1))
-    lines.append(f"{'total':<10}{'':>7}{first:>12,}{last:>9,}{max(sum(h.values()) for _, h in curve):>9,}"
+    lines.append(f"{'total':<10}{'':>13}{first:>12,}{last:>9,}{max(sum(h.values()) for _, h in curve):>9,}"
                  f"{sum(f['admitted'] for f in rows.values()):>10,}{sum(f['evicted'] for f in rows.values()):>9,}"
                  f"{sum(f['bytes'] for f in rows.values()) / 1e6:>7.2f}")
     drawn = "; ".join(f"{x['trainer']} {x['distinct_ids']:,}" for x in results if "distinct_ids" in x)
@@ -489,9 +538,10 @@ def _rows_held_lines(results: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def plot(results: list[dict[str, Any]], path: str) -> str | None:
+def plot(results: list[dict[str, Any]], path: str, title: str | None = None) -> str | None:
     """Write the loss and progressive-AUC curves to ``path`` (PNG), and the rows held per
-    server over the run when they were sampled; None without matplotlib."""
+    server over the run when they were sampled, every panel over the training steps, under
+    ``title`` (:func:`run_title`); None without matplotlib."""
     try:
         import matplotlib
 
@@ -507,7 +557,7 @@ def plot(results: list[dict[str, Any]], path: str) -> str | None:
         steps = [step for step, _ in curve]
         for server in curve[-1][1]:
             rows_ax.plot(steps, [held.get(server, 0) for _, held in curve], label=server, marker=".")
-        rows_ax.set(xlabel="step", ylabel="rows held (all tables)", title="rows held per server")
+        rows_ax.set(xlabel="training step", ylabel="rows held (all tables)", title="rows held per server")
         rows_ax.set_ylim(bottom=0)
         rows_ax.legend()
     for r in results:
@@ -517,14 +567,22 @@ def plot(results: list[dict[str, Any]], path: str) -> str | None:
     if results:
         auc_ax.axhline(results[0]["auc_truth"], color="grey", linestyle="--", label="hidden truth")
         auc_ax.axhline(results[0]["auc_truth_dense_only"], color="grey", linestyle=":", label="truth, dense only")
-    loss_ax.set(xlabel="step", ylabel="loss (binary cross-entropy)", title="training loss")
-    auc_ax.set(xlabel="step", ylabel="AUC", title=f"progressive AUC (last {WINDOW} batches)")
+    loss_ax.set(xlabel="training step", ylabel="loss (binary cross-entropy)", title="training loss")
+    auc_ax.set(xlabel="training step", ylabel="AUC", title=f"training AUC (last {WINDOW} batches) and held-out AUC")
     loss_ax.legend()
     auc_ax.legend(fontsize="small")
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def run_title(args: argparse.Namespace, trainers: int) -> str:
+    """The run in a line: what the summary's first line and the PNG's title say."""
+    return (f"DLRM click model: {plural(args.servers, 'parameter server')}, {plural(trainers, 'trainer')}, "
+            f"mode {args.mode}, {args.steps} steps of {BATCH} clicks per trainer")
 
 
 def _at_least_one(text: str) -> int:
@@ -615,17 +673,21 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             mine = _rank(args)
             results = _gather(mine)
     else:
-        print(f"Starting a local RPC world on loopback: {args.servers} server(s), {args.trainers} trainer(s)...",
-              flush=True)
-        out = run_local(_rank, args.servers + args.trainers, roles={"ps": args.servers, "trainer": args.trainers},
-                        args=(args,), timeout=900, progress=lambda message: say(f"  {message}"),
-                        transport=args.transport)
+        print(f"Starting a local RPC world on loopback: {plural(args.servers, 'server')}, "
+              f"{plural(args.trainers, 'trainer')}...", flush=True)
+        # the trainers' bars share this terminal: they write under one lock (a file's)
+        lock = tempfile.NamedTemporaryFile(prefix="dlrm-demo-bars-", suffix=".lock")
+        args.terminal_lock = lock.name
+        with lock:
+            out = run_local(_rank, args.servers + args.trainers,
+                            roles={"ps": args.servers, "trainer": args.trainers}, args=(args,), timeout=900,
+                            progress=lambda message: say(f"  {message}"), transport=args.transport)
         results = [r for r in out if r is not None]
     if not results:
         return []
     print("\n" + summary(results, args), flush=True)
     if args.plot:
-        written = plot(results, args.plot)
+        written = plot(results, args.plot, run_title(args, len(results)))
         rows = ", rows held per server" if any("rows_held_curve" in r for r in results) else ""
         print(f"loss and AUC curves{rows}: {written}" if written
               else "(install matplotlib, e.g. the project's `plot` extra, for a PNG of the loss and AUC curves)")

@@ -22,13 +22,14 @@ from torch import nn
 from torch.distributed.optim import DistributedOptimizer
 
 from remote_module import RemoteModule
-from remote_module.demos.progress import progress_bar
+from remote_module.demos.progress import bar_hidden, progress_bar
 from rpc_backend import run_local
 
 NUM_EMBEDDINGS = 1000
 DIM = 16
 CLASSES = 4
 BAG = 8
+PLAIN_LINES = 10  # progress lines per run when no bar is shown (stderr no terminal)
 
 
 def synthetic_batch(gen: torch.Generator, teacher: torch.Tensor, batch: int) -> tuple:
@@ -59,8 +60,10 @@ def train(steps: int, batch: int, progress: bool = True) -> dict:
 
     before = eval_loss()
     bar = progress_bar(steps, progress, desc="hybrid training", unit="step")
+    # off a terminal (a pipe, a file) tqdm's frames would pile up on one line: plain lines instead
+    plain_every = max(1, steps // PLAIN_LINES) if progress and bar_hidden(bar) else None
     start = time.perf_counter()
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         ids, offsets, labels = synthetic_batch(gen, teacher, batch)
         with dist_autograd.context() as ctx:
             loss = loss_fn(head(embedding(ids, offsets)), labels)
@@ -68,6 +71,8 @@ def train(steps: int, batch: int, progress: bool = True) -> dict:
             opt.step(ctx)
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.3f}")
+        if plain_every is not None and (step % plain_every == 0 or step == steps):
+            print(f"hybrid training: step {step}/{steps}, loss {loss.item():.3f}", flush=True)
     elapsed = time.perf_counter() - start
     bar.close()
     after = eval_loss()

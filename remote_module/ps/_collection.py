@@ -17,7 +17,16 @@ from remote_module._core import (
     timeout_seconds,
 )
 from remote_module.ps import _packed, _table_server
-from remote_module.ps._embedding import Ahead, Prefetch, at_step, finished, fly, land, told_refusals
+from remote_module.ps._embedding import (
+    Ahead,
+    Prefetch,
+    at_step,
+    finished,
+    fly,
+    land,
+    run_push_plans,
+    told_refusals,
+)
 from remote_module.ps._embedding_bag import ShardedEmbeddingBag
 from remote_module.ps._modes import StepRefusal
 from remote_module.ps._ps_optimizer import GroupedPSOptimizer
@@ -212,6 +221,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 traffic[server]["rows_pushed"] += args[1].numel()
             elif handler is _table_server._push_bag_tables:  # (the lookup's ids: the rows are summed there)
                 traffic[server]["rows_pushed"] += 0 if args[1] is None else args[1].numel()
+            elif handler is _table_server._push_row_deltas:  # geo: the rows' deltas (ids second, not a lookup)
+                traffic[server]["rows_pushed"] += args[1].numel()
             elif len(args) > 1 and isinstance(args[1], torch.Tensor):  # a table's lookup: its ids (or input) second
                 traffic[server]["ids_looked_up"] += args[1].numel()
         return calls
@@ -366,10 +377,16 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     def flush(self) -> None:
         """Wait for the pushes in flight; every table's ``flush`` (half_async: the servers apply
-        what they queued)."""
+        what they queued; geo: the deltas of the rows trained since the last push, every
+        table's in one message per server, counted in :attr:`traffic`)."""
         self._wait_pushes()
+        plans = [plan for table in self.tables().values() if table._geo is not None and table._geo.trained()
+                 for plan in [table._geo_push_plan()] if plan is not None]
+        if plans:
+            self._count([call for plan in plans for call in plan[0]])
+            run_push_plans(plans, self.timeout)
         for table in self.tables().values():
-            table.flush()
+            table.flush()  # (geo: nothing left to push)
 
     def optimizer_state_dict(self) -> dict[str, dict]:
         """``{name: that table's optimizer_state_dict()}``."""

@@ -172,5 +172,12 @@ def run_steps(variant: str, steps: int) -> float:
     return loss
 
 
+def flush(variant: str) -> None:
+    """The end of ``variant``'s training on this trainer (a PSModel's ``flush()``: geo pushes
+    the local steps since its last push, which it warns of when left unpushed)."""
+    if variant != TUTORIAL:
+        _trainer[variant].model.flush()
+
+
 def ps_stats(variant: str) -> dict:
     return _trainer[variant].model.stats()

@@ -1,16 +1,24 @@
 """`make demo`'s main job (remote_module/demos/dlrm.py), shortened: the summary's figures are
 present and sane, and the command line refuses what it cannot run."""
 
+import fcntl
 import importlib.util
 import itertools
 import math
+import os
+import pty
+import re
+import struct
+import sys
+import termios
 
 import pytest
 import torch
 
 from remote_module.demos import dlrm as dlrm_demo
 
-COLUMNS = ("trainer", "loss first -> last", "AUC", "steps/s", "lookups/s", "pushed B/step", "p50 ms", "p99 ms")
+COLUMNS = ("trainer", "loss first -> last", "train AUC", "held-out AUC", "steps/s", "lookups/s", "pushed B/step",
+           "p50 ms", "p99 ms")
 
 
 @pytest.mark.slow
@@ -37,8 +45,12 @@ def test_short_run_learns_and_reports_sane_figures(capfd):
     assert all(c in header for c in COLUMNS), header
     for r in results:
         line = next(line for line in out.splitlines() if line.startswith(r["trainer"] + " "))
-        assert f"{r['auc']:.3f}" in line and f"{r['steps_per_s']:.1f}" in line, line
-    assert "mode async, 40 steps" in out and "the hidden truth scores" in out
+        assert line.split()[4:6] == [f"{r['auc_train']:.3f}", f"{r['auc']:.3f}"], line
+        assert f"{r['steps_per_s']:.1f}" in line, line
+        assert r["auc_train"] == r["auc_curve"][-1][1]
+    assert "1 parameter server, 2 trainers, mode async, 40 steps" in out and "the hidden truth scores" in out
+    assert "train AUC: of the last 20 training batches" in out and "held-out AUC: on 4096 held-out clicks" in out
+    assert "(71.0 MB of weights)" in out  # eager tables
     # a plain run samples no table_stats() and keeps eager tables
     assert all("rows" not in r and "distinct_ids" not in r for r in results)
     assert "rows held per server" not in out and "(lazy)" not in out
@@ -56,6 +68,7 @@ def test_stream_with_admission_and_eviction_holds_a_bounded_number_of_rows(capfd
     rows, curve = r["rows"], r["rows_held_curve"]
     assert list(rows) == ["ps0", "ps1"], rows
     assert r["stats_every"] == 1 and [step for step, _ in curve] == list(range(1, 31)), curve
+    bytes_held = sum(f["bytes"] for f in rows.values())
     totals = [sum(held.values()) for _, held in curve]
     for server, f in rows.items():
         assert f["steps"] == 30, f
@@ -70,8 +83,16 @@ def test_stream_with_admission_and_eviction_holds_a_bounded_number_of_rows(capfd
     out = capfd.readouterr().out
     lines = out.splitlines()
     assert "ids: --stream:" in out and "evicted after 6 of its table's steps unstepped" in out, out
+    # lazy tables are shown with what they held, not with an eager table's size; one trainer
+    tables = next(line for line in lines if line.startswith("tables: "))
+    assert (f"(lazy: rows created as admitted; at the end the servers held {bytes_held / 1e6:.2f} MB: rows, "
+            "their optimizer state and bookkeeping; eager, their weights alone would take 71.0 MB)") in tables, tables
+    assert "2 parameter servers, 1 trainer, mode async" in out and "(1 trainer)" in out, out
+    assert "(s)" not in out and "1 trainers" not in out, out
     at = next(i for i, line in enumerate(lines) if line.startswith("rows held per server, all 3 tables"))
-    assert lines[at + 1].split()[:5] == ["server", "steps", "held", "first", "last"], lines[at + 1]
+    # the table counts the tables' steps on the servers, and says so beside the PNG's axis
+    assert "every 1 training step, from step 1 to 30 as on the PNG's step axis" in lines[at], lines[at]
+    assert lines[at + 1].split()[:5] == ["server", "table", "steps", "held", "first"], lines[at + 1]
     for k, (server, f) in enumerate(rows.items(), at + 2):
         assert lines[k].split()[:6] == [server, "30", f"{f['held_first']:,}", f"{f['held_last']:,}",
                                         f"{f['held_max']:,}", f"{f['admitted']:,}"], lines[k]
@@ -82,6 +103,28 @@ def test_stream_with_admission_and_eviction_holds_a_bounded_number_of_rows(capfd
     else:
         assert f"loss and AUC curves, rows held per server: {png}" in out
         assert png.read_bytes().startswith(b"\x89PNG"), png
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_geo_reports_the_rows_its_deltas_push_and_how_geo_sends(capfd):
+    # geo pushes row deltas every GEO_PUSH_EVERY steps and at the end (25 steps: two pushes),
+    # not a step's gradients with the next lookups: the per-server figures count those rows
+    results = dlrm_demo.main(["--mode", "geo", "--servers", "2", "--trainers", "1", "--steps", "25", "--no-progress",
+                              "--plot", ""])
+    (r,) = results
+    assert set(r["per_server"]) == {"ps0", "ps1"}
+    for server, t in r["per_server"].items():
+        assert t["rows_pushed_per_s"] > 0, (server, t)
+    out = capfd.readouterr().out
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("per server ("))
+    assert "geo: a trainer trains its cached rows itself" in lines[at], lines[at]
+    assert f"every {dlrm_demo.GEO_PUSH_EVERY} steps (and at the end) the deltas" in lines[at], lines[at]
+    assert "a step sends its pushes and the next batch's lookups together" not in out, out
+    for k, (server, t) in enumerate(r["per_server"].items(), at + 2):
+        assert lines[k].split()[0] == server and lines[k].split()[-1] == f"{t['rows_pushed_per_s']:,.0f}", lines[k]
+    assert "pushed B/step: bytes of row deltas" in out, out
 
 
 def test_stream_ids_drift_and_keep_a_popular_head():
@@ -101,15 +144,28 @@ def test_stream_ids_drift_and_keep_a_popular_head():
     assert all(torch.equal(x, y) for x, y in zip(a.ids, b.ids))
 
 
-def test_the_png_gets_a_rows_held_panel_when_rows_were_sampled(tmp_path):
+def test_the_png_gets_a_rows_held_panel_when_rows_were_sampled(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
+    import matplotlib.figure
+
+    saved = []
+    real_savefig = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda fig, *a, **k: (saved.append(fig), real_savefig(fig, *a, **k))[1])
     result = {"trainer": "trainer0", "losses": [0.7, 0.6], "auc_curve": [(2, 0.6)], "auc": 0.6, "auc_truth": 0.8,
               "auc_truth_dense_only": 0.7, "rows_held_curve": [(1, {"ps0": 0, "ps1": 0}), (2, {"ps0": 5, "ps1": 7})]}
-    assert dlrm_demo.plot([result], str(tmp_path / "rows.png")) == str(tmp_path / "rows.png")
+    args = dlrm_demo.parse_args(["--mode", "sync", "--servers", "2", "--trainers", "1", "--steps", "2"])
+    title = dlrm_demo.run_title(args, 1)
+    assert title == "DLRM click model: 2 parameter servers, 1 trainer, mode sync, 2 steps of 128 clicks per trainer"
+    assert dlrm_demo.plot([result], str(tmp_path / "rows.png"), title) == str(tmp_path / "rows.png")
     import matplotlib.image
 
     height, width = matplotlib.image.imread(tmp_path / "rows.png").shape[:2]
     assert width > 3 * height  # three panels side by side: 15 x 3.8 inches (two: 10 x 3.8)
+    # titled with the run, every panel over the same steps: the training steps
+    (fig,) = saved
+    assert fig._suptitle is not None and fig._suptitle.get_text() == title
+    assert [ax.get_xlabel() for ax in fig.axes] == ["training step"] * 3
 
 
 def _check_progress_lines(lines: list[str], steps: int) -> None:
@@ -125,15 +181,20 @@ def _check_progress_lines(lines: list[str], steps: int) -> None:
     world = [index("Starting a local RPC world"), index("  started 3 processes (ps0, trainer0, trainer1)"),
              index("  all 3 ranks joined the RPC world")]
     assert world == sorted(world), lines
+    # the setup, the same on every trainer, is told once (by trainer0)
+    setup = ["forming the trainers' DDP group (2 trainers)", "building the dense model",
+             *(f"creating table {name} " for name in dlrm_demo.TABLES), f"training {steps} steps"]
+    at = [index(p) for p in setup]
+    assert at == sorted(at) and at[0] > world[1], (setup, lines)
+    for phase in setup:
+        assert sum(line.startswith(phase) and "(still, " not in line for line in lines) == 1, (phase, lines)
     for t in ("trainer0", "trainer1"):
-        phases = [f"{t}: forming the trainers' DDP group",
-                  *(f"{t}: creating table {name} " for name in dlrm_demo.TABLES),
-                  f"{t}: building the dense model", f"{t}: training {steps} steps", f"{t}: {steps} steps done; scoring",
-                  f"{t}: finished"]
-        at = [index(p) for p in phases]
-        assert at == sorted(at) and at[0] > world[1], (phases, lines)
+        phases = [f"{t}: {steps} steps done; scoring", f"{t}: finished"]
+        mine = [index(p) for p in phases]
+        assert mine == sorted(mine) and mine[0] > at[-1], (phases, lines)
         assert index(f"{t}: finished") < index("  all 3 ranks returned; shutting the RPC world down")
     assert index("  all 3 ranks returned") < index("trainer    loss first -> last")
+    assert not any(line.startswith(("trainer0: forming", "trainer1: forming", "trainer1: creating")) for line in lines)
     for line in lines:  # one process's line never runs into another's
         assert line.count("trainer0:") + line.count("trainer1:") + line.count("ps0:") <= 1, line
 
@@ -203,3 +264,61 @@ def test_under_torchrun_impossible_splits_are_refused(argv, message, capsys, mon
     with pytest.raises(SystemExit):
         dlrm_demo.parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def _screen(raw: str) -> list[str]:
+    """What a terminal shows after ``raw``: text, carriage returns, newlines, cursor up."""
+    screen: list[list[str]] = [[]]
+    row = col = 0
+    at = 0
+    while at < len(raw):
+        escape = re.match(r"\x1b\[(\d*)([A-Za-z])", raw[at:])
+        if escape:
+            if escape.group(2) == "A":
+                row = max(0, row - int(escape.group(1) or 1))
+            elif escape.group(2) == "K":
+                del screen[row][col:]
+            at += escape.end()
+            continue
+        char, at = raw[at], at + 1
+        if char == "\r":
+            col = 0
+        elif char == "\n":
+            row += 1
+            screen.extend([] for _ in range(row + 1 - len(screen)))
+        else:
+            line = screen[row]
+            line.extend(" " * (col - len(line)))
+            line[col:col + 1] = [char]
+            col += 1
+    return ["".join(line).rstrip() for line in screen]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_on_a_terminal_the_setup_lines_and_the_bars_do_not_clobber_each_other():
+    # the trainers share the terminal: the setup is told once, then one bar per trainer, each
+    # on its own line (no half-drawn first frame left behind, no line overwritten)
+    pytest.importorskip("tqdm")
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: a 120 x 40 terminal, the demo on it
+        fcntl.ioctl(1, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+        os.execv(sys.executable, [sys.executable, "-m", "remote_module.demos.dlrm", "--servers", "1", "--trainers",
+                                  "2", "--steps", "20", "--plot", ""])
+    raw = b""
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        raw += chunk
+    _, status = os.waitpid(pid, 0)
+    screen = _screen(raw.decode("utf-8", "replace"))
+    assert os.waitstatus_to_exitcode(status) == 0, screen
+    start = next(i for i, line in enumerate(screen) if line.startswith("training 20 steps"))
+    bars = screen[start + 1:start + 3]
+    assert [line.split("|")[0].split() for line in bars] == [["trainer0:", "100%"], ["trainer1:", "100%"]], screen
+    assert not any(" 0%|" in line for line in screen), screen  # a first frame left behind
+    assert sum(line.startswith("creating table user") and "(still, " not in line for line in screen) == 1, screen

@@ -712,3 +712,30 @@ def packed_push_rows(job: str) -> dict:
     model.step()
     model.flush()
     return {"bags": bags, "rows": rows, "all_bags": sum(v.shape[0] for v in got.values())}
+
+
+def geo_traffic(job: str) -> dict:
+    """A geo collection (deltas pushed every 2 steps) trained 3 steps, then flushed: its
+    traffic after the steps and after the flush, and the distinct rows looked up (so cached) in
+    each push's interval (steps 1-2, step 3), whose deltas those pushes carry (the padding
+    row's too, a zero delta)."""
+    from remote_module.ps import ShardedEmbeddingBag, ShardedEmbeddingBagCollection
+
+    specs = {name: SPECS[name] for name in ("items", "users")}
+    tables = {name: ShardedEmbeddingBag(rows, 4, ["ps0", "ps1"], name=f"{job}-{name}", mode=mode, padding_idx=pad,
+                                        optimizer=(torch.optim.Adagrad, {"lr": 0.2}), min_block_size=40,
+                                        ps_mode="geo", geo_push_every=2)
+              for name, (rows, mode, pad) in specs.items()}
+    model = ShardedEmbeddingBagCollection(tables)
+    cached: list[dict[str, list]] = [{name: [] for name in specs} for _ in range(2)]
+    for step, (feats, targets) in enumerate(features(4, 3)):
+        feats = {name: feats[name] for name in specs}
+        got = model(feats)
+        sum(((got[k] - targets[k]) ** 2).sum() for k in got).backward()
+        model.step()
+        for name, value in feats.items():
+            cached[step // 2][name].append(_args(value)[0].flatten())
+    after_steps = {server: dict(t) for server, t in model.traffic.items()}
+    model.flush()
+    return {"steps": after_steps, "flushed": {server: dict(t) for server, t in model.traffic.items()},
+            "cached": [sum(int(torch.cat(ids).unique().numel()) for ids in part.values()) for part in cached]}

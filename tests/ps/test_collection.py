@@ -272,3 +272,14 @@ def test_plain_tables_of_two_dims_no_bags_or_one_server_equal_the_tables_alone(w
     assert together["messages"][1] == {"ps0": 1}  # every id of the second batch is on ps0
     assert "step must be nonzero" in together["refusal"] and "'views'" in together["refusal"]
     assert "step must be nonzero" in alone["refusal"]
+
+
+def test_a_geo_collections_traffic_counts_the_rows_its_deltas_push_and_its_flush(world):
+    # geo pushes row deltas (not gradients): they are rows pushed, not ids looked up, and the
+    # flush's push of the last steps' rows travels (and is counted) one message per server
+    got = world.run({"trainer0": (r.geo_traffic, name("geo-traffic"))})["trainer0"]
+    steps, flushed, cached = got["steps"], got["flushed"], got["cached"]
+    assert sum(t["rows_pushed"] for t in steps.values()) == cached[0]  # the push after step 2
+    assert sum(t["rows_pushed"] for t in flushed.values()) == cached[0] + cached[1]
+    assert {s: t["messages"] - steps[s]["messages"] for s, t in flushed.items()} == {"ps0": 1, "ps1": 1}
+    assert {s: t["ids_looked_up"] for s, t in flushed.items()} == {s: t["ids_looked_up"] for s, t in steps.items()}
