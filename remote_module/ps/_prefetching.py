@@ -7,6 +7,8 @@ from collections import deque
 from functools import partial
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
+from torch import nn
+
 from remote_module.ps._collection import ShardedEmbeddingBagCollection
 from remote_module.ps._embedding import ShardedEmbedding
 
@@ -78,10 +80,18 @@ def prefetching(batches: Iterable, tables: Any, features: Callable[[Any], Any] |
             bag.step()
     """
     single = isinstance(tables, _PREFETCHERS)
-    targets: Sequence = [tables] if single else list(tables)
+    wanted = ("prefetching takes a ShardedEmbedding, ShardedEmbeddingBag or ShardedEmbeddingBagCollection, "
+              "or a sequence of them")
+    if not single and isinstance(tables, nn.Module) and not isinstance(tables, nn.ModuleList):
+        # (a model holding tables, a PSModel: its tables are what the lookups go to)
+        raise TypeError(f"{wanted}, got a {type(tables).__name__}: pass the tables (or their collection) it holds, "
+                        "and call its step() as usual; a PSModel's step() sends their prefetched lookups")
+    try:
+        targets: Sequence = [tables] if single else list(tables)
+    except TypeError:
+        raise TypeError(f"{wanted}, got {tables!r:.200}") from None
     if not targets or not all(isinstance(t, _PREFETCHERS) for t in targets):
-        raise TypeError("prefetching takes a ShardedEmbedding, ShardedEmbeddingBag or ShardedEmbeddingBagCollection, "
-                        f"or a sequence of them, got {tables!r:.200}")
+        raise TypeError(f"{wanted}, got {tables!r:.200}")
     if features is not None and not callable(features):
         raise TypeError(f"features must be a function of a batch, got {features!r:.100}")
     if not isinstance(overlap, bool):

@@ -383,3 +383,18 @@ def test_prefetching_over_a_psmodels_tables_sends_one_message_per_server_per_ste
     assert ahead["messages"] == {"ps0": steps + 2, "ps1": steps + 2}, ahead["messages"]
     if holds == "collection":  # (the first forward's lookup, then one message per step)
         assert ahead["traffic"] == {"ps0": steps + 1, "ps1": steps + 1}, ahead["traffic"]
+
+
+@pytest.mark.parametrize("given", ["model", "number"])
+def test_prefetching_over_what_is_not_a_table_says_what_to_pass(given):
+    # a model holding tables (a PSModel, say) is not what prefetching looks up: it says to pass
+    # the tables or their collection, at the first batch, before any lookup
+    from torch import nn
+
+    from remote_module.ps import prefetching
+
+    bad = nn.Sequential(nn.Linear(2, 2), nn.ReLU()) if given == "model" else 5
+    with pytest.raises(TypeError, match="prefetching takes a ShardedEmbedding") as err:
+        next(prefetching([1, 2], bad))
+    if given == "model":
+        assert "pass the tables (or their collection) it holds" in str(err.value)
