@@ -12,6 +12,7 @@ stops the world within seconds instead of hanging it.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import io
 import logging
@@ -338,11 +339,15 @@ def _check_importable(fn: Any) -> None:
     if not callable(fn):
         raise TypeError(f"run_local's fn must be callable, got {fn!r}")
     modules: set[str | None] = set()
+    from_main: set[str] = set()  # the top-level names in __main__ that fn refers to
 
     class Recorder(pickle.Pickler):
         def reducer_override(self, obj: Any) -> Any:
             if isinstance(obj, type) or callable(obj) and hasattr(obj, "__qualname__"):
-                modules.add(getattr(obj, "__module__", None))
+                module = getattr(obj, "__module__", None)
+                modules.add(module)
+                if module == "__main__":
+                    from_main.add(str(obj.__qualname__).split(".")[0])
             return NotImplemented
 
     try:
@@ -359,6 +364,58 @@ def _check_importable(fn: Any) -> None:
             f"in __main__ of a session that has no file the ranks could import (python -c, stdin, a "
             f"notebook); put it in a file, a module or the script you run, and import it from there"
         )
+    guarded = sorted(from_main - _main_top_level_names(main)) if from_main and main is not None else []
+    if guarded:
+        raise TypeError(
+            f"run_local cannot send fn {_callable_name(fn)} to its ranks: {', '.join(guarded)} is defined under "
+            f"`if __name__ == \"__main__\":` in {main.__file__}, which the ranks do not run (each imports the "
+            f"script as __mp_main__, as a spawned process does); define it at the script's top level"
+        )
+
+
+def _main_top_level_names(main: Any) -> set[str]:
+    """The names the script run as ``__main__`` binds at its top level outside an
+    ``if __name__ == "__main__":`` block (what a rank importing it has); every name of
+    ``main`` when that cannot be told (no source file, a star import)."""
+    everything = set(vars(main))
+    path = getattr(main, "__file__", None)
+    try:
+        with open(path, encoding="utf-8") as f:  # type: ignore[arg-type]
+            tree = ast.parse(f.read())
+    except (OSError, TypeError, SyntaxError, ValueError):
+        return everything
+
+    def is_main_guard(test: ast.expr) -> bool:
+        return (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__"
+                and len(test.comparators) == 1 and isinstance(test.comparators[0], ast.Constant)
+                and test.comparators[0].value == "__main__")
+
+    names: set[str] = set()
+    body = list(tree.body)
+    while body:
+        node = body.pop()
+        if isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names):
+            return everything
+        if isinstance(node, ast.If) and is_main_guard(node.test):
+            body += node.orelse
+            continue
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+            continue
+        stores = [n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)]
+        if isinstance(node, (ast.If, ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.Try)):
+            # a block: its statements bind at the top level too (the walk above over-counts names
+            # bound inside functions defined in it: that only lets more through)
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.stmt):
+                    body.append(child)
+                elif isinstance(child, ast.excepthandler):
+                    body += child.body
+        names.update(stores)
+    return names
 
 
 def _main_importable(main: Any) -> bool:

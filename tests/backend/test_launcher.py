@@ -316,3 +316,25 @@ def test_the_forking_process_killed_is_named():
 
     with pytest.raises(LocalWorldError, match=r"the process that forked the ranks \(pid \d+\) exited with code -9"):
         run_local(_zygote_remote.kill_the_forking_process, 2, timeout=120)
+
+
+@pytest.mark.parametrize("where", ["guard", "top"])
+def test_a_function_defined_under_the_main_guard_is_refused_naming_it(where):
+    # the ranks import the script as __mp_main__ without running its `if __name__ == "__main__":`
+    # block: a function defined there is refused in the caller, named, before any rank starts
+    # (before: each rank failed with "Can't get attribute 'work' on <module '__mp_main__'>");
+    # one defined at the top level, even inside another block, is sent as before
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "scripts" / "guarded_fn_job.py"
+    args = [] if where == "guard" else ["top"]
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=170)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    if where == "guard":
+        assert done.stdout.startswith("REFUSED"), done.stdout + done.stderr[-3000:]
+        assert "guarded_work is defined under `if __name__ == \"__main__\":`" in done.stdout, done.stdout
+        assert "guarded_fn_job.py" in done.stdout and "top level" in done.stdout, done.stdout
+    else:
+        assert done.stdout.splitlines()[-1] == "RESULT [7, 7]", done.stdout + done.stderr[-3000:]
