@@ -356,8 +356,10 @@ class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
 
     def __deepcopy__(self, memo: dict) -> RemoteModule:
         """A proxy of a copy of the remote module, made on its host: ``copy.deepcopy(model)``
-        copies a model holding proxies as it copies a local model (an early-stopping snapshot,
-        ``AveragedModel``). Proxies of one remote module inside the copied object share one copy.
+        copies a model holding proxies as it copies a local model (an early-stopping snapshot).
+        Proxies of one remote module inside the copied object share one copy. (``AveragedModel``
+        averages ``model.parameters()``, where a proxy has only its handle: it does not average
+        the remote weights; see tutorials/remote-module.md.)
         """
         self._sync_requires_grad()
         which = id(self.module_rref) if self.module_key is None else self.module_key  # scriptable: by RRef
