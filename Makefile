@@ -44,8 +44,10 @@ demo-hybrid: $(STAMP)
 	$(PYTHON) -m remote_module.demos.hybrid $(ARGS)
 
 # Two pytest processes (pytest-xdist; a file's tests stay in one process, the files that start
-# many processes first, see tests/conftest.py): on 2 cores 298 s against 463-508 s in one
-# process, most of a test's time being waits (deadlines, worlds starting). One process:
+# many processes first, see tests/conftest.py), most of a test's time being waits (deadlines,
+# worlds starting). About 1,600 tests: 447 s on 2 cores at load ~3 (Dec 2026); 12-20 minutes
+# at load 4-13, and 40-60 minutes beside 18 busy loops, were seen on the same kind of machine.
+# One process (slower):
 #   make TEST_FLAGS= test
 TEST_FLAGS ?= -n 2 --dist loadfile --no-loadscope-reorder
 test: $(STAMP)
