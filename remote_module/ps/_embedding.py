@@ -1025,6 +1025,21 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
     def _step_of(self, name: str) -> int:
         return self._step
 
+    def _applied_or_told(self) -> None:
+        """(sync) Wait until this trainer's last step is applied on every server (a lookup of no
+        ids at that step); a step of the table the servers refused that this trainer was not
+        told of raises here, once, as its next lookup would (:func:`told_refusals`): a job whose
+        last step was refused hears of it at its checkpoint (``flush()`` waits for no other
+        trainer: a sync step it pushed is told of at the next lookup or checkpoint)."""
+        nothing = torch.empty(0, dtype=torch.long)
+        calls = [(s, _table_server._rows_for, (self.name, nothing, self._step, None, self._wait_s()))
+                 for s in self._by_server]
+        try:
+            call_all(at_step(calls, self._step_of), timeout=self.timeout)
+        except StepRefusal as exc:
+            told_refusals(exc, [self.name])
+            raise
+
     def _wait_pushes(self) -> None:
         """Wait for this table's pushes in flight (its last step's, or a collection's step's),
         raising a failed push's error (once; the gradients are kept for a retry)."""

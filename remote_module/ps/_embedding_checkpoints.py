@@ -40,7 +40,7 @@ def _aged(last: torch.Tensor, lag: int) -> torch.Tensor:
 
 class TableCheckpoints:
     """Checkpoint methods of :class:`remote_module.ps.ShardedEmbedding` (which provides
-    ``name``, ``ps_mode``, ``init``, ``timeout``, the layout ``_ranges`` / ``_by_server`` /
+    ``name``, ``ps_mode``, ``init``, ``timeout``, ``_applied_or_told()``, the layout ``_ranges`` / ``_by_server`` /
     ``_by_owner()``, ``_step``, ``_wait_s()``, ``flush()``, and in geo mode ``_geo`` and
     ``_geo_push()``)."""
 
@@ -53,10 +53,7 @@ class TableCheckpoints:
         if self.ps_mode == "geo":
             self._geo_push()
         elif self.ps_mode == "sync":
-            nothing = torch.empty(0, dtype=torch.long)
-            call_all([(s, _table_server._rows_for, (self.name, nothing, self._step, None, self._wait_s()))
-                      for s in self._by_server],
-                     timeout=self.timeout)
+            self._applied_or_told()  # (a refused step this trainer was not told of raises here)
         elif self.ps_mode == "half_async":
             self.flush()
 

@@ -482,3 +482,34 @@ def refused_step(name: str, trainer: int, where: str) -> dict:
     if where == "psmodel":
         values.update({f"lin.{k}": v.detach().clone() for k, v in module.lin.state_dict().items()})
     return {"errors": errors, "values": values}
+
+
+def last_step_refused(name: str, trainer: int, how: str) -> dict:
+    """Two sync trainers of a sum bag whose last step the servers refuse (trainer1 halves its lr
+    at it), then a checkpoint ends the job (``how``: "state_dict", "optimizer_state_dict";
+    "collection": the bag in a collection, whose state_dict()): what it raised (once), and the
+    rows after it and before the refused step."""
+    from remote_module.ps import ShardedEmbeddingBag, ShardedEmbeddingBagCollection
+
+    table = ShardedEmbeddingBag(ROWS, DIM, ["ps0", "ps1"], name=name, mode="sum", ps_mode="sync", num_trainers=2,
+                                optimizer=(torch.optim.SGD, {"lr": REFUSED_LR}), min_block_size=ROWS // 2 * DIM,
+                                timeout=10)
+    table.load_state_dict({"weight": initial_rows()})
+    model = ShardedEmbeddingBagCollection({"a": table}) if how == "collection" else table
+    before = None
+    for k in range(REFUSED_STEPS):
+        last = k == REFUSED_STEPS - 1
+        table.ps_optimizer.param_groups[0]["lr"] = REFUSED_LR / 2 if (trainer == 1 and last) else REFUSED_LR
+        if last:
+            before = table.state_dict()["weight"].clone()
+        ids, offsets, target = bag_batch(trainer, k)
+        out = model({"a": (ids, offsets)})["a"] if how == "collection" else model(ids, offsets)
+        ((out - target) ** 2).mean().backward()
+        model.step()
+    raised = []
+    for _ in range(2):  # (told once: the second call goes on)
+        try:
+            table.optimizer_state_dict() if how == "optimizer_state_dict" else model.state_dict()
+        except ValueError as exc:
+            raised.append(str(exc))
+    return {"raised": raised, "before": before, "after": table.state_dict()["weight"].clone()}

@@ -319,3 +319,18 @@ def test_a_refused_sync_step_is_told_to_every_trainer_and_training_goes_on_witho
     for t in ("trainer0", "trainer1"):
         for key, value in want.items():
             torch.testing.assert_close(got[t]["values"][key], value, rtol=1e-5, atol=1e-6, msg=f"{t} {key}")
+
+
+@pytest.mark.parametrize("how", ["state_dict", "optimizer_state_dict", "collection"])
+def test_a_refused_last_sync_step_is_told_at_the_jobs_checkpoint(world, how):
+    """A job whose last sync step the servers refuse ends with a checkpoint, with no lookup
+    after it: each trainer gets the ValueError naming the lr and both values there (once), and
+    the rows are those before the refused step. Before, the checkpoint returned as if the step
+    had been applied, and silently lacked it."""
+    name = job(f"lr-last-refused-{how}")
+    got = world.run({f"trainer{t}": (r.last_step_refused, name, t, how) for t in range(2)})
+    for t in ("trainer0", "trainer1"):
+        raised = got[t]["raised"]
+        assert len(raised) == 1, (t, raised)
+        assert "'lr' differ" in raised[0] and "trainer0: 0.5" in raised[0] and "trainer1: 0.25" in raised[0], raised
+        assert torch.equal(got[t]["after"], got[t]["before"]), t
