@@ -185,19 +185,25 @@ def test_many_micro_batches_stay_within_the_window_and_a_failure_still_cancels_t
 # ---- a slow or held stage against the pipeline's timeout -------------------------------------
 
 
-def test_a_slow_last_stage_times_out_naming_it_and_late_answers_are_dropped(two):
-    x = batch(2)
-    two.pipe.timeout = 1.5
-    key = "pf-slow-last"
-    two.set(1, gate=key)  # held until the forward failed: slower than the timeout at any speed
+def _fails_while_held(world, stage: int, key: str, x: torch.Tensor) -> tuple[pytest.ExceptionInfo, float]:
+    """The forward of ``x`` with stage ``stage`` held on the gate ``key`` until the forward
+    failed (slower than the timeout at any speed): its ``CallTimeout`` and the seconds it took."""
+    world.set(stage, gate=key)
     start = _clock()
     try:
         with pytest.raises(CallTimeout) as info:
-            two.pipe(x)
+            world.pipe(x)
         elapsed = _clock() - start
     finally:
-        two.reset()
-        rpc.rpc_sync(two.workers[1], gates.release, (key,))
+        world.reset()
+        rpc.rpc_sync(world.workers[stage], gates.release, (key,))
+    return info, elapsed
+
+
+def test_a_slow_last_stage_times_out_naming_it_and_late_answers_are_dropped(two):
+    x = batch(2)
+    two.pipe.timeout = 1.5
+    info, elapsed = _fails_while_held(two, 1, "pf-slow-last", x)
     assert elapsed < 1.5 + SLACK, elapsed
     # named by stage 0, which waited for it: not the caller's own timeout naming stage 0
     assert "pipeline stage 1 on worker 'worker2'" in str(info.value), str(info.value)
@@ -209,16 +215,7 @@ def test_a_micro_batch_queued_behind_a_slow_one_on_stage_0_times_out_too(two):
     x = batch(2)
     two.pipe.timeout = 1.0
     before = two.counts(0)["entered"]
-    key = "pf-slow-first"
-    two.set(0, gate=key)  # held until the forward failed: slower than the timeout at any speed
-    start = _clock()
-    try:
-        with pytest.raises(CallTimeout) as info:
-            two.pipe(x)
-        elapsed = _clock() - start
-    finally:
-        two.reset()
-        rpc.rpc_sync(two.workers[0], gates.release, (key,))
+    info, elapsed = _fails_while_held(two, 0, "pf-slow-first", x)
     assert elapsed < 1.0 + SLACK, elapsed
     assert "pipeline stage 0 on worker 'worker1'" in str(info.value), str(info.value)
     wait_until(lambda: two.counts(0)["left"] == two.counts(0)["entered"], 10, "stage 0 finished micro-batch 0")
