@@ -66,6 +66,7 @@ def _rank_entry(
     results: Any,
 ) -> None:
     exit_with_parent(parent_pid)  # a parent killed outright (SIGKILL) cannot stop its ranks
+    signal.signal(signal.SIGINT, _interrupt_once)
     hide_functional_optimizer_deprecation()
     # The user's script runs here as __mp_main__: show the DeprecationWarnings its own lines
     # trigger, as Python's default filters do for __main__ (a plain run or torchrun).
@@ -114,6 +115,15 @@ def _rank_entry(
         _send(results, ("error", rank, str(exc)))
         os._exit(1)
     _send(results, ("ok", rank, payload))
+
+
+def _interrupt_once(signum: int, frame: Any) -> None:
+    """A rank's SIGINT handler: the first raises ``KeyboardInterrupt`` as Python's own does;
+    later ones are ignored. The same Ctrl-C has reached the launcher, which stops every rank,
+    so a second one (``timeout`` and some shells send it again to the whole group) would only
+    interrupt the rank's report of the first, printing chained tracebacks."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def _report_failure(results: Any, rank: int, exc: BaseException) -> None:
