@@ -395,6 +395,12 @@ class TableCheckpoints:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
             return (f"ids: rows {int(ids.min())}..{int(ids.max())}, but the table has num_embeddings="
                     f"{self.num_embeddings} (save and load tables of the same size)")
+        if ids.numel():
+            unique, counts = torch.unique(ids, return_counts=True)
+            if bool((counts > 1).any()):  # which of two rows for one id would win is undefined
+                twice = unique[counts > 1]
+                return (f"ids: {twice.numel()} row id(s) appear more than once, e.g. {int(twice[0])} "
+                        f"({int(counts.max())} times); a checkpoint holds each row once")
         for key, value in rows.items():
             shape = (ids.numel(), self.embedding_dim)
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
