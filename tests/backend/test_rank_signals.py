@@ -3,7 +3,6 @@ KeyboardInterrupt; a second one, which ``timeout`` and some shells send again to
 process group, must not interrupt the rank's report of the first (chained tracebacks)."""
 
 import os
-import signal
 import subprocess
 import sys
 
