@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests._deadlines import HANG_S, SETUP_S
 from tests._transport import world_options
 
 # One intra-op thread per process, here and in every rank the tests start (they inherit it),
@@ -24,7 +25,11 @@ from tests._transport import world_options
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
-RPC_TIMEOUT = 20.0
+#: the session world's rpc_timeout while it starts (torch's rendezvous and first all-gather use
+#: it), then the default deadline of calls made without one: both must outlast a loaded
+#: machine (tests/_deadlines.py); every call whose failure a test expects gives its own timeout
+RPC_TIMEOUT = SETUP_S
+CALL_TIMEOUT = HANG_S
 #: rank -> name. ``bare`` is reserved for the test that checks a host nothing was run on.
 WORLD = ("worker0", "worker1", "worker2", "bare")
 
@@ -48,7 +53,7 @@ def rpc_world():
     helpers = [
         subprocess.Popen(
             [sys.executable, "-m", "tests._helper_worker", name, str(rank), str(len(WORLD)), init_method,
-             str(RPC_TIMEOUT), str(os.getpid())],
+             str(RPC_TIMEOUT), str(os.getpid()), str(CALL_TIMEOUT)],
             cwd=ROOT,
             env=env,
         )
@@ -60,13 +65,14 @@ def rpc_world():
             init_method=init_method, rpc_timeout=RPC_TIMEOUT, num_worker_threads=16
         )
         rpc.init_rpc(WORLD[0], rank=0, world_size=len(WORLD), rpc_backend_options=options)
+        rpc._set_rpc_timeout(CALL_TIMEOUT)
         yield World(WORLD)
-        # graceful, but never a hung session: raises (fails loudly) if not done within 30 s
-        shutdown_rpc(graceful=True, timeout=30)
+        # graceful, but never a hung session: raises (fails loudly) if not done within HANG_S
+        shutdown_rpc(graceful=True, timeout=HANG_S)
     finally:
         for p in helpers:
             try:
-                p.wait(timeout=10)
+                p.wait(timeout=HANG_S)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()

@@ -13,11 +13,14 @@ import pytest
 
 from rpc_backend import loopback_env
 from tests._avoidable import no_avoidable_warnings
+from tests._deadlines import HANG_S, SETUP_S
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = (ROOT / "tutorials" / "torchrun.md").read_text()
 COMMANDS = [line for line in DOC.splitlines() if line.startswith("torchrun ") and "torchrun_job.py" in line]
 PS_COMMANDS = [line for line in DOC.splitlines() if line.startswith("torchrun ") and "parameter_server.py" in line]
+#: a hang guard for one torchrun job: starting its world (SETUP_S), then its short run
+JOB_S = SETUP_S + HANG_S
 DLRM_COMMANDS = [
     line for line in DOC.splitlines() if line.startswith("torchrun ") and "remote_module.demos.dlrm" in line
 ]
@@ -60,9 +63,8 @@ def test_doc_has_the_commands():
     ]
 
 
-@pytest.mark.timeout(150)
 def test_single_machine():
-    out = subprocess.run(_argv(COMMANDS[0]), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=140)
+    out = subprocess.run(_argv(COMMANDS[0]), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=JOB_S)
     assert out.returncode == 0, out.stderr[-3000:]
     _check(out.stdout, trainers=2)
     # init_from_env keeps gloo's per-rank "Backend ... as a ProcessGroup" off the console, and
@@ -70,7 +72,6 @@ def test_single_machine():
     no_avoidable_warnings(out.stderr)
 
 
-@pytest.mark.timeout(150)
 def test_two_machines_on_loopback():
     port = str(_free_port())
     procs = [
@@ -81,7 +82,7 @@ def test_two_machines_on_loopback():
     outputs = []
     try:
         for p in procs:
-            out, err = p.communicate(timeout=140)
+            out, err = p.communicate(timeout=JOB_S)
             assert p.returncode == 0, err[-3000:]
             outputs.append(out)
     finally:
@@ -96,10 +97,9 @@ def _trainer_lines(output: str) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(200)
 def test_parameter_server_job_under_torchrun_and_run_local():
     # the documented command: 4 ranks, roles {"ps": 2, "trainer": 2}, sync mode
-    out = subprocess.run(_argv(PS_COMMANDS[0]), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=90)
+    out = subprocess.run(_argv(PS_COMMANDS[0]), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=JOB_S)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ps0: serving 2 trainers" in out.stdout and "ps1: serving 2 trainers" in out.stdout, out.stdout
     lines = _trainer_lines(out.stdout)
@@ -113,19 +113,18 @@ def test_parameter_server_job_under_torchrun_and_run_local():
     # print the same losses
     env = {k: v for k, v in _env().items() if k != "PYTHONPATH"}
     local = subprocess.run([sys.executable, "-m", "tutorials.parameter_server", "--mode", "sync"], cwd=ROOT,
-                           env=env, capture_output=True, text=True, timeout=90)
+                           env=env, capture_output=True, text=True, timeout=JOB_S)
     assert local.returncode == 0, local.stderr[-3000:]
     assert _trainer_lines(local.stdout) == lines, (local.stdout, out.stdout)
     no_avoidable_warnings(local.stderr)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(150)
 def test_dlrm_demo_under_torchrun_prints_one_summary(tmp_path):
     # the documented one-machine command (2 servers + 2 trainers), shortened
     png = tmp_path / "curves.png"
     command = f"{DLRM_COMMANDS[0]} --steps 20 --plot {png}"
-    out = subprocess.run(_argv(command), cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=140)
+    out = subprocess.run(_argv(command), cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=JOB_S)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     # trainer0 gathered every trainer's figures: one header, one line per trainer, nothing from the servers

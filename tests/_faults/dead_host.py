@@ -2,28 +2,25 @@
 
     python -m tests._faults.dead_host ROLE INIT_METHOD
 
-ROLE is caller (rank 0), doomed (rank 1, killed) or survivor (rank 2). The caller prints one
-JSON line with what it saw and leaves without a graceful shutdown (a peer is dead).
+ROLE is caller (rank 0), doomed (rank 1, killed by the caller with SIGKILL once it answered
+a call) or survivor (rank 2). The caller prints one JSON line with what it saw and leaves
+without a graceful shutdown (a peer is dead).
 """
 
 import json
 import os
 import signal
 import sys
-import threading
 import time
 
+from tests._deadlines import HANG_S
+
 ROLES = ("caller", "doomed", "survivor")
+#: the timeout of the calls to the doomed host (the survivor's calls get HANG_S: they must work)
 TIMEOUT = 5.0
 
 
-def die_soon() -> int:
-    """Kill this process 0.2 s from now (after the answer left); returns its pid."""
-    threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
-    return os.getpid()
-
-
-def wait_until_dead(pid: int, seconds: float = 10.0) -> None:
+def wait_until_dead(pid: int, seconds: float = HANG_S) -> None:
     """Poll until ``pid`` is gone or a zombie (the host runs on this Linux machine)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -34,7 +31,7 @@ def wait_until_dead(pid: int, seconds: float = 10.0) -> None:
         except (FileNotFoundError, ProcessLookupError):  # gone (ESRCH: reaped while being read)
             return
         time.sleep(0.02)
-    raise AssertionError(f"process {pid} still alive after {seconds} s")
+    raise AssertionError(f"hang guard: process {pid} still alive after {seconds} s")
 
 
 def attempt(fn) -> dict:
@@ -51,13 +48,17 @@ def caller() -> None:
     import torch.distributed.rpc as rpc
 
     from remote_module import RemoteModule
+    from tests.proxy import _contract_remote as cr
 
-    doomed = RemoteModule("doomed/cpu", torch.nn.Linear, (4, 4), timeout=TIMEOUT)
-    survivor = RemoteModule("survivor/cpu", torch.nn.Linear, (4, 4), timeout=TIMEOUT)
+    doomed = RemoteModule("doomed/cpu", torch.nn.Linear, (4, 4), timeout=HANG_S)
+    survivor = RemoteModule("survivor/cpu", torch.nn.Linear, (4, 4), timeout=HANG_S)
     agent_default = RemoteModule("survivor/cpu", torch.nn.Linear, (4, 4))  # timeout=None
     x = torch.ones(1, 4)
     before = attempt(lambda: doomed(x))
-    wait_until_dead(rpc.rpc_sync("doomed", die_soon))
+    pid = rpc.rpc_sync("doomed", cr.pid)  # answered: killed only now (not while it answers)
+    os.kill(pid, signal.SIGKILL)
+    wait_until_dead(pid)
+    doomed.timeout = TIMEOUT
     report = {
         "before": before,
         "sync": attempt(lambda: doomed(x)),

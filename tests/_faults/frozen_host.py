@@ -27,6 +27,8 @@ import threading
 import time
 import traceback
 
+from tests._deadlines import HANG_S
+
 ROLES = ("caller", "victim", "survivor")
 #: seconds per call in the frozen phases
 FROZEN_TIMEOUT = 2.0
@@ -35,6 +37,10 @@ BLOCKING_TIMEOUT = 3.0
 #: seconds per call in the killed phase (a dead host must fail calls well before this)
 KILLED_TIMEOUT = 10.0
 BURST = 1000
+#: the channel's limit on a call's host time for sharing messages, raised here (from 1 ms): on
+#: a loaded machine a preempted host's calls cost more, and the channel would then send the
+#: bursts one call per message; this world is about bursts of shared messages
+HEAVY_CALL_S = 0.01
 
 _clock = time.monotonic
 
@@ -85,22 +91,23 @@ def thread_states(pid: int) -> list[str]:
     return states
 
 
-def wait_for_state(pid: int, stopped: bool, seconds: float = 60.0) -> None:
-    """Until every thread of ``pid`` is stopped (``stopped``) or none is (generous: a loaded machine)."""
+def wait_for_state(pid: int, stopped: bool, seconds: float = HANG_S) -> None:
+    """Until every thread of ``pid`` is stopped (``stopped``) or none is (``seconds``: a hang guard)."""
     deadline = _clock() + seconds
     while (all(s in "Tt" for s in thread_states(pid)) if stopped
            else all(s not in "Tt" for s in thread_states(pid))) is False:
         if _clock() > deadline:
-            raise AssertionError(f"process {pid} did not become {'stopped' if stopped else 'running'}: "
+            raise AssertionError(f"hang guard: process {pid} did not become {'stopped' if stopped else 'running'}: "
                                  f"thread states {thread_states(pid)}")
         time.sleep(0.01)
 
 
 def wait_until(predicate, seconds: float, what: str) -> None:
+    """Poll ``predicate`` until it holds; ``seconds`` is a hang guard (tests/_deadlines.py)."""
     deadline = _clock() + seconds
     while not predicate():
         if _clock() > deadline:
-            raise AssertionError(f"not within {seconds} s: {what}")
+            raise AssertionError(f"hang guard: not within {seconds} s: {what}")
         time.sleep(0.01)
 
 
@@ -171,13 +178,15 @@ class Tracker:
 def warm(proxy, x) -> None:
     """Answered calls until the channel counts them cheap: it then coalesces (the first
     calls cost more, and one slow answer on a loaded machine raises the running average)."""
-    from remote_module._proxy.channel import HEAVY_CALL_S
+    from remote_module._proxy import channel
 
-    for _ in range(200):
+    deadline = _clock() + HANG_S
+    while True:
         proxy.forward_async(x).wait()
-        if proxy._channel.cost < HEAVY_CALL_S / 2:
+        if proxy._channel.cost < channel.HEAVY_CALL_S / 2:
             return
-    raise AssertionError(f"calls still cost {proxy._channel.cost * 1e3:.2f} ms on the host")
+        if _clock() > deadline:
+            raise AssertionError(f"hang guard: calls still cost {proxy._channel.cost * 1e3:.2f} ms on the host")
 
 
 def frozen_burst(proxy, x, pid: int, log: _ErrorLog, stderr: _Stderr, blockers: dict | None) -> dict:
@@ -199,17 +208,17 @@ def frozen_burst(proxy, x, pid: int, log: _ErrorLog, stderr: _Stderr, blockers: 
             burst.futures[i].add_done_callback(blockers[i])
     proxy.timeout = BLOCKING_TIMEOUT
     blocking = attempt(lambda: proxy(x))
-    wait_until(burst.all_settled, 30, "every call of the frozen burst settled")
+    wait_until(burst.all_settled, HANG_S, "every call of the frozen burst settled")
     report = {"burst": burst.summary(), "blocking": blocking}
     report["blocking"].pop("value", None)
 
     os.kill(pid, signal.SIGCONT)
     wait_for_state(pid, stopped=False)
-    proxy.timeout = 10.0
+    proxy.timeout = HANG_S
     # The host now runs what reached it while frozen (its late answers are dropped here):
     # wait until it did, so late answers have had their chance to settle something twice.
     sent = proxy._channel.calls_sent - sent_before + 1  # + the blocking call
-    wait_until(lambda: module.rpc_sync().ran() >= ran_before + sent, 30, "the host ran the calls sent to it")
+    wait_until(lambda: module.rpc_sync().ran() >= ran_before + sent, HANG_S, "the host ran the calls sent to it")
     local = torch.nn.Linear(4, 4)
     local.load_state_dict(proxy.state_dict())
     again = [proxy.forward_async(x) for _ in range(64)]
@@ -235,14 +244,14 @@ def killed_mid_burst(proxy, slow, survivor, x, pid: int) -> dict:
         if i % 8 == 0:
             burst.add(lambda: slow.forward_async(0.05))
         if i == 200:
-            wait_until(lambda: any(s is not None for s in burst.settled), 10, "a first answer")
+            wait_until(lambda: any(s is not None for s in burst.settled), HANG_S, "a first answer")
             os.kill(pid, signal.SIGKILL)
             outstanding_at_kill = sum(s is None for s in burst.settled)
     wait_until_dead(pid)
     after_death = Tracker()
     for _ in range(64):
         after_death.add(lambda: proxy.forward_async(x))
-    wait_until(lambda: burst.all_settled() and after_death.all_settled(), 3 * KILLED_TIMEOUT,
+    wait_until(lambda: burst.all_settled() and after_death.all_settled(), KILLED_TIMEOUT + HANG_S,
                "every call to the killed host settled")
     local = torch.nn.Linear(4, 4)
     local.load_state_dict(survivor.state_dict())
@@ -271,15 +280,18 @@ def caller() -> None:
     import torch.distributed.rpc as rpc
 
     from remote_module import RemoteModule
+    from remote_module._proxy import channel
     from tests.proxy import _contract_remote as cr
 
+    channel.HEAVY_CALL_S = HEAVY_CALL_S
     stderr = _Stderr()
     log = _ErrorLog()
     logging.getLogger("remote_module").addHandler(log)
     x = torch.randn(2, 4)
-    proxy = RemoteModule("victim/cpu", cr.CountingLinear, (4, 4), timeout=10)
-    slow = RemoteModule("victim/cpu", cr.Slow, timeout=10)
-    survivor = RemoteModule("survivor/cpu", torch.nn.Linear, (4, 4), timeout=10)
+    # set-up and the calls that must work: HANG_S (each phase sets the timeouts it tests)
+    proxy = RemoteModule("victim/cpu", cr.CountingLinear, (4, 4), timeout=HANG_S)
+    slow = RemoteModule("victim/cpu", cr.Slow, timeout=HANG_S)
+    survivor = RemoteModule("survivor/cpu", torch.nn.Linear, (4, 4), timeout=HANG_S)
     pid = rpc.rpc_sync("victim", cr.pid)
     report = {"frozen_timeout": FROZEN_TIMEOUT, "blocking_timeout": BLOCKING_TIMEOUT,
               "killed_timeout": KILLED_TIMEOUT, "burst": BURST}
@@ -289,7 +301,7 @@ def caller() -> None:
     inner: list[dict] = []
 
     def block_forever(_):
-        release.wait(60)
+        release.wait(HANG_S)
 
     def call_same_proxy(_):
         inner.append(attempt(lambda: proxy.forward_async(x).wait()))
@@ -302,7 +314,7 @@ def caller() -> None:
     report["blocking_callbacks"] = phase(frozen_burst, proxy, x, pid, log, stderr, blockers)
     release.set()
     os.kill(pid, signal.SIGCONT)  # in case the phase failed while the host was stopped
-    deadline = _clock() + 30
+    deadline = _clock() + HANG_S
     while len(inner) < 3 and _clock() < deadline:
         time.sleep(0.01)
     report["blocking_callbacks"]["inner"] = [{k: v for k, v in a.items() if k != "value"} for a in inner]

@@ -1,10 +1,14 @@
 """Host-side gates: a call that blocks until the test releases it (instead of sleeping), and
 calls that record when they ran on their host. Module level: RPC runs them by reference.
 
-    hold(key)       on a host: blocks until release(key) (at most ``limit`` seconds)
+    hold(key)       on a host: blocks until release(key) (at most ``limit`` seconds, a hang
+                    guard: tests/_deadlines.py's HANG_S by default)
     release(key)    on the same host: lets it return
     holding(key)    True while a hold(key) is blocked there
     release_at_shutdown(key)  on a host: release(key) once every worker is in rpc.shutdown()
+    release_at_cancel(key)    on a host: release(key) once a pipeline's cancellation reached it
+
+A key opens once: a test that holds twice uses a new key each time.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
+from tests._deadlines import HANG_S
 from tests.proxy._remote import UserError
 
 _lock = threading.Lock()
@@ -30,8 +35,9 @@ def _event(key: str) -> threading.Event:
         return _released.setdefault(key, threading.Event())
 
 
-def hold(key: str, limit: float = 30.0) -> str:
-    """Block until :func:`release` (or ``limit`` seconds: a test that forgot never hangs a host)."""
+def hold(key: str, limit: float = HANG_S) -> str:
+    """Block until :func:`release` (or ``limit`` seconds: a test that forgot never hangs a host
+    for good; generous, so that a slow machine never opens a gate before the test does)."""
     with _lock:
         _holding.add(key)
     try:
@@ -65,10 +71,50 @@ def release_at_shutdown(key: str) -> None:
     api._broadcast_to_followers = broadcast
 
 
-def fails_while_held(call, key: str, expected: type[BaseException], within: float, worker: str = "worker1"):
+_at_cancel: dict[str, tuple[str, int] | None] = {}  # key -> the run whose cancellation opens it (None: any)
+
+
+def release_at_cancel(key: str, caller: str | None = None, run: int | None = None) -> None:
+    """On a pipeline stage's host: :func:`release` ``key`` once a cancellation has been
+    recorded here (remote_module.pipeline._host._cancel: a forward's caller saw a micro-batch
+    fail and cancels the rest), of run ``run`` of ``caller`` when given. A stage held on
+    ``key`` then keeps the micro-batches queued behind it waiting until the caller has seen the
+    failure, however fast or slow the machine."""
+    from remote_module.pipeline import _host
+
+    with _lock:
+        _at_cancel[key] = None if run is None else (caller, run)
+        if getattr(_host._cancel, "releases_gates", False):
+            return
+        original = _host._cancel
+
+        @functools.wraps(original)  # same name: a caller still pickles it by reference
+        def cancel(caller: str, run: int) -> None:
+            try:
+                original(caller, run)
+            finally:
+                with _lock:
+                    opened = [k for k, which in _at_cancel.items() if which in (None, (caller, run))]
+                    for k in opened:
+                        del _at_cancel[k]
+                for k in opened:
+                    release(k)
+
+        cancel.releases_gates = True
+        _host._cancel = cancel
+
+
+def fails_while_held(call, key: str, expected: type[BaseException], within: float = 0.0, worker: str = "worker1",
+                     *, not_before: float | None = None):
     """Caller side: run ``call(key)`` against ``worker``, whose ``hold(key)`` keeps it waiting;
-    return the ``expected`` error it raised, checking it came within ``within`` seconds. The
-    hold is released whatever happens."""
+    return the ``expected`` error it raised. The hold is released only once the outcome is in
+    (whatever it is), so no late answer from the host can have ended the call: the failure is
+    the call's own, at any speed.
+
+    ``within``: the call's timeout in seconds (0: none given); the failure must come before
+    ``within + HANG_S``, a hang guard (tests/_deadlines.py), not a speed limit.
+    ``not_before``: the failure must not come earlier than this many seconds (a lower bound
+    holds on any machine: a call must not fail before its timeout)."""
     import pytest
 
     start = time.monotonic()
@@ -77,8 +123,10 @@ def fails_while_held(call, key: str, expected: type[BaseException], within: floa
             call(key)
         elapsed = time.monotonic() - start
     finally:
-        rpc.rpc_sync(worker, release, (key,))
-    assert elapsed < within, elapsed
+        rpc.rpc_sync(worker, release, (key,), timeout=HANG_S)
+    assert elapsed < within + HANG_S, f"hang guard: the call failed only after {elapsed:.1f} s"
+    if not_before is not None:
+        assert elapsed >= not_before, f"the call failed after {elapsed:.3f} s, before its {not_before:g} s"
     return info.value
 
 

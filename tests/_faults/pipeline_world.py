@@ -8,6 +8,10 @@ MODE ``faults`` (roles caller, h1, h2, h3), in turn on one world: a 3-stage pipe
 h3 with stage 0 frozen, then its last stage frozen (each thawed afterwards), then its last stage
 killed mid-forward; then a 2-stage pipeline on h1, h2 with stage 0 killed mid-forward. A proxy
 on h2 is called during each fault. The caller leaves without a graceful shutdown (peers died).
+Each faulty forward reports the stage its error blames (see :func:`blamed`) and the timeout it
+ran with: a forward whose error blames a healthy stage (the machine was too slow for the
+healthy stages to bring a micro-batch to the faulty one in time) is run again with its timeout
+doubled (:func:`faulty_forward`), while the fault still holds.
 
 MODE ``shutdown`` (roles caller, h1, h2): a forward running in a thread when the caller calls
 ``rpc.shutdown()``.
@@ -19,16 +23,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import threading
 import time
 
+from tests._deadlines import HANG_S
 from tests._faults.frozen_host import phase, wait_until
-from tests._transport import world_options
 
 ROLES = {"faults": ("caller", "h1", "h2", "h3"), "shutdown": ("caller", "h1", "h2")}
-#: the pipeline's timeout in the fault phases
+#: the pipeline's timeout in the fault phases (to start with: see :func:`faulty_forward`)
 TIMEOUT = 3.0
 #: the 2-stage pipeline's micro-batch (value) on which stage 0's host kills itself
 KILL_AT = 2.0
@@ -58,7 +63,33 @@ def forward_equals(pipe, x, expected) -> bool:
     return bool(torch.equal(pipe(x), expected))
 
 
-def frozen(pipe, other, x, expected, host: str, pid: int) -> dict:
+def blamed(message: str) -> list | None:
+    """``[stage, worker]`` a pipeline's error blames: the stage it was raised in (``[raised in
+    pipeline stage i on worker 'w' ...]``), or the one the caller's own error names first (stage
+    0, unanswered or unreachable); None when it names no stage."""
+    found = re.search(r"\[raised in pipeline stage (\d+) on worker '([^']+)'", message) or re.match(
+        r"pipeline stage (\d+) on worker '([^']+)'", message)
+    return None if found is None else [int(found.group(1)), found.group(2)]
+
+
+def faulty_forward(pipe, x, stage: int, worker: str) -> dict:
+    """:func:`attempt` of ``pipe(x)`` while stage ``stage`` (on ``worker``) is faulty, with the
+    pipeline's timeout TIMEOUT, doubled and run again while its error blames another, healthy
+    stage (too slow on this machine to get the micro-batch to the faulty one in time), up to
+    HANG_S. The outcome says the timeout it ran with, the stage blamed and the tries."""
+    timeout, tries = TIMEOUT, 0
+    while True:
+        pipe.timeout = timeout
+        outcome = attempt(lambda: pipe(x))
+        tries += 1
+        outcome.update(timeout=timeout, tries=tries, blamed=None if outcome["ok"] else blamed(outcome["message"]))
+        healthy_blamed = outcome["blamed"] is not None and outcome["blamed"] != [stage, worker]
+        if not healthy_blamed or 2 * timeout > HANG_S:
+            return outcome
+        timeout *= 2
+
+
+def frozen(pipe, other, x, expected, stage: int, host: str, pid: int) -> dict:
     """Stop ``host`` during a forward with the pipeline's timeout, call ``other`` meanwhile,
     thaw it; then a forward with time enough must succeed."""
     import torch
@@ -68,18 +99,17 @@ def frozen(pipe, other, x, expected, host: str, pid: int) -> dict:
     os.kill(pid, signal.SIGSTOP)
     wait_for_state(pid, stopped=True)
     try:
-        pipe.timeout = TIMEOUT
-        report = {"forward": attempt(lambda: pipe(x))}
+        report = {"forward": faulty_forward(pipe, x, stage, host)}
         report["other"] = attempt(lambda: bool(torch.equal(other(x), x)))
     finally:
         os.kill(pid, signal.SIGCONT)
     wait_for_state(pid, stopped=False)
-    pipe.timeout = 30.0
+    pipe.timeout = HANG_S
     report["after"] = attempt(lambda: forward_equals(pipe, x, expected))
     return report
 
 
-def killed(pipe, other, x, host: str, pid: int, tag: str, value: float) -> dict:
+def killed(pipe, other, x, stage: int, host: str, pid: int, tag: str, value: float) -> dict:
     """``host`` kills itself when stage ``tag`` sees ``value`` during a forward; then another
     forward (the host now known dead) and a call on ``other``."""
     import torch
@@ -89,10 +119,9 @@ def killed(pipe, other, x, host: str, pid: int, tag: str, value: float) -> dict:
     from tests._faults.dead_host import wait_until_dead
 
     rpc.rpc_sync(host, pfr.configure, (tag,), {"die_on": value})
-    pipe.timeout = TIMEOUT
-    report = {"forward": attempt(lambda: pipe(x))}
+    report = {"forward": faulty_forward(pipe, x, stage, host)}
     wait_until_dead(pid)
-    report["again"] = attempt(lambda: pipe(x))
+    report["again"] = faulty_forward(pipe, x, stage, host)
     report["other"] = attempt(lambda: bool(torch.equal(other(x), x)))
     return report
 
@@ -108,25 +137,26 @@ def faults_caller() -> None:
 
     hosts = ("h1", "h2", "h3")
     pids = {h: rpc.rpc_sync(h, cr.pid) for h in hosts}
+    # set-up, and the calls that must work: HANG_S (the faulty forwards set their own timeouts)
     three = RemotePipeline(
         [(f"{h}/cpu", pfr.Step, (f"p3-{i}", float(10**i)), None) for i, h in enumerate(hosts)],
-        chunks=2, timeout=30.0,
+        chunks=2, timeout=HANG_S,
     )
-    other = RemoteModule("h2/cpu", torch.nn.Identity, timeout=5)
+    other = RemoteModule("h2/cpu", torch.nn.Identity, timeout=HANG_S)
     x = torch.arange(2.0).reshape(2, 1)
     expected = x + 111.0
     report = {"timeout": TIMEOUT, "warm": attempt(lambda: forward_equals(three, x, expected))}
-    report["frozen_first"] = phase(frozen, three, other, x, expected, "h1", pids["h1"])
-    report["frozen_last"] = phase(frozen, three, other, x, expected, "h3", pids["h3"])
+    report["frozen_first"] = phase(frozen, three, other, x, expected, 0, "h1", pids["h1"])
+    report["frozen_last"] = phase(frozen, three, other, x, expected, 2, "h3", pids["h3"])
     # micro-batch 1 reaches stage 2 holding 1 + 1 + 10
-    report["killed_last"] = phase(killed, three, other, x, "h3", pids["h3"], "p3-2", 12.0)
+    report["killed_last"] = phase(killed, three, other, x, 2, "h3", pids["h3"], "p3-2", 12.0)
     two = RemotePipeline(
         [("h1/cpu", pfr.Step, ("p2-0", 1.0), None), ("h2/cpu", pfr.Step, ("p2-1", 10.0), None)],
-        chunks=4, timeout=30.0,
+        chunks=4, timeout=HANG_S,
     )
     four = torch.arange(4.0).reshape(4, 1)
     report["two_warm"] = attempt(lambda: forward_equals(two, four, four + 11.0))
-    report["killed_first"] = phase(killed, two, other, four, "h1", pids["h1"], "p2-0", KILL_AT)
+    report["killed_first"] = phase(killed, two, other, four, 0, "h1", pids["h1"], "p2-0", KILL_AT)
     print("REPORT " + json.dumps(report), flush=True)
     os._exit(0)
 
@@ -144,7 +174,7 @@ def shutdown_caller() -> dict:
 
     pipe = RemotePipeline(
         [("h1/cpu", pfr.Step, ("s-0", 1.0), None), ("h2/cpu", pfr.Step, ("s-1", 10.0), None)],
-        chunks=4, timeout=60.0,
+        chunks=4, timeout=HANG_S,
     )
     x = torch.arange(4.0).reshape(4, 1)
     rpc.rpc_sync("h1", gates.release_at_shutdown, (SHUTDOWN_GATE,))
@@ -161,13 +191,13 @@ def shutdown_caller() -> dict:
     box: dict = {}
     thread = threading.Thread(target=lambda: box.update(attempt(lambda: forward_equals(pipe, x, x + 11.0))))
     thread.start()
-    wait_until(lambda: len(sent) == 4, 30, "the forward sent its 4 micro-batches")
-    wait_until(lambda: rpc.rpc_sync("h1", pfr.counts, ("s-0",))["entered"] >= 1, 30, "stage 0 started")
+    wait_until(lambda: len(sent) == 4, HANG_S, "the forward sent its 4 micro-batches")
+    wait_until(lambda: rpc.rpc_sync("h1", pfr.counts, ("s-0",))["entered"] >= 1, HANG_S, "stage 0 started")
     outstanding = sum(not f.done() for f in sent)
     start = _clock()
     rpc.shutdown()
     shutdown_seconds = _clock() - start
-    thread.join(60)
+    thread.join(HANG_S)
     return {"forward": box, "forward_alive": thread.is_alive(), "outstanding_at_shutdown": outstanding,
             "shutdown_seconds": shutdown_seconds}
 
@@ -177,11 +207,9 @@ def run_role(roles: tuple, role: str, init_method: str, mode: str, faults, shutd
     killed); the caller runs ``faults()`` (mode "faults") or prints ``shutdown()``'s report."""
     import torch.distributed.rpc as rpc
 
-    # the shutdown worlds make no call that should fail: the default deadline only has to
-    # outlast a loaded machine (the fault worlds' calls to stopped hosts fail after 20 s)
-    options = world_options(init_method=init_method, rpc_timeout=60 if mode == "shutdown" else 20,
-                            num_worker_threads=16)
-    rpc.init_rpc(role, rank=roles.index(role), world_size=len(roles), rpc_backend_options=options)
+    from tests._faults.subworld import join
+
+    join(role, init_method, roles, num_worker_threads=16)
     if role != "caller":
         rpc.shutdown()  # serves until the caller is done (or is killed)
     elif mode == "faults":

@@ -8,7 +8,9 @@ MODE ``faults`` (roles caller, w1, w2, w3), in turn on one world, every phase on
 [w1, w2, w3] with a ``LocalModule`` of :class:`tests._faults.stages.Step` (rank r adds
 10**r; per-host pauses and kills set by tag):
 
-- ``slow``: w2's shard is held (on a gate) past the timeout;
+- ``slow``: w2's shard is held (on a gate) past the timeout (run again with the timeout doubled
+  while the error also names a healthy worker or w2's shard was not yet held: a machine too
+  slow for the healthy ones to answer in time);
 - ``burst``: forwards and ``full_tensor`` from 4 caller threads at once;
 - ``frozen``: w2 stopped while a forward, ``full_tensor``, ``local_shards``, ``redistribute`` and a
   worker-to-worker fetch (w1 asking w2 for its piece) run concurrently; work on [w1, w3]
@@ -36,20 +38,22 @@ import sys
 import threading
 import time
 
+from tests._deadlines import HANG_S
 from tests._faults.frozen_host import phase, wait_until
 from tests._faults.pipeline_world import attempt, run_role
 
 ROLES = {"faults": ("caller", "w1", "w2", "w3"), "shutdown": ("caller", "w1", "w2")}
-#: the timeout of every call in the fault phases
+#: the timeout of every call to a faulty mesh in the fault phases (the slow phase's, to start
+#: with); set-up and the calls that must work get HANG_S
 TIMEOUT = 2.0
 #: the gate on which the slow shard waits until the forward failed (it slept 3 s, 1 s past the
-#: timeout: a loaded machine could deliver it in time)
+#: timeout: a loaded machine could deliver it in time); one key per try (a key opens once)
 SLOW_GATE = "sharded-slow"
 #: threads x forwards each in the burst
 THREADS, PER_THREAD = 4, 13
 #: the deadline of the world's own bookkeeping calls to live hosts (pids, counters, settings):
 #: they must not fail, only outlast a loaded machine
-BOOKKEEPING = 60.0
+BOOKKEEPING = HANG_S
 #: the Step tag of the LocalModules here; rank r adds 10**r
 TAG = "sf"
 #: the gate on which the hosts hold the shutdown world's second forward until the caller's
@@ -92,12 +96,16 @@ class World:
         self.pids = {w: rpc.rpc_sync(w, cr.pid, timeout=BOOKKEEPING) for w in self.mesh}
 
     def module(self, mesh: list[str], timeout: float = TIMEOUT):
+        """A LocalModule of Steps on ``mesh``, created with HANG_S (set-up), then with
+        ``timeout`` for its calls."""
         from torch.distributed.tensor import Shard
 
         from remote_module.sharded import LocalModule
         from tests._faults import stages as pfr
 
-        return LocalModule(mesh, pfr.Step, step_args, out_placements=Shard(0), timeout=timeout)
+        lm = LocalModule(mesh, pfr.Step, step_args, out_placements=Shard(0), timeout=HANG_S)
+        lm.timeout = timeout
+        return lm
 
     def held(self, workers: list[str] | None = None) -> dict:
         import torch.distributed.rpc as rpc
@@ -120,10 +128,10 @@ class World:
 
         rpc.rpc_sync(worker, pfr.configure, (TAG,), settings, timeout=BOOKKEEPING)
 
-    def settled(self, workers: list[str], baseline: dict, ran: dict | None = None, seconds: float = 15.0) -> dict:
+    def settled(self, workers: list[str], baseline: dict, ran: dict | None = None, seconds: float = HANG_S) -> dict:
         """Every Step forward on ``workers`` finished (and at least ``ran[w]`` were started on
         ``w``), then their held counts, polled until they are back at ``baseline`` (or
-        ``seconds`` passed): the late outputs were dropped."""
+        ``seconds`` passed, a hang guard): the late outputs were dropped."""
         ran = ran or {}
 
         def done(w: str) -> bool:
@@ -145,14 +153,15 @@ def concurrently(calls: dict) -> dict:
     for t in threads:
         t.start()
     for t in threads:
-        t.join(60)
-    return {n: results.get(n, {"ok": False, "type": "Hang", "message": "no answer in 60 s"}) for n in calls}
+        t.join(HANG_S)
+    return {n: results.get(n, {"ok": False, "type": "Hang", "message": f"hang guard: no answer in {HANG_S:g} s"})
+            for n in calls}
 
 
 def peer_fetch(rt, new_index: int):
     """A worker-to-worker fetch only: mesh rank 0 (w1) alone is asked to rebuild its shard as
-    ``Replicate`` from its peers' pieces (the caller's own timeout is generous, so the failure
-    that comes is w1's, about the peer)."""
+    ``Replicate`` from its peers' pieces, TIMEOUT for its fetches (the caller's own timeout is a
+    hang guard, so the failure that comes is w1's, about the peer)."""
     from torch.distributed.tensor import Replicate
 
     from remote_module._core.fanout import call_all
@@ -161,36 +170,54 @@ def peer_fetch(rt, new_index: int):
     peers = list(zip(rt.mesh, rt._sids))
     new_sid = ("caller", -new_index, 0)
     call_all([(rt.mesh[0], _host._redistribute, (rt._sids[0], new_sid, rt.placement, Replicate(), 0, peers, TIMEOUT))],
-             timeout=30)
+             timeout=HANG_S)
     return True
 
 
 def sharded_input(mesh: list[str], rows: int, start: float = 0.0):
+    """``x`` and ``x`` distributed ``Shard(0)`` over ``mesh`` (HANG_S: set-up, and the default
+    of its later calls; the calls that must fail give TIMEOUT)."""
     import torch
     from torch.distributed.tensor import Shard
 
     from remote_module.sharded import distribute
 
     x = torch.arange(start, start + rows).reshape(rows, 1)
-    return x, distribute(x, mesh, Shard(0), timeout=TIMEOUT)
+    return x, distribute(x, mesh, Shard(0), timeout=HANG_S)
 
 
 def slow(world: World, baseline: dict) -> dict:
-    """w2's shard is held on a gate until the forward failed: past its TIMEOUT at any speed."""
+    """w2's shard is held on a gate until the forward failed: past its timeout at any speed.
+    The timeout starts at TIMEOUT and is doubled (the forward run again, held on a new key)
+    while the error names a healthy worker too or w2's shard was not held yet when it came: the
+    machine was too slow for the healthy workers, up to HANG_S."""
     import torch.distributed.rpc as rpc
 
     from tests._faults import gates
 
     lm = world.module(world.mesh)
     x, rt = sharded_input(world.mesh, 6)
-    world.configure("w2", gate=SLOW_GATE)
-    try:
-        report = {"forward": attempt(lambda: lm(rt))}  # noqa: F821
-    finally:
-        world.configure("w2")
-        rpc.rpc_sync("w2", gates.release, (SLOW_GATE,), timeout=BOOKKEEPING)
+    timeout, tries = TIMEOUT, 0
+    while True:
+        key = f"{SLOW_GATE}-{tries}"
+        world.configure("w2", gate=key)
+        lm.timeout = timeout
+        try:
+            outcome = attempt(lambda: lm(rt))  # noqa: F821
+            held = rpc.rpc_sync("w2", gates.holding, (key,), timeout=BOOKKEEPING)
+        finally:
+            world.configure("w2")
+            rpc.rpc_sync("w2", gates.release, (key,), timeout=BOOKKEEPING)
+        tries += 1
+        outcome.update(timeout=timeout, tries=tries, held=held)
+        healthy_named = any(f"'{w}'" in outcome.get("message", "") for w in ("w1", "w3"))
+        if outcome["ok"] or (held and not healthy_named) or 2 * timeout > HANG_S:
+            break
+        timeout *= 2
+    report = {"forward": outcome}
     del rt  # ruff's F821 on the lambdas (here and below) comes from the del; they all ran before it
     report["held_after"] = world.settled(world.mesh, baseline)
+    lm.timeout = HANG_S
     report["after"] = attempt(lambda: bool((lm(x).full_tensor() == expected(x, 3)).all()))
     return report
 
@@ -199,7 +226,7 @@ def burst(world: World, baseline: dict) -> dict:
     """THREADS threads, PER_THREAD forwards each on one LocalModule, each with its own input."""
     import torch
 
-    lm = world.module(world.mesh, timeout=30.0)
+    lm = world.module(world.mesh, timeout=HANG_S)
     wrong: list = []
     errors: list = []
     start = threading.Barrier(THREADS)
@@ -221,7 +248,7 @@ def burst(world: World, baseline: dict) -> dict:
     for th in threads:
         th.start()
     for th in threads:
-        th.join(120)
+        th.join(HANG_S)
     return {"forwards": THREADS * PER_THREAD, "errors": errors[:3], "wrong": wrong[:3],
             "alive": sum(th.is_alive() for th in threads), "seconds": _clock() - began,
             "held_after": world.settled(world.mesh, baseline)}
@@ -235,7 +262,7 @@ def frozen(world: World, baseline: dict) -> dict:
 
     lm = world.module(world.mesh)
     healthy_mesh = ["w1", "w3"]
-    healthy = world.module(healthy_mesh)
+    healthy = world.module(healthy_mesh, timeout=HANG_S)
     x, rt = sharded_input(world.mesh, 6)
     pid = world.pids["w2"]
     entered = world.counts("w2")["entered"]
@@ -244,11 +271,13 @@ def frozen(world: World, baseline: dict) -> dict:
     try:
         report = concurrently({
             "forward": lambda: lm(rt),  # noqa: F821
-            "full_tensor": rt.full_tensor,
-            "local_shards": rt.local_shards,
-            "redistribute": lambda: rt.redistribute(Replicate()),  # noqa: F821
+            "full_tensor": lambda: rt.full_tensor(timeout=TIMEOUT),  # noqa: F821
+            "local_shards": lambda: rt.local_shards(timeout=TIMEOUT),  # noqa: F821
+            "redistribute": lambda: rt.redistribute(Replicate(), timeout=TIMEOUT),  # noqa: F821
             "peer_fetch": lambda: peer_fetch(rt, 1),  # noqa: F821
         })
+        for outcome in report.values():
+            outcome["timeout"] = TIMEOUT
         hx, hrt = sharded_input(healthy_mesh, 4, 50.0)
         report["healthy"] = attempt(lambda: bool(
             (healthy(hrt).full_tensor() == sharded_expected(hx, 2)).all()  # noqa: F821
@@ -258,6 +287,7 @@ def frozen(world: World, baseline: dict) -> dict:
     finally:
         os.kill(pid, signal.SIGCONT)
     wait_for_state(pid, stopped=False)
+    lm.timeout = HANG_S
     report["after"] = attempt(lambda: bool((lm(rt).full_tensor() == sharded_expected(x, 3)).all()  # noqa: F821
                                            and (rt.full_tensor() == x).all()))  # noqa: F821
     del rt
@@ -274,18 +304,21 @@ def killed(world: World, baseline: dict) -> dict:
 
     lm = world.module(world.mesh)
     survivors = ["w1", "w2"]
-    healthy = world.module(survivors)
+    healthy = world.module(survivors, timeout=HANG_S)
     x, rt = sharded_input(world.mesh, 6)
     world.configure("w3", die_on=float(x[-1]))  # w3's shard holds the last rows
     report = {"forward": attempt(lambda: lm(rt))}  # noqa: F821
+    # (sent to w3 in any case: if the forward timed out first on a slow machine, w3 dies late)
     wait_until_dead(world.pids["w3"])
     report.update(concurrently({
         "again": lambda: lm(rt),  # noqa: F821
-        "full_tensor": rt.full_tensor,
-        "local_shards": rt.local_shards,
-        "redistribute": lambda: rt.redistribute(Replicate()),  # noqa: F821
+        "full_tensor": lambda: rt.full_tensor(timeout=TIMEOUT),  # noqa: F821
+        "local_shards": lambda: rt.local_shards(timeout=TIMEOUT),  # noqa: F821
+        "redistribute": lambda: rt.redistribute(Replicate(), timeout=TIMEOUT),  # noqa: F821
         "peer_fetch": lambda: peer_fetch(rt, 2),  # noqa: F821
     }))
+    for name in ("forward", "again", "full_tensor", "local_shards", "redistribute", "peer_fetch"):
+        report[name]["timeout"] = TIMEOUT
     hx, hrt = sharded_input(survivors, 4, 70.0)
     report["healthy"] = attempt(lambda: bool(
         (healthy(hrt).full_tensor() == sharded_expected(hx, 2)).all()  # noqa: F821
@@ -323,11 +356,11 @@ def shutdown_caller() -> dict:
     )
     sys.unraisablehook = lambda u: caught.append(f"unraisable: {u.exc_type.__name__}: {u.exc_value}")
     mesh = ["w1", "w2"]
-    lm = LocalModule(mesh, pfr.Step, step_args, out_placements=Shard(0), timeout=60.0)
+    lm = LocalModule(mesh, pfr.Step, step_args, out_placements=Shard(0), timeout=HANG_S)
     for w in mesh:
         rpc.rpc_sync(w, gates.release_at_shutdown, (SHUTDOWN_GATE,))
-    dropped_before = [distribute(torch.ones(4, 1), mesh, Shard(0), timeout=60.0) for _ in range(20)]
-    dropped_after = [distribute(torch.ones(4, 1), mesh, Shard(0), timeout=60.0) for _ in range(5)]
+    dropped_before = [distribute(torch.ones(4, 1), mesh, Shard(0), timeout=HANG_S) for _ in range(20)]
+    dropped_after = [distribute(torch.ones(4, 1), mesh, Shard(0), timeout=HANG_S) for _ in range(5)]
     ops: list[dict] = []  # one per call made by the thread, in order
     stop = threading.Event()
 
@@ -363,7 +396,8 @@ def shutdown_caller() -> dict:
     thread = threading.Thread(target=run, name="forwards")
     thread.start()
     found: list[int] = []
-    wait_until(lambda: found.append(running_forward()) or found[-1] is not None, 30, "a forward running on the hosts")
+    wait_until(lambda: found.append(running_forward()) or found[-1] is not None, HANG_S,
+               "a forward running on the hosts")
     in_flight = found[-1]
     dropped_before.clear()
     gc.collect()
@@ -372,7 +406,7 @@ def shutdown_caller() -> dict:
     rpc.shutdown()
     shutdown_seconds = _clock() - start
     stop.set()
-    thread.join(30)
+    thread.join(HANG_S)
     dropped_after.clear()  # RPC is down: the releaser finds nothing to free
     gc.collect()
     releaser = _tensor._releaser._thread

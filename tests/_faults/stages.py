@@ -8,7 +8,8 @@ host with :func:`configure` (so one pipeline can fail, stall and then work again
     fail_on   a value: raise ``error`` when the input contains it
     error     "ValueError", "StageError" (defined here, importable on the caller) or "SystemExit"
     pause     seconds to sleep before answering
-    gate      a key: block until ``tests._faults.gates.release(key)`` (at most 30 s)
+    gate      a key: block until ``tests._faults.gates.release(key)`` (at most HANG_S, a hang guard)
+    gate_on   a value: with ``gate``, block only when the input contains it
     die_on    a value: SIGKILL this process when the input contains it
 
 Each forward is counted per tag on its host (:func:`counts`): ``entered``/``left`` say how many
@@ -95,7 +96,7 @@ class Step(nn.Module):
                 time.sleep(60)  # never returns: the signal is immediate
             if settings.get("pause"):
                 time.sleep(settings["pause"])
-            if settings.get("gate"):
+            if settings.get("gate") and ("gate_on" not in settings or contains(settings["gate_on"])):
                 from tests._faults.gates import hold
 
                 hold(settings["gate"])

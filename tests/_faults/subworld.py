@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from rpc_backend.loopback import fresh_file_rendezvous, loopback_env
+from tests._deadlines import HANG_S, SETUP_S
 from tests._forkserver import fork_context
 from tests._transport import world_options
 
@@ -39,9 +40,12 @@ def _run_module(module: str, argv: list[str], env: dict, stdout_path: str | None
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
-def run_report(module: str, roles: list[str], timeout: float, args: tuple[str, ...] = ()) -> dict:
+def run_report(module: str, roles: list[str], timeout: float = HANG_S, args: tuple[str, ...] = ()) -> dict:
     """Start one process per role (``args`` go to every one); return rank 0's report. Kills
-    the rest when it is done."""
+    the rest when it is done.
+
+    ``timeout`` is a hang guard (tests/_deadlines.py), on top of SETUP_S for starting the world:
+    rank 0 must be done within ``SETUP_S + timeout`` seconds, or the test fails."""
     init_method, path = fresh_file_rendezvous()
     env = {**os.environ, **loopback_env(), "PYTHONPATH": str(ROOT)}
     procs = []
@@ -53,7 +57,7 @@ def run_report(module: str, roles: list[str], timeout: float, args: tuple[str, .
                     procs.append(ctx.Process(target=_run_module, args=(
                         module, [role, init_method, *args], env, out_path if rank == 0 else None)))
                     procs[-1].start()
-                procs[0].join(timeout)
+                procs[0].join(SETUP_S + timeout)
                 finished = procs[0].exitcode is not None
                 for p in procs:
                     if p.is_alive():
@@ -63,10 +67,21 @@ def run_report(module: str, roles: list[str], timeout: float, args: tuple[str, .
             if os.path.exists(path):
                 os.unlink(path)
         out = open(out_path).read() if os.path.exists(out_path) else ""
-    assert finished, f"{module}'s rank 0 did not finish within {timeout} s:\n{out[-3000:]}"
+    assert finished, f"hang guard: {module}'s rank 0 did not finish within {SETUP_S + timeout:g} s:\n{out[-3000:]}"
     line = next((line for line in out.splitlines() if line.startswith("REPORT ")), None)
     assert line is not None, f"{module} printed no report:\n{out[-3000:]}"
     return json.loads(line[len("REPORT "):])
+
+
+def join(role: str, init_method: str, roles: tuple[str, ...] | list[str], num_worker_threads: int = 8) -> None:
+    """``rpc.init_rpc`` as ``role`` of the world ``roles``: SETUP_S for the rendezvous (torch
+    uses the options' ``rpc_timeout`` there), then HANG_S as the default deadline of calls
+    made without one (every call whose failure a test expects gives its own timeout)."""
+    import torch.distributed.rpc as rpc
+
+    options = world_options(init_method=init_method, rpc_timeout=SETUP_S, num_worker_threads=num_worker_threads)
+    rpc.init_rpc(role, rank=list(roles).index(role), world_size=len(roles), rpc_backend_options=options)
+    rpc._set_rpc_timeout(HANG_S)
 
 
 def join_and_serve(role: str, init_method: str, roles: tuple[str, ...] | list[str], caller) -> None:
@@ -74,8 +89,7 @@ def join_and_serve(role: str, init_method: str, roles: tuple[str, ...] | list[st
     (which prints the report); every rank then shuts down gracefully, the others serving."""
     import torch.distributed.rpc as rpc
 
-    options = world_options(init_method=init_method, rpc_timeout=20, num_worker_threads=8)
-    rpc.init_rpc(role, rank=roles.index(role), world_size=len(roles), rpc_backend_options=options)
+    join(role, init_method, roles)
     if role == "caller":
         caller()
     rpc.shutdown()

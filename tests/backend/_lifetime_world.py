@@ -15,6 +15,7 @@ import signal
 import sys
 
 from rpc_backend import run_local
+from tests._deadlines import SETUP_S
 from tests.backend import _ranks_remote
 
 
@@ -39,7 +40,7 @@ def main(pid_dir: str, mode: str) -> None:
     if mode == "own-sigterm":
         signal.signal(signal.SIGTERM, _own_sigterm)
     try:
-        run_local(_ranks_remote.write_pid_and_wait, 2, args=(pid_dir,))
+        run_local(_ranks_remote.write_pid_and_wait, 2, args=(pid_dir,), rpc_timeout=SETUP_S)
     except KeyboardInterrupt:
         _report(sigterm_restored=signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, via="KeyboardInterrupt")
         sys.exit(3)

@@ -2,28 +2,66 @@
 
 from __future__ import annotations
 
+import functools
 import operator
 import time
 
 import torch.distributed.rpc as rpc
 
+from tests._deadlines import HANG_S
 
-def keep_calling_worker1(seconds: float) -> dict | None:
-    """Rank 0 calls worker1 for ``seconds`` while worker1 has already returned (and waits in
-    its graceful shutdown). Stops at the first failed call and says when it happened."""
+_shutdown_began: list[float] = []
+
+
+def _record_shutdown_start() -> None:
+    """On this rank: note when its ``rpc.shutdown()`` begins (``time.monotonic``: one clock for
+    the processes of a machine), for :func:`shutdown_began`."""
+    original = rpc.shutdown
+
+    @functools.wraps(original)
+    def shutdown(*args, **kwargs):
+        _shutdown_began.append(time.monotonic())
+        return original(*args, **kwargs)
+
+    rpc.shutdown = shutdown
+
+
+def shutdown_began() -> float | None:
+    """When this rank's ``rpc.shutdown()`` began; None before it did."""
+    return _shutdown_began[0] if _shutdown_began else None
+
+
+def keep_calling_worker1(serve_for: float | None, min_calls: int = 0) -> dict | None:
+    """Rank 0 calls worker1 while worker1 has already returned (and waits in its graceful
+    shutdown). With ``serve_for``: until worker1's shutdown began at least ``serve_for``
+    seconds ago and ``min_calls`` calls were made since (``served``: seconds from that start to
+    the last answer); with None: until a call fails. Stops at the first failed call and says
+    when it happened; HANG_S is a hang guard."""
     if rpc.get_worker_info().id != 0:
+        _record_shutdown_start()
         return None
     start = time.monotonic()
-    calls = 0
-    failure = None
-    while time.monotonic() - start < seconds:
+    calls = since = 0
+    began = failure = None
+    while True:
         try:
-            calls = rpc.rpc_sync("worker1", operator.add, (calls, 1), timeout=10)
+            if serve_for is not None and began is None:
+                began = rpc.rpc_sync("worker1", shutdown_began, timeout=HANG_S)
+                since = 0
+            calls = rpc.rpc_sync("worker1", operator.add, (calls, 1), timeout=HANG_S)
         except RuntimeError as exc:
             failure = f"{time.monotonic() - start:.1f} s: {exc}"
             break
+        now = time.monotonic()
+        since += began is not None
+        if began is not None and now - began >= serve_for and since >= min_calls:
+            break
+        if now - start > HANG_S:
+            failure = f"hang guard: {HANG_S:g} s of calls, worker1's shutdown began at {began}"
+            break
         time.sleep(0.02)
-    return {"calls": calls, "seconds": time.monotonic() - start, "failure": failure}
+    return {"calls": calls, "seconds": time.monotonic() - start, "failure": failure, "calls_since": since,
+            "served": None if began is None else time.monotonic() - began}
 
 
 def trainers_in_a_role_group() -> dict | None:

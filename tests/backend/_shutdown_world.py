@@ -1,4 +1,5 @@
-"""Two ranks; rank 1 never calls shutdown (run by tests/backend/test_worlds.py).
+"""Two ranks; rank 1 never calls shutdown (run by tests/backend/test_worlds.py): it sleeps until
+the test kills it, once rank 0 has reported.
 
     python -m tests.backend._shutdown_world RANK INIT_METHOD
 """
@@ -13,11 +14,12 @@ def main(rank: str, init_method: str) -> None:
     import torch.distributed.rpc as rpc
 
     from rpc_backend import make_options, shutdown_rpc
+    from tests._deadlines import HANG_S, SETUP_S
 
     rpc.init_rpc(f"w{rank}", rank=int(rank), world_size=2,
-                 rpc_backend_options=make_options(init_method=init_method, rpc_timeout=10))
+                 rpc_backend_options=make_options(init_method=init_method, rpc_timeout=SETUP_S))
     if rank == "1":
-        time.sleep(60)
+        time.sleep(SETUP_S + HANG_S)  # the test is over by then (and kills this rank first)
         os._exit(0)
     start = time.monotonic()
     try:

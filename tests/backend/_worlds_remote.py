@@ -1,6 +1,7 @@
 """Rank functions for tests/backend/test_worlds.py."""
 
 import os
+import time
 
 import torch.distributed.rpc as rpc
 
@@ -18,10 +19,13 @@ def describe() -> dict:
 
 
 def raise_inside_worker_context() -> None:
+    """Rank 1 raises inside ``with current_worker():``; rank 0 never calls shutdown (it sleeps
+    until the launcher stops it), so a graceful shutdown of rank 1 would wait for it forever."""
     me = current_worker()
     if me.rank == 1:
         with me:
             raise KeyError("failed inside the with block")
+    time.sleep(3600)
 
 
 def role_peers() -> dict:

@@ -36,7 +36,8 @@ def matmul_and_heartbeat() -> dict:
 def leave_a_child(pid_dir: str) -> int:
     """Start a child that outlives this rank and keeps every inherited descriptor open;
     returns its pid (the test kills it)."""
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], close_fds=False)
+    # (an hour: alive when the test looks, however slow the machine; the test kills it)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"], close_fds=False)
     return child.pid
 
 
@@ -44,4 +45,4 @@ def kill_the_forking_process() -> None:
     """Rank 0 kills its parent, the process that forked the ranks (the others wait)."""
     if rpc.get_worker_info().id == 0:
         os.kill(os.getppid(), signal.SIGKILL)
-    time.sleep(600)
+    time.sleep(3600)  # until the launcher stops the world

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+from tests._deadlines import HANG_S, SETUP_S
+
+pytestmark = [pytest.mark.slow]
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -33,18 +35,18 @@ def _interrupt_once(cmd: list[str], ready: callable, cwd: str | None = None) -> 
             if ready(line):
                 break
         else:
-            proc.wait(60)
+            proc.wait(HANG_S)
             pytest.fail(f"exited ({proc.returncode}) before it was ready:\n{''.join(before)[-4000:]}")
         os.killpg(proc.pid, signal.SIGINT)
-        after, _ = proc.communicate(timeout=120)
+        after, _ = proc.communicate(timeout=HANG_S)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    deadline = time.monotonic() + 60  # the group's last processes (a rank's children) exit after it
+    deadline = time.monotonic() + HANG_S  # the group's last processes (a rank's children) exit after it
     while time.monotonic() < deadline and _group_alive(proc.pid):
         time.sleep(0.05)
-    assert not _group_alive(proc.pid), "processes of the interrupted job are left"
+    assert not _group_alive(proc.pid), "processes of the interrupted job are left (hang guard)"
     return proc.returncode, _without_peer_gone_warnings(after), "".join(before) + after
 
 
@@ -73,9 +75,9 @@ def test_ctrl_c_stops_the_ranks_and_raises_keyboardinterrupt_alone(tmp_path):
 
     def ready(line: str) -> bool:
         if line.startswith("STARTED"):  # then wait for every rank to be running its function
-            deadline = time.monotonic() + 240
+            deadline = time.monotonic() + SETUP_S
             while len(list(gate.glob("ready?"))) < 3:
-                assert time.monotonic() < deadline, "the ranks did not start"
+                assert time.monotonic() < deadline, "hang guard: the ranks did not start"
                 time.sleep(0.02)
             return True
         return False
@@ -90,7 +92,6 @@ def test_ctrl_c_stops_the_ranks_and_raises_keyboardinterrupt_alone(tmp_path):
     assert not any(line.startswith("RESULT") for line in everything.splitlines()), everything
 
 
-@pytest.mark.timeout(600)  # the demo creates a 1,000,000-row table first
 def test_ctrl_c_on_the_demo_prints_one_line_and_exits_130(tmp_path):
     # `make demo` runs this module; Ctrl-C once its trainers train (its ranks run their
     # functions; a server serves in its shutdown): one line, exit code 130, as a shell reports

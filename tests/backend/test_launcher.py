@@ -6,11 +6,18 @@ import time
 import pytest
 
 from rpc_backend import LocalWorldError, run_local
+from tests._deadlines import HANG_S, SETUP_S
 from tests.backend import _launcher_remote
+
+#: run_local's bound on a whole world that only starts and returns at once (its ranks' default
+#: rpc_timeout, 60 s, also bounds their rendezvous: SETUP_S here too, see tests/_deadlines.py)
+WORLD = dict(timeout=SETUP_S, rpc_timeout=SETUP_S)
+#: a script that starts a world of its own: the interpreter, the world and its shutdown
+SCRIPT_S = SETUP_S + HANG_S
 
 
 def test_returns_values_ordered_by_rank():
-    assert run_local(_launcher_remote.rank_and_sum, 3, args=(10,), timeout=60) == [
+    assert run_local(_launcher_remote.rank_and_sum, 3, args=(10,), **WORLD) == [
         ("worker0", 10, "0", "3"),
         ("worker1", 11, "1", "3"),
         ("worker2", 12, "2", "3"),
@@ -18,18 +25,19 @@ def test_returns_values_ordered_by_rank():
 
 
 def test_a_failing_rank_stops_the_world_quickly():
+    # the other ranks sleep for an hour; the launcher must not wait for them: it raises the
+    # failure (not its own TimeoutError, which comes after SETUP_S + HANG_S) and stops them
     start = time.monotonic()
     with pytest.raises(LocalWorldError) as info:
-        run_local(_launcher_remote.second_rank_fails, 3, timeout=60, rpc_timeout=120)
+        run_local(_launcher_remote.second_rank_fails, 3, timeout=SETUP_S + HANG_S, rpc_timeout=SETUP_S + HANG_S)
     assert info.value.rank == 1
     assert "rank 1 fails on purpose" in str(info.value)
-    # the other ranks wait in a barrier forever; the launcher must not
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < SETUP_S + HANG_S, "hang guard"
 
 
 def test_a_rank_interrupted_alone_fails_the_world_as_interrupted():
     with pytest.raises(LocalWorldError) as info:
-        run_local(_launcher_remote.second_rank_interrupted, 3, timeout=60)
+        run_local(_launcher_remote.second_rank_interrupted, 3, **WORLD)
     assert info.value.rank == 1 and info.value.interrupted, info.value
     assert "rank 1 (worker1) was interrupted (KeyboardInterrupt" in str(info.value)
     assert "KeyboardInterrupt" in info.value.text  # the rank's traceback
@@ -48,7 +56,7 @@ def test_a_rank_that_cannot_start_raises_its_own_error():
     import threading
 
     with pytest.raises(TypeError, match="pickle"):
-        run_local(_launcher_remote.rank_and_sum, 2, args=(threading.Lock(),), timeout=60)
+        run_local(_launcher_remote.rank_and_sum, 2, args=(threading.Lock(),), **WORLD)
 
 
 def _children() -> set:
@@ -75,7 +83,7 @@ def _nested_function():
 def test_a_function_the_ranks_cannot_import_is_refused_before_any_process_starts(fn, what):
     before = _children()
     with pytest.raises(TypeError) as info:
-        run_local(fn, 2, timeout=60)
+        run_local(fn, 2, **WORLD)
     text = str(info.value)
     assert what in text and "top level of a module" in text and "lambda" in text, text
     assert _children() <= before  # nothing was started
@@ -91,14 +99,14 @@ def test_a_function_of_a_main_module_the_ranks_cannot_import_is_refused():
             "def f():\n    return 1\n"
             "try:\n    run_local(f, 2, timeout=60)\n"
             "except TypeError as e:\n    print('REFUSED', e)\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=150)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=SCRIPT_S)
     assert done.returncode == 0 and "REFUSED" in done.stdout, done.stdout + done.stderr[-3000:]
     assert "__main__" in done.stdout and "f" in done.stdout and "file" in done.stdout, done.stdout
 
 
 def test_an_argument_that_cannot_be_sent_is_named():
     with pytest.raises(TypeError) as info:
-        run_local(_launcher_remote.rank_and_sum, 2, args=(lambda: 1,), timeout=60)
+        run_local(_launcher_remote.rank_and_sum, 2, args=(lambda: 1,), **WORLD)
     assert "args[0]" in str(info.value) and "<lambda>" in str(info.value), str(info.value)
 
 
@@ -106,7 +114,7 @@ def test_tensor_results_arrive_by_value_and_intact():
     import torch
 
     messages: list[str] = []
-    values = run_local(_launcher_remote.tensors_of_rank, 2, args=(7,), timeout=60, progress=messages.append,
+    values = run_local(_launcher_remote.tensors_of_rank, 2, args=(7,), **WORLD, progress=messages.append,
                        progress_every=0.5)
     # progress: the start, (maybe) who is still joining, everyone joined; then, once every fn
     # returned, the shutdown and (maybe) who has not shut down or exited yet
@@ -135,7 +143,7 @@ def test_tensor_results_arrive_by_value_and_intact():
 
 def test_an_unpicklable_result_names_the_rank_and_the_type():
     with pytest.raises(LocalWorldError) as info:
-        run_local(_launcher_remote.rank_returns_a_lock_inside, 2, timeout=60)
+        run_local(_launcher_remote.rank_returns_a_lock_inside, 2, **WORLD)
     assert info.value.rank == 1
     text = str(info.value)
     assert "result['lock']" in text and "_thread.lock" in text, text
@@ -149,7 +157,7 @@ def test_a_deprecation_the_users_script_triggers_shows_as_under_python_main():
     from pathlib import Path
 
     script = Path(__file__).parent / "scripts" / "deprecation_job.py"
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=150)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=SCRIPT_S)
     assert done.returncode == 0 and "RESULT [1]" in done.stdout, done.stdout + done.stderr[-3000:]
     assert "DeprecationWarning: old_api() is deprecated: call new_api()" in done.stderr, done.stderr[-3000:]
     assert "deprecation_job.py:19" in done.stderr, done.stderr[-3000:]  # the user's line
@@ -161,7 +169,7 @@ def test_a_script_without_a_main_guard_fails_with_multiprocessings_own_error():
     from pathlib import Path
 
     script = Path(__file__).parent / "scripts" / "no_guard_job.py"
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=150)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=SCRIPT_S)
     assert done.returncode != 0 and "RESULT" not in done.stdout, done.stdout + done.stderr[-3000:]
     assert "LocalWorldError" in done.stderr, done.stderr[-3000:]
     assert "if __name__ == '__main__':" in done.stderr, done.stderr[-3000:]
@@ -188,7 +196,7 @@ def test_ranks_see_the_callers_environment_cwd_stdout_and_transport_as_of_each_c
             monkeypatch.delenv("OMP_NUM_THREADS")
             monkeypatch.delenv("MALLOC_ARENA_MAX")
         transport = TRANSPORT_OF_CALL[i]
-        seen[i] = run_local(_launcher_remote.what_a_rank_sees, 2, args=(mark,), timeout=90, **transport)
+        seen[i] = run_local(_launcher_remote.what_a_rank_sees, 2, args=(mark,), **WORLD, **transport)
     me = os.getpid()
     for i, ranks in seen.items():
         for got in ranks:
@@ -226,7 +234,7 @@ def test_forked_ranks_run_their_exit_handlers_and_keep_the_scripts_seeds_as_spaw
     random.setstate(saved[0])
     numpy.random.set_state(saved[1])
     torch.set_rng_state(saved[2])
-    draws = run_local(_seeded_remote.exits_and_draws, 3, args=(str(tmp_path),), timeout=90)
+    draws = run_local(_seeded_remote.exits_and_draws, 3, args=(str(tmp_path),), **WORLD)
     # atexit handlers ran as each rank ended (run_local returns once every rank has exited)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exit0", "exit1", "exit2"]
     assert all(p.read_text() == "ran" for p in tmp_path.iterdir())
@@ -245,7 +253,7 @@ def test_unseeded_ranks_draw_their_own_streams_as_fresh_interpreters_do():
     # own batches (randn, randperm, dropout, a shuffled DataLoader) train on the same data
     import torch
 
-    draws = run_local(_launcher_remote.draws, 3, args=(None,), timeout=90)
+    draws = run_local(_launcher_remote.draws, 3, args=(None,), **WORLD)
     for key in ("initial_seed", "python", "numpy"):
         assert len({d[key] for d in draws}) == 3, (key, [d[key] for d in draws])
     for key in ("randn", "randperm", "dropout", "loader"):
@@ -253,14 +261,14 @@ def test_unseeded_ranks_draw_their_own_streams_as_fresh_interpreters_do():
             for b in range(a + 1, 3):
                 assert not torch.equal(draws[a][key], draws[b][key]), (key, a, b, draws[a][key])
     # a second world draws streams of its own too
-    again = run_local(_launcher_remote.draws, 3, args=(None,), timeout=90)
+    again = run_local(_launcher_remote.draws, 3, args=(None,), **WORLD)
     assert not {d["initial_seed"] for d in draws} & {d["initial_seed"] for d in again}
 
 
 def test_a_rank_that_seeds_torch_in_fn_draws_exactly_the_seeded_stream():
     import torch
 
-    draws = run_local(_launcher_remote.draws, 2, args=(11,), timeout=90)
+    draws = run_local(_launcher_remote.draws, 2, args=(11,), **WORLD)
     saved = torch.get_rng_state()
     try:
         want = _launcher_remote.draws(11)  # the same function, here, in a local process
@@ -279,7 +287,7 @@ def test_a_script_that_seeds_torch_at_its_top_level_seeds_every_rank():
     from pathlib import Path
 
     script = Path(__file__).parent / "scripts" / "seeded_job.py"
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=150)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=SCRIPT_S)
     assert done.returncode == 0 and "SEEDED True" in done.stdout, done.stdout + done.stderr[-3000:]
 
 
@@ -289,7 +297,7 @@ def test_a_ranks_module_runs_in_the_rank_never_before_the_fork():
     # the ranks' next parallel op) and a thread started there (absent after a fork)
     from tests.backend import _zygote_remote
 
-    got = run_local(_zygote_remote.matmul_and_heartbeat, 2, timeout=120)
+    got = run_local(_zygote_remote.matmul_and_heartbeat, 2, **WORLD)
     assert got == [{"sum": 256.0 ** 3, "threads": 2, "heartbeat": True}] * 2, got
 
 
@@ -299,7 +307,7 @@ def test_a_child_a_rank_leaves_behind_does_not_hold_up_the_world(tmp_path):
 
     from tests.backend import _zygote_remote
 
-    pids = run_local(_zygote_remote.leave_a_child, 2, args=(str(tmp_path),), timeout=120)
+    pids = run_local(_zygote_remote.leave_a_child, 2, args=(str(tmp_path),), **WORLD)
     try:
         # returned, though each child still holds every descriptor its rank had
         assert all(os.path.exists(f"/proc/{pid}") for pid in pids), pids
@@ -315,7 +323,7 @@ def test_the_forking_process_killed_is_named():
     from tests.backend import _zygote_remote
 
     with pytest.raises(LocalWorldError, match=r"the process that forked the ranks \(pid \d+\) exited with code -9"):
-        run_local(_zygote_remote.kill_the_forking_process, 2, timeout=120)
+        run_local(_zygote_remote.kill_the_forking_process, 2, **WORLD)
 
 
 @pytest.mark.parametrize("where", ["guard", "top"])
@@ -330,7 +338,7 @@ def test_a_function_defined_under_the_main_guard_is_refused_naming_it(where):
 
     script = Path(__file__).parent / "scripts" / "guarded_fn_job.py"
     args = [] if where == "guard" else ["top"]
-    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=170)
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=SCRIPT_S)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     if where == "guard":
         assert done.stdout.startswith("REFUSED"), done.stdout + done.stderr[-3000:]

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from rpc_backend._lifetime import StopSignals, exit_with_parent
+from tests._deadlines import HANG_S, SETUP_S
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,10 +36,11 @@ def _is_gone(pid: int) -> bool:
 
 
 def _wait_for(predicate, seconds: float, what: str) -> None:
+    """Poll ``predicate``; ``seconds`` is a hang guard (tests/_deadlines.py)."""
     deadline = time.monotonic() + seconds
     while not predicate():
         if time.monotonic() > deadline:
-            raise AssertionError(f"{what} within {seconds} s")
+            raise AssertionError(f"hang guard: {what} within {seconds} s")
         time.sleep(0.1)
 
 
@@ -56,14 +58,15 @@ class _Launcher:
 
     def wait_for_ranks(self) -> list[int]:
         files = [self.pid_dir / f"rank{r}.pid" for r in range(2)]
-        _wait_for(lambda: all(f.exists() for f in files) or self.proc.poll() is not None, 240, "ranks did not start")
+        _wait_for(lambda: all(f.exists() for f in files) or self.proc.poll() is not None, SETUP_S,
+                  "ranks did not start")
         assert self.proc.poll() is None, self.proc.communicate()
         self.rank_pids = [int(f.read_text()) for f in files]
         assert not any(_is_gone(pid) for pid in self.rank_pids)
         return self.rank_pids
 
     def finish(self) -> tuple[int, dict | None, str]:
-        out, err = self.proc.communicate(timeout=180)  # stopping ranks: slow under load
+        out, err = self.proc.communicate(timeout=HANG_S)  # stopping ranks: slow under load
         line = next((line for line in out.splitlines() if line.startswith("REPORT ")), None)
         return self.proc.returncode, None if line is None else json.loads(line[len("REPORT "):]), err
 
@@ -90,7 +93,6 @@ def launcher(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
 def test_sigint_stops_the_ranks_then_raises_keyboard_interrupt(launcher):
     job = launcher()
     pids = job.wait_for_ranks()
@@ -103,7 +105,6 @@ def test_sigint_stops_the_ranks_then_raises_keyboard_interrupt(launcher):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
 def test_sigterm_stops_the_ranks_then_ends_the_process(launcher):
     job = launcher()
     pids = job.wait_for_ranks()
@@ -111,11 +112,10 @@ def test_sigterm_stops_the_ranks_then_ends_the_process(launcher):
     code, report, err = job.finish()
     assert code == -signal.SIGTERM, err[-3000:]  # ended by SIGTERM, as without run_local
     assert report is None
-    _wait_for(lambda: all(_is_gone(pid) for pid in pids), 60, "ranks still running")
+    _wait_for(lambda: all(_is_gone(pid) for pid in pids), HANG_S, "ranks still running")
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
 def test_sigterm_runs_the_previous_handler_after_stopping_the_ranks(launcher):
     job = launcher("own-sigterm")
     pids = job.wait_for_ranks()
@@ -128,20 +128,19 @@ def test_sigterm_runs_the_previous_handler_after_stopping_the_ranks(launcher):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
 def test_ranks_exit_when_the_launcher_is_killed(launcher):
     job = launcher()
     pids = job.wait_for_ranks()
     job.proc.kill()  # SIGKILL: the launcher can do nothing; the ranks must notice
     job.proc.wait()
-    _wait_for(lambda: all(_is_gone(pid) for pid in pids), 60, "ranks outlived their killed launcher")
+    _wait_for(lambda: all(_is_gone(pid) for pid in pids), HANG_S, "ranks outlived their killed launcher")
 
 
 def test_parent_watchdog_notices_a_new_parent():
     # without prctl, only the polling thread: told the parent is someone else, it fires at once
     fired = threading.Event()
     exit_with_parent(os.getppid() + 1_000_000, interval=0.05, on_orphaned=fired.set, use_prctl=False)
-    assert fired.wait(5)
+    assert fired.wait(HANG_S)  # a hang guard: it fires at its first poll
     calm = threading.Event()
     exit_with_parent(os.getppid(), interval=0.05, on_orphaned=calm.set, use_prctl=False)
     assert not calm.wait(0.5)

@@ -5,6 +5,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from rpc_backend import loopback_env, loopback_store, run_local
+from tests._deadlines import HANG_S, SETUP_S
 from tests.backend import _sockets
 
 
@@ -16,7 +17,7 @@ def test_is_loopback_helper():
 
 
 def test_local_world_listens_on_loopback_only():
-    reports = run_local(_sockets.rank_report, 3, timeout=90)
+    reports = run_local(_sockets.rank_report, 3, timeout=SETUP_S, rpc_timeout=SETUP_S)
     assert [r["name"] for r in reports] == ["worker0", "worker1", "worker2"]
     assert all(r["listening"] for r in reports), reports  # each rank does listen somewhere...
     for report in reports:
@@ -31,9 +32,9 @@ def test_loopback_env_names_the_loopback_interface():
 
 
 def test_loopback_store_listens_on_loopback_only():
-    store = loopback_store(timeout=10)
+    store = loopback_store(timeout=HANG_S)
     mine = [a for a in _sockets.listening_addresses() if a.endswith(f":{store.port}")]
     assert mine == [f"127.0.0.1:{store.port}"]  # a plain TCPStore(is_master=True) binds every interface
-    client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=10))
+    client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=HANG_S))
     client.set("k", "v")
     assert store.get("k") == b"v"

@@ -4,13 +4,14 @@ import pytest
 import torch
 
 from rpc_backend import run_local
+from tests._deadlines import SETUP_S
 from tests.backend import _ranks_remote, _sockets
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
 def test_trainers_form_a_role_group_under_run_local():
-    ps, t0, t1 = run_local(_ranks_remote.trainers_in_a_role_group, 3, roles={"ps": 1, "trainer": 2}, timeout=100)
+    ps, t0, t1 = run_local(_ranks_remote.trainers_in_a_role_group, 3, roles={"ps": 1, "trainer": 2},
+                           timeout=SETUP_S, rpc_timeout=SETUP_S)
     assert ps is None
     assert (t0["group"], t1["group"]) == ((0, 2), (1, 2))  # rank = role rank, size = role size
     assert t0["all_reduce"] == t1["all_reduce"] == 3.0

@@ -22,7 +22,6 @@ COLUMNS = ("trainer", "loss first -> last", "train AUC", "held-out AUC", "steps/
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(90)
 def test_short_run_learns_and_reports_sane_figures(capfd):
     # 1 server + 2 trainers: DDP among the trainers, the tables' rows over one server
     results = dlrm_demo.main(["--servers", "1", "--trainers", "2", "--steps", "40", "--no-progress", "--plot", ""])
@@ -57,7 +56,6 @@ def test_short_run_learns_and_reports_sane_figures(capfd):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(90)
 def test_stream_with_admission_and_eviction_holds_a_bounded_number_of_rows(capfd, tmp_path):
     # 2 servers + 1 trainer: one trainer's async pushes step the tables once per training step
     png = tmp_path / "demo.png"
@@ -106,7 +104,6 @@ def test_stream_with_admission_and_eviction_holds_a_bounded_number_of_rows(capfd
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(90)
 def test_geo_reports_the_rows_its_deltas_push_and_how_geo_sends(capfd):
     # geo pushes row deltas every GEO_PUSH_EVERY steps and at the end (25 steps: two pushes),
     # not a step's gradients with the next lookups: the per-server figures count those rows
@@ -295,7 +292,6 @@ def _screen(raw: str) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(150)
 def test_on_a_terminal_the_setup_lines_and_the_bars_do_not_clobber_each_other():
     # the trainers share the terminal: the setup is told once, then one bar per trainer, each
     # on its own line (no half-drawn first frame left behind, no line overwritten)

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._deadlines import HANG_S, SETUP_S
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -26,6 +28,6 @@ def test_the_old_module_paths_are_the_demos_themselves():
 ])
 def test_python_m_the_old_path_runs_the_demo(tmp_path, module, args, expected):
     done = subprocess.run([sys.executable, "-m", module, *args], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=150)
+                          timeout=SETUP_S + HANG_S)  # a hang guard: the demo starts a world
     assert done.returncode == 0, done.stderr[-3000:]
     assert expected in done.stdout, done.stdout[-3000:]

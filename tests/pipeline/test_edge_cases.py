@@ -12,6 +12,7 @@ from torch import nn
 
 from remote_module import RemoteModule
 from remote_module.pipeline import RemotePipeline, _host, split_sequential
+from tests._deadlines import HANG_S
 from tests.pipeline import _edge_cases_remote as phr
 
 _clock = time.monotonic
@@ -21,7 +22,7 @@ def host_state(worker: str) -> dict:
     return rpc.rpc_sync(worker, phr.host_state)
 
 
-def add_pipe(workers, chunks, timeout=10.0, pauses=None):
+def add_pipe(workers, chunks, timeout=HANG_S, pauses=None):
     pauses = pauses or [0.0] * len(workers)
     return RemotePipeline(
         [(f"{w}/cpu", phr.Add, (float(10 ** i), p), None) for i, (w, p) in enumerate(zip(workers, pauses))],
@@ -36,7 +37,9 @@ def expected(x, n):
     return x
 
 
-def in_threads(fns, seconds):
+def in_threads(fns, seconds=HANG_S):
+    """``fns`` run in threads at once: ("ok", value) or ("err", exception) each; ``seconds``
+    is a hang guard."""
     results = [None] * len(fns)
 
     def run(i):
@@ -51,7 +54,7 @@ def in_threads(fns, seconds):
     for t in threads:
         t.join(seconds)
     hung = [i for i, t in enumerate(threads) if t.is_alive()]
-    assert not hung, f"threads {hung} still running after {seconds} s"
+    assert not hung, f"hang guard: threads {hung} still running after {seconds} s"
     return results
 
 
@@ -77,7 +80,7 @@ def test_a_burst_of_forwards_is_exact_and_leaves_nothing_behind(rpc_world):
 def test_four_threads_on_one_pipeline_with_more_micro_batches_than_rpc_threads(rpc_world, chunks):
     pipe = add_pipe(["worker1", "worker2"], chunks=chunks)
     xs = [torch.randn(128, 3) for _ in range(4)]
-    results = in_threads([lambda x=x: [torch.equal(pipe(x), expected(x, 2)) for _ in range(3)] for x in xs], 60)
+    results = in_threads([lambda x=x: [torch.equal(pipe(x), expected(x, 2)) for _ in range(3)] for x in xs])
     assert results == [("ok", [True] * 3)] * 4, results
     assert_hosts_clean(["worker1", "worker2"])
 
@@ -86,8 +89,8 @@ def test_two_pipelines_sharing_a_stage_proxy_used_twice_in_one_of_them(rpc_world
     a = RemoteModule("worker1/cpu", phr.Add, (1.0,))
     b = RemoteModule("worker2/cpu", phr.Add, (10.0,))
     c = RemoteModule("worker1/cpu", phr.Add, (100.0,))
-    p1 = RemotePipeline([a, b], chunks=64, timeout=20)
-    p2 = RemotePipeline([b, c, b], chunks=64, timeout=20)  # b twice: stage 0 and stage 2
+    p1 = RemotePipeline([a, b], chunks=64, timeout=HANG_S)
+    p2 = RemotePipeline([b, c, b], chunks=64, timeout=HANG_S)  # b twice: stage 0 and stage 2
     xs = [torch.randn(128, 3) for _ in range(4)]
     calls = [
         lambda x=xs[0]: torch.equal(p1(x), (x + 1.0) + 10.0),
@@ -95,7 +98,7 @@ def test_two_pipelines_sharing_a_stage_proxy_used_twice_in_one_of_them(rpc_world
         lambda x=xs[2]: torch.equal(p1(x), (x + 1.0) + 10.0),
         lambda x=xs[3]: torch.equal(p2(x), ((x + 10.0) + 100.0) + 10.0),
     ]
-    assert in_threads(calls, 60) == [("ok", True)] * 4
+    assert in_threads(calls) == [("ok", True)] * 4
     assert_hosts_clean(["worker1", "worker2"])
 
 
@@ -104,7 +107,7 @@ def test_two_pipelines_sharing_a_stage_proxy_used_twice_in_one_of_them(rpc_world
 def test_the_pipeline_pickled_to_a_second_caller_runs_there(rpc_world, caller):
     pipe = add_pipe(["worker1", "worker2"], chunks=4)
     x = torch.randn(8, 3)
-    assert torch.equal(rpc.rpc_sync(caller, phr.run_pipe, (pipe, x), timeout=20), expected(x, 2))
+    assert torch.equal(rpc.rpc_sync(caller, phr.run_pipe, (pipe, x), timeout=HANG_S), expected(x, 2))
 
 
 # ---- a last stage that does not return a batch -------------------------------------------------
@@ -115,7 +118,8 @@ def test_the_pipeline_pickled_to_a_second_caller_runs_there(rpc_world, caller):
 @pytest.mark.parametrize("kind", ["none", "dict", "list", "scalar", "mixed"])
 def test_a_last_stage_not_returning_a_batch_is_named_with_what_it_returned(rpc_world, kind):
     pipe = RemotePipeline(
-        [("worker1/cpu", phr.Add, (1.0,), None), ("worker2/cpu", phr.Returns, (kind,), None)], chunks=2, timeout=10
+        [("worker1/cpu", phr.Add, (1.0,), None), ("worker2/cpu", phr.Returns, (kind,), None)],
+        chunks=2, timeout=HANG_S
     )
     named = r"last pipeline stage \(stage 1 on worker 'worker2'\).*micro-batch \d of.*use chunks=1"
     with pytest.raises(TypeError, match=named):
@@ -125,7 +129,8 @@ def test_a_last_stage_not_returning_a_batch_is_named_with_what_it_returned(rpc_w
 @pytest.mark.parametrize("kind", ["none", "dict", "list", "scalar"])
 def test_one_micro_batch_returns_what_the_last_stage_returned(rpc_world, kind):
     pipe = RemotePipeline(
-        [("worker1/cpu", phr.Add, (1.0,), None), ("worker2/cpu", phr.Returns, (kind,), None)], chunks=1, timeout=10
+        [("worker1/cpu", phr.Add, (1.0,), None), ("worker2/cpu", phr.Returns, (kind,), None)],
+        chunks=1, timeout=HANG_S
     )
     x = torch.arange(4.0).reshape(4, 1)
     expected = phr.Returns(kind)(x + 1.0)
@@ -148,17 +153,18 @@ def test_a_pipeline_ending_in_an_lstm_returns_its_nested_tuple_as_nn_sequential(
     x = torch.randint(0, 20, (5, 3))
     with torch.no_grad():
         want = seq(x)
-        got = split_sequential(seq, ["worker1/cpu", "worker2/cpu"], chunks=1, timeout=10)(x)
+        got = split_sequential(seq, ["worker1/cpu", "worker2/cpu"], chunks=1, timeout=HANG_S)(x)
     assert type(got) is tuple and type(got[1]) is tuple
     assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
     refused = r"micro-batch 0 of 2 returned a tuple of tensor\(3-d\), tuple.*use chunks=1"
     with torch.no_grad(), pytest.raises(TypeError, match=refused):
-        split_sequential(seq, ["worker1/cpu", "worker2/cpu"], chunks=2, timeout=10)(x)  # h, c: batch on dim 1
+        split_sequential(seq, ["worker1/cpu", "worker2/cpu"], chunks=2, timeout=HANG_S)(x)  # h, c: batch on dim 1
 
 
 def test_an_output_that_does_not_pickle_names_the_stage_and_leaves_nothing_behind(rpc_world):
     pipe = RemotePipeline(
-        [("worker1/cpu", phr.Returns, ("lock",), None), ("worker2/cpu", phr.Add, (1.0,), None)], chunks=4, timeout=10
+        [("worker1/cpu", phr.Returns, ("lock",), None), ("worker2/cpu", phr.Add, (1.0,), None)],
+        chunks=4, timeout=HANG_S
     )
     with pytest.raises(TypeError, match=r"(?s)pickle.*stage 0 on worker 'worker1'"):
         pipe(torch.randn(8, 3))

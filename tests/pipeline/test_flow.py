@@ -14,6 +14,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 
 from remote_module.pipeline import RemotePipeline
+from tests._deadlines import HANG_S
 from tests._faults import gates
 from tests._marks import GRAD_ON_WITHOUT_CONTEXT
 from tests.pipeline import _remote as remote
@@ -108,14 +109,15 @@ def test_micro_batches_overlap_across_stages_one_at_a_time_per_stage():
     thread = threading.Thread(target=lambda: box.update(out=pipe(x)))
     thread.start()
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + HANG_S
         while not all(rpc.rpc_sync(w, gates.holding, (key,)) for w, key in holds.items()):
-            assert time.monotonic() < deadline, "stage 0 never ran micro-batch 1 while stage 1 ran micro-batch 0"
+            assert time.monotonic() < deadline, (
+                "hang guard: stage 0 never ran micro-batch 1 while stage 1 ran micro-batch 0")
             time.sleep(0.01)
     finally:
         for w, key in holds.items():
             rpc.rpc_sync(w, gates.release, (key,))
-        thread.join(30)
+        thread.join(HANG_S)
     assert torch.equal(box["out"], x)
     first, second = (on_host(stage, recorded, "calls") for stage in pipe.stages)
     for calls in (first, second):
@@ -143,14 +145,18 @@ def test_each_stage_runs_the_micro_batches_in_order_whatever_order_they_arrive_i
 def test_micro_batches_waiting_for_one_that_failed_earlier_are_cancelled_not_run():
     # Micro-batch 0 fails on stage 1; micro-batches 1-3 reach stage 2 but wait there for micro-batch
     # 0, which never comes, until the forward is cancelled: stage 2 runs nothing, and the
-    # caller hears of the failure long before the pipeline's timeout.
+    # caller hears of the failure long before the pipeline's timeout. Waiting for their turn
+    # until their deadline (the pipeline's 2 * HANG_S, less a margin per hop), they would keep
+    # the forward from returning until long after HANG_S, the hang guard, at any speed.
     pipe = RemotePipeline(
-        [(W1, Timed, (0.0,), None), (W2, FailsOn, (0.0,), None), (W1, Timed, (0.0,), None)], chunks=4, timeout=20
+        [(W1, Timed, (0.0,), None), (W2, FailsOn, (0.0,), None), (W1, Timed, (0.0,), None)], chunks=4,
+        timeout=2 * HANG_S,
     )
     x = torch.arange(16, dtype=torch.float32).reshape(8, 2)
     started = time.monotonic()
     with pytest.raises(ValueError, match="refused on purpose"):
         pipe(x)
-    assert time.monotonic() - started < 10, "the waiting micro-batches were not woken by the cancellation"
+    assert time.monotonic() - started < HANG_S, (
+        "hang guard: the waiting micro-batches were not woken by the cancellation")
     assert on_host(pipe.stages[0], recorded, "calls")[0][2] == 0.0
     assert on_host(pipe.stages[2], recorded, "calls") == []

@@ -2,25 +2,30 @@
 within the timeout; no hang"): a slow shard, a burst from several caller threads, a mesh worker
 frozen with SIGSTOP and one killed with SIGKILL, and a graceful ``rpc.shutdown()`` mid-burst.
 They need processes of their own: one world for the faults, in turn (tests/_faults/sharded_world.py,
-mode ``faults``: caller + w1, w2, w3), and one for the shutdown (mode ``shutdown``)."""
+mode ``faults``: caller + w1, w2, w3), and one for the shutdown (mode ``shutdown``).
+
+No check here depends on the machine's speed: a failure "within the timeout" is one that came
+while the fault still held (the world thaws a frozen worker, or opens a held shard's gate,
+only once every call's outcome is in; a killed one stays dead), naming the faulty worker. The
+only upper bounds on time are hang guards (tests/_deadlines.py)."""
 
 from __future__ import annotations
 
 import pytest
 
+from tests._deadlines import HANG_S
 from tests._faults import sharded_world as sfw
 from tests._faults.subworld import run_report
 
-#: a failure is reported at the latest this long after the call's timeout (a loaded 2-core
-#: machine: the deadline watcher ticks every 50 ms, callbacks queue behind others)
-SLACK = 1.0
+pytestmark = [pytest.mark.slow]
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+#: the fault world's phases, one after the other (each waits for its late work to settle)
+WORLD_S = 4 * HANG_S
 
 
 @pytest.fixture(scope="module")
 def faults():
-    return run_report("tests._faults.sharded_world", list(sfw.ROLES["faults"]), timeout=150, args=("faults",))
+    return run_report("tests._faults.sharded_world", list(sfw.ROLES["faults"]), timeout=WORLD_S, args=("faults",))
 
 
 def phase(report: dict, name: str) -> dict:
@@ -29,9 +34,10 @@ def phase(report: dict, name: str) -> dict:
     return result
 
 
-def assert_failed_naming(outcome: dict, worker: str, timeout: float, what: str) -> None:
+def assert_failed_naming(outcome: dict, worker: str, what: str) -> None:
+    """``outcome`` (the world ran it while ``worker`` was down or held) failed, naming it."""
     assert not outcome["ok"], f"{what} succeeded although {worker} was down: {outcome}"
-    assert outcome["seconds"] < timeout + SLACK, f"{what}: the failure came too late: {outcome}"
+    assert outcome["seconds"] < outcome["timeout"] + HANG_S, f"{what}: hang guard: {outcome}"
     assert f"'{worker}'" in outcome["message"], f"{what}: the error does not name {worker!r}: {outcome['message']}"
 
 
@@ -44,8 +50,10 @@ def assert_no_leak(report: dict, baseline: dict, workers: list[str]) -> None:
 def test_a_shard_slower_than_the_timeout_is_named_and_its_outputs_do_not_leak(faults):
     report = phase(faults, "slow")
     outcome = report["forward"]
-    assert_failed_naming(outcome, "w2", faults["timeout"], "the forward")
+    assert_failed_naming(outcome, "w2", "the forward")
     assert outcome["type"] == "CallTimeout", outcome
+    # w2's shard was still held on its gate when the forward failed: no late answer of w2's ended it
+    assert outcome["held"], f"the forward failed before w2's shard was held: {outcome}"
     assert "'w1'" not in outcome["message"] and "'w3'" not in outcome["message"], outcome["message"]
     # the slow shard finished after the caller gave up: its output (and the others') were freed
     assert_no_leak(report, faults["baseline"], ["w1", "w2", "w3"])
@@ -66,7 +74,7 @@ FAILING = ("forward", "full_tensor", "local_shards", "redistribute", "peer_fetch
 @pytest.mark.parametrize("what", FAILING)
 def test_a_frozen_worker_is_named_within_the_timeout(faults, what):
     report = phase(faults, "frozen")
-    assert_failed_naming(report[what], "w2", faults["timeout"], what)
+    assert_failed_naming(report[what], "w2", what)
     if what == "peer_fetch":  # w1's own fetch from w2 failed, not the caller's call to w1
         assert "_piece" in report[what]["message"] and "'w1'" in report[what]["message"], report[what]["message"]
 
@@ -81,7 +89,7 @@ def test_healthy_workers_work_while_one_is_frozen_and_its_late_outputs_do_not_le
 @pytest.mark.parametrize("what", ("forward",) + ("again",) + FAILING[1:])
 def test_a_killed_worker_is_named_within_the_timeout(faults, what):
     report = phase(faults, "killed")
-    assert_failed_naming(report[what], "w3", faults["timeout"], what)
+    assert_failed_naming(report[what], "w3", what)
 
 
 def test_healthy_workers_work_after_one_was_killed_and_nothing_leaks_on_them(faults):
@@ -92,12 +100,13 @@ def test_healthy_workers_work_after_one_was_killed_and_nothing_leaks_on_them(fau
 
 
 def test_a_graceful_shutdown_mid_burst_answers_calls_already_made_and_does_not_hang():
-    report = run_report("tests._faults.sharded_world", list(sfw.ROLES["shutdown"]), timeout=120, args=("shutdown",))
+    report = run_report("tests._faults.sharded_world", list(sfw.ROLES["shutdown"]), timeout=2 * HANG_S,
+                        args=("shutdown",))
     assert "error" not in report, report["error"]
     ops, index = report["ops"], report["in_flight"]
     assert report["unanswered_at_shutdown"], f"the forward {index} was answered before rpc.shutdown(): {ops[index]}"
     assert not report["thread_alive"], f"calls still hang after rpc.shutdown() returned: {ops[-3:]}"
-    assert report["shutdown_seconds"] < 30, report["shutdown_seconds"]
+    assert report["shutdown_seconds"] < HANG_S, f"hang guard: rpc.shutdown() took {report['shutdown_seconds']} s"
     # every call made before the shutdown was answered, and answered right (a forward: an output
     # of the right shape; a fetch: equal to the local reference)
     before = ops[: index + 1]

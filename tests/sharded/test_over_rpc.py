@@ -17,6 +17,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from remote_module.sharded import LocalModule, RemoteTensor, distribute, from_local
 from remote_module.sharded import _placements as pl
+from tests._deadlines import HANG_S
 from tests._faults import gates
 from tests._marks import GRAD_ON_WITHOUT_CONTEXT
 from tests.sharded import _remote as sr
@@ -38,15 +39,16 @@ def held():
     return [rpc.rpc_sync(w, sr.held_count) for w in MESH]
 
 
-def wait_until_held_at_most(baseline, seconds=10.0):
+def wait_until_held_at_most(baseline, seconds=HANG_S):
     """Poll the hosts until each holds at most ``baseline`` shards (releases are sent from a
-    background thread, so they land a little after the RemoteTensor goes)."""
+    background thread, so they land a little after the RemoteTensor goes); ``seconds`` is a
+    hang guard."""
     deadline = time.monotonic() + seconds
     while True:
         now = held()
         if all(n <= b for n, b in zip(now, baseline)):
             return
-        assert time.monotonic() < deadline, f"shards still held: {now}, baseline {baseline}"
+        assert time.monotonic() < deadline, f"hang guard: shards still held: {now}, baseline {baseline}"
         time.sleep(0.01)
 
 
@@ -318,14 +320,14 @@ def test_shards_run_concurrently():
     thread = threading.Thread(target=lambda: box.update(out=lm(None)))
     thread.start()
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + HANG_S
         while not all(rpc.rpc_sync(w, gates.holding, (key,)) for w in MESH):
-            assert time.monotonic() < deadline, "the two shards' forwards never ran at the same time"
+            assert time.monotonic() < deadline, "hang guard: the two shards' forwards never ran at the same time"
             time.sleep(0.01)
     finally:
         for w in MESH:
             rpc.rpc_sync(w, gates.release, (key,))
-        thread.join(30)
+        thread.join(HANG_S)
     (first, second) = box["out"].local_shards()  # [[start, end]] recorded on each host
     starts, ends = [first[0, 0], second[0, 0]], [first[0, 1], second[0, 1]]
     assert max(starts) < min(ends), (starts, ends)  # both had started before either ended

@@ -20,7 +20,8 @@ from torch.distributed.optim import DistributedOptimizer
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from remote_module.sharded import LocalModule, distribute
-from remote_module.sharded._tensor import RELEASE_DELAY_S
+from remote_module.sharded._tensor import RELEASE_DELAY_S, _releaser
+from tests._deadlines import HANG_S
 from tests._marks import GRAD_ON_WITHOUT_CONTEXT
 from tests.sharded import _training_remote as remote
 from tests.sharded._training_remote import (
@@ -299,16 +300,18 @@ def held_counts() -> dict[str, int]:
     return {w: remote.held_count() if w == "worker0" else rpc.rpc_sync(w, remote.held_count) for w in WORKERS}
 
 
-def settled_held_counts(seconds: float = 10.0) -> dict[str, int]:
-    """The hosts' store sizes once earlier tests' releases have landed (two equal reads more
-    than a release delay apart)."""
-    deadline = time.monotonic() + seconds
+def settled_held_counts() -> dict[str, int]:
+    """The hosts' store sizes once earlier tests' releases have landed: this process has no
+    release left to send, and two reads more than a release delay apart agree (polled; a read
+    goes to each host after the releases sent there)."""
+    deadline = time.monotonic() + HANG_S
     before = held_counts()
     while True:
-        time.sleep(3 * RELEASE_DELAY_S)
+        time.sleep(3 * RELEASE_DELAY_S)  # the releaser's own delay: a release in the making gets out
         now = held_counts()
-        if now == before or time.monotonic() > deadline:
+        if now == before and _releaser._queue.empty() and not _releaser._pending:
             return now
+        assert time.monotonic() < deadline, f"hang guard: the hosts' store sizes never settled: {before} -> {now}"
         before = now
 
 
@@ -332,13 +335,14 @@ def test_a_training_loop_does_not_grow_the_hosts_shard_stores():
             dist_opt.step(ctx)
     assert all(held_mid[w] >= baseline[w] + 2 for w in MESHES[n]), (baseline, held_mid)
     del h, out  # no gc.collect(): shards must be freed when dropped, not at the next cyclic collection
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + HANG_S
     while True:
         now = held_counts()
         if all(now[w] <= baseline[w] for w in WORKERS) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    assert all(now[w] <= baseline[w] for w in WORKERS), f"shard stores grew: baseline {baseline}, after {now}"
+    assert all(now[w] <= baseline[w] for w in WORKERS), (
+        f"shard stores grew (polled up to the hang guard): baseline {baseline}, after {now}")
 
 
 def test_caller_parameters_given_whole_get_their_gradients_as_locally():

@@ -20,4 +20,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    print("RESULT", run_local(main, 1, timeout=120))
+    print("RESULT", run_local(main, 1, timeout=600, rpc_timeout=600))  # tests/_deadlines.py: SETUP_S

@@ -15,6 +15,7 @@ if __name__ == "__main__":
         return 7
 
     try:
-        print("RESULT", run_local(top_work if sys.argv[1:] == ["top"] else guarded_work, 2, timeout=120))
+        print("RESULT", run_local(top_work if sys.argv[1:] == ["top"] else guarded_work, 2, timeout=600,
+                                  rpc_timeout=600))  # SETUP_S (tests/_deadlines.py)
     except TypeError as exc:
         print("REFUSED", exc)

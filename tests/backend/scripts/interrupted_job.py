@@ -36,4 +36,5 @@ def run_until_stopped(gate_dir: str) -> None:
 
 if __name__ == "__main__":
     print("STARTED", flush=True)
-    print("RESULT", run_local(run_until_stopped, 3, args=(sys.argv[1],), timeout=600), flush=True)
+    # SETUP_S + HANG_S, SETUP_S (tests/_deadlines.py): the test interrupts it once started
+    print("RESULT", run_local(run_until_stopped, 3, args=(sys.argv[1],), timeout=900, rpc_timeout=600), flush=True)

@@ -11,4 +11,4 @@ import os
 from rpc_backend import run_local
 
 print(f"TOP LEVEL {os.getpid()}", flush=True)
-print("RESULT", run_local(os.getpid, 2, timeout=120), flush=True)
+print("RESULT", run_local(os.getpid, 2, timeout=600, rpc_timeout=600), flush=True)  # SETUP_S

@@ -19,7 +19,7 @@ def first_draws() -> dict:
 
 if __name__ == "__main__":
     want = first_draws()  # here, right after the top level's seeding
-    got = run_local(first_draws, 2, timeout=120)
+    got = run_local(first_draws, 2, timeout=600, rpc_timeout=600)  # SETUP_S (tests/_deadlines.py)
     print("SEEDED", want["initial_seed"] == SEED and got == [want, want], flush=True)
     if got != [want, want]:
         print("WANT", want, "GOT", got, flush=True)
