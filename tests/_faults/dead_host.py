@@ -10,16 +10,17 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 
+from tests._deadlines import HANG_S
+
 ROLES = ("caller", "doomed", "survivor")
+#: the doomed host's proxy's timeout once it is dead (its calls fail with the death's own error
+#: or, at the latest, at this deadline)
 TIMEOUT = 5.0
 
 
-def die_soon() -> int:
-    """Kill this process 0.2 s from now (after the answer left); returns its pid."""
-    threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+def own_pid() -> int:
     return os.getpid()
 
 
@@ -52,12 +53,16 @@ def caller() -> None:
 
     from remote_module import RemoteModule
 
-    doomed = RemoteModule("doomed/cpu", torch.nn.Linear, (4, 4), timeout=TIMEOUT)
-    survivor = RemoteModule("survivor/cpu", torch.nn.Linear, (4, 4), timeout=TIMEOUT)
+    # built, and used while all is well, with time to spare (HANG_S: must not time out)
+    doomed = RemoteModule("doomed/cpu", torch.nn.Linear, (4, 4), timeout=HANG_S)
+    survivor = RemoteModule("survivor/cpu", torch.nn.Linear, (4, 4), timeout=HANG_S)
     agent_default = RemoteModule("survivor/cpu", torch.nn.Linear, (4, 4))  # timeout=None
     x = torch.ones(1, 4)
     before = attempt(lambda: doomed(x))
-    wait_until_dead(rpc.rpc_sync("doomed", die_soon))
+    doomed_pid = rpc.rpc_sync("doomed", own_pid)
+    os.kill(doomed_pid, signal.SIGKILL)  # from here (the same machine): no answer left to wait for
+    wait_until_dead(doomed_pid, seconds=HANG_S)
+    doomed.timeout = TIMEOUT
     report = {
         "before": before,
         "sync": attempt(lambda: doomed(x)),

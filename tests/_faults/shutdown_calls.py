@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Any
 
+from tests._deadlines import HANG_S, SETUP_S
 from tests._transport import world_options
 
 ROLES = ("caller", "host")
@@ -28,8 +29,9 @@ CHEAP_CALLS = 2000
 #: caller for most of a second
 CHEAP_PAUSE = 0.0002
 SLOW_THREADS, SLOW_CALLS_PER_THREAD, SLOW_SECONDS = 4, 25, 0.05
-#: a shutdown that takes longer than this is reported as hung
-SHUTDOWN_LIMIT = 60.0
+#: a shutdown that takes longer than this is reported as hung (and the calls made before it
+#: get this timeout: they must be answered, not time out)
+SHUTDOWN_LIMIT = HANG_S
 
 _clock = time.monotonic
 
@@ -154,15 +156,15 @@ def exit_in_init_then_shutdown() -> dict:
     from tests.proxy import _contract_remote as cr
 
     start = _clock()
-    try:
-        RemoteModule("host/cpu", cr.ExitInInit, timeout=20)
+    try:  # the timeout is a hang guard: the host's SystemExit must come, not the timeout's error
+        RemoteModule("host/cpu", cr.ExitInInit, timeout=HANG_S)
         report = {"constructor": {"raised": None}}
     except BaseException as exc:  # what it raises is the point (SystemExit must not escape)
         report = {"constructor": {"raised": type(exc).__name__, "is_exception": isinstance(exc, Exception),
                                   "message": str(exc)[:300]}}
     report["constructor"]["seconds"] = _clock() - start
-    report["constructor"]["timeout"] = 20
-    proxy = RemoteModule("host/cpu", torch.nn.Linear, (4, 4), timeout=20)
+    report["constructor"]["timeout"] = HANG_S
+    proxy = RemoteModule("host/cpu", torch.nn.Linear, (4, 4), timeout=HANG_S)
     local = torch.nn.Linear(4, 4)
     local.load_state_dict(proxy.state_dict())
     x = torch.randn(3, 4)
@@ -174,7 +176,7 @@ def exit_in_init_then_shutdown() -> dict:
 def main(role: str, init_method: str, mode: str) -> None:
     import torch.distributed.rpc as rpc
 
-    options = world_options(init_method=init_method, rpc_timeout=60, num_worker_threads=8)
+    options = world_options(init_method=init_method, rpc_timeout=SETUP_S, num_worker_threads=8)
     rpc.init_rpc(role, rank=ROLES.index(role), world_size=len(ROLES), rpc_backend_options=options)
     if role == "host":
         rpc.shutdown()  # serves until the caller is done
