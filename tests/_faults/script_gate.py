@@ -24,8 +24,8 @@ class RemoteGateInterface:
 
 
 class Gate(nn.Module):
-    """``forward(key)``: raises ValueError for "bad", blocks until released for "hold...",
-    else returns ``key``."""
+    """``forward(key)``: raises ValueError for "bad", blocks until released for "hold..."
+    (HANG_S at most), else returns ``key``."""
 
     def forward(self, key: str) -> str:
         if key == "bad":
@@ -36,9 +36,10 @@ class Gate(nn.Module):
 
     @torch.jit.ignore
     def _hold(self, key: str) -> None:
+        from tests._deadlines import HANG_S
         from tests._faults import gates
 
-        gates.hold(key)
+        gates.hold(key, HANG_S)  # until the test releases it: its timeout tests check while held
 
 
 @torch.jit.script

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed.rpc as rpc
 
+from remote_module._core import fanout
 from remote_module._core.errors import CallTimeout, RemoteModuleError
 from remote_module._core.fanout import (
     HostCall,
@@ -18,17 +19,62 @@ from remote_module._core.fanout import (
     call_one,
     send_to_each,
 )
+from remote_module._core.settling import WATCH_TICK_S
+from tests._deadlines import HANG_S
 from tests._faults import gates
+from tests.proxy import _held
+from tests.proxy._held import hold, wait_until
 from tests.proxy._remote import UserError, echo
 
 pytestmark = pytest.mark.usefixtures("rpc_world")
 
+#: the timeout of the calls that a host holds until they failed (the hold is released only
+#: once the outcome is in, so a late answer cannot have ended them)
+SHORT = 0.5
 
-def wait_until(predicate, seconds=10.0):
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
+
+@pytest.fixture
+def unanswered_at_deadline(monkeypatch):
+    """For each batch of calls failed at its deadline here: ``(its workers, the indices of the
+    calls not answered then)``, as the batch itself recorded them (a batch's results do not
+    change once its deadline has passed). Which calls a host answered before a short deadline
+    depends on the machine's speed; which one the error must name follows from this."""
+    seen = []
+    real = fanout._Batch.expire
+
+    def expire(batch, now):
+        real(batch, now)
+        seen.append((list(batch.names), [i for i, r in enumerate(batch.results) if r is fanout._UNANSWERED]))
+
+    monkeypatch.setattr(fanout._Batch, "expire", expire)
+    return seen
+
+
+def named_at_deadline(seen, names):
+    """The call a timeout error must name: the first not answered at the deadline of the batch
+    to ``names`` (which must have expired exactly once)."""
+    found = [unanswered for workers, unanswered in seen if workers == names and unanswered]
+    assert len(found) == 1, seen
+    return found[0]
+
+
+def held_outcome(run, key, worker="worker1"):
+    """``run()``'s outcome (see :func:`_outcome`) and its seconds; ``worker`` holds the call on
+    ``key`` until the outcome is in, and must still be holding it then."""
+    start = time.monotonic()
+    try:
+        outcome = _outcome(run)
+        elapsed = time.monotonic() - start
+        wait_until(lambda: rpc.rpc_sync(worker, gates.holding, (key,)), f"the call held on {key!r} waiting on {worker}")
+    finally:
+        rpc.rpc_sync(worker, gates.release, (key,))
+    return outcome, elapsed
+
+
+def assert_at_deadline(elapsed, timeout=SHORT):
+    """Not before the timeout; the only upper bound is the hang guard."""
+    assert timeout - WATCH_TICK_S <= elapsed, f"failed {elapsed:.3f} s after it was made, before its timeout"
+    assert elapsed < timeout + HANG_S, f"hang guard: failed only after {elapsed:.1f} s"
 
 
 def test_results_come_back_in_the_order_of_the_calls():
@@ -36,10 +82,11 @@ def test_results_come_back_in_the_order_of_the_calls():
     # hosts answer out of order whatever the machine's speed
     key = "fanout-order"
     workers = ["worker1", "worker2", "worker0", "worker1"]
-    calls = [HostCall(w, gates.timed, (i, 0.0, key if i == 0 else None)) for i, w in enumerate(workers)]
-    fut = call_all_async(calls, timeout=60)
+    calls = [HostCall(w, _held.timed, (i, key if i == 0 else None)) for i, w in enumerate(workers)]
+    fut = call_all_async(calls, timeout=HANG_S)
     try:
-        wait_until(lambda: all(rpc.rpc_sync(workers[i], gates.finished, ([i],)) == [i] for i in (1, 2)), 30)
+        wait_until(lambda: all(rpc.rpc_sync(workers[i], _held.finished, ([i],)) == [i] for i in (1, 2)),
+                   "the calls to worker2 and worker0 returned")
     finally:
         rpc.rpc_sync("worker1", gates.release, (key,))
     results = fut.wait()
@@ -51,13 +98,13 @@ def test_results_come_back_in_the_order_of_the_calls():
 
 def test_calls_on_different_workers_run_at_the_same_time():
     # each call holds on a gate until all three run at once: calls made one after another would
-    # never get there (the test fails at the deadline, whatever the speed)
+    # never get there (the test fails at the hang guard, whatever the speed)
     key = "fanout-together"
     workers = ["worker1", "worker2", "worker0"]
-    fut = call_all_async([(w, gates.timed, (100 + i, 0.0, key)) for i, w in enumerate(workers)], timeout=60)
+    fut = call_all_async([(w, _held.timed, (100 + i, key)) for i, w in enumerate(workers)], timeout=HANG_S)
     assert isinstance(fut, torch.futures.Future)
     try:
-        wait_until(lambda: all(rpc.rpc_sync(w, gates.holding, (key,)) for w in workers), 30)
+        wait_until(lambda: all(rpc.rpc_sync(w, gates.holding, (key,)) for w in workers), "all three calls held at once")
     finally:
         for w in workers:
             rpc.rpc_sync(w, gates.release, (key,))
@@ -80,9 +127,9 @@ def test_first_failure_keeps_its_type_and_names_worker_and_index():
 
 def test_first_failure_does_not_wait_for_the_other_calls():
     key = "fanout-first-failure"
-    fut = call_all_async([("worker1", gates.hold, (key,)), ("worker2", gates.fail, ("early",))], timeout=20)
+    fut = call_all_async([("worker1", hold, (key,)), ("worker2", gates.fail, ("early",))], timeout=HANG_S)
     try:
-        wait_until(fut.done)
+        wait_until(fut.done, "the failure arrived")
         # the held call is still running on worker1 when the whole has already failed
         assert rpc.rpc_sync("worker1", gates.holding, (key,))
         with pytest.raises(UserError, match="early") as info:
@@ -92,18 +139,17 @@ def test_first_failure_does_not_wait_for_the_other_calls():
         rpc.rpc_sync("worker1", gates.release, (key,))
 
 
-def test_a_call_that_hangs_times_out_naming_its_worker():
+def test_a_call_that_hangs_times_out_naming_its_worker(unanswered_at_deadline):
     key = "fanout-timeout"
-    start = time.monotonic()
-    try:
-        with pytest.raises(CallTimeout) as info:
-            call_all([("worker2", echo, (1,)), ("worker1", gates.hold, (key,))], timeout=0.5)
-        elapsed = time.monotonic() - start
-    finally:
-        rpc.rpc_sync("worker1", gates.release, (key,))
-    assert elapsed < 0.5 + 2.0
-    text = str(info.value)
-    assert "calls[1] of 2" in text and "worker1" in text and "0.5 s" in text
+    workers = ["worker2", "worker1"]
+    (kind, text), elapsed = held_outcome(lambda: call_all([("worker2", echo, (1,)), ("worker1", hold, (key,))],
+                                                          timeout=SHORT), key)
+    assert kind is CallTimeout, text
+    assert_at_deadline(elapsed)
+    unanswered = named_at_deadline(unanswered_at_deadline, workers)
+    assert 1 in unanswered  # the held call (and calls[0] too, where a slow machine had not answered it yet)
+    first = unanswered[0]
+    assert f"calls[{first}] of 2" in text and repr(workers[first]) in text and "0.5 s" in text, text
 
 
 def test_async_execution_handlers_are_answered_when_their_future_completes():
@@ -154,27 +200,25 @@ def test_an_argument_that_cannot_be_sent_names_the_call():
 def test_send_to_each_keeps_the_contract_of_call_all():
     # the entry point for calls a layer checked once: same order, failures and deadline
     infos = [rpc.get_worker_info(w) for w in ("worker2", "worker1", "worker2")]
-    assert send_to_each(infos, echo, [("a",), ("b",), ("c",)], 10.0).wait() == ["a", "b", "c"]
-    assert send_to_each([], echo, [], 10.0).wait() == []
+    assert send_to_each(infos, echo, [("a",), ("b",), ("c",)], HANG_S).wait() == ["a", "b", "c"]
+    assert send_to_each([], echo, [], HANG_S).wait() == []
     with pytest.raises(UserError) as info:
-        send_to_each(infos[:2], gates.fail, [("first",), ("second",)], 10.0).wait()
+        send_to_each(infos[:2], gates.fail, [("first",), ("second",)], HANG_S).wait()
     text = str(info.value)  # whichever failure arrived first, named by its index and worker
     assert ("calls[0] of 2" in text and "worker2" in text and text.startswith("first")) or (
         "calls[1] of 2" in text and "worker1" in text and text.startswith("second")), text
     key = "send-to-each-timeout"
-    start = time.monotonic()
-    try:
-        with pytest.raises(CallTimeout) as timed_out:
-            send_to_each(infos[:2], gates.hold, [(key + "-2",), (key,)], 0.5).wait()
-        elapsed = time.monotonic() - start
+    try:  # both calls held: the first not answered is calls[0]
+        (kind, text), elapsed = held_outcome(
+            lambda: send_to_each(infos[:2], hold, [(key + "-2",), (key,)], SHORT).wait(), key)
+        wait_until(lambda: rpc.rpc_sync("worker2", gates.holding, (key + "-2",)), "the call held on worker2")
     finally:
-        rpc.rpc_sync("worker1", gates.release, (key,))
         rpc.rpc_sync("worker2", gates.release, (key + "-2",))
-    assert elapsed < 0.5 + 2.0
-    text = str(timed_out.value)
+    assert kind is CallTimeout, text
+    assert_at_deadline(elapsed)
     assert "calls[0] of 2" in text and "worker2" in text and "0.5 s" in text
     with pytest.raises(TypeError, match=r"calls\[0\] of 1 .*could not be sent to worker 'worker1'"):
-        send_to_each([rpc.get_worker_info("worker1")], echo, [(threading.Lock(),)], 10.0)
+        send_to_each([rpc.get_worker_info("worker1")], echo, [(threading.Lock(),)], HANG_S)
 
 
 def _outcome(run):
@@ -199,33 +243,30 @@ def test_call_one_keeps_the_contract_of_call_all_for_one_call():
         HostCall(1, echo, (), {"obj": "by rank, kwargs"}),
     ]
     for call in cases:
-        one, alone = _outcome(lambda: call_one(call, timeout=10)), _outcome(lambda: call_all([call], timeout=10)[0])
+        one = _outcome(lambda: call_one(call, timeout=HANG_S))
+        alone = _outcome(lambda: call_all([call], timeout=HANG_S)[0])
         assert one == alone, (call, one, alone)
     assert _outcome(lambda: call_one(("worker1", echo, (1,)), timeout=0)) == _outcome(
         lambda: call_all([("worker1", echo, (1,))], timeout=0))
     timed_out = []
-    for key, run in (("call-one-timeout", lambda k: call_one(("worker1", gates.hold, (k,)), timeout=0.5)),
-                     ("call-all-timeout", lambda k: call_all([("worker1", gates.hold, (k,))], timeout=0.5))):
-        start = time.monotonic()
-        try:
-            timed_out.append(_outcome(lambda: run(key)))
-            elapsed = time.monotonic() - start
-        finally:
-            rpc.rpc_sync("worker1", gates.release, (key,))
-        assert elapsed < 0.5 + 2.0
+    for key, run in (("call-one-timeout", lambda k: call_one(("worker1", hold, (k,)), timeout=SHORT)),
+                     ("call-all-timeout", lambda k: call_all([("worker1", hold, (k,))], timeout=SHORT))):
+        outcome, elapsed = held_outcome(lambda: run(key), key)
+        assert_at_deadline(elapsed)
+        timed_out.append(outcome)
     assert timed_out[0] == timed_out[1]
     kind, text = timed_out[0]
     assert kind is CallTimeout and "calls[0] of 1" in text and "'worker1'" in text and "0.5 s" in text
     assert call_one(("worker2", echo, ("after a timeout",))) == "after a timeout"
 
 
-def test_call_grouped_sends_one_message_per_worker_and_keeps_the_contract(monkeypatch):
+def test_call_grouped_sends_one_message_per_worker_and_keeps_the_contract(monkeypatch, unanswered_at_deadline):
     sent = []
     real = rpc.rpc_async
     monkeypatch.setattr(rpc, "rpc_async", lambda to, *a, **k: sent.append(to.name) or real(to, *a, **k))
     calls = [("worker1", echo, ("a",)), ("worker2", echo, ("b",)), ("worker1", gates.add_later, (2, 3)),
              ("worker1", echo, ("c",)), ("worker2", gates.add_later, (4, 5))]
-    assert call_grouped(calls, timeout=10) == ["a", "b", 5, "c", 9]
+    assert call_grouped(calls, timeout=HANG_S) == ["a", "b", 5, "c", 9]
     assert sorted(sent) == ["worker1", "worker2"]  # one message each
     assert call_grouped([]) == []
     # a failure inside a shared message is that call's, with its type, index and worker
@@ -238,34 +279,40 @@ def test_call_grouped_sends_one_message_per_worker_and_keeps_the_contract(monkey
     assert "calls[1] of 2" in str(info.value) and "worker2" in str(info.value)
     # the worker keeps serving, and the order within a message is the order given
     key = "grouped-timeout"
-    start = time.monotonic()
-    try:
-        with pytest.raises(CallTimeout) as timed_out:
-            call_grouped([("worker2", echo, (1,)), ("worker1", gates.hold, (key,)), ("worker1", echo, (3,))],
-                         timeout=0.5)
-        elapsed = time.monotonic() - start
-    finally:
-        rpc.rpc_sync("worker1", gates.release, (key,))
-    assert elapsed < 0.5 + 2.0
-    assert "calls[1] of 3" in str(timed_out.value) and "worker1" in str(timed_out.value)
+    workers = ["worker2", "worker1", "worker1"]
+    (kind, text), elapsed = held_outcome(
+        lambda: call_grouped([("worker2", echo, (1,)), ("worker1", hold, (key,)), ("worker1", echo, (3,))],
+                             timeout=SHORT), key)
+    assert kind is CallTimeout, text
+    assert_at_deadline(elapsed)
+    unanswered = named_at_deadline(unanswered_at_deadline, workers)
+    assert 1 in unanswered and 2 in unanswered  # worker1's message: held
+    first = unanswered[0]  # calls[1], unless a slow machine left worker2's message unanswered too
+    assert f"calls[{first}] of 3" in text and repr(workers[first]) in text, text
     assert call_grouped([("worker1", echo, ("still",)), ("worker1", echo, ("here",))]) == ["still", "here"]
 
 
 def test_call_grouped_each_gives_every_calls_outcome_and_names_a_shared_failure():
     key = "grouped-each"
-    try:
-        outcomes = call_grouped_each([("worker1", echo, ("a",)), ("worker2", gates.fail, ("no",)),
-                                      ("worker2", echo, ("b",)), ("worker1", gates.hold, (key,))], timeout=0.5)
-    finally:
-        rpc.rpc_sync("worker1", gates.release, (key,))
-    assert [ok for ok, _ in outcomes] == [False, False, True, False]  # worker1's message: answered late
-    assert outcomes[2][1] == "b"
-    assert isinstance(outcomes[1][1], UserError) and "calls[1] of 4" in str(outcomes[1][1])
+    (kind, outcomes), elapsed = held_outcome(
+        lambda: call_grouped_each([("worker1", echo, ("a",)), ("worker2", gates.fail, ("no",)),
+                                   ("worker2", echo, ("b",)), ("worker1", hold, (key,))], timeout=SHORT), key)
+    assert kind == "ok", outcomes
+    assert_at_deadline(elapsed)  # the outcomes come once worker1's message timed out
+    # worker1's message (held): both of its calls timed out, each named
     late = [v for ok, v in (outcomes[0], outcomes[3])]
+    assert [ok for ok, _ in (outcomes[0], outcomes[3])] == [False, False]
     assert all(isinstance(v, CallTimeout) for v in late) and "calls[3] of 4" in str(late[1])
+    if isinstance(outcomes[2][1], CallTimeout):  # a slow machine: worker2 had not answered at the deadline
+        assert [ok for ok, _ in outcomes[1:3]] == [False, False], outcomes
+        assert isinstance(outcomes[1][1], CallTimeout) and "calls[1] of 4" in str(outcomes[1][1])
+        assert "calls[2] of 4" in str(outcomes[2][1])
+    else:  # worker2's message was answered in time: each of its calls' own outcome
+        assert [ok for ok, _ in outcomes[1:3]] == [False, True] and outcomes[2][1] == "b", outcomes
+        assert isinstance(outcomes[1][1], UserError) and "calls[1] of 4" in str(outcomes[1][1])
     # an answer that cannot be pickled fails the message: every call in it is named
     with pytest.raises(Exception) as info:
-        call_grouped([("worker1", echo, (1,)), ("worker1", gates.unpicklable_result)], timeout=10)
+        call_grouped([("worker1", echo, (1,)), ("worker1", gates.unpicklable_result)], timeout=HANG_S)
     text = str(info.value)
     assert "calls[0] of 2" in text and "calls[1] of 2" in text and "one message" in text
     assert call_grouped([("worker1", echo, ("fine",))]) == ["fine"]

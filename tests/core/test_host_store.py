@@ -6,6 +6,7 @@ import threading
 import pytest
 
 from remote_module._core import HostStore
+from tests._deadlines import HANG_S
 
 
 class Thing:
@@ -55,7 +56,8 @@ def test_setdefault_makes_once_under_concurrency():
     for t in threads:
         t.start()
     for t in threads:
-        t.join(10)
+        t.join(HANG_S)
+    assert not any(t.is_alive() for t in threads), f"hang guard: still making after {HANG_S} s"
     assert len(made) == 1 and len({id(obj) for obj, _ in got}) == 1
     assert sorted(created for _, created in got) == [False] * 7 + [True]
 

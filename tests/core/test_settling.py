@@ -11,8 +11,6 @@ from torch.futures import Future
 
 from remote_module._core import settling as _settling
 from remote_module._core.settling import (
-    STUCK_S,
-    WATCH_TICK_S,
     complete,
     finish_run,
     schedule,
@@ -20,9 +18,11 @@ from remote_module._core.settling import (
     settle_here,
     watched_run,
 )
+from tests._deadlines import HANG_S
 
 
-def wait_for(predicate, seconds: float) -> bool:
+def wait_for(predicate, seconds: float = HANG_S) -> bool:
+    """Poll ``predicate``; False when ``seconds`` passed first (a hang guard)."""
     deadline = time.monotonic() + seconds
     while not predicate():
         if time.monotonic() > deadline:
@@ -31,51 +31,61 @@ def wait_for(predicate, seconds: float) -> bool:
     return True
 
 
-def futures_with_blockers(count: int, blocked: set[int], release: threading.Event):
-    """``count`` futures; those in ``blocked`` get a callback that waits for ``release``."""
+def futures_with_blockers(count: int, blocked: set[int], release: threading.Event, returned: list):
+    """``count`` futures; those in ``blocked`` get a callback that waits for ``release`` (HANG_S
+    at most), then appends its index to ``returned``."""
     futures = [Future() for _ in range(count)]
+
+    def block(i):
+        release.wait(HANG_S)
+        returned.append(i)
+
     for i in blocked:
-        futures[i].add_done_callback(lambda _: release.wait(30))
+        futures[i].add_done_callback(lambda _, i=i: block(i))
     return futures
 
 
 @pytest.mark.parametrize("where", ["here", "elsewhere"])
 def test_blocked_callbacks_hold_up_the_rest_of_a_run_only_briefly(where):
-    release = threading.Event()
+    # Briefly, at any speed: every other future of the run is settled while the blocked
+    # callbacks are still blocked (they are let go only afterwards), so none waited for them.
+    # (About STUCK_S plus a watcher tick per blocked callback on an idle machine.)
+    release, returned = threading.Event(), []
     blocked = {0, 1, 2, 3, 10}
-    futures = futures_with_blockers(200, blocked, release)
+    futures = futures_with_blockers(200, blocked, release, returned)
     jobs = [lambda f=f, i=i: complete(f, i, False) for i, f in enumerate(futures)]
-    start = time.monotonic()
     try:
         if where == "here":  # a thread that settles a message's futures (an RPC thread)
             threading.Thread(target=settle_here, args=(jobs,), daemon=True).start()
         else:
             settle_elsewhere(jobs)
         others = [f for i, f in enumerate(futures) if i not in blocked]
-        # each blocked callback costs about STUCK_S plus a watcher tick
-        assert wait_for(lambda: all(f.done() for f in others), 1.0), (
-            f"{sum(not f.done() for f in others)} futures still unsettled after 1 s"
+        assert wait_for(lambda: all(f.done() for f in others)), (
+            f"hang guard: {sum(not f.done() for f in others)} futures still unsettled after {HANG_S} s"
         )
-        assert time.monotonic() - start < len(blocked) * (STUCK_S + WATCH_TICK_S) + 0.5
+        assert returned == [], "a blocked callback returned before the other futures were settled"
         assert [f.wait() for f in others] == [i for i in range(200) if i not in blocked]
     finally:
         release.set()
-    assert wait_for(lambda: all(f.done() for f in futures), 5.0)
+    assert wait_for(lambda: all(f.done() for f in futures)), "hang guard: the blocked futures never settled"
+    assert wait_for(lambda: sorted(returned) == sorted(blocked)), "hang guard: the blocked callbacks never returned"
 
 
 def test_a_watched_run_settles_elsewhere_while_its_thread_is_held_up():
     # e.g. an RPC thread sending the next message, when torch runs a callback inline
     futures = [Future() for _ in range(3)]
-    release = threading.Event()
+    release, let_go = threading.Event(), []
 
     def answer_then_get_held_up():
         run = watched_run([lambda f=f: complete(f, "answer", False) for f in futures])
-        release.wait(30)
+        release.wait(HANG_S)
+        let_go.append(True)
         finish_run(run)
 
     threading.Thread(target=answer_then_get_held_up, daemon=True).start()
     try:
-        assert wait_for(lambda: all(f.done() for f in futures), 1.0)
+        assert wait_for(lambda: all(f.done() for f in futures)), "hang guard: the run was never settled"
+        assert let_go == [], "settled only once its thread was let go"
         assert [f.wait() for f in futures] == ["answer"] * 3
     finally:
         release.set()
@@ -120,9 +130,14 @@ def test_the_watcher_calls_a_target_at_its_deadline():
         def expire(self, now):
             self.called.append(now)
 
-    target = Target()
+    # at its deadline: never before it (the watcher's own clock reading), once; how soon after
+    # depends on the machine (WATCH_TICK_S on an idle one), so the only upper bound is the hang guard
+    target, later = Target(), Target()
     when = time.monotonic() + 0.2
+    schedule(when + 0.2, later)
     schedule(when, target)
-    assert wait_for(lambda: target.called, 2.0)
-    assert when <= target.called[0] <= when + WATCH_TICK_S + 0.25  # loaded machine: generous
+    assert wait_for(lambda: target.called and later.called), "hang guard: a target was never called"
+    assert target.called[0] >= when and later.called[0] >= when + 0.2, (when, target.called, later.called)
+    assert target.called[0] <= later.called[0]  # in the order of their deadlines
+    assert len(target.called) == 1 and len(later.called) == 1
     assert _settling._watcher._thread is not None and _settling._watcher._thread.daemon

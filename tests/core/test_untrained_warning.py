@@ -20,6 +20,7 @@ from torch.distributed.tensor import Partial
 from remote_module import RemoteModule
 from remote_module.pipeline import split_sequential
 from remote_module.sharded import LocalModule
+from tests._deadlines import HANG_S
 from tests.proxy import _remote
 
 pytestmark = pytest.mark.usefixtures("rpc_world")
@@ -179,7 +180,7 @@ def test_a_burst_from_several_threads_warns_once(monkeypatch):
     from remote_module._core import untrained as _untrained
 
     threads = 4
-    barrier = threading.Barrier(threads, timeout=10)
+    barrier = threading.Barrier(threads, timeout=HANG_S)  # a hang guard
     real = _untrained.in_dist_autograd_context
 
     def slow_check():

@@ -61,7 +61,9 @@ def trainer_main(steps: int) -> dict | None:
     me = current_worker()
     if me.role != "trainer":
         return None  # ps0 only hosts the embedding
-    init_role_process_group(me)
+    from tests._deadlines import SETUP_S
+
+    init_role_process_group(me, timeout=SETUP_S)  # its barriers wait for the other trainer
     if me.role_rank == 0:
         _shared["embedding"] = RemoteModule("ps0/cpu", nn.EmbeddingBag, (NUM_EMBEDDINGS, DIM), {"mode": "sum"})
     dist.barrier()

@@ -5,13 +5,14 @@ agent's default timeout."""
 import pytest
 
 from rpc_backend import run_local
+from tests._deadlines import SETUP_S
 from tests.proxy import _after_shutdown_remote
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
 def test_a_proxy_on_the_agent_default_timeout_used_after_shutdown_says_what_to_do():
-    found = run_local(_after_shutdown_remote.use_after_shutdown, 2, timeout=90)[0]
+    # the agent's default (rpc_timeout) is a set-up guard here: the proxy's one call must not time out
+    found = run_local(_after_shutdown_remote.use_after_shutdown, 2, rpc_timeout=SETUP_S, timeout=SETUP_S)[0]
     assert len(found) == 3
     for kind, message in found:
         assert kind == "RuntimeError", (kind, message)
@@ -19,7 +20,6 @@ def test_a_proxy_on_the_agent_default_timeout_used_after_shutdown_says_what_to_d
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
 def test_a_forward_after_shutdown_does_not_warn_of_training_outside_dist_autograd():
-    found = run_local(_after_shutdown_remote.warnings_after_shutdown, 2, timeout=90)[0]
+    found = run_local(_after_shutdown_remote.warnings_after_shutdown, 2, rpc_timeout=SETUP_S, timeout=SETUP_S)[0]
     assert found == [("RuntimeError", []), ("RuntimeError", [])], found

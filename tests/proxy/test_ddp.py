@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from rpc_backend import run_local
+from tests._deadlines import HANG_S, SETUP_S
 from tests.proxy import _ddp_remote
 from tests.proxy._ddp_remote import DIM, LR, NUM_EMBEDDINGS, HybridModel, batch
 
@@ -42,9 +43,9 @@ def _reference(initial: dict, steps: int) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
 def test_ddp_around_a_model_holding_a_remote_module():
-    results = run_local(_ddp_remote.trainer_main, 3, roles={"ps": 1, "trainer": 2}, args=(STEPS,), timeout=170)
+    results = run_local(_ddp_remote.trainer_main, 3, roles={"ps": 1, "trainer": 2}, args=(STEPS,),
+                        rpc_timeout=SETUP_S, timeout=SETUP_S + HANG_S)
     assert results[0] is None
     (init0, final0), (init1, final1) = [(_load(r["initial"]), _load(r["final"])) for r in results[1:]]
     keys = {"embedding.weight", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias"}

@@ -18,9 +18,12 @@ from pathlib import Path
 import pytest
 
 from rpc_backend import fresh_file_rendezvous, loopback_env
+from tests._deadlines import HANG_S, SETUP_S
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = "tests/proxy/scripts/same_script_job.py"
+#: a job starts its world (SETUP_S inside it, for run_local's) and then waits for it to end
+JOB_S = SETUP_S + HANG_S
 
 
 def _env() -> dict:
@@ -34,7 +37,7 @@ def _result(stdout: str, stderr: str = "") -> dict:
 
 
 def _run(argv: list[str]) -> dict:
-    out = subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=110)
+    out = subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=JOB_S)
     assert out.returncode == 0, out.stderr[-3000:]
     return _result(out.stdout, out.stderr)
 
@@ -54,21 +57,18 @@ def _check_same_script(result: dict, main: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
 def test_torchrun_same_script():
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", JOB, "torchrun"]
     _check_same_script(_run(argv), main="__main__")
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
 def test_mp_spawn_same_script():
     # caller is the real __main__, host the spawned __mp_main__: one name on the wire
     _check_same_script(_run([sys.executable, JOB, "spawn"]), main="__mp_main__")
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(150)
 def test_run_local_same_script():
     _check_same_script(_run([sys.executable, JOB, "local"]), main="__mp_main__")
 
@@ -80,8 +80,8 @@ def different_code() -> dict:
                             env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         caller = subprocess.run([sys.executable, JOB, "caller", init_method], cwd=ROOT, env=_env(),
-                                capture_output=True, text=True, timeout=110)
-        host.wait(timeout=30)
+                                capture_output=True, text=True, timeout=JOB_S)
+        host.wait(timeout=HANG_S)  # it leaves once the caller shut down
     finally:
         if host.poll() is None:
             host.kill()
@@ -93,7 +93,6 @@ def different_code() -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(150)
 def test_host_with_other_code_gets_copies(different_code):
     net = different_code["net"]
     assert isinstance(net, dict), net
@@ -111,7 +110,6 @@ def test_host_with_other_code_gets_copies(different_code):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(150)
 def test_copied_class_returns_the_callers_own_namedtuple(different_code):
     # host -> caller: the host's copy of Net returns its copy of Point, which the caller
     # recognises as its own Point (once: PicklingError on the host)
@@ -119,7 +117,6 @@ def test_copied_class_returns_the_callers_own_namedtuple(different_code):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(150)
 def test_copied_class_returns_the_callers_own_dataclass(different_code):
     # the host's own Config is other code; the copied Summary returns the caller's Config
     # (its copy on the host), which arrives as the caller's own class, sync and async

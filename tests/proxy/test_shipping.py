@@ -27,6 +27,7 @@ from remote_module._proxy.shipping import (
     pack_constructor,
     unpack_constructor,
 )
+from tests._deadlines import HANG_S, SETUP_S
 from tests.proxy._remote import Affine
 from tests.proxy._shipping_remote import Holder
 
@@ -85,7 +86,7 @@ def test_class_defined_inside_a_function_runs_and_trains_remotely():
 def test_main_class_in_a_script_run_by_the_local_launcher():
     out = subprocess.run(
         [sys.executable, "tests/proxy/scripts/main_class_job.py"], cwd=ROOT, capture_output=True, text=True,
-        timeout=150,
+        timeout=SETUP_S + HANG_S,  # the script starts a world (SETUP_S inside it), then waits for it
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert out.returncode == 0, out.stderr[-3000:]
@@ -228,7 +229,6 @@ def test_local_class_returns_a_local_dataclass():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
 def test_pickles_resolve_in_the_same_script_and_copy_in_another(tmp_path):
     """Pure pickle level, three processes with different hash seeds: tests/proxy/scripts/shipping_same.py dumps,
     tests/proxy/scripts/shipping_other.py (other code, same names) must get copies and sends results back, and
@@ -237,7 +237,8 @@ def test_pickles_resolve_in_the_same_script_and_copy_in_another(tmp_path):
 
     def run(seed, *argv):
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONHASHSEED": str(seed)}
-        out = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        out = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=SETUP_S)
         assert out.returncode == 0, out.stderr[-3000:]
         line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), "RESULT null")
         return json.loads(line[len("RESULT "):])

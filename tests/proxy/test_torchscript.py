@@ -8,6 +8,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 from remote_module import RemoteModule
+from tests._deadlines import SETUP_S
 from tests._marks import GRAD_ON_WITHOUT_CONTEXT
 from tests.proxy import _remote
 from tests.proxy._torchscript_remote import (
@@ -94,5 +95,5 @@ def test_our_script_module_reducer_wins_whatever_the_import_order():
         "from remote_module._proxy.pickling import reduce_script_module\n"
         "print(p._class_reducer_dict[torch.jit.RecursiveScriptModule] is reduce_script_module)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=SETUP_S)
     assert out.stdout.strip() == "True", out.stderr[-2000:]

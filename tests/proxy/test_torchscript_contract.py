@@ -3,28 +3,42 @@ exceptions with their own type naming worker and module; from TorchScript, ``tim
 call is one rpc_async with the proxy's timeout) and the host's message in TorchScript's error."""
 
 
+import contextlib
+
 import pytest
 import torch
 
 from remote_module import RemoteModule
 from remote_module._proxy.codegen import template_text
-from tests._faults import gates
+from tests._deadlines import HANG_S
 from tests._faults.script_gate import Gate, GateInterface, call_gate, call_gate_async
+from tests.proxy import _held
 
 pytestmark = [pytest.mark.usefixtures("rpc_world"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 TIMEOUT = 1.0
-SLACK = 2.0
 
 
 @pytest.fixture(scope="module")
 def gate(rpc_world):
-    return RemoteModule("worker1", Gate, _module_interface_cls=GateInterface, timeout=TIMEOUT)
+    # calls that must be answered get HANG_S (a hang guard); held ones get TIMEOUT (short_timeout)
+    return RemoteModule("worker1", Gate, _module_interface_cls=GateInterface, timeout=HANG_S)
+
+
+@contextlib.contextmanager
+def short_timeout(proxy):
+    """``proxy`` with TIMEOUT for the calls made (or the scripted copies made) inside."""
+    proxy.timeout = TIMEOUT
+    try:
+        yield proxy
+    finally:
+        proxy.timeout = HANG_S
 
 
 def held_call_fails_in_time(call, key):
-    """Run ``call(key)`` against a host that holds it; return the error, checking it came in time."""
-    return gates.fails_while_held(call, key, Exception, TIMEOUT + SLACK)
+    """Run ``call(key)`` against a host that holds it until the error is in; return the error,
+    checking it came after the timeout, while the host still held the call (tests/proxy/_held.py)."""
+    return _held.fails_while_held(call, key, Exception, TIMEOUT)
 
 
 def test_python_calls_raise_the_modules_exception_type_naming_worker_and_module(gate):
@@ -38,15 +52,19 @@ def test_python_calls_raise_the_modules_exception_type_naming_worker_and_module(
 
 
 def test_python_calls_to_a_hung_host_fail_within_the_timeout_naming_the_worker(gate):
-    for i, call in enumerate((gate.forward, lambda key: gate.forward_async(key).wait())):
-        error = held_call_fails_in_time(call, f"hold-py-{i}")
-        assert isinstance(error, RuntimeError) and "worker1" in str(error) and f"{TIMEOUT:g} s" in str(error)
+    with short_timeout(gate):
+        for i, call in enumerate((gate.forward, lambda key: gate.forward_async(key).wait())):
+            error = held_call_fails_in_time(call, f"hold-py-{i}")
+            assert isinstance(error, RuntimeError) and "worker1" in str(error) and f"{TIMEOUT:g} s" in str(error)
     assert gate("after") == "after"
 
 
 def test_script_calls_honour_the_timeout(gate):
     scripted = torch.jit.script(gate)
     assert call_gate(scripted, "fine") == "fine" and call_gate_async(scripted, "fine") == "fine"
+    with short_timeout(gate):
+        scripted = torch.jit.script(gate)  # a copy: it keeps the timeout the proxy has now
+    assert scripted.timeout == TIMEOUT
     for i, call in enumerate((call_gate, call_gate_async)):
         error = held_call_fails_in_time(lambda key: call(scripted, key), f"hold-script-{i}")
         assert type(error) is RuntimeError and "timeout" in str(error).lower()

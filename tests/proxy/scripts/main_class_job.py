@@ -14,6 +14,7 @@ from torch.distributed.optim import DistributedOptimizer
 
 from remote_module import RemoteModule
 from rpc_backend import run_local
+from tests._deadlines import SETUP_S
 
 
 class MainNet(torch.nn.Module):
@@ -39,4 +40,4 @@ def main() -> dict | None:
 
 
 if __name__ == "__main__":
-    print("RESULT " + json.dumps(run_local(main, 2, timeout=120)[0]))
+    print("RESULT " + json.dumps(run_local(main, 2, rpc_timeout=SETUP_S, timeout=SETUP_S)[0]))

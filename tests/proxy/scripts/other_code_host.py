@@ -16,6 +16,7 @@ import torch.distributed.rpc as rpc
 from torch import nn
 
 from rpc_backend import loopback_env, make_options
+from tests._deadlines import SETUP_S
 
 Point = collections.namedtuple("Point", "x y")
 
@@ -42,6 +43,6 @@ def shared_counter() -> nn.Module:
 
 if __name__ == "__main__":
     os.environ.update(loopback_env())
-    options = make_options(init_method=sys.argv[1], worker_names=["worker0", "worker1"], rpc_timeout=30)
+    options = make_options(init_method=sys.argv[1], worker_names=["worker0", "worker1"], rpc_timeout=SETUP_S)
     rpc.init_rpc("worker1", rank=1, world_size=2, rpc_backend_options=options)
     rpc.shutdown()

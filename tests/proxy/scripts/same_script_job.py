@@ -24,6 +24,7 @@ from torch import nn
 
 from remote_module import RemoteModule
 from rpc_backend import fresh_file_rendezvous, init_from_env, loopback_env, make_options, run_local
+from tests._deadlines import HANG_S, SETUP_S
 from tests.proxy._shipping_remote import Holder, host_view
 
 Point = collections.namedtuple("Point", "x y")
@@ -154,7 +155,7 @@ def different_code_checks(host: str) -> dict:
 
 def _init(rank: int, init_method: str) -> None:
     names = ["worker0", "worker1"]
-    options = make_options(init_method=init_method, worker_names=names, rpc_timeout=30)
+    options = make_options(init_method=init_method, worker_names=names, rpc_timeout=SETUP_S)
     rpc.init_rpc(names[rank], rank=rank, world_size=2, rpc_backend_options=options)
 
 
@@ -172,7 +173,7 @@ def main(mode: str) -> None:
 
     os.environ.update(loopback_env())
     if mode == "torchrun":
-        with init_from_env() as me:
+        with init_from_env(rpc_timeout=SETUP_S) as me:
             if me.rank == 0:
                 say("RESULT " + json.dumps(same_script_checks("worker1")))
     elif mode == "spawn":
@@ -181,9 +182,9 @@ def main(mode: str) -> None:
         _init(0, init_method)
         say("RESULT " + json.dumps(same_script_checks("worker1")))
         rpc.shutdown()
-        ctx.join(60)
+        ctx.join(HANG_S)
     elif mode == "local":
-        say("RESULT " + json.dumps(run_local(_local_main, 2, timeout=120)[0]))
+        say("RESULT " + json.dumps(run_local(_local_main, 2, rpc_timeout=SETUP_S, timeout=SETUP_S)[0]))
     elif mode == "caller":
         _init(0, sys.argv[2])
         say("RESULT " + json.dumps(different_code_checks("worker1")))
