@@ -430,6 +430,11 @@ class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
     def __getstate__(self):  # noqa: ANN204
         raise RuntimeError(
             "Cannot pickle RemoteModule in python pickler. RemoteModule can only be pickled when using RPC"
+            " (as an argument or result of an RPC call, where it stays a handle to the module on its host). "
+            "torch.save(model) or pickle of a model holding one would save that handle, not the module's "
+            "weights, and no later process could use it: save model.state_dict() instead (it holds copies of "
+            "the remote module's parameters and buffers) and load it into a model built the same way with "
+            "model.load_state_dict()."
         )
 
     @torch.jit.export

@@ -2,6 +2,8 @@
 
 - ``calls``: the calling half of a proxy (blocking calls, futures, the call contract);
 - ``call_records``: the records a call and its answer travel as;
+- ``context_grads``: gradients inside a distributed autograd context (``clip_grad_norm_``, the
+  handle's warning when ``.grad`` is read there);
 - ``channel``: the coalescing channel (several small calls in one message);
 - ``codegen``: rendering ``forward``/``forward_async`` from the module's real signature;
 - ``creation``: creating the module on its host;
@@ -19,7 +21,8 @@ The layers above the proxy (``pipeline``, ``sharded``, ``ps``) use ``RemoteModul
 names listed in ``__all__`` here, never these modules.
 """
 
+from remote_module._proxy.context_grads import clip_grad_norm_
 from remote_module._proxy.pickling import PICKLED_ATTRIBUTES
 from remote_module._proxy.unsupported import UNSUPPORTED_METHODS
 
-__all__ = ["PICKLED_ATTRIBUTES", "UNSUPPORTED_METHODS"]
+__all__ = ["PICKLED_ATTRIBUTES", "UNSUPPORTED_METHODS", "clip_grad_norm_"]

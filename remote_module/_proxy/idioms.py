@@ -14,6 +14,9 @@ Casts go through ``nn.Module._apply(fn)``: :func:`dtype_casts` asks ``fn`` what 
 empty tensor of each dtype, and the remote module applies that on its host, as ``fn`` would
 to a local module's tensors (``model.double()`` casts floating tensors, ``model.type(dtype)``
 every tensor). Device moves stay local: the remote module stays where ``remote_device`` put it.
+
+Inside a distributed autograd context no gradient is in ``.grad``: reading the handle's warns
+once per process, naming ``remote_module.clip_grad_norm_`` (``remote_module._proxy.context_grads``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+
+from remote_module._proxy.context_grads import warn_grad_read_in_context
 
 #: The handle's name among a model's parameters (``model.named_parameters()`` lists
 #: ``"<proxy's name>.remote_requires_grad"``, a zero-element tensor).
@@ -52,6 +57,23 @@ class RequiresGradHandle(nn.Parameter):
             return super().requires_grad_(requires_grad)
         proxy._set_remote_requires_grad(requires_grad)  # sets this handle's flag from the answer
         return self
+
+    # ``.grad`` is torch's own (always None: the handle never gets a gradient), but reading it
+    # inside a distributed autograd context warns once per process: whoever reads ``.grad`` over
+    # ``model.parameters()`` there (torch's clip_grad_norm_, a local optimizer) sees no gradient
+    # at all, the remote module's or the local parameters' (remote_module._proxy.context_grads).
+    @property
+    def grad(self) -> torch.Tensor | None:  # type: ignore[override]
+        warn_grad_read_in_context()
+        return torch.Tensor.grad.__get__(self)
+
+    @grad.setter
+    def grad(self, value: torch.Tensor | None) -> None:
+        torch.Tensor.grad.__set__(self, value)
+
+    @grad.deleter
+    def grad(self) -> None:
+        torch.Tensor.grad.__delete__(self)
 
     def __reduce_ex__(self, protocol: Any) -> tuple:
         # pickled alone (torch.save(list(model.parameters()))): a plain zero-element parameter

@@ -46,7 +46,16 @@ IGNORED_ATTRIBUTES: tuple[str, ...] = tuple(vars(nn.Module()).keys()) + (
     "_warned_untrained",  # this proxy object warned of training outside dist autograd (remote_module._core.untrained)
 )
 
-NOT_PICKLABLE = "Cannot pickle RemoteModule in python pickler. RemoteModule can only be pickled when using RPC"
+#: torch's text, then why and what to do (torch.save(model) of a model holding a proxy, with RPC
+#: running, is the usual way to meet it)
+NOT_PICKLABLE = (
+    "Cannot pickle RemoteModule in python pickler. RemoteModule can only be pickled when using RPC"
+    " (as an argument or result of an RPC call, where it stays a handle to the module on its host). "
+    "torch.save(model) or pickle of a model holding one would save that handle, not the module's "
+    "weights, and no later process could use it: save model.state_dict() instead (it holds copies of "
+    "the remote module's parameters and buffers) and load it into a model built the same way with "
+    "model.load_state_dict()."
+)
 NOT_UNPICKLABLE = "Cannot unpickle RemoteModule in python pickler. RemoteModule can only be unpickled when using RPC"
 SCRIPTED_OVER_RPC = (
     "Passing a script RemoteModule over RPC is not supported. Please create a RemoteModule in the "

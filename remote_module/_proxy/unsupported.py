@@ -24,6 +24,11 @@ _REGISTER = (
     "(in its __init__)."
 )
 _HOOK = "Hooks on the proxy would not run on the host: register them in module_cls's __init__ instead."
+_FREEZE = (
+    " To freeze or unfreeze the remote module (``for p in proxy.parameters(): p.requires_grad = False``), "
+    "call ``proxy.requires_grad_(False)``, which sets the flag of its parameters on the host; "
+    "``model.requires_grad_(False)`` on a model holding the proxy reaches it too."
+)
 _GRADS = (
     "Remote gradients live in distributed autograd contexts: use DistributedOptimizer with "
     "remote_parameters(), or zero_grad() on a model holding this proxy for its local part."
@@ -58,8 +63,8 @@ UNSUPPORTED_METHODS: dict[str, str] = {
     "register_state_dict_post_hook": _HOOK,
     "register_load_state_dict_pre_hook": _HOOK,
     "register_load_state_dict_post_hook": _HOOK,
-    "parameters": "Please use ``remote_parameters`` instead.",
-    "named_parameters": "Please use ``remote_parameters`` (RRefs) or ``state_dict()`` (copies) instead.",
+    "parameters": "Please use ``remote_parameters`` instead." + _FREEZE,  # (torch's text first)
+    "named_parameters": "Please use ``remote_parameters`` (RRefs) or ``state_dict()`` (copies) instead." + _FREEZE,
     "buffers": "Please use ``state_dict()`` to read copies of the remote buffers.",
     "named_buffers": "Please use ``state_dict()`` to read copies of the remote buffers.",
     "zero_grad": _GRADS,
@@ -92,7 +97,7 @@ def make_unsupported(name: str) -> Callable[..., Any]:
         []
         >>> Leaf().parameters()
         Traceback (most recent call last):
-        ValueError: Method ``parameters`` not supported for RemoteModule. Please use ``remote_parameters`` instead.
+        ValueError: Method ``parameters`` not supported for RemoteModule. Please use ``remote_parameters`` ....
     """
     if name in EMPTY_WITHOUT_RECURSION:
         signature = inspect.signature(getattr(nn.Module, name))

@@ -10,7 +10,10 @@ sparse lookups and sparse updates (inside a PSModel or on their own);
 message per server; their ``prefetch`` (or :func:`prefetching` over a batch iterator) sends the
 next batch's lookups with a step's pushes. Servers run no code of their own.
 A lazy table's row admission (``admit_after``, at most :data:`MAX_ADMIT_AFTER`) counts ids in a
-sketch whose false admissions :func:`false_admission_rate` estimates.
+sketch whose false admissions :func:`false_admission_rate` estimates. A sync table step the
+servers refused reaches every trainer at its next lookup as :class:`StepRefused` (a
+``ValueError``: the trainers' ``ps_optimizer`` settings disagree) or :class:`StepNotApplied`
+(a ``RuntimeError``: the optimizer raised something else).
 """
 
 from remote_module.ps._admission import MAX_THRESHOLD as MAX_ADMIT_AFTER
@@ -20,10 +23,12 @@ from remote_module.ps._dispatch import HashName, RoundRobin
 from remote_module.ps._embedding import ShardedEmbedding
 from remote_module.ps._embedding_bag import ShardedEmbeddingBag
 from remote_module.ps._model import PSModel
+from remote_module.ps._modes import StepNotApplied, StepRefused
 from remote_module.ps._prefetching import prefetching
 from remote_module.ps._slicing import Block, slice_blocks
 
 __all__ = [
     "slice_blocks", "Block", "RoundRobin", "HashName", "PSModel", "ShardedEmbedding", "ShardedEmbeddingBag",
-    "ShardedEmbeddingBagCollection", "prefetching", "MAX_ADMIT_AFTER", "false_admission_rate",
+    "ShardedEmbeddingBagCollection", "prefetching", "MAX_ADMIT_AFTER", "false_admission_rate", "StepRefused",
+    "StepNotApplied",
 ]

@@ -20,7 +20,12 @@ class PSCheckpoints:
         """The local model's ``state_dict`` (its own keys) with the servers' current parameters
         (sync: once this trainer's last step is applied; half_async: after applying what is
         queued; geo: the local copy is left as it is). The next forward pulls again (a
-        checkpoint is where a trainer catches up with the others' pushes)."""
+        checkpoint is where a trainer catches up with the others' pushes).
+
+        As torch's, the dense entries are the local parameters themselves (not in geo mode:
+        copies there), which the next forward's pull overwrites, while each table's entries are
+        copies gathered from the servers: ``torch.save`` the dict at once (or deep-copy it) to
+        keep one step's values."""
         self._wait_pushes()
         self.__dict__.pop("_ready", None)
         if self.ps_mode == "half_async":

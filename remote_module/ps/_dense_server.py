@@ -22,7 +22,14 @@ from torch import nn
 from torch.futures import Future
 
 from remote_module._core import CallTimeout, HostStore, followed
-from remote_module.ps._modes import HalfAsyncMerges, SyncSteps, TrainerSettings, read_when_applied, settle
+from remote_module.ps._modes import (
+    STEPS_FROM_0,
+    HalfAsyncMerges,
+    SyncSteps,
+    TrainerSettings,
+    read_when_applied,
+    settle,
+)
 from remote_module.ps._ps_optimizer import set_group
 
 
@@ -255,7 +262,8 @@ def _push(name: str, trainer: str, step: int, grads: Any, answer: tuple | None =
             try:
                 job.sync.push(trainer, step, grads, None, job.apply_step, lambda: RuntimeError(
                     f"parameter-server job {name!r}: trainer {trainer!r} pushed gradients for step {step}, but the "
-                    f"servers are at step {job.sync.done}; in sync mode every trainer pushes once per step, in step"))
+                    f"servers are at step {job.sync.done} ({STEPS_FROM_0}); in sync mode every trainer pushes once per "
+                    "step, in step"))
             except BaseException as exc:  # (reads failed by a step not applied are answered all the same)
                 error = exc
             ready = job.sync.ready()

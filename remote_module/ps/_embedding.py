@@ -1127,8 +1127,31 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
     def __setattr__(self, name: str, value: Any) -> None:
         if name in ShardedEmbedding._PLAIN_ATTRIBUTES:
             self.__dict__[name] = value
+        elif name == "weight":  # (a local parameter named so would be left out of every lookup, silently)
+            raise AttributeError(self._no_weight(f"{type(self).__name__} takes no local 'weight'"))
         else:
             super().__setattr__(name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name != "weight":
+                raise
+        raise AttributeError(self._no_weight(f"'{type(self).__name__}' object has no attribute 'weight'"))
+
+    def _no_weight(self, what: str) -> str:
+        """The error for ``table.weight`` (``table.weight.data = W``, weight tying): where the rows
+        are, and the calls that set and read them."""
+        if self.__dict__.get("init") == "lazy":
+            load = 'load_state_dict({"weight.ids": torch.arange(len(W)), "weight.rows": W})'
+        else:
+            load = 'load_state_dict({"weight": W})'
+        return (f"{what}: table {self.__dict__.get('name', '?')!r} keeps its rows on the parameter servers, "
+                f"not in a local tensor. To start it from given values W (as `table.weight.data = W` or "
+                f"from_pretrained(W) starts a local {type(self).__name__.replace('Sharded', 'nn.')}), call "
+                f"table.{load} once (one trainer: every trainer of the job shares the rows); to read them, "
+                "table.state_dict() (lookups of ids read rows too)")
 
     def __getstate__(self) -> dict:
         """As nn.Module's, less the lock and the gradients not pushed yet (a copy, e.g.

@@ -47,7 +47,7 @@ from remote_module.ps._embedding import (
     watch_local_optimizers,
 )
 from remote_module.ps._modes import PS_MODES
-from remote_module.ps._ps_optimizer import PSOptimizer, class_defaults, set_group
+from remote_module.ps._ps_optimizer import GroupedPSOptimizer, PSOptimizer, class_defaults, set_group
 from remote_module.ps._slicing import Block, block_name, block_of, slice_blocks
 from rpc_backend.options import positive_seconds
 
@@ -583,8 +583,11 @@ class PSModel(PSCheckpoints, nn.Module):
             if hasattr(owner, "_count"):  # a collection's traffic counts the messages carrying its calls
                 owner._count([call for t in owner.tables().values() for call in pushing.get(id(t), [])]
                              + [call for h in handles for call in h.calls])
-        for opt in [self.ps_optimizer, *(t.ps_optimizer for t in self._tables.values())]:
-            opt.step()  # (as a local loop's optimizer.step(): what LR schedulers count)
+        # (as a local loop's optimizer.step(): what LR schedulers count), the collections' too:
+        # a scheduler on a collection's ps_optimizer drives its tables (embeddings.md)
+        grouped = [m.ps_optimizer for m in owners if isinstance(getattr(m, "ps_optimizer", None), GroupedPSOptimizer)]
+        for opt in [self.ps_optimizer, *(t.ps_optimizer for t in self._tables.values()), *grouped]:
+            opt.step()
         for owner in owners:  # (prefetching: the batches after, planned while the servers work)
             for planned in owner.__dict__.pop("_after_step", []):
                 planned()

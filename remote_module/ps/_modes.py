@@ -47,6 +47,10 @@ from remote_module._core import CallTimeout, complete, schedule, settle_elsewher
 
 PS_MODES = ("sync", "async", "half_async", "geo")
 
+#: What every message naming a step by its number says with it: the servers number a job's or a
+#: table's steps from 0, so "step 2" is the third (a trainer's third step() of a fresh job).
+STEPS_FROM_0 = "counting steps from 0"
+
 _clock = time.monotonic
 
 
@@ -59,9 +63,9 @@ def fail_stalled(future: Future, what: str, noun: str, step: int, missing: list[
     if never > 0:
         who += f" (and {never} trainer(s) never attached)"
     error = CallTimeout(
-        f"{what} on server {rpc.get_worker_info().name!r}: step {step} was not applied in time; waiting for "
-        f"gradients from {who} (sync mode needs all {num_trainers} trainers every step: a trainer that died or "
-        f"stopped pushing stalls the {noun})"
+        f"{what} on server {rpc.get_worker_info().name!r}: step {step} ({STEPS_FROM_0}) was not applied in time; "
+        f"waiting for gradients from {who} (sync mode needs all {num_trainers} trainers every step: a trainer "
+        f"that died or stopped pushing stalls the {noun})"
     )
     settle_elsewhere([lambda: complete(future, error, True)])
 
@@ -90,7 +94,8 @@ def refusals_told(error: BaseException, label: str) -> int:
     """How many refusals of the table ``label`` names (``"sharded table 'x'"``) ``error`` (a
     :class:`StepRefusal`, as the trainer re-raised it) tells of: the highest count one of its
     servers gave; 0 if it names none of that table's."""
-    counts = re.findall(re.escape(label) + r" on server '[^']*': step \d+ was refused \(refusal (\d+)\)", str(error))
+    counts = re.findall(re.escape(label) + r" on server '[^']*': step \d+ \(" + re.escape(STEPS_FROM_0)
+                        + r"\) was refused \(refusal (\d+)\)", str(error))
     return max((int(n) for n in counts), default=0)
 
 
@@ -180,11 +185,11 @@ class SyncSteps:
         self.refusal_type = StepRefused if isinstance(exc, ValueError) else StepNotApplied
         partly = "" if isinstance(exc, ValueError) else " (the optimizer may have applied part of it before it raised)"
         self.refusal = (
-            f"{self.owner.label} on server {rpc.get_worker_info().name!r}: step {self.done} was refused (refusal "
-            f"{self.refusals}): {type(exc).__name__}: {exc}. Its pushes are dropped and it is no optimizer "
-            f"step{partly} (as a local optimizer.step() that raised, then zero_grad()); every trainer gets this "
-            f"error at its next lookup of the table, and its next step() is the table's next step (fix what the "
-            f"error names first)")
+            f"{self.owner.label} on server {rpc.get_worker_info().name!r}: step {self.done} ({STEPS_FROM_0}) was "
+            f"refused (refusal {self.refusals}): {type(exc).__name__}: {exc}. Its pushes are dropped and it is no "
+            f"optimizer step{partly} (as a local optimizer.step() that raised, then zero_grad()); every trainer "
+            f"gets this error at its next lookup of the table, and its next step() is the table's next step (fix "
+            f"what the error names first)")
         told = [w for w in self.waiters if w.seen is not None]
         self.waiters = [w for w in self.waiters if w.seen is None]
         self.failed += [(w.future, self._refusal_error(), True) for w in told]
@@ -208,9 +213,9 @@ class SyncSteps:
         settings disagree, say) stays one; anything else is a ``RuntimeError``."""
         step = self.done
         error = (ValueError if isinstance(exc, ValueError) else RuntimeError)(
-            f"{self.owner.label}: applying step {step} failed ({type(exc).__name__}: {exc}); its pushes are "
-            f"dropped (the optimizer may have applied part of it, as a local optimizer.step() that raises may): "
-            f"every trainer's step() pushes it again")
+            f"{self.owner.label}: applying step {step} failed ({STEPS_FROM_0}; {type(exc).__name__}: {exc}); its "
+            f"pushes are dropped (the optimizer may have applied part of it, as a local optimizer.step() that "
+            f"raises may): every trainer's step() pushes it again")
         for trainer in self.pushed:
             if self.last_push.get(trainer, (None,))[0] == step:
                 del self.last_push[trainer]

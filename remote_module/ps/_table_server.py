@@ -31,6 +31,7 @@ from torch.futures import Future
 from remote_module._core import HostStore, capture, embedding_bag_parts, followed
 from remote_module.ps._admission import CountingSketch
 from remote_module.ps._modes import (
+    STEPS_FROM_0,
     HalfAsyncMerges,
     StepNotApplied,
     StepRefusal,
@@ -312,7 +313,7 @@ class Table:
             try:
                 self.sync.push(trainer, step, (ids, grad), token, self._apply_step, lambda: RuntimeError(
                     f"table {self.name!r}: trainer {trainer!r} pushed step {step}, the table is at step "
-                    f"{self.sync.done}"))
+                    f"{self.sync.done} ({STEPS_FROM_0})"))
             except BaseException as exc:  # (reads failed by a step not applied are answered all the same)
                 error = exc
             answers = self.sync.ready()

@@ -53,7 +53,8 @@ def test_unsupported_method_raises(proxy, name):
     expected = f"Method ``{name}`` not supported for RemoteModule"
     assert str(info.value).startswith(expected)
     if name == "parameters":
-        assert str(info.value) == expected + ". Please use ``remote_parameters`` instead."
+        assert str(info.value).startswith(expected + ". Please use ``remote_parameters`` instead.")  # torch's
+        assert "proxy.requires_grad_(False)" in str(info.value)  # the freeze idiom's call
 
 
 @pytest.mark.parametrize("name", EMPTY_WITHOUT_RECURSION)
