@@ -16,24 +16,11 @@ import time
 from tests._deadlines import HANG_S
 
 ROLES = ("caller", "doomed", "survivor")
-<<<<<<< ours
 #: the timeout of the calls to the doomed host (the survivor's calls get HANG_S: they must work)
 TIMEOUT = 5.0
 
 
 def wait_until_dead(pid: int, seconds: float = HANG_S) -> None:
-=======
-#: the doomed host's proxy's timeout once it is dead (its calls fail with the death's own error
-#: or, at the latest, at this deadline)
-TIMEOUT = 5.0
-
-
-def own_pid() -> int:
-    return os.getpid()
-
-
-def wait_until_dead(pid: int, seconds: float = 10.0) -> None:
->>>>>>> theirs
     """Poll until ``pid`` is gone or a zombie (the host runs on this Linux machine)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -63,24 +50,14 @@ def caller() -> None:
     from remote_module import RemoteModule
     from tests.proxy import _contract_remote as cr
 
-<<<<<<< ours
-=======
-    # built, and used while all is well, with time to spare (HANG_S: must not time out)
->>>>>>> theirs
     doomed = RemoteModule("doomed/cpu", torch.nn.Linear, (4, 4), timeout=HANG_S)
     survivor = RemoteModule("survivor/cpu", torch.nn.Linear, (4, 4), timeout=HANG_S)
     agent_default = RemoteModule("survivor/cpu", torch.nn.Linear, (4, 4))  # timeout=None
     x = torch.ones(1, 4)
     before = attempt(lambda: doomed(x))
-<<<<<<< ours
     pid = rpc.rpc_sync("doomed", cr.pid)  # answered: killed only now (not while it answers)
     os.kill(pid, signal.SIGKILL)
     wait_until_dead(pid)
-=======
-    doomed_pid = rpc.rpc_sync("doomed", own_pid)
-    os.kill(doomed_pid, signal.SIGKILL)  # from here (the same machine): no answer left to wait for
-    wait_until_dead(doomed_pid, seconds=HANG_S)
->>>>>>> theirs
     doomed.timeout = TIMEOUT
     report = {
         "before": before,

@@ -177,7 +177,6 @@ class Tracker:
 
 
 def warm(proxy, x) -> None:
-<<<<<<< ours
     """Answered calls until the channel counts them cheap: it then coalesces (the first
     calls cost more, and one slow answer on a loaded machine raises the running average)."""
     from remote_module._proxy import channel
@@ -189,15 +188,6 @@ def warm(proxy, x) -> None:
             return
         if _clock() > deadline:
             raise AssertionError(f"hang guard: calls still cost {proxy._channel.cost * 1e3:.2f} ms on the host")
-=======
-    """An answered call, then the channel counts such calls cheap: it coalesces from here on.
-    (Cheap they are, but a host thread preempted on a loaded machine can report one as heavy,
-    and a heavy call gets a message of its own, rightly; these phases are about queued calls.)"""
-    proxy.forward_async(x).wait()
-    channel = proxy._channel
-    with channel.lock:
-        channel.cost = min(channel.cost, 0.0)
->>>>>>> theirs
 
 
 def frozen_burst(proxy, x, pid: int, log: _ErrorLog, stderr: _Stderr, blockers: dict | None) -> dict:
@@ -226,11 +216,7 @@ def frozen_burst(proxy, x, pid: int, log: _ErrorLog, stderr: _Stderr, blockers: 
     report["still_frozen"] = all(s in "Tt" for s in thread_states(pid))
 
     os.kill(pid, signal.SIGCONT)
-<<<<<<< ours
-    wait_for_state(pid, stopped=False)
-=======
     wait_for_state(pid, stopped=False, seconds=HANG_S)
->>>>>>> theirs
     proxy.timeout = HANG_S
     # The host now runs what reached it while frozen (its late answers are dropped here):
     # wait until it did, so late answers have had their chance to settle something twice.
@@ -305,10 +291,7 @@ def caller() -> None:
     log = _ErrorLog()
     logging.getLogger("remote_module").addHandler(log)
     x = torch.randn(2, 4)
-<<<<<<< ours
     # set-up and the calls that must work: HANG_S (each phase sets the timeouts it tests)
-=======
->>>>>>> theirs
     proxy = RemoteModule("victim/cpu", cr.CountingLinear, (4, 4), timeout=HANG_S)
     slow = RemoteModule("victim/cpu", cr.Slow, timeout=HANG_S)
     survivor = RemoteModule("survivor/cpu", torch.nn.Linear, (4, 4), timeout=HANG_S)
@@ -321,14 +304,9 @@ def caller() -> None:
     inner: list[dict] = []
     returned: list[bool] = []
 
-<<<<<<< ours
-    def block_forever(_):
-        release.wait(HANG_S)
-=======
     def block_forever(_):  # until the phase is over (HANG_S at most)
         release.wait(HANG_S)
         returned.append(True)
->>>>>>> theirs
 
     def call_same_proxy(_):
         inner.append(attempt(lambda: proxy.forward_async(x).wait()))

@@ -20,12 +20,7 @@ import threading
 import time
 from typing import Any
 
-<<<<<<< ours
 from tests._deadlines import HANG_S
-=======
-from tests._deadlines import HANG_S, SETUP_S
-from tests._transport import world_options
->>>>>>> theirs
 
 ROLES = ("caller", "host")
 CHEAP_CALLS = 2000
@@ -33,17 +28,11 @@ CHEAP_CALLS = 2000
 #: caller for most of a second
 CHEAP_PAUSE = 0.0002
 SLOW_THREADS, SLOW_CALLS_PER_THREAD, SLOW_SECONDS = 4, 25, 0.05
-<<<<<<< ours
 #: a shutdown that takes longer than this is reported as hung (a hang guard, tests/_deadlines.py;
 #: also the deadline of the calls here, which must all be answered)
 SHUTDOWN_LIMIT = HANG_S
 #: the timeout of the constructor that raises SystemExit (it must fail at once, not at this)
 EXIT_IN_INIT_TIMEOUT = HANG_S
-=======
-#: a shutdown that takes longer than this is reported as hung (and the calls made before it
-#: get this timeout: they must be answered, not time out)
-SHUTDOWN_LIMIT = HANG_S
->>>>>>> theirs
 
 _clock = time.monotonic
 
@@ -168,23 +157,14 @@ def exit_in_init_then_shutdown() -> dict:
     from tests.proxy import _contract_remote as cr
 
     start = _clock()
-<<<<<<< ours
     try:
         RemoteModule("host/cpu", cr.ExitInInit, timeout=EXIT_IN_INIT_TIMEOUT)
-=======
-    try:  # the timeout is a hang guard: the host's SystemExit must come, not the timeout's error
-        RemoteModule("host/cpu", cr.ExitInInit, timeout=HANG_S)
->>>>>>> theirs
         report = {"constructor": {"raised": None}}
     except BaseException as exc:  # what it raises is the point (SystemExit must not escape)
         report = {"constructor": {"raised": type(exc).__name__, "is_exception": isinstance(exc, Exception),
                                   "message": str(exc)[:300]}}
     report["constructor"]["seconds"] = _clock() - start
-<<<<<<< ours
     report["constructor"]["timeout"] = EXIT_IN_INIT_TIMEOUT
-=======
-    report["constructor"]["timeout"] = HANG_S
->>>>>>> theirs
     proxy = RemoteModule("host/cpu", torch.nn.Linear, (4, 4), timeout=HANG_S)
     local = torch.nn.Linear(4, 4)
     local.load_state_dict(proxy.state_dict())
@@ -197,14 +177,9 @@ def exit_in_init_then_shutdown() -> dict:
 def main(role: str, init_method: str, mode: str) -> None:
     import torch.distributed.rpc as rpc
 
-<<<<<<< ours
     from tests._faults.subworld import join
 
     join(role, init_method, ROLES)
-=======
-    options = world_options(init_method=init_method, rpc_timeout=SETUP_S, num_worker_threads=8)
-    rpc.init_rpc(role, rank=ROLES.index(role), world_size=len(ROLES), rpc_backend_options=options)
->>>>>>> theirs
     if role == "host":
         rpc.shutdown()  # serves until the caller is done
         return
