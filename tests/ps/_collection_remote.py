@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tests._deadlines import HANG_S
+
 SPECS = {  # name -> (rows, mode, padding_idx)
     "items": (300, "sum", None),
     "users": (120, "mean", 4),
@@ -296,8 +298,8 @@ def sync_retry(job: str, fail: bool, steps: int = 3) -> dict:
 
     tables = make(job, "sync", num_trainers=2, collect=False)
     for table in tables.values():
-        table.timeout = 5.0  # a table whose trainers fell out of step fails fast, not at the RPC timeout
-    model = ShardedEmbeddingBagCollection(tables, timeout=5.0)
+        table.timeout = HANG_S  # a hang guard: a table whose trainers fell out of step fails by it
+    model = ShardedEmbeddingBagCollection(tables, timeout=HANG_S)
     me = rpc_name()
     for step, (feats, targets) in enumerate(features(8, steps)):
         got = model(feats)
@@ -416,7 +418,7 @@ def plain_make(job: str, ps_mode: str, num_trainers: int = 1):
     for name, (rows, mode, servers, block) in PLAIN.items():
         t = ShardedEmbeddingBag(rows, 4, list(servers), name=f"{job}-{name}", mode=mode, min_block_size=block,
                                 optimizer=(torch.optim.SGD, {"lr": 0.3}), ps_mode=ps_mode, num_trainers=num_trainers,
-                                half_async_merge_every=2, half_async_merge_s=600.0)  # merges by count only
+                                half_async_merge_every=2, half_async_merge_s=3600.0)  # by count only
         t.load_state_dict(nn.EmbeddingBag(rows, 4, mode=mode).state_dict())
         tables[name] = t
     tables["frozen"].requires_grad_(False)

@@ -4,7 +4,6 @@ attacks themselves, each returning its outcome to pytest."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -105,17 +104,6 @@ def timed(job: str, what: str) -> dict:
     if what == "step":
         (ps.module(x_of(0), uses_q(0)) ** 2).backward()  # step 0's gradients (the first pull was at creation)
     return base._attempt({"pull": ps.pull, "step": lambda: (ps.step(), ps.flush())}[what])
-
-
-def wait_for(fn, seconds: float) -> Any:
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            return fn()
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
 
 
 def retry_step(job: str) -> dict:

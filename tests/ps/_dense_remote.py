@@ -55,13 +55,17 @@ def batch(trainer: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def ready(server: bool) -> str:
     """Import what the jobs use before any timed call: remote_module.ps, and on servers torch.optim's
     first optimizer (its constructor imports torch._dynamo: ~2 s of CPU, past a short job timeout;
-    trainers build one only in geo mode)."""
+    trainers build one only in geo mode). Servers record their sync waits that reach their
+    deadline from now on (tests/ps/_stalls.py)."""
     import torch.distributed.rpc as rpc
 
     import remote_module.ps  # noqa: F401
 
     if server:
+        from tests.ps import _stalls
+
         torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+        _stalls.record()
     return rpc.get_worker_info().name
 
 

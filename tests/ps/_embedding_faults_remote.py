@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from tests._deadlines import HANG_S
 from tests.ps._embedding_edge_cases_remote import _objects, attempt, table
 
 
@@ -18,6 +19,20 @@ def prepare(name: str, ids: list[int] | None, **kwargs: Any) -> bool:
     if ids is not None:
         t(torch.tensor(ids)).pow(2).sum().backward()
     return True
+
+
+def set_timeout(name: str, seconds: float | None) -> bool:
+    """The timeout of the object kept as ``name`` (a table, a collection, a PSModel; the first
+    of a tuple) from now on: the tests set the one they test only while the fault holds."""
+    obj = _objects[name]
+    (obj[0] if isinstance(obj, tuple) else obj).timeout = seconds
+    return True
+
+
+def with_timeout(name: str, seconds: float | None, fn, *args: Any) -> Any:
+    """:func:`set_timeout`, then ``fn(*args)``."""
+    set_timeout(name, seconds)
+    return fn(*args)
 
 
 def timed(name: str, what: str, timeout: float, ids: list[int] | None = None) -> dict:
@@ -50,7 +65,7 @@ def waiters(name: str) -> int:
 def shutdown_during_lookups(name: str, path: str) -> bool:
     """Threads looking up table ``name`` while this trainer's RPC agent is shut down (not
     gracefully: the servers of these worlds wait in their own shutdown); each thread's last
-    outcome is written to ``path`` as JSON once all have ended (or 10 s passed)."""
+    outcome is written to ``path`` as JSON once all have ended (or a hang guard's time passed)."""
     import json
 
     import torch.distributed.rpc as rpc
@@ -74,8 +89,9 @@ def shutdown_during_lookups(name: str, path: str) -> bool:
         started.wait()
         time.sleep(0.2)
         rpc.shutdown(graceful=False)
+        deadline = time.monotonic() + HANG_S  # a hang guard for them all
         for th in threads:
-            th.join(timeout=10)
+            th.join(timeout=max(0.0, deadline - time.monotonic()))
         with open(path + ".tmp", "w") as f:
             json.dump({"ended": [not th.is_alive() for th in threads], "outcomes": list(outcomes.values())}, f)
         import os

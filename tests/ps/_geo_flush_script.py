@@ -99,7 +99,8 @@ def body() -> dict | None:
 
 if __name__ == "__main__":
     from rpc_backend import run_local
+    from tests._deadlines import SETUP_S
 
-    got = run_local(body, 3, roles={"ps": 2, "trainer": 1})[2]
+    got = run_local(body, 3, roles={"ps": 2, "trainer": 1}, rpc_timeout=SETUP_S)[2]
     print("geo-flush", got)
     sys.stdout.flush()

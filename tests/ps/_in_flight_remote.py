@@ -59,16 +59,22 @@ def step_then_threads_forward(job: str, trainer: int, threads: int = 2) -> list[
 
 def geo_bag(name: str, weights: torch.Tensor, timeout: float) -> list:
     """A geo ShardedEmbeddingBag (sum) over ps0 and ps1 (min_block_size=1), num_trainers=1,
-    pushing every step, loaded with ``weights``; its row ranges."""
+    pushing every step, loaded with ``weights``, its calls timing out after ``timeout``; its
+    row ranges."""
     from remote_module.ps import ShardedEmbeddingBag
 
     bag = ShardedEmbeddingBag(weights.shape[0], weights.shape[1], ["ps0", "ps1"], name=name, mode="sum",
                               ps_mode="geo", num_trainers=1, geo_push_every=1, min_block_size=1,
-                              optimizer=(torch.optim.SGD, {"lr": 0.1}), timeout=30)
+                              optimizer=(torch.optim.SGD, {"lr": 0.1}), timeout=timeout)
     bag.load_state_dict({"weight": weights})
-    bag.timeout = timeout
     _tables[name] = bag
     return bag._ranges
+
+
+def geo_bag_timeout(name: str, seconds: float) -> bool:
+    """The timeout of :func:`geo_bag`'s calls from now on."""
+    _tables[name].timeout = seconds
+    return True
 
 
 def geo_bag_backward(name: str, ids: list[int]) -> bool:

@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 import torch
 
+from tests._deadlines import HANG_S
 from tests.ps._dense_remote import Net, batch
 
 #: fixed "validation losses" for ReduceLROnPlateau (every trainer steps it on the same ones)
@@ -67,7 +68,7 @@ def disagree(name: str, trainer: int) -> str:
 
     torch.manual_seed(0)
     model = PSModel(Net(), ["ps0", "ps1"], name=name, num_trainers=2, ps_mode="sync",
-                    optimizer=(torch.optim.SGD, {"lr": LR}), min_block_size=4, timeout=10)
+                    optimizer=(torch.optim.SGD, {"lr": LR}), min_block_size=4, timeout=HANG_S)
     if trainer == 1:
         model.ps_optimizer.param_groups[0]["lr"] = LR / 2
     x, y = batch(trainer, 0)
@@ -177,14 +178,14 @@ def collection_scheduled_warnings(name: str) -> list[str]:
 # ---- async: each push is applied with its own trainer's settings ---------------------------------
 
 
-def _wait_for(path: str, seconds: float = 60.0) -> None:
+def _wait_for(path: str, seconds: float = HANG_S) -> None:
     import os
     import time
 
     deadline = time.monotonic() + seconds
     while not os.path.exists(path):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} did not appear")
+            raise TimeoutError(f"hang guard: {path} did not appear within {seconds} s")
         time.sleep(0.02)
 
 
@@ -416,8 +417,8 @@ def refused_step(name: str, trainer: int, where: str) -> dict:
     "psmodel": one in a PSModel with a Linear after it) on ps0 and ps1; at batch REFUSED_AT
     trainer1's table lr is half trainer0's, so the servers refuse that step. A forward that
     raises a ValueError is retried (the trainer sets its lr back first); the errors, each with
-    the batch it came at, and the values after (with short timeouts: a stalled job fails in
-    seconds, as the error it is)."""
+    the batch it came at, and the values after (the timeouts are hang guards: a stalled job
+    fails by them, as the error it is)."""
     from torch import nn
 
     from remote_module.ps import PSModel, ShardedEmbeddingBag, ShardedEmbeddingBagCollection
@@ -428,7 +429,7 @@ def refused_step(name: str, trainer: int, where: str) -> dict:
     for k in names:
         tables[k] = ShardedEmbeddingBag(ROWS, DIM, ["ps0", "ps1"], name=f"{name}-{k}", mode="sum", ps_mode="sync",
                                         num_trainers=2, optimizer=(torch.optim.SGD, {"lr": REFUSED_LR}),
-                                        min_block_size=ROWS // 2 * DIM, timeout=10)
+                                        min_block_size=ROWS // 2 * DIM, timeout=HANG_S)
         tables[k].load_state_dict({"weight": initial_rows()})
     if where == "collection":
         model = ShardedEmbeddingBagCollection(tables)
@@ -444,7 +445,7 @@ def refused_step(name: str, trainer: int, where: str) -> dict:
         module.a, module.lin = tables["a"], nn.Linear(DIM, DIM)
         module.forward = lambda i, o: module.lin(module.a(i, o))  # type: ignore[method-assign]
         model = PSModel(module, ["ps0", "ps1"], name=f"{name}-m", num_trainers=2, ps_mode="sync",
-                        optimizer=(torch.optim.SGD, {"lr": 0.1}), min_block_size=4, timeout=10)
+                        optimizer=(torch.optim.SGD, {"lr": 0.1}), min_block_size=4, timeout=HANG_S)
         groups = tables["a"].ps_optimizer.param_groups
 
         def loss_of(k: int) -> torch.Tensor:
@@ -493,7 +494,7 @@ def last_step_refused(name: str, trainer: int, how: str) -> dict:
 
     table = ShardedEmbeddingBag(ROWS, DIM, ["ps0", "ps1"], name=name, mode="sum", ps_mode="sync", num_trainers=2,
                                 optimizer=(torch.optim.SGD, {"lr": REFUSED_LR}), min_block_size=ROWS // 2 * DIM,
-                                timeout=10)
+                                timeout=HANG_S)
     table.load_state_dict({"weight": initial_rows()})
     model = ShardedEmbeddingBagCollection({"a": table}) if how == "collection" else table
     before = None

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tests._deadlines import HANG_S
 from tests.benchmarks._common import messages_per_call
 from tests.ps._embedding_edge_cases_remote import _objects, attempt, table, weights
 
@@ -219,38 +220,48 @@ def local_bag(mode: str = "sum", padding_idx: int | None = None, seed: int = 0) 
 # ---- faults -------------------------------------------------------------------------------------------
 
 
-def prepare_in_flight(name: str, mode: str, timeout: float) -> bool:
-    """A table (rows on ps0 and ps1) with a backward done and the next batch prefetched."""
-    t = table(name, bag="sum", ps_mode=mode, timeout=timeout)
+def prepare_in_flight(name: str, mode: str) -> bool:
+    """A table (rows on ps0 and ps1) with a backward done and the next batch prefetched (no
+    timeout of its own: the test sets the one it tests once the fault holds)."""
+    t = table(name, bag="sum", ps_mode=mode)
     t(torch.tensor([[1, 15]])).pow(2).sum().backward()
     t.prefetch(torch.tensor([[2, 16]]))
     return True
 
 
 def on_table(name: str, what: str) -> dict:
-    """``what`` on table ``name``: "step" (timed: returns with its pushes in flight), "forward"
-    (of the prefetched batch, with backward), "retry" (step), "train" (a plain step), "rows",
-    "owners" (each row's server)."""
+    """``what`` on table ``name``: "step" (returns with its pushes in flight: ``in_flight`` says
+    whether they were still to be landed when it returned), "forward" (of the prefetched batch,
+    with backward), "retry" (step), "train" (a plain step), "rows", "owners" (each row's server)."""
     t = _objects[name]
     ids = torch.tensor([[2, 16]])
-    return attempt({
+    return _in_flight_after(t, what, attempt({
         "step": t.step,
         "forward": lambda: t(ids).pow(2).sum().backward(),
         "train": lambda: (t(ids).pow(2).sum().backward(), t.step(), t.flush()),
         "rows": lambda: t.state_dict()["weight"],
         "owners": lambda: [t._server_names[int(k)] for k in t._server_of(torch.arange(ROWS))],
-    }[what])
+    }[what]))
 
 
-def zero_grad_prepare(name: str, timeout: float) -> bool:
+def _in_flight_after(owner: Any, what: str, outcome: dict) -> dict:
+    """``outcome``, and for a "step" whether ``owner`` (a table, a PSModel) still held that
+    step's pushes in flight, not landed, when it returned: true only for a step() that did not
+    wait for their answers (a server frozen meanwhile: had it waited, it would have failed)."""
+    if what == "step":
+        outcome["in_flight"] = owner.__dict__.get("_flight") is not None
+    return outcome
+
+
+def zero_grad_prepare(name: str) -> bool:
     """A collection of two plain sum bags (async, rows on ps0 and ps1) trained through
     ``prefetching(overlap=True)`` with a local optimizer of its parameters (the grad markers,
     as an optimizer of ``model.parameters()`` holds them) zeroed before each forward: two steps,
-    landed."""
+    landed (no timeout of its own: the test sets the one it tests once the fault holds)."""
     from remote_module.ps import ShardedEmbeddingBagCollection, prefetching
 
     ebc = ShardedEmbeddingBagCollection({k: table(f"{name}-{k}", bag="sum", ps_mode="async", keep=False)
-                                         for k in "ab"}, timeout=timeout)
+                                         for k in "ab"})
     opt = torch.optim.SGD(ebc.parameters(), lr=0.1)
     data = [{"a": torch.tensor([[1, 15], [i, 10 + i]]), "b": torch.tensor([[2, 16, i]])} for i in range(8)]
     _objects[name] = (ebc, opt, iter(prefetching(data, ebc, overlap=True)), data)
@@ -353,8 +364,12 @@ def failing_loader(name: str, prefetched: bool) -> dict:
     return {"trained": trained, "error": error, "rows": t.state_dict()["weight"], "reset": t.pushed_bytes}
 
 
+#: the timeout trainer0's prefetched lookup is expected to reach (trainer1 late)
+LATE_TIMEOUT = 2.0
+
+
 def sync_late_attach(name: str) -> bool:
-    table(name, bag="sum", ps_mode="sync", num_trainers=2, timeout=2.0)
+    table(name, bag="sum", ps_mode="sync", num_trainers=2, timeout=HANG_S)  # (calls that must not time out)
     return True
 
 
@@ -366,9 +381,13 @@ def sync_late(name: str, what: str) -> dict:
     ids = torch.tensor([[1, 15]])
     if what == "first":
         t(ids).sum().backward()
-        t.prefetch(ids)
-        t.step()
-        return attempt(lambda: t(ids).detach())
+        t.timeout = LATE_TIMEOUT  # the prefetch, sent with the step, and the lookup that takes it
+        try:
+            t.prefetch(ids)
+            t.step()
+            return attempt(lambda: t(ids).detach())
+        finally:
+            t.timeout = HANG_S
     if what == "step":  # (trainer1)
         return attempt(lambda: (t(ids).sum().backward(), t.step()))
     return attempt(lambda: (t(ids).sum().backward(), t.step(), t.state_dict()["weight"])[2])
@@ -458,13 +477,14 @@ def load_in_loop(name: str, steps: int = 9, at: int = 3) -> dict:
 # ---- a PSModel's step in flight -----------------------------------------------------------------------
 
 
-def psmodel_prepare(name: str, timeout: float, mode: str = "async") -> bool:
+def psmodel_prepare(name: str, mode: str = "async") -> bool:
     """A PSModel of a Linear(4, 2) over ps0 and ps1 (a block on each; geo: pushing every step),
-    its gradients ready."""
+    its gradients ready (no timeout of its own: the test sets the one it tests once the fault
+    holds)."""
     from remote_module.ps import PSModel
 
     torch.manual_seed(0)
-    ps = PSModel(nn.Linear(4, 2), ["ps0", "ps1"], name=name, ps_mode=mode, num_trainers=1, timeout=timeout,
+    ps = PSModel(nn.Linear(4, 2), ["ps0", "ps1"], name=name, ps_mode=mode, num_trainers=1,
                  min_block_size=1, geo_push_every=1,
                  optimizer=(torch.optim.SGD, {"lr": 0.1}))
     _objects[name] = ps
@@ -473,17 +493,17 @@ def psmodel_prepare(name: str, timeout: float, mode: str = "async") -> bool:
 
 
 def psmodel_do(name: str, what: str) -> dict:
-    """``what`` on PSModel ``name``: "step" (returns with its pushes in flight), "forward" (and
-    backward), "grads" (whether the local gradients are set), "retry" (step, then flush),
-    "ps0_vs_torch" (:func:`_ps0_vs_torch`)."""
+    """``what`` on PSModel ``name``: "step" (returns with its pushes in flight: ``in_flight`` as
+    :func:`on_table`'s), "forward" (and backward), "grads" (whether the local gradients are
+    set), "retry" (step, then flush), "ps0_vs_torch" (:func:`_ps0_vs_torch`)."""
     ps = _objects[name]
-    return attempt({
+    return _in_flight_after(ps, what, attempt({
         "step": ps.step,
         "forward": lambda: ps(torch.ones(3, 4)).pow(2).sum().backward(),
         "grads": lambda: all(p.grad is not None for p in ps.module.parameters()),
         "retry": lambda: (ps.step(), ps.flush()),
         "ps0_vs_torch": lambda: _ps0_vs_torch(ps),
-    }[what])
+    }[what]))
 
 
 def _ps0_vs_torch(ps: Any) -> float:
@@ -551,7 +571,7 @@ def _merges(t: Any) -> int:
     return sum(table.table_stats()["merges"] for table in _tables_of(t))
 
 
-def wait_merges(t: Any, at_least: int, seconds: float = 120.0) -> int:
+def wait_merges(t: Any, at_least: int, seconds: float = HANG_S) -> int:
     """Poll ``t``'s merge count until it reaches ``at_least`` (``AssertionError`` after
     ``seconds``, a guard against a hang, not a time limit); the count."""
     deadline = time.monotonic() + seconds

@@ -9,9 +9,10 @@ from torch import nn
 from tests.ps._embedding_edge_cases_remote import _objects, attempt, table, weights
 
 
-def table_prepare(name: str, optimizer: tuple, timeout: float) -> bool:
-    """An async ShardedEmbedding (rows 0-9 on ps0, 10-19 on ps1), a backward of ids [1, 15] done."""
-    t = table(name, ps_mode="async", timeout=timeout, optimizer=optimizer)
+def table_prepare(name: str, optimizer: tuple) -> bool:
+    """An async ShardedEmbedding (rows 0-9 on ps0, 10-19 on ps1), a backward of ids [1, 15] done
+    (no timeout of its own: the test sets the one it tests once the fault holds)."""
+    t = table(name, ps_mode="async", optimizer=optimizer)
     t(torch.tensor([1, 15])).pow(2).sum().backward()
     return True
 
@@ -63,10 +64,12 @@ def _split(names: list, servers: list) -> list:
 X = torch.linspace(-1, 1, 12).reshape(3, 4)
 
 
-def model_prepare(name: str, timeout: float, optimizer: tuple) -> bool:
+def model_prepare(name: str, optimizer: tuple) -> bool:
+    """An async PSModel of :class:`Branchy`, its gradients ready (no timeout of its own, as
+    :func:`table_prepare`)."""
     from remote_module.ps import PSModel
 
-    ps = PSModel(Branchy(), ["ps0", "ps1"], name=name, ps_mode="async", num_trainers=1, timeout=timeout,
+    ps = PSModel(Branchy(), ["ps0", "ps1"], name=name, ps_mode="async", num_trainers=1,
                  min_block_size=1 << 20, split_method=_split, optimizer=optimizer)
     _objects[name] = ps
     ps(X).pow(2).sum().backward()

@@ -1,7 +1,7 @@
 """Run by tests/ps/test_prefetch.py in a process of its own (it ends its world): trainer0 trains
 an async table three steps and leaves RPC (graceful shutdown) with the last step's pushes still
-in flight; trainer1 polls the table until it holds all three steps (or a deadline). Prints one
-JSON line: whether trainer1 saw them, and how long it waited."""
+in flight; trainer1 polls the table until it holds all three steps (or a hang guard's deadline).
+Prints one JSON line: whether trainer1 saw them, and how long it waited."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import json
 import sys
 import time
 
-STEPS, DEADLINE_S = 3, 60.0
+from tests._deadlines import HANG_S, SETUP_S
+
+STEPS = 3
 
 
 def body() -> dict | None:
@@ -39,7 +41,7 @@ def body() -> dict | None:
         local(ids).pow(2).sum().backward()
         opt.step()
     start = time.monotonic()
-    while time.monotonic() - start < DEADLINE_S:
+    while time.monotonic() - start < HANG_S:
         rows = bag.state_dict()["weight"]
         if torch.allclose(rows, local.weight.detach(), atol=1e-6, rtol=1e-5):
             return {"seen": True, "waited_s": time.monotonic() - start}
@@ -51,6 +53,6 @@ def body() -> dict | None:
 if __name__ == "__main__":
     from rpc_backend import run_local
 
-    out = run_local(body, 3, roles={"ps": 1, "trainer": 2})
+    out = run_local(body, 3, roles={"ps": 1, "trainer": 2}, rpc_timeout=SETUP_S)
     print(json.dumps({"trainer0": out[1], "trainer1": out[2]}))
     sys.stdout.flush()

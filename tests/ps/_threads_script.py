@@ -9,6 +9,8 @@ import sys
 import threading
 import time
 
+from tests._deadlines import HANG_S, SETUP_S
+
 THREADS, SECONDS = 4, 3.0
 
 
@@ -41,7 +43,7 @@ def body() -> dict | None:
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=SECONDS + 30)
+        t.join(timeout=SECONDS + HANG_S)  # a hang guard: a deadlocked thread is reported as not ended
     emb.zero_grad()
     bag.zero_grad()
     return {"lookups": done, "ended": [not t.is_alive() for t in threads]}
@@ -50,6 +52,6 @@ def body() -> dict | None:
 if __name__ == "__main__":
     from rpc_backend import run_local
 
-    out = run_local(body, 2, roles={"ps": 1, "trainer": 1})
+    out = run_local(body, 2, roles={"ps": 1, "trainer": 1}, rpc_timeout=SETUP_S)
     print(json.dumps(out[1]))
     sys.stdout.flush()

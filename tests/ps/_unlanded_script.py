@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from tests._deadlines import HANG_S, SETUP_S
 from tests.ps._dense_remote import RefusingSGD  # (importable by the servers, which unpickle it)
 
 
@@ -23,12 +24,14 @@ def body() -> bool | None:
     if me.role != "trainer":
         return None
     servers = me.workers("ps")
+    # (a hang guard: this push fails by the server's refusal, not by its timeout)
     refused = PSModel(nn.Linear(3, 1), servers, name="unlanded-nan", num_trainers=1, ps_mode="async",
-                      optimizer=(RefusingSGD, {"lr": 0.1}), timeout=10.0)
+                      optimizer=(RefusingSGD, {"lr": 0.1}), timeout=HANG_S)
     refused(torch.full((2, 3), float("nan"))).sum().backward()
     refused.step()  # fails on the server; nothing waits for it
-    stalled = PSModel(nn.Linear(3, 1), servers, name="unlanded-sync", num_trainers=2, ps_mode="sync", timeout=1.0)
+    stalled = PSModel(nn.Linear(3, 1), servers, name="unlanded-sync", num_trainers=2, ps_mode="sync")
     stalled(torch.ones(2, 3)).sum().backward()
+    stalled.timeout = 1.0  # (only the push expected to time out has it: built at any speed)
     stalled.step()  # the other trainer never pushes: not applied in time; nothing waits for it
     return True
 
@@ -36,5 +39,5 @@ def body() -> bool | None:
 if __name__ == "__main__":
     from rpc_backend import run_local
 
-    print(run_local(body, 2, roles={"ps": 1, "trainer": 1}))
+    print(run_local(body, 2, roles={"ps": 1, "trainer": 1}, rpc_timeout=SETUP_S))
     sys.stdout.flush()

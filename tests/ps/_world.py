@@ -28,6 +28,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+from tests._deadlines import HANG_S, SETUP_S
 from tests._transport import world_options
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,7 +50,12 @@ def _decode(text: str) -> Any:
 class PSWorld:
     """pytest's handle on the world: start it, run functions on its workers, kill ranks, close it."""
 
-    def __init__(self, roles: dict[str, int], rpc_timeout: float = 20.0, start_timeout: float = 180.0) -> None:
+    def __init__(self, roles: dict[str, int], rpc_timeout: float = SETUP_S, start_timeout: float = SETUP_S) -> None:
+        """Start the ranks and wait until each answers (``start_timeout``). ``rpc_timeout`` is
+        every rank's default RPC timeout: init_rpc's rendezvous waits that long for the last
+        rank to arrive, and every call made without a timeout of its own (creating a job, a
+        table) may take that long. Both are set-up guards (tests/_deadlines.py): a test's own
+        short timeouts are set on the calls it expects to time out, never here."""
         from rpc_backend.loopback import fresh_file_rendezvous, loopback_env
 
         self.names = role_names(roles)
@@ -73,7 +79,7 @@ class PSWorld:
         threading.Thread(target=self._read, daemon=True).start()
         self._lock = threading.Lock()
         try:
-            self.call(_ready, self.names[1:], start_timeout, timeout=start_timeout + 10)
+            self.call(_ready, self.names[1:], start_timeout, timeout=start_timeout + HANG_S)
         except BaseException:
             self.close()
             raise
@@ -88,9 +94,12 @@ class PSWorld:
         self._stderr.seek(0)
         return self._stderr.read().decode(errors="replace")[-chars:]
 
-    def call(self, fn: Callable, *args: Any, timeout: float = 60.0) -> Any:
+    def call(self, fn: Callable, *args: Any, timeout: float = SETUP_S + HANG_S) -> Any:
         """``fn(*args)`` on the driver (``fn`` at module level); its value, or AssertionError
-        with the driver's traceback."""
+        with the driver's traceback. ``timeout`` is a hang guard (tests/_deadlines.py), no time
+        limit: reaching it fails the test. By default it outlasts what the driver's own calls
+        may take (creating a job on the trainers: the world's RPC timeout, SETUP_S), so their
+        error is the one seen."""
         with self._lock:
             driver = self.procs["driver"]
             driver.stdin.write(_encode((fn, args)) + "\n")
@@ -98,17 +107,18 @@ class PSWorld:
             try:
                 kind, value = self._answers.get(timeout=timeout)
             except queue.Empty:
-                raise AssertionError(f"the driver did not answer {fn.__name__} within {timeout} s; "
+                raise AssertionError(f"hang guard: the driver did not answer {fn.__name__} within {timeout} s; "
                                      f"stderr:\n{self.stderr_tail()}") from None
         if kind != "ok":
             raise AssertionError(f"{fn.__name__} failed on the driver:\n{value}\nstderr:\n{self.stderr_tail()}")
         return value
 
-    def run(self, calls: dict[str, tuple], timeout: float = 60.0) -> dict[str, Any]:
+    def run(self, calls: dict[str, tuple], timeout: float = HANG_S) -> dict[str, Any]:
         """``{worker: (fn, *args)}`` run concurrently on those workers (sent together by the
-        driver); ``{worker: value}``. Any failure raises AssertionError naming every one."""
+        driver); ``{worker: value}``. Any failure raises AssertionError naming every one.
+        ``timeout`` (each call's RPC timeout) is a hang guard, no time limit."""
         outcomes = self.call(fan, [(w, c[0], tuple(c[1:])) for w, c in calls.items()], timeout,
-                             timeout=timeout + 10)
+                             timeout=timeout + HANG_S)
         failed = {w: text for w, (kind, text) in zip(calls, outcomes) if kind != "ok"}
         if failed:
             raise AssertionError("failed on " + "; ".join(f"{w}: {t}" for w, t in failed.items()))
@@ -174,8 +184,8 @@ def job(what: str) -> str:
 
 
 def _ready(names: list[str], seconds: float) -> list[str]:
-    """Every rank answers (and has imported the PS test helpers) within ``seconds``: on a
-    loaded machine those imports take longer than the world's RPC timeout."""
+    """Every rank answers (and has imported the PS test helpers) within ``seconds`` (a set-up
+    guard: on a loaded machine those imports take minutes)."""
     import torch.distributed.rpc as rpc
 
     from tests.ps import _dense_remote

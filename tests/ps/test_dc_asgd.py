@@ -15,8 +15,6 @@ from remote_module.ps import PSModel
 from tests.ps import _dc_asgd_remote as r
 from tests.ps._world import job
 
-pytestmark = pytest.mark.timeout(120)
-
 
 @pytest.fixture
 def world(ps_world):  # shared with the other PS tests (tests/conftest.py)

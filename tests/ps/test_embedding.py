@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.ps import _embedding_remote as r
+from tests.ps._stalls import assert_stalled
 from tests.ps._world import job as name
 
 pytestmark = pytest.mark.slow
@@ -113,7 +114,7 @@ def test_bytes_pushed_per_step_are_under_one_percent_of_the_table(world):
 
 def test_a_lazy_hundred_million_row_table_stays_small_on_the_servers(world):
     before = {s: world.run({s: (r.rss_bytes,)})[s] for s in ("ps0", "ps1")}
-    world.run({"trainer0": (r.lazy_train, name("lazy"), 100)}, timeout=120)
+    world.run({"trainer0": (r.lazy_train, name("lazy"), 100)})
     after = {s: world.run({s: (r.rss_bytes,)})[s] for s in ("ps0", "ps1")}
     for s in after:
         assert after[s] < 1 << 30, (s, after[s])
@@ -199,7 +200,9 @@ def test_tables_train_beside_a_ddp_dense_part(world, mode, tmp_path):
 
 
 def test_a_sync_lookup_whose_step_never_completes_fails_in_time_naming_the_missing_trainer(world):
-    got = world.run({"trainer0": (r.sync_stall, name("stall"), 1.5)})["trainer0"]
-    assert got["error"] == "CallTimeout", got
-    assert "never attached" in got["message"] and "step 0" in got["message"], got["message"]
-    assert got["elapsed"] < 1.5 + 1.0
+    """The other trainer never attaches (the fault holds for good): the lookup of step 1 fails
+    by a timeout, the servers' wait for step 0 reaching its deadline naming what it waits for
+    (tests/ps/_stalls.py); its time is bounded only by a hang guard."""
+    table = name("stall")
+    got = world.run({"trainer0": (r.sync_stall, table, 1.5)})["trainer0"]
+    assert_stalled(world, got, table, "a lookup of step 1, the other trainer never attached", 1.5, (), never=1)

@@ -19,7 +19,7 @@ from tests.ps import _embedding_edge_cases_remote as h
 from tests.ps import _embedding_inputs_remote as inputs
 from tests.ps._world import job
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
@@ -27,8 +27,8 @@ def world(ps_world):
     return ps_world
 
 
-def on_trainer0(world, fn, *args, timeout: float = 60.0):
-    return world.run({"trainer0": (fn, *args)}, timeout=timeout)["trainer0"]
+def on_trainer0(world, fn, *args):
+    return world.run({"trainer0": (fn, *args)})["trainer0"]
 
 
 # ---- a training loop's idioms ---------------------------------------------------------------------

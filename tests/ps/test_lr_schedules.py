@@ -11,8 +11,6 @@ from tests.ps import _dense_remote as d
 from tests.ps import _lr_remote as r
 from tests.ps._world import job
 
-pytestmark = pytest.mark.timeout(120)
-
 STEPS = 6
 
 

@@ -14,16 +14,14 @@ from torch import nn
 from tests.ps import _table_checkpoints_remote as r
 from tests.ps._world import job
 
-pytestmark = pytest.mark.timeout(180)
-
 
 @pytest.fixture
 def world(ps_world):  # shared with the other PS tests (tests/conftest.py)
     return ps_world
 
 
-def on(world, worker: str, fn, *args, timeout: float = 60.0):
-    return world.run({worker: (fn, *args)}, timeout=timeout)[worker]
+def on(world, worker: str, fn, *args):
+    return world.run({worker: (fn, *args)})[worker]
 
 
 def same(a, b, where: str = "") -> None:

@@ -11,8 +11,6 @@ from remote_module.ps._rows import TableSpec, initial_rows, row_key
 from tests.ps import _lifetime_edges_remote as r
 from tests.ps._world import job
 
-pytestmark = pytest.mark.timeout(180)
-
 
 @pytest.fixture
 def world(ps_world):  # shared with the other PS tests (tests/conftest.py)

@@ -205,8 +205,8 @@ def world(ps_world):  # shared with the other PS tests (tests/conftest.py)
     return ps_world
 
 
-def on_trainer0(world, fn, *args, timeout: float = 60.0):
-    return world.run({"trainer0": (fn, *args)}, timeout=timeout)["trainer0"]
+def on_trainer0(world, fn, *args):
+    return world.run({"trainer0": (fn, *args)})["trainer0"]
 
 
 SGD = (torch.optim.SGD, {"lr": 0.1})

@@ -34,8 +34,8 @@ def world(ps_world):  # shared with the other PS tests (tests/conftest.py)
     return ps_world
 
 
-def on_trainer0(world, fn, *args, timeout: float = 90.0):
-    return world.run({"trainer0": (fn, *args)}, timeout=timeout)["trainer0"]
+def on_trainer0(world, fn, *args):
+    return world.run({"trainer0": (fn, *args)})["trainer0"]
 
 
 def close(a: torch.Tensor, b: torch.Tensor, msg: str = "") -> None:
@@ -150,7 +150,7 @@ def test_ddp_around_a_model_holding_a_table_trains_as_one_process(world, tmp_pat
     (its zero-size gradient reduced with the others), the dense part's gradients are the
     trainers' mean, each trainer's rows (its own parity) get its gradient in full (async)."""
     name, store = job("ddp-inside"), str(tmp_path / "store")
-    got = world.run({f"trainer{i}": (r.ddp_inside_run, name, i, store) for i in range(2)}, timeout=120)
+    got = world.run({f"trainer{i}": (r.ddp_inside_run, name, i, store) for i in range(2)})
     local = r.Clicks(nn.EmbeddingBag(20, 3, mode="sum", sparse=True, _weight=weights(0)))
     opt = torch.optim.SGD(local.dense.parameters(), lr=0.5, momentum=0.9, weight_decay=0.01)
     rows_opt = torch.optim.SGD(local.bag.parameters(), lr=0.5)
