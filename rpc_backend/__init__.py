@@ -6,6 +6,9 @@
   trainers) on the job's own store;
 * :func:`run_local` runs a function on N local processes on loopback (the embedded default),
   with a torchrun-like store, so role process groups work there too;
+* :func:`configure_network` picks the network interface of a job across machines (the one
+  that reaches the master) when ``TP_SOCKET_IFNAME`` and ``GLOO_SOCKET_IFNAME`` are unset;
+  :func:`init_from_env` and :func:`init_role_process_group` call it;
 * :func:`make_options` validates RPC options (timeout, threads, device maps, devices) and picks
   the transport (:data:`TRANSPORTS`; ``"uv"`` by default, which does not spin when idle).
 
@@ -14,6 +17,7 @@ Knows nothing of ``remote_module``; everything above builds on it.
 
 from rpc_backend.local import LocalWorldError, run_local
 from rpc_backend.loopback import fresh_file_rendezvous, loopback_env, loopback_interface, loopback_store
+from rpc_backend.network import NetworkChoice, configure_network
 from rpc_backend.options import DEFAULT_TRANSPORT, TRANSPORTS, make_options
 from rpc_backend.roles import Placement, RankPlacement, placements
 from rpc_backend.world import Worker, current_worker, init_from_env, init_role_process_group, read_env, shutdown_rpc
@@ -27,6 +31,8 @@ __all__ = [
     "shutdown_rpc",
     "run_local",
     "LocalWorldError",
+    "configure_network",
+    "NetworkChoice",
     "make_options",
     "TRANSPORTS",
     "DEFAULT_TRANSPORT",

@@ -15,6 +15,7 @@ import torch.distributed.rpc as rpc
 
 from rpc_backend._quiet import hide_functional_optimizer_deprecation, no_backend_as_process_group_warning
 from rpc_backend._torch_private import UNBOUNDED_SHUTDOWN_TIMEOUT, is_rpc_initialized
+from rpc_backend.network import configure_network
 from rpc_backend.options import (
     DEFAULT_RPC_TIMEOUT,
     DEFAULT_TRANSPORT,
@@ -262,6 +263,9 @@ def init_from_env(
     provides one), so a process group for DDP among some ranks (:func:`init_role_process_group`)
     needs no second port. ``transport`` is ``"uv"`` (default; idle ranks use no CPU) or
     ``"shm"`` (torch's defaults, which busy-poll), as in :func:`make_options`.
+    Across machines, with neither ``TP_SOCKET_IFNAME`` nor ``GLOO_SOCKET_IFNAME`` set, it
+    sets both to the interface that reaches the master (:func:`~rpc_backend.configure_network`),
+    so that no rank advertises a hostname that resolves to loopback; set them to choose.
     Two torch warnings nobody can act on stay off the console: gloo's "Backend ... as a
     ProcessGroup" during ``init_rpc``, and TorchScript's functional optimizer deprecation that
     torch's ``DistributedOptimizer`` emits on the workers (see ``rpc_backend/_quiet.py``).
@@ -288,6 +292,7 @@ def init_from_env(
         transport=transport,
     )
     me: RankPlacement = layout[info["rank"]]
+    configure_network()  # TP_SOCKET_IFNAME, GLOO_SOCKET_IFNAME when unset and the job spans machines
     hide_functional_optimizer_deprecation()
     with no_backend_as_process_group_warning():
         rpc.init_rpc(me.name, rank=info["rank"], world_size=info["world_size"], rpc_backend_options=options)
@@ -323,6 +328,7 @@ def init_role_process_group(worker: Worker, backend: str = "gloo", timeout: floa
     """
     timeout = positive_seconds(timeout, "timeout")
     info = read_env()
+    configure_network(timeout=timeout)  # GLOO_SOCKET_IFNAME (init_from_env has set it already)
     store = dist.TCPStore(
         info["master_addr"], info["master_port"], is_master=False, timeout=timedelta(seconds=timeout)
     )
