@@ -47,6 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
+from tests._deadlines import HANG_S
+
 ROOT = Path(__file__).resolve().parent.parent
 
 #: Every namespace this module creates is named ``<PREFIX><pid>-<n>-<what>``.
@@ -65,7 +67,7 @@ _counter = itertools.count()
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=60)
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=HANG_S)
 
 
 def missing_requirements() -> str | None:
@@ -81,7 +83,7 @@ def missing_requirements() -> str | None:
         return f"cannot create a network namespace here: {made.stderr.strip()}"
     try:
         uts = subprocess.run(["ip", "netns", "exec", probe, "unshare", "--uts", "--", "hostname", "probe"],
-                             capture_output=True, text=True, timeout=60)
+                             capture_output=True, text=True, timeout=HANG_S)
         if uts.returncode != 0:
             return f"cannot give a network namespace its own hostname (unshare --uts): {uts.stderr.strip()}"
     finally:
@@ -224,7 +226,7 @@ class Job:
                 kill_namespace_processes(process.machine.netns)
                 process.popen.kill()
         for process in self.processes:
-            process.popen.wait(timeout=60)
+            process.popen.wait(timeout=HANG_S)
 
     def returncodes(self) -> list[int | None]:
         return [p.returncode for p in self.processes]
