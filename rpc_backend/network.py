@@ -51,6 +51,11 @@ _reported_partial = False
 _published: set[str] = set()
 
 
+class InterfaceNotFound(RuntimeError):
+    """The address toward the peers is on no interface this module can read (see
+    :func:`interface_addresses`): the variables are then left as they are."""
+
+
 class NetworkChoice(NamedTuple):
     """What :func:`choose_network` picked: an interface, its address, and why."""
 
@@ -182,8 +187,9 @@ def choose_network(
     of one machine. A master that is loopback here on a job across machines is this machine's
     own: ``peer_address()`` then gives the address of a rank on another machine, and the
     source address toward it is used (without ``peer_address``, ``None``). Raises
-    ``RuntimeError`` when the address found belongs to no interface (name the interface
-    yourself then). ``route`` and ``interfaces`` default to :func:`route_source` and
+    :class:`InterfaceNotFound` when the address found belongs to no interface in the table
+    (name the interface yourself then), and ``OSError`` when ``MASTER_ADDR`` does not resolve
+    or no route leads there. ``route`` and ``interfaces`` default to :func:`route_source` and
     :func:`interface_addresses`.
 
     Example::
@@ -215,7 +221,7 @@ def choose_network(
     table = list(interfaces())
     interface = interface_of(source, table)
     if interface is None:
-        raise RuntimeError(
+        raise InterfaceNotFound(
             f"this machine's address toward its peers is {source} ({reason}), but no interface holds it "
             f"(interfaces: {', '.join(sorted({f'{n} {a}' for n, a in table})) or 'none readable'}); "
             f"set {' and '.join(IFNAME_VARIABLES)} to the interface of the network the machines share"
@@ -301,6 +307,9 @@ def configure_network(env: MutableMapping[str, str] | None = None, *,
         choice = choose_network(env, peer_address=lambda: _wait_for_peer(env, timeout))
     except OSError as exc:  # MASTER_ADDR does not resolve, or no route: torch's own start says so
         _log.debug("rpc_backend: no interface chosen: %s", exc)
+        return None
+    except InterfaceNotFound as exc:  # e.g. a secondary IPv4 address: as before, and say so
+        _log.warning("rpc_backend: leaving TensorPipe and Gloo to this machine's hostname: %s", exc)
         return None
     if choice is None:
         return None

@@ -124,9 +124,16 @@ def test_an_unresolvable_master_is_left_to_torch(monkeypatch):
     assert not any(name in env for name in IFNAME_VARIABLES)
 
 
-def test_an_address_on_no_interface_names_the_variables():
-    with pytest.raises(RuntimeError, match=r"10\.1\.0\.9.*TP_SOCKET_IFNAME and GLOO_SOCKET_IFNAME"):
+def test_an_address_on_no_interface_names_the_variables(monkeypatch, caplog):
+    with pytest.raises(network.InterfaceNotFound, match=r"10\.1\.0\.9.*TP_SOCKET_IFNAME and GLOO_SOCKET_IFNAME"):
         choose_network(TORCHRUN, route=routes({"node0": "10.1.0.9"}), interfaces=lambda: TABLE)
+    # configure_network then leaves the job as it was before, with a warning
+    monkeypatch.setattr(network, "route_source", routes({"node0": "10.1.0.9"}))
+    monkeypatch.setattr(network, "interface_addresses", lambda: TABLE)
+    env = dict(TORCHRUN)
+    assert configure_network(env) is None
+    assert not any(name in env for name in IFNAME_VARIABLES)
+    assert "10.1.0.9" in caplog.text and "TP_SOCKET_IFNAME" in caplog.text
 
 
 def test_the_masters_machine_of_one_machine_job_asks_no_peer():
