@@ -38,12 +38,18 @@ import sys
 from datetime import timedelta
 from typing import Callable, Iterable, Mapping, MutableMapping, NamedTuple
 
+from rpc_backend.options import DEFAULT_CONNECT_TIMEOUT
+
 #: The variables TensorPipe and Gloo read for the interface to listen on.
 IFNAME_VARIABLES = ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
-#: Seconds the master's machine waits for a rank on another machine to publish its address.
-DEFAULT_PEER_WAIT = 300.0
+#: Seconds the master's machine waits for a rank on another machine to publish its address
+#: when :func:`configure_network` is called by itself (``init_from_env`` counts that wait in its
+#: bound, ``connect_timeout``).
+DEFAULT_PEER_WAIT = DEFAULT_CONNECT_TIMEOUT
 #: The store key (under the restart count) where ranks on other machines publish their address.
 PEER_ADDRESS_KEY = "rpc_backend/network/{restart}/peer_address"
+#: The same key under the store prefix of one attempt's world (see rpc_backend/connect.py).
+PREFIXED_PEER_ADDRESS_KEY = "{prefix}/network/peer_address"
 
 _log = logging.getLogger("rpc_backend.network")
 _SIOCGIFADDR = 0x8915  # Linux <linux/sockios.h>
@@ -168,8 +174,12 @@ def explicit_variables(env: Mapping[str, str]) -> dict[str, str]:
     return {name: env[name] for name in IFNAME_VARIABLES if env.get(name)}
 
 
-def peer_address_key(env: Mapping[str, str]) -> str:
-    """The store key for this attempt (torchrun's restart count) of the published peer address."""
+def peer_address_key(env: Mapping[str, str], store_prefix: str | None = None) -> str:
+    """The store key of the published peer address for this attempt: under ``store_prefix``
+    (the attempt's world, as ``init_from_env`` passes it) when given, else under torchrun's
+    restart count (which agrees across machines only when every machine restarted as often)."""
+    if store_prefix:
+        return PREFIXED_PEER_ADDRESS_KEY.format(prefix=store_prefix)
     return PEER_ADDRESS_KEY.format(restart=env.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
@@ -236,13 +246,13 @@ def _store(env: Mapping[str, str], timeout: float):  # -> torch.distributed.TCPS
                          timeout=timedelta(seconds=timeout))
 
 
-def _publish_own_address(env: Mapping[str, str], timeout: float) -> None:
+def _publish_own_address(env: Mapping[str, str], timeout: float, store_prefix: str | None) -> None:
     """On a machine other than the master's, put this rank's source address toward the master
     in the job's store, where the master's machine looks for a peer (once per process)."""
     if not (spans_machines(env) and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
         return
     master, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
-    key = peer_address_key(env)
+    key = peer_address_key(env, store_prefix)
     if not master or not port or key in _published:
         return
     try:
@@ -255,7 +265,7 @@ def _publish_own_address(env: Mapping[str, str], timeout: float) -> None:
     _published.add(key)
 
 
-def _wait_for_peer(env: Mapping[str, str], timeout: float) -> str:
+def _wait_for_peer(env: Mapping[str, str], timeout: float, store_prefix: str | None) -> str:
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         raise RuntimeError(
             f"MASTER_ADDR={env.get('MASTER_ADDR')} is loopback on this machine, but the job spans "
@@ -263,7 +273,7 @@ def _wait_for_peer(env: Mapping[str, str], timeout: float) -> str:
             f"address from; set {' and '.join(IFNAME_VARIABLES)} to the interface of the network the machines share"
         )
     store = _store(env, timeout)
-    key = peer_address_key(env)
+    key = peer_address_key(env, store_prefix)
     try:
         store.wait([key], timedelta(seconds=timeout))
     except Exception as exc:
@@ -276,7 +286,7 @@ def _wait_for_peer(env: Mapping[str, str], timeout: float) -> str:
 
 
 def configure_network(env: MutableMapping[str, str] | None = None, *,
-                      timeout: float = DEFAULT_PEER_WAIT) -> NetworkChoice | None:
+                      timeout: float = DEFAULT_PEER_WAIT, store_prefix: str | None = None) -> NetworkChoice | None:
     """Set ``TP_SOCKET_IFNAME`` and ``GLOO_SOCKET_IFNAME`` for this process when neither is set
     and the job's peers cannot be reached through loopback; return what was chosen.
 
@@ -285,6 +295,8 @@ def configure_network(env: MutableMapping[str, str] | None = None, *,
     See the module docstring for the rules; on the master's own machine of a job across
     machines it waits up to ``timeout`` seconds for a rank on another machine to publish its
     address. Logs one INFO line on ``rpc_backend.network`` naming the interface and address.
+    ``store_prefix`` puts the published address under one attempt's keys
+    (:func:`peer_address_key`); ``init_from_env`` passes its world's.
 
     Example (every rank, under torchrun, before ``rpc.init_rpc``)::
 
@@ -293,7 +305,7 @@ def configure_network(env: MutableMapping[str, str] | None = None, *,
     """
     global _reported_partial
     env = os.environ if env is None else env
-    _publish_own_address(env, timeout)
+    _publish_own_address(env, timeout, store_prefix)
     explicit = explicit_variables(env)
     if explicit and len(explicit) < len(IFNAME_VARIABLES) and not _reported_partial:
         _reported_partial = True
@@ -304,7 +316,7 @@ def configure_network(env: MutableMapping[str, str] | None = None, *,
             ", ".join(unset), " and ".join(unset),
         )
     try:
-        choice = choose_network(env, peer_address=lambda: _wait_for_peer(env, timeout))
+        choice = choose_network(env, peer_address=lambda: _wait_for_peer(env, timeout, store_prefix))
     except OSError as exc:  # MASTER_ADDR does not resolve, or no route: torch's own start says so
         _log.debug("rpc_backend: no interface chosen: %s", exc)
         return None
