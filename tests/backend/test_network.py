@@ -194,3 +194,17 @@ def test_the_masters_machine_without_a_peer_fails_within_its_timeout_naming_the_
     without_store = {**env, "TORCHELASTIC_USE_AGENT_STORE": "False", "MASTER_PORT": str(_free_port())}
     with pytest.raises(RuntimeError, match="no agent store"):
         configure_network(without_store, timeout=0.5)
+
+
+def test_the_peer_address_goes_under_the_attempts_world_when_given(monkeypatch):
+    # init_from_env passes its attempt's store prefix (rpc_backend/connect.py): torchrun's
+    # restart count differs between machines, the prefix does not
+    store = loopback_store(timeout=30)
+    job = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "GROUP_WORLD_SIZE": "2",
+           "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "1"}
+    monkeypatch.setattr(network, "route_source", routes({"127.0.0.1": "10.1.0.3"}))
+    monkeypatch.setattr(network, "interface_addresses", lambda: [("eth1", "10.1.0.3")])
+    configure_network(dict(job), timeout=30, store_prefix="rpc_backend/world7")
+    assert store.get("rpc_backend/world7/network/peer_address") == b"10.1.0.3"
+    assert network.peer_address_key(job, "rpc_backend/world7") == "rpc_backend/world7/network/peer_address"
+    assert network.peer_address_key(job) == "rpc_backend/network/1/peer_address"  # called by itself: as before
