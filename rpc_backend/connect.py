@@ -45,7 +45,14 @@ from urllib.parse import parse_qsl, urlparse
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from rpc_backend.network import IFNAME_VARIABLES, NetworkChoice, configure_network, interface_addresses, is_loopback
+from rpc_backend.network import (
+    IFNAME_VARIABLES,
+    NetworkChoice,
+    configure_network,
+    interface_addresses,
+    is_loopback,
+    spans_machines,
+)
 from rpc_backend.options import CONNECT_TIMEOUT_VARIABLE, connect_timeout
 
 #: A counter in the job's store: the generation of each attempt's world.
@@ -183,8 +190,8 @@ def agree_on_world(store: Any, rank: int, world_size: int, deadline: float,
     welcome = WELCOME_KEY.format(nonce=nonce)
     try:
         store.wait([welcome], timedelta(seconds=_remaining(deadline)))
-    except Exception as exc:
-        if time.monotonic() < deadline and "timeout" not in str(exc).lower():
+    except dist.DistStoreError as exc:  # the wait's timeout; a store that is gone raises another error
+        if "timeout" not in str(exc):
             raise
         raise _Waiting("rank 0 never welcomed this rank into the attempt's world (it has not reached "
                        "init_from_env, or died)") from None
@@ -277,19 +284,22 @@ def _peers(master: tuple[str, int], prefix: str, ranks: Sequence[int]) -> dict[i
     return found
 
 
+def _own_loopback_hint(me: Endpoint | None, elsewhere: Sequence[str], shared: str) -> list[str]:
+    if me is None or not is_loopback_address(me.address) or not elsewhere:
+        return []
+    return [f"this rank advertises {me.address} ({me.interface}, {me.how}), a loopback address that ranks on "
+            f"{', '.join(elsewhere)} cannot reach: set {' and '.join(IFNAME_VARIABLES)} on {me.host} to the "
+            f"interface of the network the machines share (here: {shared}), or unset both and rpc_backend picks "
+            "the interface that reaches MASTER_ADDR"]
+
+
 def _hints(me: Endpoint | None, peers: Mapping[int, Endpoint | str], names: Sequence[str], bound: float,
-           table: Iterable[tuple[str, str]]) -> list[str]:
+           table: Iterable[tuple[str, str]], spans: bool) -> list[str]:
     fix_variables = " and ".join(IFNAME_VARIABLES)
     shared = candidate_interfaces(table) or "none but loopback"
-    hints: list[str] = []
     others = [p for p in peers.values() if isinstance(p, Endpoint) and me is not None and p.host != me.host]
-    if me is not None and is_loopback_address(me.address) and others:
-        hints.append(
-            f"this rank advertises {me.address} ({me.interface}, {me.how}), a loopback address that ranks on "
-            f"{', '.join(sorted({p.host for p in others}))} cannot reach: set {fix_variables} on {me.host} to the "
-            f"interface of the network the machines share (here: {shared}), or unset both and rpc_backend "
-            "picks the interface that reaches MASTER_ADDR"
-        )
+    elsewhere = sorted({p.host for p in others}) or (["other machines"] if spans else [])
+    hints = _own_loopback_hint(me, elsewhere, shared)
     looped = [p for p in others if is_loopback_address(p.address)]
     if looped:
         hosts = sorted({p.host for p in looped})
@@ -347,8 +357,10 @@ def is_loopback_address(address: str) -> bool:
 def explain(*, what: str, me: Endpoint | None, rank: int, names: Sequence[str], phase: str,
             error: BaseException | None, elapsed: float, bound: float, bound_name: str,
             peers: Mapping[int, Endpoint | str] | None, store: str = "MASTER_ADDR:MASTER_PORT",
-            table: Iterable[tuple[str, str]] | None = None) -> str:
-    """The message of a :class:`ConnectError` (a pure function of what the join saw).
+            spans: bool = False, table: Iterable[tuple[str, str]] | None = None) -> str:
+    """The message of a :class:`ConnectError` (a pure function of what the join saw). ``peers``
+    maps each other rank to its :class:`Endpoint` or its state (:data:`NEVER_ARRIVED`, ...), and
+    is ``None`` when the job's store no longer answers; ``spans``: the job runs on several machines.
 
     Example::
 
@@ -372,10 +384,11 @@ def explain(*, what: str, me: Endpoint | None, rank: int, names: Sequence[str], 
         hints = [f"the job's store at {store} does not answer: torchrun's agent on the master's machine hosts "
                  "it, so that torchrun has exited (see its output for the rank that failed first), or "
                  f"{store} does not reach it from {host}"]
+        hints += _own_loopback_hint(me, ["other machines"] if spans else [], candidate_interfaces(table))
     else:
         listed = "; ".join(p.describe() if isinstance(p, Endpoint) else f"rank {r} ({names[r]}): {p}"
                            for r, p in sorted(peers.items())) or "unknown"
-        hints = _hints(me, peers, names, bound, table)
+        hints = _hints(me, peers, names, bound, table, spans)
     return (f"rank {rank} ({names[rank]}) on {host} could not join {what}: {cause}. "
             f"{mine[0].upper()}{mine[1:]}; it tried its peers at: {listed}. "
             f"To fix: {'; '.join(hints)}.")
@@ -429,11 +442,12 @@ def join_world(name: str, rank: int, world_size: int, names: Sequence[str], mast
         _world[:] = [progress.prefix]
         return
     raise _report("the RPC world", progress, rank, names, list(range(world_size)), master, started, bound,
-                  f"connect_timeout or {CONNECT_TIMEOUT_VARIABLE}")
+                  f"connect_timeout or {CONNECT_TIMEOUT_VARIABLE}", env)
 
 
 def _report(what: str, progress: _Progress, rank: int, names: Sequence[str], ranks: Sequence[int],
-            master: tuple[str, int], started: float, bound: float, bound_name: str) -> ConnectError:
+            master: tuple[str, int], started: float, bound: float, bound_name: str,
+            env: Mapping[str, str]) -> ConnectError:
     error, phase = progress.error, progress.phase
     if isinstance(error, _Waiting):
         phase, error = f"{phase} ({error})", None
@@ -443,7 +457,7 @@ def _report(what: str, progress: _Progress, rank: int, names: Sequence[str], ran
         peers = _peers(master, progress.prefix, [r for r in ranks if r != rank])
     message = explain(what=what, me=progress.me, rank=rank, names=names, phase=phase, error=error,
                       elapsed=time.monotonic() - started, bound=bound, bound_name=bound_name, peers=peers,
-                      store=f"{master[0]}:{master[1]}")
+                      store=f"{master[0]}:{master[1]}", spans=spans_machines(env))
     failure = ConnectError(message)
     failure.__cause__ = error
     return failure
@@ -477,4 +491,4 @@ def join_role_group(role: str, role_rank: int, role_size: int, role_ranks: Seque
     if progress.done:
         return
     raise _report(f"the process group of role {role!r}", progress, rank, names, role_ranks, master, started,
-                  timeout, "init_role_process_group's timeout")
+                  timeout, "init_role_process_group's timeout", env)

@@ -109,10 +109,10 @@ def _ep(rank, host, interface, address, how="chosen by rpc_backend"):
     return Endpoint(rank, NAMES[rank], host, interface, address, how)
 
 
-def _explain(me, peers, error=None, phase="connecting to the other ranks"):
+def _explain(me, peers, error=None, phase="connecting to the other ranks", spans=False):
     return explain(what="the RPC world", me=me, rank=me.rank, names=NAMES, phase=phase, error=error,
                    elapsed=31.0, bound=30.0, bound_name="connect_timeout or RPC_BACKEND_CONNECT_TIMEOUT",
-                   peers=peers, store="10.42.0.1:29400", table=TABLE)
+                   peers=peers, store="10.42.0.1:29400", spans=spans, table=TABLE)
 
 
 def test_the_report_names_a_peer_that_advertises_loopback_from_another_machine():
@@ -163,6 +163,13 @@ def test_the_report_says_when_the_jobs_store_is_gone():
     text = _explain(_ep(2, "machine1", "eth0", "10.42.0.2"), None)
     assert "unknown (the job's store at 10.42.0.1:29400 does not answer)" in text
     assert "that torchrun has exited" in text
+    # still telling a rank on loopback in a job across machines to fix its own machine
+    me = _ep(2, "machine1", "lo", "127.0.0.1", "TP_SOCKET_IFNAME set in the environment")
+    assert "set TP_SOCKET_IFNAME and GLOO_SOCKET_IFNAME on machine1" not in _explain(me, None)
+    text = _explain(me, None, spans=True)
+    assert "that torchrun has exited" in text
+    assert "a loopback address that ranks on other machines cannot reach: set TP_SOCKET_IFNAME and " \
+           "GLOO_SOCKET_IFNAME on machine1" in text
 
 
 def test_own_endpoint_reads_the_interface_variable():
