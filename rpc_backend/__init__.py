@@ -1,7 +1,9 @@
 """rpc_backend: start, configure and stop ``torch.distributed.rpc`` worlds.
 
 * :func:`init_from_env` joins a torchrun job (names from a role spec) and returns a
-  :class:`Worker`, a context manager that owns shutdown;
+  :class:`Worker`, a context manager that owns shutdown; it joins within a bound
+  (``RPC_BACKEND_CONNECT_TIMEOUT``, 300 s) or raises :class:`ConnectError` naming what to set,
+  and joins a fresh world on each torchrun restart (rpc_backend/connect.py);
 * :func:`init_role_process_group` makes a process group among one role's ranks (DDP among
   trainers) on the job's own store;
 * :func:`run_local` runs a function on N local processes on loopback (the embedded default),
@@ -15,6 +17,7 @@
 Knows nothing of ``remote_module``; everything above builds on it.
 """
 
+from rpc_backend.connect import ConnectError
 from rpc_backend.local import LocalWorldError, run_local
 from rpc_backend.loopback import fresh_file_rendezvous, loopback_env, loopback_interface, loopback_store
 from rpc_backend.network import NetworkChoice, configure_network
@@ -29,6 +32,7 @@ __all__ = [
     "Worker",
     "current_worker",
     "shutdown_rpc",
+    "ConnectError",
     "run_local",
     "LocalWorldError",
     "configure_network",
