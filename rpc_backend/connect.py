@@ -65,6 +65,7 @@ WELCOME_KEY = "rpc_backend/welcome/{nonce}"
 WORLD_PREFIX = "rpc_backend/world{generation}"
 ARRIVED_KEY = "{prefix}/arrived/{rank}"
 ENDPOINT_KEY = "{prefix}/endpoint/{rank}"
+STORE_PHASE = "connecting to the job's store"
 ARRIVAL_PHASE = "waiting for the other ranks of this attempt to arrive"
 #: ``init_rpc``'s rendezvous under a world's prefix: ``rpcbackend://HOST:PORT?prefix=...``.
 SCHEME = "rpcbackend"
@@ -413,7 +414,7 @@ def join_world(name: str, rank: int, world_size: int, names: Sequence[str], mast
     bound = connect_timeout(timeout, env)
     started = time.monotonic()
     deadline = started + bound
-    progress = _Progress(f"connecting to the job's store at {master[0]}:{master[1]}")
+    progress = _Progress(f"{STORE_PHASE} at {master[0]}:{master[1]}")
 
     def work(progress: _Progress) -> None:
         prefix = ""
@@ -451,8 +452,11 @@ def _report(what: str, progress: _Progress, rank: int, names: Sequence[str], ran
     error, phase = progress.error, progress.phase
     if isinstance(error, _Waiting):
         phase, error = f"{phase} ({error})", None
+    peers: dict[int, Endpoint | str] | None
     if not progress.prefix and rank != 0 and progress.phase.startswith(ARRIVAL_PHASE):
-        peers: dict[int, Endpoint | str] | None = {0: NEVER_ARRIVED}  # rank 0 never welcomed this rank
+        peers = {0: NEVER_ARRIVED}  # rank 0 never welcomed this rank
+    elif progress.phase.startswith(STORE_PHASE):
+        peers = None  # the job's store never answered
     else:
         peers = _peers(master, progress.prefix, [r for r in ranks if r != rank])
     message = explain(what=what, me=progress.me, rank=rank, names=names, phase=phase, error=error,

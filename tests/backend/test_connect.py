@@ -6,6 +6,7 @@ never arrives). The same cases across simulated machines are in tests/test_machi
 """
 
 import re
+import socket
 import subprocess
 import threading
 import time
@@ -15,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from rpc_backend import connect, loopback_store
-from rpc_backend.connect import Endpoint, agree_on_world, explain, own_endpoint
+from rpc_backend import connect, loopback_store, make_options
+from rpc_backend.connect import ConnectError, Endpoint, agree_on_world, explain, join_world, own_endpoint
 from rpc_backend.options import CONNECT_TIMEOUT_VARIABLE, DEFAULT_CONNECT_TIMEOUT, connect_timeout
 from tests._deadlines import HANG_S, SETUP_S
 from tests.test_torchrun import _argv, _env
@@ -100,6 +101,22 @@ def test_a_rank_without_rank_0_says_so():
     store = loopback_store(timeout=HANG_S)
     with pytest.raises(connect._Waiting, match="rank 0 never welcomed this rank"):
         agree_on_world(store, 2, 3, time.monotonic() + 0.5)
+
+
+def test_a_join_whose_store_never_answers_fails_within_the_bound_saying_so():
+    # nothing listens on the port: the join fails at its bound (1 s; torch's store client
+    # would retry for its own timeout) and says which store it tried
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ConnectError) as failed:
+        join_world("trainer0", 1, 2, ["ps0", "trainer0"], ("127.0.0.1", port), make_options(), agent_store=True,
+                   timeout=1, env={})
+    text = str(failed.value)
+    assert text.startswith(f"rank 1 (trainer0) on {socket.gethostname()} could not join the RPC world: still "
+                           f"connecting to the job's store at 127.0.0.1:{port} after "), text
+    assert "(the bound: connect_timeout or RPC_BACKEND_CONNECT_TIMEOUT=1 s)" in text
+    assert f"To fix: the job's store at 127.0.0.1:{port} does not answer" in text
 
 
 # -- the report -----------------------------------------------------------------------------------
