@@ -6,6 +6,7 @@ import functools
 import math
 import numbers
 import operator
+import os
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -20,6 +21,13 @@ MIN_SECONDS = 0.001
 #: Timeouts must stay below this: torch holds milliseconds in a signed 32-bit int, so 2**31 ms
 #: and more (infinity included) wrap into a negative figure.
 MAX_SECONDS_EXCLUSIVE = 2**31 / 1000
+
+#: Seconds a rank of a torchrun job may take to join its world (``init_from_env``: its peers'
+#: arrival, the network choice, TensorPipe's and Gloo's connections) before it fails, naming
+#: what it tried; see :func:`connect_timeout`.
+DEFAULT_CONNECT_TIMEOUT = 300.0
+#: The variable that sets that bound for every rank of a job (seconds).
+CONNECT_TIMEOUT_VARIABLE = "RPC_BACKEND_CONNECT_TIMEOUT"
 
 #: ``transport`` values of :func:`make_options`, ``run_local`` and ``init_from_env``.
 #: ``"uv"``: TensorPipe's libuv transport (TCP, loopback included); its threads sleep while
@@ -56,6 +64,35 @@ def positive_seconds(value: Any, what: str) -> float:
             "infinite timeouts)"
         )
     return seconds
+
+
+def connect_timeout(value: Any = None, env: Mapping[str, str] | None = None) -> float:
+    """The bound, in seconds, on joining a torchrun job's world: ``value`` when given, else
+    ``RPC_BACKEND_CONNECT_TIMEOUT`` from ``env`` (default: this process's environment), else
+    :data:`DEFAULT_CONNECT_TIMEOUT` (300 s). Checked as :func:`positive_seconds`.
+
+    Example::
+
+        >>> connect_timeout(env={})
+        300.0
+        >>> connect_timeout(env={"RPC_BACKEND_CONNECT_TIMEOUT": "45"})
+        45.0
+        >>> connect_timeout(20, env={"RPC_BACKEND_CONNECT_TIMEOUT": "45"})
+        20.0
+    """
+    if value is not None:
+        return positive_seconds(value, "connect_timeout")
+    raw = (os.environ if env is None else env).get(CONNECT_TIMEOUT_VARIABLE, "").strip()
+    if not raw:
+        return DEFAULT_CONNECT_TIMEOUT
+    try:
+        return positive_seconds(float(raw), CONNECT_TIMEOUT_VARIABLE)
+    except ValueError:
+        raise ValueError(
+            f"{CONNECT_TIMEOUT_VARIABLE}={raw!r} is not a number of seconds in [{MIN_SECONDS}, "
+            f"{MAX_SECONDS_EXCLUSIVE}); set it like {CONNECT_TIMEOUT_VARIABLE}=120, or unset it for "
+            f"{DEFAULT_CONNECT_TIMEOUT:.0f} s"
+        ) from None
 
 
 def _device(value: Any, where: str) -> torch.device:

@@ -7,14 +7,13 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any, Iterable, Mapping
 
-import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from rpc_backend._quiet import hide_functional_optimizer_deprecation, no_backend_as_process_group_warning
 from rpc_backend._torch_private import UNBOUNDED_SHUTDOWN_TIMEOUT, is_rpc_initialized
+from rpc_backend.connect import join_role_group, join_world
 from rpc_backend.options import (
     DEFAULT_RPC_TIMEOUT,
     DEFAULT_TRANSPORT,
@@ -252,6 +251,7 @@ def init_from_env(
     devices: Iterable[Any] | None = None,
     shutdown_timeout: float | None = None,
     transport: str = DEFAULT_TRANSPORT,
+    connect_timeout: float | None = None,
 ) -> Worker:
     """Initialize RPC inside a torchrun job; return this process's :class:`Worker`.
 
@@ -262,6 +262,13 @@ def init_from_env(
     provides one), so a process group for DDP among some ranks (:func:`init_role_process_group`)
     needs no second port. ``transport`` is ``"uv"`` (default; idle ranks use no CPU) or
     ``"shm"`` (torch's defaults, which busy-poll), as in :func:`make_options`.
+    Across machines, with neither ``TP_SOCKET_IFNAME`` nor ``GLOO_SOCKET_IFNAME`` set, it
+    sets both to the interface that reaches the master (:func:`~rpc_backend.configure_network`),
+    so that no rank advertises a hostname that resolves to loopback; set them to choose.
+    Joining is bounded: within ``connect_timeout`` seconds (default ``RPC_BACKEND_CONNECT_TIMEOUT``,
+    else 300 s) this rank is in the world or raises :class:`~rpc_backend.connect.ConnectError`
+    naming its address, its peers' and what to set; each torchrun restart joins a fresh world
+    (see rpc_backend/connect.py).
     Two torch warnings nobody can act on stay off the console: gloo's "Backend ... as a
     ProcessGroup" during ``init_rpc``, and TorchScript's functional optimizer deprecation that
     torch's ``DistributedOptimizer`` emits on the workers (see ``rpc_backend/_quiet.py``).
@@ -289,8 +296,9 @@ def init_from_env(
     )
     me: RankPlacement = layout[info["rank"]]
     hide_functional_optimizer_deprecation()
-    with no_backend_as_process_group_warning():
-        rpc.init_rpc(me.name, rank=info["rank"], world_size=info["world_size"], rpc_backend_options=options)
+    with no_backend_as_process_group_warning():  # sets the interface variables too (configure_network)
+        join_world(me.name, info["rank"], info["world_size"], names, (info["master_addr"], info["master_port"]),
+                   options, agent_store=info["agent_store"], timeout=connect_timeout)
     return _set_current(Worker(
         name=me.name,
         rank=info["rank"],
@@ -323,10 +331,9 @@ def init_role_process_group(worker: Worker, backend: str = "gloo", timeout: floa
     """
     timeout = positive_seconds(timeout, "timeout")
     info = read_env()
-    store = dist.TCPStore(
-        info["master_addr"], info["master_port"], is_master=False, timeout=timedelta(seconds=timeout)
-    )
-    prefixed = dist.PrefixStore(f"rpc_backend/role_group/{worker.role}", store)
-    dist.init_process_group(
-        backend, store=prefixed, rank=worker.role_rank, world_size=worker.role_size, timeout=timedelta(seconds=timeout)
-    )
+    names = worker.names or [f"worker{r}" for r in range(worker.world_size)]
+    role_ranks = ([r for r, p in enumerate(worker.layout) if p.role == worker.role] if worker.layout
+                  else [worker.rank - worker.role_rank + i for i in range(worker.role_size)])
+    # on the job's store, under this attempt's prefix; fails with ConnectError past timeout
+    join_role_group(worker.role, worker.role_rank, worker.role_size, role_ranks, names,
+                    (info["master_addr"], info["master_port"]), backend, timeout)
