@@ -325,6 +325,8 @@ class _Peer:
     sent_at: float = -math.inf
     #: a heartbeat sent while this rank was leaving got an answer: the peer knows it is leaving
     acked_leaving: bool = False
+    #: it answered a heartbeat of this rank: it has heard this rank say who and where it is
+    answered: bool = False
     #: seconds until the next heartbeat to it: longer after one failed (fewer of torch's
     #: warnings about a peer that is gone; none is needed to hear from it)
     every: float = 0.0
@@ -383,7 +385,7 @@ class Peers:
         peer.in_flight = False
         if ok:
             self.heard(name, beat, now)
-            peer.every = self.settings.heartbeat
+            peer.every, peer.answered = self.settings.heartbeat, True
             if phase == LEAVING:
                 peer.acked_leaving = True
         else:  # back off, to a third of lost_after at most: a peer back in time is still heard
@@ -641,6 +643,11 @@ class Watcher:
         """The expendable peers lost so far."""
         with self._cond:
             return self.peers.spared()
+
+    def known_to(self) -> list[str]:
+        """The peers that have answered a heartbeat of this rank (they could name it if lost)."""
+        with self._cond:
+            return [name for name, p in self.peers.peers.items() if p.answered]
 
     def lost(self) -> list[LostWorker]:
         """Every peer lost so far (expendable or not)."""
