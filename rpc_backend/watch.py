@@ -37,7 +37,9 @@ the variable set to ``off``) turns watching off, e.g. while a debugger holds a r
 
 How a rank ends. A lost peer whose role is not expendable ends every rank that notices it:
 the rank logs one error line naming the lost workers grouped by machine (``rpc_backend.watch``
-logger), then raises :class:`WorkerLost` in its main thread (a ``BaseException``, as
+logger), sends the peers it still hears from that verdict in a last heartbeat (each ends at
+once naming the same workers, before this rank's end could fail their calls to it with some
+other error; the rank waits up to :data:`VERDICT_WAIT_S` for their answers), then raises :class:`WorkerLost` in its main thread (a ``BaseException``, as
 ``KeyboardInterrupt``: ``except Exception`` does not swallow it; delivered with a signal, so a
 main thread waiting in a graceful shutdown, a sleep or a lock wakes up), and if the process
 is still alive :data:`END_GRACE_S` seconds later (its main thread blocked in C++, e.g. an RPC
