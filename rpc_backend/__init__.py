@@ -11,6 +11,10 @@
 * :func:`configure_network` picks the network interface of a job across machines (the one
   that reaches the master) when ``TP_SOCKET_IFNAME`` and ``GLOO_SOCKET_IFNAME`` are unset;
   :func:`init_from_env` and :func:`init_role_process_group` call it;
+* every rank of a world started by :func:`init_from_env` or :func:`run_local` hears from every
+  other (``rpc_backend/watch.py``): a peer silent for ``lost_after`` seconds is lost, named with
+  its machine, and ends the job (:class:`WorkerLost`) unless its role is ``expendable``;
+  :func:`add_status` lets a layer above put its step in what a lost peer is named with;
 * :func:`make_options` validates RPC options (timeout, threads, device maps, devices) and picks
   the transport (:data:`TRANSPORTS`; ``"uv"`` by default, which does not spin when idle).
 
@@ -23,6 +27,7 @@ from rpc_backend.loopback import fresh_file_rendezvous, loopback_env, loopback_i
 from rpc_backend.network import NetworkChoice, configure_network
 from rpc_backend.options import DEFAULT_TRANSPORT, TRANSPORTS, make_options
 from rpc_backend.roles import Placement, RankPlacement, placements
+from rpc_backend.watch import LostWorker, WorkerLost, add_status, lost_workers, on_lost
 from rpc_backend.world import Worker, current_worker, init_from_env, init_role_process_group, read_env, shutdown_rpc
 
 __all__ = [
@@ -47,4 +52,9 @@ __all__ = [
     "loopback_interface",
     "fresh_file_rendezvous",
     "loopback_store",
+    "WorkerLost",
+    "LostWorker",
+    "add_status",
+    "on_lost",
+    "lost_workers",
 ]

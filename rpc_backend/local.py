@@ -36,6 +36,7 @@ from rpc_backend._zygote import start as start_world
 from rpc_backend.loopback import loopback_env, loopback_store
 from rpc_backend.options import DEFAULT_TRANSPORT, make_options, positive_seconds
 from rpc_backend.roles import RankPlacement, placements
+from rpc_backend.watch import WatchSettings, start_watching, watch_settings
 from rpc_backend.world import Worker, _set_current
 
 _log = logging.getLogger("rpc_backend.run_local")
@@ -63,6 +64,7 @@ def _rank_entry(
     store_port: int,
     option_kwargs: dict,
     shutdown_timeout: float | None,
+    watching: WatchSettings | None,
     results: Any,
 ) -> None:
     exit_with_parent(parent_pid)  # a parent killed outright (SIGKILL) cannot stop its ranks
@@ -91,6 +93,7 @@ def _rank_entry(
         options = make_options(init_method=init_method, worker_names=[p.name for p in layout], **option_kwargs)
         with no_backend_as_process_group_warning():
             rpc.init_rpc(me.name, rank=rank, world_size=world_size, rpc_backend_options=options)
+        start_watching(me.name, layout, watching)
         worker = _set_current(
             Worker(me.name, rank, world_size, rank, me.role, me.role_rank, me.role_size,
                    shutdown_timeout=shutdown_timeout, layout=list(layout))
@@ -216,6 +219,9 @@ def run_local(
     progress: Callable[[str], None] | None = None,
     progress_every: float = 2.0,
     transport: str = DEFAULT_TRANSPORT,
+    heartbeat: float | None = None,
+    lost_after: float | None = None,
+    expendable: Sequence[str] = (),
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` local processes forming one RPC world.
 
@@ -269,6 +275,11 @@ def run_local(
     returned, while the ranks shut down and exit (the same way); e.g. ``progress=print``.
     ``transport`` is TensorPipe's transport, ``"uv"`` (default; idle ranks use no CPU) or
     ``"shm"`` (torch's defaults, which busy-poll), as in :func:`~rpc_backend.make_options`.
+    ``heartbeat``, ``lost_after`` and ``expendable`` are as in :func:`~rpc_backend.init_from_env`:
+    the ranks hear from each other (a rank frozen for ``lost_after`` seconds ends the world;
+    a rank that exits is noticed by the launcher at once, as before). A rank of an
+    ``expendable`` role that fails or exits without a result is logged as lost and the world
+    goes on; its value in the returned list is ``None``.
 
     Example::
 
@@ -292,6 +303,8 @@ def run_local(
     if shutdown_timeout is not None:
         shutdown_timeout = positive_seconds(shutdown_timeout, "shutdown_timeout")
     progress_every = positive_seconds(progress_every, "progress_every")
+    watching = watch_settings(heartbeat, lost_after, expendable, roles=[p.role for p in layout])
+    spared = {r for r, p in enumerate(layout) if p.role in set(expendable)}
     if progress is not None and not callable(progress):
         raise TypeError(f"progress must be a callable taking one str (e.g. print), got {progress!r}")
     option_kwargs = dict(rpc_timeout=rpc_timeout, num_worker_threads=num_worker_threads, device_maps=None,
@@ -310,7 +323,7 @@ def run_local(
         deadline = None if timeout is None else time.monotonic() + timeout
         rank_args = [
             (fn, args, rank, layout, store.port, {**option_kwargs, "device_maps": maps_by_worker.get(names[rank])},
-             shutdown_timeout)
+             shutdown_timeout, watching)
             for rank in range(world_size)
         ]
         try:
@@ -325,7 +338,8 @@ def run_local(
             if progress is not None:
                 progress(f"started {world_size} processes ({', '.join(names)}), forked from one that imports "
                          f"torch once; each then joins the RPC world")
-            values = _collect(ranks, names, deadline, timeout, stop, _JoinReporter(names, progress, progress_every))
+            values = _collect(ranks, names, deadline, timeout, stop, _JoinReporter(names, progress, progress_every),
+                              spared)
         finally:
             if ranks is not None:
                 _stop(ranks, stop_grace, hurry=lambda: stop.received is not None)
@@ -490,10 +504,16 @@ def _unless_set(name: str, value: str) -> Iterator[None]:
 
 def _collect(
     ranks: Ranks, names: list[str], deadline: float | None, timeout: float | None,
-    stop: StopSignals, joins: _JoinReporter,
+    stop: StopSignals, joins: _JoinReporter, spared: set[int] | frozenset[int] = frozenset(),
 ) -> dict[int, Any]:
-    """Every rank's value by rank; raises for the first rank that fails or exits without one."""
+    """Every rank's value by rank; raises for the first rank that fails or exits without one,
+    unless it is one of the ``spared`` ranks (of an expendable role): that one's value is None."""
     values: dict[int, Any] = {}
+
+    def lose(rank: int, why: str) -> None:
+        _log.warning("rank %d (%s), of an expendable role, is lost: %s; the world goes on", rank, names[rank], why)
+        values[rank] = None
+        joins.lost(rank)
     while len(values) < len(names) or ranks.any_alive():
         stop.raise_if_received()
         joins.tick(ranks.alive())
@@ -510,6 +530,9 @@ def _collect(
             except queue.Empty:
                 stop.raise_if_received()  # the ranks got the caller's Ctrl-C too: not a failure
                 r = gone[0]
+                if r in spared:
+                    lose(r, ranks.exit_text(r))
+                    continue
                 raise LocalWorldError(r, names[r], ranks.exit_text(r)) from None
         if status in ("joined", "returned"):
             joins.mark(status, rank)
@@ -520,6 +543,9 @@ def _collect(
             stop.raise_if_received()
             if status == "interrupted":
                 raise LocalWorldError(rank, names[rank], payload, interrupted=True)
+            if rank in spared:
+                lose(rank, f"it failed:\n{payload}")
+                continue
             _log.error("rank %d (%s) failed:\n%s", rank, names[rank], payload)
             raise LocalWorldError(rank, names[rank], payload)
         joins.done(rank)
@@ -561,6 +587,12 @@ class _JoinReporter:
             if not self.running:
                 self.stopping, self.start = set(range(len(self.names))), now
                 self._say(f"all {len(self.names)} ranks returned; shutting the RPC world down")
+
+    def lost(self, rank: int) -> None:
+        """A rank is gone without a result (of an expendable role: the world goes on)."""
+        self.unjoined.discard(rank)
+        self.mark("returned", rank)
+        self.done(rank)
 
     def done(self, rank: int) -> None:
         """A rank finished its shutdown (its result arrived)."""

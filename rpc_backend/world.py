@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch.distributed.rpc as rpc
 
@@ -22,6 +23,14 @@ from rpc_backend.options import (
     positive_seconds,
 )
 from rpc_backend.roles import RankPlacement, placements
+from rpc_backend.watch import (
+    WorkerLost,
+    current_watcher,
+    shutdown_with_survivors,
+    start_watching,
+    stop_watching,
+    watch_settings,
+)
 
 TORCHRUN_HINT = "torchrun --standalone --nproc-per-node=3 your_script.py"
 _REQUIRED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -35,8 +44,11 @@ class Worker:
     until every other worker has finished and called shutdown too, however long that takes
     (``shutdown_timeout=None``, the default; a number of seconds bounds the wait, after which
     it shuts down immediately and raises). When the block raised, the shutdown is immediate,
-    so a failing worker never waits on the others. A worker that dies is the launcher's to
-    handle: ``run_local`` and torchrun's agent stop the whole world when a rank fails.
+    so a failing worker never waits on the others. A worker that dies, or goes silent (its
+    machine or link down), is noticed by every other through heartbeats: each ends with
+    :class:`~rpc_backend.watch.WorkerLost` naming it (a graceful shutdown never waits for a lost
+    peer), unless its role is expendable (see ``rpc_backend/watch.py``); ``run_local`` and
+    torchrun's agent then stop the rest of the world as for any failing rank.
 
     Example::
 
@@ -144,7 +156,10 @@ def shutdown_rpc(graceful: bool = True, timeout: float | None = None) -> None:
     every worker has called shutdown, however long that takes. With a number, a graceful
     shutdown that has not finished ``timeout`` seconds (plus :data:`SHUTDOWN_SLACK`) later is
     abandoned for an immediate one, and a ``RuntimeError`` says so. ``graceful=False`` leaves
-    at once. Does nothing when RPC is not initialized.
+    at once. Does nothing when RPC is not initialized. In a world whose ranks watch each other
+    (``init_from_env``, ``run_local``), a peer lost while this rank waits ends the wait with
+    :class:`~rpc_backend.watch.WorkerLost`, and once a peer of an expendable role is lost the
+    wait is for the surviving workers only (``rpc_backend/watch.py``).
 
     Example (on every worker)::
 
@@ -155,8 +170,40 @@ def shutdown_rpc(graceful: bool = True, timeout: float | None = None) -> None:
     """
     if timeout is not None:
         timeout = positive_seconds(timeout, "timeout")
+    watcher = current_watcher()
     if not is_rpc_initialized():
+        stop_watching()
         return
+    if not graceful or watcher is None:
+        stop_watching()
+        _torch_shutdown(graceful, timeout)
+        return
+    # the heartbeats go on while this rank waits for the others: a peer lost meanwhile ends it
+    # (rpc_backend/watch.py), and once an expendable one is lost torch's barrier cannot complete
+    watcher.leave()
+    immediate = lambda: rpc.shutdown(graceful=False)  # noqa: E731
+    try:
+        if watcher.spared():
+            shutdown_with_survivors(watcher, timeout, immediate)
+        else:
+            _torch_shutdown(True, timeout, switch=lambda: bool(watcher.spared()))
+            if watcher.spared() and is_rpc_initialized():
+                shutdown_with_survivors(watcher, timeout, immediate)
+    except WorkerLost:
+        stop_watching()
+        if is_rpc_initialized():
+            try:
+                rpc.shutdown(graceful=False)
+            except Exception:
+                pass
+        raise
+    finally:
+        stop_watching()
+
+
+def _torch_shutdown(graceful: bool, timeout: float | None, switch: Callable[[], bool] = lambda: False) -> None:
+    """``rpc.shutdown``, with ``timeout`` as :func:`shutdown_rpc` takes it; a graceful one
+    returns early, leaving torch's wait behind, once ``switch()`` is true."""
     if not graceful:
         rpc.shutdown(graceful=False)
         return
@@ -173,13 +220,16 @@ def shutdown_rpc(graceful: bool = True, timeout: float | None = None) -> None:
 
     thread = threading.Thread(target=run, name="rpc-graceful-shutdown", daemon=True)
     thread.start()
+    deadline = None if timeout is None else time.monotonic() + timeout + SHUTDOWN_SLACK
+    while thread.is_alive() and (deadline is None or time.monotonic() < deadline):
+        if switch():
+            return
+        # in steps, so Ctrl-C still reaches this thread and switch() is looked at
+        thread.join(1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic())))
     if timeout is None:
-        while thread.is_alive():
-            thread.join(1.0)  # in steps, so Ctrl-C still reaches this thread
         if errors:
             raise RuntimeError(f"graceful RPC shutdown failed: {errors[0]}") from errors[0]
         return
-    thread.join(timeout + SHUTDOWN_SLACK)
     if thread.is_alive() or errors:
         if is_rpc_initialized():
             try:
@@ -252,6 +302,9 @@ def init_from_env(
     shutdown_timeout: float | None = None,
     transport: str = DEFAULT_TRANSPORT,
     connect_timeout: float | None = None,
+    heartbeat: float | None = None,
+    lost_after: float | None = None,
+    expendable: Iterable[str] = (),
 ) -> Worker:
     """Initialize RPC inside a torchrun job; return this process's :class:`Worker`.
 
@@ -272,6 +325,13 @@ def init_from_env(
     Two torch warnings nobody can act on stay off the console: gloo's "Backend ... as a
     ProcessGroup" during ``init_rpc``, and TorchScript's functional optimizer deprecation that
     torch's ``DistributedOptimizer`` emits on the workers (see ``rpc_backend/_quiet.py``).
+    Every rank sends every other a heartbeat each ``heartbeat`` seconds (default 1,
+    ``RPC_BACKEND_HEARTBEAT_S``); a peer not heard from for ``lost_after`` seconds (default 10,
+    ``RPC_BACKEND_LOST_AFTER_S``; ``math.inf`` or ``off``: never) is lost, and every rank that
+    notices it logs the lost workers with their machine and raises
+    :class:`~rpc_backend.watch.WorkerLost` in its main thread (exiting anyway 5 s later), so the
+    job ends, unless the peer's role is in ``expendable``: then it is reported and the job goes
+    on (see ``rpc_backend/watch.py``).
 
     Example (every rank runs the same script)::
 
@@ -285,6 +345,7 @@ def init_from_env(
     info = read_env()
     layout = placements(info["world_size"], roles)
     names = [p.name for p in layout]
+    watching = watch_settings(heartbeat, lost_after, expendable, roles=[p.role for p in layout])
     options = make_options(
         init_method=f"tcp://{info['master_addr']}:{info['master_port']}",
         rpc_timeout=rpc_timeout,
@@ -299,6 +360,7 @@ def init_from_env(
     with no_backend_as_process_group_warning():  # sets the interface variables too (configure_network)
         join_world(me.name, info["rank"], info["world_size"], names, (info["master_addr"], info["master_port"]),
                    options, agent_store=info["agent_store"], timeout=connect_timeout)
+    start_watching(me.name, layout, watching)
     return _set_current(Worker(
         name=me.name,
         rank=info["rank"],

@@ -41,6 +41,7 @@ from remote_module.ps._rows import check_ids
 from remote_module.ps._rowwise import coalesce, row_gradients, row_optimizer
 from remote_module.ps._slicing import _index, block_name, slice_blocks
 from rpc_backend.options import positive_seconds
+from rpc_backend.watch import add_status
 
 #: backward passes a table records without a step() before it warns that its gradients are never
 #: pushed, where no local optimizer step told it sooner (gradient accumulation stays below this)
@@ -675,6 +676,11 @@ def at_step(calls: list, step_of: Callable[[str], int]) -> list:
     return out
 
 
+def _step_line(table: ShardedEmbedding) -> str:
+    """What this trainer's heartbeats say of ``table``: the step it is at."""
+    return f"step {table._step} of {type(table).__name__} {table.name!r}"
+
+
 class ShardedEmbedding(TableCheckpoints, nn.Module):
     """An ``nn.Embedding`` (``forward(input)``, same output) whose ``num_embeddings x
     embedding_dim`` rows are sliced into blocks of whole rows over ``servers`` by the same
@@ -860,6 +866,8 @@ class ShardedEmbedding(TableCheckpoints, nn.Module):
                              for s, rs in by_server.items()], timeout=timeout)
         steps = [step for step, _ in attached]
         self._step = min(steps) if steps else 0
+        # a peer that loses this trainer names the step it was at (rpc_backend/watch.py)
+        add_status(_step_line, owner=self)
         # (sync: the steps refused before it attached are not this trainer's to be told of)
         _refusals_seen[name] = max([_refusals_seen.get(name, 0), *(refused for _, refused in attached)])
         self._pending_lock = threading.Lock()

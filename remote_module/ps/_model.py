@@ -50,6 +50,12 @@ from remote_module.ps._modes import PS_MODES
 from remote_module.ps._ps_optimizer import GroupedPSOptimizer, PSOptimizer, class_defaults, set_group
 from remote_module.ps._slicing import Block, block_name, block_of, slice_blocks
 from rpc_backend.options import positive_seconds
+from rpc_backend.watch import add_status
+
+
+def _step_line(model: PSModel) -> str:
+    """What this trainer's heartbeats say of ``model``: the step it is at."""
+    return f"step {model._step} of PSModel {model.name!r}"
 
 
 def _dc_asgd_lambda(value: Any, ps_mode: str) -> float | None:
@@ -242,6 +248,8 @@ class PSModel(PSCheckpoints, nn.Module):
         self.timeout = None if timeout is None else positive_seconds(timeout, "timeout")
         self._trainer = rpc.get_worker_info().name
         self._step = 0
+        # a peer that loses this trainer names the step it was at (rpc_backend/watch.py)
+        add_status(_step_line, owner=self)
         self._slots = self._layout(split_method, min_block_size, slice_var_up)
         layout = hashlib.sha256(repr([
             (s.name, tuple(self._params()[s.pname].shape), str(self._params()[s.pname].dtype), s.block.offset,

@@ -1,0 +1,64 @@
+"""Rank functions for tests/backend/test_watch_worlds.py (run by run_local on every rank)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch.distributed.rpc as rpc
+
+from rpc_backend import current_worker, lost_workers
+from rpc_backend.watch import current_watcher
+from tests._deadlines import HANG_S
+
+
+def _wait_until(predicate, what: str) -> None:
+    """Poll ``predicate`` (in Python, so that a signal reaches this thread) for at most HANG_S."""
+    deadline = time.monotonic() + HANG_S
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} within {HANG_S} s")
+        time.sleep(0.05)
+
+
+def _freeze_once_known() -> None:
+    """Stop this process (SIGSTOP: alive, but silent) once every peer has heard from it."""
+    me = current_worker()
+    _wait_until(lambda: len(current_watcher().known_to()) == me.world_size - 1, "not every peer heard from it")
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def freeze_the_last_rank() -> None:
+    """The last rank stops itself; the others wait in Python until their heartbeats end them."""
+    me = current_worker()
+    if me.rank == me.world_size - 1:
+        _freeze_once_known()
+    _wait_until(lambda: False, "the frozen rank was not found lost")
+
+
+def _echo(x: int) -> int:
+    return x
+
+
+def call_a_frozen_rank() -> None:
+    """worker1 stops itself; worker0 calls it until a call waits (in C++, which no signal
+    interrupts) with a timeout longer than the test lasts: only the exit after the grace ends it."""
+    me = current_worker()
+    if me.rank == 1:
+        _freeze_once_known()
+    deadline = time.monotonic() + HANG_S
+    while time.monotonic() < deadline:
+        rpc.rpc_sync("worker1", _echo, (1,), timeout=HANG_S)
+
+
+def lose_the_replica() -> object:
+    """replica0 kills itself (SIGKILL); trainer0 goes on until its heartbeats name it lost,
+    then returns; ps0 only serves."""
+    me = current_worker()
+    if me.role == "replica":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if me.role == "trainer":
+        _wait_until(lambda: bool(lost_workers()), "the replica was not found lost")
+        return [w.name for w in lost_workers()]
+    return "served"
