@@ -45,6 +45,7 @@ from urllib.parse import parse_qsl, urlparse
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
+from rpc_backend._torch_private import is_rpc_initialized
 from rpc_backend.network import (
     IFNAME_VARIABLES,
     NetworkChoice,
@@ -412,6 +413,9 @@ def join_world(name: str, rank: int, world_size: int, names: Sequence[str], mast
     """
     env = os.environ if env is None else env
     bound = connect_timeout(timeout, env)
+    if is_rpc_initialized():  # before the store: a refused join changes nothing
+        raise RuntimeError(f"{name!r} (rank {rank}) is already in an RPC world: shut it down (rpc.shutdown() "
+                           "or Worker.shutdown()) before joining another")
     started = time.monotonic()
     deadline = started + bound
     progress = _Progress(f"{STORE_PHASE} at {master[0]}:{master[1]}")

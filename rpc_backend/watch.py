@@ -172,6 +172,10 @@ def describe_lost(lost: Sequence[LostWorker]) -> str:
     return "; ".join(parts)
 
 
+#: The shortest heartbeat accepted (seconds): shorter ones flood every peer with messages.
+MIN_HEARTBEAT_S = 0.05
+
+
 class WorkerLost(BaseException):
     """Raised in a rank's main thread when a peer of a role that is not expendable is lost.
 
@@ -243,15 +247,22 @@ def watch_settings(
         if unknown:
             raise ValueError(f"expendable names {', '.join(map(repr, unknown))}, which is not a role of this job "
                              f"(roles: {', '.join(map(repr, known))})")
+    # name each setting where the user gave it: the argument, or the environment variable
+    hb_what = "heartbeat" if heartbeat is not None or not env.get(HEARTBEAT_ENV, "").strip() else HEARTBEAT_ENV
+    after_what = ("lost_after" if lost_after is not None or not env.get(LOST_AFTER_ENV, "").strip()
+                  else LOST_AFTER_ENV)
     hb = _seconds_from(heartbeat, "heartbeat", HEARTBEAT_ENV, env, DEFAULT_HEARTBEAT_S)
     if hb == math.inf:
-        raise ValueError("heartbeat must be a finite number of seconds; to stop watching, set lost_after=math.inf "
+        raise ValueError(f"{hb_what} must be a finite number of seconds; to stop watching, set lost_after=math.inf "
                          f"or {LOST_AFTER_ENV}=off")
+    if hb < MIN_HEARTBEAT_S:
+        raise ValueError(f"{hb_what} ({hb} s) is below {MIN_HEARTBEAT_S} s: every rank would send each peer "
+                         f"{1 / hb:.0f} heartbeats a second")
     after = _seconds_from(lost_after, "lost_after", LOST_AFTER_ENV, env, DEFAULT_LOST_AFTER_S)
     if after == math.inf:
         return None
     if after < 2 * hb:
-        raise ValueError(f"lost_after ({after} s) must be at least twice the heartbeat ({hb} s): a peer is lost only "
+        raise ValueError(f"{after_what} ({after} s) must be at least twice {hb_what} ({hb} s): a peer is lost only "
                          f"after missing several heartbeats")
     return WatchSettings(hb, after, expendable)
 
@@ -635,6 +646,11 @@ class Watcher:
         self._stopped.set()
         with self._cond:
             self._cond.notify_all()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            # gone when stop() returns (a heartbeat in flight ends with the agent's shutdown;
+            # bounded, so that a stuck send never holds up a shutdown)
+            thread.join(timeout=2.0)
 
     def leave(self) -> None:
         """This rank's graceful shutdown begins: tell the peers at once."""

@@ -234,3 +234,14 @@ def test_a_rank_that_never_arrives_fails_the_others_within_the_bound_by_name():
     for text in errors:
         assert "rank(s) 1 never arrived" in text or "rank(s) 1 (trainer0) never arrived" in text, text
         assert "the bound: connect_timeout or RPC_BACKEND_CONNECT_TIMEOUT=5 s" in text, text
+
+
+def test_joining_while_in_a_world_is_refused_before_the_store(monkeypatch):
+    # (not a network failure: no ConnectError with network advice, and nothing written to the
+    # job's store, whose generation counter the other ranks agree on)
+    monkeypatch.setattr(connect, "is_rpc_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match=r"already in an RPC world: shut it down") as raised:
+        names = ["ps0", "trainer0"]
+        join_world("trainer0", 1, 2, names, ("127.0.0.1", 9), make_options(worker_names=names),
+                   agent_store=True, timeout=1.0, env={})
+    assert not isinstance(raised.value, ConnectError)

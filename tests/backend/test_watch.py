@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import math
+import threading
 
 import pytest
 
@@ -315,9 +316,14 @@ def test_settings_from_arguments_then_variables_then_defaults():
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
-    (dict(heartbeat=2, lost_after=3), ValueError, "at least twice the heartbeat"),
+    (dict(heartbeat=2, lost_after=3), ValueError, r"lost_after \(3.0 s\) must be at least twice heartbeat"),
+    (dict(env={w.HEARTBEAT_ENV: "2", w.LOST_AFTER_ENV: "3"}), ValueError,
+     r"RPC_BACKEND_LOST_AFTER_S \(3.0 s\) must be at least twice RPC_BACKEND_HEARTBEAT_S \(2.0 s\)"),
+    (dict(heartbeat=0.001, lost_after=1), ValueError, r"heartbeat \(0.001 s\) is below 0.05 s"),
+    (dict(env={w.HEARTBEAT_ENV: "0.001"}), ValueError, r"RPC_BACKEND_HEARTBEAT_S \(0.001 s\) is below"),
     (dict(lost_after=0), ValueError, "lost_after must be a positive number"),
     (dict(heartbeat=math.inf), ValueError, "heartbeat must be a finite"),
+    (dict(env={w.HEARTBEAT_ENV: "off"}), ValueError, "RPC_BACKEND_HEARTBEAT_S must be a finite"),
     (dict(env={w.LOST_AFTER_ENV: "ten"}), ValueError, "RPC_BACKEND_LOST_AFTER_S='ten' is not a number"),
     (dict(env={w.HEARTBEAT_ENV: "-1"}), ValueError, "RPC_BACKEND_HEARTBEAT_S must be a positive"),
     (dict(expendable="replica"), TypeError, r"expendable=\('replica',\)"),
@@ -327,3 +333,13 @@ def test_bad_settings_are_refused_by_name(kwargs, error, match):
     kwargs.setdefault("env", {})
     with pytest.raises(error, match=match):
         watch_settings(**kwargs)
+
+
+def test_a_stopped_watcher_has_no_thread_left():
+    # rpc_backend's shutdown stops the watcher: its heartbeat thread is gone when stop() returns
+    fake = _Fake()
+    watcher = fake.watcher()
+    watcher.start()
+    assert any(t.name == "rpc-backend-heartbeats" for t in threading.enumerate())
+    watcher.stop()
+    assert not any(t.name == "rpc-backend-heartbeats" for t in threading.enumerate())
