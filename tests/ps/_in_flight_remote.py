@@ -102,3 +102,18 @@ def server_rows(name: str, first: int) -> tuple[torch.Tensor, torch.Tensor]:
     from remote_module.ps import _table_server
 
     return _table_server._block_rows(name, first)
+
+
+def counted(job: str, trainer: str) -> tuple | None:
+    """(On a server) ``trainer``'s last sync push of dense job ``job`` that counted there:
+    ``(step, token)``, or None."""
+    from remote_module.ps import _dense_server
+
+    held = _dense_server._job(job)
+    with held.lock:
+        return held.sync.last_push.get(trainer)
+
+
+def has_gradients(job: str) -> bool:
+    """Whether the PSModel of ``job`` holds local gradients (a failed push puts them back)."""
+    return any(p.grad is not None for p in r._models[job]._params().values())

@@ -4,6 +4,8 @@ table's delta push that fails on one of its servers. Their own small world (rank
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -74,6 +76,45 @@ def test_a_sync_step_retried_after_it_stalled_pushes_nothing_and_training_equals
     retry = world.run({"trainer0": (r.attempt, name, "send")})["trainer0"]
     assert retry["ok"], retry
     world.run({"trainer1": (r.train, name, 1, 1)})  # trainer1's step 0: step 0 applied
+    world.run({"trainer0": (r.train, name, 0, 1, 1), "trainer1": (r.train, name, 1, 1, 1)})  # step 1
+    expected, _ = reference(2, OPTIMIZERS["sgd"], 2, seed=1)
+    for t in ("trainer0", "trainer1"):
+        assert_close(world.run({t: (r.state, name)})[t], expected.state_dict(), 1e-6, f"{t}'s state after 2 steps")
+    stats = world.run({"trainer0": (r.stats, name)})["trainer0"]
+    assert [st["version"] for st in stats.values()] == [2, 2], stats
+
+
+def test_a_sync_step_whose_answer_came_after_the_call_timeout_is_kept_for_a_retry(world):
+    """trainer0's step 0 counts on both servers, trainer1 late, and ps0 frozen past trainer0's
+    timeout: landing the step fails by the call's own timeout naming ps0 (the servers' answer,
+    the step not applied in time, came too late or not at all), not by ps1's. The trainer cannot
+    tell that its push counted on ps0: the step is a failed push, its gradients for ps0's blocks
+    put back and the step not counted, so the next pull reads at step 0 and waits for nothing
+    (unlike after the servers' own answer, when it waits for step 0 again). step() retries it,
+    which ps0 takes as the retry of the push it counted: training equals the global batch."""
+    name = _sync_job(world, "review-late-answer")
+    world.run({"trainer0": (r.forward_backward, name, 0)})
+    world.run({"trainer0": (r.set_timeout, name, TIMEOUT)})
+    assert world.run({"trainer0": (r.attempt, name, "send")})["trainer0"]["ok"]
+    deadline = time.monotonic() + HANG_S
+    while world.run({"ps0": (rr.counted, name, "trainer0")})["ps0"] != (0, None):
+        assert time.monotonic() < deadline, "hang guard: ps0 never counted trainer0's push of step 0"
+        time.sleep(0.05)
+    world.freeze("ps0")
+    try:
+        landed = world.run({"trainer0": (r.attempt, name, "pull")})["trainer0"]
+        kept = world.run({"trainer0": (rr.has_gradients, name)})["trainer0"]
+    finally:
+        world.thaw("ps0")
+    assert not landed["ok"] and landed["type"] == "CallTimeout", landed
+    assert "'ps0'" in landed["message"] and f"no answer within {TIMEOUT:g} s" in landed["message"], landed
+    assert kept, "the gradients of a push whose answer never came were not put back for a retry"
+    world.run({"trainer0": (r.set_timeout, name, HANG_S)})  # (a hang guard: this pull waits for nothing)
+    again = world.run({"trainer0": (r.attempt, name, "pull")})["trainer0"]
+    assert again["ok"], f"the pull after a failed push is a read at step 0, which waits for nothing: {again}"
+    world.run({"trainer1": (r.train, name, 1, 1)})  # trainer1's step 0: step 0 applied
+    retry = world.run({"trainer0": (r.attempt, name, "send")})["trainer0"]
+    assert retry["ok"], retry
     world.run({"trainer0": (r.train, name, 0, 1, 1), "trainer1": (r.train, name, 1, 1, 1)})  # step 1
     expected, _ = reference(2, OPTIMIZERS["sgd"], 2, seed=1)
     for t in ("trainer0", "trainer1"):
