@@ -169,16 +169,20 @@ def cpu_cell(cpu: float | None, scale: float, width: int, decimals: int = 1) -> 
 def messages_per_call(fn: Callable[[], Any], times: int) -> dict[str, float]:
     """Messages this process sends to each worker per call of ``fn`` (``times`` calls),
     counted at ``torch.distributed.rpc.rpc_async`` (what this package's calls go through;
-    torch's own C++ messages, e.g. distributed autograd's, are not seen)."""
+    torch's own C++ messages, e.g. distributed autograd's, are not seen; rpc_backend's
+    heartbeats, sent on a thread of their own once a second, are left out)."""
     import collections
 
     import torch.distributed.rpc as rpc
+
+    from rpc_backend import watch
 
     counted: collections.Counter = collections.Counter()
     real = rpc.rpc_async
 
     def counting(to: Any, *args: Any, **kwargs: Any) -> Any:
-        counted[to.name if isinstance(to, rpc.WorkerInfo) else str(to)] += 1
+        if not (args and args[0] is watch._beat):  # rpc_backend's heartbeats (1 a second): not the call's
+            counted[to.name if isinstance(to, rpc.WorkerInfo) else str(to)] += 1
         return real(to, *args, **kwargs)
 
     rpc.rpc_async = counting
