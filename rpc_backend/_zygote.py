@@ -275,6 +275,15 @@ class Ranks:
             except ProcessLookupError:
                 pass
 
+    def kill(self, rank: int) -> None:
+        """SIGKILL one rank (a frozen rank of an expendable role: the world goes on without it)."""
+        pid = self.pids[rank]
+        if pid is not None and self.exitcodes[rank] is None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     def reap(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s for every rank and the zygote to end; True when they have."""
         deadline = time.monotonic() + timeout

@@ -36,7 +36,7 @@ from rpc_backend._zygote import start as start_world
 from rpc_backend.loopback import loopback_env, loopback_store
 from rpc_backend.options import DEFAULT_TRANSPORT, make_options, positive_seconds
 from rpc_backend.roles import RankPlacement, placements
-from rpc_backend.watch import WatchSettings, start_watching, watch_settings
+from rpc_backend.watch import WatchSettings, on_lost, start_watching, watch_settings
 from rpc_backend.world import Worker, _set_current
 
 _log = logging.getLogger("rpc_backend.run_local")
@@ -94,6 +94,8 @@ def _rank_entry(
         with no_backend_as_process_group_warning():
             rpc.init_rpc(me.name, rank=rank, world_size=world_size, rpc_backend_options=options)
         start_watching(me.name, layout, watching)
+        if watching is not None and watching.expendable:
+            _tell_launcher_of_losses(results, me.name)
         worker = _set_current(
             Worker(me.name, rank, world_size, rank, me.role, me.role_rank, me.role_size,
                    shutdown_timeout=shutdown_timeout, layout=list(layout))
@@ -118,6 +120,19 @@ def _rank_entry(
         _send(results, ("error", rank, str(exc)))
         os._exit(1)
     _send(results, ("ok", rank, payload))
+
+
+def _tell_launcher_of_losses(results: Any, me: str) -> None:
+    """Send the launcher each expendable peer this rank's heartbeats count lost: a frozen rank
+    never exits by itself, and the launcher waits for every process (it kills that one)."""
+
+    def tell(lost: Any) -> None:
+        try:
+            results.put(("lost", lost.rank, f"not heard from for {lost.silent_s:.1f} s (noticed by {me})"))
+        except (OSError, ValueError):  # this rank is past its report: the launcher has its result
+            pass
+
+    on_lost(tell)
 
 
 def _interrupt_once(signum: int, frame: Any) -> None:
@@ -536,6 +551,11 @@ def _collect(
                 raise LocalWorldError(r, names[r], ranks.exit_text(r)) from None
         if status in ("joined", "returned"):
             joins.mark(status, rank)
+            continue
+        if status == "lost":  # a peer's heartbeats lost this rank: it may be frozen, never exiting
+            if rank in spared and rank not in values:
+                ranks.kill(rank)
+                lose(rank, payload)
             continue
         if status in ("error", "interrupted"):
             # A terminal's Ctrl-C reaches the caller and every rank at once: what the ranks

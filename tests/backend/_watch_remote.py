@@ -62,3 +62,15 @@ def lose_the_replica() -> object:
         _wait_until(lambda: bool(lost_workers()), "the replica was not found lost")
         return [w.name for w in lost_workers()]
     return "served"
+
+
+def freeze_the_replica() -> object:
+    """As :func:`lose_the_replica`, but replica0 stops itself (SIGSTOP): it never exits by
+    itself, so the launcher must end it once the heartbeats count it lost."""
+    me = current_worker()
+    if me.role == "replica":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if me.role == "trainer":
+        _wait_until(lambda: bool(lost_workers()), "the replica was not found lost")
+        return [w.name for w in lost_workers()]
+    return "served"

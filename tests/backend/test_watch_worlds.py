@@ -50,3 +50,14 @@ def test_an_expendable_rank_is_reported_and_the_world_goes_on(caplog):
         values = run_local(_watch_remote.lose_the_replica, 3, roles=roles, expendable=("replica",), **QUICK)
     assert values == ["served", ["replica0"], None]
     assert "rank 2 (replica0), of an expendable role, is lost" in caplog.text
+
+
+def test_a_frozen_expendable_rank_is_ended_and_the_world_goes_on(caplog):
+    # a frozen process never exits: run_local hears of the loss from the ranks' heartbeats,
+    # kills it and returns (it waited for the process until its timeout before)
+    roles = {"ps": 1, "trainer": 1, "replica": 1}
+    with caplog.at_level(logging.WARNING, logger="rpc_backend.run_local"):
+        values = run_local(_watch_remote.freeze_the_replica, 3, roles=roles, expendable=("replica",), **QUICK)
+    assert values == ["served", ["replica0"], None]
+    assert re.search(r"rank 2 \(replica0\), of an expendable role, is lost: not heard from for [\d.]+ s "
+                     r"\(noticed by (ps0|trainer0)\)", caplog.text), caplog.text
