@@ -149,3 +149,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         marker = item.get_closest_marker("timeout")
         if marker is not None and marker.args:
             item.add_marker(pytest.mark.timeout(float(marker.args[0]) * TIMEOUT_SCALE), append=False)
+
+
+# ---- simulated machines (tests/_machines.py): for tests/test_machines*.py, test_lost_machines.py
+
+
+@pytest.fixture(scope="module")
+def can_build_machines():
+    """Skips the test, with the reason, where network namespaces cannot be made (not root, no
+    ``ip``/``unshare``)."""
+    from tests import _machines
+
+    reason = _machines.missing_requirements()
+    if reason:
+        pytest.skip(reason)
+
+
+@pytest.fixture
+def two(can_build_machines):
+    """Two simulated machines, removed after the test."""
+    from tests import _machines
+
+    with _machines.machines(2) as cluster:
+        yield cluster
+

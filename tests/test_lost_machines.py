@@ -34,15 +34,6 @@ PORT = "29400"
 STEPS_BEFORE = 20
 
 
-@pytest.fixture
-def two():
-    reason = _machines.missing_requirements()
-    if reason:
-        pytest.skip(reason)
-    with _machines.machines(2) as cluster:
-        yield cluster
-
-
 def _torchrun(nproc: int, node_rank: int, roles: str, extra: str = "") -> list[str]:
     return _argv(f"torchrun --nnodes=2 --nproc-per-node={nproc} --node-rank={node_rank} --master-addr=machine0 "
                  f"--master-port={PORT} -m tests._lost_job --roles {roles} {extra}")

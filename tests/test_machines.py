@@ -26,19 +26,6 @@ PORT = "29400"  # each machine is a fresh network namespace: every port is free
 JOB_S = SETUP_S + HANG_S
 
 
-@pytest.fixture(scope="module")
-def can_build_machines():
-    reason = _machines.missing_requirements()
-    if reason:
-        pytest.skip(reason)
-
-
-@pytest.fixture
-def two(can_build_machines):
-    with _machines.machines(2) as cluster:
-        yield cluster
-
-
 def _python(code: str) -> list[str]:
     return [sys.executable, "-c", code]
 

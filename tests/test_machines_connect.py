@@ -26,19 +26,6 @@ BOUND = "30"
 JOB_S = SETUP_S + HANG_S
 
 
-@pytest.fixture(scope="module")
-def can_build_machines():
-    reason = _machines.missing_requirements()
-    if reason:
-        pytest.skip(reason)
-
-
-@pytest.fixture
-def two(can_build_machines):
-    with _machines.machines(2) as cluster:
-        yield cluster
-
-
 def _static(cluster, envs) -> _machines.Job:
     """The guide's static pair (HOST0 the first machine's address) with the attempts job; each
     machine's torchrun with its own environment; left to end by itself."""
