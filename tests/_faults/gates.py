@@ -220,15 +220,17 @@ class HeldInit(torch.nn.Module):
     def __init__(self, key: str) -> None:
         super().__init__()
         hold(key)
-        _held_instances[key] = self
-        _held_built.add(key)
+        with _lock:
+            _held_instances[key] = self
+            _held_built.add(key)
 
 
 def held_instance(key: str) -> str:
     """``"pending"`` (not built yet), ``"alive"`` or ``"gone"`` (built, then freed)."""
-    if key not in _held_built:
-        return "pending"
-    return "alive" if _held_instances.get(key) is not None else "gone"
+    with _lock:
+        if key not in _held_built:
+            return "pending"
+        return "alive" if _held_instances.get(key) is not None else "gone"
 
 
 class ExitsInInit(torch.nn.Module):

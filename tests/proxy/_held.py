@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from typing import Any, Callable
 
 import torch
@@ -29,12 +28,8 @@ from torch import nn
 from tests._deadlines import HANG_S
 from tests._faults import gates
 
-_lock = threading.Lock()
-
-
-def hold(key: str) -> str:
-    """Block until ``gates.release(key)`` here (HANG_S at most)."""
-    return gates.hold(key, HANG_S)
+#: block until ``gates.release(key)`` here (HANG_S at most)
+hold = gates.hold
 
 
 class Held(nn.Module):
@@ -46,49 +41,15 @@ class Held(nn.Module):
         return key
 
 
-_finished: set[int] = set()
-
-
 def timed(tag: int, key: str | None = None) -> tuple[int, str, float, float]:
-    """Hold on ``key`` (if given); ``(tag, host name, start, end)`` in wall-clock seconds."""
-    import torch.distributed.rpc as rpc
-
-    start = time.time()
-    if key is not None:
-        hold(key)
-    end = time.time()
-    with _lock:
-        _finished.add(tag)
-    return tag, rpc.get_worker_info().name, start, end
+    """Hold on ``key`` (if given); ``(tag, host name, start, end)`` in wall-clock seconds
+    (:func:`gates.timed` without its sleep; :func:`finished` lists the tags that returned)."""
+    return gates.timed(tag, 0.0, key)
 
 
-def finished(tags: list[int]) -> list[int]:
-    """Those of ``tags`` whose :func:`timed` call returned on this host."""
-    with _lock:
-        return [t for t in tags if t in _finished]
-
-
-_held_instances: "weakref.WeakValueDictionary[str, HeldInit]" = weakref.WeakValueDictionary()
-_held_built: set[str] = set()
-
-
-class HeldInit(nn.Module):
-    """Construction blocks until released; :func:`held_instance` reports on it."""
-
-    def __init__(self, key: str) -> None:
-        super().__init__()
-        hold(key)
-        with _lock:
-            _held_instances[key] = self
-            _held_built.add(key)
-
-
-def held_instance(key: str) -> str:
-    """``"pending"`` (not built yet), ``"alive"`` or ``"gone"`` (built, then freed)."""
-    with _lock:
-        if key not in _held_built:
-            return "pending"
-        return "alive" if _held_instances.get(key) is not None else "gone"
+finished = gates.finished
+HeldInit = gates.HeldInit
+held_instance = gates.held_instance
 
 
 class TogetherInit(nn.Module):
