@@ -60,6 +60,9 @@ def test_doc_has_the_commands():
         "torchrun --standalone --nproc-per-node=4 -m remote_module.demos.dlrm --servers 2",
         "torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=HOST0:PORT "
         "-m remote_module.demos.dlrm --servers 2",
+        # the servers on a machine of their own (run on 3 simulated machines by tests/test_machines_demo.py)
+        *(f"torchrun --nnodes=3 --nproc-per-node={n} --node-rank={r} --master-addr=HOST0 --master-port=PORT "
+          "-m remote_module.demos.dlrm --servers 2" for r, n in ((0, 2), (1, 1), (2, 1))),
     ]
 
 

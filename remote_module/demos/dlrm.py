@@ -25,7 +25,8 @@ or under torchrun, one rank per process, the first ``--servers`` ranks serving t
 trainer0 tells the setup (the same on every trainer) once; then each trainer shows a progress
 bar (when tqdm is installed and stderr is a terminal; else a line every few seconds); at the end
 one summary table is printed (by trainer0 under torchrun) and, when matplotlib is installed, a
-PNG of the loss and AUC curves is written, titled with the run.
+PNG of the loss and AUC curves is written, titled with the run. ``--json PATH`` also writes
+every trainer's figures there, each step's loss among them, at full precision (to compare runs).
 
 The rows' lifetime on the servers: ``--stream`` makes the ids drift (each table keeps a popular
 head of ids all run long; its other ids come from a window of the id space that slides with the
@@ -39,6 +40,7 @@ and the summary and PNG show the rows each server holds over time.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -626,6 +628,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--plot", default="dlrm-demo.png", metavar="PNG",
                         help="where to write the loss/AUC curves, and rows held (needs matplotlib; '' for none; "
                              "default: %(default)s)")
+    parser.add_argument("--json", default="", metavar="PATH",
+                        help="also write every trainer's figures to PATH as JSON: the summary's, each step's loss "
+                             "and the training AUC curve, at full precision (under torchrun: by trainer0)")
     parser.epilog = ("With --stream, --admit-after above 1 or --evict-after-steps the tables are lazy "
                      "(init='lazy': a row is created when admitted, not up front), and trainer0 samples "
                      f"table_stats() about {STATS_SAMPLES} times: the summary and PNG show the rows each server "
@@ -686,6 +691,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if not results:
         return []
     print("\n" + summary(results, args), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"every trainer's figures (each step's loss, the AUC curves): {args.json}", flush=True)
     if args.plot:
         written = plot(results, args.plot, run_title(args, len(results)))
         rows = ", rows held per server" if any("rows_held_curve" in r for r in results) else ""

@@ -4,6 +4,7 @@ present and sane, and the command line refuses what it cannot run."""
 import fcntl
 import importlib.util
 import itertools
+import json
 import math
 import os
 import pty
@@ -104,12 +105,16 @@ def test_stream_with_admission_and_eviction_holds_a_bounded_number_of_rows(capfd
 
 
 @pytest.mark.slow
-def test_geo_reports_the_rows_its_deltas_push_and_how_geo_sends(capfd):
+def test_geo_reports_the_rows_its_deltas_push_and_how_geo_sends(capfd, tmp_path):
     # geo pushes row deltas every GEO_PUSH_EVERY steps and at the end (25 steps: two pushes),
     # not a step's gradients with the next lookups: the per-server figures count those rows
+    figures = tmp_path / "figures.json"
     results = dlrm_demo.main(["--mode", "geo", "--servers", "2", "--trainers", "1", "--steps", "25", "--no-progress",
-                              "--plot", ""])
+                              "--plot", "", "--json", str(figures)])
     (r,) = results
+    # --json: the figures main returns, every float at full precision (tuples become lists)
+    assert json.loads(figures.read_text()) == json.loads(json.dumps(results))
+    assert len(json.loads(figures.read_text())[0]["losses"]) == 25
     assert set(r["per_server"]) == {"ps0", "ps1"}
     for server, t in r["per_server"].items():
         assert t["rows_pushed_per_s"] > 0, (server, t)
@@ -122,6 +127,7 @@ def test_geo_reports_the_rows_its_deltas_push_and_how_geo_sends(capfd):
     for k, (server, t) in enumerate(r["per_server"].items(), at + 2):
         assert lines[k].split()[0] == server and lines[k].split()[-1] == f"{t['rows_pushed_per_s']:,.0f}", lines[k]
     assert "pushed B/step: bytes of row deltas" in out, out
+    assert f"every trainer's figures (each step's loss, the AUC curves): {figures}" in out, out
 
 
 def test_stream_ids_drift_and_keep_a_popular_head():
