@@ -14,7 +14,7 @@ keeps:
   call's index (``calls[2] (make_shard)``), with the remote traceback;
 - **a timeout**: each call fails within ``timeout`` seconds of being sent (``None``: the RPC
   agent's default), with a :class:`remote_module._core.errors.CallTimeout` naming the worker
-  (the watcher visits deadlines every ``WATCH_TICK_S``; the calls of one ``call_all`` share a
+  (and every other worker of the batch still silent then; the watcher visits deadlines every ``WATCH_TICK_S``; the calls of one ``call_all`` share a
   deadline counted from the last of them sent). The
   deadline is kept here, not by RPC: the message itself waits for its answer, so an answer that
   comes after the deadline is still received and dropped. (An RPC timed out by torch drops its
@@ -417,14 +417,24 @@ class _Batch:
         thread, so a callback that blocks on it delays no other deadline."""
         with self.lock:
             combined, self.combined = self.combined, None
-            index = next((i for i, r in enumerate(self.results) if r is _UNANSWERED), 0)
+            unanswered = [i for i, r in enumerate(self.results) if r is _UNANSWERED] or [0]
         if combined is not None:
+            index, others = unanswered[0], unanswered[1:]
             name = self.names[index]
             message = f"{self.label(index)} on worker {name!r} failed: {timeout_message(self.seconds, name)}"
+            if others:
+                # a call may wait on another host (a fetch worker to worker): the one not
+                # answering may be any of them, so every worker still silent is named
+                named = [f"calls[{i}] on {self.names[i]!r}" for i in others[:_NAMED_AT_MOST]]
+                more = len(others) - len(named)
+                message += (f"; also unanswered at the deadline: {', '.join(named)}"
+                            + (f" and {more} more" if more else ""))
             settle_elsewhere([lambda: complete(combined, CallTimeout(message), True)])
 
 
 _UNANSWERED = object()
+#: how many other unanswered calls a batch's timeout names besides the first
+_NAMED_AT_MOST = 8
 
 
 class _EachBatch(_Batch):
