@@ -18,10 +18,20 @@ process frozen. The alternatives were weighed:
   exactly the peers RPC reaches, and a peer whose RPC no longer answers is lost to the job
   anyway.
 
-The cost: each rank sends N-1 heartbeats a second and answers N-1 (tests/benchmarks/bench_watch.py
-measures it; tutorials/torchrun.md has the figures). The caveat: heartbeats are answered by the
-peer's RPC threads, so a rank whose ``num_worker_threads`` are all busy in user handlers for
-``lost_after`` seconds looks lost (the handlers of this project never hold a thread waiting).
+The cost: each rank sends N-1 heartbeats a second and answers N-1, plus one to itself
+(tests/benchmarks/bench_watch.py measures it; tutorials/torchrun.md has the figures).
+
+A backlog is not silence. Heartbeats, and the answers to a rank's own, are handled by its RPC
+threads after every message that arrived before them, so a rank whose threads are busy and
+whose queue is long (thousands of short calls, or long handlers) reads its peers' heartbeats
+late. So each rank also probes its own queue, a heartbeat to itself every ``heartbeat``
+seconds: once it is handled, everything that arrived before it was sent has been read, and a
+peer's silence is counted only up to then (:meth:`Peers.heard_until`). Such a rank names no
+healthy peer, and it keeps telling its peers it is alive (its heartbeats leave from the
+watcher's thread, without waiting for the answers to the earlier ones); a rank frozen, or
+whose main thread holds the GIL, is named by its peers and, when it resumes, blames none of
+them. Its own detection of a lost peer comes that much later: within ``lost_after +
+heartbeat`` seconds plus its own queue's delay.
 
 What each heartbeat carries (:class:`Beat`): the sender's name, whether it is shutting down
 (``phase``), a status line that layers above may provide (:func:`add_status`:
@@ -32,7 +42,8 @@ last known step, from its last heartbeat.
 The bound. A peer is lost once nothing was heard from it for ``lost_after`` seconds (default
 10, ``RPC_BACKEND_LOST_AFTER_S``); heartbeats go out every ``heartbeat`` seconds (default 1,
 ``RPC_BACKEND_HEARTBEAT_S``), and the check runs as often, so every surviving rank names it
-within ``lost_after + heartbeat`` seconds of its last heartbeat. ``lost_after=math.inf`` (or
+within ``lost_after + heartbeat`` seconds of its last heartbeat (plus, on a rank behind a
+backlog, that backlog's delay: see above). ``lost_after=math.inf`` (or
 the variable set to ``off``) turns watching off, e.g. while a debugger holds a rank.
 
 How a rank ends. A lost peer whose role is not expendable ends every rank that notices it:
@@ -151,7 +162,7 @@ class LostWorker(NamedTuple):
         if self.status:
             parts.append(f"at {self.status}")
         if self.phase == LEAVING:
-            parts.append("shutting down")
+            parts.append("in its graceful rpc.shutdown()")  # (where a server serves: not leaving yet)
         parts.append(f"not heard from for {self.silent_s:.1f} s")
         return f"{self.name} ({', '.join(parts)})"
 
@@ -335,7 +346,9 @@ class _Peer:
     expendable: bool
     last_heard: float
     beat: Beat | None = None
-    in_flight: bool = False
+    #: heartbeats sent to it whose answers have not come back (or not been handled yet: an
+    #: answer waits in this rank's RPC queue like any message)
+    in_flight: int = 0
     sent_at: float = -math.inf
     #: a heartbeat sent while this rank was leaving got an answer: the peer knows it is leaving
     acked_leaving: bool = False
@@ -362,24 +375,43 @@ class Peers:
     phase: str = RUNNING
     #: the graceful shutdown is done here (an expendable peer was lost), not by torch
     survivors: bool = False
+    #: silence is counted only up to what this rank's own RPC queue has handled (the
+    #: :class:`Watcher` probes it with a heartbeat to itself); off, up to ``now``
+    probing: bool = False
     peers: dict[str, _Peer] = field(default_factory=dict)
+    #: every message that reached this rank before this time has been handled (the sending
+    #: time of the last probe answered)
+    caught_up: float = field(init=False)
+    #: when the probe in flight was sent (None: none in flight), and the last one
+    probe_sent: float | None = None
+    probe_at: float = -math.inf
 
     def __post_init__(self) -> None:
+        self.caught_up = self.started
         for rank, placement in enumerate(self.layout):
             if placement.name != self.me:
                 self.peers[placement.name] = _Peer(placement, rank, placement.role in self.settings.expendable,
                                                    self.started)
 
     def due(self, now: float) -> list[str]:
-        """The peers to send a heartbeat to now (marked in flight): not lost, none in flight,
-        and none sent for a heartbeat (at once after :meth:`leave`)."""
+        """The peers to send a heartbeat to now (counted in flight): not lost, fewer than
+        :meth:`_most_in_flight` in flight, and none sent for a heartbeat (at once after
+        :meth:`leave`)."""
         out = []
+        most = self._most_in_flight()
         for name, peer in self.peers.items():
-            if peer.lost is None and not peer.in_flight and now - peer.sent_at >= max(peer.every,
-                                                                                      self.settings.heartbeat):
-                peer.in_flight, peer.sent_at = True, now
+            if (peer.lost is None and peer.in_flight < most
+                    and now - peer.sent_at >= max(peer.every, self.settings.heartbeat)):
+                peer.in_flight, peer.sent_at = peer.in_flight + 1, now
                 out.append(name)
         return out
+
+    def _most_in_flight(self) -> int:
+        """Heartbeats in flight to one peer at most: as many as fit in ``lost_after`` (each
+        times out then). Not one: the answers to a rank's heartbeats wait in its own RPC queue,
+        and a rank behind a backlog must go on telling its peers it is alive."""
+        after = self.settings.lost_after
+        return max(1, math.ceil(after / self.settings.heartbeat)) if self.probing and math.isfinite(after) else 1
 
     def heard(self, name: str, beat: Beat | None, now: float) -> None:
         """``name`` is alive: its heartbeat arrived, or it answered one (``beat``: what it said)."""
@@ -396,7 +428,7 @@ class Peers:
         peer = self.peers.get(name)
         if peer is None:
             return
-        peer.in_flight = False
+        peer.in_flight = max(0, peer.in_flight - 1)
         if ok:
             self.heard(name, beat, now)
             peer.every, peer.answered = self.settings.heartbeat, True
@@ -404,6 +436,31 @@ class Peers:
                 peer.acked_leaving = True
         else:  # back off, to a third of lost_after at most: a peer back in time is still heard
             peer.every = min(2 * max(peer.every, self.settings.heartbeat), self.settings.lost_after / 3)
+
+    def probe_due(self, now: float) -> bool:
+        """Whether to send this rank's own queue a probe now (marked in flight): none in
+        flight, and none sent for a heartbeat."""
+        if not self.probing or self.probe_sent is not None or now - self.probe_at < self.settings.heartbeat:
+            return False
+        self.probe_sent = self.probe_at = now
+        return True
+
+    def probed(self, ok: bool, now: float) -> None:
+        """The probe came back through this rank's RPC queue (``ok``), or failed: at once (RPC
+        refusing to send, shutting down: no sign of a queue) or by its timeout (a queue that
+        long tells nothing new)."""
+        sent, self.probe_sent = self.probe_sent, None
+        if sent is not None and (ok or now - sent < self.settings.heartbeat):
+            self.caught_up = max(self.caught_up, sent)
+
+    def heard_until(self, now: float) -> float:
+        """Up to when this rank has heard what its peers sent: ``now`` while its own RPC queue
+        keeps up (its last probe was handled within two heartbeats), else the time up to which
+        it has handled everything (a peer's heartbeats may be waiting in that queue, behind
+        calls or in a frozen process)."""
+        if not self.probing or now - self.caught_up <= 2 * self.settings.heartbeat:
+            return now
+        return self.caught_up
 
     def leave(self) -> None:
         """This rank's graceful shutdown has begun: heartbeats say so, at once."""
@@ -426,12 +483,15 @@ class Peers:
         """The peers lost since the last check: ``(fatal, spared)``. ``fatal`` is empty unless a
         peer of a role that is not expendable has been silent for ``lost_after``; then it also
         names every other peer silent for over two heartbeats (a machine's workers stop
-        together). ``spared``: expendable peers silent for ``lost_after``, each reported once."""
+        together). ``spared``: expendable peers silent for ``lost_after``, each reported once.
+        Silence is counted up to :meth:`heard_until`: what waits in this rank's own queue is
+        not silence."""
         after, two = self.settings.lost_after, 2 * self.settings.heartbeat
+        seen = self.heard_until(now)
         fatal: list[LostWorker] = []
         spared: list[LostWorker] = []
         for peer in self.peers.values():
-            if peer.lost is not None or now - peer.last_heard < after:
+            if peer.lost is not None or seen - peer.last_heard < after:
                 continue
             if self.survivors and self._left(peer, now):
                 continue
@@ -443,7 +503,7 @@ class Peers:
         if fatal:
             named = {w.name for w in fatal}
             fatal += [self._record(p, now) for p in self.peers.values()
-                      if p.placement.name not in named and p.lost is None and now - p.last_heard > two
+                      if p.placement.name not in named and p.lost is None and seen - p.last_heard > two
                       and not (self.survivors and self._left(p, now))]
             for worker in fatal:
                 self.peers[worker.name].lost = worker
@@ -519,7 +579,7 @@ class Watcher:
         self.settings = settings
         self.clock = clock
         self.origin = origin if origin is not None else _own_origin(os.environ)
-        self.peers = Peers(me, list(layout), settings, clock())
+        self.peers = Peers(me, list(layout), settings, clock(), probing=True)
         self._send = send
         self._end = end if end is not None else _raise_then_exit
         self._cond = threading.Condition()
@@ -566,11 +626,14 @@ class Watcher:
         with self._cond:
             now = self.clock()
             due = self.peers.due(now)
+            probe = self.peers.probe_due(now)
             phase = self.peers.phase
         if due:
             beat = self.beat(phase)
             for peer in due:
                 self._send_one(peer, beat, phase)
+        if probe:
+            self._probe()
         with self._cond:
             fatal, spared = self.peers.check(self.clock())
             ending = None
@@ -622,6 +685,19 @@ class Watcher:
         try:
             self._send(peer, beat, self.settings.lost_after, done)
         except Exception:  # e.g. the agent is shutting down: nothing heard
+            done(None, False)
+
+    def _probe(self) -> None:
+        """A heartbeat to this rank itself: handled by its RPC threads after every message
+        that arrived before it, so its answer tells how far this rank has caught up."""
+        def done(answer: Beat | None, ok: bool) -> None:
+            with self._cond:
+                self.peers.probed(ok, self.clock())
+                self._cond.notify_all()
+
+        try:
+            self._send(self.me, self.beat(), self.settings.lost_after, done)
+        except Exception:  # e.g. the agent is shutting down
             done(None, False)
 
     def run(self) -> None:

@@ -14,7 +14,8 @@ keeps:
   call's index (``calls[2] (make_shard)``), with the remote traceback;
 - **a timeout**: each call fails within ``timeout`` seconds of being sent (``None``: the RPC
   agent's default), with a :class:`remote_module._core.errors.CallTimeout` naming the worker
-  (and every other worker of the batch still silent then; the watcher visits deadlines every ``WATCH_TICK_S``; the calls of one ``call_all`` share a
+  (and every other worker of the batch still silent then; the watcher visits deadlines
+  every ``WATCH_TICK_S``; the calls of one ``call_all`` share a
   deadline counted from the last of them sent). The
   deadline is kept here, not by RPC: the message itself waits for its answer, so an answer that
   comes after the deadline is still received and dropped. (An RPC timed out by torch drops its

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import torch.distributed.rpc as rpc
@@ -74,3 +75,32 @@ def freeze_the_replica() -> object:
         _wait_until(lambda: bool(lost_workers()), "the replica was not found lost")
         return [w.name for w in lost_workers()]
     return "served"
+
+
+_RELEASE = threading.Event()
+#: calls worker0 sends worker1, each holding one of its RPC threads (16 by default) until
+#: released: the rest wait in its queue, heartbeats from worker0 and answers to its own behind them
+BACKLOG = 64
+
+
+def _busy() -> int:
+    _RELEASE.wait(HANG_S)
+    return 1
+
+
+def a_backlog_is_not_silence() -> object:
+    """worker0 fills worker1's RPC threads and queue with calls that wait until worker1's
+    main thread releases them; worker1 releases them once nothing has been heard from worker0
+    for twice ``lost_after`` (heartbeats that wait in worker1's queue): before rpc_backend
+    probed its own queue, worker1 then named the healthy worker0 lost. Every call is answered."""
+    me = current_worker()
+    if me.rank == 0:
+        futures = [rpc.rpc_async("worker1", _busy, timeout=HANG_S) for _ in range(BACKLOG)]
+        return sum(f.wait() for f in futures)
+    watcher = current_watcher()
+    after = watcher.settings.lost_after
+    peer = watcher.peers.peers["worker0"]
+    _wait_until(lambda: time.monotonic() - peer.last_heard > 2 * after, "worker0 silent behind the backlog")
+    lag = time.monotonic() - watcher.peers.caught_up  # this rank's own queue, as far behind
+    _RELEASE.set()
+    return {"lost": [w.name for w in lost_workers()], "lag_over_lost_after": lag > after}

@@ -68,6 +68,53 @@ def test_hearing_from_a_peer_or_its_answer_keeps_it_alive():
     assert {x.name for x in fatal} == {"trainer0", "trainer1", "replica0"}
 
 
+def test_what_waits_in_this_ranks_own_queue_is_not_silence():
+    # probing: silence counts only up to what this rank's RPC queue has handled
+    p = Peers("ps0", LAYOUT, SETTINGS, 0.0, probing=True)
+    for name in ("trainer0", "trainer1", "replica0"):
+        p.heard(name, beat(name), 5.0)
+    assert p.probe_due(5.0) and not p.probe_due(6.0)  # one in flight at a time
+    p.probed(True, 5.1)
+    assert p.heard_until(6.0) == 6.0  # keeping up: up to now
+    assert p.probe_due(6.0)  # and this one waits behind a backlog (or the process froze)
+    assert p.heard_until(30.0) == 5.0 and p.check(30.0) == ([], [])  # nobody blamed
+    p.probed(True, 40.0)  # handled at last: everything sent before 6.0 was read
+    assert p.heard_until(40.0) == 6.0 and p.check(40.0) == ([], [])
+    assert p.probe_due(40.0)
+    p.probed(True, 40.1)  # caught up: the peers' heartbeats would have been read by now
+    fatal, _ = p.check(40.2)
+    assert [x.name for x in fatal] == ["trainer0", "trainer1", "replica0"]
+    assert all(x.silent_s == pytest.approx(35.2) for x in fatal)
+
+
+def test_heartbeats_go_on_while_their_answers_wait_in_this_ranks_queue():
+    # a rank behind a backlog keeps telling its peers it is alive: the answers to its earlier
+    # heartbeats need not have been handled, up to lost_after / heartbeat of them in flight
+    p = Peers("ps0", LAYOUT, SETTINGS, 0.0, probing=True)
+    sent = [p.due(float(t)) for t in range(12)]
+    assert sent[:10] == [["trainer0", "trainer1", "replica0"]] * 10 and sent[10:] == [[], []]
+    p.answered("trainer0", beat("trainer0"), True, RUNNING, 12.0)
+    assert p.due(12.0) == ["trainer0"]
+    assert _one_in_flight_without_probing()  # (Peers without the watcher's probe: one at a time)
+
+
+def _one_in_flight_without_probing() -> bool:
+    p = peers()
+    p.due(0.0)
+    return p.due(5.0) == []
+
+
+def test_a_probe_refused_at_once_is_no_sign_of_a_backlog():
+    p = Peers("ps0", LAYOUT, SETTINGS, 0.0, probing=True)
+    assert p.probe_due(20.0)
+    p.probed(False, 20.0)  # RPC refused it (shutting down): nothing waits in the queue
+    assert p.heard_until(20.5) == 20.5
+    assert p.probe_due(21.0)
+    p.probed(False, 21.0 + AFTER)  # failed by its timeout: the queue is that far behind
+    assert p.heard_until(21.0 + AFTER) == 20.0
+    assert peers().heard_until(99.0) == 99.0 and not peers().probe_due(99.0)  # not probing
+
+
 def test_a_failed_heartbeat_is_not_news_and_backs_off():
     p = peers()
     assert p.due(0.0) == ["trainer0", "trainer1", "replica0"]
@@ -159,7 +206,7 @@ def test_without_survivors_mode_a_silent_leaving_peer_is_lost():
         p.heard(name, beat(name, phase=LEAVING), 1.0)
     fatal, _ = p.check(11.0)
     assert [x.phase for x in fatal] == [LEAVING] * 3
-    assert "shutting down" in fatal[0].describe()
+    assert "in its graceful rpc.shutdown()" in fatal[0].describe()
 
 
 # ---- what is said -------------------------------------------------------------------------
@@ -187,8 +234,13 @@ class _Fake:
         self.sent: list[tuple[str, Beat]] = []
         self.pending: dict[str, object] = {}
         self.ended: list[WorkerLost] = []
+        self.probes = 0
 
     def send(self, peer, beat_, timeout, done) -> None:
+        if peer == beat_.name:  # the watcher's probe of its own queue: handled at once here
+            self.probes += 1
+            done(beat_, True)
+            return
         self.sent.append((peer, beat_))
         if beat_.lost:
             done(None, True)  # the verdict is heard at once
@@ -209,7 +261,7 @@ def test_a_watcher_ends_its_rank_and_tells_the_others(caplog):
     fake = _Fake()
     watcher = fake.watcher()
     watcher.tick()
-    assert sorted(p for p, _ in fake.sent) == ["ps0", "replica0", "trainer1"]
+    assert sorted(p for p, _ in fake.sent) == ["ps0", "replica0", "trainer1"] and fake.probes == 1
     fake.answer_all()
     fake.now = 10.0
     watcher.received(beat("ps0", M0))
