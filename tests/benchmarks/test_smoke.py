@@ -309,6 +309,31 @@ def test_quick_dlrm_benchmark_runs(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3 * 900)
+def test_quick_network_benchmark_runs(can_build_machines, tmp_path, capsys):
+    # as root only (simulated machines); a few torchrun jobs on loopback, a veth and a shaped veth
+    from tests.benchmarks import bench_network
+
+    out = tmp_path / "bench-network.json"
+    bench_network.main(["--quick", "--json", str(out)])
+    summary = json.loads(out.read_text())["summary"]
+    assert list(summary) == ["loopback", "veth", "tbf 10mbit"]
+    for name, s in summary.items():
+        assert s["steps_per_s"] > 0 and s["rpc_round_trip_us"] > 0 and s["tcp_MB_per_s"] > 0, (name, s)
+        # the same steps carry the same payload whatever the link (the data are seeded)
+        for way in ("to_servers", "from_servers"):
+            assert s[way] == pytest.approx(summary["loopback"][way], rel=0.01), (name, way, s)
+    for name in ("veth", "tbf 10mbit"):  # the link carries the payload and its framing (and, shaped, resends)
+        s = summary[name]
+        assert s["to_servers"] < s["link_to_servers"] and s["from_servers"] < s["link_from_servers"], s
+    veth = summary["veth"]  # within 10% of the link's count (as tests/test_machines_bytes.py checks)
+    assert veth["link_to_servers"] <= veth["to_servers"] / 0.9 and veth["link_from_servers"] <= (
+        veth["from_servers"] / 0.9), veth
+    assert summary["tbf 10mbit"]["rate_bound_steps_per_s"] > 0
+    assert "the links' own probes" in capsys.readouterr().out
+
+
+@pytest.mark.slow
 def test_quick_admission_benchmark_runs(tmp_path, capsys):
     # the run itself checks the hot rows against the reference (their first admit_after - 1
     # counted steps' gradients dropped) and that eviction bounds the drifting tables' rows
