@@ -21,7 +21,10 @@ Not counted:
   whatever the job does, not part of any step.
 
 Cost: none while no Traffic is active (torch's functions are left as they are); while one is,
-each call's arguments and each answer are pickled once more, without their tensors.
+each call's arguments and each answer are pickled once more, without their tensors: 20-60 us of
+CPU per message for ``make demo``'s messages on a loaded 2-core machine, about 1% of its step.
+(A torch operator called by RPC, ``rpc_async(w, torch.add, ...)``, travels as a TorchScript
+call; its tensors are counted the same, the rest is sized as a pickle all the same.)
 
 Example (the caller's side of a training loop)::
 
@@ -35,6 +38,7 @@ Example (the caller's side of a training loop)::
 from __future__ import annotations
 
 import collections
+import copyreg
 import io
 import pickle
 import threading
@@ -56,21 +60,26 @@ _active: tuple[Traffic, ...] = ()  # the counters now active (replaced whole, un
 _originals: dict[str, Any] = {}  # torch's functions while ours are installed
 
 
+_sizing = threading.local()  # .tensors: those the pickle being sized left out, in order
+
+
+def _tensor_left_out(tensor: torch.Tensor) -> tuple:
+    _sizing.tensors.append(tensor)
+    return (int, (len(_sizing.tensors),))  # (a small stand-in, as RPC's pickler writes a table index)
+
+
+def _rref_left_out(rref: Any) -> tuple:
+    return (int, (0,))
+
+
 class _Sizer(pickle.Pickler):
-    """Pickles an object as torch RPC's pickler does (its default protocol), with tensors
-    collected and RRefs and futures left out."""
+    """Pickles an object as torch RPC's pickler does (its default protocol, tensors and RRefs
+    reduced through the dispatch table, by exact type), leaving tensors and RRefs out. Only
+    those call back into Python (a ``persistent_id`` would be called for every object, which
+    made sizing several times slower)."""
 
-    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
-        super().__init__(file)
-        self.tensors = tensors
-
-    def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            self.tensors.append(obj)
-            return len(self.tensors)
-        if isinstance(obj, (rpc.PyRRef, torch.futures.Future)):
-            return 0
-        return None
+    dispatch_table = {**copyreg.dispatch_table, torch.Tensor: _tensor_left_out, rpc.PyRRef: _rref_left_out,
+                      rpc.RRef: _rref_left_out}
 
 
 def _walk(obj: Any, out: list[torch.Tensor], depth: int = 0) -> None:
@@ -93,14 +102,17 @@ def payload_parts(obj: Any) -> tuple[int, list[torch.Tensor]]:
     """``(bytes of obj's pickle with its tensors left out, those tensors)``; the bytes are -1
     where ``obj`` does not pickle here (its tensors are then found by walking it)."""
     tensors: list[torch.Tensor] = []
+    _sizing.tensors = tensors
     buf = io.BytesIO()
     try:
-        _Sizer(buf, tensors).dump(obj)
+        _Sizer(buf).dump(obj)
         return buf.tell(), tensors
     except Exception:
         tensors = []
         _walk(obj, tensors)
         return -1, tensors
+    finally:
+        _sizing.tensors = None
 
 
 def tensor_wire_bytes(tensor: torch.Tensor) -> int:

@@ -1,28 +1,15 @@
 """rpc_backend.traffic.Traffic: the payload bytes of a process's calls, each way, per peer
 (against the shared RPC world: worker0 is this process)."""
 
-import io
-import pickle
-
 import torch
 import torch.distributed.rpc as rpc
 
 from rpc_backend import watch
-from rpc_backend.traffic import Traffic, payload_bytes, tensor_wire_bytes
+from rpc_backend.traffic import Traffic, payload_bytes, payload_parts, tensor_wire_bytes
 from tests._deadlines import HANG_S
 
 #: a payload's pickle (function reference, tuples, tensor ids) is well under this
 PICKLE_AT_MOST = 400
-
-
-def _pickled_without_tensors(obj) -> int:
-    class Sizer(pickle.Pickler):
-        def persistent_id(self, o):
-            return 1 if isinstance(o, torch.Tensor) else None
-
-    buf = io.BytesIO()
-    Sizer(buf).dump(obj)
-    return buf.tell()
 
 
 def test_a_tensor_travels_as_its_storage_or_as_rpcs_compact_copy_of_a_small_view():
@@ -34,7 +21,11 @@ def test_a_tensor_travels_as_its_storage_or_as_rpcs_compact_copy_of_a_small_view
     assert tensor_wire_bytes(small[:10]) == 7168
     assert tensor_wire_bytes(torch.zeros(3, dtype=torch.float64)) == 24
     obj = ("x", [big, {"y": small}], 3)
-    assert payload_bytes(obj) == _pickled_without_tensors(obj) + 16384 + 7168
+    pickled, tensors = payload_parts(obj)
+    assert [t is x for t, x in zip(tensors, (big, small))] == [True, True] and len(tensors) == 2
+    assert 0 < pickled < 100 and payload_bytes(obj) == pickled + 16384 + 7168
+    # a tensor's bytes are not in the pickled part, whatever its size
+    assert payload_parts(("x", [torch.zeros(1), {"y": small}], 3))[0] == pickled
 
 
 def test_inactive_leaves_torch_untouched_and_counts_nothing(rpc_world):
