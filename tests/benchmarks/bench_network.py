@@ -2,7 +2,7 @@
 on one machine's loopback, across two simulated machines, and on links shaped to a rate.
 
     make bench                                        # runs this last (as root; skipped otherwise)
-    sudo python -m tests.benchmarks.bench_network     # about 10 minutes on 2 cores
+    sudo python -m tests.benchmarks.bench_network     # about 16 minutes on 2 loaded cores
     sudo python -m tests.benchmarks.bench_network --quick
     sudo python -m tests.benchmarks.bench_network --rates 20mbit,5mbit
 
