@@ -47,7 +47,7 @@ def demo_commands(cluster: _machines.Cluster, steps: int, extra: str = "") -> di
 def printed_bytes(out: str) -> tuple[float, float]:
     """The summary's bytes per training step, all trainers: (to the servers, from them)."""
     at = out.index("network between trainers and servers, per training step")
-    line = next(line for line in out[at:].splitlines() if line.startswith("all trainers"))
+    line = next(line for line in out[at:].splitlines() if line.strip().startswith("all trainers"))
     to, back = (float(word.replace(",", "")) for word in line.split()[2:4])
     return to, back
 

@@ -522,7 +522,7 @@ def _network_lines(results: list[dict[str, Any]]) -> list[str]:
         "",
         f"network between trainers and servers, per training step ({NETWORK_COUNTED}); MB/s: bytes per step x "
         "steps/s:",
-        f"{'trainer':<14}{'to servers B':>14}{'from servers B':>16}{'messages':>10}{'to MB/s':>9}{'from MB/s':>11}",
+        f"  {'trainer':<14}{'to servers B':>14}{'from servers B':>16}{'messages':>10}{'to MB/s':>9}{'from MB/s':>11}",
     ]
     rows = [(r["trainer"], r["bytes_to_servers_per_step"], r["bytes_from_servers_per_step"],
              r["messages_to_servers_per_step"], r["steps_per_s"]) for r in results]
@@ -535,7 +535,8 @@ def _network_lines(results: list[dict[str, Any]]) -> list[str]:
             back_rate = sum(r[2] * r[4] for r in rows[:-1]) / 1e6
         else:
             to_rate, back_rate = to * rate / 1e6, back * rate / 1e6
-        lines.append(f"{name:<14}{to:>14,.0f}{back:>16,.0f}{messages:>10.2f}{to_rate:>9.2f}{back_rate:>11.2f}")
+        # (indented: the lines that start with a trainer's name are the main table's)
+        lines.append(f"  {name:<14}{to:>14,.0f}{back:>16,.0f}{messages:>10.2f}{to_rate:>9.2f}{back_rate:>11.2f}")
     return lines
 
 

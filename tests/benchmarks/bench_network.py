@@ -112,7 +112,7 @@ def parse_demo(out: str) -> dict[str, float]:
     and messages per step; and the MB/s they make."""
     at = out.index("network between trainers and servers, per training step")
     rates = [float(line.split()[6]) for line in out[:at].splitlines() if re.match(r"trainer\d+ ", line)]
-    lines = out[at:].splitlines()
+    lines = [line.strip() for line in out[at:].splitlines()]
     total = next((line for line in lines if line.startswith("all trainers")), None)
     words = total.split()[2:] if total else next(line for line in lines if re.match(r"trainer\d+ ", line)).split()[1:]
     to, back, messages, to_rate, back_rate = (float(w.replace(",", "")) for w in words[:5])

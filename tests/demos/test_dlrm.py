@@ -60,6 +60,7 @@ def test_short_run_learns_and_reports_sane_figures(capfd):
     for k, r in enumerate(results, at + 2):
         assert lines[k].split()[:3] == [r["trainer"], f"{r['bytes_to_servers_per_step']:,.0f}",
                                         f"{r['bytes_from_servers_per_step']:,.0f}"], lines[k]
+    assert all(line.startswith("  ") for line in lines[at + 1:at + 3 + len(results)])  # (not the main table's rows)
     total = lines[at + 2 + len(results)].split()
     assert total[:2] == ["all", "trainers"], total
     assert float(total[2].replace(",", "")) == pytest.approx(sum(r["bytes_to_servers_per_step"] for r in results),
