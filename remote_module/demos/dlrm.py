@@ -25,11 +25,7 @@ or under torchrun, one rank per process, the first ``--servers`` ranks serving t
 trainer0 tells the setup (the same on every trainer) once; then each trainer shows a progress
 bar (when tqdm is installed and stderr is a terminal; else a line every few seconds); at the end
 one summary table is printed (by trainer0 under torchrun) and, when matplotlib is installed, a
-PNG of the loss and AUC curves is written, titled with the run. The summary ends with the bytes
-per training step between trainers and servers, each way, measured on what each trainer's calls
-sent and were answered (``rpc_backend.Traffic``: the RPC payload, without TensorPipe's framing
-or TCP/IP headers), and the rate they make at each trainer's steps/s: what the network between
-them must carry (tutorials/performance.md compares them with a link's counters).
+PNG of the loss and AUC curves is written, titled with the run.
 
 The rows' lifetime on the servers: ``--stream`` makes the ids drift (each table keeps a popular
 head of ids all run long; its other ids come from a window of the id space that slides with the
@@ -38,6 +34,12 @@ only once the id was looked up in K of its table's steps; ``--evict-after-steps 
 not stepped in N of its table's steps. With any of them the tables are ``init="lazy"`` (rows
 created as they are admitted), trainer0 samples ``table_stats()`` a few dozen times over the run,
 and the summary and PNG show the rows each server holds over time.
+
+The network: the summary ends with the bytes per training step between trainers and servers,
+each way, measured on what each trainer's calls sent and were answered (``rpc_backend.Traffic``:
+the RPC payload, without TensorPipe's framing or TCP/IP headers), and the rate they make at each
+trainer's steps/s: what the network between them must carry (tutorials/performance.md compares
+them with a link's counters).
 """
 
 from __future__ import annotations
