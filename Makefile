@@ -57,6 +57,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(PYTHON) -m ruff check .
 
+# bench_network needs root (simulated machines: network namespaces); it says so and skips without.
 bench: $(STAMP)
 	$(PYTHON) -m tests.benchmarks.bench_transport
 	$(PYTHON) -m tests.benchmarks.bench_remote_module
@@ -66,3 +67,4 @@ bench: $(STAMP)
 	$(PYTHON) -m tests.benchmarks.bench_embedding
 	$(PYTHON) -m tests.benchmarks.bench_dlrm
 	$(PYTHON) -m tests.benchmarks.bench_admission
+	$(PYTHON) -m tests.benchmarks.bench_network

@@ -15,6 +15,8 @@
   other (``rpc_backend/watch.py``): a peer silent for ``lost_after`` seconds is lost, named with
   its machine, and ends the job (:class:`WorkerLost`) unless its role is ``expendable``;
   :func:`add_status` lets a layer above put its step in what a lost peer is named with;
+* :class:`Traffic` counts the bytes this process's calls carry to each peer and back (their
+  payload, measured on what is sent and answered; off until used);
 * :func:`make_options` validates RPC options (timeout, threads, device maps, devices) and picks
   the transport (:data:`TRANSPORTS`; ``"uv"`` by default, which does not spin when idle).
 
@@ -27,6 +29,7 @@ from rpc_backend.loopback import fresh_file_rendezvous, loopback_env, loopback_i
 from rpc_backend.network import NetworkChoice, configure_network
 from rpc_backend.options import DEFAULT_TRANSPORT, TRANSPORTS, make_options
 from rpc_backend.roles import Placement, RankPlacement, placements
+from rpc_backend.traffic import Traffic
 from rpc_backend.watch import LostWorker, WorkerLost, add_status, lost_workers, on_lost
 from rpc_backend.world import Worker, current_worker, init_from_env, init_role_process_group, read_env, shutdown_rpc
 
@@ -57,4 +60,5 @@ __all__ = [
     "add_status",
     "on_lost",
     "lost_workers",
+    "Traffic",
 ]

@@ -11,9 +11,10 @@ that trusts its hostname advertises loopback, as real machines do.
 
 The machines' ``eth0`` are veth pairs whose other ends sit on a bridge in a namespace of its
 own (the "switch"): nothing is added to the host's own network namespace, and removing the
-namespaces removes every link. Links can be shaped per machine (``tc`` on ``Machine.interface``
-inside ``Machine.netns``, or on the switch end ``Machine.switch_port`` inside
-``Cluster.switch``).
+namespaces removes every link. Links can be shaped per machine (:meth:`Cluster.shape`: ``tc``'s
+token bucket on ``Machine.interface`` inside ``Machine.netns`` and on the switch end
+``Machine.switch_port`` inside ``Cluster.switch``), and their counters read
+(:meth:`Machine.link_counters`).
 
 Use::
 
@@ -45,7 +46,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
+from typing import Iterator, Mapping, NamedTuple, Sequence
 
 from tests._deadlines import HANG_S
 
@@ -163,6 +164,27 @@ class Machine:
         """Run a short command on this machine and wait for it (at most ``timeout`` seconds)."""
         return subprocess.run(self.argv(argv), capture_output=True, text=True, timeout=timeout, **kwargs)
 
+    def link_counters(self) -> LinkCounters:
+        """The kernel's counters of this machine's ``interface`` now (what ``ip -s link``
+        shows): whole frames, Ethernet header included, as the veth passed them."""
+        names = LinkCounters._fields
+        paths = [f"/sys/class/net/{self.interface}/statistics/{name}" for name in names]
+        read = subprocess.run(["ip", "netns", "exec", self.netns, "cat", *paths], capture_output=True, text=True,
+                              timeout=HANG_S, check=True)
+        return LinkCounters(*(int(word) for word in read.stdout.split()))
+
+
+class LinkCounters(NamedTuple):
+    """A link's counters (see :meth:`Machine.link_counters`); subtract two for what passed between."""
+
+    tx_bytes: int
+    rx_bytes: int
+    tx_packets: int
+    rx_packets: int
+
+    def __sub__(self, other: LinkCounters) -> LinkCounters:  # type: ignore[override]
+        return LinkCounters(*(a - b for a, b in zip(self, other)))
+
 
 @dataclass
 class Process:
@@ -272,6 +294,19 @@ class Cluster:
         job = Job(processes)
         self.jobs.append(job)
         return job
+
+    def shape(self, machine: Machine, rate: str | None, burst: str = "64kb", latency: str = "500ms") -> None:
+        """Limit ``machine``'s link to ``rate`` each way (``tc`` syntax, e.g. ``"10mbit"``) with
+        a token bucket on both of its veth ends (``tbf``: ``burst`` bytes at once, packets
+        queued up to ``latency``; it adds no delay of its own, and ``netem``, which would, is not
+        available everywhere); ``None`` removes the limit."""
+        for netns, device in ((machine.netns, machine.interface), (self.switch, machine.switch_port)):
+            subprocess.run(["ip", "netns", "exec", netns, "tc", "qdisc", "del", "dev", device, "root"],
+                           capture_output=True, timeout=HANG_S)
+            if rate is not None:
+                subprocess.run(["ip", "netns", "exec", netns, "tc", "qdisc", "add", "dev", device, "root", "tbf",
+                                "rate", rate, "burst", burst, "latency", latency],
+                               capture_output=True, text=True, timeout=HANG_S, check=True)
 
     def stop_all(self) -> None:
         for job in self.jobs:

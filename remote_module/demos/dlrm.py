@@ -35,6 +35,12 @@ only once the id was looked up in K of its table's steps; ``--evict-after-steps 
 not stepped in N of its table's steps. With any of them the tables are ``init="lazy"`` (rows
 created as they are admitted), trainer0 samples ``table_stats()`` a few dozen times over the run,
 and the summary and PNG show the rows each server holds over time.
+
+The network: the summary ends with the bytes per training step between trainers and servers,
+each way, measured on what each trainer's calls sent and were answered (``rpc_backend.Traffic``:
+the RPC payload, without TensorPipe's framing or TCP/IP headers), and the rate they make at each
+trainer's steps/s: what the network between them must carry (tutorials/performance.md compares
+them with a link's counters).
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ from remote_module.demos.progress import bar_hidden, progress_bar
 from rpc_backend import (
     DEFAULT_TRANSPORT,
     TRANSPORTS,
+    Traffic,
     Worker,
     current_worker,
     init_from_env,
@@ -235,42 +242,47 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     held = RowsHeld(tables.values(), args.steps) if lifetime and me.role_rank == 0 else None
     drawn: list[list[torch.Tensor]] = [[] for _ in TABLES] if lifetime else []  # ids drawn, per table
     stream = getattr(args, "stream", False)
-    start = time.perf_counter()
-    # batch k + 1's lookups are planned during batch k and sent with its ebc.step(): one message
-    # per server per step, answered once the servers applied the step (the same results)
-    # (--overlap: async modes, lookups one step further ahead: a read misses this trainer's last push)
-    batches = prefetching((truth.batch(gen, step=k if stream else None) for k in range(args.steps)), ebc,
-                          features=lambda b: dict(zip(TABLES, b.ids)),
-                          overlap=getattr(args, "overlap", False))
-    for step, batch in enumerate(batches, 1):
-        t0 = time.perf_counter()
-        out = ebc(dict(zip(TABLES, batch.ids)))
-        latencies.append(time.perf_counter() - t0)
-        if held is not None and (step - 1) % held.every == 0 and step > 1:
-            held.sample(step - 1)  # (the last step landed: the forward waited for its answer)
-        for seen, ids in zip(drawn, batch.ids):
-            seen.append(ids.unique())
-        scores = dense(batch.dense, [out[name] for name in TABLES])
-        loss = nn.functional.binary_cross_entropy_with_logits(scores, batch.clicks)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        ebc.step()  # every table's touched rows (and the next batch's lookups), one message per server
-        losses.append(loss.item())
-        recent.append((scores.detach(), batch.clicks))
-        if step % 5 == 0 or step == args.steps:
-            auc_curve.append((step, auc(torch.cat([s for s, _ in recent]), torch.cat([c for _, c in recent]))))
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", train_auc=f"{auc_curve[-1][1]:.3f}", refresh=False)
-        bar.update(1)
-        if plain_every is not None and time.monotonic() - last_line >= plain_every:
-            last_line = time.monotonic()
-            auc_text = f", training AUC (last {WINDOW} batches) {auc_curve[-1][1]:.3f}" if auc_curve else ""
-            say(f"{me.name}: step {step}/{args.steps}, loss {losses[-1]:.3f}{auc_text}")
-    ebc.flush()  # the last step's pushes landed
+    # the bytes this trainer's calls carry, each way, from here until its last push landed
+    with Traffic() as traffic:
+        start = time.perf_counter()
+        # batch k + 1's lookups are planned during batch k and sent with its ebc.step(): one message
+        # per server per step, answered once the servers applied the step (the same results)
+        # (--overlap: async modes, lookups one step further ahead: a read misses this trainer's last push)
+        batches = prefetching((truth.batch(gen, step=k if stream else None) for k in range(args.steps)), ebc,
+                              features=lambda b: dict(zip(TABLES, b.ids)),
+                              overlap=getattr(args, "overlap", False))
+        for step, batch in enumerate(batches, 1):
+            t0 = time.perf_counter()
+            out = ebc(dict(zip(TABLES, batch.ids)))
+            latencies.append(time.perf_counter() - t0)
+            if held is not None and (step - 1) % held.every == 0 and step > 1:
+                held.sample(step - 1)  # (the last step landed: the forward waited for its answer)
+            for seen, ids in zip(drawn, batch.ids):
+                seen.append(ids.unique())
+            scores = dense(batch.dense, [out[name] for name in TABLES])
+            loss = nn.functional.binary_cross_entropy_with_logits(scores, batch.clicks)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            ebc.step()  # every table's touched rows (and the next batch's lookups), one message per server
+            losses.append(loss.item())
+            recent.append((scores.detach(), batch.clicks))
+            if step % 5 == 0 or step == args.steps:
+                auc_curve.append((step, auc(torch.cat([s for s, _ in recent]), torch.cat([c for _, c in recent]))))
+                bar.set_postfix(loss=f"{losses[-1]:.3f}", train_auc=f"{auc_curve[-1][1]:.3f}", refresh=False)
+            bar.update(1)
+            if plain_every is not None and time.monotonic() - last_line >= plain_every:
+                last_line = time.monotonic()
+                auc_text = f", training AUC (last {WINDOW} batches) {auc_curve[-1][1]:.3f}" if auc_curve else ""
+                say(f"{me.name}: step {step}/{args.steps}, loss {losses[-1]:.3f}{auc_text}")
+        ebc.flush()  # the last step's pushes landed
     if held is not None:
         held.sample(args.steps)
     elapsed = time.perf_counter() - start - (held.seconds if held is not None else 0.0)
-    traffic = {server: dict(t) for server, t in sorted(ebc.traffic.items())}
+    to_servers = sum(traffic.sent[s] for s in servers)
+    from_servers = sum(traffic.received[s] for s in servers)
+    messages = sum(traffic.messages[s] for s in servers)
+    per_server = {server: dict(t) for server, t in sorted(ebc.traffic.items())}
     _close_in_order(bar, me)
     say(f"{me.name}: {args.steps} steps done; scoring {EVAL} held-out clicks")
     # --stream: held-out clicks of the step after the last (the ids in use now)
@@ -292,13 +304,18 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "steps_per_s": args.steps / elapsed,
         "lookups_per_s": args.steps * BATCH * BAG * len(TABLES) / float(lat.sum()),
         "bytes_pushed_per_step": sum(t.pushed_bytes for t in tables.values()) / args.steps,
+        # measured: the RPC payload of this trainer's calls to the servers and of their answers
+        # (rpc_backend.traffic.Traffic), per training step, heartbeats left out
+        "bytes_to_servers_per_step": to_servers / args.steps,
+        "bytes_from_servers_per_step": from_servers / args.steps,
+        "messages_to_servers_per_step": messages / args.steps,
         "lookup_p50_ms": float(lat.quantile(0.5)) * 1e3,
         "lookup_p99_ms": float(lat.quantile(0.99)) * 1e3,
         # per server: messages per training step, and ids looked up / rows pushed per second
         "per_server": {server: {"messages_per_step": t["messages"] / args.steps,
                                 "ids_per_s": t["ids_looked_up"] / elapsed,
                                 "rows_pushed_per_s": t["rows_pushed"] / elapsed}
-                       for server, t in traffic.items()},
+                       for server, t in per_server.items()},
         "losses": losses,
         "auc_curve": auc_curve,
         # with --stream, --admit-after or --evict-after-steps: the distinct ids this trainer drew
@@ -489,8 +506,42 @@ def summary(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         for server, t in r.get("per_server", {}).items():
             lines.append(f"{server:<10}{t['messages_per_step']:>15.2f}{t['ids_per_s']:>17,.0f}"
                          f"{t['rows_pushed_per_s']:>15,.0f}")
+    lines += _network_lines(results)
     lines += _rows_held_lines(results)
     return "\n".join(lines)
+
+
+#: what the network lines of the summary count, in words
+NETWORK_COUNTED = ("RPC payload: each message's pickle and tensor bytes, counted at the trainers' calls as sent and "
+                   "as answered; not counted: TensorPipe's framing, TCP/IP headers and acknowledgements, "
+                   "rpc_backend's heartbeats, DDP's all-reduce among the trainers")
+
+
+def _network_lines(results: list[dict[str, Any]]) -> list[str]:
+    """The summary's bytes per training step each way, per trainer and for all of them, and
+    the rate they make at each trainer's steps/s: what the job's network must carry."""
+    if not results:
+        return []
+    lines = [
+        "",
+        f"network between trainers and servers, per training step ({NETWORK_COUNTED}); MB/s: bytes per step x "
+        "steps/s:",
+        f"  {'trainer':<14}{'to servers B':>14}{'from servers B':>16}{'messages':>10}{'to MB/s':>9}{'from MB/s':>11}",
+    ]
+    rows = [(r["trainer"], r["bytes_to_servers_per_step"], r["bytes_from_servers_per_step"],
+             r["messages_to_servers_per_step"], r["steps_per_s"]) for r in results]
+    if len(rows) > 1:
+        rows.append(("all trainers", sum(row[1] for row in rows), sum(row[2] for row in rows),
+                     sum(row[3] for row in rows), None))
+    for name, to, back, messages, rate in rows:
+        if rate is None:  # all trainers: each at its own rate
+            to_rate = sum(r[1] * r[4] for r in rows[:-1]) / 1e6
+            back_rate = sum(r[2] * r[4] for r in rows[:-1]) / 1e6
+        else:
+            to_rate, back_rate = to * rate / 1e6, back * rate / 1e6
+        # (indented: the lines that start with a trainer's name are the main table's)
+        lines.append(f"  {name:<14}{to:>14,.0f}{back:>16,.0f}{messages:>10.2f}{to_rate:>9.2f}{back_rate:>11.2f}")
+    return lines
 
 
 def _lifetime_lines(args: argparse.Namespace) -> list[str]:

@@ -3,9 +3,11 @@ calling process makes while a :class:`CallerBytes` is active, its arguments when
 answer when it arrives (background threads' sends, such as the shard releaser's, included).
 
 Measured, not computed: the arguments and answers are the very objects handed to and
-returned by torch.distributed.rpc, sized as RPC would send them: every tensor by the bytes of
-its storage (RPC sends a tensor's whole storage) and the rest by the length of its pickle
-(with tensors and RRefs left out of it). RPC's and TensorPipe's own framing is not counted.
+returned by torch.distributed.rpc, sized as RPC would send them, by the rules of
+``rpc_backend.Traffic`` (rpc_backend/traffic.py): every tensor by the bytes RPC sends for it
+(its whole storage, or a compact copy of a small view of a big one) and the rest by the length
+of its pickle (with tensors and RRefs left out of it). RPC's and TensorPipe's own framing is not
+counted. What this adds to Traffic: the messages by handler and the tensors filed by shape.
 A tensor that remote_module's wire format writes into the pickle (64 KiB or less, see
 remote_module/_proxy/wire.py) is counted in the pickled bytes, not as a tensor.
 Tensors are also filed by shape, so a report can say which of them were activations.
@@ -20,65 +22,16 @@ Example (in the caller only)::
 from __future__ import annotations
 
 import collections
-import io
-import pickle
 import threading
 from typing import Any
 
-import torch
 import torch.distributed.rpc as rpc
 
+from rpc_backend.traffic import payload_parts, tensor_wire_bytes
 
-class _Sizer(pickle.Pickler):
-    """Pickles an object with its tensors (collected) and RRefs left out."""
-
-    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.tensors = tensors
-
-    def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            self.tensors.append(obj)
-            return ("tensor", len(self.tensors))
-        if isinstance(obj, (rpc.PyRRef, torch.futures.Future)):
-            return ("ref", id(obj))
-        return None
-
-
-def _walk(obj: Any, out: list[torch.Tensor], depth: int = 0) -> None:
-    """Tensors inside ``obj`` (containers, attributes), for what does not pickle here."""
-    if depth > 20:
-        return
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _walk(v, out, depth + 1)
-    elif isinstance(obj, (list, tuple, set)):
-        for v in obj:
-            _walk(v, out, depth + 1)
-    elif hasattr(obj, "__dict__"):
-        _walk(vars(obj), out, depth + 1)
-
-
-def sized(obj: Any) -> tuple[int, list[torch.Tensor]]:
-    """``(pickled bytes of everything but tensors, the tensors)``; -1 where it does not pickle."""
-    tensors: list[torch.Tensor] = []
-    buf = io.BytesIO()
-    try:
-        _Sizer(buf, tensors).dump(obj)
-        return buf.tell(), tensors
-    except Exception:
-        tensors = []
-        _walk(obj, tensors)
-        return -1, tensors
-
-
-def storage_bytes(t: torch.Tensor) -> int:
-    try:
-        return t.untyped_storage().nbytes()
-    except Exception:
-        return t.numel() * t.element_size()
+#: the sizing rules of rpc_backend.Traffic (one rule for every byte count here)
+sized = payload_parts
+storage_bytes = tensor_wire_bytes
 
 
 def _handler_name(func: Any, args: Any) -> str:

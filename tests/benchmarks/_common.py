@@ -193,3 +193,28 @@ def messages_per_call(fn: Callable[[], Any], times: int) -> dict[str, float]:
         rpc.rpc_async = real
     return {name: n / times for name, n in sorted(counted.items())}
 
+
+
+def traffic_per_call(fn: Callable[[], Any], times: int, settle: Callable[[], Any] | None = None
+                     ) -> dict[str, dict[str, float]]:
+    """Per call of ``fn`` (``times`` calls), per worker: ``messages`` this process sent it,
+    ``sent`` payload bytes, and ``received`` payload bytes of its answers, counted by
+    ``rpc_backend.Traffic`` (each message's pickle and tensor bytes, at this process's
+    ``rpc_async``/``rpc_sync``/``remote``; not TensorPipe's framing nor TCP/IP headers, not
+    torch's own C++ messages such as distributed autograd's, not rpc_backend's heartbeats).
+    ``settle()`` runs after the calls, still counted: to wait for the last answers (a table's
+    ``flush()``)."""
+    from rpc_backend import Traffic
+
+    with Traffic() as traffic:
+        for _ in range(times):
+            fn()
+        if settle is not None:
+            settle()
+    return {what: {name: n / times for name, n in sorted(getattr(traffic, what).items())}
+            for what in ("messages", "sent", "received")}
+
+
+#: what the benchmarks' bytes per step count, in words
+BYTES_COUNTED = ("RPC payload, counted at the trainer's calls as sent and as answered: pickles and tensor bytes; "
+                 "not TensorPipe's framing nor TCP/IP headers")

@@ -105,6 +105,14 @@ class Tables(nn.Module):
             return [out[f"t{k}"] for k in range(len(ids))]
         return [bag(i, o) for bag, i, o in zip(self.bags, ids, offsets)]
 
+    def flush(self) -> None:
+        """Wait for the pushes in flight (nothing to wait for with local tables)."""
+        if self.variant.startswith("collection"):
+            self.collection.flush()
+        elif self.variant == "tables":
+            for bag in self.bags:
+                bag.flush()
+
     def step(self) -> None:
         if self.variant.startswith("collection"):
             self.collection.step()

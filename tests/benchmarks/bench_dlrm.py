@@ -19,8 +19,9 @@ with ``OMP_NUM_THREADS=1`` (the local reference too: it runs in the trainer's pr
    summed over the three processes (every thread) over the same rounds, and each variant's
    mean training loss over those rounds (one trainer: every variant but "collection prefetch
    overlap" computes what the local model does; that one's lookups miss one push each).
-3. **Messages per step**, counted at the trainer's ``torch.distributed.rpc.rpc_async`` over a
-   few steps, per server.
+3. **Messages and bytes per step**, counted at the trainer's calls over a few steps: messages
+   per server, and the payload each way (``rpc_backend.Traffic``: pickles and tensor bytes, not
+   TensorPipe's framing nor TCP/IP headers), with the rate it makes at the median speed.
 
 Prints a table with the issue's targets and writes JSON (bench-dlrm-results.json by default).
 """
@@ -36,12 +37,13 @@ import torch
 from rpc_backend import current_worker
 from tests.benchmarks import _dlrm_model as dlrm
 from tests.benchmarks._common import (
+    BYTES_COUNTED,
     cpu_cell,
     cpu_per_op,
-    messages_per_call,
     publish,
     rounds,
     run_world,
+    traffic_per_call,
 )
 from tests.benchmarks._cpu import world_meter
 from tests.benchmarks.bench_remote_module import _verdict
@@ -109,10 +111,13 @@ def trainer_main(cfg: dict) -> dict:
     results["cpu_s_per_step"] = cpu_per_op(cpu, steps)
     # the servers holding some table's rows (a small table is one block, on the first server)
     results["servers_with_rows"] = sorted({s for bag in built["collection"][0].tables.bags for _, _, s in bag._ranges})
-    results["messages_per_step"] = {}
+    results["messages_per_step"], results["bytes_per_step"] = {}, {}
     for v in ("collection", "tables", "collection prefetch", "collection prefetch overlap"):
-        results["messages_per_step"][v] = messages_per_call(
-            lambda v=v: dlrm.train_step(*built[v], next(feeds[v])), cfg["message_steps"])
+        counted = traffic_per_call(lambda v=v: dlrm.train_step(*built[v], next(feeds[v])), cfg["message_steps"],
+                                   settle=built[v][0].tables.flush)
+        results["messages_per_step"][v] = counted["messages"]
+        results["bytes_per_step"][v] = {"to_servers": sum(counted["sent"].values()),
+                                        "from_servers": sum(counted["received"].values())}
     return results
 
 
@@ -147,6 +152,12 @@ def report(r: dict) -> str:
     lines += ["", "messages per training step, by worker (lookups and pushes together)"]
     for v, per in r["messages_per_step"].items():
         lines.append(f"  {v:<32}{', '.join(f'{w}: {n:g}' for w, n in per.items())}")
+    lines += ["", f"bytes per training step, each way ({BYTES_COUNTED}); MB/s: at the median samples/s above",
+              f"{'variant':<34}{'to servers B':>14}{'from servers B':>16}{'to MB/s':>9}{'from MB/s':>11}"]
+    for v, b in r["bytes_per_step"].items():
+        steps_per_s = r["samples_per_s"][v] / cfg["batch"]
+        lines.append(f"  {v:<32}{b['to_servers']:>14,.0f}{b['from_servers']:>16,.0f}"
+                     f"{b['to_servers'] * steps_per_s / 1e6:>9.2f}{b['from_servers'] * steps_per_s / 1e6:>11.2f}")
     collection = r["messages_per_step"]["collection"]
     one_each = collection == {s: 2 for s in r["servers_with_rows"]}
     lines += ["", f"sync losses agree (local / collection / one by one): {r['sync_losses']['collection'][:3]} ...",

@@ -25,7 +25,8 @@ Compared:
 Figures: training steps/s, and lookups/s (ids looked up per second, repeats counted, in forward
 passes under ``no_grad``); per server core (each server computes on one): rows looked up and
 rows stepped (the unique rows a step pushes) per second; messages the trainer sends per
-training step and per lookup, counted at ``rpc_async`` after the timed rounds. A round runs
+training step and per lookup, and their payload each way (``rpc_backend.Traffic``: pickles and
+tensor bytes, not TensorPipe's framing nor TCP/IP headers), counted after the timed rounds. A round runs
 ``steps_per_round`` steps (or forwards) of one variant;
 variants and both kinds are interleaved in an order that rotates every round; figures are
 medians over rounds and every ratio compares medians of this one run. Beside each rate: the
@@ -54,13 +55,14 @@ from torch import nn
 from rpc_backend import current_worker
 from tests.benchmarks import _embedding_hosts as hosts
 from tests.benchmarks._common import (
+    BYTES_COUNTED,
     Window,
     cpu_cell,
     cpu_per_op,
-    messages_per_call,
     publish,
     rounds,
     run_world,
+    traffic_per_call,
 )
 from tests.benchmarks._cpu import world_meter
 from tests.benchmarks.bench_remote_module import _verdict
@@ -232,7 +234,9 @@ def trainer_main(cfg: dict) -> dict:
                           "rows_stepped_per_s": unique_rows * results["train_steps_per_s"][sharded_name(n)] / n}
         for n in cfg["server_counts"]
     }
+    # messages and payload bytes each way (rpc_backend.Traffic), per training step and per lookup
     results["messages_per_step"], results["messages_per_lookup"] = {}, {}
+    results["bytes_per_step"], results["bytes_per_lookup"] = {}, {}
     for n in cfg["server_counts"]:
         for p in FORMS:
             v, at = variants[sharded_name(n, p)], iter(range(10**9))  # after the checks: these steps move the rows
@@ -242,10 +246,13 @@ def trainer_main(cfg: dict) -> dict:
                 v.train(batches[k % len(batches)], batches[(k + 1) % len(batches)])
 
             step()  # (a prefetch variant's first step sends its lookup alone)
-            results["messages_per_step"][sharded_name(n, p)] = messages_per_call(step, 4)
+            counted = traffic_per_call(step, 4, settle=v.bag.flush)
+            results["messages_per_step"][sharded_name(n, p)] = counted["messages"]
+            results["bytes_per_step"][sharded_name(n, p)] = _each_way(counted)
         v = variants[sharded_name(n)]
-        results["messages_per_lookup"][sharded_name(n)] = messages_per_call(
-            lambda v=v, at=at: v.lookup(batches[next(at) % len(batches)]), 4)
+        counted = traffic_per_call(lambda v=v, at=at: v.lookup(batches[next(at) % len(batches)]), 4)
+        results["messages_per_lookup"][sharded_name(n)] = counted["messages"]
+        results["bytes_per_lookup"][sharded_name(n)] = _each_way(counted)
     # for scale, not the target: the example as written (sparse=False: DistributedOptimizer steps
     # the whole table's dense gradient every step), timed after the interleaved rounds
     dense = hosts.Anchor(cfg, SERVERS[0], sparse=False)
@@ -256,6 +263,11 @@ def trainer_main(cfg: dict) -> dict:
     results["dense_example_steps_per_s"] = cfg["dense_example_steps"] / w.seconds
     results["dense_example_step_cpu_s"] = None if w.cpu is None else w.cpu / cfg["dense_example_steps"]
     return results
+
+
+def _each_way(counted: dict) -> dict[str, float]:
+    """A :func:`traffic_per_call` result summed over the servers: bytes to them and from them."""
+    return {"to_servers": sum(counted["sent"].values()), "from_servers": sum(counted["received"].values())}
 
 
 def rank_main(cfg: dict) -> dict | None:
@@ -329,7 +341,7 @@ def report(r: dict) -> str:
     lines.append(f"  {'the example as written (sparse=False), after':<44}{r['dense_example_steps_per_s']:>9.1f}"
                  f"{1e3 / r['dense_example_steps_per_s']:>9.2f}{cpu_cell(r['dense_example_step_cpu_s'], 1e3, 13, 2)}")
     lines += ["", f"per server core (each server computes on one; {r['unique_rows_per_step']:.0f} unique rows per "
-              "step), and messages sent by the trainer (counted at rpc_async)",
+              "step), and messages sent by the trainer (counted at its calls)",
               f"{'':<46}{'rows looked up/s':>18}{'rows stepped/s':>16}   messages per step; per lookup"]
     for name, per in r["per_server_core"].items():
         msgs = ", ".join(f"{w}: {k:g}" for w, k in r["messages_per_step"][name].items())
@@ -339,6 +351,17 @@ def report(r: dict) -> str:
     for name, msgs in r["messages_per_step"].items():
         if "prefetch" in name:
             lines.append(f"  {name:<44}{'':>34}   " + ", ".join(f"{w}: {k:g}" for w, k in msgs.items()))
+    wide = max(map(len, r["bytes_per_step"]))
+    lines += ["", f"bytes each way ({BYTES_COUNTED}; the anchor's gradients travel in distributed autograd's "
+              "C++ messages, which this does not see: not counted); MB/s: at the median steps/s above",
+              f"{'':<{wide + 2}}{'to servers B':>14}{'from servers B':>16}{'to MB/s':>9}{'from MB/s':>11}"
+              f"{'lookup: to B':>14}{'from B':>10}"]
+    for name, b in r["bytes_per_step"].items():
+        sps = r["train_steps_per_s"][name]
+        look = r["bytes_per_lookup"].get(name)
+        look_text = f"{look['to_servers']:>14,.0f}{look['from_servers']:>10,.0f}" if look else ""
+        lines.append(f"  {name:<{wide}}{b['to_servers']:>14,.0f}{b['from_servers']:>16,.0f}"
+                     f"{b['to_servers'] * sps / 1e6:>9.2f}{b['from_servers'] * sps / 1e6:>11.2f}{look_text}")
     lines += ["", "ratios of medians (same run)", "-" * 119]
     width = max(map(len, r["ratios"]))
     for name, v in r["ratios"].items():

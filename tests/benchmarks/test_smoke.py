@@ -230,12 +230,21 @@ def test_quick_embedding_benchmark_runs(tmp_path, capsys):
     # sparse pushes: at most the batch's ids (int64) and one gradient row (float32) per id
     per_batch = cfg["bags"] * cfg["ids_per_bag"]
     assert all(0 < b <= per_batch * (8 + 4 * cfg["dim"]) for b in saved["pushed_bytes_per_step"].values())
+    # bytes each way per step, counted at the trainer's calls: the pushes and more out, at least
+    # one server's pooled bags back (the anchor's gradients are torch's C++ messages: not counted)
+    assert set(saved["bytes_per_step"]) == variants - {bench_embedding.ANCHOR}
+    for name, b in saved["bytes_per_step"].items():
+        assert b["to_servers"] > saved["pushed_bytes_per_step"][name], (name, b)
+        assert b["from_servers"] >= cfg["bags"] * cfg["dim"] * 4, (name, b)
+    for name, b in saved["bytes_per_lookup"].items():
+        assert b["to_servers"] >= per_batch * 8 // 2 and b["from_servers"] >= cfg["bags"] * cfg["dim"] * 4, (name, b)
     assert saved["threads_in_rpc_handlers"] == {"ps0": 1, "ps1": 1} and saved["threads_on_trainer"] == 1
     assert os.environ.get("OMP_NUM_THREADS") == _OMP_BEFORE
     printed = capsys.readouterr().out
     assert "ratios of medians" in printed and "(target >= 1.2)" in printed and "anchor: sparse=True" in printed
     assert "(target <= 0.6)" in printed and "floor CPU s/step: an empty call to each of 2 server(s)" in printed
     assert "cpu ms/step" in printed and "cpu ns/lookup" in printed
+    assert "bytes each way (RPC payload, counted at the trainer's calls" in printed
 
 
 def test_embedding_ratios_compare_medians():
@@ -288,9 +297,40 @@ def test_quick_dlrm_benchmark_runs(tmp_path, capsys):
     # one trainer, async: the tables on servers compute what the local ones do
     assert saved["mean_loss_timed"]["collection"] == pytest.approx(saved["mean_loss_timed"]["local"], rel=1e-4)
     assert sum(saved["messages_per_step"]["tables"].values()) == 2 * len(saved["config"]["tables"])
+    # bytes each way per step, counted at the trainer's calls: the pooled bags of every table back
+    cfg = saved["config"]
+    assert set(saved["bytes_per_step"]) == set(saved["messages_per_step"])
+    for v, b in saved["bytes_per_step"].items():
+        assert b["to_servers"] > 0 and b["from_servers"] >= cfg["batch"] * cfg["dim"] * 4 * len(cfg["tables"]), (v, b)
     printed = capsys.readouterr().out
     assert "ratios of medians" in printed and "messages per training step" in printed
+    assert "bytes per training step, each way (RPC payload" in printed
 
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * 900)
+def test_quick_network_benchmark_runs(can_build_machines, tmp_path, capsys):
+    # as root only (simulated machines); a few torchrun jobs on loopback, a veth and a shaped veth
+    from tests.benchmarks import bench_network
+
+    out = tmp_path / "bench-network.json"
+    bench_network.main(["--quick", "--json", str(out)])
+    summary = json.loads(out.read_text())["summary"]
+    assert list(summary) == ["loopback", "veth", "tbf 10mbit"]
+    for name, s in summary.items():
+        assert s["steps_per_s"] > 0 and s["rpc_round_trip_us"] > 0 and s["tcp_MB_per_s"] > 0, (name, s)
+        # the same steps carry the same payload whatever the link (the data are seeded)
+        for way in ("to_servers", "from_servers"):
+            assert s[way] == pytest.approx(summary["loopback"][way], rel=0.01), (name, way, s)
+    for name in ("veth", "tbf 10mbit"):  # the link carries the payload and its framing (and, shaped, resends)
+        s = summary[name]
+        assert s["to_servers"] < s["link_to_servers"] and s["from_servers"] < s["link_from_servers"], s
+    veth = summary["veth"]  # within 10% of the link's count (as tests/test_machines_bytes.py checks)
+    assert veth["link_to_servers"] <= veth["to_servers"] / 0.9 and veth["link_from_servers"] <= (
+        veth["from_servers"] / 0.9), veth
+    assert summary["tbf 10mbit"]["rate_bound_steps_per_s"] > 0
+    assert "the links' own probes" in capsys.readouterr().out
 
 
 @pytest.mark.slow

@@ -38,6 +38,11 @@ def test_short_run_learns_and_reports_sane_figures(capfd):
         assert r["lookups_per_s"] >= r["steps_per_s"] * ids_per_step, r
         # only touched rows travel: at most every id's row (id + gradient row) per step
         assert 0 < r["bytes_pushed_per_step"] <= ids_per_step * (8 + 4 * dlrm_demo.DIM), r
+        # measured at the calls: the pushes travel, and so do the lookups' ids; the answers
+        # carry each server's pooled bags, 4 bytes a float, for every table
+        assert r["bytes_to_servers_per_step"] > r["bytes_pushed_per_step"], r
+        assert r["bytes_from_servers_per_step"] >= dlrm_demo.BATCH * dlrm_demo.DIM * 4 * len(dlrm_demo.TABLES), r
+        assert 1 <= r["messages_to_servers_per_step"] < 1.5, r  # one server: one message a step (+ the first lookup)
         assert 0 < r["lookup_p50_ms"] <= r["lookup_p99_ms"], r
     out = capfd.readouterr().out  # the ranks' lines too (they write to the same stdout)
     _check_progress_lines(out.splitlines(), steps=40)
@@ -49,6 +54,18 @@ def test_short_run_learns_and_reports_sane_figures(capfd):
         assert f"{r['steps_per_s']:.1f}" in line, line
         assert r["auc_train"] == r["auc_curve"][-1][1]
     assert "1 parameter server, 2 trainers, mode async, 40 steps" in out and "the hidden truth scores" in out
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("network between trainers and servers"))
+    assert "RPC payload" in lines[at] and "not counted: TensorPipe's framing, TCP/IP headers" in lines[at], lines[at]
+    assert lines[at + 1].split()[:4] == ["trainer", "to", "servers", "B"], lines[at + 1]
+    for k, r in enumerate(results, at + 2):
+        assert lines[k].split()[:3] == [r["trainer"], f"{r['bytes_to_servers_per_step']:,.0f}",
+                                        f"{r['bytes_from_servers_per_step']:,.0f}"], lines[k]
+    assert all(line.startswith("  ") for line in lines[at + 1:at + 3 + len(results)])  # (not the main table's rows)
+    total = lines[at + 2 + len(results)].split()
+    assert total[:2] == ["all", "trainers"], total
+    assert float(total[2].replace(",", "")) == pytest.approx(sum(r["bytes_to_servers_per_step"] for r in results),
+                                                             abs=1), total
     assert "train AUC: of the last 20 training batches" in out and "held-out AUC: on 4096 held-out clicks" in out
     assert "(71.0 MB of weights)" in out  # eager tables
     # a plain run samples no table_stats() and keeps eager tables
