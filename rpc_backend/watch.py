@@ -739,6 +739,19 @@ class Watcher:
         with self._cond:
             return self.peers.spared()
 
+    def machine_of(self, name: str) -> str | None:
+        """Where peer ``name`` runs, from its last heartbeat, when that is not this rank's
+        machine (see :func:`machine_of`)."""
+        with self._cond:
+            peer = self.peers.peers.get(name)
+            beat = peer.beat if peer is not None else None
+        if beat is None:
+            return None
+        theirs, mine = beat.origin, self.origin
+        if (theirs.hostname, theirs.address) == (mine.hostname, mine.address):
+            return None
+        return theirs.machine()
+
     def known_to(self) -> list[str]:
         """The peers that have answered a heartbeat of this rank (they could name it if lost)."""
         with self._cond:
@@ -874,6 +887,15 @@ def shutdown_with_survivors(watcher: Watcher, timeout: float | None, immediate: 
             f"graceful RPC shutdown did not complete within {timeout} s (waiting for the workers that survived "
             f"{lost}); shut down immediately instead. Pass timeout=None to wait however long it takes"
         )
+
+
+def machine_of(name: str) -> str | None:
+    """The machine of peer ``name`` as its last heartbeat gave it, e.g. ``"machine0 (10.42.0.1,
+    torchrun group rank 0)"``, for errors about it (a call to it that failed on a broken
+    connection says where the peer was before the heartbeats name it lost); None when it runs
+    on this rank's machine, nothing was heard from it, or no watcher runs."""
+    watcher = current_watcher()
+    return None if watcher is None else watcher.machine_of(name)
 
 
 def lost_workers() -> list[LostWorker]:

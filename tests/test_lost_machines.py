@@ -122,6 +122,23 @@ def test_a_killed_machine_is_named_by_every_survivor_and_the_job_fails(two):
     _report("SIGKILL of machine1", latencies)
 
 
+def test_a_killed_server_machine_is_named_by_the_trainers(two):
+    # the servers' machine lost: a trainer's calls to ps0 may fail on the broken connection
+    # (EPIPE, EOF) before the heartbeats name it; that error names its machine too
+    m0, m1 = two.machines  # machine0: trainer0 and trainer1; machine1: ps0
+    job = two.run({m0: _torchrun(2, 0, "trainer:2,ps:1"), m1: _torchrun(1, 1, "trainer:2,ps:1")},
+                  env=_machines.clean_env())
+    _wait_for_steps(job, ["trainer0", "trainer1"])
+    _machines.kill_namespace_processes(m1.netns)
+    survivor, lost = job.processes
+    job.wait(HANG_S, stop_on_failure=False)
+    assert lost.returncode == -9 and not survivor.stopped, job.report()
+    assert survivor.returncode not in (0, None), job.report()
+    where = re.escape(_label(m1))
+    named = re.findall(rf"lost ps0 \(rank 2, [^)]*\) on {where}|worker 'ps0' on {where} failed", survivor.stderr())
+    assert named, job.report()
+
+
 def test_a_machine_behind_a_link_gone_down_is_named_on_both_sides(two):
     m0, m1 = two.machines  # machine0: ps0 (and the job's store); machine1: trainer0, trainer1
     job = two.run({m0: _torchrun(1, 0, "ps:1,trainer:2"), m1: _torchrun(2, 1, "ps:1,trainer:2")},

@@ -66,6 +66,7 @@ from remote_module._core.deadlines import timeout_seconds
 from remote_module._core.errors import CallTimeout, capture, retyped, timeout_message, to_exception
 from remote_module._core.settling import complete, schedule, settle_elsewhere
 from remote_module._core.walk import parameters_as_views
+from rpc_backend.watch import machine_of
 
 #: torch.distributed.rpc's "no timeout": the deadline is kept by remote_module._core.settling's watcher.
 _NO_RPC_TIMEOUT = 0
@@ -316,7 +317,10 @@ def _rpc_failure(exc: BaseException, label: str, name: str) -> BaseException:
     if not is_rpc_initialized():
         failure: BaseException = RuntimeError(f"{label} on worker {name!r} failed: RPC was shut down ({exc})")
     else:
-        failure = retyped(exc, f"{label} on worker {name!r} failed: {exc}")
+        # a broken connection (EPIPE, EOF) to another machine: say which, as a lost peer is named
+        where = machine_of(name)
+        at = f" on {where}" if where else ""
+        failure = retyped(exc, f"{label} on worker {name!r}{at} failed: {exc}")
     failure.__cause__ = exc
     return failure
 

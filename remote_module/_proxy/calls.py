@@ -43,6 +43,7 @@ from remote_module._proxy import _host_calls
 from remote_module._proxy.call_records import Answer, Call, Target
 from remote_module._proxy.channel import Channel
 from remote_module._proxy.wire import check_side, dumps, loads
+from rpc_backend.watch import machine_of
 
 _clock = time.monotonic
 
@@ -62,7 +63,8 @@ def _failure(on: str, remote_type: str, exc: BaseException, what: str) -> BaseEx
     """An RPC-level failure (dead host, RPC shut down), naming worker and module."""
     if not is_rpc_initialized():
         return RuntimeError(_rpc_missing_message(f"RemoteModule on {on!r}: {what}"))
-    return retyped(exc, f"{_label(on, remote_type, what)} failed: {exc}")
+    where = machine_of(on)  # another machine's worker: which (a broken connection says nothing of it)
+    return retyped(exc, f"{_label(on, remote_type, what)}{f' on {where}' if where else ''} failed: {exc}")
 
 
 class RemoteCalls:

@@ -281,6 +281,17 @@ def test_a_watcher_ends_its_rank_and_tells_the_others(caplog):
     assert len(fake.ended) == 1  # ends once
 
 
+def test_a_peer_on_another_machine_is_placed_by_its_last_heartbeat():
+    fake = _Fake()
+    watcher = fake.watcher()  # on machine0 (M0)
+    assert watcher.machine_of("ps0") is None  # never heard from
+    watcher.received(beat("ps0", M1))
+    watcher.received(beat("trainer1", M0._replace(pid=101)))
+    assert watcher.machine_of("ps0") == "machine1 (10.42.0.2, torchrun group rank 1)"
+    assert watcher.machine_of("trainer1") is None and watcher.machine_of("nobody") is None  # (this machine)
+    assert w.machine_of("ps0") is None  # no watcher runs in this process
+
+
 def test_a_rank_told_of_a_loss_ends_naming_it():
     fake = _Fake()
     watcher = fake.watcher("ps0")
