@@ -170,6 +170,8 @@ class Traffic:
     def __enter__(self) -> Traffic:
         global _active
         with _lock:
+            if self in _active:
+                raise RuntimeError("this Traffic is already counting: enter a new Traffic() for a nested count")
             if not _active:
                 _install()
             _active = (*_active, self)
@@ -207,6 +209,17 @@ def _answered(counters: tuple[Traffic, ...], peer: str, fut: Any) -> None:
     _count(counters, peer, value, sent=False)
 
 
+def _as_sent(value: Any, kind: type) -> Any:
+    """``args``/``kwargs`` as torch sends them; what torch would refuse (or the callee fail on,
+    ``args=5``) is sized as given, and the error stays torch's or the callee's."""
+    if value is None:
+        return kind()
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        return value
+
+
 def _counting(name: str, original: Any) -> Any:
     skip = _not_counted()
 
@@ -215,7 +228,7 @@ def _counting(name: str, original: Any) -> Any:
         if not counters or func in skip:
             return original(to, func, args, kwargs, *rest, **kw)
         peer = _peer_name(to)
-        message = (func, tuple(args) if args is not None else (), dict(kwargs) if kwargs is not None else {})
+        message = (func, _as_sent(args, tuple), _as_sent(kwargs, dict))
         result = original(to, func, args, kwargs, *rest, **kw)  # (raised: nothing was sent)
         _count(counters, peer, message, sent=True)
         if name == "rpc_async":

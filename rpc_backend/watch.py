@@ -31,7 +31,9 @@ healthy peer, and it keeps telling its peers it is alive (its heartbeats leave f
 watcher's thread, without waiting for the answers to the earlier ones); a rank frozen, or
 whose main thread holds the GIL, is named by its peers and, when it resumes, blames none of
 them. Its own detection of a lost peer comes that much later: within ``lost_after +
-heartbeat`` seconds plus its own queue's delay.
+heartbeat`` seconds plus its own queue's delay, and never later than ``LATE_READ_FACTOR *
+lost_after`` (40 s by default): a rank whose RPC threads are all blocked, on the lost peer
+itself say, reads nothing, and its probe cannot tell that from a long queue.
 
 What each heartbeat carries (:class:`Beat`): the sender's name, whether it is shutting down
 (``phase``), a status line that layers above may provide (:func:`add_status`:
@@ -99,6 +101,10 @@ OFF_WORDS = ("off", "inf", "none")
 END_GRACE_S = 5.0
 #: Seconds (at most) a rank that lost a peer waits for the others to hear it before it ends.
 VERDICT_WAIT_S = 3.0
+#: Silence read late still counts once it is this many times ``lost_after`` old: a rank whose
+#: RPC threads are all blocked (on the lost peer itself, say) never reads its queue, so its own
+#: probe cannot tell how far behind it is; it names a lost peer within this bound anyway.
+LATE_READ_FACTOR = 4
 #: The exit status of a rank that :data:`END_GRACE_S` ended.
 EXIT_STATUS = 1
 #: Longest status line a heartbeat carries.
@@ -485,13 +491,17 @@ class Peers:
         names every other peer silent for over two heartbeats (a machine's workers stop
         together). ``spared``: expendable peers silent for ``lost_after``, each reported once.
         Silence is counted up to :meth:`heard_until`: what waits in this rank's own queue is
-        not silence."""
+        not silence, for at most ``LATE_READ_FACTOR * lost_after`` seconds."""
         after, two = self.settings.lost_after, 2 * self.settings.heartbeat
         seen = self.heard_until(now)
+        late = (LATE_READ_FACTOR - 1) * after  # (inf - inf: watching off, nothing is ever lost)
+        # seconds of silence counted: up to what this rank has read, or at most ``late`` behind now
+        silent = {name: max(seen - p.last_heard, now - p.last_heard - late) if math.isfinite(after) else 0.0
+                  for name, p in self.peers.items()}
         fatal: list[LostWorker] = []
         spared: list[LostWorker] = []
-        for peer in self.peers.values():
-            if peer.lost is not None or seen - peer.last_heard < after:
+        for name, peer in self.peers.items():
+            if peer.lost is not None or silent[name] < after:
                 continue
             if self.survivors and self._left(peer, now):
                 continue
@@ -503,7 +513,7 @@ class Peers:
         if fatal:
             named = {w.name for w in fatal}
             fatal += [self._record(p, now) for p in self.peers.values()
-                      if p.placement.name not in named and p.lost is None and seen - p.last_heard > two
+                      if p.placement.name not in named and p.lost is None and silent[p.placement.name] > two
                       and not (self.survivors and self._left(p, now))]
             for worker in fatal:
                 self.peers[worker.name].lost = worker
@@ -706,7 +716,8 @@ class Watcher:
 
         while not self._stopped.wait(self.settings.heartbeat):
             if self._send is _send_beat and not is_rpc_initialized():
-                return  # rpc.shutdown was called directly
+                _forget(self)  # rpc.shutdown was called directly: this world is gone
+                return
             try:
                 self.tick()
             except Exception:  # a watcher must never take the rank down by itself
@@ -857,6 +868,13 @@ def start_watching(me: str, layout: Sequence[RankPlacement], settings: WatchSett
     watcher = Watcher(me, layout, settings)
     _current[:] = [watcher]
     return watcher.start()
+
+
+def _forget(watcher: Watcher) -> None:
+    """``watcher``'s world ended without :func:`stop_watching`: it is no longer current."""
+    watcher._stopped.set()
+    if _current and _current[-1] is watcher:
+        _current.clear()
 
 
 def current_watcher() -> Watcher | None:

@@ -430,16 +430,25 @@ class _Batch:
             if others:
                 # a call may wait on another host (a fetch worker to worker): the one not
                 # answering may be any of them, so every worker still silent is named
-                named = [f"calls[{i}] on {self.names[i]!r}" for i in others[:_NAMED_AT_MOST]]
-                more = len(others) - len(named)
-                message += (f"; also unanswered at the deadline: {', '.join(named)}"
-                            + (f" and {more} more" if more else ""))
+                message += f"; also unanswered at the deadline: {_calls_by_worker([self.names[i] for i in others])}"
             settle_elsewhere([lambda: complete(combined, CallTimeout(message), True)])
 
 
 _UNANSWERED = object()
-#: how many other unanswered calls a batch's timeout names besides the first
+#: how many other workers with unanswered calls a batch's timeout names besides the first
 _NAMED_AT_MOST = 8
+
+
+def _calls_by_worker(names: list[str]) -> str:
+    """``"1 call on 'w2', 20 on 'w0'"``: the workers in order of their first call, each once,
+    at most :data:`_NAMED_AT_MOST` of them, then a count of the others."""
+    counts: dict[str, int] = {}
+    for name in names:
+        counts[name] = counts.get(name, 0) + 1
+    (first, n), *rest = list(counts.items())[:_NAMED_AT_MOST]
+    parts = [f"{n} call{'s' if n > 1 else ''} on {first!r}"] + [f"{k} on {name!r}" for name, k in rest]
+    more = len(counts) - _NAMED_AT_MOST
+    return ", ".join(parts) + (f" and {more} other workers" if more > 0 else "")
 
 
 class _EachBatch(_Batch):

@@ -70,3 +70,35 @@ def test_counters_nest(rpc_world):
         rpc.rpc_sync("worker1", torch.neg, args=(x,))
     assert inner.messages["worker1"] == 1 and outer.messages["worker1"] == 2
     assert outer.sent["worker1"] == 2 * inner.sent["worker1"]
+
+
+def test_one_counter_entered_twice_is_refused_and_keeps_counting(rpc_world):
+    x = torch.ones(1024)
+    with Traffic() as traffic:
+        try:
+            with traffic:
+                raise AssertionError("entered twice")
+        except RuntimeError as exc:
+            assert "already counting" in str(exc)
+        rpc.rpc_sync("worker1", torch.neg, args=(x,))
+    assert traffic.messages["worker1"] == 1
+
+
+def test_arguments_torch_sends_as_given_keep_their_own_error(rpc_world):
+    # args=5 is sent as is and fails in the callee, with or without counting
+    errors = []
+    for counting in (False, True):
+        with Traffic() if counting else _nothing():
+            try:
+                rpc.rpc_sync("worker1", torch.neg, 5, timeout=HANG_S)
+            except Exception as exc:  # noqa: BLE001 - compared below
+                errors.append(type(exc))
+    assert len(errors) == 2 and errors[0] is errors[1], errors
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None

@@ -104,6 +104,32 @@ def _one_in_flight_without_probing() -> bool:
     return p.due(5.0) == []
 
 
+def test_silence_read_late_counts_anyway_after_a_bound():
+    # a rank whose RPC threads are all blocked (on the lost peer, say) never reads its probe:
+    # its peers' silence counts anyway once it is LATE_READ_FACTOR * lost_after old
+    p = Peers("ps0", LAYOUT, SETTINGS, 0.0, probing=True)
+    for name in ("trainer0", "trainer1", "replica0"):
+        p.heard(name, beat(name), 5.0)
+    assert p.probe_due(6.0)  # never handled
+    bound = 5.0 + w.LATE_READ_FACTOR * AFTER
+    assert p.check(bound - 0.1) == ([], [])
+    fatal, _ = p.check(bound)
+    assert [x.name for x in fatal] == ["trainer0", "trainer1", "replica0"]
+
+
+def test_a_watcher_whose_world_ended_without_it_is_forgotten():
+    fake = _Fake()
+    watcher = fake.watcher()
+    w._current[:] = [watcher]
+    try:
+        watcher.received(beat("ps0", M1))
+        assert w.machine_of("ps0") == f"machine1 ({M1.address}, torchrun group rank 1)"
+        w._forget(watcher)  # (what its thread does once rpc.shutdown() ran without stop_watching)
+        assert w.current_watcher() is None and w.machine_of("ps0") is None
+    finally:
+        w._current.clear()
+
+
 def test_a_probe_refused_at_once_is_no_sign_of_a_backlog():
     p = Peers("ps0", LAYOUT, SETTINGS, 0.0, probing=True)
     assert p.probe_due(20.0)

@@ -218,7 +218,7 @@ def test_send_to_each_keeps_the_contract_of_call_all():
     assert_at_deadline(elapsed)
     assert "calls[0] of 2" in text and "worker2" in text and "0.5 s" in text
     # and the other silent one: a call may wait on another host, so either may be the cause
-    assert text.endswith("; also unanswered at the deadline: calls[1] on 'worker1'"), text
+    assert text.endswith("; also unanswered at the deadline: 1 call on 'worker1'"), text
     with pytest.raises(TypeError, match=r"calls\[0\] of 1 .*could not be sent to worker 'worker1'"):
         send_to_each([rpc.get_worker_info("worker1")], echo, [(threading.Lock(),)], HANG_S)
 
@@ -319,3 +319,11 @@ def test_call_grouped_each_gives_every_calls_outcome_and_names_a_shared_failure(
     assert "calls[0] of 2" in text and "calls[1] of 2" in text and "one message" in text
     assert call_grouped([("worker1", echo, ("fine",))]) == ["fine"]
 
+
+
+def test_a_batch_timeout_names_each_silent_worker_once():
+    names = ["w0"] * 20 + ["w1"] * 20 + ["w2"]
+    assert fanout._calls_by_worker(names) == "20 calls on 'w0', 20 on 'w1', 1 on 'w2'"
+    many = [f"w{i}" for i in range(12)]
+    assert fanout._calls_by_worker(many) == ("1 call on 'w0', 1 on 'w1', 1 on 'w2', 1 on 'w3', 1 on 'w4', "
+                                             "1 on 'w5', 1 on 'w6', 1 on 'w7' and 4 other workers")
