@@ -42,6 +42,7 @@ import copyreg
 import io
 import pickle
 import threading
+import time
 from functools import partial
 from typing import Any
 
@@ -53,6 +54,8 @@ import torch.distributed.rpc as rpc
 #: remote_module/_proxy/wire.py, which follows the same rule)
 COMPACT_MIN_STORAGE_BYTES = 8 * 1024
 COMPACT_MIN_MULTIPLE = 2
+#: seconds leaving a Traffic waits, at most, for answers already in to be counted
+SETTLE_S = 10.0
 
 _PATCHED = ("rpc_async", "rpc_sync", "remote")
 _lock = threading.Lock()
@@ -161,6 +164,10 @@ class Traffic:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._counted = threading.Condition(self._lock)
+        #: answers of calls made while active not counted yet (torch wakes a waiter on a
+        #: future before it runs the future's callbacks, where answers are counted)
+        self._uncounted: dict[int, Any] = {}
         self.messages: collections.Counter = collections.Counter()
         self.sent: collections.Counter = collections.Counter()
         self.received: collections.Counter = collections.Counter()
@@ -183,6 +190,25 @@ class Traffic:
             _active = tuple(t for t in _active if t is not self)
             if not _active:
                 _uninstall()
+        self.settle()
+
+    def settle(self, timeout: float = SETTLE_S) -> None:
+        """Wait (at most ``timeout`` seconds) until every answer that has arrived is counted:
+        a call waited for here may still be running its future's callbacks. Leaving the
+        ``with`` does it; answers still on their way are counted when they arrive."""
+        deadline = time.monotonic() + timeout
+        with self._counted:
+            while any(f.done() for f in self._uncounted.values()) and time.monotonic() < deadline:
+                self._counted.wait(0.01)
+
+    def _expect(self, fut: Any) -> None:
+        with self._lock:
+            self._uncounted[id(fut)] = fut
+
+    def _answer_counted(self, fut: Any) -> None:
+        with self._counted:
+            self._uncounted.pop(id(fut), None)
+            self._counted.notify_all()
 
     def _add(self, counter: collections.Counter, peer: str, nbytes: int, unsized: bool, message: bool) -> None:
         with self._lock:
@@ -203,10 +229,14 @@ def _count(counters: tuple[Traffic, ...], peer: str, obj: Any, sent: bool) -> No
 
 def _answered(counters: tuple[Traffic, ...], peer: str, fut: Any) -> None:
     try:
-        value = fut.value()
-    except Exception:  # the call failed: no answer to count
-        return
-    _count(counters, peer, value, sent=False)
+        try:
+            value = fut.value()
+        except Exception:  # the call failed: no answer to count
+            return
+        _count(counters, peer, value, sent=False)
+    finally:
+        for traffic in counters:
+            traffic._answer_counted(fut)
 
 
 def _as_sent(value: Any, kind: type) -> Any:
@@ -232,6 +262,8 @@ def _counting(name: str, original: Any) -> Any:
         result = original(to, func, args, kwargs, *rest, **kw)  # (raised: nothing was sent)
         _count(counters, peer, message, sent=True)
         if name == "rpc_async":
+            for traffic in counters:
+                traffic._expect(result)
             result.add_done_callback(partial(_answered, counters, peer))
         elif name == "rpc_sync":
             _count(counters, peer, result, sent=False)
