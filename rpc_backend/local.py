@@ -517,22 +517,6 @@ def _unless_set(name: str, value: str) -> Iterator[None]:
         os.environ.pop(name, None)
 
 
-#: Seconds the caller waits for its own Ctrl-C once a rank reports one (see _own_stop_first).
-INTERRUPT_GRACE_S = 5.0
-
-
-def _own_stop_first(stop: StopSignals, seconds: float = INTERRUPT_GRACE_S) -> None:
-    """A rank reported a SIGINT: raise the caller's own if one is on its way. A terminal's
-    Ctrl-C reaches every process of the group at once, but the kernel may hand the caller's
-    to one of its threads that runs only later (on a loaded machine), after the rank's report
-    is read here; its handler then runs in this thread at the next Python instruction. A rank
-    interrupted alone (``kill -INT`` of its pid) is reported ``seconds`` later."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        stop.raise_if_received()
-        time.sleep(0.01)
-
-
 def _collect(
     ranks: Ranks, names: list[str], deadline: float | None, timeout: float | None,
     stop: StopSignals, joins: _JoinReporter, spared: set[int] | frozenset[int] = frozenset(),
@@ -578,7 +562,6 @@ def _collect(
             # report then (their KeyboardInterrupt, a peer gone) is the stop, not a failure.
             stop.raise_if_received()
             if status == "interrupted":
-                _own_stop_first(stop)
                 raise LocalWorldError(rank, names[rank], payload, interrupted=True)
             if rank in spared:
                 lose(rank, f"it failed:\n{payload}")

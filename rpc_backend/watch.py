@@ -105,6 +105,8 @@ VERDICT_WAIT_S = 3.0
 #: RPC threads are all blocked (on the lost peer itself, say) never reads its queue, so its own
 #: probe cannot tell how far behind it is; it names a lost peer within this bound anyway.
 LATE_READ_FACTOR = 4
+#: Heartbeats in flight to one peer at most (their answers may wait in this rank's queue).
+MAX_BEATS_IN_FLIGHT = 1000
 #: The exit status of a rank that :data:`END_GRACE_S` ended.
 EXIT_STATUS = 1
 #: Longest status line a heartbeat carries.
@@ -413,11 +415,15 @@ class Peers:
         return out
 
     def _most_in_flight(self) -> int:
-        """Heartbeats in flight to one peer at most: as many as fit in ``lost_after`` (each
-        times out then). Not one: the answers to a rank's heartbeats wait in its own RPC queue,
-        and a rank behind a backlog must go on telling its peers it is alive."""
+        """Heartbeats in flight to one peer at most: as many as ``LATE_READ_FACTOR *
+        lost_after`` holds (at most :data:`MAX_BEATS_IN_FLIGHT`). Not one: the answers to a
+        rank's heartbeats wait in its own RPC queue, and a rank behind a backlog must go on
+        telling its peers it is alive for as long as its own silence would not count."""
         after = self.settings.lost_after
-        return max(1, math.ceil(after / self.settings.heartbeat)) if self.probing and math.isfinite(after) else 1
+        if not (self.probing and math.isfinite(after)):
+            return 1
+        # (to last until its silence counts even read late, LATE_READ_FACTOR * lost_after)
+        return min(MAX_BEATS_IN_FLIGHT, max(1, math.ceil(LATE_READ_FACTOR * after / self.settings.heartbeat) + 1))
 
     def heard(self, name: str, beat: Beat | None, now: float) -> None:
         """``name`` is alive: its heartbeat arrived, or it answered one (``beat``: what it said)."""

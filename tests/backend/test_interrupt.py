@@ -21,13 +21,20 @@ pytestmark = [pytest.mark.slow]
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
+def _as_from_a_terminal() -> None:
+    """SIGINT as a job started from a terminal has it: this process may have inherited it
+    ignored (a non-interactive shell starts its background jobs so, e.g. ``make test &``), and
+    a Python started with SIGINT ignored keeps ignoring it (no KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _interrupt_once(cmd: list[str], ready: callable, cwd: str | None = None) -> tuple[int, str, str]:
     """Run ``cmd`` in a session of its own; once ``ready(stdout_line)`` holds for a line it
     printed, send SIGINT to its process group, as a terminal's Ctrl-C does; returns its exit
     code, the output it printed after the signal, and all its output. Every process of the
     group has exited by then."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, cwd=cwd)
+                            start_new_session=True, cwd=cwd, preexec_fn=_as_from_a_terminal)
     before = []
     try:
         for line in proc.stdout:
