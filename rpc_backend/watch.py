@@ -423,7 +423,7 @@ class Peers:
         if not (self.probing and math.isfinite(after)):
             return 1
         # (to last until its silence counts even read late, LATE_READ_FACTOR * lost_after)
-        return min(MAX_BEATS_IN_FLIGHT, max(1, math.ceil(LATE_READ_FACTOR * after / self.settings.heartbeat) + 1))
+        return min(MAX_BEATS_IN_FLIGHT, math.ceil(LATE_READ_FACTOR * after / self.settings.heartbeat) + 1)
 
     def heard(self, name: str, beat: Beat | None, now: float) -> None:
         """``name`` is alive: its heartbeat arrived, or it answered one (``beat``: what it said)."""

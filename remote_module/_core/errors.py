@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from remote_module._core._torch_private import jit_exception_origin
+from rpc_backend.watch import machine_of
 
 
 class RemoteModuleError(RuntimeError):
@@ -103,6 +104,14 @@ def timeout_message(seconds: float, sent_to: str | None) -> str:
             "this proxy were still queued or running"
         )
     return f"sent to worker {sent_to!r}, no answer within {seconds:g} s (timeout={seconds:g} s)"
+
+
+def on_machine(worker: str) -> str:
+    """``" on machine1 (10.42.0.2, torchrun group rank 1)"`` when ``worker`` runs on another
+    machine than this rank, as its last heartbeat said (rpc_backend.watch.machine_of); else
+    ``""``. For failures of a broken connection, which say nothing of where the peer was."""
+    where = machine_of(worker)
+    return f" on {where}" if where else ""
 
 
 def retyped(exc: BaseException, message: str) -> BaseException:

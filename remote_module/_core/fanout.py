@@ -63,10 +63,9 @@ from remote_module._core._torch_private import (
     worker_names,
 )
 from remote_module._core.deadlines import timeout_seconds
-from remote_module._core.errors import CallTimeout, capture, retyped, timeout_message, to_exception
+from remote_module._core.errors import CallTimeout, capture, on_machine, retyped, timeout_message, to_exception
 from remote_module._core.settling import complete, schedule, settle_elsewhere
 from remote_module._core.walk import parameters_as_views
-from rpc_backend.watch import machine_of
 
 #: torch.distributed.rpc's "no timeout": the deadline is kept by remote_module._core.settling's watcher.
 _NO_RPC_TIMEOUT = 0
@@ -318,9 +317,7 @@ def _rpc_failure(exc: BaseException, label: str, name: str) -> BaseException:
         failure: BaseException = RuntimeError(f"{label} on worker {name!r} failed: RPC was shut down ({exc})")
     else:
         # a broken connection (EPIPE, EOF) to another machine: say which, as a lost peer is named
-        where = machine_of(name)
-        at = f" on {where}" if where else ""
-        failure = retyped(exc, f"{label} on worker {name!r}{at} failed: {exc}")
+        failure = retyped(exc, f"{label} on worker {name!r}{on_machine(name)} failed: {exc}")
     failure.__cause__ = exc
     return failure
 

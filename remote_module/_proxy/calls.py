@@ -30,6 +30,7 @@ from remote_module._core import (
     device_map_to,
     dist_autograd_contexts_exist,
     is_rpc_initialized,
+    on_machine,
     parameters_as_views,
     records_outside_context,
     retyped,
@@ -43,7 +44,6 @@ from remote_module._proxy import _host_calls
 from remote_module._proxy.call_records import Answer, Call, Target
 from remote_module._proxy.channel import Channel
 from remote_module._proxy.wire import check_side, dumps, loads
-from rpc_backend.watch import machine_of
 
 _clock = time.monotonic
 
@@ -63,8 +63,7 @@ def _failure(on: str, remote_type: str, exc: BaseException, what: str) -> BaseEx
     """An RPC-level failure (dead host, RPC shut down), naming worker and module."""
     if not is_rpc_initialized():
         return RuntimeError(_rpc_missing_message(f"RemoteModule on {on!r}: {what}"))
-    where = machine_of(on)  # another machine's worker: which (a broken connection says nothing of it)
-    return retyped(exc, f"{_label(on, remote_type, what)}{f' on {where}' if where else ''} failed: {exc}")
+    return retyped(exc, f"{_label(on, remote_type, what)}{on_machine(on)} failed: {exc}")
 
 
 class RemoteCalls:

@@ -56,21 +56,19 @@ def call_a_frozen_rank() -> None:
 def lose_the_replica() -> object:
     """replica0 kills itself (SIGKILL); trainer0 goes on until its heartbeats name it lost,
     then returns; ps0 only serves."""
-    me = current_worker()
-    if me.role == "replica":
-        os.kill(os.getpid(), signal.SIGKILL)
-    if me.role == "trainer":
-        _wait_until(lambda: bool(lost_workers()), "the replica was not found lost")
-        return [w.name for w in lost_workers()]
-    return "served"
+    return _stop_the_replica(signal.SIGKILL)
 
 
 def freeze_the_replica() -> object:
     """As :func:`lose_the_replica`, but replica0 stops itself (SIGSTOP): it never exits by
     itself, so the launcher must end it once the heartbeats count it lost."""
+    return _stop_the_replica(signal.SIGSTOP)
+
+
+def _stop_the_replica(signum: int) -> object:
     me = current_worker()
     if me.role == "replica":
-        os.kill(os.getpid(), signal.SIGSTOP)
+        os.kill(os.getpid(), signum)
     if me.role == "trainer":
         _wait_until(lambda: bool(lost_workers()), "the replica was not found lost")
         return [w.name for w in lost_workers()]

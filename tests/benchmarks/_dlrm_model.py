@@ -107,18 +107,18 @@ class Tables(nn.Module):
 
     def flush(self) -> None:
         """Wait for the pushes in flight (nothing to wait for with local tables)."""
-        if self.variant.startswith("collection"):
-            self.collection.flush()
-        elif self.variant == "tables":
-            for bag in self.bags:
-                bag.flush()
+        self._on_ps_tables("flush")
 
     def step(self) -> None:
+        self._on_ps_tables("step")
+
+    def _on_ps_tables(self, method: str) -> None:
+        """``method()`` on the collection, or on each parameter-server table (local ones: none)."""
         if self.variant.startswith("collection"):
-            self.collection.step()
+            getattr(self.collection, method)()
         elif self.variant == "tables":
             for bag in self.bags:
-                bag.step()
+                getattr(bag, method)()
 
 
 class DLRM(nn.Module):
