@@ -16,16 +16,16 @@ servers refused reaches every trainer at its next lookup as :class:`StepRefused`
 (a ``RuntimeError``: the optimizer raised something else).
 """
 
-from remote_module.ps._admission import MAX_THRESHOLD as MAX_ADMIT_AFTER
-from remote_module.ps._admission import false_admission_rate
-from remote_module.ps._collection import ShardedEmbeddingBagCollection
 from remote_module.ps._dispatch import HashName, RoundRobin
-from remote_module.ps._embedding import ShardedEmbedding
-from remote_module.ps._embedding_bag import ShardedEmbeddingBag
-from remote_module.ps._model import PSModel
 from remote_module.ps._modes import StepNotApplied, StepRefused
-from remote_module.ps._prefetching import prefetching
-from remote_module.ps._slicing import Block, slice_blocks
+from remote_module.ps._placement import Block, slice_blocks
+from remote_module.ps.dense._model import PSModel
+from remote_module.ps.tables._collection import ShardedEmbeddingBagCollection
+from remote_module.ps.tables._embedding import ShardedEmbedding
+from remote_module.ps.tables._embedding_bag import ShardedEmbeddingBag
+from remote_module.ps.tables._prefetching import prefetching
+from remote_module.ps.tables.lifetime._admission import MAX_THRESHOLD as MAX_ADMIT_AFTER
+from remote_module.ps.tables.lifetime._admission import false_admission_rate
 
 __all__ = [
     "slice_blocks", "Block", "RoundRobin", "HashName", "PSModel", "ShardedEmbedding", "ShardedEmbeddingBag",

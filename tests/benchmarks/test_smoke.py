@@ -375,7 +375,7 @@ def test_admission_figures():
     assert bench_admission.drift_bound(cfg) == 65_536 + (50 + 12 + 1) * 1024
     # the documented bound, summed over the stream: below its end rate times every id
     expected = bench_admission.expected_false_admissions({**cfg, "distinct": 2_000_000})
-    from remote_module.ps._admission import false_admission_rate
+    from remote_module.ps.tables.lifetime._admission import false_admission_rate
     assert 0 < expected < 2_000_000 * false_admission_rate(cfg["sketch_bytes"], 2, 2_010_000)
     # positions to ids: a bijection of the table's rows
     from tests.benchmarks._admission_hosts import spread

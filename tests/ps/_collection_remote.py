@@ -385,7 +385,7 @@ def psmodel_unsendable_step(job: str) -> dict:
 
 
 
-# ---- plain sum / mean tables, planned together (remote_module/ps/_packed.py) ----------------------
+# ---- plain sum / mean tables, planned together (remote_module/ps/tables/_packed.py) ----------------------
 
 PLAIN = {  # name -> (rows, mode, servers, min_block_size)
     "clicks": (1000, "sum", ("ps0", "ps1"), 400),

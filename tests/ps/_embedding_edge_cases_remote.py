@@ -250,7 +250,7 @@ def rss_bytes() -> int:
 
 def table_bytes(name: str) -> int:
     """On a server: the bytes table ``name`` holds here (rows and optimizer state)."""
-    from remote_module.ps import _table_server
+    from remote_module.ps.tables.server import _handlers as _table_server
 
     return _table_server._table(name).memory_bytes()
 

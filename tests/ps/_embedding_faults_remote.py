@@ -55,7 +55,7 @@ def timed(name: str, what: str, timeout: float, ids: list[int] | None = None) ->
 
 def waiters(name: str) -> int:
     """On a server: the sync lookups of table ``name`` still waiting."""
-    from remote_module.ps import _table_server
+    from remote_module.ps.tables.server import _handlers as _table_server
 
     table = _table_server._table(name)
     with table.lock:

@@ -99,7 +99,7 @@ def geo_bag_local_row(name: str, row: int) -> torch.Tensor | None:
 
 def server_rows(name: str, first: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(on a server) the ids and rows of the block of table ``name`` starting at ``first``."""
-    from remote_module.ps import _table_server
+    from remote_module.ps.tables.server import _handlers as _table_server
 
     return _table_server._block_rows(name, first)
 
@@ -107,7 +107,7 @@ def server_rows(name: str, first: int) -> tuple[torch.Tensor, torch.Tensor]:
 def counted(job: str, trainer: str) -> tuple | None:
     """(On a server) ``trainer``'s last sync push of dense job ``job`` that counted there:
     ``(step, token)``, or None."""
-    from remote_module.ps import _dense_server
+    from remote_module.ps.dense import _server as _dense_server
 
     held = _dense_server._job(job)
     with held.lock:

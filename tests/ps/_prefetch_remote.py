@@ -509,7 +509,7 @@ def psmodel_do(name: str, what: str) -> dict:
 def _ps0_vs_torch(ps: Any) -> float:
     """How far ps0's blocks are from torch's Linear after two SGD steps (of psmodel_prepare's
     model and batch): the servers' values read, nothing written."""
-    from remote_module.ps._slicing import block_of
+    from remote_module.ps._placement import block_of
 
     torch.manual_seed(0)
     ref = nn.Linear(4, 2)

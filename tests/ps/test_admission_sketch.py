@@ -1,4 +1,4 @@
-"""The admission sketch (remote_module/ps/_admission.py): packed saturating counters whose
+"""The admission sketch (remote_module/ps/tables/lifetime/_admission.py): packed saturating counters whose
 estimates never fall below an id's true count, and its checkpoint parts."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from remote_module.ps._admission import CountingSketch, counter_bits, false_admission_rate
+from remote_module.ps.tables.lifetime._admission import CountingSketch, counter_bits, false_admission_rate
 
 
 @pytest.mark.parametrize("threshold, bits", [(2, 2), (3, 2), (4, 4), (15, 4), (16, 8), (255, 8)])

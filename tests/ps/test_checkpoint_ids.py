@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from remote_module.ps._embedding_checkpoints import TableCheckpoints
+from remote_module.ps.tables._checkpoints import TableCheckpoints
 
 TABLE = SimpleNamespace(num_embeddings=10, embedding_dim=2)
 

@@ -148,7 +148,7 @@ def test_dc_asgd_takes_any_real_number_as_the_other_numeric_settings(value):
     """Found by the DC-ASGD hostile review: numpy's float32 and int64 (a lambda read from a
     config array) were refused as "must be a finite number, got np.float32(0.25)", numpy's
     float64 taken; any numbers.Real is taken now, as timeouts are (positive_seconds)."""
-    from remote_module.ps._model import _dc_asgd_lambda
+    from remote_module.ps.dense._model import _dc_asgd_lambda
 
     got = _dc_asgd_lambda(value, "async")
     assert type(got) is float and got == float(value)

@@ -321,7 +321,8 @@ def test_half_async_a_timer_that_fired_during_a_count_merge_does_not_merge_the_n
     on a slow machine), then let go: it merges the push."""
     import threading
 
-    from remote_module.ps import _dense_server, _modes
+    from remote_module.ps import _modes
+    from remote_module.ps.dense import _server as _dense_server
 
     fired, own_timer = threading.Event(), threading.Event()
     timers: list[threading.Timer] = []
@@ -501,7 +502,7 @@ def test_sync_a_waiting_pull_that_fails_fails_alone():
     the push that completed the step succeeds (before, both were left waiting forever)."""
     import math
 
-    from remote_module.ps import _dense_server
+    from remote_module.ps.dense import _server as _dense_server
 
     name = job("failing-pull")
     spec = _dense_server.JobSpec("sync", 2, (torch.optim.SGD, {"lr": 1.0}), 2, 0.2, "layout")
@@ -524,7 +525,7 @@ def test_sync_a_push_of_the_wrong_size_is_refused_before_it_counts():
     """Server side only, no RPC: a gradient with another number of values than its block fails
     for the trainer that pushed it, before it counts; before, it was kept and failed the push
     that completed the step, and the job's step never completed."""
-    from remote_module.ps import _dense_server
+    from remote_module.ps.dense import _server as _dense_server
 
     name = job("wrong-size")
     spec = _dense_server.JobSpec("sync", 2, (torch.optim.SGD, {"lr": 1.0}), 2, 0.2, "layout")

@@ -149,7 +149,7 @@ def test_a_copied_ps_optimizer_still_names_its_owner_in_its_errors(how):
     import copy
     import pickle
 
-    from remote_module.ps._ps_optimizer import PSOptimizer
+    from remote_module.ps._optimizer import PSOptimizer
 
     opt = PSOptimizer([torch.zeros(2, requires_grad=True)], {"lr": 0.1, "momentum": 0.0}, "PSModel 'm'")
     torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # (patches opt.step, as an attached scheduler does)

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from remote_module.ps import Block, HashName, RoundRobin, slice_blocks
-from remote_module.ps._slicing import block_name
+from remote_module.ps._placement import block_name
 
 _SETTINGS = settings(max_examples=60, derandomize=True, database=None, deadline=None)
 
@@ -99,7 +99,7 @@ def test_a_block_of_any_strides_is_a_view_with_the_blocks_row_major_elements(lay
     non-contiguous parameter does not have)."""
     import torch
 
-    from remote_module.ps._slicing import block_of
+    from remote_module.ps._placement import block_of
 
     t = {"contiguous": lambda: torch.arange(120.0).reshape(6, 20),
          "transposed": lambda: torch.arange(120.0).reshape(20, 6).t(),

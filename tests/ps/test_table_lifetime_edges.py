@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from remote_module.ps._rows import TableSpec, initial_rows, row_key
+from remote_module.ps.tables.server._rows import TableSpec, initial_rows, row_key
 from tests.ps import _lifetime_edges_remote as r
 from tests.ps._world import job
 
@@ -55,9 +55,9 @@ def test_optimizer_state_loads_in_either_order_with_eviction(world, optimizer_fi
 def test_a_loaded_padding_row_is_never_evicted(init):
     # nn.Embedding never changes its padding row, a loaded one included: eviction (of rows not
     # stepped) must not reset it to zeros
-    from remote_module.ps import _table_server
-    from remote_module.ps._rows import TableSpec
     from remote_module.ps._rowwise import row_optimizer
+    from remote_module.ps.tables.server import _handlers as _table_server
+    from remote_module.ps.tables.server._rows import TableSpec
 
     name = job(f"evict-padding-{init}")
     spec = TableSpec(10, 2, torch.float32, init, 0, "async", 1, row_optimizer(torch.optim.SGD, {"lr": 0.5}),
@@ -77,7 +77,7 @@ def test_eviction_with_adagrad_state_equals_a_reference_over_many_sweeps(init):
     steps and Adagrad: freed slots and state rows are reused by new rows, and every row and
     its state equal a reference that resets an evicted row and its state (1e-6)."""
     from remote_module.ps._rowwise import row_optimizer
-    from remote_module.ps._table_server import Table
+    from remote_module.ps.tables.server._handlers import Table
 
     rows_n, dim, lr, n = 64, 3, 0.5, 3
     spec = TableSpec(rows_n, dim, torch.float32, init, 0, "async", 1, row_optimizer(torch.optim.Adagrad, {"lr": lr}),
@@ -115,8 +115,8 @@ def test_loading_deltas_frees_the_state_rows_it_replaces(init):
     reuses their state rows: its state stays the source's size, memory_bytes and
     table_stats() count only the rows with state (a load set each row's state slot to none
     and left its old state row neither used nor free: a leak per row per delta)."""
-    from remote_module.ps import _table_server
     from remote_module.ps._rowwise import row_optimizer
+    from remote_module.ps.tables.server import _handlers as _table_server
 
     name = job(f"delta-state-{init}")
     spec = TableSpec(32, 2, torch.float32, init, 0, "async", 1, row_optimizer(torch.optim.Adagrad, {"lr": 0.1}))
@@ -144,8 +144,8 @@ def test_geo_deltas_after_a_load_into_the_source_hold_the_loaded_state():
     holds every row the load changed, so the replica equals the source. Rows changed were
     marked with the step count, which the load moved back below the delta's baseline: the
     delta was empty and the replica kept the state from before the load, silently."""
-    from remote_module.ps._geo_cache import GeoCache
     from remote_module.ps._rowwise import row_optimizer
+    from remote_module.ps.tables._geo_cache import GeoCache
 
     opt = row_optimizer(torch.optim.Adagrad, {"lr": 0.1})
     source, replica, second = GeoCache(2, opt), GeoCache(2, opt), GeoCache(2, opt)
@@ -179,8 +179,8 @@ def test_optimizer_state_loaded_onto_an_evicted_eager_row_does_not_depend_on_swe
     rows: whether a sweep had run (table_stats() sweeps) must not change what the row's next
     step uses. Unswept, the load renewed the row with a clock of now, so it was evicted again
     (its loaded state dropped); swept, it sat at its first value with the state kept."""
-    from remote_module.ps import _table_server
     from remote_module.ps._rowwise import row_optimizer
+    from remote_module.ps.tables.server import _handlers as _table_server
 
     name = job(f"eager-state-{swept_first}")
     spec = TableSpec(64, 2, torch.float32, "eager", 0, "async", 1, row_optimizer(torch.optim.Adagrad, {"lr": 0.1}),

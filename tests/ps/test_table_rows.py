@@ -20,9 +20,18 @@ import pytest
 import torch
 from torch import nn
 
-from remote_module.ps._rows import SlotIndex, TableSpec, _Rows, initial_rows, mix64, pool_rows, row_init, row_key
 from remote_module.ps._rowwise import row_optimizer
-from remote_module.ps._table_server import Table
+from remote_module.ps.tables.server._handlers import Table
+from remote_module.ps.tables.server._rows import (
+    SlotIndex,
+    TableSpec,
+    _Rows,
+    initial_rows,
+    mix64,
+    pool_rows,
+    row_init,
+    row_key,
+)
 from tests.ps import _table_rows_remote as r
 from tests.ps._world import job
 

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 from torch.futures import Future
 
-from remote_module.ps._rows import TableSpec, row_init
 from remote_module.ps._rowwise import row_optimizer
-from remote_module.ps._table_server import Table
+from remote_module.ps.tables.server._handlers import Table
+from remote_module.ps.tables.server._rows import TableSpec, row_init
 
 BLOCKS = [(0, 7), (7, 7), (14, 6)]  # rows 0..19 in three blocks, as two servers might split them
 
@@ -119,7 +119,7 @@ def test_the_geo_cache_trains_its_rows_as_torchs_sparse_optimizer_and_keeps_stat
     embedding; a push's drop forgets the rows but not their state; a copy carries no lock."""
     import copy
 
-    from remote_module.ps._geo_cache import GeoCache
+    from remote_module.ps.tables._geo_cache import GeoCache
 
     local = nn.Embedding(20, 3, sparse=True).double()
     opt = torch.optim.Adagrad(local.parameters(), lr=0.3)

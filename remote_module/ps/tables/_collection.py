@@ -16,8 +16,10 @@ from remote_module._core import (
     retyped,
     timeout_seconds,
 )
-from remote_module.ps import _packed, _table_server
-from remote_module.ps._embedding import (
+from remote_module.ps._modes import StepRefusal
+from remote_module.ps._optimizer import GroupedPSOptimizer
+from remote_module.ps.tables import _packed
+from remote_module.ps.tables._embedding import (
     Ahead,
     Prefetch,
     at_step,
@@ -27,9 +29,8 @@ from remote_module.ps._embedding import (
     run_push_plans,
     told_refusals,
 )
-from remote_module.ps._embedding_bag import ShardedEmbeddingBag
-from remote_module.ps._modes import StepRefusal
-from remote_module.ps._ps_optimizer import GroupedPSOptimizer
+from remote_module.ps.tables._embedding_bag import ShardedEmbeddingBag
+from remote_module.ps.tables.server import _handlers as _table_server
 
 
 class ShardedEmbeddingBagCollection(nn.Module):

@@ -28,11 +28,14 @@ from remote_module._core import (
     timeout_seconds,
     user_stacklevel,
 )
-from remote_module.ps import _dense_server
-from remote_module.ps._checkpoints import PSCheckpoints
 from remote_module.ps._dispatch import RoundRobin
 from remote_module.ps._dispatch import check_servers as _check_servers
-from remote_module.ps._embedding import (
+from remote_module.ps._modes import PS_MODES
+from remote_module.ps._optimizer import GroupedPSOptimizer, PSOptimizer, class_defaults, set_group
+from remote_module.ps._placement import Block, block_name, block_of, slice_blocks
+from remote_module.ps.dense import _server as _dense_server
+from remote_module.ps.dense._checkpoints import PSCheckpoints
+from remote_module.ps.tables._embedding import (
     Ahead,
     ShardedEmbedding,
     changed_group_lr,
@@ -46,9 +49,6 @@ from remote_module.ps._embedding import (
     settings_plans,
     watch_local_optimizers,
 )
-from remote_module.ps._modes import PS_MODES
-from remote_module.ps._ps_optimizer import GroupedPSOptimizer, PSOptimizer, class_defaults, set_group
-from remote_module.ps._slicing import Block, block_name, block_of, slice_blocks
 from rpc_backend.options import positive_seconds
 from rpc_backend.watch import add_status
 

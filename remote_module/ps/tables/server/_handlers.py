@@ -29,7 +29,6 @@ from torch import nn
 from torch.futures import Future
 
 from remote_module._core import HostStore, capture, embedding_bag_parts, followed
-from remote_module.ps._admission import CountingSketch
 from remote_module.ps._modes import (
     STEPS_FROM_0,
     HalfAsyncMerges,
@@ -41,7 +40,9 @@ from remote_module.ps._modes import (
     read_when_applied,
     settle,
 )
-from remote_module.ps._rows import (
+from remote_module.ps._rowwise import bag_index, coalesce, pooled_rows_of_ranges
+from remote_module.ps.tables.lifetime._admission import CountingSketch
+from remote_module.ps.tables.server._rows import (
     AT_INIT,
     Clocks,
     TableSpec,
@@ -52,7 +53,6 @@ from remote_module.ps._rows import (
     row_key,
     with_padding_row,
 )
-from remote_module.ps._rowwise import bag_index, coalesce, pooled_rows_of_ranges
 
 ALL = slice(None)  # "every position": indexes a tensor without a copy
 

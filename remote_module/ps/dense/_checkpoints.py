@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from remote_module._core import call_all
-from remote_module.ps import _dense_server
+from remote_module.ps.dense import _server as _dense_server
 
 
 class PSCheckpoints:

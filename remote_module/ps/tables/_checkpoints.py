@@ -9,10 +9,10 @@ from typing import Any
 import torch
 
 from remote_module._core import call_all
-from remote_module.ps import _table_server
-from remote_module.ps._admission import counter_bits
-from remote_module.ps._rows import AT_INIT
 from remote_module.ps._rowwise import new_state
+from remote_module.ps.tables.lifetime._admission import counter_bits
+from remote_module.ps.tables.server import _handlers as _table_server
+from remote_module.ps.tables.server._rows import AT_INIT
 
 #: the optimizers' names, by row-wise kind (errors name them as torch does)
 _OPTIMIZER_NAMES = {"sgd": "SGD", "adagrad": "Adagrad", "sparse_adam": "SparseAdam"}

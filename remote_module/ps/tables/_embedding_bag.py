@@ -7,9 +7,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from remote_module.ps import _table_server
-from remote_module.ps._embedding import Prefetch, ShardedEmbedding
-from remote_module.ps._rows import check_offsets, with_padding_row
+from remote_module.ps.tables._embedding import Prefetch, ShardedEmbedding
+from remote_module.ps.tables.server import _handlers as _table_server
+from remote_module.ps.tables.server._rows import check_offsets, with_padding_row
 
 
 class _BagRows(torch.autograd.Function):

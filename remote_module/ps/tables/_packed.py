@@ -23,10 +23,10 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 
 from remote_module._core import backward_accumulates
-from remote_module.ps import _table_server
-from remote_module.ps._embedding import finished, nothing, table_push_failure
-from remote_module.ps._embedding_bag import ShardedEmbeddingBag, _BagRows
 from remote_module.ps._rowwise import bag_index, coalesce, pooled_rows
+from remote_module.ps.tables._embedding import finished, nothing, table_push_failure
+from remote_module.ps.tables._embedding_bag import ShardedEmbeddingBag, _BagRows
+from remote_module.ps.tables.server import _handlers as _table_server
 
 
 class _TogetherRecorded(torch.autograd.Function):

@@ -9,8 +9,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from torch import nn
 
-from remote_module.ps._collection import ShardedEmbeddingBagCollection
-from remote_module.ps._embedding import ShardedEmbedding
+from remote_module.ps.tables._collection import ShardedEmbeddingBagCollection
+from remote_module.ps.tables._embedding import ShardedEmbedding
 
 _PREFETCHERS = (ShardedEmbedding, ShardedEmbeddingBagCollection)
 
@@ -51,7 +51,7 @@ def prefetching(batches: Iterable, tables: Any, features: Callable[[Any], Any] |
     half_async: a forward uses its prefetched lookup only if it holds every merge the servers
     finished before the forward began (else it reads again); with several trainers, or a step
     slower than ``half_async_merge_s``, that takes one small message per server at the forward
-    (see :class:`~remote_module.ps._embedding.Prefetch`).
+    (see :class:`~remote_module.ps.tables._embedding.Prefetch`).
 
     ``overlap=True`` (async and half_async only; ``ValueError`` for a sync table) goes one
     batch further in async mode: a step sends the lookups of the batch after the next, so their

@@ -30,7 +30,7 @@ from remote_module.ps._modes import (
     read_when_applied,
     settle,
 )
-from remote_module.ps._ps_optimizer import set_group
+from remote_module.ps._optimizer import set_group
 
 
 class JobSpec(NamedTuple):

@@ -30,16 +30,16 @@ from remote_module._core import (
     to_exception,
     user_stacklevel,
 )
-from remote_module.ps import _table_server
-from remote_module.ps._admission import DEFAULT_SKETCH_BYTES, counter_bits
 from remote_module.ps._dispatch import RoundRobin, check_servers
-from remote_module.ps._embedding_checkpoints import TableCheckpoints
-from remote_module.ps._geo_cache import GeoCache
 from remote_module.ps._modes import PS_MODES, StepRefusal, refusals_told
-from remote_module.ps._ps_optimizer import GroupedPSOptimizer, PSOptimizer, class_defaults
-from remote_module.ps._rows import check_ids
+from remote_module.ps._optimizer import GroupedPSOptimizer, PSOptimizer, class_defaults
+from remote_module.ps._placement import _index, block_name, slice_blocks
 from remote_module.ps._rowwise import coalesce, row_gradients, row_optimizer
-from remote_module.ps._slicing import _index, block_name, slice_blocks
+from remote_module.ps.tables._checkpoints import TableCheckpoints
+from remote_module.ps.tables._geo_cache import GeoCache
+from remote_module.ps.tables.lifetime._admission import DEFAULT_SKETCH_BYTES, counter_bits
+from remote_module.ps.tables.server import _handlers as _table_server
+from remote_module.ps.tables.server._rows import check_ids
 from rpc_backend.options import positive_seconds
 from rpc_backend.watch import add_status
 
