@@ -35,7 +35,7 @@ PLANTED = [
     ("remote_module/sharded/_mesh.py", "from remote_module._core.fanout import call_all", "not its modules"),
     ("remote_module/ps/_rowwise.py", "from remote_module._core import _PACKAGE", "not in remote_module._core.__all__"),
     ("remote_module/ps/tables/server/_rows.py", "import remote_module._core", "not in remote_module._core.__all__"),
-    ("remote_module/ps/_dispatch.py", "from remote_module._proxy._host import host_device", "not its modules"),
+    ("remote_module/ps/_placement.py", "from remote_module._proxy._host import host_device", "not its modules"),
     ("remote_module/ps/dense/_server.py", "from remote_module.sharded._host import Ref", "ps never imports sharded"),
     ("remote_module/demos/hybrid.py", "from remote_module.ps._modes import PS_MODES", "public names only"),
     ("remote_module/sharded/_placements.py", "x = torch._C._get_tracing_state", "torch's private torch._C"),

@@ -6,7 +6,7 @@ In sync mode the job is deterministic, so it must print the same figures as the 
 ``run_local`` on one machine: every step's loss, the training AUC curve and the held-out AUC of
 each trainer, compared exactly (the demo's ``--json`` writes them at full precision). Why
 exactly: a sync step applies the trainers' pushes on each server in trainer-name order
-(remote_module/ps/tables/server/_handlers.py, ``_apply_step``), DDP's all-reduce over two trainers adds
+(remote_module/ps/tables/server/_table.py, ``Table._apply_step``), DDP's all-reduce over two trainers adds
 two numbers (the same sum whichever comes first), and every draw comes from a generator seeded
 per trainer; nothing in the arithmetic depends on where a rank runs or when a message lands.
 ``--threads`` is fixed on both sides: by default a rank takes the cores over its own machine's

@@ -16,9 +16,8 @@ servers refused reaches every trainer at its next lookup as :class:`StepRefused`
 (a ``RuntimeError``: the optimizer raised something else).
 """
 
-from remote_module.ps._dispatch import HashName, RoundRobin
 from remote_module.ps._modes import StepNotApplied, StepRefused
-from remote_module.ps._placement import Block, slice_blocks
+from remote_module.ps._placement import Block, HashName, RoundRobin, slice_blocks
 from remote_module.ps.dense._model import PSModel
 from remote_module.ps.tables._collection import ShardedEmbeddingBagCollection
 from remote_module.ps.tables._embedding import ShardedEmbedding

@@ -352,3 +352,21 @@ class TrainerSettings:
             raise ValueError(f"{self.label}: in sync mode every trainer must step with the same optimizer settings, "
                              f"but the trainers' ps_optimizer {key!r} differ ({each})")
         return first
+
+
+def take_settings(owner: Any, trainer: str, settings: dict) -> None:
+    """A server's handler of a trainer's optimizer settings (its ``ps_optimizer``'s), for the
+    job or table ``owner`` (its ``lock`` and :class:`TrainerSettings` ``settings``), for its
+    pushes from now on: async and half_async apply each push with its trainer's (a half_async
+    merge with the latest push's), another trainer's never; sync, those every trainer of the
+    step sent, which must agree."""
+    with owner.lock:
+        owner.settings.sent(trainer, settings)  # (its next push makes them the latest: async)
+
+
+def merge_now(owner: Any) -> None:
+    """A server's handler of a ``flush()``: half_async, ``owner`` (a job or table: its ``lock``
+    and :class:`HalfAsyncMerges` ``merges``) applies what it has queued now (e.g. before a
+    checkpoint); the other modes queue nothing."""
+    with owner.lock:
+        owner.merges.merge()

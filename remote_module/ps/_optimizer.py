@@ -5,15 +5,22 @@ Its ``step()`` does no update (the servers apply it): the owner's ``step()`` (a 
 calls it, as a local training loop calls its optimizer's. What the servers use is its one
 param group's ``lr``, ``momentum``, ``betas`` and ``weight_decay``, sent with the owner's next
 push whenever they changed (in the same message: no extra round trip).
+
+Also here: the one torch.optim post-step hook that tells the owners of server-side parameters
+(tables, PSModels) of every local optimizer step (:func:`watch_local_optimizers`): a local
+scheduler changing an lr the servers never see warns, and so do gradients never pushed.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import warnings
+import weakref
 from typing import Any, Callable, Iterable
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 #: the settings a PSOptimizer's group carries to the servers
 SETTINGS = ("lr", "momentum", "betas", "weight_decay")
@@ -156,3 +163,54 @@ class GroupedPSOptimizer(torch.optim.Optimizer):
                              f"the state has {len(groups)}")
         for member, saved in zip(self._members, groups):
             member.param_groups[0].update({k: v for k, v in saved.items() if k != "params"})
+
+
+#: the owners of server-side parameters told of local optimizer steps (tables, PSModels)
+_live_watchers: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_hook_lock = threading.Lock()
+_optimizer_hook: Any = None
+
+
+def _on_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """torch.optim's global post-step hook: tell every watcher (:func:`watch_local_optimizers`)
+    that a local optimizer stepped."""
+    # (the servers' optimizer's stand-in, or a collection's group of them: its owner pushed, and a
+    # scheduler on it is how the tables' lr is meant to change)
+    if isinstance(optimizer, (PSOptimizer, GroupedPSOptimizer)):
+        return
+    thread = threading.get_ident()
+    for owner in list(_live_watchers):
+        owner._local_optimizer_stepped(thread, optimizer)
+
+
+def _watch_optimizer_steps() -> None:
+    """Register :func:`_on_optimizer_step` with torch.optim, once per process."""
+    global _optimizer_hook
+    with _hook_lock:
+        if _optimizer_hook is None:
+            _optimizer_hook = register_optimizer_step_post_hook(_on_optimizer_step)
+
+
+def watch_local_optimizers(owner: Any) -> None:
+    """Call ``owner._local_optimizer_stepped(thread, optimizer)`` after every local torch.optim
+    step (not a PSOptimizer's) while ``owner`` lives (a table or a PSModel: its parameters step
+    on the servers, with the settings of its ps_optimizer, not with a local optimizer's)."""
+    _live_watchers.add(owner)
+    _watch_optimizer_steps()
+
+
+def changed_group_lr(seen: "weakref.WeakKeyDictionary", optimizer: torch.optim.Optimizer,
+                     params: Any) -> tuple[float, float] | None:
+    """``(first, now)`` when the lr of ``optimizer``'s param group holding any of ``params``
+    (tensors) changed since ``optimizer``'s first step seen (``seen`` keeps the baselines; a
+    group added later starts a new one), else None."""
+    entry = seen.get(optimizer)
+    if entry is None or entry[0] != len(optimizer.param_groups):
+        ids = {id(p) for p in params}
+        group = next((g for g in optimizer.param_groups if any(id(p) in ids for p in g["params"])), None)
+        entry = (len(optimizer.param_groups), group, None if group is None else float(group["lr"]))
+        seen[optimizer] = entry
+    _, group, first = entry
+    if group is None or float(group["lr"]) == first:
+        return None
+    return first, float(group["lr"])

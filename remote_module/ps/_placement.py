@@ -1,5 +1,7 @@
-"""Slicing a parameter into blocks for parameter servers: the transpiler's rule, as pure
-functions (no RPC).
+"""Placement on parameter servers: slicing a parameter (or a table's rows) into blocks, the
+transpiler's rule as pure functions, and dispatchers, which say which server owns each block
+(:func:`place` checks what one answers). A dispatcher is a callable ``(block_names, servers) ->
+list of servers``, one per block; any callable of that shape may replace the two here.
 
 A parameter of ``numel`` elements is cut, in row-major order, into at most ``num_servers``
 blocks of at least ``min_block_size`` elements each (fewer for a small parameter; one for a
@@ -12,11 +14,13 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import NamedTuple, Sequence
+import zlib
+from typing import Any, NamedTuple, Sequence
 
 import torch
+import torch.distributed.rpc as rpc
 
-from remote_module._core import positive_int
+from remote_module._core import positive_int, worker_names
 
 
 class Block(NamedTuple):
@@ -109,3 +113,76 @@ def block_of(tensor: torch.Tensor, block: Block) -> torch.Tensor:
             "elements: slice parameters with slice_blocks"
         )
     return tensor[block.offset // row:(block.offset + block.size) // row]
+
+
+# ---- dispatchers ------------------------------------------------------------------------------
+
+class RoundRobin:
+    """Deal the blocks to the servers in turn, in the order given (the model's parameter
+    order, each parameter's blocks in order), continuing across parameters.
+
+    Example::
+
+        >>> RoundRobin()(["w.block0", "w.block1", "b.block0"], ["ps0", "ps1"])
+        ['ps0', 'ps1', 'ps0']
+    """
+
+    def __call__(self, block_names: Sequence[str], servers: Sequence[str]) -> list[str]:
+        _check(servers)
+        return [servers[i % len(servers)] for i in range(len(block_names))]
+
+    def __repr__(self) -> str:
+        return "RoundRobin()"
+
+
+class HashName:
+    """Send each block to ``servers[crc32(name) % len(servers)]``: the same server for the same
+    name in every process and every run (``zlib.crc32`` of the UTF-8 name, not ``hash()``).
+
+    Example::
+
+        >>> HashName()(["w.block0"], ["ps0", "ps1"])
+        ['ps0']
+    """
+
+    def __call__(self, block_names: Sequence[str], servers: Sequence[str]) -> list[str]:
+        _check(servers)
+        return [servers[zlib.crc32(name.encode("utf-8")) % len(servers)] for name in block_names]
+
+    def __repr__(self) -> str:
+        return "HashName()"
+
+
+def _check(servers: Sequence[str]) -> None:
+    if not servers:
+        raise ValueError("a dispatcher needs at least one server, got none")
+
+
+def check_servers(servers: Any) -> tuple[str, ...]:
+    """``servers`` as worker names, checked: a non-empty list of distinct workers of this
+    RPC world (``TypeError`` / ``ValueError`` naming the item otherwise)."""
+    if isinstance(servers, (str, bytes)) or not isinstance(servers, Sequence) or not servers:
+        raise TypeError(f"servers must be a non-empty list of worker names, got {servers!r}")
+    names = []
+    for i, s in enumerate(servers):
+        try:
+            names.append(rpc.get_worker_info(s).name)
+        except RuntimeError:
+            raise ValueError(
+                f"servers[{i}] = {s!r} is not a worker of this RPC world (workers: {', '.join(worker_names())})"
+            ) from None
+    if len(set(names)) != len(names):
+        raise ValueError(f"servers name a worker twice: {list(servers)}")
+    return tuple(names)
+
+
+def place(split_method: Any, names: Sequence[str], servers: Sequence[str]) -> list[str]:
+    """The server of each block of ``names``, as ``split_method`` (a dispatcher) places them,
+    checked: one of ``servers`` per block (``ValueError`` naming what it returned otherwise)."""
+    chosen = list(split_method(names, servers))
+    if len(chosen) != len(names) or any(c not in servers for c in chosen):
+        raise ValueError(
+            f"split_method {split_method!r} must return one of the servers {list(servers)} per block "
+            f"({len(names)} blocks), got {chosen!r:.200}"
+        )
+    return chosen

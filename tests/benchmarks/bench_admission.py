@@ -53,7 +53,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 from remote_module.ps.tables.lifetime._admission import DEFAULT_SKETCH_BYTES, false_admission_rate
-from remote_module.ps.tables.server._rows import initial_rows, row_key
+from remote_module.ps.tables.server._initial import initial_rows, row_key
 from rpc_backend import current_worker
 from tests.benchmarks import _admission_hosts as hosts
 from tests.benchmarks._common import (

@@ -428,7 +428,8 @@ def plain_make(job: str, ps_mode: str, num_trainers: int = 1):
 def plain_train(job: str, steps: int, ps_mode: str, collect: bool, num_trainers: int = 1, seed: int = 1) -> dict:
     """``steps`` steps of PLAIN's tables in a collection (or one by one): outputs, outputs under
     no_grad after each step, the final weights, and the messages of a forward (collection)."""
-    from remote_module.ps import ShardedEmbeddingBagCollection, _packed
+    from remote_module.ps import ShardedEmbeddingBagCollection
+    from remote_module.ps.tables import _packed
     from tests.benchmarks._common import messages_per_call
 
     tables = plain_make(job, ps_mode, num_trainers)
@@ -506,7 +507,8 @@ def plain_edges(job: str, collect: bool) -> dict:
     """EDGES' tables through edge_features() in a collection (or one by one): outputs, weights,
     which tables were planned together, each forward's messages (collection), and the error
     of a 2-d input of 0 columns (torch's "step must be nonzero")."""
-    from remote_module.ps import ShardedEmbeddingBag, ShardedEmbeddingBagCollection, _packed
+    from remote_module.ps import ShardedEmbeddingBag, ShardedEmbeddingBagCollection
+    from remote_module.ps.tables import _packed
     from tests.benchmarks._common import messages_per_call
 
     torch.manual_seed(5)
@@ -595,7 +597,8 @@ def together_failure(job: str, how: str) -> dict:
     (a name it does not hold). Which tables kept their gradients, the error, then step() again
     (the retry) and a second step; the weights, and those of the same two steps without a
     failure."""
-    from remote_module.ps import ShardedEmbeddingBagCollection, _packed
+    from remote_module.ps import ShardedEmbeddingBagCollection
+    from remote_module.ps.tables import _packed
 
     tables = plain_make(job, "sync")
     model = ShardedEmbeddingBagCollection(tables)
@@ -659,11 +662,12 @@ def pushed_bytes_counted(job: str) -> dict:
     """Two steps of PLAIN's tables in a collection (the sum / mean ones pushed together, one
     call per server): per step, the sum of the tables' ``pushed_bytes`` added, and the tensor
     bytes of the push calls the step sent (every server's call carries its own copy)."""
-    from remote_module.ps import ShardedEmbeddingBagCollection, _table_server
+    from remote_module.ps import ShardedEmbeddingBagCollection
+    from remote_module.ps.tables.server import _handlers
 
     tables = plain_make(job, "async")
     model = ShardedEmbeddingBagCollection(tables)
-    pushes = (_table_server._push_bag_tables, _table_server._push_tables, _table_server._push_rows)
+    pushes = (_handlers._push_bag_tables, _handlers._push_tables, _handlers._push_rows)
     sent: list[int] = []
     real_count = model._count
 
@@ -689,7 +693,8 @@ def packed_push_rows(job: str) -> dict:
     """A step of PLAIN's tables in a collection, their sum / mean lookups planned together: per
     server, the bags with ids there in the forward's call, and the rows of pooled-bag gradient
     the step's call to it carries."""
-    from remote_module.ps import ShardedEmbeddingBagCollection, _table_server
+    from remote_module.ps import ShardedEmbeddingBagCollection
+    from remote_module.ps.tables.server import _handlers
 
     tables = plain_make(job, "async")
     model = ShardedEmbeddingBagCollection(tables)
@@ -699,11 +704,11 @@ def packed_push_rows(job: str) -> dict:
 
     def count(calls: list) -> list:
         for server, handler, args in calls:
-            if handler is _table_server._pool_tables:
+            if handler is _handlers._pool_tables:
                 ids, first = args[2], args[3]
                 ends = torch.cat([first[1:], first.new_tensor([ids.numel()])])
                 bags[server] = int((ends > first).sum())
-            elif handler is _table_server._push_bag_tables:
+            elif handler is _handlers._push_bag_tables:
                 rows[server] = max(a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.is_floating_point())
         return real_count(calls)
 

@@ -250,9 +250,9 @@ def rss_bytes() -> int:
 
 def table_bytes(name: str) -> int:
     """On a server: the bytes table ``name`` holds here (rows and optimizer state)."""
-    from remote_module.ps.tables.server import _handlers as _table_server
+    from remote_module.ps.tables.server import _handlers
 
-    return _table_server._table(name).memory_bytes()
+    return _handlers._table(name).memory_bytes()
 
 
 def big_tables(name: str) -> dict:

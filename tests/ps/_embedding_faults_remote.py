@@ -55,9 +55,9 @@ def timed(name: str, what: str, timeout: float, ids: list[int] | None = None) ->
 
 def waiters(name: str) -> int:
     """On a server: the sync lookups of table ``name`` still waiting."""
-    from remote_module.ps.tables.server import _handlers as _table_server
+    from remote_module.ps.tables.server import _handlers
 
-    table = _table_server._table(name)
+    table = _handlers._table(name)
     with table.lock:
         return len(table.sync.waiters)
 

@@ -17,7 +17,8 @@ FAILING = ("geo-flush-failed", "geo-flush-failed-left")
 
 
 def body() -> dict | None:
-    from remote_module.ps import PSModel, _dense_server
+    from remote_module.ps import PSModel
+    from remote_module.ps.dense import _server as _dense_server
     from rpc_backend import current_worker
 
     me = current_worker()

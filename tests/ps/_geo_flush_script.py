@@ -33,7 +33,8 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
 def body() -> dict | None:
     import torch.distributed.rpc as rpc
 
-    from remote_module.ps import PSModel, ShardedEmbeddingBag, _table_server
+    from remote_module.ps import PSModel, ShardedEmbeddingBag
+    from remote_module.ps.tables.server import _checkpoint_handlers
     from rpc_backend import current_worker
 
     me = current_worker()
@@ -72,7 +73,7 @@ def body() -> dict | None:
         values, ref = model._server_values(), dict(local.named_parameters())
         dense = max(float((values[b.name].reshape(-1) - model._block_values(b, ref[b.pname].detach()).reshape(-1))
                           .abs().max()) for b in model._slots)
-        got = [rpc.rpc_sync(s, _table_server._block_rows, args=("geo-flush-alone", first))
+        got = [rpc.rpc_sync(s, _checkpoint_handlers._block_rows, args=("geo-flush-alone", first))
                for first, _, s in alone._ranges]
         rows = torch.cat([r for _, r in got])[torch.argsort(torch.cat([i for i, _ in got]))]
         return {"dense": dense, "alone": float((rows - local_alone.weight.detach()).abs().max())}

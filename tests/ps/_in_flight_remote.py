@@ -99,9 +99,9 @@ def geo_bag_local_row(name: str, row: int) -> torch.Tensor | None:
 
 def server_rows(name: str, first: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(on a server) the ids and rows of the block of table ``name`` starting at ``first``."""
-    from remote_module.ps.tables.server import _handlers as _table_server
+    from remote_module.ps.tables.server import _checkpoint_handlers
 
-    return _table_server._block_rows(name, first)
+    return _checkpoint_handlers._block_rows(name, first)
 
 
 def counted(job: str, trainer: str) -> tuple | None:

@@ -55,7 +55,7 @@ def train(name: str, steps: int, kwargs: dict, trainer: int = 0, num_trainers: i
 
 
 def initial(name: str, ids: torch.Tensor) -> torch.Tensor:
-    from remote_module.ps.tables.server._rows import initial_rows, row_key
+    from remote_module.ps.tables.server._initial import initial_rows, row_key
 
     return initial_rows(row_key(0, name), ids, DIM)
 

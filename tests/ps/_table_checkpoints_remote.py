@@ -26,7 +26,7 @@ def bag(name: str, servers: list[str], init: str = "lazy", optimizer: tuple = AD
 
 def initial(name: str) -> torch.Tensor:
     """Every row's first value of the table ``name`` (seed 0): a local module's weight."""
-    from remote_module.ps.tables.server._rows import initial_rows, row_key
+    from remote_module.ps.tables.server._initial import initial_rows, row_key
 
     return initial_rows(row_key(0, name), torch.arange(ROWS), DIM)
 

@@ -129,10 +129,10 @@ def state_of(module: nn.Module, weight: torch.Tensor) -> dict:
 def server_rows(module: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """Rows ``ids`` of a sharded table as its servers hold them (past any trainer-side cache)."""
     from remote_module._core.fanout import call_all
-    from remote_module.ps.tables.server import _handlers as _table_server
+    from remote_module.ps.tables.server import _handlers
 
     parts = [(server, mine) for _, server, mine in module._by_owner(ids)]
-    got = call_all([(server, _table_server._rows_for, (module.name, ids[mine], module._step))
+    got = call_all([(server, _handlers._rows_for, (module.name, ids[mine], module._step))
                     for server, mine in parts])
     out = torch.empty(ids.numel(), module.embedding_dim)
     for (_, mine), rows in zip(parts, got):

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from remote_module.ps.tables.server._rows import TableSpec, initial_rows, row_key
+from remote_module.ps.tables.server._initial import initial_rows, row_key
+from remote_module.ps.tables.server._rows import TableSpec
 from tests.ps import _lifetime_edges_remote as r
 from tests.ps._world import job
 
@@ -56,14 +57,15 @@ def test_a_loaded_padding_row_is_never_evicted(init):
     # nn.Embedding never changes its padding row, a loaded one included: eviction (of rows not
     # stepped) must not reset it to zeros
     from remote_module.ps._rowwise import row_optimizer
-    from remote_module.ps.tables.server import _handlers as _table_server
+    from remote_module.ps.tables.server import _checkpoint_handlers, _handlers
     from remote_module.ps.tables.server._rows import TableSpec
+    from remote_module.ps.tables.server._table import Table
 
     name = job(f"evict-padding-{init}")
     spec = TableSpec(10, 2, torch.float32, init, 0, "async", 1, row_optimizer(torch.optim.SGD, {"lr": 0.5}),
                      padding_idx=0, evict_after=2)
-    table, _ = _table_server._tables.setdefault(name, lambda: _table_server.Table(name, spec, [(0, 10)]))
-    _table_server._set_rows(name, torch.tensor([0]), torch.full((1, 2), 5.0))
+    table, _ = _handlers._tables.setdefault(name, lambda: Table(name, spec, [(0, 10)]))
+    _checkpoint_handlers._set_rows(name, torch.tensor([0]), torch.full((1, 2), 5.0))
     for _ in range(4):
         with table.lock:
             table.apply(torch.tensor([3]), torch.ones(1, 2))
@@ -77,7 +79,7 @@ def test_eviction_with_adagrad_state_equals_a_reference_over_many_sweeps(init):
     steps and Adagrad: freed slots and state rows are reused by new rows, and every row and
     its state equal a reference that resets an evicted row and its state (1e-6)."""
     from remote_module.ps._rowwise import row_optimizer
-    from remote_module.ps.tables.server._handlers import Table
+    from remote_module.ps.tables.server._table import Table
 
     rows_n, dim, lr, n = 64, 3, 0.5, 3
     spec = TableSpec(rows_n, dim, torch.float32, init, 0, "async", 1, row_optimizer(torch.optim.Adagrad, {"lr": lr}),
@@ -116,18 +118,19 @@ def test_loading_deltas_frees_the_state_rows_it_replaces(init):
     table_stats() count only the rows with state (a load set each row's state slot to none
     and left its old state row neither used nor free: a leak per row per delta)."""
     from remote_module.ps._rowwise import row_optimizer
-    from remote_module.ps.tables.server import _handlers as _table_server
+    from remote_module.ps.tables.server import _checkpoint_handlers, _handlers
+    from remote_module.ps.tables.server._table import Table
 
     name = job(f"delta-state-{init}")
     spec = TableSpec(32, 2, torch.float32, init, 0, "async", 1, row_optimizer(torch.optim.Adagrad, {"lr": 0.1}))
-    source, _ = _table_server._tables.setdefault(name, lambda: _table_server.Table(name, spec, [(0, 32)]))
-    replica = _table_server.Table(name, spec, [(0, 32)])  # (the same name: the same first rows)
-    _table_server._tables.setdefault(name + "-replica", lambda: replica)
+    source, _ = _handlers._tables.setdefault(name, lambda: Table(name, spec, [(0, 32)]))
+    replica = Table(name, spec, [(0, 32)])  # (the same name: the same first rows)
+    _handlers._tables.setdefault(name + "-replica", lambda: replica)
     for _ in range(20):
         with source.lock:
             source.apply(torch.tensor([1, 5, 9, 30]), torch.ones(4, 2))
-        d = _table_server._table_delta(name, "replica")
-        _table_server._apply_delta(name + "-replica", tuple(d["whole"]), d["evicted"], d["ids"], d["rows"],
+        d = _checkpoint_handlers._table_delta(name, "replica")
+        _checkpoint_handlers._apply_delta(name + "-replica", tuple(d["whole"]), d["evicted"], d["ids"], d["rows"],
                                    d["stepped"], d["state"], d["has_state"], d["last"], d["step"], d["clock"])
     block, mine = replica.blocks[0], source.blocks[0]
     assert torch.equal(replica.lookup(torch.arange(32)), source.lookup(torch.arange(32)))
@@ -180,21 +183,22 @@ def test_optimizer_state_loaded_onto_an_evicted_eager_row_does_not_depend_on_swe
     step uses. Unswept, the load renewed the row with a clock of now, so it was evicted again
     (its loaded state dropped); swept, it sat at its first value with the state kept."""
     from remote_module.ps._rowwise import row_optimizer
-    from remote_module.ps.tables.server import _handlers as _table_server
+    from remote_module.ps.tables.server import _checkpoint_handlers, _handlers
+    from remote_module.ps.tables.server._table import Table
 
     name = job(f"eager-state-{swept_first}")
     spec = TableSpec(64, 2, torch.float32, "eager", 0, "async", 1, row_optimizer(torch.optim.Adagrad, {"lr": 0.1}),
                      evict_after=4)
-    table, _ = _table_server._tables.setdefault(name, lambda: _table_server.Table(name, spec, [(0, 64)]))
+    table, _ = _handlers._tables.setdefault(name, lambda: Table(name, spec, [(0, 64)]))
     with table.lock:
         table.apply(torch.tensor([5]), torch.ones(1, 2))
         for _ in range(5):
             table.apply(torch.tensor([10]), torch.ones(1, 2))
     if swept_first:
         table.stats()
-    _table_server._set_row_state(name, 6, torch.tensor([5]), {"sum": torch.full((1, 2), 9.0)})
+    _checkpoint_handlers._set_row_state(name, 6, torch.tensor([5]), {"sum": torch.full((1, 2), 9.0)})
     with table.lock:
         for _ in range(5):
             table.apply(torch.tensor([10]), torch.ones(1, 2))
-    _, ids, state = _table_server._row_state(name, 0)
+    _, ids, state = _checkpoint_handlers._row_state(name, 0)
     assert ids.tolist() == [5, 10] and state["sum"][0].tolist() == [9.0, 9.0], (ids, state)

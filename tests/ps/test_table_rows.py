@@ -21,17 +21,10 @@ import torch
 from torch import nn
 
 from remote_module.ps._rowwise import row_optimizer
-from remote_module.ps.tables.server._handlers import Table
-from remote_module.ps.tables.server._rows import (
-    SlotIndex,
-    TableSpec,
-    _Rows,
-    initial_rows,
-    mix64,
-    pool_rows,
-    row_init,
-    row_key,
-)
+from remote_module.ps.tables.server._initial import initial_rows, mix64, row_key
+from remote_module.ps.tables.server._pooling import pool_rows
+from remote_module.ps.tables.server._rows import SlotIndex, TableSpec, _Rows, row_init
+from remote_module.ps.tables.server._table import Table
 from tests.ps import _table_rows_remote as r
 from tests.ps._world import job
 

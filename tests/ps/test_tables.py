@@ -11,8 +11,8 @@ from torch import nn
 from torch.futures import Future
 
 from remote_module.ps._rowwise import row_optimizer
-from remote_module.ps.tables.server._handlers import Table
 from remote_module.ps.tables.server._rows import TableSpec, row_init
+from remote_module.ps.tables.server._table import Table
 
 BLOCKS = [(0, 7), (7, 7), (14, 6)]  # rows 0..19 in three blocks, as two servers might split them
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from remote_module._core import call_all
-from remote_module.ps.dense import _server as _dense_server
+from remote_module.ps.dense import _server
 
 
 class PSCheckpoints:
@@ -85,7 +85,7 @@ class PSCheckpoints:
             values = {s.name: self._block_values(s).clone() for s in slots
                       if id(params[s.pname]) in loaded}
             if values:
-                calls.append((server, _dense_server._set_values, (self.name, values)))
+                calls.append((server, _server._set_values, (self.name, values)))
         call_all(calls, timeout=self.timeout)
         if self.ps_mode == "geo":
             restored = self.__dict__.pop("_geo_restored", None)
@@ -130,7 +130,7 @@ class PSCheckpoints:
             state, per_element = self._trainer_optimizer_state()
             return {"state": state, "optimizer": self.optimizer[0].__name__, "per_element": per_element,
                     "tables": tables, "geo": self._geo_progress(), "ps_optimizer": settings}
-        calls = [(server, _dense_server._optimizer_state, (self.name, [s.name for s in slots]))
+        calls = [(server, _server._optimizer_state, (self.name, [s.name for s in slots]))
                  for server, slots in self._by_server().items() if slots]
         by_block: dict[str, dict] = {}
         for got in call_all(calls, timeout=self.timeout):
@@ -216,7 +216,7 @@ class PSCheckpoints:
                         block[key] = value.clone() if isinstance(value, torch.Tensor) else value
                 states[s.name] = block
             if states:
-                calls.append((server, _dense_server._load_optimizer_state, (self.name, states)))
+                calls.append((server, _server._load_optimizer_state, (self.name, states)))
         call_all(calls, timeout=self.timeout)
         for qual, table in self._tables.items():
             table.load_optimizer_state_dict(tables[qual])

@@ -24,21 +24,21 @@ from remote_module._core import (
     call_all,
     is_rpc_initialized,
     nested_seconds,
-    positive_int,
     timeout_seconds,
     user_stacklevel,
 )
-from remote_module.ps._dispatch import RoundRobin
-from remote_module.ps._dispatch import check_servers as _check_servers
-from remote_module.ps._modes import PS_MODES
-from remote_module.ps._optimizer import GroupedPSOptimizer, PSOptimizer, class_defaults, set_group
-from remote_module.ps._placement import Block, block_name, block_of, slice_blocks
-from remote_module.ps.dense import _server as _dense_server
-from remote_module.ps.dense._checkpoints import PSCheckpoints
-from remote_module.ps.tables._embedding import (
-    Ahead,
-    ShardedEmbedding,
+from remote_module.ps._optimizer import (
+    GroupedPSOptimizer,
+    PSOptimizer,
     changed_group_lr,
+    class_defaults,
+    set_group,
+    watch_local_optimizers,
+)
+from remote_module.ps._options import TrainingOptions
+from remote_module.ps._placement import Block, RoundRobin, block_name, block_of, check_servers, place, slice_blocks
+from remote_module.ps._steps import (
+    SteppedTable,
     finished,
     fly,
     land,
@@ -47,9 +47,9 @@ from remote_module.ps.tables._embedding import (
     run_push_plans,
     send_push_plans,
     settings_plans,
-    watch_local_optimizers,
 )
-from rpc_backend.options import positive_seconds
+from remote_module.ps.dense import _server
+from remote_module.ps.dense._checkpoints import PSCheckpoints
 from rpc_backend.watch import add_status
 
 
@@ -75,10 +75,23 @@ def _dc_asgd_lambda(value: Any, ps_mode: str) -> float | None:
     return lam
 
 
-def _tables_in(model: nn.Module, ps_mode: str, num_trainers: int) -> dict[str, ShardedEmbedding]:
+def _ps_mode_of(ps_mode: str, mode: str | None) -> tuple[str, str]:
+    """The PS mode given (``mode``: the keyword's old name, deprecated), and the keyword that
+    gave it (for its error)."""
+    if mode is None:
+        return ps_mode, "ps_mode"
+    if ps_mode != "sync" and ps_mode != mode:
+        raise TypeError(f"PSModel got ps_mode={ps_mode!r} and mode={mode!r}: pass ps_mode only")
+    # (stacklevel: the caller of PSModel(), past this function and __init__)
+    warnings.warn("PSModel(mode=...) is deprecated: pass ps_mode=..., the keyword ShardedEmbedding "
+                  "and ShardedEmbeddingBag take", DeprecationWarning, stacklevel=3)
+    return mode, "mode (ps_mode's old name)"
+
+
+def _tables_in(model: nn.Module, ps_mode: str, num_trainers: int) -> dict[str, SteppedTable]:
     """The sharded tables inside ``model`` by qualified name, checked to train in ``ps_mode``
     with ``num_trainers`` (their rows live on their own servers; the PSModel steps them)."""
-    tables = {qual: m for qual, m in model.named_modules() if isinstance(m, ShardedEmbedding)}
+    tables = {qual: m for qual, m in model.named_modules() if isinstance(m, SteppedTable)}
     for qual, table in tables.items():
         if table.ps_mode != ps_mode or table.num_trainers != num_trainers:
             raise ValueError(
@@ -215,65 +228,52 @@ class PSModel(PSCheckpoints, nn.Module):
         dc_asgd: float | None = None,
     ) -> None:
         super().__init__()
-        if mode is not None:  # the keyword's old name (ShardedEmbeddingBag's mode= is the bag's)
-            if ps_mode != "sync" and ps_mode != mode:
-                raise TypeError(f"PSModel got ps_mode={ps_mode!r} and mode={mode!r}: pass ps_mode only")
-            warnings.warn("PSModel(mode=...) is deprecated: pass ps_mode=..., the keyword ShardedEmbedding "
-                          "and ShardedEmbeddingBag take", DeprecationWarning, stacklevel=2)
-            ps_mode = mode
-        keyword = "ps_mode" if mode is None else "mode (ps_mode's old name)"
+        ps_mode, keyword = _ps_mode_of(ps_mode, mode)
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"name must be a non-empty str naming the job, got {name!r}")
-        if ps_mode not in PS_MODES:
-            raise ValueError(f"{keyword} must be one of {', '.join(PS_MODES)}, got {ps_mode!r}")
+        options = TrainingOptions(name, ps_mode, num_trainers, optimizer, timeout, geo_push_every,
+                                  half_async_merge_every, half_async_merge_s, naming="the job", mode_keyword=keyword)
         dc_asgd = _dc_asgd_lambda(dc_asgd, ps_mode)
         if not is_rpc_initialized():
             raise RuntimeError("PSModel needs torch.distributed.rpc: call rpc.init_rpc(...) first")
-        # as ShardedEmbedding takes them: any integer operator.index takes, kept as an int
-        num_trainers = positive_int(num_trainers, "num_trainers")
-        geo_push_every = positive_int(geo_push_every, "geo_push_every")
-        half_async_merge_every = positive_int(half_async_merge_every, "half_async_merge_every")
-        merge_s = positive_seconds(half_async_merge_s, "half_async_merge_s")
-        if not (isinstance(optimizer, tuple) and len(optimizer) == 2 and isinstance(optimizer[0], type)
-                and issubclass(optimizer[0], torch.optim.Optimizer) and isinstance(optimizer[1], dict)):
-            raise TypeError(f"optimizer must be (a torch.optim.Optimizer class, kwargs dict), got {optimizer!r}")
         self.module = model
-        self._tables = _tables_in(model, ps_mode, num_trainers)
-        self.servers = _check_servers(servers)
-        self.name, self.ps_mode, self.num_trainers = name, ps_mode, num_trainers
+        self._tables = _tables_in(model, ps_mode, options.num_trainers)
+        self.servers = check_servers(servers)
+        self.name, self.ps_mode, self.num_trainers = name, ps_mode, options.num_trainers
         self.optimizer = optimizer
-        self.geo_push_every = geo_push_every
-        self.timeout = None if timeout is None else positive_seconds(timeout, "timeout")
+        self.geo_push_every = options.geo_push_every
+        self.timeout = options.timeout
         self._trainer = rpc.get_worker_info().name
         self._step = 0
         # a peer that loses this trainer names the step it was at (rpc_backend/watch.py)
         add_status(_step_line, owner=self)
         self._slots = self._layout(split_method, min_block_size, slice_var_up)
-        layout = hashlib.sha256(repr([
-            (s.name, tuple(self._params()[s.pname].shape), str(self._params()[s.pname].dtype), s.block.offset,
-             s.block.size, s.server) for s in self._slots
-        ]).encode()).hexdigest()
         #: DC-ASGD's lambda (None: off; async only)
         self.dc_asgd = dc_asgd
-        self._spec = _dense_server.JobSpec(ps_mode, num_trainers, (optimizer[0], dict(optimizer[1])),
-                                           half_async_merge_every, merge_s, layout, dc_asgd)
+        self._spec = _server.JobSpec(ps_mode, options.num_trainers, (optimizer[0], dict(optimizer[1])),
+                                     options.half_async_merge_every, options.half_async_merge_s,
+                                     self._layout_digest(), dc_asgd)
         self._attach()
+        self._start_training()
+
+    def _start_training(self) -> None:
+        """(Construction, once attached) The optimizers (the servers' stand-in; geo, the local
+        one), the first pull, the watch on local optimizers and the hooks of nested loads."""
+        optimizer = self.optimizer
         #: the servers' optimizer as a torch.optim.Optimizer: LR schedulers drive it, and the next
         #: push carries its lr, momentum, betas and weight_decay (geo: it drives the local optimizer)
         self.ps_optimizer = PSOptimizer(self._params().values(), class_defaults(*self._spec.optimizer),
-                                        f"PSModel {name!r}")
+                                        f"PSModel {self.name!r}")
         self._sent_settings: dict | None = None  # what the servers last took (None: send at the next step)
         # geo: the trainer's own optimizer (none for a model whose parameters are all tables')
         self._local_opt = (optimizer[0](self._params().values(), **optimizer[1])
-                           if ps_mode == "geo" and self._params() else None)
+                           if self.ps_mode == "geo" and self._params() else None)
         self._pulled: dict[str, torch.Tensor] = {}
         # geo: local optimizer steps whose deltas were not pushed yet (flush() pushes them; a
         # model gone with some warns)
         self.__dict__["_geo_unpushed"] = unpushed = [0]
         if self._local_opt is not None:
-            weakref.finalize(self, report_unpushed, f"PSModel {name!r}", partial(_steps_left, unpushed))
+            weakref.finalize(self, report_unpushed, f"PSModel {self.name!r}", partial(_steps_left, unpushed))
         self._pull(record=True)  # (DC-ASGD: even a first push has the values it ran on)
         # a local optimizer over the parameters whose lr a scheduler changes warns once (the
         # servers step them with ps_optimizer's settings): see _local_optimizer_stepped
@@ -294,14 +294,17 @@ class PSModel(PSCheckpoints, nn.Module):
     def _layout(self, split_method: Any, min_block_size: int, slice_var_up: bool) -> list[_Slot]:
         blocks = [(pname, b) for pname, p in self._params().items()
                   for b in slice_blocks(p.shape, len(self.servers), min_block_size, slice_var_up)]
-        names = [block_name(pname, b.index) for pname, b in blocks]
-        chosen = list(split_method(names, self.servers))
-        if len(chosen) != len(names) or any(s not in self.servers for s in chosen):
-            raise ValueError(
-                f"split_method {split_method!r} must return one of the servers {list(self.servers)} per block "
-                f"({len(names)} blocks), got {chosen!r:.200}"
-            )
+        chosen = place(split_method, [block_name(pname, b.index) for pname, b in blocks], self.servers)
         return [_Slot(pname, b, s) for (pname, b), s in zip(blocks, chosen)]
+
+    def _layout_digest(self) -> str:
+        """A digest of the blocks' layout (names, shapes, dtypes, offsets, servers): every
+        trainer of the job must build the same (the servers compare it)."""
+        params = self._params()
+        return hashlib.sha256(repr([
+            (s.name, tuple(params[s.pname].shape), str(params[s.pname].dtype), s.block.offset, s.block.size,
+             s.server) for s in self._slots
+        ]).encode()).hexdigest()
 
     def _by_server(self) -> dict[str, list[_Slot]]:
         """The slots of each server, in layout order (computed once: the layout is fixed)."""
@@ -330,7 +333,7 @@ class PSModel(PSCheckpoints, nn.Module):
         calls = []
         for server, slots in self._by_server().items():
             blocks = {s.name: self._block_values(s).clone() for s in slots}
-            calls.append((server, _dense_server._attach, (self.name, self._spec, self._trainer, blocks)))
+            calls.append((server, _server._attach, (self.name, self._spec, self._trainer, blocks)))
         # sync: a trainer attaching to a job under way (its PSModel built again, or restarted)
         # starts at the job's step; servers one step apart (a step cut short) meet again when it
         # pushes the lower one, which the server that has it takes as a retry (a server holding no
@@ -450,7 +453,7 @@ class PSModel(PSCheckpoints, nn.Module):
         still compensated from the values it was computed at."""
         seconds = self._seconds()
         by_server = self._by_server()
-        calls = [(server, _dense_server._pull,
+        calls = [(server, _server._pull,
                   (self.name, [s.name for s in slots], self._step, nested_seconds(seconds), self._packable(slots),
                    self._trainer if record else None))
                  for server, slots in by_server.items() if slots]
@@ -548,7 +551,7 @@ class PSModel(PSCheckpoints, nn.Module):
         merging = False  # geo: this step pushes the dense deltas
         if None not in done and self.ps_mode != "geo":
             plans += settings_plans(self, settings[None], [s for s, slots in self._by_server().items() if slots],
-                                    _dense_server._set_settings)
+                                    _server._set_settings)
         if None not in done:
             if self.ps_mode == "geo":  # the local step; every geo_push_every steps the deltas' pushes
                 plans += self._step_dense(settings[None])
@@ -578,11 +581,12 @@ class PSModel(PSCheckpoints, nn.Module):
         # them) go with these pushes, each read once they are applied (sync: their step)
         owners = [m for m in self.module.modules() if hasattr(m, "_lookahead")]  # (tables, collections)
         steps = {t.name: t._step + (id(t) in pushing) for t in self._tables.values()}
-        joined = [owner._lookahead().to_send(self.ps_mode == "sync") for owner in owners]
-        reads = [call for handles in joined for call in Ahead.reads(handles, lambda name: steps[name])]
+        aheads = [owner._lookahead() for owner in owners]
+        joined = [ahead.to_send(self.ps_mode == "sync") for ahead in aheads]
+        reads = [call for ahead, handles in zip(aheads, joined) for call in ahead.reads(handles, steps.__getitem__)]
         settle = send_push_plans(plans, self.timeout, reads)  # one message per server; each part settles alone
-        for handles in joined:
-            Ahead.stepped(handles)
+        for ahead, handles in zip(aheads, joined):
+            ahead.stepped(handles)
         # returns with the pushes in flight; the next call on the model (or on one of its tables)
         # waits for them (sync: for the step to be applied on every server), and a failure raises
         # there, the parts that failed kept for a retry as above
@@ -739,7 +743,7 @@ class PSModel(PSCheckpoints, nn.Module):
                         ([s.name for s in slots], self._packable(slots)))
                 if sync:  # answered once the step is applied, or at the servers' deadline
                     args += (nested_seconds(self._seconds()),)
-                calls.append((server, _dense_server._push_applied if sync else _dense_server._push, args))
+                calls.append((server, _server._push_applied if sync else _server._push, args))
 
         def answered(got: list) -> None:
             servers = [server for server, _, _ in calls]
@@ -799,7 +803,7 @@ class PSModel(PSCheckpoints, nn.Module):
             deltas = [self._block_values(s) - self._pulled[s.name] for s in sel]
             if deltas:
                 packed = self._packable(sel)
-                calls = [(server, _dense_server._push_delta, (self.name, self._sent(sel, deltas), packed))]
+                calls = [(server, _server._push_delta, (self.name, self._sent(sel, deltas), packed))]
                 plans.append((calls, nothing, failed, partial(self._merged, sel)))
         unpushed[0] = 0
         return plans
@@ -827,7 +831,7 @@ class PSModel(PSCheckpoints, nn.Module):
             if plans:
                 run_push_plans(plans, self.timeout)
         self.__dict__.pop("_ready", None)  # the next forward pulls what the merge made
-        call_all([(s, _dense_server._flush, (self.name,)) for s in self.servers], timeout=self.timeout)
+        call_all([(s, _server._flush, (self.name,)) for s in self.servers], timeout=self.timeout)
         for table in self._tables.values():
             table.flush()
 
@@ -835,7 +839,7 @@ class PSModel(PSCheckpoints, nn.Module):
         """Per server: steps applied (sync), pushes applied, attached trainers, queued pushes
         (once the last step's pushes landed)."""
         self._wait_pushes()
-        return dict(zip(self.servers, call_all([(s, _dense_server._stats, (self.name,)) for s in self.servers],
+        return dict(zip(self.servers, call_all([(s, _server._stats, (self.name,)) for s in self.servers],
                                                 timeout=self.timeout)))
 
     @property

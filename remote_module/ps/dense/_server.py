@@ -27,8 +27,10 @@ from remote_module.ps._modes import (
     HalfAsyncMerges,
     SyncSteps,
     TrainerSettings,
+    merge_now,
     read_when_applied,
     settle,
+    take_settings,
 )
 from remote_module.ps._optimizer import set_group
 
@@ -314,21 +316,13 @@ def _push_delta(name: str, deltas: Any, packed: bool = False) -> Any:
 
 
 def _set_settings(name: str, trainer: str, settings: dict) -> None:
-    """``trainer``'s optimizer settings (its ``ps_optimizer``'s), for its pushes from now on:
-    async and half_async apply each push with its trainer's (a half_async merge with the latest
-    push's), another trainer's never; sync, those every trainer of the step sent, which must
-    agree."""
-    job = _job(name)
-    with job.lock:
-        job.settings.sent(trainer, settings)  # (its next push makes them the latest: async)
+    """``trainer``'s optimizer settings for job ``name`` (:func:`take_settings`)."""
+    take_settings(_job(name), trainer, settings)
 
 
 def _flush(name: str) -> None:
-    """half_async: apply what is queued now (e.g. before a checkpoint)."""
-    job = _job(name)
-    with job.lock:
-        if job.spec.mode == "half_async":
-            job.merges.merge()
+    """half_async: job ``name`` applies what is queued now (:func:`merge_now`)."""
+    merge_now(_job(name))
 
 
 def _set_values(name: str, values: dict[str, torch.Tensor]) -> None:

@@ -11,7 +11,7 @@ import torch
 from remote_module._core import call_all
 from remote_module.ps._rowwise import new_state
 from remote_module.ps.tables.lifetime._admission import counter_bits
-from remote_module.ps.tables.server import _handlers as _table_server
+from remote_module.ps.tables.server import _checkpoint_handlers
 from remote_module.ps.tables.server._rows import AT_INIT
 
 #: the optimizers' names, by row-wise kind (errors name them as torch does)
@@ -75,7 +75,7 @@ class TableCheckpoints:
         versions while its blocks were read (first, last), where they are in the delta chains."""
         self._settle()
         evicting = getattr(self, "evict_after_steps", None) is not None
-        calls = [(server, _table_server._block_rows, (self.name, first, evicting, True))
+        calls = [(server, _checkpoint_handlers._block_rows, (self.name, first, evicting, True))
                  for first, _, server in self._ranges]
         got = call_all(calls, timeout=self.timeout)
         ids = torch.cat([g[0] for g in got])
@@ -107,7 +107,7 @@ class TableCheckpoints:
         if last is not None:
             destination[prefix + "weight.last_step"] = last
         if self._tracks():
-            admission = call_all([(s, _table_server._admission_state, (self.name,)) for s in self._by_server],
+            admission = call_all([(s, _checkpoint_handlers._admission_state, (self.name,)) for s in self._by_server],
                                  timeout=self.timeout)
             destination[prefix + "_extra_state"] = {"eviction_clock": clock,
                                                     "admission": [(blocks, _compact(data)) for blocks, data in
@@ -158,7 +158,7 @@ class TableCheckpoints:
         for _, server, mine in self._by_owner(ids):
             held = tuple(self._by_server[server])
             # a lazy table's checkpoint holds all its rows: rows stored since and not in it are dropped
-            calls.append((server, _table_server._set_rows,
+            calls.append((server, _checkpoint_handlers._set_rows,
                           (self.name, ids[mine], rows[mine].detach().clone(), None if last is None else last[mine],
                            clock, held if self.init == "lazy" else ())))
         call_all(calls, timeout=self.timeout)
@@ -175,8 +175,8 @@ class TableCheckpoints:
 
     def _set_admission(self, parts: list) -> None:
         """Every server of the table loads the saved sketches ``parts`` (``(blocks, counters,
-        chunks)``: :func:`_table_server._set_admission`)."""
-        call_all([(s, _table_server._set_admission, (self.name, parts)) for s in self._by_server],
+        chunks)``: :func:`_checkpoint_handlers._set_admission`)."""
+        call_all([(s, _checkpoint_handlers._set_admission, (self.name, parts)) for s in self._by_server],
                  timeout=self.timeout)
 
     def _admission_bits(self) -> int | None:
@@ -213,9 +213,9 @@ class TableCheckpoints:
         Each token has its own baseline on the servers for each trainer: callers with different
         tokens, or trainers calling with the same one, never reset each other's, so each
         trainer's deltas of a token are a complete chain. A trainer's first call with a token
-        (or one whose baseline is older than the tombstones a server keeps,
-        ``Table.TOMBSTONES_KEPT`` ids) returns the whole table on that server (its ranges under
-        ``"whole"``): loading it replaces those rows.
+        (or one whose baseline is older than the tombstones a server keeps, ``Tombstones.KEPT``
+        ids, tables/lifetime/_deltas.py) returns the whole table on that server (its ranges
+        under ``"whole"``): loading it replaces those rows.
 
         :meth:`load_delta_state_dict` applies one: a checkpoint (``state_dict()`` and
         ``optimizer_state_dict()``) loaded, then the deltas taken after it in order, give the
@@ -232,8 +232,8 @@ class TableCheckpoints:
         if not isinstance(token, str) or not token:
             raise ValueError(f"token must be a non-empty str naming the caller's baseline, got {token!r}")
         self._settle()
-        got = call_all([(s, _table_server._table_delta, (self.name, token, self._trainer)) for s in self._by_server],
-                       timeout=self.timeout)
+        got = call_all([(s, _checkpoint_handlers._table_delta, (self.name, token, self._trainer))
+                        for s in self._by_server], timeout=self.timeout)
         ids = torch.cat([g["ids"] for g in got])
         order = torch.argsort(ids)
         has_state = torch.cat([g["has_state"] for g in got])
@@ -291,8 +291,8 @@ class TableCheckpoints:
             mine_has = has_state[mine]
             pick = state_at[mine][mine_has]
             state = {k: v.index_select(0, pick) for k, v in delta["state"].items()}
-            mine_evicted = evicted[_table_server._in_ranges(evicted, held)]
-            calls.append((server, _table_server._apply_delta,
+            mine_evicted = evicted[_checkpoint_handlers._in_ranges(evicted, held)]
+            calls.append((server, _checkpoint_handlers._apply_delta,
                           (self.name, whole, mine_evicted, ids[mine], delta["rows"][mine], delta["stepped"][mine],
                            state, mine_has, None if last is None else last[mine], int(delta["step"]),
                            int(delta["clock"]))))
@@ -416,8 +416,8 @@ class TableCheckpoints:
         self._settle()
         if self._geo is not None:
             return {**self._geo.state_dict(), "ps_optimizer": self.ps_optimizer.state_dict()}
-        got = call_all([(server, _table_server._row_state, (self.name, first)) for first, _, server in self._ranges],
-                       timeout=self.timeout)
+        got = call_all([(server, _checkpoint_handlers._row_state, (self.name, first))
+                        for first, _, server in self._ranges], timeout=self.timeout)
         ids = torch.cat([i for _, i, _ in got]) if got else torch.empty(0, dtype=torch.long)
         order = torch.argsort(ids)
         out: dict[str, Any] = {"step": max(st for st, _, _ in got), "ids": ids[order]}
@@ -448,7 +448,7 @@ class TableCheckpoints:
             self._geo.load_state_dict(int(state["step"]), ids, {k: state.get(k, empty) for k in every},
                                       None if calls is None else int(calls))
             return
-        calls = [(server, _table_server._set_row_state,
+        calls = [(server, _checkpoint_handlers._set_row_state,
                   (self.name, int(state["step"]), ids[mine], {k: state[k][mine] for k in keys}))
                  for _, server, mine in self._by_owner(ids)]
         call_all(calls, timeout=self.timeout)

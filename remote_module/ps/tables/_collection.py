@@ -18,19 +18,12 @@ from remote_module._core import (
 )
 from remote_module.ps._modes import StepRefusal
 from remote_module.ps._optimizer import GroupedPSOptimizer
+from remote_module.ps._steps import finished, fly, land, run_push_plans
 from remote_module.ps.tables import _packed
-from remote_module.ps.tables._embedding import (
-    Ahead,
-    Prefetch,
-    at_step,
-    finished,
-    fly,
-    land,
-    run_push_plans,
-    told_refusals,
-)
 from remote_module.ps.tables._embedding_bag import ShardedEmbeddingBag
-from remote_module.ps.tables.server import _handlers as _table_server
+from remote_module.ps.tables._lookups import at_step, told_refusals
+from remote_module.ps.tables._prefetch import Ahead, Prefetch
+from remote_module.ps.tables.server import _handlers
 
 
 class ShardedEmbeddingBagCollection(nn.Module):
@@ -214,15 +207,15 @@ class ShardedEmbeddingBagCollection(nn.Module):
         for server in {call[0] for call in calls}:
             traffic.setdefault(server, {"messages": 0, "ids_looked_up": 0, "rows_pushed": 0})["messages"] += 1
         for server, handler, args in calls:
-            if handler is _table_server._pool_tables:
+            if handler is _handlers._pool_tables:
                 traffic[server]["ids_looked_up"] += args[2].numel()
-            elif handler is _table_server._push_rows and len(args) > 3:
+            elif handler is _handlers._push_rows and len(args) > 3:
                 traffic[server]["rows_pushed"] += 0 if args[3] is None else args[3].numel()
-            elif handler is _table_server._push_tables:
+            elif handler is _handlers._push_tables:
                 traffic[server]["rows_pushed"] += args[1].numel()
-            elif handler is _table_server._push_bag_tables:  # (the lookup's ids: the rows are summed there)
+            elif handler is _handlers._push_bag_tables:  # (the lookup's ids: the rows are summed there)
                 traffic[server]["rows_pushed"] += 0 if args[1] is None else args[1].numel()
-            elif handler is _table_server._push_row_deltas:  # geo: the rows' deltas (ids second, not a lookup)
+            elif handler is _handlers._push_row_deltas:  # geo: the rows' deltas (ids second, not a lookup)
                 traffic[server]["rows_pushed"] += args[1].numel()
             elif len(args) > 1 and isinstance(args[1], torch.Tensor):  # a table's lookup: its ids (or input) second
                 traffic[server]["ids_looked_up"] += args[1].numel()

@@ -7,9 +7,10 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from remote_module.ps.tables._embedding import Prefetch, ShardedEmbedding
-from remote_module.ps.tables.server import _handlers as _table_server
-from remote_module.ps.tables.server._rows import check_offsets, with_padding_row
+from remote_module.ps.tables._embedding import ShardedEmbedding
+from remote_module.ps.tables._prefetch import Prefetch
+from remote_module.ps.tables.server import _handlers
+from remote_module.ps.tables.server._pooling import check_offsets, with_padding_row
 
 
 class _BagRows(torch.autograd.Function):
@@ -203,7 +204,7 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         (:meth:`Table.bags`: the same checks, errors and sums), so the trainer does no work."""
         self._check_id_tensor(input)
         weights = None if per_sample_weights is None else per_sample_weights.detach()
-        handler = _table_server._bags_when_applied if self.ps_mode == "sync" else _table_server._bags_now
+        handler = _handlers._bags_when_applied if self.ps_mode == "sync" else _handlers._bags_now
         calls = [(self._server_names[0], handler,
                   (self.name, input, offsets, weights, self.bag_mode, self._step, wait_s))]
         dtype = self._dtype()

@@ -24,9 +24,10 @@ import torch
 
 from remote_module._core import backward_accumulates
 from remote_module.ps._rowwise import bag_index, coalesce, pooled_rows
-from remote_module.ps.tables._embedding import finished, nothing, table_push_failure
+from remote_module.ps._steps import finished, nothing
 from remote_module.ps.tables._embedding_bag import ShardedEmbeddingBag, _BagRows
-from remote_module.ps.tables.server import _handlers as _table_server
+from remote_module.ps.tables._pushes import table_push_failure
+from remote_module.ps.tables.server import _handlers
 
 
 class _TogetherRecorded(torch.autograd.Function):
@@ -149,7 +150,7 @@ def push_together(together: Together, members: list, done: set) -> tuple:
             sent += ids.numel() * ids.element_size() + starts.numel() * starts.element_size()
         entries = [(t.name, t._trainer, t._step, spans[i], spans[i + 1], t._token)
                    for i, _, t, _ in (mine[j] for j in served)]
-        calls.append((server, _table_server._push_bag_tables, (entries, ids, starts, part)))
+        calls.append((server, _handlers._push_bag_tables, (entries, ids, starts, part)))
         at.append(served)
         sent += part.numel() * part.element_size()
     parts[0][1]._pushed_bytes += sent  # (the calls' bytes, counted once, on its first table)
@@ -349,7 +350,7 @@ def plan(owner: Any, entries: Sequence[tuple[ShardedEmbeddingBag, torch.Tensor, 
         first = torch.searchsorted(bag_of[at], layout.bag_positions)  # each bag's first id here
         served = layout.served[k]
         ids = flat[at].to(layout.wire)
-        calls.append((server, _table_server._pool_tables,
+        calls.append((server, _handlers._pool_tables,
                       ([tables[i].name for i in served], [tables[i]._step for i in served], ids,
                        first, [layout.bag_base[i] for i in served], [bags[i] for i in served], wait_s)))
         shares.append((k, ids, first))

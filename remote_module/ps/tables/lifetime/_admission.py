@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from remote_module.ps.tables.server._rows import _GAMMA, _shr, mix64
+from remote_module.ps.tables.server._initial import _GAMMA, _shr, mix64
 
 #: counters per id (hash functions)
 HASHES = 4

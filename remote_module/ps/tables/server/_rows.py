@@ -1,98 +1,18 @@
 """A sharded table's storage on a server: the rows of one block, held eagerly (one tensor,
 every row created at once) or lazily (a row is created on its first touch, so a 100-million-row
 table costs memory only for the rows used), with row-wise optimizer state for the rows ever
-stepped; and the pooling of looked-up rows into bags.
-
-A row's first value depends only on the table's seed, its name and the row id
-(:func:`initial_rows`): eager and lazy blocks, any split of the rows over servers and every run
-give the same rows, and tables of other names or seeds independent ones. The padding row
-(``padding_idx``) starts as zeros, as ``nn.Embedding`` creates it."""
+stepped, each row's version (for delta checkpoints) and, with eviction, its clock. Rows start
+at their initial values (``_initial``)."""
 
 from __future__ import annotations
 
-import hashlib
-import math
 import threading
 from typing import NamedTuple
 
 import torch
 
-from remote_module._core import embedding_bag_parts
 from remote_module.ps._rowwise import RowOptimizer, new_state, step_rows
-
-# splitmix64 (Steele, Lea and Flood 2014), its published constants: the stream's increment
-# and its finaliser's multipliers, as the int64s with the same 64 bits
-_U64 = 1 << 64
-
-
-def _as_int64(c: int) -> int:
-    """The unsigned 64-bit constant ``c`` as the int64 with the same bits."""
-    return c - _U64 if c >= 1 << 63 else c
-
-
-_GAMMA = _as_int64(0x9E3779B97F4A7C15)
-_MIX1 = _as_int64(0xBF58476D1CE4E5B9)
-_MIX2 = _as_int64(0x94D049BB133111EB)
-# elements made at a time: temporaries of ~128 KB, which malloc reuses (a server kept ~30 MB
-# more of its RSS after an eager 500,000 x 16 block made 2**18 at a time)
-_CHUNK = 1 << 14
-
-
-def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 ``x``'s 64 bits by ``s`` (torch's ``>>`` is arithmetic:
-    it copies the sign bit in, which the mask clears)."""
-    return (x >> s) & ((1 << (64 - s)) - 1)
-
-
-def mix64(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser on int64 tensors, element-wise (a bijection of the 64 bits;
-    multiplications wrap modulo 2**64, as torch's int64 arithmetic does)."""
-    x = (x ^ _shr(x, 30)) * _MIX1
-    x = (x ^ _shr(x, 27)) * _MIX2
-    return x ^ _shr(x, 31)
-
-
-def row_key(seed: int, name: str) -> int:
-    """A table's 64-bit key (as an int64), from its seed and name: a BLAKE2b digest, the same
-    in every process (Python's ``hash()`` of a str is salted per process)."""
-    digest = hashlib.blake2b(f"{seed}\x00{name}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little", signed=True)
-
-
-def initial_rows(key: int, ids: torch.Tensor, dim: int, dtype: torch.dtype = torch.float32,
-                 padding_idx: int | None = None) -> torch.Tensor:
-    """The first values of rows ``ids`` of the table with :func:`row_key` ``key``: ``N(0, 1)``
-    (as ``nn.Embedding`` initialises its weight), row ``padding_idx`` zeros.
-
-    Each row has its own 64-bit key, ``mix64(id * GAMMA ^ key)``; its element ``j`` takes the
-    uniform bits of output ``j`` of the splitmix64 stream seeded by that key, and Box-Muller
-    turns elements ``2k, 2k + 1`` into two normals. All in whole-tensor int64 / float64 ops,
-    so a row depends only on (key, id): not on the block, server, batch or process.
-
-    Example::
-
-        >>> rows = initial_rows(row_key(0, "items"), torch.tensor([5, 70_000]), 16)
-        >>> torch.equal(rows[1], initial_rows(row_key(0, "items"), torch.tensor([70_000]), 16)[0])
-        True
-    """
-    ids = ids.reshape(-1).long()
-    width = dim + dim % 2  # normals come in pairs
-    out = torch.empty(ids.numel(), dim, dtype=dtype)
-    columns = torch.arange(1, width + 1, dtype=torch.long) * _GAMMA  # the stream's offsets
-    per_chunk = max(1, _CHUNK // width)
-    for start in range(0, ids.numel(), per_chunk):
-        part = ids[start:start + per_chunk]
-        row = mix64(part * _GAMMA ^ key)
-        bits = mix64(row.unsqueeze(1) + columns)
-        # 53 uniform bits -> (0, 1), never 0 (its log is taken)
-        u = (_shr(bits, 11).to(torch.float64) + 0.5) * 2.0 ** -53
-        radius = (-2.0 * u[:, 0::2].log()).sqrt()
-        angle = (2 * math.pi) * u[:, 1::2]
-        pairs = torch.stack([radius * angle.cos(), radius * angle.sin()], dim=2)
-        out[start:start + per_chunk] = pairs.reshape(part.numel(), width)[:, :dim]
-    if padding_idx is not None:
-        out[ids == padding_idx] = 0
-    return out
+from remote_module.ps.tables.server._initial import initial_rows, row_key
 
 
 def _grown(t: torch.Tensor, rows: int, fill: float = 0) -> torch.Tensor:
@@ -290,6 +210,19 @@ class _Rows:
             self.state_free = torch.cat([self.state_free, held])
         self.state_slot[slots] = -1
 
+    def free_state(self, slots: torch.Tensor) -> None:
+        """Storage ``slots`` keep no optimizer state (a delta that gives them none; lock held)."""
+        self._free_state(slots)
+
+    def forget_state(self, version: int) -> None:
+        """No row keeps optimizer state or counts as stepped any more, every row changed at
+        ``version`` (an optimizer state load replaces the whole state; lock held)."""
+        self.touched.zero_()
+        self.state_slot.fill_(-1)
+        self.state_used = 0
+        self.state_free = torch.empty(0, dtype=torch.long)
+        self.changed[:self.used] = version
+
     def held(self) -> int:
         """Rows stored (a lazy block's slots in use, less the free ones)."""
         return self.used - self.free.numel()
@@ -473,75 +406,3 @@ class _Rows:
         slot, its version, its eviction clock, a lazy block's id-to-slot index."""
         per_slot = 1 + 8 + 8 + (8 if self.last is not None else 0) + (16 if self.slot_of is not None else 0)
         return self.held() * per_slot
-
-
-def check_offsets(offsets: object) -> None:
-    """``ValueError`` if 1-d ``offsets`` decrease (bag ``i`` starts at ``offsets[i]``): torch
-    checks this only when it pools on several threads (on one it reads past the input and
-    returns uninitialised memory)."""
-    if isinstance(offsets, torch.Tensor) and offsets.dim() == 1 and offsets.numel() > 1:
-        down = (offsets[1:] < offsets[:-1]).nonzero()
-        if down.numel():
-            i = int(down[0]) + 1
-            raise ValueError(f"offsets must not decrease (bag i starts at offsets[i]), got offsets[{i}]="
-                             f"{int(offsets[i])} after offsets[{i - 1}]={int(offsets[i - 1])}")
-
-
-def with_padding_row(uniq: torch.Tensor, rows: torch.Tensor, padding_idx: int | None
-                     ) -> tuple[torch.Tensor, int | None]:
-    """``rows`` (row ``j`` is id ``uniq[j]``) and the ``padding_idx`` to pool them with
-    torch's ``embedding_bag`` for a table whose padding row is ``padding_idx``: the padding
-    id's index among ``uniq``, or, when no input holds it, a zero row appended that no input
-    uses (with ``padding_idx=None`` torch pools with another kernel, whose sums differ in the
-    last bit); ``None`` for a table without one."""
-    if padding_idx is None:
-        return rows, None
-    hit = (uniq == padding_idx).nonzero().reshape(-1)
-    if hit.numel():
-        return rows, int(hit[0])
-    return torch.cat([rows, rows.new_zeros(1, rows.shape[1])]), uniq.numel()
-
-
-def check_ids(ids: torch.Tensor, num_embeddings: int) -> None:
-    """``IndexError`` unless every one of ``ids`` (int64) is in ``[0, num_embeddings)``."""
-    if ids.numel():
-        low, high = torch.aminmax(ids)
-        if int(low) < 0 or int(high) >= num_embeddings:
-            raise IndexError(f"ids must be in [0, {num_embeddings}), got {int(low)}..{int(high)}")
-
-
-def pool_rows(rows: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
-              kind: str) -> object:
-    """Pool ``rows`` (row ``j`` is id ``ids[j]``) into bags: bag ``b`` holds rows
-    ``offsets[b]`` up to the next bag's offset (or the end), as ``nn.EmbeddingBag``'s offsets.
-
-    ``kind="sum"``: the ``(bags, dim)`` sums of the rows (times ``weights``), in position
-    order (a mean is this sum divided by the bag's size, which the trainer knows).
-    ``kind="max"``: ``(values, winners, first_nan)``: the element-wise maxima of the rows that
-    are not NaN (``-inf`` where a bag has none here), per element the id of the first row
-    holding it (``-1`` where none: the trainer sends the gradient to that row), and whether the
-    bag's first row here is NaN (torch's max keeps a bag's first row unless a strictly greater
-    one follows, so a NaN counts only there; the trainer knows which server has that row).
-    """
-    n = rows.shape[0]
-    positions = torch.arange(n)
-    offsets = offsets.long()
-    if kind == "sum":
-        if weights is not None:
-            weights = weights.to(rows.dtype)
-        return embedding_bag_parts(rows, positions, offsets, "sum", weights)[0]
-    num_bags, dim = offsets.numel(), rows.shape[1]
-    bags = torch.searchsorted(offsets, positions, right=True) - 1
-    where = bags.unsqueeze(1).expand(-1, dim)
-    nan = rows.isnan()
-    rows = rows.masked_fill(nan, float("-inf"))
-    values = torch.full((num_bags, dim), float("-inf"), dtype=rows.dtype).scatter_reduce(0, where, rows, "amax")
-    holds = (rows == values[bags]) & ~nan
-    first = torch.full((num_bags, dim), n, dtype=torch.long).scatter_reduce(
-        0, where, torch.where(holds, positions.unsqueeze(1).expand(-1, dim), n), "amin")
-    winners = torch.where(first < n, ids[first.clamp(max=max(n - 1, 0))], -1)
-    start = offsets.clamp(max=n)
-    first_nan = torch.zeros(num_bags, dim, dtype=torch.bool)
-    started = start < torch.cat([offsets[1:], offsets.new_tensor([n])]).clamp(max=n)  # bags with a row here
-    first_nan[started] = nan[start[started]]
-    return values, winners, first_nan

@@ -1,0 +1,262 @@
+"""Prefetch: a table's or collection's lookup planned ahead of its forward and sent with a
+step's pushes (:class:`Prefetch`), and the prefetches of one table or collection in the order
+of the forwards they are for (:class:`Ahead`)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from remote_module.ps._steps import PushPlan, send_push_plans
+from remote_module.ps.tables._lookups import at_step
+from remote_module.ps.tables.server import _handlers
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
+    return False
+
+
+def _kept(value: Any) -> Any:
+    """A prefetch's copy of an argument, compared by value with the forward's (the caller may
+    change its tensor in place meanwhile)."""
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+class Prefetch:
+    """A lookup planned ahead by ``prefetch()``: the next forward with equal arguments (by
+    value) consumes it; it is sent with the next ``step()``'s pushes (one message per server:
+    the servers answer it once they applied them), or at that forward.
+
+    With ``overlap`` (``prefetching(..., overlap=True)``, async mode) it may be sent one step
+    earlier, with the step before the next forward's: it then misses that forward's last push.
+    A prefetch not consumed by the forward it was planned for is dropped.
+
+    half_async: the forward uses it only if it reflects every merge the servers finished before
+    that forward began (:meth:`Ahead.claim`); each server answers, ahead of its lookups, its
+    merge count and how long at least before its timer merges (:func:`_handlers._merge_state`)."""
+
+    def __init__(self, key: tuple, records: Any, calls: list, finish: Callable[[list], Any],
+                 replan: bool = False, tables: Sequence = (), overlap: bool = False) -> None:
+        self.key = tuple(_kept(v) for v in key)
+        # the tables it reads, and how often their rows changed on the servers other than by a
+        # step (loads, half_async merges): a change after it was sent makes it stale
+        self.tables = [(t, t.__dict__.get("_changes", 0)) for t in tables]
+        # a forward whose arguments need a gradient (per_sample_weights) plans its own: the
+        # output must be a function of its tensors, not of the prefetch's copies
+        replan = replan or any(isinstance(v, torch.Tensor) and v.requires_grad for v in key)
+        # (what the plan depends on besides the arguments: whether each table records, its dtype)
+        self.records, self.calls, self.finish, self.replan = records, calls, finish, replan
+        self.overlap = overlap
+        self.sent = False  # with a step's pushes
+        self.pushes_at: list[int] = []  # each table's pushes sent, once that step was sent
+        self.planned = False  # by prefetching() (a forward of other arguments leaves it for its own)
+        # the prefetching() loop that planned it (one nested in another keeps apart), and the
+        # index of its batch in that loop
+        self.loop: object = None
+        self.batch = 0
+        self.got: list | None = None  # the answers' outcomes, once that step landed
+        self.failed = False  # that step's push failed: dropped
+        # half_async: the merge state reads sent ahead of its lookups, (server, table names) each,
+        # their outcomes once landed, when the step was sent, and what its forward checks on
+        # each server ({server: [(name, merges read)]}; None: nothing to check)
+        self.merge_calls: list[tuple[str, list[str]]] = []
+        self.merge_state: list = []
+        self.sent_at = 0.0
+        self.checks: dict[str, list[tuple[str, int]]] | None = None
+
+    def merging(self) -> list:
+        """Its half_async tables (whose servers merge on their own: by count, or on a timer)."""
+        return [t for t, _ in self.tables if t.ps_mode == "half_async"]
+
+    def merge_reads(self) -> list:
+        """The reads of each server's merge state to send ahead of its lookups (half_async),
+        remembered as :attr:`merge_calls`."""
+        merging = self.merging()
+        self.merge_calls = []
+        for server in dict.fromkeys(server for server, _, _ in self.calls):
+            names = [t.name for t in merging if server in t._by_server]
+            if names:
+                self.merge_calls.append((server, names))
+        return [(server, _handlers._merge_state, (names,)) for server, names in self.merge_calls]
+
+    def merges_checked(self, began: float) -> bool:
+        """(half_async, answered) Set :attr:`checks`: what the forward that began at ``began``
+        (``time.monotonic()``) must ask the servers before using the answers, or None when it
+        knows that no merge finished since they were read: every table has this trainer alone
+        (``num_trainers=1``: no other pushes merge), none of their pushes came since, and no
+        server's timer was due yet. False when a merge state read failed (not to be used)."""
+        self.checks = None
+        if not self.merge_calls or not self.sent:
+            return True
+        if not all(ok for ok, _ in self.merge_state):
+            return False
+        states = [(server, names, state) for (server, names), (_, state) in zip(self.merge_calls, self.merge_state)]
+        alone = all(t.num_trainers == 1 for t in self.merging())
+        pushed = any(_pushes(t) != n for (t, _), n in zip(self.tables, self.pushes_at))
+        due = min(left for _, _, state in states for _, left in state)
+        if alone and not pushed and began < self.sent_at + due:
+            return True
+        self.checks = {server: list(zip(names, (n for n, _ in state))) for server, names, state in states}
+        return True
+
+    def checked(self, got: list, send: Callable[[list], list]) -> list:
+        """The answers ``got``, each replaced by a fresh lookup where its server merged since it
+        was read (one message per server: :func:`_handlers._read_unless_merged`)."""
+        calls = [(server, _handlers._read_unless_merged, (self.checks[server], handler, args))
+                 for server, handler, args in self.calls]
+        return [old if new is None else new for old, new in zip(got, send(calls))]
+
+    def changed(self) -> bool:
+        """Whether a table's rows changed since it was sent (a load, a half_async merge): what
+        it read is gone."""
+        return self.sent and any(t.__dict__.get("_changes", 0) != n for t, n in self.tables)
+
+    def matches(self, key: tuple, records: Any) -> bool:
+        """Whether a forward of ``key`` (``records``: as given at construction) may use it."""
+        if self.changed():
+            return False
+        if any(isinstance(v, torch.Tensor) and v.requires_grad for v in key):
+            return False
+        return (records == self.records and len(key) == len(self.key)
+                and all(_same_value(a, b) for a, b in zip(key, self.key)))
+
+    def take_answers(self, reads: list, at: int) -> int:
+        """(:class:`~remote_module.ps._steps.Flight`, its step landed) Take its reads' outcomes
+        from ``reads``, the step's, at ``at`` (its merge state reads, then its lookups); where
+        the next prefetch's begin."""
+        n = len(self.merge_calls)
+        self.merge_state = reads[at:at + n]
+        self.got = reads[at + n:at + n + len(self.calls)]
+        return at + n + len(self.calls)
+
+    def answers(self) -> list | None:
+        """The answers of its calls; None if one failed (the step's pushes went through: the
+        forward looks up again, so a lookup's failure is raised by a lookup, as without prefetch)."""
+        if not all(ok for ok, _ in self.got):
+            return None
+        return [value for _, value in self.got]
+
+
+def _pushes(table: Any) -> int:
+    return table.__dict__.get("_pushes", 0)
+
+
+class Ahead:
+    """The prefetches of a table or collection, in the order of the forwards they are for. A
+    prefetch sent with a step, consumed after later pushes of its tables (by any object: the
+    table, a collection, a PSModel), would miss them: it is used only if at most ``overlap``
+    (0, or 1) came since."""
+
+    def __init__(self) -> None:
+        self.handles: list[Prefetch] = []
+
+    def add(self, handle: Prefetch, queued: bool) -> None:
+        """A new prefetch: after the others when ``queued`` (``prefetching``'s later batches),
+        else instead of them (``prefetch()``: one at a time)."""
+        if queued:
+            self.handles.append(handle)
+        else:
+            self.handles = [handle]
+
+    def take(self, key: tuple, records: Any) -> Prefetch | None:
+        """The prefetch for a forward of ``key``: the first that matches it, the ones before it
+        dropped, except those another ``prefetching`` loop planned (an evaluation loop's inside
+        the training loop's, or the other way round: each keeps its own). With none, a
+        ``prefetch()`` is dropped (any other forward drops it), while ``prefetching``'s stay for
+        the forwards they were planned for (an eval forward, say)."""
+        for k, handle in enumerate(self.handles):
+            if handle.matches(key, records):
+                loop = handle.loop
+                self.handles = [h for h in self.handles[:k] if loop is not None and h.loop is not None
+                                and h.loop is not loop] + self.handles[k + 1:]
+                return handle
+        if self.handles and not self.handles[0].planned:
+            self.handles.pop(0)
+        # prefetching's that no forward can use any more (their step failed, or a push or a load
+        # since made them stale) are dropped: else they hold up the sending of those after them
+        # (to_send sends the first two) until a forward matches one of those
+        self.handles = [h for h in self.handles if not h.sent or not (h.failed or h.changed() or not self.fresh(h))]
+        return None
+
+    def claim(self, key: tuple, records: Any, land: Callable[[], None]) -> Prefetch | None:
+        """The prefetch a forward of ``key`` uses (:meth:`take`, :meth:`fresh`), or None; ``land()``
+        (the pushes in flight) first, unless it was answered already (sent a step earlier, with
+        overlap: used without waiting for them)."""
+        began = time.monotonic()  # (half_async: the merges finished before now must be in what it uses)
+        handle = self.take(key, records)
+        use = handle is not None and not handle.failed and not handle.replan and self.fresh(handle)
+        if not use or handle.got is None:
+            land()  # (answers the prefetch sent with those pushes)
+        if use and not handle.failed and handle.got is not None:
+            use = handle.merges_checked(began)
+        return handle if use and not handle.failed else None
+
+    @staticmethod
+    def output(handle: Prefetch | None, send: Callable[[list], list], plan: Callable[[], tuple]) -> Any:
+        """A forward's output: of ``handle``'s answers, or of its calls sent now (``send`` reads
+        the steps of now: :func:`at_step`); else, or if one of its lookups failed (looked up
+        again, so a lookup's failure is raised by a lookup), of ``plan()``'s calls."""
+        if handle is not None:
+            if handle.got is not None:
+                got = handle.answers()
+                if got is not None:
+                    return handle.finish(got if handle.checks is None else handle.checked(got, send))
+            elif not handle.sent:
+                return handle.finish(send(handle.calls))
+        calls, finish = plan()
+        return finish(send(calls))
+
+    def send(self, plans: Sequence[PushPlan], timeout: float | None, sync: bool,
+             step_after: Callable[[str], int]) -> tuple[Callable[[], list], list[Prefetch]]:
+        """Send a step's ``plans`` (:func:`send_push_plans`) with the prefetches it carries
+        (:meth:`to_send`, reading the steps ``step_after`` gives a table's name once these pushes
+        are applied): ``(settle, those prefetches)``."""
+        joined = self.to_send(sync)
+        settle = send_push_plans(plans, timeout, self.reads(joined, step_after))
+        self.stepped(joined)
+        return settle, joined
+
+    @staticmethod
+    def reads(joined: Sequence[Prefetch], step_after: Callable[[str], int]) -> list:
+        """The reads a step sends for the prefetches ``joined`` (:meth:`send`): each one's merge
+        state reads (half_async) and lookups, reading the steps ``step_after`` gives."""
+        now = time.monotonic()  # (before the message leaves: a server's timer runs out no sooner)
+        reads = []
+        for handle in joined:
+            handle.sent_at = now
+            reads += handle.merge_reads()
+            reads += at_step(handle.calls, step_after)
+        return reads
+
+    @staticmethod
+    def fresh(handle: Prefetch) -> bool:
+        """Whether ``handle`` misses at most the pushes it may (none; with overlap, one)."""
+        if not handle.sent:
+            return True
+        allowed = 1 if handle.overlap else 0
+        return all(_pushes(t) - n <= allowed for (t, _), n in zip(handle.tables, handle.pushes_at))
+
+    def to_send(self, sync: bool) -> list[Prefetch]:
+        """What a step sends with its pushes: the next forward's prefetch, if not sent yet; with
+        overlap (not in sync mode, nor half_async: the step in between may merge, which a read
+        sent before it cannot reflect), the one after it too."""
+        out = []
+        for k, handle in enumerate(self.handles[:2]):
+            if not handle.sent and not handle.replan and (
+                    k == 0 or (handle.overlap and not sync and not handle.merging())):
+                out.append(handle)
+        return out
+
+    @staticmethod
+    def stepped(sent: Sequence[Prefetch]) -> None:
+        """A step was sent (its tables' pushes counted), and ``sent`` with it."""
+        for handle in sent:
+            handle.sent, handle.pushes_at = True, [_pushes(t) for t, _ in handle.tables]
+            # (what it reads is the rows as of now: a load or a merge before now does not make it stale)
+            handle.tables = [(t, t.__dict__.get("_changes", 0)) for t, _ in handle.tables]

@@ -1,0 +1,180 @@
+"""Gradient recording: a table's lookups recorded for its next step (:class:`_Recorded`, an
+autograd node per lookup that hands backward's gradient of the rows to the table), and the
+table's bookkeeping of them (:class:`GradientRecording`): what a step takes, what
+``zero_grad()`` drops, and the warnings for gradients never pushed and for a local scheduler
+whose lr never reaches the rows."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from remote_module._core import backward_accumulates, user_stacklevel
+from remote_module.ps._optimizer import changed_group_lr
+
+#: backward passes a table records without a step() before it warns that its gradients are never
+#: pushed, where no local optimizer step told it sooner (gradient accumulation stays below this)
+UNPUSHED_BACKWARDS = 10
+
+
+class _Recorded(torch.autograd.Function):
+    """``rows`` unchanged, recorded for :meth:`ShardedEmbedding.step`: backward hands their
+    gradient to ``record`` and gives the table's zero-size ``grad_marker`` a (zero-size)
+    gradient, so the marker's ``.grad`` says whether a gradient was recorded since the last
+    ``zero_grad()``, as a parameter's does."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, marker: torch.Tensor, record: Callable, uniq: torch.Tensor,
+                accumulator: Any) -> torch.Tensor:
+        ctx.record, ctx.uniq, ctx.accumulator = record, uniq, accumulator
+        ctx.marker = (marker.dtype, marker.device)  # (a model moved with .double() or .to(device))
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        # as a parameter's .grad: only a backward that accumulates into the marker records (not
+        # torch.autograd.grad(), nor backward(inputs=...) without the table)
+        if backward_accumulates(ctx.accumulator):
+            ctx.record(ctx.uniq, grad.to(torch.float32))  # the servers' rows are float32, whatever the model's dtype
+        dtype, device = ctx.marker
+        return None, torch.zeros(0, dtype=dtype, device=device), None, None, None
+
+
+class GradientRecording:
+    """The gradient bookkeeping of :class:`~remote_module.ps.tables._embedding.ShardedEmbedding`
+    (a part of it: it uses the table's ``grad_marker``, ``name`` and locks)."""
+
+    def _reset_gradients(self) -> None:
+        """No gradients recorded (construction, and a copy)."""
+        # (unique ids, gradient rows) of each lookup backward reached: ``_fresh`` in the backward
+        # under way, ``_held`` in finished ones (dropped when the marker's grad was cleared since)
+        self._fresh: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._held: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._hooked: Any = None  # a weak reference to the marker whose accumulation seals _fresh
+        self._backwards = 0  # backward passes recorded since the last step()
+        self._stepped_past = False  # a local optimizer stepped while _held waited
+        self._forward_thread: int | None = None
+        self._warned_unpushed = False
+
+    def _records(self) -> bool:
+        """Whether this forward records gradients (grad enabled, the table not frozen); warns
+        once if recorded gradients were never pushed (see the class docstring)."""
+        if not (torch.is_grad_enabled() and self.grad_marker.requires_grad):
+            return False
+        self._forward_thread = threading.get_ident()
+        with self._pending_lock:
+            self._drop_discarded()
+        if not self._warned_unpushed and (self._stepped_past or self._backwards >= UNPUSHED_BACKWARDS):
+            self._warned_unpushed = True
+            why = ("a local optimizer has stepped since they were recorded" if self._stepped_past
+                   else f"{self._backwards} backward passes without a step()")
+            warnings.warn(
+                f"{type(self).__name__} {self.name!r}: gradients that backward recorded for its rows were never "
+                f"pushed to the servers ({why}), so the table does not train: an optimizer of model.parameters() "
+                "steps only its zero-size grad_marker. Call table.step() after loss.backward() (PSModel.step() "
+                "does it for the tables inside a PSModel); to accumulate over backward passes, call it once after "
+                "them; to freeze the table, table.requires_grad_(False)", UserWarning, stacklevel=user_stacklevel())
+        return True
+
+    def _recorded(self, uniq: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` (standing for the rows of ``uniq``) recorded for :meth:`step`: their gradient
+        is kept once backward reaches them. Nothing is held before that, as with a local
+        module: a lookup that is never backpropagated (an eval loop without ``no_grad``) is
+        gone with its output."""
+        # one thread at a time: torch takes a leaf's autograd lock, then the GIL, to find its
+        # AccumulateGrad in an op (view_as, which runs without the GIL), but the GIL, then
+        # that lock, in a Function's apply; two threads of one table doing both at once
+        # deadlocked (waiting on this lock releases the GIL)
+        with self._marker_lock:
+            marker, accumulator = self._recorder()
+            return _Recorded.apply(rows, marker, self._record, uniq, accumulator)
+
+    def _recorder(self) -> tuple[torch.Tensor, Any]:
+        """(``_marker_lock`` held) the grad marker, hooked to seal what backward records, and its
+        ``AccumulateGrad`` node."""
+        marker = self.grad_marker
+        if self._hooked is None or self._hooked() is not marker:  # (a copy, or the marker replaced)
+            marker.register_post_accumulate_grad_hook(self._seal)
+            self._hooked = weakref.ref(marker)
+        return marker, marker.view_as(marker).grad_fn.next_functions[0][0]  # the marker's AccumulateGrad
+
+    def _record(self, uniq: torch.Tensor, grad: torch.Tensor) -> None:
+        """In backward, before the marker accumulates: keep ``grad``; gradients of finished
+        backward passes are dropped if ``zero_grad()`` cleared the marker since."""
+        self._keep((uniq, grad))
+
+    def _keep(self, entry: Any) -> None:
+        """:meth:`_record` of a gradient ``entry``: ``(ids, rows)``, or an object whose
+        ``rows()`` gives them (a collection's: ``_packed.TogetherGradient``)."""
+        with self._pending_lock:
+            self._drop_discarded()
+            self._fresh.append(entry)
+
+    def _seal(self, marker: torch.Tensor) -> None:
+        """After the marker accumulated (once per backward through the table): this backward's
+        gradients count until the marker's ``.grad`` is cleared."""
+        with self._pending_lock:
+            if not self._fresh:
+                return
+            self._held.extend(self._fresh)
+            self._fresh = []
+            self._backwards += 1
+            # a gradient since a failed step: its retry is a step for every server again (those
+            # that applied the failed one get the new rows, or an empty push: a step counted)
+            self.__dict__.pop("_took", None)
+
+    def _local_optimizer_stepped(self, thread: int, optimizer: torch.optim.Optimizer) -> None:
+        """A local torch.optim optimizer stepped in ``thread``: note it if this table holds
+        gradients recorded by a forward of that thread (see :meth:`_records`), and warn once if
+        the lr of its group holding this table's ``grad_marker`` changed since its first step
+        (see :meth:`_check_group_lr`)."""
+        if thread == self._forward_thread and self._held and self.grad_marker.grad is not None:
+            self._stepped_past = True
+        if not getattr(self, "_warned_lr", True):
+            self._check_group_lr(optimizer)
+
+    def _check_group_lr(self, optimizer: torch.optim.Optimizer) -> None:
+        """The rows step with the lr the table was built with, on the servers: an LR scheduler
+        (or a hand-set ``group["lr"]``) changing the lr of the group that holds ``grad_marker``
+        (an optimizer over ``model.parameters()``, as facebookresearch/dlrm schedules it) does
+        not reach them, so warn once. A group's lr at the optimizer's first step seen is the
+        baseline; a group added later starts a new one."""
+        changed = changed_group_lr(self._group_lrs, optimizer, [self.grad_marker])
+        if changed is None:
+            return
+        first, now = changed
+        self._warned_lr = True
+        warnings.warn(
+            f"{type(self).__name__} {self.name!r}: the lr of the {type(optimizer).__name__} param group holding its "
+            f"grad_marker changed from {first:g} to {now:g} (an LR scheduler?), but the table's rows "
+            "step on the servers with its ps_optimizer's lr, which local optimizers do not change: schedule "
+            "table.ps_optimizer (a PSModel: its tables' ps_optimizer) for the rows; to silence this, build the "
+            "scheduled optimizer over the local parameters only (a PSModel's own step on the servers too: schedule "
+            "its ps_optimizer)", UserWarning, stacklevel=user_stacklevel())
+
+    def _drop_discarded(self) -> None:
+        """(Lock held.) If ``zero_grad()`` (of the table, a container or an optimizer) cleared the
+        marker's ``.grad`` since the held backward passes, forget them: their gradients are not
+        pushed and they do not count towards the unpushed warning (a local optimizer step while
+        they were held still does: their gradients were never pushed)."""
+        if self.grad_marker.grad is None:
+            self._held, self._backwards = [], 0
+
+    def _take_gradients(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The gradients recorded and not discarded since the last step, now forgotten (lock held)."""
+        self._drop_discarded()
+        taken = self._held + self._fresh
+        self._held, self._fresh = [], []
+        return taken
+
+    def _take_for_step(self) -> list:
+        """The gradients recorded since the last step, taken for a push (the warnings' counts
+        restart)."""
+        with self._pending_lock:
+            taken = self._take_gradients()
+            self._backwards, self._stepped_past = 0, False
+        return taken
