@@ -176,6 +176,19 @@ class SyncSteps:
             self.done += 1
             self.pushed = self.ahead.pop(self.done, {})
 
+    def push_counted(self, trainer: str, step: int, payload: Any, token: Any,
+                     apply: Callable[[list[tuple[str, Any]]], None], refused: Callable[[], Exception]
+                     ) -> tuple[list[tuple[Future, Any, bool]], BaseException | None]:
+        """:meth:`push` (lock held), and what it made ready (:meth:`ready`: the reads to
+        :func:`settle` once the lock is released), with the push's failure to raise after them,
+        or None: the reads a step not applied failed are answered all the same."""
+        error: BaseException | None = None
+        try:
+            self.push(trainer, step, payload, token, apply, refused)
+        except BaseException as exc:
+            error = exc
+        return self.ready(), error
+
     def _skipped(self, exc: BaseException) -> None:
         """(``skip_refused``) step ``done`` could not be applied: count it as a refusal, and fail
         the reads waiting that carry a count of refusals (every trainer's: none was told of this

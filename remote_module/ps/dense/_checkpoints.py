@@ -168,25 +168,12 @@ class PSCheckpoints:
                 f"the optimizer state is for {state_dict.get('optimizer')!r}, "
                 f"this job uses {self.optimizer[0].__name__!r}"
             )
-        params = self._params()
         tables = state_dict.get("tables", {})
         missing = [qual for qual in self._tables if qual not in tables]
         if missing:
             raise KeyError(f"the optimizer state has no entry for sharded table(s) {missing}")
         marked = state_dict.get("per_element")
-        for pname, p in params.items():  # checked before anything is sent
-            entry = state_dict["state"].get(pname)
-            if entry is None:
-                raise KeyError(f"the optimizer state has no entry for parameter {pname!r}")
-            for key, value in entry.items():
-                per_element = key in marked.get(pname, ()) if marked is not None else (
-                    isinstance(value, torch.Tensor) and value.dim() > 0)
-                if per_element and (not isinstance(value, torch.Tensor) or value.shape != p.shape):
-                    raise ValueError(
-                        f"the optimizer state of parameter {pname!r} has {key!r} of shape "
-                        f"{tuple(getattr(value, 'shape', ()))}, but the parameter has shape {tuple(p.shape)}: load "
-                        "optimizer state saved from the same model"
-                    )
+        self._check_parameter_states(state_dict["state"], marked)  # checked before anything is sent
         for qual, table in self._tables.items():  # (refused here, e.g. another optimizer's: nothing loaded)
             table._check_optimizer_state(tables[qual])
         geo = state_dict.get("geo") if self.ps_mode == "geo" else None
@@ -199,28 +186,52 @@ class PSCheckpoints:
             self._load_trainer_optimizer_state(state_dict["state"])
             if geo is not None:
                 self._load_geo_progress(geo)
-            for qual, table in self._tables.items():
-                table.load_optimizer_state_dict(tables[qual])
-            return
-        calls = []
-        for server, slots in self._by_server().items():
-            states = {}
-            for s in slots:
-                entry = state_dict["state"][s.pname]
-                names = marked.get(s.pname, ()) if marked is not None else None
-                block = {}
-                for key, value in entry.items():
-                    if key in names if names is not None else (isinstance(value, torch.Tensor) and value.dim() > 0):
-                        block[key] = value.reshape(-1)[s.block.offset:s.block.offset + s.block.size].clone()
-                    else:
-                        block[key] = value.clone() if isinstance(value, torch.Tensor) else value
-                states[s.name] = block
-            if states:
-                calls.append((server, _server._load_optimizer_state, (self.name, states)))
-        call_all(calls, timeout=self.timeout)
+        else:
+            self._load_server_optimizer_state(state_dict["state"], marked)
         for qual, table in self._tables.items():
             table.load_optimizer_state_dict(tables[qual])
 
+    @staticmethod
+    def _per_element(key: str, value: Any, names: Any) -> bool:
+        """Whether ``key`` of a parameter's optimizer state is per element (sliced as the
+        parameter is): among ``names`` (a checkpoint's record of them), or, for a checkpoint
+        without it (None), a tensor that is not a scalar."""
+        return key in names if names is not None else (isinstance(value, torch.Tensor) and value.dim() > 0)
+
+    def _check_parameter_states(self, states: dict, marked: dict | None) -> None:
+        """``KeyError`` for a parameter without optimizer state in ``states``, ``ValueError``
+        for a per-element entry of another shape than its parameter's."""
+        for pname, p in self._params().items():
+            entry = states.get(pname)
+            if entry is None:
+                raise KeyError(f"the optimizer state has no entry for parameter {pname!r}")
+            for key, value in entry.items():
+                per_element = self._per_element(key, value, marked.get(pname, ()) if marked is not None else None)
+                if per_element and (not isinstance(value, torch.Tensor) or value.shape != p.shape):
+                    raise ValueError(
+                        f"the optimizer state of parameter {pname!r} has {key!r} of shape "
+                        f"{tuple(getattr(value, 'shape', ()))}, but the parameter has shape {tuple(p.shape)}: load "
+                        "optimizer state saved from the same model"
+                    )
+
+    def _load_server_optimizer_state(self, states: dict, marked: dict | None) -> None:
+        """Send each server the optimizer state of its blocks (the per-element entries sliced
+        as the blocks are, the others as they are)."""
+        calls = []
+        for server, slots in self._by_server().items():
+            blocks = {}
+            for s in slots:
+                names = marked.get(s.pname, ()) if marked is not None else None
+                block = {}
+                for key, value in states[s.pname].items():
+                    if self._per_element(key, value, names):
+                        block[key] = value.reshape(-1)[s.block.offset:s.block.offset + s.block.size].clone()
+                    else:
+                        block[key] = value.clone() if isinstance(value, torch.Tensor) else value
+                blocks[s.name] = block
+            if blocks:
+                calls.append((server, _server._load_optimizer_state, (self.name, blocks)))
+        call_all(calls, timeout=self.timeout)
 
     # ---- geo: the optimizer and the progress since the last push are the trainer's ----------------
 

@@ -261,14 +261,10 @@ def _push(name: str, trainer: str, step: int, grads: Any, answer: tuple | None =
             job.merges.queued()
             return None if answer is None else (job.snapshot(*answer), job.merges.left())
         else:  # sync
-            try:
-                job.sync.push(trainer, step, grads, None, job.apply_step, lambda: RuntimeError(
-                    f"parameter-server job {name!r}: trainer {trainer!r} pushed gradients for step {step}, but the "
-                    f"servers are at step {job.sync.done} ({STEPS_FROM_0}); in sync mode every trainer pushes once per "
-                    "step, in step"))
-            except BaseException as exc:  # (reads failed by a step not applied are answered all the same)
-                error = exc
-            ready = job.sync.ready()
+            ready, error = job.sync.push_counted(trainer, step, grads, None, job.apply_step, lambda: RuntimeError(
+                f"parameter-server job {name!r}: trainer {trainer!r} pushed gradients for step {step}, but the "
+                f"servers are at step {job.sync.done} ({STEPS_FROM_0}); in sync mode every trainer pushes once per "
+                "step, in step"))
     settle(ready)
     if error is not None:
         raise error

@@ -18,6 +18,7 @@ table's own path, which checks and refuses them as the table does.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
@@ -303,6 +304,22 @@ class Layout:
         return sized
 
 
+class _Batch(NamedTuple):
+    """A batch planned by :func:`plan`: what making its outputs of the servers' answers needs."""
+
+    tables: list  # the tables, in the entries' order
+    bags: list[int]  # each table's number of bags
+    layout: Layout
+    sized: Sized
+    flat: torch.Tensor  # every table's ids, in turn
+    starts: torch.Tensor  # every bag's first position in the batch
+    gid: torch.Tensor  # every id in the one id space (table k's from id_base[k])
+    bag_of: torch.Tensor  # each position's bag
+    records: list[bool]  # which tables record gradients (as at the plan: a prefetch's at its forward)
+    called: list[int]  # the servers called (indices into layout.servers), in call order
+    shares: list[tuple]  # each call's (server index, ids, each bag's first id there)
+
+
 def plan(owner: Any, entries: Sequence[tuple[ShardedEmbeddingBag, torch.Tensor, torch.Tensor | None]],
          wait_s: float) -> tuple[list, Callable[[list], list[torch.Tensor]]] | None:
     """The host calls (one per server) of the lookups ``entries`` (``(table, input, offsets)``,
@@ -310,29 +327,12 @@ def plan(owner: Any, entries: Sequence[tuple[ShardedEmbeddingBag, torch.Tensor, 
     batch does not pass the checks (ids out of range, bags given wrongly): each table's own
     path then refuses it as the table does. ``owner`` keeps the last :class:`Layout`."""
     tables = [t for t, _, _ in entries]
-    flats, offsets, sizes, bags = [], [], [], []
-    for _, x, off in entries:
-        flat = x.reshape(-1)
-        if x.dim() == 2:
-            off = torch.arange(x.shape[0]) * x.shape[1]
-        flats.append(flat)
-        offsets.append(off)
-        sizes.append(flat.numel())
-        bags.append(off.numel())
-    key = tuple(bags)
-    layout = owner.get(key)
-    if layout is None or len(layout.tables) != len(tables) or any(a is not b for a, b in zip(layout.tables, tables)):
-        layout = Layout(tables, bags)
-        owner.clear()
-        owner[key] = layout
+    flats, offsets, sizes, bags = _inputs(entries)
+    layout = _layout_of(owner, tables, bags)
     sized = layout.sized(sizes)
     flat = torch.cat(flats)
     starts = torch.cat(offsets) + sized.pos_base_at_bag  # every bag's first position in the batch
-    bad = ((starts[1:] < starts[:-1]).any() | (starts[layout.first_bag] != sized.first_offset).any()
-           | (starts[layout.last_bag] > sized.last_offset).any())
-    if flat.numel():
-        bad = bad | (flat < 0).any() | (flat >= sized.limit).any()
-    if bool(bad):
+    if _refused(layout, sized, flat, starts):
         return None
     # which tables record gradients (recorded when the outputs are made: a prefetch's at its forward)
     records = [torch.is_grad_enabled() and t.grad_marker.requires_grad for t in tables]
@@ -354,52 +354,100 @@ def plan(owner: Any, entries: Sequence[tuple[ShardedEmbeddingBag, torch.Tensor, 
                       ([tables[i].name for i in served], [tables[i]._step for i in served], ids,
                        first, [layout.bag_base[i] for i in served], [bags[i] for i in served], wait_s)))
         shares.append((k, ids, first))
+    batch = _Batch(tables, bags, layout, sized, flat, starts, gid, bag_of, records, called, shares)
+    return calls, partial(_outputs, batch)
 
-    def finish(got: list) -> list[torch.Tensor]:
-        dim = tables[0].embedding_dim
-        total = torch.zeros(layout.bag_base[-1], dim)
-        # (a server not called has no id of the batch: its part is zeros, which adding leaves as is)
-        if layout.in_order:
-            for k, part in zip(called, got):
-                rows = layout.rows[k]
-                total = total + part if rows is None else total.index_add(0, rows, part)
-        else:  # each table's parts in its own server order
-            parts = dict(zip(called, got))
-            for i, t in enumerate(tables):
-                lo, hi = layout.bag_base[i], layout.bag_base[i + 1]
-                for server in t._server_names:
-                    k = layout.servers.index(server)
-                    if k not in parts:
-                        continue
-                    at = sum(bags[j] for j in layout.served[k] if j < i)
-                    total[lo:hi] = total[lo:hi] + parts[k][at:at + hi - lo]
-        sizes_all = None
-        if layout.any_mean:
-            ends = torch.cat([starts[1:], starts.new_tensor([flat.numel()])])
-            sizes_all = (ends - starts).clamp(min=1).unsqueeze(1).to(total.dtype)
-            total = torch.where(layout.mean_bags.unsqueeze(1), total / sizes_all, total)
-        # (warns, as a table's own lookup does, of gradients never pushed)
-        recording = [i for i, t in enumerate(tables) if records[i] and t._records()]
-        together: dict[int, torch.Tensor] = {}  # per table recorded together: its pooled bags
-        if recording and all(tables[i]._dtype() == torch.float32 for i in recording):
-            divisor = torch.where(layout.mean_bags.unsqueeze(1), sizes_all, 1.0) if layout.any_mean else None
-            made = _record_together(layout, [tables[i] for i in recording], recording, total, divisor, shares)
-            together = dict(zip(recording, made))
-            recording = []
-        elif recording:  # (a table of another dtype: each its own rows' node, as alone)
-            uniq, inverse = torch.unique(gid, sorted=True, return_inverse=True)
-            cuts = torch.searchsorted(uniq, torch.tensor(layout.id_base)).tolist()
-        out = []
-        for i, t in enumerate(tables):
-            lo, hi = layout.bag_base[i], layout.bag_base[i + 1]
-            value = (together[i] if i in together else total[lo:hi]).to(t._dtype())
-            if i in recording:  # (a table of another dtype: its own rows' node, as alone)
-                p0, p1 = sized.pos_base[i], sized.pos_base[i + 1]
-                t_uniq = uniq[cuts[i]:cuts[i + 1]] - layout.id_base[i]
-                holder = t._recorded(t_uniq, torch.zeros(t_uniq.numel(), dim, dtype=t._dtype()))
-                value = _BagRows.apply(holder, value, inverse[p0:p1] - cuts[i], bag_of[p0:p1] - lo, None,
-                                       sizes_all[lo:hi] if t.bag_mode == "mean" else None)
-            out.append(value)
-        return out
 
-    return calls, finish
+def _inputs(entries: Sequence[tuple[Any, torch.Tensor, torch.Tensor | None]]) -> tuple[list, list, list, list]:
+    """Each entry's ids flat and its bags' offsets (a 2-d input: a bag per row), and the numbers
+    of ids and of bags of each."""
+    flats, offsets, sizes, bags = [], [], [], []
+    for _, x, off in entries:
+        flat = x.reshape(-1)
+        if x.dim() == 2:
+            off = torch.arange(x.shape[0]) * x.shape[1]
+        flats.append(flat)
+        offsets.append(off)
+        sizes.append(flat.numel())
+        bags.append(off.numel())
+    return flats, offsets, sizes, bags
+
+
+def _layout_of(owner: Any, tables: list, bags: list[int]) -> Layout:
+    """The :class:`Layout` of ``tables`` with ``bags``: ``owner``'s last one while they stay
+    the same, else a new one, which ``owner`` keeps."""
+    key = tuple(bags)
+    layout = owner.get(key)
+    if layout is None or len(layout.tables) != len(tables) or any(a is not b for a, b in zip(layout.tables, tables)):
+        layout = Layout(tables, bags)
+        owner.clear()
+        owner[key] = layout
+    return layout
+
+
+def _refused(layout: Layout, sized: Sized, flat: torch.Tensor, starts: torch.Tensor) -> bool:
+    """Whether the batch fails the checks (bags that go back, start elsewhere than their
+    table's first id or end past its last; ids out of range), in a few whole-batch ops."""
+    bad = ((starts[1:] < starts[:-1]).any() | (starts[layout.first_bag] != sized.first_offset).any()
+           | (starts[layout.last_bag] > sized.last_offset).any())
+    if flat.numel():
+        bad = bad | (flat < 0).any() | (flat >= sized.limit).any()
+    return bool(bad)
+
+
+def _summed(batch: _Batch, got: list) -> torch.Tensor:
+    """Every bag's sum of the servers' partial sums ``got``, in each table's own server order
+    (a server not called has no id of the batch: its part is zeros, which adding leaves as is)."""
+    layout, tables, bags = batch.layout, batch.tables, batch.bags
+    total = torch.zeros(layout.bag_base[-1], tables[0].embedding_dim)
+    if layout.in_order:
+        for k, part in zip(batch.called, got):
+            rows = layout.rows[k]
+            total = total + part if rows is None else total.index_add(0, rows, part)
+        return total
+    parts = dict(zip(batch.called, got))  # each table's parts in its own server order
+    for i, t in enumerate(tables):
+        lo, hi = layout.bag_base[i], layout.bag_base[i + 1]
+        for server in t._server_names:
+            k = layout.servers.index(server)
+            if k not in parts:
+                continue
+            at = sum(bags[j] for j in layout.served[k] if j < i)
+            total[lo:hi] = total[lo:hi] + parts[k][at:at + hi - lo]
+    return total
+
+
+def _outputs(batch: _Batch, got: list) -> list[torch.Tensor]:
+    """The tables' outputs of the servers' answers ``got`` (means divided by their bags' sizes),
+    recorded for the tables' steps: the float32 tables together (:func:`_record_together`),
+    a table of another dtype by its own rows' node, as alone."""
+    layout, tables, sized = batch.layout, batch.tables, batch.sized
+    total = _summed(batch, got)
+    sizes_all = None
+    if layout.any_mean:
+        ends = torch.cat([batch.starts[1:], batch.starts.new_tensor([batch.flat.numel()])])
+        sizes_all = (ends - batch.starts).clamp(min=1).unsqueeze(1).to(total.dtype)
+        total = torch.where(layout.mean_bags.unsqueeze(1), total / sizes_all, total)
+    # (warns, as a table's own lookup does, of gradients never pushed)
+    recording = [i for i, t in enumerate(tables) if batch.records[i] and t._records()]
+    together: dict[int, torch.Tensor] = {}  # per table recorded together: its pooled bags
+    if recording and all(tables[i]._dtype() == torch.float32 for i in recording):
+        divisor = torch.where(layout.mean_bags.unsqueeze(1), sizes_all, 1.0) if layout.any_mean else None
+        made = _record_together(layout, [tables[i] for i in recording], recording, total, divisor, batch.shares)
+        together = dict(zip(recording, made))
+        recording = []
+    elif recording:  # (a table of another dtype: each its own rows' node, as alone)
+        uniq, inverse = torch.unique(batch.gid, sorted=True, return_inverse=True)
+        cuts = torch.searchsorted(uniq, torch.tensor(layout.id_base)).tolist()
+    out = []
+    for i, t in enumerate(tables):
+        lo, hi = layout.bag_base[i], layout.bag_base[i + 1]
+        value = (together[i] if i in together else total[lo:hi]).to(t._dtype())
+        if i in recording:  # (a table of another dtype: its own rows' node, as alone)
+            p0, p1 = sized.pos_base[i], sized.pos_base[i + 1]
+            t_uniq = uniq[cuts[i]:cuts[i + 1]] - layout.id_base[i]
+            holder = t._recorded(t_uniq, torch.zeros(t_uniq.numel(), tables[0].embedding_dim, dtype=t._dtype()))
+            value = _BagRows.apply(holder, value, inverse[p0:p1] - cuts[i], batch.bag_of[p0:p1] - lo, None,
+                                   sizes_all[lo:hi] if t.bag_mode == "mean" else None)
+        out.append(value)
+    return out

@@ -51,7 +51,7 @@ def prefetching(batches: Iterable, tables: Any, features: Callable[[Any], Any] |
     half_async: a forward uses its prefetched lookup only if it holds every merge the servers
     finished before the forward began (else it reads again); with several trainers, or a step
     slower than ``half_async_merge_s``, that takes one small message per server at the forward
-    (see :class:`~remote_module.ps.tables._embedding.Prefetch`).
+    (see :class:`~remote_module.ps.tables._prefetch.Prefetch`).
 
     ``overlap=True`` (async and half_async only; ``ValueError`` for a sync table) goes one
     batch further in async mode: a step sends the lookups of the batch after the next, so their
@@ -79,6 +79,15 @@ def prefetching(batches: Iterable, tables: Any, features: Callable[[Any], Any] |
             loss.backward()
             bag.step()
     """
+    single, targets = _targets(tables)
+    _check_arguments(targets, features, overlap)
+    picks = [_feature_of(features, single, len(targets), k) for k in range(len(targets))]
+    yield from _prefetched(iter(batches), targets, picks, overlap)
+
+
+def _targets(tables: Any) -> tuple[bool, Sequence]:
+    """(:func:`prefetching`) Whether ``tables`` is one table or collection, and them as a list,
+    checked (``TypeError`` otherwise)."""
     single = isinstance(tables, _PREFETCHERS)
     wanted = ("prefetching takes a ShardedEmbedding, ShardedEmbeddingBag or ShardedEmbeddingBagCollection, "
               "or a sequence of them")
@@ -92,6 +101,11 @@ def prefetching(batches: Iterable, tables: Any, features: Callable[[Any], Any] |
         raise TypeError(f"{wanted}, got {tables!r:.200}") from None
     if not targets or not all(isinstance(t, _PREFETCHERS) for t in targets):
         raise TypeError(f"{wanted}, got {tables!r:.200}")
+    return single, targets
+
+
+def _check_arguments(targets: Sequence, features: Any, overlap: Any) -> None:
+    """(:func:`prefetching`) ``features`` and ``overlap`` checked, for ``targets``."""
     if features is not None and not callable(features):
         raise TypeError(f"features must be a function of a batch, got {features!r:.100}")
     if not isinstance(overlap, bool):
@@ -100,24 +114,27 @@ def prefetching(batches: Iterable, tables: Any, features: Callable[[Any], Any] |
         raise ValueError("prefetching(overlap=True) is for async and half_async tables: a sync table's lookups wait "
                          "for every trainer's step, so a lookup sent a step early cannot be answered before its "
                          "forward needs it; use overlap=False (the default) in sync mode")
+
+
+def _feature_of(features: Callable[[Any], Any] | None, single: bool, n: int, k: int) -> Callable[[Any], Any]:
+    """The input of the ``k``-th of ``n`` tables in a batch (``features(batch)``'s, or the batch)."""
+    def pick(batch: Any) -> Any:
+        value = batch if features is None else features(batch)
+        if single:
+            return value
+        value = list(value)
+        if len(value) != n:
+            raise ValueError(f"prefetching: features(batch) gave {len(value)} inputs for {n} tables")
+        return value[k]
+    return pick
+
+
+def _prefetched(it: Iterator, targets: Sequence, picks: list, overlap: bool) -> Iterator:
+    """:func:`prefetching`'s loop over the batches of ``it``, checked already."""
     depth = 2 if overlap else 1  # steps a lookup is sent ahead of its forward
-
-    def feature_of(k: int) -> Callable[[Any], Any]:
-        def pick(batch: Any) -> Any:
-            value = batch if features is None else features(batch)
-            if single:
-                return value
-            value = list(value)
-            if len(value) != len(targets):
-                raise ValueError(f"prefetching: features(batch) gave {len(value)} inputs for {len(targets)} tables")
-            return value[k]
-        return pick
-
-    picks = [feature_of(k) for k in range(len(targets))]
     # this loop's prefetches and planned calls: a loop nested in another on the same tables (an
     # evaluation loop inside the training loop) takes and drops only its own
     loop = object()
-    it = iter(batches)
     ahead: deque = deque()  # read, not yet yielded
     failure: list[BaseException] = []
 
@@ -150,9 +167,14 @@ def prefetching(batches: Iterable, tables: Any, features: Callable[[Any], Any] |
         if failure and not isinstance(failure[0], StopIteration):
             raise failure[0]
     finally:  # (a loop left early: nothing it planned ahead stays behind; another loop's stays)
-        for table in targets:
-            kept = [p for p in table.__dict__.pop("_after_step", []) if p.keywords["loop"] is not loop]
-            if kept:
-                table.__dict__["_after_step"] = kept
-            lookahead = table._lookahead()
-            lookahead.handles = [h for h in lookahead.handles if h.loop is not loop]
+        _forget(targets, loop)
+
+
+def _forget(targets: Sequence, loop: object) -> None:
+    """Drop what the prefetching ``loop`` planned on ``targets`` and did not use."""
+    for table in targets:
+        kept = [p for p in table.__dict__.pop("_after_step", []) if p.keywords["loop"] is not loop]
+        if kept:
+            table.__dict__["_after_step"] = kept
+        lookahead = table._lookahead()
+        lookahead.handles = [h for h in lookahead.handles if h.loop is not loop]

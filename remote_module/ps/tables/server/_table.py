@@ -263,13 +263,9 @@ class Table:
                 )
             if ids is not None:
                 self._check_push(trainer, ids, grad)  # before it counts: it would fail its step forever
-            try:
-                self.sync.push(trainer, step, (ids, grad), token, self._apply_step, lambda: RuntimeError(
-                    f"table {self.name!r}: trainer {trainer!r} pushed step {step}, the table is at step "
-                    f"{self.sync.done} ({STEPS_FROM_0})"))
-            except BaseException as exc:  # (reads failed by a step not applied are answered all the same)
-                error = exc
-            answers = self.sync.ready()
+            answers, error = self.sync.push_counted(trainer, step, (ids, grad), token, self._apply_step, lambda: (
+                RuntimeError(f"table {self.name!r}: trainer {trainer!r} pushed step {step}, the table is at step "
+                             f"{self.sync.done} ({STEPS_FROM_0})")))
         settle(answers)
         if error is not None:
             raise error
