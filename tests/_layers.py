@@ -16,6 +16,22 @@ returns one line per broken rule:
   ``torch.distributed.rpc.api`` and ``.internal``) appear only in the ``_torch_private.py``
   files.
 
+ps/'s inner map (``remote_module/ps/__init__.py`` says it too), by the part a module sits in:
+``ps/`` itself (its ``__init__.py`` gives the public names and may import every part),
+``shared`` (``ps/_*.py``: placement, options, modes, row-wise optimizers, the PS optimizer, the
+step transport), ``dense`` (``ps/dense/``: PSModel, its checkpoints, its server), ``tables``
+(``ps/tables/*.py``: the trainer side of the tables), ``tables/server`` (``ps/tables/server/``:
+table state, handlers, rows, initial rows, pooling, memory) and ``tables/lifetime``
+(``ps/tables/lifetime/``: admission, eviction, deltas). Within ps/, a module imports:
+
+- ``shared``: shared modules only;
+- ``dense``: shared and dense modules (never tables/: what both need is a shared module);
+- ``tables``: shared modules and any of tables/ (its server and lifetime parts included);
+- ``tables/server``: shared, tables/server and tables/lifetime modules, never the trainer side;
+- ``tables/lifetime``: lifetime modules, row storage (``tables/server/_rows.py``) and initial
+  rows (``tables/server/_initial.py``) only;
+- and none of them ``remote_module.ps`` itself (its public names lead to every part).
+
 Every import counts, also one inside a function, a relative one (``from .._core import x``),
 ``from remote_module import sharded`` (a module named after ``import``) and
 ``importlib.import_module("...")`` with a literal name.
@@ -142,6 +158,56 @@ def _check_import(layer: str, module: str, names: list[str], public: dict[str, s
     return None
 
 
+#: ps/'s parts (see the module docstring), and what each may import within ps/
+PS_ALLOWED = {
+    "shared": ("shared",),
+    "dense": ("shared", "dense"),
+    "tables": ("shared", "tables", "tables/server", "tables/lifetime"),
+    "tables/server": ("shared", "tables/server", "tables/lifetime"),
+    "tables/lifetime": ("tables/lifetime",),
+}
+#: the modules of other parts tables/lifetime may import: row storage and initial rows
+LIFETIME_USES = ("remote_module.ps.tables.server._rows", "remote_module.ps.tables.server._initial")
+PS_RULES = {
+    "shared": "ps/'s shared modules import nothing of dense/ or tables/",
+    "dense": "dense/ never imports tables/ (what both use is a shared ps/ module)",
+    "tables": "tables/ never imports dense/ (what both use is a shared ps/ module)",
+    "tables/server": "tables/server/ never imports the trainer side (tables/'s own modules) or dense/",
+    "tables/lifetime": "tables/lifetime/ imports only row storage and initial rows (tables/server/_rows.py, "
+                       "_initial.py)",
+}
+
+
+def _ps_part(parts: tuple[str, ...] | list[str]) -> str:
+    """The part of ps/ that ``parts`` (below ``remote_module/ps``: a file's path or a module's
+    dotted name, split) is in: ``ps`` (the package itself), ``shared``, ``dense``, ``tables``,
+    ``tables/server`` or ``tables/lifetime``."""
+    parts = [p[:-3] if p.endswith(".py") else p for p in parts]
+    if not parts or parts == ["__init__"]:
+        return "ps"
+    if parts[0] == "tables" and len(parts) > 1 and parts[1] in ("server", "lifetime"):
+        return f"tables/{parts[1]}"
+    if parts[0] in ("dense", "tables"):
+        return parts[0]
+    return "shared"
+
+
+def _check_ps_import(rel: tuple[str, ...], module: str) -> str | None:
+    """Why this import, in ps/'s file ``rel``, breaks ps/'s inner map, or None."""
+    parts = module.split(".")
+    if parts[:2] != ["remote_module", "ps"]:
+        return None
+    mine = _ps_part(rel[2:])
+    if mine == "ps":
+        return None
+    theirs = _ps_part(parts[2:])
+    if theirs == "ps":
+        return "ps's modules import each other's modules, not remote_module.ps (its names lead to every part)"
+    if theirs in PS_ALLOWED[mine] or (mine == "tables/lifetime" and module in LIFETIME_USES):
+        return None
+    return PS_RULES[mine]
+
+
 def _torch_private_uses(tree: ast.AST) -> Iterator[tuple[int, str]]:
     """``(line, name)`` of each use of a private torch name: an import of one, or an attribute
     ``_x`` read from a name bound to a torch module (``import torch.distributed.rpc as rpc``)."""
@@ -189,6 +255,8 @@ def _file_violations(root: Path, rel: tuple[str, ...], text: str, public: dict[s
         found = []
         for line, module, names in _imports(tree, rel, root):
             why = _check_import(layer, module, names, public)
+            if why is None and layer == "ps":
+                why = _check_ps_import(rel, module)
             if why:
                 found.append(f"{'/'.join(rel)}:{line}: {why} ({module})")
         if rel[-1] != "_torch_private.py":

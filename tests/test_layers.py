@@ -52,6 +52,38 @@ PLANTED = [
     ("remote_module/pipeline/_split.py", "from remote_module import dlrm_demo", "nothing below the demos"),
     ("remote_module/sharded/_mesh.py", "import importlib\nimportlib.import_module('remote_module._proxy.wire')",
      "not its modules"),
+    # ps/'s inner map: dense/ and tables/ apart, the table server apart from the trainer side,
+    # lifetime/ on row storage and initial rows only, the shared modules on each other only
+    ("remote_module/ps/dense/_model.py", "from remote_module.ps.tables._embedding import ShardedEmbedding",
+     "dense/ never imports tables/"),
+    ("remote_module/ps/dense/_server.py", "from ..tables.server import _handlers", "dense/ never imports tables/"),
+    ("remote_module/ps/dense/_pushes.py", "from remote_module.ps import tables", "dense/ never imports tables/"),
+    ("remote_module/ps/tables/_collection.py", "from remote_module.ps.dense._model import PSModel",
+     "tables/ never imports dense/"),
+    ("remote_module/ps/tables/server/_handlers.py", "from remote_module.ps.tables._embedding import ShardedEmbedding",
+     "tables/server/ never imports the trainer side"),
+    ("remote_module/ps/tables/server/_table.py", "def f():\n    from .. import _prefetch",
+     "tables/server/ never imports the trainer side"),
+    ("remote_module/ps/tables/server/_rows.py",
+     "import importlib\nimportlib.import_module('remote_module.ps.tables._embedding')",
+     "tables/server/ never imports the trainer side"),
+    ("remote_module/ps/tables/lifetime/_eviction.py", "from remote_module.ps.tables.server._table import Table",
+     "tables/lifetime/ imports only row storage and initial rows"),
+    ("remote_module/ps/tables/lifetime/_admission.py", "from remote_module.ps._modes import PS_MODES",
+     "tables/lifetime/ imports only row storage and initial rows"),
+    ("remote_module/ps/_steps.py", "from remote_module.ps.tables import _pushes", "shared modules import nothing"),
+    ("remote_module/ps/_optimizer.py", "from remote_module.ps.dense._model import PSModel",
+     "shared modules import nothing"),
+    ("remote_module/ps/tables/_embedding.py", "from remote_module.ps import PSModel", "not remote_module.ps"),
+]
+
+# imports ps/'s inner map allows, planted where a rule applies: nothing is found
+ALLOWED = [
+    ("remote_module/ps/tables/lifetime/_deltas.py", "from remote_module.ps.tables.server._initial import mix64"),
+    ("remote_module/ps/tables/server/_handlers.py", "from remote_module.ps.tables.lifetime import _deltas"),
+    ("remote_module/ps/tables/_lookups.py", "from remote_module.ps._steps import Flight"),
+    ("remote_module/ps/dense/_model.py", "from remote_module.ps._placement import place"),
+    ("remote_module/ps/__init__.py", "from remote_module.ps.tables.server import _handlers"),
 ]
 
 
@@ -78,3 +110,15 @@ def test_a_planted_bad_import_is_found(copied, path, planted, rule):
     where, why = found[0].split(": ", 1)
     assert where.startswith(f"{path}:") and int(where.rsplit(":", 1)[1]) > len(original.splitlines()), found
     assert rule in why, found
+
+
+@pytest.mark.parametrize("path,planted", ALLOWED, ids=[p for p, _ in ALLOWED])
+def test_an_import_the_ps_map_allows_is_not_found(copied, path, planted):
+    target = copied / path
+    original = target.read_text()
+    try:
+        target.write_text(original + "\n" + planted + "\n")
+        found = violations(copied)
+    finally:
+        target.write_text(original)
+    assert found == []

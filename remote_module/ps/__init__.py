@@ -14,6 +14,26 @@ sketch whose false admissions :func:`false_admission_rate` estimates. A sync tab
 servers refused reaches every trainer at its next lookup as :class:`StepRefused` (a
 ``ValueError``: the trainers' ``ps_optimizer`` settings disagree) or :class:`StepNotApplied`
 (a ``RuntimeError``: the optimizer raised something else).
+
+Inside, by concept (a test, tests/_layers.py, reads the imports and holds this map):
+
+- ``ps/_*.py``, shared by both kinds of owner of server-side parameters and importing only each
+  other: ``_placement`` (slicing and dispatch), ``_options`` (the arguments a PSModel and the
+  tables share, checked once), ``_modes`` (the modes, written once for both servers),
+  ``_rowwise`` (row-wise optimizers), ``_optimizer`` (ps_optimizer and the hook on local
+  optimizer steps) and ``_steps`` (the step transport: push plans, one message per server,
+  pushes in flight);
+- ``dense/``: PSModel, its step, its checkpoints and its server; it imports shared modules only,
+  never ``tables/`` (it steps the tables inside it as ``_steps.SteppedTable`` instances);
+- ``tables/``: the trainer's side of the tables (ShardedEmbedding(Bag), the collection, packed
+  planning, lookups, prefetch, gradient recording, pushes, the geo cache, checkpoints); it never
+  imports ``dense/``;
+- ``tables/server/``: the table servers (table state, RPC handlers, row storage, initial rows,
+  pooling, memory); it never imports the trainer's side;
+- ``tables/lifetime/``: the parts a table server composes for long-lived tables (admission,
+  eviction, deltas); they import only row storage and initial rows.
+
+No module of ps/ imports ``remote_module.ps`` itself: this file only gives the public names.
 """
 
 from remote_module.ps._modes import StepNotApplied, StepRefused

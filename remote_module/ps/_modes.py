@@ -1,5 +1,5 @@
-"""The parameter-server modes, written once for dense jobs (``_dense_server``) and sharded
-tables (``_table_server``).
+"""The parameter-server modes, written once for dense jobs (``dense._server``) and sharded
+tables (``tables.server``).
 
 - :data:`PS_MODES`: ``sync``, ``async``, ``half_async``, ``geo``.
 - :class:`SyncSteps` (``sync``): a step is applied once every one of ``num_trainers`` trainers

@@ -90,7 +90,7 @@ def send_push_plans(plans: Sequence[PushPlan], timeout: float | None, reads: Seq
 def _failure_of(future: Any, unpack: Callable[[list], tuple]) -> Any:
     """What went wrong with a step's message, once answered, without settling it: the first
     push's failure, or a sync push answered as not applied in time (``(None, message)``, see
-    ``_dense_server._push_applied``); None if all went through or no answer came yet."""
+    ``dense._server._push_applied``); None if all went through or no answer came yet."""
     if not future.done():
         return None
     try:

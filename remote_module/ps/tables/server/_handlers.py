@@ -134,7 +134,7 @@ def _bags_now(name: str, input: torch.Tensor, offsets: torch.Tensor | None, weig
 @rpc.functions.async_execution
 def _pool_tables(names: list[str], steps: list[int], ids: torch.Tensor, first: torch.Tensor, bag_base: list[int],
                  bag_counts: list[int], seconds: float = math.inf, seen: list[int] | None = None) -> Future:
-    """A collection's sum-pooled lookups of several tables in one call (``_packed``): ``ids``
+    """A collection's sum-pooled lookups of several tables in one call (``tables._packed``): ``ids``
     holds this server's ids of every table, table after table, and ``first`` every bag of the
     whole batch's first id at or after it in ``ids``; table ``names[j]``'s bags are the batch's
     ``bag_base[j]`` to ``bag_base[j] + bag_counts[j]``. The answer is their pooled bags, packed
