@@ -13,6 +13,7 @@ never from its modules: what is listed in ``__all__`` is the internal API, and
   :func:`call_one`: one call whose answer holds no RRef, waited for in
   the calling thread), nested budgets
   (:func:`nested_seconds`, :func:`answer_margin`), :func:`send_and_forget`;
+- ``answers``: the futures of the calls ``fanout`` sent, settled by answer or deadline;
 - ``settling``: settling futures off the RPC threads and the one deadline watcher;
 - ``errors``: :class:`RemoteModuleError`, :class:`CallTimeout`, remote tracebacks, retyping;
 - ``device``: parsing ``remote_device``, moving tensors to and from the host's device;
