@@ -95,7 +95,8 @@ class WorkerLost(BaseException):
 
     A ``BaseException`` (as ``KeyboardInterrupt``), so that ``except Exception`` in a training
     loop does not swallow it; ``lost`` lists the :class:`LostWorker` records, the message names
-    them by machine. The rank exits anyway :data:`END_GRACE_S` seconds after it is raised.
+    them by machine. The rank exits anyway :data:`~rpc_backend.watch.END_GRACE_S` seconds after
+    it is raised.
     """
 
     def __init__(self, message: str, lost: Sequence[LostWorker]) -> None:

@@ -45,7 +45,8 @@ class Peers:
     """What this rank knows of its peers, and what follows from it at a given time.
 
     All methods take the time (``now``, seconds of a monotonic clock) and change nothing
-    else: the :class:`Watcher` calls them under its lock with ``time.monotonic()``.
+    else: the :class:`~rpc_backend.watch.Watcher` calls them under its lock with
+    ``time.monotonic()``.
     """
 
     me: str
@@ -56,7 +57,7 @@ class Peers:
     #: the graceful shutdown is done here (an expendable peer was lost), not by torch
     survivors: bool = False
     #: silence is counted only up to what this rank's own RPC queue has handled (the
-    #: :class:`Watcher` probes it with a heartbeat to itself); off, up to ``now``
+    #: :class:`~rpc_backend.watch.Watcher` probes it with a heartbeat to itself); off, up to ``now``
     probing: bool = False
     peers: dict[str, _Peer] = field(default_factory=dict)
     #: every message that reached this rank before this time has been handled (the sending

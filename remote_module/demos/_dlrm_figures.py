@@ -35,6 +35,7 @@ class Curves:
         return out
 
     def note_ids(self, batch: Batch) -> None:
+        """Keep ``batch``'s distinct ids per table (when the run watches its rows' lifetime)."""
         for seen, ids in zip(self.drawn, batch.ids):
             seen.append(ids.unique())
 
