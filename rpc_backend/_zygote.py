@@ -110,7 +110,7 @@ def _reseed() -> None:
 
 def _forked_rank(prep: dict, payload: bytes, rank: int, zygote_pid: int, messages: Messages) -> None:
     _reseed()  # before the caller's script runs: it may seed them
-    from rpc_backend.local import _failure, _rank_entry
+    from rpc_backend._local_rank import failure_status, rank_entry
 
     me = mp.current_process()
     # While the script runs as __mp_main__, a run_local it reaches (no ``if __name__ ==
@@ -120,12 +120,12 @@ def _forked_rank(prep: dict, payload: bytes, rank: int, zygote_pid: int, message
         mp.spawn.prepare(prep)  # what a spawned process did first: sys.path, argv, cwd, __main__
         args = pickle.loads(payload)[rank]
     except BaseException as exc:
-        messages.put((_failure(exc), rank, traceback.format_exc()))
+        messages.put((failure_status(exc), rank, traceback.format_exc()))
         os._exit(1)
     finally:
         del me._inheriting
     try:
-        _rank_entry(zygote_pid, *args, messages)
+        rank_entry(zygote_pid, *args, messages)
     finally:
         # A forked child ends with os._exit (no interpreter exit): run what a spawned rank's
         # interpreter ran at exit. (Ranks that fail end with os._exit themselves, as before.)
@@ -137,7 +137,7 @@ def zygote_main(sent: tuple, message_fd: int, launcher_pid: int) -> None:
     them with ``waitpid``, reporting each exit code, and end once none is left."""
     prep, names, payload = sent
     _set_parent_death_signal(signal.SIGKILL)  # no thread yet: forking comes first
-    import rpc_backend.local  # noqa: F401  (torch and what every rank runs, imported once)
+    import rpc_backend._local_rank  # noqa: F401  (torch and what every rank runs, imported once)
 
     messages = Messages(message_fd)
     prep = {k: v for k, v in prep.items() if k != "start_method"}  # a rank's stays "spawn"
@@ -322,8 +322,8 @@ def _exists(pid: int | None) -> bool:
 
 def start(fn_args: Sequence[tuple], names: Sequence[str], main_name: str = "rpc-local-world") -> Ranks:
     """Start a world: the zygote, which forks one rank per name; rank ``r`` runs
-    ``_rank_entry(zygote_pid, *fn_args[r], messages)``. Raises at once (nothing started) when
-    the arguments cannot be pickled."""
+    ``rpc_backend._local_rank.rank_entry(zygote_pid, *fn_args[r], messages)``. Raises at once
+    (nothing started) when the arguments cannot be pickled."""
     prep = mp.spawn.get_preparation_data(main_name)
     if "authkey" in prep:  # an AuthenticationString pickles only while spawning: send its bytes
         prep["authkey"] = bytes(prep["authkey"])

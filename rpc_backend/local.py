@@ -12,32 +12,24 @@ stops the world within seconds instead of hanging it.
 
 from __future__ import annotations
 
-import ast
 import contextlib
-import io
 import logging
 import os
 import pickle
 import queue
 import signal
-import sys
 import threading
 import time
-import traceback
-import warnings
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-import torch.distributed.rpc as rpc
-
-from rpc_backend._lifetime import StopSignals, exit_with_parent
-from rpc_backend._quiet import hide_functional_optimizer_deprecation, no_backend_as_process_group_warning
+from rpc_backend._lifetime import StopSignals
+from rpc_backend._sendable import check_importable, raise_if_unsendable
 from rpc_backend._zygote import Ranks
 from rpc_backend._zygote import start as start_world
-from rpc_backend.loopback import loopback_env, loopback_store
+from rpc_backend.loopback import loopback_store
 from rpc_backend.options import DEFAULT_TRANSPORT, make_options, positive_seconds
 from rpc_backend.roles import RankPlacement, placements
-from rpc_backend.watch import WatchSettings, on_lost, start_watching, watch_settings
-from rpc_backend.world import Worker, _set_current
+from rpc_backend.watch import watch_settings
 
 _log = logging.getLogger("rpc_backend.run_local")
 
@@ -53,169 +45,6 @@ class LocalWorldError(RuntimeError):
         self.name = name
         self.text = text
         self.interrupted = interrupted
-
-
-def _rank_entry(
-    parent_pid: int,
-    fn: Callable[..., Any],
-    args: tuple,
-    rank: int,
-    layout: list[RankPlacement],
-    store_port: int,
-    option_kwargs: dict,
-    shutdown_timeout: float | None,
-    watching: WatchSettings | None,
-    results: Any,
-) -> None:
-    exit_with_parent(parent_pid)  # a parent killed outright (SIGKILL) cannot stop its ranks
-    signal.signal(signal.SIGINT, _interrupt_once)
-    hide_functional_optimizer_deprecation()
-    # The user's script runs here as __mp_main__: show the DeprecationWarnings its own lines
-    # trigger, as Python's default filters do for __main__ (a plain run or torchrun).
-    warnings.filterwarnings("default", category=DeprecationWarning, module="__mp_main__")
-    world_size = len(layout)
-    me = layout[rank]
-    os.environ.update(loopback_env())
-    os.environ.update(
-        # the launcher's store, as torchrun's agent provides one (MASTER_ADDR is 127.0.0.1)
-        MASTER_PORT=str(store_port),
-        TORCHELASTIC_USE_AGENT_STORE="True",
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        ROLE_NAME=me.role,
-        ROLE_RANK=str(me.role_rank),
-        ROLE_WORLD_SIZE=str(me.role_size),
-    )
-    try:
-        init_method = f"tcp://{os.environ['MASTER_ADDR']}:{store_port}"
-        options = make_options(init_method=init_method, worker_names=[p.name for p in layout], **option_kwargs)
-        with no_backend_as_process_group_warning():
-            rpc.init_rpc(me.name, rank=rank, world_size=world_size, rpc_backend_options=options)
-        start_watching(me.name, layout, watching)
-        if watching is not None and watching.expendable:
-            _tell_launcher_of_losses(results, me.name)
-        worker = _set_current(
-            Worker(me.name, rank, world_size, rank, me.role, me.role_rank, me.role_size,
-                   shutdown_timeout=shutdown_timeout, layout=list(layout))
-        )
-        results.put(("joined", rank, None))  # for the caller's progress messages
-        value = fn(*args)
-        results.put(("returned", rank, None))
-    except BaseException as exc:
-        _report_failure(results, rank, exc)
-        # Skip the graceful barrier: the others may be waiting on this rank forever.
-        os._exit(1)
-    try:
-        # Serve the other ranks until every one is done; the result goes out afterwards, so a
-        # rank that could not finish its shutdown is reported as failed.
-        worker.shutdown(graceful=True)
-    except BaseException as exc:
-        _report_failure(results, rank, exc)
-        os._exit(1)
-    try:
-        payload = _result_bytes(value)
-    except _UnpicklableResult as exc:
-        _send(results, ("error", rank, str(exc)))
-        os._exit(1)
-    _send(results, ("ok", rank, payload))
-
-
-def _tell_launcher_of_losses(results: Any, me: str) -> None:
-    """Send the launcher each expendable peer this rank's heartbeats count lost: a frozen rank
-    never exits by itself, and the launcher waits for every process (it kills that one)."""
-
-    def tell(lost: Any) -> None:
-        try:
-            results.put(("lost", lost.rank, f"not heard from for {lost.silent_s:.1f} s (noticed by {me})"))
-        except (OSError, ValueError):  # this rank is past its report: the launcher has its result
-            pass
-
-    on_lost(tell)
-
-
-def _interrupt_once(signum: int, frame: Any) -> None:
-    """A rank's SIGINT handler: the first raises ``KeyboardInterrupt`` as Python's own does;
-    later ones are ignored. The same Ctrl-C has reached the launcher, which stops every rank,
-    so a second one (``timeout`` and some shells send it again to the whole group) would only
-    interrupt the rank's report of the first, printing chained tracebacks."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    raise KeyboardInterrupt
-
-
-def _report_failure(results: Any, rank: int, exc: BaseException) -> None:
-    """Send the launcher ``exc``'s traceback. A rank interrupted (``KeyboardInterrupt``) then
-    waits, its connections open, until the launcher stops the world: the launcher then stops
-    the ranks together (or the same Ctrl-C has reached them all), whereas a rank that
-    exited alone made its peers' TensorPipe agents warn on the console that it was gone."""
-    status = _failure(exc)
-    _send(results, (status, rank, traceback.format_exc()))
-    if status == "interrupted":
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C: nothing more to say
-        while True:
-            signal.pause()  # SIGTERM (the launcher's _stop) ends the process
-
-
-def _failure(exc: BaseException) -> str:
-    """How a rank reports ``exc``: "interrupted" for a ``KeyboardInterrupt`` (the rank got
-    SIGINT, as every process of a terminal's foreground group does on Ctrl-C), else "error"."""
-    return "interrupted" if isinstance(exc, KeyboardInterrupt) else "error"
-
-
-class _UnpicklableResult(Exception):
-    """A rank's return value cannot be pickled; the message names the offending type."""
-
-
-def _result_bytes(value: Any) -> bytes:
-    """``value`` pickled by value with the plain pickler.
-
-    The result queue's own pickler (multiprocessing's, with torch's reducers) would share a
-    tensor's storage through a file descriptor of this process, which is gone by the time the
-    caller reads it; plain pickle copies tensors into the bytes instead.
-    """
-    try:
-        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:
-        where, culprit = _first_unpicklable(value, "result")
-        raise _UnpicklableResult(
-            f"fn returned a value run_local cannot send back: {where} is of type "
-            f"{_type_name(culprit)}, which cannot be pickled ({type(exc).__name__}: {exc}); return "
-            f"picklable data instead (tensors, numbers, strings, lists, dicts, ...)"
-        ) from None
-
-
-def _first_unpicklable(value: Any, where: str, depth: int = 0) -> tuple[str, Any]:
-    """The path and value of the innermost part of ``value`` that cannot be pickled, looking
-    into lists, tuples, sets and dicts; ``value`` itself when no part is to blame."""
-    if depth < 20:
-        if isinstance(value, dict):
-            items: Any = [(f"{where}[{k!r}]", v) for k, v in value.items()]
-            items += [(f"a key of {where}", k) for k in value]
-        elif isinstance(value, (list, tuple)):
-            items = [(f"{where}[{i}]", v) for i, v in enumerate(value)]
-        elif isinstance(value, (set, frozenset)):
-            items = [(f"an element of {where}", v) for v in value]
-        else:
-            items = []
-        for inner_where, inner in items:
-            try:
-                pickle.dumps(inner, protocol=pickle.HIGHEST_PROTOCOL)
-            except Exception:
-                return _first_unpicklable(inner, inner_where, depth + 1)
-    return where, value
-
-
-def _type_name(value: Any) -> str:
-    cls = type(value)
-    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _send(results: Any, item: tuple) -> None:
-    """Put ``item`` and wait until it is flushed: the process may ``os._exit`` right after."""
-    results.put(item)
-    results.close()
-    results.join_thread()
 
 
 def run_local(
@@ -305,15 +134,8 @@ def run_local(
         if __name__ == "__main__":
             print(run_local(main, 2))    # [3, None]
     """
-    if roles is not None and names is not None:
-        raise ValueError("pass roles or names, not both")
-    _check_importable(fn)
-    layout = placements(world_size, roles)
-    if names is not None:
-        names = list(names)
-        if len(names) != world_size or len(set(names)) != world_size:
-            raise ValueError(f"names must be {world_size} distinct worker names, got {names!r}")
-        layout = [RankPlacement(n, "worker", r, world_size) for r, n in enumerate(names)]
+    check_importable(fn)
+    layout = _layout(world_size, roles, names)
     names = [p.name for p in layout]
     if shutdown_timeout is not None:
         shutdown_timeout = positive_seconds(shutdown_timeout, "shutdown_timeout")
@@ -324,13 +146,7 @@ def run_local(
         raise TypeError(f"progress must be a callable taking one str (e.g. print), got {progress!r}")
     option_kwargs = dict(rpc_timeout=rpc_timeout, num_worker_threads=num_worker_threads, device_maps=None,
                          transport=transport)
-    # validate here, in the caller, before any process starts
-    make_options(worker_names=names, **option_kwargs)
-    maps_by_worker = dict(device_maps or {})
-    for worker, maps in maps_by_worker.items():
-        if worker not in names:
-            raise ValueError(f"device_maps names worker {worker!r}, which is not in the world {names}")
-        make_options(worker_names=names, **{**option_kwargs, "device_maps": maps})
+    maps_by_worker = _checked_options(names, option_kwargs, device_maps)
     stop = StopSignals()
     with stop:  # main thread only: SIGINT/SIGTERM stop the ranks first, then take effect
         store = loopback_store()
@@ -343,13 +159,7 @@ def run_local(
         ]
         try:
             stop.raise_if_received()
-            with _environment_lock, _one_thread_unless_set(world_size), \
-                    _unless_set("MALLOC_ARENA_MAX", "2"):  # read by the zygote as it starts
-                try:
-                    ranks = start_world(rank_args, names)  # pickles first: nothing started if that fails
-                except Exception as exc:
-                    _raise_if_unsendable(args, exc)
-                    raise
+            ranks = _start_ranks(rank_args, names, args)
             if progress is not None:
                 progress(f"started {world_size} processes ({', '.join(names)}), forked from one that imports "
                          f"torch once; each then joins the RPC world")
@@ -363,128 +173,41 @@ def run_local(
     return [values[r] for r in range(world_size)]
 
 
-_IMPORTABLE = (
-    "each rank imports the function by its module and name, so it must be defined at the top "
-    "level of a module the ranks can import (the script run as __main__ counts, with its "
-    "run_local call under `if __name__ == \"__main__\":`), not a lambda, a function nested in "
-    "another or a method of a local class; pass what it needs through args=(...)"
-)
+def _layout(world_size: int, roles: Mapping[str, int] | None, names: Sequence[str] | None) -> list[RankPlacement]:
+    """Each rank's name and role: from ``roles``, or the given ``names`` (role "worker")."""
+    if roles is not None and names is not None:
+        raise ValueError("pass roles or names, not both")
+    layout = placements(world_size, roles)
+    if names is not None:
+        names = list(names)
+        if len(names) != world_size or len(set(names)) != world_size:
+            raise ValueError(f"names must be {world_size} distinct worker names, got {names!r}")
+        layout = [RankPlacement(n, "worker", r, world_size) for r, n in enumerate(names)]
+    return layout
 
 
-def _check_importable(fn: Any) -> None:
-    """Raise ``TypeError`` unless the ranks can import ``fn`` (it pickles by reference, and not
-    to ``__main__`` of a session that has no file for the ranks to run: ``python -c``, stdin, a
-    notebook). Checked in the caller, before any process starts."""
-    if not callable(fn):
-        raise TypeError(f"run_local's fn must be callable, got {fn!r}")
-    modules: set[str | None] = set()
-    from_main: set[str] = set()  # the top-level names in __main__ that fn refers to
-
-    class Recorder(pickle.Pickler):
-        def reducer_override(self, obj: Any) -> Any:
-            if isinstance(obj, type) or callable(obj) and hasattr(obj, "__qualname__"):
-                module = getattr(obj, "__module__", None)
-                modules.add(module)
-                if module == "__main__":
-                    from_main.add(str(obj.__qualname__).split(".")[0])
-            return NotImplemented
-
-    try:
-        Recorder(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL).dump(fn)
-    except Exception as exc:
-        raise TypeError(
-            f"run_local cannot send fn {_callable_name(fn)} to its ranks ({type(exc).__name__}: {exc}): "
-            f"{_IMPORTABLE}"
-        ) from None
-    main = sys.modules.get("__main__")
-    if "__main__" in modules and main is not None and not _main_importable(main):
-        raise TypeError(
-            f"run_local cannot send fn {_callable_name(fn)} to its ranks: it is (or refers to) code defined "
-            f"in __main__ of a session that has no file the ranks could import (python -c, stdin, a "
-            f"notebook); put it in a file, a module or the script you run, and import it from there"
-        )
-    guarded = sorted(from_main - _main_top_level_names(main)) if from_main and main is not None else []
-    if guarded:
-        raise TypeError(
-            f"run_local cannot send fn {_callable_name(fn)} to its ranks: {', '.join(guarded)} is defined under "
-            f"`if __name__ == \"__main__\":` in {main.__file__}, which the ranks do not run (each imports the "
-            f"script as __mp_main__, as a spawned process does); define it at the script's top level"
-        )
+def _checked_options(names: list[str], option_kwargs: dict, device_maps: dict | None) -> dict[str, dict]:
+    """Each worker's device maps, once every rank's RPC options are checked here, in the
+    caller, before any process starts."""
+    make_options(worker_names=names, **option_kwargs)
+    maps_by_worker = dict(device_maps or {})
+    for worker, maps in maps_by_worker.items():
+        if worker not in names:
+            raise ValueError(f"device_maps names worker {worker!r}, which is not in the world {names}")
+        make_options(worker_names=names, **{**option_kwargs, "device_maps": maps})
+    return maps_by_worker
 
 
-def _main_top_level_names(main: Any) -> set[str]:
-    """The names the script run as ``__main__`` binds at its top level outside an
-    ``if __name__ == "__main__":`` block (what a rank importing it has); every name of
-    ``main`` when that cannot be told (no source file, a star import)."""
-    everything = set(vars(main))
-    path = getattr(main, "__file__", None)
-    try:
-        with open(path, encoding="utf-8") as f:  # type: ignore[arg-type]
-            tree = ast.parse(f.read())
-    except (OSError, TypeError, SyntaxError, ValueError):
-        return everything
-
-    def is_main_guard(test: ast.expr) -> bool:
-        return (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__"
-                and len(test.comparators) == 1 and isinstance(test.comparators[0], ast.Constant)
-                and test.comparators[0].value == "__main__")
-
-    names: set[str] = set()
-    body = list(tree.body)
-    while body:
-        node = body.pop()
-        if isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names):
-            return everything
-        if isinstance(node, ast.If) and is_main_guard(node.test):
-            body += node.orelse
-            continue
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-            continue
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            names.update((a.asname or a.name).split(".")[0] for a in node.names)
-            continue
-        stores = [n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)]
-        if isinstance(node, (ast.If, ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.Try)):
-            # a block: its statements bind at the top level too (the walk above over-counts names
-            # bound inside functions defined in it: that only lets more through)
-            for child in ast.iter_child_nodes(node):
-                if isinstance(child, ast.stmt):
-                    body.append(child)
-                elif isinstance(child, ast.excepthandler):
-                    body += child.body
-        names.update(stores)
-    return names
-
-
-def _main_importable(main: Any) -> bool:
-    """Whether a rank can import ``main`` as ``__mp_main__``, as ``multiprocessing`` decides
-    (``-m`` module name or the script's file)."""
-    name = getattr(getattr(main, "__spec__", None), "name", None)
-    return name is not None or getattr(main, "__file__", None) is not None
-
-
-def _callable_name(fn: Any) -> str:
-    name = getattr(fn, "__qualname__", None)
-    module = getattr(fn, "__module__", None)
-    if name is None:
-        return repr(fn)
-    return f"{module}.{name}" if module else name
-
-
-def _raise_if_unsendable(args: tuple, exc: Exception) -> None:
-    """When ``args`` cannot be pickled (the reason ``exc`` was raised), a ``TypeError`` naming
-    the offending argument; otherwise nothing."""
-    try:
-        pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:
-        where, culprit = _first_unpicklable(args, "args")
-        what = _callable_name(culprit) if callable(culprit) else f"of type {_type_name(culprit)}"
-        raise TypeError(
-            f"run_local cannot send {where} ({what}) to its ranks: it cannot be pickled "
-            f"({type(exc).__name__}: {exc}); a function or class passed in args must be defined at "
-            f"the top level of a module the ranks can import, and other values must be picklable"
-        ) from None
+def _start_ranks(rank_args: list[tuple], names: list[str], args: tuple) -> Ranks:
+    """Start the zygote, which forks the ranks, in this process's environment plus the
+    defaults of :func:`_one_thread_unless_set` and ``MALLOC_ARENA_MAX=2`` (read by the zygote
+    as it starts). ``TypeError`` naming the culprit when ``args`` cannot be pickled."""
+    with _environment_lock, _one_thread_unless_set(len(names)), _unless_set("MALLOC_ARENA_MAX", "2"):
+        try:
+            return start_world(rank_args, names)  # pickles first: nothing started if that fails
+        except Exception as exc:
+            raise_if_unsendable(args, exc)
+            raise
 
 
 #: Held while a world's zygote starts with the environment ``_one_thread_unless_set`` made

@@ -76,471 +76,55 @@ watcher stops once ``rpc.shutdown`` has returned.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import signal
 import socket
 import threading
 import time
-import weakref
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-from rpc_backend.options import positive_seconds
+from rpc_backend._beats import (
+    LEAVING,
+    MAX_STATUS_CHARS,
+    RUNNING,
+    Beat,
+    LostWorker,
+    Origin,
+    WorkerLost,
+    add_status,
+    current_status,
+    describe_lost,
+)
+from rpc_backend._peers import LATE_READ_FACTOR, MAX_BEATS_IN_FLIGHT, Peers
+from rpc_backend._watch_settings import (
+    DEFAULT_HEARTBEAT_S,
+    DEFAULT_LOST_AFTER_S,
+    HEARTBEAT_ENV,
+    LOST_AFTER_ENV,
+    MIN_HEARTBEAT_S,
+    OFF_WORDS,
+    WatchSettings,
+    watch_settings,
+)
 from rpc_backend.roles import RankPlacement
 
-#: Seconds between heartbeats, unless ``heartbeat=`` or :data:`HEARTBEAT_ENV` says otherwise.
-DEFAULT_HEARTBEAT_S = 1.0
-#: Seconds of silence after which a peer is lost, unless ``lost_after=`` or :data:`LOST_AFTER_ENV` says otherwise.
-DEFAULT_LOST_AFTER_S = 10.0
-HEARTBEAT_ENV = "RPC_BACKEND_HEARTBEAT_S"
-LOST_AFTER_ENV = "RPC_BACKEND_LOST_AFTER_S"
-#: What :data:`LOST_AFTER_ENV` may be set to for "never lost" (watching off).
-OFF_WORDS = ("off", "inf", "none")
+__all__ = [  # (the records, settings and peer bookkeeping live in _beats, _watch_settings, _peers)
+    "DEFAULT_HEARTBEAT_S", "DEFAULT_LOST_AFTER_S", "HEARTBEAT_ENV", "LOST_AFTER_ENV", "OFF_WORDS",
+    "MIN_HEARTBEAT_S", "END_GRACE_S", "VERDICT_WAIT_S", "LATE_READ_FACTOR", "MAX_BEATS_IN_FLIGHT", "EXIT_STATUS",
+    "MAX_STATUS_CHARS", "RUNNING", "LEAVING", "END_SIGNAL", "Origin", "Beat", "LostWorker", "describe_lost",
+    "WorkerLost", "WatchSettings", "watch_settings", "add_status", "current_status", "Peers", "Watcher",
+    "on_lost", "start_watching", "current_watcher", "stop_watching", "shutdown_with_survivors", "machine_of",
+    "lost_workers",
+]
+
 #: Seconds a rank that lost a peer has to end by its :class:`WorkerLost` before it exits anyway.
 END_GRACE_S = 5.0
 #: Seconds (at most) a rank that lost a peer waits for the others to hear it before it ends.
 VERDICT_WAIT_S = 3.0
-#: Silence read late still counts once it is this many times ``lost_after`` old: a rank whose
-#: RPC threads are all blocked (on the lost peer itself, say) never reads its queue, so its own
-#: probe cannot tell how far behind it is; it names a lost peer within this bound anyway.
-LATE_READ_FACTOR = 4
-#: Heartbeats in flight to one peer at most (their answers may wait in this rank's queue).
-MAX_BEATS_IN_FLIGHT = 1000
 #: The exit status of a rank that :data:`END_GRACE_S` ended.
 EXIT_STATUS = 1
-#: Longest status line a heartbeat carries.
-MAX_STATUS_CHARS = 200
-
-RUNNING = "running"
-LEAVING = "leaving"
 
 _log = logging.getLogger("rpc_backend.watch")
-
-
-class Origin(NamedTuple):
-    """Where a worker runs: what a lost one is named by."""
-
-    hostname: str
-    address: str
-    #: torchrun's ``GROUP_RANK`` (its machine's rank in the job), "" when not under torchrun
-    group_rank: str
-    pid: int
-
-    def machine(self) -> str:
-        """``"machine1 (10.42.0.2, torchrun group rank 1)"``."""
-        details = [d for d in (self.address, self.group_rank and f"torchrun group rank {self.group_rank}") if d]
-        return f"{self.hostname} ({', '.join(details)})" if details else self.hostname
-
-
-class Beat(NamedTuple):
-    """What a heartbeat carries, each way (the answer is the receiver's own)."""
-
-    name: str
-    #: :data:`RUNNING`, or :data:`LEAVING` once the sender's graceful shutdown has begun
-    phase: str
-    #: what layers above report (:func:`add_status`), e.g. "step 41 of PSModel 'mlp'"; "" if nothing
-    status: str
-    origin: Origin
-    #: set in the last heartbeats of a rank that lost a peer and ends: the receivers end too
-    lost: tuple = ()
-
-
-class LostWorker(NamedTuple):
-    """A peer not heard from for ``lost_after`` seconds (or, named with one, for some seconds)."""
-
-    name: str
-    rank: int
-    role: str
-    #: where it ran, from its last heartbeat (None: never heard from)
-    origin: Origin | None
-    #: its last status line ("" if none)
-    status: str
-    #: its last phase heard (:data:`RUNNING` when never heard from)
-    phase: str
-    #: seconds since it was last heard from, when it was named
-    silent_s: float
-    expendable: bool
-
-    def describe(self) -> str:
-        """``"trainer1 (rank 2, pid 4242, at step 41 of PSModel 'mlp', not heard from for 10.2 s)"``."""
-        parts = [f"rank {self.rank}"]
-        if self.origin is not None:
-            parts.append(f"pid {self.origin.pid}")
-        if self.status:
-            parts.append(f"at {self.status}")
-        if self.phase == LEAVING:
-            parts.append("in its graceful rpc.shutdown()")  # (where a server serves: not leaving yet)
-        parts.append(f"not heard from for {self.silent_s:.1f} s")
-        return f"{self.name} ({', '.join(parts)})"
-
-
-def describe_lost(lost: Sequence[LostWorker]) -> str:
-    """The lost workers grouped by machine, e.g. ``"trainer1 (...) and trainer2 (...) on
-    machine1 (10.42.0.2, torchrun group rank 1)"``; machines in the order of their first
-    worker's rank."""
-    groups: dict[str, list[LostWorker]] = {}
-    for worker in sorted(lost, key=lambda w: w.rank):
-        where = worker.origin.machine() if worker.origin is not None else "a machine never heard from"
-        groups.setdefault(where, []).append(worker)
-    parts = []
-    for where, workers in groups.items():
-        named = [w.describe() for w in workers]
-        listed = named[0] if len(named) == 1 else f"{', '.join(named[:-1])} and {named[-1]}"
-        parts.append(f"{listed} on {where}")
-    return "; ".join(parts)
-
-
-#: The shortest heartbeat accepted (seconds): shorter ones flood every peer with messages.
-MIN_HEARTBEAT_S = 0.05
-
-
-class WorkerLost(BaseException):
-    """Raised in a rank's main thread when a peer of a role that is not expendable is lost.
-
-    A ``BaseException`` (as ``KeyboardInterrupt``), so that ``except Exception`` in a training
-    loop does not swallow it; ``lost`` lists the :class:`LostWorker` records, the message names
-    them by machine. The rank exits anyway :data:`END_GRACE_S` seconds after it is raised.
-    """
-
-    def __init__(self, message: str, lost: Sequence[LostWorker]) -> None:
-        super().__init__(message)
-        self.lost = list(lost)
-
-
-class WatchSettings(NamedTuple):
-    """How a rank watches its peers (:func:`watch_settings` resolves and checks them)."""
-
-    heartbeat: float
-    lost_after: float
-    expendable: frozenset[str]
-
-
-def _seconds_from(value: Any, what: str, variable: str, env: Mapping[str, str], default: float) -> float:
-    if value is None:
-        raw = env.get(variable, "").strip()
-        if not raw:
-            return default
-        if raw.lower() in OFF_WORDS:
-            return math.inf
-        try:
-            value = float(raw)
-        except ValueError:
-            raise ValueError(f"{variable}={raw!r} is not a number of seconds; set it to e.g. 10, or to 'off'") from None
-        what = variable
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == math.inf:
-        return math.inf
-    return positive_seconds(value, what)
-
-
-def watch_settings(
-    heartbeat: float | None = None,
-    lost_after: float | None = None,
-    expendable: Iterable[str] = (),
-    roles: Iterable[str] | None = None,
-    env: Mapping[str, str] | None = None,
-) -> WatchSettings | None:
-    """The checked settings, or ``None`` when watching is off.
-
-    ``heartbeat`` and ``lost_after`` are seconds; ``None`` takes :data:`HEARTBEAT_ENV` /
-    :data:`LOST_AFTER_ENV` from ``env`` (default ``os.environ``), else the defaults (1 s, 10 s).
-    ``lost_after`` of ``math.inf`` (the variable: ``off``) turns watching off. ``lost_after``
-    must be at least twice ``heartbeat``. ``expendable`` names roles (checked against
-    ``roles`` when given).
-
-    Example::
-
-        >>> watch_settings(heartbeat=0.5, lost_after=5, expendable=("replica",), roles=("ps", "replica"), env={})
-        WatchSettings(heartbeat=0.5, lost_after=5.0, expendable=frozenset({'replica'}))
-    """
-    env = os.environ if env is None else env
-    if isinstance(expendable, str):
-        raise TypeError(f"expendable takes role names, e.g. expendable=({expendable!r},), got the str {expendable!r}")
-    expendable = frozenset(expendable)
-    for role in expendable:
-        if not isinstance(role, str):
-            raise TypeError(f"expendable takes role names (str), got {role!r}")
-    if roles is not None:
-        known = list(dict.fromkeys(roles))
-        unknown = sorted(expendable - set(known))
-        if unknown:
-            raise ValueError(f"expendable names {', '.join(map(repr, unknown))}, which is not a role of this job "
-                             f"(roles: {', '.join(map(repr, known))})")
-    # name each setting where the user gave it: the argument, or the environment variable
-    hb_what = "heartbeat" if heartbeat is not None or not env.get(HEARTBEAT_ENV, "").strip() else HEARTBEAT_ENV
-    after_what = ("lost_after" if lost_after is not None or not env.get(LOST_AFTER_ENV, "").strip()
-                  else LOST_AFTER_ENV)
-    hb = _seconds_from(heartbeat, "heartbeat", HEARTBEAT_ENV, env, DEFAULT_HEARTBEAT_S)
-    if hb == math.inf:
-        raise ValueError(f"{hb_what} must be a finite number of seconds; to stop watching, set lost_after=math.inf "
-                         f"or {LOST_AFTER_ENV}=off")
-    if hb < MIN_HEARTBEAT_S:
-        raise ValueError(f"{hb_what} ({hb} s) is below {MIN_HEARTBEAT_S} s: every rank would send each peer "
-                         f"{1 / hb:.0f} heartbeats a second")
-    after = _seconds_from(lost_after, "lost_after", LOST_AFTER_ENV, env, DEFAULT_LOST_AFTER_S)
-    if after == math.inf:
-        return None
-    if after < 2 * hb:
-        raise ValueError(f"{after_what} ({after} s) must be at least twice {hb_what} ({hb} s): a peer is lost only "
-                         f"after missing several heartbeats")
-    return WatchSettings(hb, after, expendable)
-
-
-# ---- status lines from layers above --------------------------------------------------------
-
-_status_lock = threading.Lock()
-_statuses: list[tuple[Callable[..., str | None], Any]] = []  # (describe, weakref to owner or None)
-
-
-def add_status(describe: Callable[..., str | None], owner: Any = None) -> Callable[[], None]:
-    """Report ``describe()`` in this rank's heartbeats (``describe(owner)`` while ``owner``
-    lives, held weakly, when an owner is given); a peer that loses this rank names it with
-    that line. Returns a callable that removes it. ``describe`` runs on the heartbeat thread
-    every heartbeat: keep it cheap; ``None`` or an exception leaves it out.
-
-    Example (``remote_module.ps`` reports each model's step this way)::
-
-        add_status(lambda model: f"step {model.steps} of {model.name!r}", owner=model)
-        add_status(lambda: f"epoch {epoch[0]}")
-    """
-    entry = (describe, None if owner is None else weakref.ref(owner))
-    with _status_lock:
-        # (owners gone are dropped here too: a process may make many models and never watch)
-        _statuses[:] = [e for e in _statuses if e[1] is None or e[1]() is not None]
-        _statuses.append(entry)
-
-    def remove() -> None:
-        with _status_lock:
-            if entry in _statuses:
-                _statuses.remove(entry)
-
-    return remove
-
-
-def current_status() -> str:
-    """This rank's status line: every :func:`add_status` line, joined (at most
-    :data:`MAX_STATUS_CHARS` characters)."""
-    lines = []
-    with _status_lock:
-        entries = list(_statuses)
-    dead = []
-    for describe, ref in entries:
-        try:
-            if ref is None:
-                line = describe()
-            else:
-                owner = ref()
-                if owner is None:
-                    dead.append((describe, ref))
-                    continue
-                line = describe(owner)
-        except Exception:
-            continue
-        if line:
-            lines.append(str(line))
-    if dead:
-        with _status_lock:
-            _statuses[:] = [e for e in _statuses if e not in dead]
-    text = "; ".join(lines)
-    return text if len(text) <= MAX_STATUS_CHARS else text[: MAX_STATUS_CHARS - 3] + "..."
-
-
-# ---- the decision, without threads or RPC (tests drive it with a fake clock) ---------------
-
-@dataclass
-class _Peer:
-    placement: RankPlacement
-    rank: int
-    expendable: bool
-    last_heard: float
-    beat: Beat | None = None
-    #: heartbeats sent to it whose answers have not come back (or not been handled yet: an
-    #: answer waits in this rank's RPC queue like any message)
-    in_flight: int = 0
-    sent_at: float = -math.inf
-    #: a heartbeat sent while this rank was leaving got an answer: the peer knows it is leaving
-    acked_leaving: bool = False
-    #: it answered a heartbeat of this rank: it has heard this rank say who and where it is
-    answered: bool = False
-    #: seconds until the next heartbeat to it: longer after one failed (fewer of torch's
-    #: warnings about a peer that is gone; none is needed to hear from it)
-    every: float = 0.0
-    lost: LostWorker | None = None
-
-
-@dataclass
-class Peers:
-    """What this rank knows of its peers, and what follows from it at a given time.
-
-    All methods take the time (``now``, seconds of a monotonic clock) and change nothing
-    else: the :class:`Watcher` calls them under its lock with ``time.monotonic()``.
-    """
-
-    me: str
-    layout: list[RankPlacement]
-    settings: WatchSettings
-    started: float
-    phase: str = RUNNING
-    #: the graceful shutdown is done here (an expendable peer was lost), not by torch
-    survivors: bool = False
-    #: silence is counted only up to what this rank's own RPC queue has handled (the
-    #: :class:`Watcher` probes it with a heartbeat to itself); off, up to ``now``
-    probing: bool = False
-    peers: dict[str, _Peer] = field(default_factory=dict)
-    #: every message that reached this rank before this time has been handled (the sending
-    #: time of the last probe answered)
-    caught_up: float = field(init=False)
-    #: when the probe in flight was sent (None: none in flight), and the last one
-    probe_sent: float | None = None
-    probe_at: float = -math.inf
-
-    def __post_init__(self) -> None:
-        self.caught_up = self.started
-        for rank, placement in enumerate(self.layout):
-            if placement.name != self.me:
-                self.peers[placement.name] = _Peer(placement, rank, placement.role in self.settings.expendable,
-                                                   self.started)
-
-    def due(self, now: float) -> list[str]:
-        """The peers to send a heartbeat to now (counted in flight): not lost, fewer than
-        :meth:`_most_in_flight` in flight, and none sent for a heartbeat (at once after
-        :meth:`leave`)."""
-        out = []
-        most = self._most_in_flight()
-        for name, peer in self.peers.items():
-            if (peer.lost is None and peer.in_flight < most
-                    and now - peer.sent_at >= max(peer.every, self.settings.heartbeat)):
-                peer.in_flight, peer.sent_at = peer.in_flight + 1, now
-                out.append(name)
-        return out
-
-    def _most_in_flight(self) -> int:
-        """Heartbeats in flight to one peer at most: as many as ``LATE_READ_FACTOR *
-        lost_after`` holds (at most :data:`MAX_BEATS_IN_FLIGHT`). Not one: the answers to a
-        rank's heartbeats wait in its own RPC queue, and a rank behind a backlog must go on
-        telling its peers it is alive for as long as its own silence would not count."""
-        after = self.settings.lost_after
-        if not (self.probing and math.isfinite(after)):
-            return 1
-        # (to last until its silence counts even read late, LATE_READ_FACTOR * lost_after)
-        return min(MAX_BEATS_IN_FLIGHT, math.ceil(LATE_READ_FACTOR * after / self.settings.heartbeat) + 1)
-
-    def heard(self, name: str, beat: Beat | None, now: float) -> None:
-        """``name`` is alive: its heartbeat arrived, or it answered one (``beat``: what it said)."""
-        peer = self.peers.get(name)
-        if peer is None:
-            return
-        peer.last_heard = max(peer.last_heard, now)
-        if beat is not None:
-            peer.beat = beat
-
-    def answered(self, name: str, beat: Beat | None, ok: bool, phase: str, now: float) -> None:
-        """The heartbeat sent to ``name`` in ``phase`` came back (``ok``: answered, with ``beat``)
-        or failed (an error or its timeout: nothing heard)."""
-        peer = self.peers.get(name)
-        if peer is None:
-            return
-        peer.in_flight = max(0, peer.in_flight - 1)
-        if ok:
-            self.heard(name, beat, now)
-            peer.every, peer.answered = self.settings.heartbeat, True
-            if phase == LEAVING:
-                peer.acked_leaving = True
-        else:  # back off, to a third of lost_after at most: a peer back in time is still heard
-            peer.every = min(2 * max(peer.every, self.settings.heartbeat), self.settings.lost_after / 3)
-
-    def probe_due(self, now: float) -> bool:
-        """Whether to send this rank's own queue a probe now (marked in flight): none in
-        flight, and none sent for a heartbeat."""
-        if not self.probing or self.probe_sent is not None or now - self.probe_at < self.settings.heartbeat:
-            return False
-        self.probe_sent = self.probe_at = now
-        return True
-
-    def probed(self, ok: bool, now: float) -> None:
-        """The probe came back through this rank's RPC queue (``ok``), or failed: at once (RPC
-        refusing to send, shutting down: no sign of a queue) or by its timeout (a queue that
-        long tells nothing new)."""
-        sent, self.probe_sent = self.probe_sent, None
-        if sent is not None and (ok or now - sent < self.settings.heartbeat):
-            self.caught_up = max(self.caught_up, sent)
-
-    def heard_until(self, now: float) -> float:
-        """Up to when this rank has heard what its peers sent: ``now`` while its own RPC queue
-        keeps up (its last probe was handled within two heartbeats), else the time up to which
-        it has handled everything (a peer's heartbeats may be waiting in that queue, behind
-        calls or in a frozen process)."""
-        if not self.probing or now - self.caught_up <= 2 * self.settings.heartbeat:
-            return now
-        return self.caught_up
-
-    def leave(self) -> None:
-        """This rank's graceful shutdown has begun: heartbeats say so, at once."""
-        self.phase = LEAVING
-        for peer in self.peers.values():
-            peer.sent_at, peer.every = -math.inf, 0.0
-
-    def _left(self, peer: _Peer, now: float) -> bool:
-        """Shutting down, then silent for two heartbeats: done (only looked at in survivors mode)."""
-        return (peer.beat is not None and peer.beat.phase == LEAVING
-                and now - peer.last_heard >= 2 * self.settings.heartbeat)
-
-    def _record(self, peer: _Peer, now: float) -> LostWorker:
-        beat = peer.beat
-        return LostWorker(peer.placement.name, peer.rank, peer.placement.role,
-                          beat.origin if beat else None, beat.status if beat else "",
-                          beat.phase if beat else RUNNING, now - peer.last_heard, peer.expendable)
-
-    def check(self, now: float) -> tuple[list[LostWorker], list[LostWorker]]:
-        """The peers lost since the last check: ``(fatal, spared)``. ``fatal`` is empty unless a
-        peer of a role that is not expendable has been silent for ``lost_after``; then it also
-        names every other peer silent for over two heartbeats (a machine's workers stop
-        together). ``spared``: expendable peers silent for ``lost_after``, each reported once.
-        Silence is counted up to :meth:`heard_until`: what waits in this rank's own queue is
-        not silence, for at most ``LATE_READ_FACTOR * lost_after`` seconds."""
-        after, two = self.settings.lost_after, 2 * self.settings.heartbeat
-        seen = self.heard_until(now)
-        late = (LATE_READ_FACTOR - 1) * after  # (inf - inf: watching off, nothing is ever lost)
-        # seconds of silence counted: up to what this rank has read, or at most ``late`` behind now
-        silent = {name: max(seen - p.last_heard, now - p.last_heard - late) if math.isfinite(after) else 0.0
-                  for name, p in self.peers.items()}
-        fatal: list[LostWorker] = []
-        spared: list[LostWorker] = []
-        for name, peer in self.peers.items():
-            if peer.lost is not None or silent[name] < after:
-                continue
-            if self.survivors and self._left(peer, now):
-                continue
-            if peer.expendable:
-                peer.lost = self._record(peer, now)
-                spared.append(peer.lost)
-            else:
-                fatal.append(self._record(peer, now))
-        if fatal:
-            named = {w.name for w in fatal}
-            fatal += [self._record(p, now) for p in self.peers.values()
-                      if p.placement.name not in named and p.lost is None and silent[p.placement.name] > two
-                      and not (self.survivors and self._left(p, now))]
-            for worker in fatal:
-                self.peers[worker.name].lost = worker
-        return sorted(fatal, key=lambda w: w.rank), spared
-
-    def spared(self) -> list[LostWorker]:
-        """The expendable peers lost so far."""
-        return [p.lost for p in self.peers.values() if p.lost is not None and p.expendable]
-
-    def survivors_ready(self, now: float) -> bool:
-        """Every peer not lost is shutting down and knows this rank is (it answered a
-        heartbeat sent while leaving), or has left (shutting down, then silent)."""
-        if self.phase != LEAVING:
-            return False
-        for peer in self.peers.values():
-            if peer.lost is not None:
-                continue
-            leaving = peer.beat is not None and peer.beat.phase == LEAVING
-            if not (leaving and (peer.acked_leaving or self._left(peer, now))):
-                return False
-        return True
 
 
 # ---- the watcher: a thread, the heartbeats, the ending -------------------------------------

@@ -6,13 +6,15 @@ never from its modules: what is listed in ``__all__`` is the internal API, and
 ``tests/test_layers.py`` fails when a layer reaches past it. What lives where:
 
 - ``deadlines``: timeouts normalised once (:func:`timeout_seconds`), torch's timeout
-  argument written once (:func:`rpc_timeout_argument`);
+  argument written once (:func:`rpc_timeout_argument`), program order kept before a layer
+  calls proxies' hosts by other means (:func:`wait_for_earlier_calls`);
 - ``fanout``: N host calls at once (:func:`call_all`, :func:`call_all_async`,
   :func:`call_async`; :func:`send_to_each` for calls a layer checked once; :func:`call_grouped`:
   one message per worker, :func:`call_grouped_each_async` with each call's outcome, later;
   :func:`call_one`: one call whose answer holds no RRef, waited for in
   the calling thread), nested budgets
   (:func:`nested_seconds`, :func:`answer_margin`), :func:`send_and_forget`;
+- ``answers``: the futures of the calls ``fanout`` sent, settled by answer or deadline;
 - ``settling``: settling futures off the RPC threads and the one deadline watcher;
 - ``errors``: :class:`RemoteModuleError`, :class:`CallTimeout`, remote tracebacks, retyping;
 - ``device``: parsing ``remote_device``, moving tensors to and from the host's device;
@@ -41,7 +43,12 @@ from remote_module._core._torch_private import (
     script_module_has_attribute,
     worker_names,
 )
-from remote_module._core.deadlines import agent_timeout_seconds, rpc_timeout_argument, timeout_seconds
+from remote_module._core.deadlines import (
+    agent_timeout_seconds,
+    rpc_timeout_argument,
+    timeout_seconds,
+    wait_for_earlier_calls,
+)
 from remote_module._core.device import (
     move_cpu_tensors,
     parse_remote_device,
@@ -160,6 +167,7 @@ __all__ = [
     "unwarned_state",
     "user_stacklevel",
     "uses_device_map",
+    "wait_for_earlier_calls",
     "wait_plain",
     "warn_untrained",
     "watched_run",

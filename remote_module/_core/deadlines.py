@@ -17,9 +17,11 @@ Example (any worker after ``rpc.init_rpc``)::
 from __future__ import annotations
 
 import math
+from typing import Any, Callable, Sequence
 
 import torch.distributed.rpc as rpc
 
+from remote_module._core.errors import CallTimeout
 from rpc_backend.options import positive_seconds
 
 
@@ -50,3 +52,23 @@ def rpc_timeout_argument(remaining: float) -> float:
     ``math.inf``, otherwise at least 1 ms (torch counts whole milliseconds, and 0 ms would mean
     "none")."""
     return 0 if remaining == math.inf else max(remaining, 0.001)
+
+
+def wait_for_earlier_calls(proxies: Sequence[Any], deadline: float, name: Callable[[int, Any], str],
+                           within: str) -> None:
+    """Keep program order before a layer calls the hosts of ``proxies`` (RemoteModules) by
+    other means than the proxies themselves: wait until every call this thread made earlier
+    on each proxy was answered. A proxy whose earlier calls were not answered by ``deadline``
+    (``time.monotonic()``) fails the whole with a :class:`CallTimeout` naming it
+    (``name(index, proxy)``) and the timeout (``within``).
+
+    Example (a pipeline's forward, before it sends its micro-batches)::
+
+        wait_for_earlier_calls(stages, made + seconds, lambda i, s: f"pipeline stage {i} on worker {s.on!r}",
+                               f"the pipeline's timeout ({seconds:g} s)")
+    """
+    for index, proxy in enumerate(proxies):
+        if not proxy._earlier_calls_done(deadline):
+            raise CallTimeout(
+                f"{name(index, proxy)}: earlier calls this thread made on its proxy were not answered within {within}"
+            )

@@ -48,7 +48,6 @@ Example (a caller and two hosts that only serve)::
 from __future__ import annotations
 
 import math
-import threading
 import time
 from functools import partial
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
@@ -62,9 +61,10 @@ from remote_module._core._torch_private import (
     is_rpc_initialized,
     worker_names,
 )
+from remote_module._core.answers import Batch, EachBatch, Outstanding, call_label, handler_name, rpc_failure
 from remote_module._core.deadlines import timeout_seconds
-from remote_module._core.errors import CallTimeout, capture, on_machine, retyped, timeout_message, to_exception
-from remote_module._core.settling import complete, schedule, settle_elsewhere
+from remote_module._core.errors import CallTimeout, capture, retyped, timeout_message, to_exception
+from remote_module._core.settling import schedule
 from remote_module._core.walk import parameters_as_views
 
 #: torch.distributed.rpc's "no timeout": the deadline is kept by remote_module._core.settling's watcher.
@@ -185,12 +185,6 @@ def _ignore_answer(fut: Future) -> None:
         pass
 
 
-def _handler_name(handler: Any) -> str:
-    module = getattr(handler, "__module__", None)
-    name = getattr(handler, "__qualname__", None) or repr(handler)
-    return f"{module}.{name}" if module else name
-
-
 def _worker_name(worker: Any, label: str) -> str:
     return _worker_info(worker, lambda: label).name
 
@@ -223,53 +217,6 @@ def _unsent(exc: Exception, label: str, name: str) -> BaseException:
     )
 
 
-class _Outstanding:
-    """One sent call until its result future is settled, by its answer or by its deadline,
-    whichever comes first; the future is dropped once settled (the deadline queue keeps this
-    object until the deadline, not the result)."""
-
-    __slots__ = ("future", "lock", "label", "name", "seconds", "__weakref__")
-
-    def __init__(self, future: Future, label: str, name: str, seconds: float) -> None:
-        self.future: Future | None = future
-        self.lock = threading.Lock()
-        self.label, self.name, self.seconds = label, name, seconds
-
-    def _take(self) -> Future | None:
-        with self.lock:
-            future, self.future = self.future, None
-            return future
-
-    def answered(self, sent: Future) -> None:
-        future = self._take()
-        try:
-            ok, value = sent.value()  # read even when late: RRefs in it are confirmed, then dropped
-        except BaseException as exc:  # the RPC itself failed: dead host, shutdown
-            # its traceback holds this frame, hence ``future``, which will hold the failure (and
-            # so ``exc``, its cause) out of the cycle collector's sight: see call_all below
-            exc.__traceback__ = None
-            if future is not None:
-                future.set_exception(_rpc_failure(exc, self.label, self.name))
-            return
-        if future is None:
-            return  # timed out before
-        if ok:
-            future.set_result(value)
-        else:
-            future.set_exception(to_exception(value, f"on worker {self.name!r} in {self.label}"))
-
-    def expire(self, now: float) -> None:
-        """Called by the process's deadline watcher (remote_module._core.settling) at the deadline;
-        the future is failed on a settler thread, so a callback that blocks on it delays no
-        other deadline."""
-        future = self._take()
-        if future is not None:
-            message = f"{self.label} on worker {self.name!r} failed: {timeout_message(self.seconds, self.name)}"
-            settle_elsewhere([lambda: complete(future, CallTimeout(message), True)])
-
-
-
-
 def call_async(
     worker: Any,
     handler: Callable[..., Any],
@@ -293,7 +240,7 @@ def call_async(
         raise RuntimeError(
             "call_async needs torch.distributed.rpc: call rpc.init_rpc(name, rank=..., world_size=...) first"
         )
-    label = label if label is not None else _handler_name(handler)
+    label = label if label is not None else handler_name(handler)
     if not callable(handler):
         raise TypeError(f"{label}: the handler must be a module-level function, got {handler!r}")
     seconds = timeout_seconds(timeout)
@@ -305,21 +252,11 @@ def call_async(
     except Exception as exc:  # nothing was sent
         raise _unsent(exc, label, name) from exc
     result: Future = Future()
-    call = _Outstanding(result, label, name, seconds)
+    call = Outstanding(result, label, name, seconds)
     sent.add_done_callback(call.answered)  # holds ``call`` (the watcher only weakly) until answered
     if seconds != math.inf:
         schedule(made + seconds, call)
     return result
-
-
-def _rpc_failure(exc: BaseException, label: str, name: str) -> BaseException:
-    if not is_rpc_initialized():
-        failure: BaseException = RuntimeError(f"{label} on worker {name!r} failed: RPC was shut down ({exc})")
-    else:
-        # a broken connection (EPIPE, EOF) to another machine: say which, as a lost peer is named
-        failure = retyped(exc, f"{label} on worker {name!r}{on_machine(name)} failed: {exc}")
-    failure.__cause__ = exc
-    return failure
 
 
 def _as_call(index: int, call: Any) -> HostCall:
@@ -342,153 +279,6 @@ def _as_call(index: int, call: Any) -> HostCall:
     return found
 
 
-class _Batch:
-    """The calls of one :func:`call_all_async`, from their sending until the combined future
-    is settled: each call's answer lands in its slot, the first failure (or the deadline)
-    settles the combined future at once. One object, one deadline and one callback per call,
-    instead of a future of its own per call; labels are written only for an error."""
-
-    __slots__ = ("combined", "results", "left", "lock", "names", "handlers", "seconds", "__weakref__")
-
-    def __init__(self, combined: Future, names: list[str], handlers: list[Any], seconds: float) -> None:
-        self.combined: Future | None = combined
-        self.results: list[Any] = [_UNANSWERED] * len(names)
-        self.left = len(names)
-        self.lock = threading.Lock()
-        self.names, self.handlers, self.seconds = names, handlers, seconds
-
-    def label(self, index: int) -> str:
-        return _call_label(index, len(self.names), self.handlers[index])
-
-    def group_label(self, indices: list[int]) -> str:
-        """The calls that shared one message, for an error that concerns them all."""
-        if len(indices) == 1:
-            return self.label(indices[0])
-        return " and ".join(self.label(i) for i in indices) + " (one message)"
-
-    def answered(self, index: int, sent: Future) -> None:
-        """The answer of one call's own message: ``(ok, value)``."""
-        self._take(self._outcomes([index], sent, False))
-
-    def answered_group(self, indices: list[int], sent: Future) -> None:
-        """The answer of one message that carried the calls ``indices`` (see
-        :func:`call_grouped_async`): a list of ``(ok, value)``, one per call."""
-        self._take(self._outcomes(indices, sent, True))
-
-    def _outcomes(self, indices: list[int], sent: Future, grouped: bool) -> list[tuple[int, bool, Any]]:
-        """``(index, ok, result or exception)`` for each call a message carried."""
-        try:
-            answer = sent.value()  # read even when late: RRefs in it are confirmed, then dropped
-        except BaseException as exc:  # the RPC itself failed (dead host, shutdown): every call in it did
-            # its traceback holds this frame's ``sent``, which holds ``exc`` out of the cycle
-            # collector's sight (see call_all)
-            exc.__traceback__ = None
-            failure = _rpc_failure(exc, self.group_label(indices), self.names[indices[0]])
-            return [(index, False, failure) for index in indices]
-        answers = answer if grouped else [answer]
-        return [(index, True, value) if ok else
-                (index, False, to_exception(value, f"on worker {self.names[index]!r} in {self.label(index)}"))
-                for index, (ok, value) in zip(indices, answers)]
-
-    def _take(self, outcomes: list[tuple[int, bool, Any]]) -> None:
-        """The first failure settles the combined future at once; results fill their slots."""
-        for _, ok, value in outcomes:
-            if not ok:
-                self._fail(value)
-                return
-        with self.lock:
-            if self.combined is None:
-                return  # failed or timed out before: dropped
-            for index, _, value in outcomes:
-                self.results[index] = value
-            self.left -= len(outcomes)
-            if self.left:
-                return
-            combined, self.combined = self.combined, None
-        combined.set_result(self.results)  # outside the lock: callbacks may run here
-
-    def _fail(self, failure: BaseException) -> None:
-        with self.lock:
-            combined, self.combined = self.combined, None
-        if combined is not None:
-            combined.set_exception(failure)  # outside the lock: callbacks may run here
-
-    def expire(self, now: float) -> None:
-        """Called by the process's deadline watcher (remote_module._core.settling) at the
-        deadline: fails the combined future naming the first call not answered, on a settler
-        thread, so a callback that blocks on it delays no other deadline."""
-        with self.lock:
-            combined, self.combined = self.combined, None
-            unanswered = [i for i, r in enumerate(self.results) if r is _UNANSWERED] or [0]
-        if combined is not None:
-            index, others = unanswered[0], unanswered[1:]
-            name = self.names[index]
-            message = f"{self.label(index)} on worker {name!r} failed: {timeout_message(self.seconds, name)}"
-            if others:
-                # a call may wait on another host (a fetch worker to worker): the one not
-                # answering may be any of them, so every worker still silent is named
-                message += f"; also unanswered at the deadline: {_calls_by_worker([self.names[i] for i in others])}"
-            settle_elsewhere([lambda: complete(combined, CallTimeout(message), True)])
-
-
-_UNANSWERED = object()
-#: how many other workers with unanswered calls a batch's timeout names besides the first
-_NAMED_AT_MOST = 8
-
-
-def _calls_by_worker(names: list[str]) -> str:
-    """``"1 call on 'w2', 20 on 'w0'"``: the workers in order of their first call, each once,
-    at most :data:`_NAMED_AT_MOST` of them, then a count of the others."""
-    counts: dict[str, int] = {}
-    for name in names:
-        counts[name] = counts.get(name, 0) + 1
-    (first, n), *rest = list(counts.items())[:_NAMED_AT_MOST]
-    parts = [f"{n} call{'s' if n > 1 else ''} on {first!r}"] + [f"{k} on {name!r}" for name, k in rest]
-    more = len(counts) - _NAMED_AT_MOST
-    return ", ".join(parts) + (f" and {more} other workers" if more > 0 else "")
-
-
-class _EachBatch(_Batch):
-    """A :class:`_Batch` that waits for every call (or the deadline) and settles with each
-    call's outcome, ``(True, result)`` or ``(False, exception)``, instead of failing at the
-    first failure (:func:`call_grouped_each`)."""
-
-    __slots__ = ()
-
-    def _take(self, outcomes: list[tuple[int, bool, Any]]) -> None:
-        """Every outcome fills its slot; the combined future settles once all are in."""
-        with self.lock:
-            if self.combined is None:
-                return  # timed out before: dropped
-            for index, ok, value in outcomes:
-                if self.results[index] is _UNANSWERED:
-                    self.results[index] = (ok, value)
-                    self.left -= 1
-            if self.left:
-                return
-            combined, self.combined = self.combined, None
-        combined.set_result(self.results)
-
-    def expire(self, now: float) -> None:
-        """At the deadline: every call not answered gets a ``CallTimeout`` naming it, and the
-        outcomes are delivered on a settler thread (as :meth:`_Batch.expire` does)."""
-        with self.lock:
-            combined, self.combined = self.combined, None
-            if combined is None:
-                return
-            for index, r in enumerate(self.results):
-                if r is _UNANSWERED:
-                    name = self.names[index]
-                    message = f"{self.label(index)} on worker {name!r} failed: {timeout_message(self.seconds, name)}"
-                    self.results[index] = (False, CallTimeout(message))
-            results = self.results
-        settle_elsewhere([lambda: complete(combined, results, False)])
-
-
-def _call_label(index: int, n: int, handler: Any) -> str:
-    return f"calls[{index}] of {n} ({_handler_name(handler)})"
-
-
 def _checked_calls(calls: Iterable[HostCall | tuple], timeout: float | None
                    ) -> tuple[list[HostCall], list[rpc.WorkerInfo], float]:
     """``calls`` checked (shape, worker, handler), their ``WorkerInfo``s and the timeout in
@@ -496,7 +286,7 @@ def _checked_calls(calls: Iterable[HostCall | tuple], timeout: float | None
     checked = [_as_call(i, call) for i, call in enumerate(calls)]
     seconds = timeout_seconds(timeout)
     n = len(checked)
-    infos = [_worker_info(c.worker, partial(_call_label, i, n, c.handler)) for i, c in enumerate(checked)]
+    infos = [_worker_info(c.worker, partial(call_label, i, n, c.handler)) for i, c in enumerate(checked)]
     if n and not is_rpc_initialized():
         raise RuntimeError(
             "call_async needs torch.distributed.rpc: call rpc.init_rpc(name, rank=..., world_size=...) first"
@@ -518,7 +308,7 @@ def _body(handler: Callable[..., Any]) -> Callable[..., Any]:
     return _run_async if is_async_execution(handler) else _run_handler
 
 
-def _watch(batch: _Batch, seconds: float) -> None:
+def _watch(batch: Batch, seconds: float) -> None:
     """One deadline for the batch, counted from the last send (each call gets at least its
     ``timeout``; the watcher visits deadlines every WATCH_TICK_S anyway)."""
     if seconds != math.inf:
@@ -528,7 +318,7 @@ def _watch(batch: _Batch, seconds: float) -> None:
 def wait_plain(future: Future) -> Any:
     """``future.wait()``, raising a failure without torch's ``wait`` frame: that frame's future
     holds the exception out of the cycle collector's sight, and the caller's frames would be
-    kept with it for good (see :meth:`_Batch._outcomes`)."""
+    kept with it for good (see :meth:`remote_module._core.answers.Batch._outcomes`)."""
     try:
         return future.wait()
     except BaseException as exc:
@@ -553,12 +343,12 @@ def call_all_async(calls: Iterable[HostCall | tuple], timeout: float | None = No
 
 def _send(combined: Future, infos: Sequence[rpc.WorkerInfo], handlers: Sequence[Any],
           arguments: Sequence[tuple[Any, Any]], seconds: float) -> Future:
-    """Send checked calls (``arguments``: ``(args, kwargs)`` per call) as one :class:`_Batch`
+    """Send checked calls (``arguments``: ``(args, kwargs)`` per call) as one :class:`Batch`
     settling ``combined``."""
     if not infos:
         combined.set_result([])
         return combined
-    batch = _Batch(combined, [info.name for info in infos], handlers, seconds)
+    batch = Batch(combined, [info.name for info in infos], handlers, seconds)
     recorded = dist_autograd_contexts_exist()  # parameters must travel as graph tensors there
     for index, (info, handler, (args, kwargs)) in enumerate(zip(infos, handlers, arguments)):
         try:
@@ -605,7 +395,7 @@ def call_grouped_async(calls: Iterable[HostCall | tuple], timeout: float | None 
                                   ("ps1", lookup, ("items", ids2))], timeout=10)   # two messages
         items0, users, items1 = fut.wait()
     """
-    return _send_grouped(calls, timeout, _Batch)
+    return _send_grouped(calls, timeout, Batch)
 
 
 def call_grouped_each(calls: Iterable[HostCall | tuple], timeout: float | None = None) -> list[tuple[bool, Any]]:
@@ -619,7 +409,7 @@ def call_grouped_each(calls: Iterable[HostCall | tuple], timeout: float | None =
         for ok, value in call_grouped_each(pushes, timeout=10):
             ...
     """
-    return _send_grouped(calls, timeout, _EachBatch).wait()
+    return _send_grouped(calls, timeout, EachBatch).wait()
 
 
 def call_grouped_each_async(calls: Iterable[HostCall | tuple], timeout: float | None = None) -> Future:
@@ -627,7 +417,7 @@ def call_grouped_each_async(calls: Iterable[HostCall | tuple], timeout: float | 
     result)`` or ``(False, exception)``, in the order of ``calls`` (it never fails as a whole
     once sent). Raises at once (nothing sent) as :func:`call_grouped_async` does. For callers
     that send now and settle later (a step whose pushes stay in flight)."""
-    return _send_grouped(calls, timeout, _EachBatch)
+    return _send_grouped(calls, timeout, EachBatch)
 
 
 def _send_grouped(calls: Iterable[HostCall | tuple], timeout: float | None, batch_type: type) -> Future:
@@ -681,19 +471,19 @@ def call_one(call: HostCall | tuple, timeout: float | None = None) -> Any:
         sent = rpc.rpc_async(info, _body(handler), _wire(handler, args, kwargs, dist_autograd_contexts_exist()),
                              timeout=0 if seconds == math.inf else seconds)
     except Exception as exc:  # nothing was sent
-        raise _unsent(exc, _call_label(0, 1, handler), info.name) from exc
+        raise _unsent(exc, call_label(0, 1, handler), info.name) from exc
     try:
         ok, value = sent.wait()
     except BaseException as exc:  # the RPC itself failed (timed out, dead host, shutdown)
         del sent  # its frame in the traceback must not hold the future (see wait_plain)
         exc.__traceback__ = None
-        label = _call_label(0, 1, handler)
+        label = call_label(0, 1, handler)
         if is_rpc_initialized() and _TORCH_TIMEOUT in str(exc):
             raise CallTimeout(f"{label} on worker {info.name!r} failed: {timeout_message(seconds, info.name)}") \
                 from None
-        raise _rpc_failure(exc, label, info.name)  # noqa: B904 - its __cause__ is exc
+        raise rpc_failure(exc, label, info.name)  # noqa: B904 - its __cause__ is exc
     if not ok:
-        raise to_exception(value, f"on worker {info.name!r} in {_call_label(0, 1, handler)}")
+        raise to_exception(value, f"on worker {info.name!r} in {call_label(0, 1, handler)}")
     return value
 
 

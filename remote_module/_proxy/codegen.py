@@ -25,7 +25,7 @@ import types
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from torch.futures import Future
 
@@ -154,88 +154,14 @@ def render_forward_methods(
         >>> # proxy.forward(x) sends ((x,), {}); proxy.forward(x, 3) sends ((x, 3), {})
     """
     if sig is None:
-        sig = inspect.Signature(
-            [
-                inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL),
-                inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD),
-            ]
-        )
+        sig = _ANY_ARGUMENTS
     namespace: dict[str, Any] = {"__name__": _GENERATED_PACKAGE, "_rm_Future": Future, "_rm_omit": _OMITTED}
-    params: list[str] = []
-    required: list[str] = []  # positional parameters without a default
-    optional: list[inspect.Parameter] = []  # positional parameters with one, in order
-    keywords: list[str] = []  # keyword-only parameters without a default, as dict items
-    optional_kw: list[str] = []
-    var_positional = var_keyword = None
-    saw_kw_only_marker = False
-    P = inspect.Parameter
-    plist = list(sig.parameters.values())
-    if not any(p.kind is P.POSITIONAL_ONLY for p in plist):
-        # The proxy is positional-only, as ``self`` is to a local module's ``forward`` (called
-        # through ``Module.__call__``): a ``**kwargs`` forward then takes a keyword named
-        # ``_rm_self`` like any other, instead of failing with "multiple values".
-        params.append("/")
-    for i, p in enumerate(plist):
-        if not p.name.isidentifier() or p.name.startswith("_rm_"):
-            raise ValueError(
-                f"cannot generate forward for parameter name {p.name!r} in {origin}: names starting with "
-                "'_rm_' are reserved for the generated code (and a name must be an identifier); rename it"
-            )
-        text = p.name
-        has_default = p.default is not P.empty
-        if p.kind is P.VAR_POSITIONAL:
-            text = "*" + text
-            saw_kw_only_marker = True
-            var_positional = p.name
-        elif p.kind is P.VAR_KEYWORD:
-            text = "**" + text
-            var_keyword = p.name
-        elif p.kind is P.KEYWORD_ONLY:
-            if not saw_kw_only_marker:
-                params.append("*")
-                saw_kw_only_marker = True
-            if has_default:
-                optional_kw.append(p.name)
-            else:
-                keywords.append(f"{p.name!r}: {p.name}")
-        elif has_default:
-            optional.append(p)
-        else:
-            required.append(p.name)
-        if p.annotation is not P.empty:
-            namespace[f"_rm_a{i}"] = p.annotation
-            text += f": _rm_a{i}"
-        if has_default:
-            text += " = _rm_omit"
-        params.append(text)
-        last_pos_only = p.kind is P.POSITIONAL_ONLY and (
-            i + 1 == len(plist) or plist[i + 1].kind is not P.POSITIONAL_ONLY
-        )
-        if last_pos_only:
-            params.append("/")
-    return_annotation = future_annotation = " -> _rm_Future"
-    if sig.return_annotation is not inspect.Signature.empty:
-        namespace["_rm_ret"] = sig.return_annotation
-        return_annotation = " -> _rm_ret"
-        try:
-            namespace["_rm_fut"] = Future[sig.return_annotation]
-            future_annotation = " -> _rm_fut"
-        except TypeError:
-            pass
-    else:
-        return_annotation = ""
-    if optional or optional_kw:
-        lines = _packing_lines(required, optional, var_positional, keywords, optional_kw, var_keyword)
-        packing = "".join(f"    {line}\n" for line in lines)
-        call_args = "_rm_a, _rm_k"
-    else:  # every parameter is always given: one expression, as cheap as it gets
-        positional = required + ([f"*{var_positional}"] if var_positional else [])
-        keywords += [f"**{var_keyword}"] if var_keyword else []
-        packing = ""
-        call_args = f"({''.join(t + ', ' for t in positional)}), {{{', '.join(keywords)}}}"
+    split = _split_parameters(sig, origin, namespace)
+    return_annotation, future_annotation = _return_annotations(sig, namespace)
+    packing, call_args = _call_arguments(split)
     source = template_text("forward.py.tpl").format(
         origin=origin,
-        params="".join(", " + t for t in params),
+        params="".join(", " + t for t in split.params),
         packing=packing,
         call_args=call_args,
         return_annotation=return_annotation,
@@ -245,12 +171,124 @@ def render_forward_methods(
     ns = _compile(source, f"<remote_module forward {origin} {digest}>", namespace)
     fwd, fwd_async = ns["forward"], ns["forward_async"]
     for fn in (fwd, fwd_async):
-        shown = inspect.signature(fn)  # the generated one: kinds, annotations, return type
-        real = [shown.parameters["_rm_self"]] + [
-            q.replace(default=sig.parameters[q.name].default) for q in list(shown.parameters.values())[1:]
-        ]
-        fn.__signature__ = shown.replace(parameters=real)
+        fn.__signature__ = _shown_signature(fn, sig)
     return fwd, fwd_async
+
+
+#: The signature of a forward whose own is unknown: ``(*args, **kwargs)``.
+_ANY_ARGUMENTS = inspect.Signature(
+    [
+        inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL),
+        inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD),
+    ]
+)
+
+
+class _Split(NamedTuple):
+    """A forward's parameters as the generated code needs them."""
+
+    #: the generated function's parameter list, after the proxy (markers "/" and "*" included)
+    params: list[str]
+    #: positional parameters without a default
+    required: list[str]
+    #: positional parameters with one, in order
+    optional: list[inspect.Parameter]
+    #: keyword-only parameters without a default, as dict items (``"'k': k"``)
+    keywords: list[str]
+    #: keyword-only parameters with a default
+    optional_kw: list[str]
+    var_positional: str | None
+    var_keyword: str | None
+
+
+def _split_parameters(sig: inspect.Signature, origin: str, namespace: dict[str, Any]) -> _Split:
+    """Sort ``sig``'s parameters by how they travel, writing each one's text for the generated
+    signature (annotations go into ``namespace`` as ``_rm_a<i>``)."""
+    split = _Split([], [], [], [], [], None, None)
+    saw_kw_only_marker = False
+    P = inspect.Parameter
+    plist = list(sig.parameters.values())
+    if not any(p.kind is P.POSITIONAL_ONLY for p in plist):
+        # The proxy is positional-only, as ``self`` is to a local module's ``forward`` (called
+        # through ``Module.__call__``): a ``**kwargs`` forward then takes a keyword named
+        # ``_rm_self`` like any other, instead of failing with "multiple values".
+        split.params.append("/")
+    for i, p in enumerate(plist):
+        _check_parameter_name(p.name, origin)
+        text = p.name
+        has_default = p.default is not P.empty
+        if p.kind is P.VAR_POSITIONAL:
+            text = "*" + text
+            saw_kw_only_marker = True
+            split = split._replace(var_positional=p.name)
+        elif p.kind is P.VAR_KEYWORD:
+            text = "**" + text
+            split = split._replace(var_keyword=p.name)
+        elif p.kind is P.KEYWORD_ONLY:
+            if not saw_kw_only_marker:
+                split.params.append("*")
+                saw_kw_only_marker = True
+            if has_default:
+                split.optional_kw.append(p.name)
+            else:
+                split.keywords.append(f"{p.name!r}: {p.name}")
+        elif has_default:
+            split.optional.append(p)
+        else:
+            split.required.append(p.name)
+        if p.annotation is not P.empty:
+            namespace[f"_rm_a{i}"] = p.annotation
+            text += f": _rm_a{i}"
+        if has_default:
+            text += " = _rm_omit"
+        split.params.append(text)
+        if p.kind is P.POSITIONAL_ONLY and (i + 1 == len(plist) or plist[i + 1].kind is not P.POSITIONAL_ONLY):
+            split.params.append("/")  # after the last positional-only one
+    return split
+
+
+def _check_parameter_name(name: str, origin: str) -> None:
+    if not name.isidentifier() or name.startswith("_rm_"):
+        raise ValueError(
+            f"cannot generate forward for parameter name {name!r} in {origin}: names starting with "
+            "'_rm_' are reserved for the generated code (and a name must be an identifier); rename it"
+        )
+
+
+def _return_annotations(sig: inspect.Signature, namespace: dict[str, Any]) -> tuple[str, str]:
+    """The return annotations of ``forward`` and ``forward_async`` (their types go into
+    ``namespace``): none and a plain Future when ``sig`` has none."""
+    if sig.return_annotation is inspect.Signature.empty:
+        return "", " -> _rm_Future"
+    namespace["_rm_ret"] = sig.return_annotation
+    try:
+        namespace["_rm_fut"] = Future[sig.return_annotation]
+    except TypeError:
+        return " -> _rm_ret", " -> _rm_Future"
+    return " -> _rm_ret", " -> _rm_fut"
+
+
+def _call_arguments(split: _Split) -> tuple[str, str]:
+    """The statements that pack the given arguments, and the ``args, kwargs`` expression the
+    generated functions send."""
+    if split.optional or split.optional_kw:
+        lines = _packing_lines(split.required, split.optional, split.var_positional, split.keywords,
+                               split.optional_kw, split.var_keyword)
+        return "".join(f"    {line}\n" for line in lines), "_rm_a, _rm_k"
+    # every parameter is always given: one expression, as cheap as it gets
+    positional = split.required + ([f"*{split.var_positional}"] if split.var_positional else [])
+    keywords = split.keywords + ([f"**{split.var_keyword}"] if split.var_keyword else [])
+    return "", f"({''.join(t + ', ' for t in positional)}), {{{', '.join(keywords)}}}"
+
+
+def _shown_signature(fn: Callable[..., Any], sig: inspect.Signature) -> inspect.Signature:
+    """What ``inspect.signature`` and ``help()`` show for a generated function: its own kinds,
+    annotations and return type, with ``sig``'s real defaults."""
+    shown = inspect.signature(fn)
+    real = [shown.parameters["_rm_self"]] + [
+        q.replace(default=sig.parameters[q.name].default) for q in list(shown.parameters.values())[1:]
+    ]
+    return shown.replace(parameters=real)
 
 
 # ----------------------------------------------------------------------------------------
@@ -300,6 +338,16 @@ def render_scriptable_module(interface_cls: type) -> types.ModuleType:
     function ``_remote_forward``. Its module name depends only on the interface, so caller
     and host agree on the qualified name RPC uses to find ``_remote_forward``.
     """
+    _check_interface(interface_cls)
+    name = _scriptable_module_name(interface_cls)
+    existing = sys.modules.get(name)
+    if existing is not None:
+        return existing
+    return _compiled_module(name, _scriptable_source(interface_cls))
+
+
+def _check_interface(interface_cls: type) -> None:
+    """``ValueError`` unless ``interface_cls`` is a TorchScript interface both workers can import."""
     if not is_jit_interface(interface_cls):
         raise ValueError(
             "_module_interface_cls must be a class decorated with @torch.jit.interface, "
@@ -310,39 +358,22 @@ def render_scriptable_module(interface_cls: type) -> types.ModuleType:
             f"_module_interface_cls {interface_cls.__qualname__} must be defined at the top level "
             f"of module {interface_cls.__module__} so both workers can import it"
         )
-    name = _scriptable_module_name(interface_cls)
-    existing = sys.modules.get(name)
-    if existing is not None:
-        return existing
+
+
+def _scriptable_source(interface_cls: type) -> str:
+    """The scriptable template filled in for ``interface_cls``'s ``forward`` schema."""
     schema = interface_forward_schema(interface_cls)
-    py_sig = inspect.signature(interface_cls.forward)
-    py_params = list(py_sig.parameters.values())[1:]
+    py_params = list(inspect.signature(interface_cls.forward).parameters.values())[1:]
     args = list(schema.arguments)[1:]
     if len(schema.returns) != 1:
         raise ValueError(f"{interface_cls.__qualname__}.forward must return exactly one value")
     ret_type = schema.returns[0].type
-    typed, names, move_in = [], [], []
-    for a, p in zip(args, py_params):
-        text = f"{a.name}: {_type_str(a.type)}"
-        if p.default is not inspect.Parameter.empty:
-            text += f" = {p.default!r}"
-        typed.append(text)
-        names.append(a.name)
-        moved = _map_expr(a.name, a.type, "_rm_to_device({}, dev)")
-        if moved is not None:
-            move_in.append(f"        {a.name} = {moved}")
-    move_inputs = "    if dev.type != \"cpu\":\n" + ("\n".join(move_in) if move_in else "        pass")
-    out_cpu = _map_expr("out", ret_type, "_rm_to_cpu({})")
-    if out_cpu is None:
-        move_output = "    return out"
-    else:
-        move_output = (
-            "    if dev.type == \"cpu\" or is_device_map_set:\n"
-            "        return out\n"
-            f"    return {out_cpu}"
-        )
+    pairs = list(zip(args, py_params))  # (schema argument, Python parameter: its default)
+    typed = [f"{a.name}: {_type_str(a.type)}" + ("" if p.default is inspect.Parameter.empty else f" = {p.default!r}")
+             for a, p in pairs]
+    names = [a.name for a, _ in pairs]
     ret = _type_str(ret_type)
-    source = template_text("scriptable_forward.py.tpl").format(
+    return template_text("scriptable_forward.py.tpl").format(
         interface=f"{interface_cls.__module__}.{interface_cls.__qualname__}",
         interface_module=interface_cls.__module__,
         interface_name=interface_cls.__qualname__,
@@ -352,9 +383,36 @@ def render_scriptable_module(interface_cls: type) -> types.ModuleType:
         call_args=", ".join(names),
         return_annotation=f" -> {ret}",
         future_annotation=f" -> Future[{ret}]",
-        move_inputs=move_inputs,
-        move_output=move_output,
+        move_inputs=_move_inputs([a for a, _ in pairs]),
+        move_output=_move_output(ret_type),
     )
+
+
+def _move_inputs(args: list[Any]) -> str:
+    """The template's statements that move every tensor of the arguments to the module's device."""
+    move_in = []
+    for a in args:
+        moved = _map_expr(a.name, a.type, "_rm_to_device({}, dev)")
+        if moved is not None:
+            move_in.append(f"        {a.name} = {moved}")
+    return "    if dev.type != \"cpu\":\n" + ("\n".join(move_in) if move_in else "        pass")
+
+
+def _move_output(ret_type: Any) -> str:
+    """The template's statements that return the output, its tensors moved to the CPU unless
+    the module is on the CPU or a device map moves them."""
+    out_cpu = _map_expr("out", ret_type, "_rm_to_cpu({})")
+    if out_cpu is None:
+        return "    return out"
+    return (
+        "    if dev.type == \"cpu\" or is_device_map_set:\n"
+        "        return out\n"
+        f"    return {out_cpu}"
+    )
+
+
+def _compiled_module(name: str, source: str) -> types.ModuleType:
+    """A module ``name`` in ``sys.modules`` holding ``source`` compiled (none if that fails)."""
     module = types.ModuleType(name)
     module.__file__ = f"<remote_module scriptable {name}>"
     sys.modules[name] = module

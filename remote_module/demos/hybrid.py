@@ -12,7 +12,6 @@ table, so the loss has somewhere to go.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 import torch
@@ -22,6 +21,7 @@ from torch import nn
 from torch.distributed.optim import DistributedOptimizer
 
 from remote_module import RemoteModule
+from remote_module.demos._script import run_script
 from remote_module.demos.progress import bar_hidden, progress_bar
 from rpc_backend import run_local
 
@@ -113,8 +113,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except KeyboardInterrupt:  # Ctrl-C: run_local has stopped the ranks; one line, no traceback
-        print("\ninterrupted", file=sys.stderr, flush=True)
-        sys.exit(130)
+    run_script(main)

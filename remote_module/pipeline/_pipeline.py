@@ -6,7 +6,8 @@ import itertools
 import math
 import threading
 import time
-from typing import Any, Sequence
+from functools import partial
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed.rpc as rpc
@@ -25,6 +26,7 @@ from remote_module._core import (
     timeout_seconds,
     to_exception,
     unwarned_state,
+    wait_for_earlier_calls,
     warn_untrained,
 )
 from remote_module.pipeline import _host
@@ -278,12 +280,8 @@ class RemotePipeline(nn.Module):
         micro = list(zip(*(torch.tensor_split(t, n) for t in inputs)))
         seconds = self._seconds()
         deadline = made + seconds
-        for i, stage in enumerate(self.stages):
-            if not stage._earlier_calls_done(deadline):
-                raise CallTimeout(
-                    f"pipeline stage {i} on worker {stage.on!r}: earlier calls this thread made on its "
-                    f"proxy were not answered within the pipeline's timeout ({seconds:g} s)"
-                )
+        wait_for_earlier_calls(self.stages, deadline, lambda i, stage: f"pipeline stage {i} on worker {stage.on!r}",
+                               f"the pipeline's timeout ({seconds:g} s)")
         route = _host.Route(
             rpc.get_worker_info().name,
             next(_runs),
@@ -315,61 +313,12 @@ class RemotePipeline(nn.Module):
         n = len(micro)
         first = route.stages[0]
         grad = torch.is_grad_enabled()
-        lock = threading.Lock()
-        failures: list[tuple[bool, BaseException]] = []  # (was it a cancellation, error), by time
-        cancelled = [False]
-
-        # At most ``window`` micro-batches in flight: a micro-batch waiting for its turn holds
-        # one of its host's RPC threads, and a host whose threads all wait could not take the
-        # answers and cancellations that free them. Sent from this thread only: the
-        # distributed autograd context is this thread's.
-        window = _window(len(route.stages))
-        state = {"next": 0, "outstanding": 0}
-        changed = threading.Condition(lock)
-
-        def cancel_all() -> None:
-            for worker in {s.worker for s in route.stages}:
-                send_and_forget(worker, _host._cancel, (route.caller, route.run), timeout=5)
-
-        def watcher(mb: int):
-            def settled(fut: Future) -> None:
-                try:
-                    try:
-                        value = fut.value()
-                        if value is None:
-                            return
-                        index, worker, failure, was_cancel = value
-                        where = f"in pipeline stage {index} on worker {worker!r} (micro-batch {mb} of {n})"
-                        error = to_exception(failure, where)
-                    except BaseException as exc:  # stage 0 unreachable, or the caller's own timeout
-                        was_cancel, error = False, self._unanswered(first.worker, mb, n, exc)
-                    record(was_cancel, error)
-                finally:  # a failure is recorded before the sender sees a free slot
-                    with changed:
-                        state["outstanding"] -= 1
-                        changed.notify_all()
-
-            return settled
-
-        def record(was_cancel: bool, error: BaseException) -> None:
-            with lock:
-                failures.append((was_cancel, error))
-                first_failure, cancelled[0] = not cancelled[0], True
-            if first_failure:
-                cancel_all()
-
-        while True:
-            with changed:
-                while not cancelled[0] and state["outstanding"] >= window:
-                    changed.wait()
-                if cancelled[0] or state["next"] >= n:
-                    break
-                mb = state["next"]
-                state["next"] += 1
-            args = micro[mb]
+        # Sent from this thread only: the distributed autograd context is this thread's.
+        flight = _InFlight(route, n, _window(len(route.stages)), self._unanswered)
+        while (mb := flight.next_to_send()) is not None:
             left = deadline - _clock()
             if left < 0.001:
-                record(False, CallTimeout(
+                flight.record(False, CallTimeout(
                     f"pipeline micro-batch {mb} of {n} was not sent: the pipeline's timeout "
                     f"({self._seconds():g} s) ran out first"
                 ))
@@ -378,22 +327,15 @@ class RemotePipeline(nn.Module):
                 fut = call_async(
                     first.worker,
                     _host._step,
-                    (route, 0, mb, left - route.margin, grad, args),
+                    (route, 0, mb, left - route.margin, grad, micro[mb]),
                     timeout=None if left == math.inf else left,  # None here: the agent's, which is none
                     label=f"pipeline micro-batch {mb} of {n} (stage 0 on worker {first.worker!r})",
                 )
             except Exception as exc:  # not sent (RPC shut down meanwhile): the ones sent still settle
-                record(False, exc)
+                flight.record(False, exc)
                 break
-            with changed:
-                state["outstanding"] += 1
-            fut.add_done_callback(watcher(mb))
-        with changed:
-            while state["outstanding"] > 0:  # each sent call settles by its deadline
-                changed.wait()
-        with lock:
-            real = [e for was_cancel, e in failures if not was_cancel]
-            return real or [e for _, e in failures]
+            flight.sent(mb, fut)
+        return flight.failures_once_settled()
 
     def _unanswered(self, worker: str, mb: int, n: int, exc: BaseException) -> BaseException:
         """The error for a micro-batch whose call to stage 0 itself failed: stage 0's host did
@@ -411,3 +353,76 @@ class RemotePipeline(nn.Module):
         error.__cause__ = exc
         return error
 
+
+class _InFlight:
+    """The micro-batches of one forward between their sending and their settling.
+
+    At most ``window`` are in flight: a micro-batch waiting for its turn holds one of its
+    host's RPC threads, and a host whose threads all wait could not take the answers and
+    cancellations that free them. Failures are kept in the order they came, each marked as a
+    cancellation or not; the first one stops the sending and cancels the run on every stage's
+    host (once).
+    """
+
+    def __init__(self, route: _host.Route, n: int, window: int,
+                 unanswered: Callable[[str, int, int, BaseException], BaseException]) -> None:
+        self.route, self.n, self.window = route, n, window
+        self._unanswered = unanswered
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._failures: list[tuple[bool, BaseException]] = []  # (was it a cancellation, error), by time
+        self._cancelled = False
+        self._next = 0
+        self._outstanding = 0
+
+    def next_to_send(self) -> int | None:
+        """The next micro-batch to send, once a slot is free; None when all were sent or the
+        run failed."""
+        with self._changed:
+            while not self._cancelled and self._outstanding >= self.window:
+                self._changed.wait()
+            if self._cancelled or self._next >= self.n:
+                return None
+            mb, self._next = self._next, self._next + 1
+            return mb
+
+    def sent(self, mb: int, fut: Future) -> None:
+        """Micro-batch ``mb`` was sent: ``fut`` settles it."""
+        with self._changed:
+            self._outstanding += 1
+        fut.add_done_callback(partial(self._settled, mb))
+
+    def _settled(self, mb: int, fut: Future) -> None:
+        try:
+            try:
+                value = fut.value()
+                if value is None:
+                    return
+                index, worker, failure, was_cancel = value
+                where = f"in pipeline stage {index} on worker {worker!r} (micro-batch {mb} of {self.n})"
+                error = to_exception(failure, where)
+            except BaseException as exc:  # stage 0 unreachable, or the caller's own timeout
+                was_cancel, error = False, self._unanswered(self.route.stages[0].worker, mb, self.n, exc)
+            self.record(was_cancel, error)
+        finally:  # a failure is recorded before the sender sees a free slot
+            with self._changed:
+                self._outstanding -= 1
+                self._changed.notify_all()
+
+    def record(self, was_cancel: bool, error: BaseException) -> None:
+        """A failure; the first one cancels the run on every stage's host."""
+        with self._lock:
+            self._failures.append((was_cancel, error))
+            first_failure, self._cancelled = not self._cancelled, True
+        if first_failure:
+            for worker in {s.worker for s in self.route.stages}:
+                send_and_forget(worker, _host._cancel, (self.route.caller, self.route.run), timeout=5)
+
+    def failures_once_settled(self) -> list[BaseException]:
+        """Wait until every sent micro-batch settled (each by its deadline at the latest); the
+        failures, those that are not cancellations first."""
+        with self._changed:
+            while self._outstanding > 0:
+                self._changed.wait()
+            real = [e for was_cancel, e in self._failures if not was_cancel]
+            return real or [e for _, e in self._failures]

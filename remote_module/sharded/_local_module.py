@@ -12,12 +12,12 @@ import torch.distributed.rpc as rpc
 from torch import nn
 
 from remote_module._core import (
-    CallTimeout,
     map_leaves,
     records_outside_context,
     retyped,
     timeout_seconds,
     unwarned_state,
+    wait_for_earlier_calls,
     warn_untrained,
 )
 from remote_module.remote_module import RemoteModule
@@ -298,12 +298,8 @@ class LocalModule(nn.Module):
             warn_untrained(self, f"LocalModule on mesh {list(self.mesh)}", "LocalModule", "local_module")
         seconds = timeout_seconds(self.timeout)
         deadline = made + seconds
-        for r, shard in enumerate(hosts.shards):
-            if not shard._earlier_calls_done(deadline):
-                raise CallTimeout(
-                    f"LocalModule shard {r} on worker {shard.on!r}: earlier calls this thread made on its proxy "
-                    f"were not answered within the timeout ({seconds:g} s)"
-                )
+        wait_for_earlier_calls(hosts.shards, deadline, lambda r, shard: f"LocalModule shard {r} on worker {shard.on!r}",
+                               f"the timeout ({seconds:g} s)")
         count = len(self.out_placements)
         sids = new_sids(n, count, hosts.caller)
         args = [(hosts.keys[r], hosts.devices[r], r, n, tuple(_for_rank(v, r) for v in per_input),

@@ -1,4 +1,4 @@
-"""A rank's SIGINT handler (rpc_backend/local.py): the first SIGINT is Python's
+"""A rank's SIGINT handler (rpc_backend/_local_rank.py): the first SIGINT is Python's
 KeyboardInterrupt; a second one, which ``timeout`` and some shells send again to the whole
 process group, must not interrupt the rank's report of the first (chained tracebacks)."""
 
@@ -10,8 +10,8 @@ from tests._deadlines import HANG_S
 
 _CHILD = r"""
 import os, signal
-from rpc_backend.local import _interrupt_once
-signal.signal(signal.SIGINT, _interrupt_once)
+from rpc_backend._local_rank import interrupt_once
+signal.signal(signal.SIGINT, interrupt_once)
 try:
     os.kill(os.getpid(), signal.SIGINT)
     signal.pause()  # not reached: the handler raises first

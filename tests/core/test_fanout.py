@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed.rpc as rpc
 
-from remote_module._core import fanout
+from remote_module._core import answers
 from remote_module._core.errors import CallTimeout, RemoteModuleError
 from remote_module._core.fanout import (
     HostCall,
@@ -40,13 +40,13 @@ def unanswered_at_deadline(monkeypatch):
     change once its deadline has passed). Which calls a host answered before a short deadline
     depends on the machine's speed; which one the error must name follows from this."""
     seen = []
-    real = fanout._Batch.expire
+    real = answers.Batch.expire
 
     def expire(batch, now):
         real(batch, now)
-        seen.append((list(batch.names), [i for i, r in enumerate(batch.results) if r is fanout._UNANSWERED]))
+        seen.append((list(batch.names), [i for i, r in enumerate(batch.results) if r is answers.UNANSWERED]))
 
-    monkeypatch.setattr(fanout._Batch, "expire", expire)
+    monkeypatch.setattr(answers.Batch, "expire", expire)
     return seen
 
 
@@ -323,7 +323,7 @@ def test_call_grouped_each_gives_every_calls_outcome_and_names_a_shared_failure(
 
 def test_a_batch_timeout_names_each_silent_worker_once():
     names = ["w0"] * 20 + ["w1"] * 20 + ["w2"]
-    assert fanout._calls_by_worker(names) == "20 calls on 'w0', 20 on 'w1', 1 on 'w2'"
+    assert answers.calls_by_worker(names) == "20 calls on 'w0', 20 on 'w1', 1 on 'w2'"
     many = [f"w{i}" for i in range(12)]
-    assert fanout._calls_by_worker(many) == ("1 call on 'w0', 1 on 'w1', 1 on 'w2', 1 on 'w3', 1 on 'w4', "
+    assert answers.calls_by_worker(many) == ("1 call on 'w0', 1 on 'w1', 1 on 'w2', 1 on 'w3', 1 on 'w4', "
                                              "1 on 'w5', 1 on 'w6', 1 on 'w7' and 4 other workers")
