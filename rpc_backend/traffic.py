@@ -61,6 +61,7 @@ _PATCHED = ("rpc_async", "rpc_sync", "remote")
 _lock = threading.Lock()
 _active: tuple[Traffic, ...] = ()  # the counters now active (replaced whole, under _lock)
 _originals: dict[str, Any] = {}  # torch's functions while ours are installed
+_installed: dict[str, Any] = {}  # ours, by the same names
 
 
 _sizing = threading.local()  # .tensors: those the pickle being sized left out, in order
@@ -270,7 +271,6 @@ def _counting(name: str, original: Any) -> Any:
         return result
 
     call.__wrapped__ = original  # type: ignore[attr-defined]
-    call._traffic_counting = True  # type: ignore[attr-defined]
     return call
 
 
@@ -279,13 +279,14 @@ def _install() -> None:
         if name in _originals:  # ours is still in place, beneath another patch (see _uninstall)
             continue
         _originals[name] = getattr(rpc, name)
-        setattr(rpc, name, _counting(name, _originals[name]))
+        _installed[name] = _counting(name, _originals[name])
+        setattr(rpc, name, _installed[name])
 
 
 def _uninstall() -> None:
     for name, original in list(_originals.items()):
-        if getattr(getattr(rpc, name), "_traffic_counting", False):
+        if getattr(rpc, name) is _installed[name]:
             setattr(rpc, name, original)
-            del _originals[name]
+            del _originals[name], _installed[name]
         # else: someone patched over ours; ours stays beneath theirs and, with no Traffic
         # active, only forwards (and is reused by the next Traffic)
