@@ -417,6 +417,8 @@ class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
 
         Example::
 
+            from torch.distributed.optim import DistributedOptimizer
+
             opt = DistributedOptimizer(torch.optim.SGD, proxy.remote_parameters(), lr=0.1)
         """
         return self._rpc(_host._param_rrefs, self.module_rref, recurse)

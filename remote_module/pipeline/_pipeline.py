@@ -232,6 +232,8 @@ class RemotePipeline(nn.Module):
 
         Example::
 
+            from torch.distributed.optim import DistributedOptimizer
+
             opt = DistributedOptimizer(torch.optim.SGD, pipe.remote_parameters(), lr=0.05)
         """
         return [p for stage in self.stages for p in stage.remote_parameters(recurse)]

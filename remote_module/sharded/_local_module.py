@@ -214,6 +214,8 @@ class LocalModule(nn.Module):
 
         Example::
 
+            from torch.distributed.optim import DistributedOptimizer
+
             opt = DistributedOptimizer(torch.optim.SGD, lm.remote_parameters(), lr=0.1)
         """
         return [p for shard in self.shards for p in shard.remote_parameters(recurse)]
