@@ -161,7 +161,9 @@ class Traffic:
     bytes ``received`` in answers (``answers`` of them), all ``collections.Counter``; and
     ``unsized``, the payloads that did not pickle here (their tensors alone counted). A call
     sent while active is counted with its answer, even one that arrives later. Several may be
-    active at once (each counts every call)."""
+    active at once (each counts every call). A copy (``copy.copy``, ``copy.deepcopy``,
+    ``pickle``) is a snapshot of the counts so far: a Traffic of its own, not active, that
+    does not count the answers still on their way to this one."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -174,6 +176,20 @@ class Traffic:
         self.received: collections.Counter = collections.Counter()
         self.answers: collections.Counter = collections.Counter()
         self.unsized = 0
+
+    _COUNTS = ("messages", "sent", "received", "answers")
+
+    def __getstate__(self) -> dict:
+        with self._lock:  # the counts as of now, not the lock or the answers still on their way
+            state = {name: collections.Counter(getattr(self, name)) for name in self._COUNTS}
+            state["unsized"] = self.unsized
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        Traffic.__init__(self)
+        for name in self._COUNTS:
+            getattr(self, name).update(state[name])
+        self.unsized = state["unsized"]
 
     def __enter__(self) -> Traffic:
         global _active
