@@ -144,6 +144,15 @@ class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
     #: the last value seen, kept in ``__dict__``, as the scripted proxy's own flag).
     __jit_unused_properties__ = ["training"]
 
+    #: What this process keeps for itself (:meth:`_declare_process_state`): not part of a
+    #: scripted proxy either.
+    __jit_ignored_attributes__ = ["_host_info", "_channel", "_warned_untrained"]
+
+    #: The RRef of the remote module: None until the proxy is connected to it (while it is
+    #: being built; ``nn.Module.__init__`` sets ``training`` before anything else is set), then
+    #: the instance's own attribute, which travels with it (``PICKLED_ATTRIBUTES``).
+    module_rref = None
+
     #: The attributes sent when a proxy travels over RPC (``remote_module.PICKLED_ATTRIBUTES``).
     #: A subclass with more per-proxy state that must travel extends it:
     #: ``PICKLED_ATTRIBUTES = RemoteModule.PICKLED_ATTRIBUTES + ("extra",)``.
@@ -165,6 +174,7 @@ class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
         timeout: float | None = None,
     ) -> None:
         super().__init__()
+        self._declare_process_state()
         _require_rpc("RemoteModule(...)")
         # The same single message as create_async; waiting here means construction errors
         # surface here and the first forward can never race the creation.
@@ -203,6 +213,7 @@ class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
             )
         proxy = cls.__new__(cls)
         nn.Module.__init__(proxy)
+        proxy._declare_process_state()
         return proxy._create(
             remote_device, module_cls, args, kwargs, options.get("_module_interface_cls"), options.get("timeout")
         )
@@ -234,6 +245,7 @@ class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
             raise TypeError(f"module_rref must be an RRef of an nn.Module, got {type(module_rref).__name__}")
         proxy = RemoteModule.__new__(RemoteModule)
         nn.Module.__init__(proxy)
+        proxy._declare_process_state()
         proxy._prepare(remote_device, _module_interface_cls, timeout)
         owner = module_rref.owner_name()
         if proxy.on != owner:
@@ -346,7 +358,7 @@ class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
         # remote module on its host; device moves stay here (the handle follows them).
         handle = self._parameters.get(HANDLE)
         casts = dtype_casts(fn, handle.device if handle is not None else torch.device("cpu"))
-        if casts and "module_rref" in self.__dict__:
+        if casts and self.module_rref is not None:
             self._rpc(_host._cast, self.module_rref, casts)
         super()._apply(fn, recurse)
         applied = self._parameters.get(HANDLE)
@@ -380,12 +392,13 @@ class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
         info, rref = made
         clone = type(self).__new__(type(self))
         nn.Module.__init__(clone)
+        clone._declare_process_state()
         memo[id(self)] = clone
         own = {"module_rref", "module_key", "remote_type", "remote_repr", "remote_trainable"}
         shared = {"forward_signature", "module_interface_cls"}  # the class's, as in a local copy
-        for name in pickled_attributes(type(self)):
-            if name in self.__dict__ and name not in own:
-                value = self.__dict__[name]
+        sent = pickled_attributes(type(self))
+        for name, value in list(vars(self).items()):  # what would travel over RPC, less its own
+            if name in sent and name not in own:
                 object.__setattr__(clone, name, value if name in shared else copy.deepcopy(value, memo))
         clone.module_rref = rref
         clone.module_key = info["key"]
@@ -403,6 +416,8 @@ class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
         """RRefs of the remote module's parameters, e.g. for ``DistributedOptimizer``.
 
         Example::
+
+            from torch.distributed.optim import DistributedOptimizer
 
             opt = DistributedOptimizer(torch.optim.SGD, proxy.remote_parameters(), lr=0.1)
         """

@@ -103,6 +103,11 @@ class WorkerLost(BaseException):
         super().__init__(message)
         self.lost = list(lost)
 
+    def __reduce__(self) -> tuple:
+        # pickled (and copied) by its constructor's arguments: BaseException's own reduce
+        # would call it with the message alone
+        return type(self), (self.args[0], self.lost), self.__dict__
+
 
 
 # ---- status lines from layers above --------------------------------------------------------

@@ -46,6 +46,11 @@ class LocalWorldError(RuntimeError):
         self.text = text
         self.interrupted = interrupted
 
+    def __reduce__(self) -> tuple:
+        # pickled (and copied) by its constructor's arguments: BaseException's own reduce
+        # would call it with the message alone
+        return type(self), (self.rank, self.name, self.text, self.interrupted), self.__dict__
+
 
 def run_local(
     fn: Callable[..., Any],

@@ -61,6 +61,7 @@ _PATCHED = ("rpc_async", "rpc_sync", "remote")
 _lock = threading.Lock()
 _active: tuple[Traffic, ...] = ()  # the counters now active (replaced whole, under _lock)
 _originals: dict[str, Any] = {}  # torch's functions while ours are installed
+_installed: dict[str, Any] = {}  # ours, by the same names
 
 
 _sizing = threading.local()  # .tensors: those the pickle being sized left out, in order
@@ -160,7 +161,9 @@ class Traffic:
     bytes ``received`` in answers (``answers`` of them), all ``collections.Counter``; and
     ``unsized``, the payloads that did not pickle here (their tensors alone counted). A call
     sent while active is counted with its answer, even one that arrives later. Several may be
-    active at once (each counts every call)."""
+    active at once (each counts every call). A copy (``copy.copy``, ``copy.deepcopy``,
+    ``pickle``) is a snapshot of the counts so far: a Traffic of its own, not active, that
+    does not count the answers still on their way to this one."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -173,6 +176,20 @@ class Traffic:
         self.received: collections.Counter = collections.Counter()
         self.answers: collections.Counter = collections.Counter()
         self.unsized = 0
+
+    _COUNTS = ("messages", "sent", "received", "answers")
+
+    def __getstate__(self) -> dict:
+        with self._lock:  # the counts as of now, not the lock or the answers still on their way
+            state = {name: collections.Counter(getattr(self, name)) for name in self._COUNTS}
+            state["unsized"] = self.unsized
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        Traffic.__init__(self)
+        for name in self._COUNTS:
+            getattr(self, name).update(state[name])
+        self.unsized = state["unsized"]
 
     def __enter__(self) -> Traffic:
         global _active
@@ -270,7 +287,6 @@ def _counting(name: str, original: Any) -> Any:
         return result
 
     call.__wrapped__ = original  # type: ignore[attr-defined]
-    call._traffic_counting = True  # type: ignore[attr-defined]
     return call
 
 
@@ -279,13 +295,14 @@ def _install() -> None:
         if name in _originals:  # ours is still in place, beneath another patch (see _uninstall)
             continue
         _originals[name] = getattr(rpc, name)
-        setattr(rpc, name, _counting(name, _originals[name]))
+        _installed[name] = _counting(name, _originals[name])
+        setattr(rpc, name, _installed[name])
 
 
 def _uninstall() -> None:
     for name, original in list(_originals.items()):
-        if getattr(getattr(rpc, name), "_traffic_counting", False):
+        if getattr(rpc, name) is _installed[name]:
             setattr(rpc, name, original)
-            del _originals[name]
+            del _originals[name], _installed[name]
         # else: someone patched over ours; ours stays beneath theirs and, with no Traffic
         # active, only forwards (and is reused by the next Traffic)

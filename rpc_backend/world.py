@@ -385,6 +385,8 @@ def init_role_process_group(worker: Worker, backend: str = "gloo", timeout: floa
 
     Example (torchrun, or ``run_local(main, 3, roles={"ps": 1, "trainer": 2})``)::
 
+        from torch.nn.parallel import DistributedDataParallel
+
         def main():
             me = current_worker()                     # or init_from_env(roles=...) under torchrun
             if me.role == "trainer":

@@ -45,7 +45,7 @@ from typing import Iterator
 
 UPPER = ("pipeline", "sharded", "ps")
 INTERNAL = ("_core", "_proxy")
-DEMOS = ("demos", "demo", "dlrm_demo")  # the demos and their old module paths
+DEMOS = ("demos",)  # the demos
 TORCH_PRIVATE_MODULES = ("torch.distributed.rpc.api", "torch.distributed.rpc.internal")
 
 

@@ -49,7 +49,7 @@ PLANTED = [
     ("remote_module/ps/_rowwise.py", "from remote_module import _proxy", "not in remote_module._proxy.__all__"),
     ("remote_module/remote_module.py", "from remote_module import ps", "the proxy imports nothing above"),
     ("remote_module/demos/hybrid.py", "from remote_module.ps import _modes", "public names only"),
-    ("remote_module/pipeline/_split.py", "from remote_module import dlrm_demo", "nothing below the demos"),
+    ("remote_module/pipeline/_split.py", "from remote_module.demos import dlrm", "nothing below the demos"),
     ("remote_module/sharded/_mesh.py", "import importlib\nimportlib.import_module('remote_module._proxy.wire')",
      "not its modules"),
     # ps/'s inner map: dense/ and tables/ apart, the table server apart from the trainer side,

@@ -115,10 +115,10 @@ def before_rref_deletion_at_shutdown(hook: Callable[[], None]) -> None:
     if hook in _shutdown_hooks:
         return
     _shutdown_hooks.append(hook)
+    if len(_shutdown_hooks) > 1:  # the first hook wrapped the deletion step already
+        return
     api = rpc.api
     original = api._delete_all_user_and_unforked_owner_rrefs
-    if getattr(original, "_remote_module_wrapped", False):
-        return
 
     def delete_all_user_and_unforked_owner_rrefs(*args: Any, **kwargs: Any) -> Any:
         import logging
@@ -130,7 +130,6 @@ def before_rref_deletion_at_shutdown(hook: Callable[[], None]) -> None:
                 logging.getLogger("remote_module").exception("a shutdown hook failed")
         return original(*args, **kwargs)
 
-    delete_all_user_and_unforked_owner_rrefs._remote_module_wrapped = True  # type: ignore[attr-defined]
     api._delete_all_user_and_unforked_owner_rrefs = delete_all_user_and_unforked_owner_rrefs
 
 

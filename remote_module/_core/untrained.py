@@ -11,12 +11,18 @@ is sent to find out) or an input that requires grad (a tensor in a tuple, list o
 and no context in this thread. It is silent under ``torch.no_grad()`` /
 ``torch.inference_mode()``, for hosts without trainable parameters given inputs without grad,
 and inside a context.
+
+An object that warns declares ``self._warned_untrained = False`` where it declares its other
+state (its ``__init__``; a ``RemoteModule`` proxy wherever one is built, see
+``remote_module._proxy.calls.RemoteCalls._declare_process_state``), and its ``__getstate__``
+starts from :func:`unwarned_state`.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 import warnings
 from typing import Any
 
@@ -24,7 +30,11 @@ import torch
 
 from remote_module._core._torch_private import in_dist_autograd_context, is_rpc_initialized
 
-_FLAG = "_warned_untrained"  # in the object's __dict__ once it warned (never pickled: see unwarned_state)
+#: The attribute each object that warns declares: False until it warned (a copy starts at False:
+#: see unwarned_state).
+FLAG = "_warned_untrained"
+
+_claim = threading.Lock()  # which of several threads that pass records_outside_context at once warns
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # remote_module/
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -53,7 +63,7 @@ def records_outside_context(owner: Any, trainable: bool, args: tuple = (), kwarg
     grad) or an input requiring grad (nested in tuples, lists, dicts too), and no distributed
     autograd context here. Never before ``rpc.init_rpc`` or after ``rpc.shutdown()``: such a
     forward fails without running (and records nothing), so the one warning is kept."""
-    if _FLAG in owner.__dict__ or not torch.is_grad_enabled():
+    if owner._warned_untrained or not torch.is_grad_enabled():
         return False
     if not trainable and not any(_holds_grad_input(v) for v in (*args, *(kwargs or {}).values())):
         return False
@@ -75,11 +85,12 @@ def user_stacklevel() -> int:
 def warn_untrained(owner: Any, what: str, kind: str, handle: str) -> None:
     """Warn (once per ``owner``) that ``what`` ran recording gradients outside a distributed
     autograd context; ``kind`` names the class, ``handle`` what the user calls it in code.
-    Threads that all passed :func:`records_outside_context` at once race here: the one whose
-    ``setdefault`` stores the flag (atomic under the GIL) warns, the others do not."""
-    claim = object()
-    if owner.__dict__.setdefault(_FLAG, claim) is not claim:
-        return
+    Threads that all passed :func:`records_outside_context` at once race here: the first to
+    set ``owner._warned_untrained`` warns, the others do not."""
+    with _claim:
+        if owner._warned_untrained:
+            return
+        owner._warned_untrained = True
     warnings.warn(
         f"{what} ran with gradients enabled outside a torch.distributed.autograd context: nothing is "
         "recorded across RPC there, so loss.backward() reaches neither its parameters on the hosts nor "
@@ -94,9 +105,10 @@ def warn_untrained(owner: Any, what: str, kind: str, handle: str) -> None:
 
 
 def unwarned_state(owner: Any) -> dict:
-    """``owner``'s pickled state (its ``__dict__``) without the once-warned flag: a copy that
-    arrives elsewhere (over RPC) is another object, which warns on its own, as a proxy does
-    (``remote_module._proxy.pickling.IGNORED_ATTRIBUTES``). For ``__getstate__`` of a pipeline or LocalModule."""
+    """``owner``'s pickled state (a copy of its ``__dict__``) with the once-warned flag back at
+    False: a copy that arrives elsewhere (over RPC, or ``copy.deepcopy``) is another object,
+    which warns on its own, as a proxy does (``remote_module._proxy.pickling.IGNORED_ATTRIBUTES``).
+    For ``__getstate__`` of a pipeline or LocalModule."""
     state = owner.__dict__.copy()
-    state.pop(_FLAG, None)
+    state[FLAG] = False
     return state

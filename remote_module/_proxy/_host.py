@@ -99,7 +99,7 @@ def portable_signature(sig: inspect.Signature | None) -> inspect.Signature | Non
 
     Example::
 
-        sig = portable_signature(forward_signature(MyModule))   # on the host, in _describe
+        sig = portable_signature(forward_signature(torch.nn.Linear))   # on the host, in _describe
         pickle.dumps(sig)   # always works; a lambda default shows as <function <lambda> at ...>
     """
     if sig is None:

@@ -9,13 +9,15 @@ per proxy and process), which may let cheap calls share messages.
 
 A mixin of :class:`remote_module.RemoteModule`; it reads the proxy's attributes ``on``,
 ``device``, ``is_device_map_set``, ``module_key``, ``module_rref``, ``remote_type``,
-``forward_signature`` and ``timeout``.
+``forward_signature`` and ``timeout``, and keeps the per-process state that
+:meth:`RemoteCalls._declare_process_state` declares.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+import threading
 import time
 from typing import Any, Callable
 
@@ -46,6 +48,7 @@ from remote_module._proxy.channel import Channel
 from remote_module._proxy.wire import check_side, dumps, loads
 
 _clock = time.monotonic
+_channel_made = threading.Lock()  # two threads' first forward_async on one proxy keep one channel
 
 
 def _rpc_missing_message(what: str) -> str:
@@ -68,6 +71,15 @@ def _failure(on: str, remote_type: str, exc: BaseException, what: str) -> BaseEx
 
 class RemoteCalls:
     """The calling half of RemoteModule (see the module docstring)."""
+
+    def _declare_process_state(self) -> None:
+        """Declare what this proxy keeps for this process only: every way a proxy is built
+        (the constructor, ``create_async``, ``init_from_module_rref``, ``copy.deepcopy``, arrival
+        over RPC) calls this right after ``nn.Module.__init__``. None of it travels
+        (``remote_module._proxy.pickling.IGNORED_ATTRIBUTES``)."""
+        self._host_info: rpc.WorkerInfo | None = None  # the host's WorkerInfo, looked up on first use
+        self._channel: Channel | None = None  # the forward_async channel, made on first use
+        self._warned_untrained = False  # the one warning of training outside dist autograd (_core.untrained)
 
     # ---- blocking calls --------------------------------------------------------------------
 
@@ -92,7 +104,7 @@ class RemoteCalls:
         """Wait until every call this thread made earlier on the proxy was answered; False when
         ``deadline`` (``time.monotonic()``) passed first. Layers that call the host by other
         means (a pipeline's stages) call it first, to keep program order."""
-        channel = self.__dict__.get("_channel")
+        channel = self._channel
         return channel is None or channel.wait_for_thread(deadline)
 
     def _failed(self, exc: BaseException, what: str) -> BaseException:
@@ -116,10 +128,10 @@ class RemoteCalls:
 
     def _dest(self) -> Any:
         """The host's WorkerInfo, looked up once per process (a name costs a lookup per call)."""
-        info = self.__dict__.get("_host_info")
+        info = self._host_info
         if info is None:
             try:
-                info = self.__dict__["_host_info"] = rpc.get_worker_info(self.on)
+                info = self._host_info = rpc.get_worker_info(self.on)
             except RuntimeError as exc:  # no agent (after shutdown): say what to do instead
                 raise RuntimeError(_rpc_missing_message(f"RemoteModule on {self.on!r}")) from exc
         return info
@@ -149,7 +161,7 @@ class RemoteCalls:
         except Exception as exc:  # pickling happens here: nothing was sent
             raise self._explain_unsendable(args, kwargs, exc, inline) from exc
         # after the checks: a call refused before anything is sent does not use up the one warning
-        if records_outside_context(self, getattr(self, "remote_trainable", True), args, kwargs):
+        if records_outside_context(self, self.remote_trainable, args, kwargs):
             warn_untrained(self, f"RemoteModule on worker {self.on!r} ({self.remote_type})", "proxy", "proxy")
         return Call(payload, torch.is_grad_enabled(), inline)
 
@@ -188,7 +200,7 @@ class RemoteCalls:
         call = self._make_call(args, kwargs)
         sent = (self._target().wire(), call.wire())
         answer = Answer.from_wire(self._blocking(_host_calls._call_one, sent, "forward", made))
-        channel = self.__dict__.get("_channel")
+        channel = self._channel
         if channel is not None:
             channel.observe(answer.seconds)
         return self._forward_result(answer.result)
@@ -208,7 +220,7 @@ class RemoteCalls:
 
     def _call_channel(self) -> Channel:
         """This proxy's channel, made on first use in this process (never pickled)."""
-        channel = self.__dict__.get("_channel")
+        channel = self._channel
         if channel is None:
             on, remote_type, where = self.on, self.remote_type, self._where()
 
@@ -224,9 +236,12 @@ class RemoteCalls:
                 self._dest(), _host_calls._call_one, _host_calls._call_many, self._target().wire(),
                 finish=finish, fail=fail, label=_label(on, remote_type, "forward_async"),
                 devices=self._future_devices() if self.is_device_map_set else None,
-                keepalive=self.__dict__.get("module_rref"),
+                keepalive=self.module_rref,
             )
-            channel = self.__dict__.setdefault("_channel", channel)
+            with _channel_made:  # of two threads making one at once, the first keeps its channel
+                if self._channel is None:
+                    self._channel = channel
+                channel = self._channel
         return channel
 
     def _future_devices(self) -> list[torch.device]:

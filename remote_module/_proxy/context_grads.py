@@ -128,9 +128,8 @@ def _targets(parameters: Any) -> list[tuple[str | None, Any]]:
     out: list[tuple[str | None, Any]] = []
     for item in items:
         if isinstance(item, RequiresGradHandle):
-            ref = item.__dict__.get("_proxy")
-            proxy = ref() if ref is not None else None
-            if proxy is not None and "module_rref" in proxy.__dict__:
+            proxy = item.proxy()
+            if proxy is not None:  # a handle is installed once its proxy is connected
                 owner = proxy.module_rref.owner_name()
                 out.append((None if owner == me else owner, proxy.module_rref))
         elif isinstance(item, rpc.PyRRef):

@@ -29,6 +29,7 @@ def check_constructor_arguments(module_cls: Any, args: Any, kwargs: Any) -> tupl
 
     Example::
 
+        >>> import torch
         >>> check_constructor_arguments(torch.nn.Linear, (2, 3), None)
         ((2, 3), {})
     """

@@ -50,9 +50,21 @@ class RequiresGradHandle(nn.Parameter):
         model.requires_grad_(False)     # freezes the remote module on its host, too
     """
 
+    def __new__(cls, data: torch.Tensor | None = None, requires_grad: bool = True,
+                proxy: nn.Module | None = None) -> RequiresGradHandle:
+        handle = super().__new__(cls, data, requires_grad)
+        # weakly: the proxy holds its handle; None in a copy of the tensor alone (copy.deepcopy
+        # makes one with type(self)(data, requires_grad))
+        handle._proxy_ref = None if proxy is None else weakref.ref(proxy)
+        return handle
+
+    def proxy(self) -> nn.Module | None:
+        """The proxy this handle belongs to, or None (it was collected, or this is a copy of the
+        handle alone)."""
+        return None if self._proxy_ref is None else self._proxy_ref()
+
     def requires_grad_(self, requires_grad: bool = True) -> RequiresGradHandle:  # type: ignore[override]
-        ref = self.__dict__.get("_proxy")
-        proxy = ref() if ref is not None else None
+        proxy = self.proxy()
         if proxy is None:  # a copy made without its proxy (copy.deepcopy of the tensor alone)
             return super().requires_grad_(requires_grad)
         proxy._set_remote_requires_grad(requires_grad)  # sets this handle's flag from the answer
@@ -83,8 +95,7 @@ class RequiresGradHandle(nn.Parameter):
 def install_handle(proxy: nn.Module, requires_grad: bool, like: torch.Tensor | None = None) -> None:
     """Give ``proxy`` its handle (of ``like``'s dtype and device, else the default dtype on the CPU)."""
     data = torch.empty(0) if like is None else torch.empty(0, dtype=like.dtype, device=like.device)
-    handle = RequiresGradHandle(data, requires_grad=bool(requires_grad))
-    handle.__dict__["_proxy"] = weakref.ref(proxy)
+    handle = RequiresGradHandle(data, requires_grad=bool(requires_grad), proxy=proxy)
     proxy._parameters[HANDLE] = handle  # register_parameter is refused on a proxy
 
 

@@ -5,7 +5,13 @@ override ``nn.Module``'s own): ``train``/``eval`` and the ``training`` flag are 
 module's, read and written on the host in program order (every proxy of one module agrees);
 ``state_dict``/``load_state_dict`` carry the remote entries as CPU copies under the proxy's
 prefix. It uses the proxy's ``_rpc`` (a blocking call in program order, see
-remote_module._proxy.calls) and ``module_rref``.
+remote_module._proxy.calls) and ``module_rref`` (None while the proxy is not connected).
+
+The last ``training`` value seen is the one piece of state kept under a ``__dict__`` key: the
+property named ``training`` hides the instance attribute of that name from ordinary
+assignment, and TorchScript builds a scripted module's own ``training`` flag from the
+module's ``__dict__`` (``torch.jit._recursive`` reads ``nn_module.__dict__``), so no declared
+attribute under another name would reach it.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ class RemoteModuleState:
         if not isinstance(mode, bool):
             raise ValueError(f"training mode is expected to be boolean, got {mode!r}")
         self._rpc(_host._train, self.module_rref, mode)
-        self.__dict__["training"] = mode  # the last value seen (see the training property)
+        self.__dict__["training"] = mode  # the last value seen (see the module docstring)
         return self
 
     def eval(self: _P) -> _P:
@@ -43,7 +49,7 @@ class RemoteModuleState:
     # every proxy of one module (init_from_module_rref, proxies sent to other workers) tells the
     # truth. nn.Module.__init__ writes it before the proxy is connected: that write stays local.
     # The last value seen is kept in __dict__ (the property hides it) for TorchScript only, which
-    # reads a module's __dict__ when scripting it.
+    # reads a module's __dict__ when scripting it (see the module docstring).
     @property
     def training(self) -> bool:  # type: ignore[override]
         """The remote module's training flag, asked of the host (a blocking call, in program order).
@@ -54,8 +60,8 @@ class RemoteModuleState:
             a.eval()
             assert b.training is False       # one module on worker1
         """
-        if "module_rref" not in self.__dict__:
-            return self.__dict__.get("training", True)  # not connected yet (being built or received)
+        if self.module_rref is None:  # not connected yet (being built or received)
+            return self.__dict__["training"]  # nn.Module.__init__ set it, through the setter
         mode = self.__dict__["training"] = self._rpc(_host._training, self.module_rref)
         return mode
 
@@ -65,7 +71,7 @@ class RemoteModuleState:
         # submodules keep theirs; train()/eval() set them all).
         if not isinstance(mode, bool):
             raise ValueError(f"training mode is expected to be boolean, got {mode!r}")
-        if "module_rref" in self.__dict__:
+        if self.module_rref is not None:
             self._rpc(_host._set_training, self.module_rref, mode)
         self.__dict__["training"] = mode
 

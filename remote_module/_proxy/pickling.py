@@ -153,14 +153,14 @@ def rebuild_proxy(cls: type, state: dict) -> nn.Module:
     """RPC receiver side of :func:`reduce_proxy`: ``is_device_map_set`` is recomputed here."""
     proxy = cls.__new__(cls)
     nn.Module.__init__(proxy)
+    proxy._declare_process_state()
     for name, value in state.items():
         object.__setattr__(proxy, name, value)
-    if "on" in state and "device" in state:
-        object.__setattr__(proxy, "is_device_map_set", device_map_is_set(state["on"], state["device"]))
+    object.__setattr__(proxy, "is_device_map_set", device_map_is_set(state["on"], state["device"]))
     proxy._install_generated_methods()
     from remote_module._proxy.idioms import install_handle
 
-    install_handle(proxy, state.get("remote_trainable", True))
+    install_handle(proxy, state["remote_trainable"])
     return proxy
 
 

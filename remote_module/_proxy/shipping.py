@@ -211,7 +211,11 @@ def travels_with_rpc(cls: type) -> None:
 
     Example::
 
-        travels_with_rpc(MyProxy)   # next to the RPC reducer registration of MyProxy
+        class Handle:                # a class that only the RPC pickler can send
+            ...
+
+        register_rpc_reducer(Handle, reduce_handle)  # (remote_module._core)
+        travels_with_rpc(Handle)
     """
     global _RPC_TYPES
     if cls not in _RPC_TYPES:

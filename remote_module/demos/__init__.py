@@ -5,7 +5,4 @@
 - :mod:`remote_module.demos.hybrid`: a hybrid model, a remote ``EmbeddingBag`` and a local
   ``Linear`` (``make demo-hybrid``; ``python -m remote_module.demos.hybrid``);
 - :mod:`remote_module.demos.progress`: their progress bar.
-
-The old paths ``python -m remote_module.dlrm_demo`` and ``python -m remote_module.demo`` still
-run them.
 """

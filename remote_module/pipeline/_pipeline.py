@@ -193,6 +193,7 @@ class RemotePipeline(nn.Module):
         self, stages: Sequence[Any], chunks: int = 1, *, timeout: float | None = None, unpack_tuples: bool = True
     ) -> None:
         super().__init__()
+        self._warned_untrained = False  # the one warning of training outside dist autograd (_core.untrained)
         chunks = positive_int(chunks, "chunks", wrong_type=ValueError,
                               message="{what} must be a positive int (micro-batches per forward), got {value!r}")
         if not isinstance(unpack_tuples, bool):
@@ -230,6 +231,8 @@ class RemotePipeline(nn.Module):
         """RRefs of every stage's parameters, stage by stage, for ``DistributedOptimizer``.
 
         Example::
+
+            from torch.distributed.optim import DistributedOptimizer
 
             opt = DistributedOptimizer(torch.optim.SGD, pipe.remote_parameters(), lr=0.05)
         """

@@ -153,6 +153,12 @@ class LocalModule(nn.Module):
         timeout: float | None = None,
     ) -> None:
         super().__init__()
+        self._warned_untrained = False  # the one warning of training outside dist autograd (_core.untrained)
+        # This process's lookups (never pickled: see __getstate__): the hosts' WorkerInfos and
+        # keys, and the placements checked per (input or output, ndim, dtype).
+        self._hosts_cache: _Hosts | None = None
+        self._wanted_cache: dict[tuple, tuple] = {}
+        self._out_cache: dict[tuple, tuple] = {}
         workers, devices = check_mesh(mesh)
         self.mesh = workers
         self.timeout = None if timeout is None else positive_seconds(timeout, "timeout")
@@ -183,7 +189,7 @@ class LocalModule(nn.Module):
     def _hosts(self) -> "_Hosts":
         """The caller's name and what the shards' calls need, looked up once per process
         (a copy sent to another process looks them up again there)."""
-        hosts = self.__dict__.get("_hosts_cache")
+        hosts = self._hosts_cache
         if hosts is None or hosts.pid != os.getpid():
             hosts = _Hosts(
                 os.getpid(),
@@ -193,22 +199,22 @@ class LocalModule(nn.Module):
                 tuple(s._target().key for s in self.shards),
                 tuple(s.device for s in self.shards),
             )
-            self.__dict__["_hosts_cache"] = hosts
+            self._hosts_cache = hosts
         return hosts
 
     def __getstate__(self) -> dict:
         """As ``nn.Module``'s, less the once-warned flag and this process's lookups: a copy sent
         over RPC warns on its own and looks its hosts up there."""
         state = unwarned_state(self)
-        state.pop("_hosts_cache", None)
-        state.pop("_wanted_cache", None)
-        state.pop("_out_cache", None)
+        state.update(_hosts_cache=None, _wanted_cache={}, _out_cache={})
         return state
 
     def remote_parameters(self, recurse: bool = True) -> list[rpc.RRef]:
         """RRefs of every shard's parameters, shard by shard, for ``DistributedOptimizer``.
 
         Example::
+
+            from torch.distributed.optim import DistributedOptimizer
 
             opt = DistributedOptimizer(torch.optim.SGD, lm.remote_parameters(), lr=0.1)
         """
@@ -257,9 +263,7 @@ class LocalModule(nn.Module):
         """``placement`` (``in_placements[i]``) normalised for an ``ndim``-d input of ``dtype``
         and checked, once per (input, ndim, dtype) for as long as ``in_placements[i]`` is that
         same object."""
-        cache = self.__dict__.get("_wanted_cache")
-        if cache is None:
-            cache = self.__dict__["_wanted_cache"] = {}
+        cache = self._wanted_cache
         found = cache.get((i, ndim, dtype))
         if found is None or found[0] is not placement:
             want = pl.normalized(placement, ndim, f"in_placements[{i}]")
@@ -336,9 +340,7 @@ class LocalModule(nn.Module):
         declared placement is normalised and checked once per (output, ndim, dtype) for as long
         as ``out_placements[j]`` is that same object."""
         shape, dtype_name, _ = metas[0]
-        cache = self.__dict__.get("_out_cache")
-        if cache is None:
-            cache = self.__dict__["_out_cache"] = {}
+        cache = self._out_cache
         found = cache.get((j, len(shape), dtype_name))
         placement = self.out_placements[j]
         try:

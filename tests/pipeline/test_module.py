@@ -3,6 +3,7 @@ cuts, names kept, checkpoints interchangeable with the local nn.Sequential, bad 
 
 from __future__ import annotations
 
+import copy
 import re
 import warnings
 
@@ -95,6 +96,21 @@ def test_requires_grad_reaches_every_stage_as_on_the_local_sequential():
     assert all(stage.remote_trainable for stage in pipe.stages)
     with dist_autograd.context():
         assert pipe(x).requires_grad
+
+
+def test_a_deep_copy_runs_on_copies_of_the_stages():
+    pipe = RemotePipeline([(W1, nn.Linear, (3, 4), None), (W2, nn.Linear, (4, 2), None)], chunks=2)
+    x = torch.randn(4, 3)
+    with torch.no_grad():
+        before = pipe(x)
+        twin = copy.deepcopy(pipe)
+        assert not twin._warned_untrained and twin.chunks == 2
+        assert [s.module_key for s in twin.stages] != [s.module_key for s in pipe.stages]
+        close(twin(x), before)
+        first = pipe.stages[0]  # the original's weights change; the copy's do not
+        first.load_state_dict({k: torch.zeros_like(v) for k, v in first.state_dict().items()})
+        close(twin(x), before)
+        assert not torch.allclose(pipe(x), before)
 
 
 def test_state_dict_keys_are_stages_i_then_the_stage_modules_own_keys():

@@ -105,7 +105,7 @@ def test_per_process_caches_do_not_travel():
     x = torch.randn(2, 4)
     proxy(x)
     proxy.forward_async(x).wait()  # creates the host-info cache and the call channel
-    assert "_host_info" in vars(proxy) and "_channel" in vars(proxy)
+    assert proxy._host_info is not None and proxy._channel is not None
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # an unlisted attribute would warn
         sync_out, async_out, _ = rpc.rpc_sync("worker2", _remote.use_proxy, (proxy, x))

@@ -4,6 +4,7 @@ worker, outputs by placements), each checked against a local reference; then the
 an ordinary user would (gradients through redistribute, grad mode, redistribute's memory, the
 caller as a mesh member)."""
 
+import copy
 import gc
 import threading
 import time
@@ -113,6 +114,22 @@ def test_placements_set_after_a_forward_apply_to_the_next():
         second = lm(x)
     assert second.placement == Replicate() and second.local_shapes == ((4, 2), (4, 2))
     assert torch.equal(second.full_tensor(), x)
+
+
+def test_a_deep_copy_has_shards_of_its_own_and_none_of_the_lookups():
+    lm = LocalModule(MESH, nn.Linear, (2, 2), in_placements=[Replicate()], out_placements=Replicate())
+    x = torch.randn(3, 2)
+    with torch.no_grad():
+        before = lm(x).full_tensor()  # fills this process's lookups (hosts, placements)
+        twin = copy.deepcopy(lm)
+        assert twin._hosts_cache is None and twin._wanted_cache == {} and twin._out_cache == {}
+        assert not twin._warned_untrained
+        assert [s.module_key for s in twin.shards] != [s.module_key for s in lm.shards]
+        assert torch.equal(twin(x).full_tensor(), before)
+        for shard in lm.shards:  # the original's weights change; the copy's do not
+            shard.load_state_dict({k: torch.zeros_like(v) for k, v in shard.state_dict().items()})
+        assert torch.equal(twin(x).full_tensor(), before)
+        assert torch.equal(lm(x).full_tensor(), torch.zeros(3, 2))
 
 
 # ---- distribute / from_local -------------------------------------------------------------
