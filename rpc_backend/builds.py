@@ -370,7 +370,10 @@ def check_peer(name: str, seconds: float | None = None) -> None:
     """Raise :class:`BuildMismatch` when worker ``name`` runs another build of a declared
     package. The first call per peer (and process) asks it (:func:`answer_builds`, one round
     trip) and waits at most ``seconds`` (default: the RPC agent's timeout) for the answer, on a
-    thread that may wait (see the module docstring); later calls cost a set lookup.
+    thread that may wait (see the module docstring); later calls cost a set lookup, so a
+    later world in this process whose peer has a name checked in an earlier world is not
+    asked again (a peer whose question was not answered yet, or failed, is). When no answer
+    comes in time the call goes ahead, and the answer, when it comes, decides later calls.
 
     Example (before a call of one's own to a peer)::
 
