@@ -446,8 +446,10 @@ def _answered(name: str, token: int, mine: Mapping[str, Build], question: _Quest
                     del _asked[name]
             question.event.set()
             return
-        report = (f"worker {name!r} runs a build of rpc_backend without rpc_backend.builds (older than this "
-                  f"process's: {', '.join(b.describe() for b in mine.values())}). To fix: {FIX}")
+        first = next(line.strip() for line in str(exc).splitlines() if any(m in line for m in _NO_CHECK))
+        report = (f"it runs a build of rpc_backend that cannot answer rpc_backend.builds.answer_builds (one "
+                  f"older than that check; there: {first}), unlike this process's "
+                  f"{', '.join(b.describe() for b in mine.values())}. To fix: {FIX}")
     if report is None:
         with _peer_lock:
             if _world_token[0] == token:

@@ -291,6 +291,23 @@ def test_plain_init_rpc_fails_the_first_call_to_a_peer_of_another_build(tmp_path
 
 @pytest.mark.slow
 @pytest.mark.timeout(2 * (SETUP_S + HANG_S))
+def test_plain_init_rpc_names_a_peer_whose_build_cannot_answer_the_check(tmp_path):
+    # a build older than the check: the peer cannot find the function the question names
+    other = _checkout_copy(tmp_path / "older")
+    module = other / "rpc_backend" / "builds.py"
+    module.write_text(module.read_text().replace("def answer_builds(", "def answer_builds_elsewhere("))
+    (caller, served) = _plain_ranks(tmp_path, [ROOT, other])
+    assert caller[0] == 0 and served[0] == 0, caller[2][-3000:] + served[2][-3000:]
+    line = next((x for x in caller[1].splitlines() if x.startswith("worker0: BuildMismatch: ")), None)
+    assert line is not None, caller[1] + caller[2][-3000:]
+    assert "worker 'worker1' cannot be called: it runs a build of rpc_backend that cannot answer " \
+           "rpc_backend.builds.answer_builds (one older than that check; there: " in line, line
+    assert "answer_builds" in line.split("older than that check; there: ", 1)[1], line  # torch's own words
+    assert "install one build of the package on every machine" in line, line
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * (SETUP_S + HANG_S))
 def test_plain_init_rpc_with_one_build_calls_as_before(tmp_path):
     (caller, served) = _plain_ranks(tmp_path, [ROOT, _checkout_copy(tmp_path / "same")])
     assert caller[0] == 0 and served[0] == 0, caller[2][-3000:] + served[2][-3000:]
