@@ -11,11 +11,11 @@ install one build on every machine.
 
 **What is compared.** A package declares itself with :func:`declare_build` when it is imported
 (``rpc_backend`` here, ``remote_module`` in its ``__init__``): its version, and the names that
-can travel (by default every module-level function and class of its source, as ``module:name``,
-read from its files without importing them). Its *wire fingerprint* is a SHA-256 of the version and those names, sorted
-(:func:`fingerprint`): the same in every process of one build, whatever the hash seed, and
-different once a name that can travel moves. Where a package sits on disk is reported but not
-compared: two checkouts of one build are one build.
+can travel (by default every module-level function and class of its source, as
+``module:name``, read from its files without importing them). Its *wire fingerprint* is a
+SHA-256 of the version and those names, sorted (:func:`fingerprint`): the same in every process
+of one build, whatever the hash seed, and different once a name that can travel moves. Where
+a package sits on disk is reported but not compared: two checkouts of one build are one build.
 
 **When.**
 
@@ -28,7 +28,8 @@ compared: two checkouts of one build are one build.
   build by construction, nothing to compare.
 * A world formed with plain ``rpc.init_rpc``: :func:`check_peer` asks each peer once per process
   for its builds (one round trip, :func:`answer_builds` on the peer), at the first call that
-  ``remote_module`` makes to it, and raises :class:`BuildMismatch` there. It waits at most the
+  ``remote_module`` makes to it (its fan-out calls, which create every remote object, and a
+  proxy's first lookup of its host), and raises :class:`BuildMismatch` there. It waits at most the
   call's own timeout on the caller's thread. On a thread that torch's RPC agent runs (a handler
   making a call in turn) it never waits, since a handler thread that blocks can starve the
   pool that would answer: the question is sent, and its answer decides every later call to
