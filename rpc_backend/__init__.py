@@ -17,12 +17,16 @@
   :func:`add_status` lets a layer above put its step in what a lost peer is named with;
 * :class:`Traffic` counts the bytes this process's calls carry to each peer and back (their
   payload, measured on what is sent and answered; off until used);
+* every rank of a world that :func:`init_from_env` forms runs one build of the packages whose
+  functions travel by name (``rpc_backend/builds.py``): a rank of another build fails the world
+  with :class:`BuildMismatch` naming both; a package of one's own joins with :func:`declare_build`;
 * :func:`make_options` validates RPC options (timeout, threads, device maps, devices) and picks
   the transport (:data:`TRANSPORTS`; ``"uv"`` by default, which does not spin when idle).
 
 Knows nothing of ``remote_module``; everything above builds on it.
 """
 
+from rpc_backend.builds import BuildMismatch, declare_build
 from rpc_backend.connect import ConnectError
 from rpc_backend.local import LocalWorldError, run_local
 from rpc_backend.loopback import fresh_file_rendezvous, loopback_env, loopback_interface, loopback_store
@@ -41,6 +45,8 @@ __all__ = [
     "current_worker",
     "shutdown_rpc",
     "ConnectError",
+    "BuildMismatch",
+    "declare_build",
     "run_local",
     "LocalWorldError",
     "configure_network",

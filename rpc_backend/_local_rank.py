@@ -19,6 +19,7 @@ import torch.distributed.rpc as rpc
 from rpc_backend._lifetime import exit_with_parent
 from rpc_backend._quiet import hide_functional_optimizer_deprecation, no_backend_as_process_group_warning
 from rpc_backend._sendable import UnpicklableResult, result_bytes
+from rpc_backend.builds import world_checked
 from rpc_backend.loopback import loopback_env
 from rpc_backend.options import make_options
 from rpc_backend.roles import RankPlacement
@@ -54,6 +55,7 @@ def rank_entry(
         options = make_options(init_method=init_method, worker_names=[p.name for p in layout], **option_kwargs)
         with no_backend_as_process_group_warning():
             rpc.init_rpc(me.name, rank=rank, world_size=world_size, rpc_backend_options=options)
+        world_checked()  # every rank is forked from one process: one build (rpc_backend/builds.py)
         start_watching(me.name, layout, watching)
         if watching is not None and watching.expendable:
             _tell_launcher_of_losses(results, me.name)

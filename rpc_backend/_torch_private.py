@@ -16,3 +16,9 @@ UNBOUNDED_SHUTDOWN_TIMEOUT: float = rpc.constants.DEFAULT_SHUTDOWN_TIMEOUT
 def is_rpc_initialized() -> bool:
     """True between ``rpc.init_rpc`` and ``rpc.shutdown`` in this process."""
     return rpc.is_available() and rpc.api._is_current_rpc_agent_set()
+
+
+def current_agent_token() -> int:
+    """An identity of this process's current RPC agent (a new one per ``rpc.init_rpc``; 0 when
+    RPC is not initialized), to tell one world from the next."""
+    return id(rpc.api._get_current_rpc_agent()) if is_rpc_initialized() else 0

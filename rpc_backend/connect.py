@@ -14,7 +14,10 @@ uncaught exception: torchrun then sees the rank fail). The error names this rank
 interface and address, the address every peer advertised (or that it never arrived), torch's
 own error when there is one, and what to set: the interface variables, a firewall's ports, or
 the bound. :func:`join_role_group` (``init_role_process_group``) does the same for a role's
-process group, within that group's own ``timeout``.
+process group, within that group's own ``timeout``. Right after ``init_rpc`` the ranks compare
+their builds of the packages whose names travel over RPC (:func:`check_world_builds`,
+rpc_backend/builds.py): ranks of different builds all fail with
+:class:`~rpc_backend.builds.BuildMismatch` naming both, before any call.
 
 **Restarts.** torchrun keeps its store across restarts (the static rendezvous keeps the first
 ``TCPStore``; ``c10d`` shares one bootstrap store across rounds), so keys that one attempt's
@@ -46,6 +49,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from rpc_backend._torch_private import is_rpc_initialized
+from rpc_backend.builds import BuildMismatch, check_world, world_checked
 from rpc_backend.network import (
     IFNAME_VARIABLES,
     NetworkChoice,
@@ -441,11 +445,15 @@ def join_world(name: str, rank: int, world_size: int, names: Sequence[str], mast
             options.init_method = f"{SCHEME}://{_url_host(master[0])}:{master[1]}?prefix={prefix}/rpc"
         progress.phase = "connecting to the other ranks (rpc.init_rpc: TensorPipe and Gloo)"
         rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
+        progress.phase = "comparing the ranks' builds (rpc_backend/builds.py)"
+        check_world_builds(store, prefix, master, rank, world_size, names, _remaining(deadline))
 
     _bounded(work, deadline, progress)
     if progress.done:
         _world[:] = [progress.prefix]
         return
+    if isinstance(progress.error, BuildMismatch):
+        raise progress.error  # not a network failure: its own report
     raise _report("the RPC world", progress, rank, names, list(range(world_size)), master, started, bound,
                   f"connect_timeout or {CONNECT_TIMEOUT_VARIABLE}", env)
 
@@ -469,6 +477,22 @@ def _report(what: str, progress: _Progress, rank: int, names: Sequence[str], ran
     failure = ConnectError(message)
     failure.__cause__ = error
     return failure
+
+
+def check_world_builds(store: Any, prefix: str, master: tuple[str, int], rank: int, world_size: int,
+                       names: Sequence[str], timeout: float) -> None:
+    """Right after ``init_rpc``: every rank runs one build (:func:`rpc_backend.builds.check_world`,
+    on the job's store under this attempt's prefix, else on the store ``init_rpc`` started at
+    the master). On a mismatch, or a rank that never says, this rank leaves RPC at once and
+    raises :class:`~rpc_backend.builds.BuildMismatch`."""
+    try:
+        if store is None:
+            store = dist.TCPStore(master[0], master[1], is_master=False, timeout=timedelta(seconds=timeout))
+        check_world(dist.PrefixStore(prefix or "rpc_backend", store), rank, world_size, names, timeout)
+    except BaseException:
+        rpc.shutdown(graceful=False)
+        raise
+    world_checked()
 
 
 def join_role_group(role: str, role_rank: int, role_size: int, role_ranks: Sequence[int], names: Sequence[str],

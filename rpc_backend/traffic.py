@@ -18,7 +18,8 @@ Not counted:
 * torch's own C++ messages (distributed autograd's gradients, RRef bookkeeping), and the calls
   this process answers (the caller counts those);
 * rpc_backend's heartbeats (:mod:`rpc_backend.watch`): a few hundred bytes per peer per second
-  whatever the job does, not part of any step.
+  whatever the job does, not part of any step; nor its one question per peer about its build
+  (:mod:`rpc_backend.builds`, sent with torch's own ``rpc_async``).
 
 Cost: none while no Traffic is active (torch's functions are left as they are); while one is,
 each call's arguments and each answer are pickled once more, without their tensors: 20-60 us of

@@ -66,6 +66,7 @@ from remote_module._core.deadlines import timeout_seconds
 from remote_module._core.errors import CallTimeout, capture, retyped, timeout_message, to_exception
 from remote_module._core.settling import schedule
 from remote_module._core.walk import parameters_as_views
+from rpc_backend.builds import check_peer
 
 #: torch.distributed.rpc's "no timeout": the deadline is kept by remote_module._core.settling's watcher.
 _NO_RPC_TIMEOUT = 0
@@ -244,9 +245,10 @@ def call_async(
     if not callable(handler):
         raise TypeError(f"{label}: the handler must be a module-level function, got {handler!r}")
     seconds = timeout_seconds(timeout)
-    name = _worker_name(worker, label)
-    wire = _wire(handler, args, kwargs, dist_autograd_contexts_exist())
     made = _clock()
+    name = _worker_name(worker, label)
+    check_peer(name, seconds)  # once per peer: its build is this one (rpc_backend/builds.py)
+    wire = _wire(handler, args, kwargs, dist_autograd_contexts_exist())
     try:
         sent = rpc.rpc_async(name, _body(handler), wire, timeout=_NO_RPC_TIMEOUT)
     except Exception as exc:  # nothing was sent
@@ -291,6 +293,8 @@ def _checked_calls(calls: Iterable[HostCall | tuple], timeout: float | None
         raise RuntimeError(
             "call_async needs torch.distributed.rpc: call rpc.init_rpc(name, rank=..., world_size=...) first"
         )
+    for info in infos:
+        check_peer(info.name, seconds)  # once per peer: its build is this one (rpc_backend/builds.py)
     return checked, infos, seconds
 
 
@@ -375,6 +379,8 @@ def send_to_each(infos: Sequence[rpc.WorkerInfo], handler: Callable[..., Any], a
         infos = [rpc.get_worker_info(w) for w in mesh]            # once
         fut = send_to_each(infos, handler, [(x,), (y,)], timeout_seconds(None))
     """
+    for info in infos:
+        check_peer(info.name, seconds)  # once per peer: its build is this one (rpc_backend/builds.py)
     return _send(Future(), infos, [handler] * len(infos), [(a, None) for a in args], seconds)
 
 

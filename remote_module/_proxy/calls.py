@@ -29,6 +29,7 @@ from remote_module._core import (
     CallTimeout,
     RemoteFailure,
     agent_timeout_seconds,
+    check_peer,
     device_map_to,
     dist_autograd_contexts_exist,
     is_rpc_initialized,
@@ -131,9 +132,11 @@ class RemoteCalls:
         info = self._host_info
         if info is None:
             try:
-                info = self._host_info = rpc.get_worker_info(self.on)
+                info = rpc.get_worker_info(self.on)
             except RuntimeError as exc:  # no agent (after shutdown): say what to do instead
                 raise RuntimeError(_rpc_missing_message(f"RemoteModule on {self.on!r}")) from exc
+            check_peer(info.name, self._timeout_s())  # a proxy shipped here may be the first contact
+            self._host_info = info
         return info
 
     # ---- forward ---------------------------------------------------------------------------

@@ -1,0 +1,318 @@
+"""One build per world (rpc_backend/builds.py): the wire fingerprint, the report, the comparison
+on a store, and ranks of different builds, each on its own ``PYTHONPATH`` (a copy of this
+checkout, changed or not), under torchrun and with plain ``rpc.init_rpc``.
+"""
+
+import _thread
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+import remote_module
+import rpc_backend
+from rpc_backend import builds, loopback_env
+from rpc_backend.builds import Build, BuildMismatch, RankBuilds, check_world, defined_names, fingerprint, mismatch
+from tests._deadlines import HANG_S, SETUP_S
+from tests.test_torchrun import _argv, _free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+JOB = "tests/backend/scripts/builds_job.py"
+OTHER = "0.1.0+other"
+
+
+# -- the fingerprint ------------------------------------------------------------------------------
+
+
+def _package(root: Path, text: str) -> Path:
+    (root / "pkg").mkdir(parents=True)
+    (root / "pkg" / "__init__.py").write_text("")
+    (root / "pkg" / "host.py").write_text(text)
+    return root / "pkg"
+
+
+def test_defined_names_are_the_module_level_functions_and_classes(tmp_path):
+    pkg = _package(tmp_path, "def handler(x):\n    def inner():\n        pass\n\nclass Plan:\n"
+                             "    def method(self):\n        pass\n\nasync def later():\n    pass\n")
+    assert sorted(defined_names("pkg", pkg)) == ["pkg.host:Plan", "pkg.host:handler", "pkg.host:later"]
+
+
+def test_the_fingerprint_changes_with_a_handler_name_or_the_version_not_with_the_place(tmp_path):
+    one = defined_names("pkg", _package(tmp_path / "a", "def handler(x):\n    return x\n"))
+    same = defined_names("pkg", _package(tmp_path / "b", "def handler(x):\n    return x\n"))
+    renamed = defined_names("pkg", _package(tmp_path / "c", "def handler2(x):\n    return x\n"))
+    assert fingerprint("1.0", one) == fingerprint("1.0", same)  # two checkouts of one build
+    assert fingerprint("1.0", one) != fingerprint("1.0", renamed)
+    assert fingerprint("1.0", one) != fingerprint("1.1", one)
+    assert fingerprint("1.0", ["b", "a"]) == fingerprint("1.0", ["a", "b", "a"])  # sorted, each once
+
+
+def test_the_fingerprint_is_the_same_in_every_process():
+    # no hash seed, no id(): two interpreters with different seeds agree with this one
+    code = ("import json, remote_module; from rpc_backend.builds import local_builds; "
+            "print(json.dumps({p: b.fingerprint for p, b in local_builds().items()}))")
+    seen = []
+    for seed in ("1", "2"):
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S,
+                             env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONHASHSEED": seed})
+        assert out.returncode == 0, out.stderr[-3000:]
+        seen.append(json.loads(out.stdout))
+    here = {p: b.fingerprint for p, b in builds.local_builds(["remote_module", "rpc_backend"]).items()}
+    assert seen == [here, here]
+
+
+def test_both_packages_declare_their_build():
+    found = builds.local_builds()
+    assert found["remote_module"].version == remote_module.__version__
+    assert found["remote_module"].location == str(ROOT / "remote_module")
+    assert found["rpc_backend"].fingerprint and not found["rpc_backend"].error
+
+
+def test_the_answer_to_other_builds_stays_where_they_look_for_it():
+    # another build calls it by this name: moving it breaks the check between builds
+    assert (builds.answer_builds.__module__, builds.answer_builds.__qualname__) == ("rpc_backend.builds",
+                                                                                    "answer_builds")
+    answer = builds.answer_builds(["remote_module"])
+    assert set(answer["builds"]) >= {"remote_module", "rpc_backend"}
+    assert json.loads(json.dumps(answer)) == answer  # plain dicts and strings only
+
+
+def test_a_package_that_cannot_be_imported_is_a_build_of_its_own():
+    found = builds.local_builds(["no_such_package_here"])["no_such_package_here"]
+    assert "cannot import it here: ModuleNotFoundError" in found.error
+
+
+def test_only_threads_python_started_wait_for_a_peers_answer():
+    # torch's RPC handler threads are not Python's (threading sees them as dummies): a handler
+    # that calls a peer must not block its pool on the question
+    seen = []
+    done = threading.Event()
+
+    def foreign():
+        seen.append(builds._may_wait())
+        done.set()
+
+    _thread.start_new_thread(foreign, ())
+    assert done.wait(HANG_S)
+    assert builds._may_wait() and seen == [False]
+
+
+# -- the report -----------------------------------------------------------------------------------
+
+
+def _build(version, names=("pkg.host:handler",), location="/a/pkg"):
+    return Build("pkg", version, fingerprint(version, names), location)
+
+
+def test_one_build_on_every_rank_is_no_mismatch():
+    ranks = [RankBuilds("rank 0 (ps0) on a", {"pkg": _build("1.0")}),
+             RankBuilds("rank 1 (t0) on b", {"pkg": _build("1.0", location="/b/pkg")})]
+    assert mismatch(ranks) is None
+
+
+def test_the_report_names_both_builds_their_ranks_and_the_fix():
+    one, other = _build("1.0"), _build("1.0", ("pkg.host:moved",), "/b/pkg")
+    ranks = [RankBuilds("rank 0 (ps0) on a", {"pkg": one}), RankBuilds("rank 1 (t0) on b", {"pkg": other}),
+             RankBuilds("rank 2 (t1) on a", {"pkg": one})]
+    report = mismatch(ranks)
+    assert report.startswith("the ranks of this RPC world run different builds of pkg: ")
+    assert f"pkg 1.0 (wire {one.fingerprint}, from /a/pkg) on rank 0 (ps0) on a, rank 2 (t1) on a" in report
+    assert f"pkg 1.0 (wire {other.fingerprint}, from /b/pkg) on rank 1 (t0) on b" in report
+    assert "install one build of the package on every machine" in report
+    lacking = mismatch([ranks[0], RankBuilds("rank 1 (t0) on b", {})])
+    assert "no build of pkg (not reported) on rank 1 (t0) on b" in lacking
+
+
+# -- the comparison on a store (ranks as threads) --------------------------------------------------
+
+
+def _world(declared, asked=None, timeout=HANG_S):
+    """Run check_world on one store for ranks whose ``declared`` builds are given; ``asked``:
+    what a rank answers for every package once asked (round 2). Each rank's outcome."""
+    store = dist.HashStore()
+    names = [f"w{r}" for r in range(len(declared))]
+    outcomes = [None] * len(declared)
+
+    def rank(r):
+        def mine(packages):
+            return declared[r] if packages is None else {p: (asked or declared)[r][p] for p in packages}
+
+        try:
+            check_world(store, r, len(declared), names, timeout, builds=mine)
+            outcomes[r] = "ok"
+        except Exception as exc:  # noqa: BLE001 - the outcome under test
+            outcomes[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(declared))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(HANG_S)
+    return outcomes
+
+
+def test_ranks_of_one_build_pass_the_comparison():
+    assert _world([{"pkg": _build("1.0")}, {"pkg": _build("1.0", location="/b/pkg")}]) == ["ok", "ok"]
+
+
+def test_every_rank_fails_naming_both_builds():
+    outcomes = _world([{"pkg": _build("1.0")}, {"pkg": _build("1.1", location="/b/pkg")}])
+    for r, outcome in enumerate(outcomes):
+        assert isinstance(outcome, BuildMismatch), outcome
+        assert str(outcome).startswith(f"rank {r} (w{r}) cannot join: the ranks of this RPC world run different")
+        assert "pkg 1.0 (wire" in str(outcome) and "pkg 1.1 (wire" in str(outcome)
+
+
+def test_a_rank_that_had_not_imported_the_package_is_compared_all_the_same():
+    # rank 1 declared only the other package; asked (round 2) it imports pkg: another build
+    base = {"base": _build("1.0")}
+    declared = [{**base, "pkg": _build("1.0")}, base]
+    asked = [declared[0], {**base, "pkg": _build("2.0")}]
+    outcomes = _world(declared, asked)
+    assert all(isinstance(o, BuildMismatch) and "pkg 2.0 (wire" in str(o) for o in outcomes), outcomes
+    assert _world(declared, [declared[0], declared[0]]) == ["ok", "ok"]
+
+
+def test_a_rank_that_publishes_no_build_is_named():
+    store = dist.HashStore()
+    with pytest.raises(BuildMismatch, match=r"^rank 0 \(w0\) cannot join: rank\(s\) 1 \(w1\) published no build "):
+        check_world(store, 0, 2, ["w0", "w1"], 0.5, builds=lambda packages: {"pkg": _build("1.0")})
+
+
+# -- ranks of different builds, each on its own PYTHONPATH -----------------------------------------
+
+
+def _checkout_copy(where: Path, version: str | None = None) -> Path:
+    """This checkout's packages in ``where`` (the version changed to ``version``): another build."""
+    for name in ("remote_module", "rpc_backend", "templates"):
+        shutil.copytree(ROOT / name, where / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "setup.cfg", where / "setup.cfg")
+    if version is not None:
+        init = where / "remote_module" / "__init__.py"
+        text = init.read_text()
+        assert '__version__ = "0.1.0"' in text
+        init.write_text(text.replace('__version__ = "0.1.0"', f'__version__ = "{version}"'))
+    return where
+
+
+def _env(pythonpath: Path) -> dict:
+    return {**os.environ, **loopback_env(), "PYTHONPATH": str(pythonpath)}
+
+
+def _two_ranks(commands: list[list[str]], envs: list[dict]) -> list[tuple[int, str, str]]:
+    procs = [subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for command, env in zip(commands, envs)]
+    outcomes = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=SETUP_S + HANG_S)
+            outcomes.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return outcomes
+
+
+def _torchrun_ranks(paths: list[Path]) -> list[tuple[int, str, str]]:
+    port = _free_port()
+    return _two_ranks([_argv(f"torchrun --nnodes=2 --nproc-per-node=1 --node-rank={r} --master-addr=127.0.0.1 "
+                             f"--master-port={port} {JOB}") for r in range(2)], [_env(p) for p in paths])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * (SETUP_S + HANG_S))
+def test_a_rank_of_another_build_fails_the_world_naming_both(tmp_path):
+    other = _checkout_copy(tmp_path, OTHER)
+    outcomes = _torchrun_ranks([ROOT, other])
+    for r, (code, out, err) in enumerate(outcomes):
+        assert code != 0, out + err[-4000:]
+        assert "joined" not in out, out
+        line = next((x for x in err.splitlines() if "BuildMismatch: " in x), None)
+        assert line is not None, err[-4000:]
+        assert f"rank {r} (worker{r}) cannot join: the ranks of this RPC world run different builds of " \
+               "remote_module" in line, line
+        assert "remote_module 0.1.0 (wire " in line and f"from {ROOT / 'remote_module'}) on rank 0 (worker0)" in line
+        assert f"remote_module {OTHER} (wire " in line and f"from {other / 'remote_module'}) on rank 1 (worker1)" \
+               in line, line
+        assert "install one build of the package on every machine" in line, line
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * (SETUP_S + HANG_S))
+def test_without_torchruns_store_the_ranks_compare_on_the_one_init_rpc_started(tmp_path):
+    # the torchrun variables set by hand (no agent store): rank 0's init_rpc hosts the store,
+    # and stays until rank 1 has read the report
+    port = str(_free_port())
+    envs = [{**_env(path), "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_PORT": port,
+             "TORCHELASTIC_USE_AGENT_STORE": "False"} for r, path in enumerate([ROOT, _checkout_copy(tmp_path, OTHER)])]
+    for r, (code, out, err) in enumerate(_two_ranks([[sys.executable, JOB]] * 2, envs)):
+        assert code != 0 and "joined" not in out, out + err[-4000:]
+        assert f"BuildMismatch: rank {r} (worker{r}) cannot join: the ranks of this RPC world run different " \
+               "builds of remote_module" in err, err[-4000:]
+        assert f"remote_module {OTHER} (wire " in err and "remote_module 0.1.0 (wire " in err, err[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * (SETUP_S + HANG_S))
+def test_two_checkouts_of_one_build_form_a_world(tmp_path):
+    outcomes = _torchrun_ranks([ROOT, _checkout_copy(tmp_path)])
+    for r, (code, out, err) in enumerate(outcomes):
+        assert code == 0, out + err[-4000:]
+        assert f"rank {r}: joined, remote_module 0.1.0" in out, out
+
+
+def _plain_ranks(tmp_path: Path, paths: list[Path]) -> list[tuple[int, str, str]]:
+    init = f"file://{tmp_path / 'rendezvous'}"
+    return _two_ranks([[sys.executable, JOB, "plain", str(r), init] for r in range(2)], [_env(p) for p in paths])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * (SETUP_S + HANG_S))
+def test_plain_init_rpc_fails_the_first_call_to_a_peer_of_another_build(tmp_path):
+    other = _checkout_copy(tmp_path / "other", OTHER)
+    (caller, served) = _plain_ranks(tmp_path, [ROOT, other])
+    assert caller[0] == 0 and served[0] == 0, caller[2][-3000:] + served[2][-3000:]
+    assert "called worker1" not in caller[1], caller[1]
+    line = next((x for x in caller[1].splitlines() if x.startswith("worker0: BuildMismatch: ")), None)
+    assert line is not None, caller[1] + caller[2][-3000:]
+    assert "worker 'worker1' cannot be called: the ranks of this RPC world run different builds of " \
+           "remote_module" in line, line
+    assert "remote_module 0.1.0 (wire " in line and "on worker0 (this process)" in line, line
+    # worker1 had not imported remote_module: it did so to answer, from its own PYTHONPATH
+    assert f"remote_module {OTHER} (wire " in line and f"from {other / 'remote_module'}) on worker1" in line, line
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * (SETUP_S + HANG_S))
+def test_plain_init_rpc_names_a_peer_whose_build_cannot_answer_the_check(tmp_path):
+    # a build older than the check: the peer cannot find the function the question names
+    other = _checkout_copy(tmp_path / "older")
+    module = other / "rpc_backend" / "builds.py"
+    module.write_text(module.read_text().replace("def answer_builds(", "def answer_builds_elsewhere("))
+    (caller, served) = _plain_ranks(tmp_path, [ROOT, other])
+    assert caller[0] == 0 and served[0] == 0, caller[2][-3000:] + served[2][-3000:]
+    line = next((x for x in caller[1].splitlines() if x.startswith("worker0: BuildMismatch: ")), None)
+    assert line is not None, caller[1] + caller[2][-3000:]
+    assert "worker 'worker1' cannot be called: it runs a build of rpc_backend that cannot answer " \
+           "rpc_backend.builds.answer_builds (one older than that check; there: " in line, line
+    assert "answer_builds" in line.split("older than that check; there: ", 1)[1], line  # torch's own words
+    assert "install one build of the package on every machine" in line, line
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * (SETUP_S + HANG_S))
+def test_plain_init_rpc_with_one_build_calls_as_before(tmp_path):
+    (caller, served) = _plain_ranks(tmp_path, [ROOT, _checkout_copy(tmp_path / "same")])
+    assert caller[0] == 0 and served[0] == 0, caller[2][-3000:] + served[2][-3000:]
+    assert "worker0: called worker1, got (1, 3)" in caller[1], caller[1] + caller[2][-3000:]
+
+
+def test_the_check_is_exported():
+    assert rpc_backend.BuildMismatch is BuildMismatch and rpc_backend.declare_build is builds.declare_build
