@@ -54,6 +54,7 @@ BUILT: dict[str, Callable[[], Any]] = {
     "rpc_backend.Worker": lambda: _cls("rpc_backend.Worker")(
         "trainer0", 1, 3, 1, "trainer", 0, 2, names=["ps0", "trainer0", "trainer1"], shutdown_timeout=5.0,
         layout=_cls("rpc_backend.placements")(3, {"ps": 1, "trainer": 2})),
+    "rpc_backend.BuildMismatch": lambda: _cls("rpc_backend.BuildMismatch")("0.1.0 on rank 0, 0.1.0+other on rank 1"),
     "rpc_backend.ConnectError": lambda: _cls("rpc_backend.ConnectError")("could not reach 10.0.0.1:29500"),
     "rpc_backend.LocalWorldError": lambda: _cls("rpc_backend.LocalWorldError")(1, "worker1", "Traceback ...", True),
     "rpc_backend.NetworkChoice": lambda: _cls("rpc_backend.NetworkChoice")("eth0", "10.0.0.2", "the default route"),
