@@ -68,19 +68,6 @@ def _dc_asgd_lambda(value: Any, ps_mode: str) -> float | None:
     return lam
 
 
-def _ps_mode_of(ps_mode: str, mode: str | None) -> tuple[str, str]:
-    """The PS mode given (``mode``: the keyword's old name, deprecated), and the keyword that
-    gave it (for its error)."""
-    if mode is None:
-        return ps_mode, "ps_mode"
-    if ps_mode != "sync" and ps_mode != mode:
-        raise TypeError(f"PSModel got ps_mode={ps_mode!r} and mode={mode!r}: pass ps_mode only")
-    # (stacklevel: the caller of PSModel(), past this function and __init__)
-    warnings.warn("PSModel(mode=...) is deprecated: pass ps_mode=..., the keyword ShardedEmbedding "
-                  "and ShardedEmbeddingBag take", DeprecationWarning, stacklevel=3)
-    return mode, "mode (ps_mode's old name)"
-
-
 def _tables_in(model: nn.Module, ps_mode: str, num_trainers: int) -> dict[str, SteppedTable]:
     """The sharded tables inside ``model`` by qualified name, checked to train in ``ps_mode``
     with ``num_trainers`` (their rows live on their own servers; the PSModel steps them)."""
@@ -201,6 +188,14 @@ class PSModel(PSCheckpoints, DensePushes, nn.Module):
             model.step()                          # pushes the gradients
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> PSModel:
+        """Refuses ``mode=`` with the keyword to use instead (``ps_mode``, as the tables take
+        it: a ``ShardedEmbeddingBag``'s ``mode`` is its pooling)."""
+        if "mode" in kwargs:
+            raise TypeError(f"PSModel() got an unexpected keyword argument 'mode' ({kwargs['mode']!r}): the PS mode "
+                            "is ps_mode=..., as ShardedEmbedding and ShardedEmbeddingBag take it")
+        return super().__new__(cls)
+
     def __init__(
         self,
         model: nn.Module,
@@ -217,15 +212,13 @@ class PSModel(PSCheckpoints, DensePushes, nn.Module):
         half_async_merge_every: int = 4,
         half_async_merge_s: float = 0.1,
         timeout: float | None = None,
-        mode: str | None = None,
         dc_asgd: float | None = None,
     ) -> None:
         super().__init__()
-        ps_mode, keyword = _ps_mode_of(ps_mode, mode)
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         options = TrainingOptions(name, ps_mode, num_trainers, optimizer, timeout, geo_push_every,
-                                  half_async_merge_every, half_async_merge_s, naming="the job", mode_keyword=keyword)
+                                  half_async_merge_every, half_async_merge_s, naming="the job")
         dc_asgd = _dc_asgd_lambda(dc_asgd, ps_mode)
         if not is_rpc_initialized():
             raise RuntimeError("PSModel needs torch.distributed.rpc: call rpc.init_rpc(...) first")
@@ -580,12 +573,6 @@ class PSModel(PSCheckpoints, DensePushes, nn.Module):
         self._wait_pushes()
         return dict(zip(self.servers, call_all([(s, _server._stats, (self.name,)) for s in self.servers],
                                                 timeout=self.timeout)))
-
-    @property
-    def mode(self) -> str:
-        """Deprecated: :attr:`ps_mode` (the name ``ShardedEmbedding`` uses)."""
-        warnings.warn("PSModel.mode is deprecated: read PSModel.ps_mode", DeprecationWarning, stacklevel=2)
-        return self.ps_mode
 
     def extra_repr(self) -> str:
         return (f"name={self.name!r}, servers={list(self.servers)}, ps_mode={self.ps_mode!r}, "

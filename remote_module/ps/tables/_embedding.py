@@ -255,12 +255,12 @@ class ShardedEmbedding(SteppedTable, TableCheckpoints, GradientRecording, TableP
         parts = [f"{self.num_embeddings}, {self.embedding_dim}"]
         if self.padding_idx is not None:
             parts.append(f"padding_idx={self.padding_idx}")
-        if getattr(self, "sparse", False):  # (a table pickled before the keyword)
+        if self.sparse:
             parts.append("sparse=True")
         parts.append(f"name={self.name!r}, servers={list(self.servers)!r}, ps_mode={self.ps_mode!r}")
-        if getattr(self, "admit_after", 1) > 1:
+        if self.admit_after > 1:
             parts.append(f"admit_after={self.admit_after}")
-        if getattr(self, "evict_after_steps", None) is not None:
+        if self.evict_after_steps is not None:
             parts.append(f"evict_after_steps={self.evict_after_steps}")
         return parts
 

@@ -75,18 +75,15 @@ class ShardedEmbeddingBag(ShardedEmbedding):
 
     def _repr_parts(self) -> list[str]:
         parts = super()._repr_parts()
-        extra = [f"mode={self.bag_mode!r}"] + (["include_last_offset=True"] if self._last_offset() else [])
+        extra = [f"mode={self.bag_mode!r}"] + (["include_last_offset=True"] if self.include_last_offset else [])
         return parts[:1] + extra + parts[1:]
-
-    def _last_offset(self) -> bool:
-        return getattr(self, "include_last_offset", False)  # (a table pickled before the keyword)
 
     def _bag_args(self, input: Any, offsets: Any, per_sample_weights: Any) -> tuple:
         """The arguments as a table without ``include_last_offset`` takes them: 1-d offsets of
         ``B + 1`` elements (the last one the input's length, as torch documents it) become the
         ``B`` bags' starts. torch refuses no offsets, as here; a last offset other than the
         input's length is refused (torch's mean divides the last bag by the rest of the input)."""
-        if not (self._last_offset() and isinstance(input, torch.Tensor) and input.dim() == 1
+        if not (self.include_last_offset and isinstance(input, torch.Tensor) and input.dim() == 1
                 and isinstance(offsets, torch.Tensor) and offsets.dim() == 1):
             return input, offsets, per_sample_weights  # 2-d input: torch ignores it too
         if not offsets.numel():
