@@ -24,7 +24,7 @@ Inside, by concept (a test, tests/_layers.py, reads the imports and holds this m
   optimizer steps) and ``_steps`` (the step transport: push plans, one message per server,
   pushes in flight);
 - ``dense/``: PSModel, its step, its checkpoints and its server; it imports shared modules only,
-  never ``tables/`` (it steps the tables inside it as ``_steps.SteppedTable`` instances);
+  never ``tables/`` (it steps the tables inside it through the ``_steps.SteppedTable`` protocol);
 - ``tables/``: the trainer's side of the tables (ShardedEmbedding(Bag), the collection, packed
   planning, lookups, prefetch, gradient recording, pushes, the geo cache, checkpoints); it never
   imports ``dense/``;

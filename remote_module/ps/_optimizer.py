@@ -137,6 +137,12 @@ class GroupedPSOptimizer(torch.optim.Optimizer):
         super().__init__([{"params": list(m.param_groups[0]["params"])} for m in members], common_defaults(members))
         self._members, self.owner = list(members), owner
 
+    def __getstate__(self) -> dict:
+        """Its members and :attr:`owner` (its groups are theirs: a copy of the collection, by
+        ``copy.deepcopy`` or pickle, groups the copied tables' optimizers), torch's defaults and
+        state."""
+        return {"defaults": self.defaults, "state": self.state, "_members": self._members, "owner": self.owner}
+
     @property  # type: ignore[override]
     def param_groups(self) -> list[dict]:
         return [m.param_groups[0] for m in self._members]
