@@ -28,8 +28,8 @@ Inside, by concept (a test, tests/_layers.py, reads the imports and holds this m
 - ``tables/``: the trainer's side of the tables (ShardedEmbedding(Bag), the collection, packed
   planning, lookups, prefetch, gradient recording, pushes, the geo cache, checkpoints); it never
   imports ``dense/``;
-- ``tables/server/``: the table servers (table state, RPC handlers, row storage, initial rows,
-  pooling, memory); it never imports the trainer's side;
+- ``tables/server/``: the table servers (table state, RPC handlers and the requests they take,
+  row storage, initial rows, pooling, memory); it never imports the trainer's side;
 - ``tables/lifetime/``: the parts a table server composes for long-lived tables (admission,
   eviction, deltas); they import only row storage and initial rows.
 
