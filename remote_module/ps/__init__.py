@@ -24,12 +24,12 @@ Inside, by concept (a test, tests/_layers.py, reads the imports and holds this m
   optimizer steps) and ``_steps`` (the step transport: push plans, one message per server,
   pushes in flight);
 - ``dense/``: PSModel, its step, its checkpoints and its server; it imports shared modules only,
-  never ``tables/`` (it steps the tables inside it as ``_steps.SteppedTable`` instances);
+  never ``tables/`` (it steps the tables inside it through the ``_steps.SteppedTable`` protocol);
 - ``tables/``: the trainer's side of the tables (ShardedEmbedding(Bag), the collection, packed
   planning, lookups, prefetch, gradient recording, pushes, the geo cache, checkpoints); it never
   imports ``dense/``;
-- ``tables/server/``: the table servers (table state, RPC handlers, row storage, initial rows,
-  pooling, memory); it never imports the trainer's side;
+- ``tables/server/``: the table servers (table state, RPC handlers and the requests they take,
+  row storage, initial rows, pooling, memory); it never imports the trainer's side;
 - ``tables/lifetime/``: the parts a table server composes for long-lived tables (admission,
   eviction, deltas); they import only row storage and initial rows.
 

@@ -6,22 +6,23 @@ tables (``tables.server``).
   has pushed it, their pushes taken in trainer-name order (so every run gives the same bits);
   pushing the step a trainer pushed last again (the retry of a ``step()`` that failed on another
   server after this push arrived) is a no-op; a push for another step is refused, or, where the
-  owner allows it, a push for the step right after the trainer's last one waits for its step.
+  job or table allows it, a push for the step right after the trainer's last one waits for its step.
   Reads (pulls, lookups) for a later step wait, without holding an RPC thread, and fail at
   their deadline naming the trainers that have not pushed (:func:`fail_stalled`). A step the
   optimizer refuses (the trainers' settings disagree) fails every trainer: a job's at its push,
   which waits for the step; a table's is skipped and each trainer is told at its next lookup
   (``skip_refused``, :class:`StepRefusal`).
-- :class:`HalfAsyncMerges` (``half_async``): what the owner queued is applied together once
+- :class:`HalfAsyncMerges` (``half_async``): what the job or table queued is applied together once
   ``merge_every`` pushes have arrived or ``merge_s`` seconds have passed since the first
   queued one.
 - ``async`` (each push applied on arrival) and ``geo`` (deltas added divided by the number of
   trainers) need no state of their own.
 
-The owner (a job or a table) keeps its values and optimizers, and one lock, a
-``threading.Condition``, held by every method here that says "lock held".
+The served object (a job or a table on this server: ``served`` below) keeps its values and
+optimizers, and one lock, a ``threading.Condition``, held by every method here that says "lock
+held".
 
-Example (an owner's push handler, lock held; ``apply`` steps the optimizers)::
+Example (a served object's push handler, lock held; ``apply`` steps the optimizers)::
 
     self.sync = SyncSteps(self, num_trainers=2, allow_ahead=False)
     ...
@@ -71,8 +72,8 @@ def fail_stalled(future: Future, what: str, noun: str, step: int, missing: list[
 
 
 def settle(answers: list[tuple[Future, Any, bool]]) -> None:
-    """Complete waiting reads with their values or errors (outside the owner's lock: completing
-    runs the answers' callbacks)."""
+    """Complete waiting reads with their values or errors (outside the served object's lock:
+    completing runs the answers' callbacks)."""
     for future, value, is_error in answers:
         complete(future, value, is_error)
 
@@ -110,23 +111,24 @@ class _Waiting:
 
     def expire(self, now: float) -> None:
         sync = self.sync
-        owner = sync.owner
-        with owner.lock:
+        served = sync.served
+        with served.lock:
             if self not in sync.waiters:
                 return  # answered
             sync.waiters.remove(self)
-            missing = sorted(set(owner.trainers) - set(sync.pushed)) if sync.done == self.step - 1 else []
-            never = sync.num_trainers - len(owner.trainers)
-        fail_stalled(self.future, owner.label, owner.noun, self.step - 1, missing, never, sync.num_trainers)
+            missing = sorted(set(served.trainers) - set(sync.pushed)) if sync.done == self.step - 1 else []
+            never = sync.num_trainers - len(served.trainers)
+        fail_stalled(self.future, served.label, served.noun, self.step - 1, missing, never, sync.num_trainers)
 
 
 class SyncSteps:
-    """The sync mode's steps of one owner (a job or a table on this server).
+    """The sync mode's steps of one served object (a job or a table on this server).
 
-    The owner provides ``lock``, ``trainers`` (the attached ones), ``label`` (``"sharded table
-    'x'"``) and ``noun`` (``"table"``). ``allow_ahead``: a trainer's push for the step right
-    after its last one, before the owner completed that last step, waits for its step (a table's
-    trainer that looked nothing up in between did not wait); otherwise it is refused.
+    The served object provides ``lock``, ``trainers`` (the attached ones), ``label``
+    (``"sharded table 'x'"``) and ``noun`` (``"table"``). ``allow_ahead``: a trainer's push for
+    the step right after its last one, before the served object completed that last step, waits
+    for its step (a table's trainer that looked nothing up in between did not wait); otherwise
+    it is refused.
 
     ``skip_refused`` (a table's): a step whose ``apply`` raises (the trainers' settings
     disagree, say) is skipped: its pushes are dropped, it is no optimizer step, and the next
@@ -137,8 +139,8 @@ class SyncSteps:
     step, so that every trainer hears of it then) the step's pushes are dropped and every
     trainer pushes it again."""
 
-    def __init__(self, owner: Any, num_trainers: int, allow_ahead: bool, skip_refused: bool = False) -> None:
-        self.owner, self.num_trainers, self.allow_ahead = owner, num_trainers, allow_ahead
+    def __init__(self, served: Any, num_trainers: int, allow_ahead: bool, skip_refused: bool = False) -> None:
+        self.served, self.num_trainers, self.allow_ahead = served, num_trainers, allow_ahead
         self.skip_refused = skip_refused
         self.refusals = 0  # steps skipped (skip_refused)
         self.refusal = ""  # the message of the last one
@@ -198,7 +200,7 @@ class SyncSteps:
         self.refusal_type = StepRefused if isinstance(exc, ValueError) else StepNotApplied
         partly = "" if isinstance(exc, ValueError) else " (the optimizer may have applied part of it before it raised)"
         self.refusal = (
-            f"{self.owner.label} on server {rpc.get_worker_info().name!r}: step {self.done} ({STEPS_FROM_0}) was "
+            f"{self.served.label} on server {rpc.get_worker_info().name!r}: step {self.done} ({STEPS_FROM_0}) was "
             f"refused (refusal {self.refusals}): {type(exc).__name__}: {exc}. Its pushes are dropped and it is no "
             f"optimizer step{partly} (as a local optimizer.step() that raised, then zero_grad()); every trainer "
             f"gets this error at its next lookup of the table, and its next step() is the table's next step (fix "
@@ -226,7 +228,7 @@ class SyncSteps:
         settings disagree, say) stays one; anything else is a ``RuntimeError``."""
         step = self.done
         error = (ValueError if isinstance(exc, ValueError) else RuntimeError)(
-            f"{self.owner.label}: applying step {step} failed ({STEPS_FROM_0}; {type(exc).__name__}: {exc}); its "
+            f"{self.served.label}: applying step {step} failed ({STEPS_FROM_0}; {type(exc).__name__}: {exc}); its "
             f"pushes are dropped (the optimizer may have applied part of it, as a local optimizer.step() that "
             f"raises may): every trainer's step() pushes it again")
         for trainer in self.pushed:
@@ -271,14 +273,14 @@ class SyncSteps:
         return answers
 
 
-def read_when_applied(owner: Any, step: int, seconds: float, answer: Callable[..., Any], *args: Any,
+def read_when_applied(served: Any, step: int, seconds: float, answer: Callable[..., Any], *args: Any,
                       seen: int | None = None) -> Future:
-    """A read of ``owner`` (a pull, a lookup): ``answer(*args)`` now, or in sync mode once step
+    """A read of ``served`` (a pull, a lookup): ``answer(*args)`` now, or in sync mode once step
     ``step - 1`` is applied (failed after ``seconds`` naming the trainers that have not pushed;
     failed with what ``answer`` raises, if it raises; ``seen``: see :meth:`SyncSteps.check_told`)."""
     future: Future = Future()
-    with owner.lock:
-        if owner.spec.mode == "sync" and owner.sync.wait(step, future, lambda: answer(*args), seconds, seen):
+    with served.lock:
+        if served.spec.mode == "sync" and served.sync.wait(step, future, lambda: answer(*args), seconds, seen):
             return future
         value = answer(*args)
     future.set_result(value)
@@ -286,7 +288,7 @@ def read_when_applied(owner: Any, step: int, seconds: float, answer: Callable[..
 
 
 class HalfAsyncMerges:
-    """When the half_async mode applies what its owner queued: every ``every`` pushes, or
+    """When the half_async mode applies what its job or table queued: every ``every`` pushes, or
     ``seconds`` after the first push queued since the last merge (``apply_queued()``, lock
     held)."""
 
@@ -298,7 +300,7 @@ class HalfAsyncMerges:
         self.due = math.inf  # when the timer merges (no sooner): its start plus ``seconds``
 
     def queued(self) -> None:
-        """The owner queued one more push (lock held)."""
+        """The job or table queued one more push (lock held)."""
         self.count += 1
         if self.count >= self.every:
             self.merge()
@@ -335,7 +337,7 @@ class TrainerSettings:
     """The optimizer settings (a trainer's ``ps_optimizer``'s) a server's job or table applies
     its pushes with, written once for both: each trainer's as it last sent them (it sends them
     only when they changed), and :attr:`latest`, those of the latest push (async, half_async:
-    its trainer's, never another's; None: the owner's own). All under the owner's lock."""
+    its trainer's, never another's; None: the served object's own). All under its lock."""
 
     def __init__(self, label: str) -> None:
         self.label = label
@@ -367,19 +369,19 @@ class TrainerSettings:
         return first
 
 
-def take_settings(owner: Any, trainer: str, settings: dict) -> None:
+def take_settings(served: Any, trainer: str, settings: dict) -> None:
     """A server's handler of a trainer's optimizer settings (its ``ps_optimizer``'s), for the
-    job or table ``owner`` (its ``lock`` and :class:`TrainerSettings` ``settings``), for its
+    job or table ``served`` (its ``lock`` and :class:`TrainerSettings` ``settings``), for its
     pushes from now on: async and half_async apply each push with its trainer's (a half_async
     merge with the latest push's), another trainer's never; sync, those every trainer of the
     step sent, which must agree."""
-    with owner.lock:
-        owner.settings.sent(trainer, settings)  # (its next push makes them the latest: async)
+    with served.lock:
+        served.settings.sent(trainer, settings)  # (its next push makes them the latest: async)
 
 
-def merge_now(owner: Any) -> None:
-    """A server's handler of a ``flush()``: half_async, ``owner`` (a job or table: its ``lock``
+def merge_now(served: Any) -> None:
+    """A server's handler of a ``flush()``: half_async, ``served`` (a job or table: its ``lock``
     and :class:`HalfAsyncMerges` ``merges``) applies what it has queued now (e.g. before a
     checkpoint); the other modes queue nothing."""
-    with owner.lock:
-        owner.merges.merge()
+    with served.lock:
+        served.merges.merge()

@@ -63,6 +63,11 @@ class PSOptimizer(torch.optim.Optimizer):
         copy of the owner, ``copy.deepcopy`` or pickle, copies this too)."""
         return {**super().__getstate__(), "owner": self.owner}
 
+    def __setstate__(self, state: dict) -> None:
+        """torch's, and the count of unpushed steps, which a copy starts again."""
+        super().__setstate__(state)
+        self._unpushed_steps = 0
+
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """No update here: the servers apply it at the owner's ``step()``, which calls this.
         ``closure`` (torch's form) is run, with gradients on, and its loss returned. Called
@@ -74,13 +79,12 @@ class PSOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if any(p.grad is not None and p.numel() for g in self.param_groups for p in g["params"]):
-            # (getattr: a copy, pickled as torch pickles an optimizer, has no count)
-            self._unpushed_steps = getattr(self, "_unpushed_steps", 0) + 1
+            self._unpushed_steps += 1
             if self._unpushed_steps == 2:
                 warnings.warn(f"{self.owner}'s ps_optimizer.step() does no update and pushes nothing: the "
                               "servers train only at the owner's step() (model.step()), which pushes the "
                               "gradients and calls this", UserWarning, stacklevel=2)
-        elif getattr(self, "_unpushed_steps", 0) < 2:
+        elif self._unpushed_steps < 2:
             self._unpushed_steps = 0
         return loss
 
@@ -132,6 +136,12 @@ class GroupedPSOptimizer(torch.optim.Optimizer):
         self._members: list[PSOptimizer] = []  # (empty while torch's constructor checks the groups)
         super().__init__([{"params": list(m.param_groups[0]["params"])} for m in members], common_defaults(members))
         self._members, self.owner = list(members), owner
+
+    def __getstate__(self) -> dict:
+        """Its members and :attr:`owner` (its groups are theirs: a copy of the collection, by
+        ``copy.deepcopy`` or pickle, groups the copied tables' optimizers), torch's defaults and
+        state."""
+        return {"defaults": self.defaults, "state": self.state, "_members": self._members, "owner": self.owner}
 
     @property  # type: ignore[override]
     def param_groups(self) -> list[dict]:

@@ -19,7 +19,7 @@ from remote_module.ps._modes import PS_MODES
 class TrainingOptions:
     """How an owner of server-side parameters trains: checked when built (``ValueError`` or
     ``TypeError`` naming the argument). ``naming``: what ``name`` names, for its error ("the
-    job", "the table"); ``mode_keyword``: the keyword ``ps_mode`` came by, for its error.
+    job", "the table").
 
     Example::
 
@@ -36,13 +36,12 @@ class TrainingOptions:
     half_async_merge_every: int
     half_async_merge_s: float
     naming: InitVar[str] = "the table"
-    mode_keyword: InitVar[str] = "ps_mode"
 
-    def __post_init__(self, naming: str, mode_keyword: str) -> None:
+    def __post_init__(self, naming: str) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"name must be a non-empty str naming {naming}, got {self.name!r}")
         if self.ps_mode not in PS_MODES:
-            raise ValueError(f"{mode_keyword} must be one of {', '.join(PS_MODES)}, got {self.ps_mode!r}")
+            raise ValueError(f"ps_mode must be one of {', '.join(PS_MODES)}, got {self.ps_mode!r}")
         optimizer = self.optimizer
         if not (isinstance(optimizer, tuple) and len(optimizer) == 2 and isinstance(optimizer[0], type)
                 and issubclass(optimizer[0], torch.optim.Optimizer) and isinstance(optimizer[1], dict)):

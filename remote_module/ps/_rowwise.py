@@ -7,11 +7,17 @@ as torch coalesces a sparse gradient), the table's current rows for those ids, a
 state for them; it returns the new rows and the new state. Counters that torch keeps per
 parameter (``step``) are per table here too, advanced once per step.
 
-Example (a server applying one pushed gradient to the rows it holds)::
+Example (a server applying one pushed gradient to rows never stepped before)::
 
-    ids, grad = coalesce(ids, grad_rows)
-    state = RowState.for_rows(opt, ids, lookup)        # zeros/initial values for new rows
-    new_rows, new_state = step_rows(opt, rows[ids], grad, state, step=table_step + 1)
+    >>> opt = row_optimizer(torch.optim.Adagrad, {"lr": 0.5})
+    >>> rows = torch.ones(4, 2)
+    >>> ids, grad = coalesce(torch.tensor([2, 0, 2]), torch.ones(3, 2))   # row 2's rows summed
+    >>> ids.tolist(), grad[:, 0].tolist()
+    ([0, 2], [1.0, 2.0])
+    >>> state = new_state(opt, len(ids), 2, torch.float32)                # Adagrad's sums: zeros
+    >>> new_rows, state = step_rows(opt, rows[ids], grad, state, step=1)
+    >>> new_rows[:, 0].tolist(), state["sum"][:, 0].tolist()
+    ([0.5, 0.5], [1.0, 4.0])
 """
 
 from __future__ import annotations

@@ -13,21 +13,51 @@ import threading
 import warnings
 import weakref
 from functools import partial
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Protocol, Sequence, runtime_checkable
+
+import torch
 
 from remote_module._core import call_grouped_each_async, to_exception
 
-# (host calls, done: () -> None, failed: () -> None[, answered: (answers) -> None[, partly: (oks) ->
-# None]]), as a table's _push_plan() gives it; ``answered`` (optional, may be None) gets the calls'
-# answers before ``done()`` (an ``answered`` marked ``settles_parts`` gets every call's outcome
-# instead, settles the plan's parts itself and returns the first failure: a collection's tables
-# pushed together, tables/_packed.py); ``partly`` (optional) gets, before ``failed()``, which of the
-# calls succeeded (a geo push: the rows a server took are pushed, whatever the others did)
-PushPlan = tuple
+
+def do_nothing(*_: Any) -> None:
+    """A push plan's callback with nothing to do (its ``done`` or ``failed``, say)."""
 
 
-def nothing() -> None:
-    """A push plan's part that has nothing to do (its ``done`` or ``failed``)."""
+class PushPlan(NamedTuple):
+    """One part of a step (a table's pushes, a PSModel's dense part, its settings) as the step
+    transport sends and settles it: ``calls`` (host calls), then ``done()`` when they all
+    succeeded, or ``failed()`` (keep the gradients for a retry) when one did not.
+
+    ``answered`` (optional) gets the calls' answers before ``done()``; ``partly`` (optional)
+    gets, before ``failed()``, which of the calls succeeded (a geo push: the rows a server took
+    are pushed, whatever the others did). A plan of several parts (a collection's tables pushed
+    together, ``tables/_packed.py``) gives ``settle_parts`` instead: it gets every call's
+    outcome ``(ok, value)``, settles each part itself and returns the first failure (None: all
+    went through); ``done``, ``failed`` and the others are then left out, but ``failed()`` still
+    runs when nothing could be sent."""
+
+    calls: list
+    done: Callable[[], None] = do_nothing
+    failed: Callable[[], None] = do_nothing
+    answered: Callable[[list], None] | None = None
+    partly: Callable[[list], None] | None = None
+    settle_parts: Callable[[list], BaseException | None] | None = None
+
+    def settle(self, outcomes: list) -> BaseException | None:
+        """Settle this plan by its calls' ``outcomes`` (``(ok, value)`` each); the first failure."""
+        if self.settle_parts is not None:
+            return self.settle_parts(outcomes)
+        failure = next((value for ok, value in outcomes if not ok), None)
+        if failure is None:
+            if self.answered is not None:
+                self.answered([value for _, value in outcomes])
+            self.done()
+        else:
+            if self.partly is not None:
+                self.partly([ok for ok, _ in outcomes])
+            self.failed()
+        return failure
 
 
 def run_push_plans(plans: Sequence[PushPlan], timeout: float | None) -> None:
@@ -36,55 +66,49 @@ def run_push_plans(plans: Sequence[PushPlan], timeout: float | None) -> None:
     succeeded, ``failed()`` (keep the gradients for a retry) when one did not, as a plan sent
     alone would be. The first failure is raised once every call was answered; when nothing
     could be sent, every plan is failed."""
-    send_push_plans(plans, timeout)()
+    send_push_plans(plans, timeout).settle()
 
 
-def send_push_plans(plans: Sequence[PushPlan], timeout: float | None, reads: Sequence[tuple] = ()
-                    ) -> Callable[[], list]:
+def send_push_plans(plans: Sequence[PushPlan], timeout: float | None, reads: Sequence[tuple] = ()) -> SentPushes:
     """:func:`run_push_plans` without waiting: send the pushes now, and after them ``reads``
     (lookups, in the same message as the pushes to their server: a server runs the calls of a
-    message in order, so each read sees those pushes), and return ``settle()``, which waits,
-    settles each plan as :func:`run_push_plans` does (raising the first push failure) and
-    returns the reads' outcomes, ``(True, answer)`` or ``(False, exception)``. When nothing
-    could be sent every plan is failed and this raises."""
+    message in order, so each read sees those pushes); the :class:`SentPushes` settles them.
+    When nothing could be sent every plan is failed and this raises."""
     try:
-        future, unpack = _send([call for plan in plans for call in plan[0]], list(reads), timeout)
+        future, unpack = _send([call for plan in plans for call in plan.calls], list(reads), timeout)
     except BaseException:  # nothing was sent (a call that cannot be sent, RPC down)
         for plan in plans:
-            plan[2]()
+            plan.failed()
         raise
+    return SentPushes(list(plans), future, unpack)
 
-    def settle() -> list:
-        outcomes, read_outcomes = unpack(future.wait())
+
+class SentPushes:
+    """A step's pushes sent (:func:`send_push_plans`), and the reads sent after them."""
+
+    def __init__(self, plans: list[PushPlan], future: Any, unpack: Callable[[list], tuple]) -> None:
+        self.plans, self._future, self._unpack = plans, future, unpack
+
+    def settle(self) -> list:
+        """Wait, settle each plan as :func:`run_push_plans` does (raising the first push
+        failure) and return the reads' outcomes, ``(True, answer)`` or ``(False, exception)``."""
+        outcomes, read_outcomes = self._unpack(self._future.wait())
         first: BaseException | None = None
         at = 0
-        for plan in plans:
-            calls, done, failed = plan[:3]
-            mine = outcomes[at:at + len(calls)]
-            at += len(calls)
-            if len(plan) > 3 and getattr(plan[3], "settles_parts", False):
-                # a plan of several parts (a collection's tables pushed together): it settles each
-                # part by the outcomes of its calls, and returns the first part's failure
-                failure = plan[3](mine)
-                if failure is not None:
-                    first = first if first is not None else failure
-                continue
-            failure = next((value for ok, value in mine if not ok), None)
-            if failure is None:
-                if len(plan) > 3 and plan[3] is not None:  # a plan that wants its calls' answers
-                    plan[3]([value for _, value in mine])
-                done()
-            else:
-                if len(plan) > 4 and plan[4] is not None:  # a plan that settles call by call
-                    plan[4]([ok for ok, _ in mine])
-                failed()
-                first = first if first is not None else failure
+        for plan in self.plans:
+            failure = plan.settle(outcomes[at:at + len(plan.calls)])
+            at += len(plan.calls)
+            if first is None:
+                first = failure
         if first is not None:
             raise first
         return read_outcomes
 
-    settle.failure = partial(_failure_of, future, unpack)  # type: ignore[attr-defined]  (Flight's)
-    return settle
+    def failure_check(self) -> Callable[[], Any]:
+        """What tells, once answered, what went wrong without settling anything
+        (:func:`_failure_of`); it holds the message's answer only, not the plans (so a
+        finalizer holding it keeps no table or model alive)."""
+        return partial(_failure_of, self._future, self._unpack)
 
 
 def _failure_of(future: Any, unpack: Callable[[list], tuple]) -> Any:
@@ -134,19 +158,16 @@ def report_unpushed(what: str, left: Callable[[], int]) -> None:
                       f"push them", RuntimeWarning)
 
 
-def settings_plans(owner: Any, settings: dict, servers: Sequence[str], handler: Callable) -> list:
-    """The plan that tells ``servers`` the settings of ``owner``'s ``ps_optimizer`` (a table's
-    or a PSModel's: ``handler``, its servers' ``_set_settings``), when they changed since the
-    servers last took them (``owner._sent_settings``); sent ahead of the step's pushes, in the
-    same message, so the servers apply them to those pushes."""
-    if settings == owner.__dict__.get("_sent_settings") or not servers:
+def settings_plans(settings: dict, last_sent: dict | None, servers: Sequence[str], handler: Callable,
+                   args: tuple, taken: Callable[[dict], None]) -> list[PushPlan]:
+    """The plan that tells ``servers`` the settings of an object's ``ps_optimizer`` (a table's
+    or a PSModel's: ``handler(*args, settings)``, its servers' ``_set_settings``), when they
+    changed since the servers last took them (``last_sent``); sent ahead of the step's pushes,
+    in the same message, so the servers apply them to those pushes. ``taken(settings)`` once
+    they took them."""
+    if settings == last_sent or not servers:
         return []
-    calls = [(server, handler, (owner.name, owner._trainer, settings)) for server in servers]
-
-    def done() -> None:
-        owner.__dict__["_sent_settings"] = settings
-
-    return [(calls, done, nothing)]
+    return [PushPlan([(server, handler, (*args, settings)) for server in servers], partial(taken, settings))]
 
 
 def finished(done: set, part: Any, finish: Callable[[], None]) -> None:
@@ -156,38 +177,39 @@ def finished(done: set, part: Any, finish: Callable[[], None]) -> None:
     done.add(part)
 
 
-def fly(owner: Any, tables: Iterable, settle: Callable[[], list], done: set,
-        prefetches: Sequence[Any] = ()) -> None:
-    """A step of ``owner`` (a collection, a PSModel) with its pushes in flight: landed by the
-    next call on ``owner`` or on one of its ``tables``; once its pushes succeeded, ``done`` (the
-    parts stepped, see :func:`finished`) is cleared."""
-    def landed() -> list:
-        got = settle()
-        done.clear()
-        return got
+class InFlight:
+    """A part of an object whose ``step()`` returns with its pushes in flight, landed by the next
+    call on it or on one of its tables (a PSModel, a collection): ``_flight``, the last step's
+    :class:`Flight` (None when nothing is in flight), which the object declares at construction
+    and after unpickling (``_flight = None``)."""
 
-    landed.failure = getattr(settle, "failure", None)  # type: ignore[attr-defined]
-    flight = Flight(landed, prefetches)
-    owner._flight = flight
-    for table in tables:  # a table used on its own lands it first
-        table._flight = flight
+    _flight: Flight | None
 
+    def _keep_in_flight(self, tables: Iterable[Any], sent: SentPushes, done: set,
+                        prefetches: Sequence[Any] = ()) -> None:
+        """This step's pushes ``sent`` in flight: landed by the next call on this object or on
+        one of its ``tables``; once its pushes succeeded, ``done`` (the parts stepped, see
+        :func:`finished`) is cleared."""
+        flight = Flight(sent, prefetches, done.clear)
+        self._flight = flight
+        for table in tables:  # a table used on its own lands it first
+            table._join_flight(flight)
 
-def land(owner: Any, tables: Iterable) -> None:
-    """Wait for the pushes in flight of ``owner``'s last step (a collection's, a PSModel's)
-    and of its ``tables``' own, raising a failure once."""
-    # taken off only once landed: a second thread's call meanwhile waits for the landing (on
-    # the flight's lock) instead of going on as if nothing were in flight (a sync forward would
-    # pull at the step before this one and run on the values before it)
-    flight = owner.__dict__.get("_flight")
-    if flight is not None:
-        try:
-            flight.land()
-        finally:
-            if owner.__dict__.get("_flight") is flight:
-                owner.__dict__.pop("_flight", None)
-    for table in tables:
-        table._wait_pushes()
+    def _land_in_flight(self, tables: Iterable[Any]) -> None:
+        """Wait for the pushes in flight of this object's last step and of its ``tables``' own,
+        raising a failure once."""
+        # taken off only once landed: a second thread's call meanwhile waits for the landing (on
+        # the flight's lock) instead of going on as if nothing were in flight (a sync forward would
+        # pull at the step before this one and run on the values before it)
+        flight = self._flight
+        if flight is not None:
+            try:
+                flight.land()
+            finally:
+                if self._flight is flight:
+                    self._flight = None
+        for table in tables:
+            table._wait_pushes()
 
 
 def _each_alone(calls: list) -> tuple[list, Callable[[list], list]]:
@@ -223,41 +245,134 @@ def _send(calls: list, reads: list, timeout: float | None) -> tuple[Any, Callabl
 class Flight:
     """A step's pushes in flight (sent, not yet answered), and the prefetched lookups sent
     after them: :meth:`land` waits for them once, settles the step (its tables' gradients are
-    kept for a retry where a push failed) and hands the lookups' answers to the prefetch; a
-    push failure is raised by the first :meth:`land` only (a collection's step is landed by
-    whichever of its tables is used first, and each failed table has kept its gradients)."""
+    kept for a retry where a push failed), hands the lookups' answers to the prefetch and, the
+    pushes through, calls ``landed()``; a push failure is raised by the first :meth:`land`
+    only (a collection's step is landed by whichever of its tables is used first, and each
+    failed table has kept its gradients)."""
 
-    def __init__(self, settle: Callable[[], list], prefetches: Sequence[Any] = ()) -> None:
+    def __init__(self, sent: SentPushes, prefetches: Sequence[Any] = (),
+                 landed: Callable[[], None] = do_nothing) -> None:
         # (prefetches: tables/_prefetch.py's Prefetch; their reads, in order, follow the pushes)
-        self._settle, self.prefetches = settle, list(prefetches)
+        self._sent: SentPushes | None = sent
+        self.prefetches, self._landed = list(prefetches), landed
         self._lock = threading.RLock()  # (a landing that lands again, in its callbacks, returns at once)
-        failure = getattr(settle, "failure", None)
         # never landed (the process ends, or the table is dropped, right after a step): a failed
         # push is still reported, as a warning
-        self._unlanded = weakref.finalize(self, _report_unlanded, failure) if failure is not None else None
+        self._unlanded = weakref.finalize(self, _report_unlanded, sent.failure_check())
 
     def land(self) -> None:
         with self._lock:
-            settle, self._settle = self._settle, None
-            if settle is None:
+            sent, self._sent = self._sent, None
+            if sent is None:
                 return
-            if self._unlanded is not None:
-                self._unlanded.detach()
+            self._unlanded.detach()
             try:
-                reads = settle()
+                reads = sent.settle()
             except BaseException:
                 for prefetch in self.prefetches:
                     prefetch.failed = True
                 raise
+            self._landed()
             at = 0
             for prefetch in self.prefetches:  # (each takes its reads' outcomes, in order)
                 at = prefetch.take_answers(reads, at)
 
 
-class SteppedTable:
-    """The base of the modules whose rows live on table servers and whose pushes a step owner
-    (a PSModel holding them) sends with its own: ``ShardedEmbedding`` and its subclasses. A
-    PSModel finds its tables by this class, so that ``dense/`` imports no table module. What a
-    table offers its owner is ``ShardedEmbedding``'s: ``name``, ``ps_mode``, ``num_trainers``,
-    ``grad_marker``, ``ps_optimizer``, ``_step``, ``_row_settings()``, ``_settings_plans()``,
-    ``_push_plan()``, ``_lookahead()``, ``_wait_pushes()``, ``zero_grad()`` and ``flush()``."""
+@runtime_checkable
+class SteppedTable(Protocol):
+    """What a table (``ShardedEmbedding`` and its subclasses) offers its holders, the objects
+    that step it with their own pushes (a PSModel holding it, which finds its tables by this
+    protocol, so that ``dense/`` imports no table module; a collection) and ``prefetching``:
+    they use these members only. (The table's own parts, in ``tables/``, use more.) The table
+    classes subclass it, after ``nn.Module`` (whose ``__init__`` is the one that runs), so that
+    finding them is a nominal check, whatever the Python version's protocol checks look at."""
+
+    #: the job-wide name of the table (what its servers know it by)
+    name: str
+    #: the PS mode it trains in (a holder's must be the same)
+    ps_mode: str
+    #: the trainers of the table (a holder's must be the same)
+    num_trainers: int
+    #: the width of its rows
+    embedding_dim: int
+    #: its zero-size parameter, whose ``.grad`` backward sets (a PSModel leaves it out of its blocks)
+    grad_marker: torch.Tensor
+    #: the servers' row-wise optimizer as a torch.optim.Optimizer (a holder steps it at its step)
+    ps_optimizer: torch.optim.Optimizer
+    #: the table's step count, as this trainer has it (the step its next push is)
+    _step: int
+    #: its prefetched lookups (``tables/_prefetch.PrefetchQueue``): a holder's step sends the
+    #: ones due with its pushes, and runs the plans ``prefetching`` queued after the step
+    _prefetches: Any
+
+    def _row_settings(self) -> dict:
+        """Its ps_optimizer's settings for the next push, checked (``ValueError`` before any
+        gradient is taken)."""
+
+    def _settings_plans(self, settings: dict) -> list[PushPlan]:
+        """The plans that send ``settings`` (:meth:`_row_settings`'s) ahead of its push, when
+        its servers do not have them yet."""
+
+    def _push_plan(self, taken: list | None = None) -> PushPlan | None:
+        """Its step's push (of ``taken``, the gradients :meth:`_take_for_step` took, when
+        given), or None when the step pushes nothing (geo, between pushes)."""
+
+    def _take_for_step(self) -> list:
+        """The gradients recorded since its last step, taken for a push."""
+
+    def _take_packed_gradient(self) -> Any:
+        """The last gradient recorded together with other tables' (a collection's lookup:
+        ``tables/_recording.RecordedTogether``), taken; None when there is none."""
+
+    def _geo_flush_plan(self) -> PushPlan | None:
+        """geo: the push of the rows trained since the last push (None: nothing to push)."""
+
+    def _wait_pushes(self) -> None:
+        """Wait for its pushes in flight (a failure raises here, once)."""
+
+    def _join_flight(self, flight: Flight) -> None:
+        """A holder's step sent its pushes: the next call on the table lands ``flight`` first."""
+
+    def _plan_state(self) -> tuple:
+        """What a lookup's plan depends on besides its arguments (whether it records, its dtype)."""
+
+    def _prefetch_input(self, value: Any, queued: bool = False, overlap: bool = False) -> Any:
+        """``prefetching``: a prefetch of a batch's input for it."""
+
+    def _check_optimizer_state(self, state: Any) -> None:
+        """What loading ``state`` (its ``optimizer_state_dict()``) checks, before anything changes."""
+
+    def _check_delta(self, delta: Any) -> None:
+        """What loading ``delta`` (its ``delta_state_dict()``) checks, before anything changes."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the gradients recorded since its last step."""
+
+    def flush(self) -> None:
+        """Push or apply what waits (geo's deltas, half_async's queue)."""
+
+    def optimizer_state_dict(self) -> dict:
+        """Its servers' optimizer state."""
+
+    def load_optimizer_state_dict(self, state: dict) -> None:
+        """Load :meth:`optimizer_state_dict`'s state."""
+
+    def table_stats(self) -> dict:
+        """Its rows on its servers (held, admitted, evicted, bytes, merges)."""
+
+    def delta_state_dict(self, token: str) -> dict:
+        """What changed since this ``token``'s last call."""
+
+    def load_delta_state_dict(self, delta: dict) -> None:
+        """Load :meth:`delta_state_dict`'s delta."""
+
+
+class PooledTable(SteppedTable, Protocol):
+    """A :class:`SteppedTable` that pools bags (``ShardedEmbeddingBag``), as a collection's
+    tables are: what the collection uses besides."""
+
+    def _bag_args(self, input: Any, offsets: Any, per_sample_weights: Any) -> tuple:
+        """A forward's arguments, checked and in the form its lookups take them."""
+
+    def _lookup_plan(self, input: Any, offsets: Any, per_sample_weights: Any, wait_s: float | None = None) -> Any:
+        """Its lookup of those arguments in two halves (``tables/_lookups.LookupPlan``)."""

@@ -235,9 +235,9 @@ def pushes_replaced(table, rewrite):
     (their done / failed callbacks kept): a failure injected where the servers receive it."""
     real = table._push_plan
 
-    def replaced():
-        calls, done, failed, *rest = real()
-        return (rewrite(calls), done, failed, *rest)
+    def replaced(*args):
+        plan = real(*args)
+        return plan._replace(calls=rewrite(plan.calls))
 
     table._push_plan = replaced
     try:
@@ -254,7 +254,7 @@ def refuse_push(*args) -> None:
 def _misnamed(calls):
     """The same pushes for a table no server has: they travel packed with the other tables'
     pushes (the same handler and arguments) and fail on the servers."""
-    return [(server, handler, (args[0] + "-missing", *args[1:])) for server, handler, args in calls]
+    return [(server, handler, push._replace(name=push.name + "-missing")) for server, handler, push in calls]
 
 
 def _refused(calls):
@@ -605,14 +605,14 @@ def together_failure(job: str, how: str) -> dict:
     real = _packed.push_together
 
     def broken(together, members, done):
-        calls, *rest = real(together, members, done)
-        for k, (server, handler, args) in enumerate(calls):
+        plan = real(together, members, done)
+        for k, (server, handler, push) in enumerate(plan.calls):  # (in place: the plan settles by them)
             if how == "message" and server == "ps0":
-                calls[k] = (server, refuse_push, ())
+                plan.calls[k] = (server, refuse_push, ())
             elif how == "entry" and server == "ps1":
-                args[0][:] = [(name + "-not-here" if name.endswith("-clicks") else name, *rest_)
-                              for name, *rest_ in args[0]]
-        return (calls, *rest)
+                push.entries[:] = [e._replace(name=e.name + "-not-here") if e.name.endswith("-clicks") else e
+                                   for e in push.entries]
+        return plan
 
     out: dict = {}
     for step, (feats, targets) in enumerate(plain_features(1, 2)):
@@ -705,7 +705,7 @@ def packed_push_rows(job: str) -> dict:
     def count(calls: list) -> list:
         for server, handler, args in calls:
             if handler is _handlers._pool_tables:
-                ids, first = args[2], args[3]
+                ids, first = args.ids, args.first
                 ends = torch.cat([first[1:], first.new_tensor([ids.numel()])])
                 bags[server] = int((ends > first).sum())
             elif handler is _handlers._push_bag_tables:

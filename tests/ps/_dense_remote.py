@@ -104,24 +104,6 @@ def try_create(*args: Any, **kwargs: Any) -> dict:
     return _attempt(lambda: create(*args, **kwargs))
 
 
-def create_with_old_keyword(job: str, kind: str, seed: int, servers: list[str], **kwargs: Any) -> dict:
-    """:func:`create` with PSModel's deprecated ``mode=`` (in ``kwargs``): the mode it took and
-    the warnings the keyword and the old ``.mode`` attribute gave."""
-    import warnings
-
-    from remote_module.ps import PSModel
-
-    with warnings.catch_warnings(record=True) as made:
-        warnings.simplefilter("always")
-        ps = PSModel(build(kind, seed), servers, name=job, **kwargs)
-    with warnings.catch_warnings(record=True) as read:
-        warnings.simplefilter("always")
-        old = ps.mode
-    _models[job] = ps
-    return {"ps_mode": ps.ps_mode, "mode": old, "repr": repr(ps),
-            "warned": [(w.category.__name__, str(w.message), w.filename) for w in made + read]}
-
-
 def train(job: str, trainer: int, steps: int, start: int = 0) -> int:
     """``steps`` MSE steps of ``job`` on this trainer's batches ``start ..``."""
     ps = _models[job]

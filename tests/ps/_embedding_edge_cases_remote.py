@@ -108,7 +108,7 @@ def graph_leaf(out: torch.Tensor) -> Any:
     """The node of ``out``'s autograd graph that records the looked-up rows' gradient for the
     table's step (it holds the lookup's ids)."""
     fn = out.grad_fn
-    while type(fn).__name__ != "_RecordedBackward":
+    while type(fn).__name__ != "_RowsForStepBackward":
         fn = next(f for f, _ in fn.next_functions if f is not None)
     return fn
 

@@ -450,7 +450,7 @@ def prefetches_kept(name: str, steps: int = 30) -> int:
     for ids in prefetching(data, t, overlap=True):
         t(ids.long()).pow(2).sum().backward()
         t.step()
-        most = max(most, len(t._lookahead().handles))
+        most = max(most, len(t._prefetches.handles))
     return most
 
 

@@ -131,7 +131,7 @@ def server_rows(module: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     from remote_module._core.fanout import call_all
     from remote_module.ps.tables.server import _handlers
 
-    parts = [(server, mine) for _, server, mine in module._by_owner(ids)]
+    parts = [(server, mine) for _, server, mine in module._by_server_of(ids)]
     got = call_all([(server, _handlers._rows_for, (module.name, ids[mine], module._step))
                     for server, mine in parts])
     out = torch.empty(ids.numel(), module.embedding_dim)

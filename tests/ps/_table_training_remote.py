@@ -350,8 +350,7 @@ def psmodel_step_retried(name: str) -> dict:
         if got is None or not failed or failed[-1]:
             return got
         failed[-1] = True
-        calls, done, fail, *rest = got
-        return ([(server, refuse_push, ()) for server, _, _ in calls], done, fail, *rest)
+        return got._replace(calls=[(server, refuse_push, ()) for server, _, _ in got.calls])
 
     bag._push_plan = failing_once
     for i, ids in enumerate(BAGS):

@@ -414,31 +414,14 @@ def test_a_trainer_that_disagrees_with_the_job_fails_at_start_naming_the_mismatc
         assert word in outcome["message"], (word, outcome["message"])
 
 
-def test_the_old_mode_keyword_still_works_with_a_deprecation_warning(world):
-    name = job("old-keyword")
-    got = world.call(_on, "trainer0", r.create_with_old_keyword, (name, "net", 5, SERVERS),
-                     dict(num_trainers=1, mode="async", min_block_size=MIN_BLOCK))
-    assert got["ps_mode"] == got["mode"] == "async" and "ps_mode='async'" in got["repr"], got
-    assert [w[0] for w in got["warned"]] == ["DeprecationWarning"] * 2, got["warned"]
-    assert "pass ps_mode=" in got["warned"][0][1] and "PSModel.ps_mode" in got["warned"][1][1], got["warned"]
-    assert all(w[2].endswith("_dense_remote.py") for w in got["warned"]), got["warned"]  # the caller's line
+@pytest.mark.parametrize("kwargs", [dict(mode="async"), dict(ps_mode="geo", mode="async")])
+def test_the_mode_keyword_is_refused_naming_ps_mode(kwargs):
+    """``mode=`` (an old name of ``ps_mode``) is refused before anything else, naming the keyword
+    to use; nothing needs RPC for that."""
+    from remote_module.ps import PSModel
 
-
-@pytest.mark.parametrize("kwargs, error", [
-    (dict(ps_mode="geo", mode="async"), "TypeError"),
-    (dict(mode="bogus"), "ValueError"),
-])
-def test_the_old_mode_keyword_is_checked_as_the_new_one(world, kwargs, error):
-    outcome = world.call(_try_on, "trainer0", job("old-keyword-bad"), ("net", 5, SERVERS),
-                         dict(num_trainers=1, min_block_size=MIN_BLOCK, **kwargs))
-    assert not outcome["ok"] and outcome["type"] == error, outcome
-    assert "ps_mode" in outcome["message"] and repr(kwargs["mode"]) in outcome["message"], outcome
-
-
-def _on(trainer, fn, args, kwargs):  # on the driver
-    import torch.distributed.rpc as rpc
-
-    return rpc.rpc_sync(trainer, fn, args, kwargs)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'mode' \('async'\).*ps_mode="):
+        PSModel(torch.nn.Linear(2, 2), SERVERS, name=job("old-keyword"), num_trainers=1, **kwargs)
 
 
 def _try_on(trainer, name, args, kwargs):  # on the driver

@@ -96,7 +96,7 @@ def server_killed(world):
     modes = ("sync", "async", "half_async")
     for mode in modes:
         world.call(r.create_on, ["trainer0"], f"server-killed-{mode}", ("net", 1, SERVERS),
-                   dict(num_trainers=1, mode=mode, min_block_size=4))
+                   dict(num_trainers=1, ps_mode=mode, min_block_size=4))
         world.run({"trainer0": (r.forward_backward, f"server-killed-{mode}", 0)})
         world.run({"trainer0": (r.set_timeout, f"server-killed-{mode}", TIMEOUT)})
     world.kill("ps1")

@@ -162,6 +162,34 @@ def test_a_copied_ps_optimizer_still_names_its_owner_in_its_errors(how):
         twin.add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_collections_ps_optimizer_groups_the_copied_tables_optimizers(how):
+    """A copy of a collection (copy.deepcopy, pickle) copies its tables' ps_optimizers and the
+    collection's group of them, which kept torch's state only: reading its param groups then
+    raised AttributeError ('_members'). The copy's groups are the copied tables' own, and a
+    scheduler on it drives those, not the original's; a copied PSOptimizer counts its
+    unpushed steps from 0 (its warning works as the original's)."""
+    import copy
+    import pickle
+
+    from remote_module.ps._optimizer import GroupedPSOptimizer, PSOptimizer
+
+    tables = [PSOptimizer([torch.zeros(0, requires_grad=True)], {"lr": lr}, f"table {k!r}")
+              for k, lr in enumerate((0.1, 0.2))]
+    group = GroupedPSOptimizer(tables, "ShardedEmbeddingBagCollection")
+    both = [*tables, group]
+    *twins, twin = copy.deepcopy(both) if how == "deepcopy" else pickle.loads(pickle.dumps(both))
+    assert twin.owner == "ShardedEmbeddingBagCollection"
+    assert [g["lr"] for g in twin.param_groups] == [0.1, 0.2]
+    assert all(g is t.param_groups[0] for g, t in zip(twin.param_groups, twins))
+    scheduler = torch.optim.lr_scheduler.StepLR(twin, step_size=1, gamma=0.5)
+    twin.step()
+    scheduler.step()
+    assert [t.param_groups[0]["lr"] for t in twins] == [0.05, 0.1]
+    assert [t.param_groups[0]["lr"] for t in tables] == [0.1, 0.2]
+    assert all(t._unpushed_steps == 0 for t in twins)
+
+
 @pytest.mark.parametrize("mode", ["async", "sync"])
 @pytest.mark.parametrize("where", ["psmodel", "collection"])
 def test_a_tables_setting_its_rows_cannot_take_raises_before_any_gradient_is_taken(world, mode, where):

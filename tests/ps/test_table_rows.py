@@ -23,7 +23,7 @@ from torch import nn
 from remote_module.ps._rowwise import row_optimizer
 from remote_module.ps.tables.server._initial import initial_rows, mix64, row_key
 from remote_module.ps.tables.server._pooling import pool_rows
-from remote_module.ps.tables.server._rows import SlotIndex, TableSpec, _Rows, row_init
+from remote_module.ps.tables.server._rows import RowBlock, SlotIndex, TableSpec, row_init
 from remote_module.ps.tables.server._table import Table
 from tests.ps import _table_rows_remote as r
 from tests.ps._world import job
@@ -317,7 +317,7 @@ def test_lazy_rows_created_in_any_order_and_with_repeats_read_as_eager_ones():
     spec = TableSpec(1000, 4, torch.float32, "lazy", 0, "async", 1, row_optimizer(torch.optim.SGD, {"lr": 0.5}))
     eager_spec = spec._replace(init="eager")
     key = row_key(0, "t")
-    lazy, eager = _Rows(spec, 100, 900, key), _Rows(eager_spec, 100, 900, key)
+    lazy, eager = RowBlock(spec, 100, 900, key), RowBlock(eager_spec, 100, 900, key)
     for ids in ([900, 105, 900, 333], [105, 999, 100], [450, 451, 105]):
         ids = torch.tensor(ids)
         grad = torch.arange(float(ids.numel() * 4)).view(-1, 4)

@@ -27,7 +27,7 @@ class PSCheckpoints:
         copies gathered from the servers: ``torch.save`` the dict at once (or deep-copy it) to
         keep one step's values."""
         self._wait_pushes()
-        self.__dict__.pop("_ready", None)
+        self._ready = None
         if self.ps_mode == "half_async":
             self.flush()
         values = self._server_values()
@@ -63,19 +63,19 @@ class PSCheckpoints:
             elif key.startswith(prefix):
                 keys.add(key[len(prefix):])
                 state_dict[own + key[len(prefix):]] = state_dict.pop(key)
-        self.__dict__["_nested_keys"] = keys
+        self._nested_keys = keys
 
     def _nested_loaded(self, module: Any, incompatible: Any) -> None:
         """(A post-hook of ``load_state_dict``) the local model loaded its part of a holding
         model's checkpoint: send it to the servers, as :meth:`load_state_dict` does."""
-        keys = self.__dict__.pop("_nested_keys", None)
+        keys, self._nested_keys = self._nested_keys, None
         if keys is not None:
             self._loaded(keys)
 
     def _loaded(self, keys: set) -> None:
         """The local model loaded the checkpoint's ``keys`` (its own): send those parameters to
         the servers; the next forward pulls them (geo: the local copy takes them)."""
-        self.__dict__.pop("_ready", None)  # the next forward pulls the values loaded
+        self._ready = None  # the next forward pulls the values loaded
         # only the parameters the checkpoint has: with strict=False, the others keep the servers'
         # values (the local copy may be stale, e.g. one step behind after step())
         loaded = {id(p) for key, p in self.module.named_parameters(remove_duplicate=False) if key in keys}
@@ -88,7 +88,7 @@ class PSCheckpoints:
                 calls.append((server, _server._set_values, (self.name, values)))
         call_all(calls, timeout=self.timeout)
         if self.ps_mode == "geo":
-            restored = self.__dict__.pop("_geo_restored", None)
+            restored, self._geo_restored = self._geo_restored, None
             if restored is None:
                 self._pulled = {}
                 self.pull()
@@ -123,7 +123,7 @@ class PSCheckpoints:
             ps.load_optimizer_state_dict(ckpt["optim"])
         """
         self._wait_pushes()
-        self.__dict__.pop("_ready", None)  # (as state_dict: the next forward pulls again)
+        self._ready = None  # (as state_dict: the next forward pulls again)
         tables = {qual: table.optimizer_state_dict() for qual, table in self._tables.items()}
         settings = self.ps_optimizer.state_dict()  # (its current lr and the rest, as a scheduler left them)
         if self.ps_mode == "geo":
@@ -181,7 +181,7 @@ class PSCheckpoints:
             self._check_geo_progress(geo)
         if "ps_optimizer" in state_dict:  # (a checkpoint from before it had none: the settings stay)
             self.ps_optimizer.load_state_dict(state_dict["ps_optimizer"])
-            self.__dict__["_sent_settings"] = None  # the next step sends them
+            self._sent_settings = None  # the next step sends them
         if self.ps_mode == "geo":
             self._load_trainer_optimizer_state(state_dict["state"])
             if geo is not None:
@@ -311,4 +311,4 @@ class PSCheckpoints:
             self._geo_unpushed[0] = int(any(not torch.equal(self._block_values(s), self._pulled[s.name])
                                             for s in self._slots if s.name in self._pulled))
         # a load_state_dict() before the next step or pull keeps this progress (see there)
-        self.__dict__["_geo_restored"] = {pname: p.detach().clone() for pname, p in params.items()}
+        self._geo_restored = {pname: p.detach().clone() for pname, p in params.items()}

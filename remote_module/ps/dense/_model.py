@@ -34,12 +34,7 @@ from remote_module.ps._optimizer import (
 )
 from remote_module.ps._options import TrainingOptions
 from remote_module.ps._placement import Block, RoundRobin, block_name, block_of, check_servers, place, slice_blocks
-from remote_module.ps._steps import (
-    SteppedTable,
-    land,
-    report_unpushed,
-    run_push_plans,
-)
+from remote_module.ps._steps import InFlight, SteppedTable, report_unpushed, run_push_plans
 from remote_module.ps.dense import _server
 from remote_module.ps.dense._checkpoints import PSCheckpoints
 from remote_module.ps.dense._pushes import DensePushes
@@ -66,19 +61,6 @@ def _dc_asgd_lambda(value: Any, ps_mode: str) -> float | None:
         raise ValueError(f"dc_asgd={value!r} needs ps_mode='async' (it compensates the delay of an async "
                          f"gradient), got ps_mode={ps_mode!r}")
     return lam
-
-
-def _ps_mode_of(ps_mode: str, mode: str | None) -> tuple[str, str]:
-    """The PS mode given (``mode``: the keyword's old name, deprecated), and the keyword that
-    gave it (for its error)."""
-    if mode is None:
-        return ps_mode, "ps_mode"
-    if ps_mode != "sync" and ps_mode != mode:
-        raise TypeError(f"PSModel got ps_mode={ps_mode!r} and mode={mode!r}: pass ps_mode only")
-    # (stacklevel: the caller of PSModel(), past this function and __init__)
-    warnings.warn("PSModel(mode=...) is deprecated: pass ps_mode=..., the keyword ShardedEmbedding "
-                  "and ShardedEmbeddingBag take", DeprecationWarning, stacklevel=3)
-    return mode, "mode (ps_mode's old name)"
 
 
 def _tables_in(model: nn.Module, ps_mode: str, num_trainers: int) -> dict[str, SteppedTable]:
@@ -136,7 +118,7 @@ def _forward_lock(model: nn.Module) -> threading.RLock:
         return lock
 
 
-class _Slot:
+class _PlacedBlock:
     """One block of one parameter, as a trainer sees it."""
 
     __slots__ = ("param", "pname", "block", "name", "server")
@@ -150,7 +132,7 @@ def _steps_left(unpushed: list[int]) -> str | int:
     return f"{unpushed[0]} local optimizer step(s)" if unpushed[0] else 0
 
 
-class PSModel(PSCheckpoints, DensePushes, nn.Module):
+class PSModel(PSCheckpoints, DensePushes, InFlight, nn.Module):
     """A local model trained on parameter servers: its parameters are sliced into blocks
     (:func:`slice_blocks`) spread over ``servers`` (by ``split_method``), where a
     ``torch.optim`` optimizer per block applies the trainers' gradients.
@@ -201,6 +183,14 @@ class PSModel(PSCheckpoints, DensePushes, nn.Module):
             model.step()                          # pushes the gradients
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> PSModel:
+        """Refuses ``mode=`` with the keyword to use instead (``ps_mode``, as the tables take
+        it: a ``ShardedEmbeddingBag``'s ``mode`` is its pooling)."""
+        if "mode" in kwargs:
+            raise TypeError(f"PSModel() got an unexpected keyword argument 'mode' ({kwargs['mode']!r}): the PS mode "
+                            "is ps_mode=..., as ShardedEmbedding and ShardedEmbeddingBag take it")
+        return super().__new__(cls)
+
     def __init__(
         self,
         model: nn.Module,
@@ -217,15 +207,16 @@ class PSModel(PSCheckpoints, DensePushes, nn.Module):
         half_async_merge_every: int = 4,
         half_async_merge_s: float = 0.1,
         timeout: float | None = None,
-        mode: str | None = None,
         dc_asgd: float | None = None,
     ) -> None:
         super().__init__()
-        ps_mode, keyword = _ps_mode_of(ps_mode, mode)
+        self._start_trainer_state()
+        # the values the last step's answers brought, and until when the next forward may use them
+        self._ready: tuple | None = None
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         options = TrainingOptions(name, ps_mode, num_trainers, optimizer, timeout, geo_push_every,
-                                  half_async_merge_every, half_async_merge_s, naming="the job", mode_keyword=keyword)
+                                  half_async_merge_every, half_async_merge_s, naming="the job")
         dc_asgd = _dc_asgd_lambda(dc_asgd, ps_mode)
         if not is_rpc_initialized():
             raise RuntimeError("PSModel needs torch.distributed.rpc: call rpc.init_rpc(...) first")
@@ -241,6 +232,7 @@ class PSModel(PSCheckpoints, DensePushes, nn.Module):
         # a peer that loses this trainer names the step it was at (rpc_backend/watch.py)
         add_status(_step_line, owner=self)
         self._slots = self._layout(split_method, min_block_size, slice_var_up)
+        self._slots_by_server = self._grouped_slots()
         #: DC-ASGD's lambda (None: off; async only)
         self.dc_asgd = dc_asgd
         self._spec = _server.JobSpec(ps_mode, options.num_trainers, (optimizer[0], dict(optimizer[1])),
@@ -264,14 +256,20 @@ class PSModel(PSCheckpoints, DensePushes, nn.Module):
         self._pulled: dict[str, torch.Tensor] = {}
         # geo: local optimizer steps whose deltas were not pushed yet (flush() pushes them; a
         # model gone with some warns)
-        self.__dict__["_geo_unpushed"] = unpushed = [0]
+        self._geo_unpushed = unpushed = [0]
         if self._local_opt is not None:
             weakref.finalize(self, report_unpushed, f"PSModel {self.name!r}", partial(_steps_left, unpushed))
         self._pull(record=True)  # (DC-ASGD: even a first push has the values it ran on)
         # a local optimizer over the parameters whose lr a scheduler changes warns once (the
         # servers step them with ps_optimizer's settings): see _local_optimizer_stepped
-        self.__dict__["_group_lrs"] = weakref.WeakKeyDictionary()
-        self.__dict__["_warned_lr"] = False
+        self._warned_lr = False
+        self._step_done: set = set()  # the parts stepped by a step() that failed part-way (None: the dense part)
+        # the blocks a failed step's servers applied, and the gradients put back then: its retry
+        # leaves those blocks out while no gradient came since (DensePushes._applied_already)
+        self._took: tuple | None = None
+        # geo: the local values an optimizer state load restored, kept for the model's load after it
+        self._geo_restored: dict | None = None
+        self._nested_keys: set | None = None  # a holding model's load: the keys it gave this one (_nested_load)
         watch_local_optimizers(self)
         # a model holding this one: its load_state_dict() reaches the local model through these
         self.register_load_state_dict_pre_hook(self._nested_load)
@@ -284,11 +282,11 @@ class PSModel(PSCheckpoints, DensePushes, nn.Module):
         markers = {id(t.grad_marker) for t in self._tables.values()}
         return OrderedDict((n, p) for n, p in self.module.named_parameters() if id(p) not in markers)
 
-    def _layout(self, split_method: Any, min_block_size: int, slice_var_up: bool) -> list[_Slot]:
+    def _layout(self, split_method: Any, min_block_size: int, slice_var_up: bool) -> list[_PlacedBlock]:
         blocks = [(pname, b) for pname, p in self._params().items()
                   for b in slice_blocks(p.shape, len(self.servers), min_block_size, slice_var_up)]
         chosen = place(split_method, [block_name(pname, b.index) for pname, b in blocks], self.servers)
-        return [_Slot(pname, b, s) for (pname, b), s in zip(blocks, chosen)]
+        return [_PlacedBlock(pname, b, s) for (pname, b), s in zip(blocks, chosen)]
 
     def _layout_digest(self) -> str:
         """A digest of the blocks' layout (names, shapes, dtypes, offsets, servers): every
@@ -299,21 +297,23 @@ class PSModel(PSCheckpoints, DensePushes, nn.Module):
              s.server) for s in self._slots
         ]).encode()).hexdigest()
 
-    def _by_server(self) -> dict[str, list[_Slot]]:
-        """The slots of each server, in layout order (computed once: the layout is fixed)."""
-        grouped = self.__dict__.get("_grouped")
-        if grouped is None:
-            grouped = {s: [] for s in self.servers}
-            for slot in self._slots:
-                grouped[slot.server].append(slot)
-            params = self._params()
-            for slots in grouped.values():  # a server's blocks of one dtype together (they travel packed)
-                order: dict = {}
-                slots.sort(key=lambda s: order.setdefault(params[s.pname].dtype, len(order)))
-            self.__dict__["_grouped"] = grouped
+    def _by_server(self) -> dict[str, list[_PlacedBlock]]:
+        """The blocks of each server, in layout order (the layout is fixed)."""
+        return self._slots_by_server
+
+    def _grouped_slots(self) -> dict[str, list[_PlacedBlock]]:
+        """(Construction) :meth:`_by_server`: a server's blocks of one dtype together (they travel
+        packed)."""
+        grouped: dict[str, list[_PlacedBlock]] = {s: [] for s in self.servers}
+        for slot in self._slots:
+            grouped[slot.server].append(slot)
+        params = self._params()
+        for slots in grouped.values():
+            order: dict = {}
+            slots.sort(key=lambda s: order.setdefault(params[s.pname].dtype, len(order)))
         return grouped
 
-    def _block_values(self, slot: _Slot, tensor: torch.Tensor | None = None) -> torch.Tensor:
+    def _block_values(self, slot: _PlacedBlock, tensor: torch.Tensor | None = None) -> torch.Tensor:
         """Slot's elements of its parameter (or of ``tensor``, e.g. its gradient), flat in
         row-major order whatever the parameter's strides (a copy only where they need one)."""
         t = self._params()[slot.pname].detach() if tensor is None else tensor
@@ -341,7 +341,7 @@ class PSModel(PSCheckpoints, DensePushes, nn.Module):
         """Each parameter whose blocks are all in ``values`` (flat, by block name), as a new
         tensor of the parameter's shape, dtype, device and strides (``channels_last`` stays so)."""
         params = self._params()
-        whole: dict[str, list[_Slot]] = {}
+        whole: dict[str, list[_PlacedBlock]] = {}
         for slot in self._slots:
             whole.setdefault(slot.pname, []).append(slot)
         out = {}
@@ -369,7 +369,7 @@ class PSModel(PSCheckpoints, DensePushes, nn.Module):
 
     # ---- one tensor per message ----------------------------------------------------------
 
-    def _packable(self, slots: list[_Slot]) -> bool | list[int]:
+    def _packable(self, slots: list[_PlacedBlock]) -> bool | list[int]:
         """How a server's blocks ``slots`` (a server's, in :meth:`_by_server` order: those of one
         dtype together) travel: ``True``, one flat tensor (they share a dtype); else the number
         of blocks of each dtype in turn, one flat tensor per dtype."""
@@ -385,11 +385,11 @@ class PSModel(PSCheckpoints, DensePushes, nn.Module):
                 last = dtype
         return True if len(runs) <= 1 else runs
 
-    def _sent(self, slots: list[_Slot], tensors: list[torch.Tensor]) -> Any:
+    def _sent(self, slots: list[_PlacedBlock], tensors: list[torch.Tensor]) -> Any:
         """Blocks as a message carries them: packed ``(names, sizes, flat)`` (one tensor per
         message, which the RPC agent sends far faster than several), or, for blocks of several
         dtypes, a list of those, one per dtype."""
-        def pack(part: list[_Slot], values: list[torch.Tensor]) -> tuple:
+        def pack(part: list[_PlacedBlock], values: list[torch.Tensor]) -> tuple:
             return [s.name for s in part], [s.block.size for s in part], torch.cat([t.reshape(-1) for t in values])
 
         packed = self._packable(slots)
@@ -401,7 +401,7 @@ class PSModel(PSCheckpoints, DensePushes, nn.Module):
             at += n
         return out
 
-    def _received(self, slots: list[_Slot], got: Any) -> dict[str, torch.Tensor]:
+    def _received(self, slots: list[_PlacedBlock], got: Any) -> dict[str, torch.Tensor]:
         """A server's answer for ``slots`` (one flat tensor, or one per dtype: see
         :meth:`_packable`) by block name."""
         packed = self._packable(slots)
@@ -428,12 +428,12 @@ class PSModel(PSCheckpoints, DensePushes, nn.Module):
         """:meth:`pull`; ``record``: as a forward's pull, the values DC-ASGD's servers
         compensate this trainer's next push against (:meth:`_server_values`)."""
         self._wait_pushes()
-        self.__dict__.pop("_ready", None)
+        self._ready = None
         values = self._server_values(record)
         self._write(values)
         if self.ps_mode == "geo":
             self._pulled = {k: v.clone() for k, v in values.items()}
-            self.__dict__.pop("_geo_restored", None)  # the local copy is the servers' now
+            self._geo_restored = None  # the local copy is the servers' now
             self._geo_unpushed[0] = 0
 
     def _server_values(self, record: bool = False) -> dict[str, torch.Tensor]:
@@ -478,12 +478,12 @@ class PSModel(PSCheckpoints, DensePushes, nn.Module):
         module one at a time (each on the values it pulled).
         """
         self._wait_pushes()  # (a failure of the last step's pushes raises here, once)
-        self.__dict__.pop("_step_done", None)  # a failed step() not retried: the next one is whole
+        self._step_done = set()  # a failed step() not retried: the next one is whole
         if self.ps_mode == "geo":
             return self.module(*args, **kwargs)
         # async / half_async: the values the last step's answers brought (a pull right after
         # that push), once, unless a half_async timer has merged what was queued since; else pull
-        ready = self.__dict__.pop("_ready", None)
+        ready, self._ready = self._ready, None
         values = ready[0] if ready is not None and time.monotonic() < ready[1] else None
         if values is None:
             values = self._server_values(record=torch.is_grad_enabled())
@@ -505,12 +505,12 @@ class PSModel(PSCheckpoints, DensePushes, nn.Module):
         once if the lr of its param group holding this model's parameters changed since its
         first step seen (an LR scheduler on an optimizer over ``model.parameters()``, kept from
         a local script), since the servers step them with :attr:`ps_optimizer`'s lr."""
-        if self.__dict__.get("_warned_lr", True) or optimizer is self.__dict__.get("_local_opt"):
+        if self._warned_lr or optimizer is self._local_opt:
             return
-        changed = changed_group_lr(self.__dict__["_group_lrs"], optimizer, self._params().values())
+        changed = changed_group_lr(self._group_lrs, optimizer, self._params().values())
         if changed is None:
             return
-        self.__dict__["_warned_lr"] = True
+        self._warned_lr = True
         warnings.warn(
             f"PSModel {self.name!r}: the lr of the {type(optimizer).__name__} param group holding its parameters "
             f"changed from {changed[0]:g} to {changed[1]:g} (an LR scheduler?), but the servers step them with "
@@ -522,15 +522,15 @@ class PSModel(PSCheckpoints, DensePushes, nn.Module):
         for its tables' own. sync: a step that counted on the servers but was not applied in
         time (a trainer missing) raises its ``CallTimeout`` here once, as a pull would; the
         next read waits for it again."""
-        land(self, self._tables.values())
-        stalled = self.__dict__.pop("_stalled", None)
+        self._land_in_flight(self._tables.values())
+        stalled, self._stalled = self._stalled, None
         if stalled is not None:
             # every part of that step counted on the servers: a step() now (the retry a failed
             # push asks for) pushes none of them again, as after a step that raised part-way; a
             # forward or zero_grad() makes the next step() a whole one. (Without this, step()
             # pushed the next step, without gradients: refused while the stalled step was not
             # applied, else taken as this trainer's next step, one step ahead of the others.)
-            self.__dict__["_step_done"] = {None, *self._tables}
+            self._step_done = {None, *self._tables}
             raise stalled
 
     def __getstate__(self) -> dict:
@@ -540,20 +540,29 @@ class PSModel(PSCheckpoints, DensePushes, nn.Module):
         self._wait_pushes()
         state = dict(super().__getstate__())
         for key in ("_flight", "_stalled", "_group_lrs"):
-            state.pop(key, None)
+            del state[key]
         return state
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        self.__dict__["_group_lrs"] = weakref.WeakKeyDictionary()
+        self._start_trainer_state()
         watch_local_optimizers(self)
+
+    def _start_trainer_state(self) -> None:
+        """(Construction, and a copy) What this object alone holds, which a copy does not share:
+        its step's pushes in flight and the baselines of local optimizers' lr (a local optimizer
+        over the parameters whose lr a scheduler changes warns once: see
+        :meth:`_local_optimizer_stepped`)."""
+        self._flight = None
+        self._stalled: BaseException | None = None  # sync: a step counted, not applied in time (raised once)
+        self._group_lrs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the local gradients, and the tables' gradients since their last step (once the
         last step's pushes landed)."""
         self._wait_pushes()
-        self.__dict__.pop("_step_done", None)  # a failed step() dropped, not retried
-        self.__dict__.pop("_took", None)
+        self._step_done = set()  # a failed step() dropped, not retried
+        self._took = None
         super().zero_grad(set_to_none)
         for table in self._tables.values():
             table.zero_grad()
@@ -569,7 +578,7 @@ class PSModel(PSCheckpoints, DensePushes, nn.Module):
             plans = self._delta_push_plans()
             if plans:
                 run_push_plans(plans, self.timeout)
-        self.__dict__.pop("_ready", None)  # the next forward pulls what the merge made
+        self._ready = None  # the next forward pulls what the merge made
         call_all([(s, _server._flush, (self.name,)) for s in self.servers], timeout=self.timeout)
         for table in self._tables.values():
             table.flush()
@@ -580,12 +589,6 @@ class PSModel(PSCheckpoints, DensePushes, nn.Module):
         self._wait_pushes()
         return dict(zip(self.servers, call_all([(s, _server._stats, (self.name,)) for s in self.servers],
                                                 timeout=self.timeout)))
-
-    @property
-    def mode(self) -> str:
-        """Deprecated: :attr:`ps_mode` (the name ``ShardedEmbedding`` uses)."""
-        warnings.warn("PSModel.mode is deprecated: read PSModel.ps_mode", DeprecationWarning, stacklevel=2)
-        return self.ps_mode
 
     def extra_repr(self) -> str:
         return (f"name={self.name!r}, servers={list(self.servers)}, ps_mode={self.ps_mode!r}, "

@@ -15,11 +15,11 @@ import torch
 from remote_module._core import CallTimeout, nested_seconds
 from remote_module.ps._optimizer import GroupedPSOptimizer, set_group
 from remote_module.ps._placement import block_of
-from remote_module.ps._steps import finished, fly, nothing, send_push_plans, settings_plans
+from remote_module.ps._steps import PushPlan, finished, send_push_plans, settings_plans
 from remote_module.ps.dense import _server
 
 if TYPE_CHECKING:
-    from remote_module.ps.dense._model import _Slot
+    from remote_module.ps.dense._model import _PlacedBlock
 
 
 class DensePushes:
@@ -60,8 +60,8 @@ class DensePushes:
         # the parts of this step done already: a step() that failed part-way (a table's server
         # timed out) is retried by calling step() again, which does only the parts left, so no
         # part pushes a second step (sync: it would be taken for the next round)
-        done = self.__dict__.setdefault("_step_done", set())
-        self.__dict__.pop("_ready", None)  # what the last step's answers brought: this step's replace them
+        done = self._step_done
+        self._ready = None  # what the last step's answers brought: this step's replace them
         # every part's ps_optimizer settings checked first (a ValueError, a table's momentum say,
         # raises before any part takes its gradients, steps locally or advances its step)
         settings = {None: self.ps_optimizer.settings()} if None not in done else {}
@@ -69,8 +69,9 @@ class DensePushes:
         plans = []  # each part's pushes; a part that succeeds is marked done
         merging = False  # geo: this step pushes the dense deltas
         if None not in done and self.ps_mode != "geo":
-            plans += settings_plans(self, settings[None], [s for s, slots in self._by_server().items() if slots],
-                                    _server._set_settings)
+            plans += settings_plans(settings[None], self._sent_settings,
+                                    [s for s, slots in self._by_server().items() if slots], _server._set_settings,
+                                    (self.name, self._trainer), self._settings_taken)
         if None not in done:
             if self.ps_mode == "geo":  # the local step; every geo_push_every steps the deltas' pushes
                 plans += self._step_dense(settings[None])
@@ -78,14 +79,14 @@ class DensePushes:
                 done.add(None)
             else:
                 # (left_out: the blocks a retry leaves out, applied already)
-                calls, finish, answered, left_out = self._dense_push_plan()
+                plan, left_out = self._dense_push_plan()
                 restore, took = self._clear_sent_gradients(), []
 
                 def partly(oks: list[bool]) -> None:
-                    took.extend(server for (server, _, _), ok in zip(calls, oks) if ok)  # (before failed())
+                    took.extend(server for (server, _, _), ok in zip(plan.calls, oks) if ok)  # (before failed())
 
-                plans.append((calls, partial(finished, done, None, finish),
-                              lambda: restore(took, left_out), answered, partly))
+                plans.append(plan._replace(done=partial(finished, done, None, plan.done),
+                                           failed=partial(restore, took, left_out), partly=partly))
         pushing: dict[int, list] = {}  # the tables pushing this step, by id: their calls
         for qual, table in self._tables.items():
             if qual not in done:
@@ -94,33 +95,34 @@ class DensePushes:
                 if plan is None:  # geo: the table stepped its cached rows, and pushes nothing this step
                     done.add(qual)
                 else:
-                    pushing[id(table)] = plan[0]
-                    plans.append((plan[0], partial(finished, done, qual, plan[1]), *plan[2:]))
+                    pushing[id(table)] = plan.calls
+                    plans.append(plan._replace(done=partial(finished, done, qual, plan.done)))
         # the next lookups prefetched on the tables and collections inside (prefetching over
         # them) go with these pushes, each read once they are applied (sync: their step)
-        owners = [m for m in self.module.modules() if hasattr(m, "_lookahead")]  # (tables, collections)
+        # (the tables and collections inside: a collection holds no rows of its own, but prefetches)
+        prefetchers = [m for m in self.module.modules() if hasattr(m, "_prefetches")]
         steps = {t.name: t._step + (id(t) in pushing) for t in self._tables.values()}
-        aheads = [owner._lookahead() for owner in owners]
-        joined = [ahead.to_send(self.ps_mode == "sync") for ahead in aheads]
-        reads = [call for ahead, handles in zip(aheads, joined) for call in ahead.reads(handles, steps.__getitem__)]
-        settle = send_push_plans(plans, self.timeout, reads)  # one message per server; each part settles alone
-        for ahead, handles in zip(aheads, joined):
-            ahead.stepped(handles)
+        queues = [m._prefetches for m in prefetchers]
+        joined = [queue.to_send(self.ps_mode == "sync") for queue in queues]
+        reads = [call for queue, handles in zip(queues, joined) for call in queue.reads(handles, steps.__getitem__)]
+        sent = send_push_plans(plans, self.timeout, reads)  # one message per server; each part settles alone
+        for queue, handles in zip(queues, joined):
+            queue.stepped(handles)
         # returns with the pushes in flight; the next call on the model (or on one of its tables)
         # waits for them (sync: for the step to be applied on every server), and a failure raises
         # there, the parts that failed kept for a retry as above
-        fly(self, self._tables.values(), settle, done, [h for handles in joined for h in handles])
-        for owner, handles in zip(owners, joined):
-            if hasattr(owner, "_count"):  # a collection's traffic counts the messages carrying its calls
-                owner._count([call for t in owner.tables().values() for call in pushing.get(id(t), [])]
-                             + [call for h in handles for call in h.calls])
+        self._keep_in_flight(self._tables.values(), sent, done, [h for handles in joined for h in handles])
+        for prefetcher, handles in zip(prefetchers, joined):
+            if hasattr(prefetcher, "_count"):  # a collection: its traffic counts the messages with its calls
+                prefetcher._count([call for t in prefetcher.tables().values() for call in pushing.get(id(t), [])]
+                                  + [call for h in handles for call in h.calls])
         # (as a local loop's optimizer.step(): what LR schedulers count), the collections' too:
         # a scheduler on a collection's ps_optimizer drives its tables (embeddings.md)
-        grouped = [m.ps_optimizer for m in owners if isinstance(getattr(m, "ps_optimizer", None), GroupedPSOptimizer)]
+        grouped = [m.ps_optimizer for m in prefetchers if isinstance(m.ps_optimizer, GroupedPSOptimizer)]
         for opt in [self.ps_optimizer, *(t.ps_optimizer for t in self._tables.values()), *grouped]:
             opt.step()
-        for owner in owners:  # (prefetching: the batches after, planned while the servers work)
-            for planned in owner.__dict__.pop("_after_step", []):
+        for queue in queues:  # (prefetching: the batches after, planned while the servers work)
+            for planned in queue.take_after_step():
                 planned()
         if merging:  # geo: the merged values are the local copy's when step() returns, as torch's
             self._wait_pushes()  # optimizer leaves its parameters (an edit after step() keeps them)
@@ -151,11 +153,15 @@ class DensePushes:
             if done:
                 # the gradients as put back: a block of ``done`` is left out of the retry while
                 # its parameter's gradient is this (no backward since)
-                self.__dict__["_took"] = ({s.name for s in done},
+                self._took = ({s.name for s in done},
                                           {name: (p.grad, p.grad._version) for name, p in params.items()
                                            if p.grad is not None})
 
         return restore
+
+    def _settings_taken(self, settings: dict) -> None:
+        """The servers took ``settings``: the next step sends them only if they change."""
+        self._sent_settings = settings
 
     def _step_dense(self, settings: dict) -> list:
         """geo: step the local copy, with ``settings`` (:attr:`ps_optimizer`'s, checked); every
@@ -169,17 +175,17 @@ class DensePushes:
         set_group(self._local_opt.param_groups[0], settings)  # (ps_optimizer's: a scheduler's)
         self._local_opt.step()
         self._local_opt.zero_grad(set_to_none=True)
-        self.__dict__.pop("_geo_restored", None)  # trained on since a restore
+        self._geo_restored = None  # trained on since a restore
         self._step += 1
         self._geo_unpushed[0] += 1
         if self._step % self.geo_push_every == 0:
             return self._delta_push_plans()
         return []
 
-    def _dense_push_plan(self) -> tuple[list, Callable[[], None], Callable[[list], None], set[str]]:
-        """The dense part of a step (not geo): the pushes to the servers, what to do once they
-        all succeeded (count the step; ``step()`` cleared the gradients as it sent them), and
-        what to do with their answers: each push is answered with its server's blocks as a pull
+    def _dense_push_plan(self) -> tuple[PushPlan, set[str]]:
+        """The dense part of a step (not geo), as a plan: the pushes to the servers, what to do
+        once they all succeeded (count the step; ``step()`` cleared the gradients as it sent
+        them), and what to do with their answers: each push is answered with its server's blocks as a pull
         right after it would see them (sync: once the step is applied there), which the next
         forward uses instead of pulling (one round trip per step), when every server holding
         blocks answered, until a half_async server's timer merges what it had queued (this
@@ -210,26 +216,26 @@ class DensePushes:
             servers = [server for server, _, _ in calls]
             stalled = [left for value, left in got if value is None and isinstance(left, str)]
             if stalled:  # sync: the push counted, its step not applied in time: a read's timeout
-                self.__dict__["_stalled"] = CallTimeout(stalled[0])
+                self._stalled = CallTimeout(stalled[0])
             elif set(servers) == {server for server, slots in by_server.items() if slots}:
                 values: dict[str, torch.Tensor] = {}
                 until = math.inf
                 for server, (value, left) in zip(servers, got):
                     values.update(self._received(by_server[server], value))
                     until = min(until, sent + left)
-                self.__dict__["_ready"] = (values, until)
+                self._ready = (values, until)
 
         def finish() -> None:
             self._step += 1
 
-        return calls, finish, answered, left_out
+        return PushPlan(calls, finish, answered=answered), left_out
 
     def _applied_already(self, params: dict) -> set[str]:
         """The blocks (names) whose servers applied them in the failed step this one retries,
         when no gradient came since for their parameters (:meth:`_clear_sent_gradients`): the
         retry leaves them out (async: no step applied twice there, and no zero gradient's step
         either; sync: they counted it), and a server whose blocks are all left out."""
-        took = self.__dict__.pop("_took", None)
+        took, self._took = self._took, None
         if took is None:
             return set()
         done, put_back = took
@@ -265,11 +271,11 @@ class DensePushes:
             if deltas:
                 packed = self._packable(sel)
                 calls = [(server, _server._push_delta, (self.name, self._sent(sel, deltas), packed))]
-                plans.append((calls, nothing, failed, partial(self._merged, sel)))
+                plans.append(PushPlan(calls, failed=failed, answered=partial(self._merged, sel)))
         unpushed[0] = 0
         return plans
 
-    def _merged(self, slots: list[_Slot], got: list) -> None:
+    def _merged(self, slots: list[_PlacedBlock], got: list) -> None:
         """geo: a server's answer to a delta push (its blocks merged): into the local copy, and
         the base of the next deltas."""
         values = self._received(slots, got[0])

@@ -41,7 +41,7 @@ def _aged(last: torch.Tensor, lag: int) -> torch.Tensor:
 class TableCheckpoints:
     """Checkpoint methods of :class:`remote_module.ps.ShardedEmbedding` (which provides
     ``name``, ``ps_mode``, ``init``, ``timeout``, ``_applied_or_told()``, the layout ``_ranges`` / ``_by_server`` /
-    ``_by_owner()``, ``_step``, ``_wait_s()``, ``flush()``, and in geo mode ``_geo`` and
+    ``_by_server_of()``, ``_step``, ``_wait_s()``, ``flush()``, and in geo mode ``_geo`` and
     ``_geo_push()``)."""
 
     def _settle(self) -> None:
@@ -62,11 +62,11 @@ class TableCheckpoints:
         read the rows before the load) is dropped, this table's or a collection's."""
         self._wait_pushes()
         # (a prefetch, this table's or a collection's, that read its rows before is dropped: Prefetch.matches)
-        self._changes = self.__dict__.get("_changes", 0) + 1
+        self._changes += 1
 
     def _tracks(self) -> bool:
         """Whether the servers keep admission counts or eviction clocks (checkpointed too)."""
-        return getattr(self, "admit_after", 1) > 1 or getattr(self, "evict_after_steps", None) is not None
+        return self.admit_after > 1 or self.evict_after_steps is not None
 
     def _stored(self) -> tuple:
         """``(ids, rows, last, clock, at)``: the rows stored (sorted by id) and, with eviction,
@@ -74,7 +74,7 @@ class TableCheckpoints:
         moved by its server's lag, so its age is kept), else ``None``s; ``at``: each server's
         versions while its blocks were read (first, last), where they are in the delta chains."""
         self._settle()
-        evicting = getattr(self, "evict_after_steps", None) is not None
+        evicting = self.evict_after_steps is not None
         calls = [(server, _checkpoint_handlers._block_rows, (self.name, first, evicting, True))
                  for first, _, server in self._ranges]
         got = call_all(calls, timeout=self.timeout)
@@ -151,11 +151,11 @@ class TableCheckpoints:
         if refused:
             error_msgs.append(f"admission sketch of {prefix or 'the table'}: {refused}")
             return
-        if getattr(self, "evict_after_steps", None) is None:
+        if self.evict_after_steps is None:
             last = None
         clock = extra.get("eviction_clock") if last is not None else None
         calls = []
-        for _, server, mine in self._by_owner(ids):
+        for _, server, mine in self._by_server_of(ids):
             held = tuple(self._by_server[server])
             # a lazy table's checkpoint holds all its rows: rows stored since and not in it are dropped
             calls.append((server, _checkpoint_handlers._set_rows,
@@ -164,10 +164,10 @@ class TableCheckpoints:
         call_all(calls, timeout=self.timeout)
         # the rows are the checkpoint's now: the next delta must follow it (unknown, None, for a
         # state_dict without the metadata state_dict() gives it: then only a whole table loads)
-        self.__dict__["_rows_at"] = _chain_place(local_metadata.get(CHAIN_METADATA) if isinstance(
+        self._rows_at = _chain_place(local_metadata.get(CHAIN_METADATA) if isinstance(
             local_metadata, dict) else None)
         admission = extra.get("admission")
-        if getattr(self, "admit_after", 1) > 1:  # (a checkpoint without counts: counts start from zero)
+        if self.admit_after > 1:  # (a checkpoint without counts: counts start from zero)
             self._set_admission([(blocks, data.to_dense() if data.is_sparse else data, None)
                                  for blocks, data in admission or ()])
         if self._geo is not None:  # cached rows are stale now: the next lookups fetch the loaded ones
@@ -182,7 +182,7 @@ class TableCheckpoints:
     def _admission_bits(self) -> int | None:
         """The width of the admission sketch's counters (None without admission): sketches of
         other widths hash ids to other counters, so they cannot be loaded."""
-        admit_after = getattr(self, "admit_after", 1)
+        admit_after = self.admit_after
         return counter_bits(admit_after) if admit_after > 1 else None
 
     def _admission_misfit(self, parts: Any, bits: Any, chunked: bool = False) -> str | None:
@@ -278,13 +278,13 @@ class TableCheckpoints:
         self._before_rows_change()
         if "ps_optimizer" in delta:
             self.ps_optimizer.load_state_dict(delta["ps_optimizer"])
-            self.__dict__["_sent_settings"] = None
+            self._sent_settings = None
         has_state = delta["has_state"].bool()
         state_at = torch.cumsum(has_state.long(), 0) - 1
-        last = delta.get("last") if getattr(self, "evict_after_steps", None) is not None else None
+        last = delta.get("last") if self.evict_after_steps is not None else None
         evicted = delta["evicted"].long()
         calls = []
-        for _, server, mine in self._by_owner(ids):
+        for _, server, mine in self._by_server_of(ids):
             held = self._by_server[server]
             whole = tuple((max(f, wf), min(f + c, wf + wc) - max(f, wf)) for f, c in held for wf, wc in delta["whole"]
                           if max(f, wf) < min(f + c, wf + wc))
@@ -297,7 +297,7 @@ class TableCheckpoints:
                            state, mine_has, None if last is None else last[mine], int(delta["step"]),
                            int(delta["clock"]))))
         call_all(calls, timeout=self.timeout)
-        if delta.get("admission") and getattr(self, "admit_after", 1) > 1:
+        if delta.get("admission") and self.admit_after > 1:
             self._set_admission(list(delta["admission"]))
         if self._geo is not None:
             if "geo" in delta:
@@ -305,7 +305,7 @@ class TableCheckpoints:
             self._geo.drop(torch.cat([ids, evicted]).unique())
         chain = delta.get("chain")
         # the rows are the source's as this delta reached them (unknown without its chain)
-        self.__dict__["_rows_at"] = None if chain is None else _chain_place(
+        self._rows_at = None if chain is None else _chain_place(
             {"table": chain["table"], "versions": {s: (v[1], v[1]) for s, v in chain["versions"].items()}})
 
     def _check_delta(self, delta: Any) -> None:
@@ -339,7 +339,7 @@ class TableCheckpoints:
         follows = {s: v[0] for s, v in chain["versions"].items()}
         if all(v < 0 for v in follows.values()):  # a whole table everywhere
             return
-        place = self.__dict__.get("_rows_at")
+        place = self._rows_at
         which = (f"delta of table {chain['table']!r} (token {chain['token']!r}, trainer "
                  f"{chain.get('trainer', 'not recorded')!r})")
         if place is None:
@@ -439,7 +439,7 @@ class TableCheckpoints:
         self._before_rows_change()
         if "ps_optimizer" in state:  # (a checkpoint from before it had none: the settings stay)
             self.ps_optimizer.load_state_dict(state["ps_optimizer"])
-            self.__dict__["_sent_settings"] = None  # the next step sends them
+            self._sent_settings = None  # the next step sends them
         if self._geo is not None:
             calls = state.get("geo_step_calls")
             # (a table never stepped saves no state key: its rows' state is empty)
@@ -450,7 +450,7 @@ class TableCheckpoints:
             return
         calls = [(server, _checkpoint_handlers._set_row_state,
                   (self.name, int(state["step"]), ids[mine], {k: state[k][mine] for k in keys}))
-                 for _, server, mine in self._by_owner(ids)]
+                 for _, server, mine in self._by_server_of(ids)]
         call_all(calls, timeout=self.timeout)
 
     def _check_optimizer_state(self, state: Any) -> list[str]:

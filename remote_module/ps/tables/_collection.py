@@ -4,7 +4,7 @@ server, and their gradients pushed together, one message per server."""
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -18,15 +18,23 @@ from remote_module._core import (
 )
 from remote_module.ps._modes import StepRefusal
 from remote_module.ps._optimizer import GroupedPSOptimizer
-from remote_module.ps._steps import finished, fly, land, run_push_plans
+from remote_module.ps._steps import InFlight, finished, run_push_plans
 from remote_module.ps.tables import _packed
 from remote_module.ps.tables._embedding_bag import ShardedEmbeddingBag
-from remote_module.ps.tables._lookups import at_step, told_refusals
-from remote_module.ps.tables._prefetch import Ahead, Prefetch
-from remote_module.ps.tables.server import _handlers
+from remote_module.ps.tables._lookups import LookupPlan, at_step, told_refusals
+from remote_module.ps.tables._prefetch import Prefetch, PrefetchQueue
+from remote_module.ps.tables.server._requests import (
+    BagsRead,
+    BagTablesPush,
+    PooledRead,
+    RowDeltasPush,
+    RowsPush,
+    RowsRead,
+    TablesPush,
+)
 
 
-class ShardedEmbeddingBagCollection(nn.Module):
+class ShardedEmbeddingBagCollection(InFlight, nn.Module):
     """Several :class:`ShardedEmbeddingBag` tables used together, as torchrec's
     ``EmbeddingBagCollection`` groups a model's tables: a forward sends every table's lookups
     for one server in **one message** (and gets their pooled bags back in one answer), and
@@ -112,19 +120,33 @@ class ShardedEmbeddingBagCollection(nn.Module):
         #: server sums; see :meth:`_count`), since construction
         self.traffic: dict[str, dict[str, int]] = {}
         self._layouts: dict = {}  # per embedding_dim, the last batch layout of the tables planned together
+        # the tables stepped already by a step() that failed part-way, which its retry leaves out
+        self._step_done: set[str] = set()
+        self._start_trainer_state()
         #: the tables' ps_optimizers as one torch.optim.Optimizer, a param group per table (each the
         #: table's own): an LR scheduler on it drives every table's (see ShardedEmbedding.ps_optimizer)
         self.ps_optimizer = GroupedPSOptimizer([t.ps_optimizer for t in self._modules.values()],
                                                "ShardedEmbeddingBagCollection")
+
+    def _start_trainer_state(self) -> None:
+        """(Construction, and a copy) What this object alone holds: its step's pushes in flight
+        and its prefetches."""
+        self._flight = None
+        #: the prefetched lookups of the next forwards, and the ones prefetching plans after the next step
+        self._prefetches = PrefetchQueue()
 
     def __getstate__(self) -> dict:
         """As nn.Module's, once the pushes in flight landed, less the prefetch (a copy shares
         the servers' rows, not this trainer's lookups ahead)."""
         self._wait_pushes()
         state = self.__dict__.copy()
-        for key in ("_flight", "_ahead", "_after_step"):
-            state.pop(key, None)
+        for key in ("_flight", "_prefetches"):
+            del state[key]
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._start_trainer_state()
 
     @property
     def ps_mode(self) -> str:
@@ -165,10 +187,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
         arguments = self._arguments(features)
         key = tuple(v for name in self._names for v in arguments[name])
         records = tuple(t._plan_state() for t in self.tables().values())
-        handle = self._lookahead().claim(key, records, self._wait_pushes)
-        self.__dict__.pop("_step_done", None)  # a failed step() not retried: the next one is whole
+        handle = self._prefetches.claim(key, records, self._wait_pushes)
+        self._step_done = set()  # a failed step() not retried: the next one is whole
         try:
-            return Ahead.output(
+            return PrefetchQueue.output(
                 handle, lambda calls: call_grouped(self._count(at_step(calls, self._step_of)), timeout=self.timeout),
                 lambda: self._plan(arguments))
         except StepRefusal as exc:  # (sync steps of its tables refused: raised here once)
@@ -184,9 +206,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
         it. Returns the handle."""
         return self._prefetch_input(features)
 
-    def _lookahead(self) -> Ahead:
-        return self.__dict__.setdefault("_ahead", Ahead())
-
     def _prefetch_input(self, features: Mapping[str, Any], queued: bool = False, overlap: bool = False) -> Prefetch:
         """A prefetch of ``features``; ``queued``, ``overlap``: as a table's (``prefetching``)."""
         arguments = self._arguments(features)
@@ -195,7 +214,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         calls, finish = self._plan(arguments)  # (the steps it reads are set when it is sent)
         handle = Prefetch(key, records, calls, finish, replan=self.ps_mode == "geo",
                           tables=list(self.tables().values()), overlap=overlap)
-        self._lookahead().add(handle, queued)
+        self._prefetches.add(handle, queued)
         return handle
 
     def _step_of(self, name: str) -> int:
@@ -203,22 +222,25 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     def _count(self, calls: list) -> list:
         """Add ``calls`` (one send: one message per server) to :attr:`traffic`; ``calls``."""
-        traffic = self.__dict__.setdefault("traffic", {})
-        for server in {call[0] for call in calls}:
+        traffic = self.traffic
+        for server in {server for server, _, _ in calls}:
             traffic.setdefault(server, {"messages": 0, "ids_looked_up": 0, "rows_pushed": 0})["messages"] += 1
-        for server, handler, args in calls:
-            if handler is _handlers._pool_tables:
-                traffic[server]["ids_looked_up"] += args[2].numel()
-            elif handler is _handlers._push_rows and len(args) > 3:
-                traffic[server]["rows_pushed"] += 0 if args[3] is None else args[3].numel()
-            elif handler is _handlers._push_tables:
-                traffic[server]["rows_pushed"] += args[1].numel()
-            elif handler is _handlers._push_bag_tables:  # (the lookup's ids: the rows are summed there)
-                traffic[server]["rows_pushed"] += 0 if args[1] is None else args[1].numel()
-            elif handler is _handlers._push_row_deltas:  # geo: the rows' deltas (ids second, not a lookup)
-                traffic[server]["rows_pushed"] += args[1].numel()
-            elif len(args) > 1 and isinstance(args[1], torch.Tensor):  # a table's lookup: its ids (or input) second
-                traffic[server]["ids_looked_up"] += args[1].numel()
+        for server, _, request in calls:
+            counts = traffic[server]
+            if isinstance(request, PooledRead):
+                counts["ids_looked_up"] += request.ids.numel()
+            elif isinstance(request, RowsPush):
+                counts["rows_pushed"] += 0 if request.ids is None else request.ids.numel()
+            elif isinstance(request, TablesPush):
+                counts["rows_pushed"] += request.ids.numel()
+            elif isinstance(request, BagTablesPush):  # (the lookup's ids: the rows are summed there)
+                counts["rows_pushed"] += 0 if request.ids is None else request.ids.numel()
+            elif isinstance(request, RowDeltasPush):  # geo: the rows' deltas
+                counts["rows_pushed"] += request.ids.numel()
+            elif isinstance(request, RowsRead):  # a table's own lookup: its ids
+                counts["ids_looked_up"] += request.ids.numel()
+            elif isinstance(request, BagsRead):  # a lookup of a table one server holds whole: its input
+                counts["ids_looked_up"] += request.input.numel()
         return calls
 
     def _by_name(self) -> dict[str, ShardedEmbeddingBag]:
@@ -227,7 +249,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     def _wait_pushes(self) -> None:
         """Wait for the pushes in flight of this collection's step and of its tables'."""
-        land(self, self.tables().values())
+        self._land_in_flight(self.tables().values())
 
     def _arguments(self, features: Mapping[str, Any]) -> dict[str, tuple]:
         """Each table's ``(input, offsets, per_sample_weights)`` of ``features``, checked."""
@@ -259,7 +281,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 raise retyped(exc, f"ShardedEmbeddingBagCollection table {name!r}: {exc}") from exc
         return arguments
 
-    def _plan(self, arguments: dict[str, tuple]) -> tuple[list, Callable[[list], dict[str, torch.Tensor]]]:
+    def _plan(self, arguments: dict[str, tuple]) -> LookupPlan:
         """The host calls of a forward of ``arguments`` and what makes its output of their answers."""
         wait_s = nested_seconds(timeout_seconds(self.timeout))  # a sync server's answer arrives in time
         # the plain sum / mean lookups planned together, in a few whole-batch ops (ps._packed)
@@ -268,7 +290,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         for name in self._names:
             if _packed.packable(self._modules[name], *arguments[name]):
                 by_dim.setdefault(self._modules[name].embedding_dim, []).append(name)
-        layouts = self.__dict__.setdefault("_layouts", {})
+        layouts = self._layouts
         packs = []
         for dim, names in by_dim.items():
             if len(names) > 1:
@@ -288,18 +310,20 @@ class ShardedEmbeddingBagCollection(nn.Module):
         calls = [call for table_calls, _ in plans.values() for call in table_calls]
         for _, (pack_calls, _) in packs:
             calls += pack_calls
+        return LookupPlan(calls, partial(self._outputs, plans, packs))
 
-        def finish(got: list) -> dict[str, torch.Tensor]:
-            out, at = {}, 0
-            for name, (table_calls, table_finish) in plans.items():
-                out[name] = table_finish(got[at:at + len(table_calls)])
-                at += len(table_calls)
-            for names, (pack_calls, pack_finish) in packs:
-                out.update(zip(names, pack_finish(got[at:at + len(pack_calls)])))
-                at += len(pack_calls)
-            return {name: out[name] for name in self._names}
-
-        return calls, finish
+    def _outputs(self, plans: dict[str, LookupPlan], packs: list[tuple[list[str], LookupPlan]],
+                 got: list) -> dict[str, torch.Tensor]:
+        """A forward's output of the answers ``got`` of :meth:`_plan`'s calls: each table's
+        ``plans`` and the ``packs`` of tables planned together, finished in turn."""
+        out, at = {}, 0
+        for name, (table_calls, table_finish) in plans.items():
+            out[name] = table_finish(got[at:at + len(table_calls)])
+            at += len(table_calls)
+        for names, (pack_calls, pack_finish) in packs:
+            out.update(zip(names, pack_finish(got[at:at + len(pack_calls)])))
+            at += len(pack_calls)
+        return {name: out[name] for name in self._names}
 
     def step(self) -> None:
         """Push every table's gradients, one message per server (see the tables' ``step``:
@@ -316,7 +340,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         # the tables stepped already by a step() that failed part-way: its retry steps only the
         # others (sync: a second push of a stepped table would be taken for its next round, and
         # put this trainer a step ahead of the others for good), as PSModel.step() does
-        done = self.__dict__.setdefault("_step_done", set())
+        done = self._step_done
         plans, pushing = [], set()
         pushing_names = [name for name in self._names if name not in done]
         # (checked first: a ValueError raises before any table takes its gradients)
@@ -327,45 +351,44 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 continue
             table = self._modules[name]
             plans += table._settings_plans(settings[name])  # (ahead of its push, in the same message)
-            hint = table.__dict__.pop("_together", None)
+            hint = table._take_packed_gradient()
             if hint is None:
                 plan = table._push_plan()
             else:
                 table._wait_pushes()
                 taken = table._take_for_step()
-                if len(taken) == 1 and taken[0] is hint[0]:  # exactly that record since its last step
-                    together.setdefault(id(hint[1]), (hint[1], []))[1].append((name, table, taken))
+                if len(taken) == 1 and taken[0] is hint.gradient:  # exactly that record since its last step
+                    together.setdefault(id(hint.lookup), (hint.lookup, []))[1].append((name, table, taken))
                     pushing.add(table.name)
                     continue
                 plan = table._push_plan(taken)
             if plan is None:  # geo: the table stepped its cached rows, and pushes nothing this step
                 done.add(name)
             else:
-                plans.append((plan[0], partial(finished, done, name, plan[1]), *plan[2:]))
+                plans.append(plan._replace(done=partial(finished, done, name, plan.done)))
                 pushing.add(self._modules[name].name)
         for record, members in together.values():  # their pushes to a server in one call, at once
             plans.append(_packed.push_together(record, members, done))
         by_name, sync = self._by_name(), self.ps_mode == "sync"
-        settle, joined = self._lookahead().send(  # sync: a prefetch reads the step these pushes complete
+        sent, joined = self._prefetches.send(  # sync: a prefetch reads the step these pushes complete
             plans, self.timeout, sync, lambda n: by_name[n]._step + (n in pushing))
-        self._count([call for plan in plans for call in plan[0]] + [call for h in joined for call in h.calls])
+        self._count([call for plan in plans for call in plan.calls] + [call for h in joined for call in h.calls])
         if joined or not sync:
-            fly(self, self.tables().values(), settle, done, joined)
+            self._keep_in_flight(self.tables().values(), sent, done, joined)
         for name in pushing_names:  # (as a local loop's optimizer.step(): what LR schedulers count)
             self._modules[name].ps_optimizer.step()
         self.ps_optimizer.step()
-        after = self.__dict__.pop("_after_step", [])
-        for planned in after:  # (prefetching: later batches, planned while the servers work)
+        for planned in self._prefetches.take_after_step():  # (prefetching: later batches, planned meanwhile)
             planned()
         if not joined and sync:
-            settle()
+            sent.settle()
             done.clear()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Every table's ``zero_grad`` (the gradients recorded since the last step are dropped),
         once the pushes in flight landed."""
         self._wait_pushes()
-        self.__dict__.pop("_step_done", None)  # a failed step() dropped, not retried
+        self._step_done = set()  # a failed step() dropped, not retried
         for table in self.tables().values():
             table.zero_grad(set_to_none)
 
@@ -374,10 +397,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
         what they queued; geo: the deltas of the rows trained since the last push, every
         table's in one message per server, counted in :attr:`traffic`)."""
         self._wait_pushes()
-        plans = [plan for table in self.tables().values() if table._geo is not None and table._geo.trained()
-                 for plan in [table._geo_push_plan()] if plan is not None]
+        plans = [plan for plan in (table._geo_flush_plan() for table in self.tables().values()) if plan is not None]
         if plans:
-            self._count([call for plan in plans for call in plan[0]])
+            self._count([call for plan in plans for call in plan.calls])
             run_push_plans(plans, self.timeout)
         for table in self.tables().values():
             table.flush()  # (geo: nothing left to push)

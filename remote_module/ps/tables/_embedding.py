@@ -30,14 +30,21 @@ from remote_module.ps._rowwise import row_optimizer
 from remote_module.ps._steps import Flight, SteppedTable, report_unpushed
 from remote_module.ps.tables._checkpoints import TableCheckpoints
 from remote_module.ps.tables._geo_cache import GeoCache
-from remote_module.ps.tables._lookups import at_step, lookup_calls, refused_before_attach, told_refusals
+from remote_module.ps.tables._lookups import (
+    LookupPlan,
+    at_step,
+    lookup_calls,
+    refused_before_attach,
+    told_refusals,
+)
 from remote_module.ps.tables._options import TableOptions
-from remote_module.ps.tables._prefetch import Ahead, Prefetch
+from remote_module.ps.tables._prefetch import Prefetch, PrefetchQueue
 from remote_module.ps.tables._pushes import TablePushes
 from remote_module.ps.tables._recording import GradientRecording
 from remote_module.ps.tables.lifetime._admission import DEFAULT_SKETCH_BYTES
 from remote_module.ps.tables.server import _handlers
 from remote_module.ps.tables.server._pooling import check_ids
+from remote_module.ps.tables.server._requests import RowsRead
 from remote_module.ps.tables.server._rows import TableSpec
 from remote_module.ps.tables.server._table import ALL
 from rpc_backend.watch import add_status
@@ -53,7 +60,7 @@ def _step_line(table: ShardedEmbedding) -> str:
     return f"step {table._step} of {type(table).__name__} {table.name!r}"
 
 
-class ShardedEmbedding(SteppedTable, TableCheckpoints, GradientRecording, TablePushes, nn.Module):
+class ShardedEmbedding(TableCheckpoints, GradientRecording, TablePushes, nn.Module, SteppedTable):
     """An ``nn.Embedding`` (``forward(input)``, same output) whose ``num_embeddings x
     embedding_dim`` rows are sliced into blocks of whole rows over ``servers`` by the same
     rules as a :class:`PSModel`'s parameters (``min_block_size``, ``split_method``).
@@ -166,16 +173,33 @@ class ShardedEmbedding(SteppedTable, TableCheckpoints, GradientRecording, TableP
         if self._geo is not None:  # (warns of rows trained here and never pushed: flush() pushes them)
             weakref.finalize(self, report_unpushed, f"table {self.name!r}", partial(_trained_rows, self._geo))
         self._attach(self._spec(options, rows))
+        self._pushed_bytes = 0  # (pushed_bytes)
+        self._pushes = 0  # steps whose pushes were sent (a prefetch sent before them misses them)
+        self._changes = 0  # changes of its rows on the servers other than by a step (loads, flushes)
+        # the servers that applied their part of a failed step, which its retry leaves out
+        self._took: frozenset[str] = frozenset()
+        # what its rows follow, as a load left them: a checkpoint's or a delta's place in a chain
+        # of deltas (_checkpoints._chain_place), which the next delta loaded must follow; None: unknown
+        self._rows_at: Any = None
+        self._warned_lr = False
+        self._start_trainer_state()
+
+    def _start_trainer_state(self) -> None:
+        """(Construction, and a copy) What this object alone holds, which a copy does not share:
+        its locks, its pushes in flight, its prefetches, its gradients recorded, its watch on
+        local optimizers."""
         self._pending_lock = threading.Lock()
-        self._marker_lock = threading.Lock()  # see _recorded
+        self._marker_lock = threading.Lock()  # see _rows_recorded
         self._flight_lock = threading.RLock()  # a step's pushes in flight (_flight) are landed once
         self._flight: Flight | None = None
-        self._ahead = Ahead()
+        #: the prefetched lookups of the next forwards, and the ones prefetching plans after the next step
+        self._prefetches = PrefetchQueue()
+        # a collection's lookup recorded this table's gradient with others' (_packed), which its
+        # step pushes together with theirs (_recording.RecordedTogether), or None
+        self._together: Any = None
         self._reset_gradients()
         self._group_lrs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._warned_lr = False
         watch_local_optimizers(self)
-        self._pushed_bytes = 0  # (pushed_bytes)
 
     def _keep_arguments(self, options: TrainingOptions, rows: TableOptions) -> None:
         """(Construction) The checked arguments, as the table's attributes."""
@@ -255,12 +279,12 @@ class ShardedEmbedding(SteppedTable, TableCheckpoints, GradientRecording, TableP
         parts = [f"{self.num_embeddings}, {self.embedding_dim}"]
         if self.padding_idx is not None:
             parts.append(f"padding_idx={self.padding_idx}")
-        if getattr(self, "sparse", False):  # (a table pickled before the keyword)
+        if self.sparse:
             parts.append("sparse=True")
         parts.append(f"name={self.name!r}, servers={list(self.servers)!r}, ps_mode={self.ps_mode!r}")
-        if getattr(self, "admit_after", 1) > 1:
+        if self.admit_after > 1:
             parts.append(f"admit_after={self.admit_after}")
-        if getattr(self, "evict_after_steps", None) is not None:
+        if self.evict_after_steps is not None:
             parts.append(f"evict_after_steps={self.evict_after_steps}")
         return parts
 
@@ -288,16 +312,16 @@ class ShardedEmbedding(SteppedTable, TableCheckpoints, GradientRecording, TableP
         call's timeout, so the server's answer (naming who has not pushed) arrives first."""
         return nested_seconds(timeout_seconds(self.timeout))
 
-    def _owner_index(self, ids: torch.Tensor) -> torch.Tensor:
+    def _block_index(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.searchsorted(self._starts, ids, right=True) - 1
 
     def _server_of(self, ids: torch.Tensor) -> torch.Tensor:
         """Each of ``ids``' server, as an index into ``_server_names``."""
         if len(self._server_names) == 1:
             return torch.zeros_like(ids)
-        return self._block_server[self._owner_index(ids)]
+        return self._block_server[self._block_index(ids)]
 
-    def _by_owner(self, ids: torch.Tensor, keep: torch.Tensor | None = None,
+    def _by_server_of(self, ids: torch.Tensor, keep: torch.Tensor | None = None,
                   server_of: torch.Tensor | None = None) -> list[tuple[int, str, torch.Tensor | slice]]:
         """For every server of this table, in order: its index, its name and which of ``ids``
         it owns (a mask, within ``keep`` when given; ``ALL`` when one server owns them all, so
@@ -318,14 +342,16 @@ class ShardedEmbedding(SteppedTable, TableCheckpoints, GradientRecording, TableP
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return self._looked_up((input,), self._forward_plan)
 
-    def _forward_plan(self, input: torch.Tensor) -> tuple[list, Callable[[list], torch.Tensor]]:
-        calls, finish = self._rows_plan(input)
+    def _forward_plan(self, input: torch.Tensor) -> LookupPlan:
+        """:meth:`forward` in two halves (:class:`LookupPlan`)."""
+        rows = self._rows_plan(input)
+        return LookupPlan(rows.calls, partial(self._embedded, rows.finish, input.shape))
 
-        def output(got: list) -> torch.Tensor:
-            _, inverse, rows = finish(got)
-            return rows[inverse].reshape(*input.shape, self.embedding_dim)
-
-        return calls, output
+    def _embedded(self, rows_of: Callable[[list], tuple], shape: torch.Size, got: list) -> torch.Tensor:
+        """A forward's output of the answers ``got`` of :meth:`_rows_plan`'s calls
+        (``rows_of``: that plan's ``finish``), as ``input`` of ``shape`` looked up."""
+        _, inverse, rows = rows_of(got)
+        return rows[inverse].reshape(*shape, self.embedding_dim)
 
     def prefetch(self, input: torch.Tensor) -> Prefetch:
         """Plan the lookup of ``input`` now (checked as :meth:`forward` checks it) for the next
@@ -345,11 +371,8 @@ class ShardedEmbedding(SteppedTable, TableCheckpoints, GradientRecording, TableP
         # geo: the lookup depends on the rows this trainer caches, which its step changes
         handle = Prefetch(key, records, calls, finish, replan=self.ps_mode == "geo", tables=[self], overlap=overlap)
         with self._flight_lock:
-            self._lookahead().add(handle, queued)
+            self._prefetches.add(handle, queued)
         return handle
-
-    def _lookahead(self) -> Ahead:
-        return self.__dict__.setdefault("_ahead", Ahead())  # (a table pickled before prefetch)
 
     def _prefetch_input(self, value: Any, queued: bool = False, overlap: bool = False) -> Prefetch:
         """(``prefetching``) a prefetch of a batch's input: the ids."""
@@ -360,9 +383,9 @@ class ShardedEmbedding(SteppedTable, TableCheckpoints, GradientRecording, TableP
         dropped), else of a lookup planned and sent now; after a step's pushes landed."""
         records = self._plan_state()
         with self._flight_lock:
-            handle = self._lookahead().claim(key, records, self._wait_pushes)
+            handle = self._prefetches.claim(key, records, self._wait_pushes)
         try:
-            return Ahead.output(handle, lambda calls: lookup_calls(at_step(calls, self._step_of), self.timeout),
+            return PrefetchQueue.output(handle, lambda calls: lookup_calls(at_step(calls, self._step_of), self.timeout),
                                 lambda: plan(*key))
         except StepRefusal as exc:  # (a sync step of the table refused: raised here once)
             told_refusals(exc, [self.name])
@@ -387,8 +410,8 @@ class ShardedEmbedding(SteppedTable, TableCheckpoints, GradientRecording, TableP
         told of raises here, once, as its next lookup would (:func:`told_refusals`): a job whose
         last step was refused hears of it at its checkpoint (``flush()`` waits for no other
         trainer: a sync step it pushed is told of at the next lookup or checkpoint)."""
-        nothing = torch.empty(0, dtype=torch.long)
-        calls = [(s, _handlers._rows_for, (self.name, nothing, self._step, None, self._wait_s()))
+        no_ids = torch.empty(0, dtype=torch.long)
+        calls = [(s, _handlers._rows_for, RowsRead(self.name, no_ids, self._step, None, self._wait_s()))
                  for s in self._by_server]
         try:
             call_all(at_step(calls, self._step_of), timeout=self.timeout)
@@ -399,12 +422,17 @@ class ShardedEmbedding(SteppedTable, TableCheckpoints, GradientRecording, TableP
     def _wait_pushes(self) -> None:
         """Wait for this table's pushes in flight (its last step's, or a collection's step's),
         raising a failed push's error (once; the gradients are kept for a retry)."""
-        if self.__dict__.get("_flight") is None:
+        if self._flight is None:
             return
         with self._flight_lock:
-            flight = self.__dict__.pop("_flight", None)
+            flight, self._flight = self._flight, None
             if flight is not None:
                 flight.land()
+
+    def _join_flight(self, flight: Flight) -> None:
+        """The pushes of a step its holder sent (a PSModel's, a collection's) are in flight: the
+        next call on this table lands them first."""
+        self._flight = flight
 
     def _unique(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``input`` flattened (checked: integer ids in range), its unique ids, and each
@@ -432,45 +460,47 @@ class ShardedEmbedding(SteppedTable, TableCheckpoints, GradientRecording, TableP
         calls, finish = self._rows_plan(input)
         return finish(lookup_calls(calls, self.timeout))
 
-    def _rows_plan(self, input: torch.Tensor, wait_s: float | None = None) -> tuple[list, Callable[[list], tuple]]:
-        """:meth:`_rows_of` in two halves: the host calls that fetch the rows, and what makes
-        its result of their answers (so that a collection can send several tables' calls to a
-        server in one message). ``wait_s``: how long a sync lookup may wait on a server for
-        the step (default :meth:`_wait_s`; a collection's budget is its own)."""
+    def _rows_plan(self, input: torch.Tensor, wait_s: float | None = None) -> LookupPlan:
+        """:meth:`_rows_of` in two halves (:class:`LookupPlan`: the host calls that fetch the
+        rows, and what makes its result of their answers, so that a collection can send several
+        tables' calls to a server in one message). ``wait_s``: how long a sync lookup may wait
+        on a server for the step (default :meth:`_wait_s`; a collection's budget is its own)."""
         wait_s = self._wait_s() if wait_s is None else wait_s
         _, uniq, inverse = self._unique(input)
         # geo: cached rows are this trainer's; only the others are fetched
         wanted = None if self._geo is None else self._geo.missing(uniq)
         calls, taken = [], []
-        for _, server, mine in self._by_owner(uniq, wanted):
+        for _, server, mine in self._by_server_of(uniq, wanted):
             ids = uniq[mine]
             if ids.numel():
-                calls.append((server, self._reader(), (self.name, ids, self._step, None, wait_s)))
+                calls.append((server, self._reader(), RowsRead(self.name, ids, self._step, None, wait_s)))
                 taken.append(mine)
+        return LookupPlan(calls, partial(self._rows_fetched, uniq, inverse, taken))
 
-        def finish(got: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            rows = torch.empty(uniq.numel(), self.embedding_dim)
-            for mine, r in zip(taken, got):
-                rows[mine] = r
-                if self._geo is not None:
-                    self._geo.add(uniq[mine], r)
+    def _rows_fetched(self, uniq: torch.Tensor, inverse: torch.Tensor, taken: list,
+                      got: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`_rows_plan`'s result of its calls' answers ``got`` (the rows of ``uniq`` where
+        ``taken``, each call's share of them, says), recorded for the step when grad is on."""
+        rows = torch.empty(uniq.numel(), self.embedding_dim)
+        for mine, r in zip(taken, got):
+            rows[mine] = r
             if self._geo is not None:
-                rows = self._geo.values(uniq)
-            if self._records():
-                rows = self._recorded(uniq, rows)
-            return uniq, inverse, rows.to(self._dtype())
-
-        return calls, finish
+                self._geo.add(uniq[mine], r)
+        if self._geo is not None:
+            rows = self._geo.values(uniq)
+        if self._records_gradients():
+            rows = self._rows_recorded(uniq, rows)
+        return uniq, inverse, rows.to(self._dtype())
 
     #: bookkeeping set at every lookup, backward and step (never a tensor, parameter or module):
     #: stored without ``nn.Module.__setattr__``'s checks, which cost a collection of 8 tables
     #: about 100 calls per training step
     _PLAIN_ATTRIBUTES = frozenset({"_forward_thread", "_fresh", "_held", "_backwards", "_stepped_past", "_pushes",
-                                   "_pushed_bytes", "_step", "_flight", "_changes"})
+                                   "_pushed_bytes", "_step", "_flight", "_changes", "_took", "_together"})
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in ShardedEmbedding._PLAIN_ATTRIBUTES:
-            self.__dict__[name] = value
+            object.__setattr__(self, name, value)
         elif name == "weight":  # (a local parameter named so would be left out of every lookup, silently)
             raise AttributeError(self._no_weight(f"{type(self).__name__} takes no local 'weight'"))
         else:
@@ -487,11 +517,11 @@ class ShardedEmbedding(SteppedTable, TableCheckpoints, GradientRecording, TableP
     def _no_weight(self, what: str) -> str:
         """The error for ``table.weight`` (``table.weight.data = W``, weight tying): where the rows
         are, and the calls that set and read them."""
-        if self.__dict__.get("init") == "lazy":
+        if getattr(self, "init", None) == "lazy":
             load = 'load_state_dict({"weight.ids": torch.arange(len(W)), "weight.rows": W})'
         else:
             load = 'load_state_dict({"weight": W})'
-        return (f"{what}: table {self.__dict__.get('name', '?')!r} keeps its rows on the parameter servers, "
+        return (f"{what}: table {getattr(self, 'name', '?')!r} keeps its rows on the parameter servers, "
                 f"not in a local tensor. To start it from given values W (as `table.weight.data = W` or "
                 f"from_pretrained(W) starts a local {type(self).__name__.replace('Sharded', 'nn.')}), call "
                 f"table.{load} once (one trainer: every trainer of the job shares the rows); to read them, "
@@ -503,8 +533,8 @@ class ShardedEmbedding(SteppedTable, TableCheckpoints, GradientRecording, TableP
         self._wait_pushes()
         state = self.__dict__.copy()
         for key in ("_pending_lock", "_marker_lock", "_fresh", "_held", "_hooked", "_group_lrs", "_flight_lock",
-                    "_flight", "_ahead", "_after_step", "_together"):
-            state.pop(key, None)
+                    "_flight", "_prefetches", "_together"):
+            del state[key]
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -512,13 +542,7 @@ class ShardedEmbedding(SteppedTable, TableCheckpoints, GradientRecording, TableP
         # a copy is another object of the table: in sync mode its pushes are refused (one trainer,
         # one object), never taken as retries of the original's (which would drop them silently)
         self._token = uuid.uuid4().hex
-        self._pending_lock = threading.Lock()
-        self._marker_lock = threading.Lock()
-        self._flight_lock = threading.RLock()
-        self._flight, self._ahead = None, Ahead()
-        self._reset_gradients()
-        self._group_lrs = weakref.WeakKeyDictionary()
-        watch_local_optimizers(self)
+        self._start_trainer_state()
 
     def flush(self) -> None:
         """Wait for this table's pushes in flight; half_async: have the servers apply the queued
@@ -530,7 +554,7 @@ class ShardedEmbedding(SteppedTable, TableCheckpoints, GradientRecording, TableP
             self._geo_push()
         if self.ps_mode == "half_async":
             call_all([(s, _handlers._flush_table, (self.name,)) for s in self._by_server], timeout=self.timeout)
-            self._changes = self.__dict__.get("_changes", 0) + 1  # a prefetch sent before reads stale rows
+            self._changes += 1  # a prefetch sent before reads stale rows
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients accumulated since the last :meth:`step` (nothing is pushed); as
@@ -538,8 +562,8 @@ class ShardedEmbedding(SteppedTable, TableCheckpoints, GradientRecording, TableP
         the pushes in flight first (a failed one raises here, as at any call on the table)."""
         self._wait_pushes()
         super().zero_grad(set_to_none)
-        self.__dict__.pop("_together", None)
-        self.__dict__.pop("_took", None)  # (a failed step dropped: the next one is whole)
+        self._together = None
+        self._took = frozenset()  # (a failed step dropped: the next one is whole)
         with self._pending_lock:
             self._held, self._fresh = [], []
             self._backwards, self._stepped_past = 0, False

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from functools import partial
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch import nn
 
 from remote_module.ps.tables._embedding import ShardedEmbedding
+from remote_module.ps.tables._lookups import LookupPlan
 from remote_module.ps.tables._prefetch import Prefetch
 from remote_module.ps.tables.server import _handlers
 from remote_module.ps.tables.server._pooling import check_offsets, with_padding_row
+from remote_module.ps.tables.server._requests import BagsRead, RowsRead
+
+
+def _as_dtype(dtype: torch.dtype, got: list) -> torch.Tensor:
+    """A whole lookup's output (its one call's answer) in the module's ``dtype``."""
+    return got[0].to(dtype)
 
 
 class _BagRows(torch.autograd.Function):
@@ -37,6 +45,26 @@ class _BagRows(torch.autograd.Function):
             per_position = per_position * weights.to(per_position.dtype).unsqueeze(1)
         rows = torch.zeros(ctx.shape, dtype=grad.dtype).index_add_(0, inverse, per_position)
         return rows, None, None, None, None, None
+
+
+class _Pooling(NamedTuple):
+    """A bag lookup whose rows the servers pool (:meth:`ShardedEmbeddingBag._lookup_plan`):
+    what making its output of their answers needs."""
+
+    kind: str  # how the servers pool: "sum" (sum and mean bags) or "max"
+    called: list[int]  # the servers called, as indices into the table's _server_names
+    flat: torch.Tensor  # the input's ids, flat
+    uniq: torch.Tensor | None  # its unique ids (None: it records no gradient)
+    inverse: torch.Tensor | None  # each position's index in uniq
+    bags: torch.Tensor  # each position's bag
+    weights: torch.Tensor | None  # per_sample_weights, flat
+    keep: torch.Tensor | None  # the positions that are not the padding row (None: no padding_idx)
+    holder: torch.Tensor  # zero rows standing for uniq, which backward gives the rows' gradient
+    zero: torch.Tensor  # torch's embedding_bag of the zero rows: the output's shape
+    server_of: torch.Tensor  # each position's server
+    num_bags: int
+    grad: bool  # whether it records gradients (recorded when the output is made)
+    dtype: torch.dtype  # the output's
 
 
 class ShardedEmbeddingBag(ShardedEmbedding):
@@ -75,18 +103,15 @@ class ShardedEmbeddingBag(ShardedEmbedding):
 
     def _repr_parts(self) -> list[str]:
         parts = super()._repr_parts()
-        extra = [f"mode={self.bag_mode!r}"] + (["include_last_offset=True"] if self._last_offset() else [])
+        extra = [f"mode={self.bag_mode!r}"] + (["include_last_offset=True"] if self.include_last_offset else [])
         return parts[:1] + extra + parts[1:]
-
-    def _last_offset(self) -> bool:
-        return getattr(self, "include_last_offset", False)  # (a table pickled before the keyword)
 
     def _bag_args(self, input: Any, offsets: Any, per_sample_weights: Any) -> tuple:
         """The arguments as a table without ``include_last_offset`` takes them: 1-d offsets of
         ``B + 1`` elements (the last one the input's length, as torch documents it) become the
         ``B`` bags' starts. torch refuses no offsets, as here; a last offset other than the
         input's length is refused (torch's mean divides the last bag by the rest of the input)."""
-        if not (self._last_offset() and isinstance(input, torch.Tensor) and input.dim() == 1
+        if not (self.include_last_offset and isinstance(input, torch.Tensor) and input.dim() == 1
                 and isinstance(offsets, torch.Tensor) and offsets.dim() == 1):
             return input, offsets, per_sample_weights  # 2-d input: torch ignores it too
         if not offsets.numel():
@@ -122,9 +147,9 @@ class ShardedEmbeddingBag(ShardedEmbedding):
 
     def _lookup_plan(self, input: torch.Tensor, offsets: torch.Tensor | None,
                      per_sample_weights: torch.Tensor | None,
-                     wait_s: float | None = None) -> tuple[list, Callable[[list], torch.Tensor]]:
-        """:meth:`forward` in two halves: the host calls of this lookup, and what makes the
-        output of their answers (so that a collection can send several tables' calls to a
+                     wait_s: float | None = None) -> LookupPlan:
+        """:meth:`forward` in two halves (:class:`LookupPlan`): the host calls of this lookup, and
+        what makes the output of their answers (so that a collection can send several tables' calls to a
         server in one message). Arguments are checked here, before anything is sent; offsets
         given with ``include_last_offset`` are converted first (:meth:`_bag_args`).
         ``wait_s``: as for :meth:`_rows_plan`."""
@@ -171,17 +196,18 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         kind = "max" if self.bag_mode == "max" else "sum"
         wire = torch.int32 if self.num_embeddings <= 2**31 else torch.int64  # ids travel as int32 when they fit
         positions = torch.arange(num_bags)
-        for k, server, mine in self._by_owner(flat, keep, server_of):
+        for k, server, mine in self._by_server_of(flat, keep, server_of):
             ids = flat[mine]
             if not ids.numel():
                 continue
             in_bags, w = bags[mine], None if weights is None else weights[mine]
             # this server's share of each bag starts where its positions reach that bag
             pool = (torch.searchsorted(in_bags, positions), w, kind)
-            calls.append((server, self._reader(), (self.name, ids.to(wire), self._step, pool, wait_s)))
+            calls.append((server, self._reader(), RowsRead(self.name, ids.to(wire), self._step, pool, wait_s)))
             called.append(k)
-        return calls, lambda got: self._pooled(got, kind, called, flat, uniq, inverse, bags, weights, keep, holder,
-                                                zero, server_of, num_bags, grad, dtype)
+        pooling = _Pooling(kind, called, flat, uniq, inverse, bags, weights, keep, holder, zero, server_of, num_bags,
+                           grad, dtype)
+        return LookupPlan(calls, partial(self._pooled, pooling))
 
     def _needs_rows(self, per_sample_weights: Any) -> bool:
         """Whether a lookup pools the fetched rows here: geo mode (the cached rows are the
@@ -198,7 +224,7 @@ class ShardedEmbeddingBag(ShardedEmbedding):
                 and (per_sample_weights is None or getattr(per_sample_weights, "dtype", None) == self._dtype()))
 
     def _whole_plan(self, input: torch.Tensor, offsets: torch.Tensor | None, per_sample_weights: torch.Tensor | None,
-                    wait_s: float) -> tuple[list, Callable[[list], torch.Tensor]]:
+                    wait_s: float) -> LookupPlan:
         """A lookup that records nothing, of a table one server holds whole: the arguments
         travel as given and the server pools them as ``nn.EmbeddingBag`` would
         (:meth:`Table.bags`: the same checks, errors and sums), so the trainer does no work."""
@@ -206,19 +232,16 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         weights = None if per_sample_weights is None else per_sample_weights.detach()
         handler = _handlers._bags_when_applied if self.ps_mode == "sync" else _handlers._bags_now
         calls = [(self._server_names[0], handler,
-                  (self.name, input, offsets, weights, self.bag_mode, self._step, wait_s))]
-        dtype = self._dtype()
-        return calls, lambda got: got[0].to(dtype)
+                  BagsRead(self.name, input, offsets, weights, self.bag_mode, self._step, wait_s))]
+        return LookupPlan(calls, partial(_as_dtype, self._dtype()))
 
-    def _pooled(self, got: list, kind: str, called: list[int], flat: torch.Tensor, uniq: torch.Tensor,
-                inverse: torch.Tensor, bags: torch.Tensor, weights: torch.Tensor | None, keep: torch.Tensor | None,
-                holder: torch.Tensor, zero: torch.Tensor, server_of: torch.Tensor, num_bags: int, grad: bool,
-                dtype: torch.dtype) -> torch.Tensor:
+    def _pooled(self, pooling: _Pooling, got: list) -> torch.Tensor:
         """The output of a lookup from the servers' answers ``got`` (see :meth:`_lookup_plan`)."""
+        kind, called, flat, uniq, inverse, bags, weights, keep, holder, zero, server_of, num_bags, grad, dtype = pooling
         if grad:
-            grad = self._records()  # (warns of gradients never pushed, as every recording lookup)
+            grad = self._records_gradients()  # (warns of gradients never pushed, as every recording lookup)
             if grad:
-                holder = self._recorded(uniq, holder)
+                holder = self._rows_recorded(uniq, holder)
         if kind == "sum":
             total = torch.zeros(num_bags, self.embedding_dim)
             for part in got:  # in server order
@@ -284,7 +307,7 @@ class ShardedEmbeddingBag(ShardedEmbedding):
 
     def _pool_here_plan(self, input: torch.Tensor, offsets: torch.Tensor | None,
                         per_sample_weights: torch.Tensor | None,
-                        wait_s: float | None = None) -> tuple[list, Callable[[list], torch.Tensor]]:
+                        wait_s: float | None = None) -> LookupPlan:
         """Fetch the unique rows and pool them here with torch's ``embedding_bag`` (in two
         halves, as :meth:`_lookup_plan`)."""
         calls, rows_of = self._rows_plan(input, wait_s)  # (checks the ids)
@@ -295,11 +318,13 @@ class ShardedEmbeddingBag(ShardedEmbedding):
             nn.functional.embedding_bag(torch.zeros(input.shape, dtype=torch.long),
                                         torch.zeros(1, self.embedding_dim, dtype=self._dtype()), offsets,
                                         mode=self.bag_mode, per_sample_weights=per_sample_weights)
-        return calls, lambda got: self._pool_rows_here(rows_of(got), input, offsets, per_sample_weights)
+        return LookupPlan(calls, partial(self._pool_rows_here, rows_of, input, offsets, per_sample_weights))
 
-    def _pool_rows_here(self, fetched: tuple, input: torch.Tensor, offsets: torch.Tensor | None,
-                        per_sample_weights: torch.Tensor | None) -> torch.Tensor:
-        uniq, inverse, rows = fetched
+    def _pool_rows_here(self, rows_of: Callable[[list], tuple], input: torch.Tensor, offsets: torch.Tensor | None,
+                        per_sample_weights: torch.Tensor | None, got: list) -> torch.Tensor:
+        """:meth:`_pool_here_plan`'s output of its calls' answers ``got`` (``rows_of``: its rows
+        plan's ``finish``)."""
+        uniq, inverse, rows = rows_of(got)
         rows, pad = with_padding_row(uniq, rows, self.padding_idx)
         return nn.functional.embedding_bag(
             inverse.reshape(input.shape), rows, offsets, mode=self.bag_mode,

@@ -187,6 +187,4 @@ class GeoCache:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        if "changes" not in state:  # (pickled before the counter: its marks and baselines counted steps)
-            self.changes = max([self.steps, *self.baselines.values()])
         self.lock = threading.Lock()

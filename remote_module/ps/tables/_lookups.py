@@ -4,11 +4,22 @@ sync steps of a table the servers refused that this trainer was told of (:func:`
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 from remote_module._core import call_all, call_one
 from remote_module.ps._modes import StepRefusal, refusals_told
 from remote_module.ps.tables.server import _handlers
+from remote_module.ps.tables.server._requests import BagsRead, PooledRead, RowsRead
+
+
+class LookupPlan(NamedTuple):
+    """A lookup in two halves: the host calls that fetch it (each carrying a ``RowsRead``,
+    ``BagsRead`` or ``PooledRead``), and ``finish(their answers)``, which makes its result (so
+    that a collection sends several tables' calls to a server in one message, and a prefetch
+    sends them ahead of the forward that finishes them)."""
+
+    calls: list
+    finish: Callable[[list], Any]
 
 
 def lookup_calls(calls: list, timeout: float | None) -> list:
@@ -19,13 +30,9 @@ def lookup_calls(calls: list, timeout: float | None) -> list:
     return call_all(calls, timeout=timeout)
 
 
-#: where a lookup handler takes the table's step (sync: the lookup waits for step - 1)
-_STEP_AT = {_handlers._rows_for: 2, _handlers._rows_now: 2, _handlers._bags_when_applied: 5,
-            _handlers._bags_now: 5}
-
-
-#: where a sync lookup handler takes how many of the table's refused steps this trainer was told of
-_SEEN_AT = {_handlers._rows_for: 5, _handlers._bags_when_applied: 7, _handlers._pool_tables: 7}
+#: the lookup handlers that wait for the step (sync): a lookup through them carries how many
+#: of the table's refused steps this trainer was told of
+_TOLD_REFUSALS = (_handlers._rows_for, _handlers._bags_when_applied, _handlers._pool_tables)
 
 
 #: sync tables: how many of each table's refused steps (by name) this process was told of (the
@@ -46,22 +53,23 @@ def told_refusals(error: BaseException, names: Iterable[str]) -> None:
 
 
 def at_step(calls: list, step_of: Callable[[str], int]) -> list:
-    """``calls`` (a lookup's) reading the steps ``step_of(table name)`` gives now (a lookup
-    planned ahead is sent after a step, or at its forward), and, in sync mode, how many of the
-    table's refused steps this trainer was told of now (:func:`told_refusals`)."""
+    """``calls`` (a lookup's: :class:`RowsRead`, :class:`BagsRead` or :class:`PooledRead`
+    each) reading the steps ``step_of(table name)`` gives now (a lookup planned ahead is sent
+    after a step, or at its forward), and, in sync mode, how many of the table's refused steps
+    this trainer was told of now (:func:`told_refusals`). Other calls (a prefetch's check of
+    its reads, ``UnlessMerged``) go as they are."""
     out = []
-    for server, handler, args in calls:
-        if handler is _handlers._pool_tables:
-            args = (args[0], [step_of(n) for n in args[0]], *args[2:])
-        elif handler in _STEP_AT:
-            at = _STEP_AT[handler]
-            args = (*args[:at], step_of(args[0]), *args[at + 1:])
-        if handler in _SEEN_AT:
-            names = args[0] if handler is _handlers._pool_tables else [args[0]]
-            seen = [_refusals_seen.get(n, 0) for n in names]
-            at = _SEEN_AT[handler]
-            args = (*args[:at], seen if handler is _handlers._pool_tables else seen[0])
-        out.append((server, handler, args))
+    for server, handler, read in calls:
+        told = handler in _TOLD_REFUSALS
+        if isinstance(read, PooledRead):
+            read = read._replace(steps=[step_of(n) for n in read.names])
+            if told:
+                read = read._replace(seen=[_refusals_seen.get(n, 0) for n in read.names])
+        elif isinstance(read, (RowsRead, BagsRead)):
+            read = read._replace(step=step_of(read.name))
+            if told:
+                read = read._replace(seen=_refusals_seen.get(read.name, 0))
+        out.append((server, handler, read))
     return out
 
 

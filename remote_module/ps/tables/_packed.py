@@ -7,7 +7,7 @@ packed into two tensors; the server answers every table's pooled bags packed int
 The outputs, gradients and pushes are those of each table's own lookup, bit for bit: every
 server pools its rows of a bag in position order, as alone, and the trainer adds the servers'
 partial sums in each table's own server order. The float32 tables that record gradients are
-recorded by one autograd node (:class:`_TogetherRecorded`), whose backward keeps the gradient
+recorded by one autograd node (:class:`_RecordPacked`), whose backward keeps the gradient
 of the batch's pooled bags as it is and hands each table its part; the collection's next step
 sends each server, in one call, the server's share of the lookup as it was sent with the
 gradient of the bags it holds ids of (:func:`push_together`), and the server computes each table's rows' gradients, each
@@ -19,29 +19,31 @@ table's own path, which checks and refuses them as the table does.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
 from remote_module._core import backward_accumulates
 from remote_module.ps._rowwise import bag_index, coalesce, pooled_rows
-from remote_module.ps._steps import finished, nothing
+from remote_module.ps._steps import PushPlan, finished
 from remote_module.ps.tables._embedding_bag import ShardedEmbeddingBag, _BagRows
+from remote_module.ps.tables._lookups import LookupPlan
 from remote_module.ps.tables._pushes import table_push_failure
 from remote_module.ps.tables.server import _handlers
+from remote_module.ps.tables.server._requests import BagEntry, BagTablesPush, PooledRead
 
 
-class _TogetherRecorded(torch.autograd.Function):
+class _RecordPacked(torch.autograd.Function):
     """The pooled bags of several float32 tables (given as one tensor, the tables' bags in
     turn; one output per table), recorded for their ``step()`` in one autograd node. Backward
     puts the tables' gradients into one gradient of every bag of the batch (divided by the
     bag's size for mean) and hands each table whose output it reached its part, as its own
-    ``_Recorded`` would, but as a :class:`TogetherGradient` (the rows' gradients are computed
+    ``_RowsForStep`` would, but as a :class:`TablePackedGradient` (the rows' gradients are computed
     by the servers at the push, or here by ``rows()`` for another path), with a zero-size
     gradient for its grad marker."""
 
     @staticmethod
-    def forward(ctx: Any, pooled: torch.Tensor, divisor: torch.Tensor | None, together: "Together", parts: list,
+    def forward(ctx: Any, pooled: torch.Tensor, divisor: torch.Tensor | None, together: "PackedGradient", parts: list,
                 *markers: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # per table: (table, its index in the layout, its AccumulateGrad, its first bag, its bags' end)
         ctx.together, ctx.parts, ctx.divisor = together, parts, divisor
@@ -69,14 +71,12 @@ class _TogetherRecorded(torch.autograd.Function):
             # as a parameter's .grad: only a backward that reaches the table's output and
             # accumulates into its marker records
             if r and backward_accumulates(accumulator):
-                entry = TogetherGradient(together, index)
-                table._keep(entry)
                 # (a collection's step pushes it with the others recorded here: push_together)
-                table.__dict__["_together"] = (entry, together)
+                table._keep_gradient(TablePackedGradient(together, index), together)
         return (None,) * 4 + markers
 
 
-class Together(NamedTuple):
+class PackedGradient(NamedTuple):
     """Gradients that tables planned together recorded in one backward: the plan's
     :class:`Layout`, each called server's share of the lookup as it was sent (``(server
     index, ids, first)``, the arrays of its ``_pool_tables`` call), and the gradient of every
@@ -93,13 +93,13 @@ def _ends(first: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([first, first.new_tensor([ids.numel()])])
 
 
-class TogetherGradient:
-    """One table's gradient recorded in a :class:`Together`: ``rows()`` computes its rows'
+class TablePackedGradient:
+    """One table's gradient recorded in a :class:`PackedGradient`: ``rows()`` computes its rows'
     gradients, as the servers would (``_push_bag_tables``), for the paths that need them here."""
 
     __slots__ = ("together", "index")
 
-    def __init__(self, together: Together, index: int) -> None:
+    def __init__(self, together: PackedGradient, index: int) -> None:
         self.together, self.index = together, index
 
     def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,7 +118,7 @@ class TogetherGradient:
         return coalesce(torch.cat(ids_parts), torch.cat(rows_parts))
 
 
-def push_together(together: Together, members: list, done: set) -> tuple:
+def push_together(together: PackedGradient, members: list, done: set) -> PushPlan:
     """One push plan for tables whose gradients since their last step are exactly what they
     recorded in ``together`` (``members``: ``(name, table, taken)``, taken by
     ``_take_for_step``): one ``_push_bag_tables`` call per server, carrying that server's share
@@ -132,9 +132,6 @@ def push_together(together: Together, members: list, done: set) -> tuple:
     index = {id(t): i for i, t in enumerate(layout.tables)}
     mine = sorted(((index[id(table)], name, table, taken) for name, table, taken in members), key=lambda m: m[0])
     by_server = {k: (ids, first) for k, ids, first in shares}
-    parts = []
-    for _, name, table, taken in mine:
-        parts.append((name, table, *table._pushed(taken, True, 0)))
     calls, at, sent = [], [], 0
     for k, server in enumerate(layout.servers):
         served = [j for j, (_, _, table, _) in enumerate(mine) if server in table._server_names]
@@ -149,12 +146,14 @@ def push_together(together: Together, members: list, done: set) -> tuple:
             has = (ends[1:] > first).nonzero().reshape(-1)
             starts, part = first[has], grad.index_select(0, has)
             sent += ids.numel() * ids.element_size() + starts.numel() * starts.element_size()
-        entries = [(t.name, t._trainer, t._step, spans[i], spans[i + 1], t._token)
+        entries = [BagEntry(t.name, t._trainer, t._step, spans[i], spans[i + 1], t._token)
                    for i, _, t, _ in (mine[j] for j in served)]
-        calls.append((server, _handlers._push_bag_tables, (entries, ids, starts, part)))
+        calls.append((server, _handlers._push_bag_tables, BagTablesPush(entries, ids, starts, part)))
         at.append(served)
         sent += part.numel() * part.element_size()
-    parts[0][1]._pushed_bytes += sent  # (the calls' bytes, counted once, on its first table)
+    # (the calls' bytes, counted once, on its first table)
+    parts = [(name, table, *table._pushed(taken, True, sent if j == 0 else 0))
+             for j, (_, name, table, taken) in enumerate(mine)]
 
     def failed() -> None:  # the message failed (a server down or late): every table keeps its gradients
         for _, _, _, table_failed in parts:
@@ -179,25 +178,24 @@ def push_together(together: Together, members: list, done: set) -> tuple:
                 finished(done, name, table_done)
         return next(iter(failures.values()), None)
 
-    answered.settles_parts = True  # type: ignore[attr-defined]
-    return calls, nothing, failed, answered
+    return PushPlan(calls, failed=failed, settle_parts=answered)
 
 
-def _record_together(layout: "Layout", tables: list, indices: list[int], pooled: torch.Tensor,
+def _record_packed(layout: "Layout", tables: list, indices: list[int], pooled: torch.Tensor,
                      divisor: torch.Tensor | None, shares: list) -> tuple[torch.Tensor, ...]:
     """``pooled`` recorded for ``tables`` (``indices``: theirs in ``layout``) by one
-    :class:`_TogetherRecorded` node, under every table's marker lock (see
-    ``ShardedEmbedding._recorded``), taken in one order: each table's pooled bags."""
+    :class:`_RecordPacked` node, under every table's marker lock (see
+    ``GradientRecording._rows_recorded``), taken in one order: each table's pooled bags."""
     locks = sorted({id(t): t for t in tables}.values(), key=id)
     for t in locks:
         t._marker_lock.acquire()
     try:
         parts, markers = [], []
         for t, i in zip(tables, indices):
-            marker, accumulator = t._recorder()
+            marker, accumulator = t._hooked_marker()
             parts.append((t, i, accumulator, layout.bag_base[i], layout.bag_base[i + 1]))
             markers.append(marker)
-        out = _TogetherRecorded.apply(pooled, divisor, Together(layout, shares, None), parts, *markers)
+        out = _RecordPacked.apply(pooled, divisor, PackedGradient(layout, shares, None), parts, *markers)
         return out if isinstance(out, tuple) else (out,)
     finally:
         for t in locks:
@@ -223,7 +221,7 @@ def packable(table: Any, input: Any, offsets: Any, per_sample_weights: Any) -> b
     return not table._sent_as_given(None)
 
 
-class Sized(NamedTuple):
+class BatchSizes(NamedTuple):
     """What a batch's numbers of ids per table fix (:meth:`Layout.sized`): where each table's
     ids sit in the batch, and the checks' bounds."""
 
@@ -264,13 +262,13 @@ class Layout:
         self.first_bag = torch.tensor([self.bag_base[i] for i in self.has], dtype=torch.long)
         self.last_bag = torch.tensor([self.bag_base[i + 1] - 1 for i in self.has], dtype=torch.long)
         self.bag_positions = torch.arange(b_all)
-        self._sized: tuple[tuple, Sized] | None = None
-        starts, owners = [], []
+        self._sized: tuple[tuple, BatchSizes] | None = None
+        starts, servers = [], []
         for t, base in zip(tables, self.id_base):
             for first, _, server in t._ranges:
                 starts.append(base + first)
-                owners.append(self.servers.index(server))
-        self.block_starts, self.block_server = torch.tensor(starts), torch.tensor(owners)
+                servers.append(self.servers.index(server))
+        self.block_starts, self.block_server = torch.tensor(starts), torch.tensor(servers)
         self.mean_bags = torch.repeat_interleave(torch.tensor([t.bag_mode == "mean" for t in tables]),
                                                  torch.tensor(list(bags)))
         self.any_mean = any(t.bag_mode == "mean" for t in tables)
@@ -285,8 +283,8 @@ class Layout:
             self.rows.append(None if whole else torch.cat(rows) if rows else torch.empty(0, dtype=torch.long))
         self.wire = torch.int32 if all(t.num_embeddings <= 2**31 for t in tables) else torch.int64
 
-    def sized(self, sizes: Sequence[int]) -> Sized:
-        """:class:`Sized` of a batch with ``sizes[k]`` ids for table k (the last one kept)."""
+    def sized(self, sizes: Sequence[int]) -> BatchSizes:
+        """:class:`BatchSizes` of a batch with ``sizes[k]`` ids for table k (the last one kept)."""
         key = tuple(sizes)
         if self._sized is not None and self._sized[0] == key:
             return self._sized[1]
@@ -294,7 +292,7 @@ class Layout:
         for n in sizes:
             pos_base.append(pos_base[-1] + n)
         counts = torch.tensor(key)
-        sized = Sized(pos_base, torch.repeat_interleave(self.num_embeddings, counts),
+        sized = BatchSizes(pos_base, torch.repeat_interleave(self.num_embeddings, counts),
                       torch.repeat_interleave(self.id_bases, counts),
                       torch.repeat_interleave(torch.tensor(pos_base[:-1]), self.bag_counts),
                       torch.tensor([pos_base[i] for i in self.has], dtype=torch.long),
@@ -310,7 +308,7 @@ class _Batch(NamedTuple):
     tables: list  # the tables, in the entries' order
     bags: list[int]  # each table's number of bags
     layout: Layout
-    sized: Sized
+    sized: BatchSizes
     flat: torch.Tensor  # every table's ids, in turn
     starts: torch.Tensor  # every bag's first position in the batch
     gid: torch.Tensor  # every id in the one id space (table k's from id_base[k])
@@ -320,15 +318,15 @@ class _Batch(NamedTuple):
     shares: list[tuple]  # each call's (server index, ids, each bag's first id there)
 
 
-def plan(owner: Any, entries: Sequence[tuple[ShardedEmbeddingBag, torch.Tensor, torch.Tensor | None]],
-         wait_s: float) -> tuple[list, Callable[[list], list[torch.Tensor]]] | None:
+def plan(layouts: dict, entries: Sequence[tuple[ShardedEmbeddingBag, torch.Tensor, torch.Tensor | None]],
+         wait_s: float) -> LookupPlan | None:
     """The host calls (one per server) of the lookups ``entries`` (``(table, input, offsets)``,
     each :func:`packable`), and what makes the tables' outputs of their answers; None when the
     batch does not pass the checks (ids out of range, bags given wrongly): each table's own
-    path then refuses it as the table does. ``owner`` keeps the last :class:`Layout`."""
+    path then refuses it as the table does. ``layouts`` keeps the last :class:`Layout`."""
     tables = [t for t, _, _ in entries]
     flats, offsets, sizes, bags = _inputs(entries)
-    layout = _layout_of(owner, tables, bags)
+    layout = _layout_of(layouts, tables, bags)
     sized = layout.sized(sizes)
     flat = torch.cat(flats)
     starts = torch.cat(offsets) + sized.pos_base_at_bag  # every bag's first position in the batch
@@ -351,11 +349,11 @@ def plan(owner: Any, entries: Sequence[tuple[ShardedEmbeddingBag, torch.Tensor, 
         served = layout.served[k]
         ids = flat[at].to(layout.wire)
         calls.append((server, _handlers._pool_tables,
-                      ([tables[i].name for i in served], [tables[i]._step for i in served], ids,
-                       first, [layout.bag_base[i] for i in served], [bags[i] for i in served], wait_s)))
+                      PooledRead([tables[i].name for i in served], [tables[i]._step for i in served], ids,
+                                 first, [layout.bag_base[i] for i in served], [bags[i] for i in served], wait_s)))
         shares.append((k, ids, first))
     batch = _Batch(tables, bags, layout, sized, flat, starts, gid, bag_of, records, called, shares)
-    return calls, partial(_outputs, batch)
+    return LookupPlan(calls, partial(_outputs, batch))
 
 
 def _inputs(entries: Sequence[tuple[Any, torch.Tensor, torch.Tensor | None]]) -> tuple[list, list, list, list]:
@@ -373,19 +371,19 @@ def _inputs(entries: Sequence[tuple[Any, torch.Tensor, torch.Tensor | None]]) ->
     return flats, offsets, sizes, bags
 
 
-def _layout_of(owner: Any, tables: list, bags: list[int]) -> Layout:
-    """The :class:`Layout` of ``tables`` with ``bags``: ``owner``'s last one while they stay
-    the same, else a new one, which ``owner`` keeps."""
+def _layout_of(layouts: dict, tables: list, bags: list[int]) -> Layout:
+    """The :class:`Layout` of ``tables`` with ``bags``: the last one of ``layouts`` (by bags)
+    while they stay the same, else a new one, which ``layouts`` keeps."""
     key = tuple(bags)
-    layout = owner.get(key)
+    layout = layouts.get(key)
     if layout is None or len(layout.tables) != len(tables) or any(a is not b for a, b in zip(layout.tables, tables)):
         layout = Layout(tables, bags)
-        owner.clear()
-        owner[key] = layout
+        layouts.clear()
+        layouts[key] = layout
     return layout
 
 
-def _refused(layout: Layout, sized: Sized, flat: torch.Tensor, starts: torch.Tensor) -> bool:
+def _refused(layout: Layout, sized: BatchSizes, flat: torch.Tensor, starts: torch.Tensor) -> bool:
     """Whether the batch fails the checks (bags that go back, start elsewhere than their
     table's first id or end past its last; ids out of range), in a few whole-batch ops."""
     bad = ((starts[1:] < starts[:-1]).any() | (starts[layout.first_bag] != sized.first_offset).any()
@@ -419,7 +417,7 @@ def _summed(batch: _Batch, got: list) -> torch.Tensor:
 
 def _outputs(batch: _Batch, got: list) -> list[torch.Tensor]:
     """The tables' outputs of the servers' answers ``got`` (means divided by their bags' sizes),
-    recorded for the tables' steps: the float32 tables together (:func:`_record_together`),
+    recorded for the tables' steps: the float32 tables together (:func:`_record_packed`),
     a table of another dtype by its own rows' node, as alone."""
     layout, tables, sized = batch.layout, batch.tables, batch.sized
     total = _summed(batch, got)
@@ -429,11 +427,11 @@ def _outputs(batch: _Batch, got: list) -> list[torch.Tensor]:
         sizes_all = (ends - batch.starts).clamp(min=1).unsqueeze(1).to(total.dtype)
         total = torch.where(layout.mean_bags.unsqueeze(1), total / sizes_all, total)
     # (warns, as a table's own lookup does, of gradients never pushed)
-    recording = [i for i, t in enumerate(tables) if batch.records[i] and t._records()]
+    recording = [i for i, t in enumerate(tables) if batch.records[i] and t._records_gradients()]
     together: dict[int, torch.Tensor] = {}  # per table recorded together: its pooled bags
     if recording and all(tables[i]._dtype() == torch.float32 for i in recording):
         divisor = torch.where(layout.mean_bags.unsqueeze(1), sizes_all, 1.0) if layout.any_mean else None
-        made = _record_together(layout, [tables[i] for i in recording], recording, total, divisor, batch.shares)
+        made = _record_packed(layout, [tables[i] for i in recording], recording, total, divisor, batch.shares)
         together = dict(zip(recording, made))
         recording = []
     elif recording:  # (a table of another dtype: each its own rows' node, as alone)
@@ -446,7 +444,7 @@ def _outputs(batch: _Batch, got: list) -> list[torch.Tensor]:
         if i in recording:  # (a table of another dtype: its own rows' node, as alone)
             p0, p1 = sized.pos_base[i], sized.pos_base[i + 1]
             t_uniq = uniq[cuts[i]:cuts[i + 1]] - layout.id_base[i]
-            holder = t._recorded(t_uniq, torch.zeros(t_uniq.numel(), tables[0].embedding_dim, dtype=t._dtype()))
+            holder = t._rows_recorded(t_uniq, torch.zeros(t_uniq.numel(), tables[0].embedding_dim, dtype=t._dtype()))
             value = _BagRows.apply(holder, value, inverse[p0:p1] - cuts[i], batch.bag_of[p0:p1] - lo, None,
                                    sizes_all[lo:hi] if t.bag_mode == "mean" else None)
         out.append(value)

@@ -1,6 +1,7 @@
 """Prefetch: a table's or collection's lookup planned ahead of its forward and sent with a
 step's pushes (:class:`Prefetch`), and the prefetches of one table or collection in the order
-of the forwards they are for (:class:`Ahead`)."""
+of the forwards they are for, with those ``prefetching`` plans after the next step
+(:class:`PrefetchQueue`)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from remote_module.ps._steps import PushPlan, send_push_plans
+from remote_module.ps._steps import PushPlan, SentPushes, send_push_plans
 from remote_module.ps.tables._lookups import at_step
 from remote_module.ps.tables.server import _handlers
+from remote_module.ps.tables.server._requests import UnlessMerged
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -38,7 +40,7 @@ class Prefetch:
     A prefetch not consumed by the forward it was planned for is dropped.
 
     half_async: the forward uses it only if it reflects every merge the servers finished before
-    that forward began (:meth:`Ahead.claim`); each server answers, ahead of its lookups, its
+    that forward began (:meth:`PrefetchQueue.claim`); each server answers, ahead of its lookups, its
     merge count and how long at least before its timer merges (:func:`_handlers._merge_state`)."""
 
     def __init__(self, key: tuple, records: Any, calls: list, finish: Callable[[list], Any],
@@ -46,7 +48,7 @@ class Prefetch:
         self.key = tuple(_kept(v) for v in key)
         # the tables it reads, and how often their rows changed on the servers other than by a
         # step (loads, half_async merges): a change after it was sent makes it stale
-        self.tables = [(t, t.__dict__.get("_changes", 0)) for t in tables]
+        self.tables = [(t, t._changes) for t in tables]
         # a forward whose arguments need a gradient (per_sample_weights) plans its own: the
         # output must be a function of its tensors, not of the prefetch's copies
         replan = replan or any(isinstance(v, torch.Tensor) and v.requires_grad for v in key)
@@ -98,7 +100,7 @@ class Prefetch:
             return False
         states = [(server, names, state) for (server, names), (_, state) in zip(self.merge_calls, self.merge_state)]
         alone = all(t.num_trainers == 1 for t in self.merging())
-        pushed = any(_pushes(t) != n for (t, _), n in zip(self.tables, self.pushes_at))
+        pushed = any(t._pushes != n for (t, _), n in zip(self.tables, self.pushes_at))
         due = min(left for _, _, state in states for _, left in state)
         if alone and not pushed and began < self.sent_at + due:
             return True
@@ -108,14 +110,14 @@ class Prefetch:
     def checked(self, got: list, send: Callable[[list], list]) -> list:
         """The answers ``got``, each replaced by a fresh lookup where its server merged since it
         was read (one message per server: :func:`_handlers._read_unless_merged`)."""
-        calls = [(server, _handlers._read_unless_merged, (self.checks[server], handler, args))
-                 for server, handler, args in self.calls]
+        calls = [(server, _handlers._read_unless_merged, UnlessMerged(self.checks[server], handler, read))
+                 for server, handler, read in self.calls]
         return [old if new is None else new for old, new in zip(got, send(calls))]
 
     def changed(self) -> bool:
         """Whether a table's rows changed since it was sent (a load, a half_async merge): what
         it read is gone."""
-        return self.sent and any(t.__dict__.get("_changes", 0) != n for t, n in self.tables)
+        return self.sent and any(t._changes != n for t, n in self.tables)
 
     def matches(self, key: tuple, records: Any) -> bool:
         """Whether a forward of ``key`` (``records``: as given at construction) may use it."""
@@ -143,11 +145,7 @@ class Prefetch:
         return [value for _, value in self.got]
 
 
-def _pushes(table: Any) -> int:
-    return table.__dict__.get("_pushes", 0)
-
-
-class Ahead:
+class PrefetchQueue:
     """The prefetches of a table or collection, in the order of the forwards they are for. A
     prefetch sent with a step, consumed after later pushes of its tables (by any object: the
     table, a collection, a PSModel), would miss them: it is used only if at most ``overlap``
@@ -155,6 +153,15 @@ class Ahead:
 
     def __init__(self) -> None:
         self.handles: list[Prefetch] = []
+        #: what ``prefetching`` plans once the next step is sent (its later batches' prefetches,
+        #: planned while the servers work): ``planned()`` each, with ``planned.keywords["loop"]``
+        #: and ``["index"]`` naming its loop and batch (``functools.partial``)
+        self.after_step: list[Any] = []
+
+    def take_after_step(self) -> list:
+        """(A step was sent) :attr:`after_step`'s plans, taken: the caller runs them."""
+        after, self.after_step = self.after_step, []
+        return after
 
     def add(self, handle: Prefetch, queued: bool) -> None:
         """A new prefetch: after the others when ``queued`` (``prefetching``'s later batches),
@@ -184,15 +191,15 @@ class Ahead:
         self.handles = [h for h in self.handles if not h.sent or not (h.failed or h.changed() or not self.fresh(h))]
         return None
 
-    def claim(self, key: tuple, records: Any, land: Callable[[], None]) -> Prefetch | None:
-        """The prefetch a forward of ``key`` uses (:meth:`take`, :meth:`fresh`), or None; ``land()``
-        (the pushes in flight) first, unless it was answered already (sent a step earlier, with
-        overlap: used without waiting for them)."""
+    def claim(self, key: tuple, records: Any, wait_pushes: Callable[[], None]) -> Prefetch | None:
+        """The prefetch a forward of ``key`` uses (:meth:`take`, :meth:`fresh`), or None;
+        ``wait_pushes()`` (for the pushes in flight) first, unless it was answered already (sent
+        a step earlier, with overlap: used without waiting for them)."""
         began = time.monotonic()  # (half_async: the merges finished before now must be in what it uses)
         handle = self.take(key, records)
         use = handle is not None and not handle.failed and not handle.replan and self.fresh(handle)
         if not use or handle.got is None:
-            land()  # (answers the prefetch sent with those pushes)
+            wait_pushes()  # (answers the prefetch sent with those pushes)
         if use and not handle.failed and handle.got is not None:
             use = handle.merges_checked(began)
         return handle if use and not handle.failed else None
@@ -209,18 +216,18 @@ class Ahead:
                     return handle.finish(got if handle.checks is None else handle.checked(got, send))
             elif not handle.sent:
                 return handle.finish(send(handle.calls))
-        calls, finish = plan()
-        return finish(send(calls))
+        lookup = plan()
+        return lookup.finish(send(lookup.calls))
 
     def send(self, plans: Sequence[PushPlan], timeout: float | None, sync: bool,
-             step_after: Callable[[str], int]) -> tuple[Callable[[], list], list[Prefetch]]:
+             step_after: Callable[[str], int]) -> tuple[SentPushes, list[Prefetch]]:
         """Send a step's ``plans`` (:func:`send_push_plans`) with the prefetches it carries
         (:meth:`to_send`, reading the steps ``step_after`` gives a table's name once these pushes
-        are applied): ``(settle, those prefetches)``."""
+        are applied): ``(the pushes sent, those prefetches)``."""
         joined = self.to_send(sync)
-        settle = send_push_plans(plans, timeout, self.reads(joined, step_after))
+        sent = send_push_plans(plans, timeout, self.reads(joined, step_after))
         self.stepped(joined)
-        return settle, joined
+        return sent, joined
 
     @staticmethod
     def reads(joined: Sequence[Prefetch], step_after: Callable[[str], int]) -> list:
@@ -240,7 +247,7 @@ class Ahead:
         if not handle.sent:
             return True
         allowed = 1 if handle.overlap else 0
-        return all(_pushes(t) - n <= allowed for (t, _), n in zip(handle.tables, handle.pushes_at))
+        return all(t._pushes - n <= allowed for (t, _), n in zip(handle.tables, handle.pushes_at))
 
     def to_send(self, sync: bool) -> list[Prefetch]:
         """What a step sends with its pushes: the next forward's prefetch, if not sent yet; with
@@ -257,6 +264,6 @@ class Ahead:
     def stepped(sent: Sequence[Prefetch]) -> None:
         """A step was sent (its tables' pushes counted), and ``sent`` with it."""
         for handle in sent:
-            handle.sent, handle.pushes_at = True, [_pushes(t) for t, _ in handle.tables]
+            handle.sent, handle.pushes_at = True, [t._pushes for t, _ in handle.tables]
             # (what it reads is the rows as of now: a load or a merge before now does not make it stale)
-            handle.tables = [(t, t.__dict__.get("_changes", 0)) for t, _ in handle.tables]
+            handle.tables = [(t, t._changes) for t, _ in handle.tables]

@@ -33,11 +33,9 @@ def _prune(table: Any, loop: object, index: int, behind: int) -> None:
     (a batch trained without a step leaves its plan to the next step; a loop without steps, an
     evaluation, would keep every batch in them), and the prefetches more than ``behind`` batches
     back, which no forward used (forwards of other arguments would keep them all)."""
-    after = table.__dict__.get("_after_step")
-    if after:
-        after[:] = [p for p in after if p.keywords["loop"] is not loop or p.keywords["index"] > index]
-    ahead = table._lookahead()
-    ahead.handles = [h for h in ahead.handles if h.loop is not loop or h.batch >= index - behind]
+    queue = table._prefetches
+    queue.after_step = [p for p in queue.after_step if p.keywords["loop"] is not loop or p.keywords["index"] > index]
+    queue.handles = [h for h in queue.handles if h.loop is not loop or h.batch >= index - behind]
 
 
 def prefetching(batches: Iterable, tables: Any, features: Callable[[Any], Any] | None = None, *,
@@ -150,7 +148,7 @@ def _prefetched(it: Iterator, targets: Sequence, picks: list, overlap: bool) -> 
     try:
         read(depth + 1)
         for table, pick in zip(targets, picks):
-            queued = any(h.loop is not None for h in table._lookahead().handles)
+            queued = any(h.loop is not None for h in table._prefetches.handles)
             for k, batch in enumerate(ahead):
                 _start(table, pick, batch, queued or k > 0, overlap, loop=loop, index=k)
         index = 0
@@ -160,7 +158,7 @@ def _prefetched(it: Iterator, targets: Sequence, picks: list, overlap: bool) -> 
             for table, pick in zip(targets, picks):  # after the next step: depth + 1 batches on
                 _prune(table, loop, index, depth + 1)
                 if len(ahead) > depth:  # (a list: a batch trained without a step leaves its plan to the next)
-                    table.__dict__.setdefault("_after_step", []).append(
+                    table._prefetches.after_step.append(
                         partial(_start, table, pick, ahead[depth], True, overlap, loop=loop, index=index + depth + 1))
             index += 1
             yield current
@@ -173,8 +171,6 @@ def _prefetched(it: Iterator, targets: Sequence, picks: list, overlap: bool) -> 
 def _forget(targets: Sequence, loop: object) -> None:
     """Drop what the prefetching ``loop`` planned on ``targets`` and did not use."""
     for table in targets:
-        kept = [p for p in table.__dict__.pop("_after_step", []) if p.keywords["loop"] is not loop]
-        if kept:
-            table.__dict__["_after_step"] = kept
-        lookahead = table._lookahead()
-        lookahead.handles = [h for h in lookahead.handles if h.loop is not loop]
+        queue = table._prefetches
+        queue.after_step = [p for p in queue.after_step if p.keywords["loop"] is not loop]
+        queue.handles = [h for h in queue.handles if h.loop is not loop]

@@ -5,14 +5,16 @@ server travel in one call (:func:`pack_table_pushes`, the step transport's packe
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable
 
 import torch
 
 from remote_module._core import to_exception
 from remote_module.ps._rowwise import coalesce, row_gradients
-from remote_module.ps._steps import Flight, PushPlan, nothing, run_push_plans, set_push_packer, settings_plans
+from remote_module.ps._steps import Flight, PushPlan, run_push_plans, set_push_packer, settings_plans
 from remote_module.ps.tables.server import _handlers
+from remote_module.ps.tables.server._requests import PackedEntry, RowDeltasPush, RowsPush, TablesPush
 
 
 def table_push_failure(server: str, table: str, failure: Any) -> BaseException:
@@ -24,16 +26,16 @@ def _packs(calls: list) -> dict[tuple, list[int]]:
     """The tables' pushes of ``calls`` that travel packed: the indices of each group of two or
     more with a gradient to one server, of one row width and dtypes."""
     packs: dict[tuple, list[int]] = {}
-    for i, (server, handler, args) in enumerate(calls):
-        if handler is _handlers._push_rows and len(args) == 6 and args[3] is not None:
-            packs.setdefault((server, args[4].shape[1], args[4].dtype, args[3].dtype), []).append(i)
+    for i, (server, _, push) in enumerate(calls):
+        if isinstance(push, RowsPush) and push.ids is not None:
+            packs.setdefault((server, push.grad.shape[1], push.grad.dtype, push.ids.dtype), []).append(i)
     return {key: members for key, members in packs.items() if len(members) > 1}
 
 
 def pack_table_pushes(calls: list) -> tuple[list, Callable[[list], list]]:
     """The step transport's packer (:func:`~remote_module.ps._steps.set_push_packer`): the
-    tables' pushes (``_push_rows``) to one server packed into one call (``_push_tables``: their
-    ids and gradient rows in one tensor each, per row width) that runs them in order and
+    tables' pushes (:class:`RowsPush`) to one server packed into one call (``_push_tables``:
+    their ids and gradient rows in one tensor each, per row width) that runs them in order and
     answers each one's outcome, as the grouped calls would be run and answered; the other
     calls as they are. Returns the calls to send and ``unpack(their outcomes) -> each of
     calls' outcome``."""
@@ -42,11 +44,10 @@ def pack_table_pushes(calls: list) -> tuple[list, Callable[[list], list]]:
     sent = [call for i, call in enumerate(calls) if i not in packed]
     alone = len(sent)
     for (server, _, _, _), members in packs.items():
-        entries = [(calls[i][2][0], calls[i][2][1], calls[i][2][2], calls[i][2][3].numel(), calls[i][2][5])
-                   for i in members]
-        sent.append((server, _handlers._push_tables,
-                     (entries, torch.cat([calls[i][2][3] for i in members]),
-                      torch.cat([calls[i][2][4] for i in members]))))
+        pushes = [calls[i][2] for i in members]
+        entries = [PackedEntry(p.name, p.trainer, p.step, p.ids.numel(), p.token) for p in pushes]
+        sent.append((server, _handlers._push_tables, TablesPush(entries, torch.cat([p.ids for p in pushes]),
+                                                                torch.cat([p.grad for p in pushes]))))
 
     def unpack(got: list) -> list:
         outcomes: list[Any] = [None] * len(calls)
@@ -61,7 +62,7 @@ def pack_table_pushes(calls: list) -> tuple[list, Callable[[list], list]]:
                 elif value[j][0]:
                     outcomes[i] = (True, None)
                 else:
-                    outcomes[i] = (False, table_push_failure(server, calls[i][2][0], value[j][1]))
+                    outcomes[i] = (False, table_push_failure(server, calls[i][2].name, value[j][1]))
         return outcomes
 
     return sent, unpack
@@ -82,7 +83,12 @@ class TablePushes:
         if self._geo is not None:
             self._geo.optimizer = self._geo.optimizer._replace(**settings)
             return []
-        return settings_plans(self, settings, self._server_names, _handlers._set_settings)
+        return settings_plans(settings, self._sent_settings, self._server_names, _handlers._set_settings,
+                              (self.name, self._trainer), self._settings_taken)
+
+    def _settings_taken(self, settings: dict) -> None:
+        """The servers took ``settings``: the next step sends them only if they change."""
+        self._sent_settings = settings
 
     def _row_settings(self) -> dict:
         """The settings of :attr:`ps_optimizer` a row-wise optimizer takes (``lr``, and
@@ -124,17 +130,17 @@ class TablePushes:
             if plan is None:
                 return
             sync = self.ps_mode == "sync"
-            settle, joined = self._lookahead().send([*settings, plan], self.timeout, sync,
-                                                    lambda name: self._step + 1)
+            sent, joined = self._prefetches.send([*settings, plan], self.timeout, sync,
+                                                  lambda name: self._step + 1)
             if joined or not sync:
-                self._flight = Flight(settle, joined)
-            after = self.__dict__.pop("_after_step", [])
+                self._flight = Flight(sent, joined)
+            after = self._prefetches.take_after_step()
         for planned in after:  # (prefetching: later batches, planned while the servers work)
             planned()
         if not joined and sync:
-            settle()  # (sync waits for its push to be taken; a prefetch's lookup waits for the step)
+            sent.settle()  # (sync waits for its push to be taken; a prefetch's lookup waits for the step)
 
-    def _push_plan(self, taken: list | None = None) -> tuple[list, Callable[[], None], Callable[[], None]] | None:
+    def _push_plan(self, taken: list | None = None) -> PushPlan | None:
         """:meth:`step` in parts: the host calls that push this step's gradients, what to do
         once they all succeeded, and what to do when they failed (keep the gradients for a
         retry); in geo mode it steps the cached rows here, and is the plan of their deltas'
@@ -158,8 +164,8 @@ class TablePushes:
         if self.ps_mode == "geo":  # (a plan only when this step pushes the deltas)
             return self._geo_step(ids, grad, has_grad)
         calls = []
-        took = self.__dict__.get("_took", ())  # (the retry of a step these servers applied already)
-        for _, server, mine in self._by_owner(ids):
+        took = self._took  # (the retry of a step these servers applied already)
+        for _, server, mine in self._by_server_of(ids):
             # every server hears of a step with a gradient (an empty push where it holds none of
             # its rows): it is one optimizer step of the whole table, as torch counts steps per
             # parameter (Adagrad's lr_decay, SparseAdam's bias correction); sync: every step,
@@ -168,21 +174,22 @@ class TablePushes:
                 continue  # it applied this step: nothing to push there again (no step twice)
             if has_grad:
                 calls.append((server, _handlers._push_rows,
-                              (self.name, self._trainer, self._step, ids[mine], grad[mine], self._token)))
+                              RowsPush(self.name, self._trainer, self._step, ids[mine], grad[mine], self._token)))
             elif self.ps_mode == "sync":
-                calls.append((server, _handlers._push_rows, (self.name, self._trainer, self._step, None, None,
-                                                           self._token)))
-        pushing = bool(calls) and (self.ps_mode == "sync" or any(i is not None for _, _, (_, _, _, i, _, _) in calls))
+                calls.append((server, _handlers._push_rows,
+                              RowsPush(self.name, self._trainer, self._step, None, None, self._token)))
+        pushes = [push for _, _, push in calls]
+        pushing = bool(calls) and (self.ps_mode == "sync" or any(p.ids is not None for p in pushes))
         # counted as sent (a push retried after a failure is counted again)
-        sent = sum(i.numel() * i.element_size() + g.numel() * g.element_size()
-                   for _, _, (_, _, _, i, g, _) in calls if i is not None)
+        sent = sum(p.ids.numel() * p.ids.element_size() + p.grad.numel() * p.grad.element_size()
+                   for p in pushes if p.ids is not None)
         done, failed = self._pushed(taken, pushing, sent)
         took: list[str] = []
 
         def partly(oks: list[bool]) -> None:  # (before failed(): the servers that applied theirs)
             took[:] = [server for (server, _, _), ok in zip(calls, oks) if ok]
 
-        return calls, done, lambda: failed(took), None, partly
+        return PushPlan(calls, done, partial(failed, took), partly=partly)
 
     def _pushed(self, taken: list, pushing: bool, sent: int) -> tuple[Callable[[], None], Callable[..., None]]:
         """A push of ``taken`` planned (``pushing``: it is a step of the table; ``sent``: its
@@ -193,14 +200,14 @@ class TablePushes:
         def failed(took: Any = ()) -> None:
             kept = taken
             if took:
-                owner = [self._server_names.index(s) for s in took]
+                applied = [self._server_names.index(s) for s in took]
                 kept = []
                 for uniq, rows in map(row_gradients, taken):
-                    stay = ~torch.isin(self._server_of(uniq), torch.tensor(owner))
+                    stay = ~torch.isin(self._server_of(uniq), torch.tensor(applied))
                     kept.append((uniq[stay], rows[stay]))
             with self._pending_lock:  # kept for a retry (or zero_grad), with any recorded meanwhile
                 if took and not self._held:  # (a backward since makes the retry a step everywhere)
-                    self.__dict__["_took"] = set(self.__dict__.get("_took", ())) | set(took)
+                    self._took = self._took | set(took)
                 self._held = kept + self._held
                 # back "on the parameter", as PSModel puts them: a zero_grad() that ran while the
                 # push was in flight (a local optimizer's, which does not wait for it) came before
@@ -209,12 +216,12 @@ class TablePushes:
                     self.grad_marker.grad = torch.zeros_like(self.grad_marker)
 
         if pushing:
-            self._pushes = self.__dict__.get("_pushes", 0) + 1  # (a prefetch sent before misses it: Ahead.fresh)
+            self._pushes += 1  # (a prefetch sent before misses it: PrefetchQueue.fresh)
         self._pushed_bytes += sent
 
         def done() -> None:
             self._step += 1
-            self.__dict__.pop("_took", None)
+            self._took = frozenset()
 
         return done, failed
 
@@ -238,6 +245,13 @@ class TablePushes:
             return self._geo_push_plan()
         return None
 
+    def _geo_flush_plan(self) -> PushPlan | None:
+        """geo: the push of the deltas of the rows trained since the last push (as
+        :meth:`flush` pushes them), None when there are none (or not geo)."""
+        if self._geo is None or not self._geo.trained():
+            return None
+        return self._geo_push_plan()
+
     def _geo_push(self) -> None:
         """geo: push the deltas of every cached row now and drop them (their next lookup
         fetches the merged rows)."""
@@ -255,16 +269,16 @@ class TablePushes:
         if not ids.numel():
             return None
         calls = []
-        for _, server, mine in self._by_owner(ids):
+        for _, server, mine in self._by_server_of(ids):
             part = ids[mine]
             if part.numel():
-                calls.append((server, _handlers._push_row_deltas, (self.name, part, deltas[mine])))
-        self._pushed_bytes += sum(i.numel() * i.element_size() + d.numel() * d.element_size()
-                                 for _, _, (_, i, d) in calls)
+                calls.append((server, _handlers._push_row_deltas, RowDeltasPush(self.name, part, deltas[mine])))
+        self._pushed_bytes += sum(p.ids.numel() * p.ids.element_size() + p.deltas.numel() * p.deltas.element_size()
+                                  for _, _, p in calls)
 
         def partly(oks: list[bool]) -> None:
-            taken = [args[1] for (_, _, args), ok in zip(calls, oks) if ok]
+            taken = [push.ids for (_, _, push), ok in zip(calls, oks) if ok]
             if taken:
                 geo.drop(torch.cat(taken))
 
-        return calls, lambda: geo.drop(ids), nothing, None, partly
+        return PushPlan(calls, partial(geo.drop, ids), partly=partly)

@@ -1,4 +1,4 @@
-"""Gradient recording: a table's lookups recorded for its next step (:class:`_Recorded`, an
+"""Gradient recording: a table's lookups recorded for its next step (:class:`_RowsForStep`, an
 autograd node per lookup that hands backward's gradient of the rows to the table), and the
 table's bookkeeping of them (:class:`GradientRecording`): what a step takes, what
 ``zero_grad()`` drops, and the warnings for gradients never pushed and for a local scheduler
@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import warnings
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -21,16 +21,27 @@ from remote_module.ps._optimizer import changed_group_lr
 UNPUSHED_BACKWARDS = 10
 
 
-class _Recorded(torch.autograd.Function):
+class RecordedTogether(NamedTuple):
+    """A table's gradient recorded with other tables' in one backward (a collection's lookup
+    planned them together, ``_packed``): ``gradient``, the table's entry (``_packed``'s
+    ``TablePackedGradient``), and ``lookup``, the ``PackedGradient`` of the whole lookup, which
+    the collection's step pushes for all of them at once."""
+
+    gradient: Any
+    lookup: Any
+
+
+class _RowsForStep(torch.autograd.Function):
     """``rows`` unchanged, recorded for :meth:`ShardedEmbedding.step`: backward hands their
-    gradient to ``record`` and gives the table's zero-size ``grad_marker`` a (zero-size)
-    gradient, so the marker's ``.grad`` says whether a gradient was recorded since the last
-    ``zero_grad()``, as a parameter's does."""
+    gradient to ``arrived`` (the table's :meth:`~GradientRecording._gradient_arrived`) and
+    gives the table's zero-size ``grad_marker`` a (zero-size) gradient, so the marker's
+    ``.grad`` says whether a gradient was recorded since the last ``zero_grad()``, as a
+    parameter's does."""
 
     @staticmethod
-    def forward(ctx: Any, rows: torch.Tensor, marker: torch.Tensor, record: Callable, uniq: torch.Tensor,
+    def forward(ctx: Any, rows: torch.Tensor, marker: torch.Tensor, arrived: Callable, uniq: torch.Tensor,
                 accumulator: Any) -> torch.Tensor:
-        ctx.record, ctx.uniq, ctx.accumulator = record, uniq, accumulator
+        ctx.arrived, ctx.uniq, ctx.accumulator = arrived, uniq, accumulator
         ctx.marker = (marker.dtype, marker.device)  # (a model moved with .double() or .to(device))
         return rows.view_as(rows)
 
@@ -39,7 +50,7 @@ class _Recorded(torch.autograd.Function):
         # as a parameter's .grad: only a backward that accumulates into the marker records (not
         # torch.autograd.grad(), nor backward(inputs=...) without the table)
         if backward_accumulates(ctx.accumulator):
-            ctx.record(ctx.uniq, grad.to(torch.float32))  # the servers' rows are float32, whatever the model's dtype
+            ctx.arrived(ctx.uniq, grad.to(torch.float32))  # the servers' rows are float32, whatever the model's dtype
         dtype, device = ctx.marker
         return None, torch.zeros(0, dtype=dtype, device=device), None, None, None
 
@@ -54,13 +65,13 @@ class GradientRecording:
         # under way, ``_held`` in finished ones (dropped when the marker's grad was cleared since)
         self._fresh: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._held: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._hooked: Any = None  # a weak reference to the marker whose accumulation seals _fresh
+        self._hooked: Any = None  # a weak reference to the marker whose accumulation ends a backward (_fresh held)
         self._backwards = 0  # backward passes recorded since the last step()
         self._stepped_past = False  # a local optimizer stepped while _held waited
         self._forward_thread: int | None = None
         self._warned_unpushed = False
 
-    def _records(self) -> bool:
+    def _records_gradients(self) -> bool:
         """Whether this forward records gradients (grad enabled, the table not frozen); warns
         once if recorded gradients were never pushed (see the class docstring)."""
         if not (torch.is_grad_enabled() and self.grad_marker.requires_grad):
@@ -80,7 +91,7 @@ class GradientRecording:
                 "them; to freeze the table, table.requires_grad_(False)", UserWarning, stacklevel=user_stacklevel())
         return True
 
-    def _recorded(self, uniq: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def _rows_recorded(self, uniq: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` (standing for the rows of ``uniq``) recorded for :meth:`step`: their gradient
         is kept once backward reaches them. Nothing is held before that, as with a local
         module: a lookup that is never backpropagated (an eval loop without ``no_grad``) is
@@ -90,31 +101,42 @@ class GradientRecording:
         # that lock, in a Function's apply; two threads of one table doing both at once
         # deadlocked (waiting on this lock releases the GIL)
         with self._marker_lock:
-            marker, accumulator = self._recorder()
-            return _Recorded.apply(rows, marker, self._record, uniq, accumulator)
+            marker, accumulator = self._hooked_marker()
+            return _RowsForStep.apply(rows, marker, self._gradient_arrived, uniq, accumulator)
 
-    def _recorder(self) -> tuple[torch.Tensor, Any]:
-        """(``_marker_lock`` held) the grad marker, hooked to seal what backward records, and its
-        ``AccumulateGrad`` node."""
+    def _hooked_marker(self) -> tuple[torch.Tensor, Any]:
+        """(``_marker_lock`` held) the grad marker, hooked to hold what a backward recorded once
+        it ends (:meth:`_backward_done`), and its ``AccumulateGrad`` node."""
         marker = self.grad_marker
         if self._hooked is None or self._hooked() is not marker:  # (a copy, or the marker replaced)
-            marker.register_post_accumulate_grad_hook(self._seal)
+            marker.register_post_accumulate_grad_hook(self._backward_done)
             self._hooked = weakref.ref(marker)
         return marker, marker.view_as(marker).grad_fn.next_functions[0][0]  # the marker's AccumulateGrad
 
-    def _record(self, uniq: torch.Tensor, grad: torch.Tensor) -> None:
-        """In backward, before the marker accumulates: keep ``grad``; gradients of finished
-        backward passes are dropped if ``zero_grad()`` cleared the marker since."""
-        self._keep((uniq, grad))
+    def _gradient_arrived(self, uniq: torch.Tensor, grad: torch.Tensor) -> None:
+        """In backward, before the marker accumulates: keep ``grad``, the gradient of the rows of
+        ``uniq``; gradients of finished backward passes are dropped if ``zero_grad()`` cleared
+        the marker since."""
+        self._keep_gradient((uniq, grad))
 
-    def _keep(self, entry: Any) -> None:
-        """:meth:`_record` of a gradient ``entry``: ``(ids, rows)``, or an object whose
-        ``rows()`` gives them (a collection's: ``_packed.TogetherGradient``)."""
+    def _keep_gradient(self, entry: Any, together: Any = None) -> None:
+        """:meth:`_gradient_arrived` of a gradient ``entry``: ``(ids, rows)``, or an object whose
+        ``rows()`` gives them (a collection's: ``_packed.TablePackedGradient``, recorded with
+        other tables' in ``together``, its ``PackedGradient``: the collection's next step pushes
+        them together, :meth:`_take_packed_gradient`)."""
         with self._pending_lock:
             self._drop_discarded()
             self._fresh.append(entry)
+        if together is not None:
+            self._together = RecordedTogether(entry, together)
 
-    def _seal(self, marker: torch.Tensor) -> None:
+    def _take_packed_gradient(self) -> RecordedTogether | None:
+        """The last gradient recorded with other tables' (see :meth:`_keep_gradient`), taken
+        (None when there is none since the last step)."""
+        hint, self._together = self._together, None
+        return hint
+
+    def _backward_done(self, marker: torch.Tensor) -> None:
         """After the marker accumulated (once per backward through the table): this backward's
         gradients count until the marker's ``.grad`` is cleared."""
         with self._pending_lock:
@@ -125,16 +147,16 @@ class GradientRecording:
             self._backwards += 1
             # a gradient since a failed step: its retry is a step for every server again (those
             # that applied the failed one get the new rows, or an empty push: a step counted)
-            self.__dict__.pop("_took", None)
+            self._took = frozenset()
 
     def _local_optimizer_stepped(self, thread: int, optimizer: torch.optim.Optimizer) -> None:
         """A local torch.optim optimizer stepped in ``thread``: note it if this table holds
-        gradients recorded by a forward of that thread (see :meth:`_records`), and warn once if
+        gradients recorded by a forward of that thread (see :meth:`_records_gradients`), and warn once if
         the lr of its group holding this table's ``grad_marker`` changed since its first step
         (see :meth:`_check_group_lr`)."""
         if thread == self._forward_thread and self._held and self.grad_marker.grad is not None:
             self._stepped_past = True
-        if not getattr(self, "_warned_lr", True):
+        if not self._warned_lr:
             self._check_group_lr(optimizer)
 
     def _check_group_lr(self, optimizer: torch.optim.Optimizer) -> None:

@@ -10,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-from remote_module.ps.tables.server._rows import _Rows
+from remote_module.ps.tables.server._rows import RowBlock
 
 
 class Tombstones:
@@ -57,7 +57,7 @@ class Tombstones:
         self.trim(version)
 
 
-def changed_rows(blocks: Sequence[_Rows], since: int, clocks: bool) -> dict:
+def changed_rows(blocks: Sequence[RowBlock], since: int, clocks: bool) -> dict:
     """The rows of ``blocks`` changed after version ``since`` (-1: every row stored), each
     block's lock taken: their ``ids``, ``rows``, whether each was ever ``stepped``, which
     ``has_state`` and that ``state``, and with ``clocks`` (eviction) their clocks, ``last``."""

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from remote_module.ps.tables.server._rows import _Rows
+from remote_module.ps.tables.server._rows import RowBlock
 
 
 class Eviction:
@@ -31,7 +31,7 @@ class Eviction:
         """The table's clock was set to ``step`` (a load): the next sweep counts from there."""
         self.swept_at = step
 
-    def sweep(self, blocks: Sequence[_Rows], step: int, force: bool = True) -> torch.Tensor:
+    def sweep(self, blocks: Sequence[RowBlock], step: int, force: bool = True) -> torch.Tensor:
         """Drop the evicted rows of ``blocks`` now, at the table's ``step`` (the table's lock
         held; each block's taken here); the ids dropped. Not ``force``: only in blocks where they
         are at least an eighth of the rows (compacting costs a pass over all the rows)."""

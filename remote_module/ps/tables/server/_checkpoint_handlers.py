@@ -9,7 +9,7 @@ import torch
 
 from remote_module.ps.tables.lifetime._deltas import changed_rows
 from remote_module.ps.tables.server._handlers import _table
-from remote_module.ps.tables.server._rows import AT_INIT, _Rows
+from remote_module.ps.tables.server._rows import AT_INIT, RowBlock
 from remote_module.ps.tables.server._table import Table
 
 
@@ -87,7 +87,7 @@ def _unloaded_rows_reset(table: Table, ranges: tuple[tuple[int, int], ...], load
     table.kept_for_state = torch.cat(kept) if kept else torch.empty(0, dtype=torch.long)
 
 
-def _write_rows(rows: _Rows, ids: torch.Tensor, values: torch.Tensor, version: int, step: int,
+def _write_rows(rows: RowBlock, ids: torch.Tensor, values: torch.Tensor, version: int, step: int,
                 last: torch.Tensor | None) -> torch.Tensor:
     """Set loaded rows ``ids`` of block ``rows`` (lazy ones created) to ``values``, changed at
     ``version``; with eviction their clocks ``last`` as loaded (a lazy block's rows are never at

@@ -6,7 +6,7 @@ half_async merged. A table's state is ``_table.Table``; the handlers of checkpoi
 
 Rows are sliced into blocks by the same rule as dense parameters (whole rows, see
 ``ps._placement``) and placed by the same dispatchers; a block's storage, eager or lazy, is
-``_rows._Rows``.
+``_rows.RowBlock``.
 
 The modes are ``ps._modes``', shared with dense parameters: ``sync`` (a step's pushes summed in
 trainer-name order, divided by the number of trainers, applied once; lookups for the next step

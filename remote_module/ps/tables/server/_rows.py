@@ -117,7 +117,7 @@ class TableSpec(NamedTuple):
     evict_after: int | None = None  # a row not stepped for this many of the table's steps is dropped
 
 
-#: an eviction clock meaning "an eager row at its first value": never stale (see _Rows.stale)
+#: an eviction clock meaning "an eager row at its first value": never stale (see RowBlock.stale)
 AT_INIT = -1
 
 
@@ -140,7 +140,7 @@ def row_init(spec: TableSpec, name: str, ids: torch.Tensor) -> torch.Tensor:
     return initial_rows(row_key(spec.seed, name), ids, spec.dim, spec.dtype, spec.padding_idx)
 
 
-class _Rows:
+class RowBlock:
     """Rows ``[first, first + count)`` of a table, held eagerly or lazily, with optimizer state
     for the rows ever stepped."""
 
@@ -279,14 +279,14 @@ class _Rows:
         """Drop the evicted rows (lock held): a lazy block frees their storage and optimizer
         state, an eager one sets them to their first values; the ids dropped. Not ``force``:
         only when they are at least an eighth of the rows stored."""
-        nothing = torch.empty(0, dtype=torch.long)
+        no_ids = torch.empty(0, dtype=torch.long)
         if self.last is None:
-            return nothing
+            return no_ids
         # (one pass over the clocks: every slot in use, a lazy block's free ones never stale)
         dead = self.stale(torch.arange(self.used))
         stale = int(dead.sum())
         if not stale or (not force and stale < max(1, self.held() // 8)):
-            return nothing
+            return no_ids
         self.evicted += stale
         if self.slot_of is not None:  # (no pass over the rows' values: their slots are freed)
             return self._free_slots(dead)

@@ -19,7 +19,7 @@ from remote_module.ps.tables.lifetime._eviction import Eviction
 from remote_module.ps.tables.server._initial import row_key
 from remote_module.ps.tables.server._memory import fix_mmap_threshold, release_freed_memory
 from remote_module.ps.tables.server._pooling import check_ids, check_offsets, pool_rows, with_padding_row
-from remote_module.ps.tables.server._rows import Clocks, TableSpec, _Rows
+from remote_module.ps.tables.server._rows import Clocks, RowBlock, TableSpec
 
 ALL = slice(None)  # "every position": indexes a tensor without a copy
 
@@ -33,7 +33,7 @@ class Table:
             fix_mmap_threshold()
         key = row_key(spec.seed, name)
         self.clocks = Clocks()
-        self.blocks = [_Rows(spec, first, count, key, self.clocks) for first, count in sorted(blocks)]
+        self.blocks = [RowBlock(spec, first, count, key, self.clocks) for first, count in sorted(blocks)]
         # admission: how many steps each id not stored yet was counted in (admit_after > 1)
         self.sketch = CountingSketch(spec.sketch_bytes, spec.admit_after, key) if spec.admit_after > 1 else None
         # eviction: when the blocks are swept (lifetime/_eviction.py)
@@ -68,21 +68,21 @@ class Table:
         # the trainers' row-wise optimizer settings (their ps_optimizer's lr, betas)
         self.settings = TrainerSettings(f"table {name!r}")
 
-    def _owner(self, ids: torch.Tensor) -> torch.Tensor:
+    def _block_of(self, ids: torch.Tensor) -> torch.Tensor:
         """For each id, the index of the block that holds it (``ValueError`` for an id no block here holds)."""
-        owner = torch.searchsorted(self.starts, ids, right=True) - 1
-        inside = owner >= 0
+        block = torch.searchsorted(self.starts, ids, right=True) - 1
+        inside = block >= 0
         if bool(inside.all()):
-            ends = self.ends[owner]
+            ends = self.ends[block]
             inside = ids < ends
         else:
-            inside &= ids < self.ends[owner.clamp(min=0)]
+            inside &= ids < self.ends[block.clamp(min=0)]
         if not bool(inside.all()):
             bad = ids[~inside][:5].tolist()
             raise ValueError(f"table {self.name!r}: rows {bad} are not held on this server")
-        return owner
+        return block
 
-    def _split(self, ids: torch.Tensor) -> list[tuple[_Rows, torch.Tensor | slice]]:
+    def _split(self, ids: torch.Tensor) -> list[tuple[RowBlock, torch.Tensor | slice]]:
         """The blocks holding ``ids`` (checked), each with the positions of its ids (``ALL``:
         all of them, the common case of one block per server, taken without a copy)."""
         if len(self.blocks) == 1:
@@ -90,12 +90,12 @@ class Table:
             if ids.numel():
                 low, high = torch.aminmax(ids)
                 if int(low) < rows.first or int(high) >= rows.first + rows.count:
-                    self._owner(ids)  # raises, naming the ids
+                    self._block_of(ids)  # raises, naming the ids
             return [(rows, ALL)]
-        owner = self._owner(ids)
+        block = self._block_of(ids)
         out = []
         for b, rows in enumerate(self.blocks):
-            mine = (owner == b).nonzero().reshape(-1)
+            mine = (block == b).nonzero().reshape(-1)
             if mine.numel():
                 out.append((rows, mine))
         return out
@@ -334,7 +334,7 @@ class Table:
                     + (0 if self.sketch is None else self.sketch.nbytes()), "steps": self.clocks.step,
                     "merges": self.merged, "longest_eviction_pause_s": self.eviction.longest_sweep_s}
 
-    def block(self, first: int) -> _Rows:
+    def block(self, first: int) -> RowBlock:
         """The block starting at row ``first`` (``LookupError`` if this server has none)."""
         for rows in self.blocks:
             if rows.first == first:
