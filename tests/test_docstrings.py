@@ -26,12 +26,9 @@ from tests import _examples as ex
 ROOT = Path(remote_module.__file__).resolve().parent.parent
 FILES = ex.source_files(ROOT)
 
-#: Known bad examples inside remote_module/ps/, which another change is reorganising: each is
-#: expected to fail (strict: once fixed, the mark must go and the check holds from then on).
-KNOWN_BAD = {
-    "remote_module.ps._rowwise": "issue 43: its Example cites RowState.for_rows, which does not exist",
-    "remote_module.ps._embedding_checkpoints": "issue 43: delta_state_dict's Example is not Python (...train...)",
-}
+#: Known bad examples, each expected to fail (strict: once fixed, the mark must go and the check
+#: holds from then on). None today.
+KNOWN_BAD: dict[str, str] = {}
 
 
 def _params(modules: list[str]) -> list:

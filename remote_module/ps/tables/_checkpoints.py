@@ -226,7 +226,7 @@ class TableCheckpoints:
 
             full = (emb.state_dict(), emb.optimizer_state_dict())
             emb.delta_state_dict("ckpt")          # the baseline (the whole table)
-            ...train...
+            train(emb, steps=100)                 # (your training loop)
             delta = emb.delta_state_dict("ckpt")  # only the rows changed since
         """
         if not isinstance(token, str) or not token:
