@@ -10,11 +10,14 @@ naming every build in the world and which rank (worker, machine) runs which, and
 install one build on every machine.
 
 **What is compared.** A package declares itself with :func:`declare_build` when it is imported
-(``rpc_backend`` here, ``remote_module`` in its ``__init__``): its version, and the names that
-can travel (by default every module-level function and class of its source, as
-``module:name``, read from its files without importing them). Its *wire fingerprint* is a
-SHA-256 of the version and those names, sorted (:func:`fingerprint`): the same in every process
-of one build, whatever the hash seed, and different once a name that can travel moves. Where
+(``rpc_backend`` here, ``remote_module`` in its ``__init__``): its version, and what can travel
+(by default the shape of its source, read from its files with ``ast``, not imported: every
+function's and method's name and parameters, every class's name and annotated fields; see
+rpc_backend/_wire_names.py for what counts and what does not). Its *wire fingerprint* is a
+SHA-256 of the version and those shapes, sorted (:func:`fingerprint`): the same in every
+process of one build, whatever the hash seed, and different once a handler moves, gains a
+parameter, or a NamedTuple that travels gains a field. A private helper added changes it too
+(the source cannot tell what travels): such builds are refused although they would work. Where
 a package sits on disk is reported but not compared: two checkouts of one build are one build.
 
 **When.**
@@ -50,11 +53,9 @@ Example (a package of one's own whose handlers travel over RPC; in its ``__init_
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import json
 import logging
-import re
 import socket
 import sys
 import threading
@@ -66,6 +67,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from rpc_backend._torch_private import current_agent_token, is_rpc_initialized
+from rpc_backend._wire_names import defined_names, fingerprint
 
 _log = logging.getLogger(__name__)
 #: torch's own ``rpc_async``, taken at import: the question to a peer is no call of the job's,
@@ -111,49 +113,6 @@ class Build(NamedTuple):
             return f"no build of {self.package} ({self.error})"
         version = f" {self.version}" if self.version else ""
         return f"{self.package}{version} (wire {self.fingerprint}, from {self.location})"
-
-
-def fingerprint(version: str | None, names: Iterable[str]) -> str:
-    """A SHA-256 (its first 16 hex digits) of ``version`` and ``names``, sorted: equal in every
-    process for equal inputs (no hash seed, no ``id``).
-
-    Example::
-
-        fingerprint("0.1.0", ["pkg.host:handler"]) != fingerprint("0.1.0", ["pkg.host:handler2"])
-    """
-    digest = hashlib.sha256((version or "").encode())
-    for name in sorted(set(names)):
-        digest.update(b"\0" + name.encode())
-    return digest.hexdigest()[:16]
-
-
-#: a module-level ``def``, ``async def`` or ``class``: one that starts its line
-_DEFINITION = re.compile(r"^(?:async[ \t]+def|def|class)[ \t]+([A-Za-z_][A-Za-z0-9_]*)", re.MULTILINE)
-
-
-def defined_names(package: str, root: Path) -> list[str]:
-    """``module:name`` of every module-level function and class in the ``.py`` files under
-    ``root`` (the package ``package``): what pickle can send by reference. Read from the text
-    (a definition that starts its line), not imported, and several times faster than ``ast``;
-    a line of a string that happens to read like one counts too, the same in every process of
-    one build. A file that cannot be read counts by its name, as ``module:?``.
-
-    Example::
-
-        defined_names("rpc_backend", Path(rpc_backend.__file__).parent)
-        # [..., "rpc_backend.builds:answer_builds", ...]
-    """
-    found: list[str] = []
-    for path in sorted(root.rglob("*.py")):
-        parts = path.relative_to(root).with_suffix("").parts
-        module = ".".join((package, *parts[:-1]) if parts[-1] == "__init__" else (package, *parts))
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            found.append(f"{module}:?")
-            continue
-        found += [f"{module}:{name}" for name in _DEFINITION.findall(text)]
-    return found
 
 
 # -- this process's builds ------------------------------------------------------------------------

@@ -37,10 +37,87 @@ def _package(root: Path, text: str) -> Path:
     return root / "pkg"
 
 
-def test_defined_names_are_the_module_level_functions_and_classes(tmp_path):
+def test_defined_names_are_the_functions_and_classes_with_their_shapes(tmp_path):
     pkg = _package(tmp_path, "def handler(x):\n    def inner():\n        pass\n\nclass Plan:\n"
-                             "    def method(self):\n        pass\n\nasync def later():\n    pass\n")
-    assert sorted(defined_names("pkg", pkg)) == ["pkg.host:Plan", "pkg.host:handler", "pkg.host:later"]
+                             "    rows: list\n    def method(self, a, /, b=1, *rest, c, **more):\n        pass\n"
+                             "    class Part:\n        size: int\n\nasync def later(*, when):\n    pass\n"
+                             "try:\n    def fallback():\n        pass\nexcept ImportError:\n    pass\n")
+    assert sorted(defined_names("pkg", pkg)) == [
+        "pkg.host:Plan.Part{size}", "pkg.host:Plan.method(self,a,/,b,*rest,c,**more)", "pkg.host:Plan{rows}",
+        "pkg.host:fallback()", "pkg.host:handler(x)", "pkg.host:later(*,when)"]
+
+
+def test_a_file_that_does_not_parse_counts_by_its_name(tmp_path):
+    assert defined_names("pkg", _package(tmp_path, "def broken(:\n")) == ["pkg.host:?"]
+
+
+_BASE = '''
+"""A module of handlers."""
+from typing import NamedTuple
+
+
+class Plan(NamedTuple):
+    """What travels."""
+
+    rows: list
+    weight: float = 1.0
+
+    def size(self, scale):
+        return len(self.rows) * scale
+
+
+def handler(plan, strict=False):
+    # answer the plan
+    return plan.size(2)
+'''
+
+#: edits of _BASE that change what travels or how it is called: refused
+_WIRE_CHANGES = {
+    "a handler gains an argument": ("def handler(plan, strict=False):", "def handler(plan, strict=False, more=0):"),
+    "a handler's argument renamed": ("def handler(plan, strict=False):", "def handler(plan, exact=False):"),
+    "an argument becomes keyword-only": ("def handler(plan, strict=False):", "def handler(plan, *, strict=False):"),
+    "a NamedTuple gains a field": ("    rows: list\n", "    rows: list\n    owner: int\n"),
+    "a NamedTuple's fields reordered": ("    rows: list\n    weight: float = 1.0\n",
+                                        "    weight: float = 1.0\n    rows: list\n"),
+    "a method gains an argument": ("def size(self, scale):", "def size(self, scale, floor):"),
+    "a handler renamed": ("def handler(", "def handler2("),
+    "a private helper added (never travels, refused all the same: documented)": ("", "\n\ndef _helper():\n    pass\n"),
+}
+
+#: edits of _BASE that no call on the wire can see: one build
+_SAME_WIRE = {
+    "a comment": ("    # answer the plan\n", "    # answer the plan, twice\n"),
+    "a docstring": ('"""What travels."""', '"""What travels over RPC."""'),
+    "a body": ("return plan.size(2)", "return plan.size(3) + 0"),
+    "a default value": ("strict=False", "strict=True"),
+    "an annotation's type": ("rows: list", "rows: tuple"),
+    "the order of definitions": ("", "MOVE"),
+}
+
+
+def _edited(old: str, new: str) -> str:
+    if new == "MOVE":  # the handler first, the class after it
+        head, plan = _BASE.split("\n\nclass Plan", 1)
+        plan, handler = plan.split("\n\ndef handler", 1)
+        return f"{head}\n\ndef handler{handler}\n\nclass Plan{plan}"
+    if not old:
+        return _BASE + new
+    assert old in _BASE, old
+    return _BASE.replace(old, new, 1)
+
+
+@pytest.mark.parametrize("change", sorted(_WIRE_CHANGES))
+def test_the_fingerprint_changes_with_what_travels_and_how_it_is_called(tmp_path, change):
+    base = fingerprint("1.0", defined_names("pkg", _package(tmp_path / "a", _BASE)))
+    changed = fingerprint("1.0", defined_names("pkg", _package(tmp_path / "b", _edited(*_WIRE_CHANGES[change]))))
+    assert changed != base
+
+
+@pytest.mark.parametrize("change", sorted(_SAME_WIRE))
+def test_the_fingerprint_ignores_what_no_call_sees(tmp_path, change):
+    base = fingerprint("1.0", defined_names("pkg", _package(tmp_path / "a", _BASE)))
+    same = fingerprint("1.0", defined_names("pkg", _package(tmp_path / "b", _edited(*_SAME_WIRE[change]))))
+    assert same == base
 
 
 def test_the_fingerprint_changes_with_a_handler_name_or_the_version_not_with_the_place(tmp_path):
