@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import remote_module
@@ -256,10 +257,39 @@ def test_a_rank_that_had_not_imported_the_package_is_compared_all_the_same():
     assert _world(declared, [declared[0], declared[0]]) == ["ok", "ok"]
 
 
-def test_a_rank_that_publishes_no_build_is_named():
+def test_the_comparison_says_which_packages_it_compared():
     store = dist.HashStore()
-    with pytest.raises(BuildMismatch, match=r"^rank 0 \(w0\) cannot join: rank\(s\) 1 \(w1\) published no build "):
-        check_world(store, 0, 2, ["w0", "w1"], 0.5, builds=lambda packages: {"pkg": _build("1.0")})
+    assert check_world(store, 0, 1, ["w0"], HANG_S, builds=lambda packages: {"pkg": _build("1.0")}) == {"pkg"}
+
+
+def _never_answered(name):
+    return torch.futures.Future()  # a stopped rank: the call neither answers nor fails
+
+
+def test_a_rank_that_publishes_no_build_is_named_when_the_bound_passes():
+    store = dist.HashStore()
+    with pytest.raises(BuildMismatch, match=r"^rank 0 \(w0\) cannot join: rank\(s\) 1 \(w1\) published no build "
+                                            r"within 0 s of joining: .* or is stopped or hung"):
+        check_world(store, 0, 2, ["w0", "w1"], 0.5, builds=lambda packages: {"pkg": _build("1.0")},
+                    probe=_never_answered)
+
+
+def test_a_rank_that_died_before_publishing_fails_the_others_at_once():
+    # the bound is HANG_S: the failed call to w1 ends the wait long before it
+    asked = []
+
+    def refused(name):
+        asked.append(name)
+        failed = torch.futures.Future()
+        failed.set_exception(RuntimeError("connect: Connection refused (this is tensorpipe's error)"))
+        return failed
+
+    with pytest.raises(BuildMismatch, match=r"^rank 0 \(w0\) cannot join: rank\(s\) left RPC before publishing "
+                                            r"their builds \(a call to each failed: 1 \(w1\): connect: Connection "
+                                            r"refused"):
+        check_world(dist.HashStore(), 0, 2, ["w0", "w1"], HANG_S, builds=lambda packages: {"pkg": _build("1.0")},
+                    probe=refused)
+    assert asked == ["w1"]  # once, and only the rank that was missing
 
 
 # -- ranks of different builds, each on its own PYTHONPATH -----------------------------------------
