@@ -20,6 +20,7 @@ import remote_module
 import rpc_backend
 from rpc_backend import builds, loopback_env
 from rpc_backend.builds import Build, BuildMismatch, RankBuilds, check_world, defined_names, fingerprint, mismatch
+from rpc_backend.connect import check_world_builds
 from tests._deadlines import HANG_S, SETUP_S
 from tests.test_torchrun import _argv, _free_port
 
@@ -292,6 +293,17 @@ def test_a_rank_that_died_before_publishing_fails_the_others_at_once():
     assert asked == ["w1"]  # once, and only the rank that was missing
 
 
+def test_a_store_gone_during_the_comparison_is_a_build_error_not_a_network_one():
+    # RPC formed already: the join reports the comparison's own failure, never a ConnectError
+    class Gone(dist.Store):
+        def set(self, key, value):
+            raise dist.DistStoreError("Connection reset by peer")
+
+    with pytest.raises(BuildMismatch, match=r"^rank 0 \(w0\) cannot join: the ranks' builds could not be compared "
+                                            r"\(DistStoreError: Connection reset by peer\): the job's store or"):
+        check_world_builds(Gone(), "p", ("127.0.0.1", 1), 0, 2, ["w0", "w1"], HANG_S)
+
+
 # -- ranks of different builds, each on its own PYTHONPATH -----------------------------------------
 
 
@@ -364,6 +376,24 @@ def test_without_torchruns_store_the_ranks_compare_on_the_one_init_rpc_started(t
         assert f"BuildMismatch: rank {r} (worker{r}) cannot join: the ranks of this RPC world run different " \
                "builds of remote_module" in err, err[-4000:]
         assert f"remote_module {OTHER} (wire " in err and "remote_module 0.1.0 (wire " in err, err[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * (SETUP_S + HANG_S))
+def test_a_rank_that_dies_in_the_comparison_fails_the_others_with_rpc_shut_down():
+    # rank 1 exits right after init_rpc; rank 0 (its init_rpc hosts the store) calls it, the
+    # call fails, and rank 0 names it at once (long before the connect bound, which is this
+    # test's own guard): no network advice, RPC left, a clean exit
+    port = str(_free_port())
+    envs = [{**_env(ROOT), "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_PORT": port,
+             "TORCHELASTIC_USE_AGENT_STORE": "False", "BUILDS_JOB_DIE_IN_CHECK": "1",
+             "RPC_BACKEND_CONNECT_TIMEOUT": str(SETUP_S + HANG_S)} for r in range(2)]
+    (code, out, err), (died, _, _) = _two_ranks([[sys.executable, JOB]] * 2, envs)
+    assert died == 3
+    assert code == 1 and "rank 0: BuildMismatch; RPC still initialized: False" in out, out + err[-4000:]
+    assert "BuildMismatch: rank 0 (worker0) cannot join: rank(s) left RPC before publishing their builds (a " \
+           "call to each failed: 1 (worker1): " in err, err[-4000:]
+    assert "ConnectError" not in err and "IFNAME" not in err and "terminate called" not in err, err[-4000:]
 
 
 @pytest.mark.slow
