@@ -10,31 +10,45 @@ naming every build in the world and which rank (worker, machine) runs which, and
 install one build on every machine.
 
 **What is compared.** A package declares itself with :func:`declare_build` when it is imported
-(``rpc_backend`` here, ``remote_module`` in its ``__init__``): its version, and the names that
-can travel (by default every module-level function and class of its source, as
-``module:name``, read from its files without importing them). Its *wire fingerprint* is a
-SHA-256 of the version and those names, sorted (:func:`fingerprint`): the same in every process
-of one build, whatever the hash seed, and different once a name that can travel moves. Where
+(``rpc_backend`` here, ``remote_module`` in its ``__init__``): its version, and what can travel
+(by default the shape of its source, read from its files with ``ast``, not imported: every
+function's and method's name and parameters, every class's name and annotated fields; see
+rpc_backend/_wire_names.py for what counts and what does not). Its *wire fingerprint* is a
+SHA-256 of the version and those shapes, sorted (:func:`fingerprint`): the same in every
+process of one build, whatever the hash seed, and different once a handler moves, gains a
+parameter, or a NamedTuple that travels gains a field. A private helper added changes it too
+(the source cannot tell what travels): such builds are refused although they would work. Where
 a package sits on disk is reported but not compared: two checkouts of one build are one build.
 
 **When.**
 
 * A world formed by :func:`~rpc_backend.init_from_env` (torchrun): right after ``init_rpc``,
   every rank writes its builds to the job's store and reads every other's
-  (:func:`check_world`); on a mismatch every rank leaves RPC at once and raises
-  :class:`BuildMismatch` with the same report. A package imported on some ranks only (a server
-  that imports nothing before its first call) is imported by name on the others for the
-  comparison, so such a rank fails too. ``run_local`` forks every rank from one process: one
+  (:func:`check_world`); on a mismatch every rank leaves RPC at once (``rpc.shutdown(graceful=
+  False)``) and raises :class:`BuildMismatch` with the same report. A package imported on some
+  ranks only (a server that imports nothing before its first call) is imported by name on the
+  others for the comparison, so such a rank fails too. *The bound:* the comparison ends before
+  the join's ``connect_timeout`` (:data:`~rpc_backend.connect.BUILDS_MARGIN_S` before it, so
+  that its own error is the one raised); a rank that has not published its build is called
+  (``len(())``, which any build runs; it is looked at every :data:`WAIT_SLICE_S` at most), and once
+  that call fails (the rank died: its connection is refused or closed) every other rank fails
+  at once, naming it; a stopped or hung rank is named when the bound passes. Either way RPC is
+  shut down on every rank that raises. ``run_local`` forks every rank from one process: one
   build by construction, nothing to compare.
-* A world formed with plain ``rpc.init_rpc``: :func:`check_peer` asks each peer once per process
+* A world formed with plain ``rpc.init_rpc``: :func:`check_peer` asks each peer once per world
   for its builds (one round trip, :func:`answer_builds` on the peer), at the first call that
-  ``remote_module`` makes to it (its fan-out calls, which create every remote object, and a
-  proxy's first lookup of its host), and raises :class:`BuildMismatch` there. It waits at most the
-  call's own timeout on the caller's thread. On a thread that torch's RPC agent runs (a handler
-  making a call in turn) it never waits, since a handler thread that blocks can starve the
-  pool that would answer: the question is sent, and its answer decides every later call to
-  that peer (a mismatch is logged when it arrives). A world whose ranks all checked one peer
-  needs no check between the others: a build equal to a third is equal to it.
+  ``remote_module`` makes to it (its fan-out calls, which create every remote object, and each
+  call of a proxy), and raises :class:`BuildMismatch` there; concurrent first calls share the
+  one question, and a mismatch found holds for every later call to that peer in this world. It
+  waits at most the call's own timeout on the caller's thread. On a thread that torch's RPC
+  agent runs (a handler making a call in turn) it never waits, since a handler thread that
+  blocks can starve the pool that would answer: the question is sent, and its answer decides
+  every later call to that peer (a mismatch is logged when it arrives).
+* Packages declared after the world formed (imported later) were not compared then: each
+  peer is asked about them once, at the next call to it, as in a plain ``init_rpc`` world.
+
+A world is told from the next by ``rpc.init_rpc`` itself (a hook run when torch sets the new
+agent, rpc_backend/_torch_private.py): everything known of a world's peers is dropped then.
 
 :func:`answer_builds` is what another build calls here by name: it stays at
 ``rpc_backend.builds.answer_builds``, and speaks in plain dicts and strings, which any build can
@@ -50,22 +64,21 @@ Example (a package of one's own whose handlers travel over RPC; in its ``__init_
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import json
 import logging
-import re
 import socket
 import sys
 import threading
-from datetime import timedelta
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
-import torch.distributed as dist
+import torch
 import torch.distributed.rpc as rpc
 
-from rpc_backend._torch_private import current_agent_token, is_rpc_initialized
+from rpc_backend._torch_private import after_each_rpc_init, is_rpc_initialized
+from rpc_backend._wire_names import defined_names, fingerprint
 
 _log = logging.getLogger(__name__)
 #: torch's own ``rpc_async``, taken at import: the question to a peer is no call of the job's,
@@ -113,49 +126,6 @@ class Build(NamedTuple):
         return f"{self.package}{version} (wire {self.fingerprint}, from {self.location})"
 
 
-def fingerprint(version: str | None, names: Iterable[str]) -> str:
-    """A SHA-256 (its first 16 hex digits) of ``version`` and ``names``, sorted: equal in every
-    process for equal inputs (no hash seed, no ``id``).
-
-    Example::
-
-        fingerprint("0.1.0", ["pkg.host:handler"]) != fingerprint("0.1.0", ["pkg.host:handler2"])
-    """
-    digest = hashlib.sha256((version or "").encode())
-    for name in sorted(set(names)):
-        digest.update(b"\0" + name.encode())
-    return digest.hexdigest()[:16]
-
-
-#: a module-level ``def``, ``async def`` or ``class``: one that starts its line
-_DEFINITION = re.compile(r"^(?:async[ \t]+def|def|class)[ \t]+([A-Za-z_][A-Za-z0-9_]*)", re.MULTILINE)
-
-
-def defined_names(package: str, root: Path) -> list[str]:
-    """``module:name`` of every module-level function and class in the ``.py`` files under
-    ``root`` (the package ``package``): what pickle can send by reference. Read from the text
-    (a definition that starts its line), not imported, and several times faster than ``ast``;
-    a line of a string that happens to read like one counts too, the same in every process of
-    one build. A file that cannot be read counts by its name, as ``module:?``.
-
-    Example::
-
-        defined_names("rpc_backend", Path(rpc_backend.__file__).parent)
-        # [..., "rpc_backend.builds:answer_builds", ...]
-    """
-    found: list[str] = []
-    for path in sorted(root.rglob("*.py")):
-        parts = path.relative_to(root).with_suffix("").parts
-        module = ".".join((package, *parts[:-1]) if parts[-1] == "__init__" else (package, *parts))
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            found.append(f"{module}:?")
-            continue
-        found += [f"{module}:{name}" for name in _DEFINITION.findall(text)]
-    return found
-
-
 # -- this process's builds ------------------------------------------------------------------------
 
 
@@ -182,6 +152,9 @@ def declare_build(package: str, version: str | None, names: Callable[[], Iterabl
     with _lock:
         _declared[package] = _Declared(version, names)
         _builds.pop(package, None)
+    with _peer_lock:  # declared after the world formed: each peer is asked about it once
+        if package not in _world.formed and _world.formed is not EVERY_PACKAGE:
+            _world.checked.clear()
 
 
 def _location(package: str) -> Path | None:
@@ -279,25 +252,75 @@ def mismatch(ranks: Sequence[RankBuilds], packages: Iterable[str] | None = None)
 
 BUILDS_KEY = "builds/{round}/{rank}"
 READ_KEY = "builds/read/{rank}"
+#: The longest pause between two looks at the ranks still missing (whether they published, or
+#: a call to them failed: a rank whose RPC connection failed has died, no need to wait longer).
+WAIT_SLICE_S = 0.5
 
 
-def _publish_and_read(store: Any, round_: int, rank: int, world_size: int, names: Sequence[str],
-                      mine: Mapping[str, Build], timeout: float) -> list[RankBuilds]:
-    host = socket.gethostname()
-    store.set(BUILDS_KEY.format(round=round_, rank=rank),
-              json.dumps({"host": host, "builds": {p: b.as_dict() for p, b in mine.items()}}))
-    keys = [BUILDS_KEY.format(round=round_, rank=r) for r in range(world_size)]
+def _probe(name: str) -> Any:
+    """A call to worker ``name`` that any build can run (``len(())``), with no timeout: it fails
+    at once when the worker's RPC is gone (connection refused, EOF), and never ends while the
+    worker is stopped or hung. None where RPC is not running (no worker to ask)."""
+    if not is_rpc_initialized():
+        return None
     try:
-        store.wait(keys, timedelta(seconds=max(0.001, timeout)))
-    except dist.DistStoreError as exc:
-        if "timeout" not in str(exc).lower():
-            raise
-        silent = [f"{r} ({names[r]})" for r, key in enumerate(keys) if not store.check([key])]
+        return _rpc_async(name, len, ((),), timeout=0)
+    except Exception as exc:  # noqa: BLE001 - the agent refuses it: the worker is unknown or gone
+        failed: Any = torch.futures.Future()
+        failed.set_exception(exc)
+        return failed
+
+
+def _gone(probes: dict[int, Any], rank: int, name: str, probe: Callable[[str], Any]) -> str | None:
+    """Why rank ``rank`` is gone (its probe failed), or None while nothing says it is."""
+    if rank not in probes:
+        probes[rank] = probe(name)
+    sent = probes[rank]
+    if sent is None or not sent.done():
+        return None
+    try:
+        sent.wait()
+    except Exception as exc:  # noqa: BLE001 - the verdict
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return f"{rank} ({name}): {first}"
+    return None
+
+
+def _await_keys(store: Any, keys: Sequence[str], names: Sequence[str], deadline: float,
+                probe: Callable[[str], Any]) -> tuple[list[int], list[str]]:
+    """Wait until every rank's key is in ``store``: ``([], [])``. Else the ranks still missing
+    when ``deadline`` (``time.monotonic()``) passes, ``(silent, [])``, or as soon as a call to
+    one of them fails, ``(silent, why each is gone)``. Looks at the store in pauses that grow
+    to :data:`WAIT_SLICE_S` (a timed-out ``store.wait`` would log a warning each time)."""
+    probes: dict[int, Any] = {}
+    pending = list(range(len(keys)))
+    pause = 0.01
+    while True:
+        pending = [r for r in pending if not store.check([keys[r]])]
+        if not pending:
+            return [], []
+        gone = [why for why in (_gone(probes, r, names[r], probe) for r in pending) if why]
+        if gone or time.monotonic() >= deadline:
+            return pending, gone
+        time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+        pause = min(pause * 2, WAIT_SLICE_S)
+
+
+def _publish_and_read(store: Any, round_: int, rank: int, names: Sequence[str], mine: Mapping[str, Build],
+                      deadline: float, timeout: float, probe: Callable[[str], Any]) -> list[RankBuilds]:
+    store.set(BUILDS_KEY.format(round=round_, rank=rank),
+              json.dumps({"host": socket.gethostname(), "builds": {p: b.as_dict() for p, b in mine.items()}}))
+    keys = [BUILDS_KEY.format(round=round_, rank=r) for r in range(len(names))]
+    silent, gone = _await_keys(store, keys, names, deadline, probe)
+    me = f"rank {rank} ({names[rank]}) cannot join: "
+    if gone:
+        raise BuildMismatch(f"{me}rank(s) left RPC before publishing their builds (a call to each failed: "
+                            f"{'; '.join(gone)}): each died or shut down; see its output")
+    if silent:
         raise BuildMismatch(
-            f"rank {rank} ({names[rank]}) cannot join: rank(s) {', '.join(silent)} published no build within "
-            f"{timeout:.0f} s of joining: each runs a build of rpc_backend older than rpc_backend/builds.py, or "
-            f"died (see its output). To fix an older build: {FIX}"
-        ) from None
+            f"{me}rank(s) {', '.join(f'{r} ({names[r]})' for r in silent)} published no build within {timeout:.0f} s "
+            "of joining: each runs a build of rpc_backend older than rpc_backend/builds.py, or is stopped or hung "
+            f"(see its output). To fix an older build: {FIX}")
     ranks = []
     for r, key in enumerate(keys):
         raw = json.loads(store.get(key))
@@ -307,10 +330,13 @@ def _publish_and_read(store: Any, round_: int, rank: int, world_size: int, names
 
 
 def check_world(store: Any, rank: int, world_size: int, names: Sequence[str], timeout: float,
-                builds: Callable[[Iterable[str] | None], Mapping[str, Build]] = local_builds) -> None:
+                builds: Callable[[Iterable[str] | None], Mapping[str, Build]] = local_builds,
+                probe: Callable[[str], Any] = _probe) -> frozenset[str]:
     """Compare this world's builds through ``store`` (a store every rank shares, under a prefix
-    of this world's own); raise :class:`BuildMismatch` on every rank when they differ, or when
-    a rank publishes none within ``timeout`` seconds (an older build, or a dead rank).
+    of this world's own) and return the packages compared; raise :class:`BuildMismatch` on
+    every rank when they differ, or when a rank publishes none within ``timeout`` seconds (an
+    older build, or a stopped rank), or as soon as a rank that has not published is seen gone
+    (a call to it, ``probe(name)``, fails: it died).
 
     Round 1: each rank publishes the builds it has declared. When not every rank declared the
     same packages, every rank sees so and runs round 2 with every package any rank declared
@@ -319,19 +345,18 @@ def check_world(store: Any, rank: int, world_size: int, names: Sequence[str], ti
     store stays until every rank has its report. ``builds`` gives this rank's builds (tests
     pass their own).
     """
-    ranks = _publish_and_read(store, 1, rank, world_size, names, builds(None), timeout)
+    deadline = time.monotonic() + timeout
+    ranks = _publish_and_read(store, 1, rank, names[:world_size], builds(None), deadline, timeout, probe)
     declared = [set(r.builds) for r in ranks]
+    every = set().union(*declared)
     if any(d != declared[0] for d in declared):
-        every = set().union(*declared)
-        ranks = _publish_and_read(store, 2, rank, world_size, names, builds(every), timeout)
+        ranks = _publish_and_read(store, 2, rank, names[:world_size], builds(every), deadline, timeout, probe)
     report = mismatch(ranks)
     if report is None:
-        return
+        return frozenset(every)
     store.set(READ_KEY.format(rank=rank), "1")
-    try:
-        store.wait([READ_KEY.format(rank=r) for r in range(world_size)], timedelta(seconds=max(0.001, timeout)))
-    except dist.DistStoreError:
-        pass  # a rank that never reads: the report is raised here all the same
+    # a rank that never reads: the report is raised here all the same
+    _await_keys(store, [READ_KEY.format(rank=r) for r in range(world_size)], names, deadline, probe)
     raise BuildMismatch(f"rank {rank} ({names[rank]}) cannot join: {report}")
 
 
@@ -339,9 +364,11 @@ def check_world(store: Any, rank: int, world_size: int, names: Sequence[str], ti
 
 
 class _Question:
-    """One peer's check: sent once, answered once (``event``), with ``failure`` on a mismatch."""
+    """One question to a peer about ``packages``: sent once, answered once (``event``), with
+    ``failure`` on a mismatch."""
 
-    def __init__(self) -> None:
+    def __init__(self, packages: frozenset[str]) -> None:
+        self.packages = packages
         self.event = threading.Event()
         self.failure: str | None = None
         #: a caller waited its whole bound in vain: later callers do not wait (a frozen peer
@@ -349,17 +376,61 @@ class _Question:
         self.gave_up = False
 
 
+#: ``formed`` when every package is one build by construction (the ranks were forked from one process)
+EVERY_PACKAGE = frozenset({"*"})
+
+
+class _World:
+    """What this process knows of the builds of one RPC world (a new one per ``rpc.init_rpc``)."""
+
+    def __init__(self) -> None:
+        #: peers that run this build of every package declared here: the fast path, read without a lock
+        self.checked: set[str] = set()
+        #: the question to each peer: in flight, answered (its packages now in ``compared``), or failed
+        self.asked: dict[str, _Question] = {}
+        #: the packages each peer was found to run this build of
+        self.compared: dict[str, frozenset[str]] = {}
+        #: the packages every rank was compared on when the world formed
+        self.formed: frozenset[str] = frozenset()
+
+    def unchecked(self, name: str) -> frozenset[str]:
+        """The packages declared here that ``name`` was not compared on yet."""
+        if self.formed is EVERY_PACKAGE:
+            return frozenset()
+        with _lock:
+            declared = frozenset(_declared)
+        return declared - self.formed - self.compared.get(name, frozenset())
+
+
 _peer_lock = threading.Lock()
-_checked: set[str] = set()  # peers whose builds match: the fast path, read without the lock
-_asked: dict[str, _Question] = {}
-_world_token: list[int] = [0]  # the agent the peers above belong to
-_formed_token: list[int] = [0]  # the agent of a world rpc_backend formed (checked already)
+_world = _World()
 
 
-def world_checked() -> None:
-    """Note that the current world's ranks run one build (compared when it formed, or forked
-    from one process): :func:`check_peer` then asks nobody."""
-    _formed_token[0] = current_agent_token()
+def _new_world() -> None:
+    """A new RPC world began here (``rpc.init_rpc``): nothing of the last one holds in it."""
+    global _world
+    with _peer_lock:
+        _world = _World()
+
+
+after_each_rpc_init(_new_world)
+
+
+def world_checked(packages: Iterable[str] | None = None) -> None:
+    """Note that the current world's ranks run one build of ``packages`` (compared when it
+    formed; ``None``: of every package, the ranks being forked from one process):
+    :func:`check_peer` then asks nobody about them. A package first declared later is asked
+    about once per peer."""
+    with _peer_lock:
+        _world.formed = EVERY_PACKAGE if packages is None else frozenset(packages)
+        _world.checked.clear()
+
+
+def peer_checked(name: str) -> bool:
+    """True once worker ``name`` is known to run this build of every package declared here (in
+    the current world): a set lookup, for a caller that would otherwise compute
+    :func:`check_peer`'s arguments at every call."""
+    return name in _world.checked
 
 
 def _may_wait() -> bool:
@@ -369,19 +440,19 @@ def _may_wait() -> bool:
 
 def check_peer(name: str, seconds: float | None = None) -> None:
     """Raise :class:`BuildMismatch` when worker ``name`` runs another build of a declared
-    package. The first call per peer (and process) asks it (:func:`answer_builds`, one round
-    trip) and waits at most ``seconds`` (default: the RPC agent's timeout) for the answer, on a
-    thread that may wait (see the module docstring); later calls cost a set lookup, so a
-    later world in this process whose peer has a name checked in an earlier world is not
-    asked again (a peer whose question was not answered yet, or failed, is). When no answer
-    comes in time the call goes ahead, and the answer, when it comes, decides later calls.
+    package. The first call per peer (in each world, and again for a package declared later)
+    asks it (:func:`answer_builds`, one round trip; concurrent first calls share the one
+    question) and waits at most ``seconds`` (default: the RPC agent's timeout) for the answer,
+    on a thread that may wait (see the module docstring); later calls cost a set lookup. When
+    no answer comes in time the call goes ahead, and the answer, when it comes, decides later
+    calls; a mismatch found holds for every later call in this world.
 
     Example (before a call of one's own to a peer)::
 
         check_peer("worker1", seconds=10)
         rpc.rpc_async("worker1", mypackage.handlers.run, (x,))
     """
-    if name in _checked:
+    if name in _world.checked:
         return
     question = _ask(name)
     if question is None:
@@ -401,30 +472,28 @@ def _wait_seconds(seconds: float | None) -> float | None:
 
 def _ask(name: str) -> _Question | None:
     """The peer's question, sent now if it was not; None when there is nothing to check."""
+    world = _world
     if not is_rpc_initialized():
         return None
-    token = current_agent_token()
     with _peer_lock:
-        if _world_token[0] != token:  # a new world: what was checked was another's
-            _checked.clear()
-            _asked.clear()
-            _world_token[0] = token
-        if token == _formed_token[0] or name == rpc.get_worker_info().name:
-            _checked.add(name)
+        question = world.asked.get(name)
+        if question is not None and (question.failure is not None or not question.event.is_set()):
+            return question  # in flight (shared), or a mismatch this world remembers
+        wanted = world.unchecked(name)
+        if not wanted or world is not _world or name == rpc.get_worker_info().name:
+            world.checked.add(name)
             return None
-        question = _asked.get(name)
-        if question is not None:
-            return question
-        mine = local_builds()
-        question = _asked[name] = _Question()
+        mine = local_builds(wanted)
+        question = world.asked[name] = _Question(wanted)
     try:
         sent = _rpc_async(name, answer_builds, (sorted(mine),), timeout=0)
     except Exception:  # noqa: BLE001 - RPC shutting down, an unknown name: the call says so itself
         with _peer_lock:
-            _asked.pop(name, None)
+            if world.asked.get(name) is question:
+                del world.asked[name]
         question.event.set()
         return None
-    sent.add_done_callback(lambda fut: _answered(name, token, mine, question, fut))
+    sent.add_done_callback(lambda fut: _answered(name, world, mine, question, fut))
     return question
 
 
@@ -432,31 +501,42 @@ def _ask(name: str) -> _Question | None:
 _NO_CHECK = ("answer_builds", "rpc_backend.builds")
 
 
-def _answered(name: str, token: int, mine: Mapping[str, Build], question: _Question, fut: Any) -> None:
-    """The peer's answer (on an RPC thread): its verdict, for every call to it from now on."""
+def _verdict(name: str, mine: Mapping[str, Build], fut: Any) -> str | None:
+    """The report of the peer's answer in ``fut`` (None: one build); raises when the question
+    itself failed (a dead peer, a shutdown)."""
     me = f"{rpc.get_worker_info().name} (this process) on {socket.gethostname()}" if is_rpc_initialized() \
         else "this process"
     try:
         answer = fut.value()
-        theirs = {p: Build.from_dict(b) for p, b in answer["builds"].items()}
-        report = mismatch([RankBuilds(me, mine), RankBuilds(f"{name} on {answer['host']}", theirs)], mine)
-    except Exception as exc:  # noqa: BLE001 - the question itself failed
+    except Exception as exc:
         if not any(marker in str(exc) for marker in _NO_CHECK):
-            with _peer_lock:  # a dead peer, a shutdown: ask again at the next first call
-                if _asked.get(name) is question:
-                    del _asked[name]
-            question.event.set()
-            return
+            raise
         first = next(line.strip() for line in str(exc).splitlines() if any(m in line for m in _NO_CHECK))
-        report = (f"it runs a build of rpc_backend that cannot answer rpc_backend.builds.answer_builds (one "
-                  f"older than that check; there: {first}), unlike this process's "
-                  f"{', '.join(b.describe() for b in mine.values())}. To fix: {FIX}")
-    if report is None:
+        return (f"it runs a build of rpc_backend that cannot answer rpc_backend.builds.answer_builds (one "
+                f"older than that check; there: {first}), unlike this process's "
+                f"{', '.join(b.describe() for b in mine.values())}. To fix: {FIX}")
+    theirs = {p: Build.from_dict(b) for p, b in answer["builds"].items()}
+    return mismatch([RankBuilds(me, mine), RankBuilds(f"{name} on {answer['host']}", theirs)], mine)
+
+
+def _answered(name: str, world: _World, mine: Mapping[str, Build], question: _Question, fut: Any) -> None:
+    """The peer's answer (on an RPC thread): its verdict, for every call to it in ``world``."""
+    try:
+        report = _verdict(name, mine, fut)
+    except Exception:  # noqa: BLE001 - a dead peer, a shutdown: ask again at the next first call
+        report = None
         with _peer_lock:
-            if _world_token[0] == token:
-                _checked.add(name)
+            if world.asked.get(name) is question:
+                del world.asked[name]
     else:
-        question.failure = f"worker {name!r} cannot be called: {report}"
+        with _peer_lock:
+            if report is None:
+                world.compared[name] = world.compared.get(name, frozenset()) | question.packages
+                if not world.unchecked(name):
+                    world.checked.add(name)
+            else:
+                question.failure = f"worker {name!r} cannot be called: {report}"
+    if report is not None:
         _log.error("%s", question.failure)
     question.event.set()
 

@@ -17,7 +17,10 @@ the bound. :func:`join_role_group` (``init_role_process_group``) does the same f
 process group, within that group's own ``timeout``. Right after ``init_rpc`` the ranks compare
 their builds of the packages whose names travel over RPC (:func:`check_world_builds`,
 rpc_backend/builds.py): ranks of different builds all fail with
-:class:`~rpc_backend.builds.BuildMismatch` naming both, before any call.
+:class:`~rpc_backend.builds.BuildMismatch` naming both, before any call. The comparison ends
+:data:`BUILDS_MARGIN_S` (at most a tenth of the bound) before the bound, and any failure of it
+(another build, a rank that died or stays silent, a store gone) is a ``BuildMismatch`` with RPC
+shut down on this rank, never a :class:`ConnectError`: the network worked.
 
 **Restarts.** torchrun keeps its store across restarts (the static rendezvous keeps the first
 ``TCPStore``; ``c10d`` shares one bootstrap store across rounds), so keys that one attempt's
@@ -80,6 +83,10 @@ ARRIVAL_POLL_S = 0.2
 ROLE_GROUP_SLACK = 5.0
 #: Seconds the error report may spend reading the peers' addresses from the store.
 REPORT_STORE_TIMEOUT = 5.0
+#: Seconds before the join's bound at which the comparison of the builds gives up (at most a
+#: tenth of the bound), leaving time to shut RPC down so that its own error is the one raised.
+BUILDS_MARGIN_S = 10.0
+BUILDS_PHASE = "comparing the ranks' builds (rpc_backend/builds.py)"
 
 _registered = threading.Lock()
 _handler_registered = False
@@ -445,15 +452,19 @@ def join_world(name: str, rank: int, world_size: int, names: Sequence[str], mast
             options.init_method = f"{SCHEME}://{_url_host(master[0])}:{master[1]}?prefix={prefix}/rpc"
         progress.phase = "connecting to the other ranks (rpc.init_rpc: TensorPipe and Gloo)"
         rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
-        progress.phase = "comparing the ranks' builds (rpc_backend/builds.py)"
-        check_world_builds(store, prefix, master, rank, world_size, names, _remaining(deadline))
+        progress.phase = BUILDS_PHASE
+        check_world_builds(store, prefix, master, rank, world_size, names,
+                           max(0.001, _remaining(deadline) - min(BUILDS_MARGIN_S, bound / 10)))
 
     _bounded(work, deadline, progress)
     if progress.done:
         _world[:] = [progress.prefix]
         return
-    if isinstance(progress.error, BuildMismatch):
-        raise progress.error  # not a network failure: its own report
+    if progress.phase == BUILDS_PHASE:  # RPC formed: not a network failure, its own report
+        if progress.error is not None:
+            raise progress.error
+        raise BuildMismatch(f"rank {rank} ({name}) cannot join: the comparison of the ranks' builds did not end "
+                            f"within the bound (connect_timeout={bound:g} s), nor did RPC's shutdown after it")
     raise _report("the RPC world", progress, rank, names, list(range(world_size)), master, started, bound,
                   f"connect_timeout or {CONNECT_TIMEOUT_VARIABLE}", env)
 
@@ -483,16 +494,23 @@ def check_world_builds(store: Any, prefix: str, master: tuple[str, int], rank: i
                        names: Sequence[str], timeout: float) -> None:
     """Right after ``init_rpc``: every rank runs one build (:func:`rpc_backend.builds.check_world`,
     on the job's store under this attempt's prefix, else on the store ``init_rpc`` started at
-    the master). On a mismatch, or a rank that never says, this rank leaves RPC at once and
-    raises :class:`~rpc_backend.builds.BuildMismatch`."""
+    the master) within ``timeout`` seconds. On a mismatch, a rank that never says or is gone,
+    or a store that no longer answers, this rank leaves RPC at once (``rpc.shutdown(graceful=
+    False)``) and raises :class:`~rpc_backend.builds.BuildMismatch`."""
     try:
         if store is None:
             store = dist.TCPStore(master[0], master[1], is_master=False, timeout=timedelta(seconds=timeout))
-        check_world(dist.PrefixStore(prefix or "rpc_backend", store), rank, world_size, names, timeout)
-    except BaseException:
-        rpc.shutdown(graceful=False)
+        compared = check_world(dist.PrefixStore(prefix or "rpc_backend", store), rank, world_size, names, timeout)
+    except BaseException as exc:
+        if is_rpc_initialized():
+            rpc.shutdown(graceful=False)
+        if isinstance(exc, Exception) and not isinstance(exc, BuildMismatch):
+            raise BuildMismatch(
+                f"rank {rank} ({names[rank]}) cannot join: the ranks' builds could not be compared "
+                f"({type(exc).__name__}: {str(exc).strip()[:300]}): the job's store or another rank is gone "
+                "(see the other ranks' output)") from exc
         raise
-    world_checked()
+    world_checked(compared)
 
 
 def join_role_group(role: str, role_rank: int, role_size: int, role_ranks: Sequence[int], names: Sequence[str],

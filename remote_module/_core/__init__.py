@@ -24,7 +24,7 @@ never from its modules: what is listed in ``__all__`` is the internal API, and
 - ``_torch_private``: every use of torch's private names, in one file;
 - argument checks shared with ``rpc_backend`` (:func:`positive_int`, :func:`positive_seconds`),
   and its one-time check that a peer runs this build (:func:`check_peer`, called at the first
-  call to each peer: in ``fanout`` and by the proxy).
+  call to each peer: in ``fanout`` and by the proxy; :func:`peer_checked` is its set lookup).
 """
 
 from remote_module._core._torch_private import (
@@ -100,7 +100,7 @@ from remote_module._core.settling import (
 from remote_module._core.store import HostStore, host_device, host_objects, hosted_module
 from remote_module._core.untrained import records_outside_context, unwarned_state, user_stacklevel, warn_untrained
 from remote_module._core.walk import map_leaves, map_tensors, parameters_as_views
-from rpc_backend.builds import check_peer
+from rpc_backend.builds import check_peer, peer_checked
 from rpc_backend.options import positive_int, positive_seconds
 
 __all__ = [
@@ -126,6 +126,7 @@ __all__ = [
     "call_grouped_each_async",
     "capture",
     "check_peer",
+    "peer_checked",
     "complete",
     "device_map_to",
     "dist_autograd_contexts_exist",

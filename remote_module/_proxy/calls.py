@@ -35,6 +35,7 @@ from remote_module._core import (
     is_rpc_initialized,
     on_machine,
     parameters_as_views,
+    peer_checked,
     records_outside_context,
     retyped,
     rpc_timeout_argument,
@@ -128,15 +129,19 @@ class RemoteCalls:
         return f"on {self.on} in {self.remote_type}.forward"
 
     def _dest(self) -> Any:
-        """The host's WorkerInfo, looked up once per process (a name costs a lookup per call)."""
+        """The host's WorkerInfo, looked up once per process (a name costs a lookup per call),
+        and its build checked at every call until it is known to be this one (a set lookup
+        then): a proxy shipped here may be the first contact, and a first call on an RPC
+        handler thread does not wait for the answer (rpc_backend/builds.py)."""
         info = self._host_info
         if info is None:
             try:
                 info = rpc.get_worker_info(self.on)
             except RuntimeError as exc:  # no agent (after shutdown): say what to do instead
                 raise RuntimeError(_rpc_missing_message(f"RemoteModule on {self.on!r}")) from exc
-            check_peer(info.name, self._timeout_s())  # a proxy shipped here may be the first contact
             self._host_info = info
+        if not peer_checked(info.name):
+            check_peer(info.name, self._timeout_s())
         return info
 
     # ---- forward ---------------------------------------------------------------------------

@@ -13,12 +13,14 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import remote_module
 import rpc_backend
 from rpc_backend import builds, loopback_env
 from rpc_backend.builds import Build, BuildMismatch, RankBuilds, check_world, defined_names, fingerprint, mismatch
+from rpc_backend.connect import check_world_builds
 from tests._deadlines import HANG_S, SETUP_S
 from tests.test_torchrun import _argv, _free_port
 
@@ -37,10 +39,87 @@ def _package(root: Path, text: str) -> Path:
     return root / "pkg"
 
 
-def test_defined_names_are_the_module_level_functions_and_classes(tmp_path):
+def test_defined_names_are_the_functions_and_classes_with_their_shapes(tmp_path):
     pkg = _package(tmp_path, "def handler(x):\n    def inner():\n        pass\n\nclass Plan:\n"
-                             "    def method(self):\n        pass\n\nasync def later():\n    pass\n")
-    assert sorted(defined_names("pkg", pkg)) == ["pkg.host:Plan", "pkg.host:handler", "pkg.host:later"]
+                             "    rows: list\n    def method(self, a, /, b=1, *rest, c, **more):\n        pass\n"
+                             "    class Part:\n        size: int\n\nasync def later(*, when):\n    pass\n"
+                             "try:\n    def fallback():\n        pass\nexcept ImportError:\n    pass\n")
+    assert sorted(defined_names("pkg", pkg)) == [
+        "pkg.host:Plan.Part{size}", "pkg.host:Plan.method(self,a,/,b,*rest,c,**more)", "pkg.host:Plan{rows}",
+        "pkg.host:fallback()", "pkg.host:handler(x)", "pkg.host:later(*,when)"]
+
+
+def test_a_file_that_does_not_parse_counts_by_its_name(tmp_path):
+    assert defined_names("pkg", _package(tmp_path, "def broken(:\n")) == ["pkg.host:?"]
+
+
+_BASE = '''
+"""A module of handlers."""
+from typing import NamedTuple
+
+
+class Plan(NamedTuple):
+    """What travels."""
+
+    rows: list
+    weight: float = 1.0
+
+    def size(self, scale):
+        return len(self.rows) * scale
+
+
+def handler(plan, strict=False):
+    # answer the plan
+    return plan.size(2)
+'''
+
+#: edits of _BASE that change what travels or how it is called: refused
+_WIRE_CHANGES = {
+    "a handler gains an argument": ("def handler(plan, strict=False):", "def handler(plan, strict=False, more=0):"),
+    "a handler's argument renamed": ("def handler(plan, strict=False):", "def handler(plan, exact=False):"),
+    "an argument becomes keyword-only": ("def handler(plan, strict=False):", "def handler(plan, *, strict=False):"),
+    "a NamedTuple gains a field": ("    rows: list\n", "    rows: list\n    owner: int\n"),
+    "a NamedTuple's fields reordered": ("    rows: list\n    weight: float = 1.0\n",
+                                        "    weight: float = 1.0\n    rows: list\n"),
+    "a method gains an argument": ("def size(self, scale):", "def size(self, scale, floor):"),
+    "a handler renamed": ("def handler(", "def handler2("),
+    "a private helper added (never travels, refused all the same: documented)": ("", "\n\ndef _helper():\n    pass\n"),
+}
+
+#: edits of _BASE that no call on the wire can see: one build
+_SAME_WIRE = {
+    "a comment": ("    # answer the plan\n", "    # answer the plan, twice\n"),
+    "a docstring": ('"""What travels."""', '"""What travels over RPC."""'),
+    "a body": ("return plan.size(2)", "return plan.size(3) + 0"),
+    "a default value": ("strict=False", "strict=True"),
+    "an annotation's type": ("rows: list", "rows: tuple"),
+    "the order of definitions": ("", "MOVE"),
+}
+
+
+def _edited(old: str, new: str) -> str:
+    if new == "MOVE":  # the handler first, the class after it
+        head, plan = _BASE.split("\n\nclass Plan", 1)
+        plan, handler = plan.split("\n\ndef handler", 1)
+        return f"{head}\n\ndef handler{handler}\n\nclass Plan{plan}"
+    if not old:
+        return _BASE + new
+    assert old in _BASE, old
+    return _BASE.replace(old, new, 1)
+
+
+@pytest.mark.parametrize("change", sorted(_WIRE_CHANGES))
+def test_the_fingerprint_changes_with_what_travels_and_how_it_is_called(tmp_path, change):
+    base = fingerprint("1.0", defined_names("pkg", _package(tmp_path / "a", _BASE)))
+    changed = fingerprint("1.0", defined_names("pkg", _package(tmp_path / "b", _edited(*_WIRE_CHANGES[change]))))
+    assert changed != base
+
+
+@pytest.mark.parametrize("change", sorted(_SAME_WIRE))
+def test_the_fingerprint_ignores_what_no_call_sees(tmp_path, change):
+    base = fingerprint("1.0", defined_names("pkg", _package(tmp_path / "a", _BASE)))
+    same = fingerprint("1.0", defined_names("pkg", _package(tmp_path / "b", _edited(*_SAME_WIRE[change]))))
+    assert same == base
 
 
 def test_the_fingerprint_changes_with_a_handler_name_or_the_version_not_with_the_place(tmp_path):
@@ -179,10 +258,50 @@ def test_a_rank_that_had_not_imported_the_package_is_compared_all_the_same():
     assert _world(declared, [declared[0], declared[0]]) == ["ok", "ok"]
 
 
-def test_a_rank_that_publishes_no_build_is_named():
+def test_the_comparison_says_which_packages_it_compared():
     store = dist.HashStore()
-    with pytest.raises(BuildMismatch, match=r"^rank 0 \(w0\) cannot join: rank\(s\) 1 \(w1\) published no build "):
-        check_world(store, 0, 2, ["w0", "w1"], 0.5, builds=lambda packages: {"pkg": _build("1.0")})
+    assert check_world(store, 0, 1, ["w0"], HANG_S, builds=lambda packages: {"pkg": _build("1.0")}) == {"pkg"}
+
+
+def _never_answered(name):
+    return torch.futures.Future()  # a stopped rank: the call neither answers nor fails
+
+
+def test_a_rank_that_publishes_no_build_is_named_when_the_bound_passes():
+    store = dist.HashStore()
+    with pytest.raises(BuildMismatch, match=r"^rank 0 \(w0\) cannot join: rank\(s\) 1 \(w1\) published no build "
+                                            r"within 0 s of joining: .* or is stopped or hung"):
+        check_world(store, 0, 2, ["w0", "w1"], 0.5, builds=lambda packages: {"pkg": _build("1.0")},
+                    probe=_never_answered)
+
+
+def test_a_rank_that_died_before_publishing_fails_the_others_at_once():
+    # the bound is HANG_S: the failed call to w1 ends the wait long before it
+    asked = []
+
+    def refused(name):
+        asked.append(name)
+        failed = torch.futures.Future()
+        failed.set_exception(RuntimeError("connect: Connection refused (this is tensorpipe's error)"))
+        return failed
+
+    with pytest.raises(BuildMismatch, match=r"^rank 0 \(w0\) cannot join: rank\(s\) left RPC before publishing "
+                                            r"their builds \(a call to each failed: 1 \(w1\): connect: Connection "
+                                            r"refused"):
+        check_world(dist.HashStore(), 0, 2, ["w0", "w1"], HANG_S, builds=lambda packages: {"pkg": _build("1.0")},
+                    probe=refused)
+    assert asked == ["w1"]  # once, and only the rank that was missing
+
+
+def test_a_store_gone_during_the_comparison_is_a_build_error_not_a_network_one():
+    # RPC formed already: the join reports the comparison's own failure, never a ConnectError
+    class Gone(dist.Store):
+        def set(self, key, value):
+            raise dist.DistStoreError("Connection reset by peer")
+
+    with pytest.raises(BuildMismatch, match=r"^rank 0 \(w0\) cannot join: the ranks' builds could not be compared "
+                                            r"\(DistStoreError: Connection reset by peer\): the job's store or"):
+        check_world_builds(Gone(), "p", ("127.0.0.1", 1), 0, 2, ["w0", "w1"], HANG_S)
 
 
 # -- ranks of different builds, each on its own PYTHONPATH -----------------------------------------
@@ -257,6 +376,24 @@ def test_without_torchruns_store_the_ranks_compare_on_the_one_init_rpc_started(t
         assert f"BuildMismatch: rank {r} (worker{r}) cannot join: the ranks of this RPC world run different " \
                "builds of remote_module" in err, err[-4000:]
         assert f"remote_module {OTHER} (wire " in err and "remote_module 0.1.0 (wire " in err, err[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * (SETUP_S + HANG_S))
+def test_a_rank_that_dies_in_the_comparison_fails_the_others_with_rpc_shut_down():
+    # rank 1 exits right after init_rpc; rank 0 (its init_rpc hosts the store) calls it, the
+    # call fails, and rank 0 names it at once (long before the connect bound, which is this
+    # test's own guard): no network advice, RPC left, a clean exit
+    port = str(_free_port())
+    envs = [{**_env(ROOT), "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_PORT": port,
+             "TORCHELASTIC_USE_AGENT_STORE": "False", "BUILDS_JOB_DIE_IN_CHECK": "1",
+             "RPC_BACKEND_CONNECT_TIMEOUT": str(SETUP_S + HANG_S)} for r in range(2)]
+    (code, out, err), (died, _, _) = _two_ranks([[sys.executable, JOB]] * 2, envs)
+    assert died == 3
+    assert code == 1 and "rank 0: BuildMismatch; RPC still initialized: False" in out, out + err[-4000:]
+    assert "BuildMismatch: rank 0 (worker0) cannot join: rank(s) left RPC before publishing their builds (a " \
+           "call to each failed: 1 (worker1): " in err, err[-4000:]
+    assert "ConnectError" not in err and "IFNAME" not in err and "terminate called" not in err, err[-4000:]
 
 
 @pytest.mark.slow

@@ -3,7 +3,8 @@ tests/backend/test_builds.py, each rank with its own ``PYTHONPATH``: the checkou
 it in a temporary directory, changed or not).
 
 Under torchrun (one ``torchrun --nnodes=2 --node-rank=R`` per rank, so each has its own
-environment), every rank joins with ``init_from_env`` and says so::
+environment), every rank joins with ``init_from_env`` and says so (with
+``BUILDS_JOB_DIE_IN_CHECK=R``, rank R dies as the comparison of the builds begins)::
 
     torchrun --nnodes=2 --nproc-per-node=1 --node-rank=0 --master-addr=127.0.0.1 --master-port=PORT \\
         tests/backend/scripts/builds_job.py
@@ -13,12 +14,14 @@ of remote_module and only serves; worker0 creates a RemoteModule on worker1 and 
 prints the ``BuildMismatch`` it gets instead, if any.
 """
 
+import os
 import sys
 
 import torch
 import torch.distributed.rpc as rpc
 
 import rpc_backend
+import rpc_backend.connect as connect
 
 
 def say(line: str) -> None:
@@ -28,8 +31,15 @@ def say(line: str) -> None:
 
 def torchrun_rank() -> None:
     import remote_module
+    from rpc_backend._torch_private import is_rpc_initialized
 
-    me = rpc_backend.init_from_env()
+    if os.environ.get("BUILDS_JOB_DIE_IN_CHECK") == os.environ["RANK"]:  # dies as the comparison begins
+        connect.check_world_builds = lambda *args, **kwargs: os._exit(3)
+    try:
+        me = rpc_backend.init_from_env()
+    except BaseException as exc:
+        say(f"rank {os.environ['RANK']}: {type(exc).__name__}; RPC still initialized: {is_rpc_initialized()}")
+        raise
     with me:
         say(f"rank {me.rank}: joined, remote_module {remote_module.__version__} from {remote_module.__file__}")
 
