@@ -38,7 +38,9 @@ class TrainingOptions:
     naming: InitVar[str] = "the table"
 
     def __post_init__(self, naming: str) -> None:
-        if not isinstance(self.name, str) or not self.name:
+        if not isinstance(self.name, str):
+            raise TypeError(f"name must be a non-empty str naming {naming}, got {self.name!r}")
+        if not self.name:
             raise ValueError(f"name must be a non-empty str naming {naming}, got {self.name!r}")
         if self.ps_mode not in PS_MODES:
             raise ValueError(f"ps_mode must be one of {', '.join(PS_MODES)}, got {self.ps_mode!r}")

@@ -69,6 +69,9 @@ def slice_blocks(
         raise ValueError(f"shape must have non-negative sizes, got {tuple(dims)}")
     positive_int(num_servers, "num_servers")
     positive_int(min_block_size, "min_block_size")
+    if not isinstance(slice_var_up, bool):
+        raise TypeError(f"slice_var_up must be True (slice parameters over the servers) or False (one block each), "
+                        f"got {slice_var_up!r}")
     numel = math.prod(dims)
     if numel == 0:
         return [Block(0, 0, 0)]
@@ -179,6 +182,9 @@ def check_servers(servers: Any) -> tuple[str, ...]:
 def place(split_method: Any, names: Sequence[str], servers: Sequence[str]) -> list[str]:
     """The server of each block of ``names``, as ``split_method`` (a dispatcher) places them,
     checked: one of ``servers`` per block (``ValueError`` naming what it returned otherwise)."""
+    if not callable(split_method):
+        raise TypeError(f"split_method must be a dispatcher: RoundRobin(), HashName() or a callable "
+                        f"(block names, servers) -> one server per block, got {split_method!r}")
     chosen = list(split_method(names, servers))
     if len(chosen) != len(names) or any(c not in servers for c in chosen):
         raise ValueError(

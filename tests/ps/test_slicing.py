@@ -7,6 +7,7 @@ import math
 import zlib
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -113,3 +114,19 @@ def test_a_block_of_any_strides_is_a_view_with_the_blocks_row_major_elements(lay
     for b in slice_blocks((7,), 2, 3):  # 1-D: runs of elements
         assert block_of(torch.arange(7), b).tolist() == list(range(b.offset, b.offset + b.size))
     assert block_of(torch.tensor(3.0), Block(0, 0, 1)).item() == 3.0  # 0-dim: itself
+
+
+def test_arguments_of_the_wrong_type_are_refused_with_type_error():
+    # each was taken before: 'yes' sliced as True, 'rr' failed with "'str' object is not
+    # callable", and a name of 5 raised ValueError
+    from remote_module.ps._options import TrainingOptions
+    from remote_module.ps._placement import place
+
+    with pytest.raises(TypeError, match="slice_var_up must be True .* got 'yes'"):
+        slice_blocks((100, 4), 2, slice_var_up="yes")
+    with pytest.raises(TypeError, match="split_method must be a dispatcher.*got 'rr'"):
+        place("rr", ["w.0"], ["ps0"])
+    with pytest.raises(TypeError, match="name must be a non-empty str naming the table, got 5"):
+        TrainingOptions(5, "async", 1, (torch.optim.SGD, {"lr": 0.1}), None, 1, 1, 0.1)
+    with pytest.raises(ValueError, match="name must be a non-empty str"):
+        TrainingOptions("", "async", 1, (torch.optim.SGD, {"lr": 0.1}), None, 1, 1, 0.1)
