@@ -258,21 +258,28 @@ WAIT_SLICE_S = 0.5
 
 
 def _probe(name: str) -> Any:
-    """A call to worker ``name`` that any build can run (``len(())``), with no timeout: it fails
-    at once when the worker's RPC is gone (connection refused, EOF), and never ends while the
-    worker is stopped or hung. None where RPC is not running (no worker to ask)."""
+    """Ask worker ``name`` for its builds (:func:`answer_builds`), with no timeout: it fails at
+    once when the worker's RPC is gone (connection refused, EOF) or when the worker runs a build
+    older than this module (it cannot unpickle the question), and never ends while the worker
+    is stopped or hung. None where RPC is not running (no worker to ask)."""
     if not is_rpc_initialized():
         return None
     try:
-        return _rpc_async(name, len, ((),), timeout=0)
+        return _rpc_async(name, answer_builds, ([],), timeout=0)
     except Exception as exc:  # noqa: BLE001 - the agent refuses it: the worker is unknown or gone
         failed: Any = torch.futures.Future()
         failed.set_exception(exc)
         return failed
 
 
+#: Words of the error a worker answers when it cannot find :func:`answer_builds` (its build
+#: predates this module, or moved it)
+_OLDER_BUILD_SIGNS = ("answer_builds", "rpc_backend.builds", "Can't get attribute", "No module named")
+
+
 def _gone(probes: dict[int, Any], rank: int, name: str, probe: Callable[[str], Any]) -> str | None:
-    """Why rank ``rank`` is gone (its probe failed), or None while nothing says it is."""
+    """Why rank ``rank`` cannot take part (its probe failed: it died, or runs an older build),
+    or None while nothing says so."""
     if rank not in probes:
         probes[rank] = probe(name)
     sent = probes[rank]
@@ -281,8 +288,11 @@ def _gone(probes: dict[int, Any], rank: int, name: str, probe: Callable[[str], A
     try:
         sent.wait()
     except Exception as exc:  # noqa: BLE001 - the verdict
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        return f"{rank} ({name}): {first}"
+        text = str(exc).strip()
+        first = (text.splitlines() or [type(exc).__name__])[0]
+        if any(sign in text for sign in _OLDER_BUILD_SIGNS):
+            return f"{rank} ({name}) runs an older build: it cannot answer rpc_backend.builds.answer_builds ({first})"
+        return f"{rank} ({name}) died or shut down: {first}"
     return None
 
 
@@ -314,8 +324,8 @@ def _publish_and_read(store: Any, round_: int, rank: int, names: Sequence[str], 
     silent, gone = _await_keys(store, keys, names, deadline, probe)
     me = f"rank {rank} ({names[rank]}) cannot join: "
     if gone:
-        raise BuildMismatch(f"{me}rank(s) left RPC before publishing their builds (a call to each failed: "
-                            f"{'; '.join(gone)}): each died or shut down; see its output")
+        raise BuildMismatch(f"{me}rank(s) cannot take part in comparing the builds (a call to each failed): "
+                            f"{'; '.join(gone)}. See each one's output; to fix an older build: {FIX}")
     if silent:
         raise BuildMismatch(
             f"{me}rank(s) {', '.join(f'{r} ({names[r]})' for r in silent)} published no build within {timeout:.0f} s "

@@ -285,12 +285,26 @@ def test_a_rank_that_died_before_publishing_fails_the_others_at_once():
         failed.set_exception(RuntimeError("connect: Connection refused (this is tensorpipe's error)"))
         return failed
 
-    with pytest.raises(BuildMismatch, match=r"^rank 0 \(w0\) cannot join: rank\(s\) left RPC before publishing "
-                                            r"their builds \(a call to each failed: 1 \(w1\): connect: Connection "
-                                            r"refused"):
+    with pytest.raises(BuildMismatch, match=r"^rank 0 \(w0\) cannot join: rank\(s\) cannot take part in comparing "
+                                            r"the builds \(a call to each failed\): 1 \(w1\) died or shut down: "
+                                            r"connect: Connection refused"):
         check_world(dist.HashStore(), 0, 2, ["w0", "w1"], HANG_S, builds=lambda packages: {"pkg": _build("1.0")},
                     probe=refused)
     assert asked == ["w1"]  # once, and only the rank that was missing
+
+
+def test_a_rank_of_an_older_build_is_named_at_once_not_at_the_bound():
+    # a build without rpc_backend.builds publishes nothing and cannot unpickle the question:
+    # its answer says so at once (the bound is HANG_S), and the error says how to fix it
+    def older(name):
+        failed = torch.futures.Future()
+        failed.set_exception(AttributeError("Can't get attribute 'answer_builds' on <module 'rpc_backend.builds'>"))
+        return failed
+
+    with pytest.raises(BuildMismatch, match=r"1 \(w1\) runs an older build: it cannot answer "
+                                            r"rpc_backend.builds.answer_builds .*install one build"):
+        check_world(dist.HashStore(), 0, 2, ["w0", "w1"], HANG_S, builds=lambda packages: {"pkg": _build("1.0")},
+                    probe=older)
 
 
 def test_a_store_gone_during_the_comparison_is_a_build_error_not_a_network_one():
@@ -391,8 +405,8 @@ def test_a_rank_that_dies_in_the_comparison_fails_the_others_with_rpc_shut_down(
     (code, out, err), (died, _, _) = _two_ranks([[sys.executable, JOB]] * 2, envs)
     assert died == 3
     assert code == 1 and "rank 0: BuildMismatch; RPC still initialized: False" in out, out + err[-4000:]
-    assert "BuildMismatch: rank 0 (worker0) cannot join: rank(s) left RPC before publishing their builds (a " \
-           "call to each failed: 1 (worker1): " in err, err[-4000:]
+    assert "BuildMismatch: rank 0 (worker0) cannot join: rank(s) cannot take part in comparing the builds (a " \
+           "call to each failed): 1 (worker1) died or shut down: " in err, err[-4000:]
     assert "ConnectError" not in err and "IFNAME" not in err and "terminate called" not in err, err[-4000:]
 
 
