@@ -284,8 +284,9 @@ class SteppedTable(Protocol):
     that step it with their own pushes (a PSModel holding it, which finds its tables by this
     protocol, so that ``dense/`` imports no table module; a collection) and ``prefetching``:
     they use these members only. (The table's own parts, in ``tables/``, use more.) The table
-    classes subclass it, after ``nn.Module`` (whose ``__init__`` is the one that runs), so that
-    finding them is a nominal check, whatever the Python version's protocol checks look at."""
+    classes subclass it, after ``nn.Module`` (whose ``__init__`` is the one that runs), and
+    holders find them by it nominally (``SteppedTable in type(m).__mro__``: ``isinstance``
+    would match any module forwarding attribute reads, as ``torch.compile``'s wrapper does)."""
 
     #: the job-wide name of the table (what its servers know it by)
     name: str

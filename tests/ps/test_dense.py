@@ -415,13 +415,46 @@ def test_a_trainer_that_disagrees_with_the_job_fails_at_start_naming_the_mismatc
 
 
 @pytest.mark.parametrize("kwargs", [dict(mode="async"), dict(ps_mode="geo", mode="async")])
-def test_the_mode_keyword_is_refused_naming_ps_mode(kwargs):
-    """``mode=`` (an old name of ``ps_mode``) is refused before anything else, naming the keyword
-    to use; nothing needs RPC for that."""
+def test_the_mode_keyword_is_gone(kwargs):
+    """``mode=`` (an old name of ``ps_mode``) is gone: Python refuses it as any unknown keyword,
+    before anything runs, and the signature ``help()`` shows is the real one."""
+    import inspect
+
     from remote_module.ps import PSModel
 
-    with pytest.raises(TypeError, match=r"unexpected keyword argument 'mode' \('async'\).*ps_mode="):
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'mode'"):
         PSModel(torch.nn.Linear(2, 2), SERVERS, name=job("old-keyword"), num_trainers=1, **kwargs)
+    params = inspect.signature(PSModel).parameters
+    assert "ps_mode" in params and "mode" not in params and "num_trainers" in params
+
+
+def test_a_module_forwarding_attribute_reads_to_a_table_is_not_a_second_table():
+    """A wrapper whose ``__getattr__`` passes names on to a table (as ``torch.compile``'s does)
+    has every member of the table protocol, yet it is no table: a PSModel finds the table once."""
+    from remote_module.ps._steps import SteppedTable
+    from remote_module.ps.dense._model import _tables_in
+
+    class Table(torch.nn.Module, SteppedTable):
+        def __init__(self):
+            super().__init__()
+            self.name, self.ps_mode, self.num_trainers = "t", "async", 1
+            for member in SteppedTable.__annotations__:  # every data member the protocol names
+                if not hasattr(self, member):
+                    object.__setattr__(self, member, None)
+
+    class Forwarding(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def __getattr__(self, attr):
+            try:
+                return super().__getattr__(attr)
+            except AttributeError:
+                return getattr(self.inner, attr)
+
+    model = torch.nn.Sequential(Forwarding(Table()))
+    assert list(_tables_in(model, "async", 1)) == ["0.inner"]
 
 
 def _try_on(trainer, name, args, kwargs):  # on the driver

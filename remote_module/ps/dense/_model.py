@@ -66,7 +66,10 @@ def _dc_asgd_lambda(value: Any, ps_mode: str) -> float | None:
 def _tables_in(model: nn.Module, ps_mode: str, num_trainers: int) -> dict[str, SteppedTable]:
     """The sharded tables inside ``model`` by qualified name, checked to train in ``ps_mode``
     with ``num_trainers`` (their rows live on their own servers; the PSModel steps them)."""
-    tables = {qual: m for qual, m in model.named_modules() if isinstance(m, SteppedTable)}
+    # nominal: a module subclassing SteppedTable (the tables), never one that only has its
+    # members (isinstance of a runtime_checkable protocol with data members tries hasattr on
+    # Python <= 3.11, so a wrapper forwarding attribute reads, as torch.compile's, would count)
+    tables = {qual: m for qual, m in model.named_modules() if SteppedTable in type(m).__mro__}
     for qual, table in tables.items():
         if table.ps_mode != ps_mode or table.num_trainers != num_trainers:
             raise ValueError(
@@ -182,14 +185,6 @@ class PSModel(PSCheckpoints, DensePushes, InFlight, nn.Module):
             loss.backward()
             model.step()                          # pushes the gradients
     """
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> PSModel:
-        """Refuses ``mode=`` with the keyword to use instead (``ps_mode``, as the tables take
-        it: a ``ShardedEmbeddingBag``'s ``mode`` is its pooling)."""
-        if "mode" in kwargs:
-            raise TypeError(f"PSModel() got an unexpected keyword argument 'mode' ({kwargs['mode']!r}): the PS mode "
-                            "is ps_mode=..., as ShardedEmbedding and ShardedEmbeddingBag take it")
-        return super().__new__(cls)
 
     def __init__(
         self,
