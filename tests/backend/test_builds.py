@@ -18,9 +18,8 @@ import torch.distributed as dist
 
 import remote_module
 import rpc_backend
-from rpc_backend import builds, loopback_env
+from rpc_backend import builds, connect, loopback_env
 from rpc_backend.builds import Build, BuildMismatch, RankBuilds, check_world, defined_names, fingerprint, mismatch
-from rpc_backend import connect
 from rpc_backend.connect import check_world_builds
 from tests._deadlines import HANG_S, SETUP_S
 from tests.test_torchrun import _argv, _free_port
