@@ -95,7 +95,6 @@ class Peers:
         after = self.settings.lost_after
         if not (self.probing and math.isfinite(after)):
             return 1
-        # (to last until its silence counts even read late, LATE_READ_FACTOR * lost_after)
         return min(MAX_BEATS_IN_FLIGHT, math.ceil(LATE_READ_FACTOR * after / self.settings.heartbeat) + 1)
 
     def heard(self, name: str, beat: Beat | None, now: float) -> None:

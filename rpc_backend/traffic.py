@@ -43,7 +43,6 @@ import copyreg
 import io
 import pickle
 import threading
-import time
 from functools import partial
 from typing import Any
 
@@ -214,10 +213,9 @@ class Traffic:
         """Wait (at most ``timeout`` seconds) until every answer that has arrived is counted:
         a call waited for here may still be running its future's callbacks. Leaving the
         ``with`` does it; answers still on their way are counted when they arrive."""
-        deadline = time.monotonic() + timeout
+        # the condition only turns false through _answer_counted, which notifies
         with self._counted:
-            while any(f.done() for f in self._uncounted.values()) and time.monotonic() < deadline:
-                self._counted.wait(0.01)
+            self._counted.wait_for(lambda: not any(f.done() for f in self._uncounted.values()), timeout)
 
     def _expect(self, fut: Any) -> None:
         with self._lock:

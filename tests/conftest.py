@@ -125,7 +125,6 @@ RUN_FIRST = (
     "tests/proxy/test_same_script.py",
     "tests/ps/test_dense.py",
     "tests/backend/test_launcher.py",
-    "tests/demos/test_old_paths.py",
     "tests/proxy/test_shipping.py",
     "tests/backend/test_lifetime.py",
 )
