@@ -75,6 +75,21 @@ PLANTED = [
     ("remote_module/ps/_optimizer.py", "from remote_module.ps.dense._model import PSModel",
      "shared modules import nothing"),
     ("remote_module/ps/tables/_embedding.py", "from remote_module.ps import PSModel", "not remote_module.ps"),
+    # checkpoint/ sits above the other parts: none of them imports it, and it imports none of
+    # ps/ through remote_module.ps
+    ("remote_module/ps/tables/_checkpoints.py", "from remote_module.ps.checkpoint._shards import save_shards",
+     "tables/ never imports dense/ or checkpoint/"),
+    ("remote_module/ps/tables/server/_shard_files.py", "from remote_module.ps.checkpoint import _manifest",
+     "tables/server/ never imports the trainer side"),
+    ("remote_module/ps/dense/_model.py", "from ..checkpoint._manifest import CheckpointError",
+     "dense/ never imports tables/ or checkpoint/"),
+    ("remote_module/ps/_options.py", "from remote_module.ps.checkpoint import _shards",
+     "shared modules import nothing of dense/, tables/ or checkpoint/"),
+    ("remote_module/ps/checkpoint/_shards.py", "from remote_module.ps import PSModel", "not remote_module.ps"),
+    ("remote_module/ps/checkpoint/_manifest.py", "from remote_module.sharded._host import Ref",
+     "ps never imports sharded"),
+    ("remote_module/ps/checkpoint/_manifest.py", "from torch.distributed.checkpoint.filesystem import _StorageInfo",
+     "torch's private"),
 ]
 
 # imports ps/'s inner map allows, planted where a rule applies: nothing is found
@@ -84,6 +99,9 @@ ALLOWED = [
     ("remote_module/ps/tables/_lookups.py", "from remote_module.ps._steps import Flight"),
     ("remote_module/ps/dense/_model.py", "from remote_module.ps._placement import place"),
     ("remote_module/ps/__init__.py", "from remote_module.ps.tables.server import _handlers"),
+    ("remote_module/ps/checkpoint/_shards.py", "from remote_module.ps.dense._model import PSModel"),
+    ("remote_module/ps/checkpoint/_shards.py", "from remote_module.ps.tables.lifetime import _deltas"),
+    ("remote_module/ps/__init__.py", "from remote_module.ps.checkpoint import _shards"),
 ]
 
 

@@ -198,3 +198,12 @@ def backward_accumulates(accumulator: Any) -> bool:
         return "autograd.grad" not in str(exc)
     except AttributeError:
         return True
+
+
+def dcp_storage_info(relative_path: str, offset: int, length: int) -> Any:
+    """Where ``torch.distributed.checkpoint``'s file reader finds one saved item: ``length``
+    bytes (one ``torch.save`` of a tensor chunk) at ``offset`` in the file ``relative_path``
+    under the checkpoint's directory (a ``.metadata`` file's ``storage_data`` values)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo(relative_path, offset, length)

@@ -31,13 +31,18 @@ Inside, by concept (a test, tests/_layers.py, reads the imports and holds this m
 - ``tables/server/``: the table servers (table state, RPC handlers and the requests they take,
   row storage, initial rows, pooling, memory); it never imports the trainer's side;
 - ``tables/lifetime/``: the parts a table server composes for long-lived tables (admission,
-  eviction, deltas); they import only row storage and initial rows.
+  eviction, deltas); they import only row storage and initial rows;
+- ``checkpoint/``: checkpoints of what lives on servers (shard files, manifests); it sits above
+  the others and may import any of them (shared, dense/, tables/ and its parts); none of them
+  imports it.
 
 No module of ps/ imports ``remote_module.ps`` itself: this file only gives the public names.
 """
 
 from remote_module.ps._modes import StepNotApplied, StepRefused
 from remote_module.ps._placement import Block, HashName, RoundRobin, slice_blocks
+from remote_module.ps.checkpoint._manifest import CheckpointError
+from remote_module.ps.checkpoint._shards import load_shards, save_shards
 from remote_module.ps.dense._model import PSModel
 from remote_module.ps.tables._collection import ShardedEmbeddingBagCollection
 from remote_module.ps.tables._embedding import ShardedEmbedding
@@ -49,5 +54,5 @@ from remote_module.ps.tables.lifetime._admission import false_admission_rate
 __all__ = [
     "slice_blocks", "Block", "RoundRobin", "HashName", "PSModel", "ShardedEmbedding", "ShardedEmbeddingBag",
     "ShardedEmbeddingBagCollection", "prefetching", "MAX_ADMIT_AFTER", "false_admission_rate", "StepRefused",
-    "StepNotApplied",
+    "StepNotApplied", "save_shards", "load_shards", "CheckpointError",
 ]

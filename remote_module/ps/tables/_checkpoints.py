@@ -12,7 +12,7 @@ from remote_module._core import call_all
 from remote_module.ps._rowwise import new_state
 from remote_module.ps.tables.lifetime._admission import counter_bits
 from remote_module.ps.tables.server import _checkpoint_handlers
-from remote_module.ps.tables.server._rows import AT_INIT
+from remote_module.ps.tables.server._checkpoint_handlers import aged
 
 #: the optimizers' names, by row-wise kind (errors name them as torch does)
 _OPTIMIZER_NAMES = {"sgd": "SGD", "adagrad": "Adagrad", "sparse_adam": "SparseAdam"}
@@ -30,12 +30,6 @@ def _compact(counters: torch.Tensor) -> torch.Tensor:
     if int(torch.count_nonzero(counters)) * 9 < counters.numel():
         return counters.to_sparse()
     return counters
-
-
-def _aged(last: torch.Tensor, lag: int) -> torch.Tensor:
-    """A server's eviction clocks ``last`` moved by its ``lag`` behind the table's highest
-    step (an eager row at its first value, ``AT_INIT``, stays so)."""
-    return torch.where(last == AT_INIT, last, last + lag)
 
 
 class TableCheckpoints:
@@ -84,7 +78,7 @@ class TableCheckpoints:
         last = clock = None
         if evicting:
             clock = max(g[3] for g in got)
-            last = torch.cat([_aged(g[2], clock - g[3]) for g in got])[order]
+            last = torch.cat([aged(g[2], clock - g[3]) for g in got])[order]
         at: dict[str, tuple[int, int]] = {}
         for (_, _, server), g in zip(self._ranges, got):
             first, end = at.get(server, (g[-1], g[-1]))
@@ -173,6 +167,22 @@ class TableCheckpoints:
         if self._geo is not None:  # cached rows are stale now: the next lookups fetch the loaded ones
             self._geo.drop(ids.unique())
 
+    def _loaded_from_files(self, place: dict, settings: dict | None, geo: dict | None) -> None:
+        """The trainer's side of a load whose rows the servers read from files themselves
+        (``remote_module.ps.load_shards``), after they did: the rows are at ``place`` in the
+        saving table's delta chains (``{"table", "versions"}``), ``ps_optimizer`` takes
+        ``settings`` (None: kept); in geo mode the cached rows are stale and the local
+        optimizer state is ``geo`` (what :meth:`optimizer_state_dict` returned)."""
+        self._rows_at = _chain_place(place)
+        if self._geo is not None:
+            self._geo.drop(self._geo.ids)
+            if geo is not None:
+                self.load_optimizer_state_dict(geo)
+                return
+        if settings is not None:
+            self.ps_optimizer.load_state_dict(settings)
+            self._sent_settings = None
+
     def _set_admission(self, parts: list) -> None:
         """Every server of the table loads the saved sketches ``parts`` (``(blocks, counters,
         chunks)``: :func:`_checkpoint_handlers._set_admission`)."""
@@ -253,7 +263,7 @@ class TableCheckpoints:
         }
         if got[0]["last"] is not None:
             clock = out["clock"]
-            out["last"] = torch.cat([_aged(g["last"], clock - g["clock"]) for g in got])[order]
+            out["last"] = torch.cat([aged(g["last"], clock - g["clock"]) for g in got])[order]
         # each state row's position among the rows with state, in the sorted order
         state_order = torch.argsort(ids[has_state])
         keys = list(dict.fromkeys(k for g in got for k in g["state"]))

@@ -34,6 +34,12 @@ def _block_rows(name: str, first: int, clocks: bool = False, version: bool = Fal
             return out
 
 
+def aged(last: torch.Tensor, lag: int) -> torch.Tensor:
+    """A server's eviction clocks ``last`` moved by its ``lag`` behind the table's highest
+    step (an eager row at its first value, ``AT_INIT``, stays so)."""
+    return torch.where(last == AT_INIT, last, last + lag)
+
+
 def _set_rows(name: str, ids: torch.Tensor, values: torch.Tensor, last: torch.Tensor | None = None,
               clock: int | None = None, replace: tuple[tuple[int, int], ...] = ()) -> None:
     """Overwrite rows ``ids`` (lazy rows are created); optimizer state is kept. ``replace``:

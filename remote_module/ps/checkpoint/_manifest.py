@@ -1,0 +1,138 @@
+"""A shard checkpoint's manifest and its ``torch.distributed.checkpoint`` metadata: what the
+trainer writes (small, last, atomically) and reads back first. Pure file and dict logic; no RPC.
+
+The manifest, ``manifest.json``, lists every file of the checkpoint with its size and sha256
+(``"files"``), the objects saved (``"objects"``: a table or a collection's table names) and, by
+state_dict-style key (``"emb"``, ``"ebc.a"``), each table's settings and each saving server's
+part of it (``"tables"``). A directory without it is a save that did not complete (torn).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import tempfile
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from remote_module._core import dcp_storage_info
+
+MANIFEST = "manifest.json"
+#: what a manifest's ``"format"`` says (a directory of something else is refused)
+FORMAT = "remote_module.ps shards"
+VERSION = 1
+#: ``torch.distributed.checkpoint``'s metadata file name (its ``filesystem._metadata_fn``)
+DCP_METADATA = ".metadata"
+LAYOUTS = ("shared", "local")
+
+
+class CheckpointError(ValueError):
+    """A shard checkpoint that cannot be loaded: torn (no manifest: the save did not complete),
+    a file missing, truncated or corrupt (its size or sha256 differs from the manifest's), or
+    saved in a layout these servers cannot read. The message names the file and why; nothing
+    was loaded."""
+
+
+def write_atomically(path: str, data: bytes) -> None:
+    """``data`` at ``path``, all or nothing: written to a temporary file beside it, flushed to
+    disk, renamed over ``path`` (``os.replace``), and the rename flushed (the directory)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
+    sync_directory(directory)
+
+
+def sync_directory(directory: str) -> None:
+    """Flush a directory's entries (a rename, a removal) to disk, where the OS allows it."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_manifest(directory: str, manifest: dict) -> dict:
+    """Write ``manifest`` as the checkpoint's ``manifest.json`` (last, atomically); the manifest
+    as a load reads it back (JSON: tuples are lists)."""
+    text = json.dumps(manifest, indent=1, sort_keys=True)
+    write_atomically(os.path.join(directory, MANIFEST), text.encode())
+    return json.loads(text)
+
+
+def read_manifest(directory: str) -> dict:
+    """The manifest of the checkpoint in ``directory``; :class:`CheckpointError` for none (a
+    torn save) or one that is not a shard checkpoint's."""
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path} does not exist: {directory!r} holds no complete shard checkpoint (a save "
+                              "that did not finish is torn and never loaded); load an earlier checkpoint")
+    try:
+        with open(path, "rb") as f:
+            manifest = json.loads(f.read())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: not readable as a manifest ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a manifest of remote_module.ps.save_shards (format "
+                              f"{manifest.get('format') if isinstance(manifest, dict) else None!r})")
+    if manifest.get("version") != VERSION:
+        raise CheckpointError(f"{path}: manifest version {manifest.get('version')!r}, this build reads {VERSION}")
+    return manifest
+
+
+def dcp_metadata(weights: dict[str, tuple[tuple[int, int], list[tuple[str, int, int, int, int]]]]) -> bytes:
+    """A ``torch.distributed.checkpoint`` ``.metadata`` file (pickled ``Metadata``) for eager
+    tables' weights: ``{key: ((rows, dim), [(file, first row, rows, offset, length)])}``, each
+    chunk one ``torch.save`` of rows ``first .. first + rows`` at ``offset`` in ``file``."""
+    tensors, storage = {}, {}
+    for key, ((rows, dim), chunks) in weights.items():
+        listed = []
+        for rel, first, count, offset, length in sorted(chunks, key=lambda c: c[1]):
+            at = torch.Size([first, 0])
+            listed.append(ChunkStorageMetadata(offsets=at, sizes=torch.Size([count, dim])))
+            storage[MetadataIndex(key, at)] = dcp_storage_info(rel, offset, length)
+        tensors[key] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([rows, dim]), listed)
+    return pickle.dumps(Metadata(state_dict_metadata=tensors, storage_data=storage))
+
+
+def file_entry(files: dict, rel: str) -> tuple[str, int, str]:
+    """``(rel, size, sha256)`` of a file the manifest lists (CheckpointError if it lists none)."""
+    entry = files.get(rel)
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"the manifest lists no file {rel!r}: the checkpoint is incomplete")
+    return rel, int(entry["bytes"]), str(entry["sha256"])
+
+
+def overlaps(blocks: list, ranges: list) -> bool:
+    """Whether any row block ``(first, count)`` of ``blocks`` meets one of ``ranges``."""
+    return any(max(f, g) < min(f + c, g + d) for f, c in blocks for g, d in ranges)
+
+
+def table_entry(table: Any) -> dict[str, Any]:
+    """The settings of ``table`` (a ShardedEmbedding) a manifest keeps: what a load checks."""
+    return {"name": table.name, "init": table.init, "num_embeddings": table.num_embeddings,
+            "embedding_dim": table.embedding_dim, "optimizer": table._row_opt.kind, "ps_mode": table.ps_mode,
+            "admission_bits": table._admission_bits(), "admit_sketch_bytes": table.admit_sketch_bytes
+            if table.admit_after > 1 else None, "evicting": table.evict_after_steps is not None}

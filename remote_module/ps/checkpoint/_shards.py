@@ -1,0 +1,286 @@
+"""Shard checkpoints of sharded tables: each server writes and reads its own blocks
+(``tables/server/_shard_files.py``); the trainer writes only a small manifest and reads only it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from remote_module._core import call_all
+from remote_module.ps.checkpoint._manifest import (
+    DCP_METADATA,
+    FORMAT,
+    LAYOUTS,
+    MANIFEST,
+    VERSION,
+    CheckpointError,
+    dcp_metadata,
+    file_entry,
+    overlaps,
+    read_manifest,
+    sync_directory,
+    table_entry,
+    write_manifest,
+)
+from remote_module.ps.tables._collection import ShardedEmbeddingBagCollection
+from remote_module.ps.tables._embedding import ShardedEmbedding
+from remote_module.ps.tables.server import _shard_files
+from remote_module.ps.tables.server._shard_files import FileEntry, ShardReads
+
+
+def _tables_of(objects: Any) -> tuple[list[tuple[str, ShardedEmbedding]], dict]:
+    """The tables of ``objects`` by state_dict-style key (``"emb"``, a collection's
+    ``"ebc.a"``) and what the manifest says of each object; ``TypeError`` for anything else."""
+    if not isinstance(objects, Mapping):
+        raise TypeError(f"objects must map names to tables, e.g. {{'emb': table}}, got {type(objects).__name__}")
+    tables, described = [], {}
+    for name, obj in objects.items():
+        if not isinstance(name, str) or not name or name.startswith(".") or "/" in name or os.sep in name:
+            raise ValueError(f"object names must be non-empty and usable in file names (no '/', not starting "
+                             f"with '.'), got {name!r}")
+        if isinstance(obj, ShardedEmbedding):
+            tables.append((name, obj))
+            described[name] = {"kind": "table"}
+        elif isinstance(obj, ShardedEmbeddingBagCollection):
+            tables += [(f"{name}.{t}", table) for t, table in obj.tables().items()]
+            described[name] = {"kind": "collection", "tables": list(obj.tables())}
+        else:
+            raise TypeError(f"save_shards / load_shards take ShardedEmbedding, ShardedEmbeddingBag and "
+                            f"ShardedEmbeddingBagCollection objects (PSModel: not yet); {name!r} is "
+                            f"{type(obj).__name__}")
+    return tables, described
+
+
+def _timeout(tables: list[tuple[str, ShardedEmbedding]]) -> float | None:
+    timeouts = [t.timeout for _, t in tables]
+    return None if not timeouts or any(t is None for t in timeouts) else max(timeouts)
+
+
+def save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, layout: str = "shared") -> dict:
+    """Save sharded tables to the directory ``path``, each server writing its own blocks.
+
+    ``objects`` maps a name (a state_dict prefix) to a table or a collection. Every server of
+    every table writes its blocks there itself, concurrently and without waiting for another;
+    then the trainer writes ``manifest.json`` (every file's size and sha256), last and
+    atomically: a directory without it is torn and never loaded. The tables are settled first,
+    as ``state_dict()`` settles them. Returns the manifest.
+
+    ``layout``: ``"shared"`` (``path`` is one directory every server and the trainer reach, a
+    shared filesystem or one machine): loads onto any servers, any number (2 -> 3).
+    ``"local"``: each server writes under ``path/<its worker name>/`` on its own disk (the
+    trainer's files and manifest stay in ``path`` on its own); it loads only onto the same
+    servers holding the same blocks (:class:`CheckpointError` otherwise: use ``"shared"``).
+
+    An eager table's weight is also a ``torch.distributed.checkpoint`` checkpoint: in a plain
+    process (no process group), ``dcp.load({"<name>.weight": torch.empty(N, D)},
+    checkpoint_id=path)`` reads it (``"<name>.<table>.weight"`` for a collection's table; in
+    the local layout once the servers' folders are gathered under ``path``). Lazy tables'
+    rows and every table's optimizer state are by id (``torch.save``) beside them.
+
+    Example (the trainer; servers ``ps0``, ``ps1`` run no code of their own)::
+
+        emb = ShardedEmbeddingBag(10**6, 16, ["ps0", "ps1"], name="emb", init="lazy")
+        ...  # training
+        manifest = save_shards("/shared/ckpt/step100", {"emb": emb})
+        load_shards("/shared/ckpt/step100", {"emb": emb})
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    directory = os.fspath(path)
+    tables, described = _tables_of(objects)
+    os.makedirs(directory, exist_ok=True)
+    if os.path.exists(os.path.join(directory, MANIFEST)):  # (saved over: torn until the new manifest)
+        os.remove(os.path.join(directory, MANIFEST))
+        sync_directory(directory)
+    for _, table in tables:
+        table._settle()
+    calls = [(server, _shard_files._write_shards, (table.name, directory if layout == "shared" else
+                                                   os.path.join(directory, server), f"{key}.{server}",
+                                                   table.evict_after_steps is not None))
+             for key, table in tables for server in table._by_server]
+    got = iter(call_all(calls, timeout=_timeout(tables)))
+    manifest: dict[str, Any] = {"format": FORMAT, "version": VERSION, "layout": layout, "objects": described,
+                                "tables": {}, "files": {}}
+    weights = {}
+    for key, table in tables:
+        entry = _table_manifest(directory, layout, key, table, [(s, next(got)) for s in table._by_server],
+                                manifest["files"])
+        manifest["tables"][key] = entry
+        if entry["dcp_key"] is not None:
+            weights[entry["dcp_key"]] = ((table.num_embeddings, table.embedding_dim), [
+                (part["weights"], *chunk) for part in entry["servers"].values() for chunk in part["chunks"]])
+    if weights:
+        size, sha = _shard_files._write_file(directory, DCP_METADATA, [memoryview(dcp_metadata(weights))])
+        manifest["files"][DCP_METADATA] = {"bytes": size, "sha256": sha, "server": None}
+    return write_manifest(directory, manifest)
+
+
+def _table_manifest(directory: str, layout: str, key: str, table: ShardedEmbedding, written: list,
+                    files: dict) -> dict:
+    """A table's manifest entry, from what each server wrote (``written``: ``(server, reply)``);
+    adds every file to ``files``, the trainer's own (its ps_optimizer settings; in geo mode the
+    local optimizer state) among them."""
+    servers = {}
+    for server, reply in written:
+        where = "" if layout == "shared" else f"{server}/"
+        for rel, (size, sha) in reply["files"].items():
+            files[where + rel] = {"bytes": size, "sha256": sha, "server": server}
+        stem = f"{where}{key}.{server}"
+        servers[server] = {"blocks": reply["blocks"], "clock": reply["clock"], "versions": reply["versions"],
+                           "optimizer_steps": reply["optimizer_steps"], "state_keys": reply["state_keys"],
+                           "state_rows": reply["state_rows"], "rows": f"{stem}.pt",
+                           "weights": f"{stem}.distcp" if reply["chunks"] else None, "chunks": reply["chunks"],
+                           "sketch": f"{stem}.sketch.pt" if f"{key}.{server}.sketch.pt" in reply["files"] else None}
+    own = {"ps_optimizer": table.ps_optimizer.state_dict(),
+           "geo": table.optimizer_state_dict() if table.ps_mode == "geo" else None}
+    rel = f"{key}.trainer.pt"
+    buffer = io.BytesIO()
+    torch.save(own, buffer)
+    size, sha = _shard_files._write_file(directory, rel, [buffer.getbuffer()])
+    files[rel] = {"bytes": size, "sha256": sha, "server": None}
+    return {**table_entry(table), "clock": max(p["clock"] for p in servers.values()),
+            "optimizer_steps": max(p["optimizer_steps"] for p in servers.values()), "trainer_file": rel,
+            "dcp_key": f"{key}.weight" if table.init != "lazy" else None, "servers": servers}
+
+
+def load_shards(path: str | os.PathLike, objects: Mapping[str, Any]) -> None:
+    """Load what :func:`save_shards` saved in ``path`` into ``objects`` (the same names), each
+    server reading its own blocks itself.
+
+    The trainer reads the manifest and checks, before anything changes, that each table fits
+    (sizes, optimizer, admission sketch: the checks of ``load_state_dict`` and
+    ``load_optimizer_state_dict``) and that the layout can be read here. Then every server reads
+    the files that hold rows of its blocks, checking each one's size and sha256; only when every
+    server has read its files do they load them, as ``load_state_dict()`` then
+    ``load_optimizer_state_dict()`` of the same tables would (bit for bit). A shared-layout
+    checkpoint loads onto any number of servers; a local one only onto the servers that saved it.
+
+    :class:`CheckpointError` (nothing loaded) for a torn checkpoint (no manifest), a file
+    missing, truncated or corrupt (named), or a layout these servers cannot read; ``ValueError``
+    for a table that does not fit; ``TypeError`` for objects other than tables and collections.
+    (A server lost after every server checked its files, while they load them, leaves the
+    tables partly loaded: load again.)
+
+    Example (the trainer; the servers run no code of their own)::
+
+        emb = ShardedEmbeddingBag(10**6, 16, ["ps0", "ps1", "ps2"], name="emb", init="lazy")
+        load_shards("/shared/ckpt/step100", {"emb": emb})  # saved on ps0, ps1: now on three
+    """
+    directory = os.fspath(path)
+    manifest = read_manifest(directory)
+    tables, _ = _tables_of(objects)
+    plans = [_plan(directory, manifest, key, table) for key, table in tables]
+    load = uuid.uuid4().hex
+    timeout = _timeout(tables)
+    stage = [(server, _shard_files._stage_shards, (table.name, load, directory, reads, plan["clock"]))
+             for (_, table), plan in zip(tables, plans) for server, reads in plan["reads"].items()]
+    drop = [(server, _shard_files._drop_staged, (name, load)) for server, _, (name, *_) in stage]
+    try:
+        refused = sorted({why for why in call_all(stage, timeout=timeout) if why is not None})
+    except BaseException:  # (a server lost or timed out: the others' staged rows are dropped, as can be)
+        with contextlib.suppress(Exception):
+            call_all(drop, timeout=timeout)
+        raise
+    if refused:
+        call_all(drop, timeout=timeout)
+        raise CheckpointError(f"the checkpoint in {directory!r} cannot be loaded, nothing was: " + "; ".join(refused))
+    for _, table in tables:
+        table._before_rows_change()
+    call_all([(server, _shard_files._apply_staged, (table.name, load, plan["apply_clock"], plan["optimizer_steps"]))
+              for (_, table), plan in zip(tables, plans) for server in plan["reads"]], timeout=timeout)
+    for (_, table), plan in zip(tables, plans):
+        table._loaded_from_files(plan["place"], plan["own"]["ps_optimizer"], plan["own"]["geo"])
+
+
+def _own_state(directory: str, files: dict, rel: str) -> dict:
+    """The trainer's file of a table (its ps_optimizer settings, geo state), checked."""
+    try:
+        data = _shard_files._verified(directory, FileEntry(*file_entry(files, rel)))
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except CheckpointError:
+        raise
+    except (ValueError, RuntimeError, EOFError) as exc:
+        raise CheckpointError(f"the checkpoint in {directory!r} cannot be loaded, nothing was: {exc}") from None
+
+
+def _check_fits(key: str, entry: dict, table: ShardedEmbedding, own: dict) -> None:
+    """``ValueError`` (nothing changed) unless the saved table ``entry`` fits ``table``: the
+    checks of ``load_state_dict`` and ``load_optimizer_state_dict``."""
+    shape, mine = (entry["num_embeddings"], entry["embedding_dim"]), (table.num_embeddings, table.embedding_dim)
+    if shape != mine:
+        raise ValueError(f"size mismatch for {key}.weight: the checkpoint's table is {shape}, this one {mine}")
+    if entry["init"] != table.init or (entry["ps_mode"] == "geo") != (table.ps_mode == "geo"):
+        raise ValueError(f"{key}: the checkpoint's table is init={entry['init']!r}, ps_mode={entry['ps_mode']!r}; this "
+                         f"one init={table.init!r}, ps_mode={table.ps_mode!r}: load into a table of the same init "
+                         "(and geo or not, as saved), or go through state_dict()")
+    parts = [(None, torch.empty(entry["admit_sketch_bytes"] or 0, dtype=torch.uint8, device="meta"))
+             for part in entry["servers"].values() if part["sketch"] is not None]
+    refused = table._admission_misfit(parts, entry["admission_bits"])
+    if refused:
+        raise ValueError(f"admission sketch of {key}: {refused}")
+    if own["geo"] is not None:
+        table._check_optimizer_state(own["geo"])
+        return
+    keys = list(dict.fromkeys(k for part in entry["servers"].values() for k in part["state_keys"]))
+    table._check_optimizer(keys, own["ps_optimizer"], "optimizer state",
+                           any(part["state_rows"] for part in entry["servers"].values()))
+
+
+def _check_layout(directory: str, manifest: dict, key: str, entry: dict, table: ShardedEmbedding) -> None:
+    """``CheckpointError`` unless ``table``'s servers can read the checkpoint: a local layout's
+    servers must be the saving ones, holding the same blocks (each reads only its own folder)."""
+    if manifest["layout"] == "shared":
+        return
+    saved = {s: sorted(tuple(b) for b in p["blocks"]) for s, p in entry["servers"].items()}
+    mine = {s: sorted(tuple(b) for b in blocks) for s, blocks in table._by_server.items()}
+    if saved != mine:
+        raise CheckpointError(
+            f"{os.path.join(directory, MANIFEST)}: table {key!r} was saved in the local layout (each server under "
+            f"{directory}/<server>/ on its own disk) by servers {sorted(saved)} holding blocks {saved}; this table's "
+            f"servers hold {mine}. A local checkpoint loads only onto the same servers holding the same blocks: "
+            "save with layout='shared' (a directory every server reads) to load onto other servers")
+
+
+def _reads(entry: dict, files: dict, server: str, blocks: list, layout: str, sketches: bool) -> ShardReads:
+    """What ``server`` (holding ``blocks``) reads of a table's checkpoint ``entry``."""
+    reads = ShardReads([], [], [], [])
+    for saver, part in entry["servers"].items():
+        if not (saver == server if layout == "local" else overlaps(part["blocks"], blocks)):
+            continue
+        reads.files.append(FileEntry(*file_entry(files, part["rows"])))
+        reads.rows.append((part["rows"], int(part["clock"])))
+        if part["weights"] is not None:
+            reads.files.append(FileEntry(*file_entry(files, part["weights"])))
+            reads.chunks.extend((part["weights"], *chunk) for chunk in part["chunks"])
+    for saver, part in entry["servers"].items():
+        if sketches and part["sketch"] is not None and (layout == "shared" or saver == server):
+            reads.files.append(FileEntry(*file_entry(files, part["sketch"])))
+            reads.sketches.append(part["sketch"])
+    return reads
+
+
+def _plan(directory: str, manifest: dict, key: str, table: ShardedEmbedding) -> dict:
+    """How ``table`` loads the checkpoint's ``key``, checked before anything changes: each of
+    its servers' reads and what the load sets (clocks, step counts, the trainer's state)."""
+    entry = manifest["tables"].get(key)
+    if entry is None:
+        raise CheckpointError(f"{os.path.join(directory, MANIFEST)} holds no table {key!r} (it holds "
+                              f"{sorted(manifest['tables'])}): load with the names it was saved with")
+    own = _own_state(directory, manifest["files"], entry["trainer_file"])
+    _check_fits(key, entry, table, own)
+    _check_layout(directory, manifest, key, entry, table)
+    sketches = table.admit_after > 1
+    evicting = entry["evicting"] and table.evict_after_steps is not None
+    return {"reads": {s: _reads(entry, manifest["files"], s, blocks, manifest["layout"], sketches)
+                      for s, blocks in table._by_server.items()},
+            "clock": int(entry["clock"]), "apply_clock": int(entry["clock"]) if evicting else None,
+            "optimizer_steps": None if table.ps_mode == "geo" else int(entry["optimizer_steps"]), "own": own,
+            "place": {"table": entry["name"], "versions": {s: tuple(p["versions"]) for s, p in
+                                                             entry["servers"].items()}}}

@@ -1,0 +1,238 @@
+"""A table server writes and reads its own shards of a checkpoint (``remote_module.ps.save_shards``
+and ``load_shards``): no row passes through the trainer, and no server waits for another.
+
+What a server writes for its blocks of a table is what the trainer-side checkpoint
+(``tables._checkpoints``) holds for them, read with the same handlers
+(``_checkpoint_handlers``), called here in-process:
+
+- ``<stem>.distcp`` (an eager table): each block's rows as one ``torch.save`` of a tensor,
+  one after another: the file format of ``torch.distributed.checkpoint`` (the trainer writes
+  its ``.metadata``, which says where each block is);
+- ``<stem>.pt``: by id, ``torch.save`` of a dict: the ids of the rows stored (with ``rows`` for a
+  lazy table), their eviction clocks (``last``, or None) and this server's step (``clock``), the
+  optimizer step count and the optimizer state of the rows stepped (``state_ids``, ``state``);
+- ``<stem>.sketch.pt``: the admission sketch (with admission), ``(blocks, counters)``.
+
+A load is two calls: :func:`_stage_shards` reads the files the trainer names (checking each
+one's size and sha256, as the manifest records them) and keeps the rows in this server's
+ranges, changing nothing; once every server staged, :func:`_apply_staged` loads them with the
+handlers a trainer-side load uses (``_set_rows``, ``_set_admission``, ``_set_row_state``), in
+the same order. A corrupt file on any server so leaves every table as it was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import pickle
+import threading
+from typing import Any, NamedTuple
+
+import torch
+
+from remote_module.ps.tables.server import _checkpoint_handlers as handlers
+from remote_module.ps.tables.server._handlers import _table
+
+#: bytes read at a time while a file's sha256 is computed
+_READ_BYTES = 1 << 20
+
+
+class FileEntry(NamedTuple):
+    """One file of a checkpoint as its manifest lists it: ``rel`` (under the checkpoint's
+    directory), its size in bytes and its sha256 (hex)."""
+
+    rel: str
+    size: int
+    sha256: str
+
+
+class ShardReads(NamedTuple):
+    """What one server reads for one table at a load: the by-id files of the saving servers
+    whose blocks overlap its own (``rows``: each with that server's step, ``clock``), the
+    eager blocks among them (``chunks``: ``(file, first row, rows, offset, length)``), and
+    every saving server's admission sketch (``sketches``). ``files``: each file read, once."""
+
+    files: list[FileEntry]
+    rows: list[tuple[str, int]]
+    chunks: list[tuple[str, int, int, int, int]]
+    sketches: list[str]
+
+
+class Staged(NamedTuple):
+    """A table's rows, state and sketches read for a load, kept until it is applied."""
+
+    key: str
+    ids: torch.Tensor
+    rows: torch.Tensor
+    last: torch.Tensor | None
+    state_ids: torch.Tensor
+    state: dict[str, torch.Tensor]
+    sketches: list[tuple[list[tuple[int, int]], torch.Tensor, None]]
+
+
+#: the staged load of each table here (a newer stage of a table replaces an older one)
+_staged: dict[str, Staged] = {}
+_staged_lock = threading.Lock()
+
+
+def _save_bytes(value: Any) -> memoryview:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getbuffer()
+
+
+def _write_file(directory: str, rel: str, parts: list[memoryview]) -> tuple[int, str]:
+    """Write ``parts`` one after another to ``directory/rel`` (flushed to disk): its size and sha256."""
+    digest, size = hashlib.sha256(), 0
+    target = os.path.join(directory, rel)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    with open(target, "wb") as f:
+        for part in parts:
+            f.write(part)
+            digest.update(part)
+            size += len(part)
+        f.flush()
+        os.fsync(f.fileno())
+    return size, digest.hexdigest()
+
+
+def _write_shards(name: str, directory: str, stem: str, evicting: bool) -> dict:
+    """Write this server's blocks of table ``name`` under ``directory`` (files ``stem.*``, ``stem``
+    relative to it): what the manifest lists, ``{"files": {rel: (size, sha256)}, "chunks":
+    [(first, rows, offset, length)] (eager), "blocks", "clock", "optimizer_steps",
+    "state_keys", "state_rows", "versions": (first, last)}``."""
+    table = _table(name)
+    blocks = table.layout()
+    read = [handlers._block_rows(name, first, True, True) for first, _ in blocks]
+    state = [handlers._row_state(name, first) for first, _ in blocks]
+    eager = table.spec.init != "lazy"
+    ids = torch.cat([r[0] for r in read])
+    clock = max(r[3] for r in read)  # (the step is the table's: the same in each block's read)
+    keys = list(dict.fromkeys(k for _, _, s in state for k in s))
+    empty = torch.empty(0, table.spec.dim, dtype=table.spec.dtype)
+    by_id = {"table": name, "blocks": blocks, "ids": ids, "rows": None if eager else torch.cat([r[1] for r in read]),
+             "last": torch.cat([r[2] for r in read]) if evicting and read[0][2] is not None else None, "clock": clock,
+             "optimizer_steps": max(s[0] for s in state), "state_ids": torch.cat([s[1] for s in state]),
+             "state": {k: torch.cat([s[2].get(k, empty) for s in state]) for k in keys}}
+    out: dict[str, Any] = {"files": {}, "chunks": [], "blocks": blocks, "clock": clock,
+                           "optimizer_steps": by_id["optimizer_steps"], "state_keys": keys,
+                           "state_rows": by_id["state_ids"].numel(),
+                           "versions": (min(r[-1] for r in read), max(r[-1] for r in read))}
+    if eager:  # each block's rows, as torch.distributed.checkpoint writes a tensor chunk
+        parts, offset = [], 0
+        for (first, count), r in zip(blocks, read):
+            parts.append(_save_bytes(r[1].contiguous()))
+            out["chunks"].append((first, count, offset, len(parts[-1])))
+            offset += len(parts[-1])
+        out["files"][f"{stem}.distcp"] = _write_file(directory, f"{stem}.distcp", parts)
+    out["files"][f"{stem}.pt"] = _write_file(directory, f"{stem}.pt", [_save_bytes(by_id)])
+    admission = handlers._admission_state(name)
+    if admission is not None:
+        out["files"][f"{stem}.sketch.pt"] = _write_file(directory, f"{stem}.sketch.pt", [_save_bytes(admission)])
+    return out
+
+
+def _verified(directory: str, entry: FileEntry) -> bytearray:
+    """The bytes of the checkpoint's file ``entry``; ``ValueError`` naming it unless they are
+    the size and sha256 the manifest records."""
+    path = os.path.join(directory, entry.rel)
+    try:
+        size = os.path.getsize(path)
+    except OSError as exc:
+        raise ValueError(f"{path}: missing or unreadable ({exc.strerror or exc})") from None
+    if size != entry.size:
+        raise ValueError(f"{path}: {size} bytes, the manifest says {entry.size} (truncated or overwritten)")
+    digest, data = hashlib.sha256(), bytearray(size)
+    view, at = memoryview(data), 0
+    with open(path, "rb") as f:
+        while at < size:
+            n = f.readinto(view[at:at + _READ_BYTES])
+            if not n:
+                raise ValueError(f"{path}: ended at {at} bytes while read, the manifest says {size} (truncated)")
+            digest.update(view[at:at + n])
+            at += n
+    if digest.hexdigest() != entry.sha256:
+        raise ValueError(f"{path}: its sha256 is {digest.hexdigest()}, the manifest says {entry.sha256} (corrupt)")
+    return data
+
+
+def _stage_shards(name: str, key: str, directory: str, reads: ShardReads, clock: int) -> str | None:
+    """Read (and check) this server's share of a table's checkpoint for load ``key``: the rows
+    in its own blocks, their clocks aged to the table's step ``clock``, their optimizer state
+    and every saved sketch; kept until :func:`_apply_staged`. Nothing of the table changes.
+    Why it cannot be loaded (a file missing, truncated or corrupt, named), or None."""
+    table = _table(name)
+    try:
+        data = {entry.rel: _verified(directory, entry) for entry in reads.files}
+        loaded = {rel: torch.load(io.BytesIO(data[rel]), weights_only=True) for rel, _ in reads.rows}
+        sketches = [(*torch.load(io.BytesIO(data[rel]), weights_only=True), None) for rel in reads.sketches]
+        chunks = {(rel, first): torch.load(io.BytesIO(memoryview(data[rel])[offset:offset + length]),
+                                           weights_only=True)
+                  for rel, first, _, offset, length in reads.chunks}
+    except (ValueError, OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:  # (one that does not read)
+        return str(exc) if isinstance(exc, ValueError) else f"{directory}: a file does not read: {exc}"
+    mine = tuple(table.layout())
+    ids, rows, last, state_ids, state = [], [], [], [], []
+    for rel, saved_clock in reads.rows:
+        part = loaded[rel]
+        keep = handlers._in_ranges(part["ids"], mine)
+        ids.append(part["ids"][keep])
+        rows.append(part["rows"][keep] if part["rows"] is not None else _eager_rows(part, chunks, rel, keep))
+        if part["last"] is not None:
+            last.append(handlers.aged(part["last"], clock - saved_clock)[keep])
+        kept = handlers._in_ranges(part["state_ids"], mine)
+        state_ids.append(part["state_ids"][kept])
+        state.append({k: v[kept] for k, v in part["state"].items()})
+    staged = _sorted(key, ids, rows, last if len(last) == len(ids) else None, state_ids, state, table.spec.dim)
+    with _staged_lock:
+        _staged[name] = staged._replace(sketches=sketches)
+    return None
+
+
+def _eager_rows(part: dict, chunks: dict, rel: str, keep: torch.Tensor) -> torch.Tensor:
+    """An eager server's rows (its blocks' chunks, in order) where ``keep``."""
+    stem = rel[:-len(".pt")]
+    every = torch.cat([chunks[(f"{stem}.distcp", first)] for first, _ in part["blocks"]])
+    return every[keep]
+
+
+def _sorted(key: str, ids: list, rows: list, last: list | None, state_ids: list, state: list, dim: int) -> Staged:
+    """The staged parts, concatenated and sorted by id (as a trainer-side load sends them)."""
+    every = torch.cat(ids) if ids else torch.empty(0, dtype=torch.long)
+    order = torch.argsort(every)
+    got_state = torch.cat(state_ids) if state_ids else torch.empty(0, dtype=torch.long)
+    state_order = torch.argsort(got_state)
+    keys = list(dict.fromkeys(k for s in state for k in s))
+    empty = torch.empty(0, dim)
+    return Staged(key, every[order], torch.cat(rows)[order] if rows else torch.empty(0, dim),
+                  None if not last else torch.cat(last)[order], got_state[state_order],
+                  {k: torch.cat([s.get(k, empty) for s in state])[state_order] for k in keys}, [])
+
+
+def _apply_staged(name: str, key: str, clock: int | None, optimizer_steps: int | None) -> None:
+    """Load what :func:`_stage_shards` read for load ``key`` as a trainer-side load of the same
+    checkpoint would (``_set_rows``, then the sketches, then the optimizer state unless
+    ``optimizer_steps`` is None: geo tables keep theirs on the trainer). ``clock``: the
+    table's step (with eviction), else None."""
+    table = _table(name)
+    with _staged_lock:
+        staged = _staged.get(name)
+        if staged is None or staged.key != key:
+            raise LookupError(f"table {name!r}: no checkpoint staged here for load {key!r} (staged again since?)")
+        del _staged[name]
+    lazy = table.spec.init == "lazy"
+    last = staged.last if clock is not None else None
+    handlers._set_rows(name, staged.ids, staged.rows, last, clock if last is not None else None,
+                       tuple(table.layout()) if lazy else ())
+    if table.sketch is not None:
+        handlers._set_admission(name, staged.sketches)
+    if optimizer_steps is not None:
+        handlers._set_row_state(name, optimizer_steps, staged.state_ids, staged.state)
+
+
+def _drop_staged(name: str, key: str) -> None:
+    """Forget load ``key``'s staged rows of table ``name`` (another server refused its files)."""
+    with _staged_lock:
+        if name in _staged and _staged[name].key == key:
+            del _staged[name]

@@ -1,0 +1,233 @@
+"""What tests/ps/test_shard_checkpoints.py runs on its trainers: tables trained, saved with
+``save_shards`` (each server writing its own blocks) and loaded with ``load_shards``, beside the
+same tables through ``state_dict()`` / ``optimizer_state_dict()``."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+ROWS, DIM = 60, 4
+
+#: the tables the tests train, by case: ShardedEmbeddingBag keyword arguments
+CASES: dict[str, dict[str, Any]] = {
+    "lazy-adagrad-admission-eviction": {"init": "lazy", "optimizer": (torch.optim.Adagrad, {"lr": 0.3}),
+                                        "admit_after": 2, "admit_sketch_bytes": 4096, "evict_after_steps": 4},
+    "eager-sgd": {"init": "eager", "optimizer": (torch.optim.SGD, {"lr": 0.5})},
+    "eager-sparse-adam-eviction": {"init": "eager", "optimizer": (torch.optim.SparseAdam, {"lr": 0.05}),
+                                   "evict_after_steps": 3},
+    # geo: the optimizer state is the trainer's (its file), the rows the servers'
+    "lazy-adagrad-geo": {"init": "lazy", "optimizer": (torch.optim.Adagrad, {"lr": 0.3}), "ps_mode": "geo",
+                         "geo_push_every": 2},
+}
+
+
+def bag(name: str, servers: list[str], case: str, **kwargs: Any) -> Any:
+    from remote_module.ps import ShardedEmbeddingBag
+
+    return ShardedEmbeddingBag(ROWS, DIM, servers, name=name, mode="sum", min_block_size=ROWS // 4 * DIM,
+                               **{**CASES[case], **kwargs})
+
+
+def batch(k: int, among: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step ``k``'s bags (input, offsets) and the weights of their sum (fixed by ``k``); ids
+    ``among`` those given, else any."""
+    g = torch.Generator().manual_seed(k)
+    ids = torch.randint(0, ROWS, (12,), generator=g)
+    if among is not None:
+        ids = among[ids % among.numel()]
+    return ids, torch.tensor([0, 5, 9]), torch.randn(3, DIM, generator=g)
+
+
+def train(emb: Any, steps: range, among: torch.Tensor | None = None) -> None:
+    for k in steps:
+        ids, offsets, weights = batch(k, among)
+        (emb(ids, offsets) * weights).sum().backward()
+        emb.step()
+
+
+def every_row(emb: Any) -> torch.Tensor:
+    with torch.no_grad():
+        return emb(torch.arange(ROWS), torch.arange(ROWS)).detach().clone()
+
+
+def checkpoint(emb: Any) -> dict:
+    """Everything a table's trainer-side checkpoint holds (admission counts and eviction clocks
+    included: ``_extra_state``, ``weight.last_step``) and its rows as looked up."""
+    return {"model": dense(emb.state_dict()), "optim": emb.optimizer_state_dict(), "rows": every_row(emb)}
+
+
+def dense(value: Any) -> Any:
+    """``value`` with every sparse tensor in it dense (a sketch of few counts is kept sparse;
+    ``torch.equal`` compares dense ones)."""
+    if isinstance(value, torch.Tensor):
+        return value.to_dense() if value.is_sparse else value
+    if isinstance(value, dict):
+        return {k: dense(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(dense(v) for v in value)
+    return value
+
+
+def saved_and_loaded(name: str, case: str, directory: str) -> dict:
+    """A table of ``case`` on ps0, ps1 trained 6 steps and saved with save_shards; loaded onto
+    ps0-ps2 by load_shards and, as the reference, by load_state_dict + load_optimizer_state_dict:
+    both tables' checkpoints, the manifest and the files written."""
+    from remote_module.ps import load_shards, save_shards
+
+    source = bag(name, ["ps0", "ps1"], case)
+    train(source, range(6))
+    manifest = save_shards(directory, {"emb": source})
+    model, optim = source.state_dict(), source.optimizer_state_dict()
+    by_shards = bag(name + "-shards", ["ps0", "ps1", "ps2"], case)
+    train(by_shards, range(100, 102))  # (it holds rows and state of its own before the load)
+    load_shards(directory, {"emb": by_shards})
+    by_state_dict = bag(name + "-state-dict", ["ps0", "ps1", "ps2"], case)
+    train(by_state_dict, range(100, 102))
+    by_state_dict.load_state_dict(model)
+    by_state_dict.load_optimizer_state_dict(optim)
+    out = {"shards": checkpoint(by_shards), "state_dict": checkpoint(by_state_dict), "manifest": manifest,
+           "files": sorted(os.listdir(directory))}
+    if CASES[case]["init"] == "lazy":  # (rows not stored read as the table name's first values)
+        out["shards"].pop("rows"), out["state_dict"].pop("rows")
+    return out
+
+
+def two_then_three(name: str, directory: str, lazy: bool) -> dict:
+    """Sync SGD: a table on ps0, ps1 trained 5 steps, saved, trained 5 more; a table on ps0-ps2
+    loaded from the save and trained the same 5 steps: both tables' checkpoints at the end.
+    ``lazy``: the steps after the save touch only rows it holds (a lazy row first stored later
+    starts from its table name's first value, and the two tables have two names)."""
+    from remote_module.ps import load_shards, save_shards
+
+    case = "eager-sgd"
+    kwargs = {"ps_mode": "sync", "num_trainers": 1, **({"init": "lazy"} if lazy else {})}
+    two = bag(name, ["ps0", "ps1"], case, **kwargs)
+    train(two, range(5))
+    save_shards(directory, {"emb": two})
+    among = two.state_dict()["weight.ids"] if lazy else None
+    train(two, range(5, 10), among)
+    three = bag(name + "-on-three", ["ps0", "ps1", "ps2"], case, **kwargs)
+    load_shards(directory, {"emb": three})
+    train(three, range(5, 10), among)
+    out = {"two": checkpoint(two), "three": checkpoint(three)}
+    if lazy:  # (compared: the rows stored)
+        out["two"].pop("rows"), out["three"].pop("rows")
+    return out
+
+
+def eager_weight(name: str, directory: str, layout: str = "shared") -> dict:
+    """An eager table on ps0, ps1 trained and saved: its weight (``state_dict()``)."""
+    from remote_module.ps import save_shards
+
+    emb = bag(name, ["ps0", "ps1"], "eager-sgd")
+    train(emb, range(4))
+    save_shards(directory, {"emb": emb}, layout=layout)
+    return {"weight": emb.state_dict()["weight"]}
+
+
+def refused_load(name: str, directory: str, servers: list[str], case: str = "eager-sgd") -> dict:
+    """Load the checkpoint in ``directory`` into a table of ``case`` on ``servers``, trained
+    two steps first: the error (None if it loaded) and the table's checkpoint before and after."""
+    from remote_module.ps import load_shards
+
+    emb = bag(name, servers, case)
+    train(emb, range(200, 202))
+    before = checkpoint(emb)
+    try:
+        load_shards(directory, {"emb": emb})
+        error = None
+    except (ValueError, TypeError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    return {"error": error, "before": before, "after": checkpoint(emb)}
+
+
+def saved(name: str, directory: str, case: str = "eager-sgd", layout: str = "shared") -> dict:
+    """A table of ``case`` on ps0, ps1 trained 4 steps and saved: the manifest."""
+    from remote_module.ps import save_shards
+
+    emb = bag(name, ["ps0", "ps1"], case)
+    train(emb, range(4))
+    return save_shards(directory, {"emb": emb}, layout=layout)
+
+
+def local_layout(name: str, directory: str) -> dict:
+    """A table saved in the local layout, loaded onto the same servers and blocks: its
+    checkpoint, the loaded one's, and each folder's files."""
+    from remote_module.ps import load_shards, save_shards
+
+    emb = bag(name, ["ps0", "ps1"], "eager-sparse-adam-eviction")
+    train(emb, range(5))
+    manifest = save_shards(directory, {"emb": emb}, layout="local")
+    again = bag(name + "-again", ["ps0", "ps1"], "eager-sparse-adam-eviction")
+    load_shards(directory, {"emb": again})
+    return {"saved": checkpoint(emb), "loaded": checkpoint(again), "manifest": manifest,
+            "blocks": {s: list(b) for s, b in again._by_server.items()},
+            "files": {d: sorted(os.listdir(os.path.join(directory, d))) if os.path.isdir(os.path.join(directory, d))
+                      else None for d in sorted(os.listdir(directory))}}
+
+
+def collection_round_trip(name: str, directory: str) -> dict:
+    """A collection of a lazy and an eager table saved and loaded into another collection:
+    both collections' state_dict and optimizer state."""
+    from remote_module.ps import ShardedEmbeddingBagCollection, load_shards, save_shards
+
+    def make(suffix: str, servers: list[str]) -> Any:
+        return ShardedEmbeddingBagCollection({
+            "a": bag(f"{name}-a{suffix}", servers, "lazy-adagrad-admission-eviction"),
+            "b": bag(f"{name}-b{suffix}", servers, "eager-sgd")})
+
+    source = make("", ["ps0", "ps1"])
+    for k in range(4):
+        ids, offsets, weights = batch(k)
+        out = source({"a": (ids, offsets), "b": (ids, offsets)})
+        ((out["a"] + out["b"]) * weights).sum().backward()
+        source.step()
+    manifest = save_shards(directory, {"ebc": source})
+    target = make("-loaded", ["ps1", "ps2"])
+    load_shards(directory, {"ebc": target})
+    return {"manifest": manifest, "source": (dense(source.state_dict()), source.optimizer_state_dict()),
+            "target": (dense(target.state_dict()), target.optimizer_state_dict())}
+
+
+def unsupported(directory: str) -> str:
+    from remote_module.ps import save_shards
+
+    try:
+        save_shards(directory, {"model": torch.nn.Linear(2, 2)})
+    except TypeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def trainer_bytes(name: str, directory: str, rows: int) -> dict:
+    """A lazy table of 10**8 rows holding ``rows`` rows (dim 16) on ps0, ps1, saved and loaded
+    onto ps0-ps2: the bytes this trainer received and sent for each (rpc_backend.Traffic)."""
+    from remote_module.ps import ShardedEmbeddingBag, load_shards, save_shards
+    from rpc_backend import Traffic
+
+    def table(suffix: str, servers: list[str]) -> Any:
+        return ShardedEmbeddingBag(10**8, 16, servers, name=name + suffix, init="lazy",
+                                   optimizer=(torch.optim.Adagrad, {"lr": 0.1}))
+
+    emb = table("", ["ps0", "ps1"])
+    g = torch.Generator().manual_seed(rows)
+    ids = torch.unique(torch.randint(0, 10**8, (2 * rows,), generator=g))
+    ids = ids[torch.randperm(ids.numel(), generator=g)[:rows]]
+    emb(ids, torch.arange(rows)).sum().backward()
+    emb.step()
+    out = {}
+    for what in ("save", "load"):
+        target = emb if what == "save" else table("-loaded", ["ps0", "ps1", "ps2"])
+        with Traffic() as traffic:
+            if what == "save":
+                save_shards(directory, {"emb": target})
+            else:
+                load_shards(directory, {"emb": target})
+            traffic.settle()
+        out[what] = {"received": sum(traffic.received.values()), "sent": sum(traffic.sent.values()),
+                     "messages": sum(traffic.messages.values())}
+    out["held"] = target.table_stats()["rows_held"]
+    return out

@@ -1,0 +1,186 @@
+"""Servers write and read their own shards (issue 44, items 1, 2 and 6 for tables):
+``save_shards`` / ``load_shards`` give what ``state_dict()`` / ``load_state_dict()`` give, bit for
+bit, onto another number of servers; an eager table's files are a ``torch.distributed.checkpoint``
+that ``dcp.load`` reads in a plain process; a torn, truncated or corrupt checkpoint is refused
+naming the file before anything changes; the trainer receives bytes that do not grow with the
+rows saved."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from remote_module.ps.checkpoint._shards import _reads
+from tests.ps import _shard_checkpoints_remote as r
+from tests.ps._world import ROOT, job
+from tests.ps.test_table_checkpoints import same
+
+
+@pytest.fixture
+def world(ps_world):  # shared with the other PS tests (tests/conftest.py)
+    return ps_world
+
+
+def on(world, worker: str, fn, *args):
+    return world.run({worker: (fn, *args)})[worker]
+
+
+@pytest.mark.parametrize("case", sorted(r.CASES))
+def test_a_shard_load_onto_three_servers_equals_a_state_dict_load_bit_for_bit(world, tmp_path, case):
+    got = on(world, "trainer0", r.saved_and_loaded, job(f"shards-{case}"), case, str(tmp_path))
+    # weights (or a lazy table's ids and rows), optimizer state and step count, admission counts
+    # and eviction clocks (_extra_state, weight.last_step), and the rows as looked up
+    same(got["shards"], got["state_dict"], case)
+    if "eviction" in case:
+        assert "weight.last_step" in got["shards"]["model"], sorted(got["shards"]["model"])
+    if "admission" in case:
+        assert got["shards"]["model"]["_extra_state"]["admission"], "no admission sketch was saved"
+    manifest = got["manifest"]
+    assert json.loads((tmp_path / "manifest.json").read_text()) == manifest
+    # every file but the manifest is listed, with its size
+    assert set(got["files"]) - {"manifest.json"} == set(manifest["files"]), got["files"]
+    for rel, entry in manifest["files"].items():
+        assert (tmp_path / rel).stat().st_size == entry["bytes"], rel
+    # each server wrote its own files
+    assert {e["server"] for e in manifest["files"].values()} == {"ps0", "ps1", None}
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_saved_on_two_servers_loaded_onto_three_continues_as_the_two_server_run_bit_for_bit(world, tmp_path, lazy):
+    got = on(world, "trainer0", r.two_then_three, job("two-then-three"), str(tmp_path), lazy)
+    same(got["three"], got["two"], "sync SGD, 5 steps after the load")
+
+
+def _dcp_load(directory, key: str, shape: tuple) -> torch.Tensor:
+    """``dcp.load`` of ``key`` into a local nn.EmbeddingBag's state dict, in a fresh process
+    that never starts a process group: the weight read."""
+    script = textwrap.dedent(f"""
+        import sys, warnings, torch
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        warnings.simplefilter("ignore")
+        assert not (dist.is_available() and dist.is_initialized())
+        model = torch.nn.ModuleDict({{{key.split('.')[0]!r}: torch.nn.EmbeddingBag({shape[0]}, {shape[1]})}})
+        state = model.state_dict()
+        assert list(state) == [{key!r}], list(state)
+        dcp.load(state, checkpoint_id=sys.argv[1])
+        torch.save(state[{key!r}], sys.argv[2])
+    """)
+    out = os.path.join(directory, "..", "dcp-read.pt")
+    subprocess.run([sys.executable, "-c", script, str(directory), out], check=True, cwd=ROOT, timeout=120)
+    return torch.load(out)
+
+
+def test_dcp_load_reads_an_eager_tables_checkpoint_into_a_local_embedding_bag_bit_for_bit(world, tmp_path):
+    directory = tmp_path / "ckpt"
+    got = on(world, "trainer0", r.eager_weight, job("dcp"), str(directory))
+    read = _dcp_load(directory, "emb.weight", (r.ROWS, r.DIM))
+    assert read.dtype == got["weight"].dtype and torch.equal(read, got["weight"])
+
+
+def test_a_collection_round_trips_with_its_tables_under_their_names(world, tmp_path):
+    got = on(world, "trainer0", r.collection_round_trip, job("collection"), str(tmp_path))
+    assert sorted(got["manifest"]["tables"]) == ["ebc.a", "ebc.b"]
+    assert got["manifest"]["tables"]["ebc.b"]["dcp_key"] == "ebc.b.weight"
+    assert got["manifest"]["tables"]["ebc.a"]["dcp_key"] is None  # (lazy: by id only)
+    same(got["target"], got["source"], "collection")
+
+
+def _flip_one_byte(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path) -> None:
+    path.write_bytes(path.read_bytes()[:-7])
+
+
+@pytest.mark.parametrize("fault", ["flipped byte in ps1's rows", "truncated ps0 weights", "missing ps1 weights",
+                                   "flipped byte in the trainer's file"])
+def test_a_corrupt_or_truncated_shard_is_refused_naming_it_before_any_server_changes(world, tmp_path, fault):
+    manifest = on(world, "trainer0", r.saved, job("corrupt"), str(tmp_path))
+    rel = {"flipped byte in ps1's rows": "emb.ps1.pt", "truncated ps0 weights": "emb.ps0.distcp",
+           "missing ps1 weights": "emb.ps1.distcp", "flipped byte in the trainer's file": "emb.trainer.pt"}[fault]
+    assert rel in manifest["files"]
+    if fault.startswith("flipped"):
+        _flip_one_byte(tmp_path / rel)
+    elif fault.startswith("truncated"):
+        _truncate(tmp_path / rel)
+    else:
+        (tmp_path / rel).unlink()
+    got = on(world, "trainer1", r.refused_load, job("corrupt-load"), str(tmp_path), ["ps0", "ps1", "ps2"])
+    assert got["error"] is not None and got["error"].startswith("CheckpointError"), got["error"]
+    assert str(tmp_path / rel) in got["error"], got["error"]
+    why = {"flipped": "sha256", "truncated": "truncated", "missing": "missing"}[fault.split()[0]]
+    assert why in got["error"], got["error"]
+    same(got["after"], got["before"], "unchanged")
+
+
+def test_a_checkpoint_without_its_manifest_is_torn_and_refused(world, tmp_path):
+    on(world, "trainer0", r.saved, job("torn"), str(tmp_path))
+    (tmp_path / "manifest.json").unlink()  # (as a save killed before its last write leaves it)
+    got = on(world, "trainer1", r.refused_load, job("torn-load"), str(tmp_path), ["ps0", "ps1"])
+    assert got["error"] is not None and got["error"].startswith("CheckpointError"), got["error"]
+    assert "manifest.json" in got["error"] and "torn" in got["error"], got["error"]
+    same(got["after"], got["before"], "unchanged")
+
+
+def test_a_table_that_does_not_fit_is_refused_before_anything_changes(world, tmp_path):
+    on(world, "trainer0", r.saved, job("misfit"), str(tmp_path), "eager-sparse-adam-eviction")
+    got = on(world, "trainer1", r.refused_load, job("misfit-load"), str(tmp_path), ["ps0", "ps1"], "eager-sgd")
+    assert got["error"] is not None and got["error"].startswith("ValueError"), got["error"]
+    assert "SparseAdam" in got["error"] and "SGD" in got["error"], got["error"]
+    same(got["after"], got["before"], "unchanged")
+
+
+def test_the_local_layout_writes_each_servers_files_in_its_own_folder_and_loads_onto_the_same_servers(
+        world, tmp_path):
+    got = on(world, "trainer0", r.local_layout, job("local"), str(tmp_path))
+    files = got["files"]
+    assert sorted(files["ps0"]) == ["emb.ps0.distcp", "emb.ps0.pt"], files
+    assert sorted(files["ps1"]) == ["emb.ps1.distcp", "emb.ps1.pt"], files
+    # the trainer's own files stay at the top; no server wrote there
+    assert {n for n, sub in files.items() if sub is None} == {".metadata", "emb.trainer.pt", "manifest.json"}, files
+    same(got["loaded"], got["saved"], "local layout, same servers")
+    # what each server is told to read at a load: its own folder's files only
+    entry, listed = got["manifest"]["tables"]["emb"], got["manifest"]["files"]
+    for server, blocks in got["blocks"].items():
+        reads = _reads(entry, listed, server, blocks, "local", True)
+        assert reads.files and all(f.rel.startswith(f"{server}/") for f in reads.files), (server, reads)
+    # (in the shared layout the same servers would read the other's files too: its blocks overlap)
+    assert {f.rel for f in _reads(entry, listed, "ps0", [(0, r.ROWS)], "shared", True).files} == {
+        rel for rel, e in listed.items() if e["server"] is not None}
+
+
+def test_a_local_checkpoint_onto_other_servers_is_refused_saying_the_shared_layout_is_needed(world, tmp_path):
+    on(world, "trainer0", r.saved, job("local-other"), str(tmp_path), "eager-sgd", "local")
+    got = on(world, "trainer1", r.refused_load, job("local-other-load"), str(tmp_path), ["ps0", "ps1", "ps2"])
+    assert got["error"] is not None and got["error"].startswith("CheckpointError"), got["error"]
+    assert "local layout" in got["error"] and "layout='shared'" in got["error"], got["error"]
+    same(got["after"], got["before"], "unchanged")
+
+
+def test_objects_other_than_tables_are_refused_naming_what_is_supported(world, tmp_path):
+    message = on(world, "trainer0", r.unsupported, str(tmp_path))
+    assert "ShardedEmbeddingBagCollection" in message and "Linear" in message, message
+    assert not (tmp_path / "manifest.json").exists()
+
+
+def test_the_trainer_receives_bytes_that_do_not_grow_with_the_rows_saved_and_loaded(world, tmp_path):
+    # a lazy table of 10**8 rows (dim 16) holding 2 000, then 20 000 rows: what passes through
+    # the trainer is the manifest's worth (tests/benchmarks/bench_shard_checkpoints.py: 10**6 rows)
+    small = on(world, "trainer0", r.trainer_bytes, job("bytes-small"), str(tmp_path / "small"), 2000)
+    large = on(world, "trainer0", r.trainer_bytes, job("bytes-large"), str(tmp_path / "large"), 20000)
+    assert small["held"] == 2000 and large["held"] == 20000
+    for what in ("save", "load"):
+        for side in ("received", "sent"):
+            assert large[what][side] < 64 * 1024, (what, side, large)
+            # 10x the rows (1.2 MB more of them): a few bytes more (digits of sizes)
+            assert abs(large[what][side] - small[what][side]) < 2048, (what, side, small, large)
