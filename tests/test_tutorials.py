@@ -97,6 +97,8 @@ def test_embeddings_table_trains_and_its_checkpoint_loads_locally():
     assert 0 < per_step < table, pushed[0]  # only the touched rows' gradients travel
     check = [line for line in lines if line.startswith("checkpoint in nn.EmbeddingBag: max difference ")]
     assert len(check) == 1 and float(check[0].rsplit(" ", 1)[1]) < 1e-5, out.stdout  # float32 rounding at most
+    # the server saved its own rows: a fresh table loads them, and dcp.load reads them, bit for bit
+    assert "loaded equal True, dcp.load equal True" in out.stdout, out.stdout
     no_avoidable_warnings(out.stderr)
     # it says how it goes while it runs: the world starting, then a line every quarter of the steps
     _says_the_world_starting(out.stdout, 2)

@@ -8,7 +8,15 @@ import sys
 import pytest
 import torch
 
-from tests.benchmarks import bench_admission, bench_dlrm, bench_embedding, bench_pipeline, bench_ps, bench_sharded
+from tests.benchmarks import (
+    bench_admission,
+    bench_dlrm,
+    bench_embedding,
+    bench_pipeline,
+    bench_ps,
+    bench_shard_checkpoints,
+    bench_sharded,
+)
 from tests.benchmarks import bench_remote_module as bench
 from tests.benchmarks._caller_bytes import sized
 
@@ -401,3 +409,14 @@ def test_ps_report_grades_only_a_full_run(quick):
         assert "quick run: not graded (2 rounds of 2 steps" in text, text
     else:
         assert all(line.endswith("  NOT MET") for line in graded) and "quick run" not in text, text
+
+
+def test_quick_shard_checkpoints_benchmark_runs(tmp_path, capsys):
+    saved = quick_run(bench_shard_checkpoints, tmp_path / "bench-shard-checkpoints.json")
+    assert saved["held"] == bench_shard_checkpoints.QUICK["held"]
+    for key in ("save", "load"):
+        # the servers write and read the rows: the trainer receives a manifest's worth
+        assert 0 < saved[key]["received_bytes"] < 64 * 1024, saved[key]
+    # the trainer-side checkpoint of the same rows passes them all through the trainer
+    assert saved["trainer_side_checkpoint"]["received_bytes"] > saved["held"] * 16 * 4
+    assert "target <= 1.0 MB" in capsys.readouterr().out
