@@ -184,3 +184,12 @@ def test_the_trainer_receives_bytes_that_do_not_grow_with_the_rows_saved_and_loa
             assert large[what][side] < 64 * 1024, (what, side, large)
             # 10x the rows (1.2 MB more of them): a few bytes more (digits of sizes)
             assert abs(large[what][side] - small[what][side]) < 2048, (what, side, small, large)
+
+
+def test_a_save_over_an_earlier_one_in_the_same_directory_loads_the_later(world, tmp_path):
+    first = on(world, "trainer0", r.eager_weight, job("over-1"), str(tmp_path))
+    second = on(world, "trainer0", r.eager_weight, job("over-2"), str(tmp_path))
+    assert not torch.equal(first["weight"], second["weight"])
+    got = on(world, "trainer1", r.refused_load, job("over-load"), str(tmp_path), ["ps1", "ps2"])
+    assert got["error"] is None, got["error"]
+    assert torch.equal(got["after"]["model"]["weight"], second["weight"])

@@ -124,20 +124,18 @@ def save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, layout: 
 
 def _table_manifest(directory: str, layout: str, key: str, table: ShardedEmbedding, written: list,
                     files: dict) -> dict:
-    """A table's manifest entry, from what each server wrote (``written``: ``(server, reply)``);
+    """A table's manifest entry, from what each server wrote (``written``: ``(server, Written)``);
     adds every file to ``files``, the trainer's own (its ps_optimizer settings; in geo mode the
     local optimizer state) among them."""
     servers = {}
     for server, reply in written:
         where = "" if layout == "shared" else f"{server}/"
-        for rel, (size, sha) in reply["files"].items():
+        for rel, (size, sha) in reply.files.items():
             files[where + rel] = {"bytes": size, "sha256": sha, "server": server}
         stem = f"{where}{key}.{server}"
-        servers[server] = {"blocks": reply["blocks"], "clock": reply["clock"], "versions": reply["versions"],
-                           "optimizer_steps": reply["optimizer_steps"], "state_keys": reply["state_keys"],
-                           "state_rows": reply["state_rows"], "rows": f"{stem}.pt",
-                           "weights": f"{stem}.distcp" if reply["chunks"] else None, "chunks": reply["chunks"],
-                           "sketch": f"{stem}.sketch.pt" if f"{key}.{server}.sketch.pt" in reply["files"] else None}
+        servers[server] = {**{k: v for k, v in reply._asdict().items() if k != "files"}, "rows": f"{stem}.pt",
+                           "weights": f"{stem}.distcp" if reply.chunks else None,
+                           "sketch": f"{stem}.sketch.pt" if f"{key}.{server}.sketch.pt" in reply.files else None}
     own = {"ps_optimizer": table.ps_optimizer.state_dict(),
            "geo": table.optimizer_state_dict() if table.ps_mode == "geo" else None}
     rel = f"{key}.trainer.pt"

@@ -59,6 +59,23 @@ class ShardReads(NamedTuple):
     sketches: list[str]
 
 
+class Written(NamedTuple):
+    """What a server wrote of a table (:func:`_write_shards`), as the manifest lists it: its
+    ``files`` (``{rel: (size, sha256)}``), an eager table's ``chunks`` (``(first row, rows,
+    offset, length)`` in its ``.distcp`` file), the ``blocks`` it holds, the table's step here
+    (``clock``) and its optimizer step count, the optimizer state's keys and rows, and the
+    table's ``versions`` while read (its place in the delta chains: ``(first, last)``)."""
+
+    files: dict[str, tuple[int, str]]
+    chunks: list[tuple[int, int, int, int]]
+    blocks: list[tuple[int, int]]
+    clock: int
+    optimizer_steps: int
+    state_keys: list[str]
+    state_rows: int
+    versions: tuple[int, int]
+
+
 class Staged(NamedTuple):
     """A table's rows, state and sketches read for a load, kept until it is applied."""
 
@@ -97,39 +114,36 @@ def _write_file(directory: str, rel: str, parts: list[memoryview]) -> tuple[int,
     return size, digest.hexdigest()
 
 
-def _write_shards(name: str, directory: str, stem: str, evicting: bool) -> dict:
+def _write_shards(name: str, directory: str, stem: str, evicting: bool) -> Written:
     """Write this server's blocks of table ``name`` under ``directory`` (files ``stem.*``, ``stem``
-    relative to it): what the manifest lists, ``{"files": {rel: (size, sha256)}, "chunks":
-    [(first, rows, offset, length)] (eager), "blocks", "clock", "optimizer_steps",
-    "state_keys", "state_rows", "versions": (first, last)}``."""
+    relative to it; ``evicting``: with each row's eviction clock): what the manifest lists."""
     table = _table(name)
     blocks = table.layout()
     read = [handlers._block_rows(name, first, True, True) for first, _ in blocks]
     state = [handlers._row_state(name, first) for first, _ in blocks]
     eager = table.spec.init != "lazy"
     ids = torch.cat([r[0] for r in read])
-    clock = max(r[3] for r in read)  # (the step is the table's: the same in each block's read)
+    clock = max(r[3] for r in read)  # (the table's step here: a block read before a step was a step behind)
     keys = list(dict.fromkeys(k for _, _, s in state for k in s))
     empty = torch.empty(0, table.spec.dim, dtype=table.spec.dtype)
     by_id = {"table": name, "blocks": blocks, "ids": ids, "rows": None if eager else torch.cat([r[1] for r in read]),
-             "last": torch.cat([r[2] for r in read]) if evicting and read[0][2] is not None else None, "clock": clock,
+             "last": torch.cat([handlers.aged(r[2], clock - r[3]) for r in read])
+             if evicting and read[0][2] is not None else None, "clock": clock,
              "optimizer_steps": max(s[0] for s in state), "state_ids": torch.cat([s[1] for s in state]),
              "state": {k: torch.cat([s[2].get(k, empty) for s in state]) for k in keys}}
-    out: dict[str, Any] = {"files": {}, "chunks": [], "blocks": blocks, "clock": clock,
-                           "optimizer_steps": by_id["optimizer_steps"], "state_keys": keys,
-                           "state_rows": by_id["state_ids"].numel(),
-                           "versions": (min(r[-1] for r in read), max(r[-1] for r in read))}
+    out = Written({}, [], blocks, clock, by_id["optimizer_steps"], keys, by_id["state_ids"].numel(),
+                  (min(r[-1] for r in read), max(r[-1] for r in read)))
     if eager:  # each block's rows, as torch.distributed.checkpoint writes a tensor chunk
         parts, offset = [], 0
         for (first, count), r in zip(blocks, read):
             parts.append(_save_bytes(r[1].contiguous()))
-            out["chunks"].append((first, count, offset, len(parts[-1])))
+            out.chunks.append((first, count, offset, len(parts[-1])))
             offset += len(parts[-1])
-        out["files"][f"{stem}.distcp"] = _write_file(directory, f"{stem}.distcp", parts)
-    out["files"][f"{stem}.pt"] = _write_file(directory, f"{stem}.pt", [_save_bytes(by_id)])
+        out.files[f"{stem}.distcp"] = _write_file(directory, f"{stem}.distcp", parts)
+    out.files[f"{stem}.pt"] = _write_file(directory, f"{stem}.pt", [_save_bytes(by_id)])
     admission = handlers._admission_state(name)
     if admission is not None:
-        out["files"][f"{stem}.sketch.pt"] = _write_file(directory, f"{stem}.sketch.pt", [_save_bytes(admission)])
+        out.files[f"{stem}.sketch.pt"] = _write_file(directory, f"{stem}.sketch.pt", [_save_bytes(admission)])
     return out
 
 
