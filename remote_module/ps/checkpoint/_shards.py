@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import pickle
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -72,8 +73,9 @@ def save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, layout: 
     atomically: a directory without it is torn and never loaded. The tables are settled first,
     as ``state_dict()`` settles them. Returns the manifest.
 
-    ``layout``: ``"shared"`` (``path`` is one directory every server and the trainer reach, a
-    shared filesystem or one machine): loads onto any servers, any number (2 -> 3).
+    ``layout``: ``"shared"`` (``path``, made absolute here, is one directory every server and
+    the trainer reach at that path, a shared filesystem or one machine): loads onto any
+    servers, any number (2 -> 3).
     ``"local"``: each server writes under ``path/<its worker name>/`` on its own disk (the
     trainer's files and manifest stay in ``path`` on its own); it loads only onto the same
     servers holding the same blocks (:class:`CheckpointError` otherwise: use ``"shared"``).
@@ -93,7 +95,7 @@ def save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, layout: 
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    directory = os.fspath(path)
+    directory = os.path.abspath(os.fspath(path))  # (servers resolve it the same, whatever their cwd)
     tables, described = _tables_of(objects)
     os.makedirs(directory, exist_ok=True)
     if os.path.exists(os.path.join(directory, MANIFEST)):  # (saved over: torn until the new manifest)
@@ -171,7 +173,7 @@ def load_shards(path: str | os.PathLike, objects: Mapping[str, Any]) -> None:
         emb = ShardedEmbeddingBag(10**6, 16, ["ps0", "ps1", "ps2"], name="emb", init="lazy")
         load_shards("/shared/ckpt/step100", {"emb": emb})  # saved on ps0, ps1: now on three
     """
-    directory = os.fspath(path)
+    directory = os.path.abspath(os.fspath(path))  # (servers resolve it the same, whatever their cwd)
     manifest = read_manifest(directory)
     tables, _ = _tables_of(objects)
     plans = [_plan(directory, manifest, key, table) for key, table in tables]
@@ -200,11 +202,11 @@ def load_shards(path: str | os.PathLike, objects: Mapping[str, Any]) -> None:
 def _own_state(directory: str, files: dict, rel: str) -> dict:
     """The trainer's file of a table (its ps_optimizer settings, geo state), checked."""
     try:
-        data = _shard_files._verified(directory, FileEntry(*file_entry(files, rel)))
-        return torch.load(io.BytesIO(data), weights_only=True)
+        _shard_files._verify(directory, FileEntry(*file_entry(files, rel)))
+        return torch.load(os.path.join(directory, rel), weights_only=True)
     except CheckpointError:
         raise
-    except (ValueError, RuntimeError, EOFError) as exc:
+    except (ValueError, OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
         raise CheckpointError(f"the checkpoint in {directory!r} cannot be loaded, nothing was: {exc}") from None
 
 

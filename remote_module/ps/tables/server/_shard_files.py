@@ -147,9 +147,9 @@ def _write_shards(name: str, directory: str, stem: str, evicting: bool) -> Writt
     return out
 
 
-def _verified(directory: str, entry: FileEntry) -> bytearray:
-    """The bytes of the checkpoint's file ``entry``; ``ValueError`` naming it unless they are
-    the size and sha256 the manifest records."""
+def _verify(directory: str, entry: FileEntry) -> None:
+    """``ValueError`` naming the checkpoint's file ``entry`` unless it has the size and sha256
+    the manifest records (read through once, a block at a time)."""
     path = os.path.join(directory, entry.rel)
     try:
         size = os.path.getsize(path)
@@ -157,58 +157,73 @@ def _verified(directory: str, entry: FileEntry) -> bytearray:
         raise ValueError(f"{path}: missing or unreadable ({exc.strerror or exc})") from None
     if size != entry.size:
         raise ValueError(f"{path}: {size} bytes, the manifest says {entry.size} (truncated or overwritten)")
-    digest, data = hashlib.sha256(), bytearray(size)
-    view, at = memoryview(data), 0
+    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while at < size:
-            n = f.readinto(view[at:at + _READ_BYTES])
-            if not n:
-                raise ValueError(f"{path}: ended at {at} bytes while read, the manifest says {size} (truncated)")
-            digest.update(view[at:at + n])
-            at += n
+        while part := f.read(_READ_BYTES):
+            digest.update(part)
     if digest.hexdigest() != entry.sha256:
         raise ValueError(f"{path}: its sha256 is {digest.hexdigest()}, the manifest says {entry.sha256} (corrupt)")
-    return data
+
+
+def _load(path: str, at: tuple[int, int] | None = None) -> Any:
+    """What a checked file holds (memory-mapped: only what is used is read), or the tensor
+    saved at ``at`` (``(offset, length)``) in it."""
+    if at is None:
+        return torch.load(path, mmap=True, weights_only=True)
+    with open(path, "rb") as f:
+        f.seek(at[0])
+        return torch.load(io.BytesIO(f.read(at[1])), weights_only=True)
 
 
 def _stage_shards(name: str, key: str, directory: str, reads: ShardReads, clock: int) -> str | None:
     """Read (and check) this server's share of a table's checkpoint for load ``key``: the rows
     in its own blocks, their clocks aged to the table's step ``clock``, their optimizer state
-    and every saved sketch; kept until :func:`_apply_staged`. Nothing of the table changes.
-    Why it cannot be loaded (a file missing, truncated or corrupt, named), or None."""
+    and every saved sketch; kept until :func:`_apply_staged`. Every file is checked before any
+    is read; nothing of the table changes. Why it cannot be loaded (a file missing, truncated or
+    corrupt, named), or None."""
     table = _table(name)
     try:
-        data = {entry.rel: _verified(directory, entry) for entry in reads.files}
-        loaded = {rel: torch.load(io.BytesIO(data[rel]), weights_only=True) for rel, _ in reads.rows}
-        sketches = [(*torch.load(io.BytesIO(data[rel]), weights_only=True), None) for rel in reads.sketches]
-        chunks = {(rel, first): torch.load(io.BytesIO(memoryview(data[rel])[offset:offset + length]),
-                                           weights_only=True)
-                  for rel, first, _, offset, length in reads.chunks}
+        for entry in reads.files:
+            _verify(directory, entry)
+        staged = _read_mine(table.layout(), directory, reads, clock, table.spec.dim)
+        sketches = [(*_load(os.path.join(directory, rel)), None) for rel in reads.sketches]
     except (ValueError, OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:  # (one that does not read)
         return str(exc) if isinstance(exc, ValueError) else f"{directory}: a file does not read: {exc}"
-    mine = tuple(table.layout())
-    ids, rows, last, state_ids, state = [], [], [], [], []
-    for rel, saved_clock in reads.rows:
-        part = loaded[rel]
-        keep = handlers._in_ranges(part["ids"], mine)
-        ids.append(part["ids"][keep])
-        rows.append(part["rows"][keep] if part["rows"] is not None else _eager_rows(part, chunks, rel, keep))
-        if part["last"] is not None:
-            last.append(handlers.aged(part["last"], clock - saved_clock)[keep])
-        kept = handlers._in_ranges(part["state_ids"], mine)
-        state_ids.append(part["state_ids"][kept])
-        state.append({k: v[kept] for k, v in part["state"].items()})
-    staged = _sorted(key, ids, rows, last if len(last) == len(ids) else None, state_ids, state, table.spec.dim)
     with _staged_lock:
-        _staged[name] = staged._replace(sketches=sketches)
+        _staged[name] = staged._replace(key=key, sketches=sketches)
     return None
 
 
-def _eager_rows(part: dict, chunks: dict, rel: str, keep: torch.Tensor) -> torch.Tensor:
-    """An eager server's rows (its blocks' chunks, in order) where ``keep``."""
-    stem = rel[:-len(".pt")]
-    every = torch.cat([chunks[(f"{stem}.distcp", first)] for first, _ in part["blocks"]])
-    return every[keep]
+def _read_mine(layout: list[tuple[int, int]], directory: str, reads: ShardReads, clock: int, dim: int) -> Staged:
+    """The rows of the blocks ``layout`` (this server's) in the checked files ``reads``, their
+    clocks (aged to ``clock``) and optimizer state, sorted by id."""
+    mine = tuple(layout)
+    chunks = {(rel, first): (offset, length) for rel, first, _, offset, length in reads.chunks}
+    ids, rows, last, state_ids, state = [], [], [], [], []
+    for rel, saved_clock in reads.rows:
+        part = _load(os.path.join(directory, rel))
+        keep = handlers._in_ranges(part["ids"], mine)
+        ids.append(part["ids"][keep])
+        rows.append(part["rows"][keep] if part["rows"] is not None
+                    else _eager_rows(part["blocks"], mine, directory, rel, chunks, dim))
+        if part["last"] is not None:
+            last.append(handlers.aged(part["last"][keep], clock - saved_clock))
+        kept = handlers._in_ranges(part["state_ids"], mine)
+        state_ids.append(part["state_ids"][kept])
+        state.append({k: v[kept] for k, v in part["state"].items()})
+    return _sorted("", ids, rows, last if len(last) == len(ids) else None, state_ids, state, dim)
+
+
+def _eager_rows(blocks: list, mine: tuple, directory: str, rel: str, chunks: dict, dim: int) -> torch.Tensor:
+    """An eager server's rows in this server's ranges ``mine``, block by block in the order of
+    its by-id file (``rel``); only the blocks that hold some are read from its ``.distcp``."""
+    weights = f"{rel[:-len('.pt')]}.distcp"
+    out = [torch.empty(0, dim)]
+    for first, count in blocks:
+        inside = handlers._in_ranges(torch.arange(first, first + count), mine)
+        if bool(inside.any()):
+            out.append(_load(os.path.join(directory, weights), chunks[(weights, first)])[inside])
+    return torch.cat(out)
 
 
 def _sorted(key: str, ids: list, rows: list, last: list | None, state_ids: list, state: list, dim: int) -> Staged:
