@@ -103,6 +103,9 @@ def save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, layout: 
         sync_directory(directory)
     for _, table in tables:
         table._settle()
+    # the trainer's own state of each table (geo: its local optimizer's), as the servers' is read
+    owns = [{"ps_optimizer": table.ps_optimizer.state_dict(),
+             "geo": table.optimizer_state_dict() if table.ps_mode == "geo" else None} for _, table in tables]
     calls = [(server, _shard_files._write_shards, (table.name, directory if layout == "shared" else
                                                    os.path.join(directory, server), f"{key}.{server}",
                                                    table.evict_after_steps is not None))
@@ -111,9 +114,9 @@ def save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, layout: 
     manifest: dict[str, Any] = {"format": FORMAT, "version": VERSION, "layout": layout, "objects": described,
                                 "tables": {}, "files": {}}
     weights = {}
-    for key, table in tables:
+    for (key, table), own in zip(tables, owns):
         entry = _table_manifest(directory, layout, key, table, [(s, next(got)) for s in table._by_server],
-                                manifest["files"])
+                                own, manifest["files"])
         manifest["tables"][key] = entry
         if entry["dcp_key"] is not None:
             weights[entry["dcp_key"]] = ((table.num_embeddings, table.embedding_dim), [
@@ -124,11 +127,11 @@ def save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, layout: 
     return write_manifest(directory, manifest)
 
 
-def _table_manifest(directory: str, layout: str, key: str, table: ShardedEmbedding, written: list,
+def _table_manifest(directory: str, layout: str, key: str, table: ShardedEmbedding, written: list, own: dict,
                     files: dict) -> dict:
-    """A table's manifest entry, from what each server wrote (``written``: ``(server, Written)``);
-    adds every file to ``files``, the trainer's own (its ps_optimizer settings; in geo mode the
-    local optimizer state) among them."""
+    """A table's manifest entry, from what each server wrote (``written``: ``(server, Written)``)
+    and the trainer's ``own`` state of it (its ps_optimizer settings; in geo mode its local
+    optimizer state), which it writes here; adds every file to ``files``."""
     servers = {}
     for server, reply in written:
         where = "" if layout == "shared" else f"{server}/"
@@ -138,8 +141,6 @@ def _table_manifest(directory: str, layout: str, key: str, table: ShardedEmbeddi
         servers[server] = {**{k: v for k, v in reply._asdict().items() if k != "files"}, "rows": f"{stem}.pt",
                            "weights": f"{stem}.distcp" if reply.chunks else None,
                            "sketch": f"{stem}.sketch.pt" if f"{key}.{server}.sketch.pt" in reply.files else None}
-    own = {"ps_optimizer": table.ps_optimizer.state_dict(),
-           "geo": table.optimizer_state_dict() if table.ps_mode == "geo" else None}
     rel = f"{key}.trainer.pt"
     buffer = io.BytesIO()
     torch.save(own, buffer)
