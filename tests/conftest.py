@@ -120,6 +120,7 @@ RUN_FIRST = (
     "tests/sharded/test_faults.py",
     "tests/ps/test_dense_edge_cases.py",
     "tests/ps/test_embedding_faults.py",
+    "tests/ps/test_shard_checkpoints.py",
     "tests/backend/test_shutdown.py",
     "tests/backend/test_worlds.py",
     "tests/proxy/test_same_script.py",

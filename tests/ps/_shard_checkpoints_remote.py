@@ -231,3 +231,45 @@ def trainer_bytes(name: str, directory: str, rows: int) -> dict:
                      "messages": sum(traffic.messages.values())}
     out["held"] = target.table_stats()["rows_held"]
     return out
+
+
+# ---- a server lost during a save ----------------------------------------------------------------
+
+#: this trainer's tables by job name, between calls
+_held: dict[str, Any] = {}
+
+
+def saved_before_a_loss(name: str, directory: str, timeout: float) -> dict:
+    """A table on ps0, ps1 trained and saved to ``directory``, kept here: its checkpoint."""
+    from remote_module.ps import save_shards
+
+    emb = _held[name] = bag(name, ["ps0", "ps1"], "lazy-adagrad-admission-eviction", timeout=timeout)
+    train(emb, range(5))
+    save_shards(directory, {"emb": emb})
+    return checkpoint(emb)
+
+
+def save_with_a_server_lost(name: str, directory: str) -> str | None:
+    """The kept table saved to ``directory`` (a server of it is gone): the error, or None."""
+    from remote_module.ps import save_shards
+
+    try:
+        save_shards(directory, {"emb": _held.pop(name)})
+    except Exception as exc:  # (what a lost server raises: the test checks it names it)
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def load_after_a_loss(name: str, torn: str, previous: str) -> dict:
+    """A table of the same rows on ps0, ps2: the error loading ``torn``, then its checkpoint
+    once ``previous`` is loaded."""
+    from remote_module.ps import load_shards
+
+    emb = bag(name + "-survivors", ["ps0", "ps2"], "lazy-adagrad-admission-eviction")
+    try:
+        load_shards(torn, {"emb": emb})
+        error = None
+    except ValueError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    load_shards(previous, {"emb": emb})
+    return {"error": error, "loaded": checkpoint(emb)}

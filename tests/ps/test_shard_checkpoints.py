@@ -12,11 +12,13 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
 
 from remote_module.ps.checkpoint._shards import _reads
+from tests._deadlines import HANG_S
 from tests.ps import _shard_checkpoints_remote as r
 from tests.ps._world import ROOT, job
 from tests.ps.test_table_checkpoints import same
@@ -193,3 +195,33 @@ def test_a_save_over_an_earlier_one_in_the_same_directory_loads_the_later(world,
     got = on(world, "trainer1", r.refused_load, job("over-load"), str(tmp_path), ["ps1", "ps2"])
     assert got["error"] is None, got["error"]
     assert torch.equal(got["after"]["model"]["weight"], second["weight"])
+
+
+@pytest.fixture(scope="module")
+def losing():
+    """A world of its own (a server is killed in it): driver, ps0-ps2, trainer0."""
+    from tests.ps._world import PSWorld
+
+    with PSWorld({"ps": 3, "trainer": 1}) as w:
+        yield w
+
+
+def test_a_server_lost_during_a_save_leaves_it_torn_and_the_previous_checkpoint_loads(losing, tmp_path):
+    previous, torn = tmp_path / "previous", tmp_path / "torn"
+    name = job("lost-server")
+    # (the tables' timeout only bounds the hang guard: a killed rank's connection fails at once)
+    saved = on(losing, "trainer0", r.saved_before_a_loss, name, str(previous), HANG_S)
+    losing.kill("ps1")
+    error = on(losing, "trainer0", r.save_with_a_server_lost, name, str(torn))
+    assert error is not None and "ps1" in error, error
+    assert not (torn / "manifest.json").exists()
+    # ps0 wrote its blocks without waiting for ps1 (no collective among servers)
+    deadline = time.monotonic() + HANG_S
+    while not (torn / "emb.ps0.pt").exists():
+        assert time.monotonic() < deadline, sorted(os.listdir(torn))
+        time.sleep(0.05)
+    got = on(losing, "trainer0", r.load_after_a_loss, name, str(torn), str(previous))
+    assert got["error"] is not None and got["error"].startswith("CheckpointError") and "torn" in got["error"]
+    # the servers left (ps0, ps2) hold what was saved before the loss (shared layout: any servers)
+    for part in ("model", "optim"):
+        same(got["loaded"][part], saved[part], part)
