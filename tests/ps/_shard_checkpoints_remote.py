@@ -192,14 +192,20 @@ def collection_round_trip(name: str, directory: str) -> dict:
             "target": (dense(target.state_dict()), target.optimizer_state_dict())}
 
 
-def unsupported(directory: str) -> str:
-    from remote_module.ps import save_shards
+def unsupported(name: str, directory: str) -> dict:
+    """save_shards given a Linear, and two tables whose keys collide: each error."""
+    from remote_module.ps import ShardedEmbeddingBagCollection, save_shards
 
-    try:
-        save_shards(directory, {"model": torch.nn.Linear(2, 2)})
-    except TypeError as exc:
-        return str(exc)
-    return "no error"
+    out = {}
+    collection = ShardedEmbeddingBagCollection({"b": bag(name + "-b", ["ps0"], "eager-sgd")})
+    for case, objects in (("linear", {"model": torch.nn.Linear(2, 2)}),
+                          ("collide", {"a": collection, "a.b": bag(name, ["ps1"], "eager-sgd")})):
+        try:
+            save_shards(directory, objects)
+            out[case] = "no error"
+        except (TypeError, ValueError) as exc:
+            out[case] = f"{type(exc).__name__}: {exc}"
+    return out
 
 
 def trainer_bytes(name: str, directory: str, rows: int) -> dict:

@@ -169,9 +169,11 @@ def test_a_local_checkpoint_onto_other_servers_is_refused_saying_the_shared_layo
     same(got["after"], got["before"], "unchanged")
 
 
-def test_objects_other_than_tables_are_refused_naming_what_is_supported(world, tmp_path):
-    message = on(world, "trainer0", r.unsupported, str(tmp_path))
-    assert "ShardedEmbeddingBagCollection" in message and "Linear" in message, message
+def test_objects_other_than_tables_or_names_that_collide_are_refused(world, tmp_path):
+    got = on(world, "trainer0", r.unsupported, job("unsupported"), str(tmp_path))
+    assert got["linear"].startswith("TypeError") and "ShardedEmbeddingBagCollection" in got["linear"], got
+    assert "Linear" in got["linear"] and "PSModel" in got["linear"], got
+    assert got["collide"].startswith("ValueError") and "'a.b'" in got["collide"], got
     assert not (tmp_path / "manifest.json").exists()
 
 

@@ -56,6 +56,11 @@ def _tables_of(objects: Any) -> tuple[list[tuple[str, ShardedEmbedding]], dict]:
             raise TypeError(f"save_shards / load_shards take ShardedEmbedding, ShardedEmbeddingBag and "
                             f"ShardedEmbeddingBagCollection objects (PSModel: not yet); {name!r} is "
                             f"{type(obj).__name__}")
+    keys = [key for key, _ in tables]
+    twice = sorted({key for key in keys if keys.count(key) > 1})
+    if twice:
+        raise ValueError(f"two tables would be saved as {twice[0]!r} (a collection's table is "
+                         "'<name>.<table>'): give the objects names that do not collide")
     return tables, described
 
 
