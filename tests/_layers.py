@@ -21,8 +21,9 @@ ps/'s inner map (``remote_module/ps/__init__.py`` says it too), by the part a mo
 ``shared`` (``ps/_*.py``: placement, options, modes, row-wise optimizers, the PS optimizer, the
 step transport), ``dense`` (``ps/dense/``: PSModel, its checkpoints, its server), ``tables``
 (``ps/tables/*.py``: the trainer side of the tables), ``tables/server`` (``ps/tables/server/``:
-table state, handlers, rows, initial rows, pooling, memory) and ``tables/lifetime``
-(``ps/tables/lifetime/``: admission, eviction, deltas). Within ps/, a module imports:
+table state, handlers, rows, initial rows, pooling, memory), ``tables/lifetime``
+(``ps/tables/lifetime/``: admission, eviction, deltas) and ``checkpoint`` (``ps/checkpoint/``:
+the job's checkpointer). Within ps/, a module imports:
 
 - ``shared``: shared modules only;
 - ``dense``: shared and dense modules (never tables/: what both need is a shared module);
@@ -30,6 +31,8 @@ table state, handlers, rows, initial rows, pooling, memory) and ``tables/lifetim
 - ``tables/server``: shared, tables/server and tables/lifetime modules, never the trainer side;
 - ``tables/lifetime``: lifetime modules, row storage (``tables/server/_rows.py``) and initial
   rows (``tables/server/_initial.py``) only;
+- ``checkpoint``: shared and checkpoint modules only (tables and PSModels through their
+  public methods);
 - and none of them ``remote_module.ps`` itself (its public names lead to every part).
 
 Every import counts, also one inside a function, a relative one (``from .._core import x``),
@@ -165,6 +168,7 @@ PS_ALLOWED = {
     "tables": ("shared", "tables", "tables/server", "tables/lifetime"),
     "tables/server": ("shared", "tables/server", "tables/lifetime"),
     "tables/lifetime": ("tables/lifetime",),
+    "checkpoint": ("shared", "checkpoint"),
 }
 #: the modules of other parts tables/lifetime may import: row storage and initial rows
 LIFETIME_USES = ("remote_module.ps.tables.server._rows", "remote_module.ps.tables.server._initial")
@@ -175,19 +179,21 @@ PS_RULES = {
     "tables/server": "tables/server/ never imports the trainer side (tables/'s own modules) or dense/",
     "tables/lifetime": "tables/lifetime/ imports only row storage and initial rows (tables/server/_rows.py, "
                        "_initial.py)",
+    "checkpoint": "checkpoint/ imports only shared ps/ modules and its own (tables and PSModels through "
+                  "their methods)",
 }
 
 
 def _ps_part(parts: tuple[str, ...] | list[str]) -> str:
     """The part of ps/ that ``parts`` (below ``remote_module/ps``: a file's path or a module's
     dotted name, split) is in: ``ps`` (the package itself), ``shared``, ``dense``, ``tables``,
-    ``tables/server`` or ``tables/lifetime``."""
+    ``tables/server``, ``tables/lifetime`` or ``checkpoint``."""
     parts = [p[:-3] if p.endswith(".py") else p for p in parts]
     if not parts or parts == ["__init__"]:
         return "ps"
     if parts[0] == "tables" and len(parts) > 1 and parts[1] in ("server", "lifetime"):
         return f"tables/{parts[1]}"
-    if parts[0] in ("dense", "tables"):
+    if parts[0] in ("dense", "tables", "checkpoint"):
         return parts[0]
     return "shared"
 

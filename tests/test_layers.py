@@ -75,6 +75,11 @@ PLANTED = [
     ("remote_module/ps/_optimizer.py", "from remote_module.ps.dense._model import PSModel",
      "shared modules import nothing"),
     ("remote_module/ps/tables/_embedding.py", "from remote_module.ps import PSModel", "not remote_module.ps"),
+    # checkpoint/ reaches tables and PSModels through their methods only
+    ("remote_module/ps/checkpoint/_checkpointer.py", "from remote_module.ps.tables._embedding import ShardedEmbedding",
+     "checkpoint/ imports only shared"),
+    ("remote_module/ps/checkpoint/_checkpointer.py", "from ..dense import _model", "checkpoint/ imports only shared"),
+    ("remote_module/ps/checkpoint/_checkpointer.py", "from remote_module.ps import PSModel", "not remote_module.ps"),
 ]
 
 # imports ps/'s inner map allows, planted where a rule applies: nothing is found
@@ -84,6 +89,8 @@ ALLOWED = [
     ("remote_module/ps/tables/_lookups.py", "from remote_module.ps._steps import Flight"),
     ("remote_module/ps/dense/_model.py", "from remote_module.ps._placement import place"),
     ("remote_module/ps/__init__.py", "from remote_module.ps.tables.server import _handlers"),
+    ("remote_module/ps/checkpoint/_checkpointer.py", "from remote_module.ps._modes import PS_MODES"),
+    ("remote_module/ps/checkpoint/_checkpointer.py", "from remote_module.ps.checkpoint import _checkpointer"),
 ]
 
 
