@@ -146,7 +146,7 @@ def test_arguments_are_checked(tmp_path):
         ckpt.step()
 
 
-def test_a_trainer_that_never_saves_times_out_naming_it(tmp_path):
+def test_a_trainer_that_never_saves_times_out_naming_it_and_trainers_are_known(tmp_path):
     # the first of two trainers, alone in a one-rank RPC world: the second's file never comes,
     # so completing the checkpoint fails within the timeout, naming it, and nothing is visible
     out = subprocess.run([sys.executable, "-m", "tests.ps._checkpointer_script", str(tmp_path)], cwd=ROOT,
@@ -156,3 +156,13 @@ def test_a_trainer_that_never_saves_times_out_naming_it(tmp_path):
         out.stdout
     )
     assert complete_checkpoints(tmp_path) == []
+    assert "ValueError: this RPC world was not formed by rpc_backend" in out.stdout and "pass trainers=" in out.stdout
+
+
+def test_save_twice_at_one_step_saves_once(tmp_path):
+    ckpt = Checkpointer(tmp_path, every_steps=1, local={"model": nn.Linear(2, 1)})
+    ckpt.resume()
+    ckpt.step()
+    assert ckpt.save() == tmp_path / ".step-00000001.tmp"  # (already saved by step())
+    ckpt.close()
+    assert _steps(tmp_path) == [1] and [p.name for p in tmp_path.iterdir()] == ["step-00000001"]

@@ -379,6 +379,7 @@ class Checkpointer:
         self._key = str(path)
         self._resumed = False
         self._pending: list[_Pending] = []
+        self._saved: int | None = None  # the step of the last save() (saved once per step)
 
     @property
     def _count(self) -> int:
@@ -474,11 +475,15 @@ class Checkpointer:
     def save(self) -> Path:
         """Save now, at :attr:`step_index` (every trainer calls it at the same step): this
         trainer's file, and on the first trainer the servers' part. Returns the staging
-        directory; the checkpoint is visible once complete (see the module's docstring)."""
+        directory; the checkpoint is visible once complete (see the module's docstring). A second
+        call at the same step does nothing."""
         if not self._resumed:
             raise RuntimeError("call resume() once before saving")
         step = self.step_index
         staging = self.path / f".{STEP_DIR.format(step)}.tmp"
+        if self._saved == step:  # (save() and step() at the same step: once)
+            return staging
+        self._saved = step
         staging.mkdir(parents=True, exist_ok=True)
         if self.rank == 0:
             _save_ps(staging, self.ps)
@@ -542,12 +547,28 @@ class Checkpointer:
 
 
 def _default_trainers() -> list[str]:
-    """The ``"trainer"`` role's workers of the world rpc_backend formed, else ``[]`` (this
-    process is the only trainer)."""
+    """The ``"trainer"`` role's workers of the world rpc_backend formed; ``[]`` without an RPC
+    world (this process is the only trainer); in any other world, ``trainers`` must be given
+    (a ``ValueError`` says so: each trainer taking itself for the only one would overwrite the
+    others' files)."""
     from rpc_backend import current_worker
 
     try:
         me = current_worker()
     except RuntimeError:
-        return []
-    return me.workers("trainer") if me.role == "trainer" else []
+        me = None
+    if me is not None and me.role == "trainer":
+        return me.workers("trainer")
+    if rpc.is_available() and _in_rpc_world():
+        role = f"has the role {me.role!r}" if me is not None else "was not formed by rpc_backend"
+        raise ValueError(f"this RPC world {role}, so which workers are the trainers is not known: pass "
+                         "trainers=[every trainer's worker name], in the same order on each")
+    return []
+
+
+def _in_rpc_world() -> bool:
+    try:
+        rpc.get_worker_info()
+    except RuntimeError:
+        return False
+    return True
