@@ -3,8 +3,8 @@ module): ps0 serves one table, trainer0 and trainer1 each train a small local mo
 a :class:`remote_module.ps.Checkpointer`, batches chosen by the step index (plus draws from the
 global RNGs, which the checkpoint restores).
 
-``--kill ps0|trainer1 --at K``: in torchrun's first attempt only, that process is SIGKILLed
-before step K (ps0 by trainer0, over RPC; trainer1 by itself); torchrun restarts the world and
+``--kill ps0|trainer0|trainer1 --at K``: in torchrun's first attempt only, that process is
+SIGKILLed before step K (ps0 by trainer0, over RPC; a trainer by itself); torchrun restarts the world and
 the job resumes. Each trainer prints ``<name> resumed from step <k> (attempt <n>)`` and, at the
 end, writes its local model and (trainer0) the table's state to ``OUT/<name>.pt``. With
 ``--hold``, trainer0 writes the table as resumed to ``OUT/resumed-<attempt>.pt`` before any
@@ -72,7 +72,7 @@ def train(me, args: argparse.Namespace) -> None:
             _wait_for(out / f"resumed-{attempt}.pt")
     for k in range(start, args.steps):
         if attempt == 0 and k == args.at:
-            if args.kill == "trainer1" and me.name == "trainer1":
+            if args.kill == me.name:
                 say(f"{me.name} kills itself before step {k}")
                 os.kill(os.getpid(), signal.SIGKILL)
             if args.kill == "ps0" and me.name == "trainer0":
@@ -109,7 +109,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--every", type=int, default=2)
     parser.add_argument("--keep", type=int, default=3)
-    parser.add_argument("--kill", choices=("", "ps0", "trainer1"), default="")
+    parser.add_argument("--kill", choices=("", "ps0", "trainer0", "trainer1"), default="")
     parser.add_argument("--at", type=int, default=-1)
     parser.add_argument("--hold", action="store_true")
     args = parser.parse_args()
