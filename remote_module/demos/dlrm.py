@@ -42,7 +42,7 @@ the servers, each trainer's dense model, optimizer, batch generator and RNG stat
 kept, ``remote_module.ps.Checkpointer``), and a run started again with the same DIR (after a
 kill, a torchrun restart, or a run that ended) resumes from the newest complete checkpoint,
 saying ``resumed from step k``, and trains up to ``--steps`` (the summary covers the steps it
-trained).
+trained, and ends with the saves: how many, their size and trainer0's seconds per save).
 
 The network: the summary ends with the bytes per training step between trainers and servers,
 each way, measured on what each trainer's calls sent and were answered (``rpc_backend.Traffic``:
@@ -177,7 +177,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     say(f"{me.name}: {args.steps} steps done; scoring {EVAL} held-out clicks")
     held_out = HeldOut.score(truth, ebc, dense, args.steps if stream else None)
     trained = argparse.Namespace(**{**vars(args), "steps": args.steps - first})  # (the figures: this run's steps)
-    return figures(me, trained, tables, ebc, server_traffic(traffic, servers), curves, held_out, elapsed, held)
+    mine = figures(me, trained, tables, ebc, server_traffic(traffic, servers), curves, held_out, elapsed, held)
+    if ckpt is not None:
+        mine["checkpoints"] = {"resumed_from": first, **ckpt.stats()}
+    return mine
 
 
 class _Batches:

@@ -23,6 +23,12 @@ def test_a_run_started_again_resumes_from_its_newest_checkpoint(capfd, tmp_path)
     # the figures are this run's: its 2 steps
     assert [(r["steps"], len(r["losses"]), r["auc_curve"][-1][0]) for r in again] == [(2, 2, 6)] * 2
     assert [step for step, _ in complete_checkpoints(tmp_path)] == [4, 6]  # the newest 2 kept
+    # the summary's line: trainer0 saved once (step 6), and its size is the checkpoint's on disk
+    figures = again[0]["checkpoints"]
+    assert figures["resumed_from"] == 4 and figures["saves"] == figures["completed"] == 1, figures
+    on_disk = sum(p.stat().st_size for p in (tmp_path / "step-00000006").iterdir() if p.name != "manifest.json")
+    assert figures["bytes"] == on_disk, figures
+    assert f"checkpoints: resumed from step 4; 1 save, {on_disk / 1e6:.1f} MB each, " in out, out
 
 
 @pytest.mark.parametrize(

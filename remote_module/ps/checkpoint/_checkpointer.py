@@ -6,7 +6,8 @@ steps done), holding
 - the parameter servers' objects (tables, collections, ``PSModel``\\ s): written through the seam
   :func:`_save_ps` / :func:`_load_ps`, by one trainer (the first of ``trainers``);
 - ``trainer-<r>.pt`` for each trainer ``r``: its local objects' ``state_dict()`` (model,
-  optimizer, LR scheduler, a data loader's own state; a ``torch.Generator``'s state), its RNG
+  optimizer, LR scheduler, a data loader's own state; a ``torch.Generator``'s state), its
+  ``ps_optimizer`` settings of the servers' objects (what its schedulers set), its RNG
   states (torch's, CUDA's once initialised, numpy's when numpy is imported, Python's
   ``random``) and the step index;
 - ``manifest.json``, written last: every file's size and SHA-256, the step and the number of
@@ -85,43 +86,47 @@ def _read_ps(path: Path) -> dict[str, dict]:
     return torch.load(path / PS_FILE, weights_only=False)
 
 
-def _load_ps(path: Path, objects: Mapping[str, Any], *, servers: bool) -> None:
-    """Load the parameter servers' ``objects`` from the checkpoint directory ``path``; run on
-    every trainer, with ``servers=True`` on exactly one (the one that saved).
+def _load_ps(path: Path, objects: Mapping[str, Any]) -> None:
+    """Load the parameter servers' ``objects`` from the checkpoint directory ``path``; run by
+    one trainer only (the one that saves), before any trainer trains.
 
-    THE SEAM: ``remote_module.ps.load_shards(path, objects)`` replaces the ``servers=True``
-    branch. For now it is the trainer-side path of tutorials/parameter-servers.md#checkpoints:
-    one trainer loads every object's state and optimizer state onto the servers; every other
-    trainer restores only its ``ps_optimizer`` settings (an LR scheduler's state does not hold
-    the lr: without them its pushes would carry the initial lr)."""
+    THE SEAM: ``remote_module.ps.load_shards(path, objects)`` (each server reading its own
+    blocks) replaces this body. For now it is the trainer-side path of
+    tutorials/parameter-servers.md#checkpoints: every object's state and optimizer state, read
+    from ``ps.pt`` and sent to the servers. (Every trainer restores its own ``ps_optimizer``
+    settings from its own file: :func:`_ps_settings`.)"""
     saved = _read_ps(path)
     missing = sorted(set(objects) - set(saved))
     if missing:
         raise KeyError(f"the checkpoint {path} has no parameter-server object(s) {missing} (it has {sorted(saved)}): "
                        "pass the same ps= names as the job that saved it")
     for name, obj in objects.items():
-        if servers:
-            obj.load_state_dict(saved[name]["state"])
-            obj.load_optimizer_state_dict(saved[name]["optim"])
-        else:
-            _restore_settings(obj, saved[name]["optim"])
+        obj.load_state_dict(saved[name]["state"])
+        obj.load_optimizer_state_dict(saved[name]["optim"])
 
 
-def _restore_settings(obj: Any, optim: Mapping[str, Any]) -> None:
-    """The ``ps_optimizer`` settings in ``optim`` (an ``optimizer_state_dict()`` of ``obj``)
-    into ``obj``'s ps_optimizers: a table's or PSModel's own, a PSModel's tables', a
-    collection's tables' (by name)."""
-    own = optim.get("ps_optimizer")
-    if own is not None:
-        obj.ps_optimizer.load_state_dict(own)
-    inner = optim.get("tables") if own is not None and hasattr(obj, "module") else None
-    if inner:  # a PSModel's tables, by their qualified names in its module
-        for qual, state in inner.items():
-            obj.module.get_submodule(qual).ps_optimizer.load_state_dict(state["ps_optimizer"])
-    elif own is None and callable(getattr(obj, "tables", None)):  # a collection: by table name
-        tables = obj.tables()
-        for name, state in optim.items():
-            tables[name].ps_optimizer.load_state_dict(state["ps_optimizer"])
+def _owners(obj: Any) -> list[tuple[str, Any]]:
+    """``(name, module)`` of ``obj`` and each module inside it that has a ``ps_optimizer`` (a
+    PSModel and its tables, a collection and its tables, a table)."""
+    if not hasattr(obj, "named_modules"):
+        return [("", obj)]
+    return [(name, m) for name, m in obj.named_modules() if hasattr(m, "ps_optimizer")]
+
+
+def _ps_settings(objects: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """This trainer's ``ps_optimizer`` settings of every object (and of the tables inside it),
+    which every trainer saves and restores for itself: an LR scheduler's state does not hold
+    the lr (torch keeps it in the optimizer), so without them a resumed trainer would push the
+    initial lr (in sync mode the servers refuse a step whose trainers' settings differ)."""
+    return {name: {qual: m.ps_optimizer.state_dict() for qual, m in _owners(obj)} for name, obj in objects.items()}
+
+
+def _set_ps_settings(objects: Mapping[str, Any], saved: Mapping[str, Mapping[str, Any]]) -> None:
+    for name, obj in objects.items():
+        mine = saved.get(name, {})
+        for qual, m in _owners(obj):
+            if qual in mine:
+                m.ps_optimizer.load_state_dict(mine[qual])
 
 
 # ---- files ----------------------------------------------------------------------------------------
@@ -380,6 +385,7 @@ class Checkpointer:
         self._resumed = False
         self._pending: list[_Pending] = []
         self._saved: int | None = None  # the step of the last save() (saved once per step)
+        self._figures = {"saves": 0, "save_s": 0.0, "completed": 0, "bytes": None}
 
     @property
     def _count(self) -> int:
@@ -407,9 +413,8 @@ class Checkpointer:
             if resumed.error is not None:
                 raise RuntimeError(f"{self.trainers[0]} could not resume from {self.path}: {resumed.error}")
             if resumed.directory is not None:
-                directory = self.path / resumed.directory
-                _load_ps(directory, self.ps, servers=False)
-                self._load_mine(torch.load(directory / _trainer_file(self.rank), weights_only=False))
+                self._load_mine(torch.load(self.path / resumed.directory / _trainer_file(self.rank),
+                                           weights_only=False))
         self._resumed = True
         self.step_index = resumed.step
         return resumed.step
@@ -441,7 +446,7 @@ class Checkpointer:
                               RuntimeWarning, stacklevel=3)
                 refused.append(f"{directory.name}: {why}")
                 continue
-            _load_ps(directory, self.ps, servers=True)
+            _load_ps(directory, self.ps)
             self._load_mine(mine)
             return _Resumed(step, directory.name, None)
         if refused:
@@ -456,6 +461,7 @@ class Checkpointer:
                            f"{sorted(saved['local'])}): pass the same local= names as the job that saved it")
         for name, obj in self.local.items():
             _load_into(obj, saved["local"][name])
+        _set_ps_settings(self.ps, saved.get("ps_settings", {}))
         _set_rng_state(saved["rng"])
 
     # ---- saving ----
@@ -484,16 +490,30 @@ class Checkpointer:
         if self._saved == step:  # (save() and step() at the same step: once)
             return staging
         self._saved = step
+        began = time.perf_counter()
         staging.mkdir(parents=True, exist_ok=True)
         if self.rank == 0:
             _save_ps(staging, self.ps)
         mine = {"step": step, "local": {name: _state_of(obj) for name, obj in self.local.items()},
-                "rng": _rng_state()}
+                "ps_settings": _ps_settings(self.ps), "rng": _rng_state()}
         _write(staging / _trainer_file(self.rank), mine)
         if self.rank == 0:
             self._pending.append(_Pending(step, staging, time.monotonic()))
             self._finish(wait=False)
+        self._figures["saves"] += 1
+        self._figures["save_s"] += time.perf_counter() - began
         return staging
+
+    def stats(self) -> dict[str, Any]:
+        """This trainer's saving so far: ``saves`` (started here), ``save_s`` (seconds spent in
+        them: training waited that long), and on the first trainer ``completed`` (checkpoints
+        made visible) and ``bytes`` (the newest one's files, summed; None before one).
+
+        Example::
+
+            ckpt.stats()   # {"saves": 20, "save_s": 31.5, "completed": 20, "bytes": 71295433}
+        """
+        return dict(self._figures)
 
     def close(self) -> None:
         """Complete the checkpoints started (the first trainer waits, at most ``timeout``
@@ -529,6 +549,8 @@ class Checkpointer:
         staging = pending.staging
         files = {p.relative_to(staging).as_posix(): {"bytes": p.stat().st_size, "sha256": _digest(p)}
                  for p in _files(staging)}
+        self._figures["completed"] += 1
+        self._figures["bytes"] = sum(f["bytes"] for f in files.values())
         manifest = {"format": FORMAT, "step": pending.step, "trainers": self._count, "files": files}
         part = staging / (MANIFEST + ".part")
         with open(part, "w") as f:
