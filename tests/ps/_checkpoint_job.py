@@ -56,8 +56,11 @@ def train(me, args: argparse.Namespace) -> None:
     head = nn.Linear(DIM, 1)
     opt = torch.optim.SGD(head.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    # the table's lr, set on every trainer by its own scheduler (sync: the servers refuse a step
+    # whose trainers' lrs differ, so each resumed trainer must push the lr its scheduler left)
+    table_sched = torch.optim.lr_scheduler.StepLR(table.ps_optimizer, step_size=3, gamma=0.5)
     ckpt = Checkpointer(args.dir, every_steps=args.every, keep=args.keep, ps={"table": table},
-                        local={"head": head, "opt": opt, "sched": sched})
+                        local={"head": head, "opt": opt, "sched": sched, "table_sched": table_sched})
     torch.manual_seed(1000 + attempt)  # a restarted process's RNGs differ: the resume restores them
     random.seed(1000 + attempt)
     start = ckpt.resume()
@@ -89,11 +92,13 @@ def train(me, args: argparse.Namespace) -> None:
         opt.step()
         table.step()
         sched.step()
+        table_sched.step()
         ckpt.step()
         say(f"{me.name} step {k + 1}")
     ckpt.close()
     table.flush()
-    mine = {"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}
+    mine = {"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+            "table_lr": table.ps_optimizer.param_groups[0]["lr"]}
     if me.role_rank == 0:
         mine["table"] = table.state_dict()
         mine["table_optim"] = table.optimizer_state_dict()

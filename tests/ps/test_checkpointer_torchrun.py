@@ -87,6 +87,7 @@ def test_a_sync_job_killed_and_restarted_ends_as_uninterrupted(tmp_path, uninter
     _restarted(stdout)
     got = _ends(out)
     assert "table" in got["trainer0"] and "head" in got["trainer1"]
+    assert got["trainer1"]["table_lr"] == 0.3 * 0.5 ** 2  # (its scheduler's, restored: 6 steps, halved every 3)
     _bit_equal(got, uninterrupted)
 
 
