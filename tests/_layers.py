@@ -23,7 +23,7 @@ step transport), ``dense`` (``ps/dense/``: PSModel, its checkpoints, its server)
 (``ps/tables/*.py``: the trainer side of the tables), ``tables/server`` (``ps/tables/server/``:
 table state, handlers, rows, initial rows, pooling, memory), ``tables/lifetime``
 (``ps/tables/lifetime/``: admission, eviction, deltas) and ``checkpoint`` (``ps/checkpoint/``:
-shard checkpoints of what lives on servers). Within ps/, a module imports:
+shard checkpoints of what lives on servers, and the job's checkpointer). Within ps/, a module imports:
 
 - ``shared``: shared modules only;
 - ``dense``: shared and dense modules (never tables/: what both need is a shared module);
@@ -180,6 +180,7 @@ PS_RULES = {
                      "checkpoint/",
     "tables/lifetime": "tables/lifetime/ imports only row storage and initial rows (tables/server/_rows.py, "
                        "_initial.py)",
+    "checkpoint": "checkpoint/ may import any part of ps/ (none imports it)",
 }
 
 

@@ -20,7 +20,8 @@ The classes whose instances need a world are covered by the tests that build the
   tests/ps/test_lr_schedules.py); ``ShardedEmbedding`` and ``ShardedEmbeddingBag``: the same
   (tests/ps/test_embedding_edge_cases.py, tests/ps/test_table_training.py).
   ``ShardedEmbeddingBagCollection`` has no copy or pickle test yet (tests/ps/ is being
-  reorganised; left to that change).
+  reorganised; left to that change). ``Checkpointer`` has none either (it holds the objects
+  it saves; copying it would copy them).
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ BUILT: dict[str, Callable[[], Any]] = {
 NEEDS_A_WORLD: dict[str, str] = {
     "remote_module.RemoteModule": "creates its module on a host worker",
     "remote_module.ps.PSModel": "places its parameters on servers",
+    "remote_module.ps.Checkpointer": "its trainers are the ranks of a world; it saves objects on servers",
     "remote_module.ps.ShardedEmbedding": "creates its table on servers",
     "remote_module.ps.ShardedEmbeddingBag": "creates its table on servers",
     "remote_module.ps.ShardedEmbeddingBagCollection": "holds tables, which need servers",

@@ -90,6 +90,7 @@ PLANTED = [
      "ps never imports sharded"),
     ("remote_module/ps/checkpoint/_manifest.py", "from torch.distributed.checkpoint.filesystem import _StorageInfo",
      "torch's private"),
+    ("remote_module/ps/checkpoint/_checkpointer.py", "from remote_module.ps import PSModel", "not remote_module.ps"),
 ]
 
 # imports ps/'s inner map allows, planted where a rule applies: nothing is found
@@ -102,6 +103,8 @@ ALLOWED = [
     ("remote_module/ps/checkpoint/_shards.py", "from remote_module.ps.dense._model import PSModel"),
     ("remote_module/ps/checkpoint/_shards.py", "from remote_module.ps.tables.lifetime import _deltas"),
     ("remote_module/ps/__init__.py", "from remote_module.ps.checkpoint import _shards"),
+    ("remote_module/ps/checkpoint/_checkpointer.py", "from remote_module.ps._modes import PS_MODES"),
+    ("remote_module/ps/checkpoint/_checkpointer.py", "from remote_module.ps.checkpoint import _checkpointer"),
 ]
 
 

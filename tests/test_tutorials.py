@@ -122,6 +122,24 @@ def _says_the_world_starting(stdout: str, ranks: int) -> None:
 # under torchrun and as a module under run_local; its modes are tested in tests/ps/test_dense.py.
 
 
+@pytest.mark.slow
+def test_parameter_server_resumes_from_its_checkpoint(tmp_path):
+    # parameter-servers.md's two commands, shortened: the second run resumes where the first ended
+    def run(steps: int) -> str:
+        out = subprocess.run([sys.executable, "tutorials/parameter_server.py", "--steps", str(steps), "--checkpoint",
+                              str(tmp_path), "--every", "2"], cwd=ROOT, capture_output=True, text=True, timeout=RUN_S,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout
+
+    first = run(4)
+    assert "resumed" not in first and "trainer0: mode sync, 4 steps" in first, first
+    again = run(6)
+    for trainer in ("trainer0", "trainer1"):
+        assert f"{trainer}: resumed from step 4" in again and f"{trainer}: mode sync, 2 steps" in again, again
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004", "step-00000006"]
+
+
 #: each tutorial in the launch form the tests above do not use, with the cheapest arguments
 OTHER_FORM = [
     ("quickstart", "module", []),

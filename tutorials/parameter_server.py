@@ -1,6 +1,7 @@
 """An MNIST-sized MLP trained on two parameter servers by two trainers.
 
     python tutorials/parameter_server.py [--mode sync|async|half_async|geo] [--steps 40]
+                                         [--checkpoint DIR --every N]
     torchrun --standalone --nproc-per-node=4 tutorials/parameter_server.py --mode sync
 
 Four processes: ``ps0`` and ``ps1`` are parameter servers and run no code of their own (they
@@ -15,7 +16,9 @@ Run as a plain script, it starts the four processes itself with ``rpc_backend.ru
 under torchrun (every rank runs this same file) it joins the job with
 ``rpc_backend.init_from_env``. Either way the roles are ``{"ps": 2, "trainer": N - 2}``
 and the code each role runs is the same. Each trainer prints its loss, the mean of its first
-and of its last few steps.
+and of its last few steps. With ``--checkpoint DIR`` the job is saved every ``--every`` steps
+(:class:`remote_module.ps.Checkpointer`), and a run started again with the same DIR resumes from
+the newest checkpoint there.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import sys
 import torch
 from torch import nn
 
-from remote_module.ps import PSModel
+from remote_module.ps import Checkpointer, PSModel
 from rpc_backend import current_worker, init_from_env, read_env, run_local
 
 IN, HIDDEN, CLASSES, BATCH = 784, 128, 10, 64
@@ -44,10 +47,10 @@ def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, CLASSES))
 
 
-def batches(trainer: int, steps: int):
-    """Synthetic MNIST-shaped data: a fixed 784-pixel prototype per class, plus noise."""
+def batches(gen: torch.Generator, steps: int):
+    """Synthetic MNIST-shaped data drawn from ``gen``: a fixed 784-pixel prototype per class,
+    plus noise."""
     prototypes = torch.rand(CLASSES, IN, generator=torch.Generator().manual_seed(42))
-    gen = torch.Generator().manual_seed(1000 + trainer)
     for _ in range(steps):
         y = torch.randint(0, CLASSES, (BATCH,), generator=gen)
         yield prototypes[y] + torch.randn(BATCH, IN, generator=gen), y
@@ -62,16 +65,28 @@ def train(args: argparse.Namespace) -> list[float]:
     )
     # torch's LR schedulers drive the servers' optimizer through model.ps_optimizer
     scheduler = torch.optim.lr_scheduler.StepLR(model.ps_optimizer, step_size=args.lr_step_size, gamma=0.5)
+    gen = torch.Generator().manual_seed(1000 + me.role_rank)  # this trainer's data stream
+    ckpt, start = None, 0
+    if args.checkpoint:  # the servers' blocks once, each trainer's scheduler and data stream
+        ckpt = Checkpointer(args.checkpoint, every_steps=args.every, ps={"model": model},
+                            local={"scheduler": scheduler, "data": gen})
+        start = ckpt.resume()  # 0, or the steps the newest checkpoint holds
+        if start:
+            say(f"{me.name}: resumed from step {start}")
     losses = []
-    for x, y in batches(me.role_rank, args.steps):
+    for x, y in batches(gen, args.steps - start):
         loss = nn.functional.cross_entropy(model(x), y)  # forward gets the parameters first (not in geo)
         loss.backward()
         model.step()  # pushes the gradients (geo: steps the local copy, pushes deltas every k steps)
         scheduler.step()  # the next push carries the new lr (model.step() called ps_optimizer.step())
+        if ckpt is not None:
+            ckpt.step()  # saves every --every steps
         losses.append(loss.item())
+    if ckpt is not None:
+        ckpt.close()  # the last checkpoint complete
     k = max(1, len(losses) // 10)
     first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
-    say(f"{me.name}: mode {args.mode}, {args.steps} steps, loss {first:.3f} -> {last:.3f}")
+    say(f"{me.name}: mode {args.mode}, {len(losses)} steps, loss {first:.3f} -> {last:.3f}")
     return losses
 
 
@@ -91,6 +106,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--geo-push-every", type=int, default=5, help="geo: push deltas every k steps")
     parser.add_argument("--servers", type=int, default=2)
     parser.add_argument("--trainers", type=int, default=2, help="without torchrun (with it: world size - servers)")
+    parser.add_argument("--checkpoint", default="", help="save the job here every --every steps, and resume from it")
+    parser.add_argument("--every", type=int, default=10, help="with --checkpoint: the steps between checkpoints")
     return parser.parse_args(argv)
 
 

@@ -76,7 +76,21 @@ def summary(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
                          f"{t['rows_pushed_per_s']:>15,.0f}")
     lines += _network_lines(results)
     lines += _rows_held_lines(results)
+    lines += _checkpoint_lines(results)
     return "\n".join(lines)
+
+
+def _checkpoint_lines(results: list[dict[str, Any]]) -> list[str]:
+    """With --checkpoint: the saves, their size and time (the first trainer's: it saves the tables)."""
+    figures = results[0].get("checkpoints") if results else None
+    if not figures:
+        return []
+    per_save = figures["save_s"] / figures["saves"] if figures["saves"] else 0.0
+    size = f"{figures['bytes'] / 1e6:.1f} MB each" if figures["bytes"] is not None else "none complete"
+    resumed = f"resumed from step {figures['resumed_from']}; " if figures["resumed_from"] else ""
+    return ["", f"checkpoints: {resumed}{plural(figures['saves'], 'save')}, {size}, {per_save:.2f} s per save on "
+                f"{results[0]['trainer']} (training waits for it; the tables pass through {results[0]['trainer']}, "
+                "so its network figures above include them)"]
 
 
 #: what the network lines of the summary count, in words

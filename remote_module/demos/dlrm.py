@@ -17,6 +17,7 @@ Run it on a local world (every rank a process on this machine, loopback only)::
     python -m remote_module.demos.dlrm [--mode async|sync|half_async|geo] [--servers 2]
                                        [--trainers 2] [--steps 150]
                                        [--stream] [--admit-after K] [--evict-after-steps N]
+                                       [--checkpoint DIR --every N]
 
 or under torchrun, one rank per process, the first ``--servers`` ranks serving the tables::
 
@@ -35,6 +36,13 @@ only once the id was looked up in K of its table's steps; ``--evict-after-steps 
 not stepped in N of its table's steps. With any of them the tables are ``init="lazy"`` (rows
 created as they are admitted), trainer0 samples ``table_stats()`` a few dozen times over the run,
 and the summary and PNG show the rows each server holds over time.
+
+Checkpoints: ``--checkpoint DIR --every N`` saves the job every N steps into DIR (the tables on
+the servers, each trainer's dense model, optimizer, batch generator and RNG states; the newest 2
+kept, ``remote_module.ps.Checkpointer``), and a run started again with the same DIR (after a
+kill, a torchrun restart, or a run that ended) resumes from the newest complete checkpoint,
+saying ``resumed from step k``, and trains up to ``--steps`` (the summary covers the steps it
+trained, and ends with the saves: how many, their size and trainer0's seconds per save).
 
 The network: the summary ends with the bytes per training step between trainers and servers,
 each way, measured on what each trainer's calls sent and were answered (``rpc_backend.Traffic``:
@@ -109,7 +117,7 @@ __all__ = [  # (the model and its clicks, the figures, the summary: _dlrm_model,
 def train(args: argparse.Namespace) -> dict[str, Any]:
     """One trainer's run: train ``args.steps`` steps, then score held-out clicks; the figures
     the summary prints (see :func:`summary`) plus the loss and progressive-AUC curves."""
-    from remote_module.ps import ShardedEmbeddingBagCollection, prefetching
+    from remote_module.ps import Checkpointer, ShardedEmbeddingBagCollection, prefetching
 
     me = current_worker()
     lead = me.role_rank == 0  # the setup is the same on every trainer: trainer0 tells it, once
@@ -120,24 +128,35 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     # the tables looked up together (one message per server) and stepped together
     ebc = ShardedEmbeddingBagCollection(tables)
     gen = torch.Generator().manual_seed(100 + me.role_rank)
+    stream = getattr(args, "stream", False)
+    source = _Batches(truth, gen, stream)
+    first = 0  # the steps done before this run (a checkpoint's)
+    ckpt = None
+    if getattr(args, "checkpoint", ""):
+        ckpt = Checkpointer(args.checkpoint, every_steps=args.every, keep=2, ps={"tables": ebc},
+                            local={"dense": dense, "opt": opt, "batches": source})
+        first = ckpt.resume()
+        if first >= args.steps:
+            raise SystemExit(f"{me.name}: the checkpoint in {args.checkpoint} holds {first} steps, --steps is "
+                             f"{args.steps}: nothing is left to train (pass more --steps)")
+        if lead and first:
+            say(f"resumed from step {first} (the newest checkpoint in {args.checkpoint})")
     if lead:
-        say(f"training {args.steps} steps of {BATCH} clicks per trainer ({args.mode} mode)")
+        say(f"training {args.steps - first} steps of {BATCH} clicks per trainer ({args.mode} mode)")
     _trainers_barrier()  # every setup line is out before the bars draw (they share the terminal)
     lines = _StepLines(args, me)
     curves = Curves(lifetime)
     # trainer0 samples the servers' rows every `every` steps (none in a plain run)
     held = RowsHeld(tables.values(), args.steps) if lifetime and me.role_rank == 0 else None
-    stream = getattr(args, "stream", False)
     # the bytes this trainer's calls carry, each way, from here until its last push landed
     with Traffic() as traffic:
         start = time.perf_counter()
         # batch k + 1's lookups are planned during batch k and sent with its ebc.step(): one message
         # per server per step, answered once the servers applied the step (the same results)
         # (--overlap: async modes, lookups one step further ahead: a read misses this trainer's last push)
-        batches = prefetching((truth.batch(gen, step=k if stream else None) for k in range(args.steps)), ebc,
-                              features=lambda b: dict(zip(TABLES, b.ids)),
+        batches = prefetching(source.batches(first, args.steps), ebc, features=lambda b: dict(zip(TABLES, b.ids)),
                               overlap=getattr(args, "overlap", False))
-        for step, batch in enumerate(batches, 1):
+        for step, batch in enumerate(batches, first + 1):
             out = curves.timed_lookup(ebc, batch)
             if held is not None and (step - 1) % held.every == 0 and step > 1:
                 held.sample(step - 1)  # (the last step landed: the forward waited for its answer)
@@ -145,14 +164,47 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             scores, loss = _train_step(dense, opt, ebc, batch, out)
             scored = curves.record(step, args.steps, scores, loss, batch)
             lines.step(step, curves, scored)
+            if ckpt is not None:
+                source.done = step
+                ckpt.step()  # every --every steps: a checkpoint
         ebc.flush()  # the last step's pushes landed
+        if ckpt is not None:
+            ckpt.close()
     if held is not None:
         held.sample(args.steps)
     elapsed = time.perf_counter() - start - (held.seconds if held is not None else 0.0)
     _close_in_order(lines.bar, me)
     say(f"{me.name}: {args.steps} steps done; scoring {EVAL} held-out clicks")
     held_out = HeldOut.score(truth, ebc, dense, args.steps if stream else None)
-    return figures(me, args, tables, ebc, server_traffic(traffic, servers), curves, held_out, elapsed, held)
+    trained = argparse.Namespace(**{**vars(args), "steps": args.steps - first})  # (the figures: this run's steps)
+    mine = figures(me, trained, tables, ebc, server_traffic(traffic, servers), curves, held_out, elapsed, held)
+    if ckpt is not None:
+        mine["checkpoints"] = {"resumed_from": first, **ckpt.stats()}
+    return mine
+
+
+class _Batches:
+    """A trainer's batches by step, and their state for a checkpoint: the generator's state
+    before the batch of the first step not trained (``done``: the steps trained; the prefetch
+    draws a batch ahead, so the generator itself is past it)."""
+
+    def __init__(self, truth: Truth, gen: torch.Generator, stream: bool) -> None:
+        self.truth, self.gen, self.stream = truth, gen, stream
+        self.done = 0
+        self._before: dict[int, torch.Tensor] = {}  # step index -> the generator's state before its batch
+
+    def batches(self, first: int, last: int) -> Iterator[Batch]:
+        for k in range(first, last):
+            self._before = {s: state for s, state in self._before.items() if s >= self.done}
+            self._before[k] = self.gen.get_state()
+            yield self.truth.batch(self.gen, step=k if self.stream else None)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"done": self.done, "gen": self._before.get(self.done, self.gen.get_state())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.done = state["done"]
+        self.gen.set_state(state["gen"])
 
 
 def _join_trainers(me: Worker, lead: bool) -> list[str]:
@@ -363,6 +415,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--evict-after-steps", type=_at_least_one, default=None, metavar="N",
                         help="drop a row not stepped in N of its table's steps (a table's step: sync, one per "
                              "training step; async, one per trainer's push; half_async, one per merge; default: never)")
+    parser.add_argument("--checkpoint", default="", metavar="DIR",
+                        help="save the job into DIR every --every steps, and resume from the newest checkpoint there "
+                             "(a directory every trainer sees)")
+    parser.add_argument("--every", type=_at_least_one, default=None, metavar="N",
+                        help="with --checkpoint: the steps between checkpoints (default: 100)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     parser.add_argument("--plot", default="dlrm-demo.png", metavar="PNG",
                         help="where to write the loss/AUC curves, and rows held (needs matplotlib; '' for none; "
@@ -386,6 +443,13 @@ def _check_combinations(parser: argparse.ArgumentParser, args: argparse.Namespac
 
     if args.admit_after > MAX_ADMIT_AFTER:
         parser.error(f"argument --admit-after: must be at most {MAX_ADMIT_AFTER}, got {args.admit_after}")
+    if args.every is not None and not args.checkpoint:
+        parser.error("--every is the steps between checkpoints: pass --checkpoint DIR too")
+    if args.checkpoint and args.mode == "geo":
+        parser.error("--checkpoint is for --mode sync, async or half_async (a geo trainer's optimizer state is "
+                     "its own)")
+    if args.checkpoint and args.every is None:
+        args.every = 100
     if args.overlap and args.mode not in ("async", "half_async"):
         parser.error(f"--overlap is for --mode async or half_async (a {args.mode} lookup cannot be sent a step early)")
 

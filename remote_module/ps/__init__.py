@@ -14,6 +14,8 @@ sketch whose false admissions :func:`false_admission_rate` estimates. A sync tab
 servers refused reaches every trainer at its next lookup as :class:`StepRefused` (a
 ``ValueError``: the trainers' ``ps_optimizer`` settings disagree) or :class:`StepNotApplied`
 (a ``RuntimeError``: the optimizer raised something else).
+:class:`Checkpointer` saves a whole job (the servers' objects, each trainer's model, optimizer,
+scheduler, data and RNG states, the step) every N steps, and resumes a restarted job exactly.
 
 Inside, by concept (a test, tests/_layers.py, reads the imports and holds this map):
 
@@ -32,15 +34,16 @@ Inside, by concept (a test, tests/_layers.py, reads the imports and holds this m
   row storage, initial rows, pooling, memory); it never imports the trainer's side;
 - ``tables/lifetime/``: the parts a table server composes for long-lived tables (admission,
   eviction, deltas); they import only row storage and initial rows;
-- ``checkpoint/``: checkpoints of what lives on servers (shard files, manifests); it sits above
-  the others and may import any of them (shared, dense/, tables/ and its parts); none of them
-  imports it.
+- ``checkpoint/``: checkpoints: shard files and manifests of what lives on servers, and the
+  job's Checkpointer and its resume; it sits above the others and may import any of them
+  (shared, dense/, tables/ and its parts); none of them imports it.
 
 No module of ps/ imports ``remote_module.ps`` itself: this file only gives the public names.
 """
 
 from remote_module.ps._modes import StepNotApplied, StepRefused
 from remote_module.ps._placement import Block, HashName, RoundRobin, slice_blocks
+from remote_module.ps.checkpoint._checkpointer import Checkpointer
 from remote_module.ps.checkpoint._manifest import CheckpointError
 from remote_module.ps.checkpoint._shards import load_shards, save_shards
 from remote_module.ps.dense._model import PSModel
@@ -54,5 +57,5 @@ from remote_module.ps.tables.lifetime._admission import false_admission_rate
 __all__ = [
     "slice_blocks", "Block", "RoundRobin", "HashName", "PSModel", "ShardedEmbedding", "ShardedEmbeddingBag",
     "ShardedEmbeddingBagCollection", "prefetching", "MAX_ADMIT_AFTER", "false_admission_rate", "StepRefused",
-    "StepNotApplied", "save_shards", "load_shards", "CheckpointError",
+    "StepNotApplied", "save_shards", "load_shards", "CheckpointError", "Checkpointer",
 ]

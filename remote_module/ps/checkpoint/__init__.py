@@ -1,5 +1,10 @@
-"""Checkpoints whose servers write and read their own shards: :func:`save_shards`,
-:func:`load_shards` and :class:`CheckpointError` (public as ``remote_module.ps``'s names).
-``_manifest`` is the manifest, its checksums and the ``torch.distributed.checkpoint``
-metadata (no RPC); ``_shards`` the trainer's side; the servers' side is
-``tables/server/_shard_files.py``."""
+"""Checkpoints of what lives on servers, and of a whole job.
+
+:func:`save_shards`, :func:`load_shards` and :class:`CheckpointError` (public as
+``remote_module.ps``'s names): servers write and read their own shards; ``_manifest`` is the
+manifest, its checksums and the ``torch.distributed.checkpoint`` metadata (no RPC), ``_shards``
+the trainer's side, and the servers' side is ``tables/server/_shard_files.py``.
+
+:class:`~._checkpointer.Checkpointer` saves the servers' objects and each trainer's own state
+every N steps, and resumes a restarted job from the newest complete checkpoint
+(``_checkpointer.py``)."""

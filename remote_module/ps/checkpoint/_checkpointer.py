@@ -1,0 +1,596 @@
+"""A checkpointer for a whole parameter-server job, and its resume after a restart.
+
+A checkpoint is a directory ``step-XXXXXXXX/`` under the checkpointer's path (the step index:
+steps done), holding
+
+- the parameter servers' objects (tables, collections, ``PSModel``\\ s): written through the seam
+  :func:`_save_ps` / :func:`_load_ps`, by one trainer (the first of ``trainers``);
+- ``trainer-<r>.pt`` for each trainer ``r``: its local objects' ``state_dict()`` (model,
+  optimizer, LR scheduler, a data loader's own state; a ``torch.Generator``'s state), its
+  ``ps_optimizer`` settings of the servers' objects (what its schedulers set), its RNG
+  states (torch's, CUDA's once initialised, numpy's when numpy is imported, Python's
+  ``random``) and the step index;
+- ``manifest.json``, written last: every file's size and SHA-256, the step and the number of
+  trainers.
+
+How a checkpoint becomes complete: every trainer writes its file into a staging directory
+``.step-XXXXXXXX.tmp/`` (each file written under a ``.part`` name, fsynced, then renamed), the
+first trainer writes the servers' part there too. The first trainer, at its next ``step()``
+(or at ``close()``, waiting then), sees every trainer's file there, writes the manifest, fsyncs,
+and renames the directory to ``step-XXXXXXXX``: the rename is what makes it visible, so a
+checkpoint torn by a kill stays a staging directory and is never loaded (the next resume
+removes it). No trainer waits for another while saving, and the first trainer's waits are
+bounded (``timeout``): a checkpoint still missing a trainer's file after ``timeout`` seconds
+raises ``TimeoutError`` naming the trainers.
+
+Resume: the first trainer picks the newest checkpoint whose manifest holds (every file there,
+of its size and checksum; else a warning names the directory and why, and the previous one is
+tried), loads the servers' part, and answers the other trainers (over RPC) which checkpoint
+it loaded; each then loads its own file. The other trainers' ``resume()`` returns only after
+the servers' part is loaded, so no trainer trains on the old values.
+
+Files are read with ``torch.load(weights_only=False)``: a checkpoint directory is as trusted as
+the job's own code (an RPC world is one trust domain already; see tutorials/security.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Mapping, NamedTuple, Sequence
+
+import torch
+import torch.distributed.rpc as rpc
+
+#: a complete checkpoint's directory name, and a staging one's
+STEP_DIR = "step-{:08d}"
+_COMPLETE = re.compile(r"^step-(\d{8})$")
+_STAGING = re.compile(r"^\.step-(\d{8})\.tmp$")
+MANIFEST = "manifest.json"
+#: the servers' part as the seam writes it for now
+PS_FILE = "ps.pt"
+#: the format of the manifest (a checkpoint of another format is refused, naming both)
+FORMAT = 1
+#: seconds between looks at a staging directory while waiting for the trainers' files
+_POLL_S = 0.05
+
+
+# ---- the seam: the servers' objects -------------------------------------------------------------
+
+
+def _save_ps(path: Path, objects: Mapping[str, Any]) -> None:
+    """Save the parameter servers' ``objects`` (name -> table, collection or ``PSModel``) into
+    the directory ``path``; run by one trainer only.
+
+    THE SEAM: ``remote_module.ps.save_shards(path, objects)`` (each server writing its own
+    blocks, the trainer a manifest) replaces this body. For now it is the trainer-side path of
+    tutorials/parameter-servers.md#checkpoints: every object's ``state_dict()`` and
+    ``optimizer_state_dict()``, gathered here and written with ``torch.save`` to ``ps.pt``.
+    """
+    state = {name: {"state": obj.state_dict(), "optim": obj.optimizer_state_dict()} for name, obj in objects.items()}
+    _write(path / PS_FILE, state)
+
+
+def _read_ps(path: Path) -> dict[str, dict]:
+    """What :func:`_save_ps` wrote into ``path``: ``{name: {"state": ..., "optim": ...}}``
+    (part of the seam: tests compare a job's tables with it)."""
+    return torch.load(path / PS_FILE, weights_only=False)
+
+
+def _load_ps(path: Path, objects: Mapping[str, Any]) -> None:
+    """Load the parameter servers' ``objects`` from the checkpoint directory ``path``; run by
+    one trainer only (the one that saves), before any trainer trains.
+
+    THE SEAM: ``remote_module.ps.load_shards(path, objects)`` (each server reading its own
+    blocks) replaces this body. For now it is the trainer-side path of
+    tutorials/parameter-servers.md#checkpoints: every object's state and optimizer state, read
+    from ``ps.pt`` and sent to the servers. (Every trainer restores its own ``ps_optimizer``
+    settings from its own file: :func:`_ps_settings`.)"""
+    saved = _read_ps(path)
+    missing = sorted(set(objects) - set(saved))
+    if missing:
+        raise KeyError(f"the checkpoint {path} has no parameter-server object(s) {missing} (it has {sorted(saved)}): "
+                       "pass the same ps= names as the job that saved it")
+    for name, obj in objects.items():
+        obj.load_state_dict(saved[name]["state"])
+        obj.load_optimizer_state_dict(saved[name]["optim"])
+
+
+def _owners(obj: Any) -> list[tuple[str, Any]]:
+    """``(name, module)`` of ``obj`` and each module inside it that has a ``ps_optimizer`` (a
+    PSModel and its tables, a collection and its tables, a table)."""
+    if not hasattr(obj, "named_modules"):
+        return [("", obj)]
+    return [(name, m) for name, m in obj.named_modules() if hasattr(m, "ps_optimizer")]
+
+
+def _ps_settings(objects: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """This trainer's ``ps_optimizer`` settings of every object (and of the tables inside it),
+    which every trainer saves and restores for itself: an LR scheduler's state does not hold
+    the lr (torch keeps it in the optimizer), so without them a resumed trainer would push the
+    initial lr (in sync mode the servers refuse a step whose trainers' settings differ)."""
+    return {name: {qual: m.ps_optimizer.state_dict() for qual, m in _owners(obj)} for name, obj in objects.items()}
+
+
+def _set_ps_settings(objects: Mapping[str, Any], saved: Mapping[str, Mapping[str, Any]]) -> None:
+    for name, obj in objects.items():
+        mine = saved.get(name, {})
+        for qual, m in _owners(obj):
+            if qual in mine:
+                m.ps_optimizer.load_state_dict(mine[qual])
+
+
+# ---- files ----------------------------------------------------------------------------------------
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make ``path``'s entries (a file renamed into it) durable, where the OS allows it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write(path: Path, obj: Any) -> None:
+    """``torch.save(obj)`` to ``path`` whole or not at all: under a ``.part`` name, fsynced,
+    then renamed."""
+    part = path.with_name(path.name + ".part")
+    with open(part, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, path)
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _files(directory: Path) -> list[Path]:
+    """Every file of a checkpoint directory but its manifest and unfinished ``.part`` files."""
+    return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST
+                  and not p.name.endswith(".part"))
+
+
+def _trainer_file(rank: int) -> str:
+    return f"trainer-{rank}.pt"
+
+
+def complete_checkpoints(path: str | os.PathLike) -> list[tuple[int, Path]]:
+    """``(step, directory)`` of every checkpoint under ``path`` that was completed (renamed
+    from its staging name), oldest first; whether its files still hold is checked at resume.
+
+    Example::
+
+        complete_checkpoints("ckpt")   # [(100, Path("ckpt/step-00000100")), (200, ...)]
+    """
+    root = Path(path)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _COMPLETE.match(p.name))]
+    return sorted(found)
+
+
+def _unloadable(directory: Path, step: int, trainers: int) -> str | None:
+    """Why the checkpoint ``directory`` cannot be loaded by ``trainers`` trainers, or None:
+    its manifest, and every file it lists at its size and checksum."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+    except FileNotFoundError:
+        return f"it has no {MANIFEST}"
+    except (OSError, ValueError) as e:
+        return f"its {MANIFEST} is unreadable ({e})"
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        got = manifest.get("format") if isinstance(manifest, dict) else manifest
+        return f"its {MANIFEST} is not of format {FORMAT} (got {got!r})"
+    if manifest.get("step") != step:
+        return f"its {MANIFEST} is for step {manifest.get('step')}, its name for step {step}"
+    if manifest.get("trainers") != trainers:
+        return f"it was saved by {manifest.get('trainers')} trainers, this job has {trainers}"
+    for name, entry in sorted(manifest.get("files", {}).items()):
+        file = directory / name
+        if not file.is_file():
+            return f"{name} is missing"
+        size = file.stat().st_size
+        if size != entry["bytes"]:
+            return f"{name} has {size} bytes, the manifest says {entry['bytes']} (truncated or overwritten)"
+        if _digest(file) != entry["sha256"]:
+            return f"{name} does not match its checksum in the manifest (corrupted)"
+    return None
+
+
+# ---- state of this process ------------------------------------------------------------------------
+
+
+def _rng_state() -> dict[str, Any]:
+    """This process's random number generators' states: torch's, CUDA's (once initialised),
+    numpy's (when numpy is imported) and Python's ``random``."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        state["numpy"] = numpy.random.get_state()
+    return state
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy
+
+        numpy.random.set_state(state["numpy"])
+
+
+def _state_of(obj: Any) -> Any:
+    if isinstance(obj, torch.Generator):
+        return {"generator": obj.get_state()}
+    return obj.state_dict()
+
+
+def _load_into(obj: Any, state: Any) -> None:
+    if isinstance(obj, torch.Generator):
+        obj.set_state(state["generator"])
+    else:
+        obj.load_state_dict(state)
+
+
+# ---- the gate: the other trainers wait until the first one loaded the servers' part ------------
+
+
+class _Resumed(NamedTuple):
+    """What the first trainer's resume tells the others: the step it resumed from, the
+    checkpoint directory's name (None: none, a fresh start), or why it failed."""
+
+    step: int
+    directory: str | None
+    error: str | None
+
+
+class _Gate:
+    def __init__(self) -> None:
+        self.opened = threading.Event()
+        self.resumed: _Resumed | None = None
+
+
+_gates: dict[str, _Gate] = {}
+_gates_lock = threading.Lock()
+
+
+def _gate(key: str) -> _Gate:
+    with _gates_lock:
+        return _gates.setdefault(key, _Gate())
+
+
+def _wait_resumed(key: str, timeout: float) -> _Resumed:
+    """(Run on the first trainer, over RPC, by the others' ``resume()``) its resume's outcome,
+    once it has one (at most ``timeout`` seconds)."""
+    gate = _gate(key)
+    if not gate.opened.wait(timeout) or gate.resumed is None:
+        return _Resumed(0, None, f"it did not finish its resume() within {timeout:g} s")
+    return gate.resumed
+
+
+# ---- the checkpointer -------------------------------------------------------------------------------
+
+
+class _Pending(NamedTuple):
+    """A checkpoint the first trainer started: its step, staging directory, and when."""
+
+    step: int
+    staging: Path
+    since: float
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a whole number of at least 1, got {value!r}")
+    return value
+
+
+class Checkpointer:
+    """Checkpoints of a whole job every ``every_steps`` steps, the newest ``keep`` kept, and
+    the resume of a restarted job from the newest complete one.
+
+    Every trainer builds one with the same arguments (its own objects) and calls
+    :meth:`resume` once before training, :meth:`step` after each training step and
+    :meth:`close` at the end. ``ps`` names the parameter servers' objects (tables, collections,
+    ``PSModel``\\ s: saved and loaded once, by the first trainer; every trainer restores its
+    ``ps_optimizer`` settings); ``local`` names this trainer's own objects, each with
+    ``state_dict()`` / ``load_state_dict()`` (a model, an optimizer, an LR scheduler, a data
+    loader such as torchdata's ``StatefulDataLoader``) or a ``torch.Generator``. The RNG states
+    (torch, CUDA, numpy, ``random``) and the step index are saved too. ``trainers``: every
+    trainer's worker name, in the same order on each (default: the ``"trainer"`` role of the
+    world ``rpc_backend`` formed; without one, this process alone); the first saves the servers'
+    part. ``path`` must be one directory that every trainer sees (a shared filesystem across
+    machines). ``timeout``: seconds any wait may take (a trainer's file of a checkpoint, the
+    first trainer's resume) before it raises naming what did not come.
+
+    Exact resume: in sync mode with batches determined by the step index (or a data loader
+    whose state is saved), a job killed and resumed ends bit for bit as an uninterrupted one. In
+    the async modes the servers' part is read while other trainers may push, and the steps
+    since the checkpoint are lost. geo mode is refused (each trainer's optimizer is its own:
+    checkpoint it as tutorials/parameter-servers.md#checkpoints says).
+
+    Example (every trainer of a torchrun job; ps0 only serves)::
+
+        me = rpc_backend.init_from_env(roles={"ps": 1, "trainer": 2})
+        emb = ShardedEmbeddingBag(1000, 16, me.workers("ps"), name="emb", ps_mode="sync", num_trainers=2)
+        head = torch.nn.Linear(16, 1)
+        opt = torch.optim.SGD(head.parameters(), lr=0.1)
+        ckpt = Checkpointer("ckpt", every_steps=100, keep=2, ps={"emb": emb}, local={"head": head, "opt": opt})
+        for step in range(ckpt.resume(), 1000):   # 0, or the step the newest checkpoint holds
+            train_step(step)                       # (your step: batches chosen by the step index)
+            ckpt.step()                            # saves after steps 100, 200, ...
+        ckpt.close()
+    """
+
+    def __init__(self, path: str | os.PathLike, *, every_steps: int, keep: int = 2,
+                 ps: Mapping[str, Any] | None = None, local: Mapping[str, Any] | None = None,
+                 trainers: Sequence[str] | None = None, timeout: float = 300.0) -> None:
+        self.path = Path(path)
+        self.every_steps = _positive_int("every_steps", every_steps)
+        self.keep = _positive_int("keep", keep)
+        if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.timeout = float(timeout)
+        self.ps = dict(ps or {})
+        self.local = dict(local or {})
+        for name, obj in self.ps.items():
+            missing = [m for m in ("state_dict", "optimizer_state_dict", "load_state_dict",
+                                   "load_optimizer_state_dict", "ps_optimizer") if not hasattr(obj, m)]
+            if missing:
+                raise TypeError(f"ps[{name!r}] must be a table, collection or PSModel of remote_module.ps, got "
+                                f"{type(obj).__name__} (it has no {', '.join(missing)})")
+            if getattr(obj, "ps_mode", None) == "geo":
+                raise ValueError(f"ps[{name!r}] is in geo mode, whose optimizer state is each trainer's own: "
+                                 "Checkpointer does not save it; checkpoint a geo job as "
+                                 "tutorials/parameter-servers.md#checkpoints says")
+        for name, obj in self.local.items():
+            if not isinstance(obj, torch.Generator) and not (hasattr(obj, "state_dict")
+                                                             and hasattr(obj, "load_state_dict")):
+                raise TypeError(f"local[{name!r}] must have state_dict() and load_state_dict() (a model, optimizer, "
+                                f"scheduler, data loader) or be a torch.Generator, got {type(obj).__name__}")
+        self.trainers = list(trainers) if trainers is not None else _default_trainers()
+        me = rpc.get_worker_info().name if self.trainers else None
+        if self.trainers and me not in self.trainers:
+            raise ValueError(f"this worker, {me!r}, is not among trainers={self.trainers}")
+        #: this trainer's index among the trainers (0: it saves and loads the servers' part)
+        self.rank = self.trainers.index(me) if self.trainers else 0
+        #: the steps done (set by :meth:`resume`, counted by :meth:`step`)
+        self.step_index = 0
+        self._key = str(path)
+        self._resumed = False
+        self._pending: list[_Pending] = []
+        self._saved: int | None = None  # the step of the last save() (saved once per step)
+        self._figures = {"saves": 0, "save_s": 0.0, "completed": 0, "bytes": None}
+
+    @property
+    def _count(self) -> int:
+        return max(1, len(self.trainers))
+
+    # ---- resume ----
+
+    def resume(self) -> int:
+        """Load the newest complete checkpoint (a torn or corrupted one is skipped with a
+        warning naming it and why, for the one before) and return the step to start from: the
+        steps it holds, 0 without one. Call it once on every trainer before training; the
+        first trainer loads the servers' part and the others return once it has."""
+        if self._resumed:
+            raise RuntimeError("resume() was called already: call it once, before training")
+        if self.rank == 0:
+            try:
+                resumed = self._resume_first()
+            except BaseException as e:
+                self._open(_Resumed(0, None, f"{type(e).__name__}: {e}"))
+                raise
+            self._open(resumed)
+        else:
+            resumed = rpc.rpc_sync(self.trainers[0], _wait_resumed, args=(self._key, self.timeout),
+                                   timeout=self.timeout + 30)
+            if resumed.error is not None:
+                raise RuntimeError(f"{self.trainers[0]} could not resume from {self.path}: {resumed.error}")
+            if resumed.directory is not None:
+                self._load_mine(torch.load(self.path / resumed.directory / _trainer_file(self.rank),
+                                           weights_only=False))
+        self._resumed = True
+        self.step_index = resumed.step
+        return resumed.step
+
+    def _open(self, resumed: _Resumed) -> None:
+        if len(self.trainers) > 1:
+            gate = _gate(self._key)
+            gate.resumed = resumed
+            gate.opened.set()
+
+    def _resume_first(self) -> _Resumed:
+        """The first trainer's resume: stale staging directories removed, the newest loadable
+        checkpoint found and loaded."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        for p in self.path.iterdir():
+            if p.is_dir() and _STAGING.match(p.name):
+                shutil.rmtree(p, ignore_errors=True)  # torn by a kill: never completed
+        refused = []
+        for step, directory in reversed(complete_checkpoints(self.path)):
+            why = _unloadable(directory, step, self._count)
+            mine = None
+            if why is None:
+                try:
+                    mine = torch.load(directory / _trainer_file(0), weights_only=False)
+                except Exception as e:  # (checksums held: an unpickling error is a bug's, but said the same)
+                    why = f"{_trainer_file(0)} does not load ({type(e).__name__}: {e})"
+            if why is not None:
+                warnings.warn(f"checkpoint {directory} is not loadable: {why}; trying the one before it",
+                              RuntimeWarning, stacklevel=3)
+                refused.append(f"{directory.name}: {why}")
+                continue
+            _load_ps(directory, self.ps)
+            self._load_mine(mine)
+            return _Resumed(step, directory.name, None)
+        if refused:
+            raise RuntimeError(f"no checkpoint under {self.path} is loadable ({'; '.join(refused)}): move them away "
+                               "to start afresh")
+        return _Resumed(0, None, None)
+
+    def _load_mine(self, saved: Mapping[str, Any]) -> None:
+        missing = sorted(set(self.local) - set(saved["local"]))
+        if missing:
+            raise KeyError(f"the checkpoint has no local state {missing} for trainer {self.rank} (it has "
+                           f"{sorted(saved['local'])}): pass the same local= names as the job that saved it")
+        for name, obj in self.local.items():
+            _load_into(obj, saved["local"][name])
+        _set_ps_settings(self.ps, saved.get("ps_settings", {}))
+        _set_rng_state(saved["rng"])
+
+    # ---- saving ----
+
+    def step(self) -> Path | None:
+        """One training step is done: every ``every_steps`` steps, save. Returns the staging
+        directory of a checkpoint started now (complete once every trainer's file is in), else
+        None. The first trainer completes the checkpoints whose files are all in here."""
+        if not self._resumed:
+            raise RuntimeError("call resume() once before training (it returns the step to start from)")
+        self.step_index += 1
+        started = self.save() if self.step_index % self.every_steps == 0 else None
+        if started is None:
+            self._finish(wait=False)
+        return started
+
+    def save(self) -> Path:
+        """Save now, at :attr:`step_index` (every trainer calls it at the same step): this
+        trainer's file, and on the first trainer the servers' part. Returns the staging
+        directory; the checkpoint is visible once complete (see the module's docstring). A second
+        call at the same step does nothing."""
+        if not self._resumed:
+            raise RuntimeError("call resume() once before saving")
+        step = self.step_index
+        staging = self.path / f".{STEP_DIR.format(step)}.tmp"
+        if self._saved == step:  # (save() and step() at the same step: once)
+            return staging
+        self._saved = step
+        began = time.perf_counter()
+        staging.mkdir(parents=True, exist_ok=True)
+        if self.rank == 0:
+            _save_ps(staging, self.ps)
+        mine = {"step": step, "local": {name: _state_of(obj) for name, obj in self.local.items()},
+                "ps_settings": _ps_settings(self.ps), "rng": _rng_state()}
+        _write(staging / _trainer_file(self.rank), mine)
+        if self.rank == 0:
+            self._pending.append(_Pending(step, staging, time.monotonic()))
+            self._finish(wait=False)
+        self._figures["saves"] += 1
+        self._figures["save_s"] += time.perf_counter() - began
+        return staging
+
+    def stats(self) -> dict[str, Any]:
+        """This trainer's saving so far: ``saves`` (started here), ``save_s`` (seconds spent in
+        them: training waited that long), and on the first trainer ``completed`` (checkpoints
+        made visible) and ``bytes`` (the newest one's files, summed; None before one).
+
+        Example::
+
+            ckpt.stats()   # {"saves": 20, "save_s": 31.5, "completed": 20, "bytes": 71295433}
+        """
+        return dict(self._figures)
+
+    def close(self) -> None:
+        """Complete the checkpoints started (the first trainer waits, at most ``timeout``
+        seconds, for every trainer's file; the others return at once)."""
+        self._finish(wait=True)
+
+    def _finish(self, wait: bool) -> None:
+        """(First trainer) complete each pending checkpoint whose trainers' files are all in;
+        ``wait``: for them, within ``timeout``. A checkpoint still missing files ``timeout``
+        seconds after it started raises ``TimeoutError`` naming the trainers."""
+        while self._pending:
+            pending = self._pending[0]
+            deadline = pending.since + self.timeout
+            while True:
+                missing = [r for r in range(self._count) if not (pending.staging / _trainer_file(r)).is_file()]
+                if not missing:
+                    break
+                if time.monotonic() > deadline:
+                    names = [self.trainers[r] if self.trainers else f"trainer {r}" for r in missing]
+                    self._pending.pop(0)
+                    raise TimeoutError(f"checkpoint of step {pending.step} in {pending.staging}: no state from "
+                                       f"{', '.join(names)} within {self.timeout:g} s (did it stop, or is it that "
+                                       "far behind?); the checkpoint stays incomplete and is never loaded")
+                if not wait:
+                    return
+                time.sleep(_POLL_S)
+            self._complete(pending)
+            self._pending.pop(0)
+
+    def _complete(self, pending: _Pending) -> None:
+        """Write the manifest last, fsync, rename the staging directory: visible now. Then
+        remove the checkpoints beyond ``keep``."""
+        staging = pending.staging
+        files = {p.relative_to(staging).as_posix(): {"bytes": p.stat().st_size, "sha256": _digest(p)}
+                 for p in _files(staging)}
+        self._figures["completed"] += 1
+        self._figures["bytes"] = sum(f["bytes"] for f in files.values())
+        manifest = {"format": FORMAT, "step": pending.step, "trainers": self._count, "files": files}
+        part = staging / (MANIFEST + ".part")
+        with open(part, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(part, staging / MANIFEST)
+        _fsync_dir(staging)
+        final = self.path / STEP_DIR.format(pending.step)
+        if final.exists():  # one that resume() refused (torn or corrupted), of a step trained again since
+            shutil.rmtree(final)
+        os.rename(staging, final)
+        _fsync_dir(self.path)
+        for _, old in complete_checkpoints(self.path)[:-self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _default_trainers() -> list[str]:
+    """The ``"trainer"`` role's workers of the world rpc_backend formed; ``[]`` without an RPC
+    world (this process is the only trainer); in any other world, ``trainers`` must be given
+    (a ``ValueError`` says so: each trainer taking itself for the only one would overwrite the
+    others' files)."""
+    from rpc_backend import current_worker
+
+    try:
+        me = current_worker()
+    except RuntimeError:
+        me = None
+    if me is not None and me.role == "trainer":
+        return me.workers("trainer")
+    if rpc.is_available() and _in_rpc_world():
+        role = f"has the role {me.role!r}" if me is not None else "was not formed by rpc_backend"
+        raise ValueError(f"this RPC world {role}, so which workers are the trainers is not known: pass "
+                         "trainers=[every trainer's worker name], in the same order on each")
+    return []
+
+
+def _in_rpc_world() -> bool:
+    try:
+        rpc.get_worker_info()
+    except RuntimeError:
+        return False
+    return True

@@ -1,0 +1,55 @@
+"""The demo's ``--checkpoint DIR --every N`` (remote_module/demos/dlrm.py): a run that ended is
+started again with more ``--steps`` and resumes from its newest checkpoint, saying so, and the
+command line refuses what does not go together."""
+
+import pytest
+
+from remote_module.demos import dlrm as dlrm_demo
+from remote_module.ps.checkpoint._checkpointer import complete_checkpoints
+
+
+@pytest.mark.slow
+def test_a_run_started_again_resumes_from_its_newest_checkpoint(capfd, tmp_path):
+    argv = ["--servers", "1", "--trainers", "2", "--no-progress", "--plot", "", "--checkpoint", str(tmp_path),
+            "--every", "2"]
+    first = dlrm_demo.main(argv + ["--steps", "4"])
+    out = capfd.readouterr().out
+    assert "resumed from step" not in out and [r["steps"] for r in first] == [4, 4], out
+    assert [step for step, _ in complete_checkpoints(tmp_path)] == [2, 4]
+    again = dlrm_demo.main(argv + ["--steps", "6"])
+    out = capfd.readouterr().out
+    assert f"resumed from step 4 (the newest checkpoint in {tmp_path})" in out, out
+    assert "training 2 steps of" in out, out
+    # the figures are this run's: its 2 steps
+    assert [(r["steps"], len(r["losses"]), r["auc_curve"][-1][0]) for r in again] == [(2, 2, 6)] * 2
+    assert [step for step, _ in complete_checkpoints(tmp_path)] == [4, 6]  # the newest 2 kept
+    # the summary's line: trainer0 saved once (step 6), and its size is the checkpoint's on disk
+    figures = again[0]["checkpoints"]
+    assert figures["resumed_from"] == 4 and figures["saves"] == figures["completed"] == 1, figures
+    on_disk = sum(p.stat().st_size for p in (tmp_path / "step-00000006").iterdir() if p.name != "manifest.json")
+    assert figures["bytes"] == on_disk, figures
+    assert f"checkpoints: resumed from step 4; 1 save, {on_disk / 1e6:.1f} MB each, " in out, out
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--every", "5"], "--every is the steps between checkpoints: pass --checkpoint DIR too"),
+        (["--mode", "geo", "--checkpoint", "d"], "--checkpoint is for --mode sync, async or half_async"),
+        (["--checkpoint", "d", "--every", "0"], "argument --every: must be at least 1, got 0"),
+    ],
+)
+def test_bad_checkpoint_arguments_are_refused_by_name(argv, message, capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        dlrm_demo.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_every_defaults_to_100_with_a_checkpoint(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert dlrm_demo.parse_args(["--checkpoint", "d"]).every == 100
+    assert dlrm_demo.parse_args([]).every is None

@@ -1,0 +1,103 @@
+"""A parameter-server job under ``torchrun --max-restarts=1`` (tests/ps/_checkpoint_job.py: ps0,
+trainer0, trainer1, a table and a local model per trainer, checkpointed every 2 of 6 steps) loses
+one process to SIGKILL at a step the test chooses; torchrun restarts the world and the job
+resumes from the newest complete checkpoint. Sync mode, batches chosen by the step index: the
+end is bit for bit the uninterrupted run's (the server killed, or either trainer: trainer0 is the
+one that saves the servers' part and completes the checkpoints). Async mode: the
+table at restart is the checkpoint's, bit for bit."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from remote_module.ps.checkpoint._checkpointer import STEP_DIR, _read_ps
+from tests._deadlines import HANG_S, SETUP_S
+from tests.test_torchrun import ROOT, _argv, _env
+
+#: a job is started twice at most (its first attempt, torchrun's restart); a test runs two jobs at most
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * (2 * SETUP_S + HANG_S))]
+
+
+def _job(tmp: Path, *extra: str) -> tuple[Path, Path, str]:
+    """Run the job (``extra``: its options); its checkpoint directory, output directory and
+    stdout."""
+    ckpt, out = tmp / "ckpt", tmp / "out"
+    out.mkdir(parents=True)
+    command = (f"torchrun --standalone --nproc-per-node=3 --max-restarts=1 -m tests.ps._checkpoint_job "
+               f"--dir {ckpt} --out {out} --steps 6 --every 2 {' '.join(extra)}")
+    run = subprocess.run(_argv(command), cwd=ROOT, env=_env(), capture_output=True, text=True,
+                         timeout=2 * SETUP_S + HANG_S)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return ckpt, out, run.stdout
+
+
+def _resumed(stdout: str) -> dict[tuple[str, int], int]:
+    """``{(trainer, attempt): the step it resumed from}``."""
+    return {(m[1], int(m[3])): int(m[2])
+            for m in re.finditer(r"^(trainer\d) resumed from step (\d+) \(attempt (\d+)\)$", stdout, re.M)}
+
+
+def _restarted(stdout: str) -> int:
+    """The step both trainers resumed from in torchrun's restart (one of the checkpoints)."""
+    got = _resumed(stdout)
+    assert got[("trainer0", 0)] == got[("trainer1", 0)] == 0, stdout
+    start = got.get(("trainer0", 1))
+    assert start is not None and got.get(("trainer1", 1)) == start, stdout  # the world was restarted
+    assert start in (2, 4), stdout  # a checkpoint's (2, or 4 once its files were all in before the kill)
+    return start
+
+
+def _bit_equal(a: Any, b: Any, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and sorted(a, key=str) == sorted(b, key=str), where
+        for key in a:
+            _bit_equal(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _bit_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
+
+
+def _ends(out: Path) -> dict[str, Any]:
+    return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in ("trainer0", "trainer1")}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[str, Any]:
+    _, out, stdout = _job(tmp_path_factory.mktemp("whole"))
+    assert set(_resumed(stdout).values()) == {0}, stdout
+    return _ends(out)
+
+
+# trainer0 is the one that saves the servers' part and completes the checkpoints
+@pytest.mark.parametrize("victim", ["ps0", "trainer0", "trainer1"])
+def test_a_sync_job_killed_and_restarted_ends_as_uninterrupted(tmp_path, uninterrupted, victim):
+    _, out, stdout = _job(tmp_path, "--kill", victim, "--at", "5")
+    assert f"kill{'s ps0' if victim == 'ps0' else 's itself'} before step 5" in stdout, stdout
+    _restarted(stdout)
+    got = _ends(out)
+    assert "table" in got["trainer0"] and "head" in got["trainer1"]
+    assert got["trainer1"]["table_lr"] == 0.3 * 0.5 ** 2  # (its scheduler's, restored: 6 steps, halved every 3)
+    _bit_equal(got, uninterrupted)
+
+
+def test_an_async_job_restarts_with_the_checkpoints_table(tmp_path):
+    ckpt, out, stdout = _job(tmp_path, "--mode", "async", "--hold", "--kill", "trainer1", "--at", "5")
+    start = _restarted(stdout)
+    saved = _read_ps(ckpt / STEP_DIR.format(start))["table"]
+    at_restart = torch.load(out / "resumed-1.pt", weights_only=False)
+    _bit_equal(at_restart["state"], saved["state"], "state")
+    _bit_equal(at_restart["optim"], saved["optim"], "optim")
+    # (and not the table the job started from: the checkpoint held trained rows)
+    first = torch.load(out / "resumed-0.pt", weights_only=False)
+    assert not torch.equal(first["state"]["weight"], saved["state"]["weight"])
