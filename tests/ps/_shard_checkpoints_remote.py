@@ -198,8 +198,10 @@ def unsupported(name: str, directory: str) -> dict:
 
     out = {}
     collection = ShardedEmbeddingBagCollection({"b": bag(name + "-b", ["ps0"], "eager-sgd")})
+    once = bag(name + "-once", ["ps0"], "eager-sgd")
     for case, objects in (("linear", {"model": torch.nn.Linear(2, 2)}),
-                          ("collide", {"a": collection, "a.b": bag(name, ["ps1"], "eager-sgd")})):
+                          ("collide", {"a": collection, "a.b": bag(name, ["ps1"], "eager-sgd")}),
+                          ("twice", {"a": once, "b": once})):
         try:
             save_shards(directory, objects)
             out[case] = "no error"
@@ -279,3 +281,31 @@ def load_after_a_loss(name: str, torn: str, previous: str) -> dict:
         error = f"{type(exc).__name__}: {exc}"
     load_shards(previous, {"emb": emb})
     return {"error": error, "loaded": checkpoint(emb)}
+
+
+def load_repeatedly(name: str, directory: str, times: int) -> dict:
+    """Load the checkpoint in ``directory`` ``times`` times into table ``name`` on ps0-ps2 (which
+    another trainer loads at the same time): the errors and the table's checkpoint."""
+    from remote_module.ps import load_shards
+
+    emb = bag(name, ["ps0", "ps1", "ps2"], "eager-sgd", num_trainers=2)
+    errors = []
+    for _ in range(times):
+        try:
+            load_shards(directory, {"emb": emb})
+        except Exception as exc:  # noqa: BLE001 - the outcome under test
+            errors.append(f"{type(exc).__name__}: {exc}")
+    return {"errors": errors, "after": checkpoint(emb)}
+
+
+def eager_then_lazy(name: str, directory: str) -> dict:
+    """An eager table saved, then a lazy one saved over it in the same directory: the files."""
+    from remote_module.ps import save_shards
+
+    eager = bag(name + "-eager", ["ps0", "ps1"], "eager-sgd")
+    train(eager, range(2))
+    save_shards(directory, {"emb": eager})
+    lazy = bag(name + "-lazy", ["ps0", "ps1"], "lazy-adagrad-admission-eviction")
+    train(lazy, range(2))
+    save_shards(directory, {"emb": lazy})
+    return {"files": sorted(os.listdir(directory))}

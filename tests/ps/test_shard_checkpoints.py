@@ -174,6 +174,8 @@ def test_objects_other_than_tables_or_names_that_collide_are_refused(world, tmp_
     assert got["linear"].startswith("TypeError") and "ShardedEmbeddingBagCollection" in got["linear"], got
     assert "Linear" in got["linear"] and "PSModel" in got["linear"], got
     assert got["collide"].startswith("ValueError") and "'a.b'" in got["collide"], got
+    # one table under two names would load half of each checkpoint: refused before any call
+    assert got["twice"].startswith("ValueError") and "is given twice ('a', 'b')" in got["twice"], got
     assert not (tmp_path / "manifest.json").exists()
 
 
@@ -227,3 +229,49 @@ def test_a_server_lost_during_a_save_leaves_it_torn_and_the_previous_checkpoint_
     # the servers left (ps0, ps2) hold what was saved before the loss (shared layout: any servers)
     for part in ("model", "optim"):
         same(got["loaded"][part], saved[part], part)
+
+
+def test_two_trainers_loading_one_table_at_once_both_load_it(world, tmp_path):
+    # each server stages each load apart: one trainer's load never replaces the other's
+    saved = on(world, "trainer0", r.eager_weight, job("together"), str(tmp_path))
+    name = job("together-load")
+    got = world.run({t: (r.load_repeatedly, name, str(tmp_path), 4) for t in ("trainer1", "trainer2")})
+    for trainer, outcome in got.items():
+        assert outcome["errors"] == [], (trainer, outcome["errors"])
+        assert torch.equal(outcome["after"]["model"]["weight"], saved["weight"]), trainer
+
+
+def test_a_save_over_an_eager_checkpoint_leaves_no_torch_metadata_of_the_old_weights(world, tmp_path):
+    # the old .metadata would let dcp.load read the old eager weights from a lazy (or torn) save
+    got = on(world, "trainer0", r.eager_then_lazy, job("eager-then-lazy"), str(tmp_path))
+    assert "manifest.json" in got["files"] and ".metadata" not in got["files"], got["files"]
+
+
+def test_a_manifest_edited_on_disk_is_refused_before_anything_changes(world, tmp_path):
+    on(world, "trainer0", r.saved, job("edited"), str(tmp_path), "eager-sparse-adam-eviction")
+    path = tmp_path / "manifest.json"
+    manifest = json.loads(path.read_text())
+    key = next(iter(manifest["tables"]))
+    manifest["tables"][key]["optimizer_steps"] += 100  # (SparseAdam's bias correction would change)
+    path.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    got = on(world, "trainer1", r.refused_load, job("edited-load"), str(tmp_path), ["ps0", "ps1"],
+             "eager-sparse-adam-eviction")
+    assert got["error"] is not None and got["error"].startswith("CheckpointError"), got["error"]
+    assert "manifest.json: its text does not match its own sha256" in got["error"], got["error"]
+    same(got["after"], got["before"], "unchanged")
+
+
+def test_a_staged_load_whose_trainer_gave_up_is_forgotten_at_a_later_stage():
+    from remote_module.ps.tables.server import _shard_files as files
+
+    late, current = ("t", "late"), ("t", "current")
+    files._staged.update({late: None, current: None, ("t", "untimed"): None})
+    files._expires.update({late: time.monotonic() - 1, current: time.monotonic() + HANG_S, ("t", "untimed"): None})
+    try:
+        files._forget_expired()
+        assert late not in files._staged and late not in files._expires
+        assert current in files._staged and ("t", "untimed") in files._staged
+    finally:
+        for load in (late, current, ("t", "untimed")):
+            files._staged.pop(load, None)
+            files._expires.pop(load, None)

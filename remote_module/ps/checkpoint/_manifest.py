@@ -9,6 +9,7 @@ part of it (``"tables"``). A directory without it is a save that did not complet
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -74,10 +75,21 @@ def sync_directory(directory: str) -> None:
         os.close(fd)
 
 
+#: the manifest's own checksum: the sha256 of its JSON text without this key (sorted keys)
+SELF_SHA256 = "manifest_sha256"
+
+
+def _body_sha256(manifest: dict) -> str:
+    body = {k: v for k, v in manifest.items() if k != SELF_SHA256}
+    return hashlib.sha256(json.dumps(body, indent=1, sort_keys=True).encode()).hexdigest()
+
+
 def write_manifest(directory: str, manifest: dict) -> dict:
-    """Write ``manifest`` as the checkpoint's ``manifest.json`` (last, atomically); the manifest
-    as a load reads it back (JSON: tuples are lists)."""
-    text = json.dumps(manifest, indent=1, sort_keys=True)
+    """Write ``manifest`` as the checkpoint's ``manifest.json`` (last, atomically), with the
+    sha256 of its own text (a manifest damaged on disk is refused, as a shard file is); the
+    manifest as a load reads it back (JSON: tuples are lists)."""
+    manifest = json.loads(json.dumps(manifest, indent=1, sort_keys=True))
+    text = json.dumps({**manifest, SELF_SHA256: _body_sha256(manifest)}, indent=1, sort_keys=True)
     write_atomically(os.path.join(directory, MANIFEST), text.encode())
     return json.loads(text)
 
@@ -99,6 +111,8 @@ def read_manifest(directory: str) -> dict:
                               f"{manifest.get('format') if isinstance(manifest, dict) else None!r})")
     if manifest.get("version") != VERSION:
         raise CheckpointError(f"{path}: manifest version {manifest.get('version')!r}, this build reads {VERSION}")
+    if manifest.get(SELF_SHA256) != _body_sha256(manifest):
+        raise CheckpointError(f"{path}: its text does not match its own sha256 (corrupt or edited by hand)")
     return manifest
 
 
@@ -122,6 +136,8 @@ def file_entry(files: dict, rel: str) -> tuple[str, int, str]:
     entry = files.get(rel)
     if not isinstance(entry, dict):
         raise CheckpointError(f"the manifest lists no file {rel!r}: the checkpoint is incomplete")
+    if os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/"):
+        raise CheckpointError(f"the manifest lists a file outside its directory, {rel!r}: it was edited")
     return rel, int(entry["bytes"]), str(entry["sha256"])
 
 

@@ -61,6 +61,12 @@ def _tables_of(objects: Any) -> tuple[list[tuple[str, ShardedEmbedding]], dict]:
     if twice:
         raise ValueError(f"two tables would be saved as {twice[0]!r} (a collection's table is "
                          "'<name>.<table>'): give the objects names that do not collide")
+    names = [table.name for _, table in tables]  # (two objects of one name are one table on its servers)
+    again = sorted({n for n in names if names.count(n) > 1})
+    if again:
+        under = [key for key, table in tables if table.name == again[0]]
+        raise ValueError(f"table {again[0]!r} is given twice ({', '.join(map(repr, under))}): each table "
+                         "saves and loads once, under one name")
     return tables, described
 
 
@@ -103,8 +109,14 @@ def save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, layout: 
     directory = os.path.abspath(os.fspath(path))  # (servers resolve it the same, whatever their cwd)
     tables, described = _tables_of(objects)
     os.makedirs(directory, exist_ok=True)
-    if os.path.exists(os.path.join(directory, MANIFEST)):  # (saved over: torn until the new manifest)
-        os.remove(os.path.join(directory, MANIFEST))
+    # saved over: torn until the new manifest, and no reader of torch's format (dcp.load) reads
+    # the old eager weights either: the metadata is written again just before the manifest
+    removed = False
+    for stale in (MANIFEST, DCP_METADATA):
+        if os.path.exists(os.path.join(directory, stale)):
+            os.remove(os.path.join(directory, stale))
+            removed = True
+    if removed:
         sync_directory(directory)
     for _, table in tables:
         table._settle()
@@ -185,7 +197,7 @@ def load_shards(path: str | os.PathLike, objects: Mapping[str, Any]) -> None:
     plans = [_plan(directory, manifest, key, table) for key, table in tables]
     load = uuid.uuid4().hex
     timeout = _timeout(tables)
-    stage = [(server, _shard_files._stage_shards, (table.name, load, directory, reads, plan["clock"]))
+    stage = [(server, _shard_files._stage_shards, (table.name, load, directory, reads, plan["clock"], timeout))
              for (_, table), plan in zip(tables, plans) for server, reads in plan["reads"].items()]
     drop = [(server, _shard_files._drop_staged, (name, load)) for server, _, (name, *_) in stage]
     try:

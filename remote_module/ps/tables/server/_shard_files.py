@@ -27,6 +27,7 @@ import io
 import os
 import pickle
 import threading
+import time
 from typing import Any, NamedTuple
 
 import torch
@@ -88,9 +89,14 @@ class Staged(NamedTuple):
     sketches: list[tuple[list[tuple[int, int]], torch.Tensor, None]]
 
 
-#: the staged load of each table here (a newer stage of a table replaces an older one)
-_staged: dict[str, Staged] = {}
+#: the staged loads here, by (table, load): two trainers may load one table at once
+_staged: dict[tuple[str, str], Staged] = {}
+#: when each staged load is forgotten unless applied or dropped (``time.monotonic()``; None: never)
+_expires: dict[tuple[str, str], float | None] = {}
 _staged_lock = threading.Lock()
+#: a staged load is kept this many times its trainer's timeout: one whose trainer gave up (a
+#: server timed out, the trainer died) is forgotten at a later stage on this server
+KEEP_STAGED_TIMEOUTS = 3
 
 
 def _save_bytes(value: Any) -> memoryview:
@@ -175,12 +181,15 @@ def _load(path: str, at: tuple[int, int] | None = None) -> Any:
         return torch.load(io.BytesIO(f.read(at[1])), weights_only=True)
 
 
-def _stage_shards(name: str, key: str, directory: str, reads: ShardReads, clock: int) -> str | None:
+def _stage_shards(name: str, key: str, directory: str, reads: ShardReads, clock: int,
+                  timeout: float | None = None) -> str | None:
     """Read (and check) this server's share of a table's checkpoint for load ``key``: the rows
     in its own blocks, their clocks aged to the table's step ``clock``, their optimizer state
     and every saved sketch; kept until :func:`_apply_staged`. Every file is checked before any
     is read; nothing of the table changes. Why it cannot be loaded (a file missing, truncated or
-    corrupt, named), or None."""
+    corrupt, named), or None. Staged loads older than :data:`KEEP_STAGED_TIMEOUTS` times their
+    ``timeout`` (the trainer's) are forgotten first."""
+    _forget_expired()
     table = _table(name)
     try:
         for entry in reads.files:
@@ -190,8 +199,17 @@ def _stage_shards(name: str, key: str, directory: str, reads: ShardReads, clock:
     except (ValueError, OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:  # (one that does not read)
         return str(exc) if isinstance(exc, ValueError) else f"{directory}: a file does not read: {exc}"
     with _staged_lock:
-        _staged[name] = staged._replace(key=key, sketches=sketches)
+        _staged[(name, key)] = staged._replace(key=key, sketches=sketches)
+        _expires[(name, key)] = None if not timeout else time.monotonic() + KEEP_STAGED_TIMEOUTS * timeout
     return None
+
+
+def _forget_expired() -> None:
+    now = time.monotonic()
+    with _staged_lock:
+        for load in [load for load, at in _expires.items() if at is not None and at < now]:
+            _staged.pop(load, None)
+            del _expires[load]
 
 
 def _read_mine(layout: list[tuple[int, int]], directory: str, reads: ShardReads, clock: int, dim: int) -> Staged:
@@ -246,10 +264,11 @@ def _apply_staged(name: str, key: str, clock: int | None, optimizer_steps: int |
     table's step (with eviction), else None."""
     table = _table(name)
     with _staged_lock:
-        staged = _staged.get(name)
-        if staged is None or staged.key != key:
-            raise LookupError(f"table {name!r}: no checkpoint staged here for load {key!r} (staged again since?)")
-        del _staged[name]
+        staged = _staged.pop((name, key), None)
+        _expires.pop((name, key), None)
+    if staged is None:
+        raise LookupError(f"table {name!r}: no checkpoint staged here for load {key!r} (forgotten: its trainer "
+                          "took longer than its timeout allows)")
     lazy = table.spec.init == "lazy"
     last = staged.last if clock is not None else None
     handlers._set_rows(name, staged.ids, staged.rows, last, clock if last is not None else None,
@@ -263,5 +282,5 @@ def _apply_staged(name: str, key: str, clock: int | None, optimizer_steps: int |
 def _drop_staged(name: str, key: str) -> None:
     """Forget load ``key``'s staged rows of table ``name`` (another server refused its files)."""
     with _staged_lock:
-        if name in _staged and _staged[name].key == key:
-            del _staged[name]
+        _staged.pop((name, key), None)
+        _expires.pop((name, key), None)
