@@ -89,8 +89,8 @@ def _checkpoint_lines(results: list[dict[str, Any]]) -> list[str]:
     size = f"{figures['bytes'] / 1e6:.1f} MB each" if figures["bytes"] is not None else "none complete"
     resumed = f"resumed from step {figures['resumed_from']}; " if figures["resumed_from"] else ""
     return ["", f"checkpoints: {resumed}{plural(figures['saves'], 'save')}, {size}, {per_save:.2f} s per save on "
-                f"{results[0]['trainer']} (training waits for it; the tables pass through {results[0]['trainer']}, "
-                "so its network figures above include them)"]
+                f"{results[0]['trainer']} (training waits for it; the servers write the tables to their own files, "
+                "so only a manifest and settings pass through it)"]
 
 
 #: what the network lines of the summary count, in words

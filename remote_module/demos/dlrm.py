@@ -37,12 +37,13 @@ not stepped in N of its table's steps. With any of them the tables are ``init="l
 created as they are admitted), trainer0 samples ``table_stats()`` a few dozen times over the run,
 and the summary and PNG show the rows each server holds over time.
 
-Checkpoints: ``--checkpoint DIR --every N`` saves the job every N steps into DIR (the tables on
-the servers, each trainer's dense model, optimizer, batch generator and RNG states; the newest 2
-kept, ``remote_module.ps.Checkpointer``), and a run started again with the same DIR (after a
-kill, a torchrun restart, or a run that ended) resumes from the newest complete checkpoint,
-saying ``resumed from step k``, and trains up to ``--steps`` (the summary covers the steps it
-trained, and ends with the saves: how many, their size and trainer0's seconds per save).
+Checkpoints: ``--checkpoint DIR --every N`` saves the job every N steps into DIR (the tables,
+each server writing its own shards into ``DIR/step-XXXXXXXX/ps/``; each trainer's dense model,
+optimizer, batch generator and RNG states; the newest 2 kept, ``remote_module.ps.Checkpointer``),
+and a run started again with the same DIR (after a kill, a torchrun restart, or a run that
+ended) resumes from the newest complete checkpoint, saying ``resumed from step k``, and trains up
+to ``--steps`` (the summary covers the steps it trained, and ends with the saves: how many, their
+size and trainer0's seconds per save).
 
 The network: the summary ends with the bytes per training step between trainers and servers,
 each way, measured on what each trainer's calls sent and were answered (``rpc_backend.Traffic``:
@@ -417,7 +418,7 @@ def _parser() -> argparse.ArgumentParser:
                              "training step; async, one per trainer's push; half_async, one per merge; default: never)")
     parser.add_argument("--checkpoint", default="", metavar="DIR",
                         help="save the job into DIR every --every steps, and resume from the newest checkpoint there "
-                             "(a directory every trainer sees)")
+                             "(a directory every trainer and server sees)")
     parser.add_argument("--every", type=_at_least_one, default=None, metavar="N",
                         help="with --checkpoint: the steps between checkpoints (default: 100)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")

@@ -26,7 +26,9 @@ def test_a_run_started_again_resumes_from_its_newest_checkpoint(capfd, tmp_path)
     # the summary's line: trainer0 saved once (step 6), and its size is the checkpoint's on disk
     figures = again[0]["checkpoints"]
     assert figures["resumed_from"] == 4 and figures["saves"] == figures["completed"] == 1, figures
-    on_disk = sum(p.stat().st_size for p in (tmp_path / "step-00000006").iterdir() if p.name != "manifest.json")
+    saved = tmp_path / "step-00000006"  # (the servers' shard files, in ps/, among them)
+    assert (saved / "ps" / "manifest.json").is_file() and not (saved / "ps.pt").exists()
+    on_disk = sum(p.stat().st_size for p in saved.rglob("*") if p.is_file() and p != saved / "manifest.json")
     assert figures["bytes"] == on_disk, figures
     assert f"checkpoints: resumed from step 4; 1 save, {on_disk / 1e6:.1f} MB each, " in out, out
 

@@ -8,7 +8,9 @@ SIGKILLed before step K (ps0 by trainer0, over RPC; a trainer by itself); torchr
 the job resumes. Each trainer prints ``<name> resumed from step <k> (attempt <n>)`` and, at the
 end, writes its local model and (trainer0) the table's state to ``OUT/<name>.pt``. With
 ``--hold``, trainer0 writes the table as resumed to ``OUT/resumed-<attempt>.pt`` before any
-trainer trains (trainer1 waits for that file).
+trainer trains (trainer1 waits for that file) and, having resumed from a checkpoint, what that
+checkpoint's files hold of the table to ``OUT/checkpoint-<attempt>.pt`` (read into a fresh table
+of the same settings on the same server).
 
     torchrun --standalone --nproc-per-node=3 --max-restarts=1 -m tests.ps._checkpoint_job \\
         --dir DIR --out OUT --mode sync --steps 6 --every 2 [--keep 3] [--kill ps0 --at 5] [--hold]
@@ -29,6 +31,7 @@ import torch.distributed.rpc as rpc
 from torch import nn
 
 from remote_module.ps import Checkpointer, ShardedEmbeddingBag
+from remote_module.ps.checkpoint._checkpointer import STEP_DIR, _read_ps
 from rpc_backend import init_from_env
 from tests._deadlines import HANG_S
 
@@ -48,11 +51,20 @@ def _wait_for(path: Path) -> None:
         time.sleep(0.05)
 
 
+def _table(me, args: argparse.Namespace, name: str) -> ShardedEmbeddingBag:
+    return ShardedEmbeddingBag(ROWS, DIM, me.workers("ps"), name=name, mode="sum", ps_mode=args.mode,
+                               num_trainers=me.role_size, optimizer=(torch.optim.Adagrad, {"lr": 0.3}), timeout=60)
+
+
+def _write(path: Path, obj) -> None:
+    torch.save(obj, path.with_suffix(".part"))
+    os.replace(path.with_suffix(".part"), path)
+
+
 def train(me, args: argparse.Namespace) -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     torch.manual_seed(0)
-    table = ShardedEmbeddingBag(ROWS, DIM, me.workers("ps"), name="ckpt.table", mode="sum", ps_mode=args.mode,
-                                num_trainers=me.role_size, optimizer=(torch.optim.Adagrad, {"lr": 0.3}), timeout=60)
+    table = _table(me, args, "ckpt.table")
     head = nn.Linear(DIM, 1)
     opt = torch.optim.SGD(head.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
@@ -68,9 +80,11 @@ def train(me, args: argparse.Namespace) -> None:
     out = Path(args.out)
     if args.hold:
         if me.role_rank == 0:
-            torch.save({"state": table.state_dict(), "optim": table.optimizer_state_dict()},
-                       out / f"resumed-{attempt}.part")
-            os.replace(out / f"resumed-{attempt}.part", out / f"resumed-{attempt}.pt")
+            if start > 0:  # (the checkpoint's files, read into a fresh table; the job's RNGs untouched)
+                with torch.random.fork_rng():
+                    held = _read_ps(Path(args.dir) / STEP_DIR.format(start), {"table": _table(me, args, "ckpt.read")})
+                _write(out / f"checkpoint-{attempt}.pt", held["table"])
+            _write(out / f"resumed-{attempt}.pt", {"state": table.state_dict(), "optim": table.optimizer_state_dict()})
         else:
             _wait_for(out / f"resumed-{attempt}.pt")
     for k in range(start, args.steps):

@@ -309,3 +309,34 @@ def eager_then_lazy(name: str, directory: str) -> dict:
     train(lazy, range(2))
     save_shards(directory, {"emb": lazy})
     return {"files": sorted(os.listdir(directory))}
+
+
+def job_checkpointed(name: str, directory: str) -> dict:
+    """A table on ps0, ps1 trained 4 steps under a ``Checkpointer`` saving every 2 (this trainer
+    the job's only one): the table's checkpoint at each save, by step."""
+    from remote_module.ps import Checkpointer
+
+    emb = bag(name, ["ps0", "ps1"], "eager-sgd")
+    ckpt = Checkpointer(directory, every_steps=2, keep=3, ps={"emb": emb}, trainers=["trainer0"])
+    held = {}
+    for k in range(ckpt.resume(), 4):
+        train(emb, range(k, k + 1))
+        if ckpt.step() is not None:
+            held[ckpt.step_index] = checkpoint(emb)
+    ckpt.close()
+    return held
+
+
+def job_resumed(name: str, directory: str) -> dict:
+    """A fresh table (another name: other initial rows) resumed by a ``Checkpointer`` from
+    ``directory``: the step it resumed from, the warnings said, and the table's checkpoint."""
+    import warnings
+
+    from remote_module.ps import Checkpointer
+
+    emb = bag(name, ["ps0", "ps1"], "eager-sgd")
+    ckpt = Checkpointer(directory, every_steps=2, keep=3, ps={"emb": emb}, trainers=["trainer0"])
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        start = ckpt.resume()
+    return {"start": start, "warnings": [str(w.message) for w in said], "table": checkpoint(emb)}

@@ -4,7 +4,8 @@ one process to SIGKILL at a step the test chooses; torchrun restarts the world a
 resumes from the newest complete checkpoint. Sync mode, batches chosen by the step index: the
 end is bit for bit the uninterrupted run's (the server killed, or either trainer: trainer0 is the
 one that saves the servers' part and completes the checkpoints). Async mode: the
-table at restart is the checkpoint's, bit for bit."""
+table at restart is the checkpoint's, bit for bit (what its server wrote to its own files, read
+back into a fresh table)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from remote_module.ps.checkpoint._checkpointer import STEP_DIR, _read_ps
+from remote_module.ps.checkpoint._checkpointer import PS_FILE, STEP_DIR
 from tests._deadlines import HANG_S, SETUP_S
 from tests.test_torchrun import ROOT, _argv, _env
 
@@ -94,7 +95,11 @@ def test_a_sync_job_killed_and_restarted_ends_as_uninterrupted(tmp_path, uninter
 def test_an_async_job_restarts_with_the_checkpoints_table(tmp_path):
     ckpt, out, stdout = _job(tmp_path, "--mode", "async", "--hold", "--kill", "trainer1", "--at", "5")
     start = _restarted(stdout)
-    saved = _read_ps(ckpt / STEP_DIR.format(start))["table"]
+    # the table's rows are in its server's own files (ps/ of the checkpoint), no longer in a
+    # trainer's: the job read them into a fresh table (tests/ps/_checkpoint_job.py)
+    held = ckpt / STEP_DIR.format(start)
+    assert (held / "ps" / "manifest.json").is_file() and not (held / PS_FILE).exists(), sorted(held.rglob("*"))
+    saved = torch.load(out / "checkpoint-1.pt", weights_only=False)
     at_restart = torch.load(out / "resumed-1.pt", weights_only=False)
     _bit_equal(at_restart["state"], saved["state"], "state")
     _bit_equal(at_restart["optim"], saved["optim"], "optim")

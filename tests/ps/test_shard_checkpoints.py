@@ -275,3 +275,21 @@ def test_a_staged_load_whose_trainer_gave_up_is_forgotten_at_a_later_stage():
         for load in (late, current, ("t", "untimed")):
             files._staged.pop(load, None)
             files._expires.pop(load, None)
+
+
+@pytest.mark.parametrize("fault", ["flipped", "truncated"])
+def test_the_job_checkpointer_saves_tables_as_shards_and_skips_a_damaged_one_for_the_previous(world, tmp_path, fault):
+    held = on(world, "trainer0", r.job_checkpointed, job("job-ckpt"), str(tmp_path))
+    newest = tmp_path / "step-00000004"
+    # the servers wrote the rows in ps/; the job's manifest lists ps/manifest.json, which lists them
+    listed = json.loads((newest / "manifest.json").read_text())["files"]
+    shards = json.loads((newest / "ps" / "manifest.json").read_text())["files"]
+    assert "ps/manifest.json" in listed and "emb.ps1.pt" in shards and "ps/emb.ps1.pt" not in listed, listed
+    assert not (newest / "ps.pt").exists()
+    # a byte flipped (its size holds: the server finds it by sha256 as it loads) or a shard cut short
+    # (the trainer finds it by size): nothing of it is loaded, the step-2 checkpoint is, bit for bit
+    (_flip_one_byte if fault == "flipped" else _truncate)(newest / "ps" / "emb.ps1.pt")
+    got = on(world, "trainer0", r.job_resumed, job("job-ckpt-resumed"), str(tmp_path))
+    assert got["start"] == 2, got["warnings"]
+    assert any(str(newest) in w and "ps/emb.ps1.pt" in w for w in got["warnings"]), got["warnings"]
+    same(got["table"], held[2], "resumed from step 2")

@@ -3,31 +3,40 @@
 A checkpoint is a directory ``step-XXXXXXXX/`` under the checkpointer's path (the step index:
 steps done), holding
 
-- the parameter servers' objects (tables, collections, ``PSModel``\\ s): written through the seam
-  :func:`_save_ps` / :func:`_load_ps`, by one trainer (the first of ``trainers``);
+- the parameter servers' objects, saved and loaded once, by the first of ``trainers``
+  (:func:`_save_ps` / :func:`_load_ps`): tables and collections in ``ps/``, a
+  :func:`~._shards.save_shards` checkpoint that each server writes (and reads) its own blocks
+  of, the trainer only ``ps/manifest.json`` (every shard file's size and SHA-256) and its
+  ``ps_optimizer`` settings; ``PSModel``\\ s in ``ps.pt``, their ``state_dict()`` and
+  ``optimizer_state_dict()`` through the first trainer;
 - ``trainer-<r>.pt`` for each trainer ``r``: its local objects' ``state_dict()`` (model,
   optimizer, LR scheduler, a data loader's own state; a ``torch.Generator``'s state), its
   ``ps_optimizer`` settings of the servers' objects (what its schedulers set), its RNG
   states (torch's, CUDA's once initialised, numpy's when numpy is imported, Python's
   ``random``) and the step index;
-- ``manifest.json``, written last: every file's size and SHA-256, the step and the number of
-  trainers.
+- ``manifest.json``, written last: every file's size and SHA-256 (of ``ps/``, its manifest
+  only: that lists the shard files, so the first trainer never reads the rows), the step and the
+  number of trainers.
 
 How a checkpoint becomes complete: every trainer writes its file into a staging directory
-``.step-XXXXXXXX.tmp/`` (each file written under a ``.part`` name, fsynced, then renamed), the
-first trainer writes the servers' part there too. The first trainer, at its next ``step()``
-(or at ``close()``, waiting then), sees every trainer's file there, writes the manifest, fsyncs,
-and renames the directory to ``step-XXXXXXXX``: the rename is what makes it visible, so a
-checkpoint torn by a kill stays a staging directory and is never loaded (the next resume
-removes it). No trainer waits for another while saving, and the first trainer's waits are
-bounded (``timeout``): a checkpoint still missing a trainer's file after ``timeout`` seconds
-raises ``TimeoutError`` naming the trainers.
+``.step-XXXXXXXX.tmp/`` (each file written under a ``.part`` name, fsynced, then renamed); the
+first trainer has the servers write their part there too (returning once they have). The first
+trainer, at its next ``step()`` (or at ``close()``, waiting then), sees every trainer's file
+there, writes the manifest, fsyncs, and renames the directory to ``step-XXXXXXXX``: the rename
+is what makes it visible, so a checkpoint torn by a kill stays a staging directory and is never
+loaded (the next resume removes it). No trainer waits for another while saving, and the first
+trainer's waits are bounded (``timeout``): a checkpoint still missing a trainer's file after
+``timeout`` seconds raises ``TimeoutError`` naming the trainers.
 
 Resume: the first trainer picks the newest checkpoint whose manifest holds (every file there,
-of its size and checksum; else a warning names the directory and why, and the previous one is
-tried), loads the servers' part, and answers the other trainers (over RPC) which checkpoint
-it loaded; each then loads its own file. The other trainers' ``resume()`` returns only after
-the servers' part is loaded, so no trainer trains on the old values.
+of its size and checksum, and every shard file ``ps/manifest.json`` lists, of its size; else a
+warning names the directory and why, and the previous one is tried), loads the servers' part
+(each server checks its shard files' SHA-256 first: a corrupt one raises ``CheckpointError``,
+nothing is loaded, and the previous checkpoint is tried the same way), and answers the other
+trainers (over RPC) which checkpoint it loaded; each then loads its own file (its own
+``ps_optimizer`` settings among it: they win over those ``load_shards`` set on the first). The
+other trainers' ``resume()`` returns only after the servers' part is loaded, so no trainer
+trains on the old values.
 
 Files are read with ``torch.load(weights_only=False)``: a checkpoint directory is as trusted as
 the job's own code (an RPC world is one trust domain already; see tutorials/security.md).
@@ -51,15 +60,24 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import torch
 import torch.distributed.rpc as rpc
 
+from remote_module.ps.checkpoint._manifest import MANIFEST as PS_MANIFEST
+from remote_module.ps.checkpoint._manifest import CheckpointError, read_manifest
+from remote_module.ps.checkpoint._shards import load_shards, save_shards
+from remote_module.ps.tables._collection import ShardedEmbeddingBagCollection
+from remote_module.ps.tables._embedding import ShardedEmbedding
+
 #: a complete checkpoint's directory name, and a staging one's
 STEP_DIR = "step-{:08d}"
 _COMPLETE = re.compile(r"^step-(\d{8})$")
 _STAGING = re.compile(r"^\.step-(\d{8})\.tmp$")
 MANIFEST = "manifest.json"
-#: the servers' part as the seam writes it for now
+#: the servers' tables and collections: a save_shards checkpoint (shared layout) in this subfolder
+PS_DIR = "ps"
+#: the servers' PSModels, as the trainer gathers them (state_dict)
 PS_FILE = "ps.pt"
-#: the format of the manifest (a checkpoint of another format is refused, naming both)
-FORMAT = 1
+#: the format of the manifest (a checkpoint of another format is refused, naming both; 1 held
+#: every table in ps.pt)
+FORMAT = 2
 #: seconds between looks at a staging directory while waiting for the trainers' files
 _POLL_S = 0.05
 
@@ -67,42 +85,79 @@ _POLL_S = 0.05
 # ---- the seam: the servers' objects -------------------------------------------------------------
 
 
+def _split(objects: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``objects`` as ``(shards, models)``: the tables and collections, which their servers save
+    and load themselves (:func:`~._shards.save_shards`), and the rest (``PSModel``\\ s), which go
+    through the trainer's ``state_dict()``."""
+    shards = {name: obj for name, obj in objects.items()
+              if isinstance(obj, (ShardedEmbedding, ShardedEmbeddingBagCollection))}
+    return shards, {name: obj for name, obj in objects.items() if name not in shards}
+
+
 def _save_ps(path: Path, objects: Mapping[str, Any]) -> None:
     """Save the parameter servers' ``objects`` (name -> table, collection or ``PSModel``) into
     the directory ``path``; run by one trainer only.
 
-    THE SEAM: ``remote_module.ps.save_shards(path, objects)`` (each server writing its own
-    blocks, the trainer a manifest) replaces this body. For now it is the trainer-side path of
-    tutorials/parameter-servers.md#checkpoints: every object's ``state_dict()`` and
-    ``optimizer_state_dict()``, gathered here and written with ``torch.save`` to ``ps.pt``.
+    Tables and collections: ``save_shards(path / "ps", ...)`` (shared layout): each server
+    writes its own blocks there, the trainer only the small ``ps/manifest.json`` (every shard
+    file's size and SHA-256, written last) and its ``ps_optimizer`` settings; no row passes
+    through the trainer. ``PSModel``\\ s (which ``save_shards`` does not take): their
+    ``state_dict()`` and ``optimizer_state_dict()``, gathered here and written with
+    ``torch.save`` to ``ps.pt``.
     """
-    state = {name: {"state": obj.state_dict(), "optim": obj.optimizer_state_dict()} for name, obj in objects.items()}
-    _write(path / PS_FILE, state)
+    shards, models = _split(objects)
+    if shards:
+        save_shards(path / PS_DIR, shards)
+    if models:
+        _write(path / PS_FILE, {name: {"state": obj.state_dict(), "optim": obj.optimizer_state_dict()}
+                                for name, obj in models.items()})
 
 
-def _read_ps(path: Path) -> dict[str, dict]:
-    """What :func:`_save_ps` wrote into ``path``: ``{name: {"state": ..., "optim": ...}}``
-    (part of the seam: tests compare a job's tables with it)."""
-    return torch.load(path / PS_FILE, weights_only=False)
+def _check_names(path: Path, objects: Mapping[str, Any], models_saved: Mapping[str, Any]) -> None:
+    """``KeyError`` (nothing loaded) unless the checkpoint ``path`` holds each of ``objects``
+    under its name, as the same kind (a table or collection in ``ps/``, a ``PSModel`` in
+    ``ps.pt``, read as ``models_saved``); ``CheckpointError`` for a ``ps/`` without its manifest
+    (torn)."""
+    shards, models = _split(objects)
+    saved = {}
+    if (path / PS_DIR).is_dir():
+        saved.update({name: "ps/" for name in read_manifest(str(path / PS_DIR))["objects"]})
+    saved.update({name: PS_FILE for name in models_saved})
+    wrong = sorted([n for n in shards if saved.get(n) != "ps/"] + [n for n in models if saved.get(n) != PS_FILE])
+    if wrong:
+        raise KeyError(f"the checkpoint {path} has no parameter-server object(s) {wrong} as this job has them (it has "
+                       f"tables and collections in ps/: {sorted(n for n, w in saved.items() if w == 'ps/')}, "
+                       f"PSModels in {PS_FILE}: {sorted(n for n, w in saved.items() if w == PS_FILE)}): pass the "
+                       "same ps= names and objects as the job that saved it")
 
 
 def _load_ps(path: Path, objects: Mapping[str, Any]) -> None:
     """Load the parameter servers' ``objects`` from the checkpoint directory ``path``; run by
     one trainer only (the one that saves), before any trainer trains.
 
-    THE SEAM: ``remote_module.ps.load_shards(path, objects)`` (each server reading its own
-    blocks) replaces this body. For now it is the trainer-side path of
-    tutorials/parameter-servers.md#checkpoints: every object's state and optimizer state, read
-    from ``ps.pt`` and sent to the servers. (Every trainer restores its own ``ps_optimizer``
-    settings from its own file: :func:`_ps_settings`.)"""
-    saved = _read_ps(path)
-    missing = sorted(set(objects) - set(saved))
-    if missing:
-        raise KeyError(f"the checkpoint {path} has no parameter-server object(s) {missing} (it has {sorted(saved)}): "
-                       "pass the same ps= names as the job that saved it")
-    for name, obj in objects.items():
+    Tables and collections: ``load_shards(path / "ps", ...)``, each server reading and checking
+    (size, SHA-256) its own blocks' files; a file missing, truncated or corrupt raises
+    :class:`CheckpointError` naming it, with nothing loaded. ``PSModel``\\ s: their state and
+    optimizer state, read from ``ps.pt`` and sent to the servers, after the tables. (``load_shards``
+    also sets this trainer's ``ps_optimizer`` settings from the saving trainer's; every trainer
+    then restores its own from its own file, which wins: :func:`_set_ps_settings`.)"""
+    shards, models = _split(objects)
+    saved = torch.load(path / PS_FILE, weights_only=False) if (path / PS_FILE).is_file() else {}
+    _check_names(path, objects, saved)
+    if shards:
+        load_shards(path / PS_DIR, shards)
+    for name, obj in models.items():
         obj.load_state_dict(saved[name]["state"])
         obj.load_optimizer_state_dict(saved[name]["optim"])
+
+
+def _read_ps(path: Path, objects: Mapping[str, Any]) -> dict[str, dict]:
+    """What the checkpoint ``path`` holds of the servers' objects: loaded into ``objects``
+    (fresh ones, built as the job's, under other server-side names), then ``{name: {"state":
+    state_dict(), "optim": optimizer_state_dict()}}`` of each (part of the seam: tests compare a
+    job's tables with it)."""
+    _load_ps(path, objects)
+    return {name: {"state": obj.state_dict(), "optim": obj.optimizer_state_dict()} for name, obj in objects.items()}
 
 
 def _owners(obj: Any) -> list[tuple[str, Any]]:
@@ -166,9 +221,12 @@ def _digest(path: Path) -> str:
 
 
 def _files(directory: Path) -> list[Path]:
-    """Every file of a checkpoint directory but its manifest and unfinished ``.part`` files."""
-    return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST
-                  and not p.name.endswith(".part"))
+    """The files a checkpoint's manifest lists: every file of ``directory`` but the manifest and
+    unfinished ``.part`` files, and of ``ps/`` only its manifest (which lists every shard file
+    with its size and SHA-256: the servers check them as they load, see :func:`_unloadable`)."""
+    ps = directory / PS_DIR
+    return sorted(p for p in directory.rglob("*") if p.is_file() and p != directory / MANIFEST
+                  and not p.name.endswith(".part") and (ps not in p.parents or p == ps / PS_MANIFEST))
 
 
 def _trainer_file(rank: int) -> str:
@@ -215,6 +273,28 @@ def _unloadable(directory: Path, step: int, trainers: int) -> str | None:
             return f"{name} has {size} bytes, the manifest says {entry['bytes']} (truncated or overwritten)"
         if _digest(file) != entry["sha256"]:
             return f"{name} does not match its checksum in the manifest (corrupted)"
+    return _shards_unloadable(directory)
+
+
+def _shards_unloadable(directory: Path) -> str | None:
+    """Why the servers' shard files (``ps/``) cannot be loaded, as far as the trainer sees without
+    reading them, or None: each file ``ps/manifest.json`` lists, there and of its size. (Their
+    SHA-256 the servers check as they load: a corrupt one raises CheckpointError naming it, and
+    resume() tries the checkpoint before.)"""
+    if not (directory / PS_DIR / PS_MANIFEST).is_file():
+        return None
+    try:
+        files = read_manifest(str(directory / PS_DIR))["files"]
+    except CheckpointError as e:
+        return str(e)
+    for rel, entry in sorted(files.items()):
+        file = directory / PS_DIR / rel
+        if not file.is_file():
+            return f"{PS_DIR}/{rel} is missing"
+        size = file.stat().st_size
+        if size != entry["bytes"]:
+            return (f"{PS_DIR}/{rel} has {size} bytes, {PS_DIR}/{PS_MANIFEST} says {entry['bytes']} "
+                    "(truncated or overwritten)")
     return None
 
 
@@ -317,15 +397,18 @@ class Checkpointer:
     Every trainer builds one with the same arguments (its own objects) and calls
     :meth:`resume` once before training, :meth:`step` after each training step and
     :meth:`close` at the end. ``ps`` names the parameter servers' objects (tables, collections,
-    ``PSModel``\\ s: saved and loaded once, by the first trainer; every trainer restores its
-    ``ps_optimizer`` settings); ``local`` names this trainer's own objects, each with
-    ``state_dict()`` / ``load_state_dict()`` (a model, an optimizer, an LR scheduler, a data
-    loader such as torchdata's ``StatefulDataLoader``) or a ``torch.Generator``. The RNG states
-    (torch, CUDA, numpy, ``random``) and the step index are saved too. ``trainers``: every
+    ``PSModel``\\ s: saved and loaded once, for the first trainer; a table's or collection's
+    servers write and read their own blocks' files, a ``PSModel``'s state goes through that
+    trainer; every trainer restores its ``ps_optimizer`` settings); ``local`` names this
+    trainer's own objects, each with ``state_dict()`` / ``load_state_dict()`` (a model, an
+    optimizer, an LR scheduler, a data loader such as torchdata's ``StatefulDataLoader``) or a
+    ``torch.Generator``. The RNG states (torch, CUDA, numpy, ``random``) and the step index are
+    saved too. ``trainers``: every
     trainer's worker name, in the same order on each (default: the ``"trainer"`` role of the
     world ``rpc_backend`` formed; without one, this process alone); the first saves the servers'
-    part. ``path`` must be one directory that every trainer sees (a shared filesystem across
-    machines). ``timeout``: seconds any wait may take (a trainer's file of a checkpoint, the
+    part. ``path`` must be one directory that every trainer and every server of the tables sees
+    at the same absolute path (a shared filesystem across machines): the servers write their
+    shard files into it. ``timeout``: seconds any wait may take (a trainer's file of a checkpoint, the
     first trainer's resume) before it raises naming what did not come.
 
     Exact resume: in sync mode with batches determined by the step index (or a data loader
@@ -441,13 +524,17 @@ class Checkpointer:
                     mine = torch.load(directory / _trainer_file(0), weights_only=False)
                 except Exception as e:  # (checksums held: an unpickling error is a bug's, but said the same)
                     why = f"{_trainer_file(0)} does not load ({type(e).__name__}: {e})"
+            if why is None:
+                try:
+                    _load_ps(directory, self.ps)  # (tables first: a CheckpointError there loaded nothing)
+                except CheckpointError as e:
+                    why = str(e)
             if why is not None:
                 warnings.warn(f"checkpoint {directory} is not loadable: {why}; trying the one before it",
                               RuntimeWarning, stacklevel=3)
                 refused.append(f"{directory.name}: {why}")
                 continue
-            _load_ps(directory, self.ps)
-            self._load_mine(mine)
+            self._load_mine(mine)  # (after the servers' part: this trainer's ps_optimizer settings win)
             return _Resumed(step, directory.name, None)
         if refused:
             raise RuntimeError(f"no checkpoint under {self.path} is loadable ({'; '.join(refused)}): move them away "
@@ -507,7 +594,8 @@ class Checkpointer:
     def stats(self) -> dict[str, Any]:
         """This trainer's saving so far: ``saves`` (started here), ``save_s`` (seconds spent in
         them: training waited that long), and on the first trainer ``completed`` (checkpoints
-        made visible) and ``bytes`` (the newest one's files, summed; None before one).
+        made visible) and ``bytes`` (the newest one's files, the servers' shard files among them,
+        summed before its manifest is written; None before one).
 
         Example::
 
@@ -550,7 +638,7 @@ class Checkpointer:
         files = {p.relative_to(staging).as_posix(): {"bytes": p.stat().st_size, "sha256": _digest(p)}
                  for p in _files(staging)}
         self._figures["completed"] += 1
-        self._figures["bytes"] = sum(f["bytes"] for f in files.values())
+        self._figures["bytes"] = sum(p.stat().st_size for p in staging.rglob("*") if p.is_file())  # (the shards')
         manifest = {"format": FORMAT, "step": pending.step, "trainers": self._count, "files": files}
         part = staging / (MANIFEST + ".part")
         with open(part, "w") as f:
