@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from remote_module.ps import Checkpointer
+from remote_module.ps.checkpoint import _checkpointer
 from remote_module.ps.checkpoint._checkpointer import MANIFEST, complete_checkpoints
 from tests._deadlines import SETUP_S
 
@@ -67,6 +68,14 @@ def _same(a: dict, b: dict) -> None:
 
 def _steps(path: Path) -> list[int]:
     return [step for step, _ in complete_checkpoints(path)]
+
+
+@pytest.fixture(autouse=True)
+def no_rpc_world_here(monkeypatch):
+    """These are jobs without an RPC world (this process is the only trainer). The pytest
+    process may be a rank of the test session's own world (tests/conftest.py): the Checkpointer
+    must not see it (it would ask for ``trainers=``). The test of a world runs in a subprocess."""
+    monkeypatch.setattr(_checkpointer, "_in_rpc_world", lambda: False)
 
 
 def test_a_stopped_run_resumes_bit_for_bit(tmp_path):
