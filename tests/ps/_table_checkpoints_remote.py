@@ -262,3 +262,16 @@ def unstepped_state_into_geo(name: str) -> dict:
     given = source.optimizer_state_dict()
     error = _caught(lambda: table.load_optimizer_state_dict(given))
     return {"error": error, "given": sorted(given), "after": table.optimizer_state_dict()}
+
+
+def geo_load_with_rows_unpushed(name: str) -> dict:
+    """A lazy geo table (pushes every 2 steps) checkpointed after 2 steps, trained one more step
+    on rows the checkpoint does not hold (not pushed yet), then loaded from the checkpoint: the
+    rows it holds afterwards (``state_dict()`` pushes what is pending first)."""
+    emb = bag(name, ["ps0", "ps1"], ps_mode="geo", geo_push_every=2)
+    _trained(emb, [1, 2])
+    _trained(emb, [3])
+    saved = emb.state_dict()
+    _trained(emb, [7, 30])  # rows 7 and 30: not in the checkpoint, their deltas not pushed yet
+    emb.load_state_dict(saved)
+    return {"saved": saved, "after": emb.state_dict()}

@@ -174,3 +174,11 @@ def test_the_state_of_a_table_never_stepped_loads_into_a_geo_table(world):
     assert "sum" not in got["given"]
     assert got["error"] is None, got["error"]
     assert got["after"]["ids"].numel() == 0 and got["after"]["sum"].shape == (0, r.DIM)
+
+
+def test_a_geo_load_drops_the_deltas_of_rows_the_checkpoint_does_not_hold(world):
+    # a lazy checkpoint holds every row the table keeps: rows trained since and not pushed yet
+    # go back to their first values, as those pushed already do; their pending deltas with them
+    got = on(world, "trainer0", r.geo_load_with_rows_unpushed, job("geo-unpushed"))
+    assert torch.equal(got["after"]["weight.ids"], got["saved"]["weight.ids"]), got["after"]["weight.ids"]
+    assert torch.equal(got["after"]["weight.rows"], got["saved"]["weight.rows"])

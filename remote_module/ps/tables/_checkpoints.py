@@ -165,7 +165,9 @@ class TableCheckpoints:
             self._set_admission([(blocks, data.to_dense() if data.is_sparse else data, None)
                                  for blocks, data in admission or ()])
         if self._geo is not None:  # cached rows are stale now: the next lookups fetch the loaded ones
-            self._geo.drop(ids.unique())
+            # every one: a lazy checkpoint holds all the rows the table keeps, so a row trained
+            # since and not in it goes back to its first value, its delta not pushed with it
+            self._geo.drop(self._geo.ids)
 
     def _loaded_from_files(self, place: dict, settings: dict | None, geo: dict | None) -> None:
         """The trainer's side of a load whose rows the servers read from files themselves
