@@ -5,7 +5,7 @@ command line refuses what does not go together."""
 import pytest
 
 from remote_module.demos import dlrm as dlrm_demo
-from remote_module.ps.checkpoint._checkpointer import complete_checkpoints
+from remote_module.ps.checkpoint._job_files import complete_checkpoints
 
 
 @pytest.mark.slow

@@ -31,7 +31,8 @@ import torch.distributed.rpc as rpc
 from torch import nn
 
 from remote_module.ps import Checkpointer, ShardedEmbeddingBag
-from remote_module.ps.checkpoint._checkpointer import STEP_DIR, _read_ps
+from remote_module.ps.checkpoint._job_files import STEP_DIR
+from remote_module.ps.checkpoint._job_state import _read_ps
 from rpc_backend import init_from_env
 from tests._deadlines import HANG_S
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from remote_module.ps import Checkpointer
 from remote_module.ps.checkpoint import _checkpointer
-from remote_module.ps.checkpoint._checkpointer import MANIFEST, complete_checkpoints
+from remote_module.ps.checkpoint._job_files import MANIFEST, complete_checkpoints
 from tests._deadlines import SETUP_S
 
 ROOT = Path(__file__).resolve().parents[2]

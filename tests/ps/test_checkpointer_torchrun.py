@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from remote_module.ps.checkpoint._checkpointer import PS_FILE, STEP_DIR
+from remote_module.ps.checkpoint._job_files import PS_FILE, STEP_DIR
 from tests._deadlines import HANG_S, SETUP_S
 from tests.test_torchrun import ROOT, _argv, _env
 

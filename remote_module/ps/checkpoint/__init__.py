@@ -7,4 +7,5 @@ the trainer's side, and the servers' side is ``tables/server/_shard_files.py``.
 
 :class:`~._checkpointer.Checkpointer` saves the servers' objects and each trainer's own state
 every N steps, and resumes a restarted job from the newest complete checkpoint
-(``_checkpointer.py``)."""
+(``_checkpointer.py``; its files' layout and checks in ``_job_files.py``, what it saves of the
+servers and of each trainer in ``_job_state.py``)."""

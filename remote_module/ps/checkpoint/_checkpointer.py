@@ -4,7 +4,7 @@ A checkpoint is a directory ``step-XXXXXXXX/`` under the checkpointer's path (th
 steps done), holding
 
 - the parameter servers' objects, saved and loaded once, by the first of ``trainers``
-  (:func:`_save_ps` / :func:`_load_ps`): tables and collections in ``ps/``, a
+  (:func:`~._job_state._save_ps` / :func:`~._job_state._load_ps`): tables and collections in ``ps/``, a
   :func:`~._shards.save_shards` checkpoint that each server writes (and reads) its own blocks
   of, the trainer only ``ps/manifest.json`` (every shard file's size and SHA-256) and its
   ``ps_optimizer`` settings; ``PSModel``\\ s in ``ps.pt``, their ``state_dict()`` and
@@ -44,13 +44,9 @@ the job's own code (an RPC world is one trust domain already; see tutorials/secu
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import random
-import re
 import shutil
-import sys
 import threading
 import time
 import warnings
@@ -60,282 +56,33 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import torch
 import torch.distributed.rpc as rpc
 
-from remote_module.ps.checkpoint._manifest import MANIFEST as PS_MANIFEST
-from remote_module.ps.checkpoint._manifest import CheckpointError, read_manifest
-from remote_module.ps.checkpoint._shards import load_shards, save_shards
-from remote_module.ps.tables._collection import ShardedEmbeddingBagCollection
-from remote_module.ps.tables._embedding import ShardedEmbedding
+from remote_module.ps.checkpoint._job_files import (
+    _STAGING,
+    FORMAT,
+    MANIFEST,
+    STEP_DIR,
+    _digest,
+    _files,
+    _fsync_dir,
+    _trainer_file,
+    _unloadable,
+    _write,
+    complete_checkpoints,
+)
+from remote_module.ps.checkpoint._job_state import (
+    _load_into,
+    _load_ps,
+    _ps_settings,
+    _rng_state,
+    _save_ps,
+    _set_ps_settings,
+    _set_rng_state,
+    _state_of,
+)
+from remote_module.ps.checkpoint._manifest import CheckpointError
 
-#: a complete checkpoint's directory name, and a staging one's
-STEP_DIR = "step-{:08d}"
-_COMPLETE = re.compile(r"^step-(\d{8})$")
-_STAGING = re.compile(r"^\.step-(\d{8})\.tmp$")
-MANIFEST = "manifest.json"
-#: the servers' tables and collections: a save_shards checkpoint (shared layout) in this subfolder
-PS_DIR = "ps"
-#: the servers' PSModels, as the trainer gathers them (state_dict)
-PS_FILE = "ps.pt"
-#: the format of the manifest (a checkpoint of another format is refused, naming both; 1 held
-#: every table in ps.pt)
-FORMAT = 2
 #: seconds between looks at a staging directory while waiting for the trainers' files
 _POLL_S = 0.05
-
-
-# ---- the seam: the servers' objects -------------------------------------------------------------
-
-
-def _split(objects: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``objects`` as ``(shards, models)``: the tables and collections, which their servers save
-    and load themselves (:func:`~._shards.save_shards`), and the rest (``PSModel``\\ s), which go
-    through the trainer's ``state_dict()``."""
-    shards = {name: obj for name, obj in objects.items()
-              if isinstance(obj, (ShardedEmbedding, ShardedEmbeddingBagCollection))}
-    return shards, {name: obj for name, obj in objects.items() if name not in shards}
-
-
-def _save_ps(path: Path, objects: Mapping[str, Any]) -> None:
-    """Save the parameter servers' ``objects`` (name -> table, collection or ``PSModel``) into
-    the directory ``path``; run by one trainer only.
-
-    Tables and collections: ``save_shards(path / "ps", ...)`` (shared layout): each server
-    writes its own blocks there, the trainer only the small ``ps/manifest.json`` (every shard
-    file's size and SHA-256, written last) and its ``ps_optimizer`` settings; no row passes
-    through the trainer. ``PSModel``\\ s (which ``save_shards`` does not take): their
-    ``state_dict()`` and ``optimizer_state_dict()``, gathered here and written with
-    ``torch.save`` to ``ps.pt``.
-    """
-    shards, models = _split(objects)
-    if shards:
-        save_shards(path / PS_DIR, shards)
-    if models:
-        _write(path / PS_FILE, {name: {"state": obj.state_dict(), "optim": obj.optimizer_state_dict()}
-                                for name, obj in models.items()})
-
-
-def _check_names(path: Path, objects: Mapping[str, Any], models_saved: Mapping[str, Any]) -> None:
-    """``KeyError`` (nothing loaded) unless the checkpoint ``path`` holds each of ``objects``
-    under its name, as the same kind (a table or collection in ``ps/``, a ``PSModel`` in
-    ``ps.pt``, read as ``models_saved``); ``CheckpointError`` for a ``ps/`` without its manifest
-    (torn)."""
-    shards, models = _split(objects)
-    saved = {}
-    if (path / PS_DIR).is_dir():
-        saved.update({name: "ps/" for name in read_manifest(str(path / PS_DIR))["objects"]})
-    saved.update({name: PS_FILE for name in models_saved})
-    wrong = sorted([n for n in shards if saved.get(n) != "ps/"] + [n for n in models if saved.get(n) != PS_FILE])
-    if wrong:
-        raise KeyError(f"the checkpoint {path} has no parameter-server object(s) {wrong} as this job has them (it has "
-                       f"tables and collections in ps/: {sorted(n for n, w in saved.items() if w == 'ps/')}, "
-                       f"PSModels in {PS_FILE}: {sorted(n for n, w in saved.items() if w == PS_FILE)}): pass the "
-                       "same ps= names and objects as the job that saved it")
-
-
-def _load_ps(path: Path, objects: Mapping[str, Any]) -> None:
-    """Load the parameter servers' ``objects`` from the checkpoint directory ``path``; run by
-    one trainer only (the one that saves), before any trainer trains.
-
-    Tables and collections: ``load_shards(path / "ps", ...)``, each server reading and checking
-    (size, SHA-256) its own blocks' files; a file missing, truncated or corrupt raises
-    :class:`CheckpointError` naming it, with nothing loaded. ``PSModel``\\ s: their state and
-    optimizer state, read from ``ps.pt`` and sent to the servers, after the tables. (``load_shards``
-    also sets this trainer's ``ps_optimizer`` settings from the saving trainer's; every trainer
-    then restores its own from its own file, which wins: :func:`_set_ps_settings`.)"""
-    shards, models = _split(objects)
-    saved = torch.load(path / PS_FILE, weights_only=False) if (path / PS_FILE).is_file() else {}
-    _check_names(path, objects, saved)
-    if shards:
-        load_shards(path / PS_DIR, shards)
-    for name, obj in models.items():
-        obj.load_state_dict(saved[name]["state"])
-        obj.load_optimizer_state_dict(saved[name]["optim"])
-
-
-def _read_ps(path: Path, objects: Mapping[str, Any]) -> dict[str, dict]:
-    """What the checkpoint ``path`` holds of the servers' objects: loaded into ``objects``
-    (fresh ones, built as the job's, under other server-side names), then ``{name: {"state":
-    state_dict(), "optim": optimizer_state_dict()}}`` of each (part of the seam: tests compare a
-    job's tables with it)."""
-    _load_ps(path, objects)
-    return {name: {"state": obj.state_dict(), "optim": obj.optimizer_state_dict()} for name, obj in objects.items()}
-
-
-def _owners(obj: Any) -> list[tuple[str, Any]]:
-    """``(name, module)`` of ``obj`` and each module inside it that has a ``ps_optimizer`` (a
-    PSModel and its tables, a collection and its tables, a table)."""
-    if not hasattr(obj, "named_modules"):
-        return [("", obj)]
-    return [(name, m) for name, m in obj.named_modules() if hasattr(m, "ps_optimizer")]
-
-
-def _ps_settings(objects: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """This trainer's ``ps_optimizer`` settings of every object (and of the tables inside it),
-    which every trainer saves and restores for itself: an LR scheduler's state does not hold
-    the lr (torch keeps it in the optimizer), so without them a resumed trainer would push the
-    initial lr (in sync mode the servers refuse a step whose trainers' settings differ)."""
-    return {name: {qual: m.ps_optimizer.state_dict() for qual, m in _owners(obj)} for name, obj in objects.items()}
-
-
-def _set_ps_settings(objects: Mapping[str, Any], saved: Mapping[str, Mapping[str, Any]]) -> None:
-    for name, obj in objects.items():
-        mine = saved.get(name, {})
-        for qual, m in _owners(obj):
-            if qual in mine:
-                m.ps_optimizer.load_state_dict(mine[qual])
-
-
-# ---- files ----------------------------------------------------------------------------------------
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make ``path``'s entries (a file renamed into it) durable, where the OS allows it."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write(path: Path, obj: Any) -> None:
-    """``torch.save(obj)`` to ``path`` whole or not at all: under a ``.part`` name, fsynced,
-    then renamed."""
-    part = path.with_name(path.name + ".part")
-    with open(part, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(part, path)
-
-
-def _digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _files(directory: Path) -> list[Path]:
-    """The files a checkpoint's manifest lists: every file of ``directory`` but the manifest and
-    unfinished ``.part`` files, and of ``ps/`` only its manifest (which lists every shard file
-    with its size and SHA-256: the servers check them as they load, see :func:`_unloadable`)."""
-    ps = directory / PS_DIR
-    return sorted(p for p in directory.rglob("*") if p.is_file() and p != directory / MANIFEST
-                  and not p.name.endswith(".part") and (ps not in p.parents or p == ps / PS_MANIFEST))
-
-
-def _trainer_file(rank: int) -> str:
-    return f"trainer-{rank}.pt"
-
-
-def complete_checkpoints(path: str | os.PathLike) -> list[tuple[int, Path]]:
-    """``(step, directory)`` of every checkpoint under ``path`` that was completed (renamed
-    from its staging name), oldest first; whether its files still hold is checked at resume.
-
-    Example::
-
-        complete_checkpoints("ckpt")   # [(100, Path("ckpt/step-00000100")), (200, ...)]
-    """
-    root = Path(path)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _COMPLETE.match(p.name))]
-    return sorted(found)
-
-
-def _unloadable(directory: Path, step: int, trainers: int) -> str | None:
-    """Why the checkpoint ``directory`` cannot be loaded by ``trainers`` trainers, or None:
-    its manifest, and every file it lists at its size and checksum."""
-    try:
-        manifest = json.loads((directory / MANIFEST).read_text())
-    except FileNotFoundError:
-        return f"it has no {MANIFEST}"
-    except (OSError, ValueError) as e:
-        return f"its {MANIFEST} is unreadable ({e})"
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        got = manifest.get("format") if isinstance(manifest, dict) else manifest
-        return f"its {MANIFEST} is not of format {FORMAT} (got {got!r})"
-    if manifest.get("step") != step:
-        return f"its {MANIFEST} is for step {manifest.get('step')}, its name for step {step}"
-    if manifest.get("trainers") != trainers:
-        return f"it was saved by {manifest.get('trainers')} trainers, this job has {trainers}"
-    for name, entry in sorted(manifest.get("files", {}).items()):
-        file = directory / name
-        if not file.is_file():
-            return f"{name} is missing"
-        size = file.stat().st_size
-        if size != entry["bytes"]:
-            return f"{name} has {size} bytes, the manifest says {entry['bytes']} (truncated or overwritten)"
-        if _digest(file) != entry["sha256"]:
-            return f"{name} does not match its checksum in the manifest (corrupted)"
-    return _shards_unloadable(directory)
-
-
-def _shards_unloadable(directory: Path) -> str | None:
-    """Why the servers' shard files (``ps/``) cannot be loaded, as far as the trainer sees without
-    reading them, or None: each file ``ps/manifest.json`` lists, there and of its size. (Their
-    SHA-256 the servers check as they load: a corrupt one raises CheckpointError naming it, and
-    resume() tries the checkpoint before.)"""
-    if not (directory / PS_DIR / PS_MANIFEST).is_file():
-        return None
-    try:
-        files = read_manifest(str(directory / PS_DIR))["files"]
-    except CheckpointError as e:
-        return str(e)
-    for rel, entry in sorted(files.items()):
-        file = directory / PS_DIR / rel
-        if not file.is_file():
-            return f"{PS_DIR}/{rel} is missing"
-        size = file.stat().st_size
-        if size != entry["bytes"]:
-            return (f"{PS_DIR}/{rel} has {size} bytes, {PS_DIR}/{PS_MANIFEST} says {entry['bytes']} "
-                    "(truncated or overwritten)")
-    return None
-
-
-# ---- state of this process ------------------------------------------------------------------------
-
-
-def _rng_state() -> dict[str, Any]:
-    """This process's random number generators' states: torch's, CUDA's (once initialised),
-    numpy's (when numpy is imported) and Python's ``random``."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        state["numpy"] = numpy.random.get_state()
-    return state
-
-
-def _set_rng_state(state: Mapping[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        import numpy
-
-        numpy.random.set_state(state["numpy"])
-
-
-def _state_of(obj: Any) -> Any:
-    if isinstance(obj, torch.Generator):
-        return {"generator": obj.get_state()}
-    return obj.state_dict()
-
-
-def _load_into(obj: Any, state: Any) -> None:
-    if isinstance(obj, torch.Generator):
-        obj.set_state(state["generator"])
-    else:
-        obj.load_state_dict(state)
-
 
 # ---- the gate: the other trainers wait until the first one loaded the servers' part ------------
 
