@@ -63,7 +63,6 @@ from remote_module.ps.checkpoint._job_files import (
     STEP_DIR,
     _digest,
     _files,
-    _fsync_dir,
     _trainer_file,
     _unloadable,
     _write,
@@ -79,7 +78,7 @@ from remote_module.ps.checkpoint._job_state import (
     _set_rng_state,
     _state_of,
 )
-from remote_module.ps.checkpoint._manifest import CheckpointError
+from remote_module.ps.checkpoint._manifest import CheckpointError, sync_directory
 
 #: seconds between looks at a staging directory while waiting for the trainers' files
 _POLL_S = 0.05
@@ -393,12 +392,12 @@ class Checkpointer:
             f.flush()
             os.fsync(f.fileno())
         os.replace(part, staging / MANIFEST)
-        _fsync_dir(staging)
+        sync_directory(staging)
         final = self.path / STEP_DIR.format(pending.step)
         if final.exists():  # one that resume() refused (torn or corrupted), of a step trained again since
             shutil.rmtree(final)
         os.rename(staging, final)
-        _fsync_dir(self.path)
+        sync_directory(self.path)
         for _, old in complete_checkpoints(self.path)[:-self.keep]:
             shutil.rmtree(old, ignore_errors=True)
 

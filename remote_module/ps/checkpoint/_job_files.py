@@ -33,20 +33,6 @@ FORMAT = 2
 # ---- files ----------------------------------------------------------------------------------------
 
 
-def _fsync_dir(path: Path) -> None:
-    """Make ``path``'s entries (a file renamed into it) durable, where the OS allows it."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _write(path: Path, obj: Any) -> None:
     """``torch.save(obj)`` to ``path`` whole or not at all: under a ``.part`` name, fsynced,
     then renamed."""
