@@ -61,7 +61,6 @@ from remote_module.ps.checkpoint._job_files import (
     FORMAT,
     MANIFEST,
     STEP_DIR,
-    _digest,
     _files,
     _trainer_file,
     _unloadable,
@@ -79,6 +78,7 @@ from remote_module.ps.checkpoint._job_state import (
     _state_of,
 )
 from remote_module.ps.checkpoint._manifest import CheckpointError, sync_directory
+from remote_module.ps.tables.server._shard_files import file_sha256
 
 #: seconds between looks at a staging directory while waiting for the trainers' files
 _POLL_S = 0.05
@@ -381,7 +381,7 @@ class Checkpointer:
         """Write the manifest last, fsync, rename the staging directory: visible now. Then
         remove the checkpoints beyond ``keep``."""
         staging = pending.staging
-        files = {p.relative_to(staging).as_posix(): {"bytes": p.stat().st_size, "sha256": _digest(p)}
+        files = {p.relative_to(staging).as_posix(): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
                  for p in _files(staging)}
         self._figures["completed"] += 1
         self._figures["bytes"] = sum(p.stat().st_size for p in staging.rglob("*") if p.is_file())  # (the shards')

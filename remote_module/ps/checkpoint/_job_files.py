@@ -5,7 +5,6 @@ lists)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -16,6 +15,7 @@ import torch
 
 from remote_module.ps.checkpoint._manifest import MANIFEST as PS_MANIFEST
 from remote_module.ps.checkpoint._manifest import CheckpointError, read_manifest
+from remote_module.ps.tables.server._shard_files import file_sha256
 
 #: a complete checkpoint's directory name, and a staging one's
 STEP_DIR = "step-{:08d}"
@@ -42,14 +42,6 @@ def _write(path: Path, obj: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(part, path)
-
-
-def _digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _files(directory: Path) -> list[Path]:
@@ -103,7 +95,7 @@ def _unloadable(directory: Path, step: int, trainers: int) -> str | None:
         size = file.stat().st_size
         if size != entry["bytes"]:
             return f"{name} has {size} bytes, the manifest says {entry['bytes']} (truncated or overwritten)"
-        if _digest(file) != entry["sha256"]:
+        if file_sha256(file) != entry["sha256"]:
             return f"{name} does not match its checksum in the manifest (corrupted)"
     return _shards_unloadable(directory)
 

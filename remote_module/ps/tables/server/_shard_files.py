@@ -153,6 +153,15 @@ def _write_shards(name: str, directory: str, stem: str, evicting: bool) -> Writt
     return out
 
 
+def file_sha256(path: str | os.PathLike) -> str:
+    """The sha256 (hex) of the file at ``path``, read through once, a block at a time."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while part := f.read(_READ_BYTES):
+            digest.update(part)
+    return digest.hexdigest()
+
+
 def _verify(directory: str, entry: FileEntry) -> None:
     """``ValueError`` naming the checkpoint's file ``entry`` unless it has the size and sha256
     the manifest records (read through once, a block at a time)."""
@@ -163,12 +172,9 @@ def _verify(directory: str, entry: FileEntry) -> None:
         raise ValueError(f"{path}: missing or unreadable ({exc.strerror or exc})") from None
     if size != entry.size:
         raise ValueError(f"{path}: {size} bytes, the manifest says {entry.size} (truncated or overwritten)")
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while part := f.read(_READ_BYTES):
-            digest.update(part)
-    if digest.hexdigest() != entry.sha256:
-        raise ValueError(f"{path}: its sha256 is {digest.hexdigest()}, the manifest says {entry.sha256} (corrupt)")
+    sha256 = file_sha256(path)
+    if sha256 != entry.sha256:
+        raise ValueError(f"{path}: its sha256 is {sha256}, the manifest says {entry.sha256} (corrupt)")
 
 
 def _load(path: str, at: tuple[int, int] | None = None) -> Any:
