@@ -243,6 +243,9 @@ def test_auc_is_the_pairwise_rank_statistic():
         (["--admit-after", "256"], "argument --admit-after: must be at most 255, got 256"),
         (["--mode", "geo", "--admit-after", "2"], "--admit-after and --evict-after-steps are for --mode sync, async"),
         (["--mode", "geo", "--evict-after-steps", "9"], "--admit-after and --evict-after-steps are for --mode sync"),
+        (["--every", "5"], "--every is the steps between checkpoints: pass --checkpoint DIR too"),
+        (["--mode", "geo", "--checkpoint", "d"], "--checkpoint is for --mode sync, async or half_async"),
+        (["--checkpoint", "d", "--every", "0"], "argument --every: must be at least 1, got 0"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(argv, message, capsys, monkeypatch):

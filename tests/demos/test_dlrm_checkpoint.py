@@ -33,23 +33,6 @@ def test_a_run_started_again_resumes_from_its_newest_checkpoint(capfd, tmp_path)
     assert f"checkpoints: resumed from step 4; 1 save, {on_disk / 1e6:.1f} MB each, " in out, out
 
 
-@pytest.mark.parametrize(
-    "argv,message",
-    [
-        (["--every", "5"], "--every is the steps between checkpoints: pass --checkpoint DIR too"),
-        (["--mode", "geo", "--checkpoint", "d"], "--checkpoint is for --mode sync, async or half_async"),
-        (["--checkpoint", "d", "--every", "0"], "argument --every: must be at least 1, got 0"),
-    ],
-)
-def test_bad_checkpoint_arguments_are_refused_by_name(argv, message, capsys, monkeypatch):
-    monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    with pytest.raises(SystemExit) as exit_info:
-        dlrm_demo.parse_args(argv)
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
-
-
 def test_every_defaults_to_100_with_a_checkpoint(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
