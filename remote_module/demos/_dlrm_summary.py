@@ -88,9 +88,11 @@ def _checkpoint_lines(results: list[dict[str, Any]]) -> list[str]:
     per_save = figures["save_s"] / figures["saves"] if figures["saves"] else 0.0
     size = f"{figures['bytes'] / 1e6:.1f} MB each" if figures["bytes"] is not None else "none complete"
     resumed = f"resumed from step {figures['resumed_from']}; " if figures["resumed_from"] else ""
-    return ["", f"checkpoints: {resumed}{plural(figures['saves'], 'save')}, {size}, {per_save:.2f} s per save on "
-                f"{results[0]['trainer']} (training waits for it; the servers write the tables to their own files, "
-                "so only a manifest and settings pass through it)"]
+    written = (f"; the servers wrote the newest one's tables in {figures['write_s']:.2f} s in the background"
+               if figures.get("write_s") is not None else "")
+    return ["", f"checkpoints: {resumed}{plural(figures['saves'], 'save')}, {size}, training waited "
+                f"{per_save:.3f} s per save on {results[0]['trainer']} (for the servers' snapshot and its own "
+                f"file){written}; only a manifest and settings pass through the trainer"]
 
 
 #: what the network lines of the summary count, in words

@@ -41,7 +41,8 @@ def _run(path: Path, stop: int | None = None, keep: int = 3) -> tuple[int, dict]
     ckpt = Checkpointer(path, every_steps=EVERY, keep=keep, local=objs)
     start = ckpt.resume()
     for k in range(start, STEPS):
-        if k == stop:
+        if k == stop:  # (killed here, after the checkpointer's own thread finished what it was doing)
+            ckpt._drain()
             return start, objs
         # the batch draws from the objects' generator, torch's global RNG and Python's random
         x = torch.randn(4, 3, generator=objs["gen"]) + 0.1 * torch.randn(4, 3) + random.random()

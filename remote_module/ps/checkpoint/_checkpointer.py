@@ -18,15 +18,21 @@ steps done), holding
   only: that lists the shard files, so the first trainer never reads the rows), the step and the
   number of trainers.
 
-How a checkpoint becomes complete: every trainer writes its file into a staging directory
-``.step-XXXXXXXX.tmp/`` (each file written under a ``.part`` name, fsynced, then renamed); the
-first trainer has the servers write their part there too (returning once they have). The first
-trainer, at its next ``step()`` (or at ``close()``, waiting then), sees every trainer's file
-there, writes the manifest, fsyncs, and renames the directory to ``step-XXXXXXXX``: the rename
-is what makes it visible, so a checkpoint torn by a kill stays a staging directory and is never
-loaded (the next resume removes it). No trainer waits for another while saving, and the first
-trainer's waits are bounded (``timeout``): a checkpoint still missing a trainer's file after
-``timeout`` seconds raises ``TimeoutError`` naming the trainers.
+How a checkpoint becomes complete: at its step, every trainer writes its state into a staging
+directory ``.step-XXXXXXXX.tmp/`` (under a ``.part`` name, then renamed; not fsynced: the
+first trainer makes every file durable before the manifest), and the first trainer has the
+servers take a snapshot of their blocks (training waits only for that), which they write there
+in the background. The first trainer, at a later ``step()`` (or at ``close()``, waiting then),
+sees every trainer's file there and every server's write done and hands the checkpoint to a
+thread of its own, which writes the tables' manifest, fsyncs the trainers' files, writes the
+checkpoint's manifest and renames the directory to ``step-XXXXXXXX`` (then removes the
+checkpoints beyond ``keep``; a failure there is raised at a later ``step()``): the rename is what makes it visible, so a checkpoint torn by a kill stays a
+staging directory and is never loaded (the next resume removes it). No trainer waits for
+another while saving, and the first trainer's waits are bounded (``timeout``): a checkpoint
+still missing a trainer's file after ``timeout`` seconds raises ``TimeoutError`` naming the
+trainers. A save begins only once the one before it is complete (the first trainer waits for
+it then, which it does only when saves come faster than the servers write), so the servers
+hold one snapshot at a time.
 
 Resume: the first trainer picks the newest checkpoint whose manifest holds (every file there,
 of its size and checksum, and every shard file ``ps/manifest.json`` lists, of its size; else a
@@ -50,6 +56,7 @@ import shutil
 import threading
 import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple, Sequence
 
@@ -62,22 +69,24 @@ from remote_module.ps.checkpoint._job_files import (
     MANIFEST,
     STEP_DIR,
     _files,
+    _serialized,
     _trainer_file,
     _unloadable,
-    _write,
+    _write_bytes,
     complete_checkpoints,
 )
 from remote_module.ps.checkpoint._job_state import (
+    _begin_ps,
     _load_into,
     _load_ps,
     _ps_settings,
     _rng_state,
-    _save_ps,
     _set_ps_settings,
     _set_rng_state,
     _state_of,
 )
 from remote_module.ps.checkpoint._manifest import CheckpointError, sync_directory
+from remote_module.ps.checkpoint._shards import ShardSave
 from remote_module.ps.tables.server._shard_files import file_sha256
 
 #: seconds between looks at a staging directory while waiting for the trainers' files
@@ -123,11 +132,13 @@ def _wait_resumed(key: str, timeout: float) -> _Resumed:
 
 
 class _Pending(NamedTuple):
-    """A checkpoint the first trainer started: its step, staging directory, and when."""
+    """A checkpoint the first trainer started: its step, staging directory, when, and the
+    servers' save of the tables, written in the background (None without tables)."""
 
     step: int
     staging: Path
     since: float
+    ps: ShardSave | None
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -214,7 +225,10 @@ class Checkpointer:
         self._resumed = False
         self._pending: list[_Pending] = []
         self._saved: int | None = None  # the step of the last save() (saved once per step)
-        self._figures = {"saves": 0, "save_s": 0.0, "completed": 0, "bytes": None}
+        # checkpoints are completed (manifests, fsyncs, renames, old ones removed) on a thread of their own
+        self._completer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="remote_module-checkpointer")
+        self._completing: list[Future] = []
+        self._figures = {"saves": 0, "save_s": 0.0, "completed": 0, "bytes": None, "write_s": None}
 
     @property
     def _count(self) -> int:
@@ -324,14 +338,17 @@ class Checkpointer:
             return staging
         self._saved = step
         began = time.perf_counter()
+        if self.rank == 0 and self._pending:  # (one save's snapshot at a time on the servers: memory stays bounded)
+            self._finish(wait=True)
+        self._check_completed()
         staging.mkdir(parents=True, exist_ok=True)
-        if self.rank == 0:
-            _save_ps(staging, self.ps)
+        begun = _begin_ps(staging, self.ps, self.timeout) if self.rank == 0 else None
         mine = {"step": step, "local": {name: _state_of(obj) for name, obj in self.local.items()},
                 "ps_settings": _ps_settings(self.ps), "rng": _rng_state()}
-        _write(staging / _trainer_file(self.rank), mine)
+        # (not fsynced here: the first trainer fsyncs every file before it writes the manifest)
+        _write_bytes(staging / _trainer_file(self.rank), _serialized(mine), fsync=False)
         if self.rank == 0:
-            self._pending.append(_Pending(step, staging, time.monotonic()))
+            self._pending.append(_Pending(step, staging, time.monotonic(), begun))
             self._finish(wait=False)
         self._figures["saves"] += 1
         self._figures["save_s"] += time.perf_counter() - began
@@ -339,33 +356,57 @@ class Checkpointer:
 
     def stats(self) -> dict[str, Any]:
         """This trainer's saving so far: ``saves`` (started here), ``save_s`` (seconds spent in
-        them: training waited that long), and on the first trainer ``completed`` (checkpoints
-        made visible) and ``bytes`` (the newest one's files, the servers' shard files among them,
-        summed before its manifest is written; None before one).
+        them: training waited that long, for the servers' snapshot and this trainer's own
+        file), and on the first trainer ``completed`` (checkpoints made visible), ``bytes`` (the
+        newest one's files, the servers' shard files among them, summed before its manifest is
+        written; None before one) and ``write_s`` (seconds the servers took to write the newest
+        one's tables in the background, from their snapshot; None without tables).
 
         Example::
 
-            ckpt.stats()   # {"saves": 20, "save_s": 31.5, "completed": 20, "bytes": 71295433}
+            ckpt.stats()   # {"saves": 20, "save_s": 1.9, "completed": 20, "bytes": 71295433, "write_s": 0.41}
         """
         return dict(self._figures)
 
     def close(self) -> None:
         """Complete the checkpoints started (the first trainer waits, at most ``timeout``
-        seconds, for every trainer's file; the others return at once)."""
+        seconds, for every trainer's file and the servers' writes, then for their completion;
+        the others return at once)."""
         self._finish(wait=True)
+        self._drain()
+        self._completer.shutdown(wait=False)
+
+    def _drain(self) -> None:
+        """Wait for the completions handed to the background (each bounded: its waits are), and
+        raise the first that failed."""
+        while self._completing:
+            self._completing[0].result()
+            self._check_completed()
+
+    def _check_completed(self) -> None:
+        """Raise the failure of a completion done in the background (the first; each failed
+        checkpoint stays incomplete, never loaded)."""
+        while self._completing and self._completing[0].done():
+            failed = self._completing.pop(0).exception()
+            if failed is not None:
+                raise failed
 
     def _finish(self, wait: bool) -> None:
-        """(First trainer) complete each pending checkpoint whose trainers' files are all in;
-        ``wait``: for them, within ``timeout``. A checkpoint still missing files ``timeout``
-        seconds after it started raises ``TimeoutError`` naming the trainers."""
+        """(First trainer) hand each pending checkpoint whose trainers' files are all in and
+        whose servers have written theirs to the background, where it is completed
+        (:meth:`_complete`); ``wait``: for them, within ``timeout``. A checkpoint still missing
+        a trainer's file ``timeout`` seconds after it started raises ``TimeoutError`` naming the
+        trainers; a server's failed or late write raises what failed (at the step after the
+        background saw it). Either way that checkpoint stays incomplete, never loaded."""
+        self._check_completed()
         while self._pending:
             pending = self._pending[0]
             deadline = pending.since + self.timeout
             while True:
                 missing = [r for r in range(self._count) if not (pending.staging / _trainer_file(r)).is_file()]
-                if not missing:
+                if not missing and (pending.ps is None or pending.ps.done()):
                     break
-                if time.monotonic() > deadline:
+                if missing and time.monotonic() > deadline:
                     names = [self.trainers[r] if self.trainers else f"trainer {r}" for r in missing]
                     self._pending.pop(0)
                     raise TimeoutError(f"checkpoint of step {pending.step} in {pending.staging}: no state from "
@@ -373,17 +414,30 @@ class Checkpointer:
                                        "far behind?); the checkpoint stays incomplete and is never loaded")
                 if not wait:
                     return
+                if not missing:  # (the servers' writes: bounded by their own timeout, this one's)
+                    break
                 time.sleep(_POLL_S)
-            self._complete(pending)
             self._pending.pop(0)
+            self._completing.append(self._completer.submit(self._complete, pending))
 
     def _complete(self, pending: _Pending) -> None:
-        """Write the manifest last, fsync, rename the staging directory: visible now. Then
-        remove the checkpoints beyond ``keep``."""
+        """(In the background, one after another) the servers' part completed (their manifest),
+        the trainers' files fsynced, the manifest written last, the staging directory renamed:
+        visible now. Then the checkpoints beyond ``keep`` are removed."""
+        if pending.ps is not None:
+            try:
+                pending.ps.wait()
+            except BaseException as e:
+                raise RuntimeError(f"checkpoint of step {pending.step} in {pending.staging}: the servers' save "
+                                   f"of the tables failed ({type(e).__name__}: {e}); the checkpoint stays "
+                                   "incomplete and is never loaded") from e
+            self._figures["write_s"] = pending.ps.write_s
         staging = pending.staging
-        files = {p.relative_to(staging).as_posix(): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
-                 for p in _files(staging)}
-        self._figures["completed"] += 1
+        files = {}
+        for p in _files(staging):  # (the trainers wrote theirs unsynced: durable before the manifest)
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+            files[p.relative_to(staging).as_posix()] = {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
         self._figures["bytes"] = sum(p.stat().st_size for p in staging.rglob("*") if p.is_file())  # (the shards')
         manifest = {"format": FORMAT, "step": pending.step, "trainers": self._count, "files": files}
         part = staging / (MANIFEST + ".part")
@@ -398,6 +452,7 @@ class Checkpointer:
             shutil.rmtree(final)
         os.rename(staging, final)
         sync_directory(self.path)
+        self._figures["completed"] += 1
         for _, old in complete_checkpoints(self.path)[:-self.keep]:
             shutil.rmtree(old, ignore_errors=True)
 

@@ -5,6 +5,7 @@ lists)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -36,11 +37,25 @@ FORMAT = 2
 def _write(path: Path, obj: Any) -> None:
     """``torch.save(obj)`` to ``path`` whole or not at all: under a ``.part`` name, fsynced,
     then renamed."""
+    _write_bytes(path, _serialized(obj))
+
+
+def _serialized(obj: Any) -> bytes:
+    """``torch.save(obj)``'s bytes (a copy: what ``obj`` holds now, whatever changes later)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _write_bytes(path: Path, data: bytes, fsync: bool = True) -> None:
+    """Write ``data`` to ``path`` whole or not at all: under a ``.part`` name, fsynced (unless
+    not ``fsync``: the caller makes it durable later), then renamed."""
     part = path.with_name(path.name + ".part")
     with open(part, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+        f.write(data)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(part, path)
 
 

@@ -14,7 +14,7 @@ import torch
 
 from remote_module.ps.checkpoint._job_files import PS_DIR, PS_FILE, _write
 from remote_module.ps.checkpoint._manifest import read_manifest
-from remote_module.ps.checkpoint._shards import load_shards, save_shards
+from remote_module.ps.checkpoint._shards import ShardSave, begin_save_shards, load_shards
 from remote_module.ps.tables._collection import ShardedEmbeddingBagCollection
 from remote_module.ps.tables._embedding import ShardedEmbedding
 
@@ -32,21 +32,32 @@ def _split(objects: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def _save_ps(path: Path, objects: Mapping[str, Any]) -> None:
     """Save the parameter servers' ``objects`` (name -> table, collection or ``PSModel``) into
-    the directory ``path``; run by one trainer only.
+    the directory ``path``; run by one trainer only: :func:`_begin_ps`, waited for."""
+    begun = _begin_ps(path, objects)
+    if begun is not None:
+        begun.wait()
 
-    Tables and collections: ``save_shards(path / "ps", ...)`` (shared layout): each server
-    writes its own blocks there, the trainer only the small ``ps/manifest.json`` (every shard
-    file's size and SHA-256, written last) and its ``ps_optimizer`` settings; no row passes
-    through the trainer. ``PSModel``\\ s (which ``save_shards`` does not take): their
-    ``state_dict()`` and ``optimizer_state_dict()``, gathered here and written with
-    ``torch.save`` to ``ps.pt``.
+
+def _begin_ps(path: Path, objects: Mapping[str, Any], timeout: float | None = None) -> ShardSave | None:
+    """Begin saving the parameter servers' ``objects`` (name -> table, collection or
+    ``PSModel``) into the directory ``path``; run by one trainer only. Returns the servers'
+    save of the tables, in the background (None without tables): complete once its ``wait()``
+    returned.
+
+    Tables and collections: ``begin_save_shards(path / "ps", ...)`` (shared layout): each
+    server takes a snapshot of its blocks and writes it there in the background, the trainer
+    only its ``ps_optimizer`` settings now and the small ``ps/manifest.json`` (every shard
+    file's size and SHA-256) at ``wait()``; no row passes through the trainer. ``PSModel``\\ s
+    (which ``save_shards`` does not take): their ``state_dict()`` and
+    ``optimizer_state_dict()``, gathered here and written with ``torch.save`` to ``ps.pt``
+    before this returns. ``timeout``: seconds the servers' writing may take.
     """
     shards, models = _split(objects)
-    if shards:
-        save_shards(path / PS_DIR, shards)
+    begun = begin_save_shards(path / PS_DIR, shards, timeout=timeout) if shards else None
     if models:
         _write(path / PS_FILE, {name: {"state": obj.state_dict(), "optim": obj.optimizer_state_dict()}
                                 for name, obj in models.items()})
+    return begun
 
 
 def _check_names(path: Path, objects: Mapping[str, Any], models_saved: Mapping[str, Any]) -> None:

@@ -8,13 +8,14 @@ import contextlib
 import io
 import os
 import pickle
+import time
 import uuid
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from remote_module._core import call_all
+from remote_module._core import call_all, call_all_async, wait_plain
 from remote_module.ps.checkpoint._manifest import (
     DCP_METADATA,
     FORMAT,
@@ -104,6 +105,65 @@ def save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, layout: 
         manifest = save_shards("/shared/ckpt/step100", {"emb": emb})
         load_shards("/shared/ckpt/step100", {"emb": emb})
     """
+    return begin_save_shards(path, objects, layout=layout).wait()
+
+
+class ShardSave:
+    """A :func:`save_shards` begun by :func:`begin_save_shards`: the servers have taken their
+    snapshot and write it in the background. :meth:`done` says whether every server has
+    written; :meth:`wait` waits for them and writes the trainer's files and the manifest (the
+    checkpoint is complete from then on). Until then the directory is torn: no load reads it."""
+
+    def __init__(self, directory: str, layout: str, tables: list, described: dict, owns: list[bytes],
+                 written: Any) -> None:
+        self.directory, self.layout, self._tables, self._described = directory, layout, tables, described
+        self._owns, self._written = owns, written
+        self._manifest: dict | None = None
+        #: seconds from the snapshot to the last server's files written (None until then)
+        self.write_s: float | None = None
+        began = time.perf_counter()
+
+        def finished(_: Any) -> None:
+            self.write_s = time.perf_counter() - began
+
+        written.add_done_callback(finished)
+
+    def done(self) -> bool:
+        """Whether every server has written its files (or one failed: :meth:`wait` raises it)."""
+        return self._manifest is not None or self._written.done()
+
+    def wait(self) -> dict:
+        """Wait for every server's files (at most the timeout :func:`begin_save_shards` was
+        given), then write the trainer's files of the tables and the manifest, last and
+        atomically; returns the manifest. Raises what failed (a server lost, a write that
+        failed, naming the files), leaving the directory torn."""
+        if self._manifest is not None:
+            return self._manifest
+        got = iter(wait_plain(self._written))
+        manifest: dict[str, Any] = {"format": FORMAT, "version": VERSION, "layout": self.layout,
+                                    "objects": self._described, "tables": {}, "files": {}}
+        weights = {}
+        for (key, table), own in zip(self._tables, self._owns):
+            entry = _table_manifest(self.directory, self.layout, key, table,
+                                    [(s, next(got)) for s in table._by_server], own, manifest["files"])
+            manifest["tables"][key] = entry
+            if entry["dcp_key"] is not None:
+                weights[entry["dcp_key"]] = ((table.num_embeddings, table.embedding_dim), [
+                    (part["weights"], *chunk) for part in entry["servers"].values() for chunk in part["chunks"]])
+        if weights:
+            size, sha = _shard_files._write_file(self.directory, DCP_METADATA, [memoryview(dcp_metadata(weights))])
+            manifest["files"][DCP_METADATA] = {"bytes": size, "sha256": sha, "server": None}
+        self._manifest = write_manifest(self.directory, manifest)
+        return self._manifest
+
+
+def begin_save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, layout: str = "shared",
+                      timeout: float | None = None) -> ShardSave:
+    """:func:`save_shards` in the background: returns once every server has taken a snapshot
+    of its blocks (the tables are settled first, as for ``save_shards``), while they write it;
+    training may go on at once without changing what is saved. ``ShardSave.wait()`` completes
+    the checkpoint (the manifest, last). ``timeout``: seconds the servers' writing may take
+    (default: the tables' timeout)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     directory = os.path.abspath(os.fspath(path))  # (servers resolve it the same, whatever their cwd)
@@ -120,35 +180,33 @@ def save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, layout: 
         sync_directory(directory)
     for _, table in tables:
         table._settle()
-    # the trainer's own state of each table (geo: its local optimizer's), as the servers' is read
-    owns = [{"ps_optimizer": table.ps_optimizer.state_dict(),
-             "geo": table.optimizer_state_dict() if table.ps_mode == "geo" else None} for _, table in tables]
-    calls = [(server, _shard_files._write_shards, (table.name, directory if layout == "shared" else
+    save = uuid.uuid4().hex
+    begin = [(server, _shard_files._begin_shards, (table.name, save, directory if layout == "shared" else
                                                    os.path.join(directory, server), f"{key}.{server}",
                                                    table.evict_after_steps is not None))
              for key, table in tables for server in table._by_server]
-    got = iter(call_all(calls, timeout=_timeout(tables)))
-    manifest: dict[str, Any] = {"format": FORMAT, "version": VERSION, "layout": layout, "objects": described,
-                                "tables": {}, "files": {}}
-    weights = {}
-    for (key, table), own in zip(tables, owns):
-        entry = _table_manifest(directory, layout, key, table, [(s, next(got)) for s in table._by_server],
-                                own, manifest["files"])
-        manifest["tables"][key] = entry
-        if entry["dcp_key"] is not None:
-            weights[entry["dcp_key"]] = ((table.num_embeddings, table.embedding_dim), [
-                (part["weights"], *chunk) for part in entry["servers"].values() for chunk in part["chunks"]])
-    if weights:
-        size, sha = _shard_files._write_file(directory, DCP_METADATA, [memoryview(dcp_metadata(weights))])
-        manifest["files"][DCP_METADATA] = {"bytes": size, "sha256": sha, "server": None}
-    return write_manifest(directory, manifest)
+    call_all(begin, timeout=_timeout(tables))
+    # the trainer's own state of each table (geo: its local optimizer's) as of the snapshot,
+    # serialized now (a copy), written at wait()
+    owns = [_serialized({"ps_optimizer": table.ps_optimizer.state_dict(),
+                         "geo": table.optimizer_state_dict() if table.ps_mode == "geo" else None})
+            for _, table in tables]
+    written = call_all_async([(server, _shard_files._shards_written, (name, save)) for server, _, (name, *_) in begin],
+                             timeout=_timeout(tables) if timeout is None else timeout)
+    return ShardSave(directory, layout, tables, described, owns, written)
 
 
-def _table_manifest(directory: str, layout: str, key: str, table: ShardedEmbedding, written: list, own: dict,
+def _serialized(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _table_manifest(directory: str, layout: str, key: str, table: ShardedEmbedding, written: list, own: bytes,
                     files: dict) -> dict:
     """A table's manifest entry, from what each server wrote (``written``: ``(server, Written)``)
     and the trainer's ``own`` state of it (its ps_optimizer settings; in geo mode its local
-    optimizer state), which it writes here; adds every file to ``files``."""
+    optimizer state; serialized), which it writes here; adds every file to ``files``."""
     servers = {}
     for server, reply in written:
         where = "" if layout == "shared" else f"{server}/"
@@ -159,9 +217,7 @@ def _table_manifest(directory: str, layout: str, key: str, table: ShardedEmbeddi
                            "weights": f"{stem}.distcp" if reply.chunks else None,
                            "sketch": f"{stem}.sketch.pt" if f"{key}.{server}.sketch.pt" in reply.files else None}
     rel = f"{key}.trainer.pt"
-    buffer = io.BytesIO()
-    torch.save(own, buffer)
-    size, sha = _shard_files._write_file(directory, rel, [buffer.getbuffer()])
+    size, sha = _shard_files._write_file(directory, rel, [own])
     files[rel] = {"bytes": size, "sha256": sha, "server": None}
     return {**table_entry(table), "clock": max(p["clock"] for p in servers.values()),
             "optimizer_steps": max(p["optimizer_steps"] for p in servers.values()), "trainer_file": rel,

@@ -25,7 +25,10 @@ def _block_rows(name: str, first: int, clocks: bool = False, version: bool = Fal
         rows = table.block(first)
         with rows.lock:
             ids, slots = rows.stored()
-            out = (ids, rows.values.index_select(0, slots))
+            # (an eager block stores every row, in order: one copy of them is a plain memcpy)
+            values = (rows.values[:slots.numel()].clone() if rows.slot_of is None
+                      else rows.values.index_select(0, slots))
+            out = (ids, values)
             if clocks:
                 last = None if rows.last is None else rows.last.index_select(0, slots)
                 out += (last, table.clocks.step)

@@ -8,10 +8,17 @@ What a server writes for its blocks of a table is what the trainer-side checkpoi
 - ``<stem>.distcp`` (an eager table): each block's rows as one ``torch.save`` of a tensor,
   one after another: the file format of ``torch.distributed.checkpoint`` (the trainer writes
   its ``.metadata``, which says where each block is);
-- ``<stem>.pt``: by id, ``torch.save`` of a dict: the ids of the rows stored (with ``rows`` for a
-  lazy table), their eviction clocks (``last``, or None) and this server's step (``clock``), the
-  optimizer step count and the optimizer state of the rows stepped (``state_ids``, ``state``);
+- ``<stem>.pt``: by id, ``torch.save`` of a dict: the ids of the rows stored (None for an eager
+  table, which stores every row of its ``blocks``; with ``rows`` for a lazy one), their eviction
+  clocks (``last``, or None) and this server's step (``clock``), the optimizer step count and
+  the optimizer state of the rows stepped (``state_ids``, ``state``);
 - ``<stem>.sketch.pt``: the admission sketch (with admission), ``(blocks, counters)``.
+
+A save is a snapshot and a write: :func:`_snapshot` copies the server's blocks under the
+table's locks (a memcpy for an eager block), :func:`_write_snapshot` writes the copy, hashing it
+as it goes (``torch.save`` writes straight into the file: no second copy in memory). A
+background save (:func:`_begin_shards`) returns after the snapshot and writes on this server's
+one writer thread while the table trains on; :func:`_shards_written` answers with the outcome.
 
 A load is two calls: :func:`_stage_shards` reads the files the trainer names (checking each
 one's size and sha256, as the manifest records them) and keeps the rows in this server's
@@ -28,9 +35,11 @@ import os
 import pickle
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed.rpc as rpc
 
 from remote_module.ps.tables.server import _checkpoint_handlers as handlers
 from remote_module.ps.tables.server._handlers import _table
@@ -99,58 +108,163 @@ _staged_lock = threading.Lock()
 KEEP_STAGED_TIMEOUTS = 3
 
 
-def _save_bytes(value: Any) -> memoryview:
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return buffer.getbuffer()
+class _Sink:
+    """A file being written that counts its bytes and hashes them as they go (``torch.save``
+    writes into it directly: no copy of a tensor's bytes is made in memory first)."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.digest, self.size = f, hashlib.sha256(), 0
+
+    def write(self, data: Any) -> int:
+        self.f.write(data)
+        self.digest.update(data)
+        size = memoryview(data).nbytes
+        self.size += size
+        return size
+
+    def flush(self) -> None:
+        pass
 
 
-def _write_file(directory: str, rel: str, parts: list[memoryview]) -> tuple[int, str]:
-    """Write ``parts`` one after another to ``directory/rel`` (flushed to disk): its size and sha256."""
-    digest, size = hashlib.sha256(), 0
+def _write_file(directory: str, rel: str, parts: list[Any]) -> tuple[int, str]:
+    """Write ``parts`` one after another to ``directory/rel`` (flushed to disk): its size and
+    sha256. A part is bytes, or anything else, which ``torch.save`` writes."""
+    return _write_saved(directory, rel, parts)[0]
+
+
+def _write_saved(directory: str, rel: str, parts: list[Any]) -> tuple[tuple[int, str], list[tuple[int, int]]]:
+    """:func:`_write_file`, and where each part lies in the file (``(offset, length)``)."""
     target = os.path.join(directory, rel)
     os.makedirs(os.path.dirname(target), exist_ok=True)
+    spans = []
     with open(target, "wb") as f:
+        sink = _Sink(f)
         for part in parts:
-            f.write(part)
-            digest.update(part)
-            size += len(part)
+            before = sink.size
+            if isinstance(part, (bytes, bytearray, memoryview)):
+                sink.write(part)
+            else:
+                torch.save(part, sink)
+            spans.append((before, sink.size - before))
         f.flush()
         os.fsync(f.fileno())
-    return size, digest.hexdigest()
+    return (sink.size, sink.digest.hexdigest()), spans
+
+
+class Snapshot(NamedTuple):
+    """Copies of what a server holds of a table at one moment (:func:`_snapshot`), to be
+    written afterwards while the table trains on (:func:`_write_snapshot`)."""
+
+    name: str
+    blocks: list[tuple[int, int]]
+    read: list[tuple]
+    state: list[tuple]
+    admission: tuple | None
+    eager: bool
+    evicting: bool
+    dim: int
+    dtype: torch.dtype
+
+
+def _snapshot(name: str, evicting: bool) -> Snapshot:
+    """Copy this server's blocks of table ``name`` (rows, clocks, optimizer state, sketch):
+    what :func:`_write_snapshot` writes (``evicting``: with each row's eviction clock)."""
+    table = _table(name)
+    blocks = table.layout()
+    return Snapshot(name, blocks, [handlers._block_rows(name, first, True, True) for first, _ in blocks],
+                    [handlers._row_state(name, first) for first, _ in blocks], handlers._admission_state(name),
+                    table.spec.init != "lazy", evicting, table.spec.dim, table.spec.dtype)
+
+
+def _write_snapshot(snap: Snapshot, directory: str, stem: str) -> Written:
+    """Write a table's :class:`Snapshot` under ``directory`` (files ``stem.*``, ``stem``
+    relative to it): what the manifest lists."""
+    read, state = snap.read, snap.state
+    ids = torch.cat([r[0] for r in read])
+    clock = max(r[3] for r in read)  # (the table's step here: a block read before a step was a step behind)
+    keys = list(dict.fromkeys(k for _, _, s in state for k in s))
+    empty = torch.empty(0, snap.dim, dtype=snap.dtype)
+    by_id = {"table": snap.name, "blocks": snap.blocks, "ids": None if snap.eager else ids,
+             "rows": None if snap.eager else torch.cat([r[1] for r in read]),
+             "last": torch.cat([handlers.aged(r[2], clock - r[3]) for r in read])
+             if snap.evicting and read[0][2] is not None else None, "clock": clock,
+             "optimizer_steps": max(s[0] for s in state), "state_ids": torch.cat([s[1] for s in state]),
+             "state": {k: torch.cat([s[2].get(k, empty) for s in state]) for k in keys}}
+    out = Written({}, [], snap.blocks, clock, by_id["optimizer_steps"], keys, by_id["state_ids"].numel(),
+                  (min(r[-1] for r in read), max(r[-1] for r in read)))
+    if snap.eager:  # each block's rows, as torch.distributed.checkpoint writes a tensor chunk
+        written, spans = _write_saved(directory, f"{stem}.distcp", [r[1].contiguous() for r in read])
+        out.files[f"{stem}.distcp"] = written
+        out.chunks.extend((first, count, *span) for (first, count), span in zip(snap.blocks, spans))
+    out.files[f"{stem}.pt"] = _write_file(directory, f"{stem}.pt", [by_id])
+    if snap.admission is not None:
+        out.files[f"{stem}.sketch.pt"] = _write_file(directory, f"{stem}.sketch.pt", [snap.admission])
+    return out
 
 
 def _write_shards(name: str, directory: str, stem: str, evicting: bool) -> Written:
     """Write this server's blocks of table ``name`` under ``directory`` (files ``stem.*``, ``stem``
     relative to it; ``evicting``: with each row's eviction clock): what the manifest lists."""
-    table = _table(name)
-    blocks = table.layout()
-    read = [handlers._block_rows(name, first, True, True) for first, _ in blocks]
-    state = [handlers._row_state(name, first) for first, _ in blocks]
-    eager = table.spec.init != "lazy"
-    ids = torch.cat([r[0] for r in read])
-    clock = max(r[3] for r in read)  # (the table's step here: a block read before a step was a step behind)
-    keys = list(dict.fromkeys(k for _, _, s in state for k in s))
-    empty = torch.empty(0, table.spec.dim, dtype=table.spec.dtype)
-    by_id = {"table": name, "blocks": blocks, "ids": ids, "rows": None if eager else torch.cat([r[1] for r in read]),
-             "last": torch.cat([handlers.aged(r[2], clock - r[3]) for r in read])
-             if evicting and read[0][2] is not None else None, "clock": clock,
-             "optimizer_steps": max(s[0] for s in state), "state_ids": torch.cat([s[1] for s in state]),
-             "state": {k: torch.cat([s[2].get(k, empty) for s in state]) for k in keys}}
-    out = Written({}, [], blocks, clock, by_id["optimizer_steps"], keys, by_id["state_ids"].numel(),
-                  (min(r[-1] for r in read), max(r[-1] for r in read)))
-    if eager:  # each block's rows, as torch.distributed.checkpoint writes a tensor chunk
-        parts, offset = [], 0
-        for (first, count), r in zip(blocks, read):
-            parts.append(_save_bytes(r[1].contiguous()))
-            out.chunks.append((first, count, offset, len(parts[-1])))
-            offset += len(parts[-1])
-        out.files[f"{stem}.distcp"] = _write_file(directory, f"{stem}.distcp", parts)
-    out.files[f"{stem}.pt"] = _write_file(directory, f"{stem}.pt", [_save_bytes(by_id)])
-    admission = handlers._admission_state(name)
-    if admission is not None:
-        out.files[f"{stem}.sketch.pt"] = _write_file(directory, f"{stem}.sketch.pt", [_save_bytes(admission)])
-    return out
+    return _write_snapshot(_snapshot(name, evicting), directory, stem)
+
+
+# ---- saves in the background: a snapshot now, its files written while the table trains on --------
+
+#: the background saves here, by (save, table): each one's outcome (a ``Written``), once written
+_writes: dict[tuple[str, str], tuple[torch.futures.Future, float]] = {}
+_writes_lock = threading.Lock()
+_writer: ThreadPoolExecutor | None = None
+#: an outcome nobody asked for (its trainer died) is forgotten this many seconds after it was written
+KEEP_WRITTEN_S = 3600.0
+
+
+def _begin_shards(name: str, save: str, directory: str, stem: str, evicting: bool) -> None:
+    """Snapshot this server's blocks of table ``name`` now (what :func:`_write_shards` would
+    write) and write them in the background, one save after another; :func:`_shards_written`
+    answers with the outcome. Returns once the snapshot is taken: the table may change from
+    then on without changing what is written."""
+    global _writer
+    snap = _snapshot(name, evicting)
+    outcome: torch.futures.Future = torch.futures.Future()
+    with _writes_lock:
+        now = time.monotonic()
+        for key in [k for k, (f, at) in _writes.items() if f.done() and at + KEEP_WRITTEN_S < now]:
+            del _writes[key]
+        if (save, name) in _writes:
+            raise ValueError(f"table {name!r}: save {save!r} was begun here already")
+        _writes[(save, name)] = (outcome, float("inf"))
+        if _writer is None:
+            _writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="remote_module-shard-writer")
+        _writer.submit(_write_in_background, snap, save, directory, stem, outcome)
+
+
+def _write_in_background(snap: Snapshot, save: str, directory: str, stem: str,
+                         outcome: torch.futures.Future) -> None:
+    try:
+        written = _write_snapshot(snap, directory, stem)
+    except Exception as exc:  # (a full disk, a directory gone: the trainer's save fails, naming it)
+        with _writes_lock:
+            _writes[(save, snap.name)] = (outcome, time.monotonic())
+        outcome.set_exception(OSError(f"table {snap.name!r}: writing {os.path.join(directory, stem)}.* "
+                                      f"failed: {type(exc).__name__}: {exc}"))
+        return
+    with _writes_lock:
+        _writes[(save, snap.name)] = (outcome, time.monotonic())
+    outcome.set_result(written)
+
+
+@rpc.functions.async_execution
+def _shards_written(name: str, save: str) -> torch.futures.Future:
+    """What the background save ``save`` of table ``name`` wrote (a ``Written``), once it has;
+    its failure (``OSError``) if it failed; ``LookupError`` if no such save was begun here."""
+    with _writes_lock:
+        got = _writes.pop((save, name), None)
+    if got is None:
+        failed: torch.futures.Future = torch.futures.Future()
+        failed.set_exception(LookupError(f"table {name!r}: no save {save!r} was begun on this server (it "
+                                         "restarted since, or the outcome was asked for already)"))
+        return failed
+    return got[0]
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -226,8 +340,9 @@ def _read_mine(layout: list[tuple[int, int]], directory: str, reads: ShardReads,
     ids, rows, last, state_ids, state = [], [], [], [], []
     for rel, saved_clock in reads.rows:
         part = _load(os.path.join(directory, rel))
-        keep = handlers._in_ranges(part["ids"], mine)
-        ids.append(part["ids"][keep])
+        saved = part["ids"] if part["ids"] is not None else _every_id(part["blocks"])  # (eager: every row)
+        keep = handlers._in_ranges(saved, mine)
+        ids.append(saved[keep])
         rows.append(part["rows"][keep] if part["rows"] is not None
                     else _eager_rows(part["blocks"], mine, directory, rel, chunks, dim))
         if part["last"] is not None:
@@ -236,6 +351,11 @@ def _read_mine(layout: list[tuple[int, int]], directory: str, reads: ShardReads,
         state_ids.append(part["state_ids"][kept])
         state.append({k: v[kept] for k, v in part["state"].items()})
     return _sorted("", ids, rows, last if len(last) == len(ids) else None, state_ids, state, dim)
+
+
+def _every_id(blocks: list[tuple[int, int]]) -> torch.Tensor:
+    """The ids of every row of ``blocks`` (``(first, count)``), in order: an eager server's rows."""
+    return torch.cat([torch.arange(first, first + count) for first, count in blocks])
 
 
 def _eager_rows(blocks: list, mine: tuple, directory: str, rel: str, chunks: dict, dim: int) -> torch.Tensor:

@@ -1,0 +1,100 @@
+"""What checkpoints cost the click demo (issue 44's acceptance): ``python -m
+remote_module.demos.dlrm --steps 2000`` with a full save every 100 steps (``--checkpoint DIR
+--every 100``: 20 saves of its 71 MB of eager tables, plus optimizer state) beside the same run
+without checkpoints; the target is at least 0.95x the steps/s.
+
+    python -m tests.benchmarks.bench_checkpoint_cost                 # 3 rounds of both (about 4 minutes)
+    python -m tests.benchmarks.bench_checkpoint_cost --rounds 5 --steps 2000 --every 100
+
+Each round runs both variants, one after the other, in an order that alternates by round
+(the demo's own processes: 2 servers, 2 trainers, on loopback); the figures are medians over
+rounds and the same-round ratios. Per run: steps/s (the trainers' mean, as the demo measures
+it: its training loop only), the CPU seconds of every process of the run per training step
+(user + system, of the whole process tree, from ``getrusage(RUSAGE_CHILDREN)``), and with
+checkpoints the saves completed, the bytes of each, the seconds training waited per save on
+trainer0 (the servers' snapshot and its own file) and the seconds the servers took to write
+the newest one in the background. Writes JSON (bench-checkpoint-cost-results.json by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def _run(steps: int, checkpoint: str | None, every: int, work: Path) -> dict[str, Any]:
+    """One demo run: its trainers' figures and the CPU seconds of its processes."""
+    out = work / "run.json"
+    argv = [sys.executable, "-m", "remote_module.demos.dlrm", "--steps", str(steps), "--no-progress",
+            "--plot", "", "--json", str(out)]
+    if checkpoint is not None:
+        shutil.rmtree(checkpoint, ignore_errors=True)
+        argv += ["--checkpoint", checkpoint, "--every", str(every)]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode != 0:
+        raise RuntimeError(f"the demo failed ({done.returncode}): {done.stdout[-2000:]}{done.stderr[-2000:]}")
+    trainers = json.loads(out.read_text())
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    got = {"steps_per_s": statistics.mean(t["steps_per_s"] for t in trainers),
+           "cpu_ms_per_step": 1e3 * cpu / (steps * len(trainers))}
+    if checkpoint is not None:
+        figures = trainers[0]["checkpoints"]
+        got.update(saves=figures["completed"], bytes_per_save=figures["bytes"],
+                   waited_s_per_save=figures["save_s"] / max(1, figures["saves"]), write_s=figures["write_s"])
+    return got
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--every", type=int, default=100)
+    parser.add_argument("--json", default="bench-checkpoint-cost-results.json")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bench-checkpoint-cost-"))
+    runs: dict[str, list[dict[str, Any]]] = {"none": [], "checkpoints": []}
+    try:
+        for r in range(args.rounds):
+            order = ["none", "checkpoints"] if r % 2 == 0 else ["checkpoints", "none"]
+            for variant in order:
+                got = _run(args.steps, str(work / "ckpt") if variant == "checkpoints" else None, args.every, work)
+                runs[variant].append(got)
+                print(f"round {r + 1} {variant:<12} " + "  ".join(
+                    f"{k} {v:,.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in got.items()), flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    ratios = [c["steps_per_s"] / n["steps_per_s"] for n, c in zip(runs["none"], runs["checkpoints"])]
+    summary = {
+        "steps": args.steps, "every": args.every, "rounds": args.rounds, "load_avg": os.getloadavg(),
+        "steps_per_s": {v: statistics.median(x["steps_per_s"] for x in runs[v]) for v in runs},
+        "cpu_ms_per_step": {v: statistics.median(x["cpu_ms_per_step"] for x in runs[v]) for v in runs},
+        "same_round_ratios": ratios, "median_ratio": statistics.median(ratios), "target_ratio": 0.95,
+        "bytes_per_save": statistics.median(x["bytes_per_save"] for x in runs["checkpoints"]),
+        "waited_s_per_save": statistics.median(x["waited_s_per_save"] for x in runs["checkpoints"]),
+        "write_s": statistics.median(x["write_s"] for x in runs["checkpoints"]),
+        "saves": [x["saves"] for x in runs["checkpoints"]], "runs": runs,
+    }
+    print(f"\nsteps/s (median): none {summary['steps_per_s']['none']:.1f}, checkpoints "
+          f"{summary['steps_per_s']['checkpoints']:.1f}; same-round ratios "
+          f"{', '.join(f'{r:.3f}' for r in ratios)} (median {summary['median_ratio']:.3f}, target >= 0.95)")
+    print(f"CPU ms per trainer step, every process of the run: none {summary['cpu_ms_per_step']['none']:.2f}, "
+          f"checkpoints {summary['cpu_ms_per_step']['checkpoints']:.2f}")
+    print(f"per save: {summary['bytes_per_save'] / 1e6:.1f} MB, training waited {summary['waited_s_per_save']:.3f} s, "
+          f"the servers wrote in {summary['write_s']:.2f} s in the background; saves completed per run "
+          f"{summary['saves']}; load average {summary['load_avg'][0]:.1f}")
+    Path(args.json).write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
