@@ -22,30 +22,21 @@ the same order. A corrupt file on any server so leaves every table as it was.
 
 from __future__ import annotations
 
-import hashlib
-import io
 import os
 import pickle
 import threading
 import time
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
+from remote_module.ps._shard_io import FileEntry, file_sha256  # noqa: F401 (checkpoint/_checkpointer.py reads it here)
+from remote_module.ps._shard_io import load_file as _load
+from remote_module.ps._shard_io import save_bytes as _save_bytes
+from remote_module.ps._shard_io import verify as _verify
+from remote_module.ps._shard_io import write_file as _write_file
 from remote_module.ps.tables.server import _checkpoint_handlers as handlers
 from remote_module.ps.tables.server._handlers import _table
-
-#: bytes read at a time while a file's sha256 is computed
-_READ_BYTES = 1 << 20
-
-
-class FileEntry(NamedTuple):
-    """One file of a checkpoint as its manifest lists it: ``rel`` (under the checkpoint's
-    directory), its size in bytes and its sha256 (hex)."""
-
-    rel: str
-    size: int
-    sha256: str
 
 
 class ShardReads(NamedTuple):
@@ -99,27 +90,6 @@ _staged_lock = threading.Lock()
 KEEP_STAGED_TIMEOUTS = 3
 
 
-def _save_bytes(value: Any) -> memoryview:
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return buffer.getbuffer()
-
-
-def _write_file(directory: str, rel: str, parts: list[memoryview]) -> tuple[int, str]:
-    """Write ``parts`` one after another to ``directory/rel`` (flushed to disk): its size and sha256."""
-    digest, size = hashlib.sha256(), 0
-    target = os.path.join(directory, rel)
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    with open(target, "wb") as f:
-        for part in parts:
-            f.write(part)
-            digest.update(part)
-            size += len(part)
-        f.flush()
-        os.fsync(f.fileno())
-    return size, digest.hexdigest()
-
-
 def _write_shards(name: str, directory: str, stem: str, evicting: bool) -> Written:
     """Write this server's blocks of table ``name`` under ``directory`` (files ``stem.*``, ``stem``
     relative to it; ``evicting``: with each row's eviction clock): what the manifest lists."""
@@ -151,40 +121,6 @@ def _write_shards(name: str, directory: str, stem: str, evicting: bool) -> Writt
     if admission is not None:
         out.files[f"{stem}.sketch.pt"] = _write_file(directory, f"{stem}.sketch.pt", [_save_bytes(admission)])
     return out
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    """The sha256 (hex) of the file at ``path``, read through once, a block at a time."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while part := f.read(_READ_BYTES):
-            digest.update(part)
-    return digest.hexdigest()
-
-
-def _verify(directory: str, entry: FileEntry) -> None:
-    """``ValueError`` naming the checkpoint's file ``entry`` unless it has the size and sha256
-    the manifest records (read through once, a block at a time)."""
-    path = os.path.join(directory, entry.rel)
-    try:
-        size = os.path.getsize(path)
-    except OSError as exc:
-        raise ValueError(f"{path}: missing or unreadable ({exc.strerror or exc})") from None
-    if size != entry.size:
-        raise ValueError(f"{path}: {size} bytes, the manifest says {entry.size} (truncated or overwritten)")
-    sha256 = file_sha256(path)
-    if sha256 != entry.sha256:
-        raise ValueError(f"{path}: its sha256 is {sha256}, the manifest says {entry.sha256} (corrupt)")
-
-
-def _load(path: str, at: tuple[int, int] | None = None) -> Any:
-    """What a checked file holds (memory-mapped: only what is used is read), or the tensor
-    saved at ``at`` (``(offset, length)``) in it."""
-    if at is None:
-        return torch.load(path, mmap=True, weights_only=True)
-    with open(path, "rb") as f:
-        f.seek(at[0])
-        return torch.load(io.BytesIO(f.read(at[1])), weights_only=True)
 
 
 def _stage_shards(name: str, key: str, directory: str, reads: ShardReads, clock: int,
