@@ -84,13 +84,18 @@ def _timeout(tables: list[tuple[str, Any]]) -> float | None:
 
 
 def save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, layout: str = "shared") -> dict:
-    """Save sharded tables to the directory ``path``, each server writing its own blocks.
+    """Save sharded tables and PSModels to the directory ``path``, each server writing its own blocks.
 
-    ``objects`` maps a name (a state_dict prefix) to a table or a collection. Every server of
-    every table writes its blocks there itself, concurrently and without waiting for another;
-    then the trainer writes ``manifest.json`` (every file's size and sha256), last and
-    atomically: a directory without it is torn and never loaded. The tables are settled first,
-    as ``state_dict()`` settles them. Returns the manifest.
+    ``objects`` maps a name (a state_dict prefix) to a table, a collection or a ``PSModel``.
+    Every server of every table writes its blocks there itself, concurrently and without
+    waiting for another, and so does every dense server of a PSModel (its blocks' values and
+    optimizer state: ``<name>.<server>.pt``; the tables inside a PSModel are saved as tables,
+    ``<name>.<table>``); then the trainer writes its own small files (``<name>.trainer.pt``: its
+    ``ps_optimizer`` settings; a PSModel's buffers and the optimizer state that is not per
+    element; geo: its own optimizer state) and ``manifest.json`` (every file's size and sha256),
+    last and atomically: a directory without it is torn and never loaded. The tables are
+    settled first, as ``state_dict()`` settles them (a PSModel's pushes land, half_async
+    merges, sync reads after this trainer's last step). Returns the manifest.
 
     ``layout``: ``"shared"`` (``path``, made absolute here, is one directory every server and
     the trainer reach at that path, a shared filesystem or one machine): loads onto any
@@ -108,9 +113,10 @@ def save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, layout: 
     Example (the trainer; servers ``ps0``, ``ps1`` run no code of their own)::
 
         emb = ShardedEmbeddingBag(10**6, 16, ["ps0", "ps1"], name="emb", init="lazy")
+        model = PSModel(nn.Linear(16, 1), ["ps0", "ps1"], name="head", num_trainers=1)
         ...  # training
-        manifest = save_shards("/shared/ckpt/step100", {"emb": emb})
-        load_shards("/shared/ckpt/step100", {"emb": emb})
+        manifest = save_shards("/shared/ckpt/step100", {"emb": emb, "model": model})
+        load_shards("/shared/ckpt/step100", {"emb": emb, "model": model})
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -185,17 +191,20 @@ def load_shards(path: str | os.PathLike, objects: Mapping[str, Any]) -> None:
 
     The trainer reads the manifest and checks, before anything changes, that each table fits
     (sizes, optimizer, admission sketch: the checks of ``load_state_dict`` and
-    ``load_optimizer_state_dict``) and that the layout can be read here. Then every server reads
-    the files that hold rows of its blocks, checking each one's size and sha256; only when every
-    server has read its files do they load them, as ``load_state_dict()`` then
-    ``load_optimizer_state_dict()`` of the same tables would (bit for bit). A shared-layout
-    checkpoint loads onto any number of servers; a local one only onto the servers that saved it.
+    ``load_optimizer_state_dict``), that each PSModel fits (parameter names and shapes, buffers,
+    optimizer class, geo or not) and that the layout can be read here. Then every server reads
+    the files that hold rows (elements) of its blocks, checking each one's size and sha256; only
+    when every server has read its files do they load them, as ``load_state_dict()`` then
+    ``load_optimizer_state_dict()`` of the same tables and PSModels would (bit for bit; a
+    PSModel's local parameters show the values loaded from its next forward's pull on). A
+    shared-layout checkpoint loads onto any number of servers (re-sliced); a local one only onto
+    the servers that saved it, holding the same blocks.
 
     :class:`CheckpointError` (nothing loaded) for a torn checkpoint (no manifest), a file
     missing, truncated or corrupt (named), or a layout these servers cannot read; ``ValueError``
-    for a table that does not fit; ``TypeError`` for objects other than tables and collections.
-    (A server lost after every server checked its files, while they load them, leaves the
-    tables partly loaded: load again.)
+    for a table or PSModel that does not fit; ``TypeError`` for other objects. (A server lost
+    after every server checked its files, while they load them, leaves the objects partly
+    loaded: load again.)
 
     Example (the trainer; the servers run no code of their own)::
 
