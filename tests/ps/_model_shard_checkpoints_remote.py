@@ -203,3 +203,52 @@ def old_ps_file_loaded(name: str, directory: str, case: str) -> dict:
     fresh = model(name + "-fresh", ["ps0", "ps1", "ps2"], case, seed=1)
     _load_ps(Path(directory), {"model": fresh})
     return {"saved": saved, "loaded": checkpoint(fresh)}
+
+
+class WithTable(nn.Module):
+    """A sharded table and a dense head: the table's rows saved as a table's, the head as the
+    PSModel's blocks."""
+
+    def __init__(self, name: str, servers: list[str], seed: int) -> None:
+        from remote_module.ps import ShardedEmbeddingBag
+
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = ShardedEmbeddingBag(20, 4, servers, name=name + "-emb", mode="sum", ps_mode="async",
+                                       num_trainers=1, optimizer=(torch.optim.Adagrad, {"lr": 0.1}))
+        self.head = nn.Linear(4, OUT)
+
+    def forward(self, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids, offsets))
+
+
+def with_table(name: str, directory: str) -> dict:
+    """A PSModel holding a table on ps0, ps1 trained, saved, loaded onto ps0-ps2 by shards and
+    by state_dict: both checkpoints and the manifest."""
+    from remote_module.ps import PSModel, load_shards, save_shards
+
+    def make(suffix: str, servers: list[str], seed: int) -> Any:
+        return PSModel(WithTable(name + suffix, servers, seed), servers, name=name + suffix, num_trainers=1,
+                       ps_mode="async", optimizer=(torch.optim.Adam, {"lr": 0.01}))
+
+    def steps(ps: Any, ks: range) -> None:
+        for k in ks:
+            g = torch.Generator().manual_seed(k)
+            ids, y = torch.randint(0, 20, (6,), generator=g), torch.randint(0, OUT, (2,), generator=g)
+            F.cross_entropy(ps(ids, torch.tensor([0, 3])), y).backward()
+            ps.step()
+
+    source = make("", ["ps0", "ps1"], 0)
+    steps(source, range(3))
+    manifest = save_shards(directory, {"model": source})
+    saved = checkpoint(source)
+    by_shards, by_state_dict = make("-shards", ["ps0", "ps1", "ps2"], 1), make("-sd", ["ps0", "ps1", "ps2"], 1)
+    load_shards(directory, {"model": by_shards})
+    by_state_dict.load_state_dict(saved["model"])
+    by_state_dict.load_optimizer_state_dict(saved["optim"])
+    out = {"saved": saved, "shards": checkpoint(by_shards), "state_dict": checkpoint(by_state_dict),
+           "manifest": manifest}
+    for ps in (by_shards, by_state_dict):
+        steps(ps, range(3, 6))
+    out["after"] = {"shards": checkpoint(by_shards), "state_dict": checkpoint(by_state_dict)}
+    return out

@@ -135,3 +135,14 @@ def test_the_job_checkpointer_saves_a_psmodel_in_its_servers_files_and_resumes_i
 def test_a_job_checkpoint_with_psmodels_in_ps_pt_still_loads(world, tmp_path):
     got = on(world, "trainer0", r.old_ps_file_loaded, job("model-old-ps-pt"), str(tmp_path), "adam-async")
     same(got["loaded"], got["saved"], "ps.pt")
+
+
+def test_the_tables_inside_a_psmodel_are_saved_as_tables_and_the_whole_loads_as_a_state_dict_load(world, tmp_path):
+    got = on(world, "trainer0", r.with_table, job("model-with-table"), str(tmp_path))
+    assert got["manifest"]["objects"] == {"model": {"kind": "model", "tables": ["emb"]}}
+    assert sorted(got["manifest"]["tables"]) == ["model.emb"]
+    assert {rel for rel, e in got["manifest"]["files"].items() if e["server"] is not None} >= {
+        "model.ps0.pt", "model.ps1.pt", "model.emb.ps0.pt"}, got["manifest"]["files"]
+    assert "emb.weight" in got["saved"]["model"] and "emb" in got["saved"]["optim"]["tables"]
+    same(got["shards"], got["state_dict"], "loaded")
+    same(got["after"]["shards"], got["after"]["state_dict"], "trained on")
