@@ -3,7 +3,9 @@
 :func:`save_shards`, :func:`load_shards` and :class:`CheckpointError` (public as
 ``remote_module.ps``'s names): servers write and read their own shards; ``_manifest`` is the
 manifest, its checksums and the ``torch.distributed.checkpoint`` metadata (no RPC), ``_shards``
-the trainer's side, and the servers' side is ``tables/server/_shard_files.py``.
+the trainer's side; the servers' sides are ``tables/server/_shard_files.py`` (tables) and
+``dense/_shard_files.py`` (PSModels), with the files they both write and check in
+``ps/_shard_io.py``.
 
 :class:`~._checkpointer.Checkpointer` saves the servers' objects and each trainer's own state
 every N steps, and resumes a restarted job from the newest complete checkpoint

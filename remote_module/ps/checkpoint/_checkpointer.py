@@ -4,11 +4,12 @@ A checkpoint is a directory ``step-XXXXXXXX/`` under the checkpointer's path (th
 steps done), holding
 
 - the parameter servers' objects, saved and loaded once, by the first of ``trainers``
-  (:func:`~._job_state._save_ps` / :func:`~._job_state._load_ps`): tables and collections in ``ps/``, a
+  (:func:`~._job_state._begin_ps` / :func:`~._job_state._load_ps`) in ``ps/``: a
   :func:`~._shards.save_shards` checkpoint that each server writes (and reads) its own blocks
-  of, the trainer only ``ps/manifest.json`` (every shard file's size and SHA-256) and its
-  ``ps_optimizer`` settings; ``PSModel``\\ s in ``ps.pt``, their ``state_dict()`` and
-  ``optimizer_state_dict()`` through the first trainer;
+  of (a table's rows, a ``PSModel``'s parameters and optimizer state), the trainer only
+  ``ps/manifest.json`` (every shard file's size and SHA-256) and its own small files
+  (``ps_optimizer`` settings, a ``PSModel``'s buffers); a checkpoint saved before PSModels
+  went to ``ps/`` holds them in ``ps.pt`` and still loads;
 - ``trainer-<r>.pt`` for each trainer ``r``: its local objects' ``state_dict()`` (model,
   optimizer, LR scheduler, a data loader's own state; a ``torch.Generator``'s state), its
   ``ps_optimizer`` settings of the servers' objects (what its schedulers set), its RNG
@@ -25,14 +26,14 @@ servers take a snapshot of their blocks (training waits only for that), which th
 in the background. The first trainer, at a later ``step()`` (or at ``close()``, waiting then),
 sees every trainer's file there and every server's write done and hands the checkpoint to a
 thread of its own, which writes the tables' manifest, fsyncs the trainers' files, writes the
-checkpoint's manifest and renames the directory to ``step-XXXXXXXX`` (then removes the
-checkpoints beyond ``keep``; a failure there is raised at a later ``step()``): the rename is what makes it visible, so a checkpoint torn by a kill stays a
-staging directory and is never loaded (the next resume removes it). No trainer waits for
-another while saving, and the first trainer's waits are bounded (``timeout``): a checkpoint
-still missing a trainer's file after ``timeout`` seconds raises ``TimeoutError`` naming the
-trainers. A save begins only once the one before it is complete (the first trainer waits for
-it then, which it does only when saves come faster than the servers write), so the servers
-hold one snapshot at a time.
+checkpoint's manifest and renames the directory to ``step-XXXXXXXX``, then removes the
+checkpoints beyond ``keep`` (a failure there is raised at a later ``step()``). The rename is
+what makes a checkpoint visible, so one torn by a kill stays a staging directory and is never
+loaded (the next resume removes it). No trainer waits for another while saving, and the first
+trainer's waits are bounded (``timeout``): a checkpoint still missing a trainer's file after
+``timeout`` seconds raises ``TimeoutError`` naming the trainers. A save begins only once the
+one before it is complete (the first trainer waits for it then, which it does only when saves
+come faster than the servers write), so the servers hold one snapshot at a time.
 
 Resume: the first trainer picks the newest checkpoint whose manifest holds (every file there,
 of its size and checksum, and every shard file ``ps/manifest.json`` lists, of its size; else a

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
+from remote_module.ps._shard_io import file_sha256
 from remote_module.ps.checkpoint._manifest import MANIFEST as PS_MANIFEST
 from remote_module.ps.checkpoint._manifest import CheckpointError, read_manifest
-from remote_module.ps.tables.server._shard_files import file_sha256
 
 #: a complete checkpoint's directory name, and a staging one's
 STEP_DIR = "step-{:08d}"

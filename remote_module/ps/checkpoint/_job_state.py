@@ -1,7 +1,7 @@
 """What a whole-job checkpoint (:mod:`._checkpointer`) holds besides its files' layout: the
-parameter servers' objects (the seam: tables and collections as their servers' own shard
-files, ``PSModel``\\ s through the first trainer), each trainer's ``ps_optimizer`` settings,
-and this process's own state (RNG states, local objects)."""
+parameter servers' objects (the seam: tables, collections and ``PSModel``\\ s as their
+servers' own shard files), each trainer's ``ps_optimizer`` settings, and this process's own
+state (RNG states, local objects)."""
 
 from __future__ import annotations
 
@@ -12,22 +12,12 @@ from typing import Any, Mapping
 
 import torch
 
-from remote_module.ps.checkpoint._job_files import PS_DIR, PS_FILE, _write
+from remote_module.ps.checkpoint._job_files import PS_DIR, PS_FILE
 from remote_module.ps.checkpoint._manifest import read_manifest
 from remote_module.ps.checkpoint._shards import ShardSave, begin_save_shards, load_shards
-from remote_module.ps.tables._collection import ShardedEmbeddingBagCollection
-from remote_module.ps.tables._embedding import ShardedEmbedding
+from remote_module.ps.dense._model import PSModel
 
 # ---- the seam: the servers' objects -------------------------------------------------------------
-
-
-def _split(objects: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``objects`` as ``(shards, models)``: the tables and collections, which their servers save
-    and load themselves (:func:`~._shards.save_shards`), and the rest (``PSModel``\\ s), which go
-    through the trainer's ``state_dict()``."""
-    shards = {name: obj for name, obj in objects.items()
-              if isinstance(obj, (ShardedEmbedding, ShardedEmbeddingBagCollection))}
-    return shards, {name: obj for name, obj in objects.items() if name not in shards}
 
 
 def _save_ps(path: Path, objects: Mapping[str, Any]) -> None:
@@ -38,64 +28,61 @@ def _save_ps(path: Path, objects: Mapping[str, Any]) -> None:
         begun.wait()
 
 
+
 def _begin_ps(path: Path, objects: Mapping[str, Any], timeout: float | None = None) -> ShardSave | None:
     """Begin saving the parameter servers' ``objects`` (name -> table, collection or
     ``PSModel``) into the directory ``path``; run by one trainer only. Returns the servers'
-    save of the tables, in the background (None without tables): complete once its ``wait()``
-    returned.
+    save, in the background (None without objects): complete once its ``wait()`` returned.
 
-    Tables and collections: ``begin_save_shards(path / "ps", ...)`` (shared layout): each
-    server takes a snapshot of its blocks and writes it there in the background, the trainer
-    only its ``ps_optimizer`` settings now and the small ``ps/manifest.json`` (every shard
-    file's size and SHA-256) at ``wait()``; no row passes through the trainer. ``PSModel``\\ s
-    (which ``save_shards`` does not take): their ``state_dict()`` and
-    ``optimizer_state_dict()``, gathered here and written with ``torch.save`` to ``ps.pt``
-    before this returns. ``timeout``: seconds the servers' writing may take.
+    ``begin_save_shards(path / "ps", ...)`` (shared layout): each table server takes a
+    snapshot of its blocks and writes it there in the background (a PSModel's servers write
+    theirs before this returns); the trainer writes only its own small files (``ps_optimizer``
+    settings, a PSModel's buffers; geo: its optimizer and progress) and, at ``wait()``, the
+    small ``ps/manifest.json`` (every shard file's size and SHA-256, last); no row or parameter
+    passes through the trainer. ``timeout``: seconds the servers' writing may take.
     """
-    shards, models = _split(objects)
-    begun = begin_save_shards(path / PS_DIR, shards, timeout=timeout) if shards else None
-    if models:
-        _write(path / PS_FILE, {name: {"state": obj.state_dict(), "optim": obj.optimizer_state_dict()}
-                                for name, obj in models.items()})
-    return begun
+    return begin_save_shards(path / PS_DIR, objects, timeout=timeout) if objects else None
 
 
 def _check_names(path: Path, objects: Mapping[str, Any], models_saved: Mapping[str, Any]) -> None:
     """``KeyError`` (nothing loaded) unless the checkpoint ``path`` holds each of ``objects``
-    under its name, as the same kind (a table or collection in ``ps/``, a ``PSModel`` in
-    ``ps.pt``, read as ``models_saved``); ``CheckpointError`` for a ``ps/`` without its manifest
-    (torn)."""
-    shards, models = _split(objects)
+    under its name, as the same kind (a table, collection or ``PSModel`` in ``ps/``; or, saved
+    before PSModels went to ``ps/``, a ``PSModel`` in ``ps.pt``, read as ``models_saved``);
+    ``CheckpointError`` for a ``ps/`` without its manifest (torn)."""
     saved = {}
     if (path / PS_DIR).is_dir():
-        saved.update({name: "ps/" for name in read_manifest(str(path / PS_DIR))["objects"]})
-    saved.update({name: PS_FILE for name in models_saved})
-    wrong = sorted([n for n in shards if saved.get(n) != "ps/"] + [n for n in models if saved.get(n) != PS_FILE])
+        saved.update({name: ("ps/", what["kind"] == "model")
+                      for name, what in read_manifest(str(path / PS_DIR))["objects"].items()})
+    saved.update({name: (PS_FILE, True) for name in models_saved})
+    wrong = sorted(n for n, obj in objects.items() if saved.get(n, (None, None))[1] != isinstance(obj, PSModel))
     if wrong:
+        listed = ", ".join(f"{n} ({'PSModel' if model else 'table or collection'} in {where})"
+                           for n, (where, model) in sorted(saved.items()))
         raise KeyError(f"the checkpoint {path} has no parameter-server object(s) {wrong} as this job has them (it has "
-                       f"tables and collections in ps/: {sorted(n for n, w in saved.items() if w == 'ps/')}, "
-                       f"PSModels in {PS_FILE}: {sorted(n for n, w in saved.items() if w == PS_FILE)}): pass the "
-                       "same ps= names and objects as the job that saved it")
+                       f"{listed or 'none'}): pass the same ps= names and objects as the job that saved it")
 
 
 def _load_ps(path: Path, objects: Mapping[str, Any]) -> None:
     """Load the parameter servers' ``objects`` from the checkpoint directory ``path``; run by
     one trainer only (the one that saves), before any trainer trains.
 
-    Tables and collections: ``load_shards(path / "ps", ...)``, each server reading and checking
-    (size, SHA-256) its own blocks' files; a file missing, truncated or corrupt raises
-    :class:`CheckpointError` naming it, with nothing loaded. ``PSModel``\\ s: their state and
-    optimizer state, read from ``ps.pt`` and sent to the servers, after the tables. (``load_shards``
-    also sets this trainer's ``ps_optimizer`` settings from the saving trainer's; every trainer
-    then restores its own from its own file, which wins: :func:`_set_ps_settings`.)"""
-    shards, models = _split(objects)
-    saved = torch.load(path / PS_FILE, weights_only=False) if (path / PS_FILE).is_file() else {}
-    _check_names(path, objects, saved)
+    ``load_shards(path / "ps", ...)``: each server reads and checks (size, SHA-256) its own
+    blocks' files (a table's rows, a PSModel's parameters and optimizer state); a file missing,
+    truncated or corrupt raises :class:`CheckpointError` naming it, with nothing loaded. A
+    checkpoint saved when PSModels still went through the trainer holds them in ``ps.pt``
+    (``state_dict()`` and ``optimizer_state_dict()``): those are read from there and sent to the
+    servers, after the rest. (``load_shards`` also sets this trainer's ``ps_optimizer``
+    settings from the saving trainer's; every trainer then restores its own from its own file,
+    which wins: :func:`_set_ps_settings`.)"""
+    old = torch.load(path / PS_FILE, weights_only=False) if (path / PS_FILE).is_file() else {}
+    _check_names(path, objects, old)
+    shards = {name: obj for name, obj in objects.items() if name not in old}
     if shards:
         load_shards(path / PS_DIR, shards)
-    for name, obj in models.items():
-        obj.load_state_dict(saved[name]["state"])
-        obj.load_optimizer_state_dict(saved[name]["optim"])
+    for name, obj in objects.items():
+        if name in old:
+            obj.load_state_dict(old[name]["state"])
+            obj.load_optimizer_state_dict(old[name]["optim"])
 
 
 def _read_ps(path: Path, objects: Mapping[str, Any]) -> dict[str, dict]:

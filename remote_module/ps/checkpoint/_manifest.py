@@ -2,9 +2,11 @@
 trainer writes (small, last, atomically) and reads back first. Pure file and dict logic; no RPC.
 
 The manifest, ``manifest.json``, lists every file of the checkpoint with its size and sha256
-(``"files"``), the objects saved (``"objects"``: a table or a collection's table names) and, by
-state_dict-style key (``"emb"``, ``"ebc.a"``), each table's settings and each saving server's
-part of it (``"tables"``). A directory without it is a save that did not complete (torn).
+(``"files"``), the objects saved (``"objects"``: a table, or a collection's or a PSModel's
+table names), by state_dict-style key (``"emb"``, ``"ebc.a"``) each table's settings and each
+saving server's part of it (``"tables"``), and by name each PSModel's parameters, blocks and
+their servers and files, and optimizer (``"models"``). A directory without it is a save that
+did not complete (torn).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Shard checkpoints of sharded tables: each server writes and reads its own blocks
-(``tables/server/_shard_files.py``); the trainer writes only a small manifest and reads only it.
+"""Shard checkpoints of sharded tables and PSModels: each server writes and reads its own blocks
+(``tables/server/_shard_files.py``, ``dense/_shard_files.py``); the trainer writes only a small
+manifest and its own small files, and reads only them.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
-from remote_module._core import call_all, call_all_async, wait_plain
+from remote_module._core import call_all, call_all_async, nested_seconds, wait_plain
+from remote_module.ps._shard_io import save_bytes, write_file
 from remote_module.ps.checkpoint._manifest import (
     DCP_METADATA,
     FORMAT,
@@ -31,6 +34,8 @@ from remote_module.ps.checkpoint._manifest import (
     table_entry,
     write_manifest,
 )
+from remote_module.ps.dense import _shard_files as _model_files
+from remote_module.ps.dense._model import PSModel
 from remote_module.ps.tables._collection import ShardedEmbeddingBagCollection
 from remote_module.ps.tables._embedding import ShardedEmbedding
 from remote_module.ps.tables.server import _shard_files
@@ -53,10 +58,12 @@ def _tables_of(objects: Any) -> tuple[list[tuple[str, ShardedEmbedding]], dict]:
         elif isinstance(obj, ShardedEmbeddingBagCollection):
             tables += [(f"{name}.{t}", table) for t, table in obj.tables().items()]
             described[name] = {"kind": "collection", "tables": list(obj.tables())}
+        elif isinstance(obj, PSModel):  # (its dense blocks: _models_of; the tables inside it as tables)
+            tables += [(f"{name}.{t}", table) for t, table in obj._tables.items()]
+            described[name] = {"kind": "model", "tables": list(obj._tables)}
         else:
-            raise TypeError(f"save_shards / load_shards take ShardedEmbedding, ShardedEmbeddingBag and "
-                            f"ShardedEmbeddingBagCollection objects (PSModel: not yet); {name!r} is "
-                            f"{type(obj).__name__}")
+            raise TypeError(f"save_shards / load_shards take ShardedEmbedding, ShardedEmbeddingBag, "
+                            f"ShardedEmbeddingBagCollection and PSModel objects; {name!r} is {type(obj).__name__}")
     keys = [key for key, _ in tables]
     twice = sorted({key for key in keys if keys.count(key) > 1})
     if twice:
@@ -71,19 +78,25 @@ def _tables_of(objects: Any) -> tuple[list[tuple[str, ShardedEmbedding]], dict]:
     return tables, described
 
 
-def _timeout(tables: list[tuple[str, ShardedEmbedding]]) -> float | None:
+def _timeout(tables: list[tuple[str, Any]]) -> float | None:
+    """The longest timeout of the tables (or PSModels) given; None if one has none."""
     timeouts = [t.timeout for _, t in tables]
     return None if not timeouts or any(t is None for t in timeouts) else max(timeouts)
 
 
 def save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, layout: str = "shared") -> dict:
-    """Save sharded tables to the directory ``path``, each server writing its own blocks.
+    """Save sharded tables and PSModels to the directory ``path``, each server writing its own blocks.
 
-    ``objects`` maps a name (a state_dict prefix) to a table or a collection. Every server of
-    every table writes its blocks there itself, concurrently and without waiting for another;
-    then the trainer writes ``manifest.json`` (every file's size and sha256), last and
-    atomically: a directory without it is torn and never loaded. The tables are settled first,
-    as ``state_dict()`` settles them. Returns the manifest.
+    ``objects`` maps a name (a state_dict prefix) to a table, a collection or a ``PSModel``.
+    Every server of every table writes its blocks there itself, concurrently and without
+    waiting for another, and so does every dense server of a PSModel (its blocks' values and
+    optimizer state: ``<name>.<server>.pt``; the tables inside a PSModel are saved as tables,
+    ``<name>.<table>``); then the trainer writes its own small files (``<name>.trainer.pt``: its
+    ``ps_optimizer`` settings; a PSModel's buffers and the optimizer state that is not per
+    element; geo: its own optimizer state) and ``manifest.json`` (every file's size and sha256),
+    last and atomically: a directory without it is torn and never loaded. The tables are
+    settled first, as ``state_dict()`` settles them (a PSModel's pushes land, half_async
+    merges, sync reads after this trainer's last step). Returns the manifest.
 
     ``layout``: ``"shared"`` (``path``, made absolute here, is one directory every server and
     the trainer reach at that path, a shared filesystem or one machine): loads onto any
@@ -101,9 +114,10 @@ def save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, layout: 
     Example (the trainer; servers ``ps0``, ``ps1`` run no code of their own)::
 
         emb = ShardedEmbeddingBag(10**6, 16, ["ps0", "ps1"], name="emb", init="lazy")
+        model = PSModel(nn.Linear(16, 1), ["ps0", "ps1"], name="head", num_trainers=1)
         ...  # training
-        manifest = save_shards("/shared/ckpt/step100", {"emb": emb})
-        load_shards("/shared/ckpt/step100", {"emb": emb})
+        manifest = save_shards("/shared/ckpt/step100", {"emb": emb, "model": model})
+        load_shards("/shared/ckpt/step100", {"emb": emb, "model": model})
     """
     return begin_save_shards(path, objects, layout=layout).wait()
 
@@ -115,9 +129,9 @@ class ShardSave:
     checkpoint is complete from then on). Until then the directory is torn: no load reads it."""
 
     def __init__(self, directory: str, layout: str, tables: list, described: dict, owns: list[bytes],
-                 written: Any) -> None:
+                 written: Any, models: tuple[dict, dict]) -> None:
         self.directory, self.layout, self._tables, self._described = directory, layout, tables, described
-        self._owns, self._written = owns, written
+        self._owns, self._written, self._models = owns, written, models
         self._manifest: dict | None = None
         #: seconds from the snapshot to the last server's files written (None until then)
         self.write_s: float | None = None
@@ -150,6 +164,8 @@ class ShardSave:
             if entry["dcp_key"] is not None:
                 weights[entry["dcp_key"]] = ((table.num_embeddings, table.embedding_dim), [
                     (part["weights"], *chunk) for part in entry["servers"].values() for chunk in part["chunks"]])
+        manifest["models"] = self._models[0]
+        manifest["files"].update(self._models[1])
         if weights:
             size, sha = _shard_files._write_file(self.directory, DCP_METADATA, [memoryview(dcp_metadata(weights))])
             manifest["files"][DCP_METADATA] = {"bytes": size, "sha256": sha, "server": None}
@@ -168,6 +184,7 @@ def begin_save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, la
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     directory = os.path.abspath(os.fspath(path))  # (servers resolve it the same, whatever their cwd)
     tables, described = _tables_of(objects)
+    models = _models_of(objects)
     os.makedirs(directory, exist_ok=True)
     # saved over: torn until the new manifest, and no reader of torch's format (dcp.load) reads
     # the old eager weights either: the metadata is written again just before the manifest
@@ -178,6 +195,7 @@ def begin_save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, la
             removed = True
     if removed:
         sync_directory(directory)
+    _settle_models(models)
     for _, table in tables:
         table._settle()
     save = uuid.uuid4().hex
@@ -186,6 +204,9 @@ def begin_save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, la
                                                    table.evict_after_steps is not None))
              for key, table in tables for server in table._by_server]
     call_all(begin, timeout=_timeout(tables))
+    # PSModels: their servers write now, at the same point (the trainer waits for them)
+    model_files: dict[str, Any] = {}
+    model_entries = _save_models(directory, layout, models, model_files)
     # the trainer's own state of each table (geo: its local optimizer's) as of the snapshot,
     # serialized now (a copy), written at wait()
     owns = [_serialized({"ps_optimizer": table.ps_optimizer.state_dict(),
@@ -193,7 +214,7 @@ def begin_save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, la
             for _, table in tables]
     written = call_all_async([(server, _shard_files._shards_written, (name, save)) for server, _, (name, *_) in begin],
                              timeout=_timeout(tables) if timeout is None else timeout)
-    return ShardSave(directory, layout, tables, described, owns, written)
+    return ShardSave(directory, layout, tables, described, owns, written, (model_entries, model_files))
 
 
 def _serialized(value: Any) -> bytes:
@@ -230,17 +251,20 @@ def load_shards(path: str | os.PathLike, objects: Mapping[str, Any]) -> None:
 
     The trainer reads the manifest and checks, before anything changes, that each table fits
     (sizes, optimizer, admission sketch: the checks of ``load_state_dict`` and
-    ``load_optimizer_state_dict``) and that the layout can be read here. Then every server reads
-    the files that hold rows of its blocks, checking each one's size and sha256; only when every
-    server has read its files do they load them, as ``load_state_dict()`` then
-    ``load_optimizer_state_dict()`` of the same tables would (bit for bit). A shared-layout
-    checkpoint loads onto any number of servers; a local one only onto the servers that saved it.
+    ``load_optimizer_state_dict``), that each PSModel fits (parameter names and shapes, buffers,
+    optimizer class, geo or not) and that the layout can be read here. Then every server reads
+    the files that hold rows (elements) of its blocks, checking each one's size and sha256; only
+    when every server has read its files do they load them, as ``load_state_dict()`` then
+    ``load_optimizer_state_dict()`` of the same tables and PSModels would (bit for bit; a
+    PSModel's local parameters show the values loaded from its next forward's pull on). A
+    shared-layout checkpoint loads onto any number of servers (re-sliced); a local one only onto
+    the servers that saved it, holding the same blocks.
 
     :class:`CheckpointError` (nothing loaded) for a torn checkpoint (no manifest), a file
     missing, truncated or corrupt (named), or a layout these servers cannot read; ``ValueError``
-    for a table that does not fit; ``TypeError`` for objects other than tables and collections.
-    (A server lost after every server checked its files, while they load them, leaves the
-    tables partly loaded: load again.)
+    for a table or PSModel that does not fit; ``TypeError`` for other objects. (A server lost
+    after every server checked its files, while they load them, leaves the objects partly
+    loaded: load again.)
 
     Example (the trainer; the servers run no code of their own)::
 
@@ -250,27 +274,31 @@ def load_shards(path: str | os.PathLike, objects: Mapping[str, Any]) -> None:
     directory = os.path.abspath(os.fspath(path))  # (servers resolve it the same, whatever their cwd)
     manifest = read_manifest(directory)
     tables, _ = _tables_of(objects)
+    models = _models_of(objects)
     plans = [_plan(directory, manifest, key, table) for key, table in tables]
+    model_plans = [_model_plan(directory, manifest, key, model) for key, model in models]
     load = uuid.uuid4().hex
-    timeout = _timeout(tables)
+    timeout = _timeout(tables + models)
     stage = [(server, _shard_files._stage_shards, (table.name, load, directory, reads, plan["clock"], timeout))
              for (_, table), plan in zip(tables, plans) for server, reads in plan["reads"].items()]
     drop = [(server, _shard_files._drop_staged, (name, load)) for server, _, (name, *_) in stage]
+    model_stage, model_drop, model_apply = _model_calls(directory, load, model_plans, timeout)
     try:
-        refused = sorted({why for why in call_all(stage, timeout=timeout) if why is not None})
+        refused = sorted({why for why in call_all(stage + model_stage, timeout=timeout) if why is not None})
     except BaseException:  # (a server lost or timed out: the others' staged rows are dropped, as can be)
         with contextlib.suppress(Exception):
-            call_all(drop, timeout=timeout)
+            call_all(drop + model_drop, timeout=timeout)
         raise
     if refused:
-        call_all(drop, timeout=timeout)
+        call_all(drop + model_drop, timeout=timeout)
         raise CheckpointError(f"the checkpoint in {directory!r} cannot be loaded, nothing was: " + "; ".join(refused))
     for _, table in tables:
         table._before_rows_change()
     call_all([(server, _shard_files._apply_staged, (table.name, load, plan["apply_clock"], plan["optimizer_steps"]))
-              for (_, table), plan in zip(tables, plans) for server in plan["reads"]], timeout=timeout)
+              for (_, table), plan in zip(tables, plans) for server in plan["reads"]] + model_apply, timeout=timeout)
     for (_, table), plan in zip(tables, plans):
         table._loaded_from_files(plan["place"], plan["own"]["ps_optimizer"], plan["own"]["geo"])
+    _models_loaded(models, model_plans)
 
 
 def _own_state(directory: str, files: dict, rel: str) -> dict:
@@ -358,3 +386,202 @@ def _plan(directory: str, manifest: dict, key: str, table: ShardedEmbedding) -> 
             "optimizer_steps": None if table.ps_mode == "geo" else int(entry["optimizer_steps"]), "own": own,
             "place": {"table": entry["name"], "versions": {s: tuple(p["versions"]) for s, p in
                                                              entry["servers"].items()}}}
+
+
+# ---- PSModels: each dense server writes and reads its own blocks (dense/_shard_files.py) -----------
+
+
+def _models_of(objects: Mapping[str, Any]) -> list[tuple[str, PSModel]]:
+    """The PSModels of ``objects`` (already checked by :func:`_tables_of`), by name."""
+    return [(name, obj) for name, obj in objects.items() if isinstance(obj, PSModel)]
+
+
+def _settle_models(models: list[tuple[str, PSModel]]) -> None:
+    """Before the servers read a model's blocks, as its ``state_dict()`` does: its pushes in
+    flight land (its tables' too), half_async applies what is queued, the next forward pulls."""
+    for _, model in models:
+        model._wait_pushes()
+        model._ready = None
+        if model.ps_mode == "half_async":
+            model.flush()
+
+
+def _local_entries(model: PSModel) -> dict[str, tuple[nn.Module, str]]:
+    """The keys of the local model's ``state_dict()`` that no server holds, each with its module
+    and attribute: persistent buffers and extra states (``"_extra_state"``), the tables' inside
+    it left out (they are saved as tables)."""
+    tables = {id(t) for t in model._tables.values()}
+    out: dict[str, tuple[nn.Module, str]] = {}
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        if id(module) in tables:
+            return
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                out[prefix + name] = (module, name)
+        if getattr(type(module), "get_extra_state", nn.Module.get_extra_state) is not nn.Module.get_extra_state:
+            out[prefix + "_extra_state"] = (module, "_extra_state")
+        for name, child in module._modules.items():
+            if child is not None:
+                walk(child, f"{prefix}{name}.")
+
+    walk(model.module, "")
+    return out
+
+
+def _save_models(directory: str, layout: str, models: list[tuple[str, PSModel]], files: dict) -> dict:
+    """Each model's dense servers write their blocks (values and optimizer state) under
+    ``directory`` (``directory/<server>/`` in the local layout), concurrently; the trainer
+    writes its own file of each (buffers, ps_optimizer settings, the optimizer state that is
+    not per element; geo: its optimizer and progress). The models' manifest entries; every file
+    is added to ``files``."""
+    calls = [(server, _model_files._write_model,
+              (model.name, [s.name for s in slots], model._step, nested_seconds(model._seconds()),
+               directory if layout == "shared" else os.path.join(directory, server), f"{key}.{server}"))
+             for key, model in models for server, slots in model._by_server().items() if slots]
+    got = iter(call_all(calls, timeout=_timeout(models)))
+    entries = {}
+    for key, model in models:
+        written = {server: next(got) for server, slots in model._by_server().items() if slots}
+        entries[key] = _model_manifest(directory, layout, key, model, written, files)
+    return entries
+
+
+def _model_manifest(directory: str, layout: str, key: str, model: PSModel, written: dict, files: dict) -> dict:
+    """A model's manifest entry, from what each server wrote (``written``: ``ModelWritten`` by
+    server); writes the trainer's file of it (see :func:`_save_models`)."""
+    def where(server: str) -> str:
+        return "" if layout == "shared" else f"{server}/"
+
+    for server, reply in written.items():
+        for rel, (size, sha) in reply.files.items():
+            files[where(server) + rel] = {"bytes": size, "sha256": sha, "server": server}
+    first: dict[str, Any] = {}  # each parameter's first block: its state's keys are the parameter's
+    for slot in model._slots:
+        first.setdefault(slot.pname, slot)
+    keys = {p: written[s.server].keys.get(s.name, []) for p, s in first.items()}
+    scalars = {p: written[s.server].scalars.get(s.name, {}) for p, s in first.items()}
+    own: dict[str, Any] = {
+        "local": {k: m.get_extra_state() if attr == "_extra_state" else getattr(m, attr).detach().clone()
+                  for k, (m, attr) in _local_entries(model).items()},
+        "ps_optimizer": model.ps_optimizer.state_dict(), "keys": keys, "scalars": scalars, "geo": None}
+    if model.ps_mode == "geo":  # (the optimizer is this trainer's own: its state and progress since its last push)
+        state, per_element = model._trainer_optimizer_state()
+        own["geo"] = {"state": state, "per_element": per_element, "progress": model._geo_progress()}
+    rel = f"{key}.trainer.pt"
+    size, sha = write_file(directory, rel, [save_bytes(own)])
+    files[rel] = {"bytes": size, "sha256": sha, "server": None}
+    params = model._params()
+    kwargs = model.optimizer[1]
+    return {"name": model.name, "ps_mode": model.ps_mode, "optimizer": model.optimizer[0].__name__,
+            "optimizer_settings": {k: v for k, v in kwargs.items() if isinstance(v, (bool, int, float, str))},
+            "parameters": {p: {"shape": list(t.shape), "dtype": str(t.dtype)} for p, t in params.items()},
+            "per_element": {p: [k for k in keys[p] if k not in scalars[p]] for p in first},
+            # [block, parameter, offset, size, server, file]: a block is a flat range of its parameter
+            "blocks": [[s.name, s.pname, s.block.offset, s.block.size, s.server,
+                        f"{where(s.server)}{key}.{s.server}.pt"] for s in model._slots],
+            "step": model._step, "server_steps": {server: reply.step for server, reply in written.items()},
+            "trainer_file": rel}
+
+
+def _check_model_fits(key: str, entry: dict, model: PSModel, own: dict) -> None:
+    """``ValueError`` (nothing changed) unless the saved model ``entry`` fits ``model``: the
+    checks of ``load_state_dict`` (strict) and ``load_optimizer_state_dict``."""
+    if entry["optimizer"] != model.optimizer[0].__name__:
+        raise ValueError(f"{key}: the optimizer state is for {entry['optimizer']!r}, this job uses "
+                         f"{model.optimizer[0].__name__!r}")
+    if (entry["ps_mode"] == "geo") != (model.ps_mode == "geo"):
+        raise ValueError(f"{key}: the checkpoint's PSModel is ps_mode={entry['ps_mode']!r}, this one "
+                         f"ps_mode={model.ps_mode!r} (geo keeps its optimizer on the trainer): load into a PSModel "
+                         "geo or not as saved, or go through state_dict() and optimizer_state_dict()")
+    mine = {p: list(t.shape) for p, t in model._params().items()}
+    saved = {p: list(v["shape"]) for p, v in entry["parameters"].items()}
+    local = _local_entries(model)
+    missing = sorted(set(mine) - set(saved)) + sorted(set(local) - set(own["local"]))
+    unexpected = sorted(set(saved) - set(mine)) + sorted(set(own["local"]) - set(local))
+    if missing or unexpected:
+        raise ValueError(f"{key}: the checkpoint's PSModel does not fit this one: missing key(s) {missing}, "
+                         f"unexpected key(s) {unexpected}")
+    for p, shape in mine.items():
+        if saved[p] != shape:
+            raise ValueError(f"size mismatch for {key}.{p}: the checkpoint's is {tuple(saved[p])}, this one "
+                             f"{tuple(shape)}")
+    for k, (m, attr) in local.items():
+        value = own["local"][k]
+        if attr != "_extra_state" and getattr(value, "shape", None) != getattr(m, attr).shape:
+            raise ValueError(f"size mismatch for {key}.{k}: the checkpoint's is {tuple(getattr(value, 'shape', ()))}"
+                             f", this one {tuple(getattr(m, attr).shape)}")
+    if own["geo"] is not None:
+        model._check_geo_progress(own["geo"]["progress"])
+
+
+def _model_plan(directory: str, manifest: dict, key: str, model: PSModel) -> dict:
+    """How ``model`` loads the checkpoint's ``key``, checked before anything changes: what each
+    of its servers reads (its blocks' pieces of the saved blocks that overlap them, any number
+    of saving servers in the shared layout) and the trainer's own file."""
+    entry = manifest.get("models", {}).get(key)
+    if entry is None:
+        raise CheckpointError(f"{os.path.join(directory, MANIFEST)} holds no PSModel {key!r} (it holds "
+                              f"{sorted(manifest.get('models', {}))}): load with the names it was saved with")
+    own = _own_state(directory, manifest["files"], entry["trainer_file"])
+    _check_model_fits(key, entry, model, own)
+    saved: dict[str, list] = {}
+    for block, pname, offset, size, server, rel in entry["blocks"]:
+        saved.setdefault(pname, []).append((rel, block, offset, size))
+    if manifest["layout"] == "local":
+        theirs = sorted((b[0], b[2], b[3], b[4]) for b in entry["blocks"])
+        mine = sorted((s.name, s.block.offset, s.block.size, s.server) for s in model._slots)
+        if theirs != mine:
+            raise CheckpointError(
+                f"{os.path.join(directory, MANIFEST)}: PSModel {key!r} was saved in the local layout (each server "
+                f"under {directory}/<server>/ on its own disk) by servers {sorted({b[4] for b in entry['blocks']})}; "
+                f"this PSModel's blocks are sliced or placed otherwise (servers {sorted(model._by_server())}). A local "
+                "checkpoint loads only onto the same servers holding the same blocks: save with layout='shared' (a "
+                "directory every server reads) to load onto other servers")
+    reads = {}
+    for server, slots in model._by_server().items():
+        if not slots:
+            continue
+        try:
+            blocks = {s.name: _model_files.BlockReads(
+                s.block.size, _model_files.pieces(saved[s.pname], s.block.offset, s.block.size),
+                [] if own["geo"] is not None else list(own["keys"][s.pname]), own["scalars"].get(s.pname, {}))
+                for s in slots}
+        except ValueError as exc:
+            raise CheckpointError(f"{os.path.join(directory, MANIFEST)}: PSModel {key!r}: {exc} (the manifest was "
+                                  "edited)") from None
+        rels = sorted({piece.rel for plan in blocks.values() for piece in plan.pieces})
+        reads[server] = ([FileEntry(*file_entry(manifest["files"], rel)) for rel in rels], blocks)
+    return {"name": model.name, "reads": reads, "own": own}
+
+
+def _model_calls(directory: str, load: str, plans: list[dict], timeout: float | None) -> tuple[list, list, list]:
+    """The calls of load ``load`` of the models ``plans``: each server stages (checks its files
+    and assembles its blocks), drops them (another server refused), applies them."""
+    servers = [(plan["name"], server, files, blocks) for plan in plans
+               for server, (files, blocks) in plan["reads"].items()]
+    return ([(server, _model_files._stage_model, (name, load, directory, files, blocks, timeout))
+             for name, server, files, blocks in servers],
+            [(server, _model_files._drop_model, (name, load)) for name, server, _, _ in servers],
+            [(server, _model_files._apply_model, (name, load)) for name, server, _, _ in servers])
+
+
+def _models_loaded(models: list[tuple[str, PSModel]], plans: list[dict]) -> None:
+    """The trainer's side of the models' load, after the servers applied theirs, as
+    ``load_state_dict`` then ``load_optimizer_state_dict`` leave it: the buffers, the
+    ps_optimizer settings, geo's optimizer and progress; the next forward pulls the values
+    loaded (the local parameters show them from then on)."""
+    for (_, model), plan in zip(models, plans):
+        own = plan["own"]
+        with torch.no_grad():
+            for k, (m, attr) in _local_entries(model).items():
+                if attr == "_extra_state":
+                    m.set_extra_state(own["local"][k])
+                else:
+                    getattr(m, attr).copy_(own["local"][k])
+        model._ready = None
+        model.ps_optimizer.load_state_dict(own["ps_optimizer"])
+        model._sent_settings = None  # the next step sends them
+        if own["geo"] is not None:
+            model._load_trainer_optimizer_state(own["geo"]["state"])
+            model._load_geo_progress(own["geo"]["progress"])

@@ -29,32 +29,23 @@ the same order. A corrupt file on any server so leaves every table as it was.
 
 from __future__ import annotations
 
-import hashlib
-import io
 import os
 import pickle
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed.rpc as rpc
 
+from remote_module.ps._shard_io import FileEntry, file_sha256  # noqa: F401 (checkpoint/_checkpointer.py reads it here)
+from remote_module.ps._shard_io import load_file as _load
+from remote_module.ps._shard_io import verify as _verify
+from remote_module.ps._shard_io import write_file as _write_file
+from remote_module.ps._shard_io import write_saved as _write_saved
 from remote_module.ps.tables.server import _checkpoint_handlers as handlers
 from remote_module.ps.tables.server._handlers import _table
-
-#: bytes read at a time while a file's sha256 is computed
-_READ_BYTES = 1 << 20
-
-
-class FileEntry(NamedTuple):
-    """One file of a checkpoint as its manifest lists it: ``rel`` (under the checkpoint's
-    directory), its size in bytes and its sha256 (hex)."""
-
-    rel: str
-    size: int
-    sha256: str
 
 
 class ShardReads(NamedTuple):
@@ -106,49 +97,6 @@ _staged_lock = threading.Lock()
 #: a staged load is kept this many times its trainer's timeout: one whose trainer gave up (a
 #: server timed out, the trainer died) is forgotten at a later stage on this server
 KEEP_STAGED_TIMEOUTS = 3
-
-
-class _Sink:
-    """A file being written that counts its bytes and hashes them as they go (``torch.save``
-    writes into it directly: no copy of a tensor's bytes is made in memory first)."""
-
-    def __init__(self, f: Any) -> None:
-        self.f, self.digest, self.size = f, hashlib.sha256(), 0
-
-    def write(self, data: Any) -> int:
-        self.f.write(data)
-        self.digest.update(data)
-        size = memoryview(data).nbytes
-        self.size += size
-        return size
-
-    def flush(self) -> None:
-        pass
-
-
-def _write_file(directory: str, rel: str, parts: list[Any]) -> tuple[int, str]:
-    """Write ``parts`` one after another to ``directory/rel`` (flushed to disk): its size and
-    sha256. A part is bytes, or anything else, which ``torch.save`` writes."""
-    return _write_saved(directory, rel, parts)[0]
-
-
-def _write_saved(directory: str, rel: str, parts: list[Any]) -> tuple[tuple[int, str], list[tuple[int, int]]]:
-    """:func:`_write_file`, and where each part lies in the file (``(offset, length)``)."""
-    target = os.path.join(directory, rel)
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    spans = []
-    with open(target, "wb") as f:
-        sink = _Sink(f)
-        for part in parts:
-            before = sink.size
-            if isinstance(part, (bytes, bytearray, memoryview)):
-                sink.write(part)
-            else:
-                torch.save(part, sink)
-            spans.append((before, sink.size - before))
-        f.flush()
-        os.fsync(f.fileno())
-    return (sink.size, sink.digest.hexdigest()), spans
 
 
 class Snapshot(NamedTuple):
@@ -265,40 +213,6 @@ def _shards_written(name: str, save: str) -> torch.futures.Future:
                                          "restarted since, or the outcome was asked for already)"))
         return failed
     return got[0]
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    """The sha256 (hex) of the file at ``path``, read through once, a block at a time."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while part := f.read(_READ_BYTES):
-            digest.update(part)
-    return digest.hexdigest()
-
-
-def _verify(directory: str, entry: FileEntry) -> None:
-    """``ValueError`` naming the checkpoint's file ``entry`` unless it has the size and sha256
-    the manifest records (read through once, a block at a time)."""
-    path = os.path.join(directory, entry.rel)
-    try:
-        size = os.path.getsize(path)
-    except OSError as exc:
-        raise ValueError(f"{path}: missing or unreadable ({exc.strerror or exc})") from None
-    if size != entry.size:
-        raise ValueError(f"{path}: {size} bytes, the manifest says {entry.size} (truncated or overwritten)")
-    sha256 = file_sha256(path)
-    if sha256 != entry.sha256:
-        raise ValueError(f"{path}: its sha256 is {sha256}, the manifest says {entry.sha256} (corrupt)")
-
-
-def _load(path: str, at: tuple[int, int] | None = None) -> Any:
-    """What a checked file holds (memory-mapped: only what is used is read), or the tensor
-    saved at ``at`` (``(offset, length)``) in it."""
-    if at is None:
-        return torch.load(path, mmap=True, weights_only=True)
-    with open(path, "rb") as f:
-        f.seek(at[0])
-        return torch.load(io.BytesIO(f.read(at[1])), weights_only=True)
 
 
 def _stage_shards(name: str, key: str, directory: str, reads: ShardReads, clock: int,

@@ -1,0 +1,143 @@
+"""Files a server writes and reads for a shard checkpoint (``remote_module.ps.save_shards`` /
+``load_shards``), shared by the table servers (``tables/server/_shard_files.py``) and the dense
+servers (``dense/_shard_files.py``): one writer (size and sha256 as it writes), one sha256
+reader, one check of a file against its manifest entry, and the store of loads staged on a
+server until every server has checked its files (forgotten if their trainer gave up)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import threading
+import time
+from typing import Any, NamedTuple
+
+import torch
+
+#: bytes read at a time while a file's sha256 is computed
+_READ_BYTES = 1 << 20
+
+
+class FileEntry(NamedTuple):
+    """One file of a checkpoint as its manifest lists it: ``rel`` (under the checkpoint's
+    directory), its size in bytes and its sha256 (hex)."""
+
+    rel: str
+    size: int
+    sha256: str
+
+
+def save_bytes(value: Any) -> memoryview:
+    """``torch.save(value)``'s bytes."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getbuffer()
+
+
+class _Sink:
+    """A file being written that counts its bytes and hashes them as they go (``torch.save``
+    writes into it directly: no copy of a tensor's bytes is made in memory first)."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.digest, self.size = f, hashlib.sha256(), 0
+
+    def write(self, data: Any) -> int:
+        self.f.write(data)
+        self.digest.update(data)
+        size = memoryview(data).nbytes
+        self.size += size
+        return size
+
+    def flush(self) -> None:
+        pass
+
+
+def write_file(directory: str, rel: str, parts: list[Any]) -> tuple[int, str]:
+    """Write ``parts`` one after another to ``directory/rel`` (flushed to disk): its size and
+    sha256. A part is bytes, or anything else, which ``torch.save`` writes."""
+    return write_saved(directory, rel, parts)[0]
+
+
+def write_saved(directory: str, rel: str, parts: list[Any]) -> tuple[tuple[int, str], list[tuple[int, int]]]:
+    """:func:`write_file`, and where each part lies in the file (``(offset, length)``)."""
+    target = os.path.join(directory, rel)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    spans = []
+    with open(target, "wb") as f:
+        sink = _Sink(f)
+        for part in parts:
+            before = sink.size
+            if isinstance(part, (bytes, bytearray, memoryview)):
+                sink.write(part)
+            else:
+                torch.save(part, sink)
+            spans.append((before, sink.size - before))
+        f.flush()
+        os.fsync(f.fileno())
+    return (sink.size, sink.digest.hexdigest()), spans
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The sha256 (hex) of the file at ``path``, read through once, a block at a time."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while part := f.read(_READ_BYTES):
+            digest.update(part)
+    return digest.hexdigest()
+
+
+def verify(directory: str, entry: FileEntry) -> None:
+    """``ValueError`` naming the checkpoint's file ``entry`` unless it has the size and sha256
+    the manifest records (read through once, a block at a time)."""
+    path = os.path.join(directory, entry.rel)
+    try:
+        size = os.path.getsize(path)
+    except OSError as exc:
+        raise ValueError(f"{path}: missing or unreadable ({exc.strerror or exc})") from None
+    if size != entry.size:
+        raise ValueError(f"{path}: {size} bytes, the manifest says {entry.size} (truncated or overwritten)")
+    sha256 = file_sha256(path)
+    if sha256 != entry.sha256:
+        raise ValueError(f"{path}: its sha256 is {sha256}, the manifest says {entry.sha256} (corrupt)")
+
+
+def load_file(path: str, at: tuple[int, int] | None = None) -> Any:
+    """What a checked file holds (memory-mapped: only what is used is read), or the tensor
+    saved at ``at`` (``(offset, length)``) in it."""
+    if at is None:
+        return torch.load(path, mmap=True, weights_only=True)
+    with open(path, "rb") as f:
+        f.seek(at[0])
+        return torch.load(io.BytesIO(f.read(at[1])), weights_only=True)
+
+
+class StagedLoads:
+    """What a server read and checked for loads under way, by ``(object, load)`` (two trainers
+    may load one object at once), until the load is applied or dropped. A load kept longer than
+    ``keep_timeouts`` times its trainer's timeout (the trainer gave up or died) is forgotten at
+    a later :meth:`put` on this server."""
+
+    def __init__(self, keep_timeouts: float = 3) -> None:
+        self.keep_timeouts = keep_timeouts
+        self.lock = threading.Lock()
+        self.staged: dict[tuple[str, str], Any] = {}
+        self.expires: dict[tuple[str, str], float | None] = {}  # time.monotonic(); None: never
+
+    def forget_expired(self) -> None:
+        now = time.monotonic()
+        with self.lock:
+            for load in [load for load, at in self.expires.items() if at is not None and at < now]:
+                self.staged.pop(load, None)
+                del self.expires[load]
+
+    def put(self, load: tuple[str, str], value: Any, timeout: float | None) -> None:
+        with self.lock:
+            self.staged[load] = value
+            self.expires[load] = None if not timeout else time.monotonic() + self.keep_timeouts * timeout
+
+    def pop(self, load: tuple[str, str]) -> Any:
+        """The staged value (None: none, or forgotten), no longer kept."""
+        with self.lock:
+            self.expires.pop(load, None)
+            return self.staged.pop(load, None)
