@@ -5,6 +5,8 @@ same tables through ``state_dict()`` / ``optimizer_state_dict()``."""
 from __future__ import annotations
 
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -340,3 +342,74 @@ def job_resumed(name: str, directory: str) -> dict:
         warnings.simplefilter("always")
         start = ckpt.resume()
     return {"start": start, "warnings": [str(w.message) for w in said], "table": checkpoint(emb)}
+
+
+# ---- saves in the background: the servers' writers held on a gate --------------------------------
+
+_gate = threading.Event()
+
+
+def _held_until_released(seconds: float) -> None:
+    _gate.wait(seconds)
+
+
+def hold_writer(seconds: float) -> None:
+    """(On a server) queue a task on this server's shard writer that waits for
+    :func:`release_writer` (at most ``seconds``): the background writes queued after it wait."""
+    from remote_module.ps.tables.server import _shard_files
+
+    _gate.clear()
+    if _shard_files._writer is None:
+        _shard_files._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="remote_module-shard-writer")
+    _shard_files._writer.submit(_held_until_released, seconds)
+
+
+def release_writer() -> None:
+    _gate.set()
+
+
+def saved_in_the_background(name: str, directory: str, hold_s: float) -> dict:
+    """A table on ps0, ps1 trained 6 steps; a background save begun with both servers' writers
+    held; 6 more steps trained; the writers released and the save waited for; then loaded into
+    a fresh table. The table's checkpoint at the save, at the end of training and as loaded,
+    and whether the save said done while held."""
+    import torch.distributed.rpc as rpc
+
+    from remote_module.ps import load_shards
+    from remote_module.ps.checkpoint._shards import begin_save_shards
+
+    source = bag(name, ["ps0", "ps1"], "lazy-adagrad-admission-eviction")
+    train(source, range(6))
+    at_save = checkpoint(source)
+    for server in ("ps0", "ps1"):
+        rpc.rpc_sync(server, hold_writer, args=(hold_s,))
+    began = begin_save_shards(directory, {"emb": source})
+    train(source, range(6, 12))  # (the servers' tables change while their snapshot waits to be written)
+    trained_on = checkpoint(source)
+    done_while_held = began.done()
+    torn_while_held = os.path.exists(os.path.join(directory, "manifest.json"))
+    for server in ("ps0", "ps1"):
+        rpc.rpc_sync(server, release_writer)
+    manifest = began.wait()
+    loaded = bag(name + "-loaded", ["ps0", "ps1"], "lazy-adagrad-admission-eviction")
+    load_shards(directory, {"emb": loaded})
+    return {"at_save": at_save, "trained_on": trained_on, "loaded": checkpoint(loaded), "manifest": manifest,
+            "done_while_held": done_while_held, "torn_while_held": torn_while_held}
+
+
+def failed_background_write(name: str, directory: str) -> str | None:
+    """A background save in the local layout whose ps1 folder cannot be made (a file is in its
+    place): the error its ``wait()`` raises, or None."""
+    from remote_module.ps.checkpoint._shards import begin_save_shards
+
+    emb = bag(name, ["ps0", "ps1"], "eager-sgd")
+    train(emb, range(2))
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "ps1"), "w") as f:
+        f.write("not a folder")
+    began = begin_save_shards(directory, {"emb": emb}, layout="local")
+    try:
+        began.wait()
+    except Exception as exc:  # noqa: BLE001 - the outcome under test
+        return f"{type(exc).__name__}: {exc}"
+    return None

@@ -293,3 +293,22 @@ def test_the_job_checkpointer_saves_tables_as_shards_and_skips_a_damaged_one_for
     assert got["start"] == 2, got["warnings"]
     assert any(str(newest) in w and "ps/emb.ps1.pt" in w for w in got["warnings"]), got["warnings"]
     same(got["table"], held[2], "resumed from step 2")
+
+
+def test_a_background_save_writes_the_snapshot_while_the_table_trains_on(world, tmp_path):
+    # each server's writer is held on a gate: the save's files are written only after 6 more steps
+    got = on(world, "trainer0", r.saved_in_the_background, job("background"), str(tmp_path), HANG_S)
+    assert not got["done_while_held"] and not got["torn_while_held"]
+    changed = any(not torch.equal(a, b) for a, b in zip(got["trained_on"]["model"].values(),
+                                                         got["at_save"]["model"].values())
+                  if isinstance(a, torch.Tensor))
+    assert changed, "training after the snapshot changed nothing: the test could not tell"
+    for part in ("model", "optim"):  # what the save began with, bit for bit: not what came after
+        same(got["loaded"][part], got["at_save"][part], part)
+    assert json.loads((tmp_path / "manifest.json").read_text()) == got["manifest"]
+
+
+def test_a_background_write_that_fails_is_raised_by_wait_naming_the_files(world, tmp_path):
+    error = on(world, "trainer0", r.failed_background_write, job("failed-write"), str(tmp_path))
+    assert error is not None and "ps1" in error and "emb.ps1" in error, error
+    assert not (tmp_path / "manifest.json").exists()  # torn: never loaded
