@@ -66,6 +66,9 @@ TORCHRUN_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL
 
 _counter = itertools.count()
 
+#: A machine's bind mounts, ``{where: host directory}`` (see :meth:`Machine.argv`).
+Mounts = Mapping[str | Path, str | Path]
+
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=HANG_S)
@@ -155,14 +158,28 @@ class Machine:
     interface: str = "eth0"
     switch_port: str = ""
 
-    def argv(self, argv: Sequence[str]) -> list[str]:
-        """``argv`` run on this machine: in its network namespace (and its hosts file), under its hostname."""
-        return ["ip", "netns", "exec", self.netns, "unshare", "--uts", "--",
-                "sh", "-c", 'hostname "$0" && exec "$@"', self.hostname, *argv]
+    def argv(self, argv: Sequence[str], mounts: Mounts | None = None) -> list[str]:
+        """``argv`` run on this machine: in its network namespace (and its hosts file), under its hostname.
 
-    def run(self, argv: Sequence[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
-        """Run a short command on this machine and wait for it (at most ``timeout`` seconds)."""
-        return subprocess.run(self.argv(argv), capture_output=True, text=True, timeout=timeout, **kwargs)
+        ``mounts`` (``{where: host directory}``) gives the command a mount namespace of its own
+        (private propagation: nothing reaches the host or another machine) in which each host
+        directory is bind-mounted at ``where`` (an existing directory): machines that mount
+        their own directories at one path each see only their own there, as each machine sees
+        only its own local disk."""
+        if not mounts:
+            return ["ip", "netns", "exec", self.netns, "unshare", "--uts", "--",
+                    "sh", "-c", 'hostname "$0" && exec "$@"', self.hostname, *argv]
+        pairs = [os.fspath(path) for where, source in mounts.items() for path in (source, where)]
+        script = ('hostname "$0" || exit 1; while [ "$1" != -- ]; do mount --bind "$1" "$2" || exit 1; shift 2; done; '
+                  'shift; exec "$@"')
+        return ["ip", "netns", "exec", self.netns, "unshare", "--uts", "--mount", "--propagation", "private", "--",
+                "sh", "-c", script, self.hostname, *pairs, "--", *argv]
+
+    def run(self, argv: Sequence[str], timeout: float, mounts: Mounts | None = None,
+            **kwargs) -> subprocess.CompletedProcess:
+        """Run a short command on this machine (with ``mounts``, as :meth:`argv`) and wait for it
+        (at most ``timeout`` seconds)."""
+        return subprocess.run(self.argv(argv, mounts), capture_output=True, text=True, timeout=timeout, **kwargs)
 
     def link_counters(self) -> LinkCounters:
         """The kernel's counters of this machine's ``interface`` now (what ``ip -s link``
@@ -279,15 +296,18 @@ class Cluster:
     jobs: list[Job] = field(default_factory=list)
 
     def run(self, commands: Mapping[Machine, Sequence[str]], env: Mapping[str, str] | None = None,
-            cwd: Path = ROOT) -> Job:
-        """Start ``commands`` (one argv per machine) at once; returns the running :class:`Job`."""
+            cwd: Path = ROOT, mounts: Mapping[Machine, Mounts] | None = None) -> Job:
+        """Start ``commands`` (one argv per machine) at once; returns the running :class:`Job`.
+        ``mounts``: a machine's bind mounts (see :meth:`Machine.argv`), e.g. each machine's own
+        directory at one path (``{m: {"/ckpt": tmp / m.hostname} for m in machines}``)."""
         processes = []
         number = len(self.jobs)
         for machine, argv in commands.items():
             out = self.logs / f"job{number}-{machine.hostname}.out"
             err = self.logs / f"job{number}-{machine.hostname}.err"
             with open(out, "w") as out_file, open(err, "w") as err_file:
-                popen = subprocess.Popen(machine.argv(argv), cwd=cwd, env=dict(env if env is not None else os.environ),
+                popen = subprocess.Popen(machine.argv(argv, (mounts or {}).get(machine)), cwd=cwd,
+                                         env=dict(env if env is not None else os.environ),
                                          stdin=subprocess.DEVNULL, stdout=out_file, stderr=err_file,
                                          start_new_session=True)
             processes.append(Process(machine, popen, out, err))

@@ -1,0 +1,96 @@
+"""A torchrun job for tests/ps/test_checkpointer_machines.py (every rank runs it; not a test
+module): tests/ps/_checkpoint_job.py's job (ps0 serves one table, trainer0 and trainer1 each
+train a small local model on it with a :class:`remote_module.ps.Checkpointer`, batches chosen by
+the step index, sync mode), where the test, not the job, breaks the world: it kills every process
+of a machine.
+
+``--pause-at K``: in a run that starts from scratch (no checkpoint yet), each trainer prints
+``<name> paused before step K`` and waits there, so that the test kills a machine at a step it
+knows at any speed. The machine's loss ends the waiting ranks (``rpc_backend``'s heartbeats), and
+a run that resumed from a checkpoint does not pause. Each trainer prints ``<name> resumed from
+step <k> (attempt <n>)`` and, at the end, writes its local model and (trainer0) the table's state
+to ``OUT/<name>.pt``, as tests/ps/_checkpoint_job.py does.
+
+    torchrun --nnodes=2 --nproc-per-node=N --max-restarts=1 --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT \\
+        --rdzv-id=ID -m tests.ps._checkpoint_machines_job --dir DIR --out OUT [--pause-at 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import threading
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from remote_module.ps import Checkpointer
+from rpc_backend import init_from_env
+from tests._deadlines import HANG_S
+from tests.ps._checkpoint_job import ROWS, _table, say
+
+
+def train(me, args: argparse.Namespace) -> None:
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    torch.manual_seed(0)
+    table = _table(me, args, "ckpt.table")
+    head = nn.Linear(table.embedding_dim, 1)
+    opt = torch.optim.SGD(head.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    table_sched = torch.optim.lr_scheduler.StepLR(table.ps_optimizer, step_size=3, gamma=0.5)
+    ckpt = Checkpointer(args.dir, every_steps=args.every, keep=args.keep, ps={"table": table},
+                        local={"head": head, "opt": opt, "sched": sched, "table_sched": table_sched})
+    torch.manual_seed(1000 + attempt)  # a restarted process's RNGs differ: the resume restores them
+    random.seed(1000 + attempt)
+    start = ckpt.resume()
+    say(f"{me.name} resumed from step {start} (attempt {attempt}) on {os.uname().nodename}")
+    for k in range(start, args.steps):
+        if start == 0 and k == args.pause_at:
+            say(f"{me.name} paused before step {k}")
+            # held until a machine's loss ends this rank (WorkerLost, raised here); HANG_S: a guard
+            threading.Event().wait(HANG_S)
+            raise SystemExit(f"{me.name}: no machine was lost within {HANG_S} s of the pause")
+        g = torch.Generator().manual_seed(100 * me.role_rank + k)
+        ids = torch.randint(0, ROWS, (6,), generator=g)
+        target = torch.randn(3, generator=g) + 0.1 * torch.randn(3) + random.random()
+        loss = (head(table(ids, torch.arange(3) * 2)).squeeze(1) - target).pow(2).mean()
+        opt.zero_grad()
+        table.zero_grad()
+        loss.backward()
+        opt.step()
+        table.step()
+        sched.step()
+        table_sched.step()
+        ckpt.step()
+        say(f"{me.name} step {k + 1}")
+    ckpt.close()
+    table.flush()
+    mine = {"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+            "table_lr": table.ps_optimizer.param_groups[0]["lr"]}
+    if me.role_rank == 0:
+        mine["table"] = table.state_dict()
+        mine["table_optim"] = table.optimizer_state_dict()
+    torch.save(mine, Path(args.out) / f"{me.name}.pt")
+    say(f"{me.name} done")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dir", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--mode", default="sync")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--every", type=int, default=2)
+    parser.add_argument("--keep", type=int, default=3)
+    parser.add_argument("--pause-at", type=int, default=-1)
+    args = parser.parse_args()
+    with init_from_env(roles={"ps": 1, "trainer": 2}) as me:
+        say(f"{me.name} joined on {os.uname().nodename}")
+        if me.role == "trainer":
+            train(me, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Shard checkpoints across simulated machines (tests/_machines.py), each machine with a disk of
+its own (issue 44, item 2): machine0 runs ps0, machine1 ps1, machine2 trainer0, and each
+machine's own host directory is mounted at one path (DISK), as each machine's local disk would
+be. The job is tests/ps/_shard_machines_job.py under a static three-machine torchrun.
+
+In the local layout every server machine's disk holds only its own server's files and the
+trainer's only the manifest and the trainer's files; a load into fresh tables on the same
+servers gives back what was saved, bit for bit. Each machine sees only its own disk, so the load
+succeeding shows that no server read another machine's files. The shared layout, whose path
+must be one directory every machine reaches, is refused there with an error naming a file its
+servers cannot see, and nothing is loaded. Needs root, ``ip``, ``unshare`` and ``mount``; skips
+with the reason elsewhere (CI runs as root).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import _machines
+from tests._deadlines import HANG_S, SETUP_S
+from tests.ps.test_table_checkpoints import same
+from tests.test_torchrun import _argv
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(SETUP_S + HANG_S)]
+
+PORT = "29400"  # each machine is a fresh network namespace: every port is free
+SERVERS = {"machine0": "ps0", "machine1": "ps1"}
+TRAINER = "machine2"
+
+
+@pytest.fixture(scope="module")
+def three_disks(tmp_path_factory):
+    """The job run once on three machines with a disk each: ``(disk directories by hostname,
+    the job's out directory, its report)``."""
+    reason = _machines.missing_requirements() or (None if shutil.which("mount") else "no `mount` on PATH")
+    if reason:
+        pytest.skip(reason)
+    tmp = tmp_path_factory.mktemp("disks")
+    disk, out = tmp / "disk", tmp / "out"  # DISK: each machine's own directory is mounted here
+    disk.mkdir()
+    out.mkdir()
+    with _machines.machines(3) as cluster:
+        own = {m: tmp / m.hostname for m in cluster.machines}
+        for path in own.values():
+            path.mkdir()
+        commands = {m: _argv(f"torchrun --nnodes=3 --nproc-per-node=1 --node-rank={m.index} --master-addr=machine0 "
+                             f"--master-port={PORT} -m tests.ps._shard_machines_job --disk {disk} --out {out}")
+                    for m in cluster.machines}
+        job = cluster.run(commands, env=_machines.clean_env(), mounts={m: {disk: own[m]} for m in cluster.machines})
+        job.wait(SETUP_S + HANG_S)
+        report = job.report()
+        assert job.returncodes() == [0, 0, 0], report
+    assert not list(disk.iterdir()), "a machine wrote to the host's DISK, not its own"
+    return {m.hostname: path for m, path in own.items()}, out, report
+
+
+def _files(root: Path) -> set[str]:
+    """The files under ``root``, relative to it."""
+    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+
+
+def test_each_machine_holds_only_its_own_files_and_the_load_restores_bit_for_bit(three_disks):
+    disks, out, report = three_disks
+    got = torch.load(out / "local.pt", weights_only=False)
+    listed = got["manifest"]["files"]
+    # every server machine's disk holds its own server's folder, every file of it in the manifest
+    for hostname, server in SERVERS.items():
+        mine = _files(disks[hostname] / "local")
+        assert mine and all(f.startswith(f"{server}/") for f in mine), (hostname, mine)
+        assert mine == {rel for rel, e in listed.items() if e["server"] == server}, (hostname, mine)
+    # the trainer's disk: the manifest and the trainer's files (its state of each table, the
+    # eager weights' metadata for dcp.load), nothing of a server
+    trainers = _files(disks[TRAINER] / "local")
+    assert trainers == {"manifest.json"} | {rel for rel, e in listed.items() if e["server"] is None}, trainers
+    assert {"eager.trainer.pt", "lazy.trainer.pt"} <= trainers, trainers
+    # fresh tables on the same servers, loaded: bit for bit what was saved
+    same(got["after"], got["before"], "local layout, loaded into fresh tables on the same servers")
+
+
+def test_a_shared_checkpoint_on_machines_own_disks_is_refused_where_servers_need_others_files(three_disks):
+    disks, out, report = three_disks
+    got = torch.load(out / "shared.pt", weights_only=False)
+    # onto the servers swapped, each server needs the other's files; with admission sketches,
+    # each server reads every server's sketch: refused naming files it cannot see, nothing loaded
+    for what, missing in (("swapped", ["eager.ps0.pt", "eager.ps1.pt", "lazy.ps0.pt", "lazy.ps1.pt"]),
+                          ("sketched", ["lazy.ps0.sketch.pt", "lazy.ps1.sketch.pt"])):
+        error = got[what]
+        assert error is not None and error.startswith("CheckpointError: "), (what, error, report)
+        for name in missing:
+            assert f"/{name}: missing or unreadable" in error, (what, name, error)
+        same(got[f"{what}-after"], got[f"{what}-before"], f"{what}: nothing loaded")
+    # onto the same servers, never wrong data: refused with nothing loaded, or what was saved
+    if got["same"] is None:
+        same(got["same-after"], got["saved"], "same servers: loaded what was saved")
+    else:
+        same(got["same-after"], got["same-before"], "same servers: nothing loaded")
+    # each server's files went to its own disk, the manifest to the trainer's
+    assert _files(disks["machine0"] / "shared") == {"eager.ps0.pt", "eager.ps0.distcp", "lazy.ps0.pt"}
+    assert "manifest.json" in _files(disks[TRAINER] / "shared")
+
+
+def test_a_shared_layout_save_the_servers_wrote_where_the_trainer_cannot_see_is_refused(three_disks):
+    # FAILS (a bug of save_shards): the shared layout promises one directory every server and the
+    # trainer reach at that path, but the save does not check it. Here each server wrote its
+    # files on its own disk, the trainer wrote a manifest listing them on its own, where none of
+    # them is: the save returns as if complete. What it saved then loads onto the same servers
+    # (each reads its own files), but not onto others, nor with sketches, nor through dcp.load
+    # on the trainer's machine. The trainer sees each server's file listed (size and all) before
+    # it writes the manifest, so it could refuse here, naming a file it cannot see.
+    disks, out, report = three_disks
+    got = torch.load(out / "shared.pt", weights_only=False)
+    assert got["save"] is not None and got["save"].startswith("CheckpointError: "), (
+        f"save_shards(layout='shared') returned where the trainer sees none of the servers' files; a load onto the "
+        f"same servers then gave: {got['same']!r}")
