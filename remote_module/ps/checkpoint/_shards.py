@@ -166,11 +166,35 @@ class ShardSave:
                     (part["weights"], *chunk) for part in entry["servers"].values() for chunk in part["chunks"]])
         manifest["models"] = self._models[0]
         manifest["files"].update(self._models[1])
+        if self.layout == "shared":
+            _check_visible(self.directory, manifest["files"])
         if weights:
             size, sha = _shard_files._write_file(self.directory, DCP_METADATA, [memoryview(dcp_metadata(weights))])
             manifest["files"][DCP_METADATA] = {"bytes": size, "sha256": sha, "server": None}
         self._manifest = write_manifest(self.directory, manifest)
         return self._manifest
+
+
+def _check_visible(directory: str, files: dict) -> None:
+    """``CheckpointError`` (the checkpoint stays torn) naming a server's file that the trainer
+    does not see in ``directory`` at the size the server wrote: the shared layout needs one
+    directory that every server and the trainer reach at that path (not each machine's own
+    disk: use ``layout="local"`` there)."""
+    for rel, entry in files.items():
+        if entry["server"] is None:
+            continue
+        path = os.path.join(directory, rel)
+        try:
+            size = os.path.getsize(path)
+        except OSError:
+            size = None
+        if size != entry["bytes"]:
+            seen = "is not there" if size is None else f"has {size} bytes, not {entry['bytes']}"
+            raise CheckpointError(
+                f"{path}: {entry['server']} wrote it, but this trainer's view of {directory} {seen}; "
+                "layout='shared' needs one directory every server and the trainer reach at the same path (a "
+                "shared filesystem); with each machine's own disk, save with layout='local'. No manifest was "
+                "written: this checkpoint is torn and never loaded")
 
 
 def begin_save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, layout: str = "shared",
