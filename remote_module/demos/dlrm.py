@@ -38,12 +38,13 @@ created as they are admitted), trainer0 samples ``table_stats()`` a few dozen ti
 and the summary and PNG show the rows each server holds over time.
 
 Checkpoints: ``--checkpoint DIR --every N`` saves the job every N steps into DIR (the tables,
-each server writing its own shards into ``DIR/step-XXXXXXXX/ps/``; each trainer's dense model,
-optimizer, batch generator and RNG states; the newest 2 kept, ``remote_module.ps.Checkpointer``),
-and a run started again with the same DIR (after a kill, a torchrun restart, or a run that
-ended) resumes from the newest complete checkpoint, saying ``resumed from step k``, and trains up
-to ``--steps`` (the summary covers the steps it trained, and ends with the saves: how many, their
-size and trainer0's seconds per save).
+each server writing its own shards into ``DIR/step-XXXXXXXX/ps/`` in the background while
+training goes on; each trainer's dense model, optimizer, batch generator and RNG states; the
+newest 2 kept, ``remote_module.ps.Checkpointer``), and a run started again with the same DIR
+(after a kill, a torchrun restart, or a run that ended) resumes from the newest complete
+checkpoint, saying ``resumed from step k``, and trains up to ``--steps`` (the summary covers the
+steps it trained, and ends with the saves: how many, their size, the seconds trainer0's training
+waited per save and the seconds the servers took to write the newest one).
 
 The network: the summary ends with the bytes per training step between trainers and servers,
 each way, measured on what each trainer's calls sent and were answered (``rpc_backend.Traffic``:
