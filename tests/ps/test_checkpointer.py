@@ -32,17 +32,19 @@ def _objects(seed: int = 0) -> dict:
             "gen": torch.Generator().manual_seed(7)}
 
 
-def _run(path: Path, stop: int | None = None, keep: int = 3) -> tuple[int, dict]:
+def _run(path: Path, stop: int | None = None, keep: int = 3, drain: bool = True) -> tuple[int, dict]:
     """A job of STEPS steps checkpointing every EVERY into ``path``; ``stop``: it ends before
-    that step without closing (killed). Returns the step it resumed from and its objects."""
+    that step without closing (killed; ``drain``: once the checkpointer's own thread finished
+    what it began). Returns the step it resumed from and its objects."""
     objs = _objects()
     torch.manual_seed(1234)  # a new process's RNGs: the resume must restore the saved ones
     random.seed(1234)
     ckpt = Checkpointer(path, every_steps=EVERY, keep=keep, local=objs)
     start = ckpt.resume()
     for k in range(start, STEPS):
-        if k == stop:  # (killed here, after the checkpointer's own thread finished what it was doing)
-            ckpt._drain()
+        if k == stop:  # killed here (no close()), once the checkpointer's own thread finished what it began:
+            if drain:  # (the tests below look at the directory; a resume here waits for it anyway)
+                ckpt._drain_quietly()
             return start, objs
         # the batch draws from the objects' generator, torch's global RNG and Python's random
         x = torch.randn(4, 3, generator=objs["gen"]) + 0.1 * torch.randn(4, 3) + random.random()
@@ -176,3 +178,16 @@ def test_save_twice_at_one_step_saves_once(tmp_path):
     assert ckpt.save() == tmp_path / ".step-00000001.tmp"  # (already saved by step())
     ckpt.close()
     assert _steps(tmp_path) == [1] and [p.name for p in tmp_path.iterdir()] == ["step-00000001"]
+
+
+def test_a_resume_in_the_process_of_a_stopped_job_waits_for_its_background_completion(tmp_path):
+    # the stopped job's thread may still be completing step 4's checkpoint (manifest, rename)
+    # when the next job of the same path resumes in this process: the resume waits for it, so
+    # it neither removes a staging directory being completed nor misses the checkpoint
+    _, whole = _run(tmp_path / "whole")
+    for attempt in range(5):
+        cut = tmp_path / f"cut{attempt}"
+        _run(cut, stop=5, drain=False)
+        start, resumed = _run(cut)
+        assert start == 4, attempt
+        _same(resumed, whole)

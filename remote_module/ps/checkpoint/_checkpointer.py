@@ -57,6 +57,7 @@ import shutil
 import threading
 import time
 import warnings
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple, Sequence
@@ -130,6 +131,9 @@ def _wait_resumed(key: str, timeout: float) -> _Resumed:
 
 
 # ---- the checkpointer -------------------------------------------------------------------------------
+
+#: this process's checkpointers (a resume waits for the background work of another of its path)
+_checkpointers: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 
 
 class _Pending(NamedTuple):
@@ -229,6 +233,7 @@ class Checkpointer:
         # checkpoints are completed (manifests, fsyncs, renames, old ones removed) on a thread of their own
         self._completer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="remote_module-checkpointer")
         self._completing: list[Future] = []
+        _checkpointers.add(self)
         self._figures = {"saves": 0, "save_s": 0.0, "completed": 0, "bytes": None, "write_s": None}
 
     @property
@@ -273,6 +278,11 @@ class Checkpointer:
         """The first trainer's resume: stale staging directories removed, the newest loadable
         checkpoint found and loaded."""
         self.path.mkdir(parents=True, exist_ok=True)
+        # a checkpointer of this path left behind in this process (stopped without close(), as a
+        # killed job is) finishes the completions it began first: they would race with what follows
+        for other in list(_checkpointers):
+            if other is not self and other.path.resolve() == self.path.resolve():
+                other._drain_quietly()
         for p in self.path.iterdir():
             if p.is_dir() and _STAGING.match(p.name):
                 shutil.rmtree(p, ignore_errors=True)  # torn by a kill: never completed
@@ -383,6 +393,15 @@ class Checkpointer:
         while self._completing:
             self._completing[0].result()
             self._check_completed()
+
+    def _drain_quietly(self) -> None:
+        """Wait for the completions handed to the background (each bounded), whatever their
+        outcome: another checkpointer of this path is resuming in this process."""
+        for done in list(self._completing):
+            try:
+                done.result()
+            except BaseException:  # noqa: BLE001 - its own step() or close() would have raised it
+                pass
 
     def _check_completed(self) -> None:
         """Raise the failure of a completion done in the background (the first; each failed
