@@ -31,7 +31,7 @@ import torch.distributed.rpc as rpc
 from torch import nn
 
 from remote_module.ps import Checkpointer, ShardedEmbeddingBag
-from remote_module.ps.checkpoint._job_files import STEP_DIR
+from remote_module.ps.checkpoint._job_files import STEP_DIR, complete_checkpoints
 from remote_module.ps.checkpoint._job_state import _read_ps
 from rpc_backend import init_from_env
 from tests._deadlines import HANG_S
@@ -42,6 +42,16 @@ ROWS, DIM = 12, 3
 def say(line: str) -> None:
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
+
+
+def wait_for_a_checkpoint(path: Path) -> None:
+    """Until a checkpoint under ``path`` is complete (saves complete in the background: a kill
+    before one has would restart from scratch, and the test would prove nothing)."""
+    deadline = time.monotonic() + HANG_S
+    while not complete_checkpoints(path):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no checkpoint under {path} completed within {HANG_S} s")
+        time.sleep(0.05)
 
 
 def _wait_for(path: Path) -> None:
@@ -90,6 +100,8 @@ def train(me, args: argparse.Namespace) -> None:
             _wait_for(out / f"resumed-{attempt}.pt")
     for k in range(start, args.steps):
         if attempt == 0 and k == args.at:
+            if args.kill == me.name or (args.kill == "ps0" and me.name == "trainer0"):
+                wait_for_a_checkpoint(Path(args.dir))
             if args.kill == me.name:
                 say(f"{me.name} kills itself before step {k}")
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -29,7 +29,7 @@ from torch import nn
 from remote_module.ps import Checkpointer
 from rpc_backend import init_from_env
 from tests._deadlines import HANG_S
-from tests.ps._checkpoint_job import ROWS, _table, say
+from tests.ps._checkpoint_job import ROWS, _table, say, wait_for_a_checkpoint
 
 
 def train(me, args: argparse.Namespace) -> None:
@@ -48,6 +48,7 @@ def train(me, args: argparse.Namespace) -> None:
     say(f"{me.name} resumed from step {start} (attempt {attempt}) on {os.uname().nodename}")
     for k in range(start, args.steps):
         if start == 0 and k == args.pause_at:
+            wait_for_a_checkpoint(Path(args.dir))  # (saves complete in the background)
             say(f"{me.name} paused before step {k}")
             # held until a machine's loss ends this rank (WorkerLost, raised here); HANG_S: a guard
             threading.Event().wait(HANG_S)

@@ -223,11 +223,14 @@ def begin_save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, la
     for _, table in tables:
         table._settle()
     save = uuid.uuid4().hex
-    begin = [(server, _shard_files._begin_shards, (table.name, save, directory if layout == "shared" else
-                                                   os.path.join(directory, server), f"{key}.{server}",
-                                                   table.evict_after_steps is not None))
-             for key, table in tables for server in table._by_server]
-    call_all(begin, timeout=_timeout(tables))
+    each: dict[str, list[tuple[str, str, str, bool]]] = {}  # (one call per server: its snapshots one by one)
+    for key, table in tables:
+        for server in table._by_server:
+            each.setdefault(server, []).append((table.name, directory if layout == "shared" else
+                                                os.path.join(directory, server), f"{key}.{server}",
+                                                table.evict_after_steps is not None))
+    call_all([(server, _shard_files._begin_shards, (save, mine)) for server, mine in each.items()],
+             timeout=_timeout(tables))
     # PSModels: their servers write now, at the same point (the trainer waits for them)
     model_files: dict[str, Any] = {}
     model_entries = _save_models(directory, layout, models, model_files)
@@ -236,7 +239,8 @@ def begin_save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, la
     owns = [_serialized({"ps_optimizer": table.ps_optimizer.state_dict(),
                          "geo": table.optimizer_state_dict() if table.ps_mode == "geo" else None})
             for _, table in tables]
-    written = call_all_async([(server, _shard_files._shards_written, (name, save)) for server, _, (name, *_) in begin],
+    written = call_all_async([(server, _shard_files._shards_written, (table.name, save))
+                              for _, table in tables for server in table._by_server],
                              timeout=_timeout(tables) if timeout is None else timeout)
     return ShardSave(directory, layout, tables, described, owns, written, (model_entries, model_files))
 

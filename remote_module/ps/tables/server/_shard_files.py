@@ -166,24 +166,28 @@ _writer: ThreadPoolExecutor | None = None
 KEEP_WRITTEN_S = 3600.0
 
 
-def _begin_shards(name: str, save: str, directory: str, stem: str, evicting: bool) -> None:
-    """Snapshot this server's blocks of table ``name`` now (what :func:`_write_shards` would
-    write) and write them in the background, one save after another; :func:`_shards_written`
-    answers with the outcome. Returns once the snapshot is taken: the table may change from
-    then on without changing what is written."""
+def _begin_shards(save: str, tables: list[tuple[str, str, str, bool]]) -> None:
+    """Snapshot this server's blocks of each table now (``(name, directory, stem, evicting)``:
+    what :func:`_write_shards` would write), one after another, then write them in the
+    background, one save after another; :func:`_shards_written` answers with each outcome.
+    Returns once every snapshot is taken: the tables may change from then on without changing
+    what is written."""
     global _writer
-    snap = _snapshot(name, evicting)
-    outcome: torch.futures.Future = torch.futures.Future()
+    with _writes_lock:
+        again = [name for name, *_ in tables if (save, name) in _writes]
+    if again:
+        raise ValueError(f"table {again[0]!r}: save {save!r} was begun here already")
+    snaps = [(_snapshot(name, evicting), directory, stem) for name, directory, stem, evicting in tables]
     with _writes_lock:
         now = time.monotonic()
         for key in [k for k, (f, at) in _writes.items() if f.done() and at + KEEP_WRITTEN_S < now]:
             del _writes[key]
-        if (save, name) in _writes:
-            raise ValueError(f"table {name!r}: save {save!r} was begun here already")
-        _writes[(save, name)] = (outcome, float("inf"))
         if _writer is None:
             _writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="remote_module-shard-writer")
-        _writer.submit(_write_in_background, snap, save, directory, stem, outcome)
+        for snap, directory, stem in snaps:
+            outcome: torch.futures.Future = torch.futures.Future()
+            _writes[(save, snap.name)] = (outcome, float("inf"))
+            _writer.submit(_write_in_background, snap, save, directory, stem, outcome)
 
 
 def _write_in_background(snap: Snapshot, save: str, directory: str, stem: str,
