@@ -1,8 +1,9 @@
 """Files a server writes and reads for a shard checkpoint (``remote_module.ps.save_shards`` /
 ``load_shards``), shared by the table servers (``tables/server/_shard_files.py``) and the dense
 servers (``dense/_shard_files.py``): one writer (size and sha256 as it writes), one sha256
-reader, one check of a file against its manifest entry, and the store of loads staged on a
-server until every server has checked its files (forgotten if their trainer gave up)."""
+reader, one check of a file against its manifest entry, the store of loads staged on a
+server until every server has checked its files (forgotten if their trainer gave up), and the
+writes a server does in the background (one writer thread per process)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import io
 import os
 import threading
 import time
-from typing import Any, NamedTuple
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -141,3 +143,67 @@ class StagedLoads:
         with self.lock:
             self.expires.pop(load, None)
             return self.staged.pop(load, None)
+
+
+class BackgroundWrites:
+    """The files a server writes after it answered (a save's snapshot, written while training
+    goes on): on one writer thread per process, in the order begun, each write's outcome kept by
+    its key until asked for (:meth:`outcome`). An outcome nobody asks for (its trainer died) is
+    forgotten ``keep_s`` seconds after it was written, at a later :meth:`begin`."""
+
+    def __init__(self, keep_s: float = 3600.0) -> None:
+        self.keep_s = keep_s
+        self._lock = threading.Lock()
+        self._outcomes: dict[tuple, tuple[torch.futures.Future, float]] = {}  # (outcome, when done; inf: not yet)
+        self._writer: ThreadPoolExecutor | None = None
+
+    def begun(self, key: tuple) -> bool:
+        with self._lock:
+            return key in self._outcomes
+
+    def begin(self, key: tuple, write: Callable[[], Any], what: str) -> None:
+        """Run ``write()`` on the writer thread; its result (or its failure, as an ``OSError``
+        saying ``what`` failed) is the outcome of ``key``."""
+        outcome: torch.futures.Future = torch.futures.Future()
+        with self._lock:
+            if key in self._outcomes:
+                raise ValueError(f"{what}: begun here already")
+            now = time.monotonic()
+            for old in [k for k, (f, at) in self._outcomes.items() if f.done() and at + self.keep_s < now]:
+                del self._outcomes[old]
+            self._outcomes[key] = (outcome, float("inf"))
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="remote_module-shard-writer")
+            self._writer.submit(self._run, key, write, what, outcome)
+
+    def _run(self, key: tuple, write: Callable[[], Any], what: str, outcome: torch.futures.Future) -> None:
+        try:
+            result = write()
+        except Exception as exc:  # (a full disk, a directory gone: the trainer's save fails, naming it)
+            self._done(key, outcome)
+            outcome.set_exception(OSError(f"{what} failed: {type(exc).__name__}: {exc}"))
+            return
+        self._done(key, outcome)
+        outcome.set_result(result)
+
+    def _done(self, key: tuple, outcome: torch.futures.Future) -> None:
+        with self._lock:
+            if key in self._outcomes:
+                self._outcomes[key] = (outcome, time.monotonic())
+
+    def outcome(self, key: tuple, what: str) -> torch.futures.Future:
+        """The outcome of ``key`` (a Future: set once written), no longer kept here; a failed
+        Future (``LookupError``) if none was begun (the server restarted since, or it was asked
+        for already)."""
+        with self._lock:
+            got = self._outcomes.pop(key, None)
+        if got is not None:
+            return got[0]
+        failed: torch.futures.Future = torch.futures.Future()
+        failed.set_exception(LookupError(f"{what}: no such save was begun on this server (it restarted since, or "
+                                         "the outcome was asked for already)"))
+        return failed
+
+
+#: this process's background writes (table servers' and dense servers')
+writes = BackgroundWrites()

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import time
+from functools import partial
 from typing import Any
 
 import torch
@@ -354,14 +355,14 @@ def _held_until_released(seconds: float) -> None:
 
 
 def hold_writer(seconds: float) -> None:
-    """(On a server) queue a task on this server's shard writer that waits for
+    """(On a server) queue a task on this server's background writer that waits for
     :func:`release_writer` (at most ``seconds``): the background writes queued after it wait."""
-    from remote_module.ps.tables.server import _shard_files
+    from remote_module.ps._shard_io import writes
 
     _gate.clear()
-    if _shard_files._writer is None:
-        _shard_files._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="remote_module-shard-writer")
-    _shard_files._writer.submit(_held_until_released, seconds)
+    key = ("test-hold", time.monotonic())
+    writes.begin(key, partial(_held_until_released, seconds), "a test's hold")
+    writes.outcome(key, "a test's hold")  # (not kept: nobody asks for it)
 
 
 def release_writer() -> None:

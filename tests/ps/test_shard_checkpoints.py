@@ -312,3 +312,13 @@ def test_a_background_write_that_fails_is_raised_by_wait_naming_the_files(world,
     error = on(world, "trainer0", r.failed_background_write, job("failed-write"), str(tmp_path))
     assert error is not None and "ps1" in error and "emb.ps1" in error, error
     assert not (tmp_path / "manifest.json").exists()  # torn: never loaded
+
+
+def test_a_manifest_is_written_with_the_permissions_of_the_other_files(tmp_path):
+    # (another user who reads the shard files reads the manifest too: not mkstemp's 0600)
+    from remote_module.ps.checkpoint._manifest import write_atomically
+
+    write_atomically(str(tmp_path / "manifest.json"), b"{}")
+    (tmp_path / "other.pt").write_bytes(b"")
+    assert (tmp_path / "manifest.json").stat().st_mode == (tmp_path / "other.pt").stat().st_mode
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "other.pt"]  # (no temporary left)

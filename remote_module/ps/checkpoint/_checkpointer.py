@@ -157,11 +157,12 @@ class Checkpointer:
     the resume of a restarted job from the newest complete one.
 
     Every trainer builds one with the same arguments (its own objects) and calls
-    :meth:`resume` once before training, :meth:`step` after each training step and
+    :meth:`resume` once before training, :meth:`step` last in each training step (what a step
+    does after it, e.g. an LR scheduler's step, is not in that step's checkpoint) and
     :meth:`close` at the end. ``ps`` names the parameter servers' objects (tables, collections,
-    ``PSModel``\\ s: saved and loaded once, for the first trainer; a table's or collection's
-    servers write and read their own blocks' files, a ``PSModel``'s state goes through that
-    trainer; every trainer restores its ``ps_optimizer`` settings); ``local`` names this
+    ``PSModel``\\ s: saved and loaded once, for the first trainer; their servers write, in the
+    background, and read their own blocks' files; every trainer restores its ``ps_optimizer``
+    settings); ``local`` names this
     trainer's own objects, each with ``state_dict()`` / ``load_state_dict()`` (a model, an
     optimizer, an LR scheduler, a data loader such as torchdata's ``StatefulDataLoader``) or a
     ``torch.Generator``. The RNG states (torch, CUDA, numpy, ``random``) and the step index are

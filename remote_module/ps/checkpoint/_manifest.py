@@ -15,7 +15,7 @@ import hashlib
 import json
 import os
 import pickle
-import tempfile
+import uuid
 from typing import Any
 
 import torch
@@ -49,7 +49,10 @@ def write_atomically(path: str, data: bytes) -> None:
     """``data`` at ``path``, all or nothing: written to a temporary file beside it, flushed to
     disk, renamed over ``path`` (``os.replace``), and the rename flushed (the directory)."""
     directory = os.path.dirname(os.path.abspath(path))
-    fd, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=directory)
+    # (a unique name created as open() creates files, with the umask's permissions: mkstemp's
+    # 0600 would keep another user who reads the shard files from reading the manifest)
+    temporary = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

@@ -6,16 +6,18 @@ manifest and its own small files, and reads only them.
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import os
 import pickle
 import time
 import uuid
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.futures import collect_all
 
 from remote_module._core import call_all, call_all_async, nested_seconds, wait_plain
 from remote_module.ps._shard_io import save_bytes, write_file
@@ -129,7 +131,7 @@ class ShardSave:
     checkpoint is complete from then on). Until then the directory is torn: no load reads it."""
 
     def __init__(self, directory: str, layout: str, tables: list, described: dict, owns: list[bytes],
-                 written: Any, models: tuple[dict, dict]) -> None:
+                 written: Any, models: _ModelsBegun | None) -> None:
         self.directory, self.layout, self._tables, self._described = directory, layout, tables, described
         self._owns, self._written, self._models = owns, written, models
         self._manifest: dict | None = None
@@ -140,11 +142,12 @@ class ShardSave:
         def finished(_: Any) -> None:
             self.write_s = time.perf_counter() - began
 
-        written.add_done_callback(finished)
+        self._all = written if models is None else collect_all([written, models.written])
+        self._all.add_done_callback(finished)
 
     def done(self) -> bool:
         """Whether every server has written its files (or one failed: :meth:`wait` raises it)."""
-        return self._manifest is not None or self._written.done()
+        return self._manifest is not None or self._all.done()
 
     def wait(self) -> dict:
         """Wait for every server's files (at most the timeout :func:`begin_save_shards` was
@@ -164,8 +167,8 @@ class ShardSave:
             if entry["dcp_key"] is not None:
                 weights[entry["dcp_key"]] = ((table.num_embeddings, table.embedding_dim), [
                     (part["weights"], *chunk) for part in entry["servers"].values() for chunk in part["chunks"]])
-        manifest["models"] = self._models[0]
-        manifest["files"].update(self._models[1])
+        manifest["models"] = ({} if self._models is None else
+                              _models_manifest(self.directory, self.layout, self._models, manifest["files"]))
         if self.layout == "shared":
             _check_visible(self.directory, manifest["files"])
         if weights:
@@ -231,9 +234,8 @@ def begin_save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, la
                                                 table.evict_after_steps is not None))
     call_all([(server, _shard_files._begin_shards, (save, mine)) for server, mine in each.items()],
              timeout=_timeout(tables))
-    # PSModels: their servers write now, at the same point (the trainer waits for them)
-    model_files: dict[str, Any] = {}
-    model_entries = _save_models(directory, layout, models, model_files)
+    # PSModels: their servers copy their blocks at the same point, then write them in the background
+    models_begun = _begin_models(directory, layout, models, save, timeout) if models else None
     # the trainer's own state of each table (geo: its local optimizer's) as of the snapshot,
     # serialized now (a copy), written at wait()
     owns = [_serialized({"ps_optimizer": table.ps_optimizer.state_dict(),
@@ -242,7 +244,7 @@ def begin_save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, la
     written = call_all_async([(server, _shard_files._shards_written, (table.name, save))
                               for _, table in tables for server in table._by_server],
                              timeout=_timeout(tables) if timeout is None else timeout)
-    return ShardSave(directory, layout, tables, described, owns, written, (model_entries, model_files))
+    return ShardSave(directory, layout, tables, described, owns, written, models_begun)
 
 
 def _serialized(value: Any) -> bytes:
@@ -426,10 +428,11 @@ def _models_of(objects: Mapping[str, Any]) -> list[tuple[str, PSModel]]:
 
 def _settle_models(models: list[tuple[str, PSModel]]) -> None:
     """Before the servers read a model's blocks, as its ``state_dict()`` does: its pushes in
-    flight land (its tables' too), half_async applies what is queued, the next forward pulls."""
+    flight land (its tables' too), half_async applies what is queued (and its next forward
+    pulls what that made). The values the last step's answers brought stay the next forward's
+    (a save changes nothing of training: no extra pull of the whole model)."""
     for _, model in models:
         model._wait_pushes()
-        model._ready = None
         if model.ps_mode == "half_async":
             model.flush()
 
@@ -457,27 +460,64 @@ def _local_entries(model: PSModel) -> dict[str, tuple[nn.Module, str]]:
     return out
 
 
-def _save_models(directory: str, layout: str, models: list[tuple[str, PSModel]], files: dict) -> dict:
-    """Each model's dense servers write their blocks (values and optimizer state) under
-    ``directory`` (``directory/<server>/`` in the local layout), concurrently; the trainer
-    writes its own file of each (buffers, ps_optimizer settings, the optimizer state that is
-    not per element; geo: its optimizer and progress). The models' manifest entries; every file
-    is added to ``files``."""
-    calls = [(server, _model_files._write_model,
-              (model.name, [s.name for s in slots], model._step, nested_seconds(model._seconds()),
-               directory if layout == "shared" else os.path.join(directory, server), f"{key}.{server}"))
-             for key, model in models for server, slots in model._by_server().items() if slots]
-    got = iter(call_all(calls, timeout=_timeout(models)))
+class _ModelsBegun(NamedTuple):
+    """The PSModels of a save begun: each one's trainer-side state as of the servers' snapshot
+    (copies: buffers, ps_optimizer settings; geo: its optimizer and progress) and step, and the
+    Future of what their servers wrote (in the background)."""
+
+    models: list[tuple[str, PSModel]]
+    owns: list[dict]
+    steps: list[int]
+    written: Any
+
+
+def _begin_models(directory: str, layout: str, models: list[tuple[str, PSModel]], save: str,
+                  timeout: float | None) -> _ModelsBegun:
+    """Each model's dense servers copy their blocks (values and optimizer state) and write them
+    under ``directory`` (``directory/<server>/`` in the local layout) in the background; this
+    returns once they have copied them, with the trainer's own state of each model as of then."""
+    each = [(key, model, server, slots) for key, model in models
+            for server, slots in model._by_server().items() if slots]
+    call_all([(server, _model_files._begin_model,
+               (model.name, [s.name for s in slots], model._step, nested_seconds(model._seconds()),
+                directory if layout == "shared" else os.path.join(directory, server), f"{key}.{server}", save))
+              for key, model, server, slots in each], timeout=_timeout(models))
+    owns = [_model_own(model) for _, model in models]
+    written = call_all_async([(server, _model_files._model_written, (model.name, save))
+                              for _, model, server, _ in each],
+                             timeout=_timeout(models) if timeout is None else timeout)
+    return _ModelsBegun(models, owns, [model._step for _, model in models], written)
+
+
+def _model_own(model: PSModel) -> dict:
+    """The trainer's own state of ``model`` for its file (copies): buffers and extra states,
+    ps_optimizer settings; geo: its optimizer's state and progress since its last push."""
+    own: dict[str, Any] = {
+        "local": {k: m.get_extra_state() if attr == "_extra_state" else getattr(m, attr).detach().clone()
+                  for k, (m, attr) in _local_entries(model).items()},
+        "ps_optimizer": model.ps_optimizer.state_dict(), "geo": None}
+    if model.ps_mode == "geo":  # (the optimizer is this trainer's own: its state and progress since its last push)
+        state, per_element = model._trainer_optimizer_state()
+        own["geo"] = {"state": state, "per_element": per_element, "progress": model._geo_progress()}
+    return copy.deepcopy(own)
+
+
+def _models_manifest(directory: str, layout: str, begun: _ModelsBegun, files: dict) -> dict:
+    """The models' manifest entries, once their servers wrote (the trainer's file of each
+    written here); every file is added to ``files``."""
+    got = iter(wait_plain(begun.written))
     entries = {}
-    for key, model in models:
+    for (key, model), own, step in zip(begun.models, begun.owns, begun.steps):
         written = {server: next(got) for server, slots in model._by_server().items() if slots}
-        entries[key] = _model_manifest(directory, layout, key, model, written, files)
+        entries[key] = _model_manifest(directory, layout, key, model, written, files, own, step)
     return entries
 
 
-def _model_manifest(directory: str, layout: str, key: str, model: PSModel, written: dict, files: dict) -> dict:
+def _model_manifest(directory: str, layout: str, key: str, model: PSModel, written: dict, files: dict, own: dict,
+                    step: int) -> dict:
     """A model's manifest entry, from what each server wrote (``written``: ``ModelWritten`` by
-    server); writes the trainer's file of it (see :func:`_save_models`)."""
+    server) and the trainer's ``own`` state of it at ``step`` (:func:`_model_own`); writes the
+    trainer's file of it (that state, with what of the optimizer state is not per element)."""
     def where(server: str) -> str:
         return "" if layout == "shared" else f"{server}/"
 
@@ -489,13 +529,7 @@ def _model_manifest(directory: str, layout: str, key: str, model: PSModel, writt
         first.setdefault(slot.pname, slot)
     keys = {p: written[s.server].keys.get(s.name, []) for p, s in first.items()}
     scalars = {p: written[s.server].scalars.get(s.name, {}) for p, s in first.items()}
-    own: dict[str, Any] = {
-        "local": {k: m.get_extra_state() if attr == "_extra_state" else getattr(m, attr).detach().clone()
-                  for k, (m, attr) in _local_entries(model).items()},
-        "ps_optimizer": model.ps_optimizer.state_dict(), "keys": keys, "scalars": scalars, "geo": None}
-    if model.ps_mode == "geo":  # (the optimizer is this trainer's own: its state and progress since its last push)
-        state, per_element = model._trainer_optimizer_state()
-        own["geo"] = {"state": state, "per_element": per_element, "progress": model._geo_progress()}
+    own = {**own, "keys": keys, "scalars": scalars}
     rel = f"{key}.trainer.pt"
     size, sha = write_file(directory, rel, [save_bytes(own)])
     files[rel] = {"bytes": size, "sha256": sha, "server": None}
@@ -508,7 +542,7 @@ def _model_manifest(directory: str, layout: str, key: str, model: PSModel, writt
             # [block, parameter, offset, size, server, file]: a block is a flat range of its parameter
             "blocks": [[s.name, s.pname, s.block.offset, s.block.size, s.server,
                         f"{where(s.server)}{key}.{s.server}.pt"] for s in model._slots],
-            "step": model._step, "server_steps": {server: reply.step for server, reply in written.items()},
+            "step": step, "server_steps": {server: reply.step for server, reply in written.items()},
             "trainer_file": rel}
 
 

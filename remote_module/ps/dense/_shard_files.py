@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import pickle
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
@@ -29,12 +30,12 @@ import torch.distributed.rpc as rpc
 from torch.futures import Future
 
 from remote_module.ps._modes import read_when_applied
-from remote_module.ps._shard_io import FileEntry, StagedLoads, load_file, save_bytes, verify, write_file
+from remote_module.ps._shard_io import FileEntry, StagedLoads, load_file, save_bytes, verify, write_file, writes
 from remote_module.ps.dense import _server
 
 
 class ModelWritten(NamedTuple):
-    """What a server wrote of a PSModel (:func:`_write_model`): its ``files`` (``{rel: (size,
+    """What a server wrote of a PSModel (:func:`_begin_model`): its ``files`` (``{rel: (size,
     sha256)}``), per block the optimizer state's keys in order (``keys``) and the values of
     those that are not per element (``scalars``, small), and the job's sync step here."""
 
@@ -83,14 +84,26 @@ def _snapshot(job: Any, blocks: list[str]) -> tuple[dict, dict, int]:
 
 
 @rpc.functions.async_execution
-def _write_model(name: str, blocks: list[str], step: int, seconds: float, directory: str, stem: str) -> Future:
-    """Write this server's ``blocks`` of job ``name`` to ``directory/stem.pt`` (sync: once step
-    ``step - 1`` is applied here, as a pull for ``step`` reads them): a :class:`ModelWritten`.
-    The blocks are copied under the job's lock and written after, so pushes wait only for the
-    copy."""
+def _begin_model(name: str, blocks: list[str], step: int, seconds: float, directory: str, stem: str,
+                 save: str) -> Future:
+    """Copy this server's ``blocks`` of job ``name`` (sync: once step ``step - 1`` is applied
+    here, as a pull for ``step`` reads them) under the job's lock, then write them to
+    ``directory/stem.pt`` in the background (``_shard_io.writes``); answered once copied (pushes
+    wait only for the copy). :func:`_model_written` answers with the outcome."""
     job = _server._job(name)
+    if writes.begun(("model", save, name)):
+        raise ValueError(f"PSModel {name!r}: save {save!r} was begun here already")
     read = read_when_applied(job, step, seconds, _snapshot, job, blocks)
-    return read.then(lambda fut: _write(name, fut.value(), directory, stem))
+    return read.then(lambda fut: writes.begin(("model", save, name), partial(_write, name, fut.value(), directory,
+                                                                             stem),
+                                              f"PSModel {name!r}: writing {os.path.join(directory, stem)}.pt"))
+
+
+@rpc.functions.async_execution
+def _model_written(name: str, save: str) -> Future:
+    """What the background save ``save`` of job ``name`` wrote (a :class:`ModelWritten`), once
+    it has; its failure (``OSError``); ``LookupError`` if no such save was begun here."""
+    return writes.outcome(("model", save, name), f"PSModel {name!r}, save {save!r}")
 
 
 def _write(name: str, snapshot: tuple[dict, dict, int], directory: str, stem: str) -> ModelWritten:

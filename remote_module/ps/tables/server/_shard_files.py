@@ -18,7 +18,8 @@ A save is a snapshot and a write: :func:`_snapshot` copies the server's blocks u
 table's locks (a memcpy for an eager block), :func:`_write_snapshot` writes the copy, hashing it
 as it goes (``torch.save`` writes straight into the file: no second copy in memory). A
 background save (:func:`_begin_shards`) returns after the snapshot and writes on this server's
-one writer thread while the table trains on; :func:`_shards_written` answers with the outcome.
+one writer thread (``_shard_io.writes``) while the table trains on; :func:`_shards_written`
+answers with the outcome.
 
 A load is two calls: :func:`_stage_shards` reads the files the trainer names (checking each
 one's size and sha256, as the manifest records them) and keeps the rows in this server's
@@ -33,13 +34,13 @@ import os
 import pickle
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import NamedTuple
 
 import torch
 import torch.distributed.rpc as rpc
 
-from remote_module.ps._shard_io import FileEntry, file_sha256  # noqa: F401 (checkpoint/_checkpointer.py reads it here)
+from remote_module.ps._shard_io import FileEntry, file_sha256, writes  # noqa: F401 (checkpoint/_checkpointer.py reads it here)
 from remote_module.ps._shard_io import load_file as _load
 from remote_module.ps._shard_io import verify as _verify
 from remote_module.ps._shard_io import write_file as _write_file
@@ -158,65 +159,26 @@ def _write_shards(name: str, directory: str, stem: str, evicting: bool) -> Writt
 
 # ---- saves in the background: a snapshot now, its files written while the table trains on --------
 
-#: the background saves here, by (save, table): each one's outcome (a ``Written``), once written
-_writes: dict[tuple[str, str], tuple[torch.futures.Future, float]] = {}
-_writes_lock = threading.Lock()
-_writer: ThreadPoolExecutor | None = None
-#: an outcome nobody asked for (its trainer died) is forgotten this many seconds after it was written
-KEEP_WRITTEN_S = 3600.0
-
-
 def _begin_shards(save: str, tables: list[tuple[str, str, str, bool]]) -> None:
     """Snapshot this server's blocks of each table now (``(name, directory, stem, evicting)``:
     what :func:`_write_shards` would write), one after another, then write them in the
-    background, one save after another; :func:`_shards_written` answers with each outcome.
-    Returns once every snapshot is taken: the tables may change from then on without changing
-    what is written."""
-    global _writer
-    with _writes_lock:
-        again = [name for name, *_ in tables if (save, name) in _writes]
+    background (``_shard_io.writes``: one save after another); :func:`_shards_written` answers
+    with each outcome. Returns once every snapshot is taken: the tables may change from then on
+    without changing what is written."""
+    again = [name for name, *_ in tables if writes.begun(("table", save, name))]
     if again:
         raise ValueError(f"table {again[0]!r}: save {save!r} was begun here already")
     snaps = [(_snapshot(name, evicting), directory, stem) for name, directory, stem, evicting in tables]
-    with _writes_lock:
-        now = time.monotonic()
-        for key in [k for k, (f, at) in _writes.items() if f.done() and at + KEEP_WRITTEN_S < now]:
-            del _writes[key]
-        if _writer is None:
-            _writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="remote_module-shard-writer")
-        for snap, directory, stem in snaps:
-            outcome: torch.futures.Future = torch.futures.Future()
-            _writes[(save, snap.name)] = (outcome, float("inf"))
-            _writer.submit(_write_in_background, snap, save, directory, stem, outcome)
-
-
-def _write_in_background(snap: Snapshot, save: str, directory: str, stem: str,
-                         outcome: torch.futures.Future) -> None:
-    try:
-        written = _write_snapshot(snap, directory, stem)
-    except Exception as exc:  # (a full disk, a directory gone: the trainer's save fails, naming it)
-        with _writes_lock:
-            _writes[(save, snap.name)] = (outcome, time.monotonic())
-        outcome.set_exception(OSError(f"table {snap.name!r}: writing {os.path.join(directory, stem)}.* "
-                                      f"failed: {type(exc).__name__}: {exc}"))
-        return
-    with _writes_lock:
-        _writes[(save, snap.name)] = (outcome, time.monotonic())
-    outcome.set_result(written)
+    for snap, directory, stem in snaps:
+        writes.begin(("table", save, snap.name), partial(_write_snapshot, snap, directory, stem),
+                     f"table {snap.name!r}: writing {os.path.join(directory, stem)}.*")
 
 
 @rpc.functions.async_execution
 def _shards_written(name: str, save: str) -> torch.futures.Future:
     """What the background save ``save`` of table ``name`` wrote (a ``Written``), once it has;
     its failure (``OSError``) if it failed; ``LookupError`` if no such save was begun here."""
-    with _writes_lock:
-        got = _writes.pop((save, name), None)
-    if got is None:
-        failed: torch.futures.Future = torch.futures.Future()
-        failed.set_exception(LookupError(f"table {name!r}: no save {save!r} was begun on this server (it "
-                                         "restarted since, or the outcome was asked for already)"))
-        return failed
-    return got[0]
+    return writes.outcome(("table", save, name), f"table {name!r}, save {save!r}")
 
 
 def _stage_shards(name: str, key: str, directory: str, reads: ShardReads, clock: int,
