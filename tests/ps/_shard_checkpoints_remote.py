@@ -414,3 +414,29 @@ def failed_background_write(name: str, directory: str) -> str | None:
     except Exception as exc:  # noqa: BLE001 - the outcome under test
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+def two_saves_into_one_directory(name: str, directory: str) -> dict:
+    """Two background saves of one table into ``directory``, the second begun before the first
+    is waited for: what each ``wait()`` does, and whether the second's checkpoint loads."""
+    from remote_module.ps import load_shards
+    from remote_module.ps.checkpoint._shards import begin_save_shards
+
+    emb = bag(name, ["ps0", "ps1"], "eager-sgd")
+    train(emb, range(2))
+    first = begin_save_shards(directory, {"emb": emb})
+    train(emb, range(2, 4))
+    second = begin_save_shards(directory, {"emb": emb})
+    out = {}
+    for what, began in (("first", first), ("second", second)):
+        try:
+            began.wait()
+            out[what] = None
+        except Exception as exc:  # noqa: BLE001 - the outcome under test
+            out[what] = f"{type(exc).__name__}: {exc}"
+    at_second = checkpoint(emb)
+    loaded = bag(name + "-loaded", ["ps0", "ps1"], "eager-sgd")
+    load_shards(directory, {"emb": loaded})
+    out["same"] = all(torch.equal(a, b) for a, b in zip(checkpoint(loaded)["model"].values(),
+                                                         at_second["model"].values()) if isinstance(a, torch.Tensor))
+    return out

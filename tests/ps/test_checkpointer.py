@@ -191,3 +191,59 @@ def test_a_resume_in_the_process_of_a_stopped_job_waits_for_its_background_compl
         start, resumed = _run(cut)
         assert start == 4, attempt
         _same(resumed, whole)
+
+
+class _ServersSave:
+    """Stands for the servers' save of a checkpoint (what ``_begin_ps`` returns): not written
+    until ``wait()``, which records that it ran."""
+
+    def __init__(self, log: list) -> None:
+        self.log, self.write_s, self.waited = log, 0.0, False
+
+    def add_done_callback(self, callback) -> None:
+        pass
+
+    def done(self) -> bool:
+        return self.waited
+
+    def wait(self) -> dict:
+        self.waited = True
+        return {}
+
+
+def test_a_save_begins_only_once_the_servers_wrote_the_one_before(tmp_path, monkeypatch):
+    # the servers hold one snapshot at a time: a save waits for the previous one's write
+    begun: list[_ServersSave] = []
+
+    def begin_ps(path, objects, timeout=None):
+        begun.append(_ServersSave(begun))
+        return begun[-1]
+
+    monkeypatch.setattr(_checkpointer, "_begin_ps", begin_ps)
+    seen = []
+    real_begin = begin_ps
+
+    def checked(path, objects, timeout=None):
+        seen.append([b.waited for b in begun])  # (each earlier save's write waited for, when this one begins)
+        return real_begin(path, objects, timeout)
+
+    monkeypatch.setattr(_checkpointer, "_begin_ps", checked)
+    ckpt = Checkpointer(tmp_path, every_steps=1, keep=5)
+    ckpt.resume()
+    for _ in range(4):
+        ckpt.step()
+    ckpt.close()
+    assert seen == [[], [True], [True, True], [True, True, True]]
+    assert [step for step, _ in complete_checkpoints(tmp_path)] == [1, 2, 3, 4]
+
+
+def test_a_closed_checkpointer_saves_no_more(tmp_path):
+    ckpt = Checkpointer(tmp_path, every_steps=1, local={"model": nn.Linear(2, 1)})
+    ckpt.resume()
+    ckpt.step()
+    ckpt.close()
+    ckpt.close()  # (twice: nothing more)
+    for call in (ckpt.step, ckpt.save):
+        with pytest.raises(RuntimeError, match="was closed"):
+            call()
+    assert [step for step, _ in complete_checkpoints(tmp_path)] == [1]

@@ -322,3 +322,12 @@ def test_a_manifest_is_written_with_the_permissions_of_the_other_files(tmp_path)
     (tmp_path / "other.pt").write_bytes(b"")
     assert (tmp_path / "manifest.json").stat().st_mode == (tmp_path / "other.pt").stat().st_mode
     assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "other.pt"]  # (no temporary left)
+
+
+def test_a_save_begun_into_a_directory_another_save_is_writing_refuses_the_first(world, tmp_path):
+    # both servers' writes go to the same file names: the first save's manifest would list files
+    # the second overwrote; it is refused, the second completes and loads
+    got = on(world, "trainer0", r.two_saves_into_one_directory, job("two-saves"), str(tmp_path))
+    assert got["first"] is not None and got["first"].startswith("CheckpointError") and "another save" in got["first"]
+    assert got["second"] is None and got["same"], got
+    assert not (tmp_path / ".save-id").exists()

@@ -234,7 +234,10 @@ class Checkpointer:
         # checkpoints are completed (manifests, fsyncs, renames, old ones removed) on a thread of their own
         self._completer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="remote_module-checkpointer")
         self._completing: list[Future] = []
+        self._lock = threading.Lock()  # (the lists above: a servers' write that finished hands over too)
+        self._closed = [False]
         _checkpointers.add(self)
+        weakref.finalize(self, _warn_unclosed, self._pending, self._closed, str(self.path))
         self._figures = {"saves": 0, "save_s": 0.0, "completed": 0, "bytes": None, "write_s": None}
 
     @property
@@ -331,6 +334,8 @@ class Checkpointer:
         None. The first trainer completes the checkpoints whose files are all in here."""
         if not self._resumed:
             raise RuntimeError("call resume() once before training (it returns the step to start from)")
+        if self._closed[0]:
+            raise RuntimeError(f"this Checkpointer of {self.path} was closed: it saves no more")
         self.step_index += 1
         started = self.save() if self.step_index % self.every_steps == 0 else None
         if started is None:
@@ -344,15 +349,17 @@ class Checkpointer:
         call at the same step does nothing."""
         if not self._resumed:
             raise RuntimeError("call resume() once before saving")
+        if self._closed[0]:
+            raise RuntimeError(f"this Checkpointer of {self.path} was closed: it saves no more")
         step = self.step_index
         staging = self.path / f".{STEP_DIR.format(step)}.tmp"
         if self._saved == step:  # (save() and step() at the same step: once)
             return staging
         self._saved = step
         began = time.perf_counter()
-        if self.rank == 0 and self._pending:  # (one save's snapshot at a time on the servers: memory stays bounded)
+        if self.rank == 0:  # the one before complete first: the servers hold one snapshot at a time
             self._finish(wait=True)
-        self._check_completed()
+            self._drain()
         staging.mkdir(parents=True, exist_ok=True)
         begun = _begin_ps(staging, self.ps, self.timeout) if self.rank == 0 else None
         mine = {"step": step, "local": {name: _state_of(obj) for name, obj in self.local.items()},
@@ -360,7 +367,10 @@ class Checkpointer:
         # (not fsynced here: the first trainer fsyncs every file before it writes the manifest)
         _write_bytes(staging / _trainer_file(self.rank), _serialized(mine), fsync=False)
         if self.rank == 0:
-            self._pending.append(_Pending(step, staging, time.monotonic(), begun))
+            with self._lock:
+                self._pending.append(_Pending(step, staging, time.monotonic(), begun))
+            if begun is not None:
+                begun.add_done_callback(self._servers_wrote)
             self._finish(wait=False)
         self._figures["saves"] += 1
         self._figures["save_s"] += time.perf_counter() - began
@@ -383,22 +393,32 @@ class Checkpointer:
     def close(self) -> None:
         """Complete the checkpoints started (the first trainer waits, at most ``timeout``
         seconds, for every trainer's file and the servers' writes, then for their completion;
-        the others return at once)."""
+        the others return at once). The checkpointer saves no more: ``step()`` and ``save()``
+        raise after it; a second ``close()`` does nothing."""
+        if self._closed[0]:
+            return
         self._finish(wait=True)
         self._drain()
+        self._closed[0] = True
         self._completer.shutdown(wait=False)
 
     def _drain(self) -> None:
         """Wait for the completions handed to the background (each bounded: its waits are), and
         raise the first that failed."""
-        while self._completing:
-            self._completing[0].result()
+        while True:
+            with self._lock:
+                if not self._completing:
+                    return
+                first = self._completing[0]
+            first.exception()  # (waits for it; _check_completed raises what failed)
             self._check_completed()
 
     def _drain_quietly(self) -> None:
         """Wait for the completions handed to the background (each bounded), whatever their
         outcome: another checkpointer of this path is resuming in this process."""
-        for done in list(self._completing):
+        with self._lock:
+            begun = list(self._completing)
+        for done in begun:
             try:
                 done.result()
             except BaseException:  # noqa: BLE001 - its own step() or close() would have raised it
@@ -407,39 +427,64 @@ class Checkpointer:
     def _check_completed(self) -> None:
         """Raise the failure of a completion done in the background (the first; each failed
         checkpoint stays incomplete, never loaded)."""
-        while self._completing and self._completing[0].done():
-            failed = self._completing.pop(0).exception()
+        while True:
+            with self._lock:
+                if not (self._completing and self._completing[0].done()):
+                    return
+                failed = self._completing.pop(0).exception()
             if failed is not None:
                 raise failed
+
+    def _hand_over(self, pending: _Pending) -> None:
+        """(Lock held) complete ``pending`` in the background, first popped off the pending ones."""
+        self._pending.pop(0)
+        self._completing.append(self._completer.submit(self._complete, pending))
+
+    def _ready(self, pending: _Pending) -> tuple[list[int], bool]:
+        """The trainers whose file of ``pending`` is not there yet, and whether its servers wrote."""
+        missing = [r for r in range(self._count) if not (pending.staging / _trainer_file(r)).is_file()]
+        return missing, pending.ps is None or pending.ps.done()
+
+    def _servers_wrote(self) -> None:
+        """(A servers' write finished: on an RPC thread) hand the checkpoints that are ready
+        now to the background, not waiting for the next ``step()``."""
+        try:
+            with self._lock:
+                while self._pending and not self._closed[0]:
+                    missing, written = self._ready(self._pending[0])
+                    if missing or not written:
+                        return
+                    self._hand_over(self._pending[0])
+        except Exception:  # noqa: BLE001 - the next step() sees the same and raises it
+            pass
 
     def _finish(self, wait: bool) -> None:
         """(First trainer) hand each pending checkpoint whose trainers' files are all in and
         whose servers have written theirs to the background, where it is completed
-        (:meth:`_complete`); ``wait``: for them, within ``timeout``. A checkpoint still missing
-        a trainer's file ``timeout`` seconds after it started raises ``TimeoutError`` naming the
-        trainers; a server's failed or late write raises what failed (at the step after the
-        background saw it). Either way that checkpoint stays incomplete, never loaded."""
+        (:meth:`_complete`; also done as soon as the servers have written); ``wait``: for them,
+        within ``timeout``. A checkpoint still missing a trainer's file ``timeout`` seconds after
+        it started raises ``TimeoutError`` naming the trainers; a server's failed or late write
+        raises what failed (at the step after the background saw it). Either way that
+        checkpoint stays incomplete, never loaded."""
         self._check_completed()
-        while self._pending:
-            pending = self._pending[0]
-            deadline = pending.since + self.timeout
-            while True:
-                missing = [r for r in range(self._count) if not (pending.staging / _trainer_file(r)).is_file()]
-                if not missing and (pending.ps is None or pending.ps.done()):
-                    break
-                if missing and time.monotonic() > deadline:
+        while True:
+            with self._lock:
+                if not self._pending:
+                    return
+                pending = self._pending[0]
+                missing, written = self._ready(pending)
+                if not missing and (written or wait):  # (waiting: the servers' writes are bounded by their timeout)
+                    self._hand_over(pending)
+                    continue
+                if time.monotonic() > pending.since + self.timeout:
                     names = [self.trainers[r] if self.trainers else f"trainer {r}" for r in missing]
                     self._pending.pop(0)
                     raise TimeoutError(f"checkpoint of step {pending.step} in {pending.staging}: no state from "
                                        f"{', '.join(names)} within {self.timeout:g} s (did it stop, or is it that "
                                        "far behind?); the checkpoint stays incomplete and is never loaded")
-                if not wait:
-                    return
-                if not missing:  # (the servers' writes: bounded by their own timeout, this one's)
-                    break
-                time.sleep(_POLL_S)
-            self._pending.pop(0)
-            self._completing.append(self._completer.submit(self._complete, pending))
+            if not wait:
+                return
+            time.sleep(_POLL_S)
 
     def _complete(self, pending: _Pending) -> None:
         """(In the background, one after another) the servers' part completed (their manifest),
@@ -476,6 +521,15 @@ class Checkpointer:
         self._figures["completed"] += 1
         for _, old in complete_checkpoints(self.path)[:-self.keep]:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _warn_unclosed(pending: list, closed: list, path: str) -> None:
+    """(A first trainer's checkpointer gone or the interpreter ending) say which checkpoints a
+    checkpointer never closed left incomplete."""
+    if pending and not closed[0]:
+        warnings.warn(f"a Checkpointer of {path} was not closed: the checkpoint(s) of step(s) "
+                      f"{', '.join(str(p.step) for p in pending)} were never completed (call close() at the end)",
+                      RuntimeWarning, stacklevel=1)
 
 
 def _default_trainers() -> list[str]:

@@ -35,6 +35,8 @@ FORMAT = "remote_module.ps shards"
 VERSION = 1
 #: ``torch.distributed.checkpoint``'s metadata file name (its ``filesystem._metadata_fn``)
 DCP_METADATA = ".metadata"
+#: the id of the save under way into a directory (a later save into it refuses the earlier one's manifest)
+SAVE_ID = ".save-id"
 LAYOUTS = ("shared", "local")
 
 

@@ -13,7 +13,7 @@ import pickle
 import time
 import uuid
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -26,6 +26,7 @@ from remote_module.ps.checkpoint._manifest import (
     FORMAT,
     LAYOUTS,
     MANIFEST,
+    SAVE_ID,
     VERSION,
     CheckpointError,
     dcp_metadata,
@@ -34,6 +35,7 @@ from remote_module.ps.checkpoint._manifest import (
     read_manifest,
     sync_directory,
     table_entry,
+    write_atomically,
     write_manifest,
 )
 from remote_module.ps.dense import _shard_files as _model_files
@@ -131,8 +133,9 @@ class ShardSave:
     checkpoint is complete from then on). Until then the directory is torn: no load reads it."""
 
     def __init__(self, directory: str, layout: str, tables: list, described: dict, owns: list[bytes],
-                 written: Any, models: _ModelsBegun | None) -> None:
+                 written: Any, models: _ModelsBegun | None, save: str) -> None:
         self.directory, self.layout, self._tables, self._described = directory, layout, tables, described
+        self._save = save
         self._owns, self._written, self._models = owns, written, models
         self._manifest: dict | None = None
         #: seconds from the snapshot to the last server's files written (None until then)
@@ -144,6 +147,11 @@ class ShardSave:
 
         self._all = written if models is None else collect_all([written, models.written])
         self._all.add_done_callback(finished)
+
+    def add_done_callback(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once every server has written (or one failed), on the thread that
+        saw it (an RPC thread: keep it short)."""
+        self._all.add_done_callback(lambda _: callback())
 
     def done(self) -> bool:
         """Whether every server has written its files (or one failed: :meth:`wait` raises it)."""
@@ -157,6 +165,15 @@ class ShardSave:
         if self._manifest is not None:
             return self._manifest
         got = iter(wait_plain(self._written))
+        try:
+            with open(os.path.join(self.directory, SAVE_ID), "rb") as f:
+                latest = f.read().decode()
+        except OSError:
+            latest = None
+        if latest != self._save:
+            raise CheckpointError(f"{self.directory}: another save into this directory began while this one was "
+                                  "written (their servers write the same files): this one is refused, no manifest "
+                                  "written; save each checkpoint into a directory of its own")
         manifest: dict[str, Any] = {"format": FORMAT, "version": VERSION, "layout": self.layout,
                                     "objects": self._described, "tables": {}, "files": {}}
         weights = {}
@@ -174,6 +191,7 @@ class ShardSave:
         if weights:
             size, sha = _shard_files._write_file(self.directory, DCP_METADATA, [memoryview(dcp_metadata(weights))])
             manifest["files"][DCP_METADATA] = {"bytes": size, "sha256": sha, "server": None}
+        os.remove(os.path.join(self.directory, SAVE_ID))  # (a save under way no more)
         self._manifest = write_manifest(self.directory, manifest)
         return self._manifest
 
@@ -205,8 +223,12 @@ def begin_save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, la
     """:func:`save_shards` in the background: returns once every server has taken a snapshot
     of its blocks (the tables are settled first, as for ``save_shards``), while they write it;
     training may go on at once without changing what is saved. ``ShardSave.wait()`` completes
-    the checkpoint (the manifest, last). ``timeout``: seconds the servers' writing may take
-    (default: the tables' timeout)."""
+    the checkpoint (the manifest, last). ``timeout``: seconds the servers' writing may take,
+    counted from now (default: the tables' timeout); each server writes one save after another,
+    so a save begun before the last one was written waits for it within that time (the
+    ``Checkpointer`` begins a save only once the one before is complete). A save begun into a
+    directory while another one is written there refuses the earlier one (its ``wait()`` raises
+    ``CheckpointError``): save each checkpoint into a directory of its own."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     directory = os.path.abspath(os.fspath(path))  # (servers resolve it the same, whatever their cwd)
@@ -226,6 +248,9 @@ def begin_save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, la
     for _, table in tables:
         table._settle()
     save = uuid.uuid4().hex
+    # this save's id: a save begun into this directory since (whose servers write over these
+    # files) makes this one's wait() refuse to write a manifest
+    write_atomically(os.path.join(directory, SAVE_ID), save.encode())
     each: dict[str, list[tuple[str, str, str, bool]]] = {}  # (one call per server: its snapshots one by one)
     for key, table in tables:
         for server in table._by_server:
@@ -244,7 +269,7 @@ def begin_save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, la
     written = call_all_async([(server, _shard_files._shards_written, (table.name, save))
                               for _, table in tables for server in table._by_server],
                              timeout=_timeout(tables) if timeout is None else timeout)
-    return ShardSave(directory, layout, tables, described, owns, written, models_begun)
+    return ShardSave(directory, layout, tables, described, owns, written, models_begun, save)
 
 
 def _serialized(value: Any) -> bytes:
