@@ -10,6 +10,7 @@ import torch
 
 from tests.benchmarks import (
     bench_admission,
+    bench_checkpoint_cost,
     bench_dlrm,
     bench_embedding,
     bench_pipeline,
@@ -420,3 +421,11 @@ def test_quick_shard_checkpoints_benchmark_runs(tmp_path, capsys):
     # the trainer-side checkpoint of the same rows passes them all through the trainer
     assert saved["trainer_side_checkpoint"]["received_bytes"] > saved["held"] * 16 * 4
     assert "target <= 1.0 MB" in capsys.readouterr().out
+
+
+def test_quick_checkpoint_cost_benchmark_runs(tmp_path, capsys):
+    saved = quick_run(bench_checkpoint_cost, tmp_path / "bench-checkpoint-cost.json")
+    assert saved["saves"] == [2]  # (40 steps, a save every 20: both complete)
+    assert saved["bytes_per_save"] > 71e6  # (the demo's eager tables, and their optimizer state)
+    assert all(v > 0 for v in saved["steps_per_s"].values())
+    assert "quick run: not graded" in capsys.readouterr().out
