@@ -66,6 +66,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
+import torch.distributed.rpc as rpc
 from torch import nn
 
 from remote_module.demos._dlrm_figures import Curves, HeldOut, RowsHeld, figures, server_traffic
@@ -151,6 +152,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     # trainer0 samples the servers' rows every `every` steps (none in a plain run)
     held = RowsHeld(tables.values(), args.steps) if lifetime and me.role_rank == 0 else None
     # the bytes this trainer's calls carry, each way, from here until its last push landed
+    cpu = _cpu_now(servers if lead else [])  # (this process's, and trainer0 reads the servers': not counted below)
     with Traffic() as traffic:
         start = time.perf_counter()
         # batch k + 1's lookups are planned during batch k and sent with its ebc.step(): one message
@@ -172,6 +174,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         ebc.flush()  # the last step's pushes landed
         if ckpt is not None:
             ckpt.close()
+    cpu = {name: seconds - cpu[name] for name, seconds in _cpu_now(servers if lead else []).items()}
     if held is not None:
         held.sample(args.steps)
     elapsed = time.perf_counter() - start - (held.seconds if held is not None else 0.0)
@@ -180,9 +183,17 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     held_out = HeldOut.score(truth, ebc, dense, args.steps if stream else None)
     trained = argparse.Namespace(**{**vars(args), "steps": args.steps - first})  # (the figures: this run's steps)
     mine = figures(me, trained, tables, ebc, server_traffic(traffic, servers), curves, held_out, elapsed, held)
+    # CPU seconds of this process over its training loop (trainer0: the servers' too, over its loop)
+    mine["cpu_s"] = {(me.name if name == "" else name): seconds for name, seconds in cpu.items()}
     if ckpt is not None:
         mine["checkpoints"] = {"resumed_from": first, **ckpt.stats()}
     return mine
+
+
+def _cpu_now(servers: list[str]) -> dict[str, float]:
+    """CPU seconds so far (every thread, user and system) of this process (``""``) and of the
+    ``servers`` (asked over RPC)."""
+    return {"": time.process_time(), **{server: rpc.rpc_sync(server, time.process_time) for server in servers}}
 
 
 class _Batches:

@@ -11,7 +11,8 @@ Each round runs both variants, one after the other, in an order that alternates 
 (the demo's own processes: 2 servers, 2 trainers, on loopback); the figures are medians over
 rounds and the same-round ratios. Per run: steps/s (the trainers' mean, as the demo measures
 it: its training loop only), the CPU seconds of every process of the run per training step
-(user + system, of the whole process tree, from ``getrusage(RUSAGE_CHILDREN)``), and with
+(user + system, of the whole process tree, from ``getrusage(RUSAGE_CHILDREN)``) and of each
+process over the training loop (trainer0, trainer1, ps0, ps1: the demo's ``cpu_s``), and with
 checkpoints the saves completed, the bytes of each, the seconds training waited per save on
 trainer0 (the servers' snapshot and its own file) and the seconds the servers took to write
 the newest one in the background. Writes JSON (bench-checkpoint-cost-results.json by default).
@@ -48,7 +49,10 @@ def _run(steps: int, checkpoint: str | None, every: int, work: Path) -> dict[str
     trainers = json.loads(out.read_text())
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     got = {"steps_per_s": statistics.mean(t["steps_per_s"] for t in trainers),
-           "cpu_ms_per_step": 1e3 * cpu / (steps * len(trainers))}
+           "cpu_ms_per_step": 1e3 * cpu / (steps * len(trainers)),
+           # each process over the training loop (a trainer's own; the servers' as trainer0 read them)
+           "process_cpu_ms_per_step": {name: 1e3 * s / steps for t in trainers for name, s in t["cpu_s"].items()
+                                       if name == t["trainer"] or t is trainers[0]}}
     if checkpoint is not None:
         figures = trainers[0]["checkpoints"]
         got.update(saves=figures["completed"], bytes_per_save=figures["bytes"],
@@ -75,7 +79,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 got = _run(args.steps, str(work / "ckpt") if variant == "checkpoints" else None, args.every, work)
                 runs[variant].append(got)
                 print(f"round {r + 1} {variant:<12} " + "  ".join(
-                    f"{k} {v:,.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in got.items()), flush=True)
+                    f"{k} {v:,.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in got.items()
+                    if k != "process_cpu_ms_per_step"), flush=True)
+                print("    CPU ms per step, each process: " + ", ".join(
+                    f"{k} {v:.2f}" for k, v in sorted(got["process_cpu_ms_per_step"].items())), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     ratios = [c["steps_per_s"] / n["steps_per_s"] for n, c in zip(runs["none"], runs["checkpoints"])]
@@ -83,6 +90,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "steps": args.steps, "every": args.every, "rounds": args.rounds, "load_avg": os.getloadavg(),
         "steps_per_s": {v: statistics.median(x["steps_per_s"] for x in runs[v]) for v in runs},
         "cpu_ms_per_step": {v: statistics.median(x["cpu_ms_per_step"] for x in runs[v]) for v in runs},
+        "process_cpu_ms_per_step": {v: {p: statistics.median(x["process_cpu_ms_per_step"][p] for x in runs[v])
+                                        for p in runs[v][0]["process_cpu_ms_per_step"]} for v in runs},
         "same_round_ratios": ratios, "median_ratio": statistics.median(ratios), "target_ratio": 0.95,
         "bytes_per_save": statistics.median(x["bytes_per_save"] for x in runs["checkpoints"]),
         "waited_s_per_save": statistics.median(x["waited_s_per_save"] for x in runs["checkpoints"]),
@@ -97,6 +106,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{', '.join(f'{r:.3f}' for r in ratios)} (median {summary['median_ratio']:.3f}, target >= 0.95)  {grade}")
     print(f"CPU ms per trainer step, every process of the run: none {summary['cpu_ms_per_step']['none']:.2f}, "
           f"checkpoints {summary['cpu_ms_per_step']['checkpoints']:.2f}")
+    each = summary["process_cpu_ms_per_step"]
+    print("CPU ms per step of each process over the training loop (median; none -> checkpoints): " + ", ".join(
+        f"{p} {each['none'][p]:.2f} -> {each['checkpoints'][p]:.2f}" for p in sorted(each["none"])))
     print(f"per save: {summary['bytes_per_save'] / 1e6:.1f} MB, training waited {summary['waited_s_per_save']:.3f} s, "
           f"the servers wrote in {summary['write_s']:.2f} s in the background; saves completed per run "
           f"{summary['saves']}; load average {summary['load_avg'][0]:.1f}")

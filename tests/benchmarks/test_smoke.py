@@ -428,4 +428,6 @@ def test_quick_checkpoint_cost_benchmark_runs(tmp_path, capsys):
     assert saved["saves"] == [2]  # (40 steps, a save every 20: both complete)
     assert saved["bytes_per_save"] > 71e6  # (the demo's eager tables, and their optimizer state)
     assert all(v > 0 for v in saved["steps_per_s"].values())
+    for variant in ("none", "checkpoints"):  # each process's CPU over the training loop
+        assert set(saved["process_cpu_ms_per_step"][variant]) == {"trainer0", "trainer1", "ps0", "ps1"}
     assert "quick run: not graded" in capsys.readouterr().out

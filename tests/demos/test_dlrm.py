@@ -34,6 +34,9 @@ def test_short_run_learns_and_reports_sane_figures(capfd):
         # the dense features alone cannot get there: the tables learned (0.81 vs 0.73 when written)
         assert r["auc_truth_dense_only"] + 0.03 < r["auc"] <= r["auc_truth"] + 0.02, r
         assert r["steps_per_s"] > 0
+        # CPU seconds over the training loop: each trainer its own, trainer0 the server's too
+        assert set(r["cpu_s"]) == ({"trainer0", "ps0"} if r["trainer"] == "trainer0" else {"trainer1"}), r["cpu_s"]
+        assert all(seconds > 0 for seconds in r["cpu_s"].values()), r["cpu_s"]
         # ids per second spent looking up: at least the ids per second of the whole step
         assert r["lookups_per_s"] >= r["steps_per_s"] * ids_per_step, r
         # only touched rows travel: at most every id's row (id + gradient row) per step
