@@ -109,19 +109,30 @@ def train(me, args: argparse.Namespace) -> None:
                 say(f"{me.name} kills ps0 before step {k}")
                 pid = rpc.rpc_sync("ps0", os.getpid)
                 rpc.rpc_async("ps0", os.kill, args=(pid, signal.SIGKILL))
-        g = torch.Generator().manual_seed(100 * me.role_rank + k)
-        ids = torch.randint(0, ROWS, (6,), generator=g)
-        target = torch.randn(3, generator=g) + 0.1 * torch.randn(3) + random.random()
-        loss = (head(table(ids, torch.arange(3) * 2)).squeeze(1) - target).pow(2).mean()
-        opt.zero_grad()
-        table.zero_grad()
-        loss.backward()
-        opt.step()
-        table.step()
-        sched.step()
-        table_sched.step()
-        ckpt.step()
-        say(f"{me.name} step {k + 1}")
+        train_step(me, k, head, table, opt, sched, table_sched, ckpt)
+    finish(me, head, opt, sched, table, ckpt, out)
+
+
+def train_step(me, k: int, head: nn.Module, table, opt, sched, table_sched, ckpt: Checkpointer) -> None:
+    """Step ``k`` of trainer ``me`` (its batch chosen by ``k``; the noise drawn from the RNGs the
+    checkpoint restores), then the checkpointer's step."""
+    g = torch.Generator().manual_seed(100 * me.role_rank + k)
+    ids = torch.randint(0, ROWS, (6,), generator=g)
+    target = torch.randn(3, generator=g) + 0.1 * torch.randn(3) + random.random()
+    loss = (head(table(ids, torch.arange(3) * 2)).squeeze(1) - target).pow(2).mean()
+    opt.zero_grad()
+    table.zero_grad()
+    loss.backward()
+    opt.step()
+    table.step()
+    sched.step()
+    table_sched.step()
+    ckpt.step()
+    say(f"{me.name} step {k + 1}")
+
+
+def finish(me, head: nn.Module, opt, sched, table, ckpt: Checkpointer, out: Path) -> None:
+    """Close the checkpointer and write what the trainer ends with to ``out/<name>.pt``."""
     ckpt.close()
     table.flush()
     mine = {"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),

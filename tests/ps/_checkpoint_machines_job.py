@@ -29,7 +29,7 @@ from torch import nn
 from remote_module.ps import Checkpointer
 from rpc_backend import init_from_env
 from tests._deadlines import HANG_S
-from tests.ps._checkpoint_job import ROWS, _table, say, wait_for_a_checkpoint
+from tests.ps._checkpoint_job import _table, finish, say, train_step, wait_for_a_checkpoint
 
 
 def train(me, args: argparse.Namespace) -> None:
@@ -53,28 +53,8 @@ def train(me, args: argparse.Namespace) -> None:
             # held until a machine's loss ends this rank (WorkerLost, raised here); HANG_S: a guard
             threading.Event().wait(HANG_S)
             raise SystemExit(f"{me.name}: no machine was lost within {HANG_S} s of the pause")
-        g = torch.Generator().manual_seed(100 * me.role_rank + k)
-        ids = torch.randint(0, ROWS, (6,), generator=g)
-        target = torch.randn(3, generator=g) + 0.1 * torch.randn(3) + random.random()
-        loss = (head(table(ids, torch.arange(3) * 2)).squeeze(1) - target).pow(2).mean()
-        opt.zero_grad()
-        table.zero_grad()
-        loss.backward()
-        opt.step()
-        table.step()
-        sched.step()
-        table_sched.step()
-        ckpt.step()
-        say(f"{me.name} step {k + 1}")
-    ckpt.close()
-    table.flush()
-    mine = {"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-            "table_lr": table.ps_optimizer.param_groups[0]["lr"]}
-    if me.role_rank == 0:
-        mine["table"] = table.state_dict()
-        mine["table_optim"] = table.optimizer_state_dict()
-    torch.save(mine, Path(args.out) / f"{me.name}.pt")
-    say(f"{me.name} done")
+        train_step(me, k, head, table, opt, sched, table_sched, ckpt)
+    finish(me, head, opt, sched, table, ckpt, Path(args.out))
 
 
 def main() -> None:
