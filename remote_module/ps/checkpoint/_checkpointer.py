@@ -65,13 +65,13 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import torch
 import torch.distributed.rpc as rpc
 
+from remote_module.ps._shard_io import file_sha256, save_bytes
 from remote_module.ps.checkpoint._job_files import (
     _STAGING,
     FORMAT,
     MANIFEST,
     STEP_DIR,
     _files,
-    _serialized,
     _trainer_file,
     _unloadable,
     _write_bytes,
@@ -89,7 +89,6 @@ from remote_module.ps.checkpoint._job_state import (
 )
 from remote_module.ps.checkpoint._manifest import CheckpointError, sync_directory
 from remote_module.ps.checkpoint._shards import ShardSave
-from remote_module.ps.tables.server._shard_files import file_sha256
 
 #: seconds between looks at a staging directory while waiting for the trainers' files
 _POLL_S = 0.05
@@ -365,7 +364,7 @@ class Checkpointer:
         mine = {"step": step, "local": {name: _state_of(obj) for name, obj in self.local.items()},
                 "ps_settings": _ps_settings(self.ps), "rng": _rng_state()}
         # (not fsynced here: the first trainer fsyncs every file before it writes the manifest)
-        _write_bytes(staging / _trainer_file(self.rank), _serialized(mine), fsync=False)
+        _write_bytes(staging / _trainer_file(self.rank), save_bytes(mine), fsync=False)
         if self.rank == 0:
             with self._lock:
                 self._pending.append(_Pending(step, staging, time.monotonic(), begun))

@@ -5,16 +5,13 @@ lists)."""
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from remote_module.ps._shard_io import file_sha256
+from remote_module.ps._shard_io import file_sha256, save_bytes
 from remote_module.ps.checkpoint._manifest import MANIFEST as PS_MANIFEST
 from remote_module.ps.checkpoint._manifest import CheckpointError, read_manifest
 
@@ -37,17 +34,10 @@ FORMAT = 2
 def _write(path: Path, obj: Any) -> None:
     """``torch.save(obj)`` to ``path`` whole or not at all: under a ``.part`` name, fsynced,
     then renamed."""
-    _write_bytes(path, _serialized(obj))
+    _write_bytes(path, save_bytes(obj))
 
 
-def _serialized(obj: Any) -> bytes:
-    """``torch.save(obj)``'s bytes (a copy: what ``obj`` holds now, whatever changes later)."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
-
-
-def _write_bytes(path: Path, data: bytes, fsync: bool = True) -> None:
+def _write_bytes(path: Path, data: bytes | memoryview, fsync: bool = True) -> None:
     """Write ``data`` to ``path`` whole or not at all: under a ``.part`` name, fsynced (unless
     not ``fsync``: the caller makes it durable later), then renamed."""
     part = path.with_name(path.name + ".part")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import io
 import os
 import pickle
 import time
@@ -132,7 +131,7 @@ class ShardSave:
     written; :meth:`wait` waits for them and writes the trainer's files and the manifest (the
     checkpoint is complete from then on). Until then the directory is torn: no load reads it."""
 
-    def __init__(self, directory: str, layout: str, tables: list, described: dict, owns: list[bytes],
+    def __init__(self, directory: str, layout: str, tables: list, described: dict, owns: list[memoryview],
                  written: Any, models: _ModelsBegun | None, save: str) -> None:
         self.directory, self.layout, self._tables, self._described = directory, layout, tables, described
         self._save = save
@@ -263,7 +262,7 @@ def begin_save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, la
     models_begun = _begin_models(directory, layout, models, save, timeout) if models else None
     # the trainer's own state of each table (geo: its local optimizer's) as of the snapshot,
     # serialized now (a copy), written at wait()
-    owns = [_serialized({"ps_optimizer": table.ps_optimizer.state_dict(),
+    owns = [save_bytes({"ps_optimizer": table.ps_optimizer.state_dict(),
                          "geo": table.optimizer_state_dict() if table.ps_mode == "geo" else None})
             for _, table in tables]
     written = call_all_async([(server, _shard_files._shards_written, (table.name, save))
@@ -272,13 +271,7 @@ def begin_save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, la
     return ShardSave(directory, layout, tables, described, owns, written, models_begun, save)
 
 
-def _serialized(value: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return buffer.getvalue()
-
-
-def _table_manifest(directory: str, layout: str, key: str, table: ShardedEmbedding, written: list, own: bytes,
+def _table_manifest(directory: str, layout: str, key: str, table: ShardedEmbedding, written: list, own: memoryview,
                     files: dict) -> dict:
     """A table's manifest entry, from what each server wrote (``written``: ``(server, Written)``)
     and the trainer's ``own`` state of it (its ps_optimizer settings; in geo mode its local
@@ -556,7 +549,7 @@ def _model_manifest(directory: str, layout: str, key: str, model: PSModel, writt
     scalars = {p: written[s.server].scalars.get(s.name, {}) for p, s in first.items()}
     own = {**own, "keys": keys, "scalars": scalars}
     rel = f"{key}.trainer.pt"
-    size, sha = write_file(directory, rel, [save_bytes(own)])
+    size, sha = write_file(directory, rel, [own])
     files[rel] = {"bytes": size, "sha256": sha, "server": None}
     params = model._params()
     kwargs = model.optimizer[1]

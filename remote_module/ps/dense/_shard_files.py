@@ -30,7 +30,7 @@ import torch.distributed.rpc as rpc
 from torch.futures import Future
 
 from remote_module.ps._modes import read_when_applied
-from remote_module.ps._shard_io import FileEntry, StagedLoads, load_file, save_bytes, verify, write_file, writes
+from remote_module.ps._shard_io import FileEntry, StagedLoads, load_file, verify, write_file, writes
 from remote_module.ps.dense import _server
 
 
@@ -113,7 +113,7 @@ def _write(name: str, snapshot: tuple[dict, dict, int], directory: str, stem: st
                for b, state in states.items()}
     saved = {b: {"value": values[b], "state": states[b]} for b in values}
     rel = f"{stem}.pt"
-    return ModelWritten({rel: write_file(directory, rel, [save_bytes({"job": name, "blocks": saved})])}, keys,
+    return ModelWritten({rel: write_file(directory, rel, [{"job": name, "blocks": saved}])}, keys,
                         scalars, version)
 
 

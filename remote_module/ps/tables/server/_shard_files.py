@@ -40,7 +40,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed.rpc as rpc
 
-from remote_module.ps._shard_io import FileEntry, file_sha256, writes  # noqa: F401 (checkpoint/_checkpointer.py reads it here)
+from remote_module.ps._shard_io import FileEntry, writes
 from remote_module.ps._shard_io import load_file as _load
 from remote_module.ps._shard_io import verify as _verify
 from remote_module.ps._shard_io import write_file as _write_file
