@@ -73,20 +73,7 @@ def _write(path: Path, obj) -> None:
 
 
 def train(me, args: argparse.Namespace) -> None:
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    torch.manual_seed(0)
-    table = _table(me, args, "ckpt.table")
-    head = nn.Linear(DIM, 1)
-    opt = torch.optim.SGD(head.parameters(), lr=0.1, momentum=0.9)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    # the table's lr, set on every trainer by its own scheduler (sync: the servers refuse a step
-    # whose trainers' lrs differ, so each resumed trainer must push the lr its scheduler left)
-    table_sched = torch.optim.lr_scheduler.StepLR(table.ps_optimizer, step_size=3, gamma=0.5)
-    ckpt = Checkpointer(args.dir, every_steps=args.every, keep=args.keep, ps={"table": table},
-                        local={"head": head, "opt": opt, "sched": sched, "table_sched": table_sched})
-    torch.manual_seed(1000 + attempt)  # a restarted process's RNGs differ: the resume restores them
-    random.seed(1000 + attempt)
-    start = ckpt.resume()
+    attempt, start, (head, table, opt, sched, table_sched, ckpt) = set_up(me, args)
     say(f"{me.name} resumed from step {start} (attempt {attempt})")
     out = Path(args.out)
     if args.hold:
@@ -111,6 +98,25 @@ def train(me, args: argparse.Namespace) -> None:
                 rpc.rpc_async("ps0", os.kill, args=(pid, signal.SIGKILL))
         train_step(me, k, head, table, opt, sched, table_sched, ckpt)
     finish(me, head, opt, sched, table, ckpt, out)
+
+
+def set_up(me, args: argparse.Namespace) -> tuple[int, int, tuple]:
+    """Trainer ``me``'s attempt (torchrun's restart count), the step it resumed from, and its
+    objects: ``(head, table, opt, sched, table_sched, ckpt)``, the checkpoint loaded."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    torch.manual_seed(0)
+    table = _table(me, args, "ckpt.table")
+    head = nn.Linear(DIM, 1)
+    opt = torch.optim.SGD(head.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    # the table's lr, set on every trainer by its own scheduler (sync: the servers refuse a step
+    # whose trainers' lrs differ, so each resumed trainer must push the lr its scheduler left)
+    table_sched = torch.optim.lr_scheduler.StepLR(table.ps_optimizer, step_size=3, gamma=0.5)
+    ckpt = Checkpointer(args.dir, every_steps=args.every, keep=args.keep, ps={"table": table},
+                        local={"head": head, "opt": opt, "sched": sched, "table_sched": table_sched})
+    torch.manual_seed(1000 + attempt)  # a restarted process's RNGs differ: the resume restores them
+    random.seed(1000 + attempt)
+    return attempt, ckpt.resume(), (head, table, opt, sched, table_sched, ckpt)
 
 
 def train_step(me, k: int, head: nn.Module, table, opt, sched, table_sched, ckpt: Checkpointer) -> None:

@@ -19,32 +19,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import threading
 from pathlib import Path
 
-import torch
-from torch import nn
-
-from remote_module.ps import Checkpointer
 from rpc_backend import init_from_env
 from tests._deadlines import HANG_S
-from tests.ps._checkpoint_job import _table, finish, say, train_step, wait_for_a_checkpoint
+from tests.ps._checkpoint_job import finish, say, set_up, train_step, wait_for_a_checkpoint
 
 
 def train(me, args: argparse.Namespace) -> None:
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    torch.manual_seed(0)
-    table = _table(me, args, "ckpt.table")
-    head = nn.Linear(table.embedding_dim, 1)
-    opt = torch.optim.SGD(head.parameters(), lr=0.1, momentum=0.9)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    table_sched = torch.optim.lr_scheduler.StepLR(table.ps_optimizer, step_size=3, gamma=0.5)
-    ckpt = Checkpointer(args.dir, every_steps=args.every, keep=args.keep, ps={"table": table},
-                        local={"head": head, "opt": opt, "sched": sched, "table_sched": table_sched})
-    torch.manual_seed(1000 + attempt)  # a restarted process's RNGs differ: the resume restores them
-    random.seed(1000 + attempt)
-    start = ckpt.resume()
+    attempt, start, (head, table, opt, sched, table_sched, ckpt) = set_up(me, args)
     say(f"{me.name} resumed from step {start} (attempt {attempt}) on {os.uname().nodename}")
     for k in range(start, args.steps):
         if start == 0 and k == args.pause_at:
