@@ -77,7 +77,7 @@ def test_a_corrupt_or_truncated_file_is_refused_naming_it_before_any_server_chan
     got = on(world, "trainer1", r.refused_load, job("model-corrupt-load"), str(tmp_path), ["ps0", "ps1", "ps2"])
     assert got["error"] is not None and got["error"].startswith("CheckpointError"), got["error"]
     assert str(path) in got["error"], got["error"]
-    why = {"flipped": "sha256", "truncated": "truncated", "missing": "missing"}[fault.split()[0]]
+    why = {"flipped": "checksum is crc32:", "truncated": "truncated", "missing": "missing"}[fault.split()[0]]
     assert why in got["error"], got["error"]
     same(got["after"], got["before"], "unchanged")
 

@@ -120,9 +120,42 @@ def test_a_corrupt_or_truncated_shard_is_refused_naming_it_before_any_server_cha
     got = on(world, "trainer1", r.refused_load, job("corrupt-load"), str(tmp_path), ["ps0", "ps1", "ps2"])
     assert got["error"] is not None and got["error"].startswith("CheckpointError"), got["error"]
     assert str(tmp_path / rel) in got["error"], got["error"]
-    why = {"flipped": "sha256", "truncated": "truncated", "missing": "missing"}[fault.split()[0]]
+    why = {"flipped": "checksum is crc32:", "truncated": "truncated", "missing": "missing"}[fault.split()[0]]
     assert why in got["error"], got["error"]
     same(got["after"], got["before"], "unchanged")
+
+
+def _as_version_1(directory) -> None:
+    """Rewrite the checkpoint's manifest as a build before CRC-32 wrote it: version 1, each
+    file's SHA-256 under "sha256"."""
+    from remote_module.ps._shard_io import file_sha256
+    from remote_module.ps.checkpoint._manifest import SELF_SHA256, _body_sha256
+
+    path = directory / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest.pop(SELF_SHA256)
+    manifest["version"] = 1
+    for rel, entry in manifest["files"].items():
+        assert entry.pop("checksum").startswith("crc32:")
+        entry["sha256"] = file_sha256(directory / rel)
+    manifest[SELF_SHA256] = _body_sha256(manifest)
+    path.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+
+
+@pytest.mark.parametrize("flipped", [False, True])
+def test_a_checkpoint_of_the_sha256_manifest_version_still_loads_and_is_still_checked(world, tmp_path, flipped):
+    got = on(world, "trainer0", r.eager_weight, job("version-1"), str(tmp_path))
+    _as_version_1(tmp_path)
+    if flipped:
+        _flip_one_byte(tmp_path / "emb.ps1.distcp")
+    loaded = on(world, "trainer1", r.refused_load, job("version-1-load"), str(tmp_path), ["ps0", "ps1", "ps2"])
+    if flipped:
+        assert loaded["error"] is not None and "emb.ps1.distcp: its checksum is sha256:" in loaded["error"], \
+            loaded["error"]
+        same(loaded["after"], loaded["before"], "unchanged")
+    else:
+        assert loaded["error"] is None, loaded["error"]
+        assert torch.equal(loaded["after"]["model"]["weight"], got["weight"])
 
 
 def test_a_checkpoint_without_its_manifest_is_torn_and_refused(world, tmp_path):
@@ -286,7 +319,7 @@ def test_the_job_checkpointer_saves_tables_as_shards_and_skips_a_damaged_one_for
     shards = json.loads((newest / "ps" / "manifest.json").read_text())["files"]
     assert "ps/manifest.json" in listed and "emb.ps1.pt" in shards and "ps/emb.ps1.pt" not in listed, listed
     assert not (newest / "ps.pt").exists()
-    # a byte flipped (its size holds: the server finds it by sha256 as it loads) or a shard cut short
+    # a byte flipped (its size holds: the server finds it by its checksum as it loads) or a shard cut short
     # (the trainer finds it by size): nothing of it is loaded, the step-2 checkpoint is, bit for bit
     (_flip_one_byte if fault == "flipped" else _truncate)(newest / "ps" / "emb.ps1.pt")
     got = on(world, "trainer0", r.job_resumed, job("job-ckpt-resumed"), str(tmp_path))

@@ -1,7 +1,7 @@
 """A shard checkpoint's manifest and its ``torch.distributed.checkpoint`` metadata: what the
 trainer writes (small, last, atomically) and reads back first. Pure file and dict logic; no RPC.
 
-The manifest, ``manifest.json``, lists every file of the checkpoint with its size and sha256
+The manifest, ``manifest.json``, lists every file of the checkpoint with its size and checksum
 (``"files"``), the objects saved (``"objects"``: a table, or a collection's or a PSModel's
 table names), by state_dict-style key (``"emb"``, ``"ebc.a"``) each table's settings and each
 saving server's part of it (``"tables"``), and by name each PSModel's parameters, blocks and
@@ -32,7 +32,9 @@ from remote_module._core import dcp_storage_info
 MANIFEST = "manifest.json"
 #: what a manifest's ``"format"`` says (a directory of something else is refused)
 FORMAT = "remote_module.ps shards"
-VERSION = 1
+VERSION = 2
+#: the manifest versions this build reads (1: files' checksums are SHA-256, under "sha256")
+READS_VERSIONS = (1, 2)
 #: ``torch.distributed.checkpoint``'s metadata file name (its ``filesystem._metadata_fn``)
 DCP_METADATA = ".metadata"
 #: the id of the save under way into a directory (a later save into it refuses the earlier one's manifest)
@@ -42,14 +44,15 @@ LAYOUTS = ("shared", "local")
 
 class CheckpointError(ValueError):
     """A shard checkpoint that cannot be loaded: torn (no manifest: the save did not complete),
-    a file missing, truncated or corrupt (its size or sha256 differs from the manifest's), or
+    a file missing, truncated or corrupt (its size or checksum differs from the manifest's), or
     saved in a layout these servers cannot read. The message names the file and why; nothing
     was loaded."""
 
 
-def write_atomically(path: str, data: bytes) -> None:
+def write_atomically(path: str, data: bytes, durable: bool = True) -> None:
     """``data`` at ``path``, all or nothing: written to a temporary file beside it, flushed to
-    disk, renamed over ``path`` (``os.replace``), and the rename flushed (the directory)."""
+    disk, renamed over ``path`` (``os.replace``), and the rename flushed (the directory). Not
+    ``durable``: neither flushed (a marker that matters only while its writer runs)."""
     directory = os.path.dirname(os.path.abspath(path))
     # (a unique name created as open() creates files, with the umask's permissions: mkstemp's
     # 0600 would keep another user who reads the shard files from reading the manifest)
@@ -58,14 +61,16 @@ def write_atomically(path: str, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(temporary, path)
     except BaseException:
         if os.path.exists(temporary):
             os.remove(temporary)
         raise
-    sync_directory(directory)
+    if durable:
+        sync_directory(directory)
 
 
 def sync_directory(directory: str) -> None:
@@ -116,8 +121,9 @@ def read_manifest(directory: str) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a manifest of remote_module.ps.save_shards (format "
                               f"{manifest.get('format') if isinstance(manifest, dict) else None!r})")
-    if manifest.get("version") != VERSION:
-        raise CheckpointError(f"{path}: manifest version {manifest.get('version')!r}, this build reads {VERSION}")
+    if manifest.get("version") not in READS_VERSIONS:
+        raise CheckpointError(f"{path}: manifest version {manifest.get('version')!r}, this build reads versions "
+                              f"{', '.join(map(str, READS_VERSIONS))}")
     if manifest.get(SELF_SHA256) != _body_sha256(manifest):
         raise CheckpointError(f"{path}: its text does not match its own sha256 (corrupt or edited by hand)")
     return manifest
@@ -138,14 +144,22 @@ def dcp_metadata(weights: dict[str, tuple[tuple[int, int], list[tuple[str, int, 
     return pickle.dumps(Metadata(state_dict_metadata=tensors, storage_data=storage))
 
 
+def file_record(size: int, checksum: str, server: str | None) -> dict[str, Any]:
+    """How the manifest lists a file of ``size`` bytes with ``checksum`` (tagged: ``"crc32:..."``)
+    that ``server`` wrote (None: the trainer)."""
+    return {"bytes": size, "checksum": checksum, "server": server}
+
+
 def file_entry(files: dict, rel: str) -> tuple[str, int, str]:
-    """``(rel, size, sha256)`` of a file the manifest lists (CheckpointError if it lists none)."""
+    """``(rel, size, checksum)`` of a file the manifest lists, its checksum tagged (a version 1
+    manifest's ``sha256`` as ``"sha256:<hex>"``); CheckpointError if it lists none."""
     entry = files.get(rel)
     if not isinstance(entry, dict):
         raise CheckpointError(f"the manifest lists no file {rel!r}: the checkpoint is incomplete")
     if os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/"):
         raise CheckpointError(f"the manifest lists a file outside its directory, {rel!r}: it was edited")
-    return rel, int(entry["bytes"]), str(entry["sha256"])
+    checksum = entry["checksum"] if "checksum" in entry else f"sha256:{entry['sha256']}"
+    return rel, int(entry["bytes"]), str(checksum)
 
 
 def overlaps(blocks: list, ranges: list) -> bool:

@@ -30,6 +30,7 @@ from remote_module.ps.checkpoint._manifest import (
     CheckpointError,
     dcp_metadata,
     file_entry,
+    file_record,
     overlaps,
     read_manifest,
     sync_directory,
@@ -96,7 +97,7 @@ def save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, layout: 
     optimizer state: ``<name>.<server>.pt``; the tables inside a PSModel are saved as tables,
     ``<name>.<table>``); then the trainer writes its own small files (``<name>.trainer.pt``: its
     ``ps_optimizer`` settings; a PSModel's buffers and the optimizer state that is not per
-    element; geo: its own optimizer state) and ``manifest.json`` (every file's size and sha256),
+    element; geo: its own optimizer state) and ``manifest.json`` (every file's size and checksum),
     last and atomically: a directory without it is torn and never loaded. The tables are
     settled first, as ``state_dict()`` settles them (a PSModel's pushes land, half_async
     merges, sync reads after this trainer's last step). Returns the manifest.
@@ -188,8 +189,9 @@ class ShardSave:
         if self.layout == "shared":
             _check_visible(self.directory, manifest["files"])
         if weights:
-            size, sha = _shard_files._write_file(self.directory, DCP_METADATA, [memoryview(dcp_metadata(weights))])
-            manifest["files"][DCP_METADATA] = {"bytes": size, "sha256": sha, "server": None}
+            size, checksum = _shard_files._write_file(self.directory, DCP_METADATA,
+                                                      [memoryview(dcp_metadata(weights))])
+            manifest["files"][DCP_METADATA] = file_record(size, checksum, None)
         os.remove(os.path.join(self.directory, SAVE_ID))  # (a save under way no more)
         self._manifest = write_manifest(self.directory, manifest)
         return self._manifest
@@ -248,8 +250,9 @@ def begin_save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, la
         table._settle()
     save = uuid.uuid4().hex
     # this save's id: a save begun into this directory since (whose servers write over these
-    # files) makes this one's wait() refuse to write a manifest
-    write_atomically(os.path.join(directory, SAVE_ID), save.encode())
+    # files) makes this one's wait() refuse to write a manifest (not flushed to disk: it matters only while
+    # this save runs, and a crash leaves the save torn whatever it holds)
+    write_atomically(os.path.join(directory, SAVE_ID), save.encode(), durable=False)
     each: dict[str, list[tuple[str, str, str, bool]]] = {}  # (one call per server: its snapshots one by one)
     for key, table in tables:
         for server in table._by_server:
@@ -279,15 +282,14 @@ def _table_manifest(directory: str, layout: str, key: str, table: ShardedEmbeddi
     servers = {}
     for server, reply in written:
         where = "" if layout == "shared" else f"{server}/"
-        for rel, (size, sha) in reply.files.items():
-            files[where + rel] = {"bytes": size, "sha256": sha, "server": server}
+        for rel, (size, checksum) in reply.files.items():
+            files[where + rel] = file_record(size, checksum, server)
         stem = f"{where}{key}.{server}"
         servers[server] = {**{k: v for k, v in reply._asdict().items() if k != "files"}, "rows": f"{stem}.pt",
                            "weights": f"{stem}.distcp" if reply.chunks else None,
                            "sketch": f"{stem}.sketch.pt" if f"{key}.{server}.sketch.pt" in reply.files else None}
     rel = f"{key}.trainer.pt"
-    size, sha = _shard_files._write_file(directory, rel, [own])
-    files[rel] = {"bytes": size, "sha256": sha, "server": None}
+    files[rel] = file_record(*_shard_files._write_file(directory, rel, [own]), None)
     return {**table_entry(table), "clock": max(p["clock"] for p in servers.values()),
             "optimizer_steps": max(p["optimizer_steps"] for p in servers.values()), "trainer_file": rel,
             "dcp_key": f"{key}.weight" if table.init != "lazy" else None, "servers": servers}
@@ -301,7 +303,7 @@ def load_shards(path: str | os.PathLike, objects: Mapping[str, Any]) -> None:
     (sizes, optimizer, admission sketch: the checks of ``load_state_dict`` and
     ``load_optimizer_state_dict``), that each PSModel fits (parameter names and shapes, buffers,
     optimizer class, geo or not) and that the layout can be read here. Then every server reads
-    the files that hold rows (elements) of its blocks, checking each one's size and sha256; only
+    the files that hold rows (elements) of its blocks, checking each one's size and checksum; only
     when every server has read its files do they load them, as ``load_state_dict()`` then
     ``load_optimizer_state_dict()`` of the same tables and PSModels would (bit for bit; a
     PSModel's local parameters show the values loaded from its next forward's pull on). A
@@ -540,8 +542,8 @@ def _model_manifest(directory: str, layout: str, key: str, model: PSModel, writt
         return "" if layout == "shared" else f"{server}/"
 
     for server, reply in written.items():
-        for rel, (size, sha) in reply.files.items():
-            files[where(server) + rel] = {"bytes": size, "sha256": sha, "server": server}
+        for rel, (size, checksum) in reply.files.items():
+            files[where(server) + rel] = file_record(size, checksum, server)
     first: dict[str, Any] = {}  # each parameter's first block: its state's keys are the parameter's
     for slot in model._slots:
         first.setdefault(slot.pname, slot)
@@ -549,8 +551,7 @@ def _model_manifest(directory: str, layout: str, key: str, model: PSModel, writt
     scalars = {p: written[s.server].scalars.get(s.name, {}) for p, s in first.items()}
     own = {**own, "keys": keys, "scalars": scalars}
     rel = f"{key}.trainer.pt"
-    size, sha = write_file(directory, rel, [own])
-    files[rel] = {"bytes": size, "sha256": sha, "server": None}
+    files[rel] = file_record(*write_file(directory, rel, [own]), None)
     params = model._params()
     kwargs = model.optimizer[1]
     return {"name": model.name, "ps_mode": model.ps_mode, "optimizer": model.optimizer[0].__name__,

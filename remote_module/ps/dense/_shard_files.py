@@ -11,7 +11,7 @@ the trainer re-slices; the rest (e.g. Adam's ``step``) is answered to the traine
 the parameter's first block's (as ``optimizer_state_dict()`` does) in its own file.
 
 A load is two calls: :func:`_stage_model` checks every file the trainer names (size and
-sha256, as the manifest records them) and assembles this server's blocks from the saved blocks
+checksum, as the manifest records them) and assembles this server's blocks from the saved blocks
 that overlap them (any number of servers saved them), changing nothing; once every server
 staged, :func:`_apply_model` loads them with the handlers a trainer-side load uses
 (``_set_values``, then ``_load_optimizer_state``). A corrupt file on any server so leaves the
@@ -36,7 +36,7 @@ from remote_module.ps.dense import _server
 
 class ModelWritten(NamedTuple):
     """What a server wrote of a PSModel (:func:`_begin_model`): its ``files`` (``{rel: (size,
-    sha256)}``), per block the optimizer state's keys in order (``keys``) and the values of
+    checksum)}``), per block the optimizer state's keys in order (``keys``) and the values of
     those that are not per element (``scalars``, small), and the job's sync step here."""
 
     files: dict[str, tuple[int, str]]

@@ -13,24 +13,29 @@ from remote_module.ps.tables.server._rows import AT_INIT, RowBlock
 from remote_module.ps.tables.server._table import Table
 
 
-def _block_rows(name: str, first: int, clocks: bool = False, version: bool = False) -> tuple:
+def _block_rows(name: str, first: int, clocks: bool = False, version: bool = False, eager_ids: bool = True) -> tuple:
     """``(ids, rows)`` the block starting at row ``first`` stores: every row of an eager block,
     the touched rows of a lazy one (sorted by id; evicted rows swept first); with ``clocks``
     also each row's eviction clock (its step when last stepped, or None without eviction) and
     the table's step here; with ``version`` last the table's version here (what a delta taken
-    now would reach: a checkpoint's place in the delta chains)."""
+    now would reach: a checkpoint's place in the delta chains). Without ``eager_ids``, an eager
+    block's ids are None (they are its rows in order: a snapshot need not spend 8 bytes a row)."""
     table = _table(name)
     with table.lock:
         table.sweep()
         rows = table.block(first)
         with rows.lock:
-            ids, slots = rows.stored()
-            # (an eager block stores every row, in order: one copy of them is a plain memcpy)
-            values = (rows.values[:slots.numel()].clone() if rows.slot_of is None
-                      else rows.values.index_select(0, slots))
+            if rows.slot_of is None:  # an eager block stores every row, in order: one copy is a plain memcpy
+                slots = None
+                ids = torch.arange(rows.first, rows.first + rows.count) if eager_ids else None
+                values = rows.values[:rows.count].clone()
+            else:
+                ids, slots = rows.stored()
+                values = rows.values.index_select(0, slots)
             out = (ids, values)
             if clocks:
-                last = None if rows.last is None else rows.last.index_select(0, slots)
+                last = (None if rows.last is None else
+                        rows.last[:rows.count].clone() if slots is None else rows.last.index_select(0, slots))
                 out += (last, table.clocks.step)
             if version:
                 out += (table.clocks.version,)

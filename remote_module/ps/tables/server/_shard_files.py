@@ -22,7 +22,7 @@ one writer thread (``_shard_io.writes``) while the table trains on; :func:`_shar
 answers with the outcome.
 
 A load is two calls: :func:`_stage_shards` reads the files the trainer names (checking each
-one's size and sha256, as the manifest records them) and keeps the rows in this server's
+one's size and checksum, as the manifest records them) and keeps the rows in this server's
 ranges, changing nothing; once every server staged, :func:`_apply_staged` loads them with the
 handlers a trainer-side load uses (``_set_rows``, ``_set_admission``, ``_set_row_state``), in
 the same order. A corrupt file on any server so leaves every table as it was.
@@ -63,7 +63,7 @@ class ShardReads(NamedTuple):
 
 class Written(NamedTuple):
     """What a server wrote of a table (:func:`_write_shards`), as the manifest lists it: its
-    ``files`` (``{rel: (size, sha256)}``), an eager table's ``chunks`` (``(first row, rows,
+    ``files`` (``{rel: (size, checksum)}``), an eager table's ``chunks`` (``(first row, rows,
     offset, length)`` in its ``.distcp`` file), the ``blocks`` it holds, the table's step here
     (``clock``) and its optimizer step count, the optimizer state's keys and rows, and the
     table's ``versions`` while read (its place in the delta chains: ``(first, last)``)."""
@@ -120,16 +120,17 @@ def _snapshot(name: str, evicting: bool) -> Snapshot:
     what :func:`_write_snapshot` writes (``evicting``: with each row's eviction clock)."""
     table = _table(name)
     blocks = table.layout()
-    return Snapshot(name, blocks, [handlers._block_rows(name, first, True, True) for first, _ in blocks],
-                    [handlers._row_state(name, first) for first, _ in blocks], handlers._admission_state(name),
-                    table.spec.init != "lazy", evicting, table.spec.dim, table.spec.dtype)
+    read = [handlers._block_rows(name, first, True, True, eager_ids=False) for first, _ in blocks]
+    state = [handlers._row_state(name, first) for first, _ in blocks]
+    return Snapshot(name, blocks, read, state, handlers._admission_state(name), table.spec.init != "lazy", evicting,
+                    table.spec.dim, table.spec.dtype)
 
 
 def _write_snapshot(snap: Snapshot, directory: str, stem: str) -> Written:
     """Write a table's :class:`Snapshot` under ``directory`` (files ``stem.*``, ``stem``
     relative to it): what the manifest lists."""
     read, state = snap.read, snap.state
-    ids = torch.cat([r[0] for r in read])
+    ids = None if snap.eager else torch.cat([r[0] for r in read])
     clock = max(r[3] for r in read)  # (the table's step here: a block read before a step was a step behind)
     keys = list(dict.fromkeys(k for _, _, s in state for k in s))
     empty = torch.empty(0, snap.dim, dtype=snap.dtype)
