@@ -398,6 +398,53 @@ def saved_in_the_background(name: str, directory: str, hold_s: float) -> dict:
             "done_while_held": done_while_held, "torn_while_held": torn_while_held}
 
 
+def kept_bytes() -> int:
+    """(On a server) bytes of snapshot memory kept for the next save."""
+    from remote_module.ps._shard_io import snapshots
+
+    return snapshots.held_bytes()
+
+
+def saves_into_kept_memory(name: str, first: str, second: str, hold_s: float) -> dict:
+    """An eager table on ps0, ps1 (SparseAdam, eviction clocks) saved twice with its servers
+    keeping the snapshot memory: the first save begun with both writers held, the second begun
+    while the first still waits to be written (its snapshot must not reuse memory not yet
+    written), the table trained between and after; then a third save once both are written (its
+    snapshot reuses the kept memory). Each checkpoint loaded into a fresh table, beside the table
+    at each save, and the servers' kept bytes after the first two saves."""
+    import torch.distributed.rpc as rpc
+
+    from remote_module.ps import load_shards
+    from remote_module.ps.checkpoint._shards import begin_save_shards
+
+    case = "eager-sparse-adam-eviction"
+    source = bag(name, ["ps0", "ps1"], case)
+    train(source, range(4))
+    at = [checkpoint(source)]
+    for server in ("ps0", "ps1"):
+        rpc.rpc_sync(server, hold_writer, args=(hold_s,))
+    saves = [begin_save_shards(first, {"emb": source}, keep_snapshot_s=hold_s)]
+    train(source, range(4, 7))
+    at.append(checkpoint(source))
+    saves.append(begin_save_shards(second, {"emb": source}, keep_snapshot_s=hold_s))
+    train(source, range(7, 10))
+    for server in ("ps0", "ps1"):
+        rpc.rpc_sync(server, release_writer)
+    for save in saves:
+        save.wait()
+    kept = {server: rpc.rpc_sync(server, kept_bytes) for server in ("ps0", "ps1")}
+    at.append(checkpoint(source))
+    third = os.path.join(os.path.dirname(second), "third")
+    begin_save_shards(third, {"emb": source}, keep_snapshot_s=hold_s).wait()
+    train(source, range(10, 12))
+    loaded = []
+    for i, directory in enumerate((first, second, third)):
+        into = bag(f"{name}-loaded{i}", ["ps0", "ps1"], case)
+        load_shards(directory, {"emb": into})
+        loaded.append(checkpoint(into))
+    return {"at": at, "loaded": loaded, "kept": kept}
+
+
 def failed_background_write(name: str, directory: str) -> str | None:
     """A background save in the local layout whose ps1 folder cannot be made (a file is in its
     place): the error its ``wait()`` raises, or None."""

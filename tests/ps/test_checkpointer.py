@@ -215,17 +215,18 @@ def test_a_save_begins_only_once_the_servers_wrote_the_one_before(tmp_path, monk
     # the servers hold one snapshot at a time: a save waits for the previous one's write
     begun: list[_ServersSave] = []
 
-    def begin_ps(path, objects, timeout=None):
+    def begin_ps(path, objects, timeout=None, keep_snapshot_s=0.0):
         begun.append(_ServersSave(begun))
         return begun[-1]
 
     monkeypatch.setattr(_checkpointer, "_begin_ps", begin_ps)
-    seen = []
+    seen, kept = [], []
     real_begin = begin_ps
 
-    def checked(path, objects, timeout=None):
+    def checked(path, objects, timeout=None, keep_snapshot_s=0.0):
         seen.append([b.waited for b in begun])  # (each earlier save's write waited for, when this one begins)
-        return real_begin(path, objects, timeout)
+        kept.append(keep_snapshot_s)
+        return real_begin(path, objects, timeout, keep_snapshot_s)
 
     monkeypatch.setattr(_checkpointer, "_begin_ps", checked)
     ckpt = Checkpointer(tmp_path, every_steps=1, keep=5)
@@ -234,6 +235,8 @@ def test_a_save_begins_only_once_the_servers_wrote_the_one_before(tmp_path, monk
         ckpt.step()
     ckpt.close()
     assert seen == [[], [True], [True, True], [True, True, True]]
+    # the servers keep a snapshot's memory for the next save (at least KEEP_SNAPSHOT_MIN_S)
+    assert kept and all(k >= _checkpointer.KEEP_SNAPSHOT_MIN_S for k in kept), kept
     assert [step for step, _ in complete_checkpoints(tmp_path)] == [1, 2, 3, 4]
 
 

@@ -341,6 +341,19 @@ def test_a_background_save_writes_the_snapshot_while_the_table_trains_on(world, 
     assert json.loads((tmp_path / "manifest.json").read_text()) == got["manifest"]
 
 
+def test_snapshots_into_memory_kept_from_the_last_save_are_what_each_save_began_with(world, tmp_path):
+    # the second save begins while the first waits to be written: its snapshot may not reuse the
+    # first's memory; the third reuses what the first two kept once written
+    got = on(world, "trainer0", r.saves_into_kept_memory, job("kept"), str(tmp_path / "a"), str(tmp_path / "b"),
+             HANG_S)
+    assert all(kept > 0 for kept in got["kept"].values()), got["kept"]
+    for i, (loaded, at) in enumerate(zip(got["loaded"], got["at"])):
+        for part in ("model", "optim"):
+            same(loaded[part], at[part], f"save {i}: {part}")
+    assert any(not torch.equal(a, b) for a, b in zip(got["at"][0]["model"].values(), got["at"][2]["model"].values())
+               if isinstance(a, torch.Tensor)), "training between the saves changed nothing: the test could not tell"
+
+
 def test_a_background_write_that_fails_is_raised_by_wait_naming_the_files(world, tmp_path):
     error = on(world, "trainer0", r.failed_background_write, job("failed-write"), str(tmp_path))
     assert error is not None and "ps1" in error and "emb.ps1" in error, error

@@ -92,6 +92,9 @@ from remote_module.ps.checkpoint._shards import ShardSave
 
 #: seconds between looks at a staging directory while waiting for the trainers' files
 _POLL_S = 0.05
+#: the servers keep a save's snapshot memory for the next save at least this long, and three
+#: times the time between the last two saves (``begin_save_shards(keep_snapshot_s=...)``)
+KEEP_SNAPSHOT_MIN_S = 120.0
 
 # ---- the gate: the other trainers wait until the first one loaded the servers' part ------------
 
@@ -230,6 +233,7 @@ class Checkpointer:
         self._resumed = False
         self._pending: list[_Pending] = []
         self._saved: int | None = None  # the step of the last save() (saved once per step)
+        self._saved_at: float | None = None  # when (time.monotonic())
         # checkpoints are completed (manifests, fsyncs, renames, old ones removed) on a thread of their own
         self._completer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="remote_module-checkpointer")
         self._completing: list[Future] = []
@@ -360,7 +364,10 @@ class Checkpointer:
             self._finish(wait=True)
             self._drain()
         staging.mkdir(parents=True, exist_ok=True)
-        begun = _begin_ps(staging, self.ps, self.timeout) if self.rank == 0 else None
+        now = time.monotonic()
+        keep_s = KEEP_SNAPSHOT_MIN_S if self._saved_at is None else max(KEEP_SNAPSHOT_MIN_S, 3 * (now - self._saved_at))
+        self._saved_at = now
+        begun = _begin_ps(staging, self.ps, self.timeout, keep_snapshot_s=keep_s) if self.rank == 0 else None
         mine = {"step": step, "local": {name: _state_of(obj) for name, obj in self.local.items()},
                 "ps_settings": _ps_settings(self.ps), "rng": _rng_state()}
         # (not fsynced here: the first trainer fsyncs every file before it writes the manifest)

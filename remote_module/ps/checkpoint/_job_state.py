@@ -29,7 +29,8 @@ def _save_ps(path: Path, objects: Mapping[str, Any]) -> None:
 
 
 
-def _begin_ps(path: Path, objects: Mapping[str, Any], timeout: float | None = None) -> ShardSave | None:
+def _begin_ps(path: Path, objects: Mapping[str, Any], timeout: float | None = None,
+              keep_snapshot_s: float = 0.0) -> ShardSave | None:
     """Begin saving the parameter servers' ``objects`` (name -> table, collection or
     ``PSModel``) into the directory ``path``; run by one trainer only. Returns the servers'
     save, in the background (None without objects): complete once its ``wait()`` returned.
@@ -39,9 +40,11 @@ def _begin_ps(path: Path, objects: Mapping[str, Any], timeout: float | None = No
     theirs before this returns); the trainer writes only its own small files (``ps_optimizer``
     settings, a PSModel's buffers; geo: its optimizer and progress) and, at ``wait()``, the
     small ``ps/manifest.json`` (every shard file's size and SHA-256, last); no row or parameter
-    passes through the trainer. ``timeout``: seconds the servers' writing may take.
+    passes through the trainer. ``timeout``: seconds the servers' writing may take;
+    ``keep_snapshot_s``: how long the servers keep the snapshot's memory for the next save.
     """
-    return begin_save_shards(path / PS_DIR, objects, timeout=timeout) if objects else None
+    return (begin_save_shards(path / PS_DIR, objects, timeout=timeout, keep_snapshot_s=keep_snapshot_s)
+            if objects else None)
 
 
 def _check_names(path: Path, objects: Mapping[str, Any], models_saved: Mapping[str, Any]) -> None:

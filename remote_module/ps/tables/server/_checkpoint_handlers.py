@@ -7,19 +7,23 @@ from __future__ import annotations
 
 import torch
 
+from remote_module.ps._shard_io import snapshots
 from remote_module.ps.tables.lifetime._deltas import changed_rows
 from remote_module.ps.tables.server._handlers import _table
 from remote_module.ps.tables.server._rows import AT_INIT, RowBlock
 from remote_module.ps.tables.server._table import Table
 
 
-def _block_rows(name: str, first: int, clocks: bool = False, version: bool = False, eager_ids: bool = True) -> tuple:
+def _block_rows(name: str, first: int, clocks: bool = False, version: bool = False, eager_ids: bool = True,
+                keep_s: float = 0.0) -> tuple:
     """``(ids, rows)`` the block starting at row ``first`` stores: every row of an eager block,
     the touched rows of a lazy one (sorted by id; evicted rows swept first); with ``clocks``
     also each row's eviction clock (its step when last stepped, or None without eviction) and
     the table's step here; with ``version`` last the table's version here (what a delta taken
     now would reach: a checkpoint's place in the delta chains). Without ``eager_ids``, an eager
-    block's ids are None (they are its rows in order: a snapshot need not spend 8 bytes a row)."""
+    block's ids are None (they are its rows in order: a snapshot need not spend 8 bytes a row);
+    ``keep_s``: an eager block's rows are copied into snapshot memory kept that long
+    (``_shard_io.SnapshotMemory``: a save's snapshot)."""
     table = _table(name)
     with table.lock:
         table.sweep()
@@ -28,7 +32,7 @@ def _block_rows(name: str, first: int, clocks: bool = False, version: bool = Fal
             if rows.slot_of is None:  # an eager block stores every row, in order: one copy is a plain memcpy
                 slots = None
                 ids = torch.arange(rows.first, rows.first + rows.count) if eager_ids else None
-                values = rows.values[:rows.count].clone()
+                values = snapshots.copy(snapshot_key(name, rows.first), rows.values[:rows.count], keep_s)
             else:
                 ids, slots = rows.stored()
                 values = rows.values.index_select(0, slots)
@@ -40,6 +44,12 @@ def _block_rows(name: str, first: int, clocks: bool = False, version: bool = Fal
             if version:
                 out += (table.clocks.version,)
             return out
+
+
+def snapshot_key(name: str, first: int) -> tuple:
+    """The key under which snapshots of the rows of table ``name``'s block at ``first`` are
+    kept (``_shard_io.snapshots``)."""
+    return ("table rows", name, first)
 
 
 def aged(last: torch.Tensor, lag: int) -> torch.Tensor:

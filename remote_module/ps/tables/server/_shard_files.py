@@ -40,7 +40,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed.rpc as rpc
 
-from remote_module.ps._shard_io import FileEntry, writes
+from remote_module.ps._shard_io import FileEntry, snapshots, writes
 from remote_module.ps._shard_io import load_file as _load
 from remote_module.ps._shard_io import verify as _verify
 from remote_module.ps._shard_io import write_file as _write_file
@@ -115,12 +115,13 @@ class Snapshot(NamedTuple):
     dtype: torch.dtype
 
 
-def _snapshot(name: str, evicting: bool) -> Snapshot:
+def _snapshot(name: str, evicting: bool, keep_s: float = 0.0) -> Snapshot:
     """Copy this server's blocks of table ``name`` (rows, clocks, optimizer state, sketch):
-    what :func:`_write_snapshot` writes (``evicting``: with each row's eviction clock)."""
+    what :func:`_write_snapshot` writes (``evicting``: with each row's eviction clock;
+    ``keep_s``: eager rows into snapshot memory kept that long, ``_shard_io.SnapshotMemory``)."""
     table = _table(name)
     blocks = table.layout()
-    read = [handlers._block_rows(name, first, True, True, eager_ids=False) for first, _ in blocks]
+    read = [handlers._block_rows(name, first, True, True, eager_ids=False, keep_s=keep_s) for first, _ in blocks]
     state = [handlers._row_state(name, first) for first, _ in blocks]
     return Snapshot(name, blocks, read, state, handlers._admission_state(name), table.spec.init != "lazy", evicting,
                     table.spec.dim, table.spec.dtype)
@@ -160,19 +161,29 @@ def _write_shards(name: str, directory: str, stem: str, evicting: bool) -> Writt
 
 # ---- saves in the background: a snapshot now, its files written while the table trains on --------
 
-def _begin_shards(save: str, tables: list[tuple[str, str, str, bool]]) -> None:
+def _begin_shards(save: str, tables: list[tuple[str, str, str, bool]], keep_s: float = 0.0) -> None:
     """Snapshot this server's blocks of each table now (``(name, directory, stem, evicting)``:
     what :func:`_write_shards` would write), one after another, then write them in the
     background (``_shard_io.writes``: one save after another); :func:`_shards_written` answers
     with each outcome. Returns once every snapshot is taken: the tables may change from then on
-    without changing what is written."""
+    without changing what is written. ``keep_s``: the snapshot's memory is kept that long for
+    the next save's (``_shard_io.SnapshotMemory``)."""
     again = [name for name, *_ in tables if writes.begun(("table", save, name))]
     if again:
         raise ValueError(f"table {again[0]!r}: save {save!r} was begun here already")
-    snaps = [(_snapshot(name, evicting), directory, stem) for name, directory, stem, evicting in tables]
+    snaps = [(_snapshot(name, evicting, keep_s), directory, stem) for name, directory, stem, evicting in tables]
     for snap, directory, stem in snaps:
-        writes.begin(("table", save, snap.name), partial(_write_snapshot, snap, directory, stem),
+        writes.begin(("table", save, snap.name), partial(_write_and_keep, snap, directory, stem, keep_s),
                      f"table {snap.name!r}: writing {os.path.join(directory, stem)}.*")
+
+
+def _write_and_keep(snap: Snapshot, directory: str, stem: str, keep_s: float) -> Written:
+    """:func:`_write_snapshot`, then its eager rows' memory kept for the next snapshot."""
+    written = _write_snapshot(snap, directory, stem)
+    if snap.eager:
+        for (first, _), read in zip(snap.blocks, snap.read):
+            snapshots.keep(handlers.snapshot_key(snap.name, first), read[1], keep_s)
+    return written
 
 
 @rpc.functions.async_execution

@@ -1,0 +1,67 @@
+"""The memory a server copies save snapshots into (``_shard_io.SnapshotMemory``): kept after a
+write for the next snapshot only when asked, reused only when it fits, freed when not taken again
+in time."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from remote_module.ps._shard_io import SnapshotMemory
+from tests._deadlines import HANG_S
+
+
+def test_without_keeping_each_copy_is_fresh_and_nothing_is_held():
+    memory, source = SnapshotMemory(), torch.randn(100, 4)
+    a = memory.copy(("t", 0), source, 0)
+    memory.keep(("t", 0), a, 0)
+    b = memory.copy(("t", 0), source, 0)
+    assert torch.equal(a, source) and torch.equal(b, source)
+    assert a.data_ptr() != source.data_ptr() and b.data_ptr() != a.data_ptr()
+    assert memory.held_bytes() == 0
+
+
+def test_kept_memory_is_taken_by_the_next_copy_of_the_same_shape_and_only_once():
+    memory, source = SnapshotMemory(), torch.randn(100, 4)
+    a = memory.copy(("t", 0), source, 60)
+    memory.keep(("t", 0), a, 60)
+    assert memory.held_bytes() == a.numel() * a.element_size()
+    source.add_(1)
+    b = memory.copy(("t", 0), source, 60)
+    assert b.data_ptr() == a.data_ptr() and torch.equal(b, source)
+    assert memory.held_bytes() == 0  # (taken: a second copy meanwhile gets fresh memory)
+    c = memory.copy(("t", 0), source, 60)
+    assert c.data_ptr() != b.data_ptr() and torch.equal(c, source)
+
+
+def test_kept_memory_of_another_shape_or_key_is_not_used():
+    memory = SnapshotMemory()
+    a = memory.copy(("t", 0), torch.randn(100, 4), 60)
+    memory.keep(("t", 0), a, 60)
+    bigger = torch.randn(101, 4)
+    b = memory.copy(("t", 0), bigger, 60)
+    assert b.data_ptr() != a.data_ptr() and torch.equal(b, bigger)
+    memory.keep(("t", 0), b, 60)
+    other = memory.copy(("t", 1), torch.randn(101, 4), 60)
+    assert other.data_ptr() != b.data_ptr()
+    doubles = torch.randn(101, 4, dtype=torch.float64)
+    d = memory.copy(("t", 0), doubles, 60)
+    assert d.dtype == torch.float64 and torch.equal(d, doubles) and d.data_ptr() != b.data_ptr()
+
+
+def test_kept_memory_not_taken_again_in_time_is_freed():
+    memory = SnapshotMemory()
+    a = memory.copy(("t", 0), torch.randn(100, 4), 0.05)
+    memory.keep(("t", 0), a, 0.05)
+    deadline = time.monotonic() + HANG_S
+    while memory.held_bytes() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert memory.held_bytes() == 0
+    # a later keep's timer is not cut short by an earlier one's
+    first = memory.keep(("t", 0), a, 0.05)
+    b = memory.copy(("t", 0), torch.randn(100, 4), 60)
+    memory.keep(("t", 0), b, 60)
+    first.join(HANG_S)
+    assert not first.is_alive()
+    assert memory.held_bytes() == b.numel() * b.element_size()
