@@ -1,0 +1,74 @@
+"""How a server writes a shard file (``_shard_io.write_saved``): around the page cache
+(``O_DIRECT``, through an aligned staging buffer) where the filesystem allows it, else through
+it; the same bytes, size, checksum and spans either way, and the fallback taken when the
+filesystem refuses direct writes at open or at the first write."""
+
+from __future__ import annotations
+
+import errno
+import os
+import zlib
+
+import pytest
+import torch
+
+from remote_module.ps import _shard_io
+
+#: parts of odd sizes, one larger than the staging buffer (the tail is padded, then cut)
+PARTS = [b"\x01" * 4099, torch.arange(1000, dtype=torch.float32),
+         torch.randn(_shard_io._STAGE_BYTES // 4 + 12345, generator=torch.Generator().manual_seed(1)), b"tail"]
+
+
+def _write(tmp_path, name: str, direct: bool, monkeypatch) -> tuple:
+    monkeypatch.setattr(_shard_io, "DIRECT_WRITES", direct)
+    got = _shard_io.write_saved(str(tmp_path), f"sub/{name}", PARTS)
+    return got, (tmp_path / "sub" / name).read_bytes()
+
+
+def test_a_direct_write_equals_a_buffered_one_byte_for_byte(tmp_path, monkeypatch):
+    direct, direct_bytes = _write(tmp_path, "direct", True, monkeypatch)
+    buffered, buffered_bytes = _write(tmp_path, "buffered", False, monkeypatch)
+    assert direct == buffered and direct_bytes == buffered_bytes
+    (size, checksum), spans = direct
+    assert size == len(direct_bytes) and size % 4096 != 0  # (the padding was cut off)
+    assert checksum == f"crc32:{zlib.crc32(direct_bytes):08x}"
+    assert direct_bytes[:4099] == PARTS[0] and direct_bytes[-4:] == b"tail"
+    for (offset, length), part in zip(spans[1:3], PARTS[1:3]):
+        assert torch.equal(_shard_io.load_file(str(tmp_path / "sub" / "direct"), (offset, length)), part)
+    _shard_io.verify(str(tmp_path), _shard_io.FileEntry("sub/direct", size, checksum))
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this OS: every write is buffered")
+@pytest.mark.parametrize("refused_at", ["open", "first write"])
+def test_a_filesystem_that_refuses_direct_writes_gets_a_buffered_one(tmp_path, monkeypatch, refused_at):
+    real_open, real_write, refused = os.open, os.write, []
+
+    def open_(path, flags, *args):
+        if flags & os.O_DIRECT and refused_at == "open":
+            refused.append(path)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    def write_(fd, data):
+        if refused_at == "first write" and not refused:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "open", open_)
+    monkeypatch.setattr(os, "write", write_)
+    got, data = _write(tmp_path, "refused", True, monkeypatch)
+    assert refused, "the direct write was not tried"
+    monkeypatch.setattr(os, "open", real_open)
+    monkeypatch.setattr(os, "write", real_write)
+    expected, expected_bytes = _write(tmp_path, "buffered", False, monkeypatch)
+    assert got == expected and data == expected_bytes
+
+
+def test_another_error_of_a_direct_write_is_raised(tmp_path, monkeypatch):
+    def write_(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", write_)
+    with pytest.raises(OSError, match="No space left"):
+        _write(tmp_path, "full", True, monkeypatch)
