@@ -15,7 +15,10 @@ it: its training loop only), the CPU seconds of every process of the run per tra
 process over the training loop (trainer0, trainer1, ps0, ps1: the demo's ``cpu_s``), and with
 checkpoints the saves completed, the bytes of each, the seconds training waited per save on
 trainer0 (the servers' snapshot and its own file) and the seconds the servers took to write
-the newest one in the background. Writes JSON (bench-checkpoint-cost-results.json by default).
+the newest one in the background. Then this machine's own cost of what a server's save does
+with 32 MB of rows (:func:`probe`: copies into fresh and into reused memory, SHA-256 and CRC-32,
+a file written through the page cache and around it, in the directory the checkpoints went to).
+Writes JSON (bench-checkpoint-cost-results.json by default).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +62,50 @@ def _run(steps: int, checkpoint: str | None, every: int, work: Path) -> dict[str
         got.update(saves=figures["completed"], bytes_per_save=figures["bytes"],
                    waited_s_per_save=figures["save_s"] / max(1, figures["saves"]), write_s=figures["write_s"])
     return got
+
+
+def _median_cpu_ms(work: Any, times: int = 3) -> float:
+    """The median thread CPU milliseconds (user + system) of ``work()``."""
+    spent = []
+    for _ in range(times):
+        before = time.thread_time()
+        work()
+        spent.append(1e3 * (time.thread_time() - before))
+    return statistics.median(spent)
+
+
+def probe(mb: int = 32) -> dict[str, float]:
+    """This machine's own cost of what a server's save does with ``mb`` MB of rows (thread CPU
+    ms, median of 3): copied into fresh memory and into memory touched before (the kept snapshot
+    memory), checksummed (SHA-256, CRC-32), and (median of 5 new files each, interleaved) a file
+    of them written and fsynced through the page cache and around it (``O_DIRECT``; where the
+    filesystem refuses it, both are buffered)."""
+    import hashlib
+    import zlib
+
+    import torch
+
+    from remote_module.ps import _shard_io
+
+    rows = torch.randn(mb << 18)  # (mb MB of float32)
+    kept = torch.empty_like(rows)
+    data = memoryview(rows.numpy()).cast("B")
+    got = {"copy_fresh_ms": _median_cpu_ms(lambda: rows.clone()),
+           "copy_kept_ms": _median_cpu_ms(lambda: kept.copy_(rows)),
+           "sha256_ms": _median_cpu_ms(lambda: hashlib.sha256(data).digest()),
+           "crc32_ms": _median_cpu_ms(lambda: zlib.crc32(data))}
+    directory = tempfile.mkdtemp(prefix="bench-checkpoint-probe-")  # (where the runs' checkpoints went)
+    writes: dict[str, list[float]] = {"write_buffered_ms": [], "write_direct_ms": []}
+    previous = _shard_io.DIRECT_WRITES
+    try:
+        for i in range(5):  # (new files one after another, as a job's saves write them; interleaved)
+            for name, direct in (("write_buffered_ms", False), ("write_direct_ms", True)):
+                _shard_io.DIRECT_WRITES = direct
+                writes[name].append(_median_cpu_ms(lambda: _shard_io.write_saved(directory, f"{name}{i}", [rows]), 1))
+    finally:
+        _shard_io.DIRECT_WRITES = previous
+        shutil.rmtree(directory, ignore_errors=True)
+    return {**got, **{name: statistics.median(spent) for name, spent in writes.items()}}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -112,6 +160,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"per save: {summary['bytes_per_save'] / 1e6:.1f} MB, training waited {summary['waited_s_per_save']:.3f} s, "
           f"the servers wrote in {summary['write_s']:.2f} s in the background; saves completed per run "
           f"{summary['saves']}; load average {summary['load_avg'][0]:.1f}")
+    summary["probe"] = probe(4 if args.quick else 32)
+    mb = 4 if args.quick else 32
+    print(f"this machine, {mb} MB of rows (thread CPU ms, median of 3): " + ", ".join(
+        f"{k[:-3].replace('_', ' ')} {v:.1f}" for k, v in summary["probe"].items()))
     Path(args.json).write_text(json.dumps(summary, indent=1))
     return summary
 

@@ -7,7 +7,7 @@ steps done), holding
   (:func:`~._job_state._begin_ps` / :func:`~._job_state._load_ps`) in ``ps/``: a
   :func:`~._shards.save_shards` checkpoint that each server writes (and reads) its own blocks
   of (a table's rows, a ``PSModel``'s parameters and optimizer state), the trainer only
-  ``ps/manifest.json`` (every shard file's size and SHA-256) and its own small files
+  ``ps/manifest.json`` (every shard file's size and CRC-32) and its own small files
   (``ps_optimizer`` settings, a ``PSModel``'s buffers); a checkpoint saved before PSModels
   went to ``ps/`` holds them in ``ps.pt`` and still loads;
 - ``trainer-<r>.pt`` for each trainer ``r``: its local objects' ``state_dict()`` (model,
@@ -38,7 +38,7 @@ come faster than the servers write), so the servers hold one snapshot at a time.
 Resume: the first trainer picks the newest checkpoint whose manifest holds (every file there,
 of its size and checksum, and every shard file ``ps/manifest.json`` lists, of its size; else a
 warning names the directory and why, and the previous one is tried), loads the servers' part
-(each server checks its shard files' SHA-256 first: a corrupt one raises ``CheckpointError``,
+(each server checks its shard files' CRC-32 first: a corrupt one raises ``CheckpointError``,
 nothing is loaded, and the previous checkpoint is tried the same way), and answers the other
 trainers (over RPC) which checkpoint it loaded; each then loads its own file (its own
 ``ps_optimizer`` settings among it: they win over those ``load_shards`` set on the first). The

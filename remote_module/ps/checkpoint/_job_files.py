@@ -52,7 +52,7 @@ def _write_bytes(path: Path, data: bytes | memoryview, fsync: bool = True) -> No
 def _files(directory: Path) -> list[Path]:
     """The files a checkpoint's manifest lists: every file of ``directory`` but the manifest and
     unfinished ``.part`` files, and of ``ps/`` only its manifest (which lists every shard file
-    with its size and SHA-256: the servers check them as they load, see :func:`_unloadable`)."""
+    with its size and checksum: the servers check them as they load, see :func:`_unloadable`)."""
     ps = directory / PS_DIR
     return sorted(p for p in directory.rglob("*") if p.is_file() and p != directory / MANIFEST
                   and not p.name.endswith(".part") and (ps not in p.parents or p == ps / PS_MANIFEST))
@@ -108,7 +108,7 @@ def _unloadable(directory: Path, step: int, trainers: int) -> str | None:
 def _shards_unloadable(directory: Path) -> str | None:
     """Why the servers' shard files (``ps/``) cannot be loaded, as far as the trainer sees without
     reading them, or None: each file ``ps/manifest.json`` lists, there and of its size. (Their
-    SHA-256 the servers check as they load: a corrupt one raises CheckpointError naming it, and
+    checksums the servers check as they load: a corrupt one raises CheckpointError naming it, and
     resume() tries the checkpoint before.)"""
     if not (directory / PS_DIR / PS_MANIFEST).is_file():
         return None

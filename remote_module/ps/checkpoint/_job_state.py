@@ -39,7 +39,7 @@ def _begin_ps(path: Path, objects: Mapping[str, Any], timeout: float | None = No
     snapshot of its blocks and writes it there in the background (a PSModel's servers write
     theirs before this returns); the trainer writes only its own small files (``ps_optimizer``
     settings, a PSModel's buffers; geo: its optimizer and progress) and, at ``wait()``, the
-    small ``ps/manifest.json`` (every shard file's size and SHA-256, last); no row or parameter
+    small ``ps/manifest.json`` (every shard file's size and CRC-32, last); no row or parameter
     passes through the trainer. ``timeout``: seconds the servers' writing may take;
     ``keep_snapshot_s``: how long the servers keep the snapshot's memory for the next save.
     """
@@ -69,7 +69,7 @@ def _load_ps(path: Path, objects: Mapping[str, Any]) -> None:
     """Load the parameter servers' ``objects`` from the checkpoint directory ``path``; run by
     one trainer only (the one that saves), before any trainer trains.
 
-    ``load_shards(path / "ps", ...)``: each server reads and checks (size, SHA-256) its own
+    ``load_shards(path / "ps", ...)``: each server reads and checks (size, CRC-32) its own
     blocks' files (a table's rows, a PSModel's parameters and optimizer state); a file missing,
     truncated or corrupt raises :class:`CheckpointError` naming it, with nothing loaded. A
     checkpoint saved when PSModels still went through the trainer holds them in ``ps.pt``
