@@ -284,8 +284,7 @@ class SnapshotMemory:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._kept: dict[tuple, tuple[torch.Tensor, int]] = {}  # (memory, its token)
-        self._tokens = 0
+        self._kept: dict[tuple, tuple[torch.Tensor, threading.Timer]] = {}  # (memory, the timer that frees it)
 
     def copy(self, key: tuple, source: torch.Tensor, keep_s: float) -> torch.Tensor:
         """A copy of ``source`` (contiguous), in the memory kept under ``key`` if it fits."""
@@ -293,6 +292,8 @@ class SnapshotMemory:
             return source.clone(memory_format=torch.contiguous_format)
         with self._lock:
             kept = self._kept.pop(key, None)
+        if kept is not None:
+            kept[1].cancel()  # (one timer per kept memory: a job saving every second starts no pile of them)
         out = kept[0] if kept is not None and kept[0].shape == source.shape and kept[0].dtype == source.dtype \
             else torch.empty(source.shape, dtype=source.dtype)
         return out.copy_(source)
@@ -302,19 +303,22 @@ class SnapshotMemory:
         :meth:`copy`, or freed after ``keep_s`` seconds (by the timer returned)."""
         if keep_s <= 0:
             return None
-        with self._lock:
-            self._tokens += 1
-            token = self._tokens
-            self._kept[key] = (memory, token)
+        token = object()  # (this keep's: an earlier timer firing late frees nothing kept since)
         timer = threading.Timer(keep_s, self._expire, (key, token))
         timer.daemon = True
+        timer.token = token  # type: ignore[attr-defined]
+        with self._lock:
+            replaced = self._kept.get(key)
+            self._kept[key] = (memory, timer)
+        if replaced is not None:
+            replaced[1].cancel()
         timer.start()
         return timer
 
-    def _expire(self, key: tuple, token: int) -> None:
+    def _expire(self, key: tuple, token: object) -> None:
         with self._lock:
             kept = self._kept.get(key)
-            if kept is not None and kept[1] == token:
+            if kept is not None and kept[1].token is token:  # type: ignore[attr-defined]
                 del self._kept[key]
 
     def held_bytes(self) -> int:

@@ -65,3 +65,16 @@ def test_kept_memory_not_taken_again_in_time_is_freed():
     first.join(HANG_S)
     assert not first.is_alive()
     assert memory.held_bytes() == b.numel() * b.element_size()
+    memory._expire(("t", 0), first.token)  # (even one that fires after the memory was kept again)
+    assert memory.held_bytes() == b.numel() * b.element_size()
+
+
+def test_a_key_kept_again_and_again_runs_one_timer_not_one_per_save():
+    memory, source = SnapshotMemory(), torch.randn(100, 4)
+    timers = []
+    for _ in range(50):  # (a job saving every second, each save's memory kept for minutes)
+        timers.append(memory.keep(("t", 0), memory.copy(("t", 0), source, 600), 600))
+    for timer in timers[:-1]:
+        timer.join(HANG_S)  # (cancelled: each returns at once)
+    assert [t.is_alive() for t in timers] == [False] * 49 + [True]
+    timers[-1].cancel()
