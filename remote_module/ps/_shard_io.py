@@ -321,10 +321,18 @@ class SnapshotMemory:
             if kept is not None and kept[1].token is token:  # type: ignore[attr-defined]
                 del self._kept[key]
 
-    def held_bytes(self) -> int:
-        """Bytes of memory kept now."""
+    def forget(self, match: Callable[[tuple], bool]) -> int:
+        """Free the memory kept under the keys ``match`` accepts now; its bytes."""
         with self._lock:
-            return sum(m.untyped_storage().nbytes() for m, _ in self._kept.values())
+            gone = [self._kept.pop(key) for key in [k for k in self._kept if match(k)]]
+        for _, timer in gone:
+            timer.cancel()
+        return sum(m.untyped_storage().nbytes() for m, _ in gone)
+
+    def held_bytes(self, match: Callable[[tuple], bool] = lambda key: True) -> int:
+        """Bytes of memory kept now (under the keys ``match`` accepts)."""
+        with self._lock:
+            return sum(m.untyped_storage().nbytes() for key, (m, _) in self._kept.items() if match(key))
 
 
 class BackgroundWrites:

@@ -317,6 +317,8 @@ def eager_then_lazy(name: str, directory: str) -> dict:
 def job_checkpointed(name: str, directory: str) -> dict:
     """A table on ps0, ps1 trained 4 steps under a ``Checkpointer`` saving every 2 (this trainer
     the job's only one): the table's checkpoint at each save, by step."""
+    import torch.distributed.rpc as rpc
+
     from remote_module.ps import Checkpointer
 
     emb = bag(name, ["ps0", "ps1"], "eager-sgd")
@@ -327,6 +329,8 @@ def job_checkpointed(name: str, directory: str) -> dict:
         if ckpt.step() is not None:
             held[ckpt.step_index] = checkpoint(emb)
     ckpt.close()
+    # (the servers kept the last save's snapshot memory for the next; close() freed it)
+    held["kept after close"] = {server: rpc.rpc_sync(server, kept_bytes, args=(name,)) for server in ("ps0", "ps1")}
     return held
 
 
@@ -398,11 +402,11 @@ def saved_in_the_background(name: str, directory: str, hold_s: float) -> dict:
             "done_while_held": done_while_held, "torn_while_held": torn_while_held}
 
 
-def kept_bytes() -> int:
-    """(On a server) bytes of snapshot memory kept for the next save."""
+def kept_bytes(table: str) -> int:
+    """(On a server) bytes of snapshot memory kept for the next save of ``table``."""
     from remote_module.ps._shard_io import snapshots
 
-    return snapshots.held_bytes()
+    return snapshots.held_bytes(lambda key: key[1] == table)
 
 
 def saves_into_kept_memory(name: str, first: str, second: str, hold_s: float) -> dict:
@@ -415,7 +419,7 @@ def saves_into_kept_memory(name: str, first: str, second: str, hold_s: float) ->
     import torch.distributed.rpc as rpc
 
     from remote_module.ps import load_shards
-    from remote_module.ps.checkpoint._shards import begin_save_shards
+    from remote_module.ps.checkpoint._shards import begin_save_shards, release_snapshot_memory
 
     case = "eager-sparse-adam-eviction"
     source = bag(name, ["ps0", "ps1"], case)
@@ -432,7 +436,7 @@ def saves_into_kept_memory(name: str, first: str, second: str, hold_s: float) ->
         rpc.rpc_sync(server, release_writer)
     for save in saves:
         save.wait()
-    kept = {server: rpc.rpc_sync(server, kept_bytes) for server in ("ps0", "ps1")}
+    kept = {server: rpc.rpc_sync(server, kept_bytes, args=(name,)) for server in ("ps0", "ps1")}
     at.append(checkpoint(source))
     third = os.path.join(os.path.dirname(second), "third")
     begin_save_shards(third, {"emb": source}, keep_snapshot_s=hold_s).wait()
@@ -442,7 +446,9 @@ def saves_into_kept_memory(name: str, first: str, second: str, hold_s: float) ->
         into = bag(f"{name}-loaded{i}", ["ps0", "ps1"], case)
         load_shards(directory, {"emb": into})
         loaded.append(checkpoint(into))
-    return {"at": at, "loaded": loaded, "kept": kept}
+    release_snapshot_memory({"emb": source})
+    released = {server: rpc.rpc_sync(server, kept_bytes, args=(name,)) for server in ("ps0", "ps1")}
+    return {"at": at, "loaded": loaded, "kept": kept, "released": released}
 
 
 def failed_background_write(name: str, directory: str) -> str | None:

@@ -313,6 +313,7 @@ def test_a_staged_load_whose_trainer_gave_up_is_forgotten_at_a_later_stage():
 @pytest.mark.parametrize("fault", ["flipped", "truncated"])
 def test_the_job_checkpointer_saves_tables_as_shards_and_skips_a_damaged_one_for_the_previous(world, tmp_path, fault):
     held = on(world, "trainer0", r.job_checkpointed, job("job-ckpt"), str(tmp_path))
+    assert held.pop("kept after close") == {"ps0": 0, "ps1": 0}
     newest = tmp_path / "step-00000004"
     # the servers wrote the rows in ps/; the job's manifest lists ps/manifest.json, which lists them
     listed = json.loads((newest / "manifest.json").read_text())["files"]
@@ -347,6 +348,7 @@ def test_snapshots_into_memory_kept_from_the_last_save_are_what_each_save_began_
     got = on(world, "trainer0", r.saves_into_kept_memory, job("kept"), str(tmp_path / "a"), str(tmp_path / "b"),
              HANG_S)
     assert all(kept > 0 for kept in got["kept"].values()), got["kept"]
+    assert got["released"] == {"ps0": 0, "ps1": 0}
     for i, (loaded, at) in enumerate(zip(got["loaded"], got["at"])):
         for part in ("model", "optim"):
             same(loaded[part], at[part], f"save {i}: {part}")

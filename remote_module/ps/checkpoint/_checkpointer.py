@@ -88,7 +88,7 @@ from remote_module.ps.checkpoint._job_state import (
     _state_of,
 )
 from remote_module.ps.checkpoint._manifest import CheckpointError, sync_directory
-from remote_module.ps.checkpoint._shards import ShardSave
+from remote_module.ps.checkpoint._shards import ShardSave, release_snapshot_memory
 
 #: seconds between looks at a staging directory while waiting for the trainers' files
 _POLL_S = 0.05
@@ -400,13 +400,16 @@ class Checkpointer:
         """Complete the checkpoints started (the first trainer waits, at most ``timeout``
         seconds, for every trainer's file and the servers' writes, then for their completion;
         the others return at once). The checkpointer saves no more: ``step()`` and ``save()``
-        raise after it; a second ``close()`` does nothing."""
+        raise after it; a second ``close()`` does nothing. The servers free the snapshot
+        memory they kept for its next save."""
         if self._closed[0]:
             return
         self._finish(wait=True)
         self._drain()
         self._closed[0] = True
         self._completer.shutdown(wait=False)
+        if self.rank == 0 and self.ps and self._saved is not None:
+            release_snapshot_memory(self.ps, self.timeout)
 
     def _drain(self) -> None:
         """Wait for the completions handed to the background (each bounded: its waits are), and

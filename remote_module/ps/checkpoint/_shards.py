@@ -279,6 +279,25 @@ def begin_save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, la
     return ShardSave(directory, layout, tables, described, owns, written, models_begun, save)
 
 
+def release_snapshot_memory(objects: Mapping[str, Any], timeout: float | None = None) -> None:
+    """Have the servers of ``objects``' tables free the snapshot memory they keep for the next
+    save (``begin_save_shards(keep_snapshot_s=...)``) now rather than when it expires: the job
+    saves no more (the ``Checkpointer``'s ``close()``). A server that does not answer within
+    ``timeout`` (lost) is skipped: its memory goes with it."""
+    tables, _ = _tables_of(objects)
+    names: dict[str, list[str]] = {}
+    for _, table in tables:
+        for server in table._by_server:
+            names.setdefault(server, []).append(table.name)
+    if not names:
+        return
+    try:
+        call_all([(server, _shard_files._forget_snapshots, (mine,)) for server, mine in names.items()],
+                 timeout=_timeout(tables) if timeout is None else timeout)
+    except Exception:  # (best effort: each server frees it anyway once it expires)
+        pass
+
+
 def _table_manifest(directory: str, layout: str, key: str, table: ShardedEmbedding, written: list, own: memoryview,
                     files: dict) -> dict:
     """A table's manifest entry, from what each server wrote (``written``: ``(server, Written)``)

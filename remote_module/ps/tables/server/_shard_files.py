@@ -186,6 +186,12 @@ def _write_and_keep(snap: Snapshot, directory: str, stem: str, keep_s: float) ->
     return written
 
 
+def _forget_snapshots(names: list[str]) -> int:
+    """Free the snapshot memory this server keeps for the next save of tables ``names`` (the
+    job saves no more); its bytes."""
+    return snapshots.forget(lambda key: key[0] == "table rows" and key[1] in names)
+
+
 @rpc.functions.async_execution
 def _shards_written(name: str, save: str) -> torch.futures.Future:
     """What the background save ``save`` of table ``name`` wrote (a ``Written``), once it has;
