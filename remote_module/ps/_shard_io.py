@@ -117,7 +117,8 @@ class _DirectFile:
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o666)
         stage = getattr(_stages, "buffer", None)
         if stage is None:
-            stage = _stages.buffer = mmap.mmap(-1, _STAGE_BYTES)  # (page-aligned)
+            # (page-aligned; private: a process forked later gets its own copy, not this memory)
+            stage = _stages.buffer = mmap.mmap(-1, _STAGE_BYTES, flags=mmap.MAP_PRIVATE)
         self.stage, self.view, self.used, self.size = stage, memoryview(stage), 0, 0
 
     def write(self, data: Any) -> None:

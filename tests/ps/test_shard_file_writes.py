@@ -72,3 +72,33 @@ def test_another_error_of_a_direct_write_is_raised(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "write", write_)
     with pytest.raises(OSError, match="No space left"):
         _write(tmp_path, "full", True, monkeypatch)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_forked_child_does_not_write_into_its_parents_staging_buffer(tmp_path, monkeypatch):
+    # A process that wrote a file keeps its thread's staging buffer; a child forked later (a
+    # multiprocessing "fork" start, a DataLoader worker) inherits it. The child's writes must
+    # not land in the parent's buffer: here the child writes a whole file while the parent's
+    # first buffer is staged and not yet written out.
+    _shard_io.write_saved(str(tmp_path), "warm", [b"w"])  # (this thread's buffer made)
+    real_write, children, parent = os.write, [], os.getpid()
+
+    def write_(fd, data):
+        if not children and os.getpid() == parent:
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    _shard_io.write_saved(str(tmp_path), "child", [b"\xbb" * (_shard_io._STAGE_BYTES + 10)])
+                finally:
+                    os._exit(0)
+            children.append(pid)
+            assert os.waitpid(pid, 0)[1] == 0
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", write_)
+    ours = b"\xaa" * (_shard_io._STAGE_BYTES + 10)
+    (size, checksum), _ = _shard_io.write_saved(str(tmp_path), "parent", [ours])
+    assert children, "no direct write was made"
+    assert (tmp_path / "child").read_bytes() == b"\xbb" * (_shard_io._STAGE_BYTES + 10)
+    assert (tmp_path / "parent").read_bytes() == ours
+    _shard_io.verify(str(tmp_path), _shard_io.FileEntry("parent", size, checksum))
