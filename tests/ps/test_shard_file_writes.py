@@ -102,3 +102,25 @@ def test_a_forked_child_does_not_write_into_its_parents_staging_buffer(tmp_path,
     assert (tmp_path / "child").read_bytes() == b"\xbb" * (_shard_io._STAGE_BYTES + 10)
     assert (tmp_path / "parent").read_bytes() == ours
     _shard_io.verify(str(tmp_path), _shard_io.FileEntry("parent", size, checksum))
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this OS: every write is buffered")
+def test_a_filesystem_that_wants_a_larger_alignment_gets_a_buffered_write(tmp_path, monkeypatch):
+    # Direct writes must be aligned to what the filesystem asks (its logical block, or the page
+    # size where that is larger than 4 KiB): the whole first buffer is, the tail padded to 4 KiB
+    # is not, and is refused with EINVAL after a buffer was written. The file is then written
+    # buffered, not the save failed.
+    real_write, refused = os.write, []
+
+    def write_(fd, data):
+        if memoryview(data).nbytes % (64 << 10):
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", write_)
+    got, data = _write(tmp_path, "refused", True, monkeypatch)
+    assert refused, "the tail was not refused"
+    monkeypatch.setattr(os, "write", real_write)
+    expected, expected_bytes = _write(tmp_path, "buffered", False, monkeypatch)
+    assert got == expected and data == expected_bytes
