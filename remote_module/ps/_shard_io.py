@@ -164,6 +164,15 @@ def write_saved(directory: str, rel: str, parts: list[Any]) -> tuple[tuple[int, 
     """:func:`write_file`, and where each part lies in the file (``(offset, length)``). Written
     around the page cache where the filesystem allows it (:class:`_DirectFile`), else through it."""
     target = os.path.join(directory, rel)
+    try:
+        return _write_target(target, parts)
+    except OSError as exc:  # (named: the trainer writes its own files in the save's call)
+        if exc.filename is None and exc.errno is not None:
+            raise OSError(exc.errno, exc.strerror, target) from exc
+        raise
+
+
+def _write_target(target: str, parts: list[Any]) -> tuple[tuple[int, str], list[tuple[int, int]]]:
     os.makedirs(os.path.dirname(target), exist_ok=True)
     if DIRECT_WRITES and hasattr(os, "O_DIRECT"):
         try:

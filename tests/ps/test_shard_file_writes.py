@@ -124,3 +124,16 @@ def test_a_filesystem_that_wants_a_larger_alignment_gets_a_buffered_write(tmp_pa
     monkeypatch.setattr(os, "write", real_write)
     expected, expected_bytes = _write(tmp_path, "buffered", False, monkeypatch)
     assert got == expected and data == expected_bytes
+
+
+def test_a_failed_write_names_its_file(tmp_path, monkeypatch):
+    # The trainer writes its own files in the save's call (not through BackgroundWrites, which
+    # names what failed): a full disk must say which file it was.
+    def write_(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", write_)
+    with pytest.raises(OSError, match="No space left") as failed:
+        _write(tmp_path, "full", True, monkeypatch)
+    assert failed.value.errno == errno.ENOSPC
+    assert failed.value.filename == str(tmp_path / "sub" / "full")
