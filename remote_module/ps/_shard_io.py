@@ -115,11 +115,10 @@ class _DirectFile:
     tail's, where it wants writes aligned to more than 4 KiB)."""
 
     def __init__(self, path: str) -> None:
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o666)
         stage = getattr(_stages, "buffer", None)
-        if stage is None:
-            # (page-aligned; private: a process forked later gets its own copy, not this memory)
+        if stage is None:  # (page-aligned; private: a process forked later gets its own copy, not this memory)
             stage = _stages.buffer = mmap.mmap(-1, _STAGE_BYTES, flags=mmap.MAP_PRIVATE)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o666)
         self.stage, self.view, self.used, self.size = stage, memoryview(stage), 0, 0
 
     def write(self, data: Any) -> None:
@@ -150,8 +149,10 @@ class _DirectFile:
         os.fsync(self.fd)
 
     def close(self) -> None:
-        self.view.release()
-        os.close(self.fd)
+        try:
+            self.view.release()
+        finally:
+            os.close(self.fd)
 
 
 def write_file(directory: str, rel: str, parts: list[Any]) -> tuple[int, str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 import zlib
 
 import pytest
@@ -137,3 +138,32 @@ def test_a_failed_write_names_its_file(tmp_path, monkeypatch):
         _write(tmp_path, "full", True, monkeypatch)
     assert failed.value.errno == errno.ENOSPC
     assert failed.value.filename == str(tmp_path / "sub" / "full")
+
+
+def test_no_descriptor_is_left_open_when_the_staging_buffer_cannot_be_made(tmp_path, monkeypatch):
+    opened = []
+    real_open = os.open
+
+    def open_(path, flags, *args):
+        fd = real_open(path, flags, *args)
+        opened.append(fd)
+        return fd
+
+    def no_memory(*args, **kwargs):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(os, "open", open_)
+    monkeypatch.setattr(_shard_io.mmap, "mmap", no_memory)
+    monkeypatch.setattr(_shard_io, "_stages", threading.local())
+    with pytest.raises(OSError, match="Cannot allocate memory"):
+        _write(tmp_path, "nomem", True, monkeypatch)
+    leaked = []
+    for fd in opened:
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(tmp_path / "sub" / "nomem"))
+        except OSError:  # (closed, or no file was made)
+            continue
+        if same:
+            leaked.append(fd)
+            os.close(fd)
+    assert not leaked, "the file's descriptor was left open"
