@@ -167,3 +167,69 @@ def test_no_descriptor_is_left_open_when_the_staging_buffer_cannot_be_made(tmp_p
             leaked.append(fd)
             os.close(fd)
     assert not leaked, "the file's descriptor was left open"
+
+
+@pytest.mark.parametrize("sizes", [[], [0], [4096], [_shard_io._STAGE_BYTES], [_shard_io._STAGE_BYTES - 1, 1],
+                                   [0, 2 * _shard_io._STAGE_BYTES, 0], [_shard_io._STAGE_BYTES + 4096, 4095, 1]],
+                         ids=["no parts", "empty", "one page", "one buffer", "a buffer in two", "two buffers",
+                              "buffer and pages"])
+def test_sizes_on_the_buffers_and_pages_edges_are_written_exactly(tmp_path, monkeypatch, sizes):
+    parts = [bytearray(os.urandom(n)) if i % 2 else os.urandom(n) for i, n in enumerate(sizes)]
+    got = {}
+    for direct in (True, False):
+        monkeypatch.setattr(_shard_io, "DIRECT_WRITES", direct)
+        written = _shard_io.write_saved(str(tmp_path), f"f{direct}", parts)
+        got[direct] = written, (tmp_path / f"f{direct}").read_bytes()
+    assert got[True] == got[False]
+    assert got[True][1] == b"".join(parts) and got[True][0][0][0] == sum(sizes)
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this OS: every write is buffered")
+def test_short_direct_writes_are_carried_on(tmp_path, monkeypatch):
+    real_write, calls = os.write, []
+
+    def write_(fd, data):  # (at most 64 KiB at a time, as a direct write may stop short on a block)
+        calls.append(fd)
+        return real_write(fd, memoryview(data)[:64 << 10])
+
+    monkeypatch.setattr(os, "write", write_)
+    got, data = _write(tmp_path, "short", True, monkeypatch)
+    assert len(calls) > 64
+    monkeypatch.setattr(os, "write", real_write)
+    assert (got, data) == _write(tmp_path, "buffered", False, monkeypatch)
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this OS: every write is buffered")
+def test_two_threads_writing_at_once_keep_their_own_bytes(tmp_path, monkeypatch):
+    # The background writer thread and an RPC handler (or the trainer) may write at once: both
+    # have a buffer staged before either is written out.
+    real_write, both_staged = os.write, threading.Barrier(2, timeout=60)
+    staged = threading.local()
+
+    def write_(fd, data):
+        if not getattr(staged, "waited", False):
+            staged.waited = True
+            both_staged.wait()
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", write_)
+    contents = {name: os.urandom(_shard_io._STAGE_BYTES + 5000) for name in ("a", "b")}
+    results, failures = {}, []
+
+    def write(name):
+        try:
+            results[name] = _shard_io.write_saved(str(tmp_path), name, [contents[name]])
+        except BaseException as exc:  # (reported by the test's thread)
+            failures.append(exc)
+            both_staged.abort()
+
+    threads = [threading.Thread(target=write, args=(name,)) for name in contents]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures
+    for name, data in contents.items():
+        assert (tmp_path / name).read_bytes() == data
+        (size, checksum), _ = results[name]
+        _shard_io.verify(str(tmp_path), _shard_io.FileEntry(name, size, checksum))
