@@ -134,7 +134,10 @@ class _DirectFile:
     def _out(self, length: int) -> None:
         done = 0
         while done < length:  # (a short write of an O_DIRECT file ends on an aligned boundary)
-            done += os.write(self.fd, self.view[done:length])
+            wrote = os.write(self.fd, self.view[done:length])
+            if wrote <= 0:  # (not for a regular file; never loop on it)
+                raise OSError(errno.EIO, "a direct write wrote nothing")
+            done += wrote
         self.size += self.used
         self.used = 0
 
