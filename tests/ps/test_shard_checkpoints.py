@@ -158,6 +158,37 @@ def test_a_checkpoint_of_the_sha256_manifest_version_still_loads_and_is_still_ch
         assert torch.equal(loaded["after"]["model"]["weight"], got["weight"])
 
 
+def _rewrite_manifest(directory, change) -> None:
+    """``change(manifest)`` written back with the manifest's own checksum made to fit (as a
+    build that wrote it so would have written it)."""
+    from remote_module.ps.checkpoint._manifest import SELF_SHA256, _body_sha256
+
+    path = directory / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest.pop(SELF_SHA256)
+    change(manifest)
+    manifest[SELF_SHA256] = _body_sha256(manifest)
+    path.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+
+
+@pytest.mark.parametrize("checksum", ["md5:0123456789abcdef", None], ids=["unknown kind", "none"])
+def test_a_file_listed_with_a_checksum_of_unknown_kind_or_none_is_refused_naming_it(world, tmp_path, checksum):
+    on(world, "trainer0", r.eager_weight, job("checksum-kind"), str(tmp_path))
+
+    def change(manifest):
+        entry = manifest["files"]["emb.ps1.distcp"]
+        del entry["checksum"]
+        if checksum is not None:
+            entry["checksum"] = checksum
+
+    _rewrite_manifest(tmp_path, change)
+    got = on(world, "trainer1", r.refused_load, job("checksum-kind-load"), str(tmp_path), ["ps0", "ps1", "ps2"])
+    assert got["error"] is not None and got["error"].startswith("CheckpointError"), got["error"]
+    assert "emb.ps1.distcp" in got["error"], got["error"]
+    assert ("unknown kind, 'md5:" if checksum else "no checksum") in got["error"], got["error"]
+    same(got["after"], got["before"], "unchanged")
+
+
 def test_a_checkpoint_without_its_manifest_is_torn_and_refused(world, tmp_path):
     on(world, "trainer0", r.saved, job("torn"), str(tmp_path))
     (tmp_path / "manifest.json").unlink()  # (as a save killed before its last write leaves it)

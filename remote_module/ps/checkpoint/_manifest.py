@@ -158,7 +158,13 @@ def file_entry(files: dict, rel: str) -> tuple[str, int, str]:
         raise CheckpointError(f"the manifest lists no file {rel!r}: the checkpoint is incomplete")
     if os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/"):
         raise CheckpointError(f"the manifest lists a file outside its directory, {rel!r}: it was edited")
-    checksum = entry["checksum"] if "checksum" in entry else f"sha256:{entry['sha256']}"
+    if "checksum" in entry:
+        checksum = entry["checksum"]
+    elif "sha256" in entry:
+        checksum = f"sha256:{entry['sha256']}"
+    else:
+        raise CheckpointError(f"the manifest lists the file {rel!r} with no checksum: it was edited, or written by "
+                              "a build that wrote no checksum")
     return rel, int(entry["bytes"]), str(checksum)
 
 
