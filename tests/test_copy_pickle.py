@@ -53,7 +53,7 @@ BUILT: dict[str, Callable[[], Any]] = {
     "remote_module.ps.StepRefused": lambda: _cls("remote_module.ps.StepRefused")("step 3 refused by ps0"),
     "remote_module.ps.StepNotApplied": lambda: _cls("remote_module.ps.StepNotApplied")("step 3 not applied on ps1"),
     "remote_module.ps.CheckpointError": lambda: _cls("remote_module.ps.CheckpointError")(
-        "/ckpt/emb.ps1.pt: its sha256 is 00ff, the manifest says ff00 (corrupt)"),
+        "/ckpt/emb.ps1.pt: its checksum is crc32:000000ff, the manifest says crc32:0000ff00 (corrupt)"),
     "rpc_backend.Worker": lambda: _cls("rpc_backend.Worker")(
         "trainer0", 1, 3, 1, "trainer", 0, 2, names=["ps0", "trainer0", "trainer1"], shutdown_timeout=5.0,
         layout=_cls("rpc_backend.placements")(3, {"ps": 1, "trainer": 2})),

@@ -295,39 +295,49 @@ class SnapshotMemory:
     that asks to keep it (``keep_s`` seconds: the ``Checkpointer``'s, which saves again) gets
     its copies back after they are written; one not taken again within ``keep_s`` is freed. So
     while a job saves every few minutes, a server holds one snapshot's worth of memory more (what
-    it holds anyway while a save is written). ``keep_s`` 0 (``save_shards``): fresh copies."""
+    it holds anyway while a save is written); :meth:`forget` frees it when the job saves no more
+    (the ``Checkpointer``'s ``close()``). ``keep_s`` 0 (``save_shards``): nothing kept after the
+    write (memory a job kept is taken, not held beside a fresh copy)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._kept: dict[tuple, tuple[torch.Tensor, threading.Timer]] = {}  # (memory, the timer that frees it)
 
     def copy(self, key: tuple, source: torch.Tensor, keep_s: float) -> torch.Tensor:
-        """A copy of ``source`` (contiguous), in the memory kept under ``key`` if it fits."""
-        if keep_s <= 0:
-            return source.clone(memory_format=torch.contiguous_format)
+        """A copy of ``source`` (contiguous), in the memory kept under ``key`` if it fits (taken
+        whatever ``keep_s``: a save that keeps nothing, beside a job that keeps, would otherwise
+        hold a third copy of the rows while it writes)."""
         with self._lock:
             kept = self._kept.pop(key, None)
         if kept is not None:
             kept[1].cancel()  # (one timer per kept memory: a job saving every second starts no pile of them)
+        elif keep_s <= 0:
+            return source.clone(memory_format=torch.contiguous_format)
         out = kept[0] if kept is not None and kept[0].shape == source.shape and kept[0].dtype == source.dtype \
             else torch.empty(source.shape, dtype=source.dtype)
         return out.copy_(source)
 
     def keep(self, key: tuple, memory: torch.Tensor, keep_s: float) -> threading.Timer | None:
         """``memory`` (a copy written and no longer used) kept under ``key`` for the next
-        :meth:`copy`, or freed after ``keep_s`` seconds (by the timer returned)."""
+        :meth:`copy`, or freed after ``keep_s`` seconds (by the timer returned). None (nothing
+        kept) where no timer can start: keeping only spares the next copy its page faults, and
+        it runs as a server's write completes, which must not fail for it."""
         if keep_s <= 0:
             return None
         token = object()  # (this keep's: an earlier timer firing late frees nothing kept since)
-        timer = threading.Timer(keep_s, self._expire, (key, token))
+        timer: threading.Timer | None = threading.Timer(keep_s, self._expire, (key, token))
         timer.daemon = True
         timer.token = token  # type: ignore[attr-defined]
+        try:
+            timer.start()
+        except RuntimeError:  # (the process's threads at their limit)
+            timer = None
         with self._lock:
-            replaced = self._kept.get(key)
-            self._kept[key] = (memory, timer)
+            replaced = self._kept.pop(key, None)
+            if timer is not None:
+                self._kept[key] = (memory, timer)
         if replaced is not None:
             replaced[1].cancel()
-        timer.start()
         return timer
 
     def _expire(self, key: tuple, token: object) -> None:

@@ -4,8 +4,10 @@ in time."""
 
 from __future__ import annotations
 
+import math
 import time
 
+import pytest
 import torch
 
 from remote_module.ps._shard_io import SnapshotMemory
@@ -78,3 +80,61 @@ def test_a_key_kept_again_and_again_runs_one_timer_not_one_per_save():
         timer.join(HANG_S)  # (cancelled: each returns at once)
     assert [t.is_alive() for t in timers] == [False] * 49 + [True]
     timers[-1].cancel()
+
+
+def test_memory_kept_again_or_taken_stops_the_timer_that_would_have_freed_it():
+    # a Checkpointer keeps each block's memory after every save for at least two minutes: a
+    # timer left running per keep would leave one thread per block per save alive that long
+    memory, source = SnapshotMemory(), torch.randn(100, 4)
+    timers = []
+    for _ in range(5):
+        kept = memory.copy(("t", 0), source, 60)
+        timers.append(memory.keep(("t", 0), kept, 60))
+    assert all(t.finished.is_set() for t in timers[:-1]), "a timer of memory taken again still runs"
+    assert not timers[-1].finished.is_set()
+    memory.keep(("t", 0), torch.randn(100, 4), 60)  # (kept over, not taken: the last timer stops too)
+    assert timers[-1].finished.is_set()
+    for timer in timers:
+        timer.join(HANG_S)
+        assert not timer.is_alive()
+    assert memory.held_bytes() == source.numel() * source.element_size()
+    memory.forget(lambda key: True)
+    assert memory.held_bytes() == 0
+
+
+def test_memory_that_cannot_get_its_timer_is_not_kept_and_the_keep_does_not_raise(monkeypatch):
+    # (keep runs at the end of a server's background write: a thread that cannot start, a
+    # process at its thread limit, must not turn a written save into a failed one)
+    import threading
+
+    def refused(self):
+        raise RuntimeError("can't start new thread")
+
+    memory = SnapshotMemory()
+    a = memory.copy(("t", 0), torch.randn(100, 4), 60)
+    monkeypatch.setattr(threading.Timer, "start", refused)
+    assert memory.keep(("t", 0), a, 60) is None
+    assert memory.held_bytes() == 0  # (nothing would free it)
+
+
+@pytest.mark.parametrize("keep_s", [math.inf, math.nan, -1.0])
+def test_a_save_asking_to_keep_its_memory_forever_or_for_no_number_of_seconds_is_refused(tmp_path, keep_s):
+    # (a server's timer of inf seconds dies at once, OverflowError: the memory would be kept for good)
+    from remote_module.ps.checkpoint._shards import begin_save_shards
+
+    with pytest.raises(ValueError, match="keep_snapshot_s must be a finite number of seconds"):
+        begin_save_shards(tmp_path / "ckpt", {}, keep_snapshot_s=keep_s)
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_copy_that_keeps_nothing_still_takes_the_memory_kept_so_no_third_copy_is_held():
+    # a save_shards (keeps nothing) while a Checkpointer's memory is kept: the table, the kept
+    # memory and a fresh copy would all be held while it writes
+    memory, source = SnapshotMemory(), torch.randn(100, 4)
+    a = memory.copy(("t", 0), source, 60)
+    timer = memory.keep(("t", 0), a, 60)
+    source.add_(1)
+    b = memory.copy(("t", 0), source, 0)
+    assert b.data_ptr() == a.data_ptr() and torch.equal(b, source)
+    assert memory.held_bytes() == 0 and timer.finished.is_set()
+    assert memory.keep(("t", 0), b, 0) is None and memory.held_bytes() == 0  # (freed once written)

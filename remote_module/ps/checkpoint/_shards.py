@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import os
 import pickle
 import time
@@ -237,6 +238,8 @@ def begin_save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, la
     eager rows) between saves too. 0: each snapshot in fresh memory, freed once written."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if not 0 <= keep_snapshot_s < math.inf:  # (a server's timer cannot wait forever: it would keep it for good)
+        raise ValueError(f"keep_snapshot_s must be a finite number of seconds, 0 or more, got {keep_snapshot_s!r}")
     directory = os.path.abspath(os.fspath(path))  # (servers resolve it the same, whatever their cwd)
     tables, described = _tables_of(objects)
     models = _models_of(objects)
