@@ -109,7 +109,7 @@ class _DirectFile:
     buffer written out a whole buffer at a time: the tail padded to the alignment, then the file
     cut to its size. A checkpoint's large files are written once and read at a resume, if ever:
     through the page cache, each costs the writing server page allocation, dirty tracking and
-    writeback besides the copy, and where the cache is full, reclaim (measured here on ext4: 180
+    writeback besides the copy, and where the cache is full, reclaim (measured here on ext4: 130
     to 270 ms of system CPU per 35 MB file written and fsynced, against under 10 ms direct).
     ``OSError`` (``EINVAL``) at open or at a write where the filesystem refuses it (the padded
     tail's, where it wants writes aligned to more than 4 KiB)."""
