@@ -176,20 +176,28 @@ def write_saved(directory: str, rel: str, parts: list[Any]) -> tuple[tuple[int, 
         raise
 
 
+#: the filesystems (``st_dev``) that refused a direct write here: written through the page cache
+#: from then on, not tried (and, where the refusal came late, written twice) for every file
+_direct_refused: set[int] = set()
+
+
 def _write_target(target: str, parts: list[Any]) -> tuple[tuple[int, str], list[tuple[int, int]]]:
     os.makedirs(os.path.dirname(target), exist_ok=True)
-    if DIRECT_WRITES and hasattr(os, "O_DIRECT"):
+    device = os.stat(os.path.dirname(target)).st_dev
+    if DIRECT_WRITES and hasattr(os, "O_DIRECT") and device not in _direct_refused:
         try:
             direct = _DirectFile(target)
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
+            _direct_refused.add(device)
         else:
             try:
                 return _write_parts(direct, parts, direct.finish)
             except OSError as exc:  # (a filesystem that takes the flag at open and refuses a write,
                 if exc.errno != errno.EINVAL:  # the first or a later one: all of it written buffered)
                     raise
+                _direct_refused.add(device)
             finally:
                 direct.close()
     with open(target, "wb") as f:

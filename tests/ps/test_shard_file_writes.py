@@ -41,13 +41,17 @@ def test_a_direct_write_equals_a_buffered_one_byte_for_byte(tmp_path, monkeypatc
 
 def _assert_written_as_buffered(tmp_path, monkeypatch, write_, refused: list) -> None:
     """A direct write with ``os.write`` as ``write_`` (which refuses it, noting so in
-    ``refused``) gives what a buffered write gives."""
+    ``refused``) gives what a buffered write gives; the next file there is not tried direct."""
+    monkeypatch.setattr(_shard_io, "_direct_refused", set())
     monkeypatch.setattr(os, "write", write_)
     got, data = _write(tmp_path, "refused", True, monkeypatch)
     assert refused, "the direct write was not refused"
+    tried = len(refused)
+    again, again_bytes = _write(tmp_path, "again", True, monkeypatch)
+    assert len(refused) == tried, "a filesystem that refused a direct write was tried again"
     monkeypatch.undo()
     expected, expected_bytes = _write(tmp_path, "buffered", False, monkeypatch)
-    assert got == expected and data == expected_bytes
+    assert got == again == expected and data == again_bytes == expected_bytes
 
 
 @pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this OS: every write is buffered")
