@@ -119,7 +119,7 @@ class _DirectFile:
         if stage is None:  # (page-aligned; private: a process forked later gets its own copy, not this memory)
             stage = _stages.buffer = mmap.mmap(-1, _STAGE_BYTES, flags=mmap.MAP_PRIVATE)
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o666)
-        self.stage, self.view, self.used, self.size = stage, memoryview(stage), 0, 0
+        self.view, self.used, self.size = memoryview(stage), 0, 0
 
     def write(self, data: Any) -> None:
         data = memoryview(data).cast("B")
@@ -309,7 +309,8 @@ class SnapshotMemory:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._kept: dict[tuple, tuple[torch.Tensor, threading.Timer]] = {}  # (memory, the timer that frees it)
+        # (memory, the timer that frees it, that keep's token: a timer firing late frees nothing kept since)
+        self._kept: dict[tuple, tuple[torch.Tensor, threading.Timer, object]] = {}
 
     def copy(self, key: tuple, source: torch.Tensor, keep_s: float) -> torch.Tensor:
         """A copy of ``source`` (contiguous), in the memory kept under ``key`` if it fits (taken
@@ -332,10 +333,9 @@ class SnapshotMemory:
         it runs as a server's write completes, which must not fail for it."""
         if keep_s <= 0:
             return None
-        token = object()  # (this keep's: an earlier timer firing late frees nothing kept since)
+        token = object()
         timer: threading.Timer | None = threading.Timer(keep_s, self._expire, (key, token))
         timer.daemon = True
-        timer.token = token  # type: ignore[attr-defined]
         try:
             timer.start()
         except RuntimeError:  # (the process's threads at their limit)
@@ -343,7 +343,7 @@ class SnapshotMemory:
         with self._lock:
             replaced = self._kept.pop(key, None)
             if timer is not None:
-                self._kept[key] = (memory, timer)
+                self._kept[key] = (memory, timer, token)
         if replaced is not None:
             replaced[1].cancel()
         return timer
@@ -351,21 +351,21 @@ class SnapshotMemory:
     def _expire(self, key: tuple, token: object) -> None:
         with self._lock:
             kept = self._kept.get(key)
-            if kept is not None and kept[1].token is token:  # type: ignore[attr-defined]
+            if kept is not None and kept[2] is token:
                 del self._kept[key]
 
     def forget(self, match: Callable[[tuple], bool]) -> int:
         """Free the memory kept under the keys ``match`` accepts now; its bytes."""
         with self._lock:
             gone = [self._kept.pop(key) for key in [k for k in self._kept if match(k)]]
-        for _, timer in gone:
+        for _, timer, _ in gone:
             timer.cancel()
-        return sum(m.untyped_storage().nbytes() for m, _ in gone)
+        return sum(m.untyped_storage().nbytes() for m, _, _ in gone)
 
     def held_bytes(self, match: Callable[[tuple], bool] = lambda key: True) -> int:
         """Bytes of memory kept now (under the keys ``match`` accepts)."""
         with self._lock:
-            return sum(m.untyped_storage().nbytes() for key, (m, _) in self._kept.items() if match(key))
+            return sum(m.untyped_storage().nbytes() for key, (m, _, _) in self._kept.items() if match(key))
 
 
 class BackgroundWrites:

@@ -67,7 +67,7 @@ def test_kept_memory_not_taken_again_in_time_is_freed():
     first.join(HANG_S)
     assert not first.is_alive()
     assert memory.held_bytes() == b.numel() * b.element_size()
-    memory._expire(("t", 0), first.token)  # (even one that fires after the memory was kept again)
+    first.function(*first.args)  # (even one that fires after the memory was kept again)
     assert memory.held_bytes() == b.numel() * b.element_size()
 
 
