@@ -149,6 +149,9 @@ def test_arguments_are_checked(tmp_path):
         Checkpointer(tmp_path, every_steps=0)
     with pytest.raises(ValueError, match="keep must be"):
         Checkpointer(tmp_path, every_steps=1, keep=0)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="full_every must be"):
+            Checkpointer(tmp_path, every_steps=1, full_every=bad)
     with pytest.raises(TypeError, match=r"local\['x'\] must have state_dict"):
         Checkpointer(tmp_path, every_steps=1, local={"x": 3})
     with pytest.raises(TypeError, match=r"ps\['t'\] must be a table"):
@@ -215,7 +218,7 @@ def test_a_save_begins_only_once_the_servers_wrote_the_one_before(tmp_path, monk
     # the servers hold one snapshot at a time: a save waits for the previous one's write
     begun: list[_ServersSave] = []
 
-    def begin_ps(path, objects, timeout=None, keep_snapshot_s=0.0):
+    def begin_ps(path, objects, timeout=None, keep_snapshot_s=0.0, **chain):
         begun.append(_ServersSave(begun))
         return begun[-1]
 
@@ -223,7 +226,7 @@ def test_a_save_begins_only_once_the_servers_wrote_the_one_before(tmp_path, monk
     seen, kept = [], []
     real_begin = begin_ps
 
-    def checked(path, objects, timeout=None, keep_snapshot_s=0.0):
+    def checked(path, objects, timeout=None, keep_snapshot_s=0.0, **chain):
         seen.append([b.waited for b in begun])  # (each earlier save's write waited for, when this one begins)
         kept.append(keep_snapshot_s)
         return real_begin(path, objects, timeout, keep_snapshot_s)

@@ -9,7 +9,8 @@ steps done), holding
   of (a table's rows, a ``PSModel``'s parameters and optimizer state), the trainer only
   ``ps/manifest.json`` (every shard file's size and CRC-32) and its own small files
   (``ps_optimizer`` settings, a ``PSModel``'s buffers); a checkpoint saved before PSModels
-  went to ``ps/`` holds them in ``ps.pt`` and still loads;
+  went to ``ps/`` holds them in ``ps.pt`` and still loads; with ``full_every`` > 1, the
+  tables of most checkpoints are incremental saves on the checkpoint before (``ps/`` names it);
 - ``trainer-<r>.pt`` for each trainer ``r``: its local objects' ``state_dict()`` (model,
   optimizer, LR scheduler, a data loader's own state; a ``torch.Generator``'s state), its
   ``ps_optimizer`` settings of the servers' objects (what its schedulers set), its RNG
@@ -70,6 +71,7 @@ from remote_module.ps.checkpoint._job_files import (
     _STAGING,
     FORMAT,
     MANIFEST,
+    PS_DIR,
     STEP_DIR,
     _files,
     _trainer_file,
@@ -87,7 +89,7 @@ from remote_module.ps.checkpoint._job_state import (
     _set_rng_state,
     _state_of,
 )
-from remote_module.ps.checkpoint._manifest import CheckpointError, sync_directory
+from remote_module.ps.checkpoint._manifest import CheckpointError, read_chain, read_manifest, sync_directory
 from remote_module.ps.checkpoint._shards import ShardSave, release_snapshot_memory
 
 #: seconds between looks at a staging directory while waiting for the trainers' files
@@ -176,6 +178,16 @@ class Checkpointer:
     shard files into it. ``timeout``: seconds any wait may take (a trainer's file of a checkpoint, the
     first trainer's resume) before it raises naming what did not come.
 
+    ``full_every``: 1 (the default) saves every checkpoint whole; K > 1 saves the tables whole
+    every K-th checkpoint and, in the K - 1 between, only the rows changed since the checkpoint
+    before (an incremental save, ``save_shards(base=...)``: its ``ps/`` names its base; the
+    rest, PSModels and every trainer's file, is saved whole each time). It pays when a save's
+    interval touches a small part of the tables. A resume loads the newest checkpoint with the
+    ones it is incremental on; ``keep`` keeps the newest ``keep`` and every checkpoint they are
+    incremental on (up to K - 1 more); a damaged save makes every checkpoint of its chain after
+    it unloadable (resume falls back past them, saying so). The first save after a resume is
+    whole.
+
     Exact resume: in sync mode with batches determined by the step index (or a data loader
     whose state is saved), a job killed and resumed ends bit for bit as an uninterrupted one. In
     the async modes the servers' part is read while other trainers may push, and the steps
@@ -197,10 +209,11 @@ class Checkpointer:
 
     def __init__(self, path: str | os.PathLike, *, every_steps: int, keep: int = 2,
                  ps: Mapping[str, Any] | None = None, local: Mapping[str, Any] | None = None,
-                 trainers: Sequence[str] | None = None, timeout: float = 300.0) -> None:
+                 trainers: Sequence[str] | None = None, timeout: float = 300.0, full_every: int = 1) -> None:
         self.path = Path(path)
         self.every_steps = _positive_int("every_steps", every_steps)
         self.keep = _positive_int("keep", keep)
+        self.full_every = _positive_int("full_every", full_every)
         if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.timeout = float(timeout)
@@ -241,11 +254,21 @@ class Checkpointer:
         self._closed = [False]
         _checkpointers.add(self)
         weakref.finalize(self, _warn_unclosed, self._pending, self._closed, str(self.path))
-        self._figures = {"saves": 0, "save_s": 0.0, "completed": 0, "bytes": None, "write_s": None}
+        self._figures = {"saves": 0, "save_s": 0.0, "completed": 0, "bytes": None, "write_s": None,
+                         "incremental": 0}
+        # incremental saves (full_every > 1): the newest checkpoint this checkpointer completed
+        # (the next one's base) and how many saves its chain holds (1: a full one)
+        self._base: Path | None = None
+        self._chained = 0
 
     @property
     def _count(self) -> int:
         return max(1, len(self.trainers))
+
+    @property
+    def _token(self) -> str:
+        """The token of this checkpointer's chains of incremental saves (its path's)."""
+        return f"Checkpointer {self.path.resolve()}"
 
     # ---- resume ----
 
@@ -367,7 +390,13 @@ class Checkpointer:
         now = time.monotonic()
         keep_s = KEEP_SNAPSHOT_MIN_S if self._saved_at is None else max(KEEP_SNAPSHOT_MIN_S, 3 * (now - self._saved_at))
         self._saved_at = now
-        begun = _begin_ps(staging, self.ps, self.timeout, keep_snapshot_s=keep_s) if self.rank == 0 else None
+        begun = None
+        if self.rank == 0:
+            base = self._base if self.full_every > 1 and 0 < self._chained < self.full_every else None
+            begun = _begin_ps(staging, self.ps, self.timeout, keep_snapshot_s=keep_s,
+                              token=self._token if self.full_every > 1 else None, base=base)
+            self._base, self._chained = None, (self._chained + 1 if base is not None else 1)
+            self._figures["incremental"] += base is not None
         mine = {"step": step, "local": {name: _state_of(obj) for name, obj in self.local.items()},
                 "ps_settings": _ps_settings(self.ps), "rng": _rng_state()}
         # (not fsynced here: the first trainer fsyncs every file before it writes the manifest)
@@ -385,14 +414,16 @@ class Checkpointer:
     def stats(self) -> dict[str, Any]:
         """This trainer's saving so far: ``saves`` (started here), ``save_s`` (seconds spent in
         them: training waited that long, for the servers' snapshot and this trainer's own
-        file), and on the first trainer ``completed`` (checkpoints made visible), ``bytes`` (the
+        file), ``incremental`` (saves begun as incremental ones, ``full_every``), and on the
+        first trainer ``completed`` (checkpoints made visible), ``bytes`` (the
         newest one's files, the servers' shard files among them, summed before its manifest is
         written; None before one) and ``write_s`` (seconds the servers took to write the newest
         one's tables in the background, from their snapshot; None without tables).
 
         Example::
 
-            ckpt.stats()   # {"saves": 20, "save_s": 1.9, "completed": 20, "bytes": 71295433, "write_s": 0.41}
+            ckpt.stats()   # {"saves": 20, "save_s": 1.9, "completed": 20, "bytes": 71295433, "write_s": 0.41,
+                           #  "incremental": 0}
         """
         return dict(self._figures)
 
@@ -528,8 +559,26 @@ class Checkpointer:
         os.rename(staging, final)
         sync_directory(self.path)
         self._figures["completed"] += 1
-        for _, old in complete_checkpoints(self.path)[:-self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        if pending.ps is not None:  # (the next save's base, while its chain is shorter than full_every)
+            self._base = final
+        kept = complete_checkpoints(self.path)
+        needed = _bases_of([d for _, d in kept[-self.keep:]])
+        for _, old in kept[:-self.keep]:
+            if old.resolve() not in needed:  # (kept while a kept checkpoint is an incremental save on it)
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def _bases_of(checkpoints: list[Path]) -> set[Path]:
+    """The checkpoints (directories, resolved) that ``checkpoints`` are incremental saves on,
+    directly or through others: a load of one reads them."""
+    needed = set()
+    for directory in checkpoints:
+        try:
+            links = read_chain(str(directory / PS_DIR), read_manifest(str(directory / PS_DIR)))
+        except (CheckpointError, OSError):  # (none, or a broken chain: it does not load whatever is kept)
+            continue
+        needed.update(Path(at).parent.resolve() for at, _ in links[:-1])
+    return needed
 
 
 def _warn_unclosed(pending: list, closed: list, path: str) -> None:

@@ -30,7 +30,7 @@ def _save_ps(path: Path, objects: Mapping[str, Any]) -> None:
 
 
 def _begin_ps(path: Path, objects: Mapping[str, Any], timeout: float | None = None,
-              keep_snapshot_s: float = 0.0) -> ShardSave | None:
+              keep_snapshot_s: float = 0.0, token: str | None = None, base: Path | None = None) -> ShardSave | None:
     """Begin saving the parameter servers' ``objects`` (name -> table, collection or
     ``PSModel``) into the directory ``path``; run by one trainer only. Returns the servers'
     save, in the background (None without objects): complete once its ``wait()`` returned.
@@ -41,10 +41,11 @@ def _begin_ps(path: Path, objects: Mapping[str, Any], timeout: float | None = No
     settings, a PSModel's buffers; geo: its optimizer and progress) and, at ``wait()``, the
     small ``ps/manifest.json`` (every shard file's size and CRC-32, last); no row or parameter
     passes through the trainer. ``timeout``: seconds the servers' writing may take;
-    ``keep_snapshot_s``: how long the servers keep the snapshot's memory for the next save.
+    ``keep_snapshot_s``: how long the servers keep the snapshot's memory for the next save;
+    ``token``, ``base``: an incremental save on the ``ps/`` of ``base`` (``save_shards``).
     """
-    return (begin_save_shards(path / PS_DIR, objects, timeout=timeout, keep_snapshot_s=keep_snapshot_s)
-            if objects else None)
+    return (begin_save_shards(path / PS_DIR, objects, timeout=timeout, keep_snapshot_s=keep_snapshot_s, token=token,
+                              base=None if base is None else base / PS_DIR) if objects else None)
 
 
 def _check_names(path: Path, objects: Mapping[str, Any], models_saved: Mapping[str, Any]) -> None:

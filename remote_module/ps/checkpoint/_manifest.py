@@ -129,6 +129,34 @@ def read_manifest(directory: str) -> dict:
     return manifest
 
 
+def read_chain(directory: str, manifest: dict) -> list[tuple[str, dict]]:
+    """The checkpoints a load of ``directory`` (whose manifest is ``manifest``) reads, oldest
+    first: itself, and where it is an incremental save its base, the base's base, and so on to
+    a full checkpoint (``"base"``: its path relative to the save, and its manifest's sha256 as
+    it was then). :class:`CheckpointError` naming the missing link when one is gone, torn,
+    saved again since, or in another layout."""
+    links = [(directory, manifest)]
+    while links[0][1].get("base") is not None:
+        here, mine = links[0]
+        base = mine["base"]
+        path = os.path.normpath(os.path.join(here, base["path"]))
+        why = f"{here} is an incremental save on {path}, which must stay as it was saved for it to load"
+        if path in (d for d, _ in links):
+            raise CheckpointError(f"{why}: it is a save of the chain already (the manifest was edited)")
+        try:
+            theirs = read_manifest(path)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{why}, but it does not load: {exc}") from None
+        if theirs.get(SELF_SHA256) != base.get("manifest_sha256"):
+            raise CheckpointError(f"{why}, but it was saved again since (its manifest differs): load a checkpoint "
+                                  "saved after it instead")
+        if theirs.get("layout") != mine.get("layout"):
+            raise CheckpointError(f"{why}, but it is in the {theirs.get('layout')!r} layout, not "
+                                  f"{mine.get('layout')!r} (the manifest was edited)")
+        links.insert(0, (path, theirs))
+    return links
+
+
 def dcp_metadata(weights: dict[str, tuple[tuple[int, int], list[tuple[str, int, int, int, int]]]]) -> bytes:
     """A ``torch.distributed.checkpoint`` ``.metadata`` file (pickled ``Metadata``) for eager
     tables' weights: ``{key: ((rows, dim), [(file, first row, rows, offset, length)])}``, each

@@ -27,12 +27,14 @@ from remote_module.ps.checkpoint._manifest import (
     LAYOUTS,
     MANIFEST,
     SAVE_ID,
+    SELF_SHA256,
     VERSION,
     CheckpointError,
     dcp_metadata,
     file_entry,
     file_record,
     overlaps,
+    read_chain,
     read_manifest,
     sync_directory,
     table_entry,
@@ -89,7 +91,8 @@ def _timeout(tables: list[tuple[str, Any]]) -> float | None:
     return None if not timeouts or any(t is None for t in timeouts) else max(timeouts)
 
 
-def save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, layout: str = "shared") -> dict:
+def save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, layout: str = "shared",
+                token: str | None = None, base: str | os.PathLike | None = None) -> dict:
     """Save sharded tables and PSModels to the directory ``path``, each server writing its own blocks.
 
     ``objects`` maps a name (a state_dict prefix) to a table, a collection or a ``PSModel``.
@@ -116,6 +119,21 @@ def save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, layout: 
     the local layout once the servers' folders are gathered under ``path``). Lazy tables'
     rows and every table's optimizer state are by id (``torch.save``) beside them.
 
+    Incremental saves: a save with a ``token`` names a chain (each table's servers keep, from
+    then on, the ids they drop, for the next save of the chain); one with ``base`` as well (a
+    complete save of the same ``token`` and layout, its directory) writes of each table only
+    the rows changed since the base on each server, their optimizer state and the ids dropped
+    since, by id, beside a whole copy of everything else (PSModels, sketches, the trainer's
+    files). Its manifest names the base (its path relative to ``path``, and its manifest's
+    checksum), and a load reads the base (and its own base, down to a full save) and then the
+    incremental saves in order, with the same result as loading a full save taken at the end.
+    So the base must stay where it is, as saved: a load refuses a broken chain naming the
+    missing link. A server that cannot tell what changed since the base (it was restarted, its
+    blocks moved, or it dropped more ids than it keeps, ``Tombstones.KEPT``) writes its blocks
+    whole; a save where every server did so names no base. ``dcp.load`` reads full saves only
+    (an incremental save writes no ``.metadata``). The ``Checkpointer`` (``full_every=``)
+    makes such chains itself.
+
     Example (the trainer; servers ``ps0``, ``ps1`` run no code of their own)::
 
         emb = ShardedEmbeddingBag(10**6, 16, ["ps0", "ps1"], name="emb", init="lazy")
@@ -124,7 +142,7 @@ def save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, layout: 
         manifest = save_shards("/shared/ckpt/step100", {"emb": emb, "model": model})
         load_shards("/shared/ckpt/step100", {"emb": emb, "model": model})
     """
-    return begin_save_shards(path, objects, layout=layout).wait()
+    return begin_save_shards(path, objects, layout=layout, token=token, base=base).wait()
 
 
 class ShardSave:
@@ -134,9 +152,9 @@ class ShardSave:
     checkpoint is complete from then on). Until then the directory is torn: no load reads it."""
 
     def __init__(self, directory: str, layout: str, tables: list, described: dict, owns: list[memoryview],
-                 written: Any, models: _ModelsBegun | None, save: str) -> None:
+                 written: Any, models: _ModelsBegun | None, save: str, chain: dict | None = None) -> None:
         self.directory, self.layout, self._tables, self._described = directory, layout, tables, described
-        self._save = save
+        self._save, self._chain = save, chain or {}
         self._owns, self._written, self._models = owns, written, models
         self._manifest: dict | None = None
         #: seconds from the snapshot to the last server's files written (None until then)
@@ -176,12 +194,15 @@ class ShardSave:
                                   "written (their servers write the same files): this one is refused, no manifest "
                                   "written; save each checkpoint into a directory of its own")
         manifest: dict[str, Any] = {"format": FORMAT, "version": VERSION, "layout": self.layout,
-                                    "objects": self._described, "tables": {}, "files": {}}
+                                    "objects": self._described, "tables": {}, "files": {},
+                                    "token": self._chain.get("token"), "base": None}
         weights = {}
         for (key, table), own in zip(self._tables, self._owns):
             entry = _table_manifest(self.directory, self.layout, key, table,
                                     [(s, next(got)) for s in table._by_server], own, manifest["files"])
             manifest["tables"][key] = entry
+            if entry["incremental"]:  # (a load reads its base first)
+                manifest["base"] = self._chain["base"]
             if entry["dcp_key"] is not None:
                 weights[entry["dcp_key"]] = ((table.num_embeddings, table.embedding_dim), [
                     (part["weights"], *chunk) for part in entry["servers"].values() for chunk in part["chunks"]])
@@ -221,7 +242,8 @@ def _check_visible(directory: str, files: dict) -> None:
 
 
 def begin_save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, layout: str = "shared",
-                      timeout: float | None = None, keep_snapshot_s: float = 0.0) -> ShardSave:
+                      timeout: float | None = None, keep_snapshot_s: float = 0.0, token: str | None = None,
+                      base: str | os.PathLike | None = None) -> ShardSave:
     """:func:`save_shards` in the background: returns once every server has taken a snapshot
     of its blocks (the tables are settled first, as for ``save_shards``), while they write it;
     training may go on at once without changing what is saved. ``ShardSave.wait()`` completes
@@ -235,7 +257,8 @@ def begin_save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, la
     ``Checkpointer``), each table server keeps the memory of its eager rows' snapshot that long
     and copies the next snapshot into it (a memcpy instead of page faults: less CPU on the
     server and a shorter wait here); meanwhile the server holds that memory (as much as its
-    eager rows) between saves too. 0: each snapshot in fresh memory, freed once written."""
+    eager rows) between saves too. 0: each snapshot in fresh memory, freed once written.
+    ``token``, ``base``: an incremental save (see :func:`save_shards`)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if not 0 <= keep_snapshot_s < math.inf:  # (a server's timer cannot wait forever: it would keep it for good)
@@ -243,6 +266,7 @@ def begin_save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, la
     directory = os.path.abspath(os.fspath(path))  # (servers resolve it the same, whatever their cwd)
     tables, described = _tables_of(objects)
     models = _models_of(objects)
+    chain, bases = _chain_of(directory, layout, tables, token, base)
     os.makedirs(directory, exist_ok=True)
     # saved over: torn until the new manifest, and no reader of torch's format (dcp.load) reads
     # the old eager weights either: the metadata is written again just before the manifest
@@ -267,8 +291,8 @@ def begin_save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, la
             each.setdefault(server, []).append((table.name, directory if layout == "shared" else
                                                 os.path.join(directory, server), f"{key}.{server}",
                                                 table.evict_after_steps is not None))
-    call_all([(server, _shard_files._begin_shards, (save, mine, keep_snapshot_s)) for server, mine in each.items()],
-             timeout=_timeout(tables))
+    call_all([(server, _shard_files._begin_shards, (save, mine, keep_snapshot_s, token, bases.get(server)))
+              for server, mine in each.items()], timeout=_timeout(tables))
     # PSModels: their servers copy their blocks at the same point, then write them in the background
     models_begun = _begin_models(directory, layout, models, save, timeout) if models else None
     # the trainer's own state of each table (geo: its local optimizer's) as of the snapshot,
@@ -279,7 +303,43 @@ def begin_save_shards(path: str | os.PathLike, objects: Mapping[str, Any], *, la
     written = call_all_async([(server, _shard_files._shards_written, (table.name, save))
                               for _, table in tables for server in table._by_server],
                              timeout=_timeout(tables) if timeout is None else timeout)
-    return ShardSave(directory, layout, tables, described, owns, written, models_begun, save)
+    return ShardSave(directory, layout, tables, described, owns, written, models_begun, save, chain)
+
+
+def _chain_of(directory: str, layout: str, tables: list, token: str | None,
+              base: str | os.PathLike | None) -> tuple[dict, dict]:
+    """An incremental save's place (checked before anything changes): ``{"token", "base"}``
+    for its manifest, and by server, by table name, ``(version, incarnation, blocks)`` of the
+    base's part there (what the server saves the changes since)."""
+    if token is not None and (not isinstance(token, str) or not token):
+        raise ValueError(f"token must be a non-empty str naming a chain of saves, got {token!r}")
+    if base is None:
+        return {"token": token}, {}
+    if token is None:
+        raise ValueError("an incremental save (base=...) needs the token its base was saved with: the servers keep "
+                         "the ids they drop only for a chain that a token names")
+    where = os.path.abspath(os.fspath(base))
+    if where == directory:
+        raise ValueError(f"base is the directory saved into, {directory!r}: an incremental save goes into a "
+                         "directory of its own")
+    saved = read_manifest(where)
+    if saved.get("token") != token:
+        raise ValueError(f"{where} was saved with token {saved.get('token')!r}, not {token!r}: an incremental save "
+                         "follows a save of its own chain (its servers kept the dropped ids for that one)")
+    if saved["layout"] != layout:
+        raise ValueError(f"{where} is in the {saved['layout']!r} layout: an incremental save on it is too, not "
+                         f"layout={layout!r}")
+    bases: dict[str, dict] = {}
+    for key, table in tables:
+        entry = saved["tables"].get(key)
+        if entry is None or entry["name"] != table.name:  # (not in the base: saved whole)
+            continue
+        for server, part in entry["servers"].items():
+            if server in table._by_server and part.get("incarnation"):
+                bases.setdefault(server, {})[table.name] = (int(part["versions"][0]), part["incarnation"],
+                                                            [tuple(b) for b in part["blocks"]])
+    return {"token": token, "base": {"path": os.path.relpath(where, directory),
+                                     "manifest_sha256": saved[SELF_SHA256]}}, bases
 
 
 def release_snapshot_memory(objects: Mapping[str, Any], timeout: float | None = None) -> None:
@@ -317,9 +377,11 @@ def _table_manifest(directory: str, layout: str, key: str, table: ShardedEmbeddi
                            "sketch": f"{stem}.sketch.pt" if f"{key}.{server}.sketch.pt" in reply.files else None}
     rel = f"{key}.trainer.pt"
     files[rel] = file_record(*_shard_files._write_file(directory, rel, [own]), None)
+    incremental = any(p["since"] is not None for p in servers.values())
     return {**table_entry(table), "clock": max(p["clock"] for p in servers.values()),
             "optimizer_steps": max(p["optimizer_steps"] for p in servers.values()), "trainer_file": rel,
-            "dcp_key": f"{key}.weight" if table.init != "lazy" else None, "servers": servers}
+            "dcp_key": f"{key}.weight" if table.init != "lazy" and not incremental else None, "servers": servers,
+            "incremental": incremental}
 
 
 def load_shards(path: str | os.PathLike, objects: Mapping[str, Any]) -> None:
@@ -352,11 +414,12 @@ def load_shards(path: str | os.PathLike, objects: Mapping[str, Any]) -> None:
     manifest = read_manifest(directory)
     tables, _ = _tables_of(objects)
     models = _models_of(objects)
-    plans = [_plan(directory, manifest, key, table) for key, table in tables]
+    links = read_chain(directory, manifest)  # (itself alone unless an incremental save)
+    plans = [_plan(links, key, table) for key, table in tables]
     model_plans = [_model_plan(directory, manifest, key, model) for key, model in models]
     load = uuid.uuid4().hex
     timeout = _timeout(tables + models)
-    stage = [(server, _shard_files._stage_shards, (table.name, load, directory, reads, plan["clock"], timeout))
+    stage = [(server, _shard_files._stage_chain, (table.name, load, reads, plan["clock"], timeout))
              for (_, table), plan in zip(tables, plans) for server, reads in plan["reads"].items()]
     drop = [(server, _shard_files._drop_staged, (name, load)) for server, _, (name, *_) in stage]
     model_stage, model_drop, model_apply = _model_calls(directory, load, model_plans, timeout)
@@ -427,14 +490,17 @@ def _check_layout(directory: str, manifest: dict, key: str, entry: dict, table: 
             "save with layout='shared' (a directory every server reads) to load onto other servers")
 
 
-def _reads(entry: dict, files: dict, server: str, blocks: list, layout: str, sketches: bool) -> ShardReads:
-    """What ``server`` (holding ``blocks``) reads of a table's checkpoint ``entry``."""
+def _reads(entry: dict, files: dict, server: str, blocks: list, layout: str, sketches: bool,
+           clocks: dict | None = None) -> ShardReads:
+    """What ``server`` (holding ``blocks``) reads of a table's checkpoint ``entry``. ``clocks``:
+    by saving server, the step its rows' eviction clocks count from, where not the entry's
+    (a base of an incremental save: the last save's; the server's clock went on since)."""
     reads = ShardReads([], [], [], [])
     for saver, part in entry["servers"].items():
         if not (saver == server if layout == "local" else overlaps(part["blocks"], blocks)):
             continue
         reads.files.append(FileEntry(*file_entry(files, part["rows"])))
-        reads.rows.append((part["rows"], int(part["clock"])))
+        reads.rows.append((part["rows"], int((clocks or {}).get(saver, part["clock"]))))
         if part["weights"] is not None:
             reads.files.append(FileEntry(*file_entry(files, part["weights"])))
             reads.chunks.extend((part["weights"], *chunk) for chunk in part["chunks"])
@@ -445,19 +511,37 @@ def _reads(entry: dict, files: dict, server: str, blocks: list, layout: str, ske
     return reads
 
 
-def _plan(directory: str, manifest: dict, key: str, table: ShardedEmbedding) -> dict:
+def _plan(links: list[tuple[str, dict]], key: str, table: ShardedEmbedding) -> dict:
     """How ``table`` loads the checkpoint's ``key``, checked before anything changes: each of
-    its servers' reads and what the load sets (clocks, step counts, the trainer's state)."""
+    its servers' reads and what the load sets (clocks, step counts, the trainer's state).
+    ``links``: the checkpoint and the saves it is incremental on, oldest first (``read_chain``):
+    each server reads, for each, its share (from the newest save that holds the table whole)."""
+    directory, manifest = links[-1]
     entry = manifest["tables"].get(key)
     if entry is None:
         raise CheckpointError(f"{os.path.join(directory, MANIFEST)} holds no table {key!r} (it holds "
                               f"{sorted(manifest['tables'])}): load with the names it was saved with")
     own = _own_state(directory, manifest["files"], entry["trainer_file"])
     _check_fits(key, entry, table, own)
-    _check_layout(directory, manifest, key, entry, table)
+    needed = [(directory, manifest, entry)]
+    while needed[0][2].get("incremental"):
+        if len(needed) == len(links):
+            raise CheckpointError(f"{os.path.join(needed[0][0], MANIFEST)}: table {key!r} is saved incrementally "
+                                  "there, but the manifest names no base (it was edited)")
+        at, theirs = links[-len(needed) - 1]
+        earlier = theirs["tables"].get(key)
+        if earlier is None or earlier["name"] != entry["name"]:
+            raise CheckpointError(f"{os.path.join(needed[0][0], MANIFEST)}: table {key!r} is saved incrementally on "
+                                  f"{at}, which holds no such table (the manifest was edited)")
+        needed.insert(0, (at, theirs, earlier))
+    for at, theirs, part in needed:
+        _check_layout(at, theirs, key, part, table)
     sketches = table.admit_after > 1
     evicting = entry["evicting"] and table.evict_after_steps is not None
-    return {"reads": {s: _reads(entry, manifest["files"], s, blocks, manifest["layout"], sketches)
+    # a row's eviction clock counts its server's steps: an older save's rows are aged as the last's
+    clocks = {saver: part["clock"] for saver, part in entry["servers"].items()}
+    return {"reads": {s: [(at, _reads(part, theirs["files"], s, blocks, theirs["layout"],
+                                      sketches and at == directory, clocks)) for at, theirs, part in needed]
                       for s, blocks in table._by_server.items()},
             "clock": int(entry["clock"]), "apply_clock": int(entry["clock"]) if evicting else None,
             "optimizer_steps": None if table.ps_mode == "geo" else int(entry["optimizer_steps"]), "own": own,

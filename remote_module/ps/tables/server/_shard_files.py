@@ -35,7 +35,7 @@ import pickle
 import threading
 import time
 from functools import partial
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed.rpc as rpc
@@ -76,6 +76,11 @@ class Written(NamedTuple):
     state_keys: list[str]
     state_rows: int
     versions: tuple[int, int]
+    #: the table's life on this server (``Table.incarnation``): an incremental save follows it only
+    incarnation: str = ""
+    #: an incremental save's: the version its base reached here (it holds what changed after it);
+    #: None: these blocks whole
+    since: int | None = None
 
 
 class Staged(NamedTuple):
@@ -113,6 +118,11 @@ class Snapshot(NamedTuple):
     evicting: bool
     dim: int
     dtype: torch.dtype
+    incarnation: str = ""
+    #: an incremental snapshot's base version here (``read`` holds the rows changed after it, by id;
+    #: ``dropped`` the ids dropped since); None: every row of the blocks
+    since: int | None = None
+    dropped: torch.Tensor | None = None
 
 
 def _snapshot(name: str, evicting: bool, keep_s: float = 0.0) -> Snapshot:
@@ -124,26 +134,75 @@ def _snapshot(name: str, evicting: bool, keep_s: float = 0.0) -> Snapshot:
     read = [handlers._block_rows(name, first, True, True, eager_ids=False, keep_s=keep_s) for first, _ in blocks]
     state = [handlers._row_state(name, first) for first, _ in blocks]
     return Snapshot(name, blocks, read, state, handlers._admission_state(name), table.spec.init != "lazy", evicting,
-                    table.spec.dim, table.spec.dtype)
+                    table.spec.dim, table.spec.dtype, table.incarnation)
+
+
+def chain_key(token: str) -> tuple[str, None]:
+    """The key under which a table's tombstones keep the baseline of the incremental saves of
+    ``token`` (``Tombstones``; apart from ``delta_state_dict``'s ``(token, trainer)`` keys)."""
+    return (f"save_shards {token}", None)
+
+
+def _delta_snapshot(name: str, evicting: bool, since: int, incarnation: str,
+                    blocks: list[tuple[int, int]]) -> Snapshot | None:
+    """Copy what changed in this server's blocks of table ``name`` after version ``since`` of
+    its life ``incarnation`` holding ``blocks`` (an incremental save's base here): the rows
+    changed, by id (their clocks with ``evicting``), the optimizer state of those stepped, the
+    ids dropped since and the whole admission sketch, under the table's lock (one consistent
+    point). None when what changed is not known here (the table was made again, by a restart;
+    its blocks moved; the ids dropped since were not all kept, ``Tombstones.KEPT``): the
+    caller saves these blocks whole instead."""
+    table = _table(name)
+    with table.lock:
+        table.sweep()
+        layout = table.layout()
+        if (incarnation != table.incarnation or [tuple(b) for b in blocks] != [tuple(b) for b in layout]
+                or not table.tombstones.kept_from <= since <= table.clocks.version):
+            return None
+        read, state = [], []
+        for rows in table.blocks:
+            with rows.lock:
+                ids, slots = rows.stored()
+                keep = rows.changed.index_select(0, slots) > since
+                ids, slots = ids[keep], slots[keep]
+                last = rows.last.index_select(0, slots) if evicting and rows.last is not None else None
+                read.append((ids, rows.values.index_select(0, slots), last, table.clocks.step, table.clocks.version))
+                stepped = rows.touched.index_select(0, slots)  # (what _row_state reads, of these rows)
+                where = rows.state_slot.index_select(0, slots[stepped])
+                state.append((table.optimizer_steps, ids[stepped],
+                              {k: v.index_select(0, where) for k, v in rows.state.items()}))
+        admission = None if table.sketch is None else (layout, table.sketch.data.clone())
+        return Snapshot(name, layout, read, state, admission, table.spec.init != "lazy", evicting, table.spec.dim,
+                        table.spec.dtype, table.incarnation, since, table.tombstones.dropped_since(since))
+
+
+def _chain_from(name: str, token: str, snap: Snapshot) -> None:
+    """The incremental saves of ``token`` may follow ``snap`` from now on: the table's
+    tombstones keep the ids dropped after the version it was read from (its first)."""
+    table = _table(name)
+    with table.lock:
+        table.tombstones.taken(chain_key(token), min(r[-1] for r in snap.read))
 
 
 def _write_snapshot(snap: Snapshot, directory: str, stem: str) -> Written:
     """Write a table's :class:`Snapshot` under ``directory`` (files ``stem.*``, ``stem``
     relative to it): what the manifest lists."""
     read, state = snap.read, snap.state
-    ids = None if snap.eager else torch.cat([r[0] for r in read])
+    whole_eager = snap.eager and snap.since is None  # (every row of the blocks, in order: no ids)
+    ids = None if whole_eager else torch.cat([r[0] for r in read])
     clock = max(r[3] for r in read)  # (the table's step here: a block read before a step was a step behind)
     keys = list(dict.fromkeys(k for _, _, s in state for k in s))
     empty = torch.empty(0, snap.dim, dtype=snap.dtype)
-    by_id = {"table": snap.name, "blocks": snap.blocks, "ids": None if snap.eager else ids,
-             "rows": None if snap.eager else torch.cat([r[1] for r in read]),
+    by_id = {"table": snap.name, "blocks": snap.blocks, "ids": ids,
+             "rows": None if whole_eager else torch.cat([r[1] for r in read]),
              "last": torch.cat([handlers.aged(r[2], clock - r[3]) for r in read])
              if snap.evicting and read[0][2] is not None else None, "clock": clock,
              "optimizer_steps": max(s[0] for s in state), "state_ids": torch.cat([s[1] for s in state]),
-             "state": {k: torch.cat([s[2].get(k, empty) for s in state]) for k in keys}}
+             "state": {k: torch.cat([s[2].get(k, empty) for s in state]) for k in keys},
+             "delta": None if snap.since is None else {"since": snap.since, "dropped": snap.dropped}}
     out = Written({}, [], snap.blocks, clock, by_id["optimizer_steps"], keys, by_id["state_ids"].numel(),
-                  (min(r[-1] for r in read), max(r[-1] for r in read)))
-    if snap.eager:  # each block's rows, as torch.distributed.checkpoint writes a tensor chunk
+                  (min(r[-1] for r in read), max(r[-1] for r in read)), snap.incarnation, snap.since)
+    if whole_eager:  # each block's rows, as torch.distributed.checkpoint writes a tensor chunk
         written, spans = _write_saved(directory, f"{stem}.distcp", [r[1].contiguous() for r in read])
         out.files[f"{stem}.distcp"] = written
         out.chunks.extend((first, count, *span) for (first, count), span in zip(snap.blocks, spans))
@@ -161,17 +220,28 @@ def _write_shards(name: str, directory: str, stem: str, evicting: bool) -> Writt
 
 # ---- saves in the background: a snapshot now, its files written while the table trains on --------
 
-def _begin_shards(save: str, tables: list[tuple[str, str, str, bool]], keep_s: float = 0.0) -> None:
+def _begin_shards(save: str, tables: list[tuple[str, str, str, bool]], keep_s: float = 0.0,
+                  token: str | None = None, bases: dict | None = None) -> None:
     """Snapshot this server's blocks of each table now (``(name, directory, stem, evicting)``:
     what :func:`_write_shards` would write), one after another, then write them in the
     background (``_shard_io.writes``: one save after another); :func:`_shards_written` answers
     with each outcome. Returns once every snapshot is taken: the tables may change from then on
     without changing what is written. ``keep_s``: the snapshot's memory is kept that long for
-    the next save's (``_shard_io.SnapshotMemory``)."""
+    the next save's (``_shard_io.SnapshotMemory``). ``token``: the saves form a chain of that
+    name (the tables keep the ids dropped since this one for the next); ``bases``: by table,
+    ``(version, incarnation, blocks)`` of its base here: only what changed after it is written
+    (:func:`_delta_snapshot`; these blocks whole where that is not known)."""
     again = [name for name, *_ in tables if writes.begun(("table", save, name))]
     if again:
         raise ValueError(f"table {again[0]!r}: save {save!r} was begun here already")
-    snaps = [(_snapshot(name, evicting, keep_s), directory, stem) for name, directory, stem, evicting in tables]
+    bases = bases or {}
+    snaps = []
+    for name, directory, stem, evicting in tables:
+        snap = _delta_snapshot(name, evicting, *bases[name]) if name in bases else None
+        snap = _snapshot(name, evicting, keep_s) if snap is None else snap
+        if token is not None:
+            _chain_from(name, token, snap)
+        snaps.append((snap, directory, stem))
     for snap, directory, stem in snaps:
         writes.begin(("table", save, snap.name), partial(_write_and_keep, snap, directory, stem, keep_s),
                      f"table {snap.name!r}: writing {os.path.join(directory, stem)}.*")
@@ -180,7 +250,7 @@ def _begin_shards(save: str, tables: list[tuple[str, str, str, bool]], keep_s: f
 def _write_and_keep(snap: Snapshot, directory: str, stem: str, keep_s: float) -> Written:
     """:func:`_write_snapshot`, then its eager rows' memory kept for the next snapshot."""
     written = _write_snapshot(snap, directory, stem)
-    if snap.eager:
+    if snap.eager and snap.since is None:
         for (first, _), read in zip(snap.blocks, snap.read):
             snapshots.keep(handlers.snapshot_key(snap.name, first), read[1], keep_s)
     return written
@@ -207,13 +277,23 @@ def _stage_shards(name: str, key: str, directory: str, reads: ShardReads, clock:
     is read; nothing of the table changes. Why it cannot be loaded (a file missing, truncated or
     corrupt, named), or None. Staged loads older than :data:`KEEP_STAGED_TIMEOUTS` times their
     ``timeout`` (the trainer's) are forgotten first."""
+    return _stage_chain(name, key, [(directory, reads)], clock, timeout)
+
+
+def _stage_chain(name: str, key: str, links: list[tuple[str, ShardReads]], clock: int,
+                 timeout: float | None = None) -> str | None:
+    """:func:`_stage_shards` of a chain of checkpoints: a full one, then the incremental saves
+    that follow it, in order (``links``: each one's directory and what this server reads
+    there); the sketches are the last one's. Every file of every link is checked first."""
     _forget_expired()
     table = _table(name)
     try:
-        for entry in reads.files:
-            _verify(directory, entry)
-        staged = _read_mine(table.layout(), directory, reads, clock, table.spec.dim)
-        sketches = [(*_load(os.path.join(directory, rel)), None) for rel in reads.sketches]
+        for directory, reads in links:
+            for entry in reads.files:
+                _verify(directory, entry)
+        staged = _read_chain(table.layout(), links, clock, table.spec.dim)
+        last_dir, last_reads = links[-1]
+        sketches = [(*_load(os.path.join(last_dir, rel)), None) for rel in last_reads.sketches]
     except (ValueError, OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:  # (one that does not read)
         return str(exc) if isinstance(exc, ValueError) else f"{directory}: a file does not read: {exc}"
     with _staged_lock:
@@ -233,22 +313,74 @@ def _forget_expired() -> None:
 def _read_mine(layout: list[tuple[int, int]], directory: str, reads: ShardReads, clock: int, dim: int) -> Staged:
     """The rows of the blocks ``layout`` (this server's) in the checked files ``reads``, their
     clocks (aged to ``clock``) and optimizer state, sorted by id."""
+    return _read_chain(layout, [(directory, reads)], clock, dim)
+
+
+def _read_chain(layout: list[tuple[int, int]], links: list[tuple[str, ShardReads]], clock: int, dim: int) -> Staged:
+    """:func:`_read_mine` of a chain (a full checkpoint, then incremental saves in order): each
+    saving server's part replaces what came before it of its rows: a whole part every row of
+    its blocks, an incremental one the rows it holds and the ids dropped since its base."""
     mine = tuple(layout)
-    chunks = {(rel, first): (offset, length) for rel, first, _, offset, length in reads.chunks}
-    ids, rows, last, state_ids, state = [], [], [], [], []
-    for rel, saved_clock in reads.rows:
-        part = _load(os.path.join(directory, rel))
-        saved = part["ids"] if part["ids"] is not None else _every_id(part["blocks"])  # (eager: every row)
-        keep = handlers._in_ranges(saved, mine)
-        ids.append(saved[keep])
-        rows.append(part["rows"][keep] if part["rows"] is not None
-                    else _eager_rows(part["blocks"], mine, directory, rel, chunks, dim))
-        if part["last"] is not None:
-            last.append(handlers.aged(part["last"][keep], clock - saved_clock))
-        kept = handlers._in_ranges(part["state_ids"], mine)
-        state_ids.append(part["state_ids"][kept])
-        state.append({k: v[kept] for k, v in part["state"].items()})
-    return _sorted("", ids, rows, last if len(last) == len(ids) else None, state_ids, state, dim)
+    have = _Rows()
+    for directory, reads in links:
+        chunks = {(rel, first): (offset, length) for rel, first, _, offset, length in reads.chunks}
+        for rel, saved_clock in reads.rows:
+            part = _load(os.path.join(directory, rel))
+            saved = part["ids"] if part["ids"] is not None else _every_id(part["blocks"])  # (eager: every row)
+            keep = handlers._in_ranges(saved, mine)
+            delta = part.get("delta")
+            if delta is None:  # these blocks whole: what came before of them goes
+                have.drop(lambda ids: handlers._in_ranges(ids, tuple(tuple(b) for b in part["blocks"])))
+            else:  # its rows and the ids dropped since its base go
+                gone = torch.cat([delta["dropped"].long(), saved])
+                have.drop(lambda ids: torch.isin(ids, gone))
+            kept = handlers._in_ranges(part["state_ids"], mine)
+            have.add(saved[keep], part["rows"][keep] if part["rows"] is not None
+                     else _eager_rows(part["blocks"], mine, directory, rel, chunks, dim),
+                     None if part["last"] is None else handlers.aged(part["last"][keep], clock - saved_clock),
+                     part["state_ids"][kept], {k: v[kept] for k, v in part["state"].items()})
+    return _sorted("", have.ids, have.rows, have.last if have.every_last else None, have.state_ids, have.state, dim)
+
+
+class _Rows:
+    """The rows (and clocks, optimizer state) a load has read so far, in parts: what
+    :func:`_read_chain` builds, a later part replacing rows of earlier ones."""
+
+    def __init__(self) -> None:
+        self.ids: list[torch.Tensor] = []
+        self.rows: list[torch.Tensor] = []
+        self.last: list[torch.Tensor | None] = []
+        self.state_ids: list[torch.Tensor] = []
+        self.state: list[dict[str, torch.Tensor]] = []
+
+    @property
+    def every_last(self) -> bool:
+        """Whether every part has its rows' clocks (else none is kept)."""
+        return all(last is not None for last in self.last)
+
+    def add(self, ids: torch.Tensor, rows: torch.Tensor, last: torch.Tensor | None, state_ids: torch.Tensor,
+            state: dict[str, torch.Tensor]) -> None:
+        self.ids.append(ids)
+        self.rows.append(rows)
+        self.last.append(last)
+        self.state_ids.append(state_ids)
+        self.state.append(state)
+
+    def drop(self, which: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Forget the rows, and the optimizer state, of the ids ``which(ids)`` selects."""
+        for i, ids in enumerate(self.ids):
+            out = which(ids)
+            if bool(out.any()):
+                keep = ~out
+                self.ids[i], self.rows[i] = ids[keep], self.rows[i][keep]
+                if self.last[i] is not None:
+                    self.last[i] = self.last[i][keep]
+        for i, ids in enumerate(self.state_ids):
+            out = which(ids)
+            if bool(out.any()):
+                keep = ~out
+                self.state_ids[i] = ids[keep]
+                self.state[i] = {k: v[keep] for k, v in self.state[i].items()}
 
 
 def _every_id(blocks: list[tuple[int, int]]) -> torch.Tensor:

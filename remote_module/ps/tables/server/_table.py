@@ -6,6 +6,7 @@ pushes) and ``_checkpoint_handlers`` (rows and state read and written by checkpo
 from __future__ import annotations
 
 import threading
+import uuid
 
 import torch
 from torch import nn
@@ -41,6 +42,9 @@ class Table:
         # delta checkpoints: the ids dropped after each version and each caller's baseline
         # (lifetime/_deltas.py)
         self.tombstones = Tombstones()
+        # this table's life on this server: an incremental save follows a base saved from the
+        # same one only (its versions count from here; a table made again counts afresh)
+        self.incarnation = uuid.uuid4().hex
         # a lazy table's rows that a weights-only load kept for their optimizer state alone (the
         # checkpoint had no such row: they are back at their first values); an optimizer state
         # load that gives them none drops them, so a full load leaves the checkpoint's rows only

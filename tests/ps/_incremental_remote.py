@@ -1,0 +1,193 @@
+"""What tests/ps/test_incremental_saves.py runs on its trainers: tables trained between saves
+of a chain (``save_shards(token=..., base=...)``), loaded from its last incremental save beside
+a full save taken at the same point."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from tests.ps._shard_checkpoints_remote import CASES, bag, checkpoint, train
+
+
+def chain_and_full(name: str, case: str, directory: str, servers: int = 3) -> dict:
+    """A table of ``case`` on ps0, ps1: trained 6 steps, saved whole (token "chain"), then
+    twice trained 5 steps and saved incrementally on the save before; at the end also a full
+    save. Both loaded onto ``servers`` servers (each table trained 2 steps of its own first):
+    their checkpoints, the manifests and each save's bytes."""
+    from remote_module.ps import load_shards, save_shards
+
+    source = bag(name, ["ps0", "ps1"], case)
+    train(source, range(6))
+    saves = [os.path.join(directory, f"s{i}") for i in range(3)]
+    manifests = [save_shards(saves[0], {"emb": source}, token="chain")]
+    for i, at in enumerate(range(6, 16, 5), start=1):
+        train(source, range(at, at + 5))
+        manifests.append(save_shards(saves[i], {"emb": source}, token="chain", base=saves[i - 1]))
+    full = os.path.join(directory, "full")
+    save_shards(full, {"emb": source})
+    on = [f"ps{i}" for i in range(servers)]
+    out: dict[str, Any] = {"manifests": manifests, "source": checkpoint(source)}
+    for label, path in (("chain", saves[-1]), ("full", full)):
+        target = bag(f"{name}-{label}", on, case)
+        train(target, range(100, 102))  # (rows and state of its own before the load)
+        load_shards(path, {"emb": target})
+        out[label] = checkpoint(target)
+        train(target, range(20, 23))  # (and it trains on the same)
+        out[f"{label} after"] = checkpoint(target)
+    if CASES[case]["init"] == "lazy":  # (rows not stored read as each table name's first values)
+        for key in ("source", "chain", "full", "chain after", "full after"):
+            out[key].pop("rows")
+    out["bytes"] = [sum(e["bytes"] for rel, e in m["files"].items() if rel.startswith("emb.ps")) for m in manifests]
+    return out
+
+
+def few_rows_changed(name: str, directory: str) -> dict:
+    """An eager table of 60 rows saved whole, then one step touching at most 12 rows and an
+    incremental save: both saves' files (by server) and the manifests."""
+    from remote_module.ps import save_shards
+
+    emb = bag(name, ["ps0", "ps1"], "eager-sgd")
+    train(emb, range(3))
+    first = save_shards(os.path.join(directory, "a"), {"emb": emb}, token="t")
+    train(emb, range(3, 4))
+    second = save_shards(os.path.join(directory, "b"), {"emb": emb}, token="t", base=os.path.join(directory, "a"))
+    return {"first": first, "second": second}
+
+
+def chain_then_load(name: str, directory: str, case: str = "eager-sgd") -> dict:
+    """A chain of three saves (full, incremental, incremental) of a table on ps0, ps1."""
+    from remote_module.ps import save_shards
+
+    emb = bag(name, ["ps0", "ps1"], case)
+    train(emb, range(3))
+    saves = [os.path.join(directory, f"s{i}") for i in range(3)]
+    save_shards(saves[0], {"emb": emb}, token="t")
+    for i in (1, 2):
+        train(emb, range(3 * i, 3 * i + 3))
+        save_shards(saves[i], {"emb": emb}, token="t", base=saves[i - 1])
+    return {"checkpoint": checkpoint(emb), "saves": saves}
+
+
+def load_or_error(name: str, path: str, case: str = "eager-sgd") -> dict:
+    """Load ``path`` into a new table of ``case`` on ps0-ps2 trained two steps: the error (None
+    if it loaded) and the table's checkpoint before and after."""
+    from remote_module.ps import load_shards
+
+    emb = bag(name, ["ps0", "ps1", "ps2"], case)
+    train(emb, range(200, 202))
+    before = checkpoint(emb)
+    try:
+        load_shards(path, {"emb": emb})
+        error = None
+    except Exception as e:  # noqa: BLE001 - the test asserts its type and message
+        error = f"{type(e).__name__}: {e}"
+    return {"error": error, "before": before, "after": checkpoint(emb)}
+
+
+def refused_saves(name: str, directory: str) -> dict:
+    """The errors of incremental saves given a bad base or token; whether anything was written."""
+    from remote_module.ps import save_shards
+
+    emb = bag(name, ["ps0", "ps1"], "eager-sgd")
+    train(emb, range(2))
+    base = os.path.join(directory, "base")
+    save_shards(base, {"emb": emb}, token="t")
+    plain = os.path.join(directory, "plain")
+    save_shards(plain, {"emb": emb})
+    out = {}
+    for label, kwargs in {"no token": {"base": base}, "other token": {"token": "u", "base": base},
+                          "base without token": {"token": "t", "base": plain},
+                          "torn base": {"token": "t", "base": os.path.join(directory, "nothing")},
+                          "itself": {"token": "t", "base": os.path.join(directory, "x")},
+                          "other layout": {"token": "t", "base": base, "layout": "local"},
+                          "empty token": {"token": ""}}.items():
+        target = os.path.join(directory, "x")
+        try:
+            save_shards(target, {"emb": emb}, **kwargs)
+            out[label] = None
+        except Exception as e:  # noqa: BLE001
+            out[label] = f"{type(e).__name__}: {e}"
+        out[label + " wrote"] = os.path.exists(target)
+    return out
+
+
+def after_a_new_table(name: str, directory: str) -> dict:
+    """A table saved whole (token "t"); a new table object of the same name on the servers
+    (made again there: a new life); then an incremental save on the first: its manifest, and
+    the table's checkpoint beside the one loaded from it."""
+    from remote_module.ps import load_shards, save_shards
+
+    emb = bag(name, ["ps0", "ps1"], "eager-sgd")
+    train(emb, range(3))
+    save_shards(os.path.join(directory, "a"), {"emb": emb}, token="t")
+    train(emb, range(3, 5))
+    for server in ("ps0", "ps1"):  # (as a restarted server's table: a new life, its versions afresh)
+        torch.distributed.rpc.rpc_sync(server, _new_life, args=(name,))
+    second = save_shards(os.path.join(directory, "b"), {"emb": emb}, token="t", base=os.path.join(directory, "a"))
+    again = bag(name + "-again", ["ps0", "ps1", "ps2"], "eager-sgd")
+    load_shards(os.path.join(directory, "b"), {"emb": again})
+    return {"manifest": second, "saved": checkpoint(emb), "loaded": checkpoint(again)}
+
+
+def _new_life(name: str) -> None:
+    import uuid
+
+    from remote_module.ps.tables.server._handlers import _table
+
+    _table(name).incarnation = uuid.uuid4().hex
+
+
+def job_with_chains(name: str, directory: str, case: str, steps: int, full_every: int, keep: int) -> dict:
+    """A table on ps0, ps1 trained ``steps`` steps under a ``Checkpointer`` saving every 2 with a
+    full save every ``full_every``: the table's checkpoint at each save (by step), the
+    checkpoints left and each one's base (its ps/ manifest's), and the checkpointer's stats."""
+    import json
+
+    from remote_module.ps import Checkpointer
+
+    emb = bag(name, ["ps0", "ps1"], case)
+    ckpt = Checkpointer(directory, every_steps=2, keep=keep, ps={"emb": emb}, trainers=["trainer0"],
+                        full_every=full_every)
+    held = {}
+    for k in range(ckpt.resume(), steps):
+        train(emb, range(k, k + 1))
+        if ckpt.step() is not None:
+            held[ckpt.step_index] = checkpoint(emb)
+    ckpt.close()
+    left = sorted(d for d in os.listdir(directory) if d.startswith("step-"))
+    bases = {}
+    for d in left:
+        with open(os.path.join(directory, d, "ps", "manifest.json")) as f:
+            base = json.load(f)["base"]
+        bases[d] = None if base is None else base["path"]
+    if CASES[case]["init"] == "lazy":
+        for value in held.values():
+            value.pop("rows")
+    return {"held": held, "left": left, "bases": bases, "stats": ckpt.stats()}
+
+
+def job_resumed_and_trained(name: str, directory: str, case: str, until: int, full_every: int) -> dict:
+    """A fresh table resumed by a ``Checkpointer`` from ``directory``: the step it resumed
+    from, the table's checkpoint then, and after training (and saving) on to step ``until``."""
+    import warnings
+
+    from remote_module.ps import Checkpointer
+
+    emb = bag(name, ["ps0", "ps1"], case)
+    ckpt = Checkpointer(directory, every_steps=2, keep=8, ps={"emb": emb}, trainers=["trainer0"],
+                        full_every=full_every)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        start = ckpt.resume()
+    out = {"start": start, "warnings": [str(w.message) for w in said], "resumed": checkpoint(emb)}
+    for k in range(start, until):
+        train(emb, range(k, k + 1))
+        ckpt.step()
+    ckpt.close()
+    out["end"] = checkpoint(emb)
+    if CASES[case]["init"] == "lazy":
+        out["resumed"].pop("rows"), out["end"].pop("rows")
+    return out

@@ -1,0 +1,156 @@
+"""Incremental saves in the shard layout (issue 44, item 1: "the existing delta checkpoints
+become incremental saves in the same layout"): a save with ``base=`` holds each table's rows
+changed since its base, by id, and a load of it reads the chain; it loads as a full save taken
+at the same point does, bit for bit, onto another number of servers; a broken chain is refused
+naming the missing link, before anything changes."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from tests.ps import _incremental_remote as r
+from tests.ps._shard_checkpoints_remote import CASES
+from tests.ps._world import job
+from tests.ps.test_table_checkpoints import same
+
+
+@pytest.fixture
+def world(ps_world):  # shared with the other PS tests (tests/conftest.py)
+    return ps_world
+
+
+def on(world, worker: str, fn, *args):
+    return world.run({worker: (fn, *args)})[worker]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_last_of_a_chain_of_incremental_saves_loads_as_a_full_save_bit_for_bit(world, tmp_path, case):
+    got = on(world, "trainer0", r.chain_and_full, job(f"chain-{case}"), case, str(tmp_path))
+    first, *incremental = got["manifests"]
+    assert first["base"] is None and first["token"] == "chain"
+    assert not first["tables"]["emb"]["incremental"]
+    for i, manifest in enumerate(incremental):
+        assert manifest["base"]["path"] == f"../s{i}", manifest["base"]
+        assert manifest["tables"]["emb"]["incremental"]
+        assert all(part["since"] is not None for part in manifest["tables"]["emb"]["servers"].values())
+        assert manifest["tables"]["emb"]["dcp_key"] is None  # (torch's reader reads full saves only)
+    # loaded onto three servers: what a full save taken at the same point loads, bit for bit
+    # (rows, optimizer state and step count, admission counts, eviction clocks), and the same
+    # after three more steps
+    same(got["chain"], got["full"], f"{case}: chain vs full")
+    if case == "eager-sgd":  # (elsewhere a row created or evicted restarts from its table name's first value)
+        same(got["chain after"], got["full after"], f"{case}: after 3 steps")
+    same(got["full"]["optim"], got["source"]["optim"], f"{case}: full vs source")
+
+
+def test_an_incremental_save_holds_only_the_rows_changed_since_its_base(world, tmp_path):
+    got = on(world, "trainer0", r.few_rows_changed, job("few-rows"), str(tmp_path))
+    first, second = got["first"], got["second"]
+    assert "emb.ps0.distcp" in first["files"] and "emb.ps0.distcp" not in second["files"]
+    rows_first = sum(e["bytes"] for rel, e in first["files"].items() if rel.startswith("emb.ps"))
+    rows_second = sum(e["bytes"] for rel, e in second["files"].items() if rel.startswith("emb.ps"))
+    assert rows_second < rows_first, (rows_second, rows_first)
+    # one step of 12 ids changes at most 12 of the 60 rows
+    changed = sum(part["state_rows"] for part in second["tables"]["emb"]["servers"].values())
+    assert 0 < changed <= 12, changed
+
+
+def test_a_chain_missing_its_base_or_with_a_base_saved_again_is_refused_naming_it(world, tmp_path):
+    got = on(world, "trainer0", r.chain_then_load, job("chain-broken"), str(tmp_path))
+    s0, s1, s2 = got["saves"]
+    loaded = on(world, "trainer1", r.load_or_error, job("chain-ok"), s2)
+    assert loaded["error"] is None
+    same(loaded["after"], got["checkpoint"], "the chain loaded")
+    # the base's manifest gone (torn): refused naming it, nothing changed
+    (tmp_path / "s0" / "manifest.json").rename(tmp_path / "s0" / "manifest.json.away")
+    refused = on(world, "trainer1", r.load_or_error, job("chain-torn"), s2)
+    assert refused["error"].startswith("CheckpointError") and s0 in refused["error"], refused["error"]
+    same(refused["after"], refused["before"], "nothing loaded")
+    (tmp_path / "s0" / "manifest.json.away").rename(tmp_path / "s0" / "manifest.json")
+    # the middle link saved again since: its manifest differs from the one the last recorded
+    on(world, "trainer0", r.chain_then_load, job("chain-again"), str(tmp_path / "other"))
+    shutil.rmtree(tmp_path / "s1")
+    shutil.copytree(tmp_path / "other" / "s1", tmp_path / "s1")
+    refused = on(world, "trainer1", r.load_or_error, job("chain-again-load"), s2)
+    assert refused["error"].startswith("CheckpointError") and "saved again since" in refused["error"], \
+        refused["error"]
+    assert s1 in refused["error"]
+    same(refused["after"], refused["before"], "nothing loaded")
+
+
+def test_a_corrupt_file_of_a_base_is_refused_naming_it_before_anything_changes(world, tmp_path):
+    got = on(world, "trainer0", r.chain_then_load, job("chain-corrupt-base"), str(tmp_path))
+    data = bytearray((tmp_path / "s0" / "emb.ps1.distcp").read_bytes())
+    data[len(data) // 2] ^= 1
+    (tmp_path / "s0" / "emb.ps1.distcp").write_bytes(bytes(data))
+    refused = on(world, "trainer1", r.load_or_error, job("chain-corrupt-base-load"), got["saves"][2])
+    assert refused["error"].startswith("CheckpointError") and "emb.ps1.distcp" in refused["error"], \
+        refused["error"]
+    same(refused["after"], refused["before"], "nothing loaded")
+
+
+def test_bad_bases_and_tokens_are_refused_before_anything_is_written(world, tmp_path):
+    got = on(world, "trainer0", r.refused_saves, job("chain-refused"), str(tmp_path))
+    expected = {"no token": "ValueError: an incremental save (base=...) needs the token",
+                "other token": "ValueError: ", "base without token": "ValueError: ",
+                "torn base": "CheckpointError: ", "itself": "ValueError: base is the directory saved into",
+                "other layout": "ValueError: ", "empty token": "ValueError: token must be a non-empty str"}
+    for label, start in expected.items():
+        assert got[label] is not None and got[label].startswith(start), (label, got[label])
+        assert not got[label + " wrote"], label
+    assert "saved with token None, not 't'" in got["base without token"]
+    assert "saved with token 't', not 'u'" in got["other token"]
+
+
+def test_a_server_whose_table_was_made_again_writes_its_blocks_whole_and_the_save_names_no_base(world, tmp_path):
+    got = on(world, "trainer0", r.after_a_new_table, job("chain-new-life"), str(tmp_path))
+    manifest = got["manifest"]
+    assert manifest["base"] is None and not manifest["tables"]["emb"]["incremental"]
+    assert all(part["since"] is None for part in manifest["tables"]["emb"]["servers"].values())
+    same(got["loaded"], got["saved"], "whole again")
+
+
+@pytest.mark.parametrize("case", ["eager-sgd", "lazy-adagrad-admission-eviction"])
+def test_a_checkpointer_with_full_every_saves_chains_keeps_their_bases_and_resumes_from_the_newest(
+        world, tmp_path, case):
+    got = on(world, "trainer0", r.job_with_chains, job(f"job-chain-{case}"), str(tmp_path), case, 12, 3, 2)
+    # saves at 2 (full), 4, 6 (on the one before), 8 (full), 10, 12: keep=2 keeps 10 and 12, and
+    # 8, the full save they are incremental on
+    assert got["left"] == ["step-00000008", "step-00000010", "step-00000012"], got["left"]
+    assert got["bases"] == {"step-00000008": None, "step-00000010": "../../step-00000008/ps",
+                            "step-00000012": "../../step-00000010/ps"}, got["bases"]
+    assert got["stats"]["incremental"] == 4 and got["stats"]["completed"] == 6, got["stats"]
+    resumed = on(world, "trainer0", r.job_resumed_and_trained, job(f"job-chain-{case}-resumed"), str(tmp_path),
+                 case, 12, 3)
+    assert resumed["start"] == 12 and not resumed["warnings"], resumed
+    same(resumed["resumed"], got["held"][12], f"{case}: resumed from an incremental save")
+
+
+def test_a_job_resumed_from_an_incremental_save_ends_as_the_run_that_was_not_stopped(world, tmp_path):
+    straight = on(world, "trainer0", r.job_with_chains, job("job-chain-straight"), str(tmp_path), "eager-sgd",
+                  16, 3, 8)
+    for step in (14, 16):  # (as if killed after step 13: the newest is 12, incremental on 10, on 8)
+        shutil.rmtree(tmp_path / f"step-{step:08d}")
+    resumed = on(world, "trainer0", r.job_resumed_and_trained, job("job-chain-straight-resumed"), str(tmp_path),
+                 "eager-sgd", 16, 3)
+    assert resumed["start"] == 12 and not resumed["warnings"], resumed
+    # (eager SGD without eviction: every row comes from the checkpoint, none from the table's name)
+    same(resumed["end"], straight["held"][16], "resumed at 12 and trained to 16")
+
+
+def test_a_checkpointer_whose_newest_base_is_damaged_falls_back_past_its_chain(world, tmp_path):
+    got = on(world, "trainer0", r.job_with_chains, job("job-chain-damaged"), str(tmp_path), "eager-sgd", 12, 3, 4)
+    # keep=4 keeps 6 to 12, and 2 and 4, the saves 6 is incremental on
+    assert got["left"] == [f"step-{s:08d}" for s in (2, 4, 6, 8, 10, 12)], got["left"]
+    # the full save of 8 damaged: 10 and 12 (incremental on it) and 8 are refused, 6 loads
+    data = bytearray((tmp_path / "step-00000008" / "ps" / "emb.ps0.distcp").read_bytes())
+    data[len(data) // 2] ^= 1
+    (tmp_path / "step-00000008" / "ps" / "emb.ps0.distcp").write_bytes(bytes(data))
+    resumed = on(world, "trainer0", r.job_resumed_and_trained, job("job-chain-damaged-resumed"), str(tmp_path),
+                 "eager-sgd", 6, 3)
+    assert resumed["start"] == 6, resumed["warnings"]
+    assert len(resumed["warnings"]) == 3 and all("emb.ps0.distcp" in w for w in resumed["warnings"]), \
+        resumed["warnings"]
+    same(resumed["resumed"], got["held"][6], "resumed from step 6")
