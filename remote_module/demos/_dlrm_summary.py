@@ -90,6 +90,9 @@ def _checkpoint_lines(results: list[dict[str, Any]]) -> list[str]:
     resumed = f"resumed from step {figures['resumed_from']}; " if figures["resumed_from"] else ""
     written = (f"; the servers wrote the newest one's tables in {figures['write_s']:.2f} s in the background"
                if figures.get("write_s") is not None else "")
+    if figures.get("incremental"):
+        size = f"{figures['incremental']} of them incremental; the newest {figures['bytes'] / 1e6:.1f} MB" \
+            if figures["bytes"] is not None else f"{figures['incremental']} of them incremental; none complete"
     return ["", f"checkpoints: {resumed}{plural(figures['saves'], 'save')}, {size}, training waited "
                 f"{per_save:.3f} s per save on {results[0]['trainer']} (for the servers' snapshot and its own "
                 f"file){written}; only a manifest and settings pass through the trainer"]

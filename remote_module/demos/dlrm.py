@@ -40,7 +40,8 @@ and the summary and PNG show the rows each server holds over time.
 Checkpoints: ``--checkpoint DIR --every N`` saves the job every N steps into DIR (the tables,
 each server writing its own shards into ``DIR/step-XXXXXXXX/ps/`` in the background while
 training goes on; each trainer's dense model, optimizer, batch generator and RNG states; the
-newest 2 kept, ``remote_module.ps.Checkpointer``), and a run started again with the same DIR
+newest 2 kept, ``remote_module.ps.Checkpointer``; ``--full-every K``: the tables whole every K-th
+checkpoint, only their changed rows in the others), and a run started again with the same DIR
 (after a kill, a torchrun restart, or a run that ended) resumes from the newest complete
 checkpoint, saying ``resumed from step k``, and trains up to ``--steps`` (the summary covers the
 steps it trained, and ends with the saves: how many, their size, the seconds trainer0's training
@@ -137,7 +138,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     ckpt = None
     if getattr(args, "checkpoint", ""):
         ckpt = Checkpointer(args.checkpoint, every_steps=args.every, keep=2, ps={"tables": ebc},
-                            local={"dense": dense, "opt": opt, "batches": source})
+                            local={"dense": dense, "opt": opt, "batches": source},
+                            full_every=getattr(args, "full_every", None) or 1)
         first = ckpt.resume()
         if first >= args.steps:
             raise SystemExit(f"{me.name}: the checkpoint in {args.checkpoint} holds {first} steps, --steps is "
@@ -433,6 +435,9 @@ def _parser() -> argparse.ArgumentParser:
                              "(a directory every trainer and server sees)")
     parser.add_argument("--every", type=_at_least_one, default=None, metavar="N",
                         help="with --checkpoint: the steps between checkpoints (default: 100)")
+    parser.add_argument("--full-every", type=_at_least_one, default=None, metavar="K",
+                        help="with --checkpoint: save the tables whole every K-th checkpoint, and between those only "
+                             "the rows changed since the checkpoint before (incremental saves; default: 1, all whole)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     parser.add_argument("--plot", default="dlrm-demo.png", metavar="PNG",
                         help="where to write the loss/AUC curves, and rows held (needs matplotlib; '' for none; "
@@ -458,6 +463,8 @@ def _check_combinations(parser: argparse.ArgumentParser, args: argparse.Namespac
         parser.error(f"argument --admit-after: must be at most {MAX_ADMIT_AFTER}, got {args.admit_after}")
     if args.every is not None and not args.checkpoint:
         parser.error("--every is the steps between checkpoints: pass --checkpoint DIR too")
+    if args.full_every is not None and not args.checkpoint:
+        parser.error("--full-every is how often a checkpoint is saved whole: pass --checkpoint DIR too")
     if args.checkpoint and args.mode == "geo":
         parser.error("--checkpoint is for --mode sync, async or half_async (a geo trainer's optimizer state is "
                      "its own)")

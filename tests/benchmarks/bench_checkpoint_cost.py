@@ -6,8 +6,12 @@ without checkpoints; the target is at least 0.95x the steps/s.
     python -m tests.benchmarks.bench_checkpoint_cost                 # 3 rounds of both (about 4 minutes)
     python -m tests.benchmarks.bench_checkpoint_cost --rounds 5 --steps 2000 --every 100
     python -m tests.benchmarks.bench_checkpoint_cost --quick         # 1 round of 40 steps, not graded
+    python -m tests.benchmarks.bench_checkpoint_cost --full-every 1  # without the incremental variant
 
-Each round runs both variants, one after the other, in an order that alternates by round
+A third variant, ``--full-every K`` (default 4), saves the tables whole every K-th checkpoint
+and only the rows changed since the one before in the others (incremental saves).
+
+Each round runs the variants, one after the other, in an order that rotates by round
 (the demo's own processes: 2 servers, 2 trainers, on loopback); the figures are medians over
 rounds and the same-round ratios. Per run: steps/s (the trainers' mean, as the demo measures
 it: its training loop only), the CPU seconds of every process of the run per training step
@@ -37,14 +41,14 @@ from pathlib import Path
 from typing import Any
 
 
-def _run(steps: int, checkpoint: str | None, every: int, work: Path) -> dict[str, Any]:
+def _run(steps: int, checkpoint: str | None, every: int, work: Path, full_every: int = 1) -> dict[str, Any]:
     """One demo run: its trainers' figures and the CPU seconds of its processes."""
     out = work / "run.json"
     argv = [sys.executable, "-m", "remote_module.demos.dlrm", "--steps", str(steps), "--no-progress",
             "--plot", "", "--json", str(out)]
     if checkpoint is not None:
         shutil.rmtree(checkpoint, ignore_errors=True)
-        argv += ["--checkpoint", checkpoint, "--every", str(every)]
+        argv += ["--checkpoint", checkpoint, "--every", str(every), "--full-every", str(full_every)]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -59,7 +63,7 @@ def _run(steps: int, checkpoint: str | None, every: int, work: Path) -> dict[str
                                        if name == t["trainer"] or t is trainers[0]}}
     if checkpoint is not None:
         figures = trainers[0]["checkpoints"]
-        got.update(saves=figures["completed"], bytes_per_save=figures["bytes"],
+        got.update(saves=figures["completed"], bytes_per_save=figures["bytes"], incremental=figures["incremental"],
                    waited_s_per_save=figures["save_s"] / max(1, figures["saves"]), write_s=figures["write_s"])
     return got
 
@@ -113,6 +117,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--every", type=int, default=100)
+    parser.add_argument("--full-every", type=int, default=4,
+                        help="a third variant: the tables whole every K-th save, incremental between (1: none)")
     parser.add_argument("--quick", action="store_true", help="1 round of 40 steps, a save every 20 (not graded)")
     parser.add_argument("--json", default="bench-checkpoint-cost-results.json")
     args = parser.parse_args(argv)
@@ -120,11 +126,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.rounds, args.steps, args.every = 1, 40, 20
     work = Path(tempfile.mkdtemp(prefix="bench-checkpoint-cost-"))
     runs: dict[str, list[dict[str, Any]]] = {"none": [], "checkpoints": []}
+    if args.full_every > 1:
+        runs["incremental"] = []
     try:
         for r in range(args.rounds):
-            order = ["none", "checkpoints"] if r % 2 == 0 else ["checkpoints", "none"]
+            order = list(runs)[r % len(runs):] + list(runs)[:r % len(runs)]  # (each variant first in turn)
             for variant in order:
-                got = _run(args.steps, str(work / "ckpt") if variant == "checkpoints" else None, args.every, work)
+                got = _run(args.steps, None if variant == "none" else str(work / "ckpt"), args.every, work,
+                           args.full_every if variant == "incremental" else 1)
                 runs[variant].append(got)
                 print(f"round {r + 1} {variant:<12} " + "  ".join(
                     f"{k} {v:,.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in got.items()
@@ -146,6 +155,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "write_s": statistics.median(x["write_s"] for x in runs["checkpoints"]),
         "saves": [x["saves"] for x in runs["checkpoints"]], "runs": runs, "quick": args.quick,
     }
+    if "incremental" in runs:  # (its bytes: the newest save's, an incremental one unless saves % K == 1)
+        summary["incremental"] = {
+            "full_every": args.full_every, "same_round_ratios": [
+                i["steps_per_s"] / n["steps_per_s"] for n, i in zip(runs["none"], runs["incremental"])],
+            "bytes_newest_save": statistics.median(x["bytes_per_save"] for x in runs["incremental"]),
+            "waited_s_per_save": statistics.median(x["waited_s_per_save"] for x in runs["incremental"]),
+            "incremental_saves": [x["incremental"] for x in runs["incremental"]]}
+        summary["incremental"]["median_ratio"] = statistics.median(summary["incremental"]["same_round_ratios"])
     summary["ratios"] = {"checkpoints_over_none_steps_per_s": summary["median_ratio"]}
     grade = ("quick run: not graded" if args.quick else
              "met" if summary["median_ratio"] >= summary["target_ratio"] else "NOT MET")
@@ -160,6 +177,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"per save: {summary['bytes_per_save'] / 1e6:.1f} MB, training waited {summary['waited_s_per_save']:.3f} s, "
           f"the servers wrote in {summary['write_s']:.2f} s in the background; saves completed per run "
           f"{summary['saves']}; load average {summary['load_avg'][0]:.1f}")
+    if "incremental" in summary:
+        inc = summary["incremental"]
+        print(f"incremental (--full-every {inc['full_every']}): steps/s {summary['steps_per_s']['incremental']:.1f}, "
+              f"same-round ratios to none {', '.join(f'{r:.3f}' for r in inc['same_round_ratios'])} (median "
+              f"{inc['median_ratio']:.3f}); newest save {inc['bytes_newest_save'] / 1e6:.1f} MB, training waited "
+              f"{inc['waited_s_per_save']:.3f} s per save; incremental saves per run {inc['incremental_saves']}")
     summary["probe"] = probe(4 if args.quick else 32)
     mb = 4 if args.quick else 32
     print(f"this machine, {mb} MB of rows (thread CPU ms, median of 3): " + ", ".join(

@@ -428,7 +428,10 @@ def test_quick_checkpoint_cost_benchmark_runs(tmp_path, capsys):
     assert saved["saves"] == [2]  # (40 steps, a save every 20: both complete)
     assert saved["bytes_per_save"] > 71e6  # (the demo's eager tables, and their optimizer state)
     assert all(v > 0 for v in saved["steps_per_s"].values())
-    for variant in ("none", "checkpoints"):  # each process's CPU over the training loop
+    # the incremental variant (--full-every 4): the second save is on the first, and smaller
+    assert saved["incremental"]["incremental_saves"] == [1], saved["incremental"]
+    assert 0 < saved["incremental"]["bytes_newest_save"] < saved["bytes_per_save"], saved["incremental"]
+    for variant in ("none", "checkpoints", "incremental"):  # each process's CPU over the training loop
         assert set(saved["process_cpu_ms_per_step"][variant]) == {"trainer0", "trainer1", "ps0", "ps1"}
     assert set(saved["probe"]) == {"copy_fresh_ms", "copy_kept_ms", "sha256_ms", "crc32_ms", "write_buffered_ms",
                                    "write_direct_ms"} and all(v >= 0 for v in saved["probe"].values())

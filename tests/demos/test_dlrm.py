@@ -249,6 +249,8 @@ def test_auc_is_the_pairwise_rank_statistic():
         (["--every", "5"], "--every is the steps between checkpoints: pass --checkpoint DIR too"),
         (["--mode", "geo", "--checkpoint", "d"], "--checkpoint is for --mode sync, async or half_async"),
         (["--checkpoint", "d", "--every", "0"], "argument --every: must be at least 1, got 0"),
+        (["--full-every", "3"], "--full-every is how often a checkpoint is saved whole: pass --checkpoint DIR too"),
+        (["--checkpoint", "d", "--full-every", "0"], "argument --full-every: must be at least 1, got 0"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(argv, message, capsys, monkeypatch):

@@ -33,6 +33,24 @@ def test_a_run_started_again_resumes_from_its_newest_checkpoint(capfd, tmp_path)
     assert f"checkpoints: resumed from step 4; 1 save, {on_disk / 1e6:.1f} MB each, " in out, out
 
 
+@pytest.mark.slow
+def test_full_every_saves_the_checkpoints_between_full_ones_incrementally_and_resumes_from_one(capfd, tmp_path):
+    argv = ["--servers", "2", "--trainers", "1", "--no-progress", "--plot", "", "--checkpoint", str(tmp_path),
+            "--every", "2", "--full-every", "2"]
+    first = dlrm_demo.main(argv + ["--steps", "4"])
+    out = capfd.readouterr().out
+    figures = first[0]["checkpoints"]
+    assert figures["saves"] == figures["completed"] == 2 and figures["incremental"] == 1, figures
+    assert "2 saves, 1 of them incremental; the newest " in out, out
+    full, incremental = (tmp_path / f"step-{s:08d}" / "ps" for s in (2, 4))
+    shards = [sum(p.stat().st_size for p in d.glob("*.ps*")) for d in (full, incremental)]
+    assert shards[1] < shards[0], shards  # (4 steps of a batch touch few of the tables' rows)
+    again = dlrm_demo.main(argv + ["--steps", "6"])
+    out = capfd.readouterr().out
+    assert "resumed from step 4 (the newest checkpoint in" in out, out
+    assert again[0]["checkpoints"]["incremental"] == 0  # (the first save after a resume is whole)
+
+
 def test_every_defaults_to_100_with_a_checkpoint(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
