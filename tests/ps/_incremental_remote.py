@@ -111,6 +111,22 @@ def refused_saves(name: str, directory: str) -> dict:
         except Exception as e:  # noqa: BLE001
             out[label] = f"{type(e).__name__}: {e}"
         out[label + " wrote"] = os.path.exists(target)
+    # a base whose own base is gone; a base that is an incremental save on the directory saved into
+    on_base = os.path.join(directory, "on-base")
+    save_shards(on_base, {"emb": emb}, token="t", base=base)
+    for label, target, kwargs in (("base on the target", base, {"token": "t", "base": on_base}),):
+        try:
+            save_shards(target, {"emb": emb}, **kwargs)
+            out[label] = None
+        except Exception as e:  # noqa: BLE001
+            out[label] = f"{type(e).__name__}: {e}"
+    os.rename(os.path.join(base, "manifest.json"), os.path.join(base, "manifest.away"))
+    try:
+        save_shards(os.path.join(directory, "y"), {"emb": emb}, token="t", base=on_base)
+        out["broken base"] = None
+    except Exception as e:  # noqa: BLE001
+        out["broken base"] = f"{type(e).__name__}: {e}"
+    out["broken base wrote"] = os.path.exists(os.path.join(directory, "y"))
     return out
 
 
@@ -157,6 +173,9 @@ def job_with_chains(name: str, directory: str, case: str, steps: int, full_every
         if ckpt.step() is not None:
             held[ckpt.step_index] = checkpoint(emb)
     ckpt.close()
+    import torch.distributed.rpc as rpc
+
+    chains = {server: rpc.rpc_sync(server, _chains_kept, args=(name,)) for server in ("ps0", "ps1")}
     left = sorted(d for d in os.listdir(directory) if d.startswith("step-"))
     bases = {}
     for d in left:
@@ -166,7 +185,14 @@ def job_with_chains(name: str, directory: str, case: str, steps: int, full_every
     if CASES[case]["init"] == "lazy":
         for value in held.values():
             value.pop("rows")
-    return {"held": held, "left": left, "bases": bases, "stats": ckpt.stats()}
+    return {"held": held, "left": left, "bases": bases, "stats": ckpt.stats(), "chains after close": chains}
+
+
+def _chains_kept(name: str) -> list[str]:
+    """The chains of incremental saves table ``name`` keeps dropped ids for here."""
+    from remote_module.ps.tables.server._handlers import _table
+
+    return [key[0] for key in _table(name).tombstones.baselines if key[0].startswith("save_shards ")]
 
 
 def job_resumed_and_trained(name: str, directory: str, case: str, until: int, full_every: int) -> dict:

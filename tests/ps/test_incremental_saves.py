@@ -101,6 +101,12 @@ def test_bad_bases_and_tokens_are_refused_before_anything_is_written(world, tmp_
         assert got[label] is not None and got[label].startswith(start), (label, got[label])
         assert not got[label + " wrote"], label
     assert "saved with token None, not 't'" in got["base without token"]
+    # a base on a base that is gone: refused naming the missing link, nothing written
+    assert got["broken base"].startswith("CheckpointError: base ") and "does not load" in got["broken base"]
+    assert not got["broken base wrote"]
+    # saving into a directory that the base is an incremental save on would break the base's chain
+    assert got["base on the target"].startswith("ValueError: base ") and "is an incremental save on" in \
+        got["base on the target"], got["base on the target"]
     assert "saved with token 't', not 'u'" in got["other token"]
 
 
@@ -122,6 +128,8 @@ def test_a_checkpointer_with_full_every_saves_chains_keeps_their_bases_and_resum
     assert got["bases"] == {"step-00000008": None, "step-00000010": "../../step-00000008/ps",
                             "step-00000012": "../../step-00000010/ps"}, got["bases"]
     assert got["stats"]["incremental"] == 4 and got["stats"]["completed"] == 6, got["stats"]
+    # closed: the servers keep no dropped ids for its chain any more
+    assert got["chains after close"] == {"ps0": [], "ps1": []}, got["chains after close"]
     resumed = on(world, "trainer0", r.job_resumed_and_trained, job(f"job-chain-{case}-resumed"), str(tmp_path),
                  case, 12, 3)
     assert resumed["start"] == 12 and not resumed["warnings"], resumed

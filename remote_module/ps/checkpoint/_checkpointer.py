@@ -90,7 +90,7 @@ from remote_module.ps.checkpoint._job_state import (
     _state_of,
 )
 from remote_module.ps.checkpoint._manifest import CheckpointError, read_chain, read_manifest, sync_directory
-from remote_module.ps.checkpoint._shards import ShardSave, release_snapshot_memory
+from remote_module.ps.checkpoint._shards import ShardSave, end_chain, release_snapshot_memory
 
 #: seconds between looks at a staging directory while waiting for the trainers' files
 _POLL_S = 0.05
@@ -432,7 +432,8 @@ class Checkpointer:
         seconds, for every trainer's file and the servers' writes, then for their completion;
         the others return at once). The checkpointer saves no more: ``step()`` and ``save()``
         raise after it; a second ``close()`` does nothing. The servers free the snapshot
-        memory they kept for its next save."""
+        memory they kept for its next save (and, with ``full_every`` > 1, the ids they dropped,
+        kept for its next incremental save)."""
         if self._closed[0]:
             return
         self._finish(wait=True)
@@ -441,6 +442,8 @@ class Checkpointer:
         self._completer.shutdown(wait=False)
         if self.rank == 0 and self.ps and self._saved is not None:
             release_snapshot_memory(self.ps, self.timeout)
+            if self.full_every > 1:  # (the servers keep the ids they drop for this chain no more)
+                end_chain(self.ps, self._token, self.timeout)
 
     def _drain(self) -> None:
         """Wait for the completions handed to the background (each bounded: its waits are), and

@@ -323,6 +323,13 @@ def _chain_of(directory: str, layout: str, tables: list, token: str | None,
         raise ValueError(f"base is the directory saved into, {directory!r}: an incremental save goes into a "
                          "directory of its own")
     saved = read_manifest(where)
+    try:
+        links = read_chain(where, saved)
+    except CheckpointError as exc:
+        raise CheckpointError(f"base {where} does not load, so neither would a save on it: {exc}") from None
+    if directory in (at for at, _ in links):
+        raise ValueError(f"base {where} is an incremental save on {directory}, the directory saved into: saving "
+                         "there would break the chain it is on")
     if saved.get("token") != token:
         raise ValueError(f"{where} was saved with token {saved.get('token')!r}, not {token!r}: an incremental save "
                          "follows a save of its own chain (its servers kept the dropped ids for that one)")
@@ -358,6 +365,25 @@ def release_snapshot_memory(objects: Mapping[str, Any], timeout: float | None = 
         call_all([(server, _shard_files._forget_snapshots, (mine,)) for server, mine in names.items()],
                  timeout=_timeout(tables) if timeout is None else timeout)
     except Exception:  # (best effort: each server frees it anyway once it expires)
+        pass
+
+
+def end_chain(objects: Mapping[str, Any], token: str, timeout: float | None = None) -> None:
+    """Have the servers of ``objects``' tables stop keeping the ids they drop for the
+    incremental saves of ``token`` (``save_shards(token=...)``): no save of that chain follows
+    (the ``Checkpointer``'s ``close()``). A save of it after this is written whole. A server
+    that does not answer within ``timeout`` is skipped (best effort)."""
+    tables, _ = _tables_of(objects)
+    names: dict[str, list[str]] = {}
+    for _, table in tables:
+        for server in table._by_server:
+            names.setdefault(server, []).append(table.name)
+    if not names:
+        return
+    try:
+        call_all([(server, _shard_files._end_chain, (mine, token)) for server, mine in names.items()],
+                 timeout=_timeout(tables) if timeout is None else timeout)
+    except Exception:  # (best effort: the ids kept are bounded, Tombstones.KEPT)
         pass
 
 

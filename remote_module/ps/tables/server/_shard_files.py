@@ -256,6 +256,18 @@ def _write_and_keep(snap: Snapshot, directory: str, stem: str, keep_s: float) ->
     return written
 
 
+def _end_chain(names: list[str], token: str) -> None:
+    """Tables ``names`` keep no more dropped ids for the incremental saves of ``token``: a save
+    of that chain after this is written whole where ids were dropped since its base (they are
+    not kept: ``_delta_snapshot``)."""
+    for name in names:
+        table = _table(name)
+        with table.lock:
+            if table.tombstones.baselines.pop(chain_key(token), None) is not None:
+                # (the ids kept for it go; a later save on its old base finds them missing, kept_from)
+                table.tombstones.trim(table.clocks.version)
+
+
 def _forget_snapshots(names: list[str]) -> int:
     """Free the snapshot memory this server keeps for the next save of tables ``names`` (the
     job saves no more); its bytes."""
