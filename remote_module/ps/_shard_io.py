@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import inspect
 import io
 import mmap
 import os
+import pickle
 import threading
 import time
 import zlib
@@ -26,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, NamedTuple
 
 import torch
+import torch.serialization
 
 #: bytes read at a time while a file's checksum is computed
 _READ_BYTES = 1 << 20
@@ -204,6 +207,43 @@ def _write_target(target: str, parts: list[Any]) -> tuple[tuple[int, str], list[
         return _write_parts(f, parts, lambda: (f.flush(), os.fsync(f.fileno())))
 
 
+def _zip_writer_without_crc() -> Callable[[Any], Any] | None:
+    """A maker of torch's zip writer over a file-like object that computes no CRC-32 of its
+    records, or None where this torch has not the (private) pieces :func:`save_into` needs."""
+    save = getattr(torch.serialization, "_save", None)
+    alignment = getattr(torch.serialization, "_get_storage_alignment", None)
+    writer = getattr(torch._C, "PyTorchFileWriter", None)
+    try:
+        fits = (save is not None and alignment is not None and writer is not None and list(
+            inspect.signature(save).parameters) == ["obj", "zip_file", "pickle_module", "pickle_protocol",
+                                                    "_disable_byteorder_record"])
+    except (TypeError, ValueError):
+        fits = False
+    return (lambda f: writer(f, False, alignment())) if fits else None
+
+
+_ZIP_WITHOUT_CRC = _zip_writer_without_crc()
+
+
+def save_into(value: Any, f: Any) -> None:
+    """``torch.save(value, f)``, without the CRC-32 torch computes of each record (zip's), where
+    this torch allows: a file written here is checksummed whole as it is written (:class:`_Sink`),
+    and torch's pass over the same bytes doubled a writing server's CPU (torch.load does not
+    check it; ``torch.serialization.set_crc32_options(False)`` does the same, for every save in
+    the process). Elsewhere, plain ``torch.save``."""
+    if _ZIP_WITHOUT_CRC is None:
+        torch.save(value, f)
+        return
+    try:
+        writer = _ZIP_WITHOUT_CRC(f)
+    except TypeError:  # (a torch whose writer takes other arguments)
+        torch.save(value, f)
+        return
+    torch.serialization._save(value, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
+    writer.write_end_of_file()
+    f.flush()
+
+
 def _write_parts(f: Any, parts: list[Any], finish: Callable[[], Any]) -> tuple[tuple[int, str], list[tuple[int, int]]]:
     sink = _Sink(f)
     spans = []
@@ -213,7 +253,7 @@ def _write_parts(f: Any, parts: list[Any], finish: Callable[[], Any]) -> tuple[t
             sink.write(part)
         else:
             try:
-                torch.save(part, sink)
+                save_into(part, sink)
             except RuntimeError:
                 if sink.error is not None:  # (the file's own error, e.g. a full disk, not torch's "unexpected pos")
                     raise sink.error from None

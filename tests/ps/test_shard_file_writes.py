@@ -228,3 +228,31 @@ def test_two_threads_writing_at_once_keep_their_own_bytes(tmp_path, monkeypatch)
         assert (tmp_path / name).read_bytes() == data
         (size, checksum), _ = results[name]
         _shard_io.verify(str(tmp_path), _shard_io.FileEntry(name, size, checksum))
+
+
+def test_a_saved_part_skips_torchs_own_record_crc_and_loads_as_torch_saves_it(tmp_path, monkeypatch):
+    # the file's CRC-32 is computed as it is written; torch's own CRC-32 of each zip record was a
+    # second pass over the same bytes, and torch.load does not check it
+    import io
+    import zipfile
+
+    value = {"rows": torch.randn(1000, 4), "ids": torch.arange(1000), "clock": 7}
+    ours = io.BytesIO()
+    _shard_io.save_into(value, ours)
+    theirs = io.BytesIO()
+    torch.save(value, theirs)
+    if _shard_io._ZIP_WITHOUT_CRC is not None:  # (this torch has the pieces: no record's CRC computed)
+        assert all(info.CRC == 0 for info in zipfile.ZipFile(io.BytesIO(ours.getvalue())).infolist())
+    assert [i.CRC for i in zipfile.ZipFile(io.BytesIO(theirs.getvalue())).infolist()] != [0] * len(
+        zipfile.ZipFile(io.BytesIO(theirs.getvalue())).infolist())
+    # the same records otherwise, and the same value loaded (weights_only too)
+    assert len(ours.getvalue()) == len(theirs.getvalue())
+    for loaded in (torch.load(io.BytesIO(ours.getvalue())), torch.load(io.BytesIO(ours.getvalue()),
+                                                                       weights_only=True)):
+        assert torch.equal(loaded["rows"], value["rows"]) and torch.equal(loaded["ids"], value["ids"])
+        assert loaded["clock"] == 7
+    # a torch without the pieces: plain torch.save
+    monkeypatch.setattr(_shard_io, "_ZIP_WITHOUT_CRC", None)
+    plain = io.BytesIO()
+    _shard_io.save_into(value, plain)
+    assert plain.getvalue() == theirs.getvalue()
