@@ -354,25 +354,22 @@ def release_snapshot_memory(objects: Mapping[str, Any], timeout: float | None = 
     save (``begin_save_shards(keep_snapshot_s=...)``) now rather than when it expires: the job
     saves no more (the ``Checkpointer``'s ``close()``). A server that does not answer within
     ``timeout`` (lost) is skipped: its memory goes with it."""
-    tables, _ = _tables_of(objects)
-    names: dict[str, list[str]] = {}
-    for _, table in tables:
-        for server in table._by_server:
-            names.setdefault(server, []).append(table.name)
-    if not names:
-        return
-    try:
-        call_all([(server, _shard_files._forget_snapshots, (mine,)) for server, mine in names.items()],
-                 timeout=_timeout(tables) if timeout is None else timeout)
-    except Exception:  # (best effort: each server frees it anyway once it expires)
-        pass
+    _tell_servers(objects, _shard_files._forget_snapshots, (), timeout)
 
 
 def end_chain(objects: Mapping[str, Any], token: str, timeout: float | None = None) -> None:
     """Have the servers of ``objects``' tables stop keeping the ids they drop for the
     incremental saves of ``token`` (``save_shards(token=...)``): no save of that chain follows
-    (the ``Checkpointer``'s ``close()``). A save of it after this is written whole. A server
-    that does not answer within ``timeout`` is skipped (best effort)."""
+    (the ``Checkpointer``'s ``close()``). A save of it after this is written whole where ids
+    were dropped since its base. A server that does not answer within ``timeout`` is skipped
+    (the ids kept are bounded: ``Tombstones.KEPT``)."""
+    _tell_servers(objects, _shard_files._end_chain, (token,), timeout)
+
+
+def _tell_servers(objects: Mapping[str, Any], handler: Callable, args: tuple, timeout: float | None) -> None:
+    """Call ``handler(names, *args)`` once on every server of ``objects``' tables (``names``:
+    its tables'), best effort: a server that fails or does not answer within ``timeout`` is
+    skipped."""
     tables, _ = _tables_of(objects)
     names: dict[str, list[str]] = {}
     for _, table in tables:
@@ -381,9 +378,9 @@ def end_chain(objects: Mapping[str, Any], token: str, timeout: float | None = No
     if not names:
         return
     try:
-        call_all([(server, _shard_files._end_chain, (mine, token)) for server, mine in names.items()],
+        call_all([(server, handler, (mine, *args)) for server, mine in names.items()],
                  timeout=_timeout(tables) if timeout is None else timeout)
-    except Exception:  # (best effort: the ids kept are bounded, Tombstones.KEPT)
+    except Exception:  # (best effort: what a lost server held goes with it)
         pass
 
 
