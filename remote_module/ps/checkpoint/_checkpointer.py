@@ -95,7 +95,8 @@ from remote_module.ps.checkpoint._shards import ShardSave, end_chain, release_sn
 #: seconds between looks at a staging directory while waiting for the trainers' files
 _POLL_S = 0.05
 #: the servers keep a save's snapshot memory for the next save at least this long, and three
-#: times the time between the last two saves (``begin_save_shards(keep_snapshot_s=...)``)
+#: times the time between the last two saves (times ``full_every``: the next full save's)
+#: (``begin_save_shards(keep_snapshot_s=...)``)
 KEEP_SNAPSHOT_MIN_S = 120.0
 
 # ---- the gate: the other trainers wait until the first one loaded the servers' part ------------
@@ -388,7 +389,9 @@ class Checkpointer:
             self._drain()
         staging.mkdir(parents=True, exist_ok=True)
         now = time.monotonic()
-        keep_s = KEEP_SNAPSHOT_MIN_S if self._saved_at is None else max(KEEP_SNAPSHOT_MIN_S, 3 * (now - self._saved_at))
+        # (the next snapshot into it is the next full save's: full_every saves from now)
+        keep_s = KEEP_SNAPSHOT_MIN_S if self._saved_at is None else max(
+            KEEP_SNAPSHOT_MIN_S, 3 * (now - self._saved_at) * self.full_every)
         self._saved_at = now
         begun = None
         if self.rank == 0:
