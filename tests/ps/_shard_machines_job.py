@@ -1,11 +1,13 @@
 """A torchrun job for tests/ps/test_shard_checkpoints_machines.py (every rank runs it; not a test
 module): ps0 and ps1 serve, trainer0 trains an eager and a lazy table on them, saves them with
 ``save_shards`` under ``--disk`` (each machine has its own directory mounted there: its local
-disk) and loads them into fresh tables with ``load_shards``.
+disk), then trains on and saves them incrementally on that save, and loads each into fresh
+tables with ``load_shards``.
 
 What trainer0 writes to ``--out`` (a directory every machine sees, outside the disks):
 ``local.pt``, the tables' checkpoints before the local-layout save and after the load into fresh
-tables on the same servers, and the manifest; ``shared.pt``, how the shared layout fared there
+tables on the same servers, and the manifest; ``local-inc.pt``, the same of the incremental
+save; ``shared.pt``, how the shared layout fared there
 (each step's error, or None, and the checkpoints of the tables it loaded into, before and after).
 
     torchrun --nnodes=3 --nproc-per-node=1 --node-rank=I --master-addr=machine0 --master-port=P \\
@@ -72,12 +74,22 @@ def trainer(disk: Path, out: Path) -> None:
     # the local layout: each server under DISK/local/<server>/ on its own machine
     saved = tables("local", steps=range(6))
     before = checkpoints(saved)
-    manifest = save_shards(disk / "local", saved, layout="local")
+    manifest = save_shards(disk / "local", saved, layout="local", token="machines")
     say("trainer0 saved the local layout")
     fresh = tables("local-fresh", steps=range(100, 102))  # (rows and state of their own first)
     load_shards(disk / "local", fresh)
     say("trainer0 loaded the local layout")
     torch.save({"before": before, "after": checkpoints(fresh), "manifest": manifest}, out / "local.pt")
+
+    # an incremental save on it, in the local layout: each server's changes on its own disk
+    for table in saved.values():
+        train(table, range(6, 9))
+    before = checkpoints(saved)
+    manifest = save_shards(disk / "local-inc", saved, layout="local", token="machines", base=disk / "local")
+    fresh = tables("local-inc-fresh", steps=range(100, 102))
+    load_shards(disk / "local-inc", fresh)
+    say("trainer0 loaded the incremental save")
+    torch.save({"before": before, "after": checkpoints(fresh), "manifest": manifest}, out / "local-inc.pt")
 
     # the shared layout where DISK is no shared filesystem: each server writes on its own disk.
     # Tables without admission sketches (each server then reads only its own blocks' files,

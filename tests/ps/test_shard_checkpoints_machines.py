@@ -1,7 +1,9 @@
 """Shard checkpoints across simulated machines (tests/_machines.py), each machine with a disk of
 its own (issue 44, item 2): machine0 runs ps0, machine1 ps1, machine2 trainer0, and each
 machine's own host directory is mounted at one path (DISK), as each machine's local disk would
-be. The job is tests/ps/_shard_machines_job.py under a static three-machine torchrun.
+be. An incremental save on the local one is laid out the same way, and loads its chain with
+each server reading its own disk's base and changes. The job is
+tests/ps/_shard_machines_job.py under a static three-machine torchrun.
 
 In the local layout every server machine's disk holds only its own server's files and the
 trainer's only the manifest and the trainer's files; a load into fresh tables on the same
@@ -79,6 +81,24 @@ def test_each_machine_holds_only_its_own_files_and_the_load_restores_bit_for_bit
     assert {"eager.trainer.pt", "lazy.trainer.pt"} <= trainers, trainers
     # fresh tables on the same servers, loaded: bit for bit what was saved
     same(got["after"], got["before"], "local layout, loaded into fresh tables on the same servers")
+
+
+def test_an_incremental_save_on_machines_own_disks_holds_each_servers_changes_there_and_loads_its_chain(
+        three_disks):
+    disks, out, report = three_disks
+    got = torch.load(out / "local-inc.pt", weights_only=False)
+    manifest = got["manifest"]
+    assert manifest["base"]["path"] == "../local", manifest["base"]
+    for key in ("eager", "lazy"):
+        parts = manifest["tables"][key]["servers"]
+        assert manifest["tables"][key]["incremental"] and all(p["since"] is not None for p in parts.values()), parts
+    for hostname, server in SERVERS.items():  # (by id, its own folder on its own disk: no .distcp)
+        mine = _files(disks[hostname] / "local-inc")
+        assert mine == {rel for rel, e in manifest["files"].items() if e["server"] == server}, (hostname, mine)
+        assert not any(f.endswith(".distcp") for f in mine), mine
+    assert not any(f.startswith(tuple(SERVERS.values())) for f in _files(disks[TRAINER] / "local-inc"))
+    # each server read its own disk's base and changes: the chain loaded bit for bit
+    same(got["after"], got["before"], "incremental local save, loaded into fresh tables on the same servers")
 
 
 def test_a_shared_checkpoint_on_machines_own_disks_is_refused_and_never_loads(three_disks):
