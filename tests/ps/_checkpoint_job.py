@@ -13,7 +13,7 @@ checkpoint's files hold of the table to ``OUT/checkpoint-<attempt>.pt`` (read in
 of the same settings on the same server).
 
     torchrun --standalone --nproc-per-node=3 --max-restarts=1 -m tests.ps._checkpoint_job \\
-        --dir DIR --out OUT --mode sync --steps 6 --every 2 [--keep 3] [--kill ps0 --at 5] [--hold]
+        --dir DIR --out OUT --mode sync --steps 6 --every 2 [--keep 3] [--full-every K] [--kill ps0 --at 5] [--hold]
 """
 
 from __future__ import annotations
@@ -113,7 +113,8 @@ def set_up(me, args: argparse.Namespace) -> tuple[int, int, tuple]:
     # whose trainers' lrs differ, so each resumed trainer must push the lr its scheduler left)
     table_sched = torch.optim.lr_scheduler.StepLR(table.ps_optimizer, step_size=3, gamma=0.5)
     ckpt = Checkpointer(args.dir, every_steps=args.every, keep=args.keep, ps={"table": table},
-                        local={"head": head, "opt": opt, "sched": sched, "table_sched": table_sched})
+                        local={"head": head, "opt": opt, "sched": sched, "table_sched": table_sched},
+                        full_every=args.full_every)
     torch.manual_seed(1000 + attempt)  # a restarted process's RNGs differ: the resume restores them
     random.seed(1000 + attempt)
     return attempt, ckpt.resume(), (head, table, opt, sched, table_sched, ckpt)
@@ -158,6 +159,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--every", type=int, default=2)
     parser.add_argument("--keep", type=int, default=3)
+    parser.add_argument("--full-every", type=int, default=1)
     parser.add_argument("--kill", choices=("", "ps0", "trainer0", "trainer1"), default="")
     parser.add_argument("--at", type=int, default=-1)
     parser.add_argument("--hold", action="store_true")

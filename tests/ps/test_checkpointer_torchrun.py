@@ -9,6 +9,7 @@ back into a fresh table)."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -90,6 +91,19 @@ def test_a_sync_job_killed_and_restarted_ends_as_uninterrupted(tmp_path, uninter
     assert "table" in got["trainer0"] and "head" in got["trainer1"]
     assert got["trainer1"]["table_lr"] == 0.3 * 0.5 ** 2  # (its scheduler's, restored: 6 steps, halved every 3)
     _bit_equal(got, uninterrupted)
+
+
+def test_a_sync_job_killed_after_incremental_saves_resumes_from_one_and_ends_as_uninterrupted(tmp_path):
+    # --full-every 3: the checkpoints of steps 4 and 6 are incremental saves on the one before
+    # (2 is whole); ps0 killed before step 7 restarts the world from 6 or 4, an incremental one
+    _, whole, _ = _job(tmp_path / "whole", "--steps", "8", "--full-every", "3")
+    ckpt, out, stdout = _job(tmp_path / "killed", "--steps", "8", "--full-every", "3", "--kill", "ps0", "--at", "7")
+    got = _resumed(stdout)
+    start = got.get(("trainer0", 1))
+    assert start in (4, 6) and got.get(("trainer1", 1)) == start, stdout
+    manifest = json.loads((ckpt / STEP_DIR.format(start) / "ps" / "manifest.json").read_text())
+    assert manifest["base"] is not None and manifest["tables"]["table"]["incremental"], manifest["base"]
+    _bit_equal(_ends(out), _ends(whole))
 
 
 def test_an_async_job_restarts_with_the_checkpoints_table(tmp_path):
