@@ -299,15 +299,18 @@ def _stage_chain(name: str, key: str, links: list[tuple[str, ShardReads]], clock
     there); the sketches are the last one's. Every file of every link is checked first."""
     _forget_expired()
     table = _table(name)
+    where = links[0][0]  # (the directory whose files are being read: named if one does not read)
     try:
-        for directory, reads in links:
+        for where, reads in links:
             for entry in reads.files:
-                _verify(directory, entry)
+                _verify(where, entry)
         staged = _read_chain(table.layout(), links, clock, table.spec.dim)
-        last_dir, last_reads = links[-1]
-        sketches = [(*_load(os.path.join(last_dir, rel)), None) for rel in last_reads.sketches]
+        where, last_reads = links[-1]
+        sketches = [(*_load(os.path.join(where, rel)), None) for rel in last_reads.sketches]
     except (ValueError, OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:  # (one that does not read)
-        return str(exc) if isinstance(exc, ValueError) else f"{directory}: a file does not read: {exc}"
+        if isinstance(exc, ValueError):
+            return str(exc)
+        return f"{exc.filename if isinstance(exc, OSError) and exc.filename else where}: a file does not read: {exc}"
     with _staged_lock:
         _staged[(name, key)] = staged._replace(key=key, sketches=sketches)
         _expires[(name, key)] = None if not timeout else time.monotonic() + KEEP_STAGED_TIMEOUTS * timeout
@@ -337,7 +340,11 @@ def _read_chain(layout: list[tuple[int, int]], links: list[tuple[str, ShardReads
     for directory, reads in links:
         chunks = {(rel, first): (offset, length) for rel, first, _, offset, length in reads.chunks}
         for rel, saved_clock in reads.rows:
-            part = _load(os.path.join(directory, rel))
+            try:
+                part = _load(os.path.join(directory, rel))
+            except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
+                path = os.path.join(directory, rel)
+                raise ValueError(f"{path}: does not read ({type(exc).__name__}: {exc})") from exc
             saved = part["ids"] if part["ids"] is not None else _every_id(part["blocks"])  # (eager: every row)
             keep = handlers._in_ranges(saved, mine)
             delta = part.get("delta")
