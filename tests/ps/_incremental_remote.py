@@ -217,3 +217,60 @@ def job_resumed_and_trained(name: str, directory: str, case: str, until: int, fu
     if CASES[case]["init"] == "lazy":
         out["resumed"].pop("rows"), out["end"].pop("rows")
     return out
+
+
+def job_whose_base_was_lost(name: str, directory: str) -> dict:
+    """A ``Checkpointer`` (full_every=3, saving every 2 steps) whose checkpoint of step 2 loses
+    its ps/ manifest once complete: what each save after it raised (none) or warned, the
+    checkpoints left and each one's base."""
+    import json
+    import warnings
+
+    from remote_module.ps import Checkpointer
+
+    emb = bag(name, ["ps0", "ps1"], "eager-sgd")
+    ckpt = Checkpointer(directory, every_steps=2, keep=8, ps={"emb": emb}, trainers=["trainer0"], full_every=3)
+    ckpt.resume()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for k in range(6):
+            train(emb, range(k, k + 1))
+            ckpt.step()
+            if k == 1:  # (step 2's checkpoint complete first)
+                ckpt._finish(wait=True)
+                ckpt._drain()
+                os.remove(os.path.join(directory, "step-00000002", "ps", "manifest.json"))
+        ckpt.close()
+    bases = {}
+    for d in sorted(d for d in os.listdir(directory) if d.startswith("step-") and d != "step-00000002"):
+        with open(os.path.join(directory, d, "ps", "manifest.json")) as f:
+            base = json.load(f)["base"]
+        bases[d] = None if base is None else base["path"]
+    return {"warnings": [str(w.message) for w in said], "bases": bases}
+
+
+def resumed_and_resumed_again(name: str, directory: str, until: int, full_every: int, keep: int) -> dict:
+    """A ``Checkpointer`` resumed (a fresh table) from ``directory`` and trained (saving every 2
+    steps) to ``until``; then another resumed, as after a crash: the steps each resumed from
+    and the checkpoints left in between."""
+    import warnings
+
+    from remote_module.ps import Checkpointer
+
+    def resumed(suffix):
+        emb = bag(name + suffix, ["ps0", "ps1"], "eager-sgd")
+        ckpt = Checkpointer(directory, every_steps=2, keep=keep, ps={"emb": emb}, trainers=["trainer0"],
+                            full_every=full_every)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return emb, ckpt, ckpt.resume()
+
+    emb, ckpt, start = resumed("")
+    for k in range(start, until):
+        train(emb, range(k, k + 1))
+        ckpt.step()
+    ckpt.close()
+    left = sorted(d for d in os.listdir(directory) if d.startswith("step-"))
+    _, again, then = resumed("-again")
+    again.close()
+    return {"start": start, "left": left, "again": then}

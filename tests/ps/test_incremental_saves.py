@@ -162,3 +162,24 @@ def test_a_checkpointer_whose_newest_base_is_damaged_falls_back_past_its_chain(w
     assert len(resumed["warnings"]) == 3 and all("emb.ps0.distcp" in w for w in resumed["warnings"]), \
         resumed["warnings"]
     same(resumed["resumed"], got["held"][6], "resumed from step 6")
+
+
+def test_a_checkpointer_whose_base_no_longer_loads_saves_the_next_one_whole(world, tmp_path):
+    # (it used to raise at every save from then on: the job never saved again)
+    got = on(world, "trainer0", r.job_whose_base_was_lost, job("job-base-lost"), str(tmp_path))
+    assert got["bases"] == {"step-00000004": None, "step-00000006": "../../step-00000004/ps"}, got["bases"]
+    assert len(got["warnings"]) == 1 and "step-00000002" in got["warnings"][0], got["warnings"]
+
+
+def test_a_job_resumed_past_a_damaged_base_keeps_its_new_checkpoints(world, tmp_path):
+    on(world, "trainer0", r.job_with_chains, job("keep-after-fallback"), str(tmp_path), "eager-sgd", 12, 3, 1)
+    # 12 (on 10, on 8) kept with its bases; 10 damaged: resume falls back to 8
+    data = bytearray((tmp_path / "step-00000010" / "ps" / "emb.ps0.pt").read_bytes())
+    data[len(data) // 2] ^= 1
+    (tmp_path / "step-00000010" / "ps" / "emb.ps0.pt").write_bytes(bytes(data))
+    got = on(world, "trainer0", r.resumed_and_resumed_again, job("keep-after-fallback-resumed"), str(tmp_path),
+             10, 3, 1)
+    # the checkpoint of 10 saved again is kept (it used to be removed at once, with 8: the
+    # refused 12 counted as the newest, and a crash then found nothing loadable)
+    assert got["start"] == 8 and got["again"] == 10, got
+    assert got["left"] == ["step-00000010", "step-00000012"], got["left"]

@@ -396,9 +396,14 @@ class Checkpointer:
         begun = None
         if self.rank == 0:
             base = self._base if self.full_every > 1 and 0 < self._chained < self.full_every else None
+            if base is not None and not _chain_reads(base):  # (it no longer loads: this one whole)
+                warnings.warn(f"checkpoint {base} no longer loads: the checkpoint of step {step} is saved whole, not "
+                              "incremental on it", RuntimeWarning, stacklevel=2)
+                base = None
+            # (set before the servers begin: a save that fails to begin leaves the next one whole)
+            self._base, self._chained = None, (self._chained + 1 if base is not None else 1)
             begun = _begin_ps(staging, self.ps, self.timeout, keep_snapshot_s=keep_s,
                               token=self._token if self.full_every > 1 else None, base=base)
-            self._base, self._chained = None, (self._chained + 1 if base is not None else 1)
             self._figures["incremental"] += base is not None
         mine = {"step": step, "local": {name: _state_of(obj) for name, obj in self.local.items()},
                 "ps_settings": _ps_settings(self.ps), "rng": _rng_state()}
@@ -567,11 +572,23 @@ class Checkpointer:
         self._figures["completed"] += 1
         if pending.ps is not None:  # (the next save's base, while its chain is shorter than full_every)
             self._base = final
-        kept = complete_checkpoints(self.path)
+        # the newest up to this one (a newer one is left from before a resume that refused it, as it
+        # refuses every save of a chain after a damaged one: this job saves its step again)
+        kept = [(s, d) for s, d in complete_checkpoints(self.path) if s <= pending.step]
         needed = _bases_of([d for _, d in kept[-self.keep:]])
         for _, old in kept[:-self.keep]:
             if old.resolve() not in needed:  # (kept while a kept checkpoint is an incremental save on it)
                 shutil.rmtree(old, ignore_errors=True)
+
+
+def _chain_reads(directory: Path) -> bool:
+    """Whether the ``ps/`` of checkpoint ``directory`` and the chain it is incremental on read
+    (an incremental save on it would load)."""
+    try:
+        read_chain(str(directory / PS_DIR), read_manifest(str(directory / PS_DIR)))
+    except (CheckpointError, OSError):
+        return False
+    return True
 
 
 def _bases_of(checkpoints: list[Path]) -> set[Path]:

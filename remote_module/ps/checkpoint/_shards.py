@@ -319,7 +319,7 @@ def _chain_of(directory: str, layout: str, tables: list, token: str | None,
         raise ValueError("an incremental save (base=...) needs the token its base was saved with: the servers keep "
                          "the ids they drop only for a chain that a token names")
     where = os.path.abspath(os.fspath(base))
-    if where == directory:
+    if os.path.realpath(where) == os.path.realpath(directory):  # (through a symlink too)
         raise ValueError(f"base is the directory saved into, {directory!r}: an incremental save goes into a "
                          "directory of its own")
     saved = read_manifest(where)
@@ -327,7 +327,7 @@ def _chain_of(directory: str, layout: str, tables: list, token: str | None,
         links = read_chain(where, saved)
     except CheckpointError as exc:
         raise CheckpointError(f"base {where} does not load, so neither would a save on it: {exc}") from None
-    if directory in (at for at, _ in links):
+    if os.path.realpath(directory) in (os.path.realpath(at) for at, _ in links):
         raise ValueError(f"base {where} is an incremental save on {directory}, the directory saved into: saving "
                          "there would break the chain it is on")
     if saved.get("token") != token:
