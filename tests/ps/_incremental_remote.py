@@ -274,3 +274,41 @@ def resumed_and_resumed_again(name: str, directory: str, until: int, full_every:
     _, again, then = resumed("-again")
     again.close()
     return {"start": start, "left": left, "again": then}
+
+
+def checkpointer_given_a_table_twice(name: str, directory: str) -> dict:
+    """A ``Checkpointer`` given a table alone and inside a collection (``ps={"emb": t, "all":
+    ebc}``): the error and when it came (building it, or at the first save); what was saved."""
+    from remote_module.ps import Checkpointer, ShardedEmbeddingBagCollection
+
+    emb = bag(name, ["ps0", "ps1"], "eager-sgd")
+    ebc = ShardedEmbeddingBagCollection({"emb": emb})
+    out: dict[str, Any] = {"at": None, "error": None}
+    try:
+        ckpt = Checkpointer(directory, every_steps=2, ps={"emb": emb, "all": ebc}, trainers=["trainer0"])
+        out["at"] = "first save"
+        for k in range(ckpt.resume(), 2):
+            train(emb, range(k, k + 1))
+            ckpt.step()
+        ckpt.close()
+        out["at"] = None
+    except Exception as e:  # noqa: BLE001 - the test asserts its type and message
+        out["at"] = out["at"] or "built"
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["left"] = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+    return out
+
+
+def resume_error(name: str, directory: str) -> str | None:
+    """A fresh table's ``Checkpointer.resume()`` from ``directory``: its error (None if it resumed)."""
+    from remote_module.ps import Checkpointer
+
+    emb = bag(name, ["ps0", "ps1"], "eager-sgd")
+    ckpt = Checkpointer(directory, every_steps=2, keep=8, ps={"emb": emb}, trainers=["trainer0"], full_every=3)
+    try:
+        ckpt.resume()
+    except Exception as e:  # noqa: BLE001 - the test asserts its type and message
+        return f"{type(e).__name__}: {e}"
+    finally:
+        ckpt.close()
+    return None

@@ -183,3 +183,22 @@ def test_a_job_resumed_past_a_damaged_base_keeps_its_new_checkpoints(world, tmp_
     # refused 12 counted as the newest, and a crash then found nothing loadable)
     assert got["start"] == 8 and got["again"] == 10, got
     assert got["left"] == ["step-00000010", "step-00000012"], got["left"]
+
+
+def test_a_checkpointer_given_a_table_twice_is_refused_when_built_not_at_its_first_save(world, tmp_path):
+    # (a table alone and in a collection, or a collection beside the PSModel holding it: the
+    # first save refused it, every_steps steps of training later)
+    got = on(world, "trainer0", r.checkpointer_given_a_table_twice, job("given-twice"), str(tmp_path / "c"))
+    assert got["at"] == "built", got
+    assert "is given twice ('emb', 'all.emb')" in got["error"], got
+    assert got["left"] == [], got
+
+
+def test_a_checkpointer_whose_full_base_was_removed_by_hand_says_to_put_it_back(world, tmp_path):
+    got = on(world, "trainer0", r.job_with_chains, job("job-chain-removed"), str(tmp_path), "eager-sgd", 12, 3, 2)
+    assert got["left"] == [f"step-{s:08d}" for s in (8, 10, 12)], got["left"]
+    shutil.rmtree(tmp_path / "step-00000008")  # (a cleanup keeping "the newest two")
+    error = on(world, "trainer0", r.resume_error, job("job-chain-removed-resumed"), str(tmp_path))
+    assert error is not None and error.startswith("RuntimeError: "), error
+    assert "step-00000008" in error and "put back one removed by hand" in error, error
+    assert error.endswith("move them away to start afresh"), error

@@ -90,7 +90,7 @@ from remote_module.ps.checkpoint._job_state import (
     _state_of,
 )
 from remote_module.ps.checkpoint._manifest import CheckpointError, read_chain, read_manifest, sync_directory
-from remote_module.ps.checkpoint._shards import ShardSave, end_chain, release_snapshot_memory
+from remote_module.ps.checkpoint._shards import ShardSave, _tables_of, end_chain, release_snapshot_memory
 
 #: seconds between looks at a staging directory while waiting for the trainers' files
 _POLL_S = 0.05
@@ -230,6 +230,8 @@ class Checkpointer:
                 raise ValueError(f"ps[{name!r}] is in geo mode, whose optimizer state is each trainer's own: "
                                  "Checkpointer does not save it; checkpoint a geo job as "
                                  "tutorials/parameter-servers.md#checkpoints says")
+        if self.ps:  # (what the first save would refuse, a table given twice, say: now, not every_steps later)
+            _tables_of(self.ps)
         for name, obj in self.local.items():
             if not isinstance(obj, torch.Generator) and not (hasattr(obj, "state_dict")
                                                              and hasattr(obj, "load_state_dict")):
@@ -339,8 +341,12 @@ class Checkpointer:
             self._load_mine(mine)  # (after the servers' part: this trainer's ps_optimizer settings win)
             return _Resumed(step, directory.name, None)
         if refused:
-            raise RuntimeError(f"no checkpoint under {self.path} is loadable ({'; '.join(refused)}): move them away "
-                               "to start afresh")
+            # (a base removed by hand, a cleanup keeping the newest few, say: put back, it resumes)
+            chained = any("is an incremental save on" in why for why in refused)
+            hint = (": a base named above must stay where and as it was saved (put back one removed by hand; keep= "
+                    "already keeps the bases of the checkpoints it keeps), or" if chained else ":")
+            raise RuntimeError(f"no checkpoint under {self.path} is loadable ({'; '.join(refused)}){hint} move them "
+                               "away to start afresh")
         return _Resumed(0, None, None)
 
     def _load_mine(self, saved: Mapping[str, Any]) -> None:
