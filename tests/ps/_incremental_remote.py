@@ -11,27 +11,35 @@ import torch
 
 from tests.ps._shard_checkpoints_remote import CASES, bag, checkpoint, train
 
+#: the rows the steps between a chain's saves touch (an eager table's server writes its blocks
+#: whole once its changed rows with their ids would take as many bytes)
+CHANGING = torch.arange(0, 60, 3)
+
 
 def chain_and_full(name: str, case: str, directory: str, servers: int = 3) -> dict:
     """A table of ``case`` on ps0, ps1: trained 6 steps, saved whole (token "chain"), then
-    twice trained 5 steps and saved incrementally on the save before; at the end also a full
+    twice trained 5 steps (on the rows ``CHANGING``) and saved incrementally on the save before; at the end also a full
     save. Both loaded onto ``servers`` servers (each table trained 2 steps of its own first):
     their checkpoints, the manifests and each save's bytes."""
     from remote_module.ps import load_shards, save_shards
 
-    source = bag(name, ["ps0", "ps1"], case)
+    # (an eager row evicted goes back to its first value: a change; evicted after 3 steps, most
+    # rows would change between saves, and the servers would write their blocks whole)
+    slower = {"evict_after_steps": 8} if CASES[case].get("evict_after_steps") and CASES[case]["init"] == "eager" \
+        else {}
+    source = bag(name, ["ps0", "ps1"], case, **slower)
     train(source, range(6))
     saves = [os.path.join(directory, f"s{i}") for i in range(3)]
     manifests = [save_shards(saves[0], {"emb": source}, token="chain")]
     for i, at in enumerate(range(6, 16, 5), start=1):
-        train(source, range(at, at + 5))
+        train(source, range(at, at + 5), among=CHANGING)  # (a third of the rows: an eager delta pays)
         manifests.append(save_shards(saves[i], {"emb": source}, token="chain", base=saves[i - 1]))
     full = os.path.join(directory, "full")
     save_shards(full, {"emb": source})
     on = [f"ps{i}" for i in range(servers)]
     out: dict[str, Any] = {"manifests": manifests, "source": checkpoint(source)}
     for label, path in (("chain", saves[-1]), ("full", full)):
-        target = bag(f"{name}-{label}", on, case)
+        target = bag(f"{name}-{label}", on, case, **slower)
         train(target, range(100, 102))  # (rows and state of its own before the load)
         load_shards(path, {"emb": target})
         out[label] = checkpoint(target)
@@ -312,3 +320,14 @@ def resume_error(name: str, directory: str) -> str | None:
     finally:
         ckpt.close()
     return None
+
+
+def most_rows_changed(name: str, directory: str) -> dict:
+    """An eager table of 60 rows saved whole (token "t"), trained 10 steps of 12 ids (most rows
+    change), saved on that save: the second save's manifest."""
+    from remote_module.ps import save_shards
+
+    emb = bag(name, ["ps0", "ps1"], "eager-sgd")
+    save_shards(os.path.join(directory, "a"), {"emb": emb}, token="t")
+    train(emb, range(10))
+    return save_shards(os.path.join(directory, "b"), {"emb": emb}, token="t", base=os.path.join(directory, "a"))

@@ -32,10 +32,17 @@ def test_the_last_of_a_chain_of_incremental_saves_loads_as_a_full_save_bit_for_b
     assert first["base"] is None and first["token"] == "chain"
     assert not first["tables"]["emb"]["incremental"]
     for i, manifest in enumerate(incremental):
-        assert manifest["base"]["path"] == f"../s{i}", manifest["base"]
-        assert manifest["tables"]["emb"]["incremental"]
-        assert all(part["since"] is not None for part in manifest["tables"]["emb"]["servers"].values())
-        assert manifest["tables"]["emb"]["dcp_key"] is None  # (torch's reader reads full saves only)
+        entry = manifest["tables"]["emb"]
+        parts = [part["since"] is not None for part in entry["servers"].values()]
+        assert entry["incremental"] == any(parts) and (manifest["base"] is None) == (not any(parts)), manifest
+        if entry["incremental"]:
+            assert manifest["base"]["path"] == f"../s{i}", manifest["base"]
+            assert entry["dcp_key"] is None  # (torch's reader reads full saves only)
+        # every server's changes by id; but in the eager eviction case, where every row a step
+        # leaves alone is evicted (back to its first value: a change) within the second
+        # interval, a server whose rows all changed writes its blocks whole
+        assert all(parts) or (case == "eager-sparse-adam-eviction" and i == 1), (i, parts)
+    assert incremental[0]["tables"]["emb"]["incremental"]
     # loaded onto three servers: what a full save taken at the same point loads, bit for bit
     # (rows, optimizer state and step count, admission counts, eviction clocks), and the same
     # after three more steps
@@ -55,6 +62,15 @@ def test_an_incremental_save_holds_only_the_rows_changed_since_its_base(world, t
     # one step of 12 ids changes at most 12 of the 60 rows
     changed = sum(part["state_rows"] for part in second["tables"]["emb"]["servers"].values())
     assert 0 < changed <= 12, changed
+
+
+def test_an_eager_table_whose_rows_mostly_changed_is_saved_whole_not_by_id(world, tmp_path):
+    manifest = on(world, "trainer0", r.most_rows_changed, job("most-rows"), str(tmp_path))
+    # by id, each changed row would take 8 bytes more than whole: every server wrote its blocks
+    # whole, so the save names no base (and torch's reader reads it)
+    assert manifest["base"] is None and not manifest["tables"]["emb"]["incremental"], manifest["base"]
+    assert manifest["tables"]["emb"]["dcp_key"] == "emb.weight"
+    assert "emb.ps0.distcp" in manifest["files"] and "emb.ps1.distcp" in manifest["files"]
 
 
 def test_a_chain_missing_its_base_or_with_a_base_saved_again_is_refused_naming_it(world, tmp_path):

@@ -185,7 +185,7 @@ class Checkpointer:
     rest, a PSModel's dense blocks and every trainer's file, is saved whole each time; tables
     inside a PSModel are incremental too). It pays when a save's interval touches a small part
     of the tables (a changed row is written with its id: a table whose rows mostly change writes
-    as much as whole, or more). A resume loads the newest checkpoint with the
+    about as much as whole). A resume loads the newest checkpoint with the
     ones it is incremental on; ``keep`` keeps the newest ``keep`` and every checkpoint they are
     incremental on (up to K - 1 more); a damaged save makes every checkpoint of its chain after
     it unloadable (resume falls back past them, saying so). The first save after a resume is

@@ -150,8 +150,9 @@ def _delta_snapshot(name: str, evicting: bool, since: int, incarnation: str,
     changed, by id (their clocks with ``evicting``), the optimizer state of those stepped, the
     ids dropped since and the whole admission sketch, under the table's lock (one consistent
     point). None when what changed is not known here (the table was made again, by a restart;
-    its blocks moved; the ids dropped since were not all kept, ``Tombstones.KEPT``): the
-    caller saves these blocks whole instead."""
+    its blocks moved; the ids dropped since were not all kept, ``Tombstones.KEPT``), or when an
+    eager table's changed rows with their ids are no smaller than its blocks whole: the caller
+    saves these blocks whole instead."""
     table = _table(name)
     with table.lock:
         table.sweep()
@@ -171,6 +172,10 @@ def _delta_snapshot(name: str, evicting: bool, since: int, incarnation: str,
                 where = rows.state_slot.index_select(0, slots[stepped])
                 state.append((table.optimizer_steps, ids[stepped],
                               {k: v.index_select(0, where) for k, v in rows.state.items()}))
+        if table.spec.init != "lazy":  # (an eager block whole has no ids: smaller once most rows changed)
+            row = table.spec.dim * table.blocks[0].values.element_size()
+            if sum(r[0].numel() for r in read) * (row + 8) >= sum(count for _, count in layout) * row:
+                return None
         admission = None if table.sketch is None else (layout, table.sketch.data.clone())
         return Snapshot(name, layout, read, state, admission, table.spec.init != "lazy", evicting, table.spec.dim,
                         table.spec.dtype, table.incarnation, since, table.tombstones.dropped_since(since))
