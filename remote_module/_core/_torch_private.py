@@ -207,3 +207,46 @@ def dcp_storage_info(relative_path: str, offset: int, length: int) -> Any:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     return _StorageInfo(relative_path, offset, length)
+
+
+def _zip_writer_without_crc() -> Callable[[Any], Any] | None:
+    """A maker of torch's zip writer over a file-like object that computes no CRC-32 of its
+    records (``PyTorchFileWriter(f, compute_crc32=False, alignment)``), or None where this
+    torch has not the pieces :func:`save_without_record_crc` uses (``serialization._save``)."""
+    import inspect
+
+    import torch.serialization
+
+    save = getattr(torch.serialization, "_save", None)
+    alignment = getattr(torch.serialization, "_get_storage_alignment", None)
+    writer = getattr(torch._C, "PyTorchFileWriter", None)
+    try:
+        fits = (save is not None and alignment is not None and writer is not None and list(
+            inspect.signature(save).parameters) == ["obj", "zip_file", "pickle_module", "pickle_protocol",
+                                                    "_disable_byteorder_record"])
+    except (TypeError, ValueError):
+        fits = False
+    return (lambda f: writer(f, False, alignment())) if fits else None
+
+
+_ZIP_WITHOUT_CRC = _zip_writer_without_crc()
+
+
+def save_without_record_crc(value: Any, f: Any) -> bool:
+    """``torch.save(value, f)`` (a file-like ``f``) with torch's zip writer computing no CRC-32
+    of each record, as ``torch.serialization.set_crc32_options(False)`` has it for every save in
+    the process: for this one only. False (nothing written) where this torch lacks the pieces."""
+    import pickle
+
+    import torch.serialization
+
+    if _ZIP_WITHOUT_CRC is None:
+        return False
+    try:
+        writer = _ZIP_WITHOUT_CRC(f)
+    except TypeError:  # (a torch whose writer takes other arguments)
+        return False
+    torch.serialization._save(value, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
+    writer.write_end_of_file()
+    f.flush()
+    return True

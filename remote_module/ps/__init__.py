@@ -45,7 +45,7 @@ from remote_module.ps._modes import StepNotApplied, StepRefused
 from remote_module.ps._placement import Block, HashName, RoundRobin, slice_blocks
 from remote_module.ps.checkpoint._checkpointer import Checkpointer
 from remote_module.ps.checkpoint._manifest import CheckpointError
-from remote_module.ps.checkpoint._shards import load_shards, save_shards
+from remote_module.ps.checkpoint._shards import end_save_chain, load_shards, save_shards
 from remote_module.ps.dense._model import PSModel
 from remote_module.ps.tables._collection import ShardedEmbeddingBagCollection
 from remote_module.ps.tables._embedding import ShardedEmbedding
@@ -57,5 +57,5 @@ from remote_module.ps.tables.lifetime._admission import false_admission_rate
 __all__ = [
     "slice_blocks", "Block", "RoundRobin", "HashName", "PSModel", "ShardedEmbedding", "ShardedEmbeddingBag",
     "ShardedEmbeddingBagCollection", "prefetching", "MAX_ADMIT_AFTER", "false_admission_rate", "StepRefused",
-    "StepNotApplied", "save_shards", "load_shards", "CheckpointError", "Checkpointer",
+    "StepNotApplied", "save_shards", "load_shards", "end_save_chain", "CheckpointError", "Checkpointer",
 ]

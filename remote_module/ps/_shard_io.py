@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import inspect
 import io
 import mmap
 import os
-import pickle
 import threading
 import time
 import zlib
@@ -28,7 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, NamedTuple
 
 import torch
-import torch.serialization
+
+from remote_module._core import save_without_record_crc
 
 #: bytes read at a time while a file's checksum is computed
 _READ_BYTES = 1 << 20
@@ -207,41 +206,14 @@ def _write_target(target: str, parts: list[Any]) -> tuple[tuple[int, str], list[
         return _write_parts(f, parts, lambda: (f.flush(), os.fsync(f.fileno())))
 
 
-def _zip_writer_without_crc() -> Callable[[Any], Any] | None:
-    """A maker of torch's zip writer over a file-like object that computes no CRC-32 of its
-    records, or None where this torch has not the (private) pieces :func:`save_into` needs."""
-    save = getattr(torch.serialization, "_save", None)
-    alignment = getattr(torch.serialization, "_get_storage_alignment", None)
-    writer = getattr(torch._C, "PyTorchFileWriter", None)
-    try:
-        fits = (save is not None and alignment is not None and writer is not None and list(
-            inspect.signature(save).parameters) == ["obj", "zip_file", "pickle_module", "pickle_protocol",
-                                                    "_disable_byteorder_record"])
-    except (TypeError, ValueError):
-        fits = False
-    return (lambda f: writer(f, False, alignment())) if fits else None
-
-
-_ZIP_WITHOUT_CRC = _zip_writer_without_crc()
-
-
 def save_into(value: Any, f: Any) -> None:
     """``torch.save(value, f)``, without the CRC-32 torch computes of each record (zip's), where
     this torch allows: a file written here is checksummed whole as it is written (:class:`_Sink`),
     and torch's pass over the same bytes doubled a writing server's CPU (torch.load does not
     check it; ``torch.serialization.set_crc32_options(False)`` does the same, for every save in
     the process). Elsewhere, plain ``torch.save``."""
-    if _ZIP_WITHOUT_CRC is None:
+    if not save_without_record_crc(value, f):
         torch.save(value, f)
-        return
-    try:
-        writer = _ZIP_WITHOUT_CRC(f)
-    except TypeError:  # (a torch whose writer takes other arguments)
-        torch.save(value, f)
-        return
-    torch.serialization._save(value, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
-    writer.write_end_of_file()
-    f.flush()
 
 
 def _write_parts(f: Any, parts: list[Any], finish: Callable[[], Any]) -> tuple[tuple[int, str], list[tuple[int, int]]]:
@@ -345,32 +317,53 @@ class SnapshotMemory:
     while a job saves every few minutes, a server holds one snapshot's worth of memory more (what
     it holds anyway while a save is written); :meth:`forget` frees it when the job saves no more
     (the ``Checkpointer``'s ``close()``). ``keep_s`` 0 (``save_shards``): nothing kept after the
-    write (memory a job kept is taken, not held beside a fresh copy)."""
+    write (memory a job kept is taken, not held beside a fresh copy).
+
+    Memory kept with a ``stamp`` (what it held: a table's rows as of a version) is brought up to
+    date by copying only the rows changed since (``copy(changed_since=...)``), where they are few:
+    a job whose saves are minutes apart touches a small part of its tables between them."""
+
+    #: rows changed since the kept copy, as a part of all, above which the whole is copied again
+    #: (an index copy of a row costs several times a memcpy of it)
+    PARTIAL_AT_MOST = 0.25
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        # (memory, the timer that frees it, that keep's token: a timer firing late frees nothing kept since)
-        self._kept: dict[tuple, tuple[torch.Tensor, threading.Timer, object]] = {}
+        # (memory, the timer that frees it, that keep's token: a timer firing late frees nothing
+        # kept since, and what the memory holds: its stamp, or None)
+        self._kept: dict[tuple, tuple[torch.Tensor, threading.Timer, object, Any]] = {}
+        #: copies into kept memory so far: of the rows changed only, or whole
+        self.copied = {"partial": 0, "whole": 0}
 
-    def copy(self, key: tuple, source: torch.Tensor, keep_s: float) -> torch.Tensor:
+    def copy(self, key: tuple, source: torch.Tensor, keep_s: float,
+             changed_since: Callable[[Any], torch.Tensor | None] | None = None) -> torch.Tensor:
         """A copy of ``source`` (contiguous), in the memory kept under ``key`` if it fits (taken
         whatever ``keep_s``: a save that keeps nothing, beside a job that keeps, would otherwise
-        hold a third copy of the rows while it writes)."""
+        hold a third copy of the rows while it writes). ``changed_since(stamp)``: the indices of
+        the rows of ``source`` changed since the kept memory's ``stamp`` (None: not known); only
+        those are copied, where they are few (:attr:`PARTIAL_AT_MOST`)."""
         with self._lock:
             kept = self._kept.pop(key, None)
         if kept is not None:
             kept[1].cancel()  # (one timer per kept memory: a job saving every second starts no pile of them)
         elif keep_s <= 0:
             return source.clone(memory_format=torch.contiguous_format)
-        out = kept[0] if kept is not None and kept[0].shape == source.shape and kept[0].dtype == source.dtype \
-            else torch.empty(source.shape, dtype=source.dtype)
+        fits = kept is not None and kept[0].shape == source.shape and kept[0].dtype == source.dtype
+        out = kept[0] if fits else torch.empty(source.shape, dtype=source.dtype)
+        if fits and changed_since is not None and kept[3] is not None:
+            rows = changed_since(kept[3])
+            if rows is not None and rows.numel() <= self.PARTIAL_AT_MOST * max(1, source.shape[0]):
+                self.copied["partial"] += 1
+                return out.index_copy_(0, rows, source.index_select(0, rows))
+        self.copied["whole"] += 1
         return out.copy_(source)
 
-    def keep(self, key: tuple, memory: torch.Tensor, keep_s: float) -> threading.Timer | None:
+    def keep(self, key: tuple, memory: torch.Tensor, keep_s: float, stamp: Any = None) -> threading.Timer | None:
         """``memory`` (a copy written and no longer used) kept under ``key`` for the next
-        :meth:`copy`, or freed after ``keep_s`` seconds (by the timer returned). None (nothing
-        kept) where no timer can start: keeping only spares the next copy its page faults, and
-        it runs as a server's write completes, which must not fail for it."""
+        :meth:`copy`, or freed after ``keep_s`` seconds (by the timer returned); ``stamp``: what
+        it holds (for the next copy's ``changed_since``; None: unknown, copied whole). None
+        (nothing kept) where no timer can start: keeping only spares the next copy its page
+        faults, and it runs as a server's write completes, which must not fail for it."""
         if keep_s <= 0:
             return None
         token = object()
@@ -383,7 +376,7 @@ class SnapshotMemory:
         with self._lock:
             replaced = self._kept.pop(key, None)
             if timer is not None:
-                self._kept[key] = (memory, timer, token)
+                self._kept[key] = (memory, timer, token, stamp)
         if replaced is not None:
             replaced[1].cancel()
         return timer
@@ -398,14 +391,14 @@ class SnapshotMemory:
         """Free the memory kept under the keys ``match`` accepts now; its bytes."""
         with self._lock:
             gone = [self._kept.pop(key) for key in [k for k in self._kept if match(k)]]
-        for _, timer, _ in gone:
+        for _, timer, _, _ in gone:
             timer.cancel()
-        return sum(m.untyped_storage().nbytes() for m, _, _ in gone)
+        return sum(m.untyped_storage().nbytes() for m, *_ in gone)
 
     def held_bytes(self, match: Callable[[tuple], bool] = lambda key: True) -> int:
         """Bytes of memory kept now (under the keys ``match`` accepts)."""
         with self._lock:
-            return sum(m.untyped_storage().nbytes() for key, (m, _, _) in self._kept.items() if match(key))
+            return sum(m.untyped_storage().nbytes() for key, (m, *_) in self._kept.items() if match(key))
 
 
 class BackgroundWrites:

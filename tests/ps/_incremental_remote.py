@@ -331,3 +331,18 @@ def most_rows_changed(name: str, directory: str) -> dict:
     save_shards(os.path.join(directory, "a"), {"emb": emb}, token="t")
     train(emb, range(10))
     return save_shards(os.path.join(directory, "b"), {"emb": emb}, token="t", base=os.path.join(directory, "a"))
+
+
+def chain_ended(name: str, directory: str) -> dict:
+    """A table saved with token "t", then ``end_save_chain``: the chains its servers keep
+    dropped ids for, before and after."""
+    import torch.distributed.rpc as rpc
+
+    from remote_module.ps import end_save_chain, save_shards
+
+    emb = bag(name, ["ps0", "ps1"], "eager-sgd")
+    save_shards(directory, {"emb": emb}, token="t")
+    before = {server: rpc.rpc_sync(server, _chains_kept, args=(name,)) for server in ("ps0", "ps1")}
+    end_save_chain({"emb": emb}, "t")
+    return {"before": before, "after": {server: rpc.rpc_sync(server, _chains_kept, args=(name,))
+                                        for server in ("ps0", "ps1")}}

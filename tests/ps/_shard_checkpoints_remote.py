@@ -451,6 +451,44 @@ def saves_into_kept_memory(name: str, first: str, second: str, hold_s: float) ->
     return {"at": at, "loaded": loaded, "kept": kept, "released": released}
 
 
+def copied_into_kept_memory() -> dict:
+    """(On a server) its snapshot copies into kept memory so far: of changed rows only, or whole."""
+    from remote_module.ps._shard_io import snapshots
+
+    return dict(snapshots.copied)
+
+
+def saves_of_few_changed_rows(name: str, directory: str) -> dict:
+    """An eager table on ps0, ps1 saved three times with its servers keeping the snapshot
+    memory, one step touching two rows between saves (the later snapshots copy only those into
+    the kept memory): each save loaded into a fresh table beside the table at each save, and the
+    servers' copies into kept memory (partial, whole) during the saves (the table's
+    ``state_dict()`` read between them, as ``checkpoint()`` does, leaves that memory alone)."""
+    import torch.distributed.rpc as rpc
+
+    from remote_module.ps import load_shards
+    from remote_module.ps.checkpoint._shards import begin_save_shards, release_snapshot_memory
+
+    source = bag(name, ["ps0", "ps1"], "eager-sgd")
+    train(source, range(3))
+    before = {server: rpc.rpc_sync(server, copied_into_kept_memory) for server in ("ps0", "ps1")}
+    at, saves = [], [os.path.join(directory, f"s{i}") for i in range(3)]
+    for i, path in enumerate(saves):
+        if i:
+            train(source, range(10 + i, 11 + i), among=torch.tensor([5 + i, 44 - i]))
+        at.append(checkpoint(source))
+        begin_save_shards(path, {"emb": source}, keep_snapshot_s=60).wait()
+    copied = {server: {k: v - before[server][k] for k, v in rpc.rpc_sync(server, copied_into_kept_memory).items()}
+              for server in ("ps0", "ps1")}
+    release_snapshot_memory({"emb": source})
+    loaded = []
+    for i, path in enumerate(saves):
+        into = bag(f"{name}-loaded{i}", ["ps0", "ps1"], "eager-sgd")
+        load_shards(path, {"emb": into})
+        loaded.append(checkpoint(into))
+    return {"at": at, "loaded": loaded, "copied": copied}
+
+
 def failed_background_write(name: str, directory: str) -> str | None:
     """A background save in the local layout whose ps1 folder cannot be made (a file is in its
     place): the error its ``wait()`` raises, or None."""

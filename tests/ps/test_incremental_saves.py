@@ -218,3 +218,9 @@ def test_a_checkpointer_whose_full_base_was_removed_by_hand_says_to_put_it_back(
     assert error is not None and error.startswith("RuntimeError: "), error
     assert "step-00000008" in error and "put back one removed by hand" in error, error
     assert error.endswith("move them away to start afresh"), error
+
+
+def test_end_save_chain_has_the_servers_keep_no_dropped_ids_for_it(world, tmp_path):
+    got = on(world, "trainer0", r.chain_ended, job("chain-ended"), str(tmp_path))
+    assert got["before"] == {"ps0": ["save_shards t"], "ps1": ["save_shards t"]}, got
+    assert got["after"] == {"ps0": [], "ps1": []}, got

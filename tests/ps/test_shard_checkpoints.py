@@ -387,6 +387,16 @@ def test_snapshots_into_memory_kept_from_the_last_save_are_what_each_save_began_
                if isinstance(a, torch.Tensor)), "training between the saves changed nothing: the test could not tell"
 
 
+def test_a_snapshot_into_kept_memory_copies_only_the_rows_changed_and_saves_them_all(world, tmp_path):
+    got = on(world, "trainer0", r.saves_of_few_changed_rows, job("kept-partial"), str(tmp_path))
+    # each server (one block): the first save copied it whole into fresh memory (none was kept),
+    # the next two only the rows changed since into the memory the one before kept
+    assert got["copied"] == {"ps0": {"partial": 2, "whole": 1}, "ps1": {"partial": 2, "whole": 1}}, got["copied"]
+    for i, (loaded, at) in enumerate(zip(got["loaded"], got["at"])):
+        same(loaded, at, f"save {i}")
+    assert not torch.equal(got["at"][0]["model"]["weight"], got["at"][2]["model"]["weight"])
+
+
 def test_a_background_write_that_fails_is_raised_by_wait_naming_the_files(world, tmp_path):
     error = on(world, "trainer0", r.failed_background_write, job("failed-write"), str(tmp_path))
     assert error is not None and "ps1" in error and "emb.ps1" in error, error

@@ -138,3 +138,34 @@ def test_a_copy_that_keeps_nothing_still_takes_the_memory_kept_so_no_third_copy_
     assert b.data_ptr() == a.data_ptr() and torch.equal(b, source)
     assert memory.held_bytes() == 0 and timer.finished.is_set()
     assert memory.keep(("t", 0), b, 0) is None and memory.held_bytes() == 0  # (freed once written)
+
+
+def test_a_copy_into_memory_kept_with_a_stamp_copies_only_the_rows_changed_since():
+    memory = SnapshotMemory()
+    source = torch.randn(100, 4)
+    first = memory.copy(("t", 0), source, 60)
+    memory.keep(("t", 0), first, 60, stamp="v1")
+    changed = torch.tensor([3, 50, 97])
+    source[changed] += 1.0
+    asked = []
+
+    def since(stamp):
+        asked.append(stamp)
+        return changed
+
+    again = memory.copy(("t", 0), source, 60, since)
+    assert asked == ["v1"] and again.data_ptr() == first.data_ptr() and torch.equal(again, source)
+    # what the callback says is what is copied: a row it leaves out keeps the kept value
+    memory.keep(("t", 0), again, 60, stamp="v2")
+    kept_row = source[10].clone()
+    source[10] += 1.0
+    stale = memory.copy(("t", 0), source, 60, lambda stamp: torch.empty(0, dtype=torch.long))
+    assert torch.equal(stale[10], kept_row) and not torch.equal(stale, source)
+    # no stamp, an unknown change (None) or most rows changed: the whole copied
+    for stamp, answer in ((None, changed), ("v3", None), ("v3", torch.arange(60))):
+        memory.keep(("t", 0), stale, 60, stamp=stamp)
+        source[0] += 1.0
+        whole = memory.copy(("t", 0), source, 60, lambda s, a=answer: a)
+        assert torch.equal(whole, source), stamp
+        stale = whole
+    memory.forget(lambda key: True)

@@ -90,7 +90,7 @@ from remote_module.ps.checkpoint._job_state import (
     _state_of,
 )
 from remote_module.ps.checkpoint._manifest import CheckpointError, read_chain, read_manifest, sync_directory
-from remote_module.ps.checkpoint._shards import ShardSave, _tables_of, end_chain, release_snapshot_memory
+from remote_module.ps.checkpoint._shards import ShardSave, _tables_of, end_save_chain, release_snapshot_memory
 
 #: seconds between looks at a staging directory while waiting for the trainers' files
 _POLL_S = 0.05
@@ -459,7 +459,7 @@ class Checkpointer:
         if self.rank == 0 and self.ps and self._saved is not None:
             release_snapshot_memory(self.ps, self.timeout)
             if self.full_every > 1:  # (the servers keep the ids they drop for this chain no more)
-                end_chain(self.ps, self._token, self.timeout)
+                end_save_chain(self.ps, self._token, self.timeout)
 
     def _drain(self) -> None:
         """Wait for the completions handed to the background (each bounded: its waits are), and

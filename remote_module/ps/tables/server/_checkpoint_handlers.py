@@ -15,15 +15,16 @@ from remote_module.ps.tables.server._table import Table
 
 
 def _block_rows(name: str, first: int, clocks: bool = False, version: bool = False, eager_ids: bool = True,
-                keep_s: float = 0.0) -> tuple:
+                keep_s: float | None = None) -> tuple:
     """``(ids, rows)`` the block starting at row ``first`` stores: every row of an eager block,
     the touched rows of a lazy one (sorted by id; evicted rows swept first); with ``clocks``
     also each row's eviction clock (its step when last stepped, or None without eviction) and
     the table's step here; with ``version`` last the table's version here (what a delta taken
     now would reach: a checkpoint's place in the delta chains). Without ``eager_ids``, an eager
     block's ids are None (they are its rows in order: a snapshot need not spend 8 bytes a row);
-    ``keep_s``: an eager block's rows are copied into snapshot memory kept that long
-    (``_shard_io.SnapshotMemory``: a save's snapshot)."""
+    ``keep_s``: a save's snapshot: an eager block's rows are copied into snapshot memory kept
+    that long (``_shard_io.SnapshotMemory``); None (a ``state_dict()``'s read, sent at once):
+    into fresh memory, the memory a job keeps for its next save left alone."""
     table = _table(name)
     with table.lock:
         table.sweep()
@@ -32,7 +33,16 @@ def _block_rows(name: str, first: int, clocks: bool = False, version: bool = Fal
             if rows.slot_of is None:  # an eager block stores every row, in order: one copy is a plain memcpy
                 slots = None
                 ids = torch.arange(rows.first, rows.first + rows.count) if eager_ids else None
-                values = snapshots.copy(snapshot_key(name, rows.first), rows.values[:rows.count], keep_s)
+
+                def changed_since(stamp: tuple) -> torch.Tensor | None:
+                    """The rows changed since a kept snapshot of them (``snapshot_stamp``)."""
+                    if stamp[0] != table.incarnation:
+                        return None
+                    return (rows.changed[:rows.count] > stamp[1]).nonzero().reshape(-1)
+
+                values = (rows.values[:rows.count].clone() if keep_s is None else
+                          snapshots.copy(snapshot_key(name, rows.first), rows.values[:rows.count], keep_s,
+                                         changed_since))
             else:
                 ids, slots = rows.stored()
                 values = rows.values.index_select(0, slots)
@@ -44,6 +54,13 @@ def _block_rows(name: str, first: int, clocks: bool = False, version: bool = Fal
             if version:
                 out += (table.clocks.version,)
             return out
+
+
+def snapshot_stamp(incarnation: str, version: int) -> tuple:
+    """What a kept snapshot of an eager block holds: its rows as of ``version`` of the table's
+    life ``incarnation`` here (a later snapshot into it copies only the rows changed since:
+    every change of a row stamps it with a later version)."""
+    return (incarnation, version)
 
 
 def snapshot_key(name: str, first: int) -> tuple:

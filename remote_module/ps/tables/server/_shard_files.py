@@ -256,8 +256,9 @@ def _write_and_keep(snap: Snapshot, directory: str, stem: str, keep_s: float) ->
     """:func:`_write_snapshot`, then its eager rows' memory kept for the next snapshot."""
     written = _write_snapshot(snap, directory, stem)
     if snap.eager and snap.since is None:
-        for (first, _), read in zip(snap.blocks, snap.read):
-            snapshots.keep(handlers.snapshot_key(snap.name, first), read[1], keep_s)
+        for (first, _), read in zip(snap.blocks, snap.read):  # (read[-1]: the version it was read at)
+            snapshots.keep(handlers.snapshot_key(snap.name, first), read[1], keep_s,
+                           handlers.snapshot_stamp(snap.incarnation, read[-1]))
     return written
 
 
