@@ -232,7 +232,9 @@ def test_a_model_holding_a_pipeline_freezes_and_casts_its_stages():
     x = torch.randn(6, 4, dtype=torch.float64)
     with dist_autograd.context():
         out = model(x)
-    expected = reference(x)
+    # (per micro-batch, as the pipeline runs it: a matmul of 3 rows and one of 6 may round
+    # differently, by the kernel the CPU's BLAS picks for each shape)
+    expected = torch.cat([reference(part) for part in torch.tensor_split(x, 2)])
     assert out.dtype == expected.dtype == torch.float64 and torch.equal(out, expected)
     assert [host_views(stage) for stage in pipe.stages] == [local_views(local[:2]), local_views(local[2:])]
 

@@ -63,7 +63,10 @@ def _wait_for(path: Path) -> None:
 
 
 def _table(me, args: argparse.Namespace, name: str) -> ShardedEmbeddingBag:
-    return ShardedEmbeddingBag(ROWS, DIM, me.workers("ps"), name=name, mode="sum", ps_mode=args.mode,
+    # (with --full-every, lazy: an eager table of 12 rows, most of them stepped between saves, has
+    # its server write its blocks whole rather than by id, and no save would be incremental)
+    init = "lazy" if getattr(args, "full_every", 1) > 1 else "eager"
+    return ShardedEmbeddingBag(ROWS, DIM, me.workers("ps"), name=name, mode="sum", ps_mode=args.mode, init=init,
                                num_trainers=me.role_size, optimizer=(torch.optim.Adagrad, {"lr": 0.3}), timeout=60)
 
 
@@ -114,7 +117,7 @@ def set_up(me, args: argparse.Namespace) -> tuple[int, int, tuple]:
     table_sched = torch.optim.lr_scheduler.StepLR(table.ps_optimizer, step_size=3, gamma=0.5)
     ckpt = Checkpointer(args.dir, every_steps=args.every, keep=args.keep, ps={"table": table},
                         local={"head": head, "opt": opt, "sched": sched, "table_sched": table_sched},
-                        full_every=args.full_every)
+                        full_every=getattr(args, "full_every", 1))
     torch.manual_seed(1000 + attempt)  # a restarted process's RNGs differ: the resume restores them
     random.seed(1000 + attempt)
     return attempt, ckpt.resume(), (head, table, opt, sched, table_sched, ckpt)
