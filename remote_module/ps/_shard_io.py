@@ -9,7 +9,10 @@ A checksum is a tagged string, ``"crc32:<8 hex digits>"`` (zlib's CRC-32, as zip
 ``torch.save``'s records carry: it finds a flipped or truncated file, not a forged one; an RPC
 world is one trust domain) or, in checkpoints written before it, ``"sha256:<hex>"``: CRC-32
 costs the writing server less than half of SHA-256's CPU, and a save's background writes take
-CPU from training on the same cores.
+CPU from training on the same cores. It is computed with ISA-L's implementation where the
+``isal`` package is installed (a dependency on Linux x86_64 and aarch64: 1.2 against zlib's
+14.7 ms per 32 MB on the machine it was measured on), else zlib's: the same values either way,
+so a checkpoint written with one is checked with the other.
 """
 
 from __future__ import annotations
@@ -28,6 +31,14 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from remote_module._core import save_without_record_crc
+
+try:  # ISA-L's CRC-32 (the isal package): zlib's values bit for bit, an order of magnitude faster
+    from isal.isal_zlib import crc32 as _crc32
+
+    CRC32_BY = "isal"
+except ImportError:  # (a platform without its wheels: zlib's, the same checksums)
+    _crc32 = zlib.crc32
+    CRC32_BY = "zlib"
 
 #: bytes read at a time while a file's checksum is computed
 _READ_BYTES = 1 << 20
@@ -61,8 +72,8 @@ class Checksum:
     def update(self, data: Any) -> None:
         if self._sha is not None:
             self._sha.update(data)
-        else:  # (zlib releases the GIL while it runs over a large buffer, as hashlib does)
-            self._crc = zlib.crc32(data, self._crc)
+        else:  # (both release the GIL while they run over a large buffer, as hashlib does)
+            self._crc = _crc32(data, self._crc)
 
     def tagged(self) -> str:
         return f"{self.kind}:{self._sha.hexdigest() if self._sha is not None else format(self._crc, '08x')}"

@@ -81,7 +81,8 @@ def _median_cpu_ms(work: Any, times: int = 3) -> float:
 def probe(mb: int = 32) -> dict[str, float]:
     """This machine's own cost of what a server's save does with ``mb`` MB of rows (thread CPU
     ms, median of 3): copied into fresh memory and into memory touched before (the kept snapshot
-    memory), checksummed (SHA-256, CRC-32), and (median of 5 new files each, interleaved) a file
+    memory), checksummed (SHA-256, CRC-32 as the writers compute it, ``_shard_io.CRC32_BY``, and
+    zlib's), and (median of 5 new files each, interleaved) a file
     of them written and fsynced through the page cache and around it (``O_DIRECT``; where the
     filesystem refuses it, both are buffered)."""
     import hashlib
@@ -97,7 +98,8 @@ def probe(mb: int = 32) -> dict[str, float]:
     got = {"copy_fresh_ms": _median_cpu_ms(lambda: rows.clone()),
            "copy_kept_ms": _median_cpu_ms(lambda: kept.copy_(rows)),
            "sha256_ms": _median_cpu_ms(lambda: hashlib.sha256(data).digest()),
-           "crc32_ms": _median_cpu_ms(lambda: zlib.crc32(data))}
+           "crc32_ms": _median_cpu_ms(lambda: _shard_io._crc32(data)),  # (the one the writers use)
+           "crc32_zlib_ms": _median_cpu_ms(lambda: zlib.crc32(data))}
     directory = tempfile.mkdtemp(prefix="bench-checkpoint-probe-")  # (where the runs' checkpoints went)
     writes: dict[str, list[float]] = {"write_buffered_ms": [], "write_direct_ms": []}
     previous = _shard_io.DIRECT_WRITES

@@ -258,3 +258,21 @@ def test_a_saved_part_skips_torchs_own_record_crc_and_loads_as_torch_saves_it(tm
     plain = io.BytesIO()
     _shard_io.save_into(value, plain)
     assert plain.getvalue() == theirs.getvalue()
+
+
+def test_the_crc32_is_zlibs_whichever_implementation_computes_it(tmp_path, monkeypatch):
+    # ISA-L's CRC-32 where installed (a dependency on Linux x86_64 and aarch64), zlib's
+    # elsewhere: a file written with one is checked with the other
+    import platform
+    import sys
+
+    if sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64"):
+        assert _shard_io.CRC32_BY == "isal"  # (installed with the project here)
+    data = [torch.randn(100_003, generator=torch.Generator().manual_seed(3)), b"\x00" * 7, b"odd tail"]
+    fast = _shard_io.write_file(str(tmp_path), "fast", data)
+    monkeypatch.setattr(_shard_io, "_crc32", zlib.crc32)
+    plain = _shard_io.write_file(str(tmp_path), "plain", data)
+    assert fast == plain and fast[1] == f"crc32:{zlib.crc32((tmp_path / 'fast').read_bytes()):08x}"
+    _shard_io.verify(str(tmp_path), _shard_io.FileEntry("fast", *fast))  # (checked by zlib's)
+    monkeypatch.undo()
+    _shard_io.verify(str(tmp_path), _shard_io.FileEntry("plain", *plain))
