@@ -589,25 +589,28 @@ class Checkpointer:
                 shutil.rmtree(old, ignore_errors=True)
 
 
+def _ps_chain(directory: Path) -> list[tuple[str, dict]] | None:
+    """The ``ps/`` of checkpoint ``directory`` and the saves it is incremental on, oldest first
+    (``read_chain``); None where it or a link does not read (none, torn, a broken chain)."""
+    try:
+        return read_chain(str(directory / PS_DIR), read_manifest(str(directory / PS_DIR)))
+    except (CheckpointError, OSError):
+        return None
+
+
 def _chain_reads(directory: Path) -> bool:
     """Whether the ``ps/`` of checkpoint ``directory`` and the chain it is incremental on read
     (an incremental save on it would load)."""
-    try:
-        read_chain(str(directory / PS_DIR), read_manifest(str(directory / PS_DIR)))
-    except (CheckpointError, OSError):
-        return False
-    return True
+    return _ps_chain(directory) is not None
 
 
 def _bases_of(checkpoints: list[Path]) -> set[Path]:
     """The checkpoints (directories, resolved) that ``checkpoints`` are incremental saves on,
-    directly or through others: a load of one reads them."""
+    directly or through others: a load of one reads them (one whose chain does not read keeps
+    nothing: it does not load whatever is kept)."""
     needed = set()
     for directory in checkpoints:
-        try:
-            links = read_chain(str(directory / PS_DIR), read_manifest(str(directory / PS_DIR)))
-        except (CheckpointError, OSError):  # (none, or a broken chain: it does not load whatever is kept)
-            continue
+        links = _ps_chain(directory) or []
         needed.update(Path(at).parent.resolve() for at, _ in links[:-1])
     return needed
 

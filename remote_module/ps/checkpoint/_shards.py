@@ -360,16 +360,16 @@ def release_snapshot_memory(objects: Mapping[str, Any], timeout: float | None = 
 def end_save_chain(objects: Mapping[str, Any], token: str, timeout: float | None = None) -> None:
     """Have the servers of ``objects``' tables stop keeping the ids they drop for the
     incremental saves of ``token`` (``save_shards(token=...)``): no save of that chain follows
-    (the ``Checkpointer``'s ``close()`` calls it for its own).
+    (the ``Checkpointer``'s ``close()`` calls it for its own). A save of it after this is written
+    whole where ids were dropped since its base. A server that does not answer within
+    ``timeout`` is skipped (the ids kept are bounded: ``Tombstones.KEPT``).
 
     Example::
 
         save_shards("/shared/ckpt/a", {"emb": emb}, token="nightly")
         save_shards("/shared/ckpt/b", {"emb": emb}, token="nightly", base="/shared/ckpt/a")
         end_save_chain({"emb": emb}, "nightly")  # (the servers keep no dropped ids for it any more)
- A save of it after this is written whole where ids
-    were dropped since its base. A server that does not answer within ``timeout`` is skipped
-    (the ids kept are bounded: ``Tombstones.KEPT``)."""
+    """
     _tell_servers(objects, _shard_files._end_chain, (token,), timeout)
 
 
