@@ -21,7 +21,7 @@ background save (:func:`_begin_shards`) returns after the snapshot and writes on
 one writer thread (``_shard_io.writes``) while the table trains on; :func:`_shards_written`
 answers with the outcome.
 
-A load is two calls: :func:`_stage_shards` reads the files the trainer names (checking each
+A load is two calls: :func:`_stage_chain` reads the files the trainer names (checking each
 one's size and checksum, as the manifest records them) and keeps the rows in this server's
 ranges, changing nothing; once every server staged, :func:`_apply_staged` loads them with the
 handlers a trainer-side load uses (``_set_rows``, ``_set_admission``, ``_set_row_state``), in
@@ -287,22 +287,16 @@ def _shards_written(name: str, save: str) -> torch.futures.Future:
     return writes.outcome(("table", save, name), f"table {name!r}, save {save!r}")
 
 
-def _stage_shards(name: str, key: str, directory: str, reads: ShardReads, clock: int,
-                  timeout: float | None = None) -> str | None:
-    """Read (and check) this server's share of a table's checkpoint for load ``key``: the rows
-    in its own blocks, their clocks aged to the table's step ``clock``, their optimizer state
-    and every saved sketch; kept until :func:`_apply_staged`. Every file is checked before any
-    is read; nothing of the table changes. Why it cannot be loaded (a file missing, truncated or
-    corrupt, named), or None. Staged loads older than :data:`KEEP_STAGED_TIMEOUTS` times their
-    ``timeout`` (the trainer's) are forgotten first."""
-    return _stage_chain(name, key, [(directory, reads)], clock, timeout)
-
-
 def _stage_chain(name: str, key: str, links: list[tuple[str, ShardReads]], clock: int,
                  timeout: float | None = None) -> str | None:
-    """:func:`_stage_shards` of a chain of checkpoints: a full one, then the incremental saves
-    that follow it, in order (``links``: each one's directory and what this server reads
-    there); the sketches are the last one's. Every file of every link is checked first."""
+    """Read (and check) this server's share of a table's checkpoint for load ``key``: the rows
+    in its own blocks, their clocks aged to the table's step ``clock``, their optimizer state
+    and every saved sketch; kept until :func:`_apply_staged`. ``links``: the checkpoint, or a
+    chain (a full one, then the incremental saves that follow it, in order), each one's
+    directory and what this server reads there; the sketches are the last one's. Every file of
+    every link is checked before any is read; nothing of the table changes. Why it cannot be
+    loaded (a file missing, truncated or corrupt, named), or None. Staged loads older than
+    :data:`KEEP_STAGED_TIMEOUTS` times their ``timeout`` (the trainer's) are forgotten first."""
     _forget_expired()
     table = _table(name)
     where = links[0][0]  # (the directory whose files are being read: named if one does not read)
@@ -331,16 +325,12 @@ def _forget_expired() -> None:
             del _expires[load]
 
 
-def _read_mine(layout: list[tuple[int, int]], directory: str, reads: ShardReads, clock: int, dim: int) -> Staged:
-    """The rows of the blocks ``layout`` (this server's) in the checked files ``reads``, their
-    clocks (aged to ``clock``) and optimizer state, sorted by id."""
-    return _read_chain(layout, [(directory, reads)], clock, dim)
-
-
 def _read_chain(layout: list[tuple[int, int]], links: list[tuple[str, ShardReads]], clock: int, dim: int) -> Staged:
-    """:func:`_read_mine` of a chain (a full checkpoint, then incremental saves in order): each
-    saving server's part replaces what came before it of its rows: a whole part every row of
-    its blocks, an incremental one the rows it holds and the ids dropped since its base."""
+    """The rows of the blocks ``layout`` (this server's) in the checked files of ``links`` (one
+    checkpoint, or a chain: a full one, then incremental saves in order), their clocks (aged to
+    ``clock``) and optimizer state, sorted by id. Each saving server's part replaces what came
+    before it of its rows: a whole part every row of its blocks, an incremental one the rows it
+    holds and the ids dropped since its base."""
     mine = tuple(layout)
     have = _Rows()
     for directory, reads in links:
@@ -439,7 +429,7 @@ def _sorted(key: str, ids: list, rows: list, last: list | None, state_ids: list,
 
 
 def _apply_staged(name: str, key: str, clock: int | None, optimizer_steps: int | None) -> None:
-    """Load what :func:`_stage_shards` read for load ``key`` as a trainer-side load of the same
+    """Load what :func:`_stage_chain` read for load ``key`` as a trainer-side load of the same
     checkpoint would (``_set_rows``, then the sketches, then the optimizer state unless
     ``optimizer_steps`` is None: geo tables keep theirs on the trainer). ``clock``: the
     table's step (with eviction), else None."""
