@@ -177,6 +177,27 @@ def finished(done: set, part: Any, finish: Callable[[], None]) -> None:
     done.add(part)
 
 
+#: the last step's message in flight of each PSModel, table and collection of this process, by
+#: name: an object built again under a name (a notebook cell run twice right after a step)
+#: waits for it before it attaches, so that it starts at the step the servers then have
+#: (:func:`wait_for_earlier`); taken off once landed
+_last_sent: dict[str, Any] = {}
+_last_sent_lock = threading.Lock()
+
+
+def wait_for_earlier(name: str) -> None:
+    """Wait for the pushes in flight of an earlier object of this process named ``name``, if
+    any. Their failure is not raised here: it is that object's (raised by its next call, or
+    warned when it is gone)."""
+    with _last_sent_lock:
+        future = _last_sent.pop(name, None)
+    if future is not None:
+        try:
+            future.wait()
+        except Exception:  # noqa: BLE001 (see above)
+            pass
+
+
 class InFlight:
     """A part of an object whose ``step()`` returns with its pushes in flight, landed by the next
     call on it or on one of its tables (a PSModel, a collection): ``_flight``, the last step's
@@ -190,7 +211,8 @@ class InFlight:
         """This step's pushes ``sent`` in flight: landed by the next call on this object or on
         one of its ``tables``; once its pushes succeeded, ``done`` (the parts stepped, see
         :func:`finished`) is cleared."""
-        flight = Flight(sent, prefetches, done.clear)
+        names = [getattr(self, "name", None), *(t.name for t in tables)]
+        flight = Flight(sent, prefetches, done.clear, [n for n in names if isinstance(n, str)])
         self._flight = flight
         for table in tables:  # a table used on its own lands it first
             table._join_flight(flight)
@@ -251,9 +273,14 @@ class Flight:
     failed table has kept its gradients)."""
 
     def __init__(self, sent: SentPushes, prefetches: Sequence[Any] = (),
-                 landed: Callable[[], None] = do_nothing) -> None:
+                 landed: Callable[[], None] = do_nothing, names: Sequence[str] = ()) -> None:
         # (prefetches: tables/_prefetch.py's Prefetch; their reads, in order, follow the pushes)
         self._sent: SentPushes | None = sent
+        # (names: the objects whose step this is, see _last_sent)
+        self._names = list(names)
+        with _last_sent_lock:
+            for name in self._names:
+                _last_sent[name] = sent._future
         self.prefetches, self._landed = list(prefetches), landed
         self._lock = threading.RLock()  # (a landing that lands again, in its callbacks, returns at once)
         # never landed (the process ends, or the table is dropped, right after a step): a failed
@@ -272,6 +299,11 @@ class Flight:
                 for prefetch in self.prefetches:
                     prefetch.failed = True
                 raise
+            finally:
+                with _last_sent_lock:
+                    for name in self._names:
+                        if _last_sent.get(name) is sent._future:
+                            del _last_sent[name]
             self._landed()
             at = 0
             for prefetch in self.prefetches:  # (each takes its reads' outcomes, in order)

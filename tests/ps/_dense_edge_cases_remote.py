@@ -168,3 +168,39 @@ def messages(job: str) -> dict:
     finally:
         rpc.rpc_async = real
     return out
+
+
+_held: dict[str, Any] = {}
+
+
+def hold_pushes(job: str, seconds: float) -> None:
+    """(On a server) from now on, each push of ``job`` waits until a trainer has attached to
+    ``job`` again (answered first) or ``seconds`` passed: a push still in flight when a
+    rebuilt PSModel attaches, whatever the machine's speed. :func:`release_pushes` undoes it."""
+    import threading
+
+    from remote_module.ps.dense import _server
+
+    attached = threading.Event()
+    push, attach = _server._push, _server._attach
+    _held.update(push=push, attach=attach)
+
+    def held_push(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == job:
+            attached.wait(seconds)
+        return push(name, *args, **kwargs)
+
+    def seen_attach(name: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return attach(name, *args, **kwargs)
+        finally:
+            if name == job:
+                attached.set()
+
+    _server._push, _server._attach = held_push, seen_attach
+
+
+def release_pushes() -> None:
+    from remote_module.ps.dense import _server
+
+    _server._push, _server._attach = _held.pop("push"), _held.pop("attach")

@@ -214,6 +214,26 @@ def test_a_sync_trainer_that_builds_its_psmodel_again_continues_the_job(world, s
     assert_close(got, reference((torch.optim.SGD, {"lr": 0.1}), 3), "2 steps, rebuilt, 1 step")
 
 
+def test_a_psmodel_built_again_right_after_a_step_counts_that_step(world):
+    """The cell run again while the last step's pushes are still on their way: the new PSModel
+    starts at the step they make (it waits for them), not one step behind, where its next step
+    would be taken as a retry of the last one and dropped. The servers hold that push until the
+    new model attached, or 2 s (then it was waited for)."""
+    name = job("rebuilt-in-flight")
+    world.run({"trainer0": (_create_kw, name, {})})
+    world.run({"trainer0": (h.train, name, 1)})
+    world.run({s: (h.hold_pushes, name, 2.0) for s in SERVERS})
+    try:
+        world.run({"trainer0": (h.train, name, 1, 1)})  # returns with step 1's pushes held
+        world.run({"trainer0": (_create_kw, name, {})})
+    finally:
+        world.run({s: (h.release_pushes,) for s in SERVERS})
+    out = world.run({"trainer0": (h.try_train, name, 1, 2)})["trainer0"]
+    assert out["ok"], f"step 2 of the rebuilt PSModel: {out}"
+    got = world.run({"trainer0": (r.state, name)})["trainer0"]
+    assert_close(got, reference((torch.optim.SGD, {"lr": 0.1}), 3), "2 steps, rebuilt at once, 1 step")
+
+
 @pytest.mark.parametrize("opt", ["adagrad", "adam"])
 def test_optimizer_state_resliced_from_two_servers_onto_one_continues_as_torch(world, opt):
     optimizer = {"adagrad": (torch.optim.Adagrad, {"lr": 0.1, "initial_accumulator_value": 0.1}), "adam": ADAM}[opt]

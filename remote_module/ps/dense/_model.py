@@ -34,7 +34,7 @@ from remote_module.ps._optimizer import (
 )
 from remote_module.ps._options import TrainingOptions
 from remote_module.ps._placement import Block, RoundRobin, block_name, block_of, check_servers, place, slice_blocks
-from remote_module.ps._steps import InFlight, SteppedTable, report_unpushed, run_push_plans
+from remote_module.ps._steps import InFlight, SteppedTable, report_unpushed, run_push_plans, wait_for_earlier
 from remote_module.ps.dense import _server
 from remote_module.ps.dense._checkpoints import PSCheckpoints
 from remote_module.ps.dense._pushes import DensePushes
@@ -318,6 +318,9 @@ class PSModel(PSCheckpoints, DensePushes, InFlight, nn.Module):
         return timeout_seconds(self.timeout)
 
     def _attach(self) -> None:
+        # an earlier PSModel of this name in this process (a cell run again right after a step):
+        # its last step's pushes land first, so the servers' step below counts them
+        wait_for_earlier(self.name)
         calls = []
         for server, slots in self._by_server().items():
             blocks = {s.name: self._block_values(s).clone() for s in slots}

@@ -27,7 +27,7 @@ from remote_module.ps._optimizer import PSOptimizer, class_defaults, watch_local
 from remote_module.ps._options import TrainingOptions
 from remote_module.ps._placement import RoundRobin, block_name, check_servers, place, slice_blocks
 from remote_module.ps._rowwise import row_optimizer
-from remote_module.ps._steps import Flight, SteppedTable, report_unpushed
+from remote_module.ps._steps import Flight, SteppedTable, report_unpushed, wait_for_earlier
 from remote_module.ps.tables._checkpoints import TableCheckpoints
 from remote_module.ps.tables._geo_cache import GeoCache
 from remote_module.ps.tables._lookups import (
@@ -250,6 +250,7 @@ class ShardedEmbedding(TableCheckpoints, GradientRecording, TablePushes, nn.Modu
         # which object of this trainer pushes (sync: the newest one attached; a retried push of
         # a step is recognised by it)
         self._token = uuid.uuid4().hex
+        wait_for_earlier(self.name)  # (an earlier object of this name: its last step's pushes land first)
         attached = call_all([(s, _handlers._attach_table, (self.name, spec, rs, self._trainer, self._token))
                              for s, rs in self._by_server.items()], timeout=self.timeout)
         steps = [step for step, _ in attached]

@@ -133,7 +133,7 @@ class TablePushes:
             sent, joined = self._prefetches.send([*settings, plan], self.timeout, sync,
                                                   lambda name: self._step + 1)
             if joined or not sync:
-                self._flight = Flight(sent, joined)
+                self._flight = Flight(sent, joined, names=[self.name])
             after = self._prefetches.take_after_step()
         for planned in after:  # (prefetching: later batches, planned while the servers work)
             planned()
