@@ -67,6 +67,7 @@ bench: $(STAMP)
 	$(PYTHON) -m tests.benchmarks.bench_embedding
 	$(PYTHON) -m tests.benchmarks.bench_dlrm
 	$(PYTHON) -m tests.benchmarks.bench_admission
+	$(PYTHON) -m tests.benchmarks.bench_table_memory
 	$(PYTHON) -m tests.benchmarks.bench_shard_checkpoints
 	$(PYTHON) -m tests.benchmarks.bench_checkpoint_cost
 	$(PYTHON) -m tests.benchmarks.bench_network

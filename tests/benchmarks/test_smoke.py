@@ -17,6 +17,7 @@ from tests.benchmarks import (
     bench_ps,
     bench_shard_checkpoints,
     bench_sharded,
+    bench_table_memory,
 )
 from tests.benchmarks import bench_remote_module as bench
 from tests.benchmarks._caller_bytes import sized
@@ -437,3 +438,14 @@ def test_quick_checkpoint_cost_benchmark_runs(tmp_path, capsys):
                                    "write_buffered_ms", "write_direct_ms"}
     assert all(v >= 0 for v in saved["probe"].values())
     assert "quick run: not graded" in capsys.readouterr().out
+
+
+def test_quick_table_memory_benchmark_runs(tmp_path, capsys):
+    saved = quick_run(bench_table_memory, tmp_path / "bench-table-memory.json")
+    e, lazy = saved["eager"], saved["lazy"]
+    assert set(e["never_gave_a_delta"]) == set(e["after_a_delta"]) == set(bench_table_memory.SERVERS)
+    assert all(v > 0 for v in e["rows_bytes_MB"].values())
+    assert 0 < e["small_delta_rows"] < saved["config"]["rows"]  # (a delta after the whole one: what changed)
+    assert lazy["rows_held"] >= saved["config"]["lazy_fill"] and lazy["servers_count_bytes_per_row"] >= 64
+    assert set(saved["ratios"]) == set(bench_table_memory.ratios(saved))
+    assert "ratios (the larger server's)" in capsys.readouterr().out

@@ -114,6 +114,59 @@ def test_optimizer_state_is_held_for_the_rows_ever_stepped_only(init):
     assert not torch.equal(block.state["exp_avg"][where[0]], block.state["exp_avg"][where[1]])
 
 
+@pytest.mark.parametrize("init", ["eager", "lazy"])
+def test_per_row_bookkeeping_is_kept_only_once_something_needs_it(init):
+    """Issue 45: plain SGD keeps no state slot per row; no row version is kept until something
+    reads what changed (a delta, a save's snapshot), and then a delta holds exactly the rows
+    changed after the one before."""
+    from remote_module.ps.tables.lifetime._deltas import changed_rows
+
+    s = TableSpec(1000, 4, torch.float32, init, 0, "async", 1, row_optimizer(torch.optim.SGD, {"lr": 0.1}))
+    t = Table("t", s, [(0, 1000)])
+    block = t.blocks[0]
+    t.apply(torch.tensor([3, 500, 999]), torch.ones(3, 4))
+    assert block._state_slot is None and block.changed is None
+    per_row = block.bookkeeping_bytes() / block.held()
+    assert per_row == (1 if init == "eager" else 17), per_row  # the stepped flag (+ a lazy block's index)
+    first = changed_rows(t.blocks, -1, False)  # the whole table, as a first delta is
+    assert block.changed is not None
+    assert block.bookkeeping_bytes() / block.held() == per_row + 4
+    since = t.clocks.version
+    t.apply(torch.tensor([7, 500]), torch.ones(2, 4))
+    delta = changed_rows(t.blocks, since, False)
+    assert delta["ids"].tolist() == [7, 500]
+    torch.testing.assert_close(delta["rows"], t.lookup(torch.tensor([7, 500])), rtol=0, atol=0)
+    assert first["ids"].numel() == (1000 if init == "eager" else 3)
+    # an optimizer with state makes the slots at its first state row
+    a = Table("a", s._replace(optimizer=row_optimizer(torch.optim.Adagrad, {"lr": 0.1})), [(0, 1000)])
+    a.apply(torch.tensor([1]), torch.ones(1, 4))
+    assert a.blocks[0]._state_slot is not None and int((a.blocks[0].state_slot >= 0).sum()) == 1
+
+
+def test_row_versions_past_their_int32_stamps_never_hide_a_change(monkeypatch):
+    """A row's version is kept in 4 bytes relative to a base that moves up when it would not
+    fit (here after 8 versions): a delta since any version still holds every row changed
+    after it, and the rows changed since a recent version exactly."""
+    from remote_module.ps.tables.server import _rows
+
+    monkeypatch.setattr(_rows, "_STAMP_MAX", 8)
+    s = TableSpec(40, 2, torch.float32, "eager", 0, "async", 1, row_optimizer(torch.optim.SGD, {"lr": 0.1}))
+    t = Table("t", s, [(0, 40)])
+    block = t.blocks[0]
+    block.track_changes()
+    changed_at = {}
+    for row in range(30):
+        t.apply(torch.tensor([row]), torch.ones(1, 2))
+        changed_at[row] = t.clocks.version
+    slots = torch.arange(40)
+    for since in range(t.clocks.version + 1):
+        got = set(slots[block.changed_after(slots, since)].tolist())
+        truly = {row for row, v in changed_at.items() if v > since}
+        assert truly <= got, (since, truly - got)
+        if since >= t.clocks.version - 4:
+            assert got == truly, (since, got, truly)
+
+
 def test_the_geo_cache_trains_its_rows_as_torchs_sparse_optimizer_and_keeps_state_across_pushes():
     """geo's trainer-side rows: Adagrad steps on cached rows equal torch's Adagrad on a sparse
     embedding; a push's drop forgets the rows but not their state; a copy carries no lock."""

@@ -64,11 +64,12 @@ def changed_rows(blocks: Sequence[RowBlock], since: int, clocks: bool) -> dict:
     parts = []
     for rows in blocks:
         with rows.lock:
+            rows.track_changes()  # (the next delta reads what changed after this one)
             ids, slots = rows.stored()
             if since >= 0:
-                keep = rows.changed.index_select(0, slots) > since
+                keep = rows.changed_after(slots, since)
                 ids, slots = ids[keep], slots[keep]
-            where = rows.state_slot.index_select(0, slots)
+            where = rows.state_slot_of(slots)
             has = where >= 0
             parts.append((ids, rows.values.index_select(0, slots), rows.touched.index_select(0, slots),
                           {k: v.index_select(0, where[has]) for k, v in rows.state.items()}, has,

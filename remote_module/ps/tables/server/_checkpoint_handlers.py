@@ -30,6 +30,8 @@ def _block_rows(name: str, first: int, clocks: bool = False, version: bool = Fal
         table.sweep()
         rows = table.block(first)
         with rows.lock:
+            if keep_s is not None:  # a save: an incremental save, or the next snapshot, reads what changed since
+                rows.track_changes()
             if rows.slot_of is None:  # an eager block stores every row, in order: one copy is a plain memcpy
                 slots = None
                 ids = torch.arange(rows.first, rows.first + rows.count) if eager_ids else None
@@ -38,7 +40,7 @@ def _block_rows(name: str, first: int, clocks: bool = False, version: bool = Fal
                     """The rows changed since a kept snapshot of them (``snapshot_stamp``)."""
                     if stamp[0] != table.incarnation:
                         return None
-                    return (rows.changed[:rows.count] > stamp[1]).nonzero().reshape(-1)
+                    return rows.changed_after(torch.arange(rows.count), stamp[1]).nonzero().reshape(-1)
 
                 values = (rows.values[:rows.count].clone() if keep_s is None else
                           snapshots.copy(snapshot_key(name, rows.first), rows.values[:rows.count], keep_s,
@@ -112,12 +114,12 @@ def _unloaded_rows_reset(table: Table, ranges: tuple[tuple[int, int], ...], load
             out = _in_ranges(held, ranges) & ~torch.isin(held, loaded)
             if not bool(out.any()):
                 continue
-            with_state = rows.state_slot.index_select(0, slots) >= 0
+            with_state = rows.state_slot_of(slots) >= 0
             keep = out & with_state
             if bool(keep.any()):
                 again = slots[keep]
                 rows.values[again] = rows.initial(held[keep])
-                rows.changed[again] = version
+                rows.mark_changed(again, version)
                 if rows.last is not None:
                     rows.last[again] = step
                 kept.append(held[keep])
@@ -136,7 +138,7 @@ def _write_rows(rows: RowBlock, ids: torch.Tensor, values: torch.Tensor, version
     held); their slots."""
     slots = rows.slots(ids, create=True)
     rows.values[slots] = values.to(rows.values.dtype)
-    rows.changed[slots] = version
+    rows.mark_changed(slots, version)
     if rows.last is not None:
         if last is None:
             rows.last[slots] = step
@@ -272,7 +274,7 @@ def _row_state(name: str, first: int) -> tuple[int, torch.Tensor, dict[str, torc
     rows = table.block(first)
     with rows.lock:
         ids, slots = rows.stored(stepped_only=True)
-        where = rows.state_slot.index_select(0, slots)
+        where = rows.state_slot_of(slots)
         return table.optimizer_steps, ids, {k: v.index_select(0, where) for k, v in rows.state.items()}
 
 

@@ -15,6 +15,10 @@ from remote_module.ps._rowwise import RowOptimizer, new_state, step_rows
 from remote_module.ps.tables.server._initial import initial_rows, row_key
 
 
+#: the largest stamp a row's version is kept as (int32)
+_STAMP_MAX = 2**31 - 1
+
+
 def _grown(t: torch.Tensor, rows: int, fill: float = 0) -> torch.Tensor:
     """``t`` with room for ``rows`` rows (the new ones ``fill``)."""
     out = torch.full((rows,) + tuple(t.shape[1:]), fill, dtype=t.dtype)
@@ -161,20 +165,75 @@ class RowBlock:
         self.used = count if spec.init == "eager" else 0  # slots holding a row (lazy: capacity grows ahead)
         self.touched = torch.zeros(count if spec.init == "eager" else 0, dtype=torch.bool)
         # optimizer state, for the rows ever stepped only (eager tables too): each storage slot's
-        # state slot (-1: none yet), and the state rows, grown by doubling
-        self.state_slot = torch.full((count if spec.init == "eager" else 0,), -1, dtype=torch.long)
+        # state slot (-1: none yet), made at the first row given state (an optimizer without
+        # state, plain SGD, never makes it: 8 bytes a row), and the state rows, grown by doubling
+        self._state_slot: torch.Tensor | None = None
         self.state_used = 0
         self.state: dict[str, torch.Tensor] = {}
         # slots and state slots freed by eviction or a load (lazy), which new rows take first
         self.free = torch.empty(0, dtype=torch.long)
         self.state_free = torch.empty(0, dtype=torch.long)
         size = count if spec.init == "eager" else 0
-        # each slot's version when it last changed (delta checkpoints), and with eviction the
-        # table's step when it was last stepped (AT_INIT: an eager row at its first value, which
-        # eviction leaves alone: nothing to drop, and it must not be counted or tombstoned again
-        # every evict_after steps)
-        self.changed = torch.zeros(size, dtype=torch.long)
+        # each slot's version when it last changed (delta checkpoints, incremental saves, kept
+        # snapshots), made by the first reader of what changed (track_changes: 8 bytes a row a
+        # table that never gives a delta does not spend), and with eviction the table's step
+        # when it was last stepped (AT_INIT: an eager row at its first value, which eviction
+        # leaves alone: nothing to drop, and it must not be counted or tombstoned again every
+        # evict_after steps)
+        # (int32, relative to _changed_base, which moves up when a version no longer fits: 4
+        # bytes a row; the rows changed before the new base then count as changed at it)
+        self._changed: torch.Tensor | None = None
+        self._changed_base = 0
         self.last = None if spec.evict_after is None else torch.full((size,), AT_INIT, dtype=torch.long)
+
+    @property
+    def state_slot(self) -> torch.Tensor:
+        """Each storage slot's state slot, -1 where it has no optimizer state (to read)."""
+        if self._state_slot is None:
+            return torch.full((self.values.shape[0],), -1, dtype=torch.long)
+        return self._state_slot
+
+    def state_slot_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """The state slots of storage ``slots`` (-1: none)."""
+        if self._state_slot is None:
+            return torch.full(slots.shape, -1, dtype=torch.long)
+        return self._state_slot.index_select(0, slots)
+
+    def track_changes(self) -> None:
+        """From now on keep each row's version of its last change (:meth:`changed_after`); a
+        block that did not keep them counts every row changed at the table's version now (the
+        newest a reader can have been told of: rows it had are then read again, none is missed)."""
+        if self._changed is None:
+            self._changed_base = self.clocks.version
+            self._changed = torch.zeros(self.values.shape[0], dtype=torch.int32)
+
+    def _stamp(self, version: int) -> int:
+        """``version`` as :attr:`_changed` holds it (relative to its base, moved up first where
+        it would not fit: the stamps before the new base become it, so those rows count as
+        changed at it, never as unchanged after a version they are not)."""
+        if version - self._changed_base > _STAMP_MAX:
+            shift = version - self._changed_base - _STAMP_MAX // 2
+            self._changed.sub_(min(shift, _STAMP_MAX)).clamp_(min=0)
+            self._changed_base += shift
+        return version - self._changed_base
+
+    def mark_changed(self, slots: torch.Tensor, version: int) -> None:
+        """Rows at storage ``slots`` changed at ``version`` (nothing kept before
+        :meth:`track_changes`)."""
+        if self._changed is not None:
+            self._changed.index_fill_(0, slots, self._stamp(version))
+
+    def changed_after(self, slots: torch.Tensor, since: int) -> torch.Tensor:
+        """Which of storage ``slots`` changed after version ``since`` (all of them where changes
+        are not tracked: :meth:`track_changes`)."""
+        if self._changed is None:
+            return torch.ones(slots.shape, dtype=torch.bool)
+        return self._changed.index_select(0, slots) > max(since - self._changed_base, -1)
+
+    @property
+    def changed(self) -> torch.Tensor | None:
+        """Each slot's version of its last change, None while not tracked (to read)."""
+        return self._changed
 
     def stale(self, slots: torch.Tensor) -> torch.Tensor:
         """Which of ``slots`` (stored, ``-1`` for none) hold a row evicted by now: not stepped
@@ -198,17 +257,19 @@ class RowBlock:
         self.values[slots] = self.initial(ids)
         self._free_state(slots)
         self.touched[slots] = False
-        self.changed[slots] = self.clocks.version
+        self.mark_changed(slots, self.clocks.version)
         if self.last is not None:  # (an eager row back at its first value: nothing to evict until it changes)
             self.last[slots] = AT_INIT if swept else self.clocks.step
 
     def _free_state(self, slots: torch.Tensor) -> None:
         """Storage ``slots`` keep no optimizer state: their state rows are free for others."""
-        held = self.state_slot.index_select(0, slots)
+        if self._state_slot is None:
+            return
+        held = self._state_slot.index_select(0, slots)
         held = held[held >= 0]
         if held.numel():
             self.state_free = torch.cat([self.state_free, held])
-        self.state_slot[slots] = -1
+        self._state_slot[slots] = -1
 
     def free_state(self, slots: torch.Tensor) -> None:
         """Storage ``slots`` keep no optimizer state (a delta that gives them none; lock held)."""
@@ -218,10 +279,12 @@ class RowBlock:
         """No row keeps optimizer state or counts as stepped any more, every row changed at
         ``version`` (an optimizer state load replaces the whole state; lock held)."""
         self.touched.zero_()
-        self.state_slot.fill_(-1)
+        if self._state_slot is not None:
+            self._state_slot.fill_(-1)
         self.state_used = 0
         self.state_free = torch.empty(0, dtype=torch.long)
-        self.changed[:self.used] = version
+        if self._changed is not None:
+            self._changed[:self.used] = self._stamp(version)
 
     def held(self) -> int:
         """Rows stored (a lazy block's slots in use, less the free ones)."""
@@ -260,13 +323,15 @@ class RowBlock:
                     capacity = max(need, 2 * self.values.shape[0], 64)
                     self.values = _grown(self.values, capacity)
                     self.touched = _grown(self.touched, capacity)
-                    self.state_slot = _grown(self.state_slot, capacity, -1)
-                    self.changed = _grown(self.changed, capacity)
+                    if self._state_slot is not None:
+                        self._state_slot = _grown(self._state_slot, capacity, -1)
+                    if self._changed is not None:
+                        self._changed = _grown(self._changed, capacity)
                     if self.last is not None:
                         self.last = _grown(self.last, capacity)
                 new_slots = torch.cat([reused, torch.arange(start, need)])
                 self.values[new_slots] = self.initial(missing)
-                self.changed[new_slots] = self.clocks.version
+                self.mark_changed(new_slots, self.clocks.version)
                 if self.last is not None:
                     self.last[new_slots] = self.clocks.step
                 self.used = need
@@ -345,7 +410,9 @@ class RowBlock:
     def state_slots(self, slots: torch.Tensor) -> torch.Tensor:
         """The state slots of storage ``slots`` (unique), created with the optimizer's initial
         state where a row has none yet (lock held)."""
-        found = self.state_slot.index_select(0, slots)
+        if self._state_slot is None:
+            self._state_slot = torch.full((self.values.shape[0],), -1, dtype=torch.long)
+        found = self._state_slot.index_select(0, slots)
         new = (found < 0).nonzero().reshape(-1)
         if new.numel() and self.state_free.numel():  # state rows freed by eviction first
             k = min(new.numel(), self.state_free.numel())
@@ -354,7 +421,7 @@ class RowBlock:
             for key, v in fresh.items():
                 self.state[key][reused] = v
             found[new[:k]] = reused
-            self.state_slot.index_copy_(0, slots[new[:k]], reused)
+            self._state_slot.index_copy_(0, slots[new[:k]], reused)
             new = new[k:]
         if new.numel():
             start, need = self.state_used, self.state_used + new.numel()
@@ -367,7 +434,7 @@ class RowBlock:
             for k, v in fresh.items():
                 self.state[k][start:need] = v
             found[new] = torch.arange(start, need)
-            self.state_slot.index_copy_(0, slots[new], found[new])
+            self._state_slot.index_copy_(0, slots[new], found[new])
             self.state_used = need
         return found
 
@@ -390,7 +457,7 @@ class RowBlock:
             for k, v in after.items():
                 self.state[k].index_copy_(0, where, v)
             self.touched.index_fill_(0, slots, True)
-            self.changed.index_fill_(0, slots, self.clocks.version)
+            self.mark_changed(slots, self.clocks.version)
             if self.last is not None:  # (the step being applied: the table counts it once all blocks stepped)
                 self.last.index_fill_(0, slots, self.clocks.step + 1)
 
@@ -402,7 +469,9 @@ class RowBlock:
         return self.held() * row + (self.state_used - self.state_free.numel()) * row * len(self.state)
 
     def bookkeeping_bytes(self) -> int:
-        """Bytes per row stored besides its values and state: whether it was stepped, its state
-        slot, its version, its eviction clock, a lazy block's id-to-slot index."""
-        per_slot = 1 + 8 + 8 + (8 if self.last is not None else 0) + (16 if self.slot_of is not None else 0)
+        """Bytes per row stored besides its values and state: whether it was stepped; its state
+        slot, once a row has state; its version, once changes are tracked; its eviction clock; a
+        lazy block's id-to-slot index."""
+        per_slot = (1 + (8 if self._state_slot is not None else 0) + (4 if self._changed is not None else 0)
+                    + (8 if self.last is not None else 0) + (16 if self.slot_of is not None else 0))
         return self.held() * per_slot

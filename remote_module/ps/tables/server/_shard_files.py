@@ -164,12 +164,12 @@ def _delta_snapshot(name: str, evicting: bool, since: int, incarnation: str,
         for rows in table.blocks:
             with rows.lock:
                 ids, slots = rows.stored()
-                keep = rows.changed.index_select(0, slots) > since
+                keep = rows.changed_after(slots, since)
                 ids, slots = ids[keep], slots[keep]
                 last = rows.last.index_select(0, slots) if evicting and rows.last is not None else None
                 read.append((ids, rows.values.index_select(0, slots), last, table.clocks.step, table.clocks.version))
                 stepped = rows.touched.index_select(0, slots)  # (what _row_state reads, of these rows)
-                where = rows.state_slot.index_select(0, slots[stepped])
+                where = rows.state_slot_of(slots[stepped])
                 state.append((table.optimizer_steps, ids[stepped],
                               {k: v.index_select(0, where) for k, v in rows.state.items()}))
         if table.spec.init != "lazy":  # (an eager block whole has no ids: smaller once most rows changed)

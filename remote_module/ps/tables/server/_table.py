@@ -314,7 +314,7 @@ class Table:
                 with rows.lock:
                     slots = rows.slots(moved[mine], create=True)
                     rows.values[slots] += deltas[mine].to(rows.values.dtype) / self.spec.num_trainers
-                    rows.changed[slots] = version
+                    rows.mark_changed(slots, version)
                     if rows.last is not None:
                         rows.last[slots] = self.clocks.step + 1
             self.ticked()
