@@ -449,3 +449,17 @@ def test_quick_table_memory_benchmark_runs(tmp_path, capsys):
     assert lazy["rows_held"] >= saved["config"]["lazy_fill"] and lazy["servers_count_bytes_per_row"] >= 64
     assert set(saved["ratios"]) == set(bench_table_memory.ratios(saved))
     assert "ratios (the larger server's)" in capsys.readouterr().out
+
+
+def test_quick_step_cpu_benchmark_runs(tmp_path, capsys):
+    from tests.benchmarks import bench_step_cpu
+
+    saved = quick_run(bench_step_cpu, tmp_path / "bench-step-cpu.json")
+    variants = {bench_step_cpu.ANCHOR, bench_step_cpu.PREFETCH, bench_step_cpu.OVERLAP, bench_step_cpu.FLOOR}
+    assert set(saved["median_s"]) == variants
+    for name, sides in saved["median_s"].items():
+        assert sides["wall"] > 0 and sides["trainer"] > 0 and sides["server"] > 0, (name, sides)
+    assert len(saved["pinned"]["trainer0"]) == len(saved["pinned"]["ps0"]) == 1  # (a core each)
+    assert saved["floor_bytes"]["to_server"] > 0 and saved["floor_bytes"]["from_server"] > 0
+    assert all(v > 0 for v in saved["probes"].values())
+    assert saved["end_max_abs_diff_vs_anchor"] <= saved["config"]["end_atol"]

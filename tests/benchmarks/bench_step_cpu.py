@@ -1,0 +1,209 @@
+"""Each side of a training step in CPU (issue 45): the trainer's and the server's CPU per step,
+each beside the anchor's same process, with trainer and server pinned to a core each.
+
+    python -m tests.benchmarks.bench_step_cpu            # 5 runs of 2,000 steps per variant (about 4 minutes)
+    python -m tests.benchmarks.bench_step_cpu --quick    # 2 runs of 40 steps, not graded
+
+The embedding benchmark's table and batches (``bench_embedding``: 1,000,000 x 16 rows, 256 bags
+x 8 uniform ids, SGD lr 0.1, async), on one server. "trainer0" is pinned to one core and "ps0"
+to another (``sched_setaffinity`` of every thread of each process; threads made later inherit
+it). Variants: the anchor (``RemoteModule(nn.EmbeddingBag(sparse=True))``, distributed
+autograd, ``DistributedOptimizer``), ``ShardedEmbeddingBag`` with ``prefetching()`` and with
+``prefetching(overlap=True)``, and the floor of the trainer's side: a step that only sends the
+bytes a prefetched step sends to the server and gets back the bytes it gets (one call with a
+tensor of each size, counted with ``rpc_backend.Traffic`` on the prefetched step). Each run
+runs every variant for ``steps`` steps, in an order that rotates by run; CPU is user + system
+time of each whole process (every thread; its CPU clock, as ``/proc/<pid>/stat``'s utime +
+stime counts it) over those steps. Figures are medians over runs, ratios compare medians of
+the same run. Beside them, this machine's own probes, on the pinned trainer: ``torch.sort`` and
+``torch.unique`` of 2,048 int64 ids and an empty RPC round trip.
+
+Checks (the run raises if one fails): every variant starts from the same rows and equals a
+local ``nn.EmbeddingBag(sparse=True)`` + SGD after ``check_steps`` steps (``bench_embedding``'s
+set-up), and after the runs the prefetched table equals the anchor's within ``end_atol``.
+Writes JSON (bench-step-cpu-results.json by default).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed.rpc as rpc
+
+from rpc_backend import current_worker
+from tests.benchmarks import _embedding_hosts as hosts
+from tests.benchmarks._common import publish, run_world, traffic_per_call
+from tests.benchmarks._cpu import process_cpu_seconds
+from tests.benchmarks.bench_embedding import ANCHOR, setup, sharded_name
+from tests.benchmarks.bench_remote_module import _verdict
+
+SERVER = "ps0"
+PREFETCH, OVERLAP = sharded_name(1, True), sharded_name(1, "overlap")
+FLOOR = "floor: the prefetched step's bytes each way, nothing else"
+FULL = {"rows": 1_000_000, "dim": 16, "bags": 256, "ids_per_bag": 8, "lr": 0.1, "seed": 0, "num_batches": 32,
+        "steps": 2000, "runs": 5, "warmup_steps": 50, "check_steps": 3, "check_atol": 1e-6, "end_atol": 1e-5,
+        "server_counts": [1]}
+QUICK = {**FULL, "rows": 100_000, "steps": 40, "runs": 2, "warmup_steps": 5}
+
+
+def pin(core: int) -> list[int]:
+    """Pin every thread of this process to ``core`` (threads made later inherit it); the
+    cores the calling thread may run on now."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), {core})
+        except OSError:  # (a thread that ended meanwhile)
+            pass
+    return sorted(os.sched_getaffinity(0))
+
+
+def _floor_step(to_bytes: int, from_bytes: int) -> Callable[[], None]:
+    payload = torch.zeros(to_bytes, dtype=torch.uint8)
+
+    def step() -> None:
+        rpc.rpc_sync(SERVER, _answer, args=(payload, from_bytes))
+    return step
+
+
+def _answer(payload: torch.Tensor, n: int) -> torch.Tensor:
+    """(On the server) the floor's call: ``payload`` in, ``n`` bytes out."""
+    return torch.empty(n, dtype=torch.uint8)
+
+
+def probes(reps: int = 300) -> dict[str, float]:
+    """This machine's own cost (median, microseconds, on the calling thread's core) of
+    ``torch.sort`` and ``torch.unique`` of 2,048 int64 ids and of an empty RPC round trip."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 1_000_000, (2048,), generator=gen)
+
+    def timed(fn: Callable[[], Any]) -> float:
+        fn()
+        out = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+        return statistics.median(out) * 1e6
+
+    empty = torch.empty(0)
+    return {"sort_2048_int64_us": timed(lambda: torch.sort(ids)),
+            "unique_2048_int64_us": timed(lambda: torch.unique(ids, return_inverse=True)),
+            "empty_rpc_round_trip_us": timed(lambda: rpc.rpc_sync(SERVER, hosts.echo, args=(empty,)))}
+
+
+def trainer_main(cfg: dict) -> dict:
+    me = os.getpid()
+    server_pid = rpc.rpc_sync(SERVER, os.getpid)
+    cores = sorted(os.sched_getaffinity(0))  # (a machine with one core: both on it, as the report says)
+    pinned = {"trainer0": pin(cores[0]), SERVER: rpc.rpc_sync(SERVER, pin, args=(cores[1 % len(cores)],))}
+    batches = hosts.make_batches(cfg)
+    variants, facts = setup(cfg, batches)
+    variants = {n: variants[n] for n in (ANCHOR, PREFETCH, OVERLAP)}
+    at = dict.fromkeys(variants, cfg["check_steps"])
+
+    def train(name: str) -> Callable[[], None]:
+        v = variants[name]
+
+        def step() -> None:
+            k = at[name]
+            if name == ANCHOR:
+                v.train(batches[k % len(batches)])
+            else:
+                v.train(batches[k % len(batches)], batches[(k + 1) % len(batches)])
+            at[name] += 1
+        return step
+
+    steps = {n: train(n) for n in variants}
+    for step in steps.values():  # (warm-up; the prefetched variants' first step sends its lookup alone)
+        for _ in range(cfg["warmup_steps"]):
+            step()
+    counted = traffic_per_call(steps[PREFETCH], 4, settle=variants[PREFETCH].bag.flush)
+    to_bytes = int(round(sum(counted["sent"].values())))
+    from_bytes = int(round(sum(counted["received"].values())))
+    for name in (ANCHOR, OVERLAP):  # (the counted steps: every variant as far along the batches)
+        while at[name] < at[PREFETCH]:
+            steps[name]()
+    steps[FLOOR] = _floor_step(to_bytes, from_bytes)
+    for _ in range(cfg["warmup_steps"]):
+        steps[FLOOR]()
+    names = list(steps)
+    samples: dict[str, dict[str, list[float]]] = {n: {"wall": [], "trainer": [], "server": []} for n in names}
+    for run in range(cfg["runs"]):
+        order = names[run % len(names):] + names[:run % len(names)]
+        for name in order:
+            step = steps[name]
+            c0, s0, t0 = process_cpu_seconds(me), process_cpu_seconds(server_pid), time.perf_counter()
+            for _ in range(cfg["steps"]):
+                step()
+            if name not in (ANCHOR, FLOOR):
+                variants[name].bag.flush()  # (the last step's pushes landed: their CPU is in the window)
+            t1, c1, s1 = time.perf_counter(), process_cpu_seconds(me), process_cpu_seconds(server_pid)
+            samples[name]["wall"].append((t1 - t0) / cfg["steps"])
+            samples[name]["trainer"].append((c1 - c0) / cfg["steps"])
+            samples[name]["server"].append((s1 - s0) / cfg["steps"])
+    if at[ANCHOR] != at[PREFETCH]:
+        raise AssertionError(f"the variants ran different numbers of steps: {at}")
+    end_diff = float((variants[PREFETCH].weight() - variants[ANCHOR].weight()).abs().max())
+    if not end_diff <= cfg["end_atol"]:
+        raise AssertionError(f"{PREFETCH}: after identical steps its table differs from the anchor's by {end_diff:.3g}")
+    med = {n: {k: statistics.median(v) for k, v in s.items()} for n, s in samples.items()}
+    return {"config": cfg, "torch": torch.__version__, "pinned": pinned, **facts, "samples_s": samples,
+            "median_s": med, "floor_bytes": {"to_server": to_bytes, "from_server": from_bytes},
+            "end_max_abs_diff_vs_anchor": end_diff, "probes": probes()}
+
+
+def rank_main(cfg: dict) -> dict | None:
+    if current_worker().role != "trainer":
+        return None
+    return trainer_main(cfg)
+
+
+def ratios(r: dict) -> dict[str, float]:
+    med, out = r["median_s"], {}
+    anchor = med[ANCHOR]
+    best = min((PREFETCH, OVERLAP), key=lambda n: med[n]["trainer"])
+    out[f"trainer CPU per step: {PREFETCH} / anchor's trainer"] = med[PREFETCH]["trainer"] / anchor["trainer"]
+    out[f"trainer CPU per step: {OVERLAP} / anchor's trainer"] = med[OVERLAP]["trainer"] / anchor["trainer"]
+    out[f"trainer CPU per step: the better, {best.split()[-1]}, / anchor's trainer (target <= 0.6)"] = (
+        med[best]["trainer"] / anchor["trainer"])
+    out["trainer CPU per step: the floor / anchor's trainer"] = med[FLOOR]["trainer"] / anchor["trainer"]
+    out[f"server CPU per step: {PREFETCH} / anchor's server (target <= 0.6)"] = (
+        med[PREFETCH]["server"] / anchor["server"])
+    out[f"server CPU per step: {OVERLAP} / anchor's server (target <= 0.6)"] = med[OVERLAP]["server"] / anchor["server"]
+    for n in (PREFETCH, OVERLAP):
+        out[f"steps/s pinned: {n} / anchor"] = anchor["wall"] / med[n]["wall"]
+    return out
+
+
+def report(r: dict) -> str:
+    cfg, med = r["config"], r["median_s"]
+    p = r["probes"]
+    lines = ["", f"table {cfg['rows']:,} x {cfg['dim']}, {cfg['bags']} bags x {cfg['ids_per_bag']} ids, SGD, async, 1 "
+             f"server; {cfg['runs']} runs of {cfg['steps']} steps per variant; pinned: {r['pinned']}",
+             f"this machine: torch.sort of 2,048 int64 {p['sort_2048_int64_us']:.0f} us, torch.unique "
+             f"{p['unique_2048_int64_us']:.0f} us, an empty RPC round trip {p['empty_rpc_round_trip_us']:.0f} us",
+             f"the floor sends {r['floor_bytes']['to_server']:,} B and gets {r['floor_bytes']['from_server']:,} B "
+             "a step (the prefetched step's payload each way)",
+             f"{'median':<58}{'steps/s':>9}{'trainer CPU ms':>16}{'server CPU ms':>15}",
+             "-" * 98]
+    for name, m in med.items():
+        lines.append(f"  {name:<56}{1 / m['wall']:>9.1f}{m['trainer'] * 1e3:>16.3f}{m['server'] * 1e3:>15.3f}")
+    lines += ["", "ratios of medians (same run)"]
+    width = max(map(len, r["ratios"]))
+    lines += [f"  {name:<{width}}{v:>7.3f}{_verdict(name, v)}" for name, v in r["ratios"].items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    results, path = run_world(argv, "remote_module step CPU benchmark (pinned)", "bench-step-cpu-results.json",
+                              QUICK, FULL, rank_main, {"trainer": 1, "ps": 1})
+    results["ratios"] = ratios(results)
+    return publish(results, report(results), path)
+
+
+if __name__ == "__main__":
+    main()
