@@ -65,6 +65,7 @@ bench: $(STAMP)
 	$(PYTHON) -m tests.benchmarks.bench_sharded
 	$(PYTHON) -m tests.benchmarks.bench_ps
 	$(PYTHON) -m tests.benchmarks.bench_embedding
+	$(PYTHON) -m tests.benchmarks.bench_step_cpu
 	$(PYTHON) -m tests.benchmarks.bench_dlrm
 	$(PYTHON) -m tests.benchmarks.bench_admission
 	$(PYTHON) -m tests.benchmarks.bench_table_memory
