@@ -9,6 +9,7 @@ server travel packed together (:func:`set_push_packer`), and a prefetch handed t
 
 from __future__ import annotations
 
+import math
 import threading
 import warnings
 import weakref
@@ -17,7 +18,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Protocol, Sequence, runt
 
 import torch
 
-from remote_module._core import call_grouped_each_async, to_exception
+from remote_module._core import CallTimeout, call_grouped_each_async, timeout_seconds, to_exception
 
 
 def do_nothing(*_: Any) -> None:
@@ -180,22 +181,48 @@ def finished(done: set, part: Any, finish: Callable[[], None]) -> None:
 #: the last step's message in flight of each PSModel, table and collection of this process, by
 #: name: an object built again under a name (a notebook cell run twice right after a step)
 #: waits for it before it attaches, so that it starts at the step the servers then have
-#: (:func:`wait_for_earlier`); taken off once landed
-_last_sent: dict[str, Any] = {}
+#: (:func:`wait_for_earlier`). An event set (and taken off) once the message is answered: it
+#: holds nothing of the answer (a sync PSModel's is its values), whether the object is gone or not
+_last_sent: dict[str, threading.Event] = {}
 _last_sent_lock = threading.Lock()
 
 
-def wait_for_earlier(name: str) -> None:
-    """Wait for the pushes in flight of an earlier object of this process named ``name``, if
-    any. Their failure is not raised here: it is that object's (raised by its next call, or
-    warned when it is gone)."""
+def _sending(names: Sequence[str], future: Any) -> None:
+    """A step's message ``future`` in flight for the objects ``names`` (see :data:`_last_sent`)."""
+    if not names:
+        return
+    answered = threading.Event()
     with _last_sent_lock:
-        future = _last_sent.pop(name, None)
-    if future is not None:
-        try:
-            future.wait()
-        except Exception:  # noqa: BLE001 (see above)
-            pass
+        for name in names:
+            _last_sent[name] = answered
+    future.add_done_callback(partial(_answered, list(names), answered))
+
+
+def _answered(names: list[str], answered: threading.Event, _: Any) -> None:
+    with _last_sent_lock:
+        for name in names:
+            if _last_sent.get(name) is answered:
+                del _last_sent[name]
+    answered.set()
+
+
+def wait_for_earlier(name: str, timeout: float | None, what: str) -> None:
+    """Wait for the pushes in flight of an earlier object of this process named ``name``, if
+    any, for ``timeout`` at most (the new object's, :func:`timeout_seconds`): past it, a
+    ``CallTimeout`` (``what``: the object being built, for the message) and nothing attached.
+    Their failure is not raised here: it is that object's (raised by its next call, or warned
+    when it is gone)."""
+    with _last_sent_lock:
+        answered = _last_sent.get(name)
+    if answered is None:
+        return
+    seconds = timeout_seconds(timeout)
+    if not answered.wait(None if seconds == math.inf else seconds):
+        raise CallTimeout(
+            f"{what}: an earlier object of this process named {name!r} has the pushes of its last step() in "
+            f"flight, unanswered after {seconds:g} s (timeout={seconds:g} s); this one attaches after them, so "
+            "that it starts at the step they make. A sync step is answered once every trainer pushed it; or a "
+            "server is not answering. Call flush() on the earlier object to see, or build this one again later")
 
 
 class InFlight:
@@ -277,10 +304,7 @@ class Flight:
         # (prefetches: tables/_prefetch.py's Prefetch; their reads, in order, follow the pushes)
         self._sent: SentPushes | None = sent
         # (names: the objects whose step this is, see _last_sent)
-        self._names = list(names)
-        with _last_sent_lock:
-            for name in self._names:
-                _last_sent[name] = sent._future
+        _sending(list(names), sent._future)
         self.prefetches, self._landed = list(prefetches), landed
         self._lock = threading.RLock()  # (a landing that lands again, in its callbacks, returns at once)
         # never landed (the process ends, or the table is dropped, right after a step): a failed
@@ -299,11 +323,6 @@ class Flight:
                 for prefetch in self.prefetches:
                     prefetch.failed = True
                 raise
-            finally:
-                with _last_sent_lock:
-                    for name in self._names:
-                        if _last_sent.get(name) is sent._future:
-                            del _last_sent[name]
             self._landed()
             at = 0
             for prefetch in self.prefetches:  # (each takes its reads' outcomes, in order)

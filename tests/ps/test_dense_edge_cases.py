@@ -234,6 +234,32 @@ def test_a_psmodel_built_again_right_after_a_step_counts_that_step(world):
     assert_close(got, reference((torch.optim.SGD, {"lr": 0.1}), 3), "2 steps, rebuilt at once, 1 step")
 
 
+def _create_sync_two(name, kwargs):  # a job of two trainers
+    return h.create(name, 1, SERVERS, None, num_trainers=2, min_block_size=4, **kwargs)
+
+
+def _try_create_sync_two(name, kwargs):
+    return r._attempt(lambda: _create_sync_two(name, kwargs))
+
+
+def test_a_psmodel_built_again_while_its_sync_step_waits_for_another_trainer_says_so_in_its_timeout(world):
+    """sync, two trainers, trainer0 steps alone: its step's pushes are answered once trainer1
+    pushed that step too. A PSModel built again meanwhile waits for them for its own timeout,
+    not the earlier object's (10 s here), then raises CallTimeout saying why, attaching
+    nothing; once trainer1 pushed, it is built."""
+    name = job("rebuilt-sync-waiting")
+    world.run({"trainer0": (_create_sync_two, name, dict(ps_mode="sync", timeout=10.0))})
+    world.run({"trainer0": (h.train, name, 1)})  # returns with step 0's pushes waiting for trainer1
+    out = world.run({"trainer0": (_try_create_sync_two, name, dict(ps_mode="sync", timeout=TIMEOUT))})["trainer0"]
+    assert not out["ok"] and out["type"] == "CallTimeout", out
+    assert out["seconds"] < TIMEOUT + 3, out
+    assert "in flight" in out["message"] and name in out["message"], out
+    world.run({"trainer1": (_create_sync_two, name, dict(ps_mode="sync", timeout=10.0))})
+    world.run({"trainer1": (h.train, name, 1)})
+    out = world.run({"trainer0": (_try_create_sync_two, name, dict(ps_mode="sync", timeout=TIMEOUT))})["trainer0"]
+    assert out["ok"], out
+
+
 @pytest.mark.parametrize("opt", ["adagrad", "adam"])
 def test_optimizer_state_resliced_from_two_servers_onto_one_continues_as_torch(world, opt):
     optimizer = {"adagrad": (torch.optim.Adagrad, {"lr": 0.1, "initial_accumulator_value": 0.1}), "adam": ADAM}[opt]

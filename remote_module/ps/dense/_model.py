@@ -320,7 +320,7 @@ class PSModel(PSCheckpoints, DensePushes, InFlight, nn.Module):
     def _attach(self) -> None:
         # an earlier PSModel of this name in this process (a cell run again right after a step):
         # its last step's pushes land first, so the servers' step below counts them
-        wait_for_earlier(self.name)
+        wait_for_earlier(self.name, self.timeout, f"PSModel {self.name!r}")
         calls = []
         for server, slots in self._by_server().items():
             blocks = {s.name: self._block_values(s).clone() for s in slots}

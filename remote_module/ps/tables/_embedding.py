@@ -250,7 +250,8 @@ class ShardedEmbedding(TableCheckpoints, GradientRecording, TablePushes, nn.Modu
         # which object of this trainer pushes (sync: the newest one attached; a retried push of
         # a step is recognised by it)
         self._token = uuid.uuid4().hex
-        wait_for_earlier(self.name)  # (an earlier object of this name: its last step's pushes land first)
+        # (an earlier object of this name: its last step's pushes land first)
+        wait_for_earlier(self.name, self.timeout, f"table {self.name!r}")
         attached = call_all([(s, _handlers._attach_table, (self.name, spec, rs, self._trainer, self._token))
                              for s, rs in self._by_server.items()], timeout=self.timeout)
         steps = [step for step, _ in attached]
