@@ -178,6 +178,15 @@ class SyncSteps:
             self.done += 1
             self.pushed = self.ahead.pop(self.done, {})
 
+    def resumes_at(self, trainer: str) -> int:
+        """The step ``trainer`` attaching again (its object built again) goes on at: the next
+        step to apply, or the one after its last push if that push is counted and its step not
+        applied yet (other trainers have not pushed it: its earlier object's last step, whose
+        answer that object did not wait for; pushed again, it would be taken as a retry and its
+        gradients dropped). Lock held."""
+        last = self.last_push.get(trainer)
+        return self.done if last is None else max(self.done, last[0] + 1)
+
     def push_counted(self, trainer: str, step: int, payload: Any, token: Any,
                      apply: Callable[[list[tuple[str, Any]]], None], refused: Callable[[], Exception]
                      ) -> tuple[list[tuple[Future, Any, bool]], BaseException | None]:

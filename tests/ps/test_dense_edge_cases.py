@@ -260,6 +260,32 @@ def test_a_psmodel_built_again_while_its_sync_step_waits_for_another_trainer_say
     assert out["ok"], out
 
 
+def _create_sync_two_and_train_later(name, kwargs, delay):  # on trainer1
+    import time
+
+    time.sleep(delay)
+    _create_sync_two(name, kwargs)
+    return h.train(name, 1)
+
+
+def test_a_sync_psmodel_built_again_after_its_step_timed_out_goes_on_at_the_next_step(world):
+    """sync, two trainers: trainer0's step 0 is counted on the servers but not answered within
+    the earlier object's timeout (trainer1 had not pushed), so the wait of the PSModel built
+    again ends without the step applied. It attaches at step 1 (its forward waits for step 0),
+    not at step 0, where its first step was taken as a retry of the earlier object's and
+    dropped, and the job then stalled at step 1 waiting for trainer0."""
+    name = job("rebuilt-sync-timed-out")
+    world.run({"trainer0": (_create_sync_two, name, dict(ps_mode="sync", timeout=2.0))})
+    world.run({"trainer0": (h.train, name, 1)})  # step 0, waiting for trainer1
+    both = world.run({"trainer0": (_try_create_sync_two, name, dict(ps_mode="sync", timeout=10.0)),
+                      "trainer1": (_create_sync_two_and_train_later, name, dict(ps_mode="sync", timeout=10.0), 3.0)})
+    assert both["trainer0"]["ok"], both
+    out = world.run({t: (h.try_train, name, 1, 1) for t in ("trainer0", "trainer1")})
+    assert all(o["ok"] for o in out.values()), out
+    got = world.run({"trainer1": (r.state, name)})["trainer1"]
+    assert_close(got, reference((torch.optim.SGD, {"lr": 0.1}), 2), "2 sync steps, trainer0 built again between")
+
+
 @pytest.mark.parametrize("opt", ["adagrad", "adam"])
 def test_optimizer_state_resliced_from_two_servers_onto_one_continues_as_torch(world, opt):
     optimizer = {"adagrad": (torch.optim.Adagrad, {"lr": 0.1, "initial_accumulator_value": 0.1}), "adam": ADAM}[opt]

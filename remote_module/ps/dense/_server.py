@@ -200,7 +200,7 @@ def _attach(name: str, spec: JobSpec, trainer: str, blocks: dict[str, torch.Tens
                 f"({sorted(job.trainers)}); trainer {trainer!r} would be one more"
             )
         job.trainers.add(trainer)
-        return created, job.sync.done
+        return created, job.sync.resumes_at(trainer)
 
 
 @rpc.functions.async_execution

@@ -80,7 +80,7 @@ def _attach_table(name: str, spec: TableSpec, blocks: list[tuple[int, int]], tra
             )
         table.trainers.add(trainer)
         table.tokens[trainer] = token
-        return table.sync.done, table.sync.refusals
+        return table.sync.resumes_at(trainer), table.sync.refusals
 
 
 @rpc.functions.async_execution
