@@ -14,8 +14,8 @@ bytes a prefetched step sends to the server and gets back the bytes it gets (one
 tensor of each size, counted with ``rpc_backend.Traffic`` on the prefetched step). Each run
 runs every variant for ``steps`` steps, in an order that rotates by run; CPU is user + system
 time of each whole process (every thread; its CPU clock, as ``/proc/<pid>/stat``'s utime +
-stime counts it) over those steps. Figures are medians over runs, ratios compare medians of
-the same run. Beside them, this machine's own probes, on the pinned trainer: ``torch.sort`` and
+stime counts it) over those steps. Figures are medians over runs; a ratio is the median over
+runs of the variant's figure over the anchor's in the same run. Beside them, this machine's own probes, on the pinned trainer: ``torch.sort`` and
 ``torch.unique`` of 2,048 int64 ids and an empty RPC round trip.
 
 Checks (the run raises if one fails): every variant starts from the same rows and equals a
@@ -163,19 +163,26 @@ def rank_main(cfg: dict) -> dict | None:
 
 
 def ratios(r: dict) -> dict[str, float]:
-    med, out = r["median_s"], {}
-    anchor = med[ANCHOR]
+    """Same-run ratios: each run's ``what`` of ``name`` over the anchor's in that run (the
+    variants of a run follow each other, so a slower stretch of the machine weighs on both),
+    their median over runs."""
+    med, samples = r["median_s"], r["samples_s"]
+
+    def same_run(name: str, what: str, inverse: bool = False) -> float:
+        pairs = zip(samples[name][what], samples[ANCHOR][what])
+        return statistics.median([(a / n) if inverse else (n / a) for n, a in pairs])
+
+    out = {}
     best = min((PREFETCH, OVERLAP), key=lambda n: med[n]["trainer"])
-    out[f"trainer CPU per step: {PREFETCH} / anchor's trainer"] = med[PREFETCH]["trainer"] / anchor["trainer"]
-    out[f"trainer CPU per step: {OVERLAP} / anchor's trainer"] = med[OVERLAP]["trainer"] / anchor["trainer"]
+    out[f"trainer CPU per step: {PREFETCH} / anchor's trainer"] = same_run(PREFETCH, "trainer")
+    out[f"trainer CPU per step: {OVERLAP} / anchor's trainer"] = same_run(OVERLAP, "trainer")
     out[f"trainer CPU per step: the better, {best.split()[-1]}, / anchor's trainer (target <= 0.6)"] = (
-        med[best]["trainer"] / anchor["trainer"])
-    out["trainer CPU per step: the floor / anchor's trainer"] = med[FLOOR]["trainer"] / anchor["trainer"]
-    out[f"server CPU per step: {PREFETCH} / anchor's server (target <= 0.6)"] = (
-        med[PREFETCH]["server"] / anchor["server"])
-    out[f"server CPU per step: {OVERLAP} / anchor's server (target <= 0.6)"] = med[OVERLAP]["server"] / anchor["server"]
+        same_run(best, "trainer"))
+    out["trainer CPU per step: the floor / anchor's trainer"] = same_run(FLOOR, "trainer")
+    out[f"server CPU per step: {PREFETCH} / anchor's server (target <= 0.6)"] = same_run(PREFETCH, "server")
+    out[f"server CPU per step: {OVERLAP} / anchor's server (target <= 0.6)"] = same_run(OVERLAP, "server")
     for n in (PREFETCH, OVERLAP):
-        out[f"steps/s pinned: {n} / anchor"] = anchor["wall"] / med[n]["wall"]
+        out[f"steps/s pinned: {n} / anchor"] = same_run(n, "wall", inverse=True)
     return out
 
 
@@ -192,7 +199,7 @@ def report(r: dict) -> str:
              "-" * 98]
     for name, m in med.items():
         lines.append(f"  {name:<56}{1 / m['wall']:>9.1f}{m['trainer'] * 1e3:>16.3f}{m['server'] * 1e3:>15.3f}")
-    lines += ["", "ratios of medians (same run)"]
+    lines += ["", "same-run ratios, median over runs"]
     width = max(map(len, r["ratios"]))
     lines += [f"  {name:<{width}}{v:>7.3f}{_verdict(name, v)}" for name, v in r["ratios"].items()]
     return "\n".join(lines)

@@ -463,3 +463,18 @@ def test_quick_step_cpu_benchmark_runs(tmp_path, capsys):
     assert saved["floor_bytes"]["to_server"] > 0 and saved["floor_bytes"]["from_server"] > 0
     assert all(v > 0 for v in saved["probes"].values())
     assert saved["end_max_abs_diff_vs_anchor"] <= saved["config"]["end_atol"]
+
+
+def test_step_cpu_ratios_are_same_run_ratios():
+    """bench_step_cpu's ratios: the median over runs of each run's variant / anchor, not the
+    ratio of two medians that may come from different runs."""
+    from tests.benchmarks import bench_step_cpu as b
+
+    names = (b.ANCHOR, b.PREFETCH, b.OVERLAP, b.FLOOR)
+    anchor = {"wall": [1.0, 2.0, 4.0], "trainer": [1.0, 2.0, 4.0], "server": [1.0, 2.0, 4.0]}
+    other = {k: [4.0, 1.0, 2.0] for k in anchor}  # medians equal (2.0), same-run ratios 4, 0.5, 0.5
+    r = {"median_s": {n: {k: 2.0 for k in anchor} for n in names},
+         "samples_s": {n: (anchor if n == b.ANCHOR else other) for n in names}}
+    got = b.ratios(r)
+    assert got[f"trainer CPU per step: {b.PREFETCH} / anchor's trainer"] == 0.5
+    assert got[f"steps/s pinned: {b.PREFETCH} / anchor"] == 2.0
