@@ -12,10 +12,10 @@ the table gave a delta (``delta_state_dict``, whole the first time: every later 
 it) and then a small one. The figures: the growth over the rows' own bytes (``rows x dim x
 4``, each server its share), while the table has never given a delta (target at most 1.05)
 and once it has (at most 1.18). Then a lazy table of 100,000,000 rows, filled by training to
-about ``lazy_fill`` rows held: resident bytes per row held, beside what the servers count
-for the rows (values, optimizer state) and their bookkeeping (``stats()``'s ``"bytes"`` less
-the values: a row's stepped flag, version, a lazy block's id-to-slot index, the storage that
-grows by doubling ahead of the rows). Writes JSON (bench-table-memory-results.json by default).
+about ``lazy_fill`` rows held: resident bytes per row held, beside the bytes per row the
+servers count (``table_stats()["bytes"]``: the rows' values, their optimizer state and their
+bookkeeping, a row's stepped flag, version once kept and a lazy block's id-to-slot index; not
+the storage grown by doubling ahead of the rows, nor the allocator's). Writes JSON (bench-table-memory-results.json by default).
 """
 
 from __future__ import annotations
