@@ -15,8 +15,9 @@ tensor of each size, counted with ``rpc_backend.Traffic`` on the prefetched step
 runs every variant for ``steps`` steps, in an order that rotates by run; CPU is user + system
 time of each whole process (every thread; its CPU clock, as ``/proc/<pid>/stat``'s utime +
 stime counts it) over those steps. Figures are medians over runs; a ratio is the median over
-runs of the variant's figure over the anchor's in the same run. Beside them, this machine's own probes, on the pinned trainer: ``torch.sort`` and
-``torch.unique`` of 2,048 int64 ids and an empty RPC round trip.
+runs of the variant's figure over the anchor's in the same run. Beside them, this machine's own
+probes, on the pinned trainer: ``torch.sort`` and ``torch.unique`` of 2,048 int64 ids and an
+empty RPC round trip.
 
 Checks (the run raises if one fails): every variant starts from the same rows and equals a
 local ``nn.EmbeddingBag(sparse=True)`` + SGD after ``check_steps`` steps (``bench_embedding``'s

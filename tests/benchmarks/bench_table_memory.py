@@ -4,18 +4,18 @@ bytes, and what makes it up.
     python -m tests.benchmarks.bench_table_memory            # 8,000,000 x 16 over 2 servers (about 1 minute)
     python -m tests.benchmarks.bench_table_memory --quick    # 400,000 x 16, not graded
 
-An eager ``ShardedEmbeddingBag`` (float32, SGD, async) over ps0 and ps1, trained by one
-trainer for a few hundred steps of 256 bags x 8 uniform ids. Each server's resident set
-(``VmRSS`` from ``/proc/self/status``, after ``malloc_trim``) is read before the table
-exists (after a warm-up table with a block on each server, so the table code is loaded), once it is created, after the steps, and after
-the table gave a delta (``delta_state_dict``, whole the first time: every later delta follows
-it) and then a small one. The figures: the growth over the rows' own bytes (``rows x dim x
-4``, each server its share), while the table has never given a delta (target at most 1.05)
-and once it has (at most 1.18). Then a lazy table of 100,000,000 rows, filled by training to
-about ``lazy_fill`` rows held: resident bytes per row held, beside the bytes per row the
-servers count (``table_stats()["bytes"]``: the rows' values, their optimizer state and their
-bookkeeping, a row's stepped flag, version once kept and a lazy block's id-to-slot index; not
-the storage grown by doubling ahead of the rows, nor the allocator's). Writes JSON
+An eager ``ShardedEmbeddingBag`` (float32, SGD, async) over ps0 and ps1, trained by one trainer
+for a few hundred steps of 256 bags x 8 uniform ids. Each server's resident set (``VmRSS`` from
+``/proc/self/status``, after ``malloc_trim``) is read before the table exists (after a warm-up
+table with a block on each server, so the table code is loaded), once it is created, after the
+steps, and after the table gave a delta (``delta_state_dict``, whole the first time: every
+later delta follows it) and then a small one. The figures: the growth over the rows' own bytes
+(``rows x dim x 4``, each server its share), while the table has never given a delta (target at
+most 1.05) and once it has (at most 1.18). Then a lazy table of 100,000,000 rows, filled by
+training to about ``lazy_fill`` rows held: resident bytes per row held, beside the bytes per
+row the servers count (``table_stats()["bytes"]``: the rows' values, their optimizer state and
+their bookkeeping, a row's stepped flag, version once kept and a lazy block's id-to-slot index;
+not the storage grown by doubling ahead of the rows, nor the allocator's). Writes JSON
 (bench-table-memory-results.json by default).
 """
 

@@ -14,7 +14,6 @@ import torch
 from remote_module.ps._rowwise import RowOptimizer, new_state, step_rows
 from remote_module.ps.tables.server._initial import initial_rows, row_key
 
-
 #: the largest stamp a row's version is kept as (int32)
 _STAMP_MAX = 2**31 - 1
 
