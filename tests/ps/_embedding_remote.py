@@ -296,3 +296,22 @@ def sync_stall(name: str, timeout: float) -> dict:
     except Exception as exc:  # noqa: BLE001 - returned to the test
         return {"ok": False, "type": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - start}
     return {"ok": True, "seconds": time.monotonic() - start}
+
+
+
+def collected_after_a_backward(name: str, mode: str) -> bool:
+    """Whether a table that ran a forward, a backward and a step is freed once dropped (a
+    notebook building it again each run must not keep every earlier one)."""
+    import gc
+    import weakref
+
+    from remote_module.ps import ShardedEmbeddingBag
+
+    bag = ShardedEmbeddingBag(100, 2, ["ps0", "ps1"], name=name, mode="sum", ps_mode=mode, min_block_size=2)
+    bag(torch.tensor([3, 40]), torch.tensor([0, 1])).sum().backward()
+    bag.step()
+    bag.flush()
+    ref = weakref.ref(bag)
+    del bag
+    gc.collect()
+    return ref() is None

@@ -206,3 +206,12 @@ def test_a_sync_lookup_whose_step_never_completes_fails_in_time_naming_the_missi
     table = name("stall")
     got = world.run({"trainer0": (r.sync_stall, table, 1.5)})["trainer0"]
     assert_stalled(world, got, table, "a lookup of step 1, the other trainer never attached", 1.5, (), never=1)
+
+
+
+@pytest.mark.parametrize("mode", ["async", "geo"])
+def test_a_table_that_ran_a_backward_is_freed_once_dropped(world, mode):
+    """Its grad marker's hook held the table itself, and torch's collector does not see a
+    tensor's hooks: every table that ever ran a backward stayed alive (with its cached rows and
+    recorded gradients), and a geo table's end was never reported until the process ended."""
+    assert world.run({"trainer0": (r.collected_after_a_backward, name(f"freed-{mode}"), mode)})["trainer0"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import warnings
 import weakref
+from functools import partial
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -19,6 +20,13 @@ from remote_module.ps._optimizer import changed_group_lr
 #: backward passes a table records without a step() before it warns that its gradients are never
 #: pushed, where no local optimizer step told it sooner (gradient accumulation stays below this)
 UNPUSHED_BACKWARDS = 10
+
+
+def _weakly(method: weakref.WeakMethod, marker: torch.Tensor) -> None:
+    """A grad marker's hook: its table's :meth:`GradientRecording._backward_done`, while the table lives."""
+    done = method()
+    if done is not None:
+        done(marker)
 
 
 class RecordedTogether(NamedTuple):
@@ -109,7 +117,9 @@ class GradientRecording:
         it ends (:meth:`_backward_done`), and its ``AccumulateGrad`` node."""
         marker = self.grad_marker
         if self._hooked is None or self._hooked() is not marker:  # (a copy, or the marker replaced)
-            marker.register_post_accumulate_grad_hook(self._backward_done)
+            # (through a weak reference: torch's garbage collector does not see a tensor's hooks,
+            # so a hook holding the table kept every table that ran a backward alive for good)
+            marker.register_post_accumulate_grad_hook(partial(_weakly, weakref.WeakMethod(self._backward_done)))
             self._hooked = weakref.ref(marker)
         return marker, marker.view_as(marker).grad_fn.next_functions[0][0]  # the marker's AccumulateGrad
 
