@@ -298,6 +298,34 @@ def sync_stall(name: str, timeout: float) -> dict:
     return {"ok": True, "seconds": time.monotonic() - start}
 
 
+def geo_dropped_after_a_step(name: str, steps: int) -> dict:
+    """A geo table (ps0, ps1; geo_push_every=2, SGD lr 0.5) trained ``steps`` steps of rows 3
+    and 40 and dropped right after the last ``step()`` (a notebook cell building it again):
+    the warnings its end gave, then the rows the servers hold, read by the table built again
+    (it waits for the first one's push in flight)."""
+    import gc
+    import warnings
+
+    from remote_module.ps import ShardedEmbeddingBag
+
+    def build() -> ShardedEmbeddingBag:
+        return ShardedEmbeddingBag(100, 2, ["ps0", "ps1"], name=name, mode="sum", ps_mode="geo",
+                                   geo_push_every=2, min_block_size=2,
+                                   optimizer=(torch.optim.SGD, {"lr": 0.5}))
+
+    bag = build()
+    bag.load_state_dict({"weight": torch.arange(200, dtype=torch.float32).reshape(100, 2)})
+    for _ in range(steps):
+        bag(torch.tensor([3, 40]), torch.tensor([0, 1])).sum().backward()
+        bag.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del bag
+        gc.collect()
+    with torch.no_grad():
+        rows = build()(torch.tensor([3, 40]), torch.tensor([0, 1]))
+    return {"warned": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)], "rows": rows}
+
 
 def collected_after_a_backward(name: str, mode: str) -> bool:
     """Whether a table that ran a forward, a backward and a step is freed once dropped (a

@@ -208,6 +208,21 @@ def test_a_sync_lookup_whose_step_never_completes_fails_in_time_naming_the_missi
     assert_stalled(world, got, table, "a lookup of step 1, the other trainer never attached", 1.5, (), never=1)
 
 
+@pytest.mark.parametrize("steps", [2, 3])
+def test_a_geo_table_dropped_with_its_push_in_flight_is_not_warned_of_as_never_pushed(world, steps):
+    """A geo table dropped right after a step that pushed its deltas (in flight: they land at
+    the next call, which never comes) pushed them: no "never pushed" warning (there was one for
+    every object a notebook built again), and the servers hold them. A step after the last push
+    (3 steps, geo_push_every=2) is still warned of, and is not on the servers."""
+    got = world.run({"trainer0": (r.geo_dropped_after_a_step, name(f"geo-dropped-{steps}"), steps)})["trainer0"]
+    never = [m for m in got["warned"] if "never pushed" in m]
+    w0 = torch.tensor([[6.0, 7.0], [80.0, 81.0]])
+    torch.testing.assert_close(got["rows"], w0 - 2 * 0.5)  # (the 2 steps pushed: gradient 1, lr 0.5)
+    if steps == 2:
+        assert never == [], never
+    else:
+        assert len(never) == 1 and "2 trained row(s)" in never[0], never
+
 
 @pytest.mark.parametrize("mode", ["async", "geo"])
 def test_a_table_that_ran_a_backward_is_freed_once_dropped(world, mode):

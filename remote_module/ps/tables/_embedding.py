@@ -51,7 +51,7 @@ from rpc_backend.watch import add_status
 
 
 def _trained_rows(geo: GeoCache) -> str | int:
-    n = geo.trained()
+    n = geo.never_sent()  # (the rows of a push in flight are pushed: its failure is warned of as such)
     return f"{n} trained row(s)" if n else 0
 
 

@@ -36,6 +36,9 @@ class GeoCache:
         self.state = new_state(optimizer, 0, dim, dtype)
         self.steps = 0
         self.calls = 0
+        # the ids of a push of their deltas sent and not settled yet (its outcome is the push's:
+        # a failure no call waited for is warned of as such, see _steps.Flight)
+        self.sending = torch.empty(0, dtype=torch.long)
         # delta checkpoints: a counter of the state's changes (steps and loads; never goes back,
         # as ``steps`` does when a checkpoint is loaded), each state row's count when it last
         # changed, and each caller's baseline
@@ -90,6 +93,17 @@ class GeoCache:
         """How many cached rows moved since they were fetched: training not pushed yet."""
         with self.lock:
             return int((self.rows != self.fetched).any(dim=1).sum()) if self.ids.numel() else 0
+
+    def never_sent(self) -> int:
+        """How many cached rows moved since they were fetched and are in no push sent: what a
+        table that ends now leaves unpushed (a push in flight carries the others)."""
+        with self.lock:
+            if not self.ids.numel():
+                return 0
+            moved = (self.rows != self.fetched).any(dim=1)
+            if self.sending.numel():
+                moved &= ~_find(self.sending, self.ids)[1]
+            return int(moved.sum())
 
     def deltas(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(ids, value - value when fetched)`` of every cached row."""

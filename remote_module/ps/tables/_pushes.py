@@ -281,4 +281,12 @@ class TablePushes:
             if taken:
                 geo.drop(torch.cat(taken))
 
-        return PushPlan(calls, partial(geo.drop, ids), partly=partly)
+        def done() -> None:
+            geo.drop(ids)
+            settled()
+
+        def settled() -> None:
+            geo.sending = torch.empty(0, dtype=torch.long)
+
+        geo.sending = ids  # (until settled: a table dropped meanwhile counts them pushed)
+        return PushPlan(calls, done, settled, partly=partly)
