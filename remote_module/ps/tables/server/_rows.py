@@ -174,7 +174,7 @@ class RowBlock:
         self.state_free = torch.empty(0, dtype=torch.long)
         size = count if spec.init == "eager" else 0
         # each slot's version when it last changed (delta checkpoints, incremental saves, kept
-        # snapshots), made by the first reader of what changed (track_changes: 8 bytes a row a
+        # snapshots), made by the first reader of what changed (track_changes: 4 bytes a row a
         # table that never gives a delta does not spend), and with eviction the table's step
         # when it was last stepped (AT_INIT: an eager row at its first value, which eviction
         # leaves alone: nothing to drop, and it must not be counted or tombstoned again every
