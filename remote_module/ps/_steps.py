@@ -135,6 +135,13 @@ def _failure_of(future: Any, unpack: Callable[[list], tuple]) -> Any:
     return None
 
 
+def _unlanded(failure: Callable[[], Any], names: Sequence[str], future: Any) -> None:
+    """A step's :class:`Flight` dropped unlanded: :func:`_report_unlanded`, and its record of
+    the message in flight kept as an event only (:func:`_orphaned`)."""
+    _orphaned(names, future)
+    _report_unlanded(failure)
+
+
 def _report_unlanded(failure: Callable[[], Any]) -> None:
     """A step's pushes never waited for (the last call on a table or model was that step(),
     and the process is ending, or the object is gone): warn if they failed, as local torch
@@ -181,21 +188,39 @@ def finished(done: set, part: Any, finish: Callable[[], None]) -> None:
 #: the last step's message in flight of each PSModel, table and collection of this process, by
 #: name: an object built again under a name (a notebook cell run twice right after a step)
 #: waits for it before it attaches, so that it starts at the step the servers then have
-#: (:func:`wait_for_earlier`). An event set (and taken off) once the message is answered: it
-#: holds nothing of the answer (a sync PSModel's is its values), whether the object is gone or not
-_last_sent: dict[str, threading.Event] = {}
+#: (:func:`wait_for_earlier`). The message's future while its :class:`Flight` lives (which holds
+#: it anyway: a step pays a dict write, no callback), taken off when the flight lands; an event
+#: set once the message is answered when the flight is dropped unlanded (its object gone right
+#: after a step), so nothing of the answer (a sync PSModel's values) outlives the object
+_last_sent: dict[str, Any] = {}
 _last_sent_lock = threading.Lock()
 
 
 def _sending(names: Sequence[str], future: Any) -> None:
     """A step's message ``future`` in flight for the objects ``names`` (see :data:`_last_sent`)."""
-    if not names:
-        return
-    answered = threading.Event()
     with _last_sent_lock:
         for name in names:
+            _last_sent[name] = future
+
+
+def _landed(names: Sequence[str], future: Any) -> None:
+    """The flight of ``future`` landed: its record goes (a newer one stays)."""
+    with _last_sent_lock:
+        for name in names:
+            if _last_sent.get(name) is future:
+                del _last_sent[name]
+
+
+def _orphaned(names: Sequence[str], future: Any) -> None:
+    """The flight of ``future`` was dropped unlanded: its record becomes an event, set and
+    taken off once the message is answered."""
+    answered = threading.Event()
+    with _last_sent_lock:
+        mine = [name for name in names if _last_sent.get(name) is future]
+        for name in mine:
             _last_sent[name] = answered
-    future.add_done_callback(partial(_answered, list(names), answered))
+    if mine:
+        future.add_done_callback(partial(_answered, mine, answered))
 
 
 def _answered(names: list[str], answered: threading.Event, _: Any) -> None:
@@ -213,9 +238,17 @@ def wait_for_earlier(name: str, timeout: float | None, what: str) -> None:
     Their failure is not raised here: it is that object's (raised by its next call, or warned
     when it is gone)."""
     with _last_sent_lock:
-        answered = _last_sent.get(name)
-    if answered is None:
+        entry = _last_sent.get(name)
+    if entry is None:
         return
+    if isinstance(entry, threading.Event):
+        answered = entry
+    elif entry.done():
+        _landed([name], entry)  # (answered: the record has done its part)
+        return
+    else:
+        answered = threading.Event()
+        entry.add_done_callback(lambda _: answered.set())
     seconds = timeout_seconds(timeout)
     if not answered.wait(None if seconds == math.inf else seconds):
         raise CallTimeout(
@@ -304,12 +337,13 @@ class Flight:
         # (prefetches: tables/_prefetch.py's Prefetch; their reads, in order, follow the pushes)
         self._sent: SentPushes | None = sent
         # (names: the objects whose step this is, see _last_sent)
-        _sending(list(names), sent._future)
+        self._names = list(names)
+        _sending(self._names, sent._future)
         self.prefetches, self._landed = list(prefetches), landed
         self._lock = threading.RLock()  # (a landing that lands again, in its callbacks, returns at once)
         # never landed (the process ends, or the table is dropped, right after a step): a failed
         # push is still reported, as a warning
-        self._unlanded = weakref.finalize(self, _report_unlanded, sent.failure_check())
+        self._unlanded = weakref.finalize(self, _unlanded, sent.failure_check(), self._names, sent._future)
 
     def land(self) -> None:
         with self._lock:
@@ -323,6 +357,8 @@ class Flight:
                 for prefetch in self.prefetches:
                     prefetch.failed = True
                 raise
+            finally:
+                _landed(self._names, sent._future)
             self._landed()
             at = 0
             for prefetch in self.prefetches:  # (each takes its reads' outcomes, in order)
