@@ -96,6 +96,7 @@ class Window:
         self.meter = meter
         self.seconds = 0.0
         self.cpu: float | None = None
+        self.each: list[float | None] = []  # (each process's, in the meter's order)
 
     def __enter__(self) -> Window:
         if self.meter is not None:
@@ -105,7 +106,9 @@ class Window:
 
     def __exit__(self, *exc: Any) -> None:
         self.seconds = time.perf_counter() - self._start
-        self.cpu = self.meter.stop() if self.meter is not None else None
+        if self.meter is not None:
+            self.each = self.meter.stop_each()
+            self.cpu = None if any(v is None for v in self.each) else sum(self.each)  # type: ignore[arg-type]
 
 
 def rounds(
@@ -114,12 +117,14 @@ def rounds(
     warmup: int,
     meter: CpuMeter | None = None,
     after: dict[str, Callable[[], Any]] | None = None,
+    each: dict[str, list[list[float | None]]] | None = None,
 ) -> tuple[dict[str, list[float]], dict[str, list[float | None]]]:
     """Seconds per round of each variant, ``n`` samples each (after ``warmup`` unmeasured
     rounds), and the CPU seconds ``meter``'s processes spent in each of those same rounds
     (summed over the processes; None without a meter or off Linux). The order of the variants
     rotates every round. ``after[name]`` runs after each round of variant ``name``, outside
-    the clock and the meter (to let the round's work settle, say)."""
+    the clock and the meter (to let the round's work settle, say). ``each`` (a dict, filled
+    in): each round's CPU seconds of each process apart, ``each[name][round][process]``."""
     after = after or {}
     for name, fn in variants.items():
         for _ in range(warmup):
@@ -135,6 +140,8 @@ def rounds(
                 fn()
             samples[name].append(w.seconds)
             cpu[name].append(w.cpu)
+            if each is not None:
+                each.setdefault(name, []).append(list(w.each))
             if name in after:
                 after[name]()
     return samples, cpu

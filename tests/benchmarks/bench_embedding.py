@@ -59,6 +59,7 @@ from tests.benchmarks._common import (
     Window,
     cpu_cell,
     cpu_per_op,
+    median_cpu,
     publish,
     rounds,
     run_world,
@@ -190,7 +191,8 @@ def trainer_main(cfg: dict) -> dict:
                                                             if "prefetch" not in n}
              | {floor_name(n): floor(n) for n in cfg["server_counts"]})
     meter = world_meter()  # CPU of all three processes, every thread, over the same rounds as the clock
-    samples, cpu = rounds(timed, cfg["rounds"], cfg["warmup_rounds"], meter)
+    each: dict[str, list[list[float | None]]] = {}
+    samples, cpu = rounds(timed, cfg["rounds"], cfg["warmup_rounds"], meter, each=each)
     results["round_samples_s"] = samples
     results["round_cpu_samples_s"] = cpu
     ids_per_batch = cfg["bags"] * cfg["ids_per_bag"]
@@ -204,6 +206,13 @@ def trainer_main(cfg: dict) -> dict:
     train_cpu = cpu_per_op(cpu, cfg["steps_per_round"])
     lookup_cpu = cpu_per_op(cpu, ids_per_batch * cfg["steps_per_round"])
     results["train_step_cpu_s"] = {n: train_cpu[f"train: {n}"] for n in variants}  # per training step
+    # each process apart (trainer0, then the servers): the median over rounds, per training step
+    me = current_worker()
+    processes = [me.name] + [w for w in me.names if w != me.name]  # (world_meter's order)
+    results["processes"] = processes
+    results["train_step_cpu_each_s"] = {
+        n: dict(zip(processes, (median_cpu([r[k] for r in each[f"train: {n}"]], cfg["steps_per_round"])
+                                for k in range(len(processes))))) for n in variants}
     # the floor: one empty call to each server per step, the least a step of one message per
     # server can cost (CPU summed over the processes, per step)
     results["floor_step_cpu_s"] = {str(n): train_cpu[floor_name(n)] for n in cfg["server_counts"]}
@@ -340,6 +349,22 @@ def report(r: dict) -> str:
                      f"{cpu_cell(r['floor_step_cpu_s'][n], 1e3, 13, 2)}")
     lines.append(f"  {'the example as written (sparse=False), after':<44}{r['dense_example_steps_per_s']:>9.1f}"
                  f"{1e3 / r['dense_example_steps_per_s']:>9.2f}{cpu_cell(r['dense_example_step_cpu_s'], 1e3, 13, 2)}")
+    each = r.get("train_step_cpu_each_s")
+    if each:
+        procs, anchor = r["processes"], each[ANCHOR]
+        served = SERVERS[0]  # (the anchor's table is on ps0: every server is compared with it)
+        lines += ["", "CPU ms per training step of each process (every thread; median over rounds); beside it the "
+                  f"ratio to the anchor's trainer, or to the anchor's server ({served})",
+                  f"{'':<46}" + "".join(f"{p:>20}" for p in procs)]
+        for name, per in each.items():
+            cells = []
+            for p in procs:
+                v, a = per[p], anchor[p if p not in SERVERS else served]
+                text = "-" if v is None else f"{v * 1e3:.3f}"
+                if v is not None and a and name != ANCHOR:
+                    text += f" ({v / a:.2f}x)"
+                cells.append(f"{text:>20}")
+            lines.append(f"  {name:<44}" + "".join(cells))
     lines += ["", f"per server core (each server computes on one; {r['unique_rows_per_step']:.0f} unique rows per "
               "step), and messages sent by the trainer (counted at its calls)",
               f"{'':<46}{'rows looked up/s':>18}{'rows stepped/s':>16}   messages per step; per lookup"]

@@ -210,6 +210,13 @@ def test_quick_embedding_benchmark_runs(tmp_path, capsys):
     assert set(saved["floor_step_cpu_s"]) == set(saved["floor_steps_per_s"]) == {"1", "2"}
     assert all(v > 0 for v in saved["floor_step_cpu_s"].values())
     assert all(len(s) == cfg["rounds"] for s in saved["round_samples_s"].values())
+    # each process's CPU per training step apart (issue 45): the trainer and each server
+    assert saved["processes"] == ["trainer0", "ps0", "ps1"]
+    assert set(saved["train_step_cpu_each_s"]) == variants
+    if sys.platform == "linux":
+        for name, per in saved["train_step_cpu_each_s"].items():
+            assert per["trainer0"] > 0 and per["ps0"] > 0, (name, per)
+            assert per["ps1"] >= 0, (name, per)
     assert (all(v > 0 for v in saved["train_steps_per_s"].values())
             and all(v > 0 for v in saved["lookups_per_s"].values()))
     # CPU seconds per training step and per id looked up beside the rates, per round too
