@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+
 import torch
 from torch import nn
 
@@ -205,7 +207,10 @@ def ddp_run(name: str, mode: str, rank: int, store_path: str, steps: int) -> dic
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    # (a collective that hangs fails within 2 minutes naming itself, before the world's own
+    # 300 s guard names only the call)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))
     try:
         model = Clicks(_table(name, mode, 2, 1))
         model.dense = DDP(model.dense)

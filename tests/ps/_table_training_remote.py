@@ -6,6 +6,7 @@ compares it with plain torch (tests/ps/test_table_training.py holds the referenc
 
 from __future__ import annotations
 
+import datetime
 import warnings
 from typing import Any
 
@@ -148,7 +149,10 @@ def ddp_inside_run(name: str, rank: int, store_path: str) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    # (a collective that hangs fails within 2 minutes naming itself, before the world's own
+    # 300 s guard names only the call)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))
     try:
         bag = table(name, bag="sum", num_trainers=2, optimizer=(torch.optim.SGD, {"lr": 0.5}),
                     seed=0 if rank == 0 else None)
