@@ -1,6 +1,6 @@
 """A parameter-server job under ``torchrun --max-restarts=1`` (tests/ps/_checkpoint_job.py: ps0,
 trainer0, trainer1, a table and a local model per trainer, checkpointed every 2 of 6 steps) loses
-one process to SIGKILL at a step the test chooses; torchrun restarts the world and the job
+one process to SIGKILL before a step drawn at random (2 to 5) in each run; torchrun restarts the world and the job
 resumes from the newest complete checkpoint. Sync mode, batches chosen by the step index: the
 end is bit for bit the uninterrupted run's (the server killed, or either trainer: trainer0 is the
 one that saves the servers' part and completes the checkpoints). Async mode: the
@@ -10,6 +10,7 @@ back into a fresh table)."""
 from __future__ import annotations
 
 import json
+import random
 import re
 import subprocess
 from pathlib import Path
@@ -45,14 +46,24 @@ def _resumed(stdout: str) -> dict[tuple[str, int], int]:
             for m in re.finditer(r"^(trainer\d) resumed from step (\d+) \(attempt (\d+)\)$", stdout, re.M)}
 
 
-def _restarted(stdout: str) -> int:
-    """The step both trainers resumed from in torchrun's restart (one of the checkpoints)."""
+def _restarted(stdout: str, at: int) -> int:
+    """The step both trainers resumed from in torchrun's restart, the process killed before
+    step ``at``: a checkpoint's (every 2 steps) at or before ``at``."""
     got = _resumed(stdout)
     assert got[("trainer0", 0)] == got[("trainer1", 0)] == 0, stdout
     start = got.get(("trainer0", 1))
     assert start is not None and got.get(("trainer1", 1)) == start, stdout  # the world was restarted
-    assert start in (2, 4), stdout  # a checkpoint's (2, or 4 once its files were all in before the kill)
+    # (2, or a later one once its files were all in before the kill; the job waits for one first)
+    assert start in range(2, at + 1, 2), stdout
     return start
+
+
+def _random_step() -> int:
+    """The step the process is killed before: drawn anew each run (the job waits for a first
+    checkpoint, at step 2, before it kills; 6 steps)."""
+    at = random.SystemRandom().randint(2, 5)
+    print(f"killed before step {at}")  # (pytest shows it when the test fails)
+    return at
 
 
 def _bit_equal(a: Any, b: Any, where: str = "") -> None:
@@ -84,9 +95,10 @@ def uninterrupted(tmp_path_factory) -> dict[str, Any]:
 # trainer0 is the one that saves the servers' part and completes the checkpoints
 @pytest.mark.parametrize("victim", ["ps0", "trainer0", "trainer1"])
 def test_a_sync_job_killed_and_restarted_ends_as_uninterrupted(tmp_path, uninterrupted, victim):
-    _, out, stdout = _job(tmp_path, "--kill", victim, "--at", "5")
-    assert f"kill{'s ps0' if victim == 'ps0' else 's itself'} before step 5" in stdout, stdout
-    _restarted(stdout)
+    at = _random_step()
+    _, out, stdout = _job(tmp_path, "--kill", victim, "--at", str(at))
+    assert f"kill{'s ps0' if victim == 'ps0' else 's itself'} before step {at}" in stdout, stdout
+    _restarted(stdout, at)
     got = _ends(out)
     assert "table" in got["trainer0"] and "head" in got["trainer1"]
     assert got["trainer1"]["table_lr"] == 0.3 * 0.5 ** 2  # (its scheduler's, restored: 6 steps, halved every 3)
@@ -107,8 +119,9 @@ def test_a_sync_job_killed_after_incremental_saves_resumes_from_one_and_ends_as_
 
 
 def test_an_async_job_restarts_with_the_checkpoints_table(tmp_path):
-    ckpt, out, stdout = _job(tmp_path, "--mode", "async", "--hold", "--kill", "trainer1", "--at", "5")
-    start = _restarted(stdout)
+    at = _random_step()
+    ckpt, out, stdout = _job(tmp_path, "--mode", "async", "--hold", "--kill", "trainer1", "--at", str(at))
+    start = _restarted(stdout, at)
     # the table's rows are in its server's own files (ps/ of the checkpoint), no longer in a
     # trainer's: the job read them into a fresh table (tests/ps/_checkpoint_job.py)
     held = ckpt / STEP_DIR.format(start)
