@@ -126,6 +126,7 @@ def test_per_row_bookkeeping_is_kept_only_once_something_needs_it(init):
     block = t.blocks[0]
     t.apply(torch.tensor([3, 500, 999]), torch.ones(3, 4))
     assert block._state_slot is None and block.changed is None
+    assert block.changed_after(slice(0, 5), 0).tolist() == [True] * 5  # (untracked: every row counts)
     per_row = block.bookkeeping_bytes() / block.held()
     assert per_row == (1 if init == "eager" else 17), per_row  # the stepped flag (+ a lazy block's index)
     first = changed_rows(t.blocks, -1, False)  # the whole table, as a first delta is
@@ -165,6 +166,8 @@ def test_row_versions_past_their_int32_stamps_never_hide_a_change(monkeypatch):
         assert truly <= got, (since, truly - got)
         if since >= t.clocks.version - 4:
             assert got == truly, (since, got, truly)
+        # a run of slots read without an index says the same
+        assert torch.equal(block.changed_after(slice(0, 40), since), block.changed_after(slots, since))
 
 
 def test_the_geo_cache_trains_its_rows_as_torchs_sparse_optimizer_and_keeps_state_across_pushes():

@@ -40,7 +40,7 @@ def _block_rows(name: str, first: int, clocks: bool = False, version: bool = Fal
                     """The rows changed since a kept snapshot of them (``snapshot_stamp``)."""
                     if stamp[0] != table.incarnation:
                         return None
-                    return rows.changed_after(torch.arange(rows.count), stamp[1]).nonzero().reshape(-1)
+                    return rows.changed_after(slice(0, rows.count), stamp[1]).nonzero().reshape(-1)
 
                 values = (rows.values[:rows.count].clone() if keep_s is None else
                           snapshots.copy(snapshot_key(name, rows.first), rows.values[:rows.count], keep_s,

@@ -175,12 +175,11 @@ class RowBlock:
         size = count if spec.init == "eager" else 0
         # each slot's version when it last changed (delta checkpoints, incremental saves, kept
         # snapshots), made by the first reader of what changed (track_changes: 4 bytes a row a
-        # table that never gives a delta does not spend), and with eviction the table's step
-        # when it was last stepped (AT_INIT: an eager row at its first value, which eviction
-        # leaves alone: nothing to drop, and it must not be counted or tombstoned again every
+        # table that never gives a delta does not spend; int32, relative to _changed_base, which
+        # moves up when a version no longer fits), and with eviction the table's step when it
+        # was last stepped (AT_INIT: an eager row at its first value, which eviction leaves
+        # alone: nothing to drop, and it must not be counted or tombstoned again every
         # evict_after steps)
-        # (int32, relative to _changed_base, which moves up when a version no longer fits: 4
-        # bytes a row; the rows changed before the new base then count as changed at it)
         self._changed: torch.Tensor | None = None
         self._changed_base = 0
         self.last = None if spec.evict_after is None else torch.full((size,), AT_INIT, dtype=torch.long)
@@ -222,12 +221,15 @@ class RowBlock:
         if self._changed is not None:
             self._changed.index_fill_(0, slots, self._stamp(version))
 
-    def changed_after(self, slots: torch.Tensor, since: int) -> torch.Tensor:
-        """Which of storage ``slots`` changed after version ``since`` (all of them where changes
-        are not tracked: :meth:`track_changes`)."""
+    def changed_after(self, slots: torch.Tensor | slice, since: int) -> torch.Tensor:
+        """Which of storage ``slots`` (indices, or a slice: a run of slots read without an index)
+        changed after version ``since`` (all of them where changes are not tracked:
+        :meth:`track_changes`)."""
         if self._changed is None:
-            return torch.ones(slots.shape, dtype=torch.bool)
-        return self._changed.index_select(0, slots) > max(since - self._changed_base, -1)
+            n = slots.numel() if isinstance(slots, torch.Tensor) else len(range(*slots.indices(self.values.shape[0])))
+            return torch.ones(n, dtype=torch.bool)
+        picked = self._changed[slots] if isinstance(slots, slice) else self._changed.index_select(0, slots)
+        return picked > max(since - self._changed_base, -1)
 
     @property
     def changed(self) -> torch.Tensor | None:
