@@ -203,11 +203,12 @@ def _sending(names: Sequence[str], future: Any) -> None:
             _last_sent[name] = future
 
 
-def _landed(names: Sequence[str], future: Any) -> None:
-    """The flight of ``future`` landed: its record goes (a newer one stays)."""
+def _landed(names: Sequence[str], record: Any) -> None:
+    """The message of ``record`` (its future, or the event standing for it) needs no more
+    waiting for: its record goes (a newer one stays)."""
     with _last_sent_lock:
         for name in names:
-            if _last_sent.get(name) is future:
+            if _last_sent.get(name) is record:
                 del _last_sent[name]
 
 
@@ -224,10 +225,7 @@ def _orphaned(names: Sequence[str], future: Any) -> None:
 
 
 def _answered(names: list[str], answered: threading.Event, _: Any) -> None:
-    with _last_sent_lock:
-        for name in names:
-            if _last_sent.get(name) is answered:
-                del _last_sent[name]
+    _landed(names, answered)
     answered.set()
 
 
