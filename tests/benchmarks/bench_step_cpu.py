@@ -37,8 +37,8 @@ import torch.distributed.rpc as rpc
 
 from rpc_backend import current_worker
 from tests.benchmarks import _embedding_hosts as hosts
-from tests.benchmarks._common import publish, run_world, traffic_per_call
-from tests.benchmarks._cpu import process_cpu_seconds
+from tests.benchmarks._common import publish, rounds, run_world, traffic_per_call
+from tests.benchmarks._cpu import CpuMeter
 from tests.benchmarks.bench_embedding import ANCHOR, setup, sharded_name
 from tests.benchmarks.bench_remote_module import _verdict
 
@@ -131,21 +131,19 @@ def trainer_main(cfg: dict) -> dict:
     steps[FLOOR] = _floor_step(to_bytes, from_bytes)
     for _ in range(cfg["warmup_steps"]):
         steps[FLOOR]()
-    names = list(steps)
-    samples: dict[str, dict[str, list[float]]] = {n: {"wall": [], "trainer": [], "server": []} for n in names}
-    for run in range(cfg["runs"]):
-        order = names[run % len(names):] + names[:run % len(names)]
-        for name in order:
-            step = steps[name]
-            c0, s0, t0 = process_cpu_seconds(me), process_cpu_seconds(server_pid), time.perf_counter()
+    def run(name: str) -> Callable[[], None]:
+        def steps_of_a_run() -> None:
             for _ in range(cfg["steps"]):
-                step()
+                steps[name]()
             if name not in (ANCHOR, FLOOR):
                 variants[name].bag.flush()  # (the last step's pushes landed: their CPU is in the window)
-            t1, c1, s1 = time.perf_counter(), process_cpu_seconds(me), process_cpu_seconds(server_pid)
-            samples[name]["wall"].append((t1 - t0) / cfg["steps"])
-            samples[name]["trainer"].append((c1 - c0) / cfg["steps"])
-            samples[name]["server"].append((s1 - s0) / cfg["steps"])
+        return steps_of_a_run
+
+    each: dict[str, list[list[float | None]]] = {}
+    wall, _ = rounds({n: run(n) for n in steps}, cfg["runs"], 0, CpuMeter([me, server_pid]), each=each)
+    samples = {n: {"wall": [w / cfg["steps"] for w in wall[n]],
+                   "trainer": [c[0] / cfg["steps"] for c in each[n]],
+                   "server": [c[1] / cfg["steps"] for c in each[n]]} for n in steps}
     if at[ANCHOR] != at[PREFETCH]:
         raise AssertionError(f"the variants ran different numbers of steps: {at}")
     end_diff = float((variants[PREFETCH].weight() - variants[ANCHOR].weight()).abs().max())
