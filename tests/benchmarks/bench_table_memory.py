@@ -21,13 +21,13 @@ not the storage grown by doubling ahead of the rows, nor the allocator's). Write
 
 from __future__ import annotations
 
-import ctypes
 from typing import Any
 
 import torch
 import torch.distributed.rpc as rpc
 
 from rpc_backend import current_worker
+from tests.benchmarks._admission_hosts import server_memory, trimmed_rss
 from tests.benchmarks._common import publish, run_world
 from tests.benchmarks.bench_remote_module import _verdict
 
@@ -38,17 +38,11 @@ QUICK = {**FULL, "rows": 400_000, "steps": 20, "lazy_fill": 50_000}
 
 
 def rss_bytes() -> int:
-    """(On a server) this process's resident set, after handing freed heap back (``malloc_trim``
-    where glibc has it: what the process holds, not what its allocator keeps cached)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
+    """(On a server) this process's resident set, after handing freed heap back
+    (``_admission_hosts.trimmed_rss``: what the process holds, not what its allocator keeps
+    cached), or as it is where glibc's ``malloc_trim`` is missing."""
+    trimmed = trimmed_rss()
+    return server_memory()["VmRSS"] if trimmed is None else trimmed
 
 
 def _rss() -> dict[str, int]:
