@@ -391,3 +391,51 @@ def ported_constructors(name: str) -> dict:
     bag.step()
     return {"bag": repr(bag), "emb": repr(emb), "sparse": (bag.sparse, emb.sparse),
             "moved": bag(ids, torch.tensor([0, 1])).detach() - before}
+
+
+# ---- a bag table reusing its last lookup's bags ---------------------------------------------------
+
+#: (ids, offsets, what the caller does to those offsets after the lookup): lookups with the same
+#: bags as the last one (which a table reuses), offsets changed in place by the caller, offsets
+#: that decrease (refused), the same offsets over more ids, 2-d inputs of two shapes
+SAME_BAGS_SEQUENCE = [
+    ([1, 2, 4, 5, 4, 19], [0, 2, 4]),
+    ([3, 3, 0, 7, 11, 12], "the last offsets, changed in place"),
+    ([1, 2, 4, 5, 4, 19], [0, 2, 4]),
+    ([1, 2, 4, 5, 4, 19], [0, 2, 4]),
+    ([3, 3, 0, 7, 11, 12], [0, 4, 2]),
+    ([6, 6, 6, 8, 9, 10, 0, 1], [0, 3, 4]),
+    ([[1, 2], [3, 4], [5, 6], [7, 8]], None),
+    ([[2, 2], [3, 3], [9, 9], [1, 0]], None),
+    ([[1, 2, 3, 4], [5, 6, 7, 8]], None),
+]
+
+
+def same_bags_lookups(bag: nn.Module, step: Callable[[], None]) -> list:
+    """``SAME_BAGS_SEQUENCE``'s lookups on ``bag`` (sum pooling), each trained with a loss that
+    weighs every output element differently and ``step()``; per lookup its output, or the
+    exception's type when it raised."""
+    out, last = [], None
+    for k, (ids, offsets) in enumerate(SAME_BAGS_SEQUENCE):
+        if isinstance(offsets, str):
+            last[1] = 3  # (the caller's tensor: the table must not keep reading it)
+            offsets = last
+        elif offsets is not None:
+            offsets = torch.tensor(offsets)
+        try:
+            pooled = bag(torch.tensor(ids), offsets)
+        except (ValueError, RuntimeError) as exc:
+            out.append(type(exc).__name__)
+            continue
+        weights = torch.arange(pooled.numel(), dtype=pooled.dtype).reshape(pooled.shape) / 10 + k
+        (pooled * weights).sum().backward()
+        step()
+        out.append(pooled.detach())
+        last = offsets
+    return out
+
+
+def same_bags_sharded(name: str, servers: list[str]) -> dict:
+    t = table(name, bag="sum", servers=servers)
+    got = same_bags_lookups(t, t.step)
+    return {"outputs": got, "weight": t.state_dict()["weight"]}

@@ -310,3 +310,35 @@ def test_include_last_offset_bags_equal_torchs_and_other_keywords_are_refused_cl
                           ({"scale_grad_by_freq": True}, "scale_grad_by_freq=True is not supported")):
         with pytest.raises(ValueError, match=words):
             ShardedEmbeddingBag(10, 2, ["ps0"], name="never-made", **kwargs)
+
+
+@pytest.mark.parametrize("servers", [["ps0"], ["ps0", "ps1"]], ids=["one_server", "two_servers"])
+def test_a_bag_table_reusing_its_last_bags_pools_and_trains_as_torch_when_they_change(world, servers):
+    """A bag table keeps its last lookup's bags (offsets, input shape) and reuses them when the next
+    lookup's are equal: lookups with the same offsets, offsets the caller changed in place after
+    the lookup, decreasing offsets (refused: ValueError, nothing trained), the same offsets over
+    more ids, and 2-d inputs of two shapes pool and train as a local nn.EmbeddingBag(sparse=True)
+    with SGD, lookup by lookup (atol 1e-6, rtol 1e-5)."""
+    got = on_trainer0(world, h.same_bags_sharded, job("same-bags"), servers)
+    local = nn.EmbeddingBag(20, 3, mode="sum", sparse=True, _weight=h.weights(0).clone())
+    opt = torch.optim.SGD(local.parameters(), lr=1.0)
+
+    def step():
+        opt.step()
+        opt.zero_grad()
+
+    def checked(ids, offsets):  # (torch checks decreasing offsets only when it pools on several threads)
+        if offsets is not None and offsets.numel() > 1 and bool((offsets[1:] < offsets[:-1]).any()):
+            raise ValueError("offsets decrease")
+        return local(ids, offsets)
+
+    want = h.same_bags_lookups(checked, step)
+    assert [type(g).__name__ if isinstance(g, str) else "tensor" for g in got["outputs"]] == (
+        [type(w).__name__ if isinstance(w, str) else "tensor" for w in want])
+    assert "ValueError" in got["outputs"]
+    for k, (g, w) in enumerate(zip(got["outputs"], want)):
+        if isinstance(g, str):
+            assert g == w, k
+        else:
+            torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5, msg=lambda m, k=k: f"lookup {k}: {m}")
+    torch.testing.assert_close(got["weight"], local.weight.detach(), atol=1e-6, rtol=1e-5)

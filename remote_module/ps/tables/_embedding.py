@@ -498,7 +498,8 @@ class ShardedEmbedding(TableCheckpoints, GradientRecording, TablePushes, nn.Modu
     #: stored without ``nn.Module.__setattr__``'s checks, which cost a collection of 8 tables
     #: about 100 calls per training step
     _PLAIN_ATTRIBUTES = frozenset({"_forward_thread", "_fresh", "_held", "_backwards", "_stepped_past", "_pushes",
-                                   "_pushed_bytes", "_step", "_flight", "_changes", "_took", "_together"})
+                                   "_pushed_bytes", "_step", "_flight", "_changes", "_took", "_together",
+                                   "_bags_known"})
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in ShardedEmbedding._PLAIN_ATTRIBUTES:

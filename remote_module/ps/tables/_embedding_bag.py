@@ -14,6 +14,7 @@ from remote_module.ps.tables._prefetch import Prefetch
 from remote_module.ps.tables.server import _handlers
 from remote_module.ps.tables.server._pooling import check_offsets, with_padding_row
 from remote_module.ps.tables.server._requests import BagsRead, RowsRead
+from remote_module.ps.tables.server._table import ALL
 
 
 def _as_dtype(dtype: torch.dtype, got: list) -> torch.Tensor:
@@ -47,6 +48,19 @@ class _BagRows(torch.autograd.Function):
         return rows, None, None, None, None, None
 
 
+class _Bags(NamedTuple):
+    """The bags of a lookup (:meth:`ShardedEmbeddingBag._keep_bags`), with what identifies them."""
+
+    shape: torch.Size  # the input's
+    dtype: torch.dtype  # the output's
+    mode: str  # the table's bag_mode
+    offsets: torch.Tensor | None  # a copy of the offsets (None: a 2-d input)
+    num_bags: int
+    bags: torch.Tensor  # each position's bag
+    positions: torch.Tensor  # arange(num_bags)
+    starts_alone: torch.Tensor | None  # each bag's first position, when one server gets every position
+
+
 class _Pooling(NamedTuple):
     """A bag lookup whose rows the servers pool (:meth:`ShardedEmbeddingBag._lookup_plan`):
     what making its output of their answers needs."""
@@ -60,8 +74,8 @@ class _Pooling(NamedTuple):
     weights: torch.Tensor | None  # per_sample_weights, flat
     keep: torch.Tensor | None  # the positions that are not the padding row (None: no padding_idx)
     holder: torch.Tensor  # zero rows standing for uniq, which backward gives the rows' gradient
-    zero: torch.Tensor  # torch's embedding_bag of the zero rows: the output's shape
-    server_of: torch.Tensor  # each position's server
+    zero: torch.Tensor | None  # torch's embedding_bag of the zero rows (max pooling; None: known bags, sum)
+    server_of: torch.Tensor | None  # each position's server (None: one server, sum pooling)
     num_bags: int
     grad: bool  # whether it records gradients (recorded when the output is made)
     dtype: torch.dtype  # the output's
@@ -100,6 +114,7 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         self.bag_mode = mode
         #: torch's: 1-d offsets carry one more element, the end of the last bag (CSR form)
         self.include_last_offset = include_last_offset
+        self._bags_known: _Bags | None = None  # the last lookup's bags (_keep_bags)
 
     def _repr_parts(self) -> list[str]:
         parts = super()._repr_parts()
@@ -158,10 +173,12 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         needs_rows = self._needs_rows(per_sample_weights)
         if self._sent_as_given(per_sample_weights):
             return self._whole_plan(input, offsets, per_sample_weights, wait_s)
-        check_offsets(offsets)
+        dtype = self._dtype()  # the model's (e.g. after model.double()); the servers pool float32
+        known = None if needs_rows else self._known_bags(input, offsets, per_sample_weights, dtype)
+        if known is None:
+            check_offsets(offsets)
         if needs_rows:
             return self._pool_here_plan(input, offsets, per_sample_weights, wait_s)
-        dtype = self._dtype()  # the model's (e.g. after model.double()); the servers pool float32
         if records:
             flat, uniq, inverse = self._unique(input)
             grad = True  # recorded when the output is made (_pooled): a prefetch's, at its forward
@@ -180,34 +197,72 @@ class ShardedEmbeddingBag(ShardedEmbedding):
             flat, grad = self._checked_ids(input), False
             uniq = inverse = None
             holder = torch.zeros(1, self.embedding_dim, dtype=dtype)
-            pad, index = None, torch.zeros(input.shape, dtype=torch.long)
-        with torch.no_grad():
-            zero = nn.functional.embedding_bag(index, holder, offsets, mode=self.bag_mode,
-                                               per_sample_weights=per_sample_weights, padding_idx=pad)
-        num_bags = zero.shape[0]
-        if input.dim() == 2:
-            bags = torch.arange(num_bags).repeat_interleave(input.shape[1])
+            pad, index = None, None
+        kind = "max" if self.bag_mode == "max" else "sum"
+        if known is None:
+            if index is None:
+                index = torch.zeros(input.shape, dtype=torch.long)
+            with torch.no_grad():
+                zero = nn.functional.embedding_bag(index, holder, offsets, mode=self.bag_mode,
+                                                   per_sample_weights=per_sample_weights, padding_idx=pad)
+            num_bags = zero.shape[0]
+            if input.dim() == 2:
+                bags = torch.arange(num_bags).repeat_interleave(input.shape[1])
+            else:
+                bags = torch.searchsorted(offsets.long(), torch.arange(flat.numel()), right=True) - 1
+            positions = torch.arange(num_bags)
+            known = self._keep_bags(input, offsets, per_sample_weights, dtype, kind, num_bags, bags, positions)
         else:
-            bags = torch.searchsorted(offsets.long(), torch.arange(flat.numel()), right=True) - 1
+            zero = None  # (kept for sum and mean bags only, whose output is never the zero bags)
+        num_bags, bags, positions, starts_alone = known.num_bags, known.bags, known.positions, known.starts_alone
         weights = None if per_sample_weights is None else per_sample_weights.reshape(-1).detach()
         keep = flat != self.padding_idx if self.padding_idx is not None else None
-        server_of = self._server_of(flat)
+        server_of = self._server_of(flat) if kind == "max" or len(self._server_names) > 1 else None
         calls, called = [], []
-        kind = "max" if self.bag_mode == "max" else "sum"
         wire = torch.int32 if self.num_embeddings <= 2**31 else torch.int64  # ids travel as int32 when they fit
-        positions = torch.arange(num_bags)
         for k, server, mine in self._by_server_of(flat, keep, server_of):
             ids = flat[mine]
             if not ids.numel():
                 continue
-            in_bags, w = bags[mine], None if weights is None else weights[mine]
+            w = None if weights is None else weights[mine]
             # this server's share of each bag starts where its positions reach that bag
-            pool = (torch.searchsorted(in_bags, positions), w, kind)
-            calls.append((server, self._reader(), RowsRead(self.name, ids.to(wire), self._step, pool, wait_s)))
+            starts = starts_alone if mine is ALL else torch.searchsorted(bags[mine], positions)
+            calls.append((server, self._reader(), RowsRead(self.name, ids.to(wire), self._step, (starts, w, kind),
+                                                           wait_s)))
             called.append(k)
         pooling = _Pooling(kind, called, flat, uniq, inverse, bags, weights, keep, holder, zero, server_of, num_bags,
                            grad, dtype)
         return LookupPlan(calls, partial(self._pooled, pooling))
+
+    def _known_bags(self, input: torch.Tensor, offsets: Any, per_sample_weights: Any,
+                    dtype: torch.dtype) -> _Bags | None:
+        """The bags of the last lookup (:meth:`_keep_bags`) when this one's are the same: the same
+        input shape and offsets (by value), no ``per_sample_weights``, the same output dtype and
+        ``bag_mode``. Its arguments then passed the checks of offsets and torch's ``embedding_bag``
+        already, which this one would pass again; None otherwise."""
+        known = self._bags_known
+        if (known is None or per_sample_weights is not None or not isinstance(input, torch.Tensor)
+                or known.shape != input.shape or known.dtype != dtype or known.mode != self.bag_mode):
+            return None
+        if known.offsets is None:
+            return known if offsets is None else None
+        if not (isinstance(offsets, torch.Tensor) and offsets.dtype == known.offsets.dtype
+                and offsets.shape == known.offsets.shape and torch.equal(offsets, known.offsets)):
+            return None
+        return known
+
+    def _keep_bags(self, input: torch.Tensor, offsets: Any, per_sample_weights: Any, dtype: torch.dtype, kind: str,
+                   num_bags: int, bags: torch.Tensor, positions: torch.Tensor) -> _Bags:
+        """The bags of a lookup whose arguments passed the checks, kept for the next lookup of
+        the same bags (sum and mean pooling without ``per_sample_weights``: a batch's layout
+        usually repeats from step to step); returned."""
+        alone = len(self._server_names) == 1 and self.padding_idx is None
+        kept = None if offsets is None else offsets.detach().clone()
+        known = _Bags(input.shape, dtype, self.bag_mode, kept, num_bags, bags, positions,
+                      torch.searchsorted(bags, positions) if alone else None)
+        if kind == "sum" and per_sample_weights is None:
+            self._bags_known = known
+        return known
 
     def _needs_rows(self, per_sample_weights: Any) -> bool:
         """Whether a lookup pools the fetched rows here: geo mode (the cached rows are the
@@ -243,9 +298,12 @@ class ShardedEmbeddingBag(ShardedEmbedding):
             if grad:
                 holder = self._rows_recorded(uniq, holder)
         if kind == "sum":
-            total = torch.zeros(num_bags, self.embedding_dim)
-            for part in got:  # in server order
-                total = total + part
+            if len(got) == 1:  # (the servers pool float32)
+                total = got[0]
+            else:
+                total = torch.zeros(num_bags, self.embedding_dim)
+                for part in got:  # in server order
+                    total = total + part
             sizes = None
             if self.bag_mode == "mean":
                 counts = torch.bincount(bags if keep is None else bags[keep], minlength=num_bags)
