@@ -11,7 +11,12 @@ it). Variants: the anchor (``RemoteModule(nn.EmbeddingBag(sparse=True))``, distr
 autograd, ``DistributedOptimizer``), ``ShardedEmbeddingBag`` with ``prefetching()`` and with
 ``prefetching(overlap=True)``, and the floor of the trainer's side: a step that only sends the
 bytes a prefetched step sends to the server and gets back the bytes it gets (one call with a
-tensor of each size, counted with ``rpc_backend.Traffic`` on the prefetched step). Each run
+tensor of each size, counted with ``rpc_backend.Traffic`` on the prefetched step), and two
+bounds of what the step's work itself costs (``_lean_step``): the least prefetched step written
+plainly, with nothing but the work (the ids checked, one autograd node, one call per step
+carrying the push and the next lookup), in the library's form (the trainer deduplicates the ids
+and pushes the unique rows' gradients) and in the other (it pushes the bags' gradient and the
+server computes the rows'). Each run
 runs every variant for ``steps`` steps, in an order that rotates by run; CPU is user + system
 time of each whole process (every thread; its CPU clock, as ``/proc/<pid>/stat``'s utime +
 stime counts it) over those steps. Figures are medians over runs; a ratio is the median over
@@ -21,7 +26,9 @@ empty RPC round trip.
 
 Checks (the run raises if one fails): every variant starts from the same rows and equals a
 local ``nn.EmbeddingBag(sparse=True)`` + SGD after ``check_steps`` steps (``bench_embedding``'s
-set-up), and after the runs the prefetched table equals the anchor's within ``end_atol``.
+set-up; the bounds start from the anchor's rows there), and after the runs the tables of the
+prefetched variant (not overlap's, whose lookups each miss one push) and of the bounds equal
+the anchor's within ``end_atol``.
 Writes JSON (bench-step-cpu-results.json by default).
 """
 
@@ -37,6 +44,7 @@ import torch.distributed.rpc as rpc
 
 from rpc_backend import current_worker
 from tests.benchmarks import _embedding_hosts as hosts
+from tests.benchmarks import _lean_step as lean
 from tests.benchmarks._common import publish, rounds, run_world, traffic_per_call
 from tests.benchmarks._cpu import CpuMeter
 from tests.benchmarks.bench_embedding import ANCHOR, setup, sharded_name
@@ -45,6 +53,8 @@ from tests.benchmarks.bench_remote_module import _verdict
 SERVER = "ps0"
 PREFETCH, OVERLAP = sharded_name(1, True), sharded_name(1, "overlap")
 FLOOR = "floor: the prefetched step's bytes each way, nothing else"
+LEAN_TRAINER = "bound: the least step, the trainer's rows' gradients pushed"
+LEAN_SERVER = "bound: the least step, the bags' gradient pushed"
 FULL = {"rows": 1_000_000, "dim": 16, "bags": 256, "ids_per_bag": 8, "lr": 0.1, "seed": 0, "num_batches": 32,
         "steps": 2000, "runs": 5, "warmup_steps": 50, "check_steps": 3, "check_atol": 1e-6, "end_atol": 1e-5,
         "server_counts": [1]}
@@ -104,6 +114,9 @@ def trainer_main(cfg: dict) -> dict:
     batches = hosts.make_batches(cfg)
     variants, facts = setup(cfg, batches)
     variants = {n: variants[n] for n in (ANCHOR, PREFETCH, OVERLAP)}
+    start = variants[ANCHOR].weight()  # (every variant has trained check_steps steps: the bounds start there)
+    variants[LEAN_TRAINER] = lean.TrainerRows("bench-step-cpu-trainer-rows", SERVER, start, cfg["lr"])
+    variants[LEAN_SERVER] = lean.ServerRows("bench-step-cpu-server-rows", SERVER, start, cfg["lr"])
     at = dict.fromkeys(variants, cfg["check_steps"])
 
     def train(name: str) -> Callable[[], None]:
@@ -125,7 +138,7 @@ def trainer_main(cfg: dict) -> dict:
     counted = traffic_per_call(steps[PREFETCH], 4, settle=variants[PREFETCH].bag.flush)
     to_bytes = int(round(sum(counted["sent"].values())))
     from_bytes = int(round(sum(counted["received"].values())))
-    for name in (ANCHOR, OVERLAP):  # (the counted steps: every variant as far along the batches)
+    for name in (ANCHOR, OVERLAP, LEAN_TRAINER, LEAN_SERVER):  # (the counted steps: every variant as far along)
         while at[name] < at[PREFETCH]:
             steps[name]()
     steps[FLOOR] = _floor_step(to_bytes, from_bytes)
@@ -135,8 +148,10 @@ def trainer_main(cfg: dict) -> dict:
         def steps_of_a_run() -> None:
             for _ in range(cfg["steps"]):
                 steps[name]()
-            if name not in (ANCHOR, FLOOR):
+            if name in (PREFETCH, OVERLAP):
                 variants[name].bag.flush()  # (the last step's pushes landed: their CPU is in the window)
+            elif name in (LEAN_TRAINER, LEAN_SERVER):
+                variants[name].flush()
         return steps_of_a_run
 
     each: dict[str, list[list[float | None]]] = {}
@@ -144,15 +159,21 @@ def trainer_main(cfg: dict) -> dict:
     samples = {n: {"wall": [w / cfg["steps"] for w in wall[n]],
                    "trainer": [c[0] / cfg["steps"] for c in each[n]],
                    "server": [c[1] / cfg["steps"] for c in each[n]]} for n in steps}
-    if at[ANCHOR] != at[PREFETCH]:
+    if len(set(at.values())) != 1:
         raise AssertionError(f"the variants ran different numbers of steps: {at}")
-    end_diff = float((variants[PREFETCH].weight() - variants[ANCHOR].weight()).abs().max())
-    if not end_diff <= cfg["end_atol"]:
-        raise AssertionError(f"{PREFETCH}: after identical steps its table differs from the anchor's by {end_diff:.3g}")
+    anchor_weight = variants[ANCHOR].weight()
+    ends = {name: float((variants[name].weight() - anchor_weight).abs().max())
+            for name in (PREFETCH, LEAN_TRAINER, LEAN_SERVER)}  # (overlap's lookups miss a push: it differs)
+    for name, diff in ends.items():
+        if not diff <= cfg["end_atol"]:
+            raise AssertionError(f"{name}: after identical steps its table differs from the anchor's by {diff:.3g}")
+    end_diff = ends[PREFETCH]
+    for name in (LEAN_TRAINER, LEAN_SERVER):
+        variants[name].close()
     med = {n: {k: statistics.median(v) for k, v in s.items()} for n, s in samples.items()}
     return {"config": cfg, "torch": torch.__version__, "pinned": pinned, **facts, "samples_s": samples,
             "median_s": med, "floor_bytes": {"to_server": to_bytes, "from_server": from_bytes},
-            "end_max_abs_diff_vs_anchor": end_diff, "probes": probes()}
+            "end_max_abs_diff_vs_anchor": end_diff, "end_max_abs_diff_each": ends, "probes": probes()}
 
 
 def rank_main(cfg: dict) -> dict | None:
@@ -178,6 +199,12 @@ def ratios(r: dict) -> dict[str, float]:
     out[f"trainer CPU per step: the better, {best.split()[-1]}, / anchor's trainer (target <= 0.6)"] = (
         same_run(best, "trainer"))
     out["trainer CPU per step: the floor / anchor's trainer"] = same_run(FLOOR, "trainer")
+    out["trainer CPU per step: the least step, trainer's rows' gradients / anchor's trainer"] = (
+        same_run(LEAN_TRAINER, "trainer"))
+    out["trainer CPU per step: the least step, bags' gradient / anchor's trainer"] = same_run(LEAN_SERVER, "trainer")
+    out["server CPU per step: the least step, trainer's rows' gradients / anchor's server"] = (
+        same_run(LEAN_TRAINER, "server"))
+    out["server CPU per step: the least step, bags' gradient / anchor's server"] = same_run(LEAN_SERVER, "server")
     out[f"server CPU per step: {PREFETCH} / anchor's server (target <= 0.6)"] = same_run(PREFETCH, "server")
     out[f"server CPU per step: {OVERLAP} / anchor's server (target <= 0.6)"] = same_run(OVERLAP, "server")
     for n in (PREFETCH, OVERLAP):
@@ -194,10 +221,10 @@ def report(r: dict) -> str:
              f"{p['unique_2048_int64_us']:.0f} us, an empty RPC round trip {p['empty_rpc_round_trip_us']:.0f} us",
              f"the floor sends {r['floor_bytes']['to_server']:,} B and gets {r['floor_bytes']['from_server']:,} B "
              "a step (the prefetched step's payload each way)",
-             f"{'median':<58}{'steps/s':>9}{'trainer CPU ms':>16}{'server CPU ms':>15}",
-             "-" * 98]
+             f"{'median':<66}{'steps/s':>9}{'trainer CPU ms':>16}{'server CPU ms':>15}",
+             "-" * 106]
     for name, m in med.items():
-        lines.append(f"  {name:<56}{1 / m['wall']:>9.1f}{m['trainer'] * 1e3:>16.3f}{m['server'] * 1e3:>15.3f}")
+        lines.append(f"  {name:<64}{1 / m['wall']:>9.1f}{m['trainer'] * 1e3:>16.3f}{m['server'] * 1e3:>15.3f}")
     lines += ["", "same-run ratios, median over runs"]
     width = max(map(len, r["ratios"]))
     lines += [f"  {name:<{width}}{v:>7.3f}{_verdict(name, v)}" for name, v in r["ratios"].items()]

@@ -1,0 +1,184 @@
+"""The least a prefetched training step of a sharded bag table can do, written plainly for
+``bench_step_cpu``: the bound of what the step's work itself costs each side, beside the
+library's step and the anchor's.
+
+Two forms, each a step of ``bench_embedding``'s job (sum bags, SGD, one server, async, the next
+batch's lookup sent with this step's push in one call, answered once the push is applied):
+
+- :class:`TrainerRows` (the form the library uses): the trainer deduplicates the ids, computes
+  the unique rows' gradients in backward and sends them; the server adds them and pools the
+  next lookup.
+- :class:`ServerRows`: the trainer sends the pooled bags' gradient; the server computes the rows'
+  gradients from the lookup it answered last (its ids and bags), adds them and pools the next.
+
+Each checks the ids it sends (in range) and records its output for backward with one autograd
+node, as any correct step must; nothing else (no retries, no failure handling, no modes, no
+checks of the offsets). The server keeps each form's rows in this module (:data:`_TABLES`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+from torch import nn
+
+_TABLES: dict[str, dict[str, Any]] = {}
+
+
+def _start(name: str, weight: torch.Tensor, lr: float) -> None:
+    """(On the server) a form's rows, ``weight``, trained with SGD at ``lr``."""
+    _TABLES[name] = {"weight": weight, "lr": lr, "last": None}
+
+
+def _weight(name: str) -> torch.Tensor:
+    return _TABLES[name]["weight"]
+
+
+def _forget(name: str) -> None:
+    _TABLES.pop(name, None)
+
+
+def _pooled(table: dict, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    ids = ids.long()
+    table["last"] = (ids, offsets)
+    return nn.functional.embedding_bag(ids, table["weight"], offsets, mode="sum")
+
+
+def _trainer_rows_step(name: str, uniq: torch.Tensor | None, rows: torch.Tensor | None, ids: torch.Tensor,
+                       offsets: torch.Tensor) -> torch.Tensor:
+    """(On the server) add the rows' gradients ``rows`` of ``uniq`` (SGD), then pool ``ids``."""
+    table = _TABLES[name]
+    if uniq is not None:
+        table["weight"].index_add_(0, uniq, rows, alpha=-table["lr"])
+    return _pooled(table, ids, offsets)
+
+
+def _server_rows_step(name: str, grad: torch.Tensor | None, ids: torch.Tensor,
+                      offsets: torch.Tensor) -> torch.Tensor:
+    """(On the server) the rows' gradients of the last lookup from its bags' gradient ``grad``
+    (SGD), then pool ``ids``."""
+    table = _TABLES[name]
+    if grad is not None:
+        last, last_offsets = table["last"]
+        bags = torch.searchsorted(last_offsets, torch.arange(last.numel()), right=True) - 1
+        uniq, inverse = torch.unique(last, return_inverse=True)
+        rows = torch.zeros(uniq.numel(), grad.shape[1]).index_add_(0, inverse, grad.index_select(0, bags))
+        table["weight"].index_add_(0, uniq, rows, alpha=-table["lr"])
+    return _pooled(table, ids, offsets)
+
+
+def _checked(ids: torch.Tensor, rows: int) -> torch.Tensor:
+    low, high = torch.aminmax(ids)
+    if int(low) < 0 or int(high) >= rows:
+        raise IndexError(f"ids must be in [0, {rows})")
+    return ids.to(torch.int32)
+
+
+class _RowsGradient(torch.autograd.Function):
+    """The pooled bags, whose backward computes the unique rows' gradients (kept on ``into``)."""
+
+    @staticmethod
+    def forward(ctx: Any, marker: torch.Tensor, pooled: torch.Tensor, inverse: torch.Tensor, bags: torch.Tensor,
+                into: dict) -> torch.Tensor:
+        ctx.save_for_backward(inverse, bags)
+        ctx.into = into
+        return pooled.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        inverse, bags = ctx.saved_tensors
+        ctx.into["rows"] = torch.zeros(ctx.into["unique"], grad.shape[1]).index_add_(
+            0, inverse, grad.index_select(0, bags))
+        return torch.zeros(0), None, None, None, None
+
+
+class _BagsGradient(torch.autograd.Function):
+    """The pooled bags, whose backward keeps their gradient on ``into``."""
+
+    @staticmethod
+    def forward(ctx: Any, marker: torch.Tensor, pooled: torch.Tensor, into: dict) -> torch.Tensor:
+        ctx.into = into
+        return pooled.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        ctx.into["bags"] = grad
+        return torch.zeros(0), None, None
+
+
+class _Form:
+    """A form's trainer side on ``server``: its rows start as ``weight``."""
+
+    def __init__(self, name: str, server: str, weight: torch.Tensor, lr: float) -> None:
+        self.name, self.server, self.rows = name, server, weight.shape[0]
+        rpc.rpc_sync(server, _start, args=(name, weight, lr))
+        self.marker = torch.zeros(0, requires_grad=True)
+        self.answer: Any = None  # the next forward's lookup, in flight
+
+    def weight(self) -> torch.Tensor:
+        return rpc.rpc_sync(self.server, _weight, args=(self.name,))
+
+    def close(self) -> None:
+        rpc.rpc_sync(self.server, _forget, args=(self.name,))
+
+
+class TrainerRows(_Form):
+    """The trainer computes the unique rows' gradients and pushes them (the library's form)."""
+
+    def __init__(self, name: str, server: str, weight: torch.Tensor, lr: float) -> None:
+        super().__init__(name, server, weight, lr)
+        self.got: dict[str, Any] = {}
+        self.plan: tuple | None = None
+
+    def _plan(self, ids: torch.Tensor, offsets: torch.Tensor) -> tuple:
+        wire = _checked(ids, self.rows)
+        uniq, inverse = torch.unique(ids, return_inverse=True)
+        bags = torch.searchsorted(offsets, torch.arange(ids.numel()), right=True) - 1
+        return wire, uniq, inverse, bags
+
+    def train(self, batch: tuple, upcoming: tuple) -> float:
+        ids, offsets, target = batch
+        if self.answer is None:  # (the first step sends its own lookup)
+            self.plan = self._plan(ids, offsets)
+            self.answer = rpc.rpc_async(self.server, _trainer_rows_step, args=(self.name, None, None, self.plan[0],
+                                                                                offsets))
+        _, uniq, inverse, bags = self.plan
+        self.got["unique"] = uniq.numel()
+        out = _RowsGradient.apply(self.marker, self.answer.wait(), inverse, bags, self.got)
+        loss = ((out - target) ** 2).sum() / out.shape[1]
+        loss.backward()
+        self.plan = self._plan(upcoming[0], upcoming[1])
+        self.answer = rpc.rpc_async(self.server, _trainer_rows_step,
+                                    args=(self.name, uniq, self.got.pop("rows"), self.plan[0], upcoming[1]))
+        return loss.item()
+
+    def flush(self) -> None:
+        """Wait for the last push (it lands with the lookup it carries)."""
+        if self.answer is not None:
+            self.answer.wait()
+
+
+class ServerRows(_Form):
+    """The trainer pushes the pooled bags' gradient; the server computes the rows'."""
+
+    def __init__(self, name: str, server: str, weight: torch.Tensor, lr: float) -> None:
+        super().__init__(name, server, weight, lr)
+        self.got: dict[str, Any] = {}
+
+    def train(self, batch: tuple, upcoming: tuple) -> float:
+        ids, offsets, target = batch
+        if self.answer is None:
+            self.answer = rpc.rpc_async(self.server, _server_rows_step,
+                                        args=(self.name, None, _checked(ids, self.rows), offsets))
+        out = _BagsGradient.apply(self.marker, self.answer.wait(), self.got)
+        loss = ((out - target) ** 2).sum() / out.shape[1]
+        loss.backward()
+        self.answer = rpc.rpc_async(self.server, _server_rows_step,
+                                    args=(self.name, self.got.pop("bags"), _checked(upcoming[0], self.rows),
+                                          upcoming[1]))
+        return loss.item()
+
+    def flush(self) -> None:
+        if self.answer is not None:
+            self.answer.wait()
