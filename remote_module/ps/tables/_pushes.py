@@ -71,6 +71,13 @@ def pack_table_pushes(calls: list) -> tuple[list, Callable[[list], list]]:
 set_push_packer(pack_table_pushes)
 
 
+def _joined(parts: list[torch.Tensor], empty: torch.Tensor) -> torch.Tensor:
+    """``parts`` in one tensor: the one part as it is, several concatenated, ``empty`` for none."""
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat(parts) if parts else empty
+
+
 class TablePushes:
     """The pushes of :class:`~remote_module.ps.tables._embedding.ShardedEmbedding`'s steps (a
     part of it: it uses the table's servers, gradients and step count)."""
@@ -159,8 +166,9 @@ class TablePushes:
                 ids_parts.append(uniq[keep])
                 grad_parts.append(g[keep])
         has_grad = bool(taken)
-        ids = torch.cat(ids_parts) if ids_parts else torch.empty(0, dtype=torch.long)
-        grad = torch.cat(grad_parts) if grad_parts else torch.empty(0, self.embedding_dim)
+        # (one lookup's gradient, the usual step, goes as it is: the push is pickled when sent)
+        ids = _joined(ids_parts, torch.empty(0, dtype=torch.long))
+        grad = _joined(grad_parts, torch.empty(0, self.embedding_dim))
         if self.ps_mode == "geo":  # (a plan only when this step pushes the deltas)
             return self._geo_step(ids, grad, has_grad)
         calls = []
