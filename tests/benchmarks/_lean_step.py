@@ -8,8 +8,9 @@ batch's lookup sent with this step's push in one call, answered once the push is
 - :class:`TrainerRows` (the form the library uses): the trainer deduplicates the ids, computes
   the unique rows' gradients in backward and sends them; the server adds them and pools the
   next lookup.
-- :class:`ServerRows`: the trainer sends the pooled bags' gradient; the server computes the rows'
-  gradients from the lookup it answered last (its ids and bags), adds them and pools the next.
+- :class:`ServerRows`: the trainer sends the pooled bags' gradient; the server adds each
+  position's gradient to its row, for the lookup it answered last (its ids and bags; as local
+  sparse SGD does, with no deduplication), and pools the next.
 
 Each checks the ids it sends (in range) and records its output for backward with one autograd
 node, as any correct step must; nothing else (no retries, no failure handling, no modes, no
@@ -56,15 +57,15 @@ def _trainer_rows_step(name: str, uniq: torch.Tensor | None, rows: torch.Tensor 
 
 def _server_rows_step(name: str, grad: torch.Tensor | None, ids: torch.Tensor,
                       offsets: torch.Tensor) -> torch.Tensor:
-    """(On the server) the rows' gradients of the last lookup from its bags' gradient ``grad``
-    (SGD), then pool ``ids``."""
+    """(On the server) SGD on the rows of the last lookup from its bags' gradient ``grad``, then
+    pool ``ids``. Each position's gradient is added to its row in position order, as a local
+    ``nn.EmbeddingBag(sparse=True)`` + ``torch.optim.SGD`` adds its uncoalesced sparse gradient
+    (the same bits), so no deduplication is needed."""
     table = _TABLES[name]
     if grad is not None:
         last, last_offsets = table["last"]
         bags = torch.searchsorted(last_offsets, torch.arange(last.numel()), right=True) - 1
-        uniq, inverse = torch.unique(last, return_inverse=True)
-        rows = torch.zeros(uniq.numel(), grad.shape[1]).index_add_(0, inverse, grad.index_select(0, bags))
-        table["weight"].index_add_(0, uniq, rows, alpha=-table["lr"])
+        table["weight"].index_add_(0, last, grad.index_select(0, bags), alpha=-table["lr"])
     return _pooled(table, ids, offsets)
 
 
