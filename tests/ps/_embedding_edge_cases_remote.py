@@ -439,3 +439,22 @@ def same_bags_sharded(name: str, servers: list[str]) -> dict:
     t = table(name, bag="sum", servers=servers)
     got = same_bags_lookups(t, t.step)
     return {"outputs": got, "weight": t.state_dict()["weight"]}
+
+
+def pickled_sizes_around_a_lookup(name: str, servers: list[str], n: int) -> dict:
+    """The pickled size of a sum bag table before and after a lookup of ``n`` ids (with grad,
+    then without), and the outputs of that lookup on a deep copy and an unpickled copy."""
+    import copy
+    import pickle
+
+    t = table(name, rows=1000, bag="sum", servers=servers)
+    ids, offsets = torch.arange(n) % 1000, torch.arange(0, n, 4)
+    before = len(pickle.dumps(t))
+    t(ids, offsets).sum().backward()
+    t.zero_grad()
+    with torch.no_grad():
+        out = t(ids, offsets)
+    after = len(pickle.dumps(t))
+    copies = [copy.deepcopy(t)(ids, offsets).detach(), pickle.loads(pickle.dumps(t))(ids, offsets).detach()]
+    t.zero_grad()
+    return {"before": before, "after": after, "out": out, "copies": copies}

@@ -342,3 +342,14 @@ def test_a_bag_table_reusing_its_last_bags_pools_and_trains_as_torch_when_they_c
         else:
             torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5, msg=lambda m, k=k: f"lookup {k}: {m}")
     torch.testing.assert_close(got["weight"], local.weight.detach(), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("servers", [["ps0"], ["ps0", "ps1"]], ids=["one_server", "two_servers"])
+def test_a_bag_table_pickles_without_its_last_lookups_bags(world, servers):
+    """A bag table keeps its last lookup's bags (as big as the batch) for the next lookup; a
+    deep copy or pickle of it (torch.save(model), an RPC argument) carries none of them, and the
+    copies pool as the table."""
+    got = on_trainer0(world, h.pickled_sizes_around_a_lookup, job("bags-pickled"), servers, 40_000)
+    assert got["after"] < got["before"] + 4_000, got
+    for copied in got["copies"]:
+        torch.testing.assert_close(copied, got["out"])

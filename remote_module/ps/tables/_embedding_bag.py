@@ -116,6 +116,17 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         self.include_last_offset = include_last_offset
         self._bags_known: _Bags | None = None  # the last lookup's bags (_keep_bags)
 
+    def __getstate__(self) -> dict:
+        """As :class:`ShardedEmbedding`'s, less the last lookup's bags (this trainer's, as big
+        as its batch: a copy or ``torch.save(model)`` of the table does not carry them)."""
+        state = super().__getstate__()
+        state["_bags_known"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        state.setdefault("_bags_known", None)  # (a table pickled before it kept them)
+        super().__setstate__(state)
+
     def _repr_parts(self) -> list[str]:
         parts = super()._repr_parts()
         extra = [f"mode={self.bag_mode!r}"] + (["include_last_offset=True"] if self.include_last_offset else [])
