@@ -458,3 +458,36 @@ def pickled_sizes_around_a_lookup(name: str, servers: list[str], n: int) -> dict
     copies = [copy.deepcopy(t)(ids, offsets).detach(), pickle.loads(pickle.dumps(t))(ids, offsets).detach()]
     t.zero_grad()
     return {"before": before, "after": after, "out": out, "copies": copies}
+
+
+# ---- a lookup's gradient pushed as its bags' gradient ---------------------------------------------
+
+#: steps of ``bags_form_steps``: each a list of lookups ``(ids, offsets)`` trained before one step
+BAGS_FORM_STEPS = [
+    [([1, 2, 4, 5, 4, 19], [0, 2, 2, 4])],  # an empty bag; ids on both servers
+    [([1, 2, 3, 1], [0, 1])],  # ids on ps0 only: ps1 gets an empty push
+    [([11, 12, 11, 0], [0, 3]), ([5, 11, 5], [0, 1])],  # two lookups, one step: the rows' form
+    [([[3, 13], [13, 3], [0, 0]], None)],  # 2-d input
+]
+
+
+def bags_form_steps(bag: nn.Module, step: Callable[[], None]) -> list[int]:
+    """``BAGS_FORM_STEPS`` on ``bag``, each lookup's output weighed differently in the loss; the
+    bytes each step pushed (a sharded table's ``_pushed_bytes``, 0 for a local module)."""
+    pushed = []
+    for k, lookups in enumerate(BAGS_FORM_STEPS):
+        before = getattr(bag, "_pushed_bytes", 0)
+        for j, (ids, offsets) in enumerate(lookups):
+            pooled = bag(torch.tensor(ids), None if offsets is None else torch.tensor(offsets))
+            weights = torch.arange(pooled.numel(), dtype=pooled.dtype).reshape(pooled.shape) / 7 - k + j
+            (pooled * weights).sum().backward()
+        step()
+        getattr(bag, "flush", lambda: None)()
+        pushed.append(getattr(bag, "_pushed_bytes", 0) - before)
+    return pushed
+
+
+def bags_form_sharded(name: str, mode: str) -> dict:
+    t = table(name, bag=mode)
+    pushed = bags_form_steps(t, t.step)
+    return {"pushed": pushed, "weight": t.state_dict()["weight"]}

@@ -353,3 +353,31 @@ def test_a_bag_table_pickles_without_its_last_lookups_bags(world, servers):
     assert got["after"] < got["before"] + 4_000, got
     for copied in got["copies"]:
         torch.testing.assert_close(copied, got["out"])
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_a_bag_lookups_gradient_is_pushed_as_its_bags_gradient_and_trains_as_torch(world, mode):
+    """A float32 sum or mean lookup without padding row or weights pushes its pooled bags'
+    gradient with the ids it sent each server (the servers compute the rows' gradients): an
+    empty bag, a server with none of the ids (an empty push), two lookups in one step (pushed
+    as rows, computed on the trainer) and a 2-d input train as a local
+    nn.EmbeddingBag(sparse=True) + SGD (atol 1e-6, rtol 1e-5). A step of one 1-d lookup pushes
+    ids (int32) + bag starts (int64) + the bags' gradient per server called, not a row per
+    distinct id."""
+    got = on_trainer0(world, h.bags_form_sharded, job(f"bags-form-{mode}"), mode)
+    local = nn.EmbeddingBag(20, 3, mode=mode, sparse=True, _weight=h.weights(0).clone())
+    opt = torch.optim.SGD(local.parameters(), lr=1.0)
+
+    def step():
+        opt.step()
+        opt.zero_grad()
+
+    h.bags_form_steps(local, step)
+    torch.testing.assert_close(got["weight"], local.weight.detach(), atol=1e-6, rtol=1e-5)
+    dim = 3
+    # step 0: ids 1, 2, 4, 5, 4 on ps0 (rows 0-9), 19 on ps1; 4 bags each
+    assert got["pushed"][0] == (5 * 4 + 4 * 8 + 4 * dim * 4) + (1 * 4 + 4 * 8 + 4 * dim * 4), got["pushed"]
+    # step 1: ps0 only (ps1's push is empty)
+    assert got["pushed"][1] == 4 * 4 + 2 * 8 + 2 * dim * 4, got["pushed"]
+    # step 2: two lookups: each one's rows (0, 11, 12, then 5, 11) as (int64 id, 3 floats)
+    assert got["pushed"][2] == 5 * (8 + dim * 4), got["pushed"]

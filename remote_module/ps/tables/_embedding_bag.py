@@ -8,9 +8,11 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 from torch import nn
 
+from remote_module._core import backward_accumulates
 from remote_module.ps.tables._embedding import ShardedEmbedding
 from remote_module.ps.tables._lookups import LookupPlan
 from remote_module.ps.tables._prefetch import Prefetch
+from remote_module.ps.tables._recording import BagsGradient
 from remote_module.ps.tables.server import _handlers
 from remote_module.ps.tables.server._pooling import check_offsets, with_padding_row
 from remote_module.ps.tables.server._requests import BagsRead, RowsRead
@@ -48,6 +50,33 @@ class _BagRows(torch.autograd.Function):
         return rows, None, None, None, None, None
 
 
+class _BagsGradient(torch.autograd.Function):
+    """The pooled bags of a float32 sum or mean lookup of the servers' rows (no padding row, no
+    ``per_sample_weights``), recorded for the table's step in one node: backward hands the
+    table a :class:`BagsGradient` (the bags' gradient, as torch's ``embedding_bag`` backward
+    starts from it) and gives the grad marker a zero-size gradient, as ``_RowsForStep`` does;
+    the rows' gradients are computed by the servers at the push. The trainer neither
+    deduplicates the ids nor sums the rows."""
+
+    @staticmethod
+    def forward(ctx: Any, pooled: torch.Tensor, marker: torch.Tensor, keep: Callable, accumulator: Any,
+                pooling: "_Pooling", sizes: torch.Tensor | None) -> torch.Tensor:
+        ctx.keep, ctx.accumulator, ctx.pooling, ctx.sizes = keep, accumulator, pooling, sizes
+        ctx.marker = (marker.dtype, marker.device)
+        return pooled.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        # as a parameter's .grad: only a backward that accumulates into the marker records
+        if backward_accumulates(ctx.accumulator):
+            if ctx.sizes is not None:
+                grad = grad / ctx.sizes
+            pooling = ctx.pooling
+            ctx.keep(BagsGradient(pooling.flat, pooling.bags, pooling.shares, grad))
+        dtype, device = ctx.marker
+        return None, torch.zeros(0, dtype=dtype, device=device), None, None, None, None
+
+
 class _Bags(NamedTuple):
     """The bags of a lookup (:meth:`ShardedEmbeddingBag._keep_bags`), with what identifies them."""
 
@@ -79,6 +108,8 @@ class _Pooling(NamedTuple):
     num_bags: int
     grad: bool  # whether it records gradients (recorded when the output is made)
     dtype: torch.dtype  # the output's
+    bags_form: bool  # recorded as its bags' gradient (_BagsGradient): no unique ids, no holder
+    shares: dict  # per server index called: (the ids sent there, each bag's first position among them)
 
 
 class ShardedEmbeddingBag(ShardedEmbedding):
@@ -156,6 +187,13 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         a mean is the sum over the bag's size; maxima with the row that holds each), so only
         ``(bags, dim)`` partial results travel. In geo mode, and when ``per_sample_weights``
         needs a gradient (which needs the rows), the rows are fetched and pooled here instead.
+
+        A float32 sum or mean lookup that records gradients, without ``padding_idx`` or
+        ``per_sample_weights``, is recorded as its pooled bags' gradient: the next
+        :meth:`step` sends each server the ids this lookup sent it, with the bags' gradient,
+        and the server computes the rows' gradients (the same bits the trainer would), so the
+        trainer does not deduplicate the ids. Several lookups in one step push their rows'
+        gradients, computed here.
         """
         return self._looked_up(self._bag_args(input, offsets, per_sample_weights), self._lookup_plan)
 
@@ -190,7 +228,11 @@ class ShardedEmbeddingBag(ShardedEmbedding):
             check_offsets(offsets)
         if needs_rows:
             return self._pool_here_plan(input, offsets, per_sample_weights, wait_s)
-        if records:
+        # a float32 sum or mean lookup that records, without padding row or weights, is recorded
+        # as its bags' gradient (the servers compute the rows' gradients at the push)
+        bags_form = (records and self.bag_mode != "max" and dtype == torch.float32 and self.padding_idx is None
+                     and per_sample_weights is None)
+        if records and not bags_form:
             flat, uniq, inverse = self._unique(input)
             grad = True  # recorded when the output is made (_pooled): a prefetch's, at its forward
             # zero rows standing for the unique ids: torch's own embedding_bag on them checks the
@@ -203,9 +245,10 @@ class ShardedEmbeddingBag(ShardedEmbedding):
                 pad = int(hit[0]) if hit.numel() else None
             index = inverse.reshape(input.shape)
         else:
-            # nothing recorded: no unique ids needed (the servers pool every position); one zero
-            # row still lets torch's embedding_bag check the arguments and give the shape
-            flat, grad = self._checked_ids(input), False
+            # no unique ids needed (the servers pool every position, and compute the rows'
+            # gradients of a lookup in the bags' form); one zero row still lets torch's
+            # embedding_bag check the arguments and give the shape
+            flat, grad = self._checked_ids(input), bags_form
             uniq = inverse = None
             holder = torch.zeros(1, self.embedding_dim, dtype=dtype)
             pad, index = None, None
@@ -229,7 +272,7 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         weights = None if per_sample_weights is None else per_sample_weights.reshape(-1).detach()
         keep = flat != self.padding_idx if self.padding_idx is not None else None
         server_of = self._server_of(flat) if kind == "max" or len(self._server_names) > 1 else None
-        calls, called = [], []
+        calls, called, shares = [], [], {}
         wire = torch.int32 if self.num_embeddings <= 2**31 else torch.int64  # ids travel as int32 when they fit
         for k, server, mine in self._by_server_of(flat, keep, server_of):
             ids = flat[mine]
@@ -238,11 +281,13 @@ class ShardedEmbeddingBag(ShardedEmbedding):
             w = None if weights is None else weights[mine]
             # this server's share of each bag starts where its positions reach that bag
             starts = starts_alone if mine is ALL else torch.searchsorted(bags[mine], positions)
-            calls.append((server, self._reader(), RowsRead(self.name, ids.to(wire), self._step, (starts, w, kind),
-                                                           wait_s)))
+            sent = ids.to(wire)
+            calls.append((server, self._reader(), RowsRead(self.name, sent, self._step, (starts, w, kind), wait_s)))
             called.append(k)
+            if bags_form:
+                shares[k] = (sent, starts)
         pooling = _Pooling(kind, called, flat, uniq, inverse, bags, weights, keep, holder, zero, server_of, num_bags,
-                           grad, dtype)
+                           grad, dtype, bags_form, shares)
         return LookupPlan(calls, partial(self._pooled, pooling))
 
     def _known_bags(self, input: torch.Tensor, offsets: Any, per_sample_weights: Any,
@@ -303,10 +348,11 @@ class ShardedEmbeddingBag(ShardedEmbedding):
 
     def _pooled(self, pooling: _Pooling, got: list) -> torch.Tensor:
         """The output of a lookup from the servers' answers ``got`` (see :meth:`_lookup_plan`)."""
-        kind, called, flat, uniq, inverse, bags, weights, keep, holder, zero, server_of, num_bags, grad, dtype = pooling
+        kind, called, flat, uniq, inverse, bags, weights, keep, holder, zero, server_of, num_bags, grad, dtype = (
+            pooling[:14])
         if grad:
             grad = self._records_gradients()  # (warns of gradients never pushed, as every recording lookup)
-            if grad:
+            if grad and not pooling.bags_form:
                 holder = self._rows_recorded(uniq, holder)
         if kind == "sum":
             if len(got) == 1:  # (the servers pool float32)
@@ -323,6 +369,8 @@ class ShardedEmbeddingBag(ShardedEmbedding):
             total = total.to(dtype)
             if not grad:
                 return total
+            if pooling.bags_form:
+                return self._bags_recorded(pooling, total, sizes)
             if keep is not None:
                 inverse, bags, weights = inverse[keep], bags[keep], None if weights is None else weights[keep]
             return _BagRows.apply(holder, total, inverse, bags, weights, sizes)
@@ -338,6 +386,13 @@ class ShardedEmbeddingBag(ShardedEmbedding):
             row = torch.searchsorted(uniq, winner[b, d])
             out = out + torch.zeros(num_bags, self.embedding_dim, dtype=dtype).index_put((b, d), holder[row, d])
         return out.to(dtype)
+
+    def _bags_recorded(self, pooling: _Pooling, total: torch.Tensor, sizes: torch.Tensor | None) -> torch.Tensor:
+        """``total``, the pooled bags of a lookup in the bags' form, recorded for :meth:`step`
+        (:class:`_BagsGradient`), under the marker lock as ``_rows_recorded`` records rows."""
+        with self._marker_lock:
+            marker, accumulator = self._hooked_marker()
+            return _BagsGradient.apply(total, marker, self._keep_gradient, accumulator, pooling, sizes)
 
     def _merge_maxima(self, got: list, called: list[int], flat: torch.Tensor, bags: torch.Tensor,
                       keep: torch.Tensor | None, server_of: torch.Tensor, num_bags: int

@@ -13,8 +13,9 @@ import torch
 from remote_module._core import to_exception
 from remote_module.ps._rowwise import coalesce, row_gradients
 from remote_module.ps._steps import Flight, PushPlan, run_push_plans, set_push_packer, settings_plans
+from remote_module.ps.tables._recording import BagsGradient
 from remote_module.ps.tables.server import _handlers
-from remote_module.ps.tables.server._requests import PackedEntry, RowDeltasPush, RowsPush, TablesPush
+from remote_module.ps.tables.server._requests import BagsPush, PackedEntry, RowDeltasPush, RowsPush, TablesPush
 
 
 def table_push_failure(server: str, table: str, failure: Any) -> BaseException:
@@ -156,6 +157,8 @@ class TablePushes:
         self._wait_pushes()
         if taken is None:
             taken = self._take_for_step()
+        if len(taken) == 1 and isinstance(taken[0], BagsGradient) and self.ps_mode != "geo":
+            return self._bags_push_plan(taken)
         ids_parts, grad_parts = [], []
         for uniq, g in map(row_gradients, taken):
             if self.padding_idx is None:
@@ -192,6 +195,36 @@ class TablePushes:
         sent = sum(p.ids.numel() * p.ids.element_size() + p.grad.numel() * p.grad.element_size()
                    for p in pushes if p.ids is not None)
         done, failed = self._pushed(taken, pushing, sent)
+        took: list[str] = []
+
+        def partly(oks: list[bool]) -> None:  # (before failed(): the servers that applied theirs)
+            took[:] = [server for (server, _, _), ok in zip(calls, oks) if ok]
+
+        return PushPlan(calls, done, partial(failed, took), partly=partly)
+
+    def _bags_push_plan(self, taken: list) -> PushPlan:
+        """:meth:`_push_plan` of one lookup's gradient in the bags' form (``taken``: its
+        ``BagsGradient``): each server that lookup sent ids to gets them back with the bags'
+        gradient (``_push_bags``: the server computes their rows' gradients, the same rows and
+        bits as :meth:`_push_plan`'s), every other server an empty push (a step all the same).
+        A server that applied this step already (the retry of a failed step) is left out."""
+        bags = taken[0]
+        calls = []
+        for k, server in enumerate(self._server_names):
+            share = bags.shares.get(k)
+            if share is None:
+                if server not in self._took:
+                    calls.append((server, _handlers._push_rows,
+                                  RowsPush(self.name, self._trainer, self._step, torch.empty(0, dtype=torch.long),
+                                           torch.zeros(0, self.embedding_dim), self._token)))
+                continue
+            ids, first = share
+            calls.append((server, _handlers._push_bags,
+                          BagsPush(self.name, self._trainer, self._step, ids, first, bags.grad, self._token)))
+        sent = sum(push.ids.numel() * push.ids.element_size() + push.first.numel() * push.first.element_size()
+                   + push.grads.numel() * push.grads.element_size()
+                   for _, _, push in calls if isinstance(push, BagsPush))
+        done, failed = self._pushed(taken, True, sent)
         took: list[str] = []
 
         def partly(oks: list[bool]) -> None:  # (before failed(): the servers that applied theirs)

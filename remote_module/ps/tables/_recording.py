@@ -16,6 +16,7 @@ import torch
 
 from remote_module._core import backward_accumulates, user_stacklevel
 from remote_module.ps._optimizer import changed_group_lr
+from remote_module.ps._rowwise import pooled_rows
 
 #: backward passes a table records without a step() before it warns that its gradients are never
 #: pushed, where no local optimizer step told it sooner (gradient accumulation stays below this)
@@ -37,6 +38,23 @@ class RecordedTogether(NamedTuple):
 
     gradient: Any
     lookup: Any
+
+
+class BagsGradient:
+    """A lookup's gradient as backward left it, in the bags' form (``_embedding_bag._BagsGradient``): the
+    gradient of its pooled bags (divided by each bag's size for a mean), with the lookup as it
+    was sent (``shares``: per server index, the ids sent there and each bag's first position
+    among them), so a step can push it as it is and each server computes its rows' gradients
+    (``_handlers._push_bags``); ``rows()`` computes them here, the same bits, for the paths that
+    need the rows (several lookups in one step, a retry after a partial failure)."""
+
+    __slots__ = ("flat", "bags", "shares", "grad")
+
+    def __init__(self, flat: torch.Tensor, bags: torch.Tensor, shares: dict, grad: torch.Tensor) -> None:
+        self.flat, self.bags, self.shares, self.grad = flat, bags, shares, grad
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return pooled_rows(self.flat, self.bags, self.grad)
 
 
 class _RowsForStep(torch.autograd.Function):

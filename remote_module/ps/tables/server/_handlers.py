@@ -34,7 +34,7 @@ from remote_module.ps._modes import (
     read_when_applied,
     take_settings,
 )
-from remote_module.ps._rowwise import bag_index, pooled_rows_of_ranges
+from remote_module.ps._rowwise import bag_index, pooled_rows, pooled_rows_of_ranges
 from remote_module.ps.tables.server._rows import TableSpec
 from remote_module.ps.tables.server._table import Table
 
@@ -199,6 +199,16 @@ def _refusals(errors: list[BaseException]) -> BaseException:
 def _push_rows(name: str, trainer: str, step: int, ids: torch.Tensor, grad: torch.Tensor,
                token: str | None = None) -> None:
     _table(name).push(trainer, step, ids, grad, token)
+
+
+def _push_bags(name: str, trainer: str, step: int, ids: torch.Tensor, first: torch.Tensor, grads: torch.Tensor,
+               token: str | None = None) -> None:
+    """:func:`_push_rows` of one table's lookup from the gradient of its pooled bags
+    (:class:`~remote_module.ps.tables.server._requests.BagsPush`): each row's gradient is the
+    sum, in position order, of its positions' bags' gradients, the trainer's sum bit for bit
+    (:func:`pooled_rows`)."""
+    uniq, rows = pooled_rows(ids, bag_index(first, ids.numel()), grads)
+    _push_rows(name, trainer, step, uniq, rows, token)
 
 
 def _push_tables(entries: list[tuple], ids: torch.Tensor, grads: torch.Tensor) -> list[tuple[bool, object]]:

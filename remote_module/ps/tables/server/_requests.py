@@ -66,6 +66,21 @@ class RowsPush(NamedTuple):
     token: str | None = None
 
 
+class BagsPush(NamedTuple):
+    """``_handlers._push_bags``: one table's push of a step as the gradient of the pooled bags
+    of its lookup (the trainer's ``_BagsGradient``): ``ids`` as that lookup sent them to this
+    server, ``first`` each bag's first position among them (as sent), ``grads`` every bag's
+    gradient (divided by its size for a mean); the server computes the rows' gradients."""
+
+    name: str
+    trainer: str
+    step: int
+    ids: torch.Tensor
+    first: torch.Tensor
+    grads: torch.Tensor
+    token: str | None = None
+
+
 class PackedEntry(NamedTuple):
     """A table's push among several in one ``_push_tables`` call: its ``rows`` ids and gradient
     rows are the next ones of the call's packed tensors."""
