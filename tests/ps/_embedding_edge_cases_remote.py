@@ -491,3 +491,25 @@ def bags_form_sharded(name: str, mode: str) -> dict:
     t = table(name, bag=mode)
     pushed = bags_form_steps(t, t.step)
     return {"pushed": pushed, "weight": t.state_dict()["weight"]}
+
+
+def bags_form_given_gradient(bag: nn.Module, step: Callable[[], None]) -> None:
+    """A lookup backpropagated from a gradient tensor the caller owns (``out.backward(g)``: a
+    pipeline stage's received gradient), which it refills before the step (the buffer reused),
+    then a second lookup and backward from it before one step."""
+    g = torch.empty(3, 3)
+    for k, (ids, offsets) in enumerate([([1, 2, 4, 5, 4, 19], [0, 2, 4]), ([3, 13, 3, 0, 7, 11], [0, 1, 5])]):
+        out = bag(torch.tensor(ids), torch.tensor(offsets))
+        g.copy_(torch.arange(9.0).reshape(3, 3) / 3 - k)
+        out.backward(g)
+        g.zero_()
+        if k == 0:
+            step()
+
+
+def bags_form_given_gradient_sharded(name: str, mode: str) -> torch.Tensor:
+    t = table(name, bag=mode)
+    bags_form_given_gradient(t, t.step)
+    t.step()
+    t.flush()
+    return t.state_dict()["weight"]

@@ -381,3 +381,21 @@ def test_a_bag_lookups_gradient_is_pushed_as_its_bags_gradient_and_trains_as_tor
     assert got["pushed"][1] == 4 * 4 + 2 * 8 + 2 * dim * 4, got["pushed"]
     # step 2: two lookups: each one's rows (0, 11, 12, then 5, 11) as (int64 id, 3 floats)
     assert got["pushed"][2] == 5 * (8 + dim * 4), got["pushed"]
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_a_bag_lookups_gradient_given_by_the_caller_is_pushed_as_it_was_at_backward(world, mode):
+    """out.backward(g) from a tensor the caller refills before the step (a reused buffer): the
+    step pushes the gradient backward was given, as a local nn.EmbeddingBag(sparse=True) +
+    SGD trains (its backward used it), for one lookup (the bags' form) and two (rows)."""
+    got = on_trainer0(world, h.bags_form_given_gradient_sharded, job(f"bags-form-given-{mode}"), mode)
+    local = nn.EmbeddingBag(20, 3, mode=mode, sparse=True, _weight=h.weights(0).clone())
+    opt = torch.optim.SGD(local.parameters(), lr=1.0)
+
+    def step():
+        opt.step()
+        opt.zero_grad()
+
+    h.bags_form_given_gradient(local, step)
+    step()
+    torch.testing.assert_close(got, local.weight.detach(), atol=1e-6, rtol=1e-5)

@@ -69,8 +69,10 @@ class _BagsGradient(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         # as a parameter's .grad: only a backward that accumulates into the marker records
         if backward_accumulates(ctx.accumulator):
-            if ctx.sizes is not None:
-                grad = grad / ctx.sizes
+            # kept until the step, so a copy: the gradient given may be the caller's own tensor
+            # (out.backward(g), a reused buffer), which it may change before step() (as a
+            # local module's backward has used it by then)
+            grad = grad.clone() if ctx.sizes is None else grad / ctx.sizes
             pooling = ctx.pooling
             ctx.keep(BagsGradient(pooling.flat, pooling.bags, pooling.shares, grad))
         dtype, device = ctx.marker
