@@ -131,7 +131,7 @@ def bag_index(starts: torch.Tensor, n: int) -> torch.Tensor:
     counts = torch.diff(starts.long(), append=torch.tensor([n]))
     if starts.numel() and (int(starts[0]) != 0 or bool((counts < 0).any())):
         raise ValueError(f"bag starts must begin at 0, not decrease, and not pass the {n} positions")
-    return torch.repeat_interleave(torch.arange(starts.numel()), counts)
+    return torch.repeat_interleave(counts)
 
 
 def pooled_rows(ids: torch.Tensor, bag_of: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,32 +144,6 @@ def pooled_rows(ids: torch.Tensor, bag_of: torch.Tensor, grad: torch.Tensor) -> 
         raise ValueError(f"a pooled gradient of shape {tuple(grad.shape)} for ids of shape {tuple(ids.shape)} in bags "
                          f"of shape {tuple(bag_of.shape)} do not fit")
     return coalesce(ids.long(), grad.index_select(0, bag_of))
-
-
-def pooled_rows_of_ranges(ids: torch.Tensor, bag_of: torch.Tensor, grad: torch.Tensor,
-                          ranges: list[tuple[int, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """:func:`pooled_rows` of each range ``(lo, hi)`` of positions (each a table's ids, in its
-    own id space; ``bag_of``: each position's row of ``grad``), in one pass over all of them:
-    one ``unique`` of (range, id) keys and one sum, each row's in position order, so the same
-    bits as each range alone."""
-    dim = grad.shape[1]
-    out = [(torch.empty(0, dtype=torch.long), grad.new_zeros(0, dim))] * len(ranges)
-    live = [(j, lo, hi) for j, (lo, hi) in enumerate(ranges) if hi > lo]
-    if not live:
-        return out
-    lengths = torch.tensor([hi - lo for _, lo, hi in live])
-    contiguous = live[0][1] == 0 and all(a[2] == b[1] for a, b in zip(live, live[1:])) and live[-1][2] == ids.numel()
-    at = None if contiguous else torch.cat([torch.arange(lo, hi) for _, lo, hi in live])
-    mine = ids.long() if at is None else ids.long()[at]
-    span = int(mine.max()) + 1
-    keys = torch.repeat_interleave(torch.arange(len(live)), lengths) * span + mine
-    per_position = grad.index_select(0, bag_of if at is None else bag_of[at])
-    uniq, inverse = torch.unique(keys, sorted=True, return_inverse=True)
-    rows = torch.zeros(uniq.numel(), dim, dtype=grad.dtype).index_add_(0, inverse, per_position)
-    cuts = torch.searchsorted(uniq, torch.arange(len(live) + 1) * span).tolist()
-    for k, (j, _, _) in enumerate(live):
-        out[j] = (uniq[cuts[k]:cuts[k + 1]] - k * span, rows[cuts[k]:cuts[k + 1]])
-    return out
 
 
 def row_gradients(entry: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -362,8 +362,8 @@ def test_a_bag_lookups_gradient_is_pushed_as_its_bags_gradient_and_trains_as_tor
     empty bag, a server with none of the ids (an empty push), two lookups in one step (pushed
     as rows, computed on the trainer) and a 2-d input train as a local
     nn.EmbeddingBag(sparse=True) + SGD (atol 1e-6, rtol 1e-5). A step of one 1-d lookup pushes
-    ids (int32) + bag starts (int64) + the bags' gradient per server called, not a row per
-    distinct id."""
+    ids (int32) + bag starts (int64) + bags' gradients per server called, not a row per
+    distinct id, and only the bags with ids there."""
     got = on_trainer0(world, h.bags_form_sharded, job(f"bags-form-{mode}"), mode)
     local = nn.EmbeddingBag(20, 3, mode=mode, sparse=True, _weight=h.weights(0).clone())
     opt = torch.optim.SGD(local.parameters(), lr=1.0)
@@ -375,8 +375,9 @@ def test_a_bag_lookups_gradient_is_pushed_as_its_bags_gradient_and_trains_as_tor
     h.bags_form_steps(local, step)
     torch.testing.assert_close(got["weight"], local.weight.detach(), atol=1e-6, rtol=1e-5)
     dim = 3
-    # step 0: ids 1, 2, 4, 5, 4 on ps0 (rows 0-9), 19 on ps1; 4 bags each
-    assert got["pushed"][0] == (5 * 4 + 4 * 8 + 4 * dim * 4) + (1 * 4 + 4 * 8 + 4 * dim * 4), got["pushed"]
+    # step 0: ids 1, 2, 4, 5, 4 on ps0 (rows 0-9) in 3 of the 4 bags (one is empty), 19 on ps1 in
+    # the last: each server gets the gradient of the bags with ids there
+    assert got["pushed"][0] == (5 * 4 + 3 * 8 + 3 * dim * 4) + (1 * 4 + 1 * 8 + 1 * dim * 4), got["pushed"]
     # step 1: ps0 only (ps1's push is empty)
     assert got["pushed"][1] == 4 * 4 + 2 * 8 + 2 * dim * 4, got["pushed"]
     # step 2: two lookups: each one's rows (0, 11, 12, then 5, 11) as (int64 id, 3 floats)

@@ -11,7 +11,6 @@ from remote_module.ps._rowwise import (
     coalesce,
     new_state,
     pooled_rows,
-    pooled_rows_of_ranges,
     row_optimizer,
     step_rows,
 )
@@ -124,31 +123,6 @@ def test_pooled_rows_are_torchs_embedding_bag_gradient_and_the_trainers_sums_bit
         u, inverse = torch.unique(ids, sorted=True, return_inverse=True)
         old = torch.zeros(u.numel(), 3).index_add_(0, inverse, grad.index_select(0, bag_index(starts, ids.numel())))
         assert torch.equal(rows, old)
-
-
-def test_pooled_rows_of_ranges_equal_each_range_alone():
-    g = torch.Generator().manual_seed(4)
-    for trial in range(50):
-        ids, starts = _bags(g, 12, 7)
-        grad = torch.randn(12, 2, generator=g)
-        cuts = [0, *sorted(torch.randint(0, 13, (3,), generator=g).tolist()), 12]
-        ranges, bags = [], []
-        for a, b in zip(cuts, cuts[1:]):
-            lo = int(starts[a]) if a < 12 else ids.numel()
-            hi = int(starts[b]) if b < 12 else ids.numel()
-            ranges.append((lo, hi))
-            bags.append((a, b))
-        if trial % 2:
-            ranges[1] = (0, 0)  # a table pushed without its ids here (or left out): nothing for it
-        if not ids.numel():
-            continue
-        got = pooled_rows_of_ranges(ids, bag_index(starts, ids.numel()), grad, ranges)
-        for (lo, hi), (a, b), (uniq, rows) in zip(ranges, bags, got):
-            if hi == lo:
-                assert uniq.numel() == 0 and rows.shape == (0, 2)
-                continue
-            alone = pooled_rows(ids[lo:hi], bag_index(starts[a:b] - lo, hi - lo), grad[a:b])
-            assert torch.equal(uniq, alone[0]) and torch.equal(rows, alone[1])
 
 
 def test_bags_that_do_not_fit_are_a_value_error():

@@ -204,9 +204,11 @@ class TablePushes:
 
     def _bags_push_plan(self, taken: list) -> PushPlan:
         """:meth:`_push_plan` of one lookup's gradient in the bags' form (``taken``: its
-        ``BagsGradient``): each server that lookup sent ids to gets them back with the bags'
-        gradient (``_push_bags``: the server computes their rows' gradients, the same rows and
-        bits as :meth:`_push_plan`'s), every other server an empty push (a step all the same).
+        ``BagsGradient``): each server that lookup sent ids to gets them back with the gradient
+        of the bags holding ids there (``_push_bags``: the server makes each position's
+        gradient of them and applies it as :meth:`_push_plan`'s rows would be, summed per row
+        in position order, or added position by position for SGD), every other server an
+        empty push (a step all the same).
         A server that applied this step already (the retry of a failed step) is left out."""
         bags = taken[0]
         calls = []
@@ -219,8 +221,13 @@ class TablePushes:
                                            torch.zeros(0, self.embedding_dim), self._token)))
                 continue
             ids, first = share
+            grad = bags.grad
+            if len(self._server_names) > 1:  # only the bags with ids there: traffic does not grow with the servers
+                has = torch.cat([first[1:], first.new_tensor([ids.numel()])]) > first
+                if not bool(has.all()):
+                    first, grad = first[has], grad[has]
             calls.append((server, _handlers._push_bags,
-                          BagsPush(self.name, self._trainer, self._step, ids, first, bags.grad, self._token)))
+                          BagsPush(self.name, self._trainer, self._step, ids, first, grad, self._token)))
         sent = sum(push.ids.numel() * push.ids.element_size() + push.first.numel() * push.first.element_size()
                    + push.grads.numel() * push.grads.element_size()
                    for _, _, push in calls if isinstance(push, BagsPush))

@@ -34,7 +34,7 @@ from remote_module.ps._modes import (
     read_when_applied,
     take_settings,
 )
-from remote_module.ps._rowwise import bag_index, pooled_rows, pooled_rows_of_ranges
+from remote_module.ps._rowwise import bag_index
 from remote_module.ps.tables.server._rows import TableSpec
 from remote_module.ps.tables.server._table import Table
 
@@ -204,11 +204,14 @@ def _push_rows(name: str, trainer: str, step: int, ids: torch.Tensor, grad: torc
 def _push_bags(name: str, trainer: str, step: int, ids: torch.Tensor, first: torch.Tensor, grads: torch.Tensor,
                token: str | None = None) -> None:
     """:func:`_push_rows` of one table's lookup from the gradient of its pooled bags
-    (:class:`~remote_module.ps.tables.server._requests.BagsPush`): each row's gradient is the
-    sum, in position order, of its positions' bags' gradients, the trainer's sum bit for bit
-    (:func:`pooled_rows`)."""
-    uniq, rows = pooled_rows(ids, bag_index(first, ids.numel()), grads)
-    _push_rows(name, trainer, step, uniq, rows, token)
+    (:class:`~remote_module.ps.tables.server._requests.BagsPush`): each position's gradient is
+    its bag's, as torch's ``embedding_bag`` backward gives it; the table sums them per row in
+    position order (the trainer's sums bit for bit), or, for SGD, adds them in that order as
+    torch's sparse SGD does (``Table.apply``)."""
+    if grads.dim() != 2:
+        raise ValueError(f"a pooled gradient of shape {tuple(grads.shape)} does not fit ids of shape "
+                         f"{tuple(ids.shape)}")
+    _push_rows(name, trainer, step, ids.long(), grads.index_select(0, bag_index(first, ids.numel())), token)
 
 
 def _push_tables(entries: list[tuple], ids: torch.Tensor, grads: torch.Tensor) -> list[tuple[bool, object]]:
@@ -235,22 +238,28 @@ def _push_bag_tables(entries: list[tuple], ids: torch.Tensor | None, first: torc
     left it, in one call: ``ids`` as that lookup sent them (None: it had none of the batch's
     ids here), ``grads`` the gradient of each bag holding ids here, in batch order, and
     ``first`` each such bag's first position in ``ids``; ``entries`` are ``(name, trainer,
-    step, lo, hi, token)``, each table's ids ``ids[lo:hi]``. The rows' gradients of every
-    table are computed here at once (:func:`pooled_rows_of_ranges`: the sums the trainer
-    would compute, in position order, bit for bit); then each table's push runs as its own
-    call would, in order, and its outcome is answered alone, as :func:`_push_tables`'s."""
+    step, lo, hi, token)``, each table's ids ``ids[lo:hi]``. Each position's gradient is its
+    bag's (as torch's ``embedding_bag`` backward gives it); each table's push then runs as its
+    own call would (``Table.apply`` sums it per row in position order, the trainer's sums bit
+    for bit, or adds it position by position for SGD, as :func:`_push_bags` does for a table
+    alone), in order, and its outcome is answered alone, as :func:`_push_tables`'s."""
     n = 0 if ids is None else ids.numel()
-    ranges = [(lo, hi) if n else (0, 0) for _, _, _, lo, hi, _ in entries]
     try:
-        rows = pooled_rows_of_ranges(ids, bag_index(first, n), grads, ranges) if n else None
+        if n:
+            if grads.dim() != 2:
+                raise ValueError(f"a pooled gradient of shape {tuple(grads.shape)} does not fit ids of shape "
+                                 f"{tuple(ids.shape)}")
+            flat, per_position = ids.long(), grads.index_select(0, bag_index(first, n))
+            if any(not 0 <= lo <= hi <= n for _, _, _, lo, hi, _ in entries):
+                raise ValueError(f"table ranges {[(lo, hi) for _, _, _, lo, hi, _ in entries]} do not fit {n} ids")
     except BaseException as exc:  # (arguments that do not fit: every table's push fails)
         return [(False, capture(exc))] * len(entries)
     outcomes: list[tuple[bool, object]] = []
-    for j, (name, trainer, step, _, _, token) in enumerate(entries):
+    for name, trainer, step, lo, hi, token in entries:
         try:
             # (none of its ids here: an empty push, a step of the table all the same)
-            uniq, grad = rows[j] if rows is not None else (torch.empty(0, dtype=torch.long),
-                                                            torch.zeros(0, grads.shape[1]))
+            uniq, grad = (flat[lo:hi], per_position[lo:hi]) if n else (torch.empty(0, dtype=torch.long),
+                                                                        torch.zeros(0, grads.shape[1]))
             _push_rows(name, trainer, step, uniq, grad, token)
             outcomes.append((True, None))
         except BaseException as exc:  # that push's own failure, answered alone

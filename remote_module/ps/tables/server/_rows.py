@@ -442,7 +442,10 @@ class RowBlock:
     def step(self, ids: torch.Tensor, grad: torch.Tensor, step: int, scale: float = 1.0,
              opt: RowOptimizer | None = None) -> None:
         """One row-wise optimizer step on coalesced ``ids`` / ``grad`` (``grad * scale``), with
-        the table's optimizer or ``opt`` (its settings as a trainer's ps_optimizer set them)."""
+        the table's optimizer or ``opt`` (its settings as a trainer's ps_optimizer set them).
+        SGD (stateless) adds the gradient rows in order, as ``index_add_`` (torch's sparse SGD
+        adds a sparse gradient so), so ``ids`` may repeat there: each position's gradient is
+        added to its row as it comes."""
         opt = self.spec.optimizer if opt is None else opt
         if not ids.numel():
             return
@@ -453,10 +456,13 @@ class RowBlock:
                 where = self.state_slots(slots)
                 before = {k: v.index_select(0, where) for k, v in self.state.items()}
             g = grad * scale if scale != 1.0 else grad
-            new_values, after = step_rows(opt, self.values.index_select(0, slots), g, before, step)
-            self.values.index_copy_(0, slots, new_values)
-            for k, v in after.items():
-                self.state[k].index_copy_(0, where, v)
+            if opt.kind == "sgd":
+                self.values.index_add_(0, slots, g, alpha=opt.lr if opt.maximize else -opt.lr)
+            else:
+                new_values, after = step_rows(opt, self.values.index_select(0, slots), g, before, step)
+                self.values.index_copy_(0, slots, new_values)
+                for k, v in after.items():
+                    self.state[k].index_copy_(0, where, v)
             self.touched.index_fill_(0, slots, True)
             self.mark_changed(slots, self.clocks.version)
             if self.last is not None:  # (the step being applied: the table counts it once all blocks stepped)

@@ -161,7 +161,10 @@ class Table:
         ids are counted for admission (half_async counts each push as it arrives instead)."""
         settings = self.settings.latest if settings is None else settings
         opt = self.spec.optimizer._replace(**settings) if settings else None
-        uniq, summed = self._coalesced(ids, grad)
+        if self._adds_positions():  # (no sort: each position's gradient added in order, as torch's sparse SGD)
+            uniq, summed = self._without_padding(ids.long(), grad)
+        else:
+            uniq, summed = self._coalesced(ids, grad)
         parts = self._split(uniq)  # checked before anything changes
         self.clocks.bump()
         if admit and self.sketch is not None:
@@ -177,11 +180,20 @@ class Table:
     def _coalesced(self, ids: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A push's gradient summed per id (ids unique, ascending), without the padding row's
         (never trained: trainers leave it out; so does the server)."""
-        uniq, summed = coalesce(ids, grad)
+        return self._without_padding(*coalesce(ids, grad))
+
+    def _without_padding(self, ids: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.spec.padding_idx is not None:
-            keep = uniq != self.spec.padding_idx
-            uniq, summed = uniq[keep], summed[keep]
-        return uniq, summed
+            keep = ids != self.spec.padding_idx
+            ids, grad = ids[keep], grad[keep]
+        return ids, grad
+
+    def _adds_positions(self) -> bool:
+        """Whether a step adds a gradient as it comes, repeated ids and all, rather than summed
+        per id first: SGD (``RowBlock.step`` adds rows in order, as torch's sparse SGD adds its
+        uncoalesced gradient: the same bits), on eager rows (a lazy block creates rows per id)
+        without admission (which counts each id once per step)."""
+        return self.spec.optimizer.kind == "sgd" and self.spec.init != "lazy" and self.sketch is None
 
     def admitted(self, uniq: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Count this step's ids (unique, held here) that have no stored row, and keep the
