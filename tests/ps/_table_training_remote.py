@@ -256,6 +256,7 @@ def scheduled_lr(name: str, case: str) -> dict:
     params = model.dense.parameters() if case == "dense only" else model.parameters()
     opt = torch.optim.SGD(params, lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5 if case != "constant" else 1.0)
+    rows_sched = torch.optim.lr_scheduler.StepLR(bag.ps_optimizer, step_size=1, gamma=0.5) if case == "both" else None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for ids in BAGS * 2:
@@ -264,6 +265,8 @@ def scheduled_lr(name: str, case: str) -> dict:
             opt.step()
             bag.step()
             sched.step()
+            if rows_sched is not None:  # (the text-classification tutorial's port: both scheduled)
+                rows_sched.step()
     return {"warnings": [str(w.message) for w in caught if "lr" in str(w.message)],
             "categories": [w.category.__name__ for w in caught if "lr" in str(w.message)],
             "files": [w.filename for w in caught if "lr" in str(w.message)]}

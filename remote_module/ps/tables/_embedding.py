@@ -120,7 +120,8 @@ class ShardedEmbedding(TableCheckpoints, GradientRecording, TablePushes, nn.Modu
     Accumulating gradients over several backward passes before one step is silent.
     The rows step with the lr given in ``optimizer``: a local LR scheduler does not reach it,
     and changing the lr of an optimizer group holding ``grad_marker`` (a scheduler over
-    ``model.parameters()``) warns once (``UserWarning``).
+    ``model.parameters()``) warns once (``UserWarning``), unless ``ps_optimizer`` is
+    scheduled too.
 
     Example (ps0, ps1 only join RPC and wait)::
 

@@ -192,7 +192,12 @@ class GradientRecording:
         (or a hand-set ``group["lr"]``) changing the lr of the group that holds ``grad_marker``
         (an optimizer over ``model.parameters()``, as facebookresearch/dlrm schedules it) does
         not reach them, so warn once. A group's lr at the optimizer's first step seen is the
-        baseline; a group added later starts a new one."""
+        baseline; a group added later starts a new one. No warning once the table's own
+        ``ps_optimizer`` is scheduled (a scheduler attached to it, or its lr changed): a port that
+        schedules both optimizers, as the rows' lr needs, was told already."""
+        group = self.ps_optimizer.param_groups[0]
+        if "initial_lr" in group or float(group["lr"]) != float(self.ps_optimizer.defaults["lr"]):
+            return
         changed = changed_group_lr(self._group_lrs, optimizer, [self.grad_marker])
         if changed is None:
             return
