@@ -51,21 +51,21 @@ def _trainer_rows_step(name: str, uniq: torch.Tensor | None, rows: torch.Tensor 
     """(On the server) add the rows' gradients ``rows`` of ``uniq`` (SGD), then pool ``ids``."""
     table = _TABLES[name]
     if uniq is not None:
-        table["weight"].index_add_(0, uniq, rows, alpha=-table["lr"])
+        table["weight"].index_add_(0, uniq, rows * -table["lr"])  # (index_add_'s alpha takes a slow path)
     return _pooled(table, ids, offsets)
 
 
 def _server_rows_step(name: str, grad: torch.Tensor | None, ids: torch.Tensor,
                       offsets: torch.Tensor) -> torch.Tensor:
     """(On the server) SGD on the rows of the last lookup from its bags' gradient ``grad``, then
-    pool ``ids``. Each position's gradient is added to its row in position order, as a local
-    ``nn.EmbeddingBag(sparse=True)`` + ``torch.optim.SGD`` adds its uncoalesced sparse gradient
-    (the same bits), so no deduplication is needed."""
+    pool ``ids``. Each position's gradient (times the lr) is added to its row in position order,
+    as a local ``nn.EmbeddingBag(sparse=True)`` + ``torch.optim.SGD`` adds its uncoalesced
+    sparse gradient (up to float rounding), so no deduplication is needed."""
     table = _TABLES[name]
     if grad is not None:
         last, last_offsets = table["last"]
         bags = torch.searchsorted(last_offsets, torch.arange(last.numel()), right=True) - 1
-        table["weight"].index_add_(0, last, grad.index_select(0, bags), alpha=-table["lr"])
+        table["weight"].index_add_(0, last, grad.index_select(0, bags) * -table["lr"])
     return _pooled(table, ids, offsets)
 
 

@@ -443,9 +443,10 @@ class RowBlock:
              opt: RowOptimizer | None = None) -> None:
         """One row-wise optimizer step on coalesced ``ids`` / ``grad`` (``grad * scale``), with
         the table's optimizer or ``opt`` (its settings as a trainer's ps_optimizer set them).
-        SGD (stateless) adds the gradient rows in order, as ``index_add_`` (torch's sparse SGD
-        adds a sparse gradient so), so ``ids`` may repeat there: each position's gradient is
-        added to its row as it comes."""
+        SGD (stateless) adds the gradient rows, times the lr, in order with ``index_add_`` (as
+        torch's sparse SGD adds an uncoalesced gradient, up to float32 rounding: it scales inside
+        the add), so ``ids`` may repeat there: each position's gradient is added to its row as
+        it comes."""
         opt = self.spec.optimizer if opt is None else opt
         if not ids.numel():
             return
@@ -456,8 +457,8 @@ class RowBlock:
                 where = self.state_slots(slots)
                 before = {k: v.index_select(0, where) for k, v in self.state.items()}
             g = grad * scale if scale != 1.0 else grad
-            if opt.kind == "sgd":
-                self.values.index_add_(0, slots, g, alpha=opt.lr if opt.maximize else -opt.lr)
+            if opt.kind == "sgd":  # (index_add_ with an alpha takes a slow per-row path: scaled first)
+                self.values.index_add_(0, slots, g * (opt.lr if opt.maximize else -opt.lr))
             else:
                 new_values, after = step_rows(opt, self.values.index_select(0, slots), g, before, step)
                 self.values.index_copy_(0, slots, new_values)

@@ -161,7 +161,7 @@ class Table:
         ids are counted for admission (half_async counts each push as it arrives instead)."""
         settings = self.settings.latest if settings is None else settings
         opt = self.spec.optimizer._replace(**settings) if settings else None
-        if self._adds_positions():  # (no sort: each position's gradient added in order, as torch's sparse SGD)
+        if self._adds_positions():  # (no sort: each position's gradient added in order)
             uniq, summed = self._without_padding(ids.long(), grad)
         else:
             uniq, summed = self._coalesced(ids, grad)
@@ -190,8 +190,8 @@ class Table:
 
     def _adds_positions(self) -> bool:
         """Whether a step adds a gradient as it comes, repeated ids and all, rather than summed
-        per id first: SGD (``RowBlock.step`` adds rows in order, as torch's sparse SGD adds its
-        uncoalesced gradient: the same bits), on eager rows (a lazy block creates rows per id)
+        per id first (no sort): SGD (``RowBlock.step`` adds rows in order, as torch's sparse
+        SGD adds its uncoalesced gradient), on eager rows (a lazy block creates rows per id)
         without admission (which counts each id once per step)."""
         return self.spec.optimizer.kind == "sgd" and self.spec.init != "lazy" and self.sketch is None
 
