@@ -355,6 +355,18 @@ def test_a_bag_table_pickles_without_its_last_lookups_bags(world, servers):
         torch.testing.assert_close(copied, got["out"])
 
 
+def _local_sgd_bag(mode):
+    """A local nn.EmbeddingBag(sparse=True) of ``mode`` over the sharded tables' rows and a step()
+    of SGD (lr 1.0) + zero_grad(), as the sharded table's step() pushes and forgets."""
+    local = nn.EmbeddingBag(20, 3, mode=mode, sparse=True, _weight=h.weights(0).clone())
+    opt = torch.optim.SGD(local.parameters(), lr=1.0)
+
+    def step():
+        opt.step()
+        opt.zero_grad()
+    return local, step
+
+
 @pytest.mark.parametrize("mode", ["sum", "mean"])
 def test_a_bag_lookups_gradient_is_pushed_as_its_bags_gradient_and_trains_as_torch(world, mode):
     """A float32 sum or mean lookup without padding row or weights pushes its pooled bags'
@@ -365,13 +377,7 @@ def test_a_bag_lookups_gradient_is_pushed_as_its_bags_gradient_and_trains_as_tor
     ids (int32) + bag starts (int64) + bags' gradients per server called, not a row per
     distinct id, and only the bags with ids there."""
     got = on_trainer0(world, h.bags_form_sharded, job(f"bags-form-{mode}"), mode)
-    local = nn.EmbeddingBag(20, 3, mode=mode, sparse=True, _weight=h.weights(0).clone())
-    opt = torch.optim.SGD(local.parameters(), lr=1.0)
-
-    def step():
-        opt.step()
-        opt.zero_grad()
-
+    local, step = _local_sgd_bag(mode)
     h.bags_form_steps(local, step)
     torch.testing.assert_close(got["weight"], local.weight.detach(), atol=1e-6, rtol=1e-5)
     dim = 3
@@ -390,13 +396,7 @@ def test_a_bag_lookups_gradient_given_by_the_caller_is_pushed_as_it_was_at_backw
     step pushes the gradient backward was given, as a local nn.EmbeddingBag(sparse=True) +
     SGD trains (its backward used it), for one lookup (the bags' form) and two (rows)."""
     got = on_trainer0(world, h.bags_form_given_gradient_sharded, job(f"bags-form-given-{mode}"), mode)
-    local = nn.EmbeddingBag(20, 3, mode=mode, sparse=True, _weight=h.weights(0).clone())
-    opt = torch.optim.SGD(local.parameters(), lr=1.0)
-
-    def step():
-        opt.step()
-        opt.zero_grad()
-
+    local, step = _local_sgd_bag(mode)
     h.bags_form_given_gradient(local, step)
     step()
     torch.testing.assert_close(got, local.weight.detach(), atol=1e-6, rtol=1e-5)
