@@ -397,3 +397,45 @@ def test_a_lazy_lookup_and_step_of_fresh_ids_make_no_python_call_per_id():
     small, large = calls_for(64, 1), calls_for(2048, 2)
     for what, a, b in zip(("pooled lookup", "row lookup", "step"), small, large):
         assert b <= a + 40, f"{what}: {a} Python calls for 64 fresh ids, {b} for 2,048"
+
+
+@pytest.mark.parametrize("blocks", [[(0, 20)], [(0, 7), (7, 7), (14, 6)]])
+def test_an_async_sgd_push_that_does_not_fit_is_refused_before_it_changes_anything(blocks):
+    """An async SGD table adds a push's rows as they come (index_add_), so a push whose
+    gradient does not fit its ids (2-d ids, a row per bag short, a row of the wrong width: a
+    malformed BagsPush too) is a ValueError before anything changes, as in the other modes:
+    no step or version counted, no settings taken, rows and eviction clocks as they were. A
+    push naming rows not held here names each once."""
+    from remote_module.ps.tables.server import _handlers
+
+    name = job("sgd-push-refused")
+    s = TableSpec(20, 3, torch.float32, "eager", 0, "async", 1, row_optimizer(torch.optim.SGD, {"lr": 0.5}),
+                  evict_after=3)
+    table, _ = _handlers._tables.setdefault(name, lambda: Table(name, s, blocks))
+    _handlers._push_bags(name, "t0", 0, torch.tensor([1, 5, 5, 12], dtype=torch.int32), torch.tensor([0, 2]),
+                         torch.ones(2, 3))
+    for block in table.blocks:
+        block.track_changes()
+
+    def state():
+        return (table.optimizer_steps, table.clocks.version, table.clocks.step, table.lookup(torch.arange(20)),
+                [b.last.clone() for b in table.blocks], table.settings.latest)
+
+    before = state()
+    ids = torch.tensor([1, 5, 5, 1, 12, 3], dtype=torch.int32)
+    bad = [lambda: _handlers._push_bags(name, "t0", 1, torch.tensor([[1, 2], [2, 3]]), torch.tensor([0, 2]),
+                                        torch.ones(2, 3)),
+           lambda: _handlers._push_bags(name, "t0", 1, ids, torch.tensor([], dtype=torch.long), torch.ones(0, 3)),
+           lambda: _handlers._push_bags(name, "t0", 1, ids, torch.tensor([0, 2]), torch.ones(2, 1)),
+           lambda: _handlers._push_bags(name, "t0", 1, ids, torch.tensor([0, 2]), torch.ones(2, 4)),
+           lambda: _handlers._push_rows(name, "t0", 1, torch.tensor([5, 1, 5]), torch.ones(3, 1)),
+           lambda: _handlers._push_rows(name, "t0", 1, torch.tensor([5, 1, 5]), torch.ones(2, 3))]
+    for push in bad:
+        with pytest.raises(ValueError, match="pushed a gradient of shape"):
+            push()
+        after = state()
+        assert after[:3] == before[:3] and torch.equal(after[3], before[3]) and after[5] == before[5]
+        assert all(torch.equal(a, b) for a, b in zip(after[4], before[4]))
+    with pytest.raises(ValueError, match=r"rows \[-1, 25\] are not held on this server"):
+        _handlers._push_bags(name, "t0", 1, torch.tensor([25, 1, 25, -1, 25]), torch.tensor([0, 2]), torch.ones(2, 3))
+    assert state()[:3] == before[:3]

@@ -82,7 +82,7 @@ class Table:
         else:
             inside &= ids < self.ends[block.clamp(min=0)]
         if not bool(inside.all()):
-            bad = ids[~inside][:5].tolist()
+            bad = torch.unique(ids[~inside])[:5].tolist()  # (a push's ids may repeat: SGD adds them as they come)
             raise ValueError(f"table {self.name!r}: rows {bad} are not held on this server")
         return block
 
@@ -256,6 +256,7 @@ class Table:
             if ids is None and self.spec.mode != "sync":
                 return
             if self.spec.mode == "async":
+                self._check_shape(trainer, ids, grad)  # (apply checks the ids before anything changes)
                 self.settings.pushed(trainer)
                 self.apply(ids, grad)
                 return
@@ -290,14 +291,20 @@ class Table:
         """``ValueError`` unless ``grad`` has one row of ``dim`` values per id and every id
         (but the padding row) is held here: what :meth:`apply` would refuse later, when the push
         is counted in a step or queued with others."""
+        self._check_shape(trainer, ids, grad)
+        if self.spec.padding_idx is not None:
+            ids = ids[ids != self.spec.padding_idx]
+        self._split(ids)
+
+    def _check_shape(self, trainer: str, ids: torch.Tensor, grad: torch.Tensor) -> None:
+        """``ValueError`` unless ``grad`` has one row of ``dim`` values per id of 1-d ``ids``
+        (an async push too: ``apply`` would raise only once the step was counted: a refused
+        push changes nothing)."""
         if ids.dim() != 1 or tuple(grad.shape) != (ids.numel(), self.spec.dim):
             raise ValueError(
                 f"table {self.name!r}: trainer {trainer!r} pushed a gradient of shape {tuple(grad.shape)} for ids "
                 f"of shape {tuple(ids.shape)}; expected ({ids.numel()}, {self.spec.dim}) for 1-d ids"
             )
-        if self.spec.padding_idx is not None:
-            ids = ids[ids != self.spec.padding_idx]
-        self._split(ids)
 
     def _apply_step(self, pushes: list[tuple[str, tuple]]) -> None:
         """sync: one step's pushes (in trainer-name order) as one optimizer step of their sum /
