@@ -439,3 +439,26 @@ def test_an_async_sgd_push_that_does_not_fit_is_refused_before_it_changes_anythi
     with pytest.raises(ValueError, match=r"rows \[-1, 25\] are not held on this server"):
         _handlers._push_bags(name, "t0", 1, torch.tensor([25, 1, 25, -1, 25]), torch.tensor([0, 2]), torch.ones(2, 3))
     assert state()[:3] == before[:3]
+
+
+def test_a_bags_push_with_a_gradient_row_more_or_less_than_its_bags_is_refused():
+    """A BagsPush's gradient has one row per bag: one more (or fewer) is refused with a
+    ValueError naming the shapes, for a table alone and each table of a packed push, and
+    changes nothing (it was applied with the extra row left out, or an IndexError)."""
+    from remote_module.ps.tables.server import _handlers
+
+    names = [job("bags-rows-a"), job("bags-rows-b")]
+    s = TableSpec(20, 3, torch.float32, "eager", 0, "async", 1, row_optimizer(torch.optim.SGD, {"lr": 0.5}))
+    tables = [_handlers._tables.setdefault(n, lambda: Table(n, s, [(0, 20)]))[0] for n in names]
+    before = [t.lookup(torch.arange(20)) for t in tables]
+    ids, first = torch.tensor([1, 5, 5, 1, 12], dtype=torch.int32), torch.tensor([0, 2, 2])
+    for rows in (2, 4):
+        with pytest.raises(ValueError, match=rf"shape \({rows}, 3\) does not fit ids of shape \(5,\) in 3 bags"):
+            _handlers._push_bags(names[0], "t0", 0, ids, first, torch.ones(rows, 3))
+        entries = [(n, "t0", 0, lo, hi, None) for n, (lo, hi) in zip(names, [(0, 2), (2, 5)])]
+        outcomes = _handlers._push_bag_tables(entries, ids, first, torch.ones(rows, 3))
+        assert [ok for ok, _ in outcomes] == [False, False]
+        assert all(f.type_qualname == "ValueError" for _, f in outcomes)
+    assert all(t.optimizer_steps == 0 and torch.equal(t.lookup(torch.arange(20)), b) for t, b in zip(tables, before))
+    _handlers._push_bags(names[0], "t0", 0, ids, first, torch.ones(3, 3))  # one row per bag: taken
+    assert tables[0].optimizer_steps == 1

@@ -208,10 +208,16 @@ def _push_bags(name: str, trainer: str, step: int, ids: torch.Tensor, first: tor
     its bag's, as torch's ``embedding_bag`` backward gives it; the table sums them per row in
     position order (the trainer's sums bit for bit), or, for SGD, adds them in that order as
     torch's sparse SGD does (``Table.apply``)."""
-    if grads.dim() != 2:
-        raise ValueError(f"a pooled gradient of shape {tuple(grads.shape)} does not fit ids of shape "
-                         f"{tuple(ids.shape)}")
+    _check_bags(ids, first, grads)
     _push_rows(name, trainer, step, ids.long(), grads.index_select(0, bag_index(first, ids.numel())), token)
+
+
+def _check_bags(ids: torch.Tensor, first: torch.Tensor, grads: torch.Tensor) -> None:
+    """``ValueError`` unless ``grads`` has a row per bag of ``first`` (one bag's gradient each:
+    a row more or less would be read as another bag's, or left out)."""
+    if grads.dim() != 2 or first.dim() != 1 or grads.shape[0] != first.numel():
+        raise ValueError(f"a pooled gradient of shape {tuple(grads.shape)} does not fit ids of shape "
+                         f"{tuple(ids.shape)} in {first.numel()} bags")
 
 
 def _push_tables(entries: list[tuple], ids: torch.Tensor, grads: torch.Tensor) -> list[tuple[bool, object]]:
@@ -246,9 +252,7 @@ def _push_bag_tables(entries: list[tuple], ids: torch.Tensor | None, first: torc
     n = 0 if ids is None else ids.numel()
     try:
         if n:
-            if grads.dim() != 2:
-                raise ValueError(f"a pooled gradient of shape {tuple(grads.shape)} does not fit ids of shape "
-                                 f"{tuple(ids.shape)}")
+            _check_bags(ids, first, grads)
             flat, per_position = ids.long(), grads.index_select(0, bag_index(first, n))
             if any(not 0 <= lo <= hi <= n for _, _, _, lo, hi, _ in entries):
                 raise ValueError(f"table ranges {[(lo, hi) for _, _, _, lo, hi, _ in entries]} do not fit {n} ids")
