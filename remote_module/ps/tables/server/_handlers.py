@@ -34,7 +34,7 @@ from remote_module.ps._modes import (
     read_when_applied,
     take_settings,
 )
-from remote_module.ps._rowwise import bag_index
+from remote_module.ps._rowwise import bag_index, coalesce
 from remote_module.ps.tables.server._rows import TableSpec
 from remote_module.ps.tables.server._table import Table
 
@@ -209,13 +209,25 @@ def _push_bags(name: str, trainer: str, step: int, ids: torch.Tensor, first: tor
     position order (the trainer's sums bit for bit), or, for SGD, adds them in that order as
     torch's sparse SGD does (``Table.apply``)."""
     _check_bags(ids, first, grads)
-    _push_rows(name, trainer, step, ids.long(), grads.index_select(0, bag_index(first, ids.numel())), token)
+    _push_positions(name, trainer, step, ids.long(), grads.index_select(0, bag_index(first, ids.numel())), token)
+
+
+def _push_positions(name: str, trainer: str, step: int, ids: torch.Tensor, grad: torch.Tensor,
+                    token: str | None = None) -> None:
+    """:func:`_push_rows` of each position's gradient: summed per row here first (in position
+    order, the trainer's sums bit for bit), outside the table's lock, unless the table adds
+    them as they come (SGD, ``Table._adds_positions``): a push that sync or half_async holds
+    until its step is then its rows, not all of its positions."""
+    table = _table(name)
+    if not table._adds_positions():
+        ids, grad = coalesce(ids, grad)
+    table.push(trainer, step, ids, grad, token)
 
 
 def _check_bags(ids: torch.Tensor, first: torch.Tensor, grads: torch.Tensor) -> None:
     """``ValueError`` unless ``grads`` has a row per bag of ``first`` (one bag's gradient each:
     a row more or less would be read as another bag's, or left out)."""
-    if grads.dim() != 2 or first.dim() != 1 or grads.shape[0] != first.numel():
+    if ids.dim() != 1 or grads.dim() != 2 or first.dim() != 1 or grads.shape[0] != first.numel():
         raise ValueError(f"a pooled gradient of shape {tuple(grads.shape)} does not fit ids of shape "
                          f"{tuple(ids.shape)} in {first.numel()} bags")
 
@@ -264,7 +276,7 @@ def _push_bag_tables(entries: list[tuple], ids: torch.Tensor | None, first: torc
             # (none of its ids here: an empty push, a step of the table all the same)
             uniq, grad = (flat[lo:hi], per_position[lo:hi]) if n else (torch.empty(0, dtype=torch.long),
                                                                         torch.zeros(0, grads.shape[1]))
-            _push_rows(name, trainer, step, uniq, grad, token)
+            _push_positions(name, trainer, step, uniq, grad, token)
             outcomes.append((True, None))
         except BaseException as exc:  # that push's own failure, answered alone
             outcomes.append((False, capture(exc)))
