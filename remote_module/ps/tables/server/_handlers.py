@@ -205,9 +205,9 @@ def _push_bags(name: str, trainer: str, step: int, ids: torch.Tensor, first: tor
                token: str | None = None) -> None:
     """:func:`_push_rows` of one table's lookup from the gradient of its pooled bags
     (:class:`~remote_module.ps.tables.server._requests.BagsPush`): each position's gradient is
-    its bag's, as torch's ``embedding_bag`` backward gives it; the table sums them per row in
-    position order (the trainer's sums bit for bit), or, for SGD, adds them in that order as
-    torch's sparse SGD does (``Table.apply``)."""
+    its bag's, as torch's ``embedding_bag`` backward gives it; they are summed per row in
+    position order (the trainer's sums bit for bit), or, for SGD, added in that order as
+    torch's sparse SGD does (:func:`_push_positions`)."""
     _check_bags(ids, first, grads)
     _push_positions(name, trainer, step, ids.long(), grads.index_select(0, bag_index(first, ids.numel())), token)
 
@@ -258,9 +258,9 @@ def _push_bag_tables(entries: list[tuple], ids: torch.Tensor | None, first: torc
     ``first`` each such bag's first position in ``ids``; ``entries`` are ``(name, trainer,
     step, lo, hi, token)``, each table's ids ``ids[lo:hi]``. Each position's gradient is its
     bag's (as torch's ``embedding_bag`` backward gives it); each table's push then runs as its
-    own call would (``Table.apply`` sums it per row in position order, the trainer's sums bit
-    for bit, or adds it position by position for SGD, as :func:`_push_bags` does for a table
-    alone), in order, and its outcome is answered alone, as :func:`_push_tables`'s."""
+    own call would (:func:`_push_positions`: summed per row in position order, the trainer's
+    sums bit for bit, or added position by position for SGD, as :func:`_push_bags` does for a
+    table alone), in order, and its outcome is answered alone, as :func:`_push_tables`'s."""
     n = 0 if ids is None else ids.numel()
     try:
         if n:
