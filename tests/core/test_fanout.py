@@ -129,6 +129,8 @@ def test_first_failure_does_not_wait_for_the_other_calls():
     key = "fanout-first-failure"
     fut = call_all_async([("worker1", hold, (key,)), ("worker2", gates.fail, ("early",))], timeout=HANG_S)
     try:
+        # (worker1's call reaches its gate at its own pace: wait for it, not for a race with worker2)
+        wait_until(lambda: rpc.rpc_sync("worker1", gates.holding, (key,)), "worker1 holding its call")
         wait_until(fut.done, "the failure arrived")
         # the held call is still running on worker1 when the whole has already failed
         assert rpc.rpc_sync("worker1", gates.holding, (key,))
