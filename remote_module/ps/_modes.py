@@ -202,9 +202,9 @@ class SyncSteps:
 
     def _skipped(self, exc: BaseException) -> None:
         """(``skip_refused``) step ``done`` could not be applied: count it as a refusal, and fail
-        the reads waiting that carry a count of refusals (every trainer's: none was told of this
-        one yet) with it (lock held; the caller drops the step's pushes and goes on to the next
-        step; :meth:`ready` hands those failures out)."""
+        the reads waiting that carry a count of refusals below it (their trainer was not told of
+        this one yet, by this server or another) with it (lock held; the caller drops the step's
+        pushes and goes on to the next step; :meth:`ready` hands those failures out)."""
         self.refusals += 1
         self.refusal_type = StepRefused if isinstance(exc, ValueError) else StepNotApplied
         partly = "" if isinstance(exc, ValueError) else " (the optimizer may have applied part of it before it raised)"
@@ -214,9 +214,11 @@ class SyncSteps:
             f"optimizer step{partly} (as a local optimizer.step() that raised, then zero_grad()); every trainer "
             f"gets this error at its next lookup of the table, and its next step() is the table's next step (fix "
             f"what the error names first)")
-        told = [w for w in self.waiters if w.seen is not None]
-        self.waiters = [w for w in self.waiters if w.seen is None]
-        self.failed += [(w.future, self._refusal_error(), True) for w in told]
+        # (a trainer told of this step's refusal by another server of the table already, its
+        # read sent since with that count, goes on: told once, as check_told does it)
+        untold = [w for w in self.waiters if w.seen is not None and w.seen < self.refusals]
+        self.waiters = [w for w in self.waiters if w.seen is None or w.seen >= self.refusals]
+        self.failed += [(w.future, self._refusal_error(), True) for w in untold]
 
     def _refusal_error(self) -> Exception:
         return self.refusal_type(self.refusal)
