@@ -124,6 +124,12 @@ def coalesce(ids: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch
     return unique, summed
 
 
+def bag_ends(starts: torch.Tensor, n: int) -> torch.Tensor:
+    """Where each bag starts among ``n`` positions (``starts``), then the end: bag ``b`` holds
+    positions ``ends[b]`` to ``ends[b + 1]``, so ``ends[1:] > starts`` marks the bags with one."""
+    return torch.cat([starts, starts.new_tensor([n])])
+
+
 def bag_index(starts: torch.Tensor, n: int) -> torch.Tensor:
     """Each of ``n`` positions' bag, for bags starting at ``starts`` (bag ``b`` holds positions
     ``starts[b]`` to ``starts[b + 1]``, the last one to the end); ``ValueError`` unless they

@@ -55,7 +55,7 @@ class _BagsGradient(torch.autograd.Function):
     ``per_sample_weights``), recorded for the table's step in one node: backward hands the
     table a :class:`BagsGradient` (the bags' gradient, as torch's ``embedding_bag`` backward
     starts from it) and gives the grad marker a zero-size gradient, as ``_RowsForStep`` does;
-    the rows' gradients are computed by the servers at the push. The trainer neither
+    the servers make each position's gradient of it at the push. The trainer neither
     deduplicates the ids nor sums the rows."""
 
     @staticmethod
@@ -192,10 +192,11 @@ class ShardedEmbeddingBag(ShardedEmbedding):
 
         A float32 sum or mean lookup that records gradients, without ``padding_idx`` or
         ``per_sample_weights``, is recorded as its pooled bags' gradient: the next
-        :meth:`step` sends each server the ids this lookup sent it, with the bags' gradient,
-        and the server computes the rows' gradients (the same bits the trainer would), so the
-        trainer does not deduplicate the ids. Several lookups in one step push their rows'
-        gradients, computed here.
+        :meth:`step` sends each server the ids this lookup sent it, with the gradient of the
+        bags holding them, and the server applies each position's gradient (summed per row, the
+        bits the trainer would sum, or added in order for SGD), so the trainer does not
+        deduplicate the ids. Several lookups in one step push their rows' gradients, computed
+        here.
         """
         return self._looked_up(self._bag_args(input, offsets, per_sample_weights), self._lookup_plan)
 
@@ -350,11 +351,11 @@ class ShardedEmbeddingBag(ShardedEmbedding):
 
     def _pooled(self, pooling: _Pooling, got: list) -> torch.Tensor:
         """The output of a lookup from the servers' answers ``got`` (see :meth:`_lookup_plan`)."""
-        kind, called, flat, uniq, inverse, bags, weights, keep, holder, zero, server_of, num_bags, grad, dtype = (
-            pooling[:14])
+        (kind, called, flat, uniq, inverse, bags, weights, keep, holder, zero, server_of, num_bags, grad, dtype,
+         bags_form, _) = pooling
         if grad:
             grad = self._records_gradients()  # (warns of gradients never pushed, as every recording lookup)
-            if grad and not pooling.bags_form:
+            if grad and not bags_form:
                 holder = self._rows_recorded(uniq, holder)
         if kind == "sum":
             if len(got) == 1:  # (the servers pool float32)
@@ -371,7 +372,7 @@ class ShardedEmbeddingBag(ShardedEmbedding):
             total = total.to(dtype)
             if not grad:
                 return total
-            if pooling.bags_form:
+            if bags_form:
                 return self._bags_recorded(pooling, total, sizes)
             if keep is not None:
                 inverse, bags, weights = inverse[keep], bags[keep], None if weights is None else weights[keep]

@@ -92,18 +92,20 @@ class GeoCache:
     def trained(self) -> int:
         """How many cached rows moved since they were fetched: training not pushed yet."""
         with self.lock:
-            return int((self.rows != self.fetched).any(dim=1).sum()) if self.ids.numel() else 0
+            return int(self._moved().sum())
 
     def never_sent(self) -> int:
         """How many cached rows moved since they were fetched and are in no push sent: what a
         table that ends now leaves unpushed (a push in flight carries the others)."""
         with self.lock:
-            if not self.ids.numel():
-                return 0
-            moved = (self.rows != self.fetched).any(dim=1)
-            if self.sending.numel():
+            moved = self._moved()
+            if moved.numel() and self.sending.numel():
                 moved &= ~_find(self.sending, self.ids)[1]
             return int(moved.sum())
+
+    def _moved(self) -> torch.Tensor:
+        """(Lock held) which cached rows moved since they were fetched."""
+        return (self.rows != self.fetched).any(dim=1)
 
     def deltas(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(ids, value - value when fetched)`` of every cached row."""

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple, Sequence
 import torch
 
 from remote_module._core import backward_accumulates
-from remote_module.ps._rowwise import bag_index, coalesce, pooled_rows
+from remote_module.ps._rowwise import bag_ends, bag_index, coalesce, pooled_rows
 from remote_module.ps._steps import PushPlan, finished
 from remote_module.ps.tables._embedding_bag import ShardedEmbeddingBag, _BagRows
 from remote_module.ps.tables._lookups import LookupPlan
@@ -87,12 +87,6 @@ class PackedGradient(NamedTuple):
     grad: torch.Tensor | None
 
 
-def _ends(first: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Where each bag of the batch starts among a server's ``ids`` (``first``, as its lookup
-    sent it), then their end: bags ``b0`` to ``b1`` (a table's) hold ``ids[ends[b0]:ends[b1]]``."""
-    return torch.cat([first, first.new_tensor([ids.numel()])])
-
-
 class TablePackedGradient:
     """One table's gradient recorded in a :class:`PackedGradient`: ``rows()`` computes its rows'
     gradients, as the servers would (``_push_bag_tables``), for the paths that need them here."""
@@ -110,7 +104,7 @@ class TablePackedGradient:
         for k, ids, first in shares:
             if i not in layout.served[k]:
                 continue
-            lo, hi = _ends(first, ids)[[b0, b1]].tolist()
+            lo, hi = bag_ends(first, ids.numel())[[b0, b1]].tolist()
             if hi > lo:  # (an id's positions are all on its server: each row's sum as the server's)
                 uniq, rows = pooled_rows(ids[lo:hi], bag_index(first[b0:b1] - lo, hi - lo), grad[b0:b1])
                 ids_parts.append(uniq)
@@ -141,7 +135,7 @@ def push_together(together: PackedGradient, members: list, done: set) -> PushPla
         if ids is None:  # none of the batch's ids here: empty pushes
             spans, starts, part = [0] * len(layout.bag_base), None, grad[:0]
         else:  # the gradient of the bags with ids here only, and each table's positions in ids
-            ends = _ends(first, ids)
+            ends = bag_ends(first, ids.numel())
             spans = ends[layout.bag_base].tolist()
             has = (ends[1:] > first).nonzero().reshape(-1)
             starts, part = first[has], grad.index_select(0, has)

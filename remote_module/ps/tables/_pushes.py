@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 
 from remote_module._core import to_exception
-from remote_module.ps._rowwise import coalesce, row_gradients
+from remote_module.ps._rowwise import bag_ends, coalesce, row_gradients
 from remote_module.ps._steps import Flight, PushPlan, run_push_plans, set_push_packer, settings_plans
 from remote_module.ps.tables._recording import BagsGradient
 from remote_module.ps.tables.server import _handlers
@@ -194,6 +194,11 @@ class TablePushes:
         # counted as sent (a push retried after a failure is counted again)
         sent = sum(p.ids.numel() * p.ids.element_size() + p.grad.numel() * p.grad.element_size()
                    for p in pushes if p.ids is not None)
+        return self._planned(calls, taken, pushing, sent)
+
+    def _planned(self, calls: list, taken: list, pushing: bool, sent: int) -> PushPlan:
+        """The plan of a step's push ``calls`` of the gradients ``taken`` (:meth:`_pushed`: what
+        success and failure do), which learns the servers that applied theirs before a failure."""
         done, failed = self._pushed(taken, pushing, sent)
         took: list[str] = []
 
@@ -223,7 +228,7 @@ class TablePushes:
             ids, first = share
             grad = bags.grad
             if len(self._server_names) > 1:  # only the bags with ids there: traffic does not grow with the servers
-                has = torch.cat([first[1:], first.new_tensor([ids.numel()])]) > first
+                has = bag_ends(first, ids.numel())[1:] > first
                 if not bool(has.all()):
                     first, grad = first[has], grad[has]
             calls.append((server, _handlers._push_bags,
@@ -231,13 +236,7 @@ class TablePushes:
         sent = sum(push.ids.numel() * push.ids.element_size() + push.first.numel() * push.first.element_size()
                    + push.grads.numel() * push.grads.element_size()
                    for _, _, push in calls if isinstance(push, BagsPush))
-        done, failed = self._pushed(taken, True, sent)
-        took: list[str] = []
-
-        def partly(oks: list[bool]) -> None:  # (before failed(): the servers that applied theirs)
-            took[:] = [server for (server, _, _), ok in zip(calls, oks) if ok]
-
-        return PushPlan(calls, done, partial(failed, took), partly=partly)
+        return self._planned(calls, taken, True, sent)
 
     def _pushed(self, taken: list, pushing: bool, sent: int) -> tuple[Callable[[], None], Callable[..., None]]:
         """A push of ``taken`` planned (``pushing``: it is a step of the table; ``sent``: its
