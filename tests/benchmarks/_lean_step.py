@@ -24,6 +24,8 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import nn
 
+from remote_module.ps.tables.server._pooling import check_ids
+
 _TABLES: dict[str, dict[str, Any]] = {}
 
 
@@ -70,9 +72,8 @@ def _server_rows_step(name: str, grad: torch.Tensor | None, ids: torch.Tensor,
 
 
 def _checked(ids: torch.Tensor, rows: int) -> torch.Tensor:
-    low, high = torch.aminmax(ids)
-    if int(low) < 0 or int(high) >= rows:
-        raise IndexError(f"ids must be in [0, {rows})")
+    """``ids`` checked in range (the library's check) and as they travel (int32)."""
+    check_ids(ids, rows)
     return ids.to(torch.int32)
 
 
