@@ -20,6 +20,7 @@ import weakref
 from typing import Any, Callable, Iterable
 
 import torch
+from torch.optim import optimizer as torch_optimizer
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 #: the settings a PSOptimizer's group carries to the servers
@@ -73,7 +74,14 @@ class PSOptimizer(torch.optim.Optimizer):
         ``closure`` (torch's form) is run, with gradients on, and its loss returned. Called
         twice in a row with gradients on the parameters (the owner's ``step()`` clears them
         before it calls this), as a ported loop that kept ``optimizer.step()`` and has no
-        ``model.step()`` does, it warns once: nothing was trained."""
+        ``model.step()`` does, it warns once: nothing was trained. Step hooks and the profiler
+        see it as any torch optimizer's step (:func:`observed_step`)."""
+        return observed_step(self, closure, PSOptimizer._no_update)
+
+    step.hooked = True  # type: ignore[attr-defined]  # (torch's constructor leaves it as it is: see observed_step)
+
+    def _no_update(self, closure: Callable[[], Any] | None = None) -> Any:
+        """:meth:`step`'s own part."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -158,7 +166,13 @@ class GroupedPSOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """No update here (the servers apply it at the owner's ``step()``, which calls this)."""
+        """No update here (the servers apply it at the owner's ``step()``, which calls this);
+        seen by step hooks and the profiler as :meth:`PSOptimizer.step` is."""
+        return observed_step(self, closure, GroupedPSOptimizer._no_update)
+
+    step.hooked = True  # type: ignore[attr-defined]
+
+    def _no_update(self, closure: Callable[[], Any] | None = None) -> Any:
         if closure is None:
             return None
         with torch.enable_grad():
@@ -173,6 +187,41 @@ class GroupedPSOptimizer(torch.optim.Optimizer):
                              f"the state has {len(groups)}")
         for member, saved in zip(self._members, groups):
             member.param_groups[0].update({k: v for k, v in saved.items() if k != "params"})
+
+
+def observed_step(optimizer: torch.optim.Optimizer, closure: Any, body: Callable[..., Any]) -> Any:
+    """A PS optimizer's ``step(closure)``, whose own part is ``body(optimizer, closure)``.
+
+    torch wraps every optimizer class's ``step`` (``Optimizer.profile_hook_step``): the
+    profiler's record of the step and the step hooks, global and the optimizer's own. That
+    wrapper cost about 50 µs of a training step's 1 ms (measured at a table's prefetched step,
+    which calls it every time; a collection calls it for each table), mostly the profiler's
+    record. So the PS optimizers' ``step`` is marked ``hooked`` (torch leaves it unwrapped) and
+    goes through torch's wrapper whenever anything would see the difference: the autograd
+    profiler is on, or a step hook is registered other than :func:`_on_optimizer_step` (which
+    ignores these optimizers). An LR scheduler's own wrapper, which counts the calls, is on the
+    instance and runs either way."""
+    if _observed(optimizer):  # (as the caller gave it: a pre hook may return new arguments)
+        return _WRAPPED[body](optimizer) if closure is None else _WRAPPED[body](optimizer, closure)
+    return body(optimizer, closure)
+
+
+def _observed(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a step of ``optimizer`` would be seen by anything but its caller (see
+    :func:`observed_step`); True when torch's hook registries are not where they were."""
+    if torch.autograd._profiler_enabled():
+        return True
+    if getattr(optimizer, "_optimizer_step_pre_hooks", True) or getattr(optimizer, "_optimizer_step_post_hooks", True):
+        return True
+    before = getattr(torch_optimizer, "_global_optimizer_pre_hooks", None)
+    after = getattr(torch_optimizer, "_global_optimizer_post_hooks", None)
+    if before is None or after is None:
+        return True
+    return bool(before) or any(hook is not _on_optimizer_step for hook in after.values())
+
+
+#: each PS optimizer's step body, wrapped as torch wraps an optimizer's step (:func:`observed_step`)
+_WRAPPED: dict[Callable[..., Any], Callable[..., Any]] = {}
 
 
 #: the owners of server-side parameters told of local optimizer steps (tables, PSModels)
@@ -224,3 +273,7 @@ def changed_group_lr(seen: "weakref.WeakKeyDictionary", optimizer: torch.optim.O
     if group is None or float(group["lr"]) == first:
         return None
     return first, float(group["lr"])
+
+
+_WRAPPED.update({body: torch.optim.Optimizer.profile_hook_step(body)
+                 for body in (PSOptimizer._no_update, GroupedPSOptimizer._no_update)})

@@ -1,0 +1,90 @@
+"""A PS optimizer's ``step()`` as torch's optimizers' (``remote_module.ps._optimizer``): it skips
+torch's step wrapper only where nothing would see the difference, so step hooks (the
+optimizer's own and global ones), the profiler's record of the step and an LR scheduler's count
+of steps behave as with any ``torch.optim`` optimizer. No RPC: these are local objects."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from remote_module.ps._optimizer import GroupedPSOptimizer, PSOptimizer
+
+
+def _optimizers() -> list[torch.optim.Optimizer]:
+    one = PSOptimizer([torch.zeros(0, requires_grad=True)], {"lr": 0.1}, "table 'a'")
+    other = PSOptimizer([torch.zeros(0, requires_grad=True)], {"lr": 0.2}, "table 'b'")
+    return [one, GroupedPSOptimizer([one, other], "collection")]
+
+
+@pytest.mark.parametrize("index", [0, 1], ids=["PSOptimizer", "GroupedPSOptimizer"])
+def test_step_hooks_see_every_step(index: int) -> None:
+    optimizer = _optimizers()[index]
+    seen: list[str] = []
+    handles = [
+        optimizer.register_step_pre_hook(lambda opt, args, kwargs: seen.append("pre")),
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: seen.append("post")),
+    ]
+    optimizer.step()
+    assert seen == ["pre", "post"]
+    for handle in handles:
+        handle.remove()
+    optimizer.step()
+    assert seen == ["pre", "post"]
+    handles = [register_optimizer_step_pre_hook(lambda opt, args, kwargs: seen.append("global pre")),
+               register_optimizer_step_post_hook(lambda opt, args, kwargs: seen.append("global post"))]
+    try:
+        optimizer.step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert seen == ["pre", "post", "global pre", "global post"]
+
+
+@pytest.mark.parametrize("index", [0, 1], ids=["PSOptimizer", "GroupedPSOptimizer"])
+def test_a_pre_hook_may_replace_the_arguments(index: int) -> None:
+    """torch's wrapper lets a pre hook give new ``(args, kwargs)`` (``args`` with the optimizer
+    first): the closure it gives runs."""
+    optimizer = _optimizers()[index]
+    handle = optimizer.register_step_pre_hook(lambda opt, args, kwargs: (args, {"closure": lambda: 7.0}))
+    try:
+        assert optimizer.step() == 7.0
+    finally:
+        handle.remove()
+    assert optimizer.step() is None
+    assert optimizer.step(lambda: 3.0) == 3.0
+
+
+@pytest.mark.parametrize("index", [0, 1], ids=["PSOptimizer", "GroupedPSOptimizer"])
+def test_the_profiler_records_the_step(index: int) -> None:
+    optimizer = _optimizers()[index]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        optimizer.step()
+    names = [event.name for event in prof.events()]
+    assert f"Optimizer.step#{type(optimizer).__name__}.step" in names
+
+
+def test_a_scheduler_counts_the_steps() -> None:
+    """An LR scheduler wraps the instance's ``step`` to count it: no warning that it stepped
+    before the optimizer, and the lr it sets is the group's."""
+    optimizer = _optimizers()[0]
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            optimizer.step()
+            scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 3)
+
+
+def test_the_unpushed_warning_still_comes() -> None:
+    """Two steps in a row with gradients on the parameters (a port without the owner's step()) warn."""
+    param = torch.zeros(1, requires_grad=True)
+    optimizer = PSOptimizer([param], {"lr": 0.1}, "model 'm'")
+    param.grad = torch.ones(1)
+    with pytest.warns(UserWarning, match="does no update and pushes nothing"):
+        optimizer.step()
+        optimizer.step()
