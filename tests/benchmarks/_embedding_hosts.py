@@ -121,6 +121,7 @@ class Sharded:
         from remote_module.ps import ShardedEmbeddingBag
 
         self.prefetch, self.batches, self.feed, self.next, self.overlap = prefetch, batches, None, None, overlap
+        self.index: dict[int, int] = {}  # id(batch) -> its index in batches (found without a scan every step)
         self.bag = ShardedEmbeddingBag(
             cfg["rows"], cfg["dim"], servers,
             name=f"bench-embedding-{len(servers)}{'-prefetch' * prefetch}{'-overlap' * overlap}",
@@ -131,12 +132,15 @@ class Sharded:
         """One step on ``batch`` (``plain``: without prefetch, as the checks train)."""
         ids, offsets, target = batch
         if self.prefetch and self.batches is not None and not plain:
-            from remote_module.ps import prefetching
-
             # prefetching() over the batch cycle from this batch on (a new one where the caller
             # jumped elsewhere in the cycle): the next batches' lookups go with the steps
-            at = next(i for i, b in enumerate(self.batches) if b is batch)
+            at = self.index.get(id(batch))
+            if at is None or self.batches[at] is not batch:
+                self.index = {id(b): i for i, b in enumerate(self.batches)}
+                at = self.index[id(batch)]
             if self.next != at:
+                from remote_module.ps import prefetching
+
                 if self.feed is not None:
                     self.feed.close()
                 cycle = (self.batches[(at + j) % len(self.batches)] for j in itertools.count())
