@@ -56,6 +56,8 @@ def positive_seconds(value: Any, what: str) -> float:
         ...
         ValueError: timeout must be a positive number of seconds in [0.001, 2147483.648), got 0.0004; ...
     """
+    if type(value) is float and MIN_SECONDS <= value < MAX_SECONDS_EXCLUSIVE:  # (the usual case, checked at once)
+        return value
     seconds = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else None
     if seconds is None or not math.isfinite(seconds) or not MIN_SECONDS <= seconds < MAX_SECONDS_EXCLUSIVE:
         raise ValueError(

@@ -7,6 +7,7 @@ it, pooling bags on the servers; the servers' side is ``tables.server``."""
 
 from __future__ import annotations
 
+import math
 import threading
 import uuid
 import weakref
@@ -312,7 +313,10 @@ class ShardedEmbedding(TableCheckpoints, GradientRecording, TablePushes, nn.Modu
 
     def _wait_s(self) -> float:
         """How long a sync lookup may wait on a server for the step: a little less than this
-        call's timeout, so the server's answer (naming who has not pushed) arrives first."""
+        call's timeout, so the server's answer (naming who has not pushed) arrives first
+        (``math.inf`` in the other modes, whose lookups wait for nothing there)."""
+        if self.ps_mode != "sync":
+            return math.inf
         return nested_seconds(timeout_seconds(self.timeout))
 
     def _block_index(self, ids: torch.Tensor) -> torch.Tensor:
@@ -509,6 +513,16 @@ class ShardedEmbedding(TableCheckpoints, GradientRecording, TablePushes, nn.Modu
             raise AttributeError(self._no_weight(f"{type(self).__name__} takes no local 'weight'"))
         else:
             super().__setattr__(name, value)
+
+    @property
+    def grad_marker(self) -> nn.Parameter:
+        """The zero-size parameter whose ``.grad`` backward sets (see the class docstring): a
+        registered parameter, read here without ``nn.Module.__getattr__`` (a training step reads
+        it about a dozen times)."""
+        try:
+            return self._parameters["grad_marker"]
+        except KeyError:  # (not registered yet: nn.Module registers it, as it registers any parameter)
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute 'grad_marker'") from None
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -27,7 +27,17 @@ def _same_value(a: Any, b: Any) -> bool:
 def _kept(value: Any) -> Any:
     """A prefetch's copy of an argument, compared by value with the forward's (the caller may
     change its tensor in place meanwhile)."""
-    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+    if not isinstance(value, torch.Tensor):
+        return value
+    return value.detach().clone() if value.requires_grad else value.clone()  # (ids: one copy, not a view too)
+
+
+def _needs_grad(key: tuple) -> bool:
+    """Whether an argument of ``key`` is a tensor that needs a gradient."""
+    for value in key:
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            return True
+    return False
 
 
 class Prefetch:
@@ -45,13 +55,13 @@ class Prefetch:
 
     def __init__(self, key: tuple, records: Any, calls: list, finish: Callable[[list], Any],
                  replan: bool = False, tables: Sequence = (), overlap: bool = False) -> None:
-        self.key = tuple(_kept(v) for v in key)
+        self.key = tuple([_kept(v) for v in key])
         # the tables it reads, and how often their rows changed on the servers other than by a
         # step (loads, half_async merges): a change after it was sent makes it stale
         self.tables = [(t, t._changes) for t in tables]
         # a forward whose arguments need a gradient (per_sample_weights) plans its own: the
         # output must be a function of its tensors, not of the prefetch's copies
-        replan = replan or any(isinstance(v, torch.Tensor) and v.requires_grad for v in key)
+        replan = replan or _needs_grad(key)
         # (what the plan depends on besides the arguments: whether each table records, its dtype)
         self.records, self.calls, self.finish, self.replan = records, calls, finish, replan
         self.overlap = overlap
@@ -117,16 +127,20 @@ class Prefetch:
     def changed(self) -> bool:
         """Whether a table's rows changed since it was sent (a load, a half_async merge): what
         it read is gone."""
-        return self.sent and any(t._changes != n for t, n in self.tables)
+        if self.sent:
+            for table, changes in self.tables:
+                if table._changes != changes:
+                    return True
+        return False
 
     def matches(self, key: tuple, records: Any) -> bool:
         """Whether a forward of ``key`` (``records``: as given at construction) may use it."""
-        if self.changed():
+        if records != self.records or len(key) != len(self.key) or self.changed() or _needs_grad(key):
             return False
-        if any(isinstance(v, torch.Tensor) and v.requires_grad for v in key):
-            return False
-        return (records == self.records and len(key) == len(self.key)
-                and all(_same_value(a, b) for a, b in zip(key, self.key)))
+        for given, kept in zip(key, self.key):
+            if not _same_value(given, kept):
+                return False
+        return True
 
     def take_answers(self, reads: list, at: int) -> int:
         """(:class:`~remote_module.ps._steps.Flight`, its step landed) Take its reads' outcomes
@@ -247,7 +261,10 @@ class PrefetchQueue:
         if not handle.sent:
             return True
         allowed = 1 if handle.overlap else 0
-        return all(t._pushes - n <= allowed for (t, _), n in zip(handle.tables, handle.pushes_at))
+        for (table, _), pushes in zip(handle.tables, handle.pushes_at):
+            if table._pushes - pushes > allowed:
+                return False
+        return True
 
     def to_send(self, sync: bool) -> list[Prefetch]:
         """What a step sends with its pushes: the next forward's prefetch, if not sent yet; with

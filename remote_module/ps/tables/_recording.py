@@ -91,7 +91,9 @@ class GradientRecording:
         # under way, ``_held`` in finished ones (dropped when the marker's grad was cleared since)
         self._fresh: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._held: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._hooked: Any = None  # a weak reference to the marker whose accumulation ends a backward (_fresh held)
+        # (the marker whose accumulation ends a backward (_fresh held), its AccumulateGrad node, its
+        # dtype and device then): see _hooked_marker
+        self._hooked: tuple | None = None
         self._backwards = 0  # backward passes recorded since the last step()
         self._stepped_past = False  # a local optimizer stepped while _held waited
         self._forward_thread: int | None = None
@@ -134,12 +136,18 @@ class GradientRecording:
         """(``_marker_lock`` held) the grad marker, hooked to hold what a backward recorded once
         it ends (:meth:`_backward_done`), and its ``AccumulateGrad`` node."""
         marker = self.grad_marker
-        if self._hooked is None or self._hooked() is not marker:  # (a copy, or the marker replaced)
+        hooked = self._hooked
+        if hooked is None or hooked[0] is not marker:  # (a copy, or the marker replaced)
             # (through a weak reference: torch's garbage collector does not see a tensor's hooks,
             # so a hook holding the table kept every table that ran a backward alive for good)
             marker.register_post_accumulate_grad_hook(partial(_weakly, weakref.WeakMethod(self._backward_done)))
-            self._hooked = weakref.ref(marker)
-        return marker, marker.view_as(marker).grad_fn.next_functions[0][0]  # the marker's AccumulateGrad
+            hooked = None
+        if hooked is None or hooked[2] != marker.dtype or hooked[3] != marker.device:
+            # its AccumulateGrad, kept: torch keeps a leaf's only weakly, and would make a new one
+            # at every lookup (torch gives it a new one when its dtype or device changes)
+            hooked = self._hooked = (marker, marker.view_as(marker).grad_fn.next_functions[0][0], marker.dtype,
+                                     marker.device)
+        return marker, hooked[1]
 
     def _gradient_arrived(self, uniq: torch.Tensor, grad: torch.Tensor) -> None:
         """In backward, before the marker accumulates: keep ``grad``, the gradient of the rows of
