@@ -104,7 +104,7 @@ class _Pooling(NamedTuple):
     bags: torch.Tensor  # each position's bag
     weights: torch.Tensor | None  # per_sample_weights, flat
     keep: torch.Tensor | None  # the positions that are not the padding row (None: no padding_idx)
-    holder: torch.Tensor  # zero rows standing for uniq, which backward gives the rows' gradient
+    holder: torch.Tensor | None  # zero rows standing for uniq, which backward gives the rows' gradient (None: unused)
     zero: torch.Tensor | None  # torch's embedding_bag of the zero rows (max pooling; None: known bags, sum)
     server_of: torch.Tensor | None  # each position's server (None: one server, sum pooling)
     num_bags: int
@@ -223,7 +223,7 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         wait_s = self._wait_s() if wait_s is None else wait_s
         records = torch.is_grad_enabled() and self.grad_marker.requires_grad
         needs_rows = self._needs_rows(per_sample_weights)
-        if self._sent_as_given(per_sample_weights):
+        if not records and self._sent_as_given(per_sample_weights):
             return self._whole_plan(input, offsets, per_sample_weights, wait_s)
         dtype = self._dtype()  # the model's (e.g. after model.double()); the servers pool float32
         known = None if needs_rows else self._known_bags(input, offsets, per_sample_weights, dtype)
@@ -253,7 +253,8 @@ class ShardedEmbeddingBag(ShardedEmbedding):
             # embedding_bag check the arguments and give the shape
             flat, grad = self._checked_ids(input), bags_form
             uniq = inverse = None
-            holder = torch.zeros(1, self.embedding_dim, dtype=dtype)
+            # (known bags are of sum or mean pooling, whose output never needs the zero row)
+            holder = torch.zeros(1, self.embedding_dim, dtype=dtype) if known is None else None
             pad, index = None, None
         kind = "max" if self.bag_mode == "max" else "sum"
         if known is None:
@@ -278,7 +279,7 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         calls, called, shares = [], [], {}
         wire = torch.int32 if self.num_embeddings <= 2**31 else torch.int64  # ids travel as int32 when they fit
         for k, server, mine in self._by_server_of(flat, keep, server_of):
-            ids = flat[mine]
+            ids = flat if mine is ALL else flat[mine]
             if not ids.numel():
                 continue
             w = None if weights is None else weights[mine]

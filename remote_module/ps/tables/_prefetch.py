@@ -91,6 +91,8 @@ class Prefetch:
         remembered as :attr:`merge_calls`."""
         merging = self.merging()
         self.merge_calls = []
+        if not merging:
+            return []
         for server in dict.fromkeys(server for server, _, _ in self.calls):
             names = [t.name for t in merging if server in t._by_server]
             if names:
