@@ -497,3 +497,26 @@ def _tensors(x):
     if isinstance(x, dict):
         x = list(x.values())
     return [t for v in x for t in _tensors(v)] if isinstance(x, (list, tuple)) else []
+
+
+def test_a_bags_push_reuses_the_last_bag_index_only_for_the_same_starts():
+    """The server keeps a table's last pushed bag layout (``_bag_of_positions``): the same
+    starts give the index computed before, other starts (of as many positions, or another
+    dtype) their own, and bad starts are refused every time."""
+    from remote_module.ps._rowwise import bag_index
+    from remote_module.ps.tables.server import _handlers
+
+    name = "bag-index-cache-test"
+    first = torch.tensor([0, 2, 5], dtype=torch.int32)
+    index = _handlers._bag_of_positions(name, first, 8)
+    assert index.tolist() == [0, 0, 1, 1, 1, 2, 2, 2]
+    assert _handlers._bag_of_positions(name, first.clone(), 8) is index  # the same layout: reused
+    other = torch.tensor([0, 4, 5], dtype=torch.int32)
+    assert _handlers._bag_of_positions(name, other, 8).tolist() == bag_index(other, 8).tolist()
+    assert _handlers._bag_of_positions(name, first.long(), 8).tolist() == index.tolist()
+    assert _handlers._bag_of_positions(name, first, 9).tolist() == [0, 0, 1, 1, 1, 2, 2, 2, 2]
+    for _ in range(2):
+        with pytest.raises(ValueError, match="bag starts must begin at 0"):
+            _handlers._bag_of_positions(name, torch.tensor([0, 5, 2]), 8)
+    assert _handlers._bag_of_positions(name, first, 8).tolist() == index.tolist()
+    _handlers._pushed_bags.pop(name, None)

@@ -209,7 +209,26 @@ def _push_bags(name: str, trainer: str, step: int, ids: torch.Tensor, first: tor
     position order (the trainer's sums bit for bit), or, for SGD, added in that order as
     torch's sparse SGD does (:func:`_push_positions`)."""
     _check_bags(ids, first, grads)
-    _push_positions(name, trainer, step, ids.long(), grads.index_select(0, bag_index(first, ids.numel())), token)
+    _push_positions(name, trainer, step, ids.long(), grads.index_select(0, _bag_of_positions(name, first, ids.numel())),
+                    token)
+
+
+#: each table's last bags pushed in the bags' form: ``(starts, positions, each position's bag)``
+#: (a trainer's batches usually keep one layout from step to step; :func:`_bag_of_positions`)
+_pushed_bags: dict[str, tuple[torch.Tensor, int, torch.Tensor]] = {}
+
+
+def _bag_of_positions(name: str, first: torch.Tensor, n: int) -> torch.Tensor:
+    """:func:`bag_index` of ``n`` positions in bags starting at ``first`` (checked there), the
+    last push's when its starts were the same (a function of them alone: any table's push
+    may use it)."""
+    last = _pushed_bags.get(name)
+    if (last is not None and last[1] == n and last[0].dtype == first.dtype and last[0].shape == first.shape
+            and torch.equal(last[0], first)):
+        return last[2]
+    index = bag_index(first, n)
+    _pushed_bags[name] = (first, n, index)
+    return index
 
 
 def _push_positions(name: str, trainer: str, step: int, ids: torch.Tensor, grad: torch.Tensor,
