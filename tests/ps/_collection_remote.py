@@ -746,3 +746,45 @@ def geo_traffic(job: str) -> dict:
     model.flush()
     return {"steps": after_steps, "flushed": {server: dict(t) for server, t in model.traffic.items()},
             "cached": [sum(int(torch.cat(ids).unique().numel()) for ids in part.values()) for part in cached]}
+
+
+def plain_plan_shares(job: str) -> list[str]:
+    """Batches of PLAIN's sum / mean tables with irregular bags (empty ones first, inside and
+    last; a table with no bag at all; every id on one server), planned together: the mismatches
+    of each server's ids and each bag's first id there (the ids before its start), and of each
+    position's bag, against what searching the batch finds (none expected)."""
+    from remote_module.ps.tables import _packed
+
+    tables = plain_make(job, "async")
+    g = torch.Generator().manual_seed(11)
+    batches = [
+        {"clicks": (torch.randint(0, 1000, (9,), generator=g), torch.tensor([0, 0, 3, 3, 9, 9])),
+         "views": (torch.randint(0, 300, (5,), generator=g), torch.tensor([0, 0, 0, 5])),
+         "small": (torch.randint(0, 50, (3,), generator=g), torch.tensor([0, 2, 3]))},
+        {"clicks": torch.randint(0, 1000, (0, 3), generator=g),  # no bag at all
+         "views": torch.randint(0, 300, (2, 4), generator=g),
+         "frozen": (torch.randint(0, 200, (4,), generator=g), torch.tensor([0, 4, 4]))},
+        {"clicks": (torch.randint(0, 400, (6,), generator=g), torch.tensor([0, 1, 6])),  # all on ps0
+         "views": (torch.randint(0, 200, (0,), generator=g), torch.tensor([0, 0]))},
+    ]
+    wrong = []
+    for k, feats in enumerate(batches):
+        entries = [(tables[n], *(v if isinstance(v, tuple) else (v, None))) for n, v in feats.items()]
+        made = _packed.plan({}, entries, 60.0)
+        batch = made.finish.args[0]
+        positions = torch.arange(batch.flat.numel())
+        if not torch.equal(batch.bag_of, torch.searchsorted(batch.starts, positions, right=True) - 1):
+            wrong.append(f"batch {k}: bag_of {batch.bag_of.tolist()}")
+        layout = batch.layout
+        server_of = layout.block_server[torch.searchsorted(layout.block_starts, batch.gid, right=True) - 1]
+        called = [s for s in range(len(layout.servers)) if bool((server_of == s).any())]
+        if [s for s, _, _ in batch.shares] != called:
+            wrong.append(f"batch {k}: servers called {[s for s, _, _ in batch.shares]}, not {called}")
+        for s, ids, first in batch.shares:
+            at = (server_of == s).nonzero().reshape(-1)
+            if not torch.equal(ids, batch.flat[at].to(layout.wire)):
+                wrong.append(f"batch {k} server {s}: ids {ids.tolist()}")
+            want = torch.searchsorted(batch.bag_of[at], torch.arange(batch.starts.numel()))
+            if first.dtype != torch.long or not torch.equal(first, want):
+                wrong.append(f"batch {k} server {s}: first {first.tolist()}, not {want.tolist()}")
+    return wrong

@@ -274,6 +274,13 @@ def test_plain_tables_of_two_dims_no_bags_or_one_server_equal_the_tables_alone(w
     assert "step must be nonzero" in alone["refusal"]
 
 
+def test_a_plan_finds_each_servers_ids_and_bags_as_searching_the_batch_does(world):
+    """The plan takes each position's bag and each bag's first id on a server by counting
+    (bag sizes, the ids there before its start): the same as searching the batch, with empty
+    bags first, inside and last, a table with no bag, and a server with none of the ids."""
+    assert world.run({"trainer0": (r.plain_plan_shares, name("plan-shares"))})["trainer0"] == []
+
+
 def test_a_geo_collections_traffic_counts_the_rows_its_deltas_push_and_its_flush(world):
     # geo pushes row deltas (not gradients): they are rows pushed, not ids looked up, and the
     # flush's push of the last steps' rows travels (and is counted) one message per server

@@ -225,7 +225,6 @@ class BatchSizes(NamedTuple):
     pos_base_at_bag: torch.Tensor  # per bag: its table's pos_base
     first_offset: torch.Tensor  # per table with bags: where its first bag must start
     last_offset: torch.Tensor  # ... and the end its last bag may not pass
-    positions: torch.Tensor  # arange over the batch's ids
 
 
 class Layout:
@@ -247,7 +246,6 @@ class Layout:
         for t, b in zip(tables, bags):
             self.bag_base.append(self.bag_base[-1] + b)
             self.id_base.append(self.id_base[-1] + t.num_embeddings)
-        b_all = self.bag_base[-1]
         self.num_embeddings = torch.tensor([t.num_embeddings for t in tables])
         self.id_bases = torch.tensor(self.id_base[:-1])
         self.bag_counts = torch.tensor(self.bags)
@@ -255,7 +253,6 @@ class Layout:
         self.has = [i for i, b in enumerate(bags) if b]
         self.first_bag = torch.tensor([self.bag_base[i] for i in self.has], dtype=torch.long)
         self.last_bag = torch.tensor([self.bag_base[i + 1] - 1 for i in self.has], dtype=torch.long)
-        self.bag_positions = torch.arange(b_all)
         self._sized: tuple[tuple, BatchSizes] | None = None
         starts, servers = [], []
         for t, base in zip(tables, self.id_base):
@@ -290,8 +287,7 @@ class Layout:
                       torch.repeat_interleave(self.id_bases, counts),
                       torch.repeat_interleave(torch.tensor(pos_base[:-1]), self.bag_counts),
                       torch.tensor([pos_base[i] for i in self.has], dtype=torch.long),
-                      torch.tensor([pos_base[i + 1] for i in self.has], dtype=torch.long),
-                      torch.arange(pos_base[-1]))
+                      torch.tensor([pos_base[i + 1] for i in self.has], dtype=torch.long))
         self._sized = (key, sized)
         return sized
 
@@ -329,25 +325,38 @@ def plan(layouts: dict, entries: Sequence[tuple[ShardedEmbeddingBag, torch.Tenso
     # which tables record gradients (recorded when the outputs are made: a prefetch's at its forward)
     records = [torch.is_grad_enabled() and t.grad_marker.requires_grad for t in tables]
     gid = flat + sized.id_base_at  # one id space: table k's ids from id_base[k]
-    bag_of = torch.searchsorted(starts, sized.positions, right=True) - 1
+    # each position's bag (the starts passed the checks: from 0, never back, none past the end)
+    bag_of = torch.repeat_interleave(torch.diff(starts, append=starts.new_tensor([flat.numel()])))
     server_of = layout.block_server[torch.searchsorted(layout.block_starts, gid, right=True) - 1]
     calls, called, shares = [], [], []
     for k, server in enumerate(layout.servers):
-        at = (server_of == k).nonzero().reshape(-1) if len(layout.servers) > 1 else sized.positions
-        if not at.numel():
+        if len(layout.servers) == 1:  # (every id here, each bag's first where it starts)
+            ids, first = flat, starts
+        else:
+            on = server_of == k
+            at = on.nonzero().reshape(-1)
+            ids, first = flat[at], _firsts_on(on, starts)
+        if not ids.numel():
             # none of the batch's ids here: no call, as no table alone calls a server without
             # its ids (so a server down or waiting for a sync step holds up only what needs it)
             continue
         called.append(k)
-        first = torch.searchsorted(bag_of[at], layout.bag_positions)  # each bag's first id here
         served = layout.served[k]
-        ids = flat[at].to(layout.wire)
+        ids = ids.to(layout.wire)
         calls.append((server, _handlers._pool_tables,
                       PooledRead([tables[i].name for i in served], [tables[i]._step for i in served], ids,
                                  first, [layout.bag_base[i] for i in served], [bags[i] for i in served], wait_s)))
         shares.append((k, ids, first))
     batch = _Batch(tables, bags, layout, sized, flat, starts, gid, bag_of, records, called, shares)
     return LookupPlan(calls, partial(_outputs, batch))
+
+
+def _firsts_on(on: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """Each bag's first id at a server, among that server's ids in batch order: how many of the
+    positions before the bag's start are there (``on``: whether each position's id is)."""
+    before = torch.zeros(on.numel() + 1, dtype=torch.long)
+    torch.cumsum(on, 0, out=before[1:])
+    return before[starts]
 
 
 def _inputs(entries: Sequence[tuple[Any, torch.Tensor, torch.Tensor | None]]) -> tuple[list, list, list, list]:
