@@ -34,7 +34,7 @@ from remote_module.ps._modes import (
     read_when_applied,
     take_settings,
 )
-from remote_module.ps._rowwise import bag_index, coalesce
+from remote_module.ps._rowwise import bag_ends, bag_index, coalesce
 from remote_module.ps.tables.server._rows import TableSpec
 from remote_module.ps.tables.server._table import Table
 
@@ -153,24 +153,46 @@ def _pool_tables(names: list[str], steps: list[int], ids: torch.Tensor, first: t
                     refused.append(exc)
         if refused:
             raise _refusals(refused)
-    pending = []
-    for name, step, base, count in zip(names, steps, bag_base, bag_counts):
+    # each table's ids: ids[lo:hi], from its first bag's first id to the next table's
+    ends = bag_ends(first, ids.numel())[[b for base, count in zip(bag_base, bag_counts) for b in (base, base + count)]]
+    spans = ends.tolist()
+    answers: list = []  # per table: its pooled bags, or (sync) a Future of them
+    for j, (name, step, base, count) in enumerate(zip(names, steps, bag_base, bag_counts)):
         table = _table(name)
-        lo = int(first[base]) if count else 0
-        hi = lo if not count else int(first[base + count]) if base + count < first.numel() else ids.numel()
+        lo, hi = (spans[2 * j], spans[2 * j + 1]) if count else (0, 0)
         if lo == hi:  # none of its ids here: zeros, without waiting (its own lookup sends nothing here)
-            done: Future = Future()
-            done.set_result(torch.zeros(count, table.spec.dim))
-            pending.append(done)
+            answers.append(torch.zeros(count, table.spec.dim))
             continue
         pool = (first[base:base + count] - lo, None, "sum")
-        pending.append(read_when_applied(table, step, seconds, table.answer, ids[lo:hi], pool,
-                                         seen=None if seen is None else seen[len(pending)]))
+        if table.spec.mode == "sync":
+            answers.append(read_when_applied(table, step, seconds, table.answer, ids[lo:hi], pool,
+                                             seen=None if seen is None else seen[j]))
+        else:  # (a read that never waits: answered now, as read_when_applied would)
+            with table.lock:
+                answers.append(table.answer(ids[lo:hi], pool))
+    return _pooled(answers)
+
+
+def _pooled(answers: list) -> Future:
+    """:func:`_pool_tables`' answer of the tables' ``answers`` (each its pooled bags or a
+    Future of them): packed in one tensor at once when none waits, else once all are done."""
+    if not any(isinstance(a, Future) for a in answers):
+        done: Future = Future()
+        done.set_result(answers[0] if len(answers) == 1 else torch.cat(answers))
+        return done
+    pending = [a if isinstance(a, Future) else _done(a) for a in answers]
     if len(pending) == 1:
         return pending[0]
     # once every table's is done: every table's answer, or the first table's error as it was raised
     # (the refusals of several tables' steps as one error naming them all)
     return followed(torch.futures.collect_all(pending), partial(_pooled_answers, pending))
+
+
+def _done(value: object) -> Future:
+    """A Future already set to ``value``."""
+    done: Future = Future()
+    done.set_result(value)
+    return done
 
 
 def _pooled_answers(pending: list[Future], _: Future) -> torch.Tensor:
