@@ -206,18 +206,21 @@ def observed_step(optimizer: torch.optim.Optimizer, closure: Any, body: Callable
     return body(optimizer, closure)
 
 
+#: torch's registries of global step hooks (dicts it changes in place), None where this torch
+#: keeps them elsewhere: every step is then taken as observed
+_GLOBAL_PRE_HOOKS = getattr(torch_optimizer, "_global_optimizer_pre_hooks", None)
+_GLOBAL_POST_HOOKS = getattr(torch_optimizer, "_global_optimizer_post_hooks", None)
+
+
 def _observed(optimizer: torch.optim.Optimizer) -> bool:
     """Whether a step of ``optimizer`` would be seen by anything but its caller (see
-    :func:`observed_step`); True when torch's hook registries are not where they were."""
-    if torch.autograd._profiler_enabled():
+    :func:`observed_step`)."""
+    if _GLOBAL_PRE_HOOKS is None or _GLOBAL_POST_HOOKS is None or torch.autograd._profiler_enabled():
         return True
-    if getattr(optimizer, "_optimizer_step_pre_hooks", True) or getattr(optimizer, "_optimizer_step_post_hooks", True):
+    if _GLOBAL_PRE_HOOKS or optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
         return True
-    before = getattr(torch_optimizer, "_global_optimizer_pre_hooks", None)
-    after = getattr(torch_optimizer, "_global_optimizer_post_hooks", None)
-    if before is None or after is None:
-        return True
-    return bool(before) or any(hook is not _on_optimizer_step for hook in after.values())
+    after = len(_GLOBAL_POST_HOOKS)  # (ours, if registered, ignores these optimizers)
+    return after > 1 or (after == 1 and _on_optimizer_step not in _GLOBAL_POST_HOOKS.values())
 
 
 #: each PS optimizer's step body, wrapped as torch wraps an optimizer's step (:func:`observed_step`)

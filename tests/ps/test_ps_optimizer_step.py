@@ -88,3 +88,17 @@ def test_the_unpushed_warning_still_comes() -> None:
     with pytest.warns(UserWarning, match="does no update and pushes nothing"):
         optimizer.step()
         optimizer.step()
+
+
+def test_an_unobserved_step_skips_torchs_wrapper() -> None:
+    """With no hook but the library's own (which ignores PS optimizers) and the profiler off, a
+    step is not observed: torch's wrapper, and its profiler record, are skipped."""
+    from remote_module.ps import _optimizer
+
+    _optimizer._watch_optimizer_steps()  # (the library's global post hook, as a table registers it)
+    for optimizer in _optimizers():
+        assert not _optimizer._observed(optimizer)
+        handle = optimizer.register_step_post_hook(lambda opt, args, kwargs: None)
+        assert _optimizer._observed(optimizer)
+        handle.remove()
+        assert not _optimizer._observed(optimizer)
