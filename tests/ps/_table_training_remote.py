@@ -471,3 +471,28 @@ def geo_only_tables(name: str) -> dict:
         local(ids).pow(2).sum().backward()
         opt.step()
     return {"rows": bag.state_dict()["weight"], "local": local.weight.detach()}
+
+
+def cast_and_back(name: str, bag: str | None, dtype: torch.dtype) -> dict:
+    """:func:`in_dtype`'s model in float32, two steps, cast to ``dtype`` and back to float32
+    (torch gives the grad_marker a new AccumulateGrad at each cast), two steps more."""
+    t = table(name, bag=bag, optimizer=(torch.optim.SGD, {"lr": 0.5}))
+    model = nn.Sequential(t, nn.Linear(3, 1))
+    nn.init.normal_(model[1].weight, generator=torch.Generator().manual_seed(0))
+    nn.init.zeros_(model[1].bias)
+    _two_steps(model, t.step)
+    model.to(dtype).float()
+    return {**_two_steps(model, t.step), "rows": t.state_dict()["weight"]}
+
+
+def local_cast_and_back(bag: str | None, dtype: torch.dtype) -> dict:
+    """:func:`cast_and_back` with :func:`local_in_dtype`'s local module."""
+    emb = (nn.Embedding(20, 3, sparse=True, _weight=weights(0)) if bag is None
+           else nn.EmbeddingBag(20, 3, mode=bag, sparse=bag != "max", _weight=weights(0)))
+    model = nn.Sequential(emb, nn.Linear(3, 1))
+    nn.init.normal_(model[1].weight, generator=torch.Generator().manual_seed(0))
+    nn.init.zeros_(model[1].bias)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.5)
+    _two_steps(model, opt.step)
+    model.to(dtype).float()
+    return {**_two_steps(model, opt.step), "rows": emb.weight.detach()}

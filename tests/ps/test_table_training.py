@@ -229,6 +229,18 @@ def test_a_table_in_a_model_cast_to_float64_outputs_float64_as_torch(world, bag)
     close(got["rows"], want["rows"].float())
 
 
+@pytest.mark.parametrize("bag", [None, "sum", "mean", "max"])
+def test_a_table_cast_to_float64_and_back_keeps_training(world, bag):
+    """``model.double().float()`` (or a device and back) leaves the grad_marker as it was by
+    dtype and device, with a new AccumulateGrad from torch: the lookups after record their
+    gradients for that one, and the table trains on as a local module does."""
+    got = on_trainer0(world, r.cast_and_back, job(f"cast-back-{bag}"), bag, torch.float64)
+    want = r.local_cast_and_back(bag, torch.float64)
+    for a, b in zip(got["outs"] + got["grads"], want["outs"] + want["grads"]):
+        close(a, b)
+    close(got["rows"], want["rows"])
+
+
 def test_a_copy_of_a_sync_table_is_refused_not_dropped_silently(world):
     """``copy.deepcopy`` of a sync table is another object of it: its step is refused with
     the one-object error, never taken for a retry of the original's step (dropped)."""

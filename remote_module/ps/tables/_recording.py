@@ -92,7 +92,7 @@ class GradientRecording:
         self._fresh: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._held: list[tuple[torch.Tensor, torch.Tensor]] = []
         # (the marker whose accumulation ends a backward (_fresh held), its AccumulateGrad node, its
-        # dtype and device then): see _hooked_marker
+        # data's storage then, by address and held): see _hooked_marker
         self._hooked: tuple | None = None
         self._backwards = 0  # backward passes recorded since the last step()
         self._stepped_past = False  # a local optimizer stepped while _held waited
@@ -142,11 +142,16 @@ class GradientRecording:
             # so a hook holding the table kept every table that ran a backward alive for good)
             marker.register_post_accumulate_grad_hook(partial(_weakly, weakref.WeakMethod(self._backward_done)))
             hooked = None
-        if hooked is None or hooked[2] != marker.dtype or hooked[3] != marker.device:
+        if hooked is None or hooked[2] != marker.untyped_storage()._cdata:
             # its AccumulateGrad, kept: torch keeps a leaf's only weakly, and would make a new one
-            # at every lookup (torch gives it a new one when its dtype or device changes)
-            hooked = self._hooked = (marker, marker.view_as(marker).grad_fn.next_functions[0][0], marker.dtype,
-                                     marker.device)
+            # at every lookup. torch gives the leaf a new one when its data is replaced by another
+            # dtype or device (``.data =``, ``model.double()``), so it is found again whenever the
+            # data is another storage: a cast and back (``.double().float()``) ends where it began
+            # by dtype and device, but with a new node (the old storage is held, so its address
+            # is no new one's)
+            storage = marker.untyped_storage()
+            hooked = self._hooked = (marker, marker.view_as(marker).grad_fn.next_functions[0][0], storage._cdata,
+                                     storage)
         return marker, hooked[1]
 
     def _gradient_arrived(self, uniq: torch.Tensor, grad: torch.Tensor) -> None:
