@@ -13,6 +13,7 @@ scheduler changing an lr the servers never see warns, and so do gradients never 
 
 from __future__ import annotations
 
+import inspect
 import math
 import threading
 import warnings
@@ -22,6 +23,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.optim import optimizer as torch_optimizer
 from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from remote_module._core.untrained import user_stacklevel
 
 #: the settings a PSOptimizer's group carries to the servers
 SETTINGS = ("lr", "momentum", "betas", "weight_decay")
@@ -69,14 +72,14 @@ class PSOptimizer(torch.optim.Optimizer):
         super().__setstate__(state)
         self._unpushed_steps = 0
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """No update here: the servers apply it at the owner's ``step()``, which calls this.
+    def step(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """``step(closure=None)``. No update here: the servers apply it at the owner's ``step()``, which calls this.
         ``closure`` (torch's form) is run, with gradients on, and its loss returned. Called
         twice in a row with gradients on the parameters (the owner's ``step()`` clears them
         before it calls this), as a ported loop that kept ``optimizer.step()`` and has no
         ``model.step()`` does, it warns once: nothing was trained. Step hooks and the profiler
         see it as any torch optimizer's step (:func:`observed_step`)."""
-        return observed_step(self, closure, PSOptimizer._no_update)
+        return observed_step(self, PSOptimizer._no_update, args, kwargs)
 
     step.hooked = True  # type: ignore[attr-defined]  # (torch's constructor leaves it as it is: see observed_step)
 
@@ -91,7 +94,7 @@ class PSOptimizer(torch.optim.Optimizer):
             if self._unpushed_steps == 2:
                 warnings.warn(f"{self.owner}'s ps_optimizer.step() does no update and pushes nothing: the "
                               "servers train only at the owner's step() (model.step()), which pushes the "
-                              "gradients and calls this", UserWarning, stacklevel=2)
+                              "gradients and calls this", UserWarning, stacklevel=user_stacklevel())
         elif self._unpushed_steps < 2:
             self._unpushed_steps = 0
         return loss
@@ -165,10 +168,10 @@ class GroupedPSOptimizer(torch.optim.Optimizer):
                              "own: add a table to the collection instead")
         super().add_param_group(param_group)
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """No update here (the servers apply it at the owner's ``step()``, which calls this);
+    def step(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """``step(closure=None)``. No update here (the servers apply it at the owner's ``step()``, which calls this);
         seen by step hooks and the profiler as :meth:`PSOptimizer.step` is."""
-        return observed_step(self, closure, GroupedPSOptimizer._no_update)
+        return observed_step(self, GroupedPSOptimizer._no_update, args, kwargs)
 
     step.hooked = True  # type: ignore[attr-defined]
 
@@ -189,8 +192,8 @@ class GroupedPSOptimizer(torch.optim.Optimizer):
             member.param_groups[0].update({k: v for k, v in saved.items() if k != "params"})
 
 
-def observed_step(optimizer: torch.optim.Optimizer, closure: Any, body: Callable[..., Any]) -> Any:
-    """A PS optimizer's ``step(closure)``, whose own part is ``body(optimizer, closure)``.
+def observed_step(optimizer: torch.optim.Optimizer, body: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """A PS optimizer's ``step(*args, **kwargs)``, whose own part is ``body(optimizer, *args, **kwargs)``.
 
     torch wraps every optimizer class's ``step`` (``Optimizer.profile_hook_step``): the
     profiler's record of the step and the step hooks, global and the optimizer's own. That
@@ -200,10 +203,12 @@ def observed_step(optimizer: torch.optim.Optimizer, closure: Any, body: Callable
     goes through torch's wrapper whenever anything would see the difference: the autograd
     profiler is on, or a step hook is registered other than :func:`_on_optimizer_step` (which
     ignores these optimizers). An LR scheduler's own wrapper, which counts the calls, is on the
-    instance and runs either way."""
-    if _observed(optimizer):  # (as the caller gave it: a pre hook may return new arguments)
-        return _WRAPPED[body](optimizer) if closure is None else _WRAPPED[body](optimizer, closure)
-    return body(optimizer, closure)
+    instance and runs either way. Hooks see the arguments as the caller gave them (a closure
+    given by keyword is in ``kwargs``), as torch's wrapper passes them, and a pre hook may
+    replace them."""
+    if _observed(optimizer):
+        return _WRAPPED[body](optimizer, *args, **kwargs)
+    return body(optimizer, *args, **kwargs)
 
 
 #: torch's registries of global step hooks (dicts it changes in place), None where this torch
@@ -280,3 +285,5 @@ def changed_group_lr(seen: "weakref.WeakKeyDictionary", optimizer: torch.optim.O
 
 _WRAPPED.update({body: torch.optim.Optimizer.profile_hook_step(body)
                  for body in (PSOptimizer._no_update, GroupedPSOptimizer._no_update)})
+for _cls in (PSOptimizer, GroupedPSOptimizer):  # (what inspect.signature shows: torch's wrapped step showed it)
+    _cls.step.__signature__ = inspect.signature(_cls._no_update)  # type: ignore[attr-defined]

@@ -5,6 +5,7 @@ of steps behave as with any ``torch.optim`` optimizer. No RPC: these are local o
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import pytest
@@ -102,3 +103,40 @@ def test_an_unobserved_step_skips_torchs_wrapper() -> None:
         assert _optimizer._observed(optimizer)
         handle.remove()
         assert not _optimizer._observed(optimizer)
+
+
+@pytest.mark.parametrize("index", [0, 1], ids=["PSOptimizer", "GroupedPSOptimizer"])
+def test_hooks_see_the_arguments_as_given(index: int) -> None:
+    """As torch's wrapper passes them: a closure by keyword is in ``kwargs`` (a pre hook may
+    replace it there), an explicit ``None`` is in ``args``; the signature is ``(closure=None)``."""
+    optimizer = _optimizers()[index]
+    seen: list = []
+    handles = [optimizer.register_step_pre_hook(lambda opt, args, kwargs: seen.append((len(args), sorted(kwargs)))),
+               optimizer.register_step_pre_hook(
+                   lambda opt, args, kwargs: (args, {"closure": lambda: 5.0}) if "closure" in kwargs else None)]
+    try:
+        assert optimizer.step(closure=lambda: 1.0) == 5.0
+        assert optimizer.step(None) is None
+        assert optimizer.step() is None
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert seen == [(1, ["closure"]), (2, []), (1, [])]
+    assert list(inspect.signature(optimizer.step).parameters) == ["closure"]
+
+
+def test_the_unpushed_warning_points_at_the_callers_step() -> None:
+    """With or without torch's wrapper in between (a hook) or a scheduler's."""
+    param = torch.zeros(1, requires_grad=True)
+    optimizer = PSOptimizer([param], {"lr": 0.1}, "model 'm'")
+    torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    handle = optimizer.register_step_post_hook(lambda opt, args, kwargs: None)
+    param.grad = torch.ones(1)
+    for _ in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            optimizer.step()
+            optimizer.step()
+        assert [w.filename for w in caught] == [__file__], [w.filename for w in caught]
+        optimizer._unpushed_steps = 0
+        handle.remove()
