@@ -513,3 +513,19 @@ def bags_form_given_gradient_sharded(name: str, mode: str) -> torch.Tensor:
     t.step()
     t.flush()
     return t.state_dict()["weight"]
+
+
+def ids_changed_before_step(name: str, servers: int) -> torch.Tensor:
+    """A sum bag table of more than 2**31 rows (ids travel as int64) on ``servers`` servers,
+    rows 0-9 loaded with ones: a lookup of ids 5, 6, 7 backpropagated, the caller's id tensor
+    then filled with 9 (a reused batch buffer) before ``step()``; rows 0-9 after."""
+    from remote_module.ps import ShardedEmbeddingBag
+
+    t = ShardedEmbeddingBag(2**31 + 10, 2, SERVERS[:servers], name=name, mode="sum", init="lazy",
+                            optimizer=(torch.optim.SGD, {"lr": 1.0}))
+    t.load_state_dict({"weight.ids": torch.arange(10), "weight.rows": torch.ones(10, 2)})
+    ids = torch.tensor([5, 6, 7])
+    t(ids, torch.tensor([0, 2])).sum().backward()
+    ids.fill_(9)
+    t.step()
+    return t.state_dict()["weight.rows"]

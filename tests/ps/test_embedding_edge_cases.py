@@ -400,3 +400,14 @@ def test_a_bag_lookups_gradient_given_by_the_caller_is_pushed_as_it_was_at_backw
     h.bags_form_given_gradient(local, step)
     step()
     torch.testing.assert_close(got, local.weight.detach(), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("servers", [1, 2])
+def test_ids_changed_in_place_after_backward_do_not_move_the_step(world, servers):
+    """As torch's gradient is the forward's ids', whatever the caller does to its id tensor
+    after backward (a reused batch buffer): the step pushes to the rows looked up, also where
+    the ids travel as int64 (a table of more than 2**31 rows) and one server holds them all."""
+    got = on_trainer0(world, h.ids_changed_before_step, job(f"ids-changed-{servers}"), servers)
+    want = torch.ones(10, 2)
+    want[5:8] = 0.0
+    torch.testing.assert_close(got, want, atol=0, rtol=0)

@@ -285,7 +285,9 @@ class ShardedEmbeddingBag(ShardedEmbedding):
             w = None if weights is None else weights[mine]
             # this server's share of each bag starts where its positions reach that bag
             starts = starts_alone if mine is ALL else torch.searchsorted(bags[mine], positions)
-            sent = ids.to(wire)
+            # (a copy: ``flat`` may be the caller's int64 ids, which may change before the step
+            # pushes the bags' gradient by ``sent``; int32 ids are copied by the cast anyway)
+            sent = ids.to(wire, copy=mine is ALL)
             calls.append((server, self._reader(), RowsRead(self.name, sent, self._step, (starts, w, kind), wait_s)))
             called.append(k)
             if bags_form:
