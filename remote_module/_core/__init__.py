@@ -45,6 +45,7 @@ from remote_module._core._torch_private import (
     save_without_record_crc,
     script_class_name,
     script_module_has_attribute,
+    storage_address,
     worker_names,
 )
 from remote_module._core.deadlines import (
@@ -168,6 +169,7 @@ __all__ = [
     "send_to_each",
     "settle_elsewhere",
     "settle_here",
+    "storage_address",
     "timeout_message",
     "timeout_seconds",
     "to_exception",

@@ -250,3 +250,10 @@ def save_without_record_crc(value: Any, f: Any) -> bool:
     writer.write_end_of_file()
     f.flush()
     return True
+
+
+def storage_address(tensor: torch.Tensor) -> int:
+    """The address of ``tensor``'s storage (its ``StorageImpl``): the same while its data is,
+    another once its data is replaced (``.data =``, a cast there and back), unless the old
+    storage was freed and its address reused (hold it to rule that out)."""
+    return tensor.untyped_storage()._cdata

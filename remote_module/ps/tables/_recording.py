@@ -14,7 +14,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from remote_module._core import backward_accumulates, user_stacklevel
+from remote_module._core import backward_accumulates, storage_address, user_stacklevel
 from remote_module.ps._optimizer import changed_group_lr
 from remote_module.ps._rowwise import pooled_rows
 
@@ -142,16 +142,15 @@ class GradientRecording:
             # so a hook holding the table kept every table that ran a backward alive for good)
             marker.register_post_accumulate_grad_hook(partial(_weakly, weakref.WeakMethod(self._backward_done)))
             hooked = None
-        if hooked is None or hooked[2] != marker.untyped_storage()._cdata:
+        if hooked is None or hooked[2] != storage_address(marker):
             # its AccumulateGrad, kept: torch keeps a leaf's only weakly, and would make a new one
             # at every lookup. torch gives the leaf a new one when its data is replaced by another
             # dtype or device (``.data =``, ``model.double()``), so it is found again whenever the
             # data is another storage: a cast and back (``.double().float()``) ends where it began
             # by dtype and device, but with a new node (the old storage is held, so its address
             # is no new one's)
-            storage = marker.untyped_storage()
-            hooked = self._hooked = (marker, marker.view_as(marker).grad_fn.next_functions[0][0], storage._cdata,
-                                     storage)
+            hooked = self._hooked = (marker, marker.view_as(marker).grad_fn.next_functions[0][0],
+                                     storage_address(marker), marker.untyped_storage())
         return marker, hooked[1]
 
     def _gradient_arrived(self, uniq: torch.Tensor, grad: torch.Tensor) -> None:
