@@ -55,7 +55,8 @@ def prefetching(batches: Iterable, tables: Any, features: Callable[[Any], Any] |
     batch further in async mode: a step sends the lookups of the batch after the next, so their
     round trip overlaps the next batch's compute and a forward never waits for the servers. Each
     of those lookups then misses exactly one push of this trainer, the last one before its
-    forward (as an async read may miss other trainers' pushes); every earlier push is in it. In
+    forward (as an async read may miss other trainers' pushes); every earlier push is in it
+    (from the loop's third batch on: the first two lookups go with its first step or before). In
     half_async mode the step in between may merge, which such a lookup could not hold: each is
     sent with the step right before its forward, as without overlap. The iterator then reads
     three batches ahead.
