@@ -253,6 +253,11 @@ def scheduled_lr(name: str, case: str) -> dict:
     optimizer over ``model.parameters()``): the lr warnings caught."""
     bag = table(name, bag="sum", optimizer=(torch.optim.SGD, {"lr": 0.5}))
     model = Clicks(bag)
+    # "two tables": a second table in the same optimizer group (a model's, a collection's tables)
+    other = None
+    if case == "two tables":
+        other = table(f"{name}-other", bag="sum", optimizer=(torch.optim.SGD, {"lr": 0.5}))
+    model.other = other
     params = model.dense.parameters() if case == "dense only" else model.parameters()
     opt = torch.optim.SGD(params, lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5 if case != "constant" else 1.0)
@@ -261,9 +266,11 @@ def scheduled_lr(name: str, case: str) -> dict:
         warnings.simplefilter("always")
         for ids in BAGS * 2:
             opt.zero_grad()
-            model(ids).pow(2).sum().backward()
+            (model(ids).pow(2).sum() + (0 if other is None else other(ids).pow(2).sum())).backward()
             opt.step()
             bag.step()
+            if other is not None:
+                other.step()
             sched.step()
             if rows_sched is not None:  # (the text-classification tutorial's port: both scheduled)
                 rows_sched.step()

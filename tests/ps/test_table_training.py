@@ -197,15 +197,16 @@ def test_accumulation_stepped_tables_and_frozen_tables_do_not_warn(world, case):
 # ---- an LR scheduler does not reach a table's lr: it warns ----------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["model.parameters()", "dense only", "constant", "both"])
+@pytest.mark.parametrize("case", ["model.parameters()", "two tables", "dense only", "constant", "both"])
 def test_a_scheduled_lr_of_the_group_holding_a_table_warns_once(world, case):
     """The rows step with the lr the table was built with, on the servers; a scheduler changing
     the lr of the optimizer group holding the table's grad_marker (dlrm's LRPolicyScheduler over
     model.parameters()) would leave the table behind silently: it warns once, naming the table.
     With a scheduler on the table's ps_optimizer too ("both", as a port of torch's
-    text-classification tutorial schedules it), the rows follow one: no warning."""
+    text-classification tutorial schedules it), the rows follow one: no warning. Two tables in
+    the scheduled group (a collection's, say) warn once, for the group, not once per table."""
     got = on_trainer0(world, r.scheduled_lr, job("sched"), case)
-    if case == "model.parameters()":
+    if case in ("model.parameters()", "two tables"):
         assert len(got["warnings"]) == 1 and got["categories"] == ["UserWarning"], got
         assert "'sched" in got["warnings"][0] and "lr" in got["warnings"][0], got["warnings"][0]
         assert got["files"] == [r.__file__], got["files"]  # the user's opt.step(), not the scheduler's wrapper

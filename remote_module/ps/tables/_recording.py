@@ -18,6 +18,10 @@ from remote_module._core import backward_accumulates, storage_address, user_stac
 from remote_module.ps._optimizer import changed_group_lr
 from remote_module.ps._rowwise import pooled_rows
 
+#: the param groups of local optimizers whose lr change a table warned of (:meth:`_check_group_lr`):
+#: tables sharing a group (a collection's, a model's) warn once for it, not once each
+_WARNED_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
 #: backward passes a table records without a step() before it warns that its gradients are never
 #: pushed, where no local optimizer step told it sooner (gradient accumulation stays below this)
 UNPUSHED_BACKWARDS = 10
@@ -215,11 +219,17 @@ class GradientRecording:
             return
         first, now = changed
         self._warned_lr = True
+        warned = _WARNED_GROUPS.setdefault(optimizer, set())
+        group = id(self._group_lrs[optimizer][1])
+        if group in warned:  # another table in this group warned of it already
+            return
+        warned.add(group)
         warnings.warn(
             f"{type(self).__name__} {self.name!r}: the lr of the {type(optimizer).__name__} param group holding its "
             f"grad_marker changed from {first:g} to {now:g} (an LR scheduler?), but the table's rows "
-            "step on the servers with its ps_optimizer's lr, which local optimizers do not change: schedule "
-            "table.ps_optimizer (a PSModel: its tables' ps_optimizer) for the rows; to silence this, build the "
+            "step on the servers with its ps_optimizer's lr, which local optimizers do not change (nor those of "
+            "the group's other tables, not named again): schedule table.ps_optimizer (a collection: its "
+            "ps_optimizer; a PSModel: its tables' ps_optimizer) for the rows; to silence this, build the "
             "scheduled optimizer over the local parameters only (a PSModel's own step on the servers too: schedule "
             "its ps_optimizer)", UserWarning, stacklevel=user_stacklevel())
 
