@@ -375,6 +375,26 @@ def copies(name: str) -> dict:
     return {"original": t(ids).detach(), "deep": deep(ids).detach(), "unpickled": unpickled(ids).detach()}
 
 
+def saved_whole(name: str) -> dict:
+    """``torch.save`` of a model holding a table (a "best model" file) warns that the rows are
+    not in it; ``copy.deepcopy`` and ``pickle`` (copies sharing the rows, as documented) do not.
+    The warnings caught for each, and the files they point at."""
+    import copy
+    import io
+    import pickle
+    import warnings
+
+    model = nn.Sequential(table(name, bag="sum"), nn.Linear(3, 1))
+    got = {}
+    for what, run in (("torch.save", lambda: torch.save(model, io.BytesIO())),
+                      ("deepcopy", lambda: copy.deepcopy(model)), ("pickle", lambda: pickle.dumps(model))):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run()
+        got[what] = [(str(w.message), w.filename) for w in caught]
+    return got
+
+
 # ---- a ported model's constructor calls and print(model) --------------------------------------------------
 
 

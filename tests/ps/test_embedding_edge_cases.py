@@ -64,6 +64,18 @@ def test_a_table_can_be_deep_copied_and_pickled_and_copies_share_its_rows_not_it
         torch.testing.assert_close(got[key], expected, msg=key)
 
 
+def test_torch_save_of_a_model_holding_a_table_warns_that_its_rows_are_not_saved(world):
+    """guoyang9/NCF keeps its best model with torch.save(model, path): with a sharded table the
+    file holds no rows, so it warns, at the user's line; deepcopy and pickle (copies sharing
+    the servers' rows, documented) stay silent."""
+    got = on_trainer0(world, h.saved_whole, job("saved-whole"))
+    assert len(got["torch.save"]) == 1, got
+    message, filename = got["torch.save"][0]
+    assert "not their rows" in message and "state_dict()" in message, message
+    assert filename == h.__file__, filename
+    assert got["deepcopy"] == [] and got["pickle"] == [], got
+
+
 def test_a_lookup_never_backpropagated_is_freed_with_its_output(world):
     got = on_trainer0(world, h.dropped_lookup_is_freed, job("eval"))
     assert got["alive"] == [False] * 3, f"lookups kept alive after their outputs were dropped: {got}"

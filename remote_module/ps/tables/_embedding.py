@@ -8,8 +8,10 @@ it, pooling bags on the servers; the servers' side is ``tables.server``."""
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import uuid
+import warnings
 import weakref
 from functools import partial
 from typing import Any, Callable, Sequence
@@ -22,6 +24,7 @@ from remote_module._core import (
     call_all,
     nested_seconds,
     timeout_seconds,
+    user_stacklevel,
 )
 from remote_module.ps._modes import StepRefusal
 from remote_module.ps._optimizer import PSOptimizer, class_defaults, watch_local_optimizers
@@ -549,6 +552,12 @@ class ShardedEmbedding(TableCheckpoints, GradientRecording, TablePushes, nn.Modu
         """As nn.Module's, less the lock and the gradients not pushed yet (a copy, e.g.
         ``copy.deepcopy(model)`` for an averaged model, shares the servers' rows, not them)."""
         self._wait_pushes()
+        if _in_torch_save():
+            warnings.warn(
+                "torch.save of a model holding sharded tables saves the tables' handles, not their rows: "
+                "torch.load gives a model reading the servers' rows as they are then (in a new job, none: its "
+                "lookups raise LookupError). Save model.state_dict() (and the tables' optimizer_state_dict()) "
+                "to keep the rows", UserWarning, stacklevel=user_stacklevel())
         state = self.__dict__.copy()
         for key in ("_pending_lock", "_marker_lock", "_fresh", "_held", "_hooked", "_group_lrs", "_flight_lock",
                     "_flight", "_prefetches", "_together"):
@@ -585,3 +594,19 @@ class ShardedEmbedding(TableCheckpoints, GradientRecording, TablePushes, nn.Modu
         with self._pending_lock:
             self._held, self._fresh = [], []
             self._backwards, self._stepped_past = 0, False
+
+
+def _in_torch_save() -> bool:
+    """Whether ``torch.save`` is pickling the caller (its ``_save`` is on the stack): a table
+    pickled there leaves its rows behind, where ``copy.deepcopy`` and ``pickle`` (a copy sharing
+    the servers' rows, as documented) do not warn."""
+    save = getattr(torch.serialization, "_save", None)
+    code = getattr(save, "__code__", None)
+    frame = sys._getframe(2)
+    for _ in range(64):
+        if frame is None or code is None:
+            return False
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
