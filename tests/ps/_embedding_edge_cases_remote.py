@@ -387,6 +387,8 @@ def saved_whole(name: str) -> dict:
     model = nn.Sequential(table(name, bag="sum"), nn.Linear(3, 1))
     got = {}
     for what, run in (("torch.save", lambda: torch.save(model, io.BytesIO())),
+                      ("legacy torch.save",
+                       lambda: torch.save(model, io.BytesIO(), _use_new_zipfile_serialization=False)),
                       ("deepcopy", lambda: copy.deepcopy(model)), ("pickle", lambda: pickle.dumps(model))):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -600,13 +600,14 @@ def _in_torch_save() -> bool:
     """Whether ``torch.save`` is pickling the caller (its ``_save`` is on the stack): a table
     pickled there leaves its rows behind, where ``copy.deepcopy`` and ``pickle`` (a copy sharing
     the servers' rows, as documented) do not warn."""
-    save = getattr(torch.serialization, "_save", None)
-    code = getattr(save, "__code__", None)
+    # (``_legacy_save``: torch.save(..., _use_new_zipfile_serialization=False))
+    codes = {getattr(getattr(torch.serialization, f, None), "__code__", None) for f in ("_save", "_legacy_save")}
+    codes.discard(None)
     frame = sys._getframe(2)
     for _ in range(64):
-        if frame is None or code is None:
+        if frame is None or not codes:
             return False
-        if frame.f_code is code:
+        if frame.f_code in codes:
             return True
         frame = frame.f_back
     return False
