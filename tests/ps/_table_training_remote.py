@@ -492,6 +492,29 @@ def cast_and_back(name: str, bag: str | None, dtype: torch.dtype) -> dict:
     return {**_two_steps(model, t.step), "rows": t.state_dict()["weight"]}
 
 
+def swapped_on_conversion(name: str, bag: str | None, local: bool = False) -> dict:
+    """:func:`cast_and_back`'s loop with ``model.float()`` of the float32 model under
+    ``torch.__future__.set_swap_module_params_on_conversion(True)`` in the middle: torch swaps a
+    new Parameter of the same data into the grad_marker (its hooks and AccumulateGrad left
+    with the old one). ``local``: the same with a local module and SGD."""
+    emb = (nn.Embedding(20, 3, sparse=True, _weight=weights(0)) if bag is None
+           else nn.EmbeddingBag(20, 3, mode=bag, sparse=bag != "max", _weight=weights(0))) if local \
+        else table(name, bag=bag, optimizer=(torch.optim.SGD, {"lr": 0.5}))
+    model = nn.Sequential(emb, nn.Linear(3, 1))
+    nn.init.normal_(model[1].weight, generator=torch.Generator().manual_seed(0))
+    nn.init.zeros_(model[1].bias)
+    first = _two_steps(model, torch.optim.SGD(emb.parameters(), lr=0.5).step if local else emb.step)
+    model.zero_grad()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.float()
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    second = _two_steps(model, torch.optim.SGD(emb.parameters(), lr=0.5).step if local else emb.step)
+    return {"outs": first["outs"] + second["outs"], "grads": first["grads"] + second["grads"],
+            "rows": emb.weight.detach() if local else emb.state_dict()["weight"]}
+
+
 def local_cast_and_back(bag: str | None, dtype: torch.dtype) -> dict:
     """:func:`cast_and_back` with :func:`local_in_dtype`'s local module."""
     emb = (nn.Embedding(20, 3, sparse=True, _weight=weights(0)) if bag is None

@@ -242,6 +242,18 @@ def test_a_table_cast_to_float64_and_back_keeps_training(world, bag):
     close(got["rows"], want["rows"])
 
 
+@pytest.mark.parametrize("bag", [None, "sum"])
+def test_a_table_whose_marker_torch_swapped_keeps_training(world, bag):
+    """``model.float()`` with swap_module_params_on_conversion swaps a new Parameter of the same
+    data into the grad_marker (same storage, another tensor: its AccumulateGrad and hooks stay
+    with the old one): the table trains on as a local module does, not silently frozen."""
+    got = on_trainer0(world, r.swapped_on_conversion, job(f"swapped-{bag}"), bag)
+    want = r.swapped_on_conversion("", bag, local=True)
+    for a, b in zip(got["outs"] + got["grads"], want["outs"] + want["grads"]):
+        close(a, b)
+    close(got["rows"], want["rows"])
+
+
 def test_a_copy_of_a_sync_table_is_refused_not_dropped_silently(world):
     """``copy.deepcopy`` of a sync table is another object of it: its step is refused with
     the one-object error, never taken for a retry of the original's step (dropped)."""

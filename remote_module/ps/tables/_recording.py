@@ -141,7 +141,10 @@ class GradientRecording:
         it ends (:meth:`_backward_done`), and its ``AccumulateGrad`` node."""
         marker = self.grad_marker
         hooked = self._hooked
-        if hooked is None or hooked[0] is not marker:  # (a copy, or the marker replaced)
+        # (a copy, or the marker replaced; or its tensor swapped under it, torch.utils.swap_tensors
+        # as ``model.float()`` does with swap_module_params_on_conversion: the hook and the
+        # AccumulateGrad stay with the other tensor, even when it holds the same data)
+        if hooked is None or hooked[0] is not marker or hooked[1].variable is not marker:
             # (through a weak reference: torch's garbage collector does not see a tensor's hooks,
             # so a hook holding the table kept every table that ran a backward alive for good)
             marker.register_post_accumulate_grad_hook(partial(_weakly, weakref.WeakMethod(self._backward_done)))
