@@ -515,6 +515,22 @@ def swapped_on_conversion(name: str, bag: str | None, local: bool = False) -> di
             "rows": emb.weight.detach() if local else emb.state_dict()["weight"]}
 
 
+def marker_hooks_over_functional_calls(name: str, rounds: int = 4) -> list[int]:
+    """A table called through ``torch.func.functional_call`` (its grad_marker given as another
+    tensor) and plainly, in turn, a step after each: the hooks on its grad_marker per round."""
+    t = table(name, bag="sum", optimizer=(torch.optim.SGD, {"lr": 0.5}))
+    ids, offsets = torch.tensor([1, 15]), torch.tensor([0, 1])
+    counts = []
+    for _ in range(rounds):
+        given = {k: v.detach().clone().requires_grad_() for k, v in t.named_parameters()}
+        torch.func.functional_call(t, given, (ids, offsets)).sum().backward()
+        t.step()
+        t(ids, offsets).sum().backward()
+        t.step()
+        counts.append(len(t.grad_marker._post_accumulate_grad_hooks or {}))
+    return counts
+
+
 def local_cast_and_back(bag: str | None, dtype: torch.dtype) -> dict:
     """:func:`cast_and_back` with :func:`local_in_dtype`'s local module."""
     emb = (nn.Embedding(20, 3, sparse=True, _weight=weights(0)) if bag is None

@@ -254,6 +254,12 @@ def test_a_table_whose_marker_torch_swapped_keeps_training(world, bag):
     close(got["rows"], want["rows"])
 
 
+def test_a_marker_given_back_after_functional_call_is_not_hooked_again(world):
+    """torch.func.functional_call swaps another tensor in for the grad_marker and back: the
+    marker keeps one hook, not one more per call (each would run at every backward)."""
+    assert on_trainer0(world, r.marker_hooks_over_functional_calls, job("functional")) == [1] * 4
+
+
 def test_a_copy_of_a_sync_table_is_refused_not_dropped_silently(world):
     """``copy.deepcopy`` of a sync table is another object of it: its step is refused with
     the one-object error, never taken for a retry of the original's step (dropped)."""

@@ -34,6 +34,12 @@ def _weakly(method: weakref.WeakMethod, marker: torch.Tensor) -> None:
         done(marker)
 
 
+def _has_hook(marker: torch.Tensor, done: weakref.WeakMethod) -> bool:
+    """Whether ``marker`` has the hook of :func:`_weakly` of ``done`` already."""
+    hooks = getattr(marker, "_post_accumulate_grad_hooks", None) or {}
+    return any(isinstance(h, partial) and h.func is _weakly and h.args[0] == done for h in hooks.values())
+
+
 class RecordedTogether(NamedTuple):
     """A table's gradient recorded with other tables' in one backward (a collection's lookup
     planned them together, ``_packed``): ``gradient``, the table's entry (``_packed``'s
@@ -147,7 +153,10 @@ class GradientRecording:
         if hooked is None or hooked[0] is not marker or hooked[1].variable is not marker:
             # (through a weak reference: torch's garbage collector does not see a tensor's hooks,
             # so a hook holding the table kept every table that ran a backward alive for good)
-            marker.register_post_accumulate_grad_hook(partial(_weakly, weakref.WeakMethod(self._backward_done)))
+            done = weakref.WeakMethod(self._backward_done)
+            # once per marker: one given back after another (torch.func.functional_call's) has it
+            if not _has_hook(marker, done):
+                marker.register_post_accumulate_grad_hook(partial(_weakly, done))
             hooked = None
         if hooked is None or hooked[2] != storage_address(marker):
             # its AccumulateGrad, kept: torch keeps a leaf's only weakly, and would make a new one
