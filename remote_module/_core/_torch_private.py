@@ -257,3 +257,9 @@ def storage_address(tensor: torch.Tensor) -> int:
     another once its data is replaced (``.data =``, a cast there and back), unless the old
     storage was freed and its address reused (hold it to rule that out)."""
     return tensor.untyped_storage()._cdata
+
+
+def post_accumulate_grad_hooks(tensor: torch.Tensor) -> dict:
+    """The hooks registered on ``tensor`` with ``register_post_accumulate_grad_hook`` (torch
+    keeps them on the tensor, by handle id); empty where this torch keeps them elsewhere."""
+    return getattr(tensor, "_post_accumulate_grad_hooks", None) or {}

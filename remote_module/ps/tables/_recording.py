@@ -14,7 +14,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from remote_module._core import backward_accumulates, storage_address, user_stacklevel
+from remote_module._core import backward_accumulates, post_accumulate_grad_hooks, storage_address, user_stacklevel
 from remote_module.ps._optimizer import changed_group_lr
 from remote_module.ps._rowwise import pooled_rows
 
@@ -36,8 +36,8 @@ def _weakly(method: weakref.WeakMethod, marker: torch.Tensor) -> None:
 
 def _has_hook(marker: torch.Tensor, done: weakref.WeakMethod) -> bool:
     """Whether ``marker`` has the hook of :func:`_weakly` of ``done`` already."""
-    hooks = getattr(marker, "_post_accumulate_grad_hooks", None) or {}
-    return any(isinstance(h, partial) and h.func is _weakly and h.args[0] == done for h in hooks.values())
+    return any(isinstance(h, partial) and h.func is _weakly and h.args[0] == done
+               for h in post_accumulate_grad_hooks(marker).values())
 
 
 class RecordedTogether(NamedTuple):
