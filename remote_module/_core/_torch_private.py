@@ -263,3 +263,35 @@ def post_accumulate_grad_hooks(tensor: torch.Tensor) -> dict:
     """The hooks registered on ``tensor`` with ``register_post_accumulate_grad_hook`` (torch
     keeps them on the tensor, by handle id); empty where this torch keeps them elsewhere."""
     return getattr(tensor, "_post_accumulate_grad_hooks", None) or {}
+
+
+def profiler_enabled() -> bool:
+    """Whether torch's autograd profiler (``torch.profiler.profile``, ``torch.autograd.profiler``)
+    is recording in this thread."""
+    return torch.autograd._profiler_enabled()
+
+
+def global_optimizer_step_hooks() -> tuple[dict, dict] | None:
+    """torch.optim's registries of global step hooks, ``(pre, post)`` (dicts torch changes in
+    place: ``register_optimizer_step_pre_hook`` / ``_post_hook``); None where this torch keeps
+    them elsewhere."""
+    from torch.optim import optimizer
+
+    pre = getattr(optimizer, "_global_optimizer_pre_hooks", None)
+    post = getattr(optimizer, "_global_optimizer_post_hooks", None)
+    return None if pre is None or post is None else (pre, post)
+
+
+def in_torch_save(frame: Any) -> bool:
+    """Whether ``torch.save`` is on the stack from ``frame`` outwards (its private ``_save``, or
+    ``_legacy_save`` for ``_use_new_zipfile_serialization=False``; False where this torch names
+    them otherwise). At most 64 frames are looked at."""
+    codes = {getattr(getattr(torch.serialization, f, None), "__code__", None) for f in ("_save", "_legacy_save")}
+    codes.discard(None)
+    for _ in range(64):
+        if frame is None or not codes:
+            return False
+        if frame.f_code in codes:
+            return True
+        frame = frame.f_back
+    return False

@@ -21,10 +21,9 @@ import weakref
 from typing import Any, Callable, Iterable
 
 import torch
-from torch.optim import optimizer as torch_optimizer
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from remote_module._core.untrained import user_stacklevel
+from remote_module._core import global_optimizer_step_hooks, profiler_enabled, user_stacklevel
 
 #: the settings a PSOptimizer's group carries to the servers
 SETTINGS = ("lr", "momentum", "betas", "weight_decay")
@@ -211,21 +210,21 @@ def observed_step(optimizer: torch.optim.Optimizer, body: Callable[..., Any], ar
     return body(optimizer, *args, **kwargs)
 
 
-#: torch's registries of global step hooks (dicts it changes in place), None where this torch
-#: keeps them elsewhere: every step is then taken as observed
-_GLOBAL_PRE_HOOKS = getattr(torch_optimizer, "_global_optimizer_pre_hooks", None)
-_GLOBAL_POST_HOOKS = getattr(torch_optimizer, "_global_optimizer_post_hooks", None)
+#: torch's registries of global step hooks, ``(pre, post)``: dicts it changes in place (None where
+#: this torch keeps them elsewhere: every step is then taken as observed)
+_GLOBAL_HOOKS = global_optimizer_step_hooks()
 
 
 def _observed(optimizer: torch.optim.Optimizer) -> bool:
     """Whether a step of ``optimizer`` would be seen by anything but its caller (see
     :func:`observed_step`)."""
-    if _GLOBAL_PRE_HOOKS is None or _GLOBAL_POST_HOOKS is None or torch.autograd._profiler_enabled():
+    if _GLOBAL_HOOKS is None or profiler_enabled():
         return True
-    if _GLOBAL_PRE_HOOKS or optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+    before, after = _GLOBAL_HOOKS
+    if before or optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
         return True
-    after = len(_GLOBAL_POST_HOOKS)  # (ours, if registered, ignores these optimizers)
-    return after > 1 or (after == 1 and _on_optimizer_step not in _GLOBAL_POST_HOOKS.values())
+    # (ours, if registered, ignores these optimizers)
+    return len(after) > 1 or (len(after) == 1 and _on_optimizer_step not in after.values())
 
 
 #: each PS optimizer's step body, wrapped as torch wraps an optimizer's step (:func:`observed_step`)

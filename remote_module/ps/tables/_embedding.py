@@ -22,6 +22,7 @@ from torch import nn
 
 from remote_module._core import (
     call_all,
+    in_torch_save,
     nested_seconds,
     timeout_seconds,
     user_stacklevel,
@@ -597,17 +598,7 @@ class ShardedEmbedding(TableCheckpoints, GradientRecording, TablePushes, nn.Modu
 
 
 def _in_torch_save() -> bool:
-    """Whether ``torch.save`` is pickling the caller (its ``_save`` is on the stack): a table
-    pickled there leaves its rows behind, where ``copy.deepcopy`` and ``pickle`` (a copy sharing
-    the servers' rows, as documented) do not warn."""
-    # (``_legacy_save``: torch.save(..., _use_new_zipfile_serialization=False))
-    codes = {getattr(getattr(torch.serialization, f, None), "__code__", None) for f in ("_save", "_legacy_save")}
-    codes.discard(None)
-    frame = sys._getframe(2)
-    for _ in range(64):
-        if frame is None or not codes:
-            return False
-        if frame.f_code in codes:
-            return True
-        frame = frame.f_back
-    return False
+    """Whether ``torch.save`` is pickling the caller (:func:`in_torch_save`): a table pickled
+    there leaves its rows behind, where ``copy.deepcopy`` and ``pickle`` (a copy sharing the
+    servers' rows, as documented) do not warn."""
+    return in_torch_save(sys._getframe(2))
