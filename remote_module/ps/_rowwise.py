@@ -130,12 +130,12 @@ def bag_ends(starts: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([starts, starts.new_tensor([n])])
 
 
-def bag_index(starts: torch.Tensor, n: int) -> torch.Tensor:
+def bag_index(starts: torch.Tensor, n: int, check: bool = True) -> torch.Tensor:
     """Each of ``n`` positions' bag, for bags starting at ``starts`` (bag ``b`` holds positions
     ``starts[b]`` to ``starts[b + 1]``, the last one to the end); ``ValueError`` unless they
-    start at 0 and do not decrease."""
+    start at 0 and do not decrease (``check=False``: starts the caller checked already)."""
     counts = torch.diff(starts.long(), append=torch.tensor([n]))
-    if starts.numel() and (int(starts[0]) != 0 or bool((counts < 0).any())):
+    if check and starts.numel() and (int(starts[0]) != 0 or bool((counts < 0).any())):
         raise ValueError(f"bag starts must begin at 0, not decrease, and not pass the {n} positions")
     return torch.repeat_interleave(counts)
 

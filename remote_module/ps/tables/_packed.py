@@ -326,7 +326,7 @@ def plan(layouts: dict, entries: Sequence[tuple[ShardedEmbeddingBag, torch.Tenso
     records = [torch.is_grad_enabled() and t.grad_marker.requires_grad for t in tables]
     gid = flat + sized.id_base_at  # one id space: table k's ids from id_base[k]
     # each position's bag (the starts passed the checks: from 0, never back, none past the end)
-    bag_of = torch.repeat_interleave(torch.diff(starts, append=starts.new_tensor([flat.numel()])))
+    bag_of = bag_index(starts, flat.numel(), check=False)
     server_of = layout.block_server[torch.searchsorted(layout.block_starts, gid, right=True) - 1]
     calls, called, shares = [], [], []
     for k, server in enumerate(layout.servers):
@@ -426,8 +426,7 @@ def _outputs(batch: _Batch, got: list) -> list[torch.Tensor]:
     total = _summed(batch, got)
     sizes_all = None
     if layout.any_mean:
-        ends = torch.cat([batch.starts[1:], batch.starts.new_tensor([batch.flat.numel()])])
-        sizes_all = (ends - batch.starts).clamp(min=1).unsqueeze(1).to(total.dtype)
+        sizes_all = torch.diff(bag_ends(batch.starts, batch.flat.numel())).clamp(min=1).unsqueeze(1).to(total.dtype)
         total = torch.where(layout.mean_bags.unsqueeze(1), total / sizes_all, total)
     # (warns, as a table's own lookup does, of gradients never pushed)
     recording = [i for i, t in enumerate(tables) if batch.records[i] and t._records_gradients()]

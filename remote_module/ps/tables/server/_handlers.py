@@ -177,9 +177,7 @@ def _pooled(answers: list) -> Future:
     """:func:`_pool_tables`' answer of the tables' ``answers`` (each its pooled bags or a
     Future of them): packed in one tensor at once when none waits, else once all are done."""
     if not any(isinstance(a, Future) for a in answers):
-        done: Future = Future()
-        done.set_result(answers[0] if len(answers) == 1 else torch.cat(answers))
-        return done
+        return _done(answers[0] if len(answers) == 1 else torch.cat(answers))
     pending = [a if isinstance(a, Future) else _done(a) for a in answers]
     if len(pending) == 1:
         return pending[0]
