@@ -17,6 +17,13 @@ def is_rpc_initialized() -> bool:
     return rpc.is_available() and rpc.api._is_current_rpc_agent_set()
 
 
+def current_rpc_agent() -> Any:
+    """This process's RPC agent (one object per RPC world), or None outside ``rpc.init_rpc`` /
+    ``rpc.shutdown``."""
+    api = rpc.api
+    return api._get_current_rpc_agent() if rpc.is_available() and api._is_current_rpc_agent_set() else None
+
+
 def register_rpc_reducer(cls: type, reducer: Callable[[Any], tuple], *, replace: bool = False) -> None:
     """Make the RPC pickler serialize instances of exactly ``cls`` with ``reducer``.
 
@@ -265,10 +272,10 @@ def post_accumulate_grad_hooks(tensor: torch.Tensor) -> dict:
     return getattr(tensor, "_post_accumulate_grad_hooks", None) or {}
 
 
-def profiler_enabled() -> bool:
-    """Whether torch's autograd profiler (``torch.profiler.profile``, ``torch.autograd.profiler``)
-    is recording in this thread."""
-    return torch.autograd._profiler_enabled()
+#: ``profiler_enabled()``: whether torch's autograd profiler (``torch.profiler.profile``,
+#: ``torch.autograd.profiler``) is recording in this thread (torch's own function, called
+#: directly: a step asks it once per table)
+profiler_enabled: Callable[[], bool] = torch.autograd._profiler_enabled
 
 
 def global_optimizer_step_hooks() -> tuple[dict, dict] | None:

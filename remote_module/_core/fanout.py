@@ -57,6 +57,7 @@ from torch.futures import Future, collect_all
 
 from remote_module._core._torch_private import (
     dist_autograd_contexts_exist,
+    current_rpc_agent,
     is_async_execution,
     is_rpc_initialized,
     worker_names,
@@ -281,6 +282,11 @@ def _as_call(index: int, call: Any) -> HostCall:
     return found
 
 
+#: the WorkerInfo of each worker name called in the current RPC world: ``[agent, {name: info}]``
+#: (a new world, a new agent: looked up again)
+_known_workers: list = [None, {}]
+
+
 def _checked_calls(calls: Iterable[HostCall | tuple], timeout: float | None
                    ) -> tuple[list[HostCall], list[rpc.WorkerInfo], float]:
     """``calls`` checked (shape, worker, handler), their ``WorkerInfo``s and the timeout in
@@ -288,11 +294,27 @@ def _checked_calls(calls: Iterable[HostCall | tuple], timeout: float | None
     checked = [_as_call(i, call) for i, call in enumerate(calls)]
     seconds = timeout_seconds(timeout)
     n = len(checked)
-    infos = [_worker_info(c.worker, partial(call_label, i, n, c.handler)) for i, c in enumerate(checked)]
-    if n and not is_rpc_initialized():
+    if not n:
+        return checked, [], seconds
+    agent = current_rpc_agent()
+    if agent is None:
+        # (a worker not in the last world is named as such: that error says what to pass)
+        for i, c in enumerate(checked):
+            _worker_info(c.worker, partial(call_label, i, n, c.handler))
         raise RuntimeError(
             "call_async needs torch.distributed.rpc: call rpc.init_rpc(name, rank=..., world_size=...) first"
         )
+    if _known_workers[0] is not agent:
+        _known_workers[:] = [agent, {}]
+    known = _known_workers[1]
+    infos = []
+    for i, c in enumerate(checked):
+        info = known.get(c.worker) if type(c.worker) is str else None
+        if info is None:
+            info = _worker_info(c.worker, partial(call_label, i, n, c.handler))
+            if type(c.worker) is str:
+                known[c.worker] = info
+        infos.append(info)
     for info in infos:
         check_peer(info.name, seconds)  # once per peer: its build is this one (rpc_backend/builds.py)
     return checked, infos, seconds

@@ -27,6 +27,8 @@ from remote_module._core import global_optimizer_step_hooks, profiler_enabled, u
 
 #: the settings a PSOptimizer's group carries to the servers
 SETTINGS = ("lr", "momentum", "betas", "weight_decay")
+_ABSENT = object()  # (a setting the group does not have)
+_PLAIN = frozenset({float, int, bool, type(_ABSENT)})  # (values that never change in place)
 
 
 def class_defaults(cls: type, kwargs: dict) -> dict:
@@ -106,8 +108,22 @@ class PSOptimizer(torch.optim.Optimizer):
 
     def settings(self) -> dict[str, Any]:
         """The group's settings the servers use, checked: ``ValueError`` naming one torch would
-        refuse (a negative or non-finite lr, say)."""
+        refuse (a negative or non-finite lr, say). (The last checked settings are returned again
+        while the group holds the same plain values: a step reads them for every table.)"""
         group = self.param_groups[0]
+        raw = (group.get("lr", _ABSENT), group.get("momentum", _ABSENT), group.get("betas", _ABSENT),
+               group.get("weight_decay", _ABSENT))
+        last = self.__dict__.get("_last_settings")
+        if last is not None and last[0] == raw:  # (equal to plain values: the same settings, by value)
+            return last[1]
+        out = self._checked_settings(group)
+        # kept only when every value is a number, a tuple of numbers or absent (a tensor may change in place)
+        if all(type(v) in _PLAIN or (type(v) is tuple and all(type(b) in _PLAIN for b in v)) for v in raw):
+            self._last_settings = (raw, out)
+        return out
+
+    def _checked_settings(self, group: dict) -> dict[str, Any]:
+        """:meth:`settings` of ``group``, checked."""
         out: dict[str, Any] = {}
         for key in SETTINGS:
             if key not in group:
@@ -223,6 +239,8 @@ def _observed(optimizer: torch.optim.Optimizer) -> bool:
     before, after = _GLOBAL_HOOKS
     if before or optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
         return True
+    if not after:
+        return False
     # (ours, if registered, ignores these optimizers)
     return len(after) > 1 or (len(after) == 1 and _on_optimizer_step not in after.values())
 

@@ -140,3 +140,31 @@ def test_the_unpushed_warning_points_at_the_callers_step() -> None:
         assert [w.filename for w in caught] == [__file__], [w.filename for w in caught]
         optimizer._unpushed_steps = 0
         handle.remove()
+
+
+def test_settings_follow_every_change_of_the_group() -> None:
+    """``settings()`` returns its last checked settings again while the group holds the same
+    plain values; a scheduler's new lr, a tensor lr changed in place, new betas and a refused
+    value are each seen at the next call."""
+    optimizer = PSOptimizer([torch.zeros(0, requires_grad=True)], {"lr": 0.1, "betas": (0.9, 0.99)}, "table 'a'")
+    assert optimizer.settings() == {"lr": 0.1, "betas": (0.9, 0.99)}
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    optimizer.step()
+    scheduler.step()
+    assert optimizer.settings()["lr"] == pytest.approx(0.05)
+    optimizer.param_groups[0]["betas"] = (0.8, 0.9)
+    assert optimizer.settings()["betas"] == (0.8, 0.9)
+    lr = torch.tensor(0.3)
+    optimizer.param_groups[0]["lr"] = lr
+    assert optimizer.settings()["lr"] == pytest.approx(0.3)
+    lr.fill_(0.4)  # (in place: the same object, another value)
+    assert optimizer.settings()["lr"] == pytest.approx(0.4)
+    optimizer.param_groups[0]["lr"] = 0.4
+    assert optimizer.settings()["lr"] == pytest.approx(0.4)
+    optimizer.param_groups[0]["lr"] = -1.0
+    with pytest.raises(ValueError, match="lr=-1.0"):
+        optimizer.settings()
+    with pytest.raises(ValueError, match="lr=-1.0"):  # (a refused value is refused every time)
+        optimizer.settings()
+    optimizer.param_groups[0]["lr"] = 0.4
+    assert optimizer.settings() == {"lr": 0.4, "betas": (0.8, 0.9)}

@@ -405,7 +405,9 @@ class ShardedEmbedding(TableCheckpoints, GradientRecording, TablePushes, nn.Modu
     def _plan_state(self) -> tuple:
         """What a lookup's plan depends on besides its arguments: whether it records gradients,
         and the output dtype."""
-        return torch.is_grad_enabled() and self.grad_marker.requires_grad, self._dtype()
+        marker = self.grad_marker
+        dtype = marker.dtype  # (as _dtype(), read once)
+        return torch.is_grad_enabled() and marker.requires_grad, dtype if dtype.is_floating_point else torch.float32
 
     def _reader(self) -> Callable:
         """The handler of this table's row and bag lookups: one that waits for the step in sync

@@ -24,14 +24,6 @@ def _same_value(a: Any, b: Any) -> bool:
     return False
 
 
-def _kept(value: Any) -> Any:
-    """A prefetch's copy of an argument, compared by value with the forward's (the caller may
-    change its tensor in place meanwhile)."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    return value.detach().clone() if value.requires_grad else value.clone()  # (ids: one copy, not a view too)
-
-
 def _needs_grad(key: tuple) -> bool:
     """Whether an argument of ``key`` is a tensor that needs a gradient."""
     for value in key:
@@ -55,13 +47,21 @@ class Prefetch:
 
     def __init__(self, key: tuple, records: Any, calls: list, finish: Callable[[list], Any],
                  replan: bool = False, tables: Sequence = (), overlap: bool = False) -> None:
-        self.key = tuple([_kept(v) for v in key])
+        kept = []
+        for value in key:  # (a copy of each tensor, compared by value with the forward's: the
+            # caller may change it in place meanwhile; one pass, a collection's key has a tensor per feature)
+            if isinstance(value, torch.Tensor):
+                if value.requires_grad:
+                    # a forward whose arguments need a gradient (per_sample_weights) plans its
+                    # own: the output must be a function of its tensors, not of the prefetch's copies
+                    replan = True
+                    value = value.detach()
+                value = value.clone()
+            kept.append(value)
+        self.key = tuple(kept)
         # the tables it reads, and how often their rows changed on the servers other than by a
         # step (loads, half_async merges): a change after it was sent makes it stale
         self.tables = [(t, t._changes) for t in tables]
-        # a forward whose arguments need a gradient (per_sample_weights) plans its own: the
-        # output must be a function of its tensors, not of the prefetch's copies
-        replan = replan or _needs_grad(key)
         # (what the plan depends on besides the arguments: whether each table records, its dtype)
         self.records, self.calls, self.finish, self.replan = records, calls, finish, replan
         self.overlap = overlap
