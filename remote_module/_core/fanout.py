@@ -56,8 +56,8 @@ import torch.distributed.rpc as rpc
 from torch.futures import Future, collect_all
 
 from remote_module._core._torch_private import (
-    dist_autograd_contexts_exist,
     current_rpc_agent,
+    dist_autograd_contexts_exist,
     is_async_execution,
     is_rpc_initialized,
     worker_names,
