@@ -50,6 +50,7 @@ from __future__ import annotations
 import math
 import time
 from functools import partial
+from types import FunctionType
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import torch.distributed.rpc as rpc
@@ -73,6 +74,7 @@ from rpc_backend.builds import check_peer
 _NO_RPC_TIMEOUT = 0
 
 _clock = time.monotonic
+_tuple_new = tuple.__new__
 
 
 class HostCall(NamedTuple):
@@ -263,6 +265,8 @@ def call_async(
 
 
 def _as_call(index: int, call: Any) -> HostCall:
+    if type(call) is tuple and len(call) == 3 and type(call[2]) is tuple and type(call[1]) is FunctionType:
+        return _tuple_new(HostCall, (*call, None))  # (the usual form, as HostCall(*call) makes it)
     if isinstance(call, HostCall):
         found = call
     elif isinstance(call, tuple) and 2 <= len(call) <= 4:

@@ -40,6 +40,8 @@ def pack_table_pushes(calls: list) -> tuple[list, Callable[[list], list]]:
     answers each one's outcome, as the grouped calls would be run and answered; the other
     calls as they are. Returns the calls to send and ``unpack(their outcomes) -> each of
     calls' outcome``."""
+    if len(calls) < 2:  # (nothing to pack: one call travels as it is)
+        return calls, list
     packs = _packs(calls)
     packed = {i for members in packs.values() for i in members}
     sent = [call for i, call in enumerate(calls) if i not in packed]
