@@ -265,7 +265,7 @@ def call_async(
 
 
 def _as_call(index: int, call: Any) -> HostCall:
-    if type(call) is tuple and len(call) == 3 and type(call[2]) is tuple and type(call[1]) is FunctionType:
+    if type(call) is tuple and len(call) == 3 and isinstance(call[2], tuple) and type(call[1]) is FunctionType:
         return _tuple_new(HostCall, (*call, None))  # (the usual form, as HostCall(*call) makes it)
     if isinstance(call, HostCall):
         found = call

@@ -59,9 +59,10 @@ class _BagsGradient(torch.autograd.Function):
     deduplicates the ids nor sums the rows."""
 
     @staticmethod
-    def forward(ctx: Any, pooled: torch.Tensor, marker: torch.Tensor, keep: Callable, accumulator: Any,
-                pooling: "_Pooling", sizes: torch.Tensor | None) -> torch.Tensor:
-        ctx.keep, ctx.accumulator, ctx.pooling, ctx.sizes = keep, accumulator, pooling, sizes
+    def forward(ctx: Any, pooled: torch.Tensor, marker: torch.Tensor, record: tuple) -> torch.Tensor:
+        # record: (keep, the marker's AccumulateGrad, the _Pooling, each bag's size or None), one
+        # argument (Function.apply looks at each argument it is given)
+        ctx.keep, ctx.accumulator, ctx.pooling, ctx.sizes = record
         ctx.marker = (marker.dtype, marker.device)
         return pooled.clone()
 
@@ -76,7 +77,7 @@ class _BagsGradient(torch.autograd.Function):
             pooling = ctx.pooling
             ctx.keep(BagsGradient(pooling.flat, pooling.bags, pooling.shares, grad))
         dtype, device = ctx.marker
-        return None, torch.zeros(0, dtype=dtype, device=device), None, None, None, None
+        return None, torch.zeros(0, dtype=dtype, device=device), None
 
 
 class _Bags(NamedTuple):
@@ -398,7 +399,7 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         (:class:`_BagsGradient`), under the marker lock as ``_rows_recorded`` records rows."""
         with self._marker_lock:
             marker, accumulator = self._hooked_marker()
-            return _BagsGradient.apply(total, marker, self._keep_gradient, accumulator, pooling, sizes)
+            return _BagsGradient.apply(total, marker, (self._keep_gradient, accumulator, pooling, sizes))
 
     def _merge_maxima(self, got: list, called: list[int], flat: torch.Tensor, bags: torch.Tensor,
                       keep: torch.Tensor | None, server_of: torch.Tensor, num_bags: int

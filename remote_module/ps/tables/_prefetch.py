@@ -16,22 +16,6 @@ from remote_module.ps.tables.server import _handlers
 from remote_module.ps.tables.server._requests import UnlessMerged
 
 
-def _same_value(a: Any, b: Any) -> bool:
-    if a is None or b is None:
-        return a is None and b is None
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
-    return False
-
-
-def _needs_grad(key: tuple) -> bool:
-    """Whether an argument of ``key`` is a tensor that needs a gradient."""
-    for value in key:
-        if isinstance(value, torch.Tensor) and value.requires_grad:
-            return True
-    return False
-
-
 class Prefetch:
     """A lookup planned ahead by ``prefetch()``: the next forward with equal arguments (by
     value) consumes it; it is sent with the next ``step()``'s pushes (one message per server:
@@ -137,10 +121,14 @@ class Prefetch:
 
     def matches(self, key: tuple, records: Any) -> bool:
         """Whether a forward of ``key`` (``records``: as given at construction) may use it."""
-        if records != self.records or len(key) != len(self.key) or self.changed() or _needs_grad(key):
+        if records != self.records or len(key) != len(self.key) or self.changed():
             return False
-        for given, kept in zip(key, self.key):
-            if not _same_value(given, kept):
+        for given, kept in zip(key, self.key):  # equal by value (None to None), and none needs a gradient
+            if given is None or kept is None:
+                if given is not kept:
+                    return False
+            elif not (isinstance(given, torch.Tensor) and isinstance(kept, torch.Tensor)) or given.requires_grad \
+                    or given.dtype != kept.dtype or given.shape != kept.shape or not torch.equal(given, kept):
                 return False
         return True
 
