@@ -235,9 +235,10 @@ class TablePushes:
                     first, grad = first[has], grad[has]
             calls.append((server, _handlers._push_bags,
                           BagsPush(self.name, self._trainer, self._step, ids, first, grad, self._token)))
-        sent = sum(push.ids.numel() * push.ids.element_size() + push.first.numel() * push.first.element_size()
-                   + push.grads.numel() * push.grads.element_size()
-                   for _, _, push in calls if isinstance(push, BagsPush))
+        sent = 0
+        for _, _, push in calls:
+            if isinstance(push, BagsPush):
+                sent += push.ids.nbytes + push.first.nbytes + push.grads.nbytes
         return self._planned(calls, taken, True, sent)
 
     def _pushed(self, taken: list, pushing: bool, sent: int) -> tuple[Callable[[], None], Callable[..., None]]:
