@@ -14,16 +14,29 @@ batch's lookup sent with this step's push in one call, answered once the push is
 
 Each checks the ids it sends (in range) and records its output for backward with one autograd
 node, as any correct step must; nothing else (no retries, no failure handling, no modes, no
-checks of the offsets). The server keeps each form's rows in this module (:data:`_TABLES`)."""
+checks of the offsets). The server keeps each form's rows in this module (:data:`_TABLES`).
+
+:class:`Contract` is the bags' form plus what the library promises of every step beyond the
+work, each done the least way: the next batch's ids and offsets copied when its lookup is sent
+and compared at its forward (a prefetch is used only for equal arguments: the caller may change
+them in place meanwhile), a deadline per message on the library's watcher (a late server is
+named within the call's timeout), the gradient held until its push lands (a failed push keeps
+it for a retry), a post-accumulate hook on the marker (what one backward recorded counts until
+``zero_grad()``), and the servers' optimizer's settings read and its ``step()`` called (LR
+schedulers read and count them)."""
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import torch
 import torch.distributed.rpc as rpc
 from torch import nn
 
+from remote_module._core import schedule
+from remote_module.ps._optimizer import PSOptimizer
 from remote_module.ps.tables.server._pooling import check_ids
 
 _TABLES: dict[str, dict[str, Any]] = {}
@@ -184,3 +197,73 @@ class ServerRows(_Form):
     def flush(self) -> None:
         if self.answer is not None:
             self.answer.wait()
+
+
+class _Deadline:
+    """A message's answer, or its deadline: the first to come settles :attr:`future`, which the
+    forward waits on (so a late server fails the wait within the timeout, as the library's
+    calls do). The watcher holds it weakly; the answer's callback holds it until then."""
+
+    def __init__(self, sent: Any, seconds: float) -> None:
+        self.future: torch.futures.Future = torch.futures.Future()
+        self.lock = threading.Lock()
+        sent.add_done_callback(self.answered)
+        schedule(time.monotonic() + seconds, self)
+
+    def answered(self, sent: Any) -> None:
+        with self.lock:
+            if self.future.done():
+                return
+            try:
+                self.future.set_result(sent.value())
+            except BaseException as exc:  # noqa: BLE001 - the failure is the wait's
+                self.future.set_exception(exc)
+
+    def expire(self, now: float) -> None:
+        with self.lock:
+            if not self.future.done():
+                self.future.set_exception(TimeoutError("bound: the server did not answer in time"))
+
+
+class Contract(ServerRows):
+    """The bags' form with the library's per-step promises (see the module docstring)."""
+
+    def __init__(self, name: str, server: str, weight: torch.Tensor, lr: float, timeout: float = 120.0) -> None:
+        super().__init__(name, server, weight, lr)
+        self.timeout = timeout
+        self.optimizer = PSOptimizer([self.marker], {"lr": lr}, "bound")
+        self.settings: dict | None = None  # last sent (the bench never changes them)
+        self.kept: tuple | None = None  # the copies of the arguments of the lookup in flight
+        self.pending: torch.Tensor | None = None  # the gradient in flight, until its push lands
+        self.held: torch.Tensor | None = None  # what the last backward recorded
+        self.marker.register_post_accumulate_grad_hook(self._backward_done)
+
+    def _backward_done(self, marker: torch.Tensor) -> None:
+        self.held = self.got.pop("bags", None)
+
+    def _send(self, grad: torch.Tensor | None, ids: torch.Tensor, offsets: torch.Tensor) -> None:
+        self.kept = (ids.clone(), offsets.clone())
+        self.pending = grad
+        sent = rpc.rpc_async(self.server, _server_rows_step, args=(self.name, grad, _checked(ids, self.rows), offsets))
+        self.answer = _Deadline(sent, self.timeout).future
+
+    def train(self, batch: tuple, upcoming: tuple) -> float:
+        ids, offsets, target = batch
+        if self.answer is None:
+            self._send(None, ids, offsets)
+        kept_ids, kept_offsets = self.kept
+        if not (ids.dtype == kept_ids.dtype and ids.shape == kept_ids.shape and torch.equal(ids, kept_ids)
+                and offsets.shape == kept_offsets.shape and torch.equal(offsets, kept_offsets)):
+            raise AssertionError("bound: a forward of other arguments than its lookup's")
+        pooled = self.answer.wait()  # (raises a failed push's error: the gradient stays pending)
+        self.pending = None
+        out = _BagsGradient.apply(self.marker, pooled, self.got)
+        loss = ((out - target) ** 2).sum() / out.shape[1]
+        loss.backward()
+        settings = self.optimizer.settings()
+        if settings != self.settings:
+            self.settings = settings
+        self.optimizer.step()
+        grad, self.held = self.held, None
+        self._send(grad, upcoming[0], upcoming[1])
+        return loss.item()

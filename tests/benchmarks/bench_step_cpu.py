@@ -16,7 +16,10 @@ bounds of what the step's work itself costs (``_lean_step``): the least prefetch
 plainly, with nothing but the work (the ids checked, one autograd node, one call per step
 carrying the push and the next lookup), in the library's form (the trainer deduplicates the ids
 and pushes the unique rows' gradients) and in the other (it pushes the bags' gradient and the
-server computes the rows'). Each run
+server computes the rows'), and the bags' form with what the library promises of every step
+beyond the work, each done the least way (``_lean_step.Contract``: the arguments copied and
+compared, a deadline per message, the gradient held until its push lands, the marker's hook,
+the optimizer's settings read and its step called). Each run
 runs every variant for ``steps`` steps, in an order that rotates by run; CPU is user + system
 time of each whole process (every thread; its CPU clock, as ``/proc/<pid>/stat``'s utime +
 stime counts it) over those steps. Figures are medians over runs; a ratio is the median over
@@ -55,6 +58,7 @@ PREFETCH, OVERLAP = sharded_name(1, True), sharded_name(1, "overlap")
 FLOOR = "floor: the prefetched step's bytes each way, nothing else"
 LEAN_TRAINER = "bound: the least step, the trainer's rows' gradients pushed"
 LEAN_SERVER = "bound: the least step, the bags' gradient pushed"
+CONTRACT = "bound: the least step, bags' form, with the library's promises"
 FULL = {"rows": 1_000_000, "dim": 16, "bags": 256, "ids_per_bag": 8, "lr": 0.1, "seed": 0, "num_batches": 32,
         "steps": 2000, "runs": 5, "warmup_steps": 50, "check_steps": 3, "check_atol": 1e-6, "end_atol": 1e-5,
         "server_counts": [1]}
@@ -117,6 +121,7 @@ def trainer_main(cfg: dict) -> dict:
     start = variants[ANCHOR].weight()  # (every variant has trained check_steps steps: the bounds start there)
     variants[LEAN_TRAINER] = lean.TrainerRows("bench-step-cpu-trainer-rows", SERVER, start, cfg["lr"])
     variants[LEAN_SERVER] = lean.ServerRows("bench-step-cpu-server-rows", SERVER, start, cfg["lr"])
+    variants[CONTRACT] = lean.Contract("bench-step-cpu-contract", SERVER, start, cfg["lr"])
     at = dict.fromkeys(variants, cfg["check_steps"])
 
     def train(name: str) -> Callable[[], None]:
@@ -138,7 +143,7 @@ def trainer_main(cfg: dict) -> dict:
     counted = traffic_per_call(steps[PREFETCH], 4, settle=variants[PREFETCH].bag.flush)
     to_bytes = int(round(sum(counted["sent"].values())))
     from_bytes = int(round(sum(counted["received"].values())))
-    for name in (ANCHOR, OVERLAP, LEAN_TRAINER, LEAN_SERVER):  # (the counted steps: every variant as far along)
+    for name in (ANCHOR, OVERLAP, LEAN_TRAINER, LEAN_SERVER, CONTRACT):  # (the counted steps: all as far along)
         while at[name] < at[PREFETCH]:
             steps[name]()
     steps[FLOOR] = _floor_step(to_bytes, from_bytes)
@@ -150,7 +155,7 @@ def trainer_main(cfg: dict) -> dict:
                 steps[name]()
             if name in (PREFETCH, OVERLAP):
                 variants[name].bag.flush()  # (the last step's pushes landed: their CPU is in the window)
-            elif name in (LEAN_TRAINER, LEAN_SERVER):
+            elif name in (LEAN_TRAINER, LEAN_SERVER, CONTRACT):
                 variants[name].flush()
         return steps_of_a_run
 
@@ -163,12 +168,12 @@ def trainer_main(cfg: dict) -> dict:
         raise AssertionError(f"the variants ran different numbers of steps: {at}")
     anchor_weight = variants[ANCHOR].weight()
     ends = {name: float((variants[name].weight() - anchor_weight).abs().max())
-            for name in (PREFETCH, LEAN_TRAINER, LEAN_SERVER)}  # (overlap's lookups miss a push: it differs)
+            for name in (PREFETCH, LEAN_TRAINER, LEAN_SERVER, CONTRACT)}  # (overlap's lookups miss a push: it differs)
     for name, diff in ends.items():
         if not diff <= cfg["end_atol"]:
             raise AssertionError(f"{name}: after identical steps its table differs from the anchor's by {diff:.3g}")
     end_diff = ends[PREFETCH]
-    for name in (LEAN_TRAINER, LEAN_SERVER):
+    for name in (LEAN_TRAINER, LEAN_SERVER, CONTRACT):
         variants[name].close()
     med = {n: {k: statistics.median(v) for k, v in s.items()} for n, s in samples.items()}
     return {"config": cfg, "torch": torch.__version__, "pinned": pinned, **facts, "samples_s": samples,
@@ -202,9 +207,13 @@ def ratios(r: dict) -> dict[str, float]:
     out["trainer CPU per step: the least step, trainer's rows' gradients / anchor's trainer"] = (
         same_run(LEAN_TRAINER, "trainer"))
     out["trainer CPU per step: the least step, bags' gradient / anchor's trainer"] = same_run(LEAN_SERVER, "trainer")
+    out["trainer CPU per step: the least step with the library's promises / anchor's trainer"] = (
+        same_run(CONTRACT, "trainer"))
     out["server CPU per step: the least step, trainer's rows' gradients / anchor's server"] = (
         same_run(LEAN_TRAINER, "server"))
     out["server CPU per step: the least step, bags' gradient / anchor's server"] = same_run(LEAN_SERVER, "server")
+    out["server CPU per step: the least step with the library's promises / anchor's server"] = (
+        same_run(CONTRACT, "server"))
     out[f"server CPU per step: {PREFETCH} / anchor's server (target <= 0.6)"] = same_run(PREFETCH, "server")
     out[f"server CPU per step: {OVERLAP} / anchor's server (target <= 0.6)"] = same_run(OVERLAP, "server")
     for n in (PREFETCH, OVERLAP):
