@@ -463,7 +463,7 @@ def test_quick_step_cpu_benchmark_runs(tmp_path, capsys):
 
     saved = quick_run(bench_step_cpu, tmp_path / "bench-step-cpu.json")
     variants = {bench_step_cpu.ANCHOR, bench_step_cpu.PREFETCH, bench_step_cpu.OVERLAP, bench_step_cpu.FLOOR,
-                bench_step_cpu.LEAN_TRAINER, bench_step_cpu.LEAN_SERVER}
+                bench_step_cpu.LEAN_TRAINER, bench_step_cpu.LEAN_SERVER, bench_step_cpu.CONTRACT}
     assert set(saved["median_s"]) == variants
     for name, sides in saved["median_s"].items():
         assert sides["wall"] > 0 and sides["trainer"] > 0 and sides["server"] > 0, (name, sides)
@@ -473,7 +473,7 @@ def test_quick_step_cpu_benchmark_runs(tmp_path, capsys):
     assert saved["end_max_abs_diff_vs_anchor"] <= saved["config"]["end_atol"]
     # (the bounds train the same rows: each ends equal to the anchor's, as the prefetched table)
     assert set(saved["end_max_abs_diff_each"]) == {bench_step_cpu.PREFETCH, bench_step_cpu.LEAN_TRAINER,
-                                                   bench_step_cpu.LEAN_SERVER}
+                                                   bench_step_cpu.LEAN_SERVER, bench_step_cpu.CONTRACT}
     assert all(d <= saved["config"]["end_atol"] for d in saved["end_max_abs_diff_each"].values())
 
 
@@ -482,7 +482,7 @@ def test_step_cpu_ratios_are_same_run_ratios():
     ratio of two medians that may come from different runs."""
     from tests.benchmarks import bench_step_cpu as b
 
-    names = (b.ANCHOR, b.PREFETCH, b.OVERLAP, b.FLOOR, b.LEAN_TRAINER, b.LEAN_SERVER)
+    names = (b.ANCHOR, b.PREFETCH, b.OVERLAP, b.FLOOR, b.LEAN_TRAINER, b.LEAN_SERVER, b.CONTRACT)
     anchor = {"wall": [1.0, 2.0, 4.0], "trainer": [1.0, 2.0, 4.0], "server": [1.0, 2.0, 4.0]}
     other = {k: [4.0, 1.0, 2.0] for k in anchor}  # medians equal (2.0), same-run ratios 4, 0.5, 0.5
     r = {"median_s": {n: {k: 2.0 for k in anchor} for n in names},
