@@ -295,11 +295,16 @@ class RowBlock:
         """The first values of rows ``ids`` (:func:`initial_rows`)."""
         return initial_rows(self.key, ids, self.spec.dim, self.spec.dtype, self.spec.padding_idx)
 
+    def eager_slots(self, ids: torch.Tensor) -> torch.Tensor:
+        """An eager block's storage slots of global row ``ids`` (all inside it): ``ids - first``,
+        or ``ids`` themselves for a block from row 0 (no copy: callers only read slots)."""
+        return ids - self.first if self.first else ids
+
     def slots(self, ids: torch.Tensor, create: bool) -> torch.Tensor:
         """Storage slots of global row ``ids`` (all inside this block); lazy rows are created
         when ``create`` (else a row never touched reads as its initial value, not stored)."""
         ids = ids.long()
-        found = ids - self.first if self.slot_of is None else self.slot_of.find(ids)
+        found = self.eager_slots(ids) if self.slot_of is None else self.slot_of.find(ids)
         if self.last is not None:  # evicted rows not swept yet: absent, or created again
             stale = self.stale(found)
             if bool(stale.any()):
@@ -399,7 +404,7 @@ class RowBlock:
         """The rows of ``ids`` (lazy rows never touched: their initial values, not stored)."""
         with self.lock:
             if self.slot_of is None and self.last is None:  # eager: every row is stored
-                return self.values.index_select(0, ids - self.first)
+                return self.values.index_select(0, self.eager_slots(ids))
             slots = self.slots(ids, create=False)
             out = torch.empty(ids.numel(), self.spec.dim, dtype=self.spec.dtype)
             known = slots >= 0

@@ -127,7 +127,7 @@ class Table:
             block = parts[0][0]
             offsets, weights, _ = pool
             with block.lock:
-                return embedding_bag_parts(block.values, ids - block.first, offsets.long(), "sum",
+                return embedding_bag_parts(block.values, block.eager_slots(ids), offsets.long(), "sum",
                                            None if weights is None else weights.to(block.values.dtype))[0]
         rows = self.lookup(ids, parts)
         return rows if pool is None else pool_rows(rows, ids, *pool)
