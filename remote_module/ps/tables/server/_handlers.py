@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.distributed.rpc as rpc
@@ -146,16 +147,23 @@ def _pool_tables(names: list[str], steps: list[int], ids: torch.Tensor, first: t
         refused = []
         for name, told in zip(names, seen):
             table = _table(name)
-            with table.lock:
-                try:
-                    table.sync.check_told(told)
-                except StepRefusal as exc:
-                    refused.append(exc)
+            if told is not None and told < table.sync.refusals:  # (else nothing to tell: no lock taken)
+                with table.lock:
+                    try:
+                        table.sync.check_told(told)
+                    except StepRefusal as exc:
+                        refused.append(exc)
         if refused:
             raise _refusals(refused)
-    # each table's ids: ids[lo:hi], from its first bag's first id to the next table's
-    ends = bag_ends(first, ids.numel())[[b for base, count in zip(bag_base, bag_counts) for b in (base, base + count)]]
-    spans = ends.tolist()
+    layout = _packed_layout(bag_base, bag_counts, first.numel())
+    if layout is None:  # (bags as sent, read as such: what they do not fit fails as it would)
+        # each table's ids: ids[lo:hi], from its first bag's first id to the next table's
+        ends = bag_ends(first, ids.numel())[[b for base, count in zip(bag_base, bag_counts)
+                                             for b in (base, base + count)]]
+        spans, relative = ends.tolist(), None
+    else:
+        spans, relative = layout.spans(first, ids.numel()), layout.relative(first)
+    ids = ids.long()  # (once for every table's read, which takes int64 ids)
     answers: list = []  # per table: its pooled bags, or (sync) a Future of them
     for j, (name, step, base, count) in enumerate(zip(names, steps, bag_base, bag_counts)):
         table = _table(name)
@@ -163,7 +171,8 @@ def _pool_tables(names: list[str], steps: list[int], ids: torch.Tensor, first: t
         if lo == hi:  # none of its ids here: zeros, without waiting (its own lookup sends nothing here)
             answers.append(torch.zeros(count, table.spec.dim))
             continue
-        pool = (first[base:base + count] - lo, None, "sum")
+        # each bag's first position among the table's ids
+        pool = (first[base:base + count] - lo if relative is None else relative[base:base + count], None, "sum")
         if table.spec.mode == "sync":
             answers.append(read_when_applied(table, step, seconds, table.answer, ids[lo:hi], pool,
                                              seen=None if seen is None else seen[j]))
@@ -171,6 +180,56 @@ def _pool_tables(names: list[str], steps: list[int], ids: torch.Tensor, first: t
             with table.lock:
                 answers.append(table.answer(ids[lo:hi], pool))
     return _pooled(answers)
+
+
+class _PackedLayout(NamedTuple):
+    """Where a packed lookup's tables' bags are (:func:`_packed_layout`)."""
+
+    #: each table's first bag and the bag after its last, as indices into the bags' first ids
+    #: (an end past the last bag clamped to it: ``at_end``)
+    points: torch.Tensor
+    #: which of ``points`` are the end of every bag: the number of ids there
+    at_end: list[bool]
+    #: each bag's table's first bag (a bag of no table: itself)
+    own: torch.Tensor
+
+    def spans(self, first: torch.Tensor, n: int) -> list[int]:
+        """Each table's first and end position among the ``n`` ids, bags starting at ``first``
+        (``bag_ends(first, n)`` at each table's first and end bag)."""
+        return [n if end else at for at, end in zip(first.index_select(0, self.points).tolist(), self.at_end)]
+
+    def relative(self, first: torch.Tensor) -> torch.Tensor:
+        """Each bag's first position among its table's ids (``first`` less its table's first
+        bag's), for every table at once."""
+        return first - first.index_select(0, self.own)
+
+
+#: :func:`_packed_layout`'s answers by ``(bag_base, bag_counts, bags)``: a trainer's packed
+#: lookups keep one layout from step to step (a few at most: cleared beyond 16)
+_packed_layouts: dict[tuple, _PackedLayout | None] = {}
+
+
+def _packed_layout(bag_base: list[int], bag_counts: list[int], bags: int) -> _PackedLayout | None:
+    """The layout of :func:`_pool_tables`' tables' bags (``bag_base``, ``bag_counts``, of
+    ``bags`` in all), made once per layout; None unless each table's bags are within the bags,
+    none in two tables (then they are read as sent, one table after another)."""
+    key = (tuple(bag_base), tuple(bag_counts), bags)
+    if key in _packed_layouts:
+        return _packed_layouts[key]
+    ranges = sorted(zip(bag_base, bag_counts))
+    fits = bags > 0 and all(base >= 0 and count >= 0 and base + count <= bags for base, count in ranges) and all(
+        a + n <= b for (a, n), (b, _) in zip(ranges, ranges[1:]))
+    layout = None
+    if fits:
+        ends = [b for base, count in zip(bag_base, bag_counts) for b in (base, base + count)]
+        own = torch.arange(bags)
+        for base, count in zip(bag_base, bag_counts):
+            own[base:base + count] = base
+        layout = _PackedLayout(torch.tensor([min(b, bags - 1) for b in ends]), [b == bags for b in ends], own)
+    if len(_packed_layouts) >= 16:
+        _packed_layouts.clear()
+    _packed_layouts[key] = layout
+    return layout
 
 
 def _pooled(answers: list) -> Future:
