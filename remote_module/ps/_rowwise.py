@@ -135,8 +135,11 @@ def bag_index(starts: torch.Tensor, n: int, check: bool = True) -> torch.Tensor:
     ``starts[b]`` to ``starts[b + 1]``, the last one to the end); ``ValueError`` unless they
     start at 0 and do not decrease (``check=False``: starts the caller checked already)."""
     counts = torch.diff(starts.long(), append=torch.tensor([n]))
-    if check and starts.numel() and (int(starts[0]) != 0 or bool((counts < 0).any())):
-        raise ValueError(f"bag starts must begin at 0, not decrease, and not pass the {n} positions")
+    if check and starts.numel():
+        if int(starts[0]) != 0 or int(counts.min()) < 0:
+            raise ValueError(f"bag starts must begin at 0, not decrease, and not pass the {n} positions")
+        # (checked: the counts add up to n, so torch need not sum them to size its output)
+        return torch.repeat_interleave(counts, output_size=n)
     return torch.repeat_interleave(counts)
 
 
