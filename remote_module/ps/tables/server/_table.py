@@ -13,7 +13,7 @@ from torch import nn
 
 from remote_module._core import embedding_bag_parts
 from remote_module.ps._modes import STEPS_FROM_0, HalfAsyncMerges, SyncSteps, TrainerSettings, settle
-from remote_module.ps._rowwise import coalesce
+from remote_module.ps._rowwise import RowOptimizer, coalesce
 from remote_module.ps.tables.lifetime._admission import CountingSketch
 from remote_module.ps.tables.lifetime._deltas import Tombstones
 from remote_module.ps.tables.lifetime._eviction import Eviction
@@ -69,8 +69,10 @@ class Table:
         # half_async merges applied so far (by count, timer or flush): a prefetched lookup read
         # before one is stale (:func:`_merge_state`, :func:`_read_unless_merged`)
         self.merged = 0
-        # the trainers' row-wise optimizer settings (their ps_optimizer's lr, betas)
+        # the trainers' row-wise optimizer settings (their ps_optimizer's lr, betas), and the last
+        # ones a step took with the optimizer they make (:meth:`_optimizer`)
         self.settings = TrainerSettings(f"table {name!r}")
+        self._last_optimizer: tuple[dict, RowOptimizer] | None = None
 
     def _block_of(self, ids: torch.Tensor) -> torch.Tensor:
         """For each id, the index of the block that holds it (``ValueError`` for an id no block here holds)."""
@@ -159,8 +161,7 @@ class Table:
         """One optimizer step of the table with the sparse gradient ``(ids, grad)`` (lock held),
         with ``settings`` (default: the latest push's) in the row-wise optimizer; ``admit``: the
         ids are counted for admission (half_async counts each push as it arrives instead)."""
-        settings = self.settings.latest if settings is None else settings
-        opt = self.spec.optimizer._replace(**settings) if settings else None
+        opt = self._optimizer(self.settings.latest if settings is None else settings)
         if self._adds_positions():  # (no sort: each position's gradient added in order)
             uniq, summed = self._without_padding(ids.long(), grad)
         else:
@@ -171,11 +172,23 @@ class Table:
             uniq, summed = self.admitted(uniq, summed)
             parts = self._split(uniq)
         self.optimizer_steps += 1
-        for rows, mine in parts:
-            rows.step(uniq[mine], summed[mine], self.optimizer_steps, scale, opt)
+        for rows, mine in parts:  # (ALL: the whole tensors, not even a view made)
+            rows.step(uniq if mine is ALL else uniq[mine], summed if mine is ALL else summed[mine],
+                      self.optimizer_steps, scale, opt)
         if self.kept_for_state.numel():  # (stepped: trained rows now, whatever a load did before)
             self.kept_for_state = self.kept_for_state[~torch.isin(self.kept_for_state, uniq)]
         self.ticked()
+
+    def _optimizer(self, settings: dict | None) -> RowOptimizer | None:
+        """The table's optimizer with a trainer's ``settings`` (None without any), made again
+        unless they are the last ones, the same dict (:class:`TrainerSettings` keeps its own copy
+        of a trainer's, never changed, until the trainer sends others)."""
+        if not settings:
+            return None
+        last = self._last_optimizer
+        if last is None or last[0] is not settings:
+            last = self._last_optimizer = (settings, self.spec.optimizer._replace(**settings))
+        return last[1]
 
     def _coalesced(self, ids: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A push's gradient summed per id (ids unique, ascending), without the padding row's
