@@ -269,7 +269,8 @@ class InFlight:
         """This step's pushes ``sent`` in flight: landed by the next call on this object or on
         one of its ``tables``; once its pushes succeeded, ``done`` (the parts stepped, see
         :func:`finished`) is cleared."""
-        names = [getattr(self, "name", None), *(t.name for t in tables)]
+        names = [getattr(self, "name", None)]
+        names += [t.name for t in tables]
         flight = Flight(sent, prefetches, done.clear, [n for n in names if isinstance(n, str)])
         self._flight = flight
         for table in tables:  # a table used on its own lands it first
