@@ -19,6 +19,7 @@ table's own path, which checks and refuses them as the table does.
 from __future__ import annotations
 
 from functools import partial
+from operator import itemgetter
 from typing import Any, NamedTuple, Sequence
 
 import torch
@@ -52,7 +53,7 @@ class _RecordPacked(torch.autograd.Function):
         # one output per table: a table whose output backward never reaches gets None in backward
         # and records nothing, as its own node would not run (torch: its .grad stays None)
         ctx.set_materialize_grads(False)
-        return tuple(pooled[b0:b1].clone() for _, _, _, b0, b1 in parts)
+        return tuple([pooled[b0:b1].clone() for _, _, _, b0, b1 in parts])
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
@@ -123,8 +124,8 @@ def push_together(together: PackedGradient, members: list, done: set) -> PushPla
     table's own push. The plan settles each table by its entries' outcomes, as alone: done (in
     ``done``) or its gradients kept for a retry; the first failure is raised."""
     layout, shares, grad = together
-    index = {id(t): i for i, t in enumerate(layout.tables)}
-    mine = sorted(((index[id(table)], name, table, taken) for name, table, taken in members), key=lambda m: m[0])
+    index = layout.index
+    mine = sorted([(index[id(table)], name, table, taken) for name, table, taken in members], key=itemgetter(0))
     by_server = {k: (ids, first) for k, ids, first in shares}
     calls, at, sent = [], [], 0
     for k, server in enumerate(layout.servers):
@@ -139,12 +140,12 @@ def push_together(together: PackedGradient, members: list, done: set) -> PushPla
             spans = ends[layout.bag_base].tolist()
             has = (ends[1:] > first).nonzero().reshape(-1)
             starts, part = first[has], grad.index_select(0, has)
-            sent += ids.numel() * ids.element_size() + starts.numel() * starts.element_size()
+            sent += ids.nbytes + starts.nbytes  # (nbytes: numel() * element_size())
         entries = [BagEntry(t.name, t._trainer, t._step, spans[i], spans[i + 1], t._token)
-                   for i, _, t, _ in (mine[j] for j in served)]
+                   for i, _, t, _ in map(mine.__getitem__, served)]
         calls.append((server, _handlers._push_bag_tables, BagTablesPush(entries, ids, starts, part)))
         at.append(served)
-        sent += part.numel() * part.element_size()
+        sent += part.nbytes
     # (the calls' bytes, counted once, on its first table)
     parts = [(name, table, *table._pushed(taken, True, sent if j == 0 else 0))
              for j, (_, name, table, taken) in enumerate(mine)]
@@ -156,39 +157,62 @@ def push_together(together: PackedGradient, members: list, done: set) -> PushPla
     def answered(got: list) -> BaseException | None:
         """Each call's outcome: a call that failed (its server down or late) fails the tables it
         carried, as their own pushes to that server would have; else each entry's own."""
-        failures: dict[int, BaseException] = {}
-        took: dict[int, list[str]] = {}  # per table: the servers that applied its entry
-        for (server, _, _), served, (ok_sent, value) in zip(calls, at, got):
-            outcomes = value if ok_sent else [(False, value)] * len(served)
-            for j, (ok, outcome) in zip(served, outcomes):
-                if ok:
-                    took.setdefault(j, []).append(server)
-                elif j not in failures:
-                    failures[j] = table_push_failure(server, parts[j][1].name, outcome) if ok_sent else outcome
+        failures = _failures(calls, at, got, parts)
+        took = _applied(calls, at, got) if failures else {}
         for j, (name, _, table_done, table_failed) in enumerate(parts):
             if j in failures:  # (kept for the retry: its rows on the servers that did not apply them)
                 table_failed(took.get(j, ()))
             else:
                 finished(done, name, table_done)
-        return next(iter(failures.values()), None)
+        return next(iter(failures.values())) if failures else None
 
     return PushPlan(calls, failed=failed, settle_parts=answered)
+
+
+def _entry_outcomes(served: list, ok_sent: bool, value: Any) -> list:
+    """Each entry's ``(ok, outcome)`` of a call of :func:`push_together` carrying the tables
+    ``served`` (``(ok_sent, value)``: the call's outcome): its answer's, or, the call failed
+    (its server down or late), its error for every entry."""
+    return value if ok_sent else [(False, value)] * len(served)
+
+
+def _failures(calls: list, at: list, got: list, parts: list) -> dict[int, BaseException]:
+    """Per table (its index in ``parts``) whose entry failed on some server: the first failure
+    (of :func:`push_together`'s ``calls``, ``at`` the tables each carried, ``got`` their outcomes)."""
+    failures: dict[int, BaseException] = {}
+    for (server, _, _), served, (ok_sent, value) in zip(calls, at, got):
+        for j, (ok, outcome) in zip(served, _entry_outcomes(served, ok_sent, value)):
+            if not ok and j not in failures:
+                failures[j] = table_push_failure(server, parts[j][1].name, outcome) if ok_sent else outcome
+    return failures
+
+
+def _applied(calls: list, at: list, got: list) -> dict[int, list[str]]:
+    """Per table (its index in ``parts``): the servers that applied its entry, in call order
+    (only asked when some entry failed: a retry pushes to the others)."""
+    took: dict[int, list[str]] = {}
+    for (server, _, _), served, (ok_sent, value) in zip(calls, at, got):
+        for j, (ok, _) in zip(served, _entry_outcomes(served, ok_sent, value)):
+            if ok:
+                took.setdefault(j, []).append(server)
+    return took
 
 
 def _record_packed(layout: "Layout", tables: list, indices: list[int], pooled: torch.Tensor,
                      divisor: torch.Tensor | None, shares: list) -> tuple[torch.Tensor, ...]:
     """``pooled`` recorded for ``tables`` (``indices``: theirs in ``layout``) by one
     :class:`_RecordPacked` node, under every table's marker lock (see
-    ``GradientRecording._rows_recorded``), taken in one order: each table's pooled bags."""
-    locks = sorted({id(t): t for t in tables}.values(), key=id)
+    ``GradientRecording._rows_recorded``), taken in one order (by ``id``; the layout's when they
+    are all its tables): each table's pooled bags."""
+    locks = layout.lock_order if len(tables) == len(layout.tables) else sorted({id(t): t for t in tables}.values(),
+                                                                                   key=id)
     for t in locks:
         t._marker_lock.acquire()
     try:
-        parts, markers = [], []
-        for t, i in zip(tables, indices):
-            marker, accumulator = t._hooked_marker()
-            parts.append((t, i, accumulator, layout.bag_base[i], layout.bag_base[i + 1]))
-            markers.append(marker)
+        hooked = [t._hooked_marker() for t in tables]
+        base = layout.bag_base
+        parts = [(t, i, accumulator, base[i], base[i + 1]) for t, i, (_, accumulator) in zip(tables, indices, hooked)]
+        markers = [marker for marker, _ in hooked]
         out = _RecordPacked.apply(pooled, divisor, PackedGradient(layout, shares, None), parts, *markers)
         return out if isinstance(out, tuple) else (out,)
     finally:
@@ -235,6 +259,9 @@ class Layout:
 
     def __init__(self, tables: Sequence[ShardedEmbeddingBag], bags: Sequence[int]) -> None:
         self.tables = list(tables)
+        self.index = {id(t): i for i, t in enumerate(tables)}  # each table's index, by id (the last of a repeated one)
+        # the order a lookup takes the tables' marker locks in (_record_packed): by id, each once
+        self.lock_order = sorted({id(t): t for t in tables}.values(), key=id)
         self.servers: list[str] = []
         for t in tables:
             self.servers += [s for s in t._server_names if s not in self.servers]
@@ -430,8 +457,9 @@ def _outputs(batch: _Batch, got: list) -> list[torch.Tensor]:
         total = torch.where(layout.mean_bags.unsqueeze(1), total / sizes_all, total)
     # (warns, as a table's own lookup does, of gradients never pushed)
     recording = [i for i, t in enumerate(tables) if batch.records[i] and t._records_gradients()]
+    dtypes = [t._dtype() for t in tables]  # (each table's output dtype, read once)
     together: dict[int, torch.Tensor] = {}  # per table recorded together: its pooled bags
-    if recording and all(tables[i]._dtype() == torch.float32 for i in recording):
+    if recording and all([dtypes[i] == torch.float32 for i in recording]):
         divisor = torch.where(layout.mean_bags.unsqueeze(1), sizes_all, 1.0) if layout.any_mean else None
         made = _record_packed(layout, [tables[i] for i in recording], recording, total, divisor, batch.shares)
         together = dict(zip(recording, made))
@@ -442,11 +470,13 @@ def _outputs(batch: _Batch, got: list) -> list[torch.Tensor]:
     out = []
     for i, t in enumerate(tables):
         lo, hi = layout.bag_base[i], layout.bag_base[i + 1]
-        value = (together[i] if i in together else total[lo:hi]).to(t._dtype())
+        value = together[i] if i in together else total[lo:hi]
+        if value.dtype != dtypes[i]:  # (to() of its own dtype gives the tensor itself)
+            value = value.to(dtypes[i])
         if i in recording:  # (a table of another dtype: its own rows' node, as alone)
             p0, p1 = sized.pos_base[i], sized.pos_base[i + 1]
             t_uniq = uniq[cuts[i]:cuts[i + 1]] - layout.id_base[i]
-            holder = t._rows_recorded(t_uniq, torch.zeros(t_uniq.numel(), tables[0].embedding_dim, dtype=t._dtype()))
+            holder = t._rows_recorded(t_uniq, torch.zeros(t_uniq.numel(), tables[0].embedding_dim, dtype=dtypes[i]))
             value = _BagRows.apply(holder, value, inverse[p0:p1] - cuts[i], batch.bag_of[p0:p1] - lo, None,
                                    sizes_all[lo:hi] if t.bag_mode == "mean" else None)
         out.append(value)
