@@ -3,8 +3,10 @@ server, and their gradients pushed together, one message per server."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import partial
-from typing import Any, Mapping
+from itertools import chain
+from typing import Any
 
 import torch
 from torch import nn
@@ -162,6 +164,11 @@ class ShardedEmbeddingBagCollection(InFlight, nn.Module):
         """``{name: table}``, in the order given."""
         return {name: self._modules[name] for name in self._names}
 
+    def _table_list(self) -> list[ShardedEmbeddingBag]:
+        """The tables, in the order given (as :meth:`tables`' values; read from the children at
+        each call, so a table replaced by ``setattr`` is seen)."""
+        return list(map(self._modules.__getitem__, self._names))
+
     def keys(self) -> list[str]:
         """The table names, in the order given."""
         return list(self._names)
@@ -185,14 +192,14 @@ class ShardedEmbeddingBagCollection(InFlight, nn.Module):
         """``{name: pooled bags}`` for every table (see the class docstring); of the
         :meth:`prefetch` of equal features when there is one."""
         arguments = self._arguments(features)
-        key = tuple(v for name in self._names for v in arguments[name])
-        records = tuple(t._plan_state() for t in self.tables().values())
+        key = tuple(chain.from_iterable(arguments.values()))  # (every table's arguments, in turn)
+        records = self._plan_states(self._table_list())
         handle = self._prefetches.claim(key, records, self._wait_pushes)
         self._step_done = set()  # a failed step() not retried: the next one is whole
         try:
             return PrefetchQueue.output(
                 handle, lambda calls: call_grouped(self._count(at_step(calls, self._step_of)), timeout=self.timeout),
-                lambda: self._plan(arguments))
+                lambda: self._plan(arguments, records))
         except StepRefusal as exc:  # (sync steps of its tables refused: raised here once)
             told_refusals(exc, self._by_name())
             raise
@@ -209,13 +216,20 @@ class ShardedEmbeddingBagCollection(InFlight, nn.Module):
     def _prefetch_input(self, features: Mapping[str, Any], queued: bool = False, overlap: bool = False) -> Prefetch:
         """A prefetch of ``features``; ``queued``, ``overlap``: as a table's (``prefetching``)."""
         arguments = self._arguments(features)
-        key = tuple(v for name in self._names for v in arguments[name])
-        records = tuple(t._plan_state() for t in self.tables().values())
-        calls, finish = self._plan(arguments)  # (the steps it reads are set when it is sent)
-        handle = Prefetch(key, records, calls, finish, replan=self.ps_mode == "geo",
-                          tables=list(self.tables().values()), overlap=overlap)
+        key = tuple(chain.from_iterable(arguments.values()))  # (every table's arguments, in turn)
+        tables = self._table_list()
+        records = self._plan_states(tables)
+        calls, finish = self._plan(arguments, records)  # (the steps it reads are set when it is sent)
+        handle = Prefetch(key, records, calls, finish, replan=tables[0].ps_mode == "geo", tables=tables,
+                          overlap=overlap)
         self._prefetches.add(handle, queued)
         return handle
+
+    @staticmethod
+    def _plan_states(tables: list[ShardedEmbeddingBag]) -> tuple:
+        """Each table's ``_plan_state()`` (whether it records, its dtype): what a lookup's plan
+        depends on besides its arguments."""
+        return tuple([t._plan_state() for t in tables])
 
     def _step_of(self, name: str) -> int:
         return self._by_name()[name]._step
@@ -245,14 +259,15 @@ class ShardedEmbeddingBagCollection(InFlight, nn.Module):
 
     def _by_name(self) -> dict[str, ShardedEmbeddingBag]:
         """The tables by their job-wide names (as the servers know them)."""
-        return {t.name: t for t in self.tables().values()}
+        return {t.name: t for t in self._table_list()}
 
     def _wait_pushes(self) -> None:
         """Wait for the pushes in flight of this collection's step and of its tables'."""
-        self._land_in_flight(self.tables().values())
+        self._land_in_flight(self._table_list())
 
     def _arguments(self, features: Mapping[str, Any]) -> dict[str, tuple]:
-        """Each table's ``(input, offsets, per_sample_weights)`` of ``features``, checked."""
+        """Each table's ``(input, offsets, per_sample_weights)`` of ``features``, checked (in the
+        tables' order)."""
         if not isinstance(features, Mapping):
             raise TypeError(f"ShardedEmbeddingBagCollection takes a mapping of table name -> input, got "
                             f"{type(features).__name__}")
@@ -264,32 +279,36 @@ class ShardedEmbeddingBagCollection(InFlight, nn.Module):
             if name not in features:
                 raise KeyError(f"ShardedEmbeddingBagCollection: no input for table {name!r}")
         arguments = {}
+        modules = self._modules
         for name in self._names:
             value = features[name]
             if isinstance(value, (tuple, list)):
-                if not 1 <= len(value) <= 3:
+                given = len(value)
+                if not 1 <= given <= 3:
                     raise TypeError(
                         f"ShardedEmbeddingBagCollection: table {name!r}'s input must be a tensor or a tuple "
-                        f"(input, offsets=None, per_sample_weights=None), got a {type(value).__name__} of {len(value)}"
+                        f"(input, offsets=None, per_sample_weights=None), got a {type(value).__name__} of {given}"
                     )
-                arguments[name] = tuple(value) + (None,) * (3 - len(value))
+                arguments[name] = tuple(value) + (None,) * (3 - given)
             else:
                 arguments[name] = (value, None, None)
             try:  # include_last_offset: its offsets as the other tables'
-                arguments[name] = self._modules[name]._bag_args(*arguments[name])
+                arguments[name] = modules[name]._bag_args(*arguments[name])
             except (TypeError, ValueError, RuntimeError) as exc:
                 raise retyped(exc, f"ShardedEmbeddingBagCollection table {name!r}: {exc}") from exc
         return arguments
 
-    def _plan(self, arguments: dict[str, tuple]) -> LookupPlan:
-        """The host calls of a forward of ``arguments`` and what makes its output of their answers."""
+    def _plan(self, arguments: dict[str, tuple], records: tuple) -> LookupPlan:
+        """The host calls of a forward of ``arguments`` (:meth:`_arguments`') and what makes its
+        output of their answers; ``records``: the tables' :meth:`_plan_states`, taken with them."""
         wait_s = nested_seconds(timeout_seconds(self.timeout))  # a sync server's answer arrives in time
         # the plain sum / mean lookups planned together, in a few whole-batch ops (ps._packed)
         # (one plan per embedding_dim: a server answers a plan's bags packed in one tensor)
         by_dim: dict[int, list[str]] = {}
-        for name in self._names:
-            if _packed.packable(self._modules[name], *arguments[name]):
-                by_dim.setdefault(self._modules[name].embedding_dim, []).append(name)
+        for (name, args), (recording, _) in zip(arguments.items(), records):
+            table = self._modules[name]
+            if _packed.packable(table, *args, recording):
+                by_dim.setdefault(table.embedding_dim, []).append(name)
         layouts = self._layouts
         packs = []
         for dim, names in by_dim.items():

@@ -19,7 +19,7 @@ table's own path, which checks and refuses them as the table does.
 from __future__ import annotations
 
 from functools import partial
-from operator import itemgetter
+from operator import is_, itemgetter
 from typing import Any, NamedTuple, Sequence
 
 import torch
@@ -220,23 +220,25 @@ def _record_packed(layout: "Layout", tables: list, indices: list[int], pooled: t
             t._marker_lock.release()
 
 
-def packable(table: Any, input: Any, offsets: Any, per_sample_weights: Any) -> bool:
+def packable(table: Any, input: Any, offsets: Any, per_sample_weights: Any, records: bool) -> bool:
     """Whether a lookup of ``table`` can be planned with the others (plain Python checks):
     a sum or mean bag, not geo, no padding row, no ``per_sample_weights``, int64 ids as a
     2-d tensor, or 1-d with 1-d int64 offsets of at least one bag; and it records its
-    gradients or needs more than one server (else the table's own path sends nothing but
-    the arguments)."""
+    gradients (``records``: grad enabled and the table's ``grad_marker`` requiring it, read by
+    the caller once for all its tables) or needs more than one server (else the table's own
+    path sends nothing but the arguments)."""
     if not (isinstance(table, ShardedEmbeddingBag) and table.bag_mode in ("sum", "mean")
             and table.ps_mode != "geo" and table.padding_idx is None and per_sample_weights is None
             and isinstance(input, torch.Tensor) and input.dtype == torch.int64):
         return False
-    if input.dim() == 2:
+    dims = input.ndim  # (as dim(), without a call)
+    if dims == 2:
         if offsets is not None or input.shape[1] == 0:  # (torch refuses 0 columns: "step must be nonzero")
             return False
-    elif not (input.dim() == 1 and isinstance(offsets, torch.Tensor) and offsets.dim() == 1
-              and offsets.dtype == torch.int64 and offsets.numel() > 0):
+    elif not (dims == 1 and isinstance(offsets, torch.Tensor) and offsets.ndim == 1
+              and offsets.dtype == torch.int64 and offsets.shape[0] > 0):
         return False
-    return not table._sent_as_given(None)
+    return records or not table._sent_as_given(None)  # (a lookup that records is never sent as given)
 
 
 class BatchSizes(NamedTuple):
@@ -290,12 +292,17 @@ class Layout:
         self.mean_bags = torch.repeat_interleave(torch.tensor([t.bag_mode == "mean" for t in tables]),
                                                  torch.tensor(list(bags)))
         self.any_mean = any(t.bag_mode == "mean" for t in tables)
-        # per server: its tables (index in ``tables``) and, packed, the rows of their bags
+        # per server: its tables (index in ``tables``), their first bags and numbers of bags (a
+        # lookup's call sends copies) and, packed, the rows of their bags
         self.served: list[list[int]] = []
+        self.served_bases: list[list[int]] = []
+        self.served_bags: list[list[int]] = []
         self.rows: list[torch.Tensor | None] = []
         for server in self.servers:
             mine = [i for i, t in enumerate(tables) if server in t._server_names]
             self.served.append(mine)
+            self.served_bases.append([self.bag_base[i] for i in mine])
+            self.served_bags.append([self.bags[i] for i in mine])
             rows = [torch.arange(self.bag_base[i], self.bag_base[i + 1]) for i in mine]
             whole = len(mine) == len(tables)
             self.rows.append(None if whole else torch.cat(rows) if rows else torch.empty(0, dtype=torch.long))
@@ -350,14 +357,16 @@ def plan(layouts: dict, entries: Sequence[tuple[ShardedEmbeddingBag, torch.Tenso
     if _refused(layout, sized, flat, starts):
         return None
     # which tables record gradients (recorded when the outputs are made: a prefetch's at its forward)
-    records = [torch.is_grad_enabled() and t.grad_marker.requires_grad for t in tables]
+    grad = torch.is_grad_enabled()
+    records = [grad and t.grad_marker.requires_grad for t in tables]
     gid = flat + sized.id_base_at  # one id space: table k's ids from id_base[k]
     # each position's bag (the starts passed the checks: from 0, never back, none past the end)
     bag_of = bag_index(starts, flat.numel(), check=False)
     server_of = layout.block_server[torch.searchsorted(layout.block_starts, gid, right=True) - 1]
     calls, called, shares = [], [], []
+    alone = len(layout.servers) == 1
     for k, server in enumerate(layout.servers):
-        if len(layout.servers) == 1:  # (every id here, each bag's first where it starts)
+        if alone:  # (every id here, each bag's first where it starts)
             ids, first = flat, starts
         else:
             on = server_of == k
@@ -372,7 +381,7 @@ def plan(layouts: dict, entries: Sequence[tuple[ShardedEmbeddingBag, torch.Tenso
         ids = ids.to(layout.wire)
         calls.append((server, _handlers._pool_tables,
                       PooledRead([tables[i].name for i in served], [tables[i]._step for i in served], ids,
-                                 first, [layout.bag_base[i] for i in served], [bags[i] for i in served], wait_s)))
+                                 first, list(layout.served_bases[k]), list(layout.served_bags[k]), wait_s)))
         shares.append((k, ids, first))
     batch = _Batch(tables, bags, layout, sized, flat, starts, gid, bag_of, records, called, shares)
     return LookupPlan(calls, partial(_outputs, batch))
@@ -387,18 +396,12 @@ def _firsts_on(on: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
 
 
 def _inputs(entries: Sequence[tuple[Any, torch.Tensor, torch.Tensor | None]]) -> tuple[list, list, list, list]:
-    """Each entry's ids flat and its bags' offsets (a 2-d input: a bag per row), and the numbers
-    of ids and of bags of each."""
-    flats, offsets, sizes, bags = [], [], [], []
-    for _, x, off in entries:
-        flat = x.reshape(-1)
-        if x.dim() == 2:
-            off = torch.arange(x.shape[0]) * x.shape[1]
-        flats.append(flat)
-        offsets.append(off)
-        sizes.append(flat.numel())
-        bags.append(off.numel())
-    return flats, offsets, sizes, bags
+    """Each entry's ids flat (a 1-d input as it is: the batch's ``cat`` copies it) and its bags'
+    offsets (a 2-d input: a bag per row), and the numbers of ids and of bags of each (1-d
+    tensors all: their lengths)."""
+    flats = [x.reshape(-1) if x.ndim == 2 else x for _, x, _ in entries]
+    offsets = [torch.arange(x.shape[0]) * x.shape[1] if x.ndim == 2 else off for _, x, off in entries]
+    return flats, offsets, [flat.shape[0] for flat in flats], [off.shape[0] for off in offsets]
 
 
 def _layout_of(layouts: dict, tables: list, bags: list[int]) -> Layout:
@@ -406,7 +409,8 @@ def _layout_of(layouts: dict, tables: list, bags: list[int]) -> Layout:
     while they stay the same, else a new one, which ``layouts`` keeps."""
     key = tuple(bags)
     layout = layouts.get(key)
-    if layout is None or len(layout.tables) != len(tables) or any(a is not b for a, b in zip(layout.tables, tables)):
+    # (the same bags: as many tables as the layout's, one number of bags each)
+    if layout is None or not all(map(is_, layout.tables, tables)):
         layout = Layout(tables, bags)
         layouts.clear()
         layouts[key] = layout
