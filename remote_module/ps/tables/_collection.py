@@ -130,6 +130,20 @@ class ShardedEmbeddingBagCollection(InFlight, nn.Module):
         self.ps_optimizer = GroupedPSOptimizer([t.ps_optimizer for t in self._modules.values()],
                                                "ShardedEmbeddingBagCollection")
 
+    #: set at every forward and step (a Flight, None, a set): once set, stored without
+    #: ``nn.Module.__setattr__``'s checks, which cost about 40 calls a training step
+    _PLAIN_ATTRIBUTES = frozenset({"_flight", "_step_done"})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # (set already, so no parameter, buffer or table has the name, and the value neither a
+        # tensor nor a module: nn.Module.__setattr__ would store it as a plain attribute too; the
+        # first time, at construction, it checks that no table took the name)
+        if (name in ShardedEmbeddingBagCollection._PLAIN_ATTRIBUTES and name in self.__dict__
+                and not isinstance(value, (torch.Tensor, nn.Module))):
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
     def _start_trainer_state(self) -> None:
         """(Construction, and a copy) What this object alone holds: its step's pushes in flight
         and its prefetches."""
@@ -361,14 +375,14 @@ class ShardedEmbeddingBagCollection(InFlight, nn.Module):
         # put this trainer a step ahead of the others for good), as PSModel.step() does
         done = self._step_done
         plans, pushing = [], set()
+        tables = self._table_list()
         pushing_names = [name for name in self._names if name not in done]
         # (checked first: a ValueError raises before any table takes its gradients)
         settings = {name: self._modules[name]._row_settings() for name in pushing_names}
         together: dict[int, tuple] = {}  # tables whose gradients were recorded together, by that record
-        for name in self._names:
+        for name, table in zip(self._names, tables):
             if name in done:
                 continue
-            table = self._modules[name]
             plans += table._settings_plans(settings[name])  # (ahead of its push, in the same message)
             hint = table._take_packed_gradient()
             if hint is None:
@@ -385,15 +399,16 @@ class ShardedEmbeddingBagCollection(InFlight, nn.Module):
                 done.add(name)
             else:
                 plans.append(plan._replace(done=partial(finished, done, name, plan.done)))
-                pushing.add(self._modules[name].name)
+                pushing.add(table.name)
         for record, members in together.values():  # their pushes to a server in one call, at once
             plans.append(_packed.push_together(record, members, done))
-        by_name, sync = self._by_name(), self.ps_mode == "sync"
+        # each table's step once these pushes are applied, by name (read before any is sent)
+        after, sync = {t.name: t._step + (t.name in pushing) for t in tables}, tables[0].ps_mode == "sync"
         sent, joined = self._prefetches.send(  # sync: a prefetch reads the step these pushes complete
-            plans, self.timeout, sync, lambda n: by_name[n]._step + (n in pushing))
+            plans, self.timeout, sync, after.__getitem__)
         self._count([call for plan in plans for call in plan.calls] + [call for h in joined for call in h.calls])
         if joined or not sync:
-            self._keep_in_flight(self.tables().values(), sent, done, joined)
+            self._keep_in_flight(tables, sent, done, joined)
         for name in pushing_names:  # (as a local loop's optimizer.step(): what LR schedulers count)
             self._modules[name].ps_optimizer.step()
         self.ps_optimizer.step()
