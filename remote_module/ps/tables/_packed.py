@@ -58,7 +58,7 @@ class _RecordPacked(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
         reached = [g is not None for g in grads]
-        markers = tuple(torch.zeros(0, dtype=d, device=v) if r else None for (d, v), r in zip(ctx.markers, reached))
+        markers = tuple([torch.zeros(0, dtype=d, device=v) if r else None for (d, v), r in zip(ctx.markers, reached)])
         if not any(reached):
             return (None,) * 4 + markers
         grad = torch.zeros(ctx.shape, dtype=torch.float32)
@@ -67,7 +67,8 @@ class _RecordPacked(torch.autograd.Function):
                 grad[b0:b1] = g
         if ctx.divisor is not None:
             grad = grad / ctx.divisor
-        together = ctx.together._replace(grad=grad)
+        layout, shares, _ = ctx.together
+        together = PackedGradient(layout, shares, grad)  # (as its _replace(grad=grad))
         for (table, index, accumulator, _, _), r in zip(ctx.parts, reached):
             # as a parameter's .grad: only a backward that reaches the table's output and
             # accumulates into its marker records
