@@ -90,7 +90,7 @@ class PSOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if any(p.grad is not None and p.numel() for g in self.param_groups for p in g["params"]):
+        if self._holds_gradients():
             self._unpushed_steps += 1
             if self._unpushed_steps == 2:
                 warnings.warn(f"{self.owner}'s ps_optimizer.step() does no update and pushes nothing: the "
@@ -99,6 +99,14 @@ class PSOptimizer(torch.optim.Optimizer):
         elif self._unpushed_steps < 2:
             self._unpushed_steps = 0
         return loss
+
+    def _holds_gradients(self) -> bool:
+        """Whether a parameter of this optimizer (not a zero-size one) has a ``.grad``."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.numel():
+                    return True
+        return False
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "param_groups", None):

@@ -13,7 +13,7 @@ import torch
 from remote_module._core import to_exception
 from remote_module.ps._rowwise import bag_ends, coalesce, row_gradients
 from remote_module.ps._steps import Flight, PushPlan, run_push_plans, set_push_packer, settings_plans
-from remote_module.ps.tables._recording import BagsGradient
+from remote_module.ps.tables._recording import BagsGradient, set_plain
 from remote_module.ps.tables.server import _handlers
 from remote_module.ps.tables.server._requests import BagsPush, PackedEntry, RowDeltasPush, RowsPush, TablesPush
 
@@ -266,12 +266,13 @@ class TablePushes:
                     self.grad_marker.grad = torch.zeros_like(self.grad_marker)
 
         if pushing:
-            self._pushes += 1  # (a prefetch sent before misses it: PrefetchQueue.fresh)
-        self._pushed_bytes += sent
+            set_plain(self, "_pushes", self._pushes + 1)  # (a prefetch sent before misses it: PrefetchQueue.fresh)
+        set_plain(self, "_pushed_bytes", self._pushed_bytes + sent)
 
         def done() -> None:
-            self._step += 1
-            self._took = frozenset()
+            set_plain(self, "_step", self._step + 1)
+            if self._took:
+                set_plain(self, "_took", frozenset())
 
         return done, failed
 

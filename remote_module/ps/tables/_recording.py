@@ -27,6 +27,11 @@ _WARNED_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 UNPUSHED_BACKWARDS = 10
 
 
+#: a table's bookkeeping attribute stored as such (its class's ``_PLAIN_ATTRIBUTES``): what its
+#: ``__setattr__`` does for them, without a Python frame (a step sets a few per table)
+set_plain = object.__setattr__
+
+
 def _weakly(method: weakref.WeakMethod, marker: torch.Tensor) -> None:
     """A grad marker's hook: its table's :meth:`GradientRecording._backward_done`, while the table lives."""
     done = method()
@@ -112,11 +117,13 @@ class GradientRecording:
     def _records_gradients(self) -> bool:
         """Whether this forward records gradients (grad enabled, the table not frozen); warns
         once if recorded gradients were never pushed (see the class docstring)."""
-        if not (torch.is_grad_enabled() and self.grad_marker.requires_grad):
+        marker = self.grad_marker
+        if not (torch.is_grad_enabled() and marker.requires_grad):
             return False
-        self._forward_thread = threading.get_ident()
-        with self._pending_lock:
-            self._drop_discarded()
+        set_plain(self, "_forward_thread", threading.get_ident())
+        if marker.grad is None:  # (as _drop_discarded; read again under the lock)
+            with self._pending_lock:
+                self._drop_discarded()
         if not self._warned_unpushed and (self._stepped_past or self._backwards >= UNPUSHED_BACKWARDS):
             self._warned_unpushed = True
             why = ("a local optimizer has stepped since they were recorded" if self._stepped_past
@@ -184,12 +191,14 @@ class GradientRecording:
             self._drop_discarded()
             self._fresh.append(entry)
         if together is not None:
-            self._together = RecordedTogether(entry, together)
+            set_plain(self, "_together", RecordedTogether(entry, together))
 
     def _take_packed_gradient(self) -> RecordedTogether | None:
         """The last gradient recorded with other tables' (see :meth:`_keep_gradient`), taken
         (None when there is none since the last step)."""
-        hint, self._together = self._together, None
+        hint = self._together
+        if hint is not None:
+            set_plain(self, "_together", None)
         return hint
 
     def _backward_done(self, marker: torch.Tensor) -> None:
@@ -199,11 +208,12 @@ class GradientRecording:
             if not self._fresh:
                 return
             self._held.extend(self._fresh)
-            self._fresh = []
-            self._backwards += 1
+            set_plain(self, "_fresh", [])
+            set_plain(self, "_backwards", self._backwards + 1)
             # a gradient since a failed step: its retry is a step for every server again (those
             # that applied the failed one get the new rows, or an empty push: a step counted)
-            self._took = frozenset()
+            if self._took:
+                set_plain(self, "_took", frozenset())
 
     def _local_optimizer_stepped(self, thread: int, optimizer: torch.optim.Optimizer) -> None:
         """A local torch.optim optimizer stepped in ``thread``: note it if this table holds
@@ -250,20 +260,27 @@ class GradientRecording:
         marker's ``.grad`` since the held backward passes, forget them: their gradients are not
         pushed and they do not count towards the unpushed warning (a local optimizer step while
         they were held still does: their gradients were never pushed)."""
-        if self.grad_marker.grad is None:
-            self._held, self._backwards = [], 0
+        if self.grad_marker.grad is None and (self._held or self._backwards):
+            set_plain(self, "_held", [])
+            set_plain(self, "_backwards", 0)
 
     def _take_gradients(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The gradients recorded and not discarded since the last step, now forgotten (lock held)."""
         self._drop_discarded()
-        taken = self._held + self._fresh
-        self._held, self._fresh = [], []
-        return taken
+        held, fresh = self._held, self._fresh
+        if not held and not fresh:
+            return []
+        set_plain(self, "_held", [])
+        set_plain(self, "_fresh", [])
+        return held + fresh
 
     def _take_for_step(self) -> list:
         """The gradients recorded since the last step, taken for a push (the warnings' counts
         restart)."""
         with self._pending_lock:
             taken = self._take_gradients()
-            self._backwards, self._stepped_past = 0, False
+            if self._backwards:
+                set_plain(self, "_backwards", 0)
+            if self._stepped_past:
+                set_plain(self, "_stepped_past", False)
         return taken
