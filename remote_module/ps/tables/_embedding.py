@@ -565,6 +565,7 @@ class ShardedEmbedding(TableCheckpoints, GradientRecording, TablePushes, nn.Modu
         for key in ("_pending_lock", "_marker_lock", "_fresh", "_held", "_hooked", "_group_lrs", "_flight_lock",
                     "_flight", "_prefetches", "_together"):
             del state[key]
+        state.pop("_row_settings_of", None)  # (TablePushes._row_settings' last: the copy's optimizer is another)
         return state
 
     def __setstate__(self, state: dict) -> None:

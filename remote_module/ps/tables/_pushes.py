@@ -105,12 +105,17 @@ class TablePushes:
         SparseAdam's ``betas``); ``ValueError`` for a momentum or weight decay a scheduler set,
         which the rows' optimizer cannot apply (as construction refuses them)."""
         settings = self.ps_optimizer.settings()
+        last = self.__dict__.get("_row_settings_of")
+        if last is not None and last[0] is settings:  # (the optimizer's settings as last time: checked then)
+            return last[1]
         for key in ("momentum", "weight_decay"):
             if settings.get(key, 0.0) != 0.0:
                 raise ValueError(f"table {self.name!r}: its ps_optimizer has {key}={settings[key]!r}, which a "
                                  f"sparse table's row-wise optimizer cannot apply; keep it 0 (OneCycleLR: "
                                  "cycle_momentum=False, or SparseAdam, whose betas cycle)")
-        return {key: settings[key] for key in ("lr", "betas") if key in settings}
+        rows = {key: settings[key] for key in ("lr", "betas") if key in settings}
+        set_plain(self, "_row_settings_of", (settings, rows))
+        return rows
 
     def step(self) -> None:
         """Push the touched rows' gradients (only those rows) and forget them (geo: step the
