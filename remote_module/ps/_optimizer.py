@@ -18,6 +18,7 @@ import math
 import threading
 import warnings
 import weakref
+from operator import is_
 from typing import Any, Callable, Iterable
 
 import torch
@@ -29,6 +30,11 @@ from remote_module._core import global_optimizer_step_hooks, profiler_enabled, u
 SETTINGS = ("lr", "momentum", "betas", "weight_decay")
 _ABSENT = object()  # (a setting the group does not have)
 _PLAIN = frozenset({float, int, bool, type(_ABSENT)})  # (values that never change in place)
+
+
+def _plain(values: tuple) -> bool:
+    """Whether each of ``values`` is a number, a tuple of numbers or absent (:data:`_PLAIN`)."""
+    return all(type(v) in _PLAIN or (type(v) is tuple and all(type(b) in _PLAIN for b in v)) for v in values)
 
 
 def class_defaults(cls: type, kwargs: dict) -> dict:
@@ -122,12 +128,14 @@ class PSOptimizer(torch.optim.Optimizer):
         raw = (group.get("lr", _ABSENT), group.get("momentum", _ABSENT), group.get("betas", _ABSENT),
                group.get("weight_decay", _ABSENT))
         last = self.__dict__.get("_last_settings")
-        if last is not None and last[0] == raw:  # (equal to plain values: the same settings, by value)
-            return last[1]
+        if last is not None and last[0] == raw and (all(map(is_, last[0], raw)) or _plain(raw)):
+            # (the same settings, by value: the same objects, or plain values equal to them; a
+            # float32 tensor or NumPy scalar equals a float it is not: 0.1 == torch.tensor(0.1))
+            return dict(last[1])  # (a copy: the caller's to change)
         out = self._checked_settings(group)
-        # kept only when every value is a number, a tuple of numbers or absent (a tensor may change in place)
-        if all(type(v) in _PLAIN or (type(v) is tuple and all(type(b) in _PLAIN for b in v)) for v in raw):
+        if _plain(raw):  # (a tensor may change in place: not kept)
             self._last_settings = (raw, out)
+            return dict(out)
         return out
 
     def _checked_settings(self, group: dict) -> dict[str, Any]:

@@ -168,3 +168,23 @@ def test_settings_follow_every_change_of_the_group() -> None:
         optimizer.settings()
     optimizer.param_groups[0]["lr"] = 0.4
     assert optimizer.settings() == {"lr": 0.4, "betas": (0.8, 0.9)}
+
+
+def test_settings_of_a_value_equal_to_the_last_but_not_plain_are_its_own() -> None:
+    """A float32 tensor or NumPy scalar equal to the last plain value (``0.1 ==
+    torch.tensor(0.1)``) is sent as ``float()`` makes it, as when no settings were kept; the
+    dict returned is the caller's to change (the next call does not see it)."""
+    import numpy as np
+
+    optimizer = PSOptimizer([torch.zeros(0, requires_grad=True)], {"lr": 0.1, "betas": (0.9, 0.99)}, "table 'a'")
+    settings = optimizer.settings()
+    settings["lr"] = 5.0
+    assert optimizer.settings() == {"lr": 0.1, "betas": (0.9, 0.99)}
+    group = optimizer.param_groups[0]
+    for lr in (torch.tensor(0.1), np.float32(0.1)):
+        group["lr"] = lr
+        assert optimizer.settings()["lr"] == float(lr) != 0.1
+    group["lr"] = 0.1
+    assert optimizer.settings()["lr"] == 0.1
+    group["betas"] = (torch.tensor(0.9), torch.tensor(0.99))
+    assert optimizer.settings()["betas"] == (float(torch.tensor(0.9)), float(torch.tensor(0.99)))
