@@ -287,8 +287,9 @@ def _as_call(index: int, call: Any) -> HostCall:
 
 
 #: the WorkerInfo of each worker name called in the current RPC world: ``[agent, {name: info}]``
-#: (a new world, a new agent: looked up again)
-_known_workers: list = [None, {}]
+#: (a new world, a new agent: looked up again; ``None`` for a dynamic world, ``init_rpc`` without
+#: ``world_size``, whose workers join and leave: looked up at each call)
+_known_workers: list = [None, None]
 
 
 def _checked_calls(calls: Iterable[HostCall | tuple], timeout: float | None
@@ -308,15 +309,16 @@ def _checked_calls(calls: Iterable[HostCall | tuple], timeout: float | None
         raise RuntimeError(
             "call_async needs torch.distributed.rpc: call rpc.init_rpc(name, rank=..., world_size=...) first"
         )
-    if _known_workers[0] is not agent:
-        _known_workers[:] = [agent, {}]
-    known = _known_workers[1]
+    seen, known = _known_workers  # (one read: another thread may start a new world's)
+    if seen is not agent:
+        known = {} if getattr(agent, "is_static_group", True) else None
+        _known_workers[:] = [agent, known]
     infos = []
     for i, c in enumerate(checked):
-        info = known.get(c.worker) if type(c.worker) is str else None
+        info = known.get(c.worker) if known is not None and type(c.worker) is str else None
         if info is None:
             info = _worker_info(c.worker, partial(call_label, i, n, c.handler))
-            if type(c.worker) is str:
+            if known is not None and type(c.worker) is str:
                 known[c.worker] = info
         infos.append(info)
     for info in infos:
