@@ -302,10 +302,7 @@ def _checked_calls(calls: Iterable[HostCall | tuple], timeout: float | None
     if not n:
         return checked, [], seconds
     agent = current_rpc_agent()
-    if agent is None:
-        # (a worker not in the last world is named as such: that error says what to pass)
-        for i, c in enumerate(checked):
-            _worker_info(c.worker, partial(call_label, i, n, c.handler))
+    if agent is None:  # (as call_async: no world to look a worker up in)
         raise RuntimeError(
             "call_async needs torch.distributed.rpc: call rpc.init_rpc(name, rank=..., world_size=...) first"
         )

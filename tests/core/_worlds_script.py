@@ -2,9 +2,9 @@
 RPC worlds): calls by worker name across worlds, the case its argument names. Prints one JSON line: each case's outcome,
 ``[error type, message]`` or ``["ok", results]``.
 
-- ``after_reinit``: a world of one, ``a``; shut down; a world of one, ``b``: a call to ``a``
-  then to ``b``;
-- ``after_leave``: a dynamic world (``init_rpc`` without ``world_size``): ``w`` joins, is
+- ``reinit``: a call before ``init_rpc``; a world of one, ``a``; shut down; a call; a world of
+  one, ``b``: a call to ``a`` then to ``b``;
+- ``leave``: a dynamic world (``init_rpc`` without ``world_size``): ``w`` joins, is
   called, and leaves; a call to ``w`` then."""
 
 from __future__ import annotations
@@ -48,11 +48,12 @@ def _join_and_leave(port: int, left) -> None:
 
 
 def reinit() -> dict:
-    got = {}
+    got = {"before_init": _outcome([("a", operator.add, (1, 2))])}
     port = _port()
     rpc.init_rpc("a", rank=0, world_size=1, rpc_backend_options=_options(port))
     got["first_world"] = _outcome([("a", operator.add, (1, 2))])
     rpc.shutdown()
+    got["after_shutdown"] = _outcome([("a", operator.add, (1, 2))])
     rpc.init_rpc("b", rank=0, world_size=1, rpc_backend_options=_options(_port()))
     got["after_reinit"] = [_outcome([("a", operator.add, (1, 2))]), _outcome([("b", operator.add, (1, 2))])]
     rpc.shutdown()
