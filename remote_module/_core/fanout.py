@@ -297,15 +297,15 @@ def _checked_calls(calls: Iterable[HostCall | tuple], timeout: float | None
     """``calls`` checked (shape, worker, handler), their ``WorkerInfo``s and the timeout in
     seconds; nothing is sent. RPC must be running when there is a call to send."""
     checked = [_as_call(i, call) for i, call in enumerate(calls)]
-    seconds = timeout_seconds(timeout)
     n = len(checked)
     if not n:
-        return checked, [], seconds
+        return checked, [], timeout_seconds(timeout)
     agent = current_rpc_agent()
-    if agent is None:  # (as call_async: no world to look a worker up in)
+    if agent is None:  # (as call_async: no world to look a worker up in, nor its default timeout)
         raise RuntimeError(
             "call_async needs torch.distributed.rpc: call rpc.init_rpc(name, rank=..., world_size=...) first"
         )
+    seconds = timeout_seconds(timeout)
     seen, known = _known_workers  # (one read: another thread may start a new world's)
     if seen is not agent:
         known = {} if getattr(agent, "is_static_group", True) else None

@@ -1,11 +1,11 @@
 """Run by tests/core/test_fanout_worlds.py in a process of its own (it starts and ends its own
-RPC worlds): calls by worker name across worlds, the case its argument names. Prints one JSON line: each case's outcome,
-``[error type, message]`` or ``["ok", results]``.
+RPC worlds): calls by worker name across worlds, the case its argument names. Prints one JSON
+line: each call's outcome, ``[error type, message]`` or ``["ok", results]``.
 
-- ``reinit``: a call before ``init_rpc``; a world of one, ``a``; shut down; a call; a world of
-  one, ``b``: a call to ``a`` then to ``b``;
-- ``leave``: a dynamic world (``init_rpc`` without ``world_size``): ``w`` joins, is
-  called, and leaves; a call to ``w`` then."""
+- ``reinit``: a call before ``init_rpc`` (with a timeout, and with the agent's default); a
+  world of one, ``a``; shut down; a call; a world of one, ``b``: a call to ``a``, then to ``b``;
+- ``leave``: a dynamic world (``init_rpc`` without ``world_size``): ``w`` joins, is called, and
+  leaves; a call to ``w`` then."""
 
 from __future__ import annotations
 
@@ -32,11 +32,11 @@ def _options(port: int) -> rpc.TensorPipeRpcBackendOptions:
     return make_options(init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=HANG_S)
 
 
-def _outcome(calls: list) -> list:
+def _outcome(calls: list, timeout: float | None = HANG_S) -> list:
     from remote_module._core.fanout import call_all
 
     try:
-        return ["ok", call_all(calls, timeout=HANG_S)]
+        return ["ok", call_all(calls, timeout=timeout)]
     except Exception as exc:
         return [type(exc).__name__, str(exc)]
 
@@ -48,7 +48,8 @@ def _join_and_leave(port: int, left) -> None:
 
 
 def reinit() -> dict:
-    got = {"before_init": _outcome([("a", operator.add, (1, 2))])}
+    got = {"before_init": _outcome([("a", operator.add, (1, 2))]),
+           "before_init_default_timeout": _outcome([("a", operator.add, (1, 2))], None)}
     port = _port()
     rpc.init_rpc("a", rank=0, world_size=1, rpc_backend_options=_options(port))
     got["first_world"] = _outcome([("a", operator.add, (1, 2))])

@@ -19,7 +19,7 @@ def _run(case: str) -> dict:
 def test_a_name_of_the_last_world_is_not_in_the_next():
     """(and a call outside any world says to call init_rpc, as call_async does)"""
     got = _run("reinit")
-    for case in ("before_init", "after_shutdown"):
+    for case in ("before_init", "before_init_default_timeout", "after_shutdown"):
         kind, message = got[case]
         assert kind == "RuntimeError" and message.startswith("call_async needs torch.distributed.rpc"), got
     assert got["first_world"] == ["ok", [3]], got
