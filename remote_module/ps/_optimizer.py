@@ -122,20 +122,24 @@ class PSOptimizer(torch.optim.Optimizer):
 
     def settings(self) -> dict[str, Any]:
         """The group's settings the servers use, checked: ``ValueError`` naming one torch would
-        refuse (a negative or non-finite lr, say). (The last checked settings are returned again
-        while the group holds the same plain values: a step reads them for every table.)"""
+        refuse (a negative or non-finite lr, say). A new dict, the caller's to change."""
+        return dict(self.current_settings())
+
+    def current_settings(self) -> dict[str, Any]:
+        """:meth:`settings` without the copy, for the library's steps, which read them for every
+        table and never change them: the last checked settings are returned again while the
+        group holds the same plain values (the same objects, or numbers equal to them; a tensor
+        may change in place, and a float32 tensor or NumPy scalar equals a float it is not:
+        ``0.1 == torch.tensor(0.1)``), so a step's settings are one dict while they hold."""
         group = self.param_groups[0]
         raw = (group.get("lr", _ABSENT), group.get("momentum", _ABSENT), group.get("betas", _ABSENT),
                group.get("weight_decay", _ABSENT))
         last = self.__dict__.get("_last_settings")
-        if last is not None and last[0] == raw and (all(map(is_, last[0], raw)) or _plain(raw)):
-            # (the same settings, by value: the same objects, or plain values equal to them; a
-            # float32 tensor or NumPy scalar equals a float it is not: 0.1 == torch.tensor(0.1))
-            return dict(last[1])  # (a copy: the caller's to change)
+        if last is not None and (all(map(is_, last[0], raw)) or (last[0] == raw and _plain(raw))):
+            return last[1]  # (only plain values are kept: the same objects are plain values too)
         out = self._checked_settings(group)
-        if _plain(raw):  # (a tensor may change in place: not kept)
+        if _plain(raw):
             self._last_settings = (raw, out)
-            return dict(out)
         return out
 
     def _checked_settings(self, group: dict) -> dict[str, Any]:

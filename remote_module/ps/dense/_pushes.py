@@ -64,7 +64,7 @@ class DensePushes:
         self._ready = None  # what the last step's answers brought: this step's replace them
         # every part's ps_optimizer settings checked first (a ValueError, a table's momentum say,
         # raises before any part takes its gradients, steps locally or advances its step)
-        settings = {None: self.ps_optimizer.settings()} if None not in done else {}
+        settings = {None: self.ps_optimizer.current_settings()} if None not in done else {}
         settings.update((qual, table._row_settings()) for qual, table in self._tables.items() if qual not in done)
         plans = []  # each part's pushes; a part that succeeds is marked done
         merging = False  # geo: this step pushes the dense deltas

@@ -104,7 +104,7 @@ class TablePushes:
         """The settings of :attr:`ps_optimizer` a row-wise optimizer takes (``lr``, and
         SparseAdam's ``betas``); ``ValueError`` for a momentum or weight decay a scheduler set,
         which the rows' optimizer cannot apply (as construction refuses them)."""
-        settings = self.ps_optimizer.settings()
+        settings = self.ps_optimizer.current_settings()
         last = self.__dict__.get("_row_settings_of")
         if last is not None and last[0] is settings:  # (the optimizer's settings as last time: checked then)
             return last[1]
