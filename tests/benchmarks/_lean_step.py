@@ -20,8 +20,10 @@ checks of the offsets). The server keeps each form's rows in this module (:data:
 work, each done the least way: the next batch's ids and offsets copied when its lookup is sent
 and compared at its forward (a prefetch is used only for equal arguments: the caller may change
 them in place meanwhile), a deadline per message on the library's watcher (a late server is
-named within the call's timeout), the gradient held until its push lands (a failed push keeps
-it for a retry), a post-accumulate hook on the marker (what one backward recorded counts until
+named within the call's timeout; sent with no timer of torch's), the push carrying its lookup's
+ids and the trainer's step and token (a retry is not applied twice), every answer ``(ok, value)``
+(a server's error caught and sent back), the gradient held until its push lands (a failed push
+keeps it for a retry), a post-accumulate hook on the marker (what one backward recorded counts until
 ``zero_grad()``), and the servers' optimizer's settings read and its ``step()`` called (LR
 schedulers read and count them)."""
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from typing import Any
 
 import torch
@@ -82,6 +85,26 @@ def _server_rows_step(name: str, grad: torch.Tensor | None, ids: torch.Tensor,
         bags = torch.searchsorted(last_offsets, torch.arange(last.numel()), right=True) - 1
         table["weight"].index_add_(0, last, grad.index_select(0, bags) * -table["lr"])
     return _pooled(table, ids, offsets)
+
+
+def _contract_step(name: str, step: int, token: str, push: tuple | None, ids: torch.Tensor,
+                   offsets: torch.Tensor) -> tuple[bool, Any]:
+    """(On the server) :class:`Contract`'s call: the push ``(ids, offsets, grad)`` of the last
+    lookup it made (sent back with it, as the library's pushes carry their ids), applied once
+    per ``step`` of the trainer ``token`` (a retry of an applied step is not applied again), then
+    the lookup of ``ids``; answered ``(ok, value)``, every error caught (as the library's
+    handlers answer, keeping the error's type for the trainer)."""
+    try:
+        table = _TABLES[name]
+        if push is not None and table.get("applied", {}).get(token, -1) < step:
+            last, last_offsets, grad = push
+            last = last.long()
+            bags = torch.searchsorted(last_offsets, torch.arange(last.numel()), right=True) - 1
+            table["weight"].index_add_(0, last, grad.index_select(0, bags) * -table["lr"])
+            table.setdefault("applied", {})[token] = step
+        return True, _pooled(table, ids, offsets)
+    except BaseException as exc:  # noqa: BLE001 - answered, as the library's handlers answer
+        return False, exc
 
 
 def _checked(ids: torch.Tensor, rows: int) -> torch.Tensor:
@@ -234,17 +257,22 @@ class Contract(ServerRows):
         self.optimizer = PSOptimizer([self.marker], {"lr": lr}, "bound")
         self.settings: dict | None = None  # last sent (the bench never changes them)
         self.kept: tuple | None = None  # the copies of the arguments of the lookup in flight
-        self.pending: torch.Tensor | None = None  # the gradient in flight, until its push lands
+        self.sent: tuple | None = None  # that lookup's ids as sent and its offsets, for its push
+        self.pending: tuple | None = None  # the push in flight, until it lands (a failure keeps it)
         self.held: torch.Tensor | None = None  # what the last backward recorded
+        self.step, self.token = 0, uuid.uuid4().hex
         self.marker.register_post_accumulate_grad_hook(self._backward_done)
 
     def _backward_done(self, marker: torch.Tensor) -> None:
         self.held = self.got.pop("bags", None)
 
-    def _send(self, grad: torch.Tensor | None, ids: torch.Tensor, offsets: torch.Tensor) -> None:
+    def _send(self, push: tuple | None, ids: torch.Tensor, offsets: torch.Tensor) -> None:
         self.kept = (ids.clone(), offsets.clone())
-        self.pending = grad
-        sent = rpc.rpc_async(self.server, _server_rows_step, args=(self.name, grad, _checked(ids, self.rows), offsets))
+        self.pending = push
+        wire = _checked(ids, self.rows)
+        self.sent = (wire, self.kept[1])
+        sent = rpc.rpc_async(self.server, _contract_step, args=(self.name, self.step, self.token, push, wire, offsets),
+                             timeout=0)  # (no torch timer: the deadline is the watcher's, as the library's)
         self.answer = _Deadline(sent, self.timeout).future
 
     def train(self, batch: tuple, upcoming: tuple) -> float:
@@ -255,15 +283,19 @@ class Contract(ServerRows):
         if not (ids.dtype == kept_ids.dtype and ids.shape == kept_ids.shape and torch.equal(ids, kept_ids)
                 and offsets.shape == kept_offsets.shape and torch.equal(offsets, kept_offsets)):
             raise AssertionError("bound: a forward of other arguments than its lookup's")
-        pooled = self.answer.wait()  # (raises a failed push's error: the gradient stays pending)
+        ok, pooled = self.answer.wait()
+        if not ok:
+            raise pooled  # (a failed push: it stays pending, for a retry)
+        if self.pending is not None:
+            self.step += 1
         self.pending = None
         out = _BagsGradient.apply(self.marker, pooled, self.got)
         loss = ((out - target) ** 2).sum() / out.shape[1]
         loss.backward()
-        settings = self.optimizer.settings()
+        settings = self.optimizer.current_settings()
         if settings != self.settings:
             self.settings = settings
         self.optimizer.step()
         grad, self.held = self.held, None
-        self._send(grad, upcoming[0], upcoming[1])
+        self._send(None if grad is None else (*self.sent, grad), upcoming[0], upcoming[1])
         return loss.item()

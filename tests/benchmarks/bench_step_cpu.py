@@ -18,8 +18,9 @@ carrying the push and the next lookup), in the library's form (the trainer dedup
 and pushes the unique rows' gradients) and in the other (it pushes the bags' gradient and the
 server computes the rows'), and the bags' form with what the library promises of every step
 beyond the work, each done the least way (``_lean_step.Contract``: the arguments copied and
-compared, a deadline per message, the gradient held until its push lands, the marker's hook,
-the optimizer's settings read and its step called). Each run
+compared, a deadline per message, the push carrying its ids, step and token, answers as ``(ok,
+value)``, the gradient held until its push lands, the marker's hook, the optimizer's settings
+read and its step called). Each run
 runs every variant for ``steps`` steps, in an order that rotates by run; CPU is user + system
 time of each whole process (every thread; its CPU clock, as ``/proc/<pid>/stat``'s utime +
 stime counts it) over those steps. Figures are medians over runs; a ratio is the median over
