@@ -207,6 +207,7 @@ class _PackedLayout(NamedTuple):
 #: :func:`_packed_layout`'s answers by ``(bag_base, bag_counts, bags)``: a trainer's packed
 #: lookups keep one layout from step to step (a few at most: cleared beyond 16)
 _packed_layouts: dict[tuple, _PackedLayout | None] = {}
+_UNKNOWN = object()  # (a layout not in _packed_layouts: None is a layout read as sent)
 
 
 def _packed_layout(bag_base: list[int], bag_counts: list[int], bags: int) -> _PackedLayout | None:
@@ -214,8 +215,10 @@ def _packed_layout(bag_base: list[int], bag_counts: list[int], bags: int) -> _Pa
     ``bags`` in all), made once per layout; None unless each table's bags are within the bags,
     none in two tables (then they are read as sent, one table after another)."""
     key = (tuple(bag_base), tuple(bag_counts), bags)
-    if key in _packed_layouts:
-        return _packed_layouts[key]
+    # (one read: another handler thread may clear the cache between a check and a read)
+    known = _packed_layouts.get(key, _UNKNOWN)
+    if known is not _UNKNOWN:
+        return known
     ranges = sorted(zip(bag_base, bag_counts))
     fits = bags > 0 and all(base >= 0 and count >= 0 and base + count <= bags for base, count in ranges) and all(
         a + n <= b for (a, n), (b, _) in zip(ranges, ranges[1:]))
