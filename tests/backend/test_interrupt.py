@@ -106,8 +106,16 @@ def test_ctrl_c_on_the_demo_prints_one_line_and_exits_130(tmp_path):
     # each bar, even one a pipe disables)
     cmd = [sys.executable, "-m", "remote_module.demos.dlrm", "--servers", "1", "--trainers", "2",
            "--steps", "1000000", "--plot", ""]
-    # (off a terminal each trainer prints a progress line every few seconds once it trains)
-    code, after, everything = _interrupt_once(cmd, lambda line: line.startswith("trainer1: step "),
-                                              cwd=str(tmp_path))
+    # (off a terminal each trainer prints a progress line every few seconds once it trains; the
+    # two print theirs at about the same step, so the signal goes once both printed one: a line
+    # of the other trainer's on its way then is no line after the signal)
+    printed: set[str] = set()
+
+    def both_train(line: str) -> bool:
+        if line.startswith(("trainer0: step ", "trainer1: step ")):
+            printed.add(line[:8])
+        return len(printed) == 2
+
+    code, after, everything = _interrupt_once(cmd, both_train, cwd=str(tmp_path))
     assert code == 130, everything
     assert after.split() == ["interrupted"], everything

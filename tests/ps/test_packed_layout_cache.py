@@ -26,6 +26,7 @@ class _ClearedAfterCheck(dict):
 
 
 def test_a_layout_found_is_returned_though_another_thread_clears_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_handlers, "_packed_layouts", {})  # (the server's own cache left as it was)
     made = _handlers._packed_layout([0, 4], [4, 4], 8)
     cache = _ClearedAfterCheck({((0, 4), (4, 4), 8): made})
     monkeypatch.setattr(_handlers, "_packed_layouts", cache)
