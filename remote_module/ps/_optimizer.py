@@ -262,7 +262,7 @@ def _observed(optimizer: torch.optim.Optimizer) -> bool:
     if not after:
         return False
     # (ours, if registered, ignores these optimizers)
-    return len(after) > 1 or (len(after) == 1 and _on_optimizer_step not in after.values())
+    return len(after) > 1 or _on_optimizer_step not in after.values()
 
 
 #: each PS optimizer's step body, wrapped as torch wraps an optimizer's step (:func:`observed_step`)

@@ -205,8 +205,7 @@ def _record_packed(layout: "Layout", tables: list, indices: list[int], pooled: t
     :class:`_RecordPacked` node, under every table's marker lock (see
     ``GradientRecording._rows_recorded``), taken in one order (by ``id``; the layout's when they
     are all its tables): each table's pooled bags."""
-    locks = layout.lock_order if len(tables) == len(layout.tables) else sorted({id(t): t for t in tables}.values(),
-                                                                                   key=id)
+    locks = layout.lock_order if len(tables) == len(layout.tables) else _lock_order(tables)
     for t in locks:
         t._marker_lock.acquire()
     try:
@@ -219,6 +218,12 @@ def _record_packed(layout: "Layout", tables: list, indices: list[int], pooled: t
     finally:
         for t in locks:
             t._marker_lock.release()
+
+
+def _lock_order(tables: Sequence[Any]) -> list:
+    """``tables`` each once, in the order their marker locks are taken (by ``id``: every lookup
+    takes them in one order)."""
+    return sorted({id(t): t for t in tables}.values(), key=id)
 
 
 def packable(table: Any, input: Any, offsets: Any, per_sample_weights: Any, records: bool) -> bool:
@@ -264,7 +269,7 @@ class Layout:
         self.tables = list(tables)
         self.index = {id(t): i for i, t in enumerate(tables)}  # each table's index, by id (the last of a repeated one)
         # the order a lookup takes the tables' marker locks in (_record_packed): by id, each once
-        self.lock_order = sorted({id(t): t for t in tables}.values(), key=id)
+        self.lock_order = _lock_order(tables)
         self.servers: list[str] = []
         for t in tables:
             self.servers += [s for s in t._server_names if s not in self.servers]

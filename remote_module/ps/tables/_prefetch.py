@@ -31,9 +31,10 @@ class Prefetch:
 
     def __init__(self, key: tuple, records: Any, calls: list, finish: Callable[[list], Any],
                  replan: bool = False, tables: Sequence = (), overlap: bool = False) -> None:
+        # a copy of each tensor, compared by value with the forward's (the caller may change it
+        # in place meanwhile), in one pass (a collection's key has a tensor per feature)
         kept = []
-        for value in key:  # (a copy of each tensor, compared by value with the forward's: the
-            # caller may change it in place meanwhile; one pass, a collection's key has a tensor per feature)
+        for value in key:
             if isinstance(value, torch.Tensor):
                 if value.requires_grad:
                     # a forward whose arguments need a gradient (per_sample_weights) plans its
