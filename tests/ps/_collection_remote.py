@@ -750,9 +750,10 @@ def geo_traffic(job: str) -> dict:
 
 def plain_plan_shares(job: str) -> list[str]:
     """Batches of PLAIN's sum / mean tables with irregular bags (empty ones first, inside and
-    last; a table with no bag at all; every id on one server), planned together: the mismatches
-    of each server's ids and each bag's first id there (the ids before its start), and of each
-    position's bag, against what searching the batch finds (none expected)."""
+    last; a table with no bag at all; every id on one server; a table over three servers),
+    planned together: the mismatches of each server's ids and each bag's first id there (the
+    ids before its start), and of each position's bag, against what searching the batch finds
+    (none expected)."""
     from remote_module.ps.tables import _packed
 
     tables = plain_make(job, "async")
@@ -766,17 +767,27 @@ def plain_plan_shares(job: str) -> list[str]:
          "frozen": (torch.randint(0, 200, (4,), generator=g), torch.tensor([0, 4, 4]))},
         {"clicks": (torch.randint(0, 400, (6,), generator=g), torch.tensor([0, 1, 6])),  # all on ps0
          "views": (torch.randint(0, 200, (0,), generator=g), torch.tensor([0, 0]))},
+        {"wide": (torch.randint(0, 900, (40,), generator=g), torch.tensor([0, 0, 7, 19, 19, 33])),  # 3 servers
+         "clicks": (torch.randint(0, 1000, (12,), generator=g), torch.tensor([0, 5, 5]))},
     ]
+    from remote_module.ps import ShardedEmbeddingBag
+
+    tables["wide"] = ShardedEmbeddingBag(900, 4, ["ps2", "ps0", "ps1"], name=f"{job}-wide", mode="sum",
+                                         min_block_size=400, optimizer=(torch.optim.SGD, {"lr": 0.3}))
     wrong = []
     for k, feats in enumerate(batches):
         entries = [(tables[n], *(v if isinstance(v, tuple) else (v, None))) for n, v in feats.items()]
         made = _packed.plan({}, entries, 60.0)
         batch = made.finish.args[0]
         positions = torch.arange(batch.flat.numel())
-        if not torch.equal(batch.bag_of, torch.searchsorted(batch.starts, positions, right=True) - 1):
-            wrong.append(f"batch {k}: bag_of {batch.bag_of.tolist()}")
+        bag_of = torch.searchsorted(batch.starts, positions, right=True) - 1
+        # (each position's bag as the path of a table of another dtype counts it)
+        if not torch.equal(_packed.bag_index(batch.starts, batch.flat.numel(), check=False), bag_of):
+            wrong.append(f"batch {k}: bag_index {bag_of.tolist()}")
         layout = batch.layout
-        server_of = layout.block_server[torch.searchsorted(layout.block_starts, batch.gid, right=True) - 1]
+        gid = batch.flat + torch.repeat_interleave(torch.tensor(layout.id_base[:-1]), torch.from_numpy(batch.counts))
+        block_starts, block_server = torch.from_numpy(layout.block_starts), torch.from_numpy(layout.block_server)
+        server_of = block_server[torch.searchsorted(block_starts, gid, right=True) - 1]
         called = [s for s in range(len(layout.servers)) if bool((server_of == s).any())]
         if [s for s, _, _ in batch.shares] != called:
             wrong.append(f"batch {k}: servers called {[s for s, _, _ in batch.shares]}, not {called}")
@@ -784,7 +795,7 @@ def plain_plan_shares(job: str) -> list[str]:
             at = (server_of == s).nonzero().reshape(-1)
             if not torch.equal(ids, batch.flat[at].to(layout.wire)):
                 wrong.append(f"batch {k} server {s}: ids {ids.tolist()}")
-            want = torch.searchsorted(batch.bag_of[at], torch.arange(batch.starts.numel()))
+            want = torch.searchsorted(bag_of[at], torch.arange(batch.starts.numel()))
             if first.dtype != torch.long or not torch.equal(first, want):
                 wrong.append(f"batch {k} server {s}: first {first.tolist()}, not {want.tolist()}")
     return wrong

@@ -22,6 +22,7 @@ from functools import partial
 from operator import is_, itemgetter
 from typing import Any, NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from remote_module._core import backward_accumulates
@@ -61,10 +62,15 @@ class _RecordPacked(torch.autograd.Function):
         markers = tuple([torch.zeros(0, dtype=d, device=v) if r else None for (d, v), r in zip(ctx.markers, reached)])
         if not any(reached):
             return (None,) * 4 + markers
-        grad = torch.zeros(ctx.shape, dtype=torch.float32)
-        for (_, _, _, b0, b1), g in zip(ctx.parts, grads):
-            if g is not None:
-                grad[b0:b1] = g
+        parts = ctx.parts
+        if all(reached) and parts[0][3] == 0 and parts[-1][4] == ctx.shape[0] and all(
+                a[4] == b[3] for a, b in zip(parts, parts[1:])):  # (every table's, in the batch's order: one op)
+            grad = torch.cat([g.to(torch.float32) for g in grads])
+        else:
+            grad = torch.zeros(ctx.shape, dtype=torch.float32)
+            for (_, _, _, b0, b1), g in zip(parts, grads):
+                if g is not None:
+                    grad[b0:b1] = g
         if ctx.divisor is not None:
             grad = grad / ctx.divisor
         layout, shares, _ = ctx.together
@@ -137,10 +143,12 @@ def push_together(together: PackedGradient, members: list, done: set) -> PushPla
         if ids is None:  # none of the batch's ids here: empty pushes
             spans, starts, part = [0] * len(layout.bag_base), None, grad[:0]
         else:  # the gradient of the bags with ids here only, and each table's positions in ids
-            ends = bag_ends(first, ids.numel())
+            # (index arithmetic in NumPy, on the plan's arrays: see plan)
+            first_np = first.numpy()
+            ends = np.append(first_np, ids.shape[0])
             spans = ends[layout.bag_base].tolist()
-            has = (ends[1:] > first).nonzero().reshape(-1)
-            starts, part = first[has], grad.index_select(0, has)
+            has = np.flatnonzero(ends[1:] > first_np)
+            starts, part = torch.from_numpy(first_np[has]), grad.index_select(0, torch.from_numpy(has))
             sent += ids.nbytes + starts.nbytes  # (nbytes: numel() * element_size())
         entries = [BagEntry(t.name, t._trainer, t._step, spans[i], spans[i + 1], t._token)
                    for i, _, t, _ in map(mine.__getitem__, served)]
@@ -247,23 +255,11 @@ def packable(table: Any, input: Any, offsets: Any, per_sample_weights: Any, reco
     return records or not table._sent_as_given(None)  # (a lookup that records is never sent as given)
 
 
-class BatchSizes(NamedTuple):
-    """What a batch's numbers of ids per table fix (:meth:`Layout.sized`): where each table's
-    ids sit in the batch, and the checks' bounds."""
-
-    pos_base: list[int]  # table k's ids start at pos_base[k]
-    limit: torch.Tensor  # per id: its table's num_embeddings
-    id_base_at: torch.Tensor  # per id: its table's base in the global id space
-    pos_base_at_bag: torch.Tensor  # per bag: its table's pos_base
-    first_offset: torch.Tensor  # per table with bags: where its first bag must start
-    last_offset: torch.Tensor  # ... and the end its last bag may not pass
-
-
 class Layout:
     """What a set of tables and their numbers of bags fix (kept while they stay the same): where
     each table's bags sit in the batch, the id range each table takes in one global id space,
-    every block's start in it and its server; :meth:`sized` adds what the numbers of ids fix
-    (they change from batch to batch when bags have different sizes)."""
+    every block's start in it and its server. The arrays a plan's checks and split by server
+    read are NumPy's (:func:`plan`)."""
 
     def __init__(self, tables: Sequence[ShardedEmbeddingBag], bags: Sequence[int]) -> None:
         self.tables = list(tables)
@@ -281,20 +277,21 @@ class Layout:
         for t, b in zip(tables, bags):
             self.bag_base.append(self.bag_base[-1] + b)
             self.id_base.append(self.id_base[-1] + t.num_embeddings)
-        self.num_embeddings = torch.tensor([t.num_embeddings for t in tables])
-        self.id_bases = torch.tensor(self.id_base[:-1])
-        self.bag_counts = torch.tensor(self.bags)
-        # the bounds of the tables with bags (a 2-d input of 0 rows has none, and no ids)
-        self.has = [i for i, b in enumerate(bags) if b]
-        self.first_bag = torch.tensor([self.bag_base[i] for i in self.has], dtype=torch.long)
-        self.last_bag = torch.tensor([self.bag_base[i + 1] - 1 for i in self.has], dtype=torch.long)
-        self._sized: tuple[tuple, BatchSizes] | None = None
+        self.num_embeddings = np.array([t.num_embeddings for t in tables], dtype=np.int64)
+        self.id_bases = np.array(self.id_base[:-1], dtype=np.int64)
+        # each bag's table; each table's first and last bag (of the tables with bags: a 2-d input of
+        # 0 rows has none, and no ids); whether bag b + 1 is of bag b's table
+        self.bag_table = np.repeat(np.arange(len(tables)), self.bags)
+        self.has = np.array([i for i, b in enumerate(bags) if b], dtype=np.int64)
+        self.first_bag = np.array([self.bag_base[i] for i in self.has], dtype=np.int64)
+        self.last_bag = np.array([self.bag_base[i + 1] - 1 for i in self.has], dtype=np.int64)
+        self.inner = self.bag_table[1:] == self.bag_table[:-1]
         starts, servers = [], []
         for t, base in zip(tables, self.id_base):
             for first, _, server in t._ranges:
                 starts.append(base + first)
                 servers.append(self.servers.index(server))
-        self.block_starts, self.block_server = torch.tensor(starts), torch.tensor(servers)
+        self.block_starts, self.block_server = np.array(starts, dtype=np.int64), np.array(servers, dtype=np.int64)
         self.mean_bags = torch.repeat_interleave(torch.tensor([t.bag_mode == "mean" for t in tables]),
                                                  torch.tensor(list(bags)))
         self.any_mean = any(t.bag_mode == "mean" for t in tables)
@@ -312,24 +309,9 @@ class Layout:
             rows = [torch.arange(self.bag_base[i], self.bag_base[i + 1]) for i in mine]
             whole = len(mine) == len(tables)
             self.rows.append(None if whole else torch.cat(rows) if rows else torch.empty(0, dtype=torch.long))
+        # ids travel as int32 when every table's fit (as a torch dtype, and NumPy's: plan casts with it)
         self.wire = torch.int32 if all(t.num_embeddings <= 2**31 for t in tables) else torch.int64
-
-    def sized(self, sizes: Sequence[int]) -> BatchSizes:
-        """:class:`BatchSizes` of a batch with ``sizes[k]`` ids for table k (the last one kept)."""
-        key = tuple(sizes)
-        if self._sized is not None and self._sized[0] == key:
-            return self._sized[1]
-        pos_base = [0]
-        for n in sizes:
-            pos_base.append(pos_base[-1] + n)
-        counts = torch.tensor(key)
-        sized = BatchSizes(pos_base, torch.repeat_interleave(self.num_embeddings, counts),
-                      torch.repeat_interleave(self.id_bases, counts),
-                      torch.repeat_interleave(torch.tensor(pos_base[:-1]), self.bag_counts),
-                      torch.tensor([pos_base[i] for i in self.has], dtype=torch.long),
-                      torch.tensor([pos_base[i + 1] for i in self.has], dtype=torch.long))
-        self._sized = (key, sized)
-        return sized
+        self.wire_np = np.int32 if self.wire == torch.int32 else np.int64
 
 
 class _Batch(NamedTuple):
@@ -338,11 +320,9 @@ class _Batch(NamedTuple):
     tables: list  # the tables, in the entries' order
     bags: list[int]  # each table's number of bags
     layout: Layout
-    sized: BatchSizes
+    counts: np.ndarray  # each table's number of ids
     flat: torch.Tensor  # every table's ids, in turn
     starts: torch.Tensor  # every bag's first position in the batch
-    gid: torch.Tensor  # every id in the one id space (table k's from id_base[k])
-    bag_of: torch.Tensor  # each position's bag
     records: list[bool]  # which tables record gradients (as at the plan: a prefetch's at its forward)
     called: list[int]  # the servers called (indices into layout.servers), in call order
     shares: list[tuple]  # each call's (server index, ids, each bag's first id there)
@@ -353,61 +333,84 @@ def plan(layouts: dict, entries: Sequence[tuple[ShardedEmbeddingBag, torch.Tenso
     """The host calls (one per server) of the lookups ``entries`` (``(table, input, offsets)``,
     each :func:`packable`), and what makes the tables' outputs of their answers; None when the
     batch does not pass the checks (ids out of range, bags given wrongly): each table's own
-    path then refuses it as the table does. ``layouts`` keeps the last :class:`Layout`."""
+    path then refuses it as the table does. ``layouts`` keeps the last :class:`Layout`.
+
+    The checks and the split by server are index arithmetic on a few thousand ids, done with
+    NumPy on the tensors' memory: the same values as torch's ops, at a fraction of their
+    per-call cost (measured in a DLRM step: tutorials/performance.md)."""
     tables = [t for t, _, _ in entries]
-    flats, offsets, sizes, bags = _inputs(entries)
+    arrays = _inputs(entries)
+    if arrays is None:
+        return None
+    flat, raw, counts, bags = arrays
     layout = _layout_of(layouts, tables, bags)
-    sized = layout.sized(sizes)
-    flat = torch.cat(flats)
-    starts = torch.cat(offsets) + sized.pos_base_at_bag  # every bag's first position in the batch
-    if _refused(layout, sized, flat, starts):
+    if _refused(layout, flat, raw, counts):
         return None
     # which tables record gradients (recorded when the outputs are made: a prefetch's at its forward)
     grad = torch.is_grad_enabled()
     records = [grad and t.grad_marker.requires_grad for t in tables]
-    gid = flat + sized.id_base_at  # one id space: table k's ids from id_base[k]
-    # each position's bag (the starts passed the checks: from 0, never back, none past the end)
-    bag_of = bag_index(starts, flat.numel(), check=False)
-    server_of = layout.block_server[torch.searchsorted(layout.block_starts, gid, right=True) - 1]
+    # every bag's first position in the batch (the starts passed the checks: from 0, never back,
+    # none past the end)
+    pos_base = np.zeros(len(tables) + 1, dtype=np.int64)
+    np.cumsum(counts, out=pos_base[1:])
+    starts = raw + pos_base[layout.bag_table]
     calls, called, shares = [], [], []
     alone = len(layout.servers) == 1
+    if not alone:  # each position's server, found in one id space (table k's ids from id_base[k])
+        gid = flat + np.repeat(layout.id_bases, counts)
+        server_of = layout.block_server[np.searchsorted(layout.block_starts, gid, side="right") - 1]
+    # (before: how many of the positions before each bag's start the servers so far hold)
+    last, before = len(layout.servers) - 1, None
     for k, server in enumerate(layout.servers):
         if alone:  # (every id here, each bag's first where it starts)
             ids, first = flat, starts
         else:
             on = server_of == k
-            at = on.nonzero().reshape(-1)
-            ids, first = flat[at], _firsts_on(on, starts)
-        if not ids.numel():
+            ids = flat[on]
+            if k < last:
+                first = _firsts_on(on, starts)
+                before = first if before is None else before + first
+            else:  # (the positions before a bag's start that no other server holds)
+                first = starts if before is None else starts - before
+        if not ids.size:
             # none of the batch's ids here: no call, as no table alone calls a server without
             # its ids (so a server down or waiting for a sync step holds up only what needs it)
             continue
         called.append(k)
         served = layout.served[k]
-        ids = ids.to(layout.wire)
+        wire, first = torch.from_numpy(ids.astype(layout.wire_np)), torch.from_numpy(first)  # (astype: a copy)
         calls.append((server, _handlers._pool_tables,
-                      PooledRead([tables[i].name for i in served], [tables[i]._step for i in served], ids,
+                      PooledRead([tables[i].name for i in served], [tables[i]._step for i in served], wire,
                                  first, list(layout.served_bases[k]), list(layout.served_bags[k]), wait_s)))
-        shares.append((k, ids, first))
-    batch = _Batch(tables, bags, layout, sized, flat, starts, gid, bag_of, records, called, shares)
+        shares.append((k, wire, first))
+    batch = _Batch(tables, bags, layout, counts, torch.from_numpy(flat), torch.from_numpy(starts), records, called,
+                   shares)
     return LookupPlan(calls, partial(_outputs, batch))
 
 
-def _firsts_on(on: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+def _firsts_on(on: np.ndarray, starts: np.ndarray) -> np.ndarray:
     """Each bag's first id at a server, among that server's ids in batch order: how many of the
     positions before the bag's start are there (``on``: whether each position's id is)."""
-    before = torch.zeros(on.numel() + 1, dtype=torch.long)
-    torch.cumsum(on, 0, out=before[1:])
+    before = np.zeros(on.size + 1, dtype=np.int64)
+    np.cumsum(on, out=before[1:])
     return before[starts]
 
 
-def _inputs(entries: Sequence[tuple[Any, torch.Tensor, torch.Tensor | None]]) -> tuple[list, list, list, list]:
-    """Each entry's ids flat (a 1-d input as it is: the batch's ``cat`` copies it) and its bags'
-    offsets (a 2-d input: a bag per row), and the numbers of ids and of bags of each (1-d
-    tensors all: their lengths)."""
-    flats = [x.reshape(-1) if x.ndim == 2 else x for _, x, _ in entries]
-    offsets = [torch.arange(x.shape[0]) * x.shape[1] if x.ndim == 2 else off for _, x, off in entries]
-    return flats, offsets, [flat.shape[0] for flat in flats], [off.shape[0] for off in offsets]
+def _inputs(entries: Sequence[tuple[Any, torch.Tensor, torch.Tensor | None]]
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]] | None:
+    """Every entry's ids flat, in turn; every bag's offset within its table's ids (a 2-d input:
+    a bag per row); each table's number of ids; each table's number of bags. None for tensors
+    whose memory NumPy cannot read (not on the CPU, a tensor subclass): each table's own path
+    then looks them up."""
+    try:
+        flats = [(x.reshape(-1) if x.ndim == 2 else x).numpy() for _, x, _ in entries]
+        offsets = [np.arange(x.shape[0], dtype=np.int64) * x.shape[1] if x.ndim == 2 else off.numpy()
+                   for _, x, off in entries]
+    except (TypeError, RuntimeError, ValueError):
+        return None
+    counts = np.array([f.shape[0] for f in flats], dtype=np.int64)
+    # (concatenate copies: the caller may change its tensors before the step pushes by these ids)
+    return np.concatenate(flats), np.concatenate(offsets), counts, [off.shape[0] for off in offsets]
 
 
 def _layout_of(layouts: dict, tables: list, bags: list[int]) -> Layout:
@@ -423,26 +426,32 @@ def _layout_of(layouts: dict, tables: list, bags: list[int]) -> Layout:
     return layout
 
 
-def _refused(layout: Layout, sized: BatchSizes, flat: torch.Tensor, starts: torch.Tensor) -> bool:
-    """Whether the batch fails the checks (bags that go back, start elsewhere than their
-    table's first id or end past its last; ids out of range), in a few whole-batch ops."""
-    bad = ((starts[1:] < starts[:-1]).any() | (starts[layout.first_bag] != sized.first_offset).any()
-           | (starts[layout.last_bag] > sized.last_offset).any())
-    if flat.numel():
-        bad = bad | (flat < 0).any() | (flat >= sized.limit).any()
-    return bool(bad)
+def _refused(layout: Layout, flat: np.ndarray, raw: np.ndarray, counts: np.ndarray) -> bool:
+    """Whether the batch fails the checks: a table's bags that do not start at its first id, go
+    back, or end past its last id; ids out of range (``raw``: each bag's offset in its table's
+    ids). Bags of the next table start at its first id, so the batch's starts never go back."""
+    if raw.size and (raw[layout.first_bag].any() or (raw[layout.last_bag] > counts[layout.has]).any()
+                     or (raw[1:] < raw[:-1])[layout.inner].any()):
+        return True
+    return bool(flat.size) and bool(flat.min() < 0 or (flat >= np.repeat(layout.num_embeddings, counts)).any())
 
 
 def _summed(batch: _Batch, got: list) -> torch.Tensor:
     """Every bag's sum of the servers' partial sums ``got``, in each table's own server order
     (a server not called has no id of the batch: its part is zeros, which adding leaves as is)."""
     layout, tables, bags = batch.layout, batch.tables, batch.bags
-    total = torch.zeros(layout.bag_base[-1], tables[0].embedding_dim)
+    total = None
     if layout.in_order:
         for k, part in zip(batch.called, got):
             rows = layout.rows[k]
+            if total is None and rows is None:  # (zeros + part, in one op: the same bits, -0.0 made 0.0)
+                total = part + 0.0
+                continue
+            if total is None:
+                total = torch.zeros(layout.bag_base[-1], tables[0].embedding_dim)
             total = total + part if rows is None else total.index_add(0, rows, part)
-        return total
+        return torch.zeros(layout.bag_base[-1], tables[0].embedding_dim) if total is None else total
+    total = torch.zeros(layout.bag_base[-1], tables[0].embedding_dim)
     parts = dict(zip(batch.called, got))  # each table's parts in its own server order
     for i, t in enumerate(tables):
         lo, hi = layout.bag_base[i], layout.bag_base[i + 1]
@@ -459,7 +468,7 @@ def _outputs(batch: _Batch, got: list) -> list[torch.Tensor]:
     """The tables' outputs of the servers' answers ``got`` (means divided by their bags' sizes),
     recorded for the tables' steps: the float32 tables together (:func:`_record_packed`),
     a table of another dtype by its own rows' node, as alone."""
-    layout, tables, sized = batch.layout, batch.tables, batch.sized
+    layout, tables = batch.layout, batch.tables
     total = _summed(batch, got)
     sizes_all = None
     if layout.any_mean:
@@ -475,8 +484,12 @@ def _outputs(batch: _Batch, got: list) -> list[torch.Tensor]:
         together = dict(zip(recording, made))
         recording = []
     elif recording:  # (a table of another dtype: each its own rows' node, as alone)
-        uniq, inverse = torch.unique(batch.gid, sorted=True, return_inverse=True)
+        counts = torch.from_numpy(batch.counts)
+        gid = batch.flat + torch.repeat_interleave(torch.from_numpy(layout.id_bases), counts)
+        uniq, inverse = torch.unique(gid, sorted=True, return_inverse=True)
         cuts = torch.searchsorted(uniq, torch.tensor(layout.id_base)).tolist()
+        pos_base = [0, *torch.cumsum(counts, 0).tolist()]
+        bag_of = bag_index(batch.starts, batch.flat.numel(), check=False)
     out = []
     for i, t in enumerate(tables):
         lo, hi = layout.bag_base[i], layout.bag_base[i + 1]
@@ -484,10 +497,10 @@ def _outputs(batch: _Batch, got: list) -> list[torch.Tensor]:
         if value.dtype != dtypes[i]:  # (to() of its own dtype gives the tensor itself)
             value = value.to(dtypes[i])
         if i in recording:  # (a table of another dtype: its own rows' node, as alone)
-            p0, p1 = sized.pos_base[i], sized.pos_base[i + 1]
+            p0, p1 = pos_base[i], pos_base[i + 1]
             t_uniq = uniq[cuts[i]:cuts[i + 1]] - layout.id_base[i]
             holder = t._rows_recorded(t_uniq, torch.zeros(t_uniq.numel(), tables[0].embedding_dim, dtype=dtypes[i]))
-            value = _BagRows.apply(holder, value, inverse[p0:p1] - cuts[i], batch.bag_of[p0:p1] - lo, None,
+            value = _BagRows.apply(holder, value, inverse[p0:p1] - cuts[i], bag_of[p0:p1] - lo, None,
                                    sizes_all[lo:hi] if t.bag_mode == "mean" else None)
         out.append(value)
     return out
