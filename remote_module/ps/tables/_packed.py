@@ -54,6 +54,8 @@ class _RecordPacked(torch.autograd.Function):
         # one output per table: a table whose output backward never reaches gets None in backward
         # and records nothing, as its own node would not run (torch: its .grad stays None)
         ctx.set_materialize_grads(False)
+        if _in_turn(parts, pooled.shape[0]):  # (one split)
+            return tuple([part.clone() for part in pooled.split([b1 - b0 for _, _, _, b0, b1 in parts])])
         return tuple([pooled[b0:b1].clone() for _, _, _, b0, b1 in parts])
 
     @staticmethod
@@ -63,8 +65,7 @@ class _RecordPacked(torch.autograd.Function):
         if not any(reached):
             return (None,) * 4 + markers
         parts = ctx.parts
-        if all(reached) and parts[0][3] == 0 and parts[-1][4] == ctx.shape[0] and all(
-                a[4] == b[3] for a, b in zip(parts, parts[1:])):  # (every table's, in the batch's order: one op)
+        if all(reached) and _in_turn(parts, ctx.shape[0]):  # (one op)
             grad = torch.cat([g.to(torch.float32) for g in grads])
         else:
             grad = torch.zeros(ctx.shape, dtype=torch.float32)
@@ -82,6 +83,11 @@ class _RecordPacked(torch.autograd.Function):
                 # (a collection's step pushes it with the others recorded here: push_together)
                 table._keep_gradient(TablePackedGradient(together, index), together)
         return (None,) * 4 + markers
+
+
+def _in_turn(parts: list, bags: int) -> bool:
+    """Whether ``parts`` (:class:`_RecordPacked`'s) hold all ``bags`` bags of the batch, in turn."""
+    return parts[0][3] == 0 and parts[-1][4] == bags and all(a[4] == b[3] for a, b in zip(parts, parts[1:]))
 
 
 class PackedGradient(NamedTuple):
@@ -145,7 +151,8 @@ def push_together(together: PackedGradient, members: list, done: set) -> PushPla
         else:  # the gradient of the bags with ids here only, and each table's positions in ids
             # (index arithmetic in NumPy, on the plan's arrays: see plan)
             first_np = first.numpy()
-            ends = np.append(first_np, ids.shape[0])
+            ends = np.empty(first_np.size + 1, dtype=np.int64)
+            ends[:-1], ends[-1] = first_np, ids.shape[0]
             spans = ends[layout.bag_base].tolist()
             has = np.flatnonzero(ends[1:] > first_np)
             starts, part = torch.from_numpy(first_np[has]), grad.index_select(0, torch.from_numpy(has))
