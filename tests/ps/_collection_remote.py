@@ -799,3 +799,48 @@ def plain_plan_shares(job: str) -> list[str]:
             if first.dtype != torch.long or not torch.equal(first, want):
                 wrong.append(f"batch {k} server {s}: first {first.tolist()}, not {want.tolist()}")
     return wrong
+
+
+RUNS = {  # name -> (rows, mode, servers, min_block_size): ps0 serves all, ps1 a run of them, ps2 two apart
+    "a": (200, "sum", ("ps0", "ps1"), 100),
+    "c": (60, "mean", ("ps0", "ps1"), 40),
+    "b": (90, "sum", ("ps0", "ps2"), 60),
+    "d": (40, "sum", ("ps0",), 8192),
+    "e": (120, "mean", ("ps0", "ps2"), 80),
+}
+
+
+def served_runs(job: str, collect: bool) -> dict:
+    """RUNS' tables (dim 4) trained 3 steps in a collection (or one by one): outputs, weights,
+    and how each server's part of the collection's output is added (None: every bag, "slice":
+    a run of tables, "index": tables apart)."""
+    from remote_module.ps import ShardedEmbeddingBag, ShardedEmbeddingBagCollection
+
+    torch.manual_seed(6)
+    tables = {}
+    for key, (rows, mode, servers, block) in RUNS.items():
+        tables[key] = ShardedEmbeddingBag(rows, 4, list(servers), name=f"{job}-{key}", mode=mode,
+                                          min_block_size=block, optimizer=(torch.optim.SGD, {"lr": 0.3}))
+        tables[key].load_state_dict(nn.EmbeddingBag(rows, 4, mode=mode).state_dict())
+    model = ShardedEmbeddingBagCollection(tables)
+    g = torch.Generator().manual_seed(8)
+    outs = []
+    for _ in range(3):
+        feats = {}
+        for key, (rows, _, _, _) in RUNS.items():
+            ids = torch.randint(0, rows, (14,), generator=g)
+            feats[key] = (ids, torch.tensor([0, 0, 3, 9, 9, 13]))
+        got = model(feats) if collect else {k: tables[k](*v) for k, v in feats.items()}
+        outs.append({k: v.detach() for k, v in got.items()})
+        sum((v * (i + 1)).pow(2).sum() for i, v in enumerate(got.values())).backward()
+        if collect:
+            model.step()
+        else:
+            for t in tables.values():
+                t.step()
+    adds = None
+    if collect:
+        (layout,) = [lay for by_bags in model._layouts.values() for lay in by_bags.values()]
+        adds = [None if r is None else "slice" if isinstance(r, slice) else "index" for r in layout.rows]
+    return {"outs": outs, "weights": {k: t.state_dict()["weight"] for k, t in tables.items()}, "adds": adds,
+            "servers": None if adds is None else layout.servers}

@@ -290,3 +290,18 @@ def test_a_geo_collections_traffic_counts_the_rows_its_deltas_push_and_its_flush
     assert sum(t["rows_pushed"] for t in flushed.values()) == cached[0] + cached[1]
     assert {s: t["messages"] - steps[s]["messages"] for s, t in flushed.items()} == {"ps0": 1, "ps1": 1}
     assert {s: t["ids_looked_up"] for s, t in flushed.items()} == {s: t["ids_looked_up"] for s, t in steps.items()}
+
+
+def test_servers_holding_every_table_a_run_of_them_or_tables_apart_add_as_the_tables_alone(world):
+    """A collection's output adds each server's packed part where its tables' bags are: all of
+    them, a run of tables (a slice) or tables apart (indices); outputs and rows after 3 steps
+    equal the tables alone, bit for bit (sum and mean, three servers)."""
+    got = world.run({"trainer0": (r.served_runs, name("runs"), True),
+                     "trainer1": (r.served_runs, name("runs-alone"), False)})
+    together, alone = got["trainer0"], got["trainer1"]
+    assert together["servers"] == ["ps0", "ps1", "ps2"] and together["adds"] == [None, "slice", "index"]
+    for step, (a, b) in enumerate(zip(together["outs"], alone["outs"])):
+        for k in r.RUNS:
+            assert torch.equal(a[k], b[k]), (step, k)
+    for k in r.RUNS:
+        assert torch.equal(together["weights"][k], alone["weights"][k]), k

@@ -303,19 +303,24 @@ class Layout:
                                                  torch.tensor(list(bags)))
         self.any_mean = any(t.bag_mode == "mean" for t in tables)
         # per server: its tables (index in ``tables``), their first bags and numbers of bags (a
-        # lookup's call sends copies) and, packed, the rows of their bags
+        # lookup's call sends copies) and, packed, the rows of their bags: None for every bag, a
+        # slice when its tables follow one another, else their indices
         self.served: list[list[int]] = []
         self.served_bases: list[list[int]] = []
         self.served_bags: list[list[int]] = []
-        self.rows: list[torch.Tensor | None] = []
+        self.rows: list[torch.Tensor | slice | None] = []
         for server in self.servers:
             mine = [i for i, t in enumerate(tables) if server in t._server_names]
             self.served.append(mine)
             self.served_bases.append([self.bag_base[i] for i in mine])
             self.served_bags.append([self.bags[i] for i in mine])
-            rows = [torch.arange(self.bag_base[i], self.bag_base[i + 1]) for i in mine]
-            whole = len(mine) == len(tables)
-            self.rows.append(None if whole else torch.cat(rows) if rows else torch.empty(0, dtype=torch.long))
+            if len(mine) == len(tables):
+                self.rows.append(None)
+            elif mine and mine == list(range(mine[0], mine[-1] + 1)):
+                self.rows.append(slice(self.bag_base[mine[0]], self.bag_base[mine[-1] + 1]))
+            else:
+                rows = [torch.arange(self.bag_base[i], self.bag_base[i + 1]) for i in mine]
+                self.rows.append(torch.cat(rows) if rows else torch.empty(0, dtype=torch.long))
         # ids travel as int32 when every table's fit (as a torch dtype, and NumPy's: plan casts with it)
         self.wire = torch.int32 if all(t.num_embeddings <= 2**31 for t in tables) else torch.int64
         self.wire_np = np.int32 if self.wire == torch.int32 else np.int64
@@ -456,7 +461,12 @@ def _summed(batch: _Batch, got: list) -> torch.Tensor:
                 continue
             if total is None:
                 total = torch.zeros(layout.bag_base[-1], tables[0].embedding_dim)
-            total = total + part if rows is None else total.index_add(0, rows, part)
+            if rows is None:
+                total = total + part
+            elif isinstance(rows, slice):  # (total is this function's own: added in place, as index_add adds)
+                total[rows] += part
+            else:
+                total = total.index_add(0, rows, part)
         return torch.zeros(layout.bag_base[-1], tables[0].embedding_dim) if total is None else total
     total = torch.zeros(layout.bag_base[-1], tables[0].embedding_dim)
     parts = dict(zip(batch.called, got))  # each table's parts in its own server order
