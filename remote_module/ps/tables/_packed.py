@@ -154,7 +154,7 @@ def push_together(together: PackedGradient, members: list, done: set) -> PushPla
             ends = np.empty(first_np.size + 1, dtype=np.int64)
             ends[:-1], ends[-1] = first_np, ids.shape[0]
             spans = ends[layout.bag_base].tolist()
-            has = np.flatnonzero(ends[1:] > first_np)
+            has = (ends[1:] > first_np).nonzero()[0]
             starts, part = torch.from_numpy(first_np[has]), grad.index_select(0, torch.from_numpy(has))
             sent += ids.nbytes + starts.nbytes  # (nbytes: numel() * element_size())
         entries = [BagEntry(t.name, t._trainer, t._step, spans[i], spans[i + 1], t._token)
