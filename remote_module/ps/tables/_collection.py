@@ -69,7 +69,7 @@ class ShardedEmbeddingBagCollection(InFlight, nn.Module):
 
     The lookups of sum and mean tables with plain inputs (int64 ids, 2-d or 1-d with offsets;
     no ``per_sample_weights`` or ``padding_idx``) are planned together: the ids of all of them
-    are checked, deduplicated and split by server in a few whole-batch tensor ops, and each
+    are checked and split by server in a few whole-batch array ops, and each
     server gets their shares packed in two tensors (``ps._packed``); outputs and gradients are
     each table's own, bit for bit. Other tables plan their lookups alone, in the same message.
 

@@ -1,8 +1,9 @@
 """A collection's lookups planned together: for the tables of a
 :class:`ShardedEmbeddingBagCollection` that pool by sum or mean, the trainer checks the ids
-and splits them (and their bags) by server for all those tables at once, in
-a few whole-batch tensor ops, and sends each server one call carrying every table's share
-packed into two tensors; the server answers every table's pooled bags packed into one.
+and splits them (and their bags) by server for all those tables at once, in a few
+whole-batch array ops (NumPy's, on the tensors' memory: see :func:`plan`), and sends each
+server one call carrying every table's share packed into two tensors; the server answers
+every table's pooled bags packed into one.
 
 The outputs, gradients and pushes are those of each table's own lookup, bit for bit: every
 server pools its rows of a bag in position order, as alone, and the trainer adds the servers'
