@@ -44,6 +44,11 @@ def loss_of(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return ((out - target) ** 2).mean()
 
 
+def _named(name: str):
+    """assert_close's message: ``name`` before torch's (which says by how much they differ)."""
+    return lambda message: f"{name}: {message}"
+
+
 def stripped(state: dict) -> dict:
     """``stages.<i>.<key>`` -> ``<key>``."""
     assert all(k.startswith("stages.") for k in state)
@@ -70,7 +75,7 @@ def test_backward_reaches_every_stage_with_local_gradients(chunks):
     assert sorted(remote_grads) == sorted(local_grads)  # every parameter of every stage, by its own name
     for name, grad in local_grads.items():
         assert remote_grads[name] is not None, f"backward did not reach {name}"
-        torch.testing.assert_close(remote_grads[name], grad, atol=1e-5, rtol=0, msg=name)
+        torch.testing.assert_close(remote_grads[name], grad, atol=1e-5, rtol=0, msg=_named(name))
 
 
 def test_backward_through_tuple_outputs_and_a_tuple_last_stage():
@@ -86,7 +91,7 @@ def test_backward_through_tuple_outputs_and_a_tuple_last_stage():
     joint_loss(a, b).backward()
     for module, grads in zip(local, remote_grads):
         for name, p in module.named_parameters():
-            torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=0, msg=name)
+            torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=0, msg=_named(name))
 
 
 @pytest.mark.parametrize("chunks", [1, 2, 4])
@@ -106,7 +111,7 @@ def test_distributed_optimizer_steps_like_a_local_optimizer(chunks):
     trained = stripped(pipe.state_dict())
     assert sorted(trained) == sorted(model.state_dict())
     for name, value in model.state_dict().items():
-        torch.testing.assert_close(trained[name], value, atol=1e-5, rtol=0, msg=name)
+        torch.testing.assert_close(trained[name], value, atol=1e-5, rtol=0, msg=_named(name))
     assert not torch.allclose(trained["0.weight"], mlp()[0].weight)  # the steps did change it
     assert len(pipe.remote_parameters()) == len(list(model.parameters()))
 
@@ -179,7 +184,7 @@ def trained_like_local(model: nn.Sequential, pipe: RemotePipeline, steps: int = 
     trained = stripped(pipe.state_dict())
     assert sorted(trained) == sorted(model.state_dict())
     for name, value in model.state_dict().items():
-        torch.testing.assert_close(trained[name], value, atol=1e-5, rtol=0, msg=name)
+        torch.testing.assert_close(trained[name], value, atol=1e-5, rtol=0, msg=_named(name))
         assert not torch.equal(value, before[name]), f"{name} did not train"
 
 
@@ -224,4 +229,4 @@ def test_a_tuple_between_layers_crosses_a_cut_as_one_argument(layers, devices, b
     assert sorted(remote_grads) == sorted(local_grads)
     for name, p in local_grads.items():
         assert remote_grads[name] is not None, f"backward did not reach {name}"
-        torch.testing.assert_close(remote_grads[name], p.grad, atol=1e-5, rtol=0, msg=name)
+        torch.testing.assert_close(remote_grads[name], p.grad, atol=1e-5, rtol=0, msg=_named(name))

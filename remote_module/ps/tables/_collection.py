@@ -242,8 +242,10 @@ class ShardedEmbeddingBagCollection(InFlight, nn.Module):
     @staticmethod
     def _plan_states(tables: list[ShardedEmbeddingBag]) -> tuple:
         """Each table's ``_plan_state()`` (whether it records, its dtype): what a lookup's plan
-        depends on besides its arguments."""
-        return tuple([t._plan_state() for t in tables])
+        depends on besides its arguments (read here for all of them, grad mode once)."""
+        grad = torch.is_grad_enabled()
+        return tuple([(grad and marker.requires_grad, marker.dtype if marker.dtype.is_floating_point else torch.float32)
+                      for marker in [t._parameters["grad_marker"] for t in tables]])
 
     def _step_of(self, name: str) -> int:
         return self._by_name()[name]._step
@@ -316,7 +318,7 @@ class ShardedEmbeddingBagCollection(InFlight, nn.Module):
         """The host calls of a forward of ``arguments`` (:meth:`_arguments`') and what makes its
         output of their answers; ``records``: the tables' :meth:`_plan_states`, taken with them."""
         wait_s = nested_seconds(timeout_seconds(self.timeout))  # a sync server's answer arrives in time
-        # the plain sum / mean lookups planned together, in a few whole-batch ops (ps._packed)
+        # the plain sum / mean lookups planned together, in a few whole-batch NumPy ops (ps._packed)
         # (one plan per embedding_dim: a server answers a plan's bags packed in one tensor)
         by_dim: dict[int, list[str]] = {}
         for (name, args), (recording, _) in zip(arguments.items(), records):

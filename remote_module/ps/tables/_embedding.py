@@ -404,7 +404,8 @@ class ShardedEmbedding(TableCheckpoints, GradientRecording, TablePushes, nn.Modu
 
     def _plan_state(self) -> tuple:
         """What a lookup's plan depends on besides its arguments: whether it records gradients,
-        and the output dtype."""
+        and the output dtype (a collection reads the same of all its tables at once:
+        ``ShardedEmbeddingBagCollection._plan_states``)."""
         marker = self.grad_marker
         dtype = marker.dtype  # (as _dtype(), read once)
         return torch.is_grad_enabled() and marker.requires_grad, dtype if dtype.is_floating_point else torch.float32

@@ -413,8 +413,9 @@ def _inputs(entries: Sequence[tuple[Any, torch.Tensor, torch.Tensor | None]]
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]] | None:
     """Every entry's ids flat, in turn; every bag's offset within its table's ids (a 2-d input:
     a bag per row); each table's number of ids; each table's number of bags. None for tensors
-    whose memory NumPy cannot read (not on the CPU, a tensor subclass): each table's own path
-    then looks them up."""
+    whose memory NumPy cannot read (not on the CPU, sparse, a negative view, a wrapper subclass
+    without storage): each table's own path then looks them up (and refuses them as alone). A
+    plain subclass's memory is read as a tensor's: the calls carry plain tensors."""
     try:
         flats = [(x.reshape(-1) if x.ndim == 2 else x).numpy() for _, x, _ in entries]
         offsets = [np.arange(x.shape[0], dtype=np.int64) * x.shape[1] if x.ndim == 2 else off.numpy()

@@ -32,18 +32,22 @@ class Prefetch:
     def __init__(self, key: tuple, records: Any, calls: list, finish: Callable[[list], Any],
                  replan: bool = False, tables: Sequence = (), overlap: bool = False) -> None:
         # a copy of each tensor, compared by value with the forward's (the caller may change it
-        # in place meanwhile), in one pass (a collection's key has a tensor per feature)
-        kept = []
-        for value in key:
-            if isinstance(value, torch.Tensor):
-                if value.requires_grad:
-                    # a forward whose arguments need a gradient (per_sample_weights) plans its
-                    # own: the output must be a function of its tensors, not of the prefetch's copies
-                    replan = True
-                    value = value.detach()
-                value = value.clone()
-            kept.append(value)
-        self.key = tuple(kept)
+        # in place meanwhile), in one pass (a collection's key has a tensor per feature): at
+        # once where every value is None or a plain tensor that needs no gradient
+        if all([value is None or (type(value) is torch.Tensor and not value.requires_grad) for value in key]):
+            self.key = tuple([None if value is None else value.clone() for value in key])
+        else:
+            kept = []
+            for value in key:
+                if isinstance(value, torch.Tensor):
+                    if value.requires_grad:
+                        # a forward whose arguments need a gradient (per_sample_weights) plans its
+                        # own: the output must be a function of its tensors, not of the prefetch's copies
+                        replan = True
+                        value = value.detach()
+                    value = value.clone()
+                kept.append(value)
+            self.key = tuple(kept)
         # the tables it reads, and how often their rows changed on the servers other than by a
         # step (loads, half_async merges): a change after it was sent makes it stale
         self.tables = [(t, t._changes) for t in tables]
@@ -128,7 +132,9 @@ class Prefetch:
             if given is None or kept is None:
                 if given is not kept:
                     return False
-            elif not (isinstance(given, torch.Tensor) and isinstance(kept, torch.Tensor)) or given.requires_grad \
+            # (isinstance, told of a plain tensor without the call)
+            elif not ((type(given) is torch.Tensor or isinstance(given, torch.Tensor))
+                      and (type(kept) is torch.Tensor or isinstance(kept, torch.Tensor))) or given.requires_grad \
                     or given.dtype != kept.dtype or given.shape != kept.shape or not torch.equal(given, kept):
                 return False
         return True
