@@ -68,10 +68,12 @@ class ShardedEmbeddingBagCollection(InFlight, nn.Module):
     next ``step()`` steps every table again).
 
     The lookups of sum and mean tables with plain inputs (int64 ids, 2-d or 1-d with offsets;
-    no ``per_sample_weights`` or ``padding_idx``) are planned together: the ids of all of them
-    are checked and split by server in a few whole-batch array ops, and each
-    server gets their shares packed in two tensors (``ps._packed``); outputs and gradients are
-    each table's own, bit for bit. Other tables plan their lookups alone, in the same message.
+    no ``per_sample_weights`` or ``padding_idx``) of one ``embedding_dim`` are planned
+    together: the ids of all of them are checked and split by server in a few whole-batch
+    array ops, and each server gets their shares packed in two tensors (``ps._packed``; a
+    plan per ``embedding_dim``); outputs and gradients are each table's own, bit for bit.
+    Other tables (one whose ``embedding_dim`` no other table has included) plan their lookups
+    alone, in the same message.
 
     Hooks registered on a table do not run: the collection calls the tables' lookups, not
     their ``forward``.
