@@ -269,6 +269,23 @@ def _observed(optimizer: torch.optim.Optimizer) -> bool:
 _WRAPPED: dict[Callable[..., Any], Callable[..., Any]] = {}
 
 
+def step_each(optimizers: Iterable[torch.optim.Optimizer]) -> None:
+    """``optimizer.step()`` of each of ``optimizers`` in turn (the PS optimizers of a
+    collection's tables, and its own), with what :func:`observed_step` checks read once: a step
+    that nothing observes (no profiler, no step hook but ours) of an optimizer whose ``step`` is
+    its class's runs its own part directly; any other (an LR scheduler's counting wrapper on the
+    instance, a subclass's ``step``, its own hooks) is called as it is."""
+    unobserved = _GLOBAL_HOOKS is not None and not profiler_enabled() and not _GLOBAL_HOOKS[0] and (
+        not _GLOBAL_HOOKS[1] or (len(_GLOBAL_HOOKS[1]) == 1 and _on_optimizer_step in _GLOBAL_HOOKS[1].values()))
+    for optimizer in optimizers:
+        body = _BODIES.get(type(optimizer).step) if unobserved else None
+        if (body is None or "step" in optimizer.__dict__ or optimizer._optimizer_step_pre_hooks
+                or optimizer._optimizer_step_post_hooks):
+            optimizer.step()
+        else:
+            body(optimizer)
+
+
 #: the owners of server-side parameters told of local optimizer steps (tables, PSModels)
 _live_watchers: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _hook_lock = threading.Lock()
@@ -322,5 +339,8 @@ def changed_group_lr(seen: "weakref.WeakKeyDictionary", optimizer: torch.optim.O
 
 _WRAPPED.update({body: torch.optim.Optimizer.profile_hook_step(body)
                  for body in (PSOptimizer._no_update, GroupedPSOptimizer._no_update)})
+#: each PS optimizer class's ``step``, and its own part (:func:`step_each`)
+_BODIES: dict[Callable[..., Any], Callable[..., Any]] = {PSOptimizer.step: PSOptimizer._no_update,
+                                                         GroupedPSOptimizer.step: GroupedPSOptimizer._no_update}
 for _cls in (PSOptimizer, GroupedPSOptimizer):  # (what inspect.signature shows: torch's wrapped step showed it)
     _cls.step.__signature__ = inspect.signature(_cls._no_update)  # type: ignore[attr-defined]

@@ -188,3 +188,55 @@ def test_settings_of_a_value_equal_to_the_last_but_not_plain_are_its_own() -> No
     assert optimizer.settings()["lr"] == 0.1
     group["betas"] = (torch.tensor(0.9), torch.tensor(0.99))
     assert optimizer.settings()["betas"] == (float(torch.tensor(0.9)), float(torch.tensor(0.99)))
+
+
+def test_a_collections_steps_of_its_optimizers_are_their_steps() -> None:
+    """``step_each`` (a collection's step of its tables' PS optimizers and its own) does what
+    calling each one's ``step()`` does: its hooks run, the profiler records each, a scheduler
+    counts its optimizer's steps, a subclass's ``step`` runs, the unpushed warning comes."""
+    from remote_module.ps import _optimizer
+
+    _optimizer._watch_optimizer_steps()  # (the library's global post hook, as a table registers it)
+    one, grouped = _optimizers()
+    other = grouped._members[1]
+    seen: list[str] = []
+    handle = other.register_step_post_hook(lambda opt, args, kwargs: seen.append("other"))
+    try:
+        _optimizer.step_each([one, other, grouped])
+    finally:
+        handle.remove()
+    assert seen == ["other"]
+    handles = [register_optimizer_step_pre_hook(lambda opt, args, kwargs: seen.append(opt.owner))]
+    try:
+        _optimizer.step_each([one, grouped])
+    finally:
+        for h in handles:
+            h.remove()
+    assert seen == ["other", "table 'a'", "collection"]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _optimizer.step_each([one, grouped])
+    names = [event.name for event in prof.events()]
+    assert "Optimizer.step#PSOptimizer.step" in names and "Optimizer.step#GroupedPSOptimizer.step" in names
+    scheduler = torch.optim.lr_scheduler.StepLR(one, step_size=1, gamma=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            _optimizer.step_each([one, grouped])
+            scheduler.step()
+    assert one.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 2)
+
+    class Counted(PSOptimizer):
+        calls = 0
+
+        def step(self, *args, **kwargs):
+            Counted.calls += 1
+            return super().step(*args, **kwargs)
+
+    counted = Counted([torch.zeros(0, requires_grad=True)], {"lr": 0.1}, "table 'c'")
+    _optimizer.step_each([counted, counted])
+    assert Counted.calls == 2
+    param = torch.zeros(1, requires_grad=True)
+    holding = PSOptimizer([param], {"lr": 0.1}, "model 'm'")
+    param.grad = torch.ones(1)
+    with pytest.warns(UserWarning, match="does no update and pushes nothing"):
+        _optimizer.step_each([holding, holding])

@@ -19,7 +19,7 @@ from remote_module._core import (
     timeout_seconds,
 )
 from remote_module.ps._modes import StepRefusal
-from remote_module.ps._optimizer import GroupedPSOptimizer
+from remote_module.ps._optimizer import GroupedPSOptimizer, step_each
 from remote_module.ps._steps import InFlight, finished, run_push_plans
 from remote_module.ps.tables import _packed
 from remote_module.ps.tables._embedding_bag import ShardedEmbeddingBag
@@ -413,9 +413,8 @@ class ShardedEmbeddingBagCollection(InFlight, nn.Module):
         self._count([call for plan in plans for call in plan.calls] + [call for h in joined for call in h.calls])
         if joined or not sync:
             self._keep_in_flight(tables, sent, done, joined)
-        for name in pushing_names:  # (as a local loop's optimizer.step(): what LR schedulers count)
-            self._modules[name].ps_optimizer.step()
-        self.ps_optimizer.step()
+        # (as a local loop's optimizer.step(): what LR schedulers count)
+        step_each([self._modules[name].ps_optimizer for name in pushing_names] + [self.ps_optimizer])
         for planned in self._prefetches.take_after_step():  # (prefetching: later batches, planned meanwhile)
             planned()
         if not joined and sync:
