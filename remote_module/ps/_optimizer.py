@@ -274,16 +274,25 @@ def step_each(optimizers: Iterable[torch.optim.Optimizer]) -> None:
     collection's tables, and its own), with what :func:`observed_step` checks read once: a step
     that nothing observes (no profiler, no step hook but ours) of an optimizer whose ``step`` is
     its class's runs its own part directly; any other (an LR scheduler's counting wrapper on the
-    instance, a subclass's ``step``, its own hooks) is called as it is."""
-    unobserved = _GLOBAL_HOOKS is not None and not profiler_enabled() and not _GLOBAL_HOOKS[0] and (
-        not _GLOBAL_HOOKS[1] or (len(_GLOBAL_HOOKS[1]) == 1 and _on_optimizer_step in _GLOBAL_HOOKS[1].values()))
+    instance, a subclass's ``step``, its own hooks) is called as it is, and the checks are read
+    again after it (its hooks or ``step`` may register a global hook or start the profiler,
+    which the next optimizers' steps must see, as with ``step()`` of each)."""
+    unobserved = _unobserved()
     for optimizer in optimizers:
         body = _BODIES.get(type(optimizer).step) if unobserved else None
         if (body is None or "step" in optimizer.__dict__ or optimizer._optimizer_step_pre_hooks
                 or optimizer._optimizer_step_post_hooks):
             optimizer.step()
+            unobserved = _unobserved()
         else:
             body(optimizer)
+
+
+def _unobserved() -> bool:
+    """Whether nothing but an optimizer's own hooks could see its step: no profiler, no global
+    step hook but :func:`_on_optimizer_step` (:func:`_observed` less the optimizer's hooks)."""
+    return _GLOBAL_HOOKS is not None and not profiler_enabled() and not _GLOBAL_HOOKS[0] and (
+        not _GLOBAL_HOOKS[1] or (len(_GLOBAL_HOOKS[1]) == 1 and _on_optimizer_step in _GLOBAL_HOOKS[1].values()))
 
 
 #: the owners of server-side parameters told of local optimizer steps (tables, PSModels)

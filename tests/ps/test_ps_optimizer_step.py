@@ -240,3 +240,29 @@ def test_a_collections_steps_of_its_optimizers_are_their_steps() -> None:
     param.grad = torch.ones(1)
     with pytest.warns(UserWarning, match="does no update and pushes nothing"):
         _optimizer.step_each([holding, holding])
+
+
+def test_a_hook_registered_by_an_earlier_step_of_a_collection_step_sees_the_later_ones() -> None:
+    """A global hook registered (or a profiler started) by user code that an optimizer's step
+    runs (its own hook) sees the later optimizers' steps of the same ``step_each``, as it sees
+    them with ``step()`` of each."""
+    from remote_module.ps import _optimizer
+
+    _optimizer._watch_optimizer_steps()
+    one, grouped = _optimizers()
+    other = grouped._members[1]
+    seen: list[str] = []
+    handles: list = []
+
+    def install(opt, args, kwargs):  # (once: a hook of table 'a' installs a global one)
+        if not handles:
+            handles.append(register_optimizer_step_pre_hook(lambda o, a, k: seen.append(o.owner)))
+
+    own = one.register_step_post_hook(install)
+    try:
+        _optimizer.step_each([one, other, grouped])
+    finally:
+        own.remove()
+        for h in handles:
+            h.remove()
+    assert seen == ["table 'b'", "collection"]
