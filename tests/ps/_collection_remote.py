@@ -844,3 +844,35 @@ def served_runs(job: str, collect: bool) -> dict:
         adds = [None if r is None else "slice" if isinstance(r, slice) else "index" for r in layout.rows]
     return {"outs": outs, "weights": {k: t.state_dict()["weight"] for k, t in tables.items()}, "adds": adds,
             "servers": None if adds is None else layout.servers}
+
+
+def default_double(job: str, collect: bool) -> dict:
+    """With the trainer's default dtype float64 (``torch.set_default_dtype``): RUNS' tables and
+    one on three servers, in a collection (or one by one), outputs with and without recording."""
+    from remote_module.ps import ShardedEmbeddingBag, ShardedEmbeddingBagCollection
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(6)
+        tables = {}
+        for key, (rows, mode, servers, block) in RUNS.items():
+            tables[key] = ShardedEmbeddingBag(rows, 4, list(servers), name=f"{job}-{key}", mode=mode,
+                                              min_block_size=block, optimizer=(torch.optim.SGD, {"lr": 0.3}))
+            tables[key].load_state_dict(nn.EmbeddingBag(rows, 4, mode=mode).state_dict())
+        tables["three"] = ShardedEmbeddingBag(300, 4, ["ps0", "ps1", "ps2"], name=f"{job}-three", min_block_size=100,
+                                              mode="sum", optimizer=(torch.optim.SGD, {"lr": 0.3}))
+        tables["three"].load_state_dict({"weight": torch.randn(300, 4) * 1e3})  # (sums that round)
+        model = ShardedEmbeddingBagCollection(tables) if collect else None
+        g = torch.Generator().manual_seed(8)
+        feats = {k: (torch.randint(0, rows, (14,), generator=g), torch.tensor([0, 0, 3, 9, 9, 13]))
+                 for k, (rows, _, _, _) in RUNS.items()}
+        feats["three"] = (torch.arange(0, 300, 7), torch.tensor([0, 10, 20, 30]))
+        outs = []
+        for grad in (False, True):
+            with torch.set_grad_enabled(grad):
+                got = model(feats) if collect else {k: tables[k](*v) for k, v in feats.items()}
+            outs.append({k: v.detach() for k, v in got.items()})
+        return {"outs": outs}
+    finally:
+        torch.set_default_dtype(before)

@@ -305,3 +305,15 @@ def test_servers_holding_every_table_a_run_of_them_or_tables_apart_add_as_the_ta
             assert torch.equal(a[k], b[k]), (step, k)
     for k in r.RUNS:
         assert torch.equal(together["weights"][k], alone["weights"][k]), k
+
+
+def test_a_default_dtype_of_float64_sums_the_servers_parts_as_alone(world):
+    # the servers' parts are added in float32 (as the servers pool), by a collection as by a
+    # table alone, whatever the trainer's default dtype
+    got = world.run({"trainer0": (r.default_double, name("ddt"), True),
+                     "trainer1": (r.default_double, name("ddf"), False)})
+    together, alone = got["trainer0"]["outs"], got["trainer1"]["outs"]
+    for grad in range(2):
+        for k in alone[grad]:
+            assert together[grad][k].dtype == alone[grad][k].dtype == torch.float64
+            assert torch.equal(together[grad][k], alone[grad][k]), (grad, k)

@@ -365,7 +365,7 @@ class ShardedEmbeddingBag(ShardedEmbedding):
             if len(got) == 1:  # (the servers pool float32)
                 total = got[0]
             else:
-                total = torch.zeros(num_bags, self.embedding_dim)
+                total = torch.zeros(num_bags, self.embedding_dim, dtype=torch.float32)  # (whatever the default dtype)
                 for part in got:  # in server order
                     total = total + part
             sizes = None

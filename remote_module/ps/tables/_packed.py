@@ -115,7 +115,7 @@ class TablePackedGradient:
         layout, shares, grad = self.together
         i = self.index
         b0, b1 = layout.bag_base[i], layout.bag_base[i + 1]
-        ids_parts, rows_parts = [torch.empty(0, dtype=torch.long)], [torch.zeros(0, grad.shape[1])]
+        ids_parts, rows_parts = [torch.empty(0, dtype=torch.long)], [torch.zeros(0, grad.shape[1], dtype=grad.dtype)]
         for k, ids, first in shares:
             if i not in layout.served[k]:
                 continue
@@ -452,7 +452,8 @@ def _refused(layout: Layout, flat: np.ndarray, raw: np.ndarray, counts: np.ndarr
 
 def _summed(batch: _Batch, got: list) -> torch.Tensor:
     """Every bag's sum of the servers' partial sums ``got``, in each table's own server order
-    (a server not called has no id of the batch: its part is zeros, which adding leaves as is)."""
+    (a server not called has no id of the batch: its part is zeros, which adding leaves as is),
+    in float32, as the servers pool and a table's own lookup adds, whatever the default dtype."""
     layout, tables, bags = batch.layout, batch.tables, batch.bags
     total = None
     if layout.in_order:
@@ -462,15 +463,17 @@ def _summed(batch: _Batch, got: list) -> torch.Tensor:
                 total = part + 0.0
                 continue
             if total is None:
-                total = torch.zeros(layout.bag_base[-1], tables[0].embedding_dim)
+                total = torch.zeros(layout.bag_base[-1], tables[0].embedding_dim, dtype=torch.float32)
             if rows is None:
                 total = total + part
             elif isinstance(rows, slice):  # (total is this function's own: added in place, as index_add adds)
                 total[rows] += part
             else:
                 total = total.index_add(0, rows, part)
-        return torch.zeros(layout.bag_base[-1], tables[0].embedding_dim) if total is None else total
-    total = torch.zeros(layout.bag_base[-1], tables[0].embedding_dim)
+        if total is None:
+            total = torch.zeros(layout.bag_base[-1], tables[0].embedding_dim, dtype=torch.float32)
+        return total
+    total = torch.zeros(layout.bag_base[-1], tables[0].embedding_dim, dtype=torch.float32)
     parts = dict(zip(batch.called, got))  # each table's parts in its own server order
     for i, t in enumerate(tables):
         lo, hi = layout.bag_base[i], layout.bag_base[i + 1]
