@@ -876,3 +876,25 @@ def default_double(job: str, collect: bool) -> dict:
         return {"outs": outs}
     finally:
         torch.set_default_dtype(before)
+
+
+def default_double_apart(job: str, collect: bool) -> dict:
+    """With the default dtype float64: three tables of one server each, no server holding them
+    all (ps1 two apart: its part added by index), in a collection (or one by one): outputs."""
+    from remote_module.ps import ShardedEmbeddingBag, ShardedEmbeddingBagCollection
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        g = torch.Generator().manual_seed(2)
+        tables = {}
+        for key, server in (("x", "ps1"), ("y", "ps2"), ("z", "ps1")):
+            tables[key] = ShardedEmbeddingBag(50, 4, [server], name=f"{job}-{key}", mode="sum",
+                                              optimizer=(torch.optim.SGD, {"lr": 0.3}))
+            tables[key].load_state_dict({"weight": torch.randn(50, 4, generator=g)})
+        model = ShardedEmbeddingBagCollection(tables) if collect else None
+        feats = {k: (torch.arange(0, 50, 5), torch.tensor([0, 3, 7])) for k in tables}
+        got = model(feats) if collect else {k: tables[k](*v) for k, v in feats.items()}
+        return {k: v.detach() for k, v in got.items()}
+    finally:
+        torch.set_default_dtype(before)

@@ -317,3 +317,11 @@ def test_a_default_dtype_of_float64_sums_the_servers_parts_as_alone(world):
         for k in alone[grad]:
             assert together[grad][k].dtype == alone[grad][k].dtype == torch.float64
             assert torch.equal(together[grad][k], alone[grad][k]), (grad, k)
+
+
+def test_a_default_dtype_of_float64_with_tables_apart_on_a_server(world):
+    # (an index_add of the float32 parts into float64 zeros raised here)
+    got = world.run({"trainer0": (r.default_double_apart, name("dat"), True),
+                     "trainer1": (r.default_double_apart, name("daf"), False)})
+    for k, v in got["trainer1"].items():
+        assert torch.equal(got["trainer0"][k], v), k
