@@ -254,15 +254,7 @@ _GLOBAL_HOOKS = global_optimizer_step_hooks()
 def _observed(optimizer: torch.optim.Optimizer) -> bool:
     """Whether a step of ``optimizer`` would be seen by anything but its caller (see
     :func:`observed_step`)."""
-    if _GLOBAL_HOOKS is None or profiler_enabled():
-        return True
-    before, after = _GLOBAL_HOOKS
-    if before or optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
-        return True
-    if not after:
-        return False
-    # (ours, if registered, ignores these optimizers)
-    return len(after) > 1 or _on_optimizer_step not in after.values()
+    return bool(optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks) or not _unobserved()
 
 
 #: each PS optimizer's step body, wrapped as torch wraps an optimizer's step (:func:`observed_step`)
@@ -290,9 +282,12 @@ def step_each(optimizers: Iterable[torch.optim.Optimizer]) -> None:
 
 def _unobserved() -> bool:
     """Whether nothing but an optimizer's own hooks could see its step: no profiler, no global
-    step hook but :func:`_on_optimizer_step` (:func:`_observed` less the optimizer's hooks)."""
-    return _GLOBAL_HOOKS is not None and not profiler_enabled() and not _GLOBAL_HOOKS[0] and (
-        not _GLOBAL_HOOKS[1] or (len(_GLOBAL_HOOKS[1]) == 1 and _on_optimizer_step in _GLOBAL_HOOKS[1].values()))
+    step hook but :func:`_on_optimizer_step`, which ignores these optimizers (:func:`_observed`
+    less the optimizer's hooks)."""
+    if _GLOBAL_HOOKS is None or profiler_enabled():
+        return False
+    before, after = _GLOBAL_HOOKS
+    return not before and (not after or (len(after) == 1 and _on_optimizer_step in after.values()))
 
 
 #: the owners of server-side parameters told of local optimizer steps (tables, PSModels)
