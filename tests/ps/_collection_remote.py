@@ -810,11 +810,9 @@ RUNS = {  # name -> (rows, mode, servers, min_block_size): ps0 serves all, ps1 a
 }
 
 
-def served_runs(job: str, collect: bool) -> dict:
-    """RUNS' tables (dim 4) trained 3 steps in a collection (or one by one): outputs, weights,
-    and how each server's part of the collection's output is added (None: every bag, "slice":
-    a run of tables, "index": tables apart)."""
-    from remote_module.ps import ShardedEmbeddingBag, ShardedEmbeddingBagCollection
+def runs_tables(job: str) -> dict:
+    """RUNS' tables (dim 4, SGD), each starting from a local ``nn.EmbeddingBag``'s rows (seed 6)."""
+    from remote_module.ps import ShardedEmbeddingBag
 
     torch.manual_seed(6)
     tables = {}
@@ -822,6 +820,16 @@ def served_runs(job: str, collect: bool) -> dict:
         tables[key] = ShardedEmbeddingBag(rows, 4, list(servers), name=f"{job}-{key}", mode=mode,
                                           min_block_size=block, optimizer=(torch.optim.SGD, {"lr": 0.3}))
         tables[key].load_state_dict(nn.EmbeddingBag(rows, 4, mode=mode).state_dict())
+    return tables
+
+
+def served_runs(job: str, collect: bool) -> dict:
+    """RUNS' tables (dim 4) trained 3 steps in a collection (or one by one): outputs, weights,
+    and how each server's part of the collection's output is added (None: every bag, "slice":
+    a run of tables, "index": tables apart)."""
+    from remote_module.ps import ShardedEmbeddingBagCollection
+
+    tables = runs_tables(job)
     model = ShardedEmbeddingBagCollection(tables)
     g = torch.Generator().manual_seed(8)
     outs = []
@@ -830,14 +838,11 @@ def served_runs(job: str, collect: bool) -> dict:
         for key, (rows, _, _, _) in RUNS.items():
             ids = torch.randint(0, rows, (14,), generator=g)
             feats[key] = (ids, torch.tensor([0, 0, 3, 9, 9, 13]))
-        got = model(feats) if collect else {k: tables[k](*v) for k, v in feats.items()}
+        used = model if collect else tables
+        got = _forward(used, feats)
         outs.append({k: v.detach() for k, v in got.items()})
         sum((v * (i + 1)).pow(2).sum() for i, v in enumerate(got.values())).backward()
-        if collect:
-            model.step()
-        else:
-            for t in tables.values():
-                t.step()
+        _step(used)
     adds = None
     if collect:
         (layout,) = [lay for by_bags in model._layouts.values() for lay in by_bags.values()]
@@ -854,12 +859,7 @@ def default_double(job: str, collect: bool) -> dict:
     before = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        torch.manual_seed(6)
-        tables = {}
-        for key, (rows, mode, servers, block) in RUNS.items():
-            tables[key] = ShardedEmbeddingBag(rows, 4, list(servers), name=f"{job}-{key}", mode=mode,
-                                              min_block_size=block, optimizer=(torch.optim.SGD, {"lr": 0.3}))
-            tables[key].load_state_dict(nn.EmbeddingBag(rows, 4, mode=mode).state_dict())
+        tables = runs_tables(job)
         tables["three"] = ShardedEmbeddingBag(300, 4, ["ps0", "ps1", "ps2"], name=f"{job}-three", min_block_size=100,
                                               mode="sum", optimizer=(torch.optim.SGD, {"lr": 0.3}))
         tables["three"].load_state_dict({"weight": torch.randn(300, 4) * 1e3})  # (sums that round)
