@@ -375,6 +375,24 @@ def copies(name: str) -> dict:
     return {"original": t(ids).detach(), "deep": deep(ids).detach(), "unpickled": unpickled(ids).detach()}
 
 
+def deferred_init(name: str) -> dict:
+    """A model holding a table over two servers in several blocks, moved to the meta device and
+    back with ``to_empty()`` (deferred initialisation, as torchrec and FSDP users write it):
+    lookups before and after, and after a step (lr 1, gradient 1 a position)."""
+    t = table(name, bag="sum")
+    model = nn.Sequential(t)
+    ids, offsets = torch.tensor([1, 15, 9, 19, 0]), torch.tensor([0, 2])
+    with torch.no_grad():
+        before = t(ids, offsets)
+    model.to("meta")
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        after = t(ids, offsets)
+    t(ids, offsets).sum().backward()
+    t.step()
+    return {"before": before, "after": after, "rows": t.state_dict()["weight"]}
+
+
 def saved_whole(name: str) -> dict:
     """``torch.save`` of a model holding a table (a "best model" file) warns that the rows are
     not in it; ``copy.deepcopy`` and ``pickle`` (copies sharing the rows, as documented) do not.

@@ -64,6 +64,17 @@ def test_a_table_can_be_deep_copied_and_pickled_and_copies_share_its_rows_not_it
         torch.testing.assert_close(got[key], expected, msg=key)
 
 
+def test_a_table_moved_to_meta_and_back_with_to_empty_still_finds_its_servers(world):
+    """model.to("meta") then model.to_empty(device="cpu") leaves a table's lookups and steps as
+    they were: its rows live on the servers, and which server holds an id is not the module's
+    tensor state (it was a buffer, which to_empty left uninitialised)."""
+    got = on_trainer0(world, h.deferred_init, job("deferred-init"))
+    torch.testing.assert_close(got["after"], got["before"], rtol=0, atol=0)
+    expected = h.weights(0)
+    expected[[1, 15, 9, 19, 0]] -= 1.0
+    torch.testing.assert_close(got["rows"], expected)
+
+
 def test_torch_save_of_a_model_holding_a_table_warns_that_its_rows_are_not_saved(world):
     """guoyang9/NCF keeps its best model with torch.save(model, path): with a sharded table the
     file holds no rows, so it warns, at the user's line; deepcopy and pickle (copies sharing

@@ -235,8 +235,10 @@ class ShardedEmbedding(TableCheckpoints, GradientRecording, TablePushes, nn.Modu
         for first, count, server in self._ranges:
             by_server.setdefault(server, []).append((first, count))
         self._by_server = by_server
-        starts = torch.tensor([first for first, _, _ in self._ranges])
-        self.register_buffer("_starts", starts, persistent=False)
+        # each block's first row: a plain attribute, as _block_server, not a buffer (what
+        # model.to() / .to_empty() change: model.to("meta") then to_empty() left it uninitialised,
+        # and lookups went to the wrong servers; the rows live on the servers, not in the module)
+        self._starts = torch.tensor([first for first, _, _ in self._ranges])
         self._server_names = list(by_server)
         # each block's server, as an index into _server_names
         self._block_server = torch.tensor([self._server_names.index(s) for _, _, s in self._ranges], dtype=torch.long)
