@@ -52,10 +52,12 @@ class _RecordPacked(torch.autograd.Function):
         ctx.together, ctx.parts, ctx.divisor = together, parts, divisor
         ctx.markers = [(m.dtype, m.device) for m in markers]
         ctx.shape = pooled.shape
+        # every table's bags, in the batch's order (the usual case): one split here, one cat in backward
+        ctx.in_turn = _in_turn(parts, pooled.shape[0])
         # one output per table: a table whose output backward never reaches gets None in backward
         # and records nothing, as its own node would not run (torch: its .grad stays None)
         ctx.set_materialize_grads(False)
-        if _in_turn(parts, pooled.shape[0]):  # (one split)
+        if ctx.in_turn:
             return tuple([part.clone() for part in pooled.split([b1 - b0 for _, _, _, b0, b1 in parts])])
         return tuple([pooled[b0:b1].clone() for _, _, _, b0, b1 in parts])
 
@@ -65,12 +67,11 @@ class _RecordPacked(torch.autograd.Function):
         markers = tuple([torch.zeros(0, dtype=d, device=v) if r else None for (d, v), r in zip(ctx.markers, reached)])
         if not any(reached):
             return (None,) * 4 + markers
-        parts = ctx.parts
-        if all(reached) and _in_turn(parts, ctx.shape[0]):  # (one op)
+        if ctx.in_turn and all(reached):
             grad = torch.cat([g.to(torch.float32) for g in grads])
         else:
             grad = torch.zeros(ctx.shape, dtype=torch.float32)
-            for (_, _, _, b0, b1), g in zip(parts, grads):
+            for (_, _, _, b0, b1), g in zip(ctx.parts, grads):
                 if g is not None:
                     grad[b0:b1] = g
         if ctx.divisor is not None:
@@ -455,25 +456,24 @@ def _summed(batch: _Batch, got: list) -> torch.Tensor:
     (a server not called has no id of the batch: its part is zeros, which adding leaves as is),
     in float32, as the servers pool and a table's own lookup adds, whatever the default dtype."""
     layout, tables, bags = batch.layout, batch.tables, batch.bags
-    total = None
+    shape = (layout.bag_base[-1], tables[0].embedding_dim)
     if layout.in_order:
+        total = None
         for k, part in zip(batch.called, got):
             rows = layout.rows[k]
-            if total is None and rows is None:  # (zeros + part, in one op: the same bits, -0.0 made 0.0)
-                total = part + 0.0
-                continue
             if total is None:
-                total = torch.zeros(layout.bag_base[-1], tables[0].embedding_dim, dtype=torch.float32)
+                if rows is None:  # (zeros + part, in one op: the same bits, -0.0 made 0.0)
+                    total = part + 0.0
+                    continue
+                total = torch.zeros(shape, dtype=torch.float32)
             if rows is None:
                 total = total + part
             elif isinstance(rows, slice):  # (total is this function's own: added in place, as index_add adds)
                 total[rows] += part
             else:
                 total = total.index_add(0, rows, part)
-        if total is None:
-            total = torch.zeros(layout.bag_base[-1], tables[0].embedding_dim, dtype=torch.float32)
-        return total
-    total = torch.zeros(layout.bag_base[-1], tables[0].embedding_dim, dtype=torch.float32)
+        return torch.zeros(shape, dtype=torch.float32) if total is None else total
+    total = torch.zeros(shape, dtype=torch.float32)
     parts = dict(zip(batch.called, got))  # each table's parts in its own server order
     for i, t in enumerate(tables):
         lo, hi = layout.bag_base[i], layout.bag_base[i + 1]
