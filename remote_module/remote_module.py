@@ -22,6 +22,7 @@ from remote_module._core import (
     worker_names,
 )
 from remote_module._proxy import _host
+from remote_module._proxy.batching import BatchPolicy, checked_policy
 from remote_module._proxy.calls import RemoteCalls, _rpc_missing_message
 from remote_module._proxy.codegen import render_forward_methods, render_scriptable_module
 from remote_module._proxy.creation import AGENT_DEFAULT_TIMEOUT as _AGENT_DEFAULT_TIMEOUT
@@ -153,6 +154,11 @@ class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
     #: the instance's own attribute, which travels with it (``PICKLED_ATTRIBUTES``).
     module_rref = None
 
+    #: The :class:`~remote_module.BatchPolicy` under which the host joins this module's
+    #: concurrent calls (``batching=``; see ``remote_module._proxy.batching``), None when it
+    #: does not; the instance's own attribute when set, which travels with it.
+    batching: BatchPolicy | None = None
+
     #: The attributes sent when a proxy travels over RPC (``remote_module.PICKLED_ATTRIBUTES``).
     #: A subclass with more per-proxy state that must travel extends it:
     #: ``PICKLED_ATTRIBUTES = RemoteModule.PICKLED_ATTRIBUTES + ("extra",)``.
@@ -172,13 +178,14 @@ class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
         *,
         _module_interface_cls: Any = None,
         timeout: float | None = None,
+        batching: BatchPolicy | None = None,
     ) -> None:
         super().__init__()
         self._declare_process_state()
         _require_rpc("RemoteModule(...)")
         # The same single message as create_async; waiting here means construction errors
         # surface here and the first forward can never race the creation.
-        self._create(remote_device, module_cls, args, kwargs, _module_interface_cls, timeout).wait()
+        self._create(remote_device, module_cls, args, kwargs, _module_interface_cls, timeout, batching).wait()
 
     @classmethod
     def create_async(
@@ -205,17 +212,18 @@ class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
             out = stages[1](stages[0](torch.randn(4, 8)))
         """
         _require_rpc("RemoteModule.create_async(...)")
-        unknown = sorted(set(options) - {"timeout", "_module_interface_cls"})
+        unknown = sorted(set(options) - {"timeout", "_module_interface_cls", "batching"})
         if unknown:
             raise TypeError(
                 f"create_async got unknown options {unknown}: it takes the constructor's keyword "
-                "options, timeout= and _module_interface_cls="
+                "options, timeout=, batching= and _module_interface_cls="
             )
         proxy = cls.__new__(cls)
         nn.Module.__init__(proxy)
         proxy._declare_process_state()
         return proxy._create(
-            remote_device, module_cls, args, kwargs, options.get("_module_interface_cls"), options.get("timeout")
+            remote_device, module_cls, args, kwargs, options.get("_module_interface_cls"), options.get("timeout"),
+            options.get("batching"),
         )
 
     @staticmethod
@@ -276,10 +284,16 @@ class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
         kwargs: Any,
         interface_cls: Any,
         timeout: float | None,
+        batching: Any = None,
     ) -> Future:
         """Check the arguments and send the one creation message; a Future of ``self``, ready."""
         args, kwargs = check_constructor_arguments(module_cls, args, kwargs)
+        batching = checked_policy(batching)
+        if batching is not None and interface_cls is not None:
+            raise ValueError("batching is for a plain module: a scriptable proxy (_module_interface_cls) cannot batch")
         self._prepare(remote_device, interface_cls, timeout)
+        if batching is not None:
+            self.batching = batching
         return create_on_host(self, module_cls, args, kwargs)
 
     def _prepare(self, remote_device: str, interface_cls: Any, timeout: float | None) -> None:
@@ -308,6 +322,8 @@ class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
         self._install_generated_methods(local_sig)
         self.remote_repr = info["repr"]
         self.remote_trainable = bool(info["trainable"])
+        if info.get("batching") is not None:
+            self.batching = info["batching"]
         install_handle(self, self.remote_trainable)
         check_attributes(self)
 

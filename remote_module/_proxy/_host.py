@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import inspect
 import pickle
+from functools import partial
 from typing import Any
 
 import torch
@@ -17,6 +18,8 @@ import torch.distributed.rpc as rpc
 from torch import nn
 
 from remote_module._core import as_python_module, host_device, host_objects, script_class_name
+from remote_module._proxy._host_calls import forward_no_grad
+from remote_module._proxy.batching import batcher_of, start_batching
 from remote_module._proxy.shipping import unpack_constructor
 from remote_module._proxy.state_dict import load_at
 
@@ -122,18 +125,23 @@ def portable_signature(sig: inspect.Signature | None) -> inspect.Signature | Non
 
 
 def _create(
-    module_cls: Any, args: tuple, kwargs: dict, device: str, interface_cls: type | None
+    module_cls: Any, args: tuple, kwargs: dict, device: str, interface_cls: type | None, batching: Any = None
 ) -> tuple[dict, rpc.RRef]:
     """Create ``module_cls(*args, **kwargs)`` on ``device`` and return its description with an
     RRef owned here: a proxy's whole construction in one message (run through
     :mod:`remote_module._core.fanout`, which carries an exception back with its type).
 
     With ``interface_cls`` the module is scripted and the RRef is typed with that TorchScript
-    interface (what a scriptable proxy's script code calls).
+    interface (what a scriptable proxy's script code calls). ``batching``: a
+    :class:`~remote_module._proxy.batching.BatchPolicy` under which the module joins concurrent
+    calls (a plain module only; the caller checks).
     """
     if interface_cls is None:
         module = _build_module(module_cls, args, kwargs, device)
         rref = rpc.RRef(module)
+        if batching is not None:
+            key = host_objects.hold_weakly(module)
+            start_batching(key, module, batching, partial(forward_no_grad, key))
     else:
         from remote_module._proxy.codegen import render_scriptable_module
 
@@ -165,7 +173,14 @@ def _description(module: nn.Module) -> dict:
         "repr": repr(module),
         # whether a forward with grad enabled needs distributed autograd (remote_module._core.untrained)
         "trainable": has_trainable_parameters(module),
+        # the BatchPolicy under which it joins concurrent calls (remote_module._proxy.batching)
+        "batching": None if scripted is not None else _policy_of(host_objects.hold_weakly(module)),
     }
+
+
+def _policy_of(key: Any) -> Any:
+    batcher = batcher_of(key)
+    return None if batcher is None else batcher.policy
 
 
 def has_trainable_parameters(module: nn.Module) -> bool:

@@ -13,8 +13,12 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed.rpc as rpc
+from torch.futures import Future
 
 from remote_module._core import capture, host_device, hosted_module, prepare_inputs, prepare_output
+from remote_module._core._torch_private import in_dist_autograd_context
+from remote_module._proxy.batching import batcher_of
 from remote_module._proxy.call_records import Answer, Call, Target
 from remote_module._proxy.wire import dumps, loads
 
@@ -39,6 +43,54 @@ def _run_call(target: Target, call: Call) -> Any:
         return capture(exc)
 
 
+def forward_no_grad(key: Any, args: tuple, kwargs: dict) -> Any:
+    """(A batcher's ``run``) the module held under ``key`` on arguments already on its device,
+    under ``torch.no_grad()``."""
+    module = hosted_module(key)
+    with torch.no_grad():
+        return module(*args, **kwargs)
+
+
+def _joining(target: Target, call: Call, group: Any, start: float) -> Future | None:
+    """The Future of a call's ``Answer`` (wire form) when it joins its module's batches
+    (remote_module._proxy.batching); None when it runs alone: its module does not batch, it
+    records (grad on, or a distributed autograd context on either side), or its arguments
+    cannot join (or fail to load: run alone, they fail there)."""
+    if not call.joinable:
+        return None
+    batcher = batcher_of(target.key)
+    if batcher is None or in_dist_autograd_context():
+        return None
+    dev = host_device(target.device)
+    try:
+        args, kwargs = loads(call.payload)
+        args, kwargs = prepare_inputs(args, kwargs, dev)
+    except BaseException:  # (run alone, it fails there the same way, alone)
+        return None
+    queued = batcher.submit(args, kwargs, group)
+    if queued is None:
+        return None
+
+    def answer(got: Future) -> tuple:
+        kind, value = got.value()
+        if kind == "ok":
+            try:
+                result = dumps(prepare_output(value, dev, target.is_device_map_set), inline=call.inline)
+            except BaseException as exc:
+                result = capture(exc)
+        else:
+            result = capture(value)
+        return Answer(result, _clock() - start).wire()
+
+    return queued.then(answer)
+
+
+def _done(value: Any) -> Future:
+    done: Future = Future()
+    done.set_result(value)
+    return done
+
+
 # ---- handlers ---------------------------------------------------------------------------
 
 
@@ -46,10 +98,46 @@ def _run_call(target: Target, call: Call) -> Any:
 
 
 def _call_one(target: tuple, call: tuple) -> tuple:
-    """One ``forward`` call: ``Answer.wire()`` of ``Call.wire()``."""
+    """One ``forward`` call: ``Answer.wire()`` of ``Call.wire()``. (A call to a module that
+    batches, from a proxy that does not know it, waits here for its batch.)"""
     start = _clock()
-    result = _run_call(Target._make(target), Call.from_wire(call))
+    where, made = Target._make(target), Call.from_wire(call)
+    if made.joinable:
+        joined = _joining(where, made, None, start)
+        if joined is not None:
+            return joined.wait()
+    result = _run_call(where, made)
     return Answer(result, _clock() - start).wire()
+
+
+@rpc.functions.async_execution
+def _call_one_joining(target: tuple, call: tuple) -> Future:
+    """:func:`_call_one` for a proxy whose module batches: returns at once, answered when the
+    call's batch has run (no RPC thread waits for it)."""
+    start = _clock()
+    where, made = Target._make(target), Call.from_wire(call)
+    joined = _joining(where, made, None, start)
+    if joined is None:
+        return _done(Answer(_run_call(where, made), _clock() - start).wire())
+    return joined
+
+
+@rpc.functions.async_execution
+def _call_many_joining(target: tuple, calls: list[tuple]) -> Future:
+    """:func:`_call_many` for a proxy whose module batches. The message's calls run in the order
+    made: one that cannot join runs after every earlier call of the message is answered."""
+    where, group = Target._make(target), object()
+    answered: list[Future] = []
+    for wired in calls:
+        start, made = _clock(), Call.from_wire(wired)
+        joined = _joining(where, made, group, start)
+        if joined is None:
+            def alone(_: Any, made: Call = made, start: float = start) -> tuple:
+                return Answer(_run_call(where, made), _clock() - start).wire()
+
+            joined = torch.futures.collect_all(answered).then(alone) if answered else _done(alone(None))
+        answered.append(joined)
+    return torch.futures.collect_all(answered).then(lambda got: [f.value() for f in got.value()])
 
 
 def _call_many(target: tuple, calls: list[tuple]) -> list[tuple]:

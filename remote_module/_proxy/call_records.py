@@ -39,22 +39,25 @@ class Target(NamedTuple):
 
 
 class Call(NamedTuple):
-    """One ``forward`` call: its pickled ``(args, kwargs)``, the caller's grad mode, and
-    whether small tensors travel inline (then the output comes back inlined too)."""
+    """One ``forward`` call: its pickled ``(args, kwargs)``, the caller's grad mode, whether
+    small tensors travel inline (then the output comes back inlined too), and whether it may
+    join a batch on the host (grad off and no distributed autograd context in the caller's
+    process; see remote_module._proxy.batching)."""
 
     payload: Payload
     grad_enabled: bool
     inline: bool
+    joinable: bool = False
 
     def wire(self) -> tuple:
         """This record as nested plain tuples (what travels)."""
-        return (tuple(self.payload), self.grad_enabled, self.inline)
+        return (tuple(self.payload), self.grad_enabled, self.inline, self.joinable)
 
     @staticmethod
     def from_wire(sent: tuple) -> Call:
         """The record :meth:`wire` sent."""
-        (data, side), grad_enabled, inline = sent
-        return Call(Payload(data, side), grad_enabled, inline)
+        (data, side), grad_enabled, inline, joinable = sent
+        return Call(Payload(data, side), grad_enabled, inline, joinable)
 
 
 class Answer(NamedTuple):

@@ -171,7 +171,9 @@ class RemoteCalls:
         # after the checks: a call refused before anything is sent does not use up the one warning
         if records_outside_context(self, self.remote_trainable, args, kwargs):
             warn_untrained(self, f"RemoteModule on worker {self.on!r} ({self.remote_type})", "proxy", "proxy")
-        return Call(payload, torch.is_grad_enabled(), inline)
+        grad = torch.is_grad_enabled()
+        # (inline: no distributed autograd context in this process, so none to keep apart)
+        return Call(payload, grad, inline, not grad and (inline or not dist_autograd_contexts_exist()))
 
     def _explain_unsendable(self, args: tuple, kwargs: dict, exc: BaseException, inline: bool) -> TypeError:
         """The ``TypeError`` for arguments that cannot be pickled, naming the first such
@@ -207,7 +209,8 @@ class RemoteCalls:
         made = _clock()
         call = self._make_call(args, kwargs)
         sent = (self._target().wire(), call.wire())
-        answer = Answer.from_wire(self._blocking(_host_calls._call_one, sent, "forward", made))
+        handler = _host_calls._call_one if self.batching is None else _host_calls._call_one_joining
+        answer = Answer.from_wire(self._blocking(handler, sent, "forward", made))
         channel = self._channel
         if channel is not None:
             channel.observe(answer.seconds)
@@ -240,8 +243,10 @@ class RemoteCalls:
             def fail(exc: BaseException) -> BaseException:
                 return _failure(on, remote_type, exc, "forward_async") if isinstance(exc, RuntimeError) else exc
 
+            one, many = ((_host_calls._call_one, _host_calls._call_many) if self.batching is None
+                         else (_host_calls._call_one_joining, _host_calls._call_many_joining))
             channel = Channel(
-                self._dest(), _host_calls._call_one, _host_calls._call_many, self._target().wire(),
+                self._dest(), one, many, self._target().wire(),
                 finish=finish, fail=fail, label=_label(on, remote_type, "forward_async"),
                 devices=self._future_devices() if self.is_device_map_set else None,
                 keepalive=self.module_rref,

@@ -73,7 +73,7 @@ def create_on_host(proxy: Any, module_cls: Any, args: tuple, kwargs: dict) -> Fu
     created = call_async(
         proxy.on,
         _host._create,
-        (module_cls, args, kwargs, proxy.device, interface_cls),
+        (module_cls, args, kwargs, proxy.device, interface_cls, proxy.batching),
         timeout=None if proxy.timeout == AGENT_DEFAULT_TIMEOUT else proxy.timeout,
         label=f"RemoteModule creation of {name!r}",
     )

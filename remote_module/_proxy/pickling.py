@@ -33,7 +33,13 @@ PICKLED_ATTRIBUTES: tuple[str, ...] = (
     "remote_repr",
     "remote_trainable",
     "timeout",
+    "batching",
 )
+
+#: Pickled attributes a subclass that lists its own may leave out (then they do not travel:
+#: a received proxy without ``batching`` sends calls that the host still joins, through the
+#: handler that waits for them)
+OPTIONAL_ATTRIBUTES: tuple[str, ...] = ("batching",)
 
 #: Attributes deliberately not sent: ``nn.Module``'s own bookkeeping (read from this torch,
 #: so a torch release that adds one does not break the check) and the generated methods,
@@ -91,7 +97,7 @@ def check_declared_attributes(cls: type) -> None:
     how = f"declare e.g. PICKLED_ATTRIBUTES = RemoteModule.PICKLED_ATTRIBUTES + ('my_attribute',) in {cls.__name__}"
     if not isinstance(declared, tuple) or not all(isinstance(name, str) for name in declared):
         raise TypeError(f"{cls.__qualname__}.PICKLED_ATTRIBUTES must be a tuple of str, got {declared!r}: {how}")
-    missing = [name for name in PICKLED_ATTRIBUTES if name not in declared]
+    missing = [name for name in PICKLED_ATTRIBUTES if name not in declared and name not in OPTIONAL_ATTRIBUTES]
     if missing:
         raise ValueError(
             f"{cls.__qualname__}.PICKLED_ATTRIBUTES lacks {missing} that every proxy needs on arrival: {how}"
@@ -108,7 +114,7 @@ def check_attributes(proxy: nn.Module) -> None:
     """Raise ``AttributeError`` naming any attribute that is neither sent nor ignored."""
     sent = pickled_attributes(type(proxy))
     for name in vars(proxy):
-        if name not in sent and name not in IGNORED_ATTRIBUTES:
+        if name not in sent and name not in IGNORED_ATTRIBUTES and name not in OPTIONAL_ATTRIBUTES:
             raise AttributeError(
                 f"Attribute {name} must be either in ``remote_module.PICKLED_ATTRIBUTES`` or "
                 "``remote_module._proxy.pickling.IGNORED_ATTRIBUTES``. A subclass of RemoteModule declares "
@@ -123,7 +129,7 @@ def reduce_proxy(proxy: nn.Module) -> tuple:
     for name, value in vars(proxy).items():
         if name in sent:
             state[name] = value
-        elif name not in IGNORED_ATTRIBUTES:
+        elif name not in IGNORED_ATTRIBUTES and name not in OPTIONAL_ATTRIBUTES:
             warnings.warn(
                 f"Attribute {name!r} of {type(proxy).__name__} is not sent over RPC: it is in neither "
                 f"{type(proxy).__name__}.PICKLED_ATTRIBUTES nor the ignored attributes. Keep per-proxy state "

@@ -1,0 +1,317 @@
+"""Host-side batching: concurrent ``forward`` calls to one hosted module joined into one forward.
+
+``RemoteModule(..., batching=BatchPolicy(dim=0, max_batch=64, max_wait_ms=2.0))`` makes the host
+keep a :class:`Batcher` for the module. A call joins a batch only when it records nothing: made
+under ``torch.no_grad()`` (or inference mode) on a thread outside any distributed autograd
+context, and run on the host outside one too. Every other call runs alone, as without batching.
+
+What joins: calls whose arguments have the same structure (the same positional count and keyword
+names, in the same order), whose tensors agree in dtype, device, number of dimensions and every
+size but ``dim``'s, and whose other arguments are equal plain values (``None``, ``bool``,
+``int``, ``float``, ``str``). A call with any other kind of argument, or with a tensor without a
+``dim``, or larger along ``dim`` than ``max_batch``, runs alone. Joined calls' tensors are
+concatenated along ``dim`` (``torch.cat``) in the order the calls arrived, the module runs once
+under ``torch.no_grad()``, and every tensor of the output (at any depth of tuples, lists and
+dicts) is split along ``dim`` by the calls' sizes; each call gets a copy of its part.
+
+Each call keeps the call contract:
+
+- **its own result**: a joined forward that raises, or whose output cannot be split (a value
+  that is not a tensor, or a tensor whose size along ``dim`` is not the batch's), is run again
+  for each of its calls alone, so a bad input fails only its own call. A module whose output
+  never splits is run per call from then on (one ``RuntimeWarning`` on the host);
+- **its own deadline**: the caller's, as for any call; a call waits on the host at most
+  ``max_wait_ms`` for a batch to fill, plus the forwards queued before it;
+- **order**: calls that share one message (one caller's ``forward_async`` calls) run in the
+  order they were made: a batch never takes a call whose earlier sibling it passed over.
+
+The result of a joined call equals the same slice of the joined batch run on the local module
+bit for bit (the module runs that batch); against its unbatched result it agrees within the
+float tolerance of a different batch size (torch's kernels may block a matrix product
+differently: about 1e-6 relative for float32).
+
+Example (the host joins 8 callers' batch-1 calls)::
+
+    mlp = RemoteModule("server/cpu", MLP, batching=BatchPolicy(max_batch=64, max_wait_ms=2))
+    with torch.no_grad():
+        y = mlp(torch.randn(1, 1024))       # joined with other callers' calls on the host
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.futures import Future
+
+_clock = time.monotonic
+
+#: the values other than tensors that calls may share (equal in each) and still join
+_PLAIN = (type(None), bool, int, float, str)
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    """How a hosted module joins concurrent calls (see :mod:`remote_module._proxy.batching`).
+
+    Args:
+        dim: the batch dimension of every tensor argument and output (may be negative).
+        max_batch: the largest joined size along ``dim``; a call larger than it runs alone.
+        max_wait_ms: how long the first call of a batch waits for others (0: only calls
+            already queued join it).
+    """
+
+    dim: int = 0
+    max_batch: int = 64
+    max_wait_ms: float = 2.0
+
+    def __post_init__(self) -> None:
+        if type(self.dim) is not int:
+            raise TypeError(f"BatchPolicy: dim must be an int, got {self.dim!r}")
+        if type(self.max_batch) is not int or self.max_batch < 1:
+            raise ValueError(f"BatchPolicy: max_batch must be an int of at least 1, got {self.max_batch!r}")
+        if (isinstance(self.max_wait_ms, bool) or not isinstance(self.max_wait_ms, (int, float))
+                or not math.isfinite(self.max_wait_ms) or self.max_wait_ms < 0):
+            raise ValueError(f"BatchPolicy: max_wait_ms must be a finite number >= 0, got {self.max_wait_ms!r}")
+
+
+def checked_policy(batching: Any) -> BatchPolicy | None:
+    """``batching`` as given to ``RemoteModule``: None or a :class:`BatchPolicy`."""
+    if batching is None or isinstance(batching, BatchPolicy):
+        return batching
+    raise TypeError(f"batching must be a remote_module.BatchPolicy or None, got {batching!r}")
+
+
+# ---- joining ------------------------------------------------------------------------------
+
+
+def _leaves(value: Any, dim: int, out: list) -> Any:
+    """The join key of an argument (its structure; tensors by all but their size along ``dim``);
+    appends each tensor to ``out``. Raises ``_Alone`` for a value that cannot join."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 or not -value.dim() <= dim < value.dim() or value.requires_grad:
+            raise _Alone
+        d = dim % value.dim()
+        out.append(value)
+        shape = tuple(value.shape)
+        return ("T", value.dtype, value.device, shape[:d] + shape[d + 1:], type(value))
+    if type(value) in _PLAIN:  # (a float by its bits: 0.0 and -0.0 differ)
+        return ("V", type(value), value.hex() if type(value) is float else value)
+    if type(value) in (tuple, list):
+        return (type(value), tuple(_leaves(v, dim, out) for v in value))
+    if type(value) is dict and all(type(k) is str for k in value):
+        return (dict, tuple((k, _leaves(v, dim, out)) for k, v in value.items()))
+    raise _Alone
+
+
+class _Alone(Exception):
+    """A call that cannot join a batch."""
+
+
+def join_key(args: tuple, kwargs: dict, dim: int) -> tuple[Any, list[torch.Tensor]] | None:
+    """The key under which a call joins others (None: it runs alone) and its tensors, in order."""
+    tensors: list[torch.Tensor] = []
+    try:
+        key = (_leaves(args, dim, tensors), _leaves(kwargs, dim, tensors))
+        if not tensors:
+            return None
+    except _Alone:
+        return None
+    return key, tensors
+
+
+def _rebuild(value: Any, tensors: list[torch.Tensor], at: list[int]) -> Any:
+    """``value`` with its tensors replaced, in order, from ``tensors``."""
+    if isinstance(value, torch.Tensor):
+        at[0] += 1
+        return tensors[at[0] - 1]
+    if type(value) in (tuple, list):
+        return type(value)(_rebuild(v, tensors, at) for v in value)
+    if type(value) is dict:
+        return {k: _rebuild(v, tensors, at) for k, v in value.items()}
+    return value
+
+
+def split_output(out: Any, sizes: list[int], dim: int) -> list[Any] | None:
+    """Each call's part of a joined output (copies), or None when it cannot be split: a value
+    that is not a tensor (or a tuple, list or str-keyed dict of them), or a tensor whose size
+    along ``dim`` is not the batch's."""
+    total = sum(sizes)
+    if isinstance(out, torch.Tensor):
+        if out.dim() == 0 or not -out.dim() <= dim < out.dim() or out.shape[dim] != total:
+            return None
+        return [part.clone() for part in torch.split(out, sizes, dim)]
+    if type(out) in (tuple, list):
+        parts = [split_output(v, sizes, dim) for v in out]
+        if any(p is None for p in parts):
+            return None
+        return [type(out)(p[i] for p in parts) for i in range(len(sizes))]
+    if type(out) is dict and all(type(k) is str for k in out):
+        parts_of = {k: split_output(v, sizes, dim) for k, v in out.items()}
+        if any(p is None for p in parts_of.values()):
+            return None
+        return [{k: p[i] for k, p in parts_of.items()} for i in range(len(sizes))]
+    return None
+
+
+# ---- the host's batcher -----------------------------------------------------------------
+
+
+class Pending:
+    """One call waiting for a batch: its arguments (already on the module's device), join key,
+    size along ``dim``, the message it came in (``group``) and its Future."""
+
+    __slots__ = ("args", "kwargs", "key", "tensors", "size", "group", "future", "arrived")
+
+    def __init__(self, args: tuple, kwargs: dict, key: Any, tensors: list, size: int, group: Any) -> None:
+        self.args, self.kwargs, self.key, self.tensors, self.size = args, kwargs, key, tensors, size
+        self.group, self.future, self.arrived = group, Future(), _clock()
+
+
+class Batcher:
+    """The batches of one hosted module: calls queue (:meth:`submit`), and a thread of its own
+    joins and runs them. ``run(module_args, module_kwargs)`` runs the module (the caller wraps
+    grad mode and device handling); each Pending's Future gets ``("ok", output)`` or
+    ``("error", exception)``."""
+
+    def __init__(self, policy: BatchPolicy, run: Callable[[tuple, dict], Any], name: str) -> None:
+        self.policy, self._run, self._name = policy, run, name
+        self._queue: list[Pending] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self._splits = True  # False once an output could not be split: calls run alone from then on
+        self._thread = threading.Thread(target=self._loop, name=f"remote_module batcher {name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, args: tuple, kwargs: dict, group: Any = None) -> Future | None:
+        """Queue a call that may join a batch; its Future, or None when it runs alone (its
+        arguments cannot join, or batching is off for this module)."""
+        if not self._splits:
+            return None
+        keyed = join_key(args, kwargs, self.policy.dim)
+        if keyed is None:
+            return None
+        key, tensors = keyed
+        size = tensors[0].shape[self.policy.dim]
+        if size > self.policy.max_batch or any(t.shape[self.policy.dim] != size for t in tensors):
+            return None
+        p = Pending(args, kwargs, key, tensors, size, group)
+        with self._cond:
+            if self._closed:
+                return None
+            self._queue.append(p)
+            self._cond.notify()
+        return p.future
+
+    def close(self) -> None:
+        """Stop the thread once the queue is run (the module is gone, or the process ends)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    def _take(self) -> list[Pending] | None:
+        """The next batch (waits for it); None once closed with nothing queued."""
+        wait_s = self.policy.max_wait_ms / 1000.0
+        with self._cond:
+            while True:
+                if not self._queue:
+                    if self._closed:
+                        return None
+                    self._cond.wait()
+                    continue
+                first = self._queue[0]
+                batch = self._fill(first)
+                left = first.arrived + wait_s - _clock()
+                if self._closed or left <= 0 or sum(p.size for p in batch) >= self.policy.max_batch:
+                    taken = {id(p) for p in batch}
+                    self._queue = [p for p in self._queue if id(p) not in taken]
+                    return batch
+                self._cond.wait(left)
+
+    def _fill(self, first: Pending) -> list[Pending]:
+        """Calls that join ``first``, in arrival order: the same key, within ``max_batch``, never
+        past a passed-over call of the same message."""
+        batch, total, passed = [first], first.size, set()
+        for p in self._queue[1:]:
+            if p.key == first.key and p.group not in passed and total + p.size <= self.policy.max_batch:
+                batch.append(p)
+                total += p.size
+            elif p.group is not None:
+                passed.add(p.group)
+        return batch
+
+    def _loop(self) -> None:
+        while True:
+            batch = self._take()
+            if batch is None:
+                return
+            if len(batch) == 1:
+                self._alone(batch[0])
+            else:
+                self._joined(batch)
+
+    def _alone(self, p: Pending) -> None:
+        try:
+            out = self._run(p.args, p.kwargs)
+        except BaseException as exc:  # the call's own failure
+            p.future.set_result(("error", exc))
+        else:
+            p.future.set_result(("ok", out))
+
+    def _joined(self, batch: list[Pending]) -> None:
+        dim = self.policy.dim
+        first = batch[0]
+        try:
+            joined = [torch.cat([p.tensors[i] for p in batch], dim) for i in range(len(first.tensors))]
+            args, kwargs = _rebuild((first.args, first.kwargs), joined, [0])
+            out = self._run(args, kwargs)
+            parts = split_output(out, [p.size for p in batch], dim)
+        except BaseException:  # which call's input? each runs alone and fails alone
+            parts = None
+        else:
+            if parts is None and self._splits:
+                self._splits = False
+                warnings.warn(
+                    f"remote_module batching of {self._name}: its forward's output ({type(out).__name__}) cannot "
+                    f"be split along dim {dim} by the calls' sizes; its calls run one by one from now on",
+                    RuntimeWarning, stacklevel=1)
+        if parts is None:
+            for p in batch:
+                self._alone(p)
+            return
+        for p, part in zip(batch, parts):
+            p.future.set_result(("ok", part))
+
+
+#: module key -> its Batcher (host side)
+_batchers: dict[Any, Batcher] = {}
+_lock = threading.Lock()
+
+
+def start_batching(key: Any, module: Any, policy: BatchPolicy, run: Callable[[tuple, dict], Any]) -> None:
+    """Give the module held under ``key`` a batcher (stopped when the module is freed)."""
+    batcher = Batcher(policy, run, type(module).__qualname__)
+    with _lock:
+        old = _batchers.get(key)
+        _batchers[key] = batcher
+    if old is not None:
+        old.close()
+
+    def stop(k: Any = key, b: Batcher = batcher) -> None:
+        with _lock:
+            if _batchers.get(k) is b:
+                del _batchers[k]
+        b.close()
+
+    weakref.finalize(module, stop)
+
+
+def batcher_of(key: Any) -> Batcher | None:
+    """The batcher of the module held under ``key`` (None: it does not batch)."""
+    return _batchers.get(key) if _batchers else None

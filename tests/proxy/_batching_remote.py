@@ -1,0 +1,60 @@
+"""Host side of the batching tests: an MLP that records the batch size of each forward and can
+be held on a gate (module level: RPC runs these by reference)."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import nn
+
+from remote_module._proxy import batching
+from tests._faults import gates
+
+_lock = threading.Lock()
+_sizes: dict[str, list[int]] = {}
+
+
+class RecordingMLP(nn.Module):
+    """``Linear(8, 16) -> tanh -> Linear(16, 4)``, seeded; ``forward(x, gate=None, name="m")``:
+    held on ``gate`` when given, records ``x.shape[0]`` under ``name``, refuses rows with NaN."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor, gate: str | None = None, name: str = "m") -> torch.Tensor:
+        if gate is not None:
+            gates.hold(gate)
+        if torch.isnan(x).any():
+            raise ValueError("a row with NaN")
+        with _lock:
+            _sizes.setdefault(name, []).append(int(x.shape[0]))
+        return self.net(x)
+
+
+def sizes(name: str) -> list[int]:
+    """The batch sizes of the forwards recorded under ``name`` so far."""
+    with _lock:
+        return list(_sizes.get(name, []))
+
+
+def queued() -> int:
+    """Calls waiting in every batcher of this host."""
+    total = 0
+    for b in list(batching._batchers.values()):
+        with b._cond:
+            total += len(b._queue)
+    return total
+
+
+def grad_enabled_forward(proxy, x):
+    """(On another worker) a call with grad on through a proxy that arrived over RPC."""
+    return proxy(x)
+
+
+def no_grad_forward(proxy, x, name):
+    """(On another worker) a call under no_grad through a proxy that arrived over RPC."""
+    with torch.no_grad():
+        return proxy(x, name=name)
