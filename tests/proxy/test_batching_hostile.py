@@ -1,0 +1,188 @@
+"""Hostile-user tests of host-side batching (remote_module.BatchPolicy).
+
+Batches are made as in tests/proxy/test_batching.py: max_wait_ms=0, a first call held on a
+gate inside forward holds the host's batcher while the others queue."""
+
+import copy
+import time
+
+import pytest
+import torch
+import torch.distributed.rpc as rpc
+
+from remote_module import BatchPolicy, RemoteModule
+from remote_module._proxy import _host_calls
+from tests._deadlines import HANG_S
+from tests._faults import gates
+from tests.proxy import _batching_hostile_remote as host
+from tests.proxy import _batching_remote as base
+
+pytestmark = pytest.mark.usefixtures("rpc_world")
+
+POLICY = BatchPolicy(dim=0, max_batch=64, max_wait_ms=0)
+
+
+def _wait_queued(n: int) -> None:
+    deadline = time.monotonic() + HANG_S
+    while rpc.rpc_sync("worker1", base.queued) < n:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{n} calls never queued on the host")
+        time.sleep(0.01)
+
+
+def _held_first(proxy, gate: str, shape=(1, 4)):
+    with torch.no_grad():
+        first = proxy.forward_async(torch.zeros(*shape), gate=gate, name=gate)
+    deadline = time.monotonic() + HANG_S
+    while not rpc.rpc_sync("worker1", gates.holding, (gate,)):
+        assert time.monotonic() < deadline, "the first call never reached its gate"
+        time.sleep(0.01)
+    return first
+
+
+def _joined(proxy, gate, calls, n_queued=None, shape=(1, 4)):
+    """Run ``calls`` (a list of (args, kwargs)) while the batcher is held; their futures."""
+    first = _held_first(proxy, gate, shape)
+    try:
+        with torch.no_grad():
+            futs = [proxy.forward_async(*a, **k) for a, k in calls]
+        _wait_queued(len(calls) if n_queued is None else n_queued)
+    finally:
+        rpc.rpc_sync("worker1", gates.release, (gate,))
+    first.wait()
+    return futs
+
+
+def test_calls_of_one_message_keep_their_order_around_a_call_that_runs_alone():
+    # A joinable, B cannot join (a bytes argument), C joinable: C must not run before B
+    proxy = RemoteModule("worker1/cpu", host.Gated, batching=POLICY)
+    first = _held_first(proxy, "h-order")
+    try:
+        with torch.no_grad():
+            calls = [proxy._make_call((torch.full((1, 4), float(v)),), {"name": "order", **extra}).wire()
+                     for v, extra in ((1, {}), (2, {"blob": b"x"}), (3, {}))]
+        answers = rpc.rpc_async("worker1", _host_calls._call_many_joining, (proxy._target().wire(), calls))
+        _wait_queued(1)
+    finally:
+        rpc.rpc_sync("worker1", gates.release, ("h-order",))
+    first.wait()
+    answers.wait()
+    ran = [v for batch in rpc.rpc_sync("worker1", host.log, ("order",)) for v in batch]
+    assert ran == [1.0, 2.0, 3.0], f"forwards ran in the order {ran}"
+
+
+def test_a_joined_call_of_a_training_batchnorm_gets_its_own_result():
+    # nn.Module's default is training mode: a BatchNorm then normalises by the batch's
+    # statistics, so a joined call's output depends on its neighbours' inputs
+    proxy = RemoteModule("worker1/cpu", host.Norm, batching=POLICY)
+    assert proxy.training
+    xs = [torch.randn(3, 4), torch.randn(3, 4) * 10 + 5]
+    futs = _joined(proxy, "h-bn", [((x,), {"name": "bn"}) for x in xs], shape=(2, 4))
+    local = torch.nn.BatchNorm1d(4)
+    with torch.no_grad():
+        for x, f in zip(xs, futs):
+            assert torch.allclose(f.wait(), local(x), rtol=1e-4, atol=1e-5)
+
+
+def test_one_unsplittable_output_does_not_turn_batching_off_for_good():
+    proxy = RemoteModule("worker1/cpu", host.Stats, batching=POLICY)
+    xs = [torch.randn(1, 4), torch.randn(2, 4)]
+    futs = _joined(proxy, "h-stats1", [((x,), {"name": "s1", "stats": True}) for x in xs])
+    for x, f in zip(xs, futs):
+        out, total = f.wait()
+        assert torch.allclose(out, x * 2) and torch.allclose(total, x.sum())
+    # the module's plain outputs split: later plain calls should still join
+    assert rpc.rpc_sync("worker1", host.splits, (proxy.module_key,)), "batching was turned off for good"
+    futs = _joined(proxy, "h-stats2", [((x,), {"name": "s2"}) for x in xs])
+    for x, f in zip(xs, futs):
+        assert torch.allclose(f.wait(), x * 2)
+    assert rpc.rpc_sync("worker1", host.log, ("s2",)) == [[v for x in xs for v in x[:, 0].tolist()]]
+
+
+@pytest.mark.parametrize("kind", ["tuple_none", "dict", "scalar", "none", "rpc"])
+def test_outputs_of_every_shape_come_back_per_call(kind):
+    proxy = RemoteModule("worker1/cpu", host.Shapes, batching=POLICY)
+    xs = [torch.randn(1, 4), torch.randn(2, 4), torch.randn(0, 4)]
+    futs = _joined(proxy, f"h-shape-{kind}", [((x,), {"name": kind, "kind": kind}) for x in xs])
+    for x, f in zip(xs, futs):
+        got = f.wait()
+        if kind == "tuple_none":
+            assert torch.equal(got[0], x + 1) and got[1] is None
+        elif kind == "dict":
+            assert torch.equal(got["a"], x + 1) and torch.equal(got["b"][0], x * 3)
+        elif kind == "scalar":
+            assert torch.allclose(got, x.sum())
+        elif kind == "none":
+            assert got is None
+        else:
+            assert torch.equal(got, x + 1)
+
+
+def test_kwargs_only_dtypes_dim_minus_one_and_noncontiguous():
+    proxy = RemoteModule("worker1/cpu", host.Gated, batching=BatchPolicy(dim=-1, max_batch=64, max_wait_ms=0))
+    xs = [torch.randn(5, 2), torch.randn(5, 3).double(), torch.randn(3, 5).t(), torch.randn(5, 0)]
+    futs = _joined(proxy, "h-dim", [((x,), {"name": "dim"}) for x in xs], n_queued=4)
+    for x, f in zip(xs, futs):
+        got = f.wait()
+        assert got.dtype == x.dtype and torch.equal(got, x * 2)
+    kw = RemoteModule("worker1/cpu", host.KwOnly, batching=POLICY)
+    with torch.no_grad():
+        futs = [kw.forward_async(x=torch.ones(k, 2), y=torch.ones(k, 2)) for k in (1, 2)]
+    assert [f.wait().shape for f in futs] == [(1, 2), (2, 2)]
+
+
+def test_max_batch_is_a_limit_and_a_larger_call_runs_alone():
+    proxy = RemoteModule("worker1/cpu", host.Gated, batching=BatchPolicy(max_batch=4, max_wait_ms=0))
+    xs = [torch.randn(k, 4) for k in (2, 2, 5, 1, 2)]
+    futs = _joined(proxy, "h-max", [((x,), {"name": "max"}) for x in xs], n_queued=4)
+    for x, f in zip(xs, futs):
+        assert torch.equal(f.wait(), x * 2)
+    sizes = [len(b) for b in rpc.rpc_sync("worker1", host.log, ("max",))]
+    assert max(sizes) <= 5 and all(s <= 4 for s in sizes if s != 5) and sum(sizes) == 12
+
+
+def test_requires_grad_and_inference_mode_inputs():
+    proxy = RemoteModule("worker1/cpu", host.Gated, batching=POLICY)
+    x = torch.randn(2, 4, requires_grad=True)
+    with torch.no_grad():
+        assert torch.equal(proxy(x), x.detach() * 2)
+    with torch.inference_mode():
+        y = torch.randn(2, 4)
+        assert torch.equal(proxy(y), y * 2)
+
+
+def test_state_dict_train_eval_and_pickled_proxy_keep_batching():
+    proxy = RemoteModule("worker1/cpu", host.Norm, batching=POLICY)
+    sd = proxy.state_dict()
+    proxy.load_state_dict(sd)
+    proxy.eval()
+    assert not proxy.training
+    proxy.train()
+    assert proxy.training
+    got = rpc.rpc_sync("worker2", base.no_grad_forward, (proxy, torch.randn(2, 4), "pickled"))
+    assert got.shape == (2, 4)
+
+
+def test_a_deep_copy_batches_as_its_proxy_says():
+    proxy = RemoteModule("worker1/cpu", host.Gated, batching=POLICY)
+    assert rpc.rpc_sync("worker1", host.has_batcher, (proxy.module_key,))
+    clone = copy.deepcopy(proxy)
+    assert (clone.batching is not None) == rpc.rpc_sync("worker1", host.has_batcher, (clone.module_key,)), (
+        f"the copy's proxy says batching={clone.batching!r}, its host module "
+        f"{'has' if rpc.rpc_sync('worker1', host.has_batcher, (clone.module_key,)) else 'has no'} batcher")
+
+
+def test_queued_calls_of_a_deleted_proxy_are_answered():
+    proxy = RemoteModule("worker1/cpu", host.Gated, batching=POLICY)
+    futs = None
+    first = _held_first(proxy, "h-del")
+    try:
+        with torch.no_grad():
+            futs = [proxy.forward_async(torch.randn(1, 4), name="del") for _ in range(3)]
+        _wait_queued(3)
+        del proxy
+    finally:
+        rpc.rpc_sync("worker1", gates.release, ("h-del",))
+    first.wait()
+    for f in futs:
+        assert f.wait().shape == (1, 4)
