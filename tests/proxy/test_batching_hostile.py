@@ -170,6 +170,10 @@ def test_a_deep_copy_batches_as_its_proxy_says():
     assert (clone.batching is not None) == rpc.rpc_sync("worker1", host.has_batcher, (clone.module_key,)), (
         f"the copy's proxy says batching={clone.batching!r}, its host module "
         f"{'has' if rpc.rpc_sync('worker1', host.has_batcher, (clone.module_key,)) else 'has no'} batcher")
+    xs = [torch.randn(1, 4), torch.randn(2, 4)]
+    futs = _joined(clone, "h-copy", [((x,), {"name": "copy"}) for x in xs])
+    assert [f.wait().shape for f in futs] == [(1, 4), (2, 4)]
+    assert [len(b) for b in rpc.rpc_sync("worker1", host.log, ("copy",))] == [3]  # the copy joins too
 
 
 def test_queued_calls_of_a_deleted_proxy_are_answered():
