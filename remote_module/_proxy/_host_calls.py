@@ -125,13 +125,16 @@ def _call_one_joining(target: tuple, call: tuple) -> Future:
 @rpc.functions.async_execution
 def _call_many_joining(target: tuple, calls: list[tuple]) -> Future:
     """:func:`_call_many` for a proxy whose module batches. The message's calls run in the order
-    made: one that cannot join runs after every earlier call of the message is answered."""
+    made: one that cannot join runs after every earlier call of the message is answered, and
+    so does every later call of the message (a later call that joined a batch could run first)."""
     where, group = Target._make(target), object()
     answered: list[Future] = []
+    alone_before = False
     for wired in calls:
         start, made = _clock(), Call.from_wire(wired)
-        joined = _joining(where, made, group, start)
+        joined = None if alone_before else _joining(where, made, group, start)
         if joined is None:
+            alone_before = True
             def alone(_: Any, made: Call = made, start: float = start) -> tuple:
                 return Answer(_run_call(where, made), _clock() - start).wire()
 
