@@ -234,8 +234,13 @@ def _cast(module_rref: rpc.RRef, casts: dict) -> None:
 def _deepcopy(module_rref: rpc.RRef, interface_cls: type | None) -> tuple[dict, rpc.RRef]:
     """``copy.deepcopy`` of the module, here: its description and an RRef owned here (as
     :func:`_create` returns for a new module)."""
-    copied = copy.deepcopy(as_python_module(module_rref.local_value()))
+    original = module_rref.local_value()
+    copied = copy.deepcopy(as_python_module(original))
     rref = rpc.RRef(copied) if interface_cls is None else rpc.RRef(copied, interface_cls)
+    policy = None if interface_cls is not None else _policy_of(host_objects.hold_weakly(original))
+    if policy is not None:  # the copy batches as the original does (its proxy's copy says so)
+        key = host_objects.hold_weakly(copied)
+        start_batching(key, copied, policy, partial(forward_no_grad, key))
     return _description(copied), rref
 
 
