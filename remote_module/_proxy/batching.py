@@ -18,8 +18,10 @@ Each call keeps the call contract:
 
 - **its own result**: a joined forward that raises, or whose output cannot be split (a value
   that is not a tensor, or a tensor whose size along ``dim`` is not the batch's), is run again
-  for each of its calls alone, so a bad input fails only its own call. A module whose output
-  never splits is run per call from then on (one ``RuntimeWarning`` on the host);
+  for each of its calls alone, so a bad input fails only its own call. Calls with arguments
+  like those of an output that did not split (the same join key) run per call from then on,
+  and every call of a module once that happened for several kinds of arguments (one
+  ``RuntimeWarning`` on the host);
 - **its own deadline**: the caller's, as for any call; a call waits on the host at most
   ``max_wait_ms`` for a batch to fill, plus the forwards queued before it;
 - **order**: calls that share one message (one caller's ``forward_async`` calls) run in the
@@ -51,6 +53,10 @@ import torch
 from torch.futures import Future
 
 _clock = time.monotonic
+
+#: how many join keys (argument structures) may give outputs that cannot be split before a
+#: batcher runs every call of its module alone
+_MAX_UNSPLIT = 8
 
 #: the values other than tensors that calls may share (equal in each) and still join
 _PLAIN = (type(None), bool, int, float, str)
@@ -185,7 +191,8 @@ class Batcher:
         self._queue: list[Pending] = []
         self._cond = threading.Condition()
         self._closed = False
-        self._splits = True  # False once an output could not be split: calls run alone from then on
+        self._splits = True  # False once outputs of _MAX_UNSPLIT keys could not be split: all calls run alone
+        self._unsplit: set = set()  # join keys whose joined output could not be split: they run alone
         self._thread = threading.Thread(target=self._loop, name=f"remote_module batcher {name}", daemon=True)
         self._thread.start()
 
@@ -198,6 +205,8 @@ class Batcher:
         if keyed is None:
             return None
         key, tensors = keyed
+        if key in self._unsplit:
+            return None
         size = tensors[0].shape[self.policy.dim]
         if size > self.policy.max_batch or any(t.shape[self.policy.dim] != size for t in tensors):
             return None
@@ -264,6 +273,10 @@ class Batcher:
         else:
             p.future.set_result(("ok", out))
 
+    def _each_alone(self, batch: list[Pending]) -> None:
+        for p in batch:
+            self._alone(p)
+
     def _joined(self, batch: list[Pending]) -> None:
         dim = self.policy.dim
         first = batch[0]
@@ -275,15 +288,18 @@ class Batcher:
         except BaseException:  # which call's input? each runs alone and fails alone
             parts = None
         else:
-            if parts is None and self._splits:
-                self._splits = False
-                warnings.warn(
-                    f"remote_module batching of {self._name}: its forward's output ({type(out).__name__}) cannot "
-                    f"be split along dim {dim} by the calls' sizes; its calls run one by one from now on",
-                    RuntimeWarning, stacklevel=1)
+            if parts is None and self._splits and first.key not in self._unsplit:
+                if not self._unsplit:
+                    warnings.warn(
+                        f"remote_module batching of {self._name}: its forward's output ({type(out).__name__}) "
+                        f"cannot be split along dim {dim} by the calls' sizes; calls with such arguments run "
+                        f"one by one from now on (all its calls, once {_MAX_UNSPLIT} kinds of arguments did not split)",
+                        RuntimeWarning, stacklevel=1)
+                self._unsplit.add(first.key)
+                if len(self._unsplit) >= _MAX_UNSPLIT:
+                    self._splits = False
         if parts is None:
-            for p in batch:
-                self._alone(p)
+            self._each_alone(batch)
             return
         for p, part in zip(batch, parts):
             p.future.set_result(("ok", part))
