@@ -87,3 +87,18 @@ class KwOnly(nn.Module):
     def forward(self, *, x, y):
         _record("kwonly", list(x.shape))
         return x + y
+
+
+_saved_filters: list = []
+
+
+def warnings_as_errors(on: bool) -> None:
+    """Turn warnings into errors in this host process (as ``-W error`` would), or back."""
+    import warnings
+
+    if on:
+        _saved_filters[:] = list(warnings.filters)
+        warnings.simplefilter("error")
+    else:
+        warnings.filters[:] = _saved_filters
+        warnings._filters_mutated()

@@ -190,3 +190,20 @@ def test_queued_calls_of_a_deleted_proxy_are_answered():
     first.wait()
     for f in futs:
         assert f.wait().shape == (1, 4)
+
+
+def test_a_host_that_turns_warnings_into_errors_keeps_answering():
+    # the batcher's RuntimeWarning about an output that does not split is raised on a host run
+    # with -W error: the batcher thread must not die with calls queued
+    proxy = RemoteModule("worker1/cpu", host.Stats, batching=POLICY, timeout=20)
+    rpc.rpc_sync("worker1", host.warnings_as_errors, (True,))
+    try:
+        xs = [torch.randn(1, 4), torch.randn(2, 4)]
+        futs = _joined(proxy, "h-werror", [((x,), {"name": "werror", "stats": True}) for x in xs])
+        for x, f in zip(xs, futs):
+            out, total = f.wait()
+            assert torch.allclose(out, x * 2) and torch.allclose(total, x.sum())
+        with torch.no_grad():
+            assert torch.equal(proxy(xs[0]), xs[0] * 2)  # the batcher still runs calls
+    finally:
+        rpc.rpc_sync("worker1", host.warnings_as_errors, (False,))
