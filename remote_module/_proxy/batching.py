@@ -260,10 +260,15 @@ class Batcher:
             batch = self._take()
             if batch is None:
                 return
-            if len(batch) == 1:
-                self._alone(batch[0])
-            else:
-                self._joined(batch)
+            try:
+                if len(batch) == 1:
+                    self._alone(batch[0])
+                else:
+                    self._joined(batch)
+            except BaseException as exc:  # (e.g. a warning made an error): the thread lives on
+                for p in batch:
+                    if not p.future.done():
+                        p.future.set_result(("error", exc))
 
     def _alone(self, p: Pending) -> None:
         try:
@@ -290,7 +295,7 @@ class Batcher:
         else:
             if parts is None and self._splits and first.key not in self._unsplit:
                 if not self._unsplit:
-                    warnings.warn(
+                    _warn(
                         f"remote_module batching of {self._name}: its forward's output ({type(out).__name__}) "
                         f"cannot be split along dim {dim} by the calls' sizes; calls with such arguments run "
                         f"one by one from now on (all its calls, once {_MAX_UNSPLIT} kinds of arguments did not split)",
@@ -303,6 +308,14 @@ class Batcher:
             return
         for p, part in zip(batch, parts):
             p.future.set_result(("ok", part))
+
+
+def _warn(message: str, category: type, stacklevel: int) -> None:
+    """``warnings.warn``, never raising here (a host run with ``-W error``: the batch is answered)."""
+    try:
+        warnings.warn(message, category, stacklevel=stacklevel + 1)
+    except Exception:
+        pass
 
 
 #: module key -> its Batcher (host side)
