@@ -207,3 +207,15 @@ def test_a_host_that_turns_warnings_into_errors_keeps_answering():
             assert torch.equal(proxy(xs[0]), xs[0] * 2)  # the batcher still runs calls
     finally:
         rpc.rpc_sync("worker1", host.warnings_as_errors, (False,))
+
+
+def test_an_eval_mode_batchnorm_joins_and_matches_its_local_module():
+    proxy = RemoteModule("worker1/cpu", host.Norm, batching=POLICY)
+    proxy.eval()
+    xs = [torch.randn(3, 4), torch.randn(3, 4) * 10 + 5]
+    futs = _joined(proxy, "h-bn-eval", [((x,), {"name": "bn-eval"}) for x in xs])
+    local = torch.nn.BatchNorm1d(4).eval()
+    with torch.no_grad():
+        for x, f in zip(xs, futs):
+            assert torch.allclose(f.wait(), local(x), rtol=1e-4, atol=1e-5)
+    assert [len(b) for b in rpc.rpc_sync("worker1", host.log, ("bn-eval",))] == [6]
