@@ -219,3 +219,27 @@ def test_an_eval_mode_batchnorm_joins_and_matches_its_local_module():
         for x, f in zip(xs, futs):
             assert torch.allclose(f.wait(), local(x), rtol=1e-4, atol=1e-5)
     assert [len(b) for b in rpc.rpc_sync("worker1", host.log, ("bn-eval",))] == [6]
+
+
+def test_a_batcher_closed_with_calls_queued_answers_them_all():
+    import threading
+
+    from remote_module._proxy.batching import Batcher
+
+    held, go = threading.Event(), threading.Event()
+
+    def run(args, kwargs):
+        if kwargs.get("hold"):
+            held.set()
+            go.wait(HANG_S)
+        return args[0] * 2
+
+    b = Batcher(BatchPolicy(max_batch=4, max_wait_ms=10_000), run, "unit")
+    first = b.submit((torch.ones(1, 2),), {"hold": True})
+    b.close()  # closed: the first call runs at once, not after max_wait_ms
+    assert held.wait(HANG_S)
+    assert b.submit((torch.ones(1, 2),), {}) is None  # a closed batcher takes no call
+    go.set()
+    assert first.wait()[0] == "ok"
+    b._thread.join(HANG_S)
+    assert not b._thread.is_alive()
