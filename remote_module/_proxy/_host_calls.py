@@ -53,14 +53,16 @@ def forward_no_grad(key: Any, args: tuple, kwargs: dict) -> Any:
 
 def _joining(target: Target, call: Call, group: Any, start: float) -> Future | None:
     """The Future of a call's ``Answer`` (wire form) when it joins its module's batches
-    (remote_module._proxy.batching); None when it runs alone: its module does not batch, it
-    records (grad on, or a distributed autograd context on either side), or its arguments
+    (remote_module._proxy.batching); None when it runs alone: its module does not batch or is
+    in training mode, it records (grad on, or a distributed autograd context on either side), or its arguments
     cannot join (or fail to load: run alone, they fail there)."""
     if not call.joinable:
         return None
     batcher = batcher_of(target.key)
     if batcher is None or in_dist_autograd_context():
         return None
+    if getattr(hosted_module(target.key), "training", False):
+        return None  # (a module in training mode may pool over its batch: batch norm, dropout)
     dev = host_device(target.device)
     try:
         args, kwargs = loads(call.payload)

@@ -1,9 +1,10 @@
 """Host-side batching: concurrent ``forward`` calls to one hosted module joined into one forward.
 
 ``RemoteModule(..., batching=BatchPolicy(dim=0, max_batch=64, max_wait_ms=2.0))`` makes the host
-keep a :class:`Batcher` for the module. A call joins a batch only when it records nothing: made
-under ``torch.no_grad()`` (or inference mode) on a thread outside any distributed autograd
-context, and run on the host outside one too. Every other call runs alone, as without batching.
+keep a :class:`Batcher` for the module. A call joins a batch only while the module is in eval
+mode (in training mode batch norm and dropout act on the batch), and only when it records
+nothing: made under ``torch.no_grad()`` (or inference mode) by a process with no distributed
+autograd context, and run on the host outside one too. Every other call runs alone, as without batching.
 
 What joins: calls whose arguments have the same structure (the same positional count and keyword
 names, in the same order), whose tensors agree in dtype, device, number of dimensions and every

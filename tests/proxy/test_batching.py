@@ -49,11 +49,11 @@ def test_policy_checks_its_fields():
     with pytest.raises(TypeError, match="dim"):
         BatchPolicy(dim=0.5)
     with pytest.raises(TypeError, match="BatchPolicy"):
-        RemoteModule("worker1/cpu", host.RecordingMLP, batching={"max_batch": 4})
+        RemoteModule("worker1/cpu", host.RecordingMLP, batching={"max_batch": 4}).eval()
 
 
 def test_concurrent_calls_run_as_one_forward_equal_to_the_joined_local_batch():
-    proxy = RemoteModule("worker1/cpu", host.RecordingMLP, (1,), batching=POLICY)
+    proxy = RemoteModule("worker1/cpu", host.RecordingMLP, (1,), batching=POLICY).eval()
     assert proxy.batching == POLICY
     local = host.RecordingMLP(1)
     first = _held_first(proxy, "bt-join")
@@ -79,7 +79,7 @@ def test_concurrent_calls_run_as_one_forward_equal_to_the_joined_local_batch():
 
 
 def test_a_bad_input_fails_alone_and_its_neighbours_get_their_results():
-    proxy = RemoteModule("worker1/cpu", host.RecordingMLP, (2,), batching=POLICY)
+    proxy = RemoteModule("worker1/cpu", host.RecordingMLP, (2,), batching=POLICY).eval()
     local = host.RecordingMLP(2)
     first = _held_first(proxy, "bt-bad")
     bad = torch.randn(2, 8)
@@ -98,7 +98,7 @@ def test_a_bad_input_fails_alone_and_its_neighbours_get_their_results():
 
 
 def test_calls_that_differ_outside_the_batch_dimension_are_not_joined():
-    proxy = RemoteModule("worker1/cpu", host.RecordingMLP, (3,), batching=POLICY)
+    proxy = RemoteModule("worker1/cpu", host.RecordingMLP, (3,), batching=POLICY).eval()
     first = _held_first(proxy, "bt-shape")
     with torch.no_grad():
         a = proxy.forward_async(torch.randn(2, 8), name="shape")
@@ -115,7 +115,7 @@ def test_calls_that_differ_outside_the_batch_dimension_are_not_joined():
 
 
 def test_calls_with_grad_on_are_not_queued():
-    proxy = RemoteModule("worker1/cpu", host.RecordingMLP, (4,), batching=POLICY)
+    proxy = RemoteModule("worker1/cpu", host.RecordingMLP, (4,), batching=POLICY).eval()
     # (a second proxy: a blocking call waits for the same proxy's earlier calls, program order)
     second = RemoteModule.init_from_module_rref("worker1/cpu", proxy.module_rref)
     first = _held_first(proxy, "bt-grad")
@@ -131,7 +131,7 @@ def test_calls_with_grad_on_are_not_queued():
 
 
 def test_a_queued_call_keeps_its_own_timeout():
-    proxy = RemoteModule("worker1/cpu", host.RecordingMLP, (5,), batching=POLICY)
+    proxy = RemoteModule("worker1/cpu", host.RecordingMLP, (5,), batching=POLICY).eval()
     short = RemoteModule.init_from_module_rref("worker1/cpu", proxy.module_rref, timeout=0.5)
     assert short.batching == POLICY  # learnt from the host
     first = _held_first(proxy, "bt-timeout")
@@ -148,7 +148,7 @@ def test_a_queued_call_keeps_its_own_timeout():
 
 
 def test_a_lone_call_is_the_plain_call():
-    proxy = RemoteModule("worker1/cpu", host.RecordingMLP, (6,), batching=BatchPolicy(max_wait_ms=1))
+    proxy = RemoteModule("worker1/cpu", host.RecordingMLP, (6,), batching=BatchPolicy(max_wait_ms=1)).eval()
     local = host.RecordingMLP(6)
     x = torch.randn(3, 8)
     with torch.no_grad():

@@ -55,7 +55,7 @@ def _joined(proxy, gate, calls, n_queued=None, shape=(1, 4)):
 
 def test_calls_of_one_message_keep_their_order_around_a_call_that_runs_alone():
     # A joinable, B cannot join (a bytes argument), C joinable: C must not run before B
-    proxy = RemoteModule("worker1/cpu", host.Gated, batching=POLICY)
+    proxy = RemoteModule("worker1/cpu", host.Gated, batching=POLICY).eval()
     first = _held_first(proxy, "h-order")
     try:
         with torch.no_grad():
@@ -71,21 +71,31 @@ def test_calls_of_one_message_keep_their_order_around_a_call_that_runs_alone():
     assert ran == [1.0, 2.0, 3.0], f"forwards ran in the order {ran}"
 
 
-def test_a_joined_call_of_a_training_batchnorm_gets_its_own_result():
+def test_a_module_in_training_mode_never_joins_calls():
     # nn.Module's default is training mode: a BatchNorm then normalises by the batch's
-    # statistics, so a joined call's output depends on its neighbours' inputs
+    # statistics, so a joined call's output would depend on its neighbours' inputs. Calls of
+    # a module in training mode run alone (each gets its own batch's statistics), and join
+    # once it is in eval mode.
     proxy = RemoteModule("worker1/cpu", host.Norm, batching=POLICY)
     assert proxy.training
     xs = [torch.randn(3, 4), torch.randn(3, 4) * 10 + 5]
-    futs = _joined(proxy, "h-bn", [((x,), {"name": "bn"}) for x in xs], shape=(2, 4))
+    first = _held_first(proxy, "h-bn", shape=(2, 4))
+    try:
+        with torch.no_grad():
+            futs = [proxy.forward_async(x, name="bn") for x in xs]
+            outs = [f.wait() for f in futs]  # answered while the first call still holds its gate
+        assert rpc.rpc_sync("worker1", base.queued) == 0
+    finally:
+        rpc.rpc_sync("worker1", gates.release, ("h-bn",))
+    first.wait()
     local = torch.nn.BatchNorm1d(4)
     with torch.no_grad():
-        for x, f in zip(xs, futs):
-            assert torch.allclose(f.wait(), local(x), rtol=1e-4, atol=1e-5)
+        for x, out in zip(xs, outs):
+            assert torch.allclose(out, local(x), rtol=1e-4, atol=1e-5)
 
 
 def test_one_unsplittable_output_does_not_turn_batching_off_for_good():
-    proxy = RemoteModule("worker1/cpu", host.Stats, batching=POLICY)
+    proxy = RemoteModule("worker1/cpu", host.Stats, batching=POLICY).eval()
     xs = [torch.randn(1, 4), torch.randn(2, 4)]
     futs = _joined(proxy, "h-stats1", [((x,), {"name": "s1", "stats": True}) for x in xs])
     for x, f in zip(xs, futs):
@@ -102,7 +112,7 @@ def test_one_unsplittable_output_does_not_turn_batching_off_for_good():
 
 @pytest.mark.parametrize("kind", ["tuple_none", "dict", "scalar", "none", "rpc"])
 def test_outputs_of_every_shape_come_back_per_call(kind):
-    proxy = RemoteModule("worker1/cpu", host.Shapes, batching=POLICY)
+    proxy = RemoteModule("worker1/cpu", host.Shapes, batching=POLICY).eval()
     xs = [torch.randn(1, 4), torch.randn(2, 4), torch.randn(0, 4)]
     futs = _joined(proxy, f"h-shape-{kind}", [((x,), {"name": kind, "kind": kind}) for x in xs])
     for x, f in zip(xs, futs):
@@ -120,20 +130,20 @@ def test_outputs_of_every_shape_come_back_per_call(kind):
 
 
 def test_kwargs_only_dtypes_dim_minus_one_and_noncontiguous():
-    proxy = RemoteModule("worker1/cpu", host.Gated, batching=BatchPolicy(dim=-1, max_batch=64, max_wait_ms=0))
+    proxy = RemoteModule("worker1/cpu", host.Gated, batching=BatchPolicy(dim=-1, max_batch=64, max_wait_ms=0)).eval()
     xs = [torch.randn(5, 2), torch.randn(5, 3).double(), torch.randn(3, 5).t(), torch.randn(5, 0)]
     futs = _joined(proxy, "h-dim", [((x,), {"name": "dim"}) for x in xs], n_queued=4)
     for x, f in zip(xs, futs):
         got = f.wait()
         assert got.dtype == x.dtype and torch.equal(got, x * 2)
-    kw = RemoteModule("worker1/cpu", host.KwOnly, batching=POLICY)
+    kw = RemoteModule("worker1/cpu", host.KwOnly, batching=POLICY).eval()
     with torch.no_grad():
         futs = [kw.forward_async(x=torch.ones(k, 2), y=torch.ones(k, 2)) for k in (1, 2)]
     assert [f.wait().shape for f in futs] == [(1, 2), (2, 2)]
 
 
 def test_max_batch_is_a_limit_and_a_larger_call_runs_alone():
-    proxy = RemoteModule("worker1/cpu", host.Gated, batching=BatchPolicy(max_batch=4, max_wait_ms=0))
+    proxy = RemoteModule("worker1/cpu", host.Gated, batching=BatchPolicy(max_batch=4, max_wait_ms=0)).eval()
     xs = [torch.randn(k, 4) for k in (2, 2, 5, 1, 2)]
     futs = _joined(proxy, "h-max", [((x,), {"name": "max"}) for x in xs], n_queued=4)
     for x, f in zip(xs, futs):
@@ -143,7 +153,7 @@ def test_max_batch_is_a_limit_and_a_larger_call_runs_alone():
 
 
 def test_requires_grad_and_inference_mode_inputs():
-    proxy = RemoteModule("worker1/cpu", host.Gated, batching=POLICY)
+    proxy = RemoteModule("worker1/cpu", host.Gated, batching=POLICY).eval()
     x = torch.randn(2, 4, requires_grad=True)
     with torch.no_grad():
         assert torch.equal(proxy(x), x.detach() * 2)
@@ -153,7 +163,7 @@ def test_requires_grad_and_inference_mode_inputs():
 
 
 def test_state_dict_train_eval_and_pickled_proxy_keep_batching():
-    proxy = RemoteModule("worker1/cpu", host.Norm, batching=POLICY)
+    proxy = RemoteModule("worker1/cpu", host.Norm, batching=POLICY).eval()
     sd = proxy.state_dict()
     proxy.load_state_dict(sd)
     proxy.eval()
@@ -165,7 +175,7 @@ def test_state_dict_train_eval_and_pickled_proxy_keep_batching():
 
 
 def test_a_deep_copy_batches_as_its_proxy_says():
-    proxy = RemoteModule("worker1/cpu", host.Gated, batching=POLICY)
+    proxy = RemoteModule("worker1/cpu", host.Gated, batching=POLICY).eval()
     assert rpc.rpc_sync("worker1", host.has_batcher, (proxy.module_key,))
     clone = copy.deepcopy(proxy)
     assert (clone.batching is not None) == rpc.rpc_sync("worker1", host.has_batcher, (clone.module_key,)), (
@@ -178,7 +188,7 @@ def test_a_deep_copy_batches_as_its_proxy_says():
 
 
 def test_queued_calls_of_a_deleted_proxy_are_answered():
-    proxy = RemoteModule("worker1/cpu", host.Gated, batching=POLICY)
+    proxy = RemoteModule("worker1/cpu", host.Gated, batching=POLICY).eval()
     futs = None
     first = _held_first(proxy, "h-del")
     try:
@@ -196,7 +206,7 @@ def test_queued_calls_of_a_deleted_proxy_are_answered():
 def test_a_host_that_turns_warnings_into_errors_keeps_answering():
     # the batcher's RuntimeWarning about an output that does not split is raised on a host run
     # with -W error: the batcher thread must not die with calls queued
-    proxy = RemoteModule("worker1/cpu", host.Stats, batching=POLICY, timeout=20)
+    proxy = RemoteModule("worker1/cpu", host.Stats, batching=POLICY, timeout=20).eval()
     rpc.rpc_sync("worker1", host.warnings_as_errors, (True,))
     try:
         xs = [torch.randn(1, 4), torch.randn(2, 4)]
@@ -211,7 +221,7 @@ def test_a_host_that_turns_warnings_into_errors_keeps_answering():
 
 
 def test_an_eval_mode_batchnorm_joins_and_matches_its_local_module():
-    proxy = RemoteModule("worker1/cpu", host.Norm, batching=POLICY)
+    proxy = RemoteModule("worker1/cpu", host.Norm, batching=POLICY).eval()
     proxy.eval()
     xs = [torch.randn(3, 4), torch.randn(3, 4) * 10 + 5]
     futs = _joined(proxy, "h-bn-eval", [((x,), {"name": "bn-eval"}) for x in xs])
