@@ -71,4 +71,5 @@ bench: $(STAMP)
 	$(PYTHON) -m tests.benchmarks.bench_table_memory
 	$(PYTHON) -m tests.benchmarks.bench_shard_checkpoints
 	$(PYTHON) -m tests.benchmarks.bench_checkpoint_cost
+	$(PYTHON) -m tests.benchmarks.bench_batching
 	$(PYTHON) -m tests.benchmarks.bench_network

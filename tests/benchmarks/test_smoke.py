@@ -10,6 +10,7 @@ import torch
 
 from tests.benchmarks import (
     bench_admission,
+    bench_batching,
     bench_checkpoint_cost,
     bench_dlrm,
     bench_embedding,
@@ -490,3 +491,18 @@ def test_step_cpu_ratios_are_same_run_ratios():
     got = b.ratios(r)
     assert got[f"trainer CPU per step: {b.PREFETCH} / anchor's trainer"] == 0.5
     assert got[f"steps/s pinned: {b.PREFETCH} / anchor"] == 2.0
+
+
+@pytest.mark.slow
+def test_quick_batching_benchmark_runs(tmp_path, capsys):
+    # the run itself checks both modules' outputs against a local copy of the loaded state
+    saved = quick_run(bench_batching, tmp_path / "bench-batching.json")
+    variants = {bench_batching.PLAIN, bench_batching.BATCHED}
+    assert set(saved["calls_per_s"]) == variants and all(v > 0 for v in saved["calls_per_s"].values())
+    assert all(0 < lat["p50"] <= lat["p99"] for lat in saved["latency_ms"].values())
+    host = saved["host"]
+    assert host[bench_batching.PLAIN]["mean_batch"] == 1.0  # one forward per call
+    assert host[bench_batching.BATCHED]["mean_batch"] >= 1.0
+    assert all(d <= saved["config"]["atol"] for d in saved["max_abs_diff_vs_local"].values())
+    printed = capsys.readouterr().out
+    assert "(target >= 3)" in printed and "p99 ms" in printed
