@@ -12,8 +12,7 @@ another build fails with ``rpc_backend.BuildMismatch`` naming both.
 """
 
 from remote_module._core import CallTimeout, RemoteModuleError
-from remote_module._proxy import PICKLED_ATTRIBUTES, UNSUPPORTED_METHODS, clip_grad_norm_
-from remote_module._proxy.batching import BatchPolicy
+from remote_module._proxy import PICKLED_ATTRIBUTES, UNSUPPORTED_METHODS, BatchPolicy, clip_grad_norm_
 from remote_module.remote_module import RemoteModule
 from rpc_backend.builds import declare_build
 

@@ -2,13 +2,13 @@
 
 Bottom up: ``rpc_backend`` (worlds), ``remote_module._core`` (machinery every layer may use),
 ``remote_module._proxy`` (what only RemoteModule uses), ``remote_module.remote_module`` (the
-proxy), then ``pipeline``, ``sharded`` and ``ps``, and ``demos`` on top. :func:`violations`
+proxy), then ``pipeline``, ``sharded``, ``ps`` and ``serving``, and ``demos`` on top. :func:`violations`
 returns one line per broken rule:
 
 - ``rpc_backend`` imports nothing of ``remote_module``;
 - ``_core`` imports nothing of ``remote_module`` above it;
 - ``_proxy`` imports ``_core`` only through its public names and never a layer above it;
-- ``pipeline``, ``sharded`` and ``ps`` never import each other, and import ``_core`` and
+- ``pipeline``, ``sharded``, ``ps`` and ``serving`` never import each other, and import ``_core`` and
   ``_proxy`` only as ``from remote_module._core import <a name in its __all__>``; no other
   private module of the package (``remote_module._x``) and no layer's private modules;
 - ``demos`` use public names only;
@@ -46,7 +46,7 @@ import ast
 from pathlib import Path
 from typing import Iterator
 
-UPPER = ("pipeline", "sharded", "ps")
+UPPER = ("pipeline", "sharded", "ps", "serving")
 INTERNAL = ("_core", "_proxy")
 DEMOS = ("demos",)  # the demos
 TORCH_PRIVATE_MODULES = ("torch.distributed.rpc.api", "torch.distributed.rpc.internal")

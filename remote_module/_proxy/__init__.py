@@ -15,14 +15,16 @@
 - ``shipping``: sending classes defined in ``__main__`` or a script by value;
 - ``state_dict`` and ``module_state``: ``state_dict``/``load_state_dict`` plumbing;
 - ``unsupported``: the ``nn.Module`` methods a proxy refuses (one table);
-- ``wire``: the format of small calls inlined in a message.
+- ``wire``: the format of small calls inlined in a message;
+- ``batching``: joining concurrent calls on the host (``BatchPolicy``).
 
-The layers above the proxy (``pipeline``, ``sharded``, ``ps``) use ``RemoteModule`` and the
+The layers above the proxy (``pipeline``, ``sharded``, ``ps``, ``serving``) use ``RemoteModule`` and the
 names listed in ``__all__`` here, never these modules.
 """
 
+from remote_module._proxy.batching import BatchPolicy, checked_policy
 from remote_module._proxy.context_grads import clip_grad_norm_
 from remote_module._proxy.pickling import PICKLED_ATTRIBUTES
 from remote_module._proxy.unsupported import UNSUPPORTED_METHODS
 
-__all__ = ["PICKLED_ATTRIBUTES", "UNSUPPORTED_METHODS", "clip_grad_norm_"]
+__all__ = ["PICKLED_ATTRIBUTES", "UNSUPPORTED_METHODS", "clip_grad_norm_", "BatchPolicy", "checked_policy"]

@@ -16,8 +16,14 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from remote_module._core import capture, host_device, hosted_module, prepare_inputs, prepare_output
-from remote_module._core._torch_private import in_dist_autograd_context
+from remote_module._core import (
+    capture,
+    host_device,
+    hosted_module,
+    in_dist_autograd_context,
+    prepare_inputs,
+    prepare_output,
+)
 from remote_module._proxy.batching import batcher_of
 from remote_module._proxy.call_records import Answer, Call, Target
 from remote_module._proxy.wire import dumps, loads

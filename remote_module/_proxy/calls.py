@@ -224,6 +224,30 @@ class RemoteCalls:
         batchable = call.inline and not call.payload.side
         return self._call_channel().submit(call.wire(), timeout=self._timeout_s(), batchable=batchable, made=made)
 
+    def _attempt(self, args: tuple, kwargs: dict, timeout_s: float) -> Future:
+        """One ``forward`` call sent in one RPC of its own (no channel, no ordering with this
+        proxy's other calls), for a layer that chooses among hosts (``remote_module.serving``).
+        The Future's value is ``(output, None)``, or ``(None, exception)`` when the module (or
+        the pickling of its arguments or output) raised on the host: the call's own answer. An
+        error of the Future itself means no answer came: the host is gone or was late beyond
+        ``timeout_s``. Arguments that cannot be sent raise here, and nothing is sent."""
+        call = self._make_call(args, kwargs)
+        handler = _host_calls._call_one if self.batching is None else _host_calls._call_one_joining
+        sent = rpc.rpc_async(self._dest(), handler, (self._target().wire(), call.wire()),
+                             timeout=rpc_timeout_argument(timeout_s))
+        where = self._where()
+
+        def answered(fut: Future) -> tuple:
+            result = Answer.from_wire(fut.wait()).result
+            if type(result) is RemoteFailure:
+                return None, to_exception(result, where)
+            try:
+                return loads(result), None
+            except Exception as exc:  # (an output this process cannot unpickle: the call's own)
+                return None, exc
+
+        return sent.then(answered)
+
     def _forward_result(self, result: Any) -> Any:
         if type(result) is RemoteFailure:
             raise to_exception(result, self._where()) from None
