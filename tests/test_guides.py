@@ -193,7 +193,7 @@ def test_readme_links_every_guide():
 #: each capability's guide and the tutorial script it links to, beside it
 GUIDE_SCRIPTS = {
     "remote-module.md": "quickstart.py", "pipelines.md": "pipeline.py", "sharded.md": "sharded.py",
-    "parameter-servers.md": "parameter_server.py", "embeddings.md": "embeddings.py",
+    "parameter-servers.md": "parameter_server.py", "embeddings.md": "embeddings.py", "serving.md": "serving.py",
 }
 
 

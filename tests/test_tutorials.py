@@ -107,6 +107,26 @@ def test_embeddings_table_trains_and_its_checkpoint_loads_locally():
     assert lines.index(loss[0]) > max(i for i, line in enumerate(lines) if line.startswith("trainer0: step "))
 
 
+@pytest.mark.slow
+def test_serving_batches_and_survives_a_killed_replica():
+    out = subprocess.run(
+        [sys.executable, "tutorials/serving.py"], cwd=ROOT, capture_output=True, text=True,
+        timeout=RUN_S, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    batching = [line for line in lines if line.startswith("batching: 48 calls from 3 clients, ")]
+    assert len(batching) == 1, out.stdout
+    forwards = int(re.search(r"(\d+) forwards on server0", batching[0]).group(1))
+    assert 1 <= forwards < 48, batching[0]  # calls that arrived together ran as one forward
+    assert float(batching[0].rsplit(": ", 1)[1]) < 1e-5, batching[0]
+    assert "failover: 60 calls, 0 failed" in lines, out.stdout
+    assert any(line.startswith("  server2: lost (") for line in lines), out.stdout
+    assert "  server0: live" in lines and "  server1: live" in lines, out.stdout
+    # (stderr has torch's own messages of the killed peer's connections: not checked here)
+    _says_the_world_starting(out.stdout, 6)
+
+
 def _says_the_world_starting(stdout: str, ranks: int) -> None:
     """A tutorial's first lines: what it starts, then run_local's progress, before any result."""
     lines = stdout.splitlines()

@@ -235,18 +235,24 @@ class RemoteCalls:
         handler = _host_calls._call_one if self.batching is None else _host_calls._call_one_joining
         sent = rpc.rpc_async(self._dest(), handler, (self._target().wire(), call.wire()),
                              timeout=rpc_timeout_argument(timeout_s))
-        where = self._where()
+        where, out = self._where(), Future()
 
-        def answered(fut: Future) -> tuple:
-            result = Answer.from_wire(fut.wait()).result
-            if type(result) is RemoteFailure:
-                return None, to_exception(result, where)
+        def answered(fut: Future) -> None:
             try:
-                return loads(result), None
+                result = Answer.from_wire(fut.wait()).result
+            except BaseException as exc:  # no answer: RPC's own error, as it is
+                out.set_exception(exc)
+                return
+            if type(result) is RemoteFailure:
+                out.set_result((None, to_exception(result, where)))
+                return
+            try:
+                out.set_result((loads(result), None))
             except Exception as exc:  # (an output this process cannot unpickle: the call's own)
-                return None, exc
+                out.set_result((None, exc))
 
-        return sent.then(answered)
+        sent.add_done_callback(answered)
+        return out
 
     def _forward_result(self, result: Any) -> Any:
         if type(result) is RemoteFailure:
