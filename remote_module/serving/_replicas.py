@@ -33,7 +33,7 @@ import torch.distributed.rpc as rpc
 from torch import nn
 from torch.futures import Future
 
-from remote_module._core import CallTimeout, dist_autograd_contexts_exist, schedule
+from remote_module._core import CallTimeout, dist_autograd_contexts_exist, register_rpc_reducer, schedule
 from remote_module._proxy import checked_policy
 from remote_module.remote_module import RemoteModule
 
@@ -108,7 +108,9 @@ class ReplicatedModule(nn.Module):
     returns the replicas' state (checked equal on every live replica; ``RuntimeError`` naming
     the first that differs), ``load_state_dict`` loads it into every live replica,
     ``train()``/``eval()`` reach every live replica. ``replica_states()`` says which replicas
-    are live, set aside or lost, and why.
+    are live, set aside or lost, and why. Sent over RPC (an argument of a call), it arrives as
+    the same replicas served from the receiver, which learns their health for itself; plain
+    ``pickle`` and ``torch.save`` cannot carry it (save its ``state_dict()``).
 
     Example (worker0 calls; server1..server3 serve)::
 
@@ -140,12 +142,16 @@ class ReplicatedModule(nn.Module):
         state = first.state_dict()
         for p in proxies[1:]:  # equal because loaded (never because seeds agreed)
             p.load_state_dict(state)
+        self._serve(proxies, hedge_ms / 1000.0, first.training)
+
+    def _serve(self, proxies: list[RemoteModule], hedge_s: float, training: bool) -> None:
+        """Serve from ``proxies`` (every one of them live, as far as this process knows)."""
         self.__dict__["_replicas"] = [_Replica(p, i) for i, p in enumerate(proxies)]  # (not submodules)
         self.__dict__["_lock"] = threading.Lock()
         self.__dict__["_next"] = 0
-        self.hedge_s = hedge_ms / 1000.0
-        self.timeout_s = first._timeout_s()
-        self.training = first.training
+        self.hedge_s = hedge_s
+        self.timeout_s = proxies[0]._timeout_s()
+        self.training = training
 
     # ---- calls ---------------------------------------------------------------------------
 
@@ -365,8 +371,30 @@ class ReplicatedModule(nn.Module):
         self.training = mode
         return self
 
+    def __getstate__(self) -> Any:
+        raise TypeError(
+            "a ReplicatedModule travels only inside RPC messages (as an argument or result of a call), where "
+            "it stays the same remote replicas; pickle and torch.save cannot carry it: save its state_dict()")
+
     def extra_repr(self) -> str:
         return ", ".join(f"{s['worker']}: {s['state']}" for s in self.replica_states())
+
+
+def _reduce(model: ReplicatedModule) -> tuple:
+    """RPC reducer: a ReplicatedModule travels as its replicas' proxies (every replica, lost ones
+    included: the receiver learns their health for itself) and its settings."""
+    return _rebuild, ([r.proxy for r in model._replicas], model.hedge_s, model.training, type(model))
+
+
+def _rebuild(proxies: list, hedge_s: float, training: bool, cls: type) -> ReplicatedModule:
+    """RPC receiver side of :func:`_reduce`: the same remote modules, served from here."""
+    model = cls.__new__(cls)
+    nn.Module.__init__(model)
+    model._serve(proxies, hedge_s, training)
+    return model
+
+
+register_rpc_reducer(ReplicatedModule, _reduce)
 
 
 def _takes_self(sig: inspect.Signature) -> bool:

@@ -79,3 +79,21 @@ def test_replicas_batch_when_asked():
     with torch.no_grad():
         assert torch.equal(model(x), local(x))
     assert all(s["state"] == "live" for s in model.replica_states())
+
+
+def test_it_travels_over_rpc_as_the_same_replicas():
+    import copy
+    import pickle
+
+    model = ReplicatedModule(REPLICAS, host.RecordingMLP, (13,)).eval()
+    local = host.RecordingMLP(13).eval()
+    x = torch.randn(3, 8)
+    out = rpc.rpc_sync("bare", host.no_grad_forward, (model, x, "replicas-travel"))  # served from "bare"
+    with torch.no_grad():
+        assert torch.equal(out, local(x))
+    # (once, or twice when the first call from "bare", which opens its connections, outlasts hedge_ms)
+    assert sum(len(rpc.rpc_sync(w.split("/")[0], host.sizes, ("replicas-travel",))) for w in REPLICAS) in (1, 2)
+    with pytest.raises(TypeError, match="state_dict"):
+        pickle.dumps(model)
+    with pytest.raises(TypeError, match="state_dict"):
+        copy.deepcopy(model)
