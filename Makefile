@@ -72,4 +72,5 @@ bench: $(STAMP)
 	$(PYTHON) -m tests.benchmarks.bench_shard_checkpoints
 	$(PYTHON) -m tests.benchmarks.bench_checkpoint_cost
 	$(PYTHON) -m tests.benchmarks.bench_batching
+	$(PYTHON) -m tests.benchmarks.bench_failover
 	$(PYTHON) -m tests.benchmarks.bench_network

@@ -14,6 +14,7 @@ from tests.benchmarks import (
     bench_checkpoint_cost,
     bench_dlrm,
     bench_embedding,
+    bench_failover,
     bench_pipeline,
     bench_ps,
     bench_shard_checkpoints,
@@ -506,3 +507,14 @@ def test_quick_batching_benchmark_runs(tmp_path, capsys):
     assert all(d <= saved["config"]["atol"] for d in saved["max_abs_diff_vs_local"].values())
     printed = capsys.readouterr().out
     assert "(target >= 3)" in printed and "p99 ms" in printed
+
+
+@pytest.mark.slow
+def test_quick_failover_benchmark_runs(tmp_path, capsys):
+    # the run itself checks every answer against the local model
+    saved = quick_run(bench_failover, tmp_path / "bench-failover.json")
+    assert set(saved["events_s"]) == {"kill", "freeze", "thaw"}
+    assert saved["calls"] > 0 and saved["failed"] == 0, saved["errors"]
+    assert [s["state"] for s in saved["replica_states"]][1] == "lost"
+    printed = capsys.readouterr().out
+    assert "failed calls (target <= 0)" in printed and "p99 ms" in printed
