@@ -147,7 +147,7 @@ class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
 
     #: What this process keeps for itself (:meth:`_declare_process_state`): not part of a
     #: scripted proxy either.
-    __jit_ignored_attributes__ = ["_host_info", "_channel", "_warned_untrained"]
+    __jit_ignored_attributes__ = ["_host_info", "_channel", "_warned_untrained", "_warned_training_batch"]
 
     #: The RRef of the remote module: None until the proxy is connected to it (while it is
     #: being built; ``nn.Module.__init__`` sets ``training`` before anything else is set), then

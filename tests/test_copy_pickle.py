@@ -1,7 +1,7 @@
 """Every public class copies and pickles (issue 43, item 5), without an RPC world.
 
 For each class in the ``__all__`` of ``remote_module``, ``remote_module.ps``,
-``remote_module.pipeline``, ``remote_module.sharded`` and ``rpc_backend``, :data:`BUILT`
+``remote_module.pipeline``, ``remote_module.sharded``, ``remote_module.serving`` and ``rpc_backend``, :data:`BUILT`
 gives a way to build one here, or :data:`NEEDS_A_WORLD` says why there is none. Each built
 object goes through ``copy.copy``, ``copy.deepcopy`` and a ``pickle`` round trip and comes back
 equal (by :func:`_same`); none of them refuses.
@@ -15,6 +15,8 @@ The classes whose instances need a world are covered by the tests that build the
 - ``RemotePipeline``: ``copy.deepcopy`` (tests/pipeline/test_module.py), pickled to another
   caller over RPC (tests/pipeline/test_edge_cases.py);
 - ``LocalModule``: ``copy.deepcopy`` (tests/sharded/test_over_rpc.py);
+- ``ReplicatedModule``: travels over RPC as the same replicas; ``pickle`` and ``copy.deepcopy``
+  refuse, saying to save its ``state_dict()`` (tests/serving/test_replicas.py);
 - ``RemoteTensor``: refuses ``pickle``, saying what to send instead (tests/sharded/test_errors.py);
 - ``PSModel``: ``copy.deepcopy`` and ``pickle`` (tests/ps/test_in_flight_edges.py,
   tests/ps/test_lr_schedules.py); ``ShardedEmbedding`` and ``ShardedEmbeddingBag``: the same
@@ -38,7 +40,8 @@ import remote_module
 from rpc_backend import LostWorker
 from rpc_backend._beats import Origin
 
-PACKAGES = ("remote_module", "remote_module.ps", "remote_module.pipeline", "remote_module.sharded", "rpc_backend")
+PACKAGES = ("remote_module", "remote_module.ps", "remote_module.pipeline", "remote_module.sharded",
+            "remote_module.serving", "rpc_backend")
 
 _LOST = LostWorker("trainer1", 2, "trainer", Origin("machine1", "10.0.0.2", "1", 4242), "at step 3", "running", 10.5,
                    False)
@@ -47,6 +50,8 @@ _LOST = LostWorker("trainer1", 2, "trainer", Origin("machine1", "10.0.0.2", "1",
 BUILT: dict[str, Callable[[], Any]] = {
     "remote_module.RemoteModuleError": lambda: remote_module.RemoteModuleError("ValueError: bad input on worker1"),
     "remote_module.CallTimeout": lambda: remote_module.CallTimeout("call to worker1 timed out after 2.0 s"),
+    "remote_module.BatchPolicy": lambda: remote_module.BatchPolicy(dim=1, max_batch=16, max_wait_ms=0.5),
+    "remote_module.serving.BatchPolicy": lambda: remote_module.BatchPolicy(),
     "remote_module.ps.Block": lambda: _cls("remote_module.ps.Block")(1, 10, 5),
     "remote_module.ps.RoundRobin": lambda: _cls("remote_module.ps.RoundRobin")(),
     "remote_module.ps.HashName": lambda: _cls("remote_module.ps.HashName")(),
@@ -77,6 +82,7 @@ NEEDS_A_WORLD: dict[str, str] = {
     "remote_module.ps.ShardedEmbeddingBag": "creates its table on servers",
     "remote_module.ps.ShardedEmbeddingBagCollection": "holds tables, which need servers",
     "remote_module.pipeline.RemotePipeline": "creates its stages on workers",
+    "remote_module.serving.ReplicatedModule": "creates its module on host workers",
     "remote_module.sharded.RemoteTensor": "its shards live on workers",
     "remote_module.sharded.LocalModule": "creates its shards on workers",
 }

@@ -15,6 +15,14 @@ concatenated along ``dim`` (``torch.cat``) in the order the calls arrived, the m
 under ``torch.no_grad()``, and every tensor of the output (at any depth of tuples, lists and
 dicts) is split along ``dim`` by the calls' sizes; each call gets a copy of its part.
 
+**Checked once per kind of call.** The first joined batch of each join key also runs its first
+call alone and compares (the same structure, shapes and dtypes; floating values within
+``rtol=1e-4, atol=1e-5``). Where the call alone gets something else than its part of the joined
+output, such calls run alone from then on (one ``RuntimeWarning`` on the host, saying which
+part differed): for example a flattened output whose size along ``dim`` is the batch's by
+chance, or a sequence-first model joined along its sequence (``dim=0`` where its batch is dim
+1), whose rows are not independent along ``dim``. The check costs one forward per kind of call.
+
 Each call keeps the call contract:
 
 - **its own result**: a joined forward that raises, or whose output cannot be split (a value
@@ -145,6 +153,49 @@ def _rebuild(value: Any, tensors: list[torch.Tensor], at: list[int]) -> Any:
     return value
 
 
+def unsplittable(out: Any, sizes: list[int], dim: int, path: str = "output") -> str:
+    """Why :func:`split_output` cannot split ``out`` (the first part that fails, named by its
+    path in the output); "" when it can."""
+    if isinstance(out, torch.Tensor):
+        if out.dim() == 0 or not -out.dim() <= dim < out.dim():
+            return f"{path} is a tensor of shape {tuple(out.shape)}, without a dim {dim}"
+        if out.shape[dim] != sum(sizes):
+            return (f"{path} is a tensor of shape {tuple(out.shape)}: its size along dim {dim} is "
+                    f"{out.shape[dim]}, the joined batch's {sum(sizes)}")
+        return ""
+    if type(out) in (tuple, list):
+        return next((w for i, v in enumerate(out) if (w := unsplittable(v, sizes, dim, f"{path}[{i}]"))), "")
+    if type(out) is dict and all(type(k) is str for k in out):
+        return next((w for k, v in out.items() if (w := unsplittable(v, sizes, dim, f"{path}[{k!r}]"))), "")
+    return f"{path} is a {type(out).__name__}, not a tensor"
+
+
+def differs(alone: Any, part: Any, path: str = "output") -> str:
+    """How a call's output run alone differs from its part of a joined output (""
+    when they agree: the same structure, shapes and dtypes, floating values within
+    ``rtol=1e-4, atol=1e-5``, other values equal)."""
+    if isinstance(alone, torch.Tensor) and isinstance(part, torch.Tensor):
+        if alone.shape != part.shape or alone.dtype != part.dtype:
+            return (f"{path}: alone a tensor of shape {tuple(alone.shape)} ({alone.dtype}), its slice of the "
+                    f"joined batch {tuple(part.shape)} ({part.dtype})")
+        same = (torch.allclose(alone, part, rtol=1e-4, atol=1e-5, equal_nan=True)
+                if alone.is_floating_point() or alone.is_complex() else torch.equal(alone, part))
+        if not same:
+            return f"{path}: values differ beyond rtol=1e-4, atol=1e-5 (the rows are not independent along this dim)"
+        return ""
+    if type(alone) is not type(part):
+        return f"{path}: alone a {type(alone).__name__}, joined a {type(part).__name__}"
+    if type(alone) in (tuple, list):
+        if len(alone) != len(part):
+            return f"{path}: alone {len(alone)} items, joined {len(part)}"
+        return next((w for i, (a, b) in enumerate(zip(alone, part)) if (w := differs(a, b, f"{path}[{i}]"))), "")
+    if type(alone) is dict:
+        if alone.keys() != part.keys():
+            return f"{path}: alone keys {sorted(alone)}, joined {sorted(part)}"
+        return next((w for k in alone if (w := differs(alone[k], part[k], f"{path}[{k!r}]"))), "")
+    return "" if alone == part else f"{path}: {alone!r} alone, {part!r} joined"
+
+
 def split_output(out: Any, sizes: list[int], dim: int) -> list[Any] | None:
     """Each call's part of a joined output (copies), or None when it cannot be split: a value
     that is not a tensor (or a tuple, list or str-keyed dict of them), or a tensor whose size
@@ -194,6 +245,7 @@ class Batcher:
         self._closed = False
         self._splits = True  # False once outputs of _MAX_UNSPLIT keys could not be split: all calls run alone
         self._unsplit: set = set()  # join keys whose joined output could not be split: they run alone
+        self._verified: set = set()  # join keys whose first joined batch matched its first call alone
         self._thread = threading.Thread(target=self._loop, name=f"remote_module batcher {name}", daemon=True)
         self._thread.start()
 
@@ -286,29 +338,52 @@ class Batcher:
     def _joined(self, batch: list[Pending]) -> None:
         dim = self.policy.dim
         first = batch[0]
+        sizes = [p.size for p in batch]
         try:
             joined = [torch.cat([p.tensors[i] for p in batch], dim) for i in range(len(first.tensors))]
             args, kwargs = _rebuild((first.args, first.kwargs), joined, [0])
             out = self._run(args, kwargs)
-            parts = split_output(out, [p.size for p in batch], dim)
+            parts = split_output(out, sizes, dim)
         except BaseException:  # which call's input? each runs alone and fails alone
-            parts = None
-        else:
-            if parts is None and self._splits and first.key not in self._unsplit:
-                if not self._unsplit:
-                    _warn(
-                        f"remote_module batching of {self._name}: its forward's output ({type(out).__name__}) "
-                        f"cannot be split along dim {dim} by the calls' sizes; calls with such arguments run "
-                        f"one by one from now on (all its calls, once {_MAX_UNSPLIT} kinds of arguments did not split)",
-                        RuntimeWarning, stacklevel=1)
-                self._unsplit.add(first.key)
-                if len(self._unsplit) >= _MAX_UNSPLIT:
-                    self._splits = False
-        if parts is None:
             self._each_alone(batch)
             return
+        if parts is None:
+            self._refuse(first.key, f"its output cannot be split by the calls' sizes: {unsplittable(out, sizes, dim)}")
+            self._each_alone(batch)
+            return
+        if first.key not in self._verified:
+            # the first joined batch of its kind: its first call also runs alone, and must get
+            # what it gets joined (a flattened output whose size happens to match the batch's, or
+            # rows that are not independent along dim, would be split wrong without a word)
+            try:
+                alone = self._run(first.args, first.kwargs)
+                why = differs(alone, parts[0])
+            except BaseException as exc:
+                alone, why = None, f"its first call alone raised {type(exc).__name__}: {exc}"
+            if why:
+                self._refuse(first.key, f"a call alone does not get its part of the joined output: {why}")
+                if alone is not None:
+                    first.future.set_result(("ok", alone))
+                    self._each_alone(batch[1:])
+                else:
+                    self._each_alone(batch)
+                return
+            self._verified.add(first.key)
         for p, part in zip(batch, parts):
             p.future.set_result(("ok", part))
+
+    def _refuse(self, key: Any, why: str) -> None:
+        """Calls of ``key`` run alone from now on (all calls, once ``_MAX_UNSPLIT`` keys were
+        refused); the first refusal warns, saying why."""
+        if key in self._unsplit:
+            return
+        if not self._unsplit:
+            _warn(f"remote_module batching of {self._name} (dim={self.policy.dim}): {why}. Calls with such "
+                  f"arguments run one by one from now on (all its calls, once {_MAX_UNSPLIT} kinds of arguments "
+                  "were refused).", RuntimeWarning, stacklevel=1)
+        self._unsplit.add(key)
+        if len(self._unsplit) >= _MAX_UNSPLIT:
+            self._splits = False
 
 
 def _warn(message: str, category: type, stacklevel: int) -> None:

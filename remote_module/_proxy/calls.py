@@ -19,6 +19,7 @@ import inspect
 import math
 import threading
 import time
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -82,6 +83,7 @@ class RemoteCalls:
         self._host_info: rpc.WorkerInfo | None = None  # the host's WorkerInfo, looked up on first use
         self._channel: Channel | None = None  # the forward_async channel, made on first use
         self._warned_untrained = False  # the one warning of training outside dist autograd (_core.untrained)
+        self._warned_training_batch = False  # the one warning that a batching module in training mode joins nothing
 
     # ---- blocking calls --------------------------------------------------------------------
 
@@ -172,6 +174,14 @@ class RemoteCalls:
         if records_outside_context(self, self.remote_trainable, args, kwargs):
             warn_untrained(self, f"RemoteModule on worker {self.on!r} ({self.remote_type})", "proxy", "proxy")
         grad = torch.is_grad_enabled()
+        if self.batching is not None and not grad and not self._warned_training_batch:
+            self._warned_training_batch = True  # (looked at once per proxy: self.training asks the host)
+            if self.training:
+                warnings.warn(
+                    f"RemoteModule on {self.on!r} ({self.remote_type}) batches calls only in eval mode, and is in "
+                    "training mode (nn.Module's default): its no-grad calls each run alone, with dropout and batch "
+                    "norm acting as in training. Call .eval() on it (or the model holding it) to serve.",
+                    UserWarning, stacklevel=4)
         # (inline: no distributed autograd context in this process, so none to keep apart)
         return Call(payload, grad, inline, not grad and (inline or not dist_autograd_contexts_exist()))
 

@@ -50,6 +50,7 @@ IGNORED_ATTRIBUTES: tuple[str, ...] = tuple(vars(nn.Module()).keys()) + (
     "_host_info",  # a per-process cache of the host's WorkerInfo
     "_channel",  # per-process call channel: coalescing, deadlines, order (remote_module._proxy.channel)
     "_warned_untrained",  # this proxy object warned of training outside dist autograd (remote_module._core.untrained)
+    "_warned_training_batch",  # this proxy object warned that a batching module in training mode joins nothing
 )
 
 #: torch's text, then why and what to do (torch.save(model) of a model holding a proxy, with RPC

@@ -25,6 +25,7 @@ import inspect
 import math
 import threading
 import time
+import warnings
 import weakref
 from typing import Any, Sequence
 
@@ -161,6 +162,12 @@ class ReplicatedModule(nn.Module):
     def forward_async(self, *args: Any, **kwargs: Any) -> Future:
         if torch.is_grad_enabled() or dist_autograd_contexts_exist():
             raise RuntimeError(_INFERENCE_ONLY)
+        if self.training and not self.__dict__.get("_warned_training"):
+            self.__dict__["_warned_training"] = True
+            warnings.warn(
+                "ReplicatedModule is in training mode (nn.Module's default): its replicas run dropout and batch "
+                "norm as in training, and a batching policy joins nothing. Call .eval() on it to serve.",
+                UserWarning, stacklevel=2)
         sig = self._replicas[0].proxy.forward_signature
         if sig is not None:
             sig.bind(None, *args, **kwargs) if _takes_self(sig) else sig.bind(*args, **kwargs)

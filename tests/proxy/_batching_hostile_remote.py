@@ -41,7 +41,7 @@ class Gated(nn.Module):
     def forward(self, x, gate=None, name="m", **extra):
         if gate is not None:
             gates.hold(gate)
-        _record(name, x.reshape(x.shape[0], -1)[:, 0].tolist() if x.dim() > 0 and x.shape[0] else [])
+        _record(name, x.reshape(x.shape[0], -1)[:, 0].tolist() if x.dim() > 0 and x.numel() else [])
         return self.compute(x, **extra)
 
     def compute(self, x, **extra):

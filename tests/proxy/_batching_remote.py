@@ -58,3 +58,27 @@ def no_grad_forward(proxy, x, name):
     """(On another worker) a call under no_grad through a proxy that arrived over RPC."""
     with torch.no_grad():
         return proxy(x, name=name)
+
+
+class Flattened(nn.Module):
+    """Sequence-first ``(seq, batch)`` in, ``(seq * batch, 2)`` out (flattened, as
+    word_language_model's RNNModel returns): for 2 joined calls its size along dim 1 is 2 by
+    chance, so a split along dim 1 would cut it wrong."""
+
+    def forward(self, x: torch.Tensor, gate: str | None = None, name: str = "m") -> torch.Tensor:
+        if gate is not None:
+            gates.hold(gate)
+        with _lock:
+            _sizes.setdefault(name, []).append(int(x.shape[1]))
+        return (x.unsqueeze(-1) * torch.tensor([1.0, -2.0])).reshape(-1, 2)
+
+
+class Mixing(nn.Module):
+    """Rows that are not independent along dim 0: each row minus the mean of all rows."""
+
+    def forward(self, x: torch.Tensor, gate: str | None = None, name: str = "m") -> torch.Tensor:
+        if gate is not None:
+            gates.hold(gate)
+        with _lock:
+            _sizes.setdefault(name, []).append(int(x.shape[0]))
+        return x - x.mean(dim=0, keepdim=True)

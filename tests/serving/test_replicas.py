@@ -97,3 +97,15 @@ def test_it_travels_over_rpc_as_the_same_replicas():
         pickle.dumps(model)
     with pytest.raises(TypeError, match="state_dict"):
         copy.deepcopy(model)
+
+
+def test_serving_in_training_mode_warns_once():
+    import warnings
+
+    model = ReplicatedModule(REPLICAS, host.RecordingMLP, (14,))
+    with torch.no_grad():
+        with pytest.warns(UserWarning, match=r"training mode.*\.eval\(\)"):
+            model(torch.randn(1, 8), name="replicas-train")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model(torch.randn(1, 8), name="replicas-train")
