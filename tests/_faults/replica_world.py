@@ -6,8 +6,9 @@ caller serves from them (run by tests/serving/test_failover.py).
 ROLE is caller (rank 0), r1 (killed with SIGKILL while calls are held in its forward), r2
 (frozen with SIGSTOP, then thawed with SIGCONT) or r3. The caller prints one ``REPORT`` line:
 
-- ``killed``: a burst of calls while r1 holds some of them; r1 is killed once it holds at
-  least one; every call's outcome, and the replicas' states after;
+- ``killed``: a burst of calls while r1 holds some of them (the replicas batch: r1 holds a
+  running batch, with more calls queued in its batcher); r1 is killed then; every call's
+  outcome, and the replicas' states after;
 - ``frozen``: r2 stopped; a burst of calls; every call's outcome and seconds, the replicas'
   states while r2 is stopped;
 - ``thawed``: r2 continued; how long until it is live again, and how many of a later burst it
@@ -74,6 +75,17 @@ def pid() -> int:
     return os.getpid()
 
 
+def queued() -> int:
+    """Calls waiting in this host's batchers."""
+    from remote_module._proxy import batching
+
+    total = 0
+    for b in list(batching._batchers.values()):
+        with b._cond:
+            total += len(b._queue)
+    return total
+
+
 def _outcomes(futs, start):
     out = []
     for f in futs:
@@ -88,10 +100,13 @@ def _outcomes(futs, start):
 def caller() -> None:
     import torch.distributed.rpc as rpc
 
-    from remote_module.serving import ReplicatedModule
+    from remote_module.serving import BatchPolicy, ReplicatedModule
     from tests._faults.dead_host import wait_until_dead
 
-    model = ReplicatedModule(["r1/cpu", "r2/cpu", "r3/cpu"], Echo, timeout=TIMEOUT, hedge_ms=HEDGE_MS).eval()
+    # batching replicas: when r1 is killed, one of its batches is running (held) and more calls
+    # are queued in its batcher; every one of them is answered by the others
+    model = ReplicatedModule(["r1/cpu", "r2/cpu", "r3/cpu"], Echo, timeout=TIMEOUT, hedge_ms=HEDGE_MS,
+                             batching=BatchPolicy(max_batch=8, max_wait_ms=1)).eval()
     pids = {r: rpc.rpc_sync(r, pid) for r in ("r1", "r2", "r3")}
     x = torch.ones(2, 4)
     report = {}
@@ -102,9 +117,10 @@ def caller() -> None:
         start = time.monotonic()
         futs = [model.forward_async(x) for _ in range(30)]
         deadline = time.monotonic() + HANG_S
-        while rpc.rpc_sync("r1", held) < 1:
-            assert time.monotonic() < deadline, "r1 never held a call"
+        while rpc.rpc_sync("r1", held) < 1 or rpc.rpc_sync("r1", queued) < 1:
+            assert time.monotonic() < deadline, "r1 never held a batch with more calls queued"
             time.sleep(0.01)
+        report["r1_queued_when_killed"] = rpc.rpc_sync("r1", queued)
         os.kill(pids["r1"], signal.SIGKILL)
         wait_until_dead(pids["r1"])
         report["killed"] = {"calls": _outcomes(futs, start), "states": model.replica_states(),

@@ -14,6 +14,7 @@ pytestmark = pytest.mark.slow
 def test_a_killed_and_a_frozen_replica():
     report = run_report("tests._faults.replica_world", list(replica_world.ROLES), timeout=SETUP_S + 2 * HANG_S)
     killed, frozen, thawed = report["killed"], report["frozen"], report["thawed"]
+    assert report["r1_queued_when_killed"] >= 1  # killed in the middle of a batch, with calls queued
     assert all(c["ok"] for c in killed["calls"]), killed["calls"]
     assert killed["equal"]
     assert killed["states"][0]["state"] == "lost" and killed["states"][0]["why"], killed["states"]
