@@ -34,7 +34,13 @@ import torch.distributed.rpc as rpc
 from torch import nn
 from torch.futures import Future
 
-from remote_module._core import CallTimeout, dist_autograd_contexts_exist, register_rpc_reducer, schedule
+from remote_module._core import (
+    CallTimeout,
+    dist_autograd_contexts_exist,
+    register_rpc_reducer,
+    schedule,
+    settle_elsewhere,
+)
 from remote_module._proxy import checked_policy
 from remote_module.remote_module import RemoteModule
 
@@ -192,23 +198,27 @@ class ReplicatedModule(nn.Module):
             call.in_flight += 1
             return best
 
-    def _send(self, call: _Call) -> None:
+    def _send(self, call: _Call, elsewhere: bool = False) -> None:
         replica = self._pick(call)
         if replica is None:
             if call.in_flight == 0:
-                self._finish(call, RuntimeError(self._none_left(call)))
+                with self._lock:  # a replica tried and not lost only ran out of the call's time
+                    timed_out = any(r.lost is None for r in call.tried)
+                self._finish(call, self._timeout(call) if timed_out else RuntimeError(self._none_left(call)),
+                             elsewhere=elsewhere)
             return
         now = _clock()
         call.hedge_at = now + self.hedge_s
         if call.hedge_at < call.deadline:
             schedule(call.hedge_at, call)
         try:
-            sent = replica.proxy._attempt(call.args, call.kwargs, max(call.deadline - now, 0.001))
+            with torch.no_grad():  # (hedges and resends leave from threads where grad is on)
+                sent = replica.proxy._attempt(call.args, call.kwargs, max(call.deadline - now, 0.001))
         except BaseException as exc:  # (arguments that cannot be sent: nothing went anywhere)
             with self._lock:
                 replica.outstanding -= 1
                 call.in_flight -= 1
-            self._finish(call, exc)
+            self._finish(call, exc, elsewhere=elsewhere)
             return
         sent.add_done_callback(lambda fut: self._answered(call, replica, fut))
 
@@ -236,21 +246,27 @@ class ReplicatedModule(nn.Module):
         if call.done:
             return
         if now >= call.deadline:
-            self._finish(call, self._timeout(call))
+            self._finish(call, self._timeout(call), elsewhere=True)
             return
         if now >= call.hedge_at:
             call.hedge_at = math.inf
             last = call.tried[-1] if call.tried else None
             if last is not None:
                 self._set_aside(last)
-            self._send(call)
+            self._send(call, elsewhere=True)
 
-    def _finish(self, call: _Call, error: BaseException | None, value: Any = None) -> None:
+    def _finish(self, call: _Call, error: BaseException | None, value: Any = None, elsewhere: bool = False) -> None:
+        """Settle the caller's Future; ``elsewhere`` (on the process-wide watcher thread): on a
+        settler thread, so that a callback that blocks holds up no other deadline."""
         with self._lock:
             if call.done:
                 return
             call.done = True
-        if error is not None:
+        if elsewhere:
+            future = call.future
+            settle_elsewhere([(lambda: future.set_exception(error)) if error is not None
+                              else (lambda: future.set_result(value))])
+        elif error is not None:
             call.future.set_exception(error)
         else:
             call.future.set_result(value)
@@ -358,17 +374,33 @@ class ReplicatedModule(nn.Module):
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load ``state_dict`` into every live replica (what the first returns is returned)."""
-        results = [p.load_state_dict(state_dict, strict=strict, assign=assign) for p in self._live()]
-        return results[0]
+        return self._load_all(lambda p: p.load_state_dict(state_dict, strict=strict, assign=assign))[0]
 
-    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
+    def _load_all(self, load: Any) -> list:
+        """``load(proxy)`` on every live replica, even after one raised (torch loads what fits
+        before it raises, the same on every replica: they stay equal); then the first error."""
+        results, error = [], None
+        for p in self._live():
+            try:
+                results.append(load(p))
+            except Exception as exc:  # noqa: BLE001 (raised below, once every replica loaded)
+                error = error or exc
+        if error is not None:
+            raise error
+        return results
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: Any, strict: bool,
+                              missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+        """(A parent module's ``load_state_dict``) this module's keys, under ``prefix``, loaded
+        into every replica; keys missing or unexpected reported to the parent (which raises for
+        them when ``strict``)."""
         mine = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
-        if mine:
-            for p in self._live():
-                p.load_state_dict(mine)
-            for k in list(state_dict):
-                if k.startswith(prefix):
-                    state_dict.pop(k)
+        result = self._load_all(lambda p: p.load_state_dict(mine, strict=False))[0]
+        missing_keys.extend(prefix + k for k in result.missing_keys)
+        unexpected_keys.extend(prefix + k for k in result.unexpected_keys)
+        for k in list(state_dict):
+            if k.startswith(prefix):
+                state_dict.pop(k)
 
     def train(self, mode: bool = True) -> ReplicatedModule:
         if not isinstance(mode, bool):
