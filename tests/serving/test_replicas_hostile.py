@@ -181,3 +181,26 @@ def test_copying_or_pickling_fails_clearly_or_works():
             how(model)
         except Exception as exc:  # noqa: BLE001
             assert "ReplicatedModule" in str(exc), f"{how.__name__}: unclear error {type(exc).__name__}: {exc}"
+
+
+@pytest.mark.slow
+def test_kills_and_freezes():
+    from tests._deadlines import SETUP_S
+    from tests._faults import replica_hostile_world as world
+    from tests._faults.subworld import run_report
+
+    report = run_report("tests._faults.replica_hostile_world", list(world.ROLES), timeout=SETUP_S + 2 * HANG_S)
+    print(report["unnoticed"], report["frozen"], report["killed_frozen"])
+    # a replica killed and not yet noticed by a call: state and modes still served by the others
+    assert report["unnoticed"]["state_dict"]["ok"], report["unnoticed"]
+    assert report["unnoticed"]["eval"]["ok"], report["unnoticed"]
+    # a replica killed mid-burst of 200: none fails
+    bad = [c for c in report["burst"]["calls"] if not c["ok"]]
+    assert not bad, bad[:3]
+    # every live replica frozen: each call fails with CallTimeout, not before its timeout
+    for c in report["frozen"]["calls"]:
+        assert c["type"] == "CallTimeout" and c["seconds"] >= world.TIMEOUT, c
+    # the frozen ones killed: calls in flight fail (no hang), then a clear error at once
+    assert all(c["type"] in ("RuntimeError", "CallTimeout") for c in report["killed_frozen"]["calls"]), report
+    after = report["killed_frozen"]["after"]
+    assert after["type"] == "RuntimeError" and "no live replica" in after["message"], after

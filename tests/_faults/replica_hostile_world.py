@@ -1,0 +1,118 @@
+"""A world of four replicas that a hostile caller kills and freezes (run by
+tests/serving/test_replicas_hostile.py::test_kills_and_freezes).
+
+    python -m tests._faults.replica_hostile_world ROLE INIT_METHOD
+
+ROLE is caller (rank 0) or r1..r4. The caller prints one ``REPORT`` line:
+
+- ``unnoticed``: r1 killed, no call made since: what ``state_dict()`` and ``eval()`` do;
+- ``burst``: 200 calls sent, r2 killed while they are in flight: every call's outcome;
+- ``frozen``: r3 and r4 (every live replica) stopped: calls' outcomes and seconds (timeout TIMEOUT);
+- ``killed_frozen``: calls sent to the frozen r3/r4, then both killed: outcomes and seconds,
+  then one more call (no replica left): its outcome and seconds.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+from torch import nn
+
+ROLES = ("caller", "r1", "r2", "r3", "r4")
+TIMEOUT = 3.0
+
+
+class Echo(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return x * self.w
+
+
+def pid() -> int:
+    return os.getpid()
+
+
+def _outcome(f, start, bound):
+    deadline = time.monotonic() + bound
+    while not f.done():
+        if time.monotonic() > deadline:
+            return {"ok": False, "type": "HANG", "seconds": time.monotonic() - start}
+        time.sleep(0.01)
+    try:
+        f.wait()
+        return {"ok": True, "seconds": time.monotonic() - start}
+    except Exception as exc:  # noqa: BLE001 (reported to the test)
+        return {"ok": False, "type": type(exc).__name__, "message": str(exc)[:300],
+                "seconds": time.monotonic() - start}
+
+
+def _try(fn):
+    try:
+        fn()
+        return {"ok": True}
+    except Exception as exc:  # noqa: BLE001
+        return {"ok": False, "type": type(exc).__name__, "message": str(exc)[:300]}
+
+
+def caller() -> None:
+    import torch.distributed.rpc as rpc
+
+    from remote_module.serving import ReplicatedModule
+    from tests._deadlines import HANG_S
+    from tests._faults.dead_host import wait_until_dead
+
+    names = ("r1", "r2", "r3", "r4")
+    model = ReplicatedModule([f"{r}/cpu" for r in names], Echo, timeout=60, hedge_ms=300).eval()
+    model.timeout_s = 20.0
+    pids = {r: rpc.rpc_sync(r, pid) for r in names}
+    x = torch.ones(2, 4)
+    report = {}
+
+    def kill(r):
+        os.kill(pids[r], signal.SIGKILL)
+        wait_until_dead(pids[r])
+
+    with torch.no_grad():
+        model(x)
+        kill("r1")
+        report["unnoticed"] = {"state_dict": _try(model.state_dict), "eval": _try(model.eval),
+                               "states": model.replica_states()}
+        start = time.monotonic()
+        futs = [model.forward_async(x) for _ in range(200)]
+        kill("r2")
+        report["burst"] = {"calls": [_outcome(f, start, HANG_S) for f in futs], "states": model.replica_states()}
+        model.timeout_s = TIMEOUT
+        os.kill(pids["r3"], signal.SIGSTOP)
+        os.kill(pids["r4"], signal.SIGSTOP)
+        start = time.monotonic()
+        futs = [model.forward_async(x) for _ in range(5)]
+        report["frozen"] = {"calls": [_outcome(f, start, HANG_S) for f in futs], "states": model.replica_states()}
+        model.timeout_s = 20.0
+        start = time.monotonic()
+        futs = [model.forward_async(x) for _ in range(5)]
+        time.sleep(0.5)  # (the calls are in flight to the frozen replicas, not a timing assertion)
+        kill("r3")
+        kill("r4")
+        calls = [_outcome(f, start, HANG_S) for f in futs]
+        start = time.monotonic()
+        after = _outcome(model.forward_async(x), start, HANG_S)
+        report["killed_frozen"] = {"calls": calls, "after": after, "states": model.replica_states()}
+    print("REPORT " + json.dumps(report), flush=True)
+    rpc.shutdown(graceful=False)
+    os._exit(0)
+
+
+def main(role: str, init_method: str) -> None:
+    from tests._faults.subworld import join_and_serve
+
+    join_and_serve(role, init_method, ROLES, caller)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
