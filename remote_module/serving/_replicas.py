@@ -348,12 +348,41 @@ class ReplicatedModule(nn.Module):
             return [{"worker": r.proxy.on, "state": "lost" if r.lost else "set aside" if r.late else "live",
                      "why": r.lost, "outstanding": r.outstanding} for r in self._replicas]
 
-    def _live(self) -> list[RemoteModule]:
+    def _on_live(self, do: Any) -> list:
+        """``do(proxy)`` on every live replica, even after one raised (a load that fails loads
+        the same part of the state on every replica first: they stay equal). A replica found
+        gone (its process killed before any call noticed) is dropped, as a call would drop it;
+        any other error is raised once every replica was reached."""
         with self._lock:
-            live = [r.proxy for r in self._replicas if r.lost is None]
-        if not live:
-            raise RuntimeError("ReplicatedModule: no live replica left")
-        return live
+            replicas = [r for r in self._replicas if r.lost is None]
+        results, error = [], None
+        for r in replicas:
+            try:
+                results.append(do(r.proxy))
+            except Exception as exc:  # noqa: BLE001 (raised below unless the replica is gone)
+                if not self._gone(r):
+                    error = error or exc
+        if error is not None:
+            raise error
+        if not results:
+            lost = "; ".join(f"{r.proxy.on}: {r.lost}" for r in self._replicas)
+            raise RuntimeError(f"ReplicatedModule: no live replica left (lost: {lost})")
+        return results
+
+    def _gone(self, replica: _Replica) -> bool:
+        """(After an RPC to ``replica`` failed) probe it: lost when the probe fails without
+        timing out (the connection is gone); False when it answers or is only late."""
+        try:
+            rpc.rpc_sync(replica.proxy._dest(), _probe, timeout=PROBE_S)
+            return False
+        except Exception as exc:  # noqa: BLE001
+            text = str(exc)
+            if "timed out" in text.lower() or "timeout" in text.lower():
+                return False
+            with self._lock:
+                if replica.lost is None:
+                    replica.lost = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+            return True
 
     # ---- state, modes --------------------------------------------------------------------
 
@@ -362,7 +391,7 @@ class ReplicatedModule(nn.Module):
         checked equal on every live replica."""
         if args:
             raise TypeError("ReplicatedModule.state_dict takes keyword arguments only")
-        states = [(p.on, p.state_dict()) for p in self._live()]
+        states = self._on_live(lambda p: (p.on, p.state_dict()))
         (first_on, first), rest = states[0], states[1:]
         for on, state in rest:
             if state.keys() != first.keys() or any(not torch.equal(state[k], first[k]) for k in first):
@@ -374,20 +403,7 @@ class ReplicatedModule(nn.Module):
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load ``state_dict`` into every live replica (what the first returns is returned)."""
-        return self._load_all(lambda p: p.load_state_dict(state_dict, strict=strict, assign=assign))[0]
-
-    def _load_all(self, load: Any) -> list:
-        """``load(proxy)`` on every live replica, even after one raised (torch loads what fits
-        before it raises, the same on every replica: they stay equal); then the first error."""
-        results, error = [], None
-        for p in self._live():
-            try:
-                results.append(load(p))
-            except Exception as exc:  # noqa: BLE001 (raised below, once every replica loaded)
-                error = error or exc
-        if error is not None:
-            raise error
-        return results
+        return self._on_live(lambda p: p.load_state_dict(state_dict, strict=strict, assign=assign))[0]
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: Any, strict: bool,
                               missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
@@ -395,7 +411,7 @@ class ReplicatedModule(nn.Module):
         into every replica; keys missing or unexpected reported to the parent (which raises for
         them when ``strict``)."""
         mine = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
-        result = self._load_all(lambda p: p.load_state_dict(mine, strict=False))[0]
+        result = self._on_live(lambda p: p.load_state_dict(mine, strict=False))[0]
         missing_keys.extend(prefix + k for k in result.missing_keys)
         unexpected_keys.extend(prefix + k for k in result.unexpected_keys)
         for k in list(state_dict):
@@ -405,8 +421,7 @@ class ReplicatedModule(nn.Module):
     def train(self, mode: bool = True) -> ReplicatedModule:
         if not isinstance(mode, bool):
             raise ValueError(f"training mode is expected to be boolean, got {mode!r}")
-        for p in self._live():
-            p.train(mode)
+        self._on_live(lambda p: p.train(mode))
         self.training = mode
         return self
 
