@@ -204,3 +204,38 @@ def test_kills_and_freezes():
     assert all(c["type"] in ("RuntimeError", "CallTimeout") for c in report["killed_frozen"]["calls"]), report
     after = report["killed_frozen"]["after"]
     assert after["type"] == "RuntimeError" and "no live replica" in after["message"], after
+
+
+def test_an_input_reused_after_the_call_is_sent_does_not_change_its_answer():
+    """A serving loop refills its input buffer once ``forward_async`` returned (a RemoteModule
+    pickles at once, so that is safe there): a hedged or resent call must still carry the
+    input as it was when the call was made."""
+    model = ReplicatedModule(REPLICAS, host.RecordingMLP, (25,), timeout=60, hedge_ms=50).eval()
+    local = host.RecordingMLP(25).eval()
+    rpc.rpc_sync("worker2", gates.release, ("hostile-reuse",))  # worker2 never holds it
+    buf = torch.empty(1, 8)
+    try:
+        with torch.no_grad():
+            wants, futs = [], []
+            for i in range(4):
+                buf.copy_(torch.full((1, 8), float(i + 1)))
+                wants.append(local(buf))
+                futs.append(model.forward_async(buf, gate="hostile-reuse"))
+                buf.fill_(float("nan"))  # (the loop reuses the buffer)
+            outs = [f.wait() for f in futs]  # worker1's are hedged to worker2
+        assert all(torch.equal(o, w) for o, w in zip(outs, wants)), outs
+    finally:
+        _release("hostile-reuse")
+
+
+def test_deleting_the_module_with_calls_in_flight():
+    model = ReplicatedModule(REPLICAS, host.RecordingMLP, (26,)).eval()
+    x = torch.randn(2, 8)
+    want = host.RecordingMLP(26).eval()(x)
+    with torch.no_grad():
+        futs = [model.forward_async(x) for _ in range(50)]
+    del model
+    import gc
+
+    gc.collect()
+    assert all(torch.equal(f.wait(), want) for f in futs)
