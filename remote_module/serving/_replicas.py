@@ -37,6 +37,7 @@ from torch.futures import Future
 from remote_module._core import (
     CallTimeout,
     dist_autograd_contexts_exist,
+    map_tensors,
     register_rpc_reducer,
     schedule,
     settle_elsewhere,
@@ -177,6 +178,9 @@ class ReplicatedModule(nn.Module):
         sig = self._replicas[0].proxy.forward_signature
         if sig is not None:
             sig.bind(None, *args, **kwargs) if _takes_self(sig) else sig.bind(*args, **kwargs)
+        # a hedge or a resend sends the arguments again, later: as they are now, not as the caller
+        # may have refilled them by then (a RemoteModule pickles them at once)
+        args, kwargs = map_tensors(lambda t: t.detach().clone(), (args, kwargs))
         call = _Call(self, args, kwargs, self.timeout_s)
         schedule(call.deadline, call)
         self._send(call)
