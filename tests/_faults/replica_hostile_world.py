@@ -3,13 +3,16 @@ tests/serving/test_replicas_hostile.py::test_kills_and_freezes).
 
     python -m tests._faults.replica_hostile_world ROLE INIT_METHOD
 
-ROLE is caller (rank 0) or r1..r4. The caller prints one ``REPORT`` line:
+ROLE is caller (rank 0) or r1..r5 (r5: the one replica of a second module). The caller prints one ``REPORT`` line:
 
 - ``unnoticed``: r1 killed, no call made since: what ``state_dict()`` and ``eval()`` do;
-- ``burst``: 200 calls sent, r2 killed while they are in flight: every call's outcome;
-- ``frozen``: r3 and r4 (every live replica) stopped: calls' outcomes and seconds (timeout TIMEOUT);
-- ``killed_frozen``: calls sent to the frozen r3/r4, then both killed: outcomes and seconds,
-  then one more call (no replica left): its outcome and seconds.
+- ``burst``: 200 calls sent, r2 and r3 killed while they are in flight: every call's outcome;
+- ``frozen``: r4 (the only live replica) stopped: calls' outcomes and seconds (timeout TIMEOUT);
+- ``killed_frozen``: calls sent to the frozen r4, then it is killed: outcomes and seconds,
+  then one more call (no replica left): its outcome and seconds;
+- ``shutdown``: r5 (a second module's only replica) stopped, calls in flight to it and its
+  probes running, ``rpc.shutdown(graceful=False)``: whether it returned, the calls' outcomes,
+  and what was written to stderr meanwhile (callbacks that raised).
 """
 
 import json
@@ -21,7 +24,7 @@ import time
 import torch
 from torch import nn
 
-ROLES = ("caller", "r1", "r2", "r3", "r4")
+ROLES = ("caller", "r1", "r2", "r3", "r4", "r5")
 TIMEOUT = 3.0
 
 
@@ -70,7 +73,8 @@ def caller() -> None:
     names = ("r1", "r2", "r3", "r4")
     model = ReplicatedModule([f"{r}/cpu" for r in names], Echo, timeout=60, hedge_ms=300).eval()
     model.timeout_s = 20.0
-    pids = {r: rpc.rpc_sync(r, pid) for r in names}
+    lone = ReplicatedModule(["r5/cpu"], Echo, timeout=60, hedge_ms=100).eval()
+    pids = {r: rpc.rpc_sync(r, pid) for r in names + ("r5",)}
     x = torch.ones(2, 4)
     report = {}
 
@@ -86,9 +90,9 @@ def caller() -> None:
         start = time.monotonic()
         futs = [model.forward_async(x) for _ in range(200)]
         kill("r2")
+        kill("r3")
         report["burst"] = {"calls": [_outcome(f, start, HANG_S) for f in futs], "states": model.replica_states()}
         model.timeout_s = TIMEOUT
-        os.kill(pids["r3"], signal.SIGSTOP)
         os.kill(pids["r4"], signal.SIGSTOP)
         start = time.monotonic()
         futs = [model.forward_async(x) for _ in range(5)]
@@ -97,14 +101,35 @@ def caller() -> None:
         start = time.monotonic()
         futs = [model.forward_async(x) for _ in range(5)]
         time.sleep(0.5)  # (the calls are in flight to the frozen replicas, not a timing assertion)
-        kill("r3")
         kill("r4")
         calls = [_outcome(f, start, HANG_S) for f in futs]
         start = time.monotonic()
         after = _outcome(model.forward_async(x), start, HANG_S)
         report["killed_frozen"] = {"calls": calls, "after": after, "states": model.replica_states()}
+        os.kill(pids["r5"], signal.SIGSTOP)
+        start = time.monotonic()
+        futs = [lone.forward_async(x) for _ in range(5)]
+        deadline = time.monotonic() + HANG_S
+        while lone.replica_states()[0]["state"] != "set aside":  # (probes running)
+            assert time.monotonic() < deadline, "r5 never set aside"
+            time.sleep(0.01)
+    err_path = f"/tmp/replica_hostile_{os.getpid()}.err"
+    saved = os.dup(2)
+    fd = os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 2)
+    import threading
+
+    done = threading.Event()
+    threading.Thread(target=lambda: (rpc.shutdown(graceful=False), done.set()), daemon=True).start()
+    returned = done.wait(60)
+    calls = [_outcome(f, start, 60) for f in futs]
+    time.sleep(2.5)  # (lets a probe's callback run after the shutdown; not a timing assertion)
+    os.dup2(saved, 2)
+    report["shutdown"] = {"returned": returned, "calls": calls, "stderr": open(err_path).read()[-2000:],
+                          "states": lone.replica_states()}
+    os.unlink(err_path)
+    os.kill(pids["r5"], signal.SIGKILL)
     print("REPORT " + json.dumps(report), flush=True)
-    rpc.shutdown(graceful=False)
     os._exit(0)
 
 
