@@ -67,12 +67,13 @@ def _probe() -> bool:
 class _Replica:
     """One replica: its proxy, whether it is lost or set aside, and its calls in flight."""
 
-    __slots__ = ("proxy", "index", "lost", "late", "outstanding", "probing")
+    __slots__ = ("proxy", "index", "lost", "late", "late_since", "outstanding", "probing")
 
     def __init__(self, proxy: RemoteModule, index: int) -> None:
         self.proxy, self.index = proxy, index
         self.lost: str | None = None  # why it was dropped
         self.late = False  # set aside: a call to it waited hedge_ms
+        self.late_since = 0.0  # when it was set aside: only an answer to an RPC sent since takes it back
         self.outstanding = 0
         self.probing = False
 
@@ -224,9 +225,9 @@ class ReplicatedModule(nn.Module):
                 call.in_flight -= 1
             self._finish(call, exc, elsewhere=elsewhere)
             return
-        sent.add_done_callback(lambda fut: self._answered(call, replica, fut))
+        sent.add_done_callback(lambda fut: self._answered(call, replica, fut, now))
 
-    def _answered(self, call: _Call, replica: _Replica, fut: Future) -> None:
+    def _answered(self, call: _Call, replica: _Replica, fut: Future, sent_at: float) -> None:
         with self._lock:
             replica.outstanding -= 1
             call.in_flight -= 1
@@ -242,7 +243,7 @@ class ReplicatedModule(nn.Module):
             elif call.in_flight == 0:
                 self._finish(call, self._timeout(call))
             return
-        self._taken_back(replica)
+        self._taken_back(replica, sent_at)
         self._finish(call, raised, value)  # (the module's own error is the call's answer)
 
     def _expire(self, call: _Call, now: float) -> None:
@@ -302,14 +303,19 @@ class ReplicatedModule(nn.Module):
             if replica.lost is not None or replica.late:
                 return
             replica.late = True
+            replica.late_since = _clock()
             start = not replica.probing
             replica.probing = True
         if start:
             self._probe(replica)
 
-    def _taken_back(self, replica: _Replica) -> None:
+    def _taken_back(self, replica: _Replica, sent_at: float) -> None:
+        """An answer from ``replica`` to an RPC sent at ``sent_at``: a set-aside replica is taken
+        back when the RPC left after it was set aside (an answer already on its way when the
+        replica froze says nothing of it now)."""
         with self._lock:
-            replica.late = False
+            if replica.late and sent_at >= replica.late_since:
+                replica.late = False
 
     def _probe(self, replica: _Replica) -> None:
         """Probe a set-aside replica until it answers (taken back) or fails (lost)."""
