@@ -209,6 +209,9 @@ class ReplicatedModule(nn.Module):
             if call.in_flight == 0:
                 with self._lock:  # a replica tried and not lost only ran out of the call's time
                     timed_out = any(r.lost is None for r in call.tried)
+                if timed_out and _clock() < call.deadline:
+                    return  # (torch's RPC timeout, in whole ms, ends a moment early: the watcher fails
+                    # the call at its deadline, as every other timeout)
                 self._finish(call, self._timeout(call) if timed_out else RuntimeError(self._none_left(call)),
                              elsewhere=elsewhere)
             return

@@ -34,6 +34,18 @@ def wait_until_dead(pid: int, seconds: float = HANG_S) -> None:
     raise AssertionError(f"hang guard: process {pid} still alive after {seconds} s")
 
 
+def wait_until_stopped(pid: int, seconds: float = HANG_S) -> None:
+    """Poll until ``pid`` is stopped (SIGSTOP has taken effect: state T), so that nothing it does
+    after the signal was sent is mistaken for an answer from a frozen process."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+        time.sleep(0.005)
+    raise AssertionError(f"hang guard: process {pid} not stopped after {seconds} s")
+
+
 def attempt(fn) -> dict:
     start = time.monotonic()
     try:

@@ -68,7 +68,7 @@ def caller() -> None:
 
     from remote_module.serving import ReplicatedModule
     from tests._deadlines import HANG_S
-    from tests._faults.dead_host import wait_until_dead
+    from tests._faults.dead_host import wait_until_dead, wait_until_stopped
 
     names = ("r1", "r2", "r3", "r4")
     model = ReplicatedModule([f"{r}/cpu" for r in names], Echo, timeout=60, hedge_ms=300).eval()
@@ -94,6 +94,7 @@ def caller() -> None:
         report["burst"] = {"calls": [_outcome(f, start, HANG_S) for f in futs], "states": model.replica_states()}
         model.timeout_s = TIMEOUT
         os.kill(pids["r4"], signal.SIGSTOP)
+        wait_until_stopped(pids["r4"])
         start = time.monotonic()
         futs = [model.forward_async(x) for _ in range(5)]
         report["frozen"] = {"calls": [_outcome(f, start, HANG_S) for f in futs], "states": model.replica_states()}
@@ -107,6 +108,7 @@ def caller() -> None:
         after = _outcome(model.forward_async(x), start, HANG_S)
         report["killed_frozen"] = {"calls": calls, "after": after, "states": model.replica_states()}
         os.kill(pids["r5"], signal.SIGSTOP)
+        wait_until_stopped(pids["r5"])
         start = time.monotonic()
         futs = [lone.forward_async(x) for _ in range(5)]
         deadline = time.monotonic() + HANG_S

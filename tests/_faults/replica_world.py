@@ -101,7 +101,7 @@ def caller() -> None:
     import torch.distributed.rpc as rpc
 
     from remote_module.serving import BatchPolicy, ReplicatedModule
-    from tests._faults.dead_host import wait_until_dead
+    from tests._faults.dead_host import wait_until_dead, wait_until_stopped
 
     # batching replicas: when r1 is killed, one of its batches is running (held) and more calls
     # are queued in its batcher; every one of them is answered by the others
@@ -127,6 +127,7 @@ def caller() -> None:
                             "equal": all(torch.equal(f.wait(), want) for f in futs if _ok(f))}
         # frozen: r2 stopped
         os.kill(pids["r2"], signal.SIGSTOP)
+        wait_until_stopped(pids["r2"])
         start = time.monotonic()
         futs = [model.forward_async(x) for _ in range(20)]
         report["frozen"] = {"calls": _outcomes(futs, start), "states": model.replica_states(),
