@@ -34,6 +34,17 @@ class TimedMLP(nn.Module):
         return out
 
 
+class Sized(nn.Module):
+    """Does nothing but return a zero tensor of ``(rows, d_out)`` (the floor: RPC alone)."""
+
+    def __init__(self, d_out: int) -> None:
+        super().__init__()
+        self.d_out = d_out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(x.shape[0], self.d_out)
+
+
 def forwards(clear: bool = True) -> list[tuple[int, float]]:
     """(On the host) the forwards recorded since the last call."""
     with _lock:

@@ -498,7 +498,7 @@ def test_step_cpu_ratios_are_same_run_ratios():
 def test_quick_batching_benchmark_runs(tmp_path, capsys):
     # the run itself checks both modules' outputs against a local copy of the loaded state
     saved = quick_run(bench_batching, tmp_path / "bench-batching.json")
-    variants = {bench_batching.PLAIN, bench_batching.BATCHED}
+    variants = {bench_batching.PLAIN, bench_batching.BATCHED, bench_batching.FLOOR}
     assert set(saved["calls_per_s"]) == variants and all(v > 0 for v in saved["calls_per_s"].values())
     assert all(0 < lat["p50"] <= lat["p99"] for lat in saved["latency_ms"].values())
     host = saved["host"]
@@ -506,7 +506,8 @@ def test_quick_batching_benchmark_runs(tmp_path, capsys):
     assert host[bench_batching.BATCHED]["mean_batch"] >= 1.0
     assert all(d <= saved["config"]["atol"] for d in saved["max_abs_diff_vs_local"].values())
     printed = capsys.readouterr().out
-    assert "(target >= 3)" in printed and "p99 ms" in printed
+    assert set(saved["cpu_ms_per_call"]) == variants
+    assert "(target >= 3)" in printed and "p99 ms" in printed and "the floor" in printed
 
 
 @pytest.mark.slow
