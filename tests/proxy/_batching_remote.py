@@ -49,6 +49,39 @@ def queued() -> int:
     return total
 
 
+def wait_queued(n: int, host: str = "worker1") -> None:
+    """(On the caller) poll ``host`` until at least ``n`` calls wait in its batchers."""
+    import time
+
+    import torch.distributed.rpc as rpc
+
+    from tests._deadlines import HANG_S
+
+    deadline = time.monotonic() + HANG_S
+    while rpc.rpc_sync(host, queued) < n:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{n} calls never queued on {host}")
+        time.sleep(0.01)
+
+
+def held_first(proxy, gate: str, shape: tuple = (1, 8), host: str = "worker1"):
+    """(On the caller) start a no-grad call of ``proxy`` that holds its batcher on ``gate``; its
+    future, once the call is held on the host."""
+    import time
+
+    import torch.distributed.rpc as rpc
+
+    from tests._deadlines import HANG_S
+
+    with torch.no_grad():
+        first = proxy.forward_async(torch.zeros(*shape), gate=gate, name=gate)
+    deadline = time.monotonic() + HANG_S
+    while not rpc.rpc_sync(host, gates.holding, (gate,)):
+        assert time.monotonic() < deadline, "the first call never reached its gate"
+        time.sleep(0.01)
+    return first
+
+
 def grad_enabled_forward(proxy, x):
     """(On another worker) a call with grad on through a proxy that arrived over RPC."""
     return proxy(x)

@@ -6,14 +6,12 @@ is held on a gate inside ``forward`` (it runs alone, holding the host's batcher)
 made meanwhile queue (the test polls the host until they have), and once the gate opens they
 run as one forward."""
 
-import time
 
 import pytest
 import torch
 import torch.distributed.rpc as rpc
 
 from remote_module import BatchPolicy, CallTimeout, RemoteModule
-from tests._deadlines import HANG_S
 from tests._faults import gates
 from tests.proxy import _batching_remote as host
 
@@ -22,23 +20,8 @@ pytestmark = pytest.mark.usefixtures("rpc_world")
 POLICY = BatchPolicy(dim=0, max_batch=64, max_wait_ms=0)
 
 
-def _wait_queued(n: int) -> None:
-    deadline = time.monotonic() + HANG_S
-    while rpc.rpc_sync("worker1", host.queued) < n:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{n} calls never queued on the host")
-        time.sleep(0.01)
-
-
-def _held_first(proxy, gate: str):
-    """Start a call that holds the batcher on ``gate``; returns its future once it is held."""
-    with torch.no_grad():
-        first = proxy.forward_async(torch.zeros(1, 8), gate=gate, name=gate)
-    deadline = time.monotonic() + HANG_S
-    while not rpc.rpc_sync("worker1", gates.holding, (gate,)):
-        assert time.monotonic() < deadline, "the first call never reached its gate"
-        time.sleep(0.01)
-    return first
+_wait_queued = host.wait_queued
+_held_first = host.held_first
 
 
 def test_policy_checks_its_fields():

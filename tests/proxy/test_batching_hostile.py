@@ -4,7 +4,6 @@ Batches are made as in tests/proxy/test_batching.py: max_wait_ms=0, a first call
 gate inside forward holds the host's batcher while the others queue."""
 
 import copy
-import time
 
 import pytest
 import torch
@@ -22,22 +21,11 @@ pytestmark = pytest.mark.usefixtures("rpc_world")
 POLICY = BatchPolicy(dim=0, max_batch=64, max_wait_ms=0)
 
 
-def _wait_queued(n: int) -> None:
-    deadline = time.monotonic() + HANG_S
-    while rpc.rpc_sync("worker1", base.queued) < n:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{n} calls never queued on the host")
-        time.sleep(0.01)
+_wait_queued = base.wait_queued
 
 
 def _held_first(proxy, gate: str, shape=(1, 4)):
-    with torch.no_grad():
-        first = proxy.forward_async(torch.zeros(*shape), gate=gate, name=gate)
-    deadline = time.monotonic() + HANG_S
-    while not rpc.rpc_sync("worker1", gates.holding, (gate,)):
-        assert time.monotonic() < deadline, "the first call never reached its gate"
-        time.sleep(0.01)
-    return first
+    return base.held_first(proxy, gate, shape)
 
 
 def _joined(proxy, gate, calls, n_queued=None, shape=(1, 4)):
