@@ -327,6 +327,14 @@ class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
         install_handle(self, self.remote_trainable)
         check_attributes(self)
 
+    def batching_stats(self) -> dict | None:
+        """What the host's batcher of this module did so far (None when it does not batch): the
+        forwards of joined calls and the calls they answered, the calls that queued and ran
+        alone, those run again alone after a joined forward raised, did not split or failed its
+        check, the calls that could not join, and the kinds of calls checked and refused (see
+        ``remote_module._proxy.batching``). A blocking call, in program order."""
+        return self._rpc(_host._batching_stats, self.module_rref)
+
     def _set_remote_requires_grad(self, requires_grad: bool) -> None:
         """``requires_grad_(requires_grad)`` of the module on its host; ``remote_trainable`` and
         the handle's flag as they are now (see ``remote_module._proxy.idioms``)."""

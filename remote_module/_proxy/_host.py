@@ -209,6 +209,12 @@ def _param_rrefs(module_rref: rpc.RRef, recurse: bool) -> list[rpc.RRef]:
     return [rpc.RRef(p) for p in module_rref.local_value().parameters(recurse)]
 
 
+def _batching_stats(module_rref: rpc.RRef) -> dict | None:
+    """The module's batcher's counts (``Batcher.stats``), None when it does not batch."""
+    batcher = batcher_of(host_objects.hold_weakly(as_python_module(module_rref.local_value())))
+    return None if batcher is None else batcher.stats()
+
+
 def _train(module_rref: rpc.RRef, mode: bool) -> None:
     module_rref.local_value().train(mode)
 

@@ -68,6 +68,7 @@ def _joining(target: Target, call: Call, group: Any, start: float) -> Future | N
     if batcher is None or in_dist_autograd_context():
         return None
     if getattr(hosted_module(target.key), "training", False):
+        batcher.count("in_training_mode")
         return None  # (a module in training mode may pool over its batch: batch norm, dropout)
     dev = host_device(target.device)
     try:

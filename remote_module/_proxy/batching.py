@@ -246,22 +246,21 @@ class Batcher:
         self._splits = True  # False once outputs of _MAX_UNSPLIT keys could not be split: all calls run alone
         self._unsplit: set = set()  # join keys whose joined output could not be split: they run alone
         self._verified: set = set()  # join keys whose first joined batch matched its first call alone
+        # what happened to the calls that reached this batcher (see stats())
+        self._counts = {"joined_forwards": 0, "joined_calls": 0, "alone_in_queue": 0, "run_again_alone": 0,
+                        "not_joinable": 0, "in_training_mode": 0}
         self._thread = threading.Thread(target=self._loop, name=f"remote_module batcher {name}", daemon=True)
         self._thread.start()
 
     def submit(self, args: tuple, kwargs: dict, group: Any = None) -> Future | None:
         """Queue a call that may join a batch; its Future, or None when it runs alone (its
         arguments cannot join, or batching is off for this module)."""
-        if not self._splits:
-            return None
-        keyed = join_key(args, kwargs, self.policy.dim)
-        if keyed is None:
-            return None
-        key, tensors = keyed
-        if key in self._unsplit:
-            return None
-        size = tensors[0].shape[self.policy.dim]
-        if size > self.policy.max_batch or any(t.shape[self.policy.dim] != size for t in tensors):
+        keyed = join_key(args, kwargs, self.policy.dim) if self._splits else None
+        key, tensors = keyed if keyed is not None else (None, None)
+        size = None if tensors is None else tensors[0].shape[self.policy.dim]
+        if (tensors is None or key in self._unsplit or size > self.policy.max_batch
+                or any(t.shape[self.policy.dim] != size for t in tensors)):
+            self.count("not_joinable")
             return None
         p = Pending(args, kwargs, key, tensors, size, group)
         with self._cond:
@@ -270,6 +269,21 @@ class Batcher:
             self._queue.append(p)
             self._cond.notify()
         return p.future
+
+    def count(self, what: str, n: int = 1) -> None:
+        with self._cond:
+            self._counts[what] += n
+
+    def stats(self) -> dict:
+        """What this batcher did so far: ``joined_forwards`` (forwards of joined calls) and
+        ``joined_calls`` (the calls they answered), ``alone_in_queue`` (calls that queued and
+        found no company), ``run_again_alone`` (calls of a joined forward that raised, did not
+        split or failed its check, each then run alone), ``not_joinable`` (calls that reached the
+        host able to record nothing but with arguments that cannot join, or of a refused kind),
+        ``in_training_mode`` (such calls while the module was in training mode), and
+        ``refused_kinds`` and ``checked_kinds`` (kinds of calls refused, and checked and joined)."""
+        with self._cond:
+            return {**self._counts, "refused_kinds": len(self._unsplit), "checked_kinds": len(self._verified)}
 
     def close(self) -> None:
         """Stop the thread once the queue is run (the module is gone, or the process ends)."""
@@ -315,6 +329,7 @@ class Batcher:
                 return
             try:
                 if len(batch) == 1:
+                    self.count("alone_in_queue")
                     self._alone(batch[0])
                 else:
                     self._joined(batch)
@@ -332,6 +347,7 @@ class Batcher:
             p.future.set_result(("ok", out))
 
     def _each_alone(self, batch: list[Pending]) -> None:
+        self.count("run_again_alone", len(batch))
         for p in batch:
             self._alone(p)
 
@@ -363,12 +379,15 @@ class Batcher:
             if why:
                 self._refuse(first.key, f"a call alone does not get its part of the joined output: {why}")
                 if alone is not None:
+                    self.count("run_again_alone")
                     first.future.set_result(("ok", alone))
                     self._each_alone(batch[1:])
                 else:
                     self._each_alone(batch)
                 return
             self._verified.add(first.key)
+        self.count("joined_forwards")
+        self.count("joined_calls", len(batch))
         for p, part in zip(batch, parts):
             p.future.set_result(("ok", part))
 

@@ -170,3 +170,26 @@ def test_a_first_joined_batch_that_a_call_alone_contradicts_is_not_joined(module
                 assert torch.equal(f.wait(), local(x))
     sizes = rpc.rpc_sync("worker1", host.sizes, (name,))
     assert sizes.count(sum(s[dim] for s in shapes)) == 1, sizes  # joined once (the check), then never again
+
+
+def test_batching_stats_say_what_the_host_did():
+    proxy = RemoteModule("worker1/cpu", host.RecordingMLP, (15,), batching=POLICY)
+    plain = RemoteModule("worker1/cpu", host.RecordingMLP, (15,))
+    assert plain.batching_stats() is None
+    x = torch.randn(1, 8)
+    with torch.no_grad():
+        with pytest.warns(UserWarning, match="eval mode"):
+            proxy(x, name="stats")  # training mode: alone
+        proxy.eval()
+        first = _held_first(proxy, "bt-stats")
+        futs = [proxy.forward_async(torch.randn(k, 8), name="stats") for k in (1, 2)]
+        _wait_queued(2)
+        rpc.rpc_sync("worker1", gates.release, ("bt-stats",))
+        first.wait()
+        [f.wait() for f in futs]
+        proxy(torch.randn(1, 8), name="stats", gate=None)  # alone in the queue
+    stats = proxy.batching_stats()
+    assert stats["in_training_mode"] == 1
+    assert stats["joined_forwards"] == 1 and stats["joined_calls"] == 2 and stats["checked_kinds"] == 1
+    assert stats["alone_in_queue"] == 2  # the held call and the last one
+    assert stats["refused_kinds"] == 0 and stats["run_again_alone"] == 0
