@@ -431,6 +431,12 @@ class ReplicatedModule(nn.Module):
             if k.startswith(prefix):
                 state_dict.pop(k)
 
+    def _apply(self, fn: Any, recurse: bool = True) -> ReplicatedModule:
+        # (a model's to(dtype)/double()/half()/...: each live replica casts its module on its
+        # host, as a RemoteModule does; device moves stay where the replicas were made)
+        self._on_live(lambda p: p._apply(fn, recurse))
+        return super()._apply(fn, recurse)
+
     def train(self, mode: bool = True) -> ReplicatedModule:
         if not isinstance(mode, bool):
             raise ValueError(f"training mode is expected to be boolean, got {mode!r}")

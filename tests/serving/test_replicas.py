@@ -109,3 +109,16 @@ def test_serving_in_training_mode_warns_once():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             model(torch.randn(1, 8), name="replicas-train")
+
+
+def test_casts_reach_every_replica():
+    model = ReplicatedModule(REPLICAS, torch.nn.Linear, (8, 4)).eval()
+    local = torch.nn.Linear(8, 4)
+    local.load_state_dict(model.state_dict())
+    model.double()
+    local.double()
+    x = torch.randn(3, 8, dtype=torch.float64)
+    with torch.no_grad():
+        outs = [model(x) for _ in range(4)]  # (spread over both replicas)
+    assert all(o.dtype == torch.float64 and torch.equal(o, local(x)) for o in outs)
+    assert all(v.dtype == torch.float64 for v in model.state_dict().values())
