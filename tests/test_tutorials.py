@@ -167,6 +167,7 @@ OTHER_FORM = [
     ("pipeline", "module", ["--steps", "2"]),
     ("hybrid_ddp", "module", ["--steps", "3"]),
     ("embeddings", "module", ["--steps", "5"]),
+    ("serving", "module", []),
 ]
 
 
