@@ -36,6 +36,10 @@ Each call keeps the call contract:
 - **order**: calls that share one message (one caller's ``forward_async`` calls) run in the
   order they were made: a batch never takes a call whose earlier sibling it passed over.
 
+A batching module's forward must treat its rows independently and have no side effects beyond
+its output: the host may run a call's rows more than once (the check above; a joined forward
+that raised or did not split, whose calls then run alone).
+
 The result of a joined call equals the same slice of the joined batch run on the local module
 bit for bit (the module runs that batch); against its unbatched result it agrees within the
 float tolerance of a different batch size (torch's kernels may block a matrix product
