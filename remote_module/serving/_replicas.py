@@ -155,6 +155,8 @@ class ReplicatedModule(nn.Module):
 
     def _serve(self, proxies: list[RemoteModule], hedge_s: float, training: bool) -> None:
         """Serve from ``proxies`` (every one of them live, as far as this process knows)."""
+        for p in proxies:  # (this module warns of training mode itself: a replica's own first call
+            p._warned_training_batch = True  # would ask its host, blocking, maybe a dead or frozen one)
         self.__dict__["_replicas"] = [_Replica(p, i) for i, p in enumerate(proxies)]  # (not submodules)
         self.__dict__["_lock"] = threading.Lock()
         self.__dict__["_next"] = 0
