@@ -48,3 +48,83 @@ def test_the_first_no_grad_forward_async_does_not_wait_for_earlier_calls():
     for f in got:
         f.wait()
     assert ok, "forward_async under no_grad blocked until an earlier call was answered"
+
+
+# ---- the first-batch check, on a Batcher driven directly (no RPC) ------------------------------
+
+def _drive(fn, xs):
+    """Run ``fn`` through a Batcher: a first call holds its thread while ``xs`` queue, then all
+    run; each call's answer, the warnings, the batcher's stats and the inputs each run got."""
+    import warnings
+
+    from remote_module._proxy.batching import Batcher
+
+    gate, ran = threading.Event(), []
+
+    def run(args, kwargs):
+        if kwargs.get("hold"):
+            gate.wait(HANG_S)
+            return args[0]
+        ran.append(args[0].shape[0])
+        return fn(args[0])
+
+    b = Batcher(POLICY, run, "hostile3")
+    try:
+        first = b.submit((torch.zeros(1, 1),), {"hold": True})
+        deadline = time.monotonic() + HANG_S
+        while True:  # (until the batcher's thread took the first call)
+            with b._cond:
+                if not b._queue:
+                    break
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        futs = [b.submit((x,), {}) for x in xs]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            gate.set()
+            answers = [f.wait() for f in futs]
+            first.wait()
+        return answers, [str(w.message) for w in caught], b.stats(), ran
+    finally:
+        gate.set()
+        b.close()
+
+
+class _NoCompare(torch.Tensor):
+    """A tensor whose comparison (``torch.allclose``) raises."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.allclose:
+            raise RuntimeError("cannot compare")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_check_whose_comparison_raises_blames_the_comparison_and_runs_no_third_time():
+    xs = [torch.randn(2, 3), torch.randn(3, 3), torch.randn(1, 3)]
+    answers, warned, stats, ran = _drive(lambda t: (t * 2).as_subclass(_NoCompare), xs)
+    assert [kind for kind, _ in answers] == ["ok"] * 3
+    for x, (_, out) in zip(xs, answers):
+        assert torch.equal(out.as_subclass(torch.Tensor), x * 2)
+    refusal = [w for w in warned if "remote_module batching" in w]
+    assert len(refusal) == 1 and "first call alone raised" not in refusal[0], refusal
+    # joined (6 rows), the first call alone (2), then the others alone (3, 1): the first's rows twice
+    assert ran == [6, 2, 3, 1], ran
+    assert stats["run_again_alone"] == 3 and stats["refused_kinds"] == 1, stats
+
+
+def test_a_first_call_that_raises_alone_gets_that_error_and_runs_no_third_time():
+    runs = []
+
+    def fn(t):
+        runs.append(t.shape[0])
+        if len(runs) == 2:  # the check's run alone of the first call
+            raise ValueError("alone")
+        return t * 2
+
+    xs = [torch.randn(2, 3), torch.randn(3, 3)]
+    answers, warned, stats, ran = _drive(fn, xs)
+    assert ran == [5, 2, 3], ran  # joined, the first alone (raised: its answer), the second alone
+    assert answers[0][0] == "error" and isinstance(answers[0][1], ValueError), answers[0]
+    assert answers[1][0] == "ok" and torch.equal(answers[1][1], xs[1] * 2)
+    assert stats["run_again_alone"] == 2, stats
