@@ -375,19 +375,21 @@ class Batcher:
             # the first joined batch of its kind: its first call also runs alone, and must get
             # what it gets joined (a flattened output whose size happens to match the batch's, or
             # rows that are not independent along dim, would be split wrong without a word)
+            # (the first call's answer is then its run alone, output or error: never a third run)
             try:
-                alone = self._run(first.args, first.kwargs)
-                why = differs(alone, parts[0])
-            except BaseException as exc:
-                alone, why = None, f"its first call alone raised {type(exc).__name__}: {exc}"
+                alone = ("ok", self._run(first.args, first.kwargs))
+            except BaseException as exc:  # the call's own failure, alone
+                alone, why = ("error", exc), f"its first call alone raised {type(exc).__name__}: {exc}"
+            else:
+                try:
+                    why = differs(alone[1], parts[0])
+                except BaseException as exc:
+                    why = f"comparing it with its part raised {type(exc).__name__}: {exc}"
             if why:
                 self._refuse(first.key, f"a call alone does not get its part of the joined output: {why}")
-                if alone is not None:
-                    self.count("run_again_alone")
-                    first.future.set_result(("ok", alone))
-                    self._each_alone(batch[1:])
-                else:
-                    self._each_alone(batch)
+                self.count("run_again_alone")
+                first.future.set_result(alone)
+                self._each_alone(batch[1:])
                 return
             self._verified.add(first.key)
         self.count("joined_forwards")
