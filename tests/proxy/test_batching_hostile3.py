@@ -128,3 +128,24 @@ def test_a_first_call_that_raises_alone_gets_that_error_and_runs_no_third_time()
     assert answers[0][0] == "error" and isinstance(answers[0][1], ValueError), answers[0]
     assert answers[1][0] == "ok" and torch.equal(answers[1][1], xs[1] * 2)
     assert stats["run_again_alone"] == 2, stats
+
+
+def test_the_kinds_checked_stay_bounded_when_a_plain_argument_varies():
+    # a plain value (a step, a request id) is part of a call's kind: every value is a new kind,
+    # checked once and remembered; a server running for days must not remember them all
+    from remote_module._proxy.batching import Batcher, Pending, join_key
+
+    b = Batcher(POLICY, lambda args, kwargs: args[0] * 2, "hostile3-kinds")
+    try:
+        for step in range(3000):
+            batch = []
+            for rows in (1, 2):
+                args, kwargs = (torch.ones(rows, 3),), {"step": step}
+                key, tensors = join_key(args, kwargs, 0)
+                batch.append(Pending(args, kwargs, key, tensors, rows, None))
+            b._joined(batch)
+            assert all(p.future.wait()[0] == "ok" for p in batch)
+        assert b.stats()["joined_forwards"] == 3000
+        assert len(b._verified) <= 1024, len(b._verified)
+    finally:
+        b.close()
