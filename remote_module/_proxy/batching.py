@@ -70,6 +70,9 @@ _clock = time.monotonic
 #: how many join keys (argument structures) may give outputs that cannot be split before a
 #: batcher runs every call of its module alone
 _MAX_UNSPLIT = 8
+#: kinds of calls remembered as checked: past this many, all are forgotten (each is checked again
+#: once; a plain argument that varies, a step or an id, makes a new kind of every value)
+_MAX_VERIFIED = 1024
 
 #: the values other than tensors that calls may share (equal in each) and still join
 _PLAIN = (type(None), bool, int, float, str)
@@ -285,7 +288,8 @@ class Batcher:
         split or failed its check, each then run alone), ``not_joinable`` (calls that reached the
         host able to record nothing but with arguments that cannot join, or of a refused kind),
         ``in_training_mode`` (such calls while the module was in training mode), and
-        ``refused_kinds`` and ``checked_kinds`` (kinds of calls refused, and checked and joined)."""
+        ``refused_kinds`` and ``checked_kinds`` (kinds of calls refused, and checked and joined: at
+        most ``_MAX_VERIFIED`` remembered)."""
         with self._cond:
             return {**self._counts, "refused_kinds": len(self._unsplit), "checked_kinds": len(self._verified)}
 
@@ -391,6 +395,8 @@ class Batcher:
                 first.future.set_result(alone)
                 self._each_alone(batch[1:])
                 return
+            if len(self._verified) >= _MAX_VERIFIED:
+                self._verified.clear()
             self._verified.add(first.key)
         self.count("joined_forwards")
         self.count("joined_calls", len(batch))
