@@ -149,3 +149,17 @@ def test_the_kinds_checked_stay_bounded_when_a_plain_argument_varies():
         assert len(b._verified) <= 1024, len(b._verified)
     finally:
         b.close()
+
+
+def test_a_half_precision_module_is_not_refused_for_its_rounding():
+    # float16 rows of one call alone and joined differ by rounding (a different kernel for
+    # another batch size) well beyond rtol=1e-4: the check refused batching for a module whose
+    # rows are independent, saying they were not
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 1024)).half()
+    xs = [torch.randn(1, 1024).half(), torch.randn(15, 1024).half()]
+    with torch.no_grad():
+        answers, warned, stats, ran = _drive(net, xs)
+    assert not [w for w in warned if "remote_module batching" in w], warned
+    assert stats["joined_forwards"] == 1 and stats["refused_kinds"] == 0, stats
+    assert [kind for kind, _ in answers] == ["ok", "ok"]
