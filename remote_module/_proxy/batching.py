@@ -17,7 +17,7 @@ dicts) is split along ``dim`` by the calls' sizes; each call gets a copy of its 
 
 **Checked once per kind of call.** The first joined batch of each join key also runs its first
 call alone and compares (the same structure, shapes and dtypes; floating values within
-``rtol=1e-4, atol=1e-5``). Where the call alone gets something else than its part of the joined
+``rtol=1e-4, atol=1e-5``; both 4 ulps for float16 and bfloat16). Where the call alone gets something else than its part of the joined
 output, such calls run alone from then on (one ``RuntimeWarning`` on the host, saying which
 part differed): for example a flattened output whose size along ``dim`` is the batch's by
 chance, or a sequence-first model joined along its sequence (``dim=0`` where its batch is dim
@@ -177,18 +177,29 @@ def unsplittable(out: Any, sizes: list[int], dim: int, path: str = "output") -> 
     return f"{path} is a {type(out).__name__}, not a tensor"
 
 
+def _tolerance(dtype: torch.dtype) -> float:
+    """The check's ``rtol`` for floating ``dtype``: 1e-4, or 4 ulps of a coarser dtype (float16,
+    bfloat16: another batch size may take another kernel, which rounds otherwise)."""
+    return max(1e-4, 4 * torch.finfo(dtype).eps)
+
+
 def differs(alone: Any, part: Any, path: str = "output") -> str:
     """How a call's output run alone differs from its part of a joined output (""
     when they agree: the same structure, shapes and dtypes, floating values within
-    ``rtol=1e-4, atol=1e-5``, other values equal)."""
+    ``rtol=1e-4, atol=1e-5`` (both 4 ulps for a coarser dtype: float16, bfloat16), other values
+    equal)."""
     if isinstance(alone, torch.Tensor) and isinstance(part, torch.Tensor):
         if alone.shape != part.shape or alone.dtype != part.dtype:
             return (f"{path}: alone a tensor of shape {tuple(alone.shape)} ({alone.dtype}), its slice of the "
                     f"joined batch {tuple(part.shape)} ({part.dtype})")
-        same = (torch.allclose(alone, part, rtol=1e-4, atol=1e-5, equal_nan=True)
-                if alone.is_floating_point() or alone.is_complex() else torch.equal(alone, part))
-        if not same:
-            return f"{path}: values differ beyond rtol=1e-4, atol=1e-5 (the rows are not independent along this dim)"
+        if alone.is_floating_point() or alone.is_complex():
+            rtol = _tolerance(alone.dtype)
+            atol = 1e-5 if rtol == 1e-4 else rtol
+            if not torch.allclose(alone, part, rtol=rtol, atol=atol, equal_nan=True):
+                return (f"{path}: values differ beyond rtol={rtol:.3g}, atol={atol:.3g} (the rows are not "
+                        "independent along this dim)")
+        elif not torch.equal(alone, part):
+            return f"{path}: values differ (the rows are not independent along this dim)"
         return ""
     if type(alone) is not type(part):
         return f"{path}: alone a {type(alone).__name__}, joined a {type(part).__name__}"
