@@ -52,7 +52,7 @@ def test_the_first_no_grad_forward_async_does_not_wait_for_earlier_calls():
 
 # ---- the first-batch check, on a Batcher driven directly (no RPC) ------------------------------
 
-def _drive(fn, xs):
+def _drive(fn, xs, policy=POLICY):
     """Run ``fn`` through a Batcher: a first call holds its thread while ``xs`` queue, then all
     run; each call's answer, the warnings, the batcher's stats and the inputs each run got."""
     import warnings
@@ -68,7 +68,7 @@ def _drive(fn, xs):
         ran.append(args[0].shape[0])
         return fn(args[0])
 
-    b = Batcher(POLICY, run, "hostile3")
+    b = Batcher(policy, run, "hostile3")
     try:
         first = b.submit((torch.zeros(1, 1),), {"hold": True})
         deadline = time.monotonic() + HANG_S
@@ -163,3 +163,16 @@ def test_a_half_precision_module_is_not_refused_for_its_rounding():
     assert not [w for w in warned if "remote_module batching" in w], warned
     assert stats["joined_forwards"] == 1 and stats["refused_kinds"] == 0, stats
     assert [kind for kind, _ in answers] == ["ok", "ok"]
+
+
+def test_calls_of_a_kind_refused_meanwhile_run_alone_not_joined_again():
+    # calls already queued when their kind was refused were joined (and checked) again: the
+    # module ran their rows twice more, where the warning says they run one by one from now on
+    xs = [torch.randn(2, 3) for _ in range(4)]
+    answers, warned, stats, ran = _drive(lambda t: t - t.mean(0, keepdim=True), xs,
+                                         BatchPolicy(dim=0, max_batch=4, max_wait_ms=0))
+    assert [kind for kind, _ in answers] == ["ok"] * 4
+    for x, (_, out) in zip(xs, answers):
+        assert torch.allclose(out, x - x.mean(0, keepdim=True))
+    assert ran == [4, 2, 2, 2, 2], ran  # joined and checked once; then each alone
+    assert stats["run_again_alone"] == 2 and stats["not_joinable"] == 2, stats
