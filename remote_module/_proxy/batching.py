@@ -347,7 +347,11 @@ class Batcher:
             if batch is None:
                 return
             try:
-                if len(batch) == 1:
+                if not self._splits or batch[0].key in self._unsplit:  # (queued before its kind was refused)
+                    self.count("not_joinable", len(batch))
+                    for p in batch:
+                        self._alone(p)
+                elif len(batch) == 1:
                     self.count("alone_in_queue")
                     self._alone(batch[0])
                 else:
