@@ -322,6 +322,7 @@ class RemoteModule(RemoteCalls, RemoteModuleState, nn.Module):
         self._install_generated_methods(local_sig)
         self.remote_repr = info["repr"]
         self.remote_trainable = bool(info["trainable"])
+        self.__dict__["training"] = bool(info.get("training", True))  # (the host's flag: last value seen)
         if info.get("batching") is not None:
             self.batching = info["batching"]
         install_handle(self, self.remote_trainable)

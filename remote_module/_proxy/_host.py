@@ -173,6 +173,8 @@ def _description(module: nn.Module) -> dict:
         "repr": repr(module),
         # whether a forward with grad enabled needs distributed autograd (remote_module._core.untrained)
         "trainable": has_trainable_parameters(module),
+        # its training flag now (a proxy's last value seen: see remote_module._proxy.module_state)
+        "training": bool(module.training),
         # the BatchPolicy under which it joins concurrent calls (remote_module._proxy.batching)
         "batching": None if scripted is not None else _policy_of(host_objects.hold_weakly(module)),
     }

@@ -17,11 +17,12 @@ dicts) is split along ``dim`` by the calls' sizes; each call gets a copy of its 
 
 **Checked once per kind of call.** The first joined batch of each join key also runs its first
 call alone and compares (the same structure, shapes and dtypes; floating values within
-``rtol=1e-4, atol=1e-5``; both 4 ulps for float16 and bfloat16). Where the call alone gets something else than its part of the joined
-output, such calls run alone from then on (one ``RuntimeWarning`` on the host, saying which
-part differed): for example a flattened output whose size along ``dim`` is the batch's by
-chance, or a sequence-first model joined along its sequence (``dim=0`` where its batch is dim
-1), whose rows are not independent along ``dim``. The check costs one forward per kind of call.
+``rtol=1e-4, atol=1e-5``; both 4 ulps for float16 and bfloat16). Where the call alone gets
+something else than its part of the joined output, such calls run alone from then on (one
+``RuntimeWarning`` on the host, saying which part differed): for example a flattened output
+whose size along ``dim`` is the batch's by chance, or a sequence-first model joined along its
+sequence (``dim=0`` where its batch is dim 1), whose rows are not independent along ``dim``.
+The check costs one forward per kind of call.
 
 Each call keeps the call contract:
 

@@ -175,11 +175,14 @@ class RemoteCalls:
             warn_untrained(self, f"RemoteModule on worker {self.on!r} ({self.remote_type})", "proxy", "proxy")
         grad = torch.is_grad_enabled()
         if self.batching is not None and not grad and not self._warned_training_batch:
-            self._warned_training_batch = True  # (looked at once per proxy: self.training asks the host)
-            if self.training:
+            self._warned_training_batch = True
+            # the flag as this proxy last saw it (made, described, train()/eval(), a read of
+            # .training): asking the host would block an async call behind earlier ones
+            if self.__dict__.get("training"):
                 warnings.warn(
-                    f"RemoteModule on {self.on!r} ({self.remote_type}) batches calls only in eval mode, and is in "
-                    "training mode (nn.Module's default): its no-grad calls each run alone, with dropout and batch "
+                    f"RemoteModule on {self.on!r} ({self.remote_type}) batches calls only in eval mode, and was in "
+                    "training mode when this proxy last looked (nn.Module's default): its no-grad calls each run "
+                    "alone, with dropout and batch "
                     "norm acting as in training. Call .eval() on it (or the model holding it) to serve.",
                     UserWarning, stacklevel=4)
         # (inline: no distributed autograd context in this process, so none to keep apart)

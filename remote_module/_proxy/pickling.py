@@ -164,6 +164,8 @@ def rebuild_proxy(cls: type, state: dict) -> nn.Module:
     for name, value in state.items():
         object.__setattr__(proxy, name, value)
     object.__setattr__(proxy, "is_device_map_set", device_map_is_set(state["on"], state["device"]))
+    # (its host's training flag is unknown here: no warning of training mode from a received proxy)
+    object.__setattr__(proxy, "_warned_training_batch", True)
     proxy._install_generated_methods()
     from remote_module._proxy.idioms import install_handle
 

@@ -41,11 +41,10 @@ def test_a_call_whose_rpc_times_out_a_moment_early_still_fails_at_its_deadline(m
     import torch
     import torch.distributed.rpc as rpc
 
+    from remote_module._proxy import calls
     from remote_module.serving import ReplicatedModule
     from tests._faults import gates
     from tests.proxy import _batching_remote as host
-
-    from remote_module._proxy import calls
 
     model = ReplicatedModule(["worker1/cpu"], host.RecordingMLP, (31,), timeout=2.0, hedge_ms=60_000).eval()
     real = calls.rpc_timeout_argument  # (torch's early end, made longer than a race: 0.3 s)
