@@ -140,8 +140,7 @@ def _create(
         module = _build_module(module_cls, args, kwargs, device)
         rref = rpc.RRef(module)
         if batching is not None:
-            key = host_objects.hold_weakly(module)
-            start_batching(key, module, batching, partial(forward_no_grad, key))
+            _start_batching(module, batching)
     else:
         from remote_module._proxy.codegen import render_scriptable_module
 
@@ -176,12 +175,23 @@ def _description(module: nn.Module) -> dict:
         # its training flag now (a proxy's last value seen: see remote_module._proxy.module_state)
         "training": bool(module.training),
         # the BatchPolicy under which it joins concurrent calls (remote_module._proxy.batching)
-        "batching": None if scripted is not None else _policy_of(host_objects.hold_weakly(module)),
+        "batching": None if scripted is not None else _policy_of(module),
     }
 
 
-def _policy_of(key: Any) -> Any:
-    batcher = batcher_of(key)
+def _start_batching(module: nn.Module, policy: Any) -> None:
+    """Give ``module`` (held here by key, weakly) a batcher under ``policy``."""
+    key = host_objects.hold_weakly(module)
+    start_batching(key, module, policy, partial(forward_no_grad, key))
+
+
+def _batcher(module: nn.Module) -> Any:
+    """``module``'s batcher, None when it does not batch."""
+    return batcher_of(host_objects.hold_weakly(module))
+
+
+def _policy_of(module: nn.Module) -> Any:
+    batcher = _batcher(module)
     return None if batcher is None else batcher.policy
 
 
@@ -213,7 +223,7 @@ def _param_rrefs(module_rref: rpc.RRef, recurse: bool) -> list[rpc.RRef]:
 
 def _batching_stats(module_rref: rpc.RRef) -> dict | None:
     """The module's batcher's counts (``Batcher.stats``), None when it does not batch."""
-    batcher = batcher_of(host_objects.hold_weakly(as_python_module(module_rref.local_value())))
+    batcher = _batcher(as_python_module(module_rref.local_value()))
     return None if batcher is None else batcher.stats()
 
 
@@ -245,10 +255,9 @@ def _deepcopy(module_rref: rpc.RRef, interface_cls: type | None) -> tuple[dict, 
     original = module_rref.local_value()
     copied = copy.deepcopy(as_python_module(original))
     rref = rpc.RRef(copied) if interface_cls is None else rpc.RRef(copied, interface_cls)
-    policy = None if interface_cls is not None else _policy_of(host_objects.hold_weakly(original))
+    policy = None if interface_cls is not None else _policy_of(original)
     if policy is not None:  # the copy batches as the original does (its proxy's copy says so)
-        key = host_objects.hold_weakly(copied)
-        start_batching(key, copied, policy, partial(forward_no_grad, key))
+        _start_batching(copied, policy)
     return _description(copied), rref
 
 

@@ -94,6 +94,11 @@ def _joining(target: Target, call: Call, group: Any, start: float) -> Future | N
     return queued.then(answer)
 
 
+def _answered_alone(where: Target, call: Call, start: float) -> tuple:
+    """``call`` run alone, answered (``Answer.wire()``), its seconds counted from ``start``."""
+    return Answer(_run_call(where, call), _clock() - start).wire()
+
+
 def _done(value: Any) -> Future:
     done: Future = Future()
     done.set_result(value)
@@ -115,8 +120,7 @@ def _call_one(target: tuple, call: tuple) -> tuple:
         joined = _joining(where, made, None, start)
         if joined is not None:
             return joined.wait()
-    result = _run_call(where, made)
-    return Answer(result, _clock() - start).wire()
+    return _answered_alone(where, made, start)
 
 
 @rpc.functions.async_execution
@@ -126,9 +130,7 @@ def _call_one_joining(target: tuple, call: tuple) -> Future:
     start = _clock()
     where, made = Target._make(target), Call.from_wire(call)
     joined = _joining(where, made, None, start)
-    if joined is None:
-        return _done(Answer(_run_call(where, made), _clock() - start).wire())
-    return joined
+    return _done(_answered_alone(where, made, start)) if joined is None else joined
 
 
 @rpc.functions.async_execution
@@ -145,7 +147,7 @@ def _call_many_joining(target: tuple, calls: list[tuple]) -> Future:
         if joined is None:
             alone_before = True
             def alone(_: Any, made: Call = made, start: float = start) -> tuple:
-                return Answer(_run_call(where, made), _clock() - start).wire()
+                return _answered_alone(where, made, start)
 
             joined = torch.futures.collect_all(answered).then(alone) if answered else _done(alone(None))
         answered.append(joined)

@@ -162,8 +162,10 @@ def _rebuild(value: Any, tensors: list[torch.Tensor], at: list[int]) -> Any:
 
 
 def unsplittable(out: Any, sizes: list[int], dim: int, path: str = "output") -> str:
-    """Why :func:`split_output` cannot split ``out`` (the first part that fails, named by its
-    path in the output); "" when it can."""
+    """Why a joined output cannot be split by the calls' ``sizes`` (the first part that fails,
+    named by its path in the output): a value that is not a tensor (or a tuple, list or str-keyed
+    dict of them), or a tensor whose size along ``dim`` is not the batch's; "" when it can
+    (:func:`split_output`)."""
     if isinstance(out, torch.Tensor):
         if out.dim() == 0 or not -out.dim() <= dim < out.dim():
             return f"{path} is a tensor of shape {tuple(out.shape)}, without a dim {dim}"
@@ -215,26 +217,17 @@ def differs(alone: Any, part: Any, path: str = "output") -> str:
     return "" if alone == part else f"{path}: {alone!r} alone, {part!r} joined"
 
 
-def split_output(out: Any, sizes: list[int], dim: int) -> list[Any] | None:
-    """Each call's part of a joined output (copies), or None when it cannot be split: a value
-    that is not a tensor (or a tuple, list or str-keyed dict of them), or a tensor whose size
-    along ``dim`` is not the batch's."""
-    total = sum(sizes)
+def split_output(out: Any, sizes: list[int], dim: int) -> list[Any]:
+    """Each call's part of a joined output (copies), split along ``dim`` by ``sizes``; ``out``
+    is one that :func:`unsplittable` passed (tensors, or tuples, lists and str-keyed dicts of
+    them, each with the joined batch's size along ``dim``)."""
     if isinstance(out, torch.Tensor):
-        if out.dim() == 0 or not -out.dim() <= dim < out.dim() or out.shape[dim] != total:
-            return None
         return [part.clone() for part in torch.split(out, sizes, dim)]
     if type(out) in (tuple, list):
         parts = [split_output(v, sizes, dim) for v in out]
-        if any(p is None for p in parts):
-            return None
         return [type(out)(p[i] for p in parts) for i in range(len(sizes))]
-    if type(out) is dict and all(type(k) is str for k in out):
-        parts_of = {k: split_output(v, sizes, dim) for k, v in out.items()}
-        if any(p is None for p in parts_of.values()):
-            return None
-        return [{k: p[i] for k, p in parts_of.items()} for i in range(len(sizes))]
-    return None
+    parts_of = {k: split_output(v, sizes, dim) for k, v in out.items()}
+    return [{k: p[i] for k, p in parts_of.items()} for i in range(len(sizes))]
 
 
 # ---- the host's batcher -----------------------------------------------------------------
@@ -349,9 +342,7 @@ class Batcher:
                 return
             try:
                 if not self._splits or batch[0].key in self._unsplit:  # (queued before its kind was refused)
-                    self.count("not_joinable", len(batch))
-                    for p in batch:
-                        self._alone(p)
+                    self._each_alone(batch, "not_joinable")
                 elif len(batch) == 1:
                     self.count("alone_in_queue")
                     self._alone(batch[0])
@@ -370,8 +361,8 @@ class Batcher:
         else:
             p.future.set_result(("ok", out))
 
-    def _each_alone(self, batch: list[Pending]) -> None:
-        self.count("run_again_alone", len(batch))
+    def _each_alone(self, batch: list[Pending], counted: str = "run_again_alone") -> None:
+        self.count(counted, len(batch))
         for p in batch:
             self._alone(p)
 
@@ -383,12 +374,13 @@ class Batcher:
             joined = [torch.cat([p.tensors[i] for p in batch], dim) for i in range(len(first.tensors))]
             args, kwargs = _rebuild((first.args, first.kwargs), joined, [0])
             out = self._run(args, kwargs)
-            parts = split_output(out, sizes, dim)
+            why = unsplittable(out, sizes, dim)
+            parts = None if why else split_output(out, sizes, dim)
         except BaseException:  # which call's input? each runs alone and fails alone
             self._each_alone(batch)
             return
-        if parts is None:
-            self._refuse(first.key, f"its output cannot be split by the calls' sizes: {unsplittable(out, sizes, dim)}")
+        if why:
+            self._refuse(first.key, f"its output cannot be split by the calls' sizes: {why}")
             self._each_alone(batch)
             return
         if first.key not in self._verified:

@@ -182,8 +182,8 @@ class RemoteCalls:
                 warnings.warn(
                     f"RemoteModule on {self.on!r} ({self.remote_type}) batches calls only in eval mode, and was in "
                     "training mode when this proxy last looked (nn.Module's default): its no-grad calls each run "
-                    "alone, with dropout and batch "
-                    "norm acting as in training. Call .eval() on it (or the model holding it) to serve.",
+                    "alone, with dropout and batch norm acting as in training. Call .eval() on it (or the model "
+                    "holding it) to serve.",
                     UserWarning, stacklevel=4)
         # (inline: no distributed autograd context in this process, so none to keep apart)
         return Call(payload, grad, inline, not grad and (inline or not dist_autograd_contexts_exist()))
@@ -222,8 +222,7 @@ class RemoteCalls:
         made = _clock()
         call = self._make_call(args, kwargs)
         sent = (self._target().wire(), call.wire())
-        handler = _host_calls._call_one if self.batching is None else _host_calls._call_one_joining
-        answer = Answer.from_wire(self._blocking(handler, sent, "forward", made))
+        answer = Answer.from_wire(self._blocking(self._forward_handlers()[0], sent, "forward", made))
         channel = self._channel
         if channel is not None:
             channel.observe(answer.seconds)
@@ -245,10 +244,9 @@ class RemoteCalls:
         error of the Future itself means no answer came: the host is gone or was late beyond
         ``timeout_s``. Arguments that cannot be sent raise here, and nothing is sent."""
         call = self._make_call(args, kwargs)
-        handler = _host_calls._call_one if self.batching is None else _host_calls._call_one_joining
-        sent = rpc.rpc_async(self._dest(), handler, (self._target().wire(), call.wire()),
+        sent = rpc.rpc_async(self._dest(), self._forward_handlers()[0], (self._target().wire(), call.wire()),
                              timeout=rpc_timeout_argument(timeout_s))
-        where, out = self._where(), Future()
+        out: Future = Future()
 
         def answered(fut: Future) -> None:
             try:
@@ -256,16 +254,22 @@ class RemoteCalls:
             except BaseException as exc:  # no answer: RPC's own error, as it is
                 out.set_exception(exc)
                 return
-            if type(result) is RemoteFailure:
-                out.set_result((None, to_exception(result, where)))
-                return
-            try:
-                out.set_result((loads(result), None))
-            except Exception as exc:  # (an output this process cannot unpickle: the call's own)
+            try:  # (the module's failure, or an output this process cannot unpickle: the call's own)
+                value = self._forward_result(result)
+            except Exception as exc:
                 out.set_result((None, exc))
+                return
+            out.set_result((value, None))
 
         sent.add_done_callback(answered)
         return out
+
+    def _forward_handlers(self) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """The host handlers of this proxy's ``forward`` calls: one call, several in a message
+        (those that let the host join calls into batches when the module batches)."""
+        if self.batching is None:
+            return _host_calls._call_one, _host_calls._call_many
+        return _host_calls._call_one_joining, _host_calls._call_many_joining
 
     def _forward_result(self, result: Any) -> Any:
         if type(result) is RemoteFailure:
@@ -286,8 +290,7 @@ class RemoteCalls:
             def fail(exc: BaseException) -> BaseException:
                 return _failure(on, remote_type, exc, "forward_async") if isinstance(exc, RuntimeError) else exc
 
-            one, many = ((_host_calls._call_one, _host_calls._call_many) if self.batching is None
-                         else (_host_calls._call_one_joining, _host_calls._call_many_joining))
+            one, many = self._forward_handlers()
             channel = Channel(
                 self._dest(), one, many, self._target().wire(),
                 finish=finish, fail=fail, label=_label(on, remote_type, "forward_async"),

@@ -139,7 +139,6 @@ class ReplicatedModule(nn.Module):
             raise ValueError(f"hedge_ms must be a finite number of milliseconds > 0, got {hedge_ms!r}")
         batching = checked_policy(batching)
         first = RemoteModule(replicas[0], module_cls, args, kwargs, timeout=timeout, batching=batching)
-        workers = [first.on]
         others = []
         for device in replicas[1:]:
             others.append(RemoteModule.create_async(device, module_cls, args, kwargs, timeout=timeout,
@@ -295,13 +294,11 @@ class ReplicatedModule(nn.Module):
 
     def _replica_failed(self, replica: _Replica, exc: BaseException) -> None:
         """An RPC to ``replica`` failed without an answer: lost, unless it only timed out."""
-        text = str(exc)
-        if "timed out" in text.lower() or "timeout" in text.lower():
+        if _timed_out(exc):
             self._set_aside(replica)
             return
         with self._lock:
-            if replica.lost is None:
-                replica.lost = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+            _lost(replica, exc)
 
     def _set_aside(self, replica: _Replica) -> None:
         with self._lock:
@@ -330,8 +327,7 @@ class ReplicatedModule(nn.Module):
         except BaseException as exc:  # (RPC is down: nothing more to learn)
             with self._lock:
                 replica.probing = False
-                if replica.lost is None:
-                    replica.lost = f"{type(exc).__name__}: {exc}"
+                _lost(replica, exc)
             return
 
         def probed(fut: Future) -> None:
@@ -341,14 +337,14 @@ class ReplicatedModule(nn.Module):
             try:
                 fut.value()
             except BaseException as exc:
-                text = str(exc).lower()
-                if ("timed out" in text or "timeout" in text) and replica.late and replica.lost is None:
+                timed_out = _timed_out(exc)
+                if timed_out and replica.late and replica.lost is None:
                     owner._probe(replica)  # still frozen: probe again
                     return
                 with owner._lock:
                     replica.probing = False
-                    if replica.lost is None and not ("timed out" in text or "timeout" in text):
-                        replica.lost = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                    if not timed_out:
+                        _lost(replica, exc)
                 return
             with owner._lock:
                 replica.probing = False
@@ -391,12 +387,10 @@ class ReplicatedModule(nn.Module):
             rpc.rpc_sync(replica.proxy._dest(), _probe, timeout=PROBE_S)
             return False
         except Exception as exc:  # noqa: BLE001
-            text = str(exc)
-            if "timed out" in text.lower() or "timeout" in text.lower():
+            if _timed_out(exc):
                 return False
             with self._lock:
-                if replica.lost is None:
-                    replica.lost = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+                _lost(replica, exc)
             return True
 
     # ---- state, modes --------------------------------------------------------------------
@@ -453,6 +447,20 @@ class ReplicatedModule(nn.Module):
 
     def extra_repr(self) -> str:
         return ", ".join(f"{s['worker']}: {s['state']}" for s in self.replica_states())
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """Whether an RPC's error says it ran out of time (the peer may only be late), rather than
+    that its connection is gone."""
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text
+
+
+def _lost(replica: _Replica, exc: BaseException) -> None:
+    """(Under the module's lock) ``replica`` is lost, for the first line of ``exc``."""
+    if replica.lost is None:
+        text = str(exc)
+        replica.lost = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _reduce(model: ReplicatedModule) -> tuple:
