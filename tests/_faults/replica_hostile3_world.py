@@ -18,24 +18,12 @@ import sys
 import time
 
 import torch
-from torch import nn
+
+from tests._faults.replica_world import Echo, pid  # (x * w; the host's pid)
 
 ROLES = ("caller", "r1", "r2", "r3")
 TIMEOUT = 8.0
 HEDGE_MS = 200.0
-
-
-class Echo(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.randn(4))
-
-    def forward(self, x):
-        return x * self.w
-
-
-def pid() -> int:
-    return os.getpid()
 
 
 def _outcome(f) -> dict:
