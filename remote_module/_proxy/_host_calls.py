@@ -24,6 +24,7 @@ from remote_module._core import (
     prepare_inputs,
     prepare_output,
 )
+from remote_module._proxy import batching
 from remote_module._proxy.batching import batcher_of
 from remote_module._proxy.call_records import Answer, Call, Target
 from remote_module._proxy.wire import dumps, loads
@@ -116,7 +117,7 @@ def _call_one(target: tuple, call: tuple) -> tuple:
     batches, from a proxy that does not know it, waits here for its batch.)"""
     start = _clock()
     where, made = Target._make(target), Call.from_wire(call)
-    if made.joinable:
+    if made.joinable and batching._batchers:  # (no call at all while no module of this host batches)
         joined = _joining(where, made, None, start)
         if joined is not None:
             return joined.wait()
